@@ -1,0 +1,1 @@
+"""The HTTP side of mlxgw: one asyncio process; never imports MLX."""

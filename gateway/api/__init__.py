@@ -1,0 +1,1 @@
+"""One module per public API family; each translates to and from the one internal request."""

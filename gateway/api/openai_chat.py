@@ -1,0 +1,148 @@
+"""OpenAI Chat Completions: POST /v1/chat/completions."""
+
+from __future__ import annotations
+
+import json
+
+from aiohttp import web
+
+from shared import protocol as p
+from shared.errors import invalid
+
+from ..generation import Generation
+from ..state import MANAGER
+from . import openai_common as oc
+from . import validate as v
+from .body import read_json
+
+routes = web.RouteTableDef()
+
+ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
+
+
+def _content_text(content, where: str, vision: bool) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, list):
+        raise invalid(f"{where}.content must be a string or a list of content parts", where)
+    texts = []
+    for i, part in enumerate(content):
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            raise invalid(f"{where}.content[{i}] must be an object with a 'type'", where)
+        if part["type"] in ("text", "input_text"):
+            if not isinstance(part.get("text"), str):
+                raise invalid(f"{where}.content[{i}].text must be a string", where)
+            texts.append(part["text"])
+        elif part["type"] in ("image_url", "input_image"):
+            if not vision:
+                raise invalid("this model does not accept images; use a vision model", where)
+        else:
+            raise invalid(f"{where}.content[{i}] has unsupported type {part['type']!r}", where)
+    return "\n".join(texts)
+
+
+def _tool_calls(raw, where: str) -> list[dict]:
+    if not isinstance(raw, list):
+        raise invalid(f"{where}.tool_calls must be a list", where)
+    calls = []
+    for call in raw:
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise invalid(f"{where}.tool_calls entries need function.name", where)
+        args = fn.get("arguments") or "{}"
+        try:  # chat templates expect the arguments as an object
+            args = json.loads(args) if isinstance(args, str) else args
+        except ValueError:
+            pass
+        calls.append({"id": call.get("id"), "type": "function",
+                      "function": {"name": fn["name"], "arguments": args}})
+    return calls
+
+
+def parse_messages(raw, vision: bool = False) -> list[dict]:
+    if not isinstance(raw, list) or not raw:
+        raise invalid("'messages' must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(raw):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise invalid(f"{where} must be an object", "messages")
+        role = m.get("role")
+        if role not in ROLES:
+            raise invalid(f"{where}.role must be one of {', '.join(sorted(ROLES))}, got {role!r}", "messages")
+        msg = {"role": "system" if role == "developer" else role,
+               "content": _content_text(m.get("content"), where, vision)}
+        if role == "assistant" and m.get("tool_calls"):
+            msg["tool_calls"] = _tool_calls(m["tool_calls"], where)
+        if role == "tool":
+            msg["tool_call_id"] = m.get("tool_call_id")
+        if isinstance(m.get("name"), str):
+            msg["name"] = m["name"]
+        out.append(msg)
+    return out
+
+
+def _check_response_format(body: dict) -> None:
+    fmt = v.mapping(body, "response_format")
+    if fmt and fmt.get("type") not in (None, "text"):
+        raise invalid(f"response_format {fmt.get('type')!r} is not supported yet", "response_format")
+    if body.get("logprobs"):
+        raise invalid("logprobs are not supported yet", "logprobs")
+
+
+@routes.post("/v1/chat/completions")
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    body = v.require_object(await read_json(request))
+    model = v.string(body, "model", required_=True)
+    manager = request.app[MANAGER]
+    slot = manager.resolve(model)
+    messages = parse_messages(v.required(body, "messages"), vision=slot.entry.kind == "vision")
+    oc.check_unsupported(body)
+    _check_response_format(body)
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise invalid("'tools' must be a list", "tools")
+    if body.get("tool_choice") == "none":
+        tools = None
+    template_kwargs = v.mapping(body, "chat_template_kwargs")
+    stream, include_usage = oc.stream_options(body)
+    req = p.GenerateRequest(
+        messages=messages,
+        tools=tools or None,
+        chat_template_kwargs=template_kwargs,
+        max_tokens=oc.max_tokens(request, body, slot.entry, "max_completion_tokens", "max_tokens"),
+        **oc.base_request(request, body, slot.entry),
+    )
+    async with Generation(manager, slot, req) as gen:
+        if stream:
+            return await _stream(request, gen, include_usage)
+        out = await gen.result()
+        return web.json_response({
+            "id": oc.new_id("chatcmpl"),
+            "object": "chat.completion",
+            "created": oc.now(),
+            "model": slot.name,
+            "choices": [{
+                "index": 0,
+                "message": {"role": "assistant", "content": out.text, "refusal": None},
+                "logprobs": None,
+                "finish_reason": out.finish_reason,
+            }],
+            "usage": oc.usage_dict(out.usage),
+        })
+
+
+async def _stream(request: web.Request, gen: Generation, include_usage: bool) -> web.StreamResponse:
+    cid, created, model = oc.new_id("chatcmpl"), oc.now(), gen.slot.name
+
+    def chunk(text: str | None, finish: str | None) -> dict:
+        delta = {"content": text} if text is not None else {}
+        c = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+             "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+        if include_usage:
+            c["usage"] = None
+        return c
+
+    first = chunk("", None)
+    first["choices"][0]["delta"]["role"] = "assistant"
+    return await oc.stream_response(request, gen, chunk, include_usage, [first])

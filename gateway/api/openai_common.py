@@ -1,0 +1,143 @@
+"""Pieces shared by the OpenAI Chat Completions and Completions modules."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from typing import Callable
+
+from aiohttp import web
+
+from shared import protocol as p
+from shared.config import ModelEntry
+from shared.errors import ServiceError, invalid
+
+from ..generation import Generation, raise_for
+from ..sse import SSEWriter
+
+from ..state import SETTINGS
+from . import validate as v
+from .errors import openai_error_body
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{secrets.token_hex(12)}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def sampling_params(body: dict, entry: ModelEntry) -> p.SamplingParams:
+    d = entry.defaults
+
+    def pick(value, default, fallback):
+        return value if value is not None else (default if default is not None else fallback)
+
+    bias = v.mapping(body, "logit_bias")
+    logit_bias = None
+    if bias:
+        try:
+            logit_bias = {int(k): float(val) for k, val in bias.items()}
+        except (TypeError, ValueError):
+            raise invalid("'logit_bias' maps token ids (as strings) to numbers", "logit_bias") from None
+        if any(not -100 <= b <= 100 for b in logit_bias.values()):
+            raise invalid("'logit_bias' values must be between -100 and 100", "logit_bias")
+    return p.SamplingParams(
+        temperature=pick(v.number(body, "temperature", 0, 2), d.temperature, 1.0),
+        top_p=pick(v.number(body, "top_p", 0, 1), d.top_p, 1.0),
+        top_k=pick(v.integer(body, "top_k", 0), d.top_k, 0),
+        min_p=pick(v.number(body, "min_p", 0, 1), d.min_p, 0.0),
+        seed=v.integer(body, "seed"),
+        repetition_penalty=pick(v.number(body, "repetition_penalty", 0.01, 10), d.repetition_penalty, None),
+        presence_penalty=v.number(body, "presence_penalty", -2, 2, default=0.0),
+        frequency_penalty=v.number(body, "frequency_penalty", -2, 2, default=0.0),
+        logit_bias=logit_bias,
+    )
+
+
+def max_tokens(request: web.Request, body: dict, entry: ModelEntry, *names: str) -> int | None:
+    requested = None
+    for name in names:
+        requested = v.integer(body, name, lo=1)
+        if requested is not None:
+            break
+    if requested is None:
+        requested = entry.defaults.max_tokens
+    cap = request.app[SETTINGS].max_tokens_cap
+    if cap is not None:
+        requested = min(requested, cap) if requested is not None else cap
+    return requested
+
+
+def stream_options(body: dict) -> tuple[bool, bool]:
+    stream = v.boolean(body, "stream")
+    opts = v.mapping(body, "stream_options") or {}
+    include_usage = bool(opts.get("include_usage")) if stream else False
+    return stream, include_usage
+
+
+def check_unsupported(body: dict) -> None:
+    n = v.integer(body, "n", lo=1)
+    if n not in (None, 1):
+        raise invalid("only n=1 is supported", "n")
+    best_of = v.integer(body, "best_of", lo=1)
+    if best_of not in (None, 1):
+        raise invalid("only best_of=1 is supported", "best_of")
+
+
+def usage_dict(u: p.Usage) -> dict:
+    return {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+    }
+
+
+def base_request(request: web.Request, body: dict, entry: ModelEntry) -> dict:
+    """GenerateRequest fields common to both OpenAI text APIs."""
+    settings = request.app[SETTINGS]
+    return dict(
+        rid=request["rid"],
+        sampling=sampling_params(body, entry),
+        stop=v.string_list(body, "stop"),
+        stream_interval=v.integer(body, "stream_interval", lo=1, hi=1024, default=entry.stream_interval),
+        priority=v.integer(body, "priority", lo=-100, hi=100, default=0),
+        timeout_s=settings.request_timeout_s,
+        max_tokens_policy=entry.max_tokens_policy,
+    )
+
+
+ChunkMaker = Callable[[str | None, str | None], dict]
+
+
+async def stream_response(request: web.Request, gen: Generation, chunk: ChunkMaker,
+                          include_usage: bool, preamble: list[dict]) -> web.StreamResponse:
+    """Stream a generation as OpenAI SSE chunks: preamble, text deltas, the finishing chunk,
+    the usage chunk when asked for, then [DONE]; or an error event that ends the stream.
+
+    chunk(text, finish_reason) builds one chunk; text None means an empty delta."""
+    settings = request.app[SETTINGS]
+    sse = SSEWriter(request, settings.write_timeout_s)
+    await sse.open()
+    try:
+        for c in preamble:
+            await sse.data(c)
+        async for ev in gen.events(settings.keepalive_s):
+            kind = ev["e"] if ev else None
+            if kind in (None, p.EV_PROGRESS):
+                await sse.comment()
+            elif kind == p.EV_DELTA:
+                await sse.data(chunk(ev["text"], None))
+            elif kind == p.EV_FINISH and ev.get("reason") != "cancelled":
+                await sse.data(chunk(ev.get("text") or None, ev.get("reason", "stop")))
+                if include_usage:
+                    await sse.data({**chunk(None, None), "choices": [], "usage": usage_dict(gen.usage)})
+                await sse.data("[DONE]")
+            elif kind in (p.EV_FINISH, p.EV_ERROR):
+                raise_for(ev)
+    except ServiceError as err:
+        await sse.error(openai_error_body(err))
+    await sse.close()
+    return sse.response

@@ -1,0 +1,86 @@
+"""Operational routes: model list, health, status, cancellation, prefix-cache control."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from aiohttp import web
+
+from shared.errors import ErrorCode, ServiceError
+
+from ..state import BROKER, MANAGER
+
+routes = web.RouteTableDef()
+STARTED = time.time()
+
+
+@routes.get("/v1/models")
+async def list_models(request: web.Request) -> web.Response:
+    manager = request.app[MANAGER]
+    data = []
+    for slot in manager.slots.values():
+        d = manager.describe(slot)
+        data.append({"id": slot.name, "object": "model", "created": int(STARTED), "owned_by": "mlxgw",
+                     "kind": d["kind"], "state": d["state"], "loaded": d["loaded"],
+                     "aliases": d["aliases"], "last_error": d["last_error"]})
+    return web.json_response({"object": "list", "data": data})
+
+
+@routes.get("/health")
+async def health(request: web.Request) -> web.Response:
+    manager = request.app[MANAGER]
+    models = {s.name: s.state for s in manager.slots.values()}
+    return web.json_response({"status": "ok", "models": models})
+
+
+@routes.get("/v1/status")
+async def status(request: web.Request) -> web.Response:
+    manager = request.app[MANAGER]
+    broker = request.app[BROKER]
+    return web.json_response({
+        "uptime_s": round(time.time() - STARTED, 1),
+        "workers_connected": len(broker.conns),
+        "dropped_messages": broker.dropped_messages,
+        "models": [manager.describe(s) for s in manager.slots.values()],
+    })
+
+
+@routes.post("/v1/requests/{rid}/cancel")
+async def cancel_request(request: web.Request) -> web.Response:
+    rid = request.match_info["rid"]
+    broker = request.app[BROKER]
+    stream = broker.find_stream(rid)
+    if stream is None:
+        raise ServiceError(ErrorCode.NOT_FOUND, f"no request {rid!r} in flight")
+    await broker.cancel(stream)
+    return web.json_response({"id": rid, "object": "request.cancel", "cancelled": True})
+
+
+async def _cache_call(request: web.Request, op: str) -> web.Response:
+    manager = request.app[MANAGER]
+    broker = request.app[BROKER]
+    wanted = request.query.get("model")
+    slots = [manager.resolve(wanted)] if wanted else list(manager.slots.values())
+    calls, names = [], []
+    for slot in slots:
+        for conn in broker.ready_workers(slot.name):
+            calls.append(broker.call(conn, op))
+            names.append((slot.name, conn.worker_id))
+    results = await asyncio.gather(*calls, return_exceptions=True)
+    models: dict[str, list] = {s.name: [] for s in slots}
+    for (name, wid), res in zip(names, results):
+        entry = {"worker_id": wid}
+        entry.update({"error": str(res)} if isinstance(res, Exception) else res)
+        models[name].append(entry)
+    return web.json_response({"object": "cache.stats", "models": models})
+
+
+@routes.get("/v1/cache/stats")
+async def cache_stats(request: web.Request) -> web.Response:
+    return await _cache_call(request, "cache_stats")
+
+
+@routes.delete("/v1/cache")
+async def cache_clear(request: web.Request) -> web.Response:
+    return await _cache_call(request, "cache_clear")

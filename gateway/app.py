@@ -1,0 +1,92 @@
+"""The aiohttp application: middlewares, routes, and the broker/manager lifecycle."""
+
+from __future__ import annotations
+
+import logging
+import re
+import secrets
+from pathlib import Path
+
+from aiohttp import web
+
+from shared.config import Registry
+from shared.errors import ErrorCode, ServiceError
+
+from .api import openai_chat, openai_completions, system
+from .api.errors import error_response, family_of
+from .broker import Broker
+from .manager import ModelManager
+from .state import BROKER, MANAGER, REGISTRY, SETTINGS, GatewaySettings
+
+log = logging.getLogger("mlxgw.gateway")
+
+_REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+
+@web.middleware
+async def request_id_middleware(request: web.Request, handler):
+    given = request.headers.get("x-request-id", "")
+    request["rid"] = given if _REQUEST_ID_RE.match(given) else f"req_{secrets.token_hex(12)}"
+    return await handler(request)
+
+
+async def _add_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    if "rid" in request:
+        response.headers["x-request-id"] = request["rid"]
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler):
+    """Every failure leaves in the called API's error shape; nothing escapes as a bare 500."""
+    family = family_of(request.path)
+    try:
+        return await handler(request)
+    except ServiceError as err:
+        return error_response(err, family)
+    except web.HTTPRequestEntityTooLarge as e:
+        return error_response(ServiceError(ErrorCode.BODY_TOO_LARGE,
+                                           f"request body too large: the limit is {e.max_size} bytes"), family)
+    except web.HTTPNotFound:
+        return error_response(ServiceError(ErrorCode.NOT_FOUND, f"no route {request.path}"), family)
+    except web.HTTPMethodNotAllowed as e:
+        return error_response(ServiceError(ErrorCode.METHOD_NOT_ALLOWED,
+                                           f"{request.method} is not allowed on {request.path}; "
+                                           f"use {', '.join(sorted(e.allowed_methods))}"), family)
+    except web.HTTPException:
+        raise
+    except Exception:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return error_response(ServiceError(ErrorCode.INTERNAL, "internal server error"), family)
+
+
+def default_endpoint(run_dir: Path) -> str:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return f"ipc://{run_dir / f'gateway-{secrets.token_hex(4)}.sock'}"
+
+
+def make_app(registry: Registry, settings: GatewaySettings, endpoint: str,
+             secret: str = "") -> web.Application:
+    app = web.Application(
+        middlewares=[request_id_middleware, error_middleware],
+        client_max_size=settings.max_body_bytes,
+    )
+    m = registry.manager
+    broker = Broker(endpoint, heartbeat_s=m.heartbeat_s, liveness=m.liveness, secret=secret)
+    manager = ModelManager(registry, broker)
+    app[REGISTRY] = registry
+    app[SETTINGS] = settings
+    app[BROKER] = broker
+    app[MANAGER] = manager
+    app.on_response_prepare.append(_add_request_id)
+
+    async def lifecycle(app: web.Application):
+        await broker.start()
+        await manager.start()
+        yield
+        await manager.close()
+        await broker.close()
+
+    app.cleanup_ctx.append(lifecycle)
+    for module in (openai_chat, openai_completions, system):
+        app.add_routes(module.routes)
+    return app

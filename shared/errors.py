@@ -1,0 +1,91 @@
+"""Errors as values: a code both sides agree on, a message a user can act on, an HTTP status.
+
+Each API module renders a ServiceError in its own shape (OpenAI, Anthropic, ...)."""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class ErrorCode(str, Enum):
+    INVALID_REQUEST = "invalid_request"
+    CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+    MODEL_NOT_FOUND = "model_not_found"
+    NOT_FOUND = "not_found"
+    METHOD_NOT_ALLOWED = "method_not_allowed"
+    AUTHENTICATION = "authentication_error"
+    PERMISSION = "permission_denied"
+    RATE_LIMITED = "rate_limited"
+    OVERLOADED = "overloaded"
+    BODY_TOO_LARGE = "request_too_large"
+    MODEL_UNAVAILABLE = "model_unavailable"
+    WORKER_LOST = "worker_lost"
+    TIMEOUT = "timeout"
+    CANCELLED = "cancelled"
+    INTERNAL = "internal_error"
+
+
+HTTP_STATUS = {
+    ErrorCode.INVALID_REQUEST: 400,
+    ErrorCode.CONTEXT_LENGTH_EXCEEDED: 400,
+    ErrorCode.MODEL_NOT_FOUND: 404,
+    ErrorCode.NOT_FOUND: 404,
+    ErrorCode.METHOD_NOT_ALLOWED: 405,
+    ErrorCode.AUTHENTICATION: 401,
+    ErrorCode.PERMISSION: 403,
+    ErrorCode.RATE_LIMITED: 429,
+    ErrorCode.OVERLOADED: 429,
+    ErrorCode.BODY_TOO_LARGE: 413,
+    ErrorCode.MODEL_UNAVAILABLE: 503,
+    ErrorCode.WORKER_LOST: 502,
+    ErrorCode.TIMEOUT: 504,
+    ErrorCode.CANCELLED: 499,
+    ErrorCode.INTERNAL: 500,
+}
+
+
+class ServiceError(Exception):
+    """An error that ends a request with a clear message. Raised anywhere, rendered by the API."""
+
+    def __init__(
+        self,
+        code: ErrorCode,
+        message: str,
+        *,
+        param: str | None = None,
+        retry_after: float | None = None,
+    ):
+        super().__init__(message)
+        self.code = ErrorCode(code)
+        self.message = message
+        self.param = param
+        self.retry_after = retry_after
+
+    @property
+    def status(self) -> int:
+        return HTTP_STATUS[self.code]
+
+    def to_wire(self) -> dict:
+        wire = {"code": self.code.value, "message": self.message}
+        if self.param:
+            wire["param"] = self.param
+        if self.retry_after is not None:
+            wire["retry_after"] = self.retry_after
+        return wire
+
+    @classmethod
+    def from_wire(cls, wire: dict) -> "ServiceError":
+        try:
+            code = ErrorCode(wire.get("code"))
+        except ValueError:
+            code = ErrorCode.INTERNAL
+        return cls(
+            code,
+            str(wire.get("message", "unknown error")),
+            param=wire.get("param"),
+            retry_after=wire.get("retry_after"),
+        )
+
+
+def invalid(message: str, param: str | None = None) -> ServiceError:
+    return ServiceError(ErrorCode.INVALID_REQUEST, message, param=param)

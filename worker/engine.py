@@ -1,0 +1,138 @@
+"""The worker's main loop: take messages from the link, step the scheduler, send events.
+
+One EVENTS message per step carries every running request's delta (batched, not one
+message per token)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import psutil
+
+from shared import protocol as p
+from shared.errors import ErrorCode, ServiceError
+
+from .link import WorkerLink
+from .runner import Runner
+from .scheduler import Scheduler
+
+log = logging.getLogger("mlxgw.worker")
+
+STATS_INTERVAL_S = 0.5
+
+
+class Engine:
+    def __init__(self, link: WorkerLink, runner: Runner, scheduler: Scheduler):
+        self.link = link
+        self.runner = runner
+        self.scheduler = scheduler
+        self.draining = False
+        self._proc = psutil.Process(os.getpid())
+        self._last_stats = 0.0
+        self._last_generated = 0
+        self.steps = 0
+
+    def run(self) -> None:
+        while not self.link.gateway_gone.is_set():
+            busy = self.scheduler.has_work()
+            for msg in self.link.poll(0 if busy else 50):
+                self._handle(msg)
+            if self.scheduler.has_work():
+                self._step()
+            elif self.draining:
+                return
+            self._update_stats()
+
+    def _step(self) -> None:
+        self.link.step_started = time.monotonic()
+        try:
+            events = self.scheduler.step()
+        except Exception as e:
+            # The runner's state can no longer be trusted: end every request explicitly,
+            # then let the process die so the supervisor restarts a clean worker.
+            log.exception("engine step failed")
+            err = ServiceError(ErrorCode.INTERNAL, f"the model worker failed: {e}").to_wire()
+            items = [[r["id"], {"e": p.EV_ERROR, **err}] for r in self.scheduler.requests()]
+            self.link.send(p.EVENTS, items=items)
+            raise
+        finally:
+            self.link.step_started = None
+        self.steps += 1
+        if events:
+            self.link.send(p.EVENTS, items=events)
+
+    def _handle(self, msg: dict) -> None:
+        kind = msg.get("t")
+        if kind == p.GENERATE:
+            try:
+                req = p.GenerateRequest.from_wire(msg["request"])
+            except (KeyError, TypeError, ValueError) as e:
+                rid = (msg.get("request") or {}).get("rid", "?")
+                err = ServiceError(ErrorCode.INVALID_REQUEST, f"malformed request: {e}").to_wire()
+                self.link.send(p.EVENTS, items=[[rid, {"e": p.EV_ERROR, **err}]])
+                return
+            if self.draining:
+                err = ServiceError(ErrorCode.MODEL_UNAVAILABLE, "model worker is shutting down",
+                                   retry_after=1.0).to_wire()
+                self.link.send(p.EVENTS, items=[[req.rid, {"e": p.EV_ERROR, **err}]])
+                return
+            self.link.send(p.EVENTS, items=self.scheduler.submit(req))
+        elif kind == p.CANCEL:
+            events = [ev for rid in msg.get("rids", []) for ev in self.scheduler.cancel(rid)]
+            if events:
+                self.link.send(p.EVENTS, items=events)
+        elif kind == p.CALL:
+            self._call(msg)
+        elif kind == p.SHUTDOWN:
+            self.draining = True
+            if not msg.get("drain", True):
+                for r in self.scheduler.requests():
+                    self.scheduler.cancel(r["id"])
+        else:
+            log.warning("dropped message of unknown type %r", kind)
+
+    def _call(self, msg: dict) -> None:
+        op, cid = msg.get("op"), msg.get("cid")
+        try:
+            if op == "cache_stats":
+                result = self.runner.cache_stats()
+            elif op == "cache_clear":
+                self.runner.cache_clear()
+                result = self.runner.cache_stats()
+            elif op == "tokenize":
+                req = p.GenerateRequest.from_wire({"rid": "tokenize", **(msg.get("args") or {})})
+                result = {"tokens": len(self.runner.encode(req))}
+            elif op == "status":
+                result = self.stats()
+            else:
+                raise ServiceError(ErrorCode.INVALID_REQUEST, f"unknown call {op!r}")
+            self.link.send(p.REPLY, cid=cid, ok=True, result=result)
+        except ServiceError as e:
+            self.link.send(p.REPLY, cid=cid, ok=False, error=e.to_wire())
+
+    def stats(self) -> dict:
+        s = self.scheduler
+        return {
+            "running": s.running,
+            "waiting": s.waiting,
+            "generated_tokens": s.generated_tokens,
+            "finished_requests": s.finished,
+            "steps": self.steps,
+            "rss_bytes": self._proc.memory_info().rss,
+            "requests": s.requests(),
+            "cache": self.runner.cache_stats(),
+            **self.runner.stats(),
+        }
+
+    def _update_stats(self) -> None:
+        now = time.monotonic()
+        if now - self._last_stats < STATS_INTERVAL_S:
+            return
+        stats = self.stats()
+        elapsed = now - self._last_stats if self._last_stats else STATS_INTERVAL_S
+        stats["tokens_per_s"] = round((stats["generated_tokens"] - self._last_generated) / elapsed, 2)
+        self._last_generated = stats["generated_tokens"]
+        self._last_stats = now
+        self.link.stats = stats

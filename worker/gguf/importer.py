@@ -1,0 +1,244 @@
+"""`mlxgw models import`: GGUF file -> MLX model folder, written atomically into the models dir."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from importlib import metadata as importlib_metadata
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.utils import _get_classes, get_total_parameters, quantize_model, save_config, save_model
+
+from shared import model_store
+from shared.platform import default_import_dtype
+
+from .architectures import UnsupportedModel, architecture_for, map_tensor_name, unpermute_rows
+from .tokenizer import build_tokenizer, dump_json
+
+DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
+GGUF_MAGIC = b"GGUF"
+# GGUF Q4_0/Q4_1/Q8_0 blocks hold 32 weights; mx.load returns them with this group size.
+GGUF_GROUP_SIZE = 32
+
+
+class ImportError_(Exception):
+    """A problem the user can act on (bad source, unsupported model); the CLI exits 2."""
+
+
+@dataclass
+class ImportResult:
+    name: str
+    path: Path
+    skipped: bool
+    seconds: float
+    size_bytes: int
+    dtype: str
+    architecture: str
+
+
+def resolve_source(spec: str) -> Path:
+    """A .gguf path, or pypi:PACKAGE = the single .gguf inside an installed Python package."""
+    if spec.startswith("pypi:"):
+        package = spec[len("pypi:") :]
+        try:
+            files = importlib_metadata.distribution(package).files or []
+        except importlib_metadata.PackageNotFoundError:
+            raise ImportError_(f"Python package {package!r} is not installed") from None
+        dist = importlib_metadata.distribution(package)
+        ggufs = [Path(dist.locate_file(f)) for f in files if str(f).endswith(".gguf")]
+        if not ggufs:
+            raise ImportError_(f"package {package!r} contains no .gguf file")
+        if len(ggufs) > 1:
+            listing = "\n  ".join(str(p) for p in ggufs)
+            raise ImportError_(
+                f"package {package!r} contains several .gguf files; pass one path:\n  {listing}"
+            )
+        return ggufs[0]
+    path = Path(spec).expanduser()
+    if not path.is_file():
+        raise ImportError_(f"no such file: {path}")
+    return path
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _read_gguf(path: Path) -> tuple[dict, dict]:
+    with open(path, "rb") as f:
+        if f.read(4) != GGUF_MAGIC:
+            raise ImportError_(f"{path} is not a GGUF file (bad magic bytes)")
+    try:
+        return mx.load(str(path), return_metadata=True)
+    except Exception as e:  # MLX raises plain RuntimeError/ValueError for truncated files
+        raise ImportError_(f"cannot read GGUF file {path}: {e}") from None
+
+
+def convert_tensors(
+    tensors: dict[str, mx.array], config: dict, permute_qk: bool, dtype: mx.Dtype, keep_quant: bool
+) -> tuple[dict[str, mx.array], dict[str, dict]]:
+    """Map names, undo the Q/K permutation, and dequantize (or keep) quantized triplets.
+
+    Returns the weights under mlx-lm names and, for kept-quantized layers, their parameters."""
+    n_heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
+    weights: dict[str, mx.array] = {}
+    for gguf_name, value in tensors.items():
+        name = map_tensor_name(gguf_name)
+        layer = name.rsplit(".", 2)[-2]
+        if permute_qk and layer in n_heads:
+            value = unpermute_rows(value, n_heads[layer])
+        weights[name] = value
+
+    quantized: dict[str, dict] = {}
+    for name in [n for n in weights if n.endswith(".scales")]:
+        path = name[: -len(".scales")]
+        packed, scales = weights[f"{path}.weight"], weights[name]
+        biases = weights.get(f"{path}.biases")
+        bits = packed.shape[-1] * 32 // (scales.shape[-1] * GGUF_GROUP_SIZE)
+        if keep_quant:
+            quantized[path] = {"group_size": GGUF_GROUP_SIZE, "bits": bits}
+            continue
+        weights[f"{path}.weight"] = mx.dequantize(
+            packed, scales, biases, group_size=GGUF_GROUP_SIZE, bits=bits
+        )
+        del weights[name]
+        weights.pop(f"{path}.biases", None)
+    for name, value in weights.items():
+        if value.dtype in (mx.float16, mx.bfloat16, mx.float32) and not (
+            keep_quant and name.endswith((".scales", ".biases"))
+        ):
+            weights[name] = value.astype(dtype)
+    return weights, quantized
+
+
+def _build_model(config: dict, weights: dict, quantized: dict) -> nn.Module:
+    model_cls, args_cls = _get_classes(config)
+    model = model_cls(args_cls.from_dict(config))
+    if quantized:
+        nn.quantize(model, class_predicate=lambda p, m: quantized.get(p, False))
+    weights = model.sanitize(weights) if hasattr(model, "sanitize") else weights
+    # strict: every parameter of the model must come from the file and vice versa.
+    model.load_weights(list(weights.items()), strict=True)
+    mx.eval(model.parameters())
+    return model
+
+
+def _describe_precision(dtype: str, quantize: int | None, quantized: dict[str, dict]) -> str:
+    if quantize:
+        return f"{quantize}-bit"
+    if quantized:
+        bits = sorted({q["bits"] for q in quantized.values()})
+        return "/".join(str(b) for b in bits) + "-bit (GGUF) + " + dtype
+    return dtype
+
+
+def _clean_stale_temp_dirs(models_dir: Path) -> None:
+    """Remove temp folders of imports whose process is gone (killed mid-write)."""
+    import psutil
+
+    for tmp in models_dir.glob(".import-*"):
+        try:
+            pid = int(tmp.name.rsplit("-", 1)[-1])
+        except ValueError:
+            continue
+        if not psutil.pid_exists(pid):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def import_gguf(
+    source: str,
+    name: str,
+    *,
+    dtype: str | None = None,
+    quantize: int | None = None,
+    keep_quant: bool = False,
+    force: bool = False,
+    models_dir: Path | None = None,
+) -> ImportResult:
+    model_store.validate_model_name(name)
+    dtype = dtype or default_import_dtype()
+    if dtype not in DTYPES:
+        raise ImportError_(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    if quantize is not None and quantize not in (4, 8):
+        raise ImportError_("--quantize takes 4 or 8")
+    if quantize and keep_quant:
+        raise ImportError_("--quantize and --keep-quant exclude each other")
+    started = time.perf_counter()
+    models_dir = models_dir or model_store.models_dir()
+    path = resolve_source(source)
+    options = {"dtype": dtype, "quantize": quantize, "keep_quant": keep_quant}
+    digest = sha256_file(path)
+    dest = models_dir / name
+    existing = model_store.read_import_record(dest)
+    if not force and existing and existing.get("sha256") == digest and existing.get("options") == options:
+        return ImportResult(name, dest, True, time.perf_counter() - started,
+                            model_store.folder_size(dest), dtype, existing.get("architecture", "?"))
+
+    tensors, md = _read_gguf(path)
+    try:
+        arch = architecture_for(md)
+        config = arch.build_config(md)
+        tok = build_tokenizer(md, config["max_position_embeddings"])
+        weights, quantized = convert_tensors(tensors, config, arch.permute_qk, DTYPES[dtype], keep_quant)
+        config["tie_word_embeddings"] = "lm_head.weight" not in weights
+        config["eos_token_id"] = tok.eos_token_ids
+        if tok.bos_token_id is not None:
+            config["bos_token_id"] = tok.bos_token_id
+        config["torch_dtype"] = dtype
+        if quantized:
+            config["quantization"] = {"group_size": GGUF_GROUP_SIZE, "bits": 4, "mode": "affine", **quantized}
+        model = _build_model(config, weights, quantized)
+        if quantize:
+            model, config = quantize_model(model, config, group_size=64, bits=quantize)
+    except UnsupportedModel as e:
+        raise ImportError_(str(e)) from None
+    del tensors, weights
+
+    models_dir.mkdir(parents=True, exist_ok=True)
+    _clean_stale_temp_dirs(models_dir)
+    tmp = Path(tempfile.mkdtemp(prefix=f".import-{name}-", suffix=f"-{os.getpid()}", dir=models_dir))
+    tmp.chmod(0o755)
+    try:
+        save_model(tmp, model, donate_model=True)
+        save_config(config, tmp / "config.json")
+        (tmp / "tokenizer.json").write_text(tok.tokenizer_json, encoding="utf-8")
+        (tmp / "tokenizer_config.json").write_text(dump_json(tok.tokenizer_config), encoding="utf-8")
+        generation = {"eos_token_id": tok.eos_token_ids}
+        if tok.bos_token_id is not None:
+            generation["bos_token_id"] = tok.bos_token_id
+        (tmp / "generation_config.json").write_text(dump_json(generation))
+        record = {
+            "source": str(path),
+            "source_spec": source,
+            "sha256": digest,
+            "size_bytes": path.stat().st_size,
+            "imported_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "architecture": arch.name,
+            "parameters": int(get_total_parameters(model)),
+            "options": options,
+            "dtype": _describe_precision(dtype, quantize, quantized),
+        }
+        (tmp / model_store.IMPORT_RECORD).write_text(json.dumps(record, indent=2) + "\n")
+        trash = None
+        if dest.exists():
+            trash = models_dir / f".trash-{name}-{os.getpid()}"
+            dest.rename(trash)
+        tmp.rename(dest)
+        if trash:
+            shutil.rmtree(trash, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return ImportResult(name, dest, False, time.perf_counter() - started,
+                        model_store.folder_size(dest), record["dtype"], arch.name)

@@ -1,0 +1,155 @@
+"""The worker's end of the ZeroMQ link, run in its own thread.
+
+The engine thread may spend seconds inside one MLX call (a model load, a prefill chunk);
+heartbeats must keep flowing meanwhile, so this thread owns the DEALER socket and talks
+to the engine over an inproc PAIR (one socket per thread, as ZeroMQ wants). Hangs are
+still visible: every heartbeat carries how long the engine has been inside its current
+step, and the gateway declares a worker hung past its limit. A frozen process (SIGSTOP,
+deadlock holding the GIL) stops heartbeating altogether and is declared dead.
+
+If the gateway goes silent, the link reconnects with exponential backoff (Paranoid
+Pirate); a locally spawned worker instead exits after `orphan_after` seconds, so no
+worker outlives its gateway."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import uuid
+
+import msgpack
+import zmq
+
+from shared import protocol as p
+
+log = logging.getLogger("mlxgw.worker.link")
+
+
+class WorkerLink:
+    def __init__(
+        self,
+        endpoint: str,
+        hello: dict,
+        *,
+        heartbeat_s: float = 1.0,
+        liveness: int = 5,
+        orphan_after: float | None = 15.0,
+    ):
+        self.endpoint = endpoint
+        self.hello = hello
+        self.heartbeat_s = heartbeat_s
+        self.liveness = liveness
+        self.orphan_after = orphan_after
+        self.ctx = zmq.Context.instance()
+        addr = f"inproc://worker-link-{uuid.uuid4().hex}"
+        self._engine_side = self.ctx.socket(zmq.PAIR)
+        self._engine_side.bind(addr)
+        self._io_side = self.ctx.socket(zmq.PAIR)
+        self._io_side.connect(addr)
+        self._stop = threading.Event()
+        self.gateway_gone = threading.Event()
+        self.stats: dict = {}
+        self.state = "loading"
+        self.step_started: float | None = None  # set by the engine around each step
+        self._parent = os.getppid()
+        self._thread = threading.Thread(target=self._run, name="worker-link", daemon=True)
+
+    # -- engine side (engine thread only) ------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def send(self, msg_type: str, **fields) -> None:
+        self._engine_side.send(p.encode(msg_type, **fields))
+
+    def poll(self, timeout_ms: int) -> list[dict]:
+        """Messages from the gateway, decoded; waits up to timeout_ms for the first one."""
+        out = []
+        if not self._engine_side.poll(timeout_ms):
+            return out
+        while True:
+            try:
+                frame = self._engine_side.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return out
+            out.append(msgpack.unpackb(frame, raw=False, strict_map_key=False))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+
+    # -- I/O thread ---------------------------------------------------------------------------
+    def _connect(self) -> zmq.Socket:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 500)
+        # Bounded buffers: a gateway that stops reading must not grow this process forever.
+        sock.setsockopt(zmq.SNDHWM, 10000)
+        sock.connect(self.endpoint)
+        sock.send(p.encode(p.HELLO, **self.hello, state=self.state))
+        return sock
+
+    def _heartbeat(self) -> bytes:
+        busy = time.monotonic() - self.step_started if self.step_started else 0.0
+        return p.encode(p.HEARTBEAT, state=self.state, stats=self.stats, step_busy_s=busy)
+
+    def _run(self) -> None:
+        sock = self._connect()
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(self._io_side, zmq.POLLIN)
+        last_heard = time.monotonic()
+        silent_since = None
+        next_beat = 0.0
+        backoff = self.heartbeat_s
+        while not self._stop.is_set():
+            events = dict(poller.poll(int(self.heartbeat_s * 250)))
+            now = time.monotonic()
+            if sock in events:
+                while True:
+                    try:
+                        frame = sock.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    last_heard, silent_since, backoff = now, None, self.heartbeat_s
+                    self._on_gateway_frame(sock, frame)
+            if self._io_side in events:
+                while True:
+                    try:
+                        sock.send(self._io_side.recv(zmq.NOBLOCK), zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+            if now >= next_beat:
+                sock.send(self._heartbeat(), zmq.NOBLOCK)
+                next_beat = now + self.heartbeat_s
+            if os.getppid() != self._parent and self.orphan_after is not None:
+                log.warning("parent process gone; worker exits")
+                self.gateway_gone.set()
+                return
+            if now - last_heard > self.heartbeat_s * self.liveness + backoff:
+                silent_since = silent_since or last_heard
+                if self.orphan_after is not None and now - silent_since > self.orphan_after:
+                    log.warning("gateway silent for %.0f s; worker exits", now - silent_since)
+                    self.gateway_gone.set()
+                    return
+                log.warning("gateway silent; reconnecting to %s", self.endpoint)
+                poller.unregister(sock)
+                sock.close(linger=0)
+                sock = self._connect()
+                poller.register(sock, zmq.POLLIN)
+                last_heard = now
+                backoff = min(backoff * 2, 30.0)
+        sock.close(linger=200)
+
+    def _on_gateway_frame(self, sock: zmq.Socket, frame: bytes) -> None:
+        try:
+            msg = p.decode(frame, p.GATEWAY_TYPES)
+        except p.ProtocolError as e:
+            log.warning("dropped message from gateway: %s", e)
+            return
+        if msg["t"] == p.HEARTBEAT or msg["t"] == p.WELCOME:
+            return
+        if msg["t"] == p.RECONNECT:
+            sock.send(p.encode(p.HELLO, **self.hello, state=self.state))
+            return
+        self._io_side.send(frame)

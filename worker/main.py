@@ -1,0 +1,125 @@
+"""Worker process entry: connect, announce, load the model, serve until told to stop."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from shared import protocol as p
+from shared.config import ModelEntry, from_mapping
+from shared.errors import ErrorCode
+from shared.platform import total_memory_bytes
+
+from .engine import Engine
+from .link import WorkerLink
+
+log = logging.getLogger("mlxgw.worker")
+
+# Default prefix-cache bound when the entry sets none: a share of RAM.
+DEFAULT_CACHE_SHARE = 0.10
+
+
+def build_runner(entry: ModelEntry, model_path: Path):
+    if entry.engine == "null":
+        from .null_runner import NullRunner
+
+        return NullRunner(entry.context_length)
+    from .runner import MLXRunner
+
+    cache_bytes = (
+        entry.cache_memory_mb * (1 << 20)
+        if entry.cache_memory_mb is not None
+        else int(total_memory_bytes() * DEFAULT_CACHE_SHARE)
+    )
+    return MLXRunner(
+        model_path,
+        context_length=entry.context_length,
+        max_num_seqs=entry.max_num_seqs,
+        prefill_step_size=entry.prefill_step_size,
+        cache_bytes=cache_bytes,
+    )
+
+
+def serve(
+    endpoint: str,
+    entry: ModelEntry,
+    model_path: Path,
+    *,
+    worker_id: str | None = None,
+    heartbeat_s: float = 1.0,
+    liveness: int = 5,
+    orphan_after: float | None = 15.0,
+) -> int:
+    from .scheduler import Scheduler
+
+    hello = {
+        "worker_id": worker_id or uuid.uuid4().hex,
+        "model": entry.name,
+        "kind": entry.kind,
+        "pid": os.getpid(),
+        "secret": os.environ.get("MLXGW_SECRET", ""),
+    }
+    link = WorkerLink(endpoint, hello, heartbeat_s=heartbeat_s, liveness=liveness,
+                      orphan_after=orphan_after)
+    link.start()
+    started = time.monotonic()
+    try:
+        runner = build_runner(entry, model_path)
+    except Exception as e:  # any load failure is reported, then the process exits non-zero
+        log.exception("model load failed")
+        link.send(p.LOAD_FAILED, error={"code": ErrorCode.MODEL_UNAVAILABLE.value,
+                                        "message": f"loading {entry.name} failed: {e}"})
+        time.sleep(0.5)  # let the link flush
+        link.close()
+        return 3
+    info = {
+        "context_length": runner.context_length,
+        "max_num_seqs": entry.max_num_seqs,
+        "max_queue": entry.max_queue,
+        "load_seconds": round(time.monotonic() - started, 3),
+        "engine": entry.engine,
+    }
+    link.hello["info"] = info
+    link.state = "ready"
+    link.send(p.READY, info=info)
+    scheduler = Scheduler(runner, max_num_seqs=entry.max_num_seqs, max_queue=entry.max_queue,
+                          policy=entry.max_tokens_policy)
+    engine = Engine(link, runner, scheduler)
+    signal.signal(signal.SIGTERM, lambda *_: setattr(engine, "draining", True))
+    engine.run()
+    link.send(p.BYE)
+    time.sleep(0.1)
+    link.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="mlxgw worker")
+    ap.add_argument("--connect", required=True, help="gateway endpoint, ipc:// or tcp://")
+    ap.add_argument("--model", required=True, help="model name (as the gateway knows it)")
+    ap.add_argument("--model-path", help="model folder (default: from the entry)")
+    ap.add_argument("--entry", default="{}", help="the models.yaml entry, as JSON")
+    ap.add_argument("--worker-id")
+    ap.add_argument("--heartbeat", type=float, default=1.0)
+    ap.add_argument("--liveness", type=int, default=5)
+    ap.add_argument("--orphan-after", type=float, default=15.0,
+                    help="exit if the gateway is silent this long (0: reconnect forever)")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format=f"%(asctime)s worker[{args.model}] %(levelname)s %(message)s")
+    entry_data = {**json.loads(args.entry), "name": args.model}
+    entry = from_mapping(ModelEntry, entry_data, f"worker {args.model}")
+    from shared.paths import models_dir
+
+    model_path = Path(args.model_path) if args.model_path else entry.model_path(models_dir())
+    sys.exit(serve(args.connect, entry, model_path, worker_id=args.worker_id,
+                   heartbeat_s=args.heartbeat, liveness=args.liveness,
+                   orphan_after=args.orphan_after or None))

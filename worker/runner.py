@@ -1,0 +1,196 @@
+"""Model runners: what turns admitted prompts into tokens, one engine step at a time.
+
+The scheduler owns policy (who runs, when, cancellation); a runner owns execution. The MLX
+runner drives mlx-lm's BatchGenerator, which interleaves one decode step of the running
+batch with one prefill chunk (`prefill_step_size` tokens) of arriving prompts, so a long
+prompt never freezes the streams already decoding."""
+
+from __future__ import annotations
+
+import gc
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shared.errors import ServiceError, invalid
+from shared.protocol import GenerateRequest, SamplingParams
+
+
+@dataclass
+class TokenOut:
+    uid: int
+    token: int
+    finish: str | None  # "stop" (end-of-sequence token) or "length"
+
+
+@dataclass
+class StepOutput:
+    tokens: list[TokenOut] = field(default_factory=list)
+    prefill: list[tuple[int, int, int]] = field(default_factory=list)  # uid, done, total
+
+
+class Runner(ABC):
+    context_length: int
+
+    @abstractmethod
+    def encode(self, req: GenerateRequest) -> list[int]: ...
+
+    @abstractmethod
+    def new_detokenizer(self): ...
+
+    @abstractmethod
+    def insert(self, prompt: list[int], max_tokens: int, sampling: SamplingParams) -> tuple[int, int]:
+        """Queue a prompt for execution; return (uid, prompt tokens served from the cache)."""
+
+    @abstractmethod
+    def step(self) -> StepOutput: ...
+
+    @abstractmethod
+    def remove(self, uids: list[int]) -> None: ...
+
+    def stats(self) -> dict:
+        return {}
+
+    def cache_stats(self) -> dict:
+        return {}
+
+    def cache_clear(self) -> None:
+        return None
+
+
+class MLXRunner(Runner):
+    def __init__(
+        self,
+        model_path: Path,
+        *,
+        context_length: int | None,
+        max_num_seqs: int,
+        prefill_step_size: int,
+        cache_bytes: int,
+    ):
+        import mlx.core as mx
+        from mlx_lm import load
+        from mlx_lm.generate import BatchGenerator
+
+        from .prefix_cache import PrefixCache
+
+        self._mx = mx
+        self.model, self.tokenizer, config = load(str(model_path), return_config=True)
+        model_context = int(config.get("max_position_embeddings") or 4096)
+        self.context_length = min(context_length or model_context, model_context)
+        self.generator = BatchGenerator(
+            self.model,
+            stop_tokens=[[t] for t in sorted(self.tokenizer.eos_token_ids)],
+            completion_batch_size=max_num_seqs,
+            prefill_batch_size=max_num_seqs,
+            prefill_step_size=prefill_step_size,
+        )
+        self.prefix_cache = PrefixCache(cache_bytes)
+        self.cache_bytes = cache_bytes
+
+    # -- prompts ------------------------------------------------------------------------
+    def encode(self, req: GenerateRequest) -> list[int]:
+        if req.prompt_tokens is not None:
+            vocab = self.tokenizer.vocab_size
+            if any(not isinstance(t, int) or t < 0 or t >= vocab for t in req.prompt_tokens):
+                raise invalid(f"prompt token ids must be integers in [0, {vocab})", "prompt")
+            return list(req.prompt_tokens)
+        if req.messages is not None:
+            return self._apply_template(req)
+        return self.tokenizer.encode(req.prompt or "")
+
+    def _apply_template(self, req: GenerateRequest) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise invalid("this model has no chat template; use /v1/completions", "messages")
+        kwargs = dict(req.chat_template_kwargs or {})
+        if req.tools:
+            kwargs["tools"] = req.tools
+        try:
+            ids = self.tokenizer.apply_chat_template(
+                req.messages, add_generation_prompt=True, tokenize=True, **kwargs
+            )
+        except Exception as e:  # jinja raises TemplateError, TypeError, ... for bad messages
+            raise invalid(f"the model's chat template rejected the messages: {e}", "messages") from None
+        if isinstance(ids, dict):  # some transformers versions return a BatchEncoding
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def new_detokenizer(self):
+        return self.tokenizer.detokenizer
+
+    # -- execution ----------------------------------------------------------------------
+    def insert(self, prompt: list[int], max_tokens: int, sampling: SamplingParams) -> tuple[int, int]:
+        from .sampling import build_logits_processors, build_sampler
+
+        cache, cached = self.prefix_cache.longest_match(prompt)
+        (uid,) = self.generator.insert(
+            [prompt[cached:]],
+            max_tokens=[max_tokens],
+            caches=[cache] if cache is not None else None,
+            all_tokens=[prompt[:cached]],
+            samplers=[build_sampler(sampling)],
+            logits_processors=[build_logits_processors(sampling)],
+        )
+        return uid, cached
+
+    def step(self) -> StepOutput:
+        prompt_responses, gen_responses = self.generator.next()
+        out = StepOutput()
+        for r in prompt_responses:
+            done, total = r.progress if isinstance(r.progress, tuple) else (0, 0)
+            out.prefill.append((r.uid, done, total))
+        for r in gen_responses:
+            if r.finish_reason is not None and r.prompt_cache is not None:
+                # The finished sequence's KV (prompt + answer) seeds the next turn's prompt.
+                self.prefix_cache.insert(r.all_tokens, r.prompt_cache)
+                self._bound_cache()
+            out.tokens.append(TokenOut(r.uid, int(r.token), r.finish_reason))
+        return out
+
+    def remove(self, uids: list[int]) -> None:
+        if uids:
+            self.generator.remove(uids)
+
+    def _bound_cache(self) -> None:
+        # Live sequences' KV counts against the same budget as the stored prefixes.
+        self.prefix_cache.trim_to(self.cache_bytes - self.generator.prompt_cache_nbytes)
+
+    # -- introspection -------------------------------------------------------------------
+    def stats(self) -> dict:
+        mx = self._mx
+        return {
+            "mlx_active_bytes": int(mx.get_active_memory()),
+            "mlx_peak_bytes": int(mx.get_peak_memory()),
+            "mlx_cache_bytes": int(mx.get_cache_memory()),
+            "kv_bytes": int(self.generator.prompt_cache_nbytes),
+        }
+
+    def cache_stats(self) -> dict:
+        return self.prefix_cache.snapshot()
+
+    def cache_clear(self) -> None:
+        self.prefix_cache.clear()
+        gc.collect()
+        self._mx.clear_cache()
+
+
+def check_budget(prompt_len: int, req_max_tokens: int | None, context: int, policy: str) -> int:
+    """Validate the prompt against the context and return the max_tokens to use."""
+    if prompt_len >= context:
+        raise ServiceError(
+            "context_length_exceeded",
+            f"This model's maximum context length is {context} tokens, but the prompt has "
+            f"{prompt_len} tokens. Shorten the prompt.",
+            param="messages",
+        )
+    room = context - prompt_len
+    if req_max_tokens is None:
+        return room
+    if req_max_tokens > room and policy == "reject":
+        raise ServiceError(
+            "context_length_exceeded",
+            f"This model's maximum context length is {context} tokens; the prompt has "
+            f"{prompt_len} tokens and max_tokens asks for {req_max_tokens} more.",
+            param="max_tokens",
+        )
+    return min(req_max_tokens, room)

@@ -1,0 +1,60 @@
+"""Per-request samplers and logits processors, built from mlx-lm's own pieces."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import mlx.core as mx
+from mlx_lm.sample_utils import (
+    apply_min_p,
+    apply_top_k,
+    apply_top_p,
+    make_logits_processors,
+    make_sampler,
+)
+
+from shared.protocol import SamplingParams
+
+Sampler = Callable[[mx.array], mx.array]
+
+# Penalties look back this many tokens (OpenAI's are over the whole completion; mlx-lm's
+# processors need a window, and a long one costs a gather per step).
+PENALTY_CONTEXT = 256
+
+
+def _seeded_sampler(p: SamplingParams) -> Sampler:
+    """mlx-lm's samplers draw from MLX's global generator, so a per-request seed needs its
+    own key: split once per step, so the same seed gives the same tokens even in a batch."""
+    filters = []
+    if 0 < p.top_p < 1.0:
+        filters.append(lambda x: apply_top_p(x, p.top_p))
+    if p.min_p:
+        filters.append(lambda x: apply_min_p(x, p.min_p, 1))
+    if p.top_k > 0:
+        filters.append(lambda x: apply_top_k(x, p.top_k))
+    state = {"key": mx.random.key(p.seed)}
+
+    def sampler(logprobs: mx.array) -> mx.array:
+        for f in filters:
+            logprobs = f(logprobs)
+        state["key"], sub = mx.random.split(state["key"])
+        return mx.random.categorical(logprobs * (1 / p.temperature), key=sub)
+
+    return sampler
+
+
+def build_sampler(p: SamplingParams) -> Sampler:
+    if p.temperature <= 0 or p.seed is None:
+        return make_sampler(temp=max(p.temperature, 0.0), top_p=p.top_p, min_p=p.min_p, top_k=p.top_k)
+    return _seeded_sampler(p)
+
+
+def build_logits_processors(p: SamplingParams) -> list:
+    return make_logits_processors(
+        logit_bias={int(k): float(v) for k, v in p.logit_bias.items()} if p.logit_bias else None,
+        repetition_penalty=p.repetition_penalty if p.repetition_penalty not in (None, 1.0) else None,
+        presence_penalty=p.presence_penalty or None,
+        presence_context_size=PENALTY_CONTEXT,
+        frequency_penalty=p.frequency_penalty or None,
+        frequency_context_size=PENALTY_CONTEXT,
+    )
