@@ -13,6 +13,7 @@ from shared.config import Registry
 from shared.errors import ErrorCode, ServiceError
 
 from .api import openai_chat, openai_completions, system
+from .api.body import body_too_large
 from .api.errors import error_response, family_of
 from .broker import Broker
 from .manager import ModelManager
@@ -43,9 +44,8 @@ async def error_middleware(request: web.Request, handler):
         return await handler(request)
     except ServiceError as err:
         return error_response(err, family)
-    except web.HTTPRequestEntityTooLarge as e:
-        return error_response(ServiceError(ErrorCode.BODY_TOO_LARGE,
-                                           f"request body too large: the limit is {e.max_size} bytes"), family)
+    except web.HTTPRequestEntityTooLarge:
+        return error_response(body_too_large(request), family)
     except web.HTTPNotFound:
         return error_response(ServiceError(ErrorCode.NOT_FOUND, f"no route {request.path}"), family)
     except web.HTTPMethodNotAllowed as e:

