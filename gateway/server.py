@@ -22,6 +22,7 @@ async def serve(registry: Registry, settings: GatewaySettings, host: str, port: 
                 endpoint: str | None = None, secret: str = "") -> None:
     endpoint = endpoint or default_endpoint(paths.run_dir())
     app = make_app(registry, settings, endpoint, secret)
+    log.info("worker link endpoint %s", endpoint)
     # Cancel a handler when its client disconnects: a gone client frees its sequence.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()

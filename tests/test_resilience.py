@@ -1,0 +1,139 @@
+"""Failures the gateway must survive: dead workers, gone clients, full queues, timeouts,
+garbage on the ZeroMQ link, and shutdown without orphans."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import aiohttp
+import openai
+import psutil
+import pytest
+import zmq
+from conftest import TINY_CONFIG, http, openai_client, start_gateway
+
+LONG = 30000  # tokens: long enough that a stream is still running when we act on it
+MSGS = [{"role": "user", "content": "Write a very long story."}]
+
+
+def wait_for(predicate, timeout: float = 30, interval: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError("condition not met in time")
+
+
+def running(gw, model: str) -> int:
+    return sum(w["stats"].get("running", 0) for w in gw.model_status(model)["workers"])
+
+
+def test_kill_9_worker_mid_stream_ends_the_stream_with_an_error(tiny_gateway):
+    client = openai_client(tiny_gateway)
+    stream = client.chat.completions.create(model="tiny-crash", messages=MSGS, max_tokens=LONG,
+                                            temperature=0, stream=True)
+    received = 0
+    with pytest.raises(openai.APIError) as info:
+        for _ in stream:
+            received += 1
+            if received == 5:
+                os.kill(tiny_gateway.worker_pid("tiny-crash"), signal.SIGKILL)
+    assert received >= 5
+    assert "stopped" in str(info.value) or "worker" in str(info.value)
+    # The model is reported down (or already restarting), other routes keep serving.
+    state = tiny_gateway.model_status("tiny-crash")["state"]
+    assert state in ("restarting", "loading", "ready")
+    out = client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=3)
+    assert out.usage.completion_tokens == 3
+    # The supervisor restarts the worker; the next request succeeds.
+    out = client.chat.completions.create(model="tiny-crash", messages=MSGS, max_tokens=3)
+    assert out.usage.completion_tokens == 3
+    assert tiny_gateway.model_status("tiny-crash")["restarts"] >= 1
+
+
+async def test_client_disconnect_cancels_the_generation(tiny_gateway):
+    tiny_gateway.worker_pid("tiny")
+    async with aiohttp.ClientSession() as session:
+        resp = await session.post(f"{tiny_gateway.url}/v1/chat/completions", json={
+            "model": "tiny", "messages": MSGS, "max_tokens": LONG, "stream": True})
+        async for _ in resp.content:
+            break
+        await asyncio.to_thread(wait_for, lambda: running(tiny_gateway, "tiny") >= 1)
+        resp.close()
+    await asyncio.to_thread(wait_for, lambda: running(tiny_gateway, "tiny") == 0, 10)
+
+
+def test_cancel_endpoint_ends_a_running_request(tiny_gateway):
+    client = openai_client(tiny_gateway)
+    stream = client.chat.completions.with_raw_response.create(
+        model="tiny", messages=MSGS, max_tokens=LONG, stream=True, extra_headers={"x-request-id": "cancel-me-1"})
+    chunks = stream.parse()
+    next(iter(chunks))
+    status, _, body = http(f"{tiny_gateway.url}/v1/requests/cancel-me-1/cancel", "POST", {})
+    assert status == 200 and body["cancelled"] is True
+    with pytest.raises(openai.APIError, match="cancelled"):
+        for _ in chunks:
+            pass
+    wait_for(lambda: running(tiny_gateway, "tiny") == 0, 10)
+    status, _, body = http(f"{tiny_gateway.url}/v1/requests/cancel-me-1/cancel", "POST", {})
+    assert status == 404
+
+
+async def test_full_queue_answers_429_with_retry_after(tiny_gateway):
+    # max_num_seqs 1, max_queue 1: one running, one waiting, the third is refused.
+    async with aiohttp.ClientSession() as session:
+        body = {"model": "tiny-small-queue", "messages": MSGS, "max_tokens": LONG, "stream": True}
+        first = await session.post(f"{tiny_gateway.url}/v1/chat/completions", json=body)
+        assert first.status == 200
+        second = await session.post(f"{tiny_gateway.url}/v1/chat/completions", json=body)
+        assert second.status == 200
+        third = await session.post(f"{tiny_gateway.url}/v1/chat/completions", json=body)
+        assert third.status == 429
+        assert int(third.headers["Retry-After"]) >= 1
+        payload = await third.json()
+        assert payload["error"]["code"] == "overloaded"
+        first.close()
+        second.close()
+
+
+def test_malformed_messages_on_the_link_are_dropped(tiny_gateway):
+    endpoint = next(line.split("endpoint ")[1] for line in tiny_gateway.log().splitlines()
+                    if "endpoint " in line)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(endpoint)
+    for frame in (b"\x00garbage", b"\x93\x01\x02", b'\x81\xa1v\x63', b"", b"\x82\xa1v\x01\xa1t\xa5alien"):
+        sock.send(frame)
+    sock.send_multipart([b"a", b"b", b"c"])
+    time.sleep(0.5)
+    sock.close(0)
+    ctx.term()
+    status = tiny_gateway.status()
+    assert status["dropped_messages"] >= 5
+    out = openai_client(tiny_gateway).chat.completions.create(model="tiny", messages=MSGS, max_tokens=2)
+    assert out.usage.completion_tokens == 2
+
+
+def test_timeout_and_clean_shutdown_leave_no_orphans(home, tiny_dir):
+    gw = start_gateway(home, TINY_CONFIG, "timeout-gateway", extra_args=("--timeout", "2"))
+    try:
+        client = openai_client(gw)
+        started = time.monotonic()
+        with pytest.raises(openai.APIError, match="timed out"):
+            for _ in client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=LONG, stream=True):
+                pass
+        assert time.monotonic() - started < 30
+        workers = gw.descendants()
+        assert workers, "the gateway should have worker processes"
+    finally:
+        code = gw.stop(signal.SIGTERM)
+    assert code == 0
+    time.sleep(0.5)
+    alive = [pid for pid in workers if psutil.pid_exists(pid) and
+             psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    assert alive == []
