@@ -96,5 +96,42 @@ def list_cmd() -> None:
         click.echo("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
 
 
+@main.command()
+@click.option("--url", default="http://127.0.0.1:8000/v1", show_default=True, help="OpenAI base URL")
+@click.option("--model", required=True)
+@click.option("--label", default="mlxgw", show_default=True)
+@click.option("--compare", "compare_url", default=None, help="a second server's base URL, run alternately")
+@click.option("--compare-model", default=None, help="model name on the second server (default: --model)")
+@click.option("--compare-label", default="peer", show_default=True)
+@click.option("--concurrency", default="1,4,8", show_default=True, help="comma-separated levels")
+@click.option("--requests", default=0, help="requests per level (default: 2 x concurrency, >= 4)")
+@click.option("--max-tokens", default=32, show_default=True)
+@click.option("--prompt-words", default=40, show_default=True)
+@click.option("--temperature", default=0.7, show_default=True)
+@click.option("--no-stream", is_flag=True, help="non-streaming requests")
+@click.option("--fixed-prompt", is_flag=True, help="the same prompt every time (measures caches)")
+@click.option("--prefix-words", default=0, help="also run the shared-prefix workload with this prefix")
+@click.option("--prefix-repeats", default=4, show_default=True)
+@click.option("--seed", default=0)
+@click.option("--out", type=click.Path(path_type=Path), default=None, help="write OUT.json and OUT.md")
+def bench(url, model, label, compare_url, compare_model, compare_label, concurrency, requests,
+          max_tokens, prompt_words, temperature, no_stream, fixed_prompt, prefix_words,
+          prefix_repeats, seed, out) -> None:
+    """Load-test an OpenAI-compatible server (and optionally compare it with a second one)."""
+    from bench.run import BenchConfig, Target, run
+
+    targets = [Target(label, url, model)]
+    if compare_url:
+        targets.append(Target(compare_label, compare_url, compare_model or model))
+    cfg = BenchConfig(concurrency=[int(c) for c in concurrency.split(",")], requests=requests,
+                      max_tokens=max_tokens, prompt_words=prompt_words, temperature=temperature,
+                      stream=not no_stream, fixed_prompt=fixed_prompt, prefix_words=prefix_words,
+                      prefix_repeats=prefix_repeats, seed=seed)
+    report = run(targets, cfg, out)
+    click.echo(report["markdown"])
+    if any(r["failed"] for r in report["levels"]):
+        sys.exit(1)
+
+
 if __name__ == "__main__":
     main()

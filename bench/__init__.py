@@ -1,0 +1,1 @@
+"""`mlxgw bench`: an OpenAI-compatible load generator, and the in-process baseline."""
