@@ -13,8 +13,9 @@ import sys
 import time
 
 
-def measure(model_dir: str, concurrency: int, max_tokens: int, prompt_words: int,
-            temperature: float, seed: int) -> dict:
+def measure(
+    model_dir: str, concurrency: int, max_tokens: int, prompt_words: int, temperature: float, seed: int
+) -> dict:
     from mlx_lm import load
     from mlx_lm.generate import BatchGenerator
     from mlx_lm.sample_utils import make_sampler
@@ -23,11 +24,16 @@ def measure(model_dir: str, concurrency: int, max_tokens: int, prompt_words: int
     from .report import percentile
 
     model, tok = load(model_dir)
-    prompts = [tok.apply_chat_template(m, add_generation_prompt=True)
-               for m in varied_prompts(concurrency, prompt_words, seed)]
-    gen = BatchGenerator(model, stop_tokens=[[t] for t in tok.eos_token_ids],
-                         completion_batch_size=concurrency, prefill_batch_size=concurrency,
-                         prefill_step_size=512)
+    prompts = [
+        tok.apply_chat_template(m, add_generation_prompt=True) for m in varied_prompts(concurrency, prompt_words, seed)
+    ]
+    gen = BatchGenerator(
+        model,
+        stop_tokens=[[t] for t in tok.eos_token_ids],
+        completion_batch_size=concurrency,
+        prefill_batch_size=concurrency,
+        prefill_step_size=512,
+    )
     sampler = make_sampler(temp=temperature)
     # Warm up once so compilation and allocation are not measured.
     gen.insert([prompts[0]], max_tokens=[2], samplers=[sampler])
@@ -46,9 +52,14 @@ def measure(model_dir: str, concurrency: int, max_tokens: int, prompt_words: int
             if r.finish_reason is not None:
                 pending.discard(r.uid)
     wall = time.perf_counter() - started
-    return {"server": "in-process", "concurrency": concurrency, "output_tokens": tokens,
-            "wall_s": round(wall, 3), "output_tok_s": round(tokens / wall, 2),
-            "ttft_p50_s": round(percentile(list(first.values()), 50), 4)}
+    return {
+        "server": "in-process",
+        "concurrency": concurrency,
+        "output_tokens": tokens,
+        "wall_s": round(wall, 3),
+        "output_tok_s": round(tokens / wall, 2),
+        "ttft_p50_s": round(percentile(list(first.values()), 50), 4),
+    }
 
 
 def main() -> None:
@@ -67,8 +78,10 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     for c in (int(x) for x in args.concurrency.split(",")):
-        print(json.dumps(measure(args.model_dir, c, args.max_tokens, args.prompt_words,
-                                 args.temperature, args.seed)), flush=True)
+        print(
+            json.dumps(measure(args.model_dir, c, args.max_tokens, args.prompt_words, args.temperature, args.seed)),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

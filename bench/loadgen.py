@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-WORDS = ("river mountain signal quiet amber engine harbor lantern velvet orbit meadow cipher "
-         "granite willow pepper falcon copper thunder pillow saddle marble glacier violet "
-         "canvas ember fossil jungle kettle ladder magnet nectar oyster prism quartz rocket "
-         "saffron tundra umbrella vortex walnut yonder zephyr").split()
+WORDS = """river mountain signal quiet amber engine harbor lantern velvet orbit meadow cipher
+granite willow pepper falcon copper thunder pillow saddle marble glacier violet canvas ember
+fossil jungle kettle ladder magnet nectar oyster prism quartz rocket saffron tundra umbrella
+vortex walnut yonder zephyr""".split()
 
 
 @dataclass
@@ -32,12 +32,14 @@ class RequestResult:
     e2e: float = 0.0
 
 
-def varied_prompts(n: int, words: int, seed: int = 0) -> list[list[dict]]:
-    """Distinct prompts of about `words` words: a fixed prompt mostly measures a peer's cache."""
+def varied_prompts(n: int, words: int, seed: int = 0, max_words: int | None = None) -> list[list[dict]]:
+    """Distinct prompts of `words` words (or a length drawn uniformly up to `max_words`):
+    a fixed prompt mostly measures a peer's prompt cache."""
     rng = random.Random(seed)
     out = []
     for i in range(n):
-        body = " ".join(rng.choice(WORDS) for _ in range(words))
+        length = rng.randint(words, max_words) if max_words and max_words > words else words
+        body = " ".join(rng.choice(WORDS) for _ in range(length))
         out.append([{"role": "user", "content": f"Note {i}: {body}. Write a short story about these words."}])
     return out
 
@@ -46,13 +48,16 @@ def shared_prefix_prompts(n: int, prefix_words: int, seed: int = 0) -> list[list
     """One long common system prompt (an agent's tools and instructions) + a new question."""
     rng = random.Random(seed)
     prefix = " ".join(rng.choice(WORDS) for _ in range(prefix_words))
-    return [[{"role": "system", "content": f"Reference material: {prefix}"},
-             {"role": "user", "content": f"Question {i}: which word comes first in the material?"}]
-            for i in range(n)]
+    return [
+        [
+            {"role": "system", "content": f"Reference material: {prefix}"},
+            {"role": "user", "content": f"Question {i}: which word comes first in the material?"},
+        ]
+        for i in range(n)
+    ]
 
 
-async def _stream(session: aiohttp.ClientSession, url: str, body: dict, result: RequestResult,
-                  started: float) -> None:
+async def _stream(session: aiohttp.ClientSession, url: str, body: dict, result: RequestResult, started: float) -> None:
     last = None
     async with session.post(url, json=body) as resp:
         result.status = resp.status
@@ -95,10 +100,23 @@ async def _plain(session: aiohttp.ClientSession, url: str, body: dict, result: R
         result.ok = True
 
 
-async def one_request(session: aiohttp.ClientSession, base_url: str, model: str, messages: list[dict],
-                      *, max_tokens: int, temperature: float, stream: bool) -> RequestResult:
-    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": temperature,
-            "stream": stream}
+async def one_request(
+    session: aiohttp.ClientSession,
+    base_url: str,
+    model: str,
+    messages: list[dict],
+    *,
+    max_tokens: int,
+    temperature: float,
+    stream: bool,
+) -> RequestResult:
+    body = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "stream": stream,
+    }
     if stream:
         body["stream_options"] = {"include_usage": True}
     result = RequestResult(ok=False, status=0)
@@ -115,9 +133,17 @@ async def one_request(session: aiohttp.ClientSession, base_url: str, model: str,
     return result
 
 
-async def run_level(base_url: str, model: str, prompts: list[list[dict]], concurrency: int, *,
-                    max_tokens: int, temperature: float, stream: bool = True,
-                    timeout_s: float = 600) -> tuple[list[RequestResult], float]:
+async def run_level(
+    base_url: str,
+    model: str,
+    prompts: list[list[dict]],
+    concurrency: int,
+    *,
+    max_tokens: int,
+    temperature: float,
+    stream: bool = True,
+    timeout_s: float = 600,
+) -> tuple[list[RequestResult], float]:
     """Send every prompt once with `concurrency` clients; return results and wall time."""
     queue: asyncio.Queue = asyncio.Queue()
     for p in prompts:
@@ -126,12 +152,21 @@ async def run_level(base_url: str, model: str, prompts: list[list[dict]], concur
     connector = aiohttp.TCPConnector(limit=concurrency * 2)
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+
         async def client() -> None:
             while not queue.empty():
                 messages = queue.get_nowait()
-                results.append(await one_request(session, base_url, model, messages,
-                                                 max_tokens=max_tokens, temperature=temperature,
-                                                 stream=stream))
+                results.append(
+                    await one_request(
+                        session,
+                        base_url,
+                        model,
+                        messages,
+                        max_tokens=max_tokens,
+                        temperature=temperature,
+                        stream=stream,
+                    )
+                )
 
         started = time.perf_counter()
         await asyncio.gather(*(client() for _ in range(concurrency)))

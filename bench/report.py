@@ -41,15 +41,23 @@ def _r(x: float | None) -> float | None:
     return None if x is None else round(x, 4)
 
 
-COLUMNS = [("server", "server"), ("concurrency", "c"), ("completed", "ok"), ("failed", "failed"),
-           ("output_tok_s", "tok/s"), ("requests_s", "req/s"), ("ttft_p50_s", "TTFT p50 s"),
-           ("ttft_p90_s", "TTFT p90 s"), ("ttft_p99_s", "TTFT p99 s"), ("itl_p50_s", "ITL p50 s"),
-           ("itl_p99_s", "ITL p99 s")]
+COLUMNS = [
+    ("server", "server"),
+    ("concurrency", "c"),
+    ("completed", "ok"),
+    ("failed", "failed"),
+    ("output_tok_s", "tok/s"),
+    ("requests_s", "req/s"),
+    ("ttft_p50_s", "TTFT p50 s"),
+    ("ttft_p90_s", "TTFT p90 s"),
+    ("ttft_p99_s", "TTFT p99 s"),
+    ("itl_p50_s", "ITL p50 s"),
+    ("itl_p99_s", "ITL p99 s"),
+]
 
 
 def markdown(rows: list[dict]) -> str:
     head = "| " + " | ".join(c[1] for c in COLUMNS) + " |"
     sep = "|" + "---|" * len(COLUMNS)
-    body = ["| " + " | ".join("" if r.get(k) is None else str(r.get(k)) for k, _ in COLUMNS) + " |"
-            for r in rows]
+    body = ["| " + " | ".join("" if r.get(k) is None else str(r.get(k)) for k, _ in COLUMNS) + " |" for r in rows]
     return "\n".join([head, sep, *body])

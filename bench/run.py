@@ -28,6 +28,7 @@ class BenchConfig:
     requests: int  # per level; default: 2 x concurrency, at least 4
     max_tokens: int
     prompt_words: int
+    prompt_words_max: int | None  # sample lengths in [prompt_words, prompt_words_max]
     temperature: float
     stream: bool
     fixed_prompt: bool
@@ -49,15 +50,21 @@ async def sweep(targets: list[Target], cfg: BenchConfig, log=print) -> list[dict
     rows = []
     for level, c in enumerate(cfg.concurrency):
         n = cfg.requests or max(4, 2 * c)
-        prompts = (varied_prompts(1, cfg.prompt_words, cfg.seed) * n if cfg.fixed_prompt
-                   else varied_prompts(n, cfg.prompt_words, cfg.seed + 1000 * level))
+        prompts = (
+            varied_prompts(1, cfg.prompt_words, cfg.seed) * n
+            if cfg.fixed_prompt
+            else varied_prompts(n, cfg.prompt_words, cfg.seed + 1000 * level, cfg.prompt_words_max)
+        )
         for t in targets:  # alternate servers within each level
-            results, wall = await run_level(t.url, t.model, prompts, c, max_tokens=cfg.max_tokens,
-                                            temperature=cfg.temperature, stream=cfg.stream)
+            results, wall = await run_level(
+                t.url, t.model, prompts, c, max_tokens=cfg.max_tokens, temperature=cfg.temperature, stream=cfg.stream
+            )
             row = {"server": t.label, "concurrency": c, **summarize(results, wall)}
             rows.append(row)
-            log(f"{t.label:>10} c={c:<3} ok={row['completed']:<4} failed={row['failed']:<3} "
-                f"tok/s={row['output_tok_s']:<8} TTFT p50={row['ttft_p50_s']} s")
+            log(
+                f"{t.label:>10} c={c:<3} ok={row['completed']:<4} failed={row['failed']:<3} "
+                f"tok/s={row['output_tok_s']:<8} TTFT p50={row['ttft_p50_s']} s"
+            )
     return rows
 
 
@@ -66,8 +73,10 @@ async def shared_prefix(target: Target, cfg: BenchConfig) -> dict:
     await _clear_cache(target)
     prompts = shared_prefix_prompts(cfg.prefix_repeats + 1, cfg.prefix_words, cfg.seed)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as s:
-        results = [await one_request(s, target.url, target.model, p, max_tokens=8,
-                                     temperature=0.0, stream=True) for p in prompts]
+        results = [
+            await one_request(s, target.url, target.model, p, max_tokens=8, temperature=0.0, stream=True)
+            for p in prompts
+        ]
     cold, warm = results[0], [r for r in results[1:] if r.ok and r.ttft]
     warm_p50 = percentile([r.ttft for r in warm], 50)
     return {
@@ -87,19 +96,29 @@ def ratios(rows: list[dict], a: str, b: str) -> list[dict]:
         rb = next((r for r in rows if r["server"] == b and r["concurrency"] == ra["concurrency"]), None)
         if rb is None:
             continue
-        def ratio(k, invert=False):
+
+        def ratio(k, invert=False, ra=ra, rb=rb):
             x, y = ra.get(k), rb.get(k)
             if not x or not y:
                 return None
             return round(y / x if invert else x / y, 2)
-        out.append({"concurrency": ra["concurrency"], "tok_s_ratio": ratio("output_tok_s"),
-                    "ttft_p50_ratio": ratio("ttft_p50_s", invert=True)})
+
+        out.append(
+            {
+                "concurrency": ra["concurrency"],
+                "tok_s_ratio": ratio("output_tok_s"),
+                "ttft_p50_ratio": ratio("ttft_p50_s", invert=True),
+            }
+        )
     return out
 
 
 def run(targets: list[Target], cfg: BenchConfig, out: Path | None, log=print) -> dict:
-    report = {"config": cfg.__dict__, "targets": [t.__dict__ for t in targets],
-              "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    report = {
+        "config": cfg.__dict__,
+        "targets": [t.__dict__ for t in targets],
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
     report["levels"] = asyncio.run(sweep(targets, cfg, log))
     if len(targets) == 2:
         report["ratios"] = ratios(report["levels"], targets[0].label, targets[1].label)
@@ -110,8 +129,10 @@ def run(targets: list[Target], cfg: BenchConfig, out: Path | None, log=print) ->
         md.append("\n| c | tok/s ratio | TTFT p50 ratio (higher = first is faster) |\n|---|---|---|")
         md += [f"| {r['concurrency']} | {r['tok_s_ratio']} | {r['ttft_p50_ratio']} |" for r in report["ratios"]]
     for sp in report.get("shared_prefix", []):
-        md.append(f"\nshared prefix ({sp['prefix_words']} words) on {sp['server']}: cold TTFT "
-                  f"{sp['cold_ttft_s']} s, warm TTFT p50 {sp['warm_ttft_p50_s']} s, x{sp['speedup']}")
+        md.append(
+            f"\nshared prefix ({sp['prefix_words']} words) on {sp['server']}: cold TTFT "
+            f"{sp['cold_ttft_s']} s, warm TTFT p50 {sp['warm_ttft_p50_s']} s, x{sp['speedup']}"
+        )
     report["markdown"] = "\n".join(md)
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)

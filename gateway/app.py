@@ -49,9 +49,13 @@ async def error_middleware(request: web.Request, handler):
     except web.HTTPNotFound:
         return error_response(ServiceError(ErrorCode.NOT_FOUND, f"no route {request.path}"), family)
     except web.HTTPMethodNotAllowed as e:
-        return error_response(ServiceError(ErrorCode.METHOD_NOT_ALLOWED,
-                                           f"{request.method} is not allowed on {request.path}; "
-                                           f"use {', '.join(sorted(e.allowed_methods))}"), family)
+        return error_response(
+            ServiceError(
+                ErrorCode.METHOD_NOT_ALLOWED,
+                f"{request.method} is not allowed on {request.path}; use {', '.join(sorted(e.allowed_methods))}",
+            ),
+            family,
+        )
     except web.HTTPException:
         raise
     except Exception:
@@ -64,8 +68,7 @@ def default_endpoint(run_dir: Path) -> str:
     return f"ipc://{run_dir / f'gateway-{secrets.token_hex(4)}.sock'}"
 
 
-def make_app(registry: Registry, settings: GatewaySettings, endpoint: str,
-             secret: str = "") -> web.Application:
+def make_app(registry: Registry, settings: GatewaySettings, endpoint: str, secret: str = "") -> web.Application:
     app = web.Application(
         middlewares=[request_id_middleware, error_middleware],
         client_max_size=settings.max_body_bytes,

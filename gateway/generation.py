@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import AsyncIterator
 
 from shared import protocol as p
 from shared.errors import ErrorCode, ServiceError
@@ -32,8 +32,7 @@ class Outcome:
 
 def _usage(event: dict) -> p.Usage:
     u = event.get("usage") or {}
-    return p.Usage(int(u.get("prompt_tokens", 0)), int(u.get("completion_tokens", 0)),
-                   int(u.get("cached_tokens", 0)))
+    return p.Usage(int(u.get("prompt_tokens", 0)), int(u.get("completion_tokens", 0)), int(u.get("cached_tokens", 0)))
 
 
 def raise_for(event: dict) -> None:
@@ -57,7 +56,7 @@ class Generation:
         self.usage = p.Usage()
         self._deadline = self.started + (req.timeout_s or 300) + DEADLINE_SLACK_S
 
-    async def __aenter__(self) -> "Generation":
+    async def __aenter__(self) -> Generation:
         conn = await self.manager.acquire(self.slot)
         self.stream = await self.broker.submit(conn, self.req)
         first = await self._next(None)

@@ -59,9 +59,11 @@ class ModelManager:
     def resolve(self, requested: str) -> ModelSlot:
         entry = self.registry.entry(requested)
         if entry is None:
-            raise ServiceError(ErrorCode.MODEL_NOT_FOUND,
-                               f"The model '{requested}' does not exist. GET /v1/models lists the models served here.",
-                               param="model")
+            raise ServiceError(
+                ErrorCode.MODEL_NOT_FOUND,
+                f"The model '{requested}' does not exist. GET /v1/models lists the models served here.",
+                param="model",
+            )
         return self.slots[entry.name]
 
     async def acquire(self, slot: ModelSlot) -> WorkerConn:
@@ -73,20 +75,21 @@ class ModelManager:
         if self.closing:
             raise ServiceError(ErrorCode.MODEL_UNAVAILABLE, "the server is shutting down", retry_after=5)
         if slot.state == "failed":
-            raise ServiceError(ErrorCode.MODEL_UNAVAILABLE,
-                               f"model {slot.name} failed: {slot.last_error}", retry_after=30)
+            raise ServiceError(
+                ErrorCode.MODEL_UNAVAILABLE, f"model {slot.name} failed: {slot.last_error}", retry_after=30
+            )
         if slot.loading is None or slot.loading.done():
             self._start_load(slot)
         timeout = self.registry.manager.load_timeout_seconds
         try:
             await asyncio.wait_for(asyncio.shield(slot.loading), timeout)
         except asyncio.TimeoutError:
-            raise ServiceError(ErrorCode.MODEL_UNAVAILABLE,
-                               f"model {slot.name} did not load within {timeout:g} s", retry_after=10) from None
+            raise ServiceError(
+                ErrorCode.MODEL_UNAVAILABLE, f"model {slot.name} did not load within {timeout:g} s", retry_after=10
+            ) from None
         conn = self.broker.least_loaded(slot.name)
         if conn is None:
-            raise ServiceError(ErrorCode.MODEL_UNAVAILABLE, f"model {slot.name} is not available",
-                               retry_after=2)
+            raise ServiceError(ErrorCode.MODEL_UNAVAILABLE, f"model {slot.name} is not available", retry_after=2)
         return conn
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -99,8 +102,7 @@ class ModelManager:
         for slot in self.slots.values():
             if slot.entry.preload and slot.loading is not None:
                 try:
-                    await asyncio.wait_for(asyncio.shield(slot.loading),
-                                           self.registry.manager.load_timeout_seconds)
+                    await asyncio.wait_for(asyncio.shield(slot.loading), self.registry.manager.load_timeout_seconds)
                 except Exception as e:  # reported in /health; the gateway still serves the rest
                     log.error("preloading %s failed: %s", slot.name, e)
 
@@ -130,13 +132,13 @@ class ModelManager:
             slot.state = "loading"
         path = slot.entry.model_path(self.registry.models_dir)
         if slot.entry.engine == "mlx" and not (path / "config.json").exists():
-            self._fail_load(slot, f"no model at {path} (import it with `mlxgw models import`)",
-                            permanent=True)
+            self._fail_load(slot, f"no model at {path} (import it with `mlxgw models import`)", permanent=True)
             return
         m = self.registry.manager
         slot.loads += 1
-        proc = await spawn_worker(self.broker.endpoint, slot.entry, path,
-                                  heartbeat_s=m.heartbeat_s, liveness=m.liveness)
+        proc = await spawn_worker(
+            self.broker.endpoint, slot.entry, path, heartbeat_s=m.heartbeat_s, liveness=m.liveness
+        )
         slot.process = proc
         code = await proc.wait()
         # The process ended: whatever it was doing is over.
@@ -159,8 +161,11 @@ class ModelManager:
             slot.crashes.popleft()
         slot.last_error = slot.last_error if was_loading and slot.last_error else f"worker exited with code {code}"
         if len(slot.crashes) >= MAX_CRASHES:
-            self._fail_load(slot, f"crash loop: {len(slot.crashes)} exits in {CRASH_WINDOW_S:g} s; "
-                                  f"last: {slot.last_error}", permanent=True)
+            self._fail_load(
+                slot,
+                f"crash loop: {len(slot.crashes)} exits in {CRASH_WINDOW_S:g} s; last: {slot.last_error}",
+                permanent=True,
+            )
             return
         backoff = min(2 ** (len(slot.crashes) - 1), 30)
         log.warning("worker for %s exited (code %s); restarting in %d s", slot.name, code, backoff)
@@ -177,8 +182,9 @@ class ModelManager:
         if permanent:
             slot.state = "failed"
         if slot.loading is not None and not slot.loading.done():
-            slot.loading.set_exception(ServiceError(ErrorCode.MODEL_UNAVAILABLE,
-                                                    f"model {slot.name}: {message}", retry_after=30))
+            slot.loading.set_exception(
+                ServiceError(ErrorCode.MODEL_UNAVAILABLE, f"model {slot.name}: {message}", retry_after=30)
+            )
 
     # -- broker callbacks ----------------------------------------------------------------------------
     def _slot_for(self, conn: WorkerConn) -> ModelSlot | None:
@@ -225,8 +231,14 @@ class ModelManager:
             "restarts": slot.restarts,
             "load_seconds": slot.load_seconds,
             "workers": [
-                {"worker_id": c.worker_id, "pid": c.pid, "state": c.state, "in_flight": c.load,
-                 "context_length": c.info.get("context_length"), "stats": c.stats}
+                {
+                    "worker_id": c.worker_id,
+                    "pid": c.pid,
+                    "state": c.state,
+                    "in_flight": c.load,
+                    "context_length": c.info.get("context_length"),
+                    "stats": c.stats,
+                }
                 for c in workers
             ],
         }

@@ -18,8 +18,9 @@ from .state import MANAGER, GatewaySettings
 log = logging.getLogger("mlxgw.gateway")
 
 
-async def serve(registry: Registry, settings: GatewaySettings, host: str, port: int,
-                endpoint: str | None = None, secret: str = "") -> None:
+async def serve(
+    registry: Registry, settings: GatewaySettings, host: str, port: int, endpoint: str | None = None, secret: str = ""
+) -> None:
     endpoint = endpoint or default_endpoint(paths.run_dir())
     app = make_app(registry, settings, endpoint, secret)
     log.info("worker link endpoint %s", endpoint)
@@ -42,6 +43,5 @@ async def serve(registry: Registry, settings: GatewaySettings, host: str, port: 
 
 
 def run(registry: Registry, settings: GatewaySettings, host: str, port: int) -> None:
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     asyncio.run(serve(registry, settings, host, port))

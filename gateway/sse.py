@@ -37,8 +37,7 @@ class SSEWriter:
             raise ServiceError(ErrorCode.TIMEOUT, "client stopped reading the stream") from None
 
     async def data(self, payload: dict | str, event: str | None = None) -> None:
-        text = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"),
-                                                                   ensure_ascii=False)
+        text = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
         head = f"event: {event}\n" if event else ""
         await self._write(f"{head}data: {text}\n\n".encode())
 

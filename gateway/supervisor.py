@@ -62,14 +62,23 @@ async def spawn_worker(
 ) -> WorkerProcess:
     worker_id = uuid.uuid4().hex
     cmd = [
-        sys.executable, "-m", "worker",
-        "--connect", endpoint,
-        "--model", entry.name,
-        "--model-path", str(model_path),
-        "--entry", json.dumps(asdict(entry)),
-        "--worker-id", worker_id,
-        "--heartbeat", str(heartbeat_s),
-        "--liveness", str(liveness),
+        sys.executable,
+        "-m",
+        "worker",
+        "--connect",
+        endpoint,
+        "--model",
+        entry.name,
+        "--model-path",
+        str(model_path),
+        "--entry",
+        json.dumps(asdict(entry)),
+        "--worker-id",
+        worker_id,
+        "--heartbeat",
+        str(heartbeat_s),
+        "--liveness",
+        str(liveness),
     ]
     proc = await asyncio.create_subprocess_exec(
         *cmd, env=worker_environment(use_openblas=entry.use_openblas), stdin=asyncio.subprocess.DEVNULL

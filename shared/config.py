@@ -66,8 +66,7 @@ class ModelEntry:
         if requested == self.name:
             return True
         return any(
-            requested == a or (any(c in a for c in "*?[") and fnmatch.fnmatchcase(requested, a))
-            for a in self.aliases
+            requested == a or (any(c in a for c in "*?[") and fnmatch.fnmatchcase(requested, a)) for a in self.aliases
         )
 
 
@@ -251,9 +250,5 @@ def with_discovered_models(registry: Registry) -> Registry:
     if not registry.manager.auto_discover:
         return registry
     listed = {e.name for e in registry.models}
-    extra = [
-        ModelEntry(name=m.name)
-        for m in model_store.list_models(registry.models_dir)
-        if m.name not in listed
-    ]
+    extra = [ModelEntry(name=m.name) for m in model_store.list_models(registry.models_dir) if m.name not in listed]
     return dataclasses.replace(registry, models=registry.models + extra)

@@ -74,7 +74,7 @@ class ServiceError(Exception):
         return wire
 
     @classmethod
-    def from_wire(cls, wire: dict) -> "ServiceError":
+    def from_wire(cls, wire: dict) -> ServiceError:
         try:
             code = ErrorCode(wire.get("code"))
         except ValueError:

@@ -24,9 +24,7 @@ def models_dir() -> Path:
 def validate_model_name(name: str) -> None:
     # Names become folder names: no separators, no leading dot, nothing a path could escape with.
     if not _NAME_RE.match(name) or ".." in name:
-        raise InvalidModelName(
-            f"invalid model name {name!r}: use letters, digits, '.', '_' and '-' (max 128)"
-        )
+        raise InvalidModelName(f"invalid model name {name!r}: use letters, digits, '.', '_' and '-' (max 128)")
 
 
 def read_import_record(folder: Path) -> dict | None:

@@ -107,7 +107,7 @@ class GenerateRequest:
         return asdict(self)
 
     @classmethod
-    def from_wire(cls, wire: dict) -> "GenerateRequest":
+    def from_wire(cls, wire: dict) -> GenerateRequest:
         known = {f.name for f in fields(cls)}
         data = {k: v for k, v in wire.items() if k in known}
         sampling = data.pop("sampling", None) or {}

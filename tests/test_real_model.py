@@ -15,17 +15,19 @@ QUESTION = [{"role": "user", "content": "What is the capital of France? Answer i
 
 def test_default_model_answers_paris_through_the_gateway(real_gateway):
     client = openai_client(real_gateway)
-    out = client.chat.completions.create(model="smollm2-135m", messages=QUESTION, temperature=0,
-                                         max_tokens=20)
+    out = client.chat.completions.create(model="smollm2-135m", messages=QUESTION, temperature=0, max_tokens=20)
     assert "Paris" in out.choices[0].message.content
     assert out.choices[0].finish_reason == "stop"
 
 
 def test_curl_style_request_streams_paris(real_gateway):
-    status, headers, text = http(f"{real_gateway.url}/v1/chat/completions", "POST", {
-        "model": "smollm2-135m", "messages": QUESTION, "temperature": 0, "stream": True})
+    status, headers, text = http(
+        f"{real_gateway.url}/v1/chat/completions",
+        "POST",
+        {"model": "smollm2-135m", "messages": QUESTION, "temperature": 0, "stream": True},
+    )
     assert status == 200 and headers["content-type"].startswith("text/event-stream")
-    events = [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
+    events = [line[len("data: ") :] for line in text.splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     content = "".join(json.loads(e)["choices"][0]["delta"].get("content") or "" for e in events[:-1])
     assert "Paris" in content
@@ -34,8 +36,7 @@ def test_curl_style_request_streams_paris(real_gateway):
 def test_greedy_output_equals_mlx_lm_generate(real_gateway, smollm2_dir):
     messages = [{"role": "user", "content": "Name three fruits and describe one of them."}]
     client = openai_client(real_gateway)
-    out = client.chat.completions.create(model="smollm2-135m", messages=messages, temperature=0,
-                                         max_tokens=40)
+    out = client.chat.completions.create(model="smollm2-135m", messages=messages, temperature=0, max_tokens=40)
     reference = run_reference(f"""
 from mlx_lm import load, generate
 model, tok = load({str(smollm2_dir)!r})
@@ -46,22 +47,33 @@ print(generate(model, tok, prompt, max_tokens=40), end="")
 
 
 async def test_eight_concurrent_real_streams_are_correct(real_gateway):
-    questions = ["What is the capital of France?", "What is 2 plus 2?", "Name a primary colour.",
-                 "What animal says moo?", "What is the opposite of hot?", "Which planet is red?",
-                 "What do bees make?", "What is frozen water called?"]
+    questions = [
+        "What is the capital of France?",
+        "What is 2 plus 2?",
+        "Name a primary colour.",
+        "What animal says moo?",
+        "What is the opposite of hot?",
+        "Which planet is red?",
+        "What do bees make?",
+        "What is frozen water called?",
+    ]
     client = openai_client(real_gateway)
 
     def msgs(q):
         return [{"role": "user", "content": q + " Answer briefly."}]
 
-    sequential = [client.chat.completions.create(model="smollm2-135m", messages=msgs(q), temperature=0,
-                                                 max_tokens=16).choices[0].message.content
-                  for q in questions]
+    sequential = [
+        client.chat.completions.create(model="smollm2-135m", messages=msgs(q), temperature=0, max_tokens=16)
+        .choices[0]
+        .message.content
+        for q in questions
+    ]
     aclient = async_openai_client(real_gateway)
 
     async def one(q):
-        stream = await aclient.chat.completions.create(model="smollm2-135m", messages=msgs(q),
-                                                       temperature=0, max_tokens=16, stream=True)
+        stream = await aclient.chat.completions.create(
+            model="smollm2-135m", messages=msgs(q), temperature=0, max_tokens=16, stream=True
+        )
         return "".join([c.choices[0].delta.content or "" async for c in stream])
 
     concurrent = await asyncio.gather(*(one(q) for q in questions))
@@ -74,12 +86,12 @@ async def test_eight_concurrent_real_streams_are_correct(real_gateway):
 def test_multi_turn_conversation_reuses_the_prefix_cache(real_gateway):
     client = openai_client(real_gateway)
     history = [{"role": "user", "content": "Tell me about the Eiffel Tower in two sentences."}]
-    first = client.chat.completions.create(model="smollm2-135m", messages=history, temperature=0,
-                                           max_tokens=40)
-    history += [{"role": "assistant", "content": first.choices[0].message.content},
-                {"role": "user", "content": "How tall is it?"}]
-    second = client.chat.completions.create(model="smollm2-135m", messages=history, temperature=0,
-                                            max_tokens=20)
+    first = client.chat.completions.create(model="smollm2-135m", messages=history, temperature=0, max_tokens=40)
+    history += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "How tall is it?"},
+    ]
+    second = client.chat.completions.create(model="smollm2-135m", messages=history, temperature=0, max_tokens=20)
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert cached >= first.usage.prompt_tokens
 
@@ -95,8 +107,12 @@ def test_long_prompt_is_prefilled_in_chunks_between_decode_steps(real_gateway):
 
     def running_stream():
         for chunk in client.chat.completions.create(
-                model="smollm2-135m", messages=[{"role": "user", "content": "Count from one to one hundred."}],
-                max_tokens=120, temperature=0, stream=True):
+            model="smollm2-135m",
+            messages=[{"role": "user", "content": "Count from one to one hundred."}],
+            max_tokens=120,
+            temperature=0,
+            stream=True,
+        ):
             if chunk.choices and chunk.choices[0].delta.content:
                 stamps.append(time.monotonic())
                 if len(stamps) == 5:
@@ -107,13 +123,16 @@ def test_long_prompt_is_prefilled_in_chunks_between_decode_steps(real_gateway):
     assert started.wait(60)
     long_text = " ".join(f"item{i} is fine." for i in range(300))  # ~1,500 tokens
     t0 = time.monotonic()
-    out = client.chat.completions.create(model="smollm2-135m", max_tokens=1,
-                                         messages=[{"role": "user", "content": long_text}])
+    out = client.chat.completions.create(
+        model="smollm2-135m", max_tokens=1, messages=[{"role": "user", "content": long_text}]
+    )
     t1 = time.monotonic()
     t.join(120)
     assert out.usage.prompt_tokens > 1200
-    print(f"prefill {t1 - t0:.2f} s for {out.usage.prompt_tokens} tokens; worst gap meanwhile "
-          f"{max(b - a for a, b in zip(stamps, stamps[1:]) if t0 <= b <= t1 + 0.5):.2f} s")
+    print(
+        f"prefill {t1 - t0:.2f} s for {out.usage.prompt_tokens} tokens; worst gap meanwhile "
+        f"{max(b - a for a, b in zip(stamps, stamps[1:]) if t0 <= b <= t1 + 0.5):.2f} s"
+    )
     window = [b - a for a, b in zip(stamps, stamps[1:]) if t0 <= b <= t1 + 0.5]
     assert window, "the running stream produced nothing while the long prompt was prefilled"
     # With 512-token chunks the worst gap is about one chunk, far below the whole prefill.

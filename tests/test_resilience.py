@@ -35,8 +35,9 @@ def running(gw, model: str) -> int:
 
 def test_kill_9_worker_mid_stream_ends_the_stream_with_an_error(tiny_gateway):
     client = openai_client(tiny_gateway)
-    stream = client.chat.completions.create(model="tiny-crash", messages=MSGS, max_tokens=LONG,
-                                            temperature=0, stream=True)
+    stream = client.chat.completions.create(
+        model="tiny-crash", messages=MSGS, max_tokens=LONG, temperature=0, stream=True
+    )
     received = 0
     with pytest.raises(openai.APIError) as info:
         for _ in stream:
@@ -59,8 +60,10 @@ def test_kill_9_worker_mid_stream_ends_the_stream_with_an_error(tiny_gateway):
 async def test_client_disconnect_cancels_the_generation(tiny_gateway):
     tiny_gateway.worker_pid("tiny")
     async with aiohttp.ClientSession() as session:
-        resp = await session.post(f"{tiny_gateway.url}/v1/chat/completions", json={
-            "model": "tiny", "messages": MSGS, "max_tokens": LONG, "stream": True})
+        resp = await session.post(
+            f"{tiny_gateway.url}/v1/chat/completions",
+            json={"model": "tiny", "messages": MSGS, "max_tokens": LONG, "stream": True},
+        )
         async for _ in resp.content:
             break
         await asyncio.to_thread(wait_for, lambda: running(tiny_gateway, "tiny") >= 1)
@@ -71,7 +74,8 @@ async def test_client_disconnect_cancels_the_generation(tiny_gateway):
 def test_cancel_endpoint_ends_a_running_request(tiny_gateway):
     client = openai_client(tiny_gateway)
     stream = client.chat.completions.with_raw_response.create(
-        model="tiny", messages=MSGS, max_tokens=LONG, stream=True, extra_headers={"x-request-id": "cancel-me-1"})
+        model="tiny", messages=MSGS, max_tokens=LONG, stream=True, extra_headers={"x-request-id": "cancel-me-1"}
+    )
     chunks = stream.parse()
     next(iter(chunks))
     status, _, body = http(f"{tiny_gateway.url}/v1/requests/cancel-me-1/cancel", "POST", {})
@@ -102,12 +106,11 @@ async def test_full_queue_answers_429_with_retry_after(tiny_gateway):
 
 
 def test_malformed_messages_on_the_link_are_dropped(tiny_gateway):
-    endpoint = next(line.split("endpoint ")[1] for line in tiny_gateway.log().splitlines()
-                    if "endpoint " in line)
+    endpoint = next(line.split("endpoint ")[1] for line in tiny_gateway.log().splitlines() if "endpoint " in line)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.connect(endpoint)
-    for frame in (b"\x00garbage", b"\x93\x01\x02", b'\x81\xa1v\x63', b"", b"\x82\xa1v\x01\xa1t\xa5alien"):
+    for frame in (b"\x00garbage", b"\x93\x01\x02", b"\x81\xa1v\x63", b"", b"\x82\xa1v\x01\xa1t\xa5alien"):
         sock.send(frame)
     sock.send_multipart([b"a", b"b", b"c"])
     time.sleep(0.5)
@@ -134,6 +137,5 @@ def test_timeout_and_clean_shutdown_leave_no_orphans(home, tiny_dir):
         code = gw.stop(signal.SIGTERM)
     assert code == 0
     time.sleep(0.5)
-    alive = [pid for pid in workers if psutil.pid_exists(pid) and
-             psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    alive = [pid for pid in workers if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
     assert alive == []

@@ -29,16 +29,17 @@ def test_prefix_cache_hit_gives_the_same_greedy_output(tiny_gateway):
     assert warm.usage.prompt_tokens_details.cached_tokens >= cold.usage.prompt_tokens - 1
     assert warm.choices[0].message.content == cold.choices[0].message.content
     # A follow-up turn re-sends the conversation: its whole shared prefix is reused.
-    follow = messages + [{"role": "assistant", "content": cold.choices[0].message.content},
-                         {"role": "user", "content": "And then?"}]
+    follow = messages + [
+        {"role": "assistant", "content": cold.choices[0].message.content},
+        {"role": "user", "content": "And then?"},
+    ]
     out = client.chat.completions.create(model="tiny", messages=follow, max_tokens=5, temperature=0)
     assert out.usage.prompt_tokens_details.cached_tokens >= cold.usage.prompt_tokens
 
 
 def test_cache_stats_and_clear(tiny_gateway):
     client = openai_client(tiny_gateway)
-    client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": story(50, 3)}],
-                                   max_tokens=4)
+    client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": story(50, 3)}], max_tokens=4)
     status, _, stats = http(f"{tiny_gateway.url}/v1/cache/stats?model=tiny")
     (worker,) = stats["models"]["tiny"]
     assert status == 200 and worker["entries"] >= 1 and worker["bytes"] > 0
@@ -54,8 +55,12 @@ def test_cancellation_frees_the_sequence_and_its_kv(tiny_gateway):
     wait_for(lambda: "kv_bytes" in worker_stats(tiny_gateway, "tiny"))
     baseline = worker_stats(tiny_gateway, "tiny")["kv_bytes"]
     raw = client.chat.completions.with_raw_response.create(
-        model="tiny", messages=[{"role": "user", "content": story(100)}], max_tokens=LONG, stream=True,
-        extra_headers={"x-request-id": "kv-free-1"})
+        model="tiny",
+        messages=[{"role": "user", "content": story(100)}],
+        max_tokens=LONG,
+        stream=True,
+        extra_headers={"x-request-id": "kv-free-1"},
+    )
     chunks = iter(raw.parse())
     next(chunks)
     wait_for(lambda: worker_stats(tiny_gateway, "tiny")["kv_bytes"] > baseline)
@@ -68,8 +73,9 @@ def test_prefix_cache_respects_its_byte_bound_under_churn(tiny_gateway):
     client = openai_client(tiny_gateway)
     bound = 1 << 20  # cache_memory_mb: 1
     for i in range(12):
-        client.chat.completions.create(model="tiny-smallcache", max_tokens=4,
-                                       messages=[{"role": "user", "content": story(250, i)}])
+        client.chat.completions.create(
+            model="tiny-smallcache", max_tokens=4, messages=[{"role": "user", "content": story(250, i)}]
+        )
         _, _, stats = http(f"{tiny_gateway.url}/v1/cache/stats?model=tiny-smallcache")
         worker = stats["models"]["tiny-smallcache"][0]
         assert worker["bytes"] <= bound
@@ -80,14 +86,22 @@ def test_priority_orders_waiting_requests(tiny_gateway):
     client = openai_client(tiny_gateway)
     order: list[str] = []
     blocker = client.chat.completions.with_raw_response.create(
-        model="tiny-serial", messages=[{"role": "user", "content": "block"}], max_tokens=LONG,
-        stream=True, extra_headers={"x-request-id": "blocker-1"})
+        model="tiny-serial",
+        messages=[{"role": "user", "content": "block"}],
+        max_tokens=LONG,
+        stream=True,
+        extra_headers={"x-request-id": "blocker-1"},
+    )
     chunks = iter(blocker.parse())
     next(chunks)
 
     def send(name: str, priority: int) -> None:
-        client.chat.completions.create(model="tiny-serial", max_tokens=3, extra_body={"priority": priority},
-                                       messages=[{"role": "user", "content": name}])
+        client.chat.completions.create(
+            model="tiny-serial",
+            max_tokens=3,
+            extra_body={"priority": priority},
+            messages=[{"role": "user", "content": name}],
+        )
         order.append(name)
 
     low = threading.Thread(target=send, args=("low", 10))
@@ -104,9 +118,16 @@ def test_priority_orders_waiting_requests(tiny_gateway):
 
 def test_stream_interval_groups_tokens_per_chunk(tiny_gateway):
     client = openai_client(tiny_gateway)
-    chunks = list(client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=24, temperature=0,
-        stream=True, extra_body={"stream_interval": 6}))
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=24,
+            temperature=0,
+            stream=True,
+            extra_body={"stream_interval": 6},
+        )
+    )
     content_chunks = [c for c in chunks if c.choices and c.choices[0].delta.content]
     assert 2 <= len(content_chunks) <= 5
 
@@ -114,8 +135,12 @@ def test_stream_interval_groups_tokens_per_chunk(tiny_gateway):
 def test_status_lists_requests_in_flight(tiny_gateway):
     client = openai_client(tiny_gateway)
     raw = client.chat.completions.with_raw_response.create(
-        model="tiny", messages=[{"role": "user", "content": "status"}], max_tokens=LONG, stream=True,
-        extra_headers={"x-request-id": "status-probe-1"})
+        model="tiny",
+        messages=[{"role": "user", "content": "status"}],
+        max_tokens=LONG,
+        stream=True,
+        extra_headers={"x-request-id": "status-probe-1"},
+    )
     chunks = iter(raw.parse())
     next(chunks)
 
@@ -129,3 +154,20 @@ def test_status_lists_requests_in_flight(tiny_gateway):
     assert {"running", "waiting", "tokens_per_s", "rss_bytes", "mlx_active_bytes", "cache"} <= set(stats)
     http(f"{tiny_gateway.url}/v1/requests/status-probe-1/cancel", "POST", {})
     time.sleep(0.1)
+
+
+def test_new_request_is_admitted_while_another_decodes(tiny_gateway):
+    client = openai_client(tiny_gateway)
+    raw = client.chat.completions.with_raw_response.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "long"}],
+        max_tokens=LONG,
+        stream=True,
+        extra_headers={"x-request-id": "admission-long-1"},
+    )
+    chunks = iter(raw.parse())
+    next(chunks)
+    out = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "short"}], max_tokens=4)
+    assert out.usage.completion_tokens == 4
+    status, _, _ = http(f"{tiny_gateway.url}/v1/requests/admission-long-1/cancel", "POST", {})
+    assert status == 200, "the long request should still have been running"

@@ -34,9 +34,12 @@ def build_tiny_model(dest: Path, tokenizer_source: Path, seed: int = 0) -> Path:
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         shutil.copy(tokenizer_source / name, dest / name)
     source_config = json.loads((tokenizer_source / "config.json").read_text())
-    config = dict(TINY_CONFIG, vocab_size=source_config["vocab_size"],
-                  eos_token_id=source_config.get("eos_token_id"),
-                  bos_token_id=source_config.get("bos_token_id"))
+    config = dict(
+        TINY_CONFIG,
+        vocab_size=source_config["vocab_size"],
+        eos_token_id=source_config.get("eos_token_id"),
+        bos_token_id=source_config.get("bos_token_id"),
+    )
     mx.random.seed(seed)
     model_cls, args_cls = _get_classes(config)
     model = model_cls(args_cls.from_dict(config))

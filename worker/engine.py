@@ -74,8 +74,9 @@ class Engine:
                 self.link.send(p.EVENTS, items=[[rid, {"e": p.EV_ERROR, **err}]])
                 return
             if self.draining:
-                err = ServiceError(ErrorCode.MODEL_UNAVAILABLE, "model worker is shutting down",
-                                   retry_after=1.0).to_wire()
+                err = ServiceError(
+                    ErrorCode.MODEL_UNAVAILABLE, "model worker is shutting down", retry_after=1.0
+                ).to_wire()
                 self.link.send(p.EVENTS, items=[[req.rid, {"e": p.EV_ERROR, **err}]])
                 return
             self.link.send(p.EVENTS, items=self.scheduler.submit(req))

@@ -65,16 +65,17 @@ def serve(
         "pid": os.getpid(),
         "secret": os.environ.get("MLXGW_SECRET", ""),
     }
-    link = WorkerLink(endpoint, hello, heartbeat_s=heartbeat_s, liveness=liveness,
-                      orphan_after=orphan_after)
+    link = WorkerLink(endpoint, hello, heartbeat_s=heartbeat_s, liveness=liveness, orphan_after=orphan_after)
     link.start()
     started = time.monotonic()
     try:
         runner = build_runner(entry, model_path)
     except Exception as e:  # any load failure is reported, then the process exits non-zero
         log.exception("model load failed")
-        link.send(p.LOAD_FAILED, error={"code": ErrorCode.MODEL_UNAVAILABLE.value,
-                                        "message": f"loading {entry.name} failed: {e}"})
+        link.send(
+            p.LOAD_FAILED,
+            error={"code": ErrorCode.MODEL_UNAVAILABLE.value, "message": f"loading {entry.name} failed: {e}"},
+        )
         time.sleep(0.5)  # let the link flush
         link.close()
         return 3
@@ -88,8 +89,9 @@ def serve(
     link.hello["info"] = info
     link.state = "ready"
     link.send(p.READY, info=info)
-    scheduler = Scheduler(runner, max_num_seqs=entry.max_num_seqs, max_queue=entry.max_queue,
-                          policy=entry.max_tokens_policy)
+    scheduler = Scheduler(
+        runner, max_num_seqs=entry.max_num_seqs, max_queue=entry.max_queue, policy=entry.max_tokens_policy
+    )
     engine = Engine(link, runner, scheduler)
     signal.signal(signal.SIGTERM, lambda *_: setattr(engine, "draining", True))
     engine.run()
@@ -110,16 +112,29 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--worker-id")
     ap.add_argument("--heartbeat", type=float, default=1.0)
     ap.add_argument("--liveness", type=int, default=5)
-    ap.add_argument("--orphan-after", type=float, default=15.0,
-                    help="exit if the gateway is silent this long (0: reconnect forever)")
+    ap.add_argument(
+        "--orphan-after",
+        type=float,
+        default=15.0,
+        help="exit if the gateway is silent this long (0: reconnect forever)",
+    )
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format=f"%(asctime)s worker[{args.model}] %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stderr, format=f"%(asctime)s worker[{args.model}] %(levelname)s %(message)s"
+    )
     entry_data = {**json.loads(args.entry), "name": args.model}
     entry = from_mapping(ModelEntry, entry_data, f"worker {args.model}")
     from shared.paths import models_dir
 
     model_path = Path(args.model_path) if args.model_path else entry.model_path(models_dir())
-    sys.exit(serve(args.connect, entry, model_path, worker_id=args.worker_id,
-                   heartbeat_s=args.heartbeat, liveness=args.liveness,
-                   orphan_after=args.orphan_after or None))
+    sys.exit(
+        serve(
+            args.connect,
+            entry,
+            model_path,
+            worker_id=args.worker_id,
+            heartbeat_s=args.heartbeat,
+            liveness=args.liveness,
+            orphan_after=args.orphan_after or None,
+        )
+    )

@@ -106,9 +106,7 @@ class MLXRunner(Runner):
         if req.tools:
             kwargs["tools"] = req.tools
         try:
-            ids = self.tokenizer.apply_chat_template(
-                req.messages, add_generation_prompt=True, tokenize=True, **kwargs
-            )
+            ids = self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=True, **kwargs)
         except Exception as e:  # jinja raises TemplateError, TypeError, ... for bad messages
             raise invalid(f"the model's chat template rejected the messages: {e}", "messages") from None
         if isinstance(ids, dict):  # some transformers versions return a BatchEncoding

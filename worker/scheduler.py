@@ -74,8 +74,9 @@ class Scheduler:
             prompt = self.runner.encode(req)
             if not prompt:
                 raise ServiceError(ErrorCode.INVALID_REQUEST, "the prompt is empty", param="prompt")
-            max_tokens = check_budget(len(prompt), req.max_tokens, self.runner.context_length,
-                                      req.max_tokens_policy or self.policy)
+            max_tokens = check_budget(
+                len(prompt), req.max_tokens, self.runner.context_length, req.max_tokens_policy or self.policy
+            )
         except ServiceError as e:
             return [(req.rid, {"e": p.EV_ERROR, **e.to_wire()})]
         now = time.monotonic()
@@ -89,16 +90,19 @@ class Scheduler:
         )
         self._seqs[req.rid] = seq
         heapq.heappush(self._waiting, (req.priority, next(self._arrivals), req.rid))
-        accepted = {"e": p.EV_ACCEPTED, "prompt_tokens": len(prompt), "max_tokens": max_tokens,
-                    "queued": len(self._waiting)}
+        accepted = {
+            "e": p.EV_ACCEPTED,
+            "prompt_tokens": len(prompt),
+            "max_tokens": max_tokens,
+            "queued": len(self._waiting),
+        }
         return [(req.rid, accepted)]
 
     def cancel(self, rid: str) -> list[Event]:
         seq = self._seqs.get(rid)
         if seq is None:
             return []
-        return [self._end(seq, {"e": p.EV_FINISH, "reason": "cancelled", "text": "",
-                                "usage": seq.usage()})]
+        return [self._end(seq, {"e": p.EV_FINISH, "reason": "cancelled", "text": "", "usage": seq.usage()})]
 
     # -- the step loop ---------------------------------------------------------------------
     def has_work(self) -> bool:
@@ -150,8 +154,13 @@ class Scheduler:
             seq.unsent.append(text)
         seq.unsent_tokens += 1
         if finish is not None:
-            end = {"e": p.EV_FINISH, "reason": finish, "text": "".join(seq.unsent),
-                   "stop": seq.text.stop_match, "usage": seq.usage()}
+            end = {
+                "e": p.EV_FINISH,
+                "reason": finish,
+                "text": "".join(seq.unsent),
+                "stop": seq.text.stop_match,
+                "usage": seq.usage(),
+            }
             seq.unsent.clear()
             return [self._end(seq, end, remove=False)]
         if seq.unsent_tokens >= max(1, seq.req.stream_interval) and seq.unsent:
@@ -164,9 +173,9 @@ class Scheduler:
     def _expire(self, now: float) -> list[Event]:
         events = []
         for seq in [s for s in self._seqs.values() if s.deadline and now >= s.deadline]:
-            err = ServiceError(ErrorCode.TIMEOUT,
-                               f"request timed out after {seq.req.timeout_s:g} s "
-                               f"({seq.generated} tokens generated)")
+            err = ServiceError(
+                ErrorCode.TIMEOUT, f"request timed out after {seq.req.timeout_s:g} s ({seq.generated} tokens generated)"
+            )
             events.append(self._end(seq, {"e": p.EV_ERROR, **err.to_wire(), "usage": seq.usage()}))
         return events
 

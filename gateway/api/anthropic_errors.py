@@ -20,8 +20,7 @@ _TYPES = {
 
 
 def anthropic_error_body(err: ServiceError) -> dict:
-    return {"type": "error", "error": {"type": _TYPES.get(err.code, "invalid_request_error"),
-                                       "message": err.message}}
+    return {"type": "error", "error": {"type": _TYPES.get(err.code, "invalid_request_error"), "message": err.message}}
 
 
 def anthropic_status(err: ServiceError) -> int:

@@ -11,8 +11,9 @@ from shared.errors import ErrorCode, ServiceError, invalid
 
 
 def body_too_large(request: web.Request) -> ServiceError:
-    return ServiceError(ErrorCode.BODY_TOO_LARGE,
-                        f"request body too large: the limit is {request.client_max_size} bytes")
+    return ServiceError(
+        ErrorCode.BODY_TOO_LARGE, f"request body too large: the limit is {request.client_max_size} bytes"
+    )
 
 
 async def read_json(request: web.Request) -> Any:

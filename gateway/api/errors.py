@@ -49,5 +49,6 @@ def error_response(err: ServiceError, family: str = "openai") -> web.Response:
         body, status = anthropic_error_body(err), anthropic_status(err)
     else:
         body, status = openai_error_body(err), err.status
-    return web.Response(status=status, text=json.dumps(body), content_type="application/json",
-                        headers=error_headers(err))
+    return web.Response(
+        status=status, text=json.dumps(body), content_type="application/json", headers=error_headers(err)
+    )

@@ -54,8 +54,7 @@ def _tool_calls(raw, where: str) -> list[dict]:
             args = json.loads(args) if isinstance(args, str) else args
         except ValueError:
             pass
-        calls.append({"id": call.get("id"), "type": "function",
-                      "function": {"name": fn["name"], "arguments": args}})
+        calls.append({"id": call.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": args}})
     return calls
 
 
@@ -70,8 +69,10 @@ def parse_messages(raw, vision: bool = False) -> list[dict]:
         role = m.get("role")
         if role not in ROLES:
             raise invalid(f"{where}.role must be one of {', '.join(sorted(ROLES))}, got {role!r}", "messages")
-        msg = {"role": "system" if role == "developer" else role,
-               "content": _content_text(m.get("content"), where, vision)}
+        msg = {
+            "role": "system" if role == "developer" else role,
+            "content": _content_text(m.get("content"), where, vision),
+        }
         if role == "assistant" and m.get("tool_calls"):
             msg["tool_calls"] = _tool_calls(m["tool_calls"], where)
         if role == "tool":
@@ -117,19 +118,23 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         if stream:
             return await _stream(request, gen, include_usage)
         out = await gen.result()
-        return web.json_response({
-            "id": oc.new_id("chatcmpl"),
-            "object": "chat.completion",
-            "created": oc.now(),
-            "model": slot.name,
-            "choices": [{
-                "index": 0,
-                "message": {"role": "assistant", "content": out.text, "refusal": None},
-                "logprobs": None,
-                "finish_reason": out.finish_reason,
-            }],
-            "usage": oc.usage_dict(out.usage),
-        })
+        return web.json_response(
+            {
+                "id": oc.new_id("chatcmpl"),
+                "object": "chat.completion",
+                "created": oc.now(),
+                "model": slot.name,
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": out.text, "refusal": None},
+                        "logprobs": None,
+                        "finish_reason": out.finish_reason,
+                    }
+                ],
+                "usage": oc.usage_dict(out.usage),
+            }
+        )
 
 
 async def _stream(request: web.Request, gen: Generation, include_usage: bool) -> web.StreamResponse:
@@ -137,8 +142,13 @@ async def _stream(request: web.Request, gen: Generation, include_usage: bool) ->
 
     def chunk(text: str | None, finish: str | None) -> dict:
         delta = {"content": text} if text is not None else {}
-        c = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-             "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+        c = {
+            "id": cid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+        }
         if include_usage:
             c["usage"] = None
         return c

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from aiohttp import web
 
@@ -14,7 +14,6 @@ from shared.errors import ServiceError, invalid
 
 from ..generation import Generation, raise_for
 from ..sse import SSEWriter
-
 from ..state import SETTINGS
 from . import validate as v
 from .errors import openai_error_body
@@ -112,8 +111,9 @@ def base_request(request: web.Request, body: dict, entry: ModelEntry) -> dict:
 ChunkMaker = Callable[[str | None, str | None], dict]
 
 
-async def stream_response(request: web.Request, gen: Generation, chunk: ChunkMaker,
-                          include_usage: bool, preamble: list[dict]) -> web.StreamResponse:
+async def stream_response(
+    request: web.Request, gen: Generation, chunk: ChunkMaker, include_usage: bool, preamble: list[dict]
+) -> web.StreamResponse:
     """Stream a generation as OpenAI SSE chunks: preamble, text deltas, the finishing chunk,
     the usage chunk when asked for, then [DONE]; or an error event that ends the stream.
 

@@ -57,24 +57,31 @@ async def completions(request: web.Request) -> web.StreamResponse:
         if stream:
             return await _stream(request, gen, include_usage, prefix)
         out = await gen.result()
-        return web.json_response({
-            "id": oc.new_id("cmpl"),
-            "object": "text_completion",
-            "created": oc.now(),
-            "model": slot.name,
-            "choices": [{"index": 0, "text": prefix + out.text, "logprobs": None,
-                         "finish_reason": out.finish_reason}],
-            "usage": oc.usage_dict(out.usage),
-        })
+        return web.json_response(
+            {
+                "id": oc.new_id("cmpl"),
+                "object": "text_completion",
+                "created": oc.now(),
+                "model": slot.name,
+                "choices": [
+                    {"index": 0, "text": prefix + out.text, "logprobs": None, "finish_reason": out.finish_reason}
+                ],
+                "usage": oc.usage_dict(out.usage),
+            }
+        )
 
 
-async def _stream(request: web.Request, gen: Generation, include_usage: bool,
-                  prefix: str) -> web.StreamResponse:
+async def _stream(request: web.Request, gen: Generation, include_usage: bool, prefix: str) -> web.StreamResponse:
     cid, created, model = oc.new_id("cmpl"), oc.now(), gen.slot.name
 
     def chunk(text: str | None, finish: str | None) -> dict:
-        c = {"id": cid, "object": "text_completion", "created": created, "model": model,
-             "choices": [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}]}
+        c = {
+            "id": cid,
+            "object": "text_completion",
+            "created": created,
+            "model": model,
+            "choices": [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}],
+        }
         if include_usage:
             c["usage"] = None
         return c

@@ -21,9 +21,19 @@ async def list_models(request: web.Request) -> web.Response:
     data = []
     for slot in manager.slots.values():
         d = manager.describe(slot)
-        data.append({"id": slot.name, "object": "model", "created": int(STARTED), "owned_by": "mlxgw",
-                     "kind": d["kind"], "state": d["state"], "loaded": d["loaded"],
-                     "aliases": d["aliases"], "last_error": d["last_error"]})
+        data.append(
+            {
+                "id": slot.name,
+                "object": "model",
+                "created": int(STARTED),
+                "owned_by": "mlxgw",
+                "kind": d["kind"],
+                "state": d["state"],
+                "loaded": d["loaded"],
+                "aliases": d["aliases"],
+                "last_error": d["last_error"],
+            }
+        )
     return web.json_response({"object": "list", "data": data})
 
 
@@ -38,12 +48,14 @@ async def health(request: web.Request) -> web.Response:
 async def status(request: web.Request) -> web.Response:
     manager = request.app[MANAGER]
     broker = request.app[BROKER]
-    return web.json_response({
-        "uptime_s": round(time.time() - STARTED, 1),
-        "workers_connected": len(broker.conns),
-        "dropped_messages": broker.dropped_messages,
-        "models": [manager.describe(s) for s in manager.slots.values()],
-    })
+    return web.json_response(
+        {
+            "uptime_s": round(time.time() - STARTED, 1),
+            "workers_connected": len(broker.conns),
+            "dropped_messages": broker.dropped_messages,
+            "models": [manager.describe(s) for s in manager.slots.values()],
+        }
+    )
 
 
 @routes.post("/v1/requests/{rid}/cancel")

@@ -31,8 +31,9 @@ def string(body: dict, name: str, *, required_: bool = False, default: str | Non
     return value
 
 
-def number(body: dict, name: str, lo: float | None = None, hi: float | None = None,
-           default: float | None = None) -> float | None:
+def number(
+    body: dict, name: str, lo: float | None = None, hi: float | None = None, default: float | None = None
+) -> float | None:
     value = body.get(name)
     if value is None:
         return default
@@ -43,8 +44,9 @@ def number(body: dict, name: str, lo: float | None = None, hi: float | None = No
     return float(value)
 
 
-def integer(body: dict, name: str, lo: int | None = None, hi: int | None = None,
-            default: int | None = None) -> int | None:
+def integer(
+    body: dict, name: str, lo: int | None = None, hi: int | None = None, default: int | None = None
+) -> int | None:
     value = body.get(name)
     if value is None:
         return default

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import mlx.core as mx
 
@@ -85,9 +86,7 @@ def _common_config(md: dict, arch: str, model_type: str) -> dict:
         "rms_norm_eps": float(_scalar(md, f"{arch}.attention.layer_norm_rms_epsilon")),
         "rope_theta": float(_scalar(md, f"{arch}.rope.freq_base", 10000.0)),
         "max_position_embeddings": int(_scalar(md, f"{arch}.context_length", 4096)),
-        "vocab_size": int(
-            _scalar(md, f"{arch}.vocab_size", len(md.get("tokenizer.ggml.tokens", [])) or None)
-        ),
+        "vocab_size": int(_scalar(md, f"{arch}.vocab_size", len(md.get("tokenizer.ggml.tokens", [])) or None)),
     }
     key_length = md.get(f"{arch}.attention.key_length")
     if key_length is not None:
@@ -120,7 +119,5 @@ def architecture_for(md: dict) -> Architecture:
     name = md.get("general.architecture")
     if name not in ARCHITECTURES:
         supported = ", ".join(sorted(ARCHITECTURES))
-        raise UnsupportedModel(
-            f"unsupported GGUF architecture {name!r}; supported: {supported}"
-        )
+        raise UnsupportedModel(f"unsupported GGUF architecture {name!r}; supported: {supported}")
     return ARCHITECTURES[name]

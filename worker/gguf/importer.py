@@ -13,7 +13,7 @@ from importlib import metadata as importlib_metadata
 from pathlib import Path
 
 import mlx.core as mx
-import mlx.nn as nn
+from mlx import nn
 from mlx_lm.utils import _get_classes, get_total_parameters, quantize_model, save_config, save_model
 
 from shared import model_store
@@ -57,9 +57,7 @@ def resolve_source(spec: str) -> Path:
             raise ImportError_(f"package {package!r} contains no .gguf file")
         if len(ggufs) > 1:
             listing = "\n  ".join(str(p) for p in ggufs)
-            raise ImportError_(
-                f"package {package!r} contains several .gguf files; pass one path:\n  {listing}"
-            )
+            raise ImportError_(f"package {package!r} contains several .gguf files; pass one path:\n  {listing}")
         return ggufs[0]
     path = Path(spec).expanduser()
     if not path.is_file():
@@ -109,9 +107,7 @@ def convert_tensors(
         if keep_quant:
             quantized[path] = {"group_size": GGUF_GROUP_SIZE, "bits": bits}
             continue
-        weights[f"{path}.weight"] = mx.dequantize(
-            packed, scales, biases, group_size=GGUF_GROUP_SIZE, bits=bits
-        )
+        weights[f"{path}.weight"] = mx.dequantize(packed, scales, biases, group_size=GGUF_GROUP_SIZE, bits=bits)
         del weights[name]
         weights.pop(f"{path}.biases", None)
     for name, value in weights.items():
@@ -182,8 +178,15 @@ def import_gguf(
     dest = models_dir / name
     existing = model_store.read_import_record(dest)
     if not force and existing and existing.get("sha256") == digest and existing.get("options") == options:
-        return ImportResult(name, dest, True, time.perf_counter() - started,
-                            model_store.folder_size(dest), dtype, existing.get("architecture", "?"))
+        return ImportResult(
+            name,
+            dest,
+            True,
+            time.perf_counter() - started,
+            model_store.folder_size(dest),
+            dtype,
+            existing.get("architecture", "?"),
+        )
 
     tensors, md = _read_gguf(path)
     try:
@@ -241,5 +244,6 @@ def import_gguf(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return ImportResult(name, dest, False, time.perf_counter() - started,
-                        model_store.folder_size(dest), record["dtype"], arch.name)
+    return ImportResult(
+        name, dest, False, time.perf_counter() - started, model_store.folder_size(dest), record["dtype"], arch.name
+    )

@@ -39,9 +39,7 @@ def _split_then_bytes(pattern: str) -> pre_tokenizers.PreTokenizer:
 
 
 def _digits_then_gpt2() -> pre_tokenizers.PreTokenizer:
-    return pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), _byte_level(True)]
-    )
+    return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), _byte_level(True)])
 
 
 # tokenizer.ggml.pre -> (pre-tokenizer factory, BPE ignore_merges)
@@ -78,9 +76,7 @@ def _flag(md: dict, key: str, default: bool) -> bool:
 def build_tokenizer(md: dict, context_length: int) -> TokenizerFiles:
     kind = md.get("tokenizer.ggml.model")
     if kind != "gpt2":
-        raise UnsupportedModel(
-            f"GGUF tokenizer model {kind!r} is not supported; only byte-level BPE ('gpt2') is"
-        )
+        raise UnsupportedModel(f"GGUF tokenizer model {kind!r} is not supported; only byte-level BPE ('gpt2') is")
     pre = md.get("tokenizer.ggml.pre", "default")
     if pre not in _PRE_TOKENIZERS:
         raise UnsupportedModel(
