@@ -198,3 +198,27 @@ def async_openai_client(gw: GatewayProcess, **kwargs):
     import openai
 
     return openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0, **kwargs)
+
+
+LONG = 30000  # tokens: long enough that a stream is still running when a test acts on it
+
+
+def start_long_stream(gw: GatewayProcess, model: str, rid: str, content: str = "Write a very long story."):
+    """Start a streaming request under a known request id; return its chunk iterator once
+    the first chunk has arrived (the request is then admitted and running). Keep the
+    iterator referenced: when it is garbage-collected the connection closes, and the
+    gateway rightly cancels the request."""
+    raw = openai_client(gw).chat.completions.with_raw_response.create(
+        model=model,
+        messages=[{"role": "user", "content": content}],
+        max_tokens=LONG,
+        stream=True,
+        extra_headers={"x-request-id": rid},
+    )
+    chunks = iter(raw.parse())
+    next(chunks)
+    return chunks
+
+
+def cancel_request(gw: GatewayProcess, rid: str) -> int:
+    return http(f"{gw.url}/v1/requests/{rid}/cancel", "POST", {})[0]

@@ -13,9 +13,8 @@ import openai
 import psutil
 import pytest
 import zmq
-from conftest import TINY_CONFIG, http, openai_client, start_gateway
+from conftest import LONG, TINY_CONFIG, cancel_request, http, openai_client, start_gateway, start_long_stream
 
-LONG = 30000  # tokens: long enough that a stream is still running when we act on it
 MSGS = [{"role": "user", "content": "Write a very long story."}]
 
 
@@ -72,20 +71,14 @@ async def test_client_disconnect_cancels_the_generation(tiny_gateway):
 
 
 def test_cancel_endpoint_ends_a_running_request(tiny_gateway):
-    client = openai_client(tiny_gateway)
-    stream = client.chat.completions.with_raw_response.create(
-        model="tiny", messages=MSGS, max_tokens=LONG, stream=True, extra_headers={"x-request-id": "cancel-me-1"}
-    )
-    chunks = stream.parse()
-    next(iter(chunks))
+    chunks = start_long_stream(tiny_gateway, "tiny", "cancel-me-1")
     status, _, body = http(f"{tiny_gateway.url}/v1/requests/cancel-me-1/cancel", "POST", {})
     assert status == 200 and body["cancelled"] is True
     with pytest.raises(openai.APIError, match="cancelled"):
         for _ in chunks:
             pass
     wait_for(lambda: running(tiny_gateway, "tiny") == 0, 10)
-    status, _, body = http(f"{tiny_gateway.url}/v1/requests/cancel-me-1/cancel", "POST", {})
-    assert status == 404
+    assert cancel_request(tiny_gateway, "cancel-me-1") == 404
 
 
 async def test_full_queue_answers_429_with_retry_after(tiny_gateway):

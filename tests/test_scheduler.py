@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import threading
-import time
 
-from conftest import http, openai_client
-from test_resilience import LONG, running, wait_for
+from conftest import cancel_request, http, openai_client, start_long_stream
+from test_resilience import running, wait_for
 
 
 def story(n_words: int, seed: int = 0) -> str:
@@ -50,23 +49,17 @@ def test_cache_stats_and_clear(tiny_gateway):
 
 
 def test_cancellation_frees_the_sequence_and_its_kv(tiny_gateway):
-    client = openai_client(tiny_gateway)
     wait_for(lambda: running(tiny_gateway, "tiny") == 0)
     wait_for(lambda: "kv_bytes" in worker_stats(tiny_gateway, "tiny"))
     baseline = worker_stats(tiny_gateway, "tiny")["kv_bytes"]
-    raw = client.chat.completions.with_raw_response.create(
-        model="tiny",
-        messages=[{"role": "user", "content": story(100)}],
-        max_tokens=LONG,
-        stream=True,
-        extra_headers={"x-request-id": "kv-free-1"},
-    )
-    chunks = iter(raw.parse())
-    next(chunks)
+    _stream = start_long_stream(tiny_gateway, "tiny", "kv-free-1", story(100))
     wait_for(lambda: worker_stats(tiny_gateway, "tiny")["kv_bytes"] > baseline)
-    http(f"{tiny_gateway.url}/v1/requests/kv-free-1/cancel", "POST", {})
+    cancel_request(tiny_gateway, "kv-free-1")
     wait_for(lambda: running(tiny_gateway, "tiny") == 0, 10)
-    wait_for(lambda: worker_stats(tiny_gateway, "tiny")["kv_bytes"] == baseline, 10)
+    try:
+        wait_for(lambda: worker_stats(tiny_gateway, "tiny")["kv_bytes"] == baseline, 10)
+    except AssertionError:
+        raise AssertionError(f"baseline {baseline}, now {worker_stats(tiny_gateway, 'tiny')}") from None
 
 
 def test_prefix_cache_respects_its_byte_bound_under_churn(tiny_gateway):
@@ -85,15 +78,7 @@ def test_prefix_cache_respects_its_byte_bound_under_churn(tiny_gateway):
 def test_priority_orders_waiting_requests(tiny_gateway):
     client = openai_client(tiny_gateway)
     order: list[str] = []
-    blocker = client.chat.completions.with_raw_response.create(
-        model="tiny-serial",
-        messages=[{"role": "user", "content": "block"}],
-        max_tokens=LONG,
-        stream=True,
-        extra_headers={"x-request-id": "blocker-1"},
-    )
-    chunks = iter(blocker.parse())
-    next(chunks)
+    _stream = start_long_stream(tiny_gateway, "tiny-serial", "blocker-1")
 
     def send(name: str, priority: int) -> None:
         client.chat.completions.create(
@@ -110,7 +95,7 @@ def test_priority_orders_waiting_requests(tiny_gateway):
     high = threading.Thread(target=send, args=("high", -5))
     high.start()
     wait_for(lambda: worker_stats(tiny_gateway, "tiny-serial").get("waiting") == 2)
-    http(f"{tiny_gateway.url}/v1/requests/blocker-1/cancel", "POST", {})
+    cancel_request(tiny_gateway, "blocker-1")
     low.join(60)
     high.join(60)
     assert order == ["high", "low"]
@@ -133,16 +118,7 @@ def test_stream_interval_groups_tokens_per_chunk(tiny_gateway):
 
 
 def test_status_lists_requests_in_flight(tiny_gateway):
-    client = openai_client(tiny_gateway)
-    raw = client.chat.completions.with_raw_response.create(
-        model="tiny",
-        messages=[{"role": "user", "content": "status"}],
-        max_tokens=LONG,
-        stream=True,
-        extra_headers={"x-request-id": "status-probe-1"},
-    )
-    chunks = iter(raw.parse())
-    next(chunks)
+    _stream = start_long_stream(tiny_gateway, "tiny", "status-probe-1")
 
     def listed():
         reqs = worker_stats(tiny_gateway, "tiny")["requests"]
@@ -152,22 +128,12 @@ def test_status_lists_requests_in_flight(tiny_gateway):
     assert entry["phase"] == "decode" and entry["ttft_s"] is not None
     stats = worker_stats(tiny_gateway, "tiny")
     assert {"running", "waiting", "tokens_per_s", "rss_bytes", "mlx_active_bytes", "cache"} <= set(stats)
-    http(f"{tiny_gateway.url}/v1/requests/status-probe-1/cancel", "POST", {})
-    time.sleep(0.1)
+    assert cancel_request(tiny_gateway, "status-probe-1") == 200
 
 
 def test_new_request_is_admitted_while_another_decodes(tiny_gateway):
     client = openai_client(tiny_gateway)
-    raw = client.chat.completions.with_raw_response.create(
-        model="tiny",
-        messages=[{"role": "user", "content": "long"}],
-        max_tokens=LONG,
-        stream=True,
-        extra_headers={"x-request-id": "admission-long-1"},
-    )
-    chunks = iter(raw.parse())
-    next(chunks)
+    _stream = start_long_stream(tiny_gateway, "tiny", "admission-long-1")
     out = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "short"}], max_tokens=4)
     assert out.usage.completion_tokens == 4
-    status, _, _ = http(f"{tiny_gateway.url}/v1/requests/admission-long-1/cancel", "POST", {})
-    assert status == 200, "the long request should still have been running"
+    assert cancel_request(tiny_gateway, "admission-long-1") == 200, "the long request should still be running"
