@@ -68,13 +68,21 @@ def default_endpoint(run_dir: Path) -> str:
     return f"ipc://{run_dir / f'gateway-{secrets.token_hex(4)}.sock'}"
 
 
-def make_app(registry: Registry, settings: GatewaySettings, endpoint: str, secret: str = "") -> web.Application:
+def make_app(
+    registry: Registry,
+    settings: GatewaySettings,
+    endpoint: str,
+    secret: str = "",
+    extra_endpoints: tuple[str, ...] = (),
+) -> web.Application:
     app = web.Application(
         middlewares=[request_id_middleware, error_middleware],
         client_max_size=settings.max_body_bytes,
     )
     m = registry.manager
-    broker = Broker(endpoint, heartbeat_s=m.heartbeat_s, liveness=m.liveness, secret=secret)
+    broker = Broker(
+        endpoint, heartbeat_s=m.heartbeat_s, liveness=m.liveness, secret=secret, extra_endpoints=extra_endpoints
+    )
     manager = ModelManager(registry, broker)
     app[REGISTRY] = registry
     app[SETTINGS] = settings

@@ -76,8 +76,10 @@ class Broker:
         liveness: int = 5,
         hang_timeout_s: float = 120.0,
         secret: str = "",
+        extra_endpoints: tuple[str, ...] = (),
     ):
         self.endpoint = endpoint
+        self.extra_endpoints = extra_endpoints  # e.g. tcp:// for remote workers
         self.heartbeat_s = heartbeat_s
         self.liveness = liveness
         self.hang_timeout_s = hang_timeout_s
@@ -98,6 +100,8 @@ class Broker:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unroutable sends raise, not vanish
         self.sock.bind(self.endpoint)
+        for extra in self.extra_endpoints:
+            self.sock.bind(extra)
         self._tasks = [
             asyncio.create_task(self._recv_loop(), name="broker-recv"),
             asyncio.create_task(self._heartbeat_loop(), name="broker-heartbeat"),

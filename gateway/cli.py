@@ -28,19 +28,100 @@ def main() -> None:
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8000, show_default=True, type=int)
 @click.option("--timeout", default=None, type=float, help="request timeout in seconds (default 300)")
-def up(config_path: Path | None, host: str, port: int, timeout: float | None) -> None:
+@click.option(
+    "--worker-listen",
+    multiple=True,
+    help="also accept remote workers here, e.g. tcp://0.0.0.0:5555 (needs MLXGW_SECRET)",
+)
+def up(config_path: Path | None, host: str, port: int, timeout: float | None, worker_listen: tuple[str, ...]) -> None:
     """Start the gateway and the workers of the models in the registry."""
+    import os
+
     from gateway.server import run
     from gateway.state import GatewaySettings
 
+    config_path = config_path or DEFAULT_CONFIG
     try:
-        registry = with_discovered_models(load_registry(config_path or DEFAULT_CONFIG))
+        registry = with_discovered_models(load_registry(config_path))
     except ConfigError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
+    secret = os.environ.get("MLXGW_SECRET", "")
+    if any(not e.startswith("ipc://") for e in worker_listen) and len(secret) < 16:
+        click.echo(
+            "error: --worker-listen on a network endpoint needs MLXGW_SECRET (16+ characters) "
+            "shared with the remote workers",
+            err=True,
+        )
+        sys.exit(2)
     m = registry.manager
     settings = GatewaySettings(request_timeout_s=timeout or m.request_timeout_seconds, max_body_bytes=m.max_body_bytes)
-    run(registry, settings, host, port)
+    run(registry, settings, host, port, config_path=config_path, extra_endpoints=worker_listen, secret=secret)
+
+
+@main.command()
+@click.option("--port", default=8000, show_default=True, type=int, help="the gateway's HTTP port")
+def reload(port: int) -> None:
+    """Re-read models.yaml in a running gateway (same as sending it SIGHUP)."""
+    import os
+    import signal
+
+    from gateway.server import pid_file
+
+    try:
+        pid = int(pid_file(port).read_text())
+        os.kill(pid, signal.SIGHUP)
+    except (OSError, ValueError):
+        click.echo(f"error: no gateway running on port {port} (no pid file at {pid_file(port)})", err=True)
+        sys.exit(2)
+    click.echo(f"asked gateway {pid} to reload its registry")
+
+
+@main.command(name="status")
+@click.option("--url", default="http://127.0.0.1:8000", show_default=True)
+def status_cmd(url: str) -> None:
+    """Models, their state, memory, requests and speed (alias: ps)."""
+    import json
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{url.rstrip('/')}/v1/status", timeout=10) as r:
+            status = json.load(r)
+    except OSError as e:
+        click.echo(f"error: cannot reach {url}: {e}", err=True)
+        sys.exit(2)
+    rows = [("MODEL", "STATE", "WORKERS", "MEMORY", "RUNNING", "WAITING", "TOK/S", "IDLE", "LAST ERROR")]
+    for m in status["models"]:
+        stats = [w.get("stats") or {} for w in m["workers"]]
+        rows.append(
+            (
+                m["name"],
+                m["state"],
+                str(len(m["workers"])),
+                f"{m['memory_bytes'] / 1e6:.0f} MB" if m["memory_bytes"] else "-",
+                str(sum(s.get("running", 0) for s in stats)),
+                str(sum(s.get("waiting", 0) for s in stats)),
+                f"{sum(s.get('tokens_per_s', 0) for s in stats):.1f}",
+                f"{m['idle_s']:.0f} s",
+                (m["last_error"] or "")[:60],
+            )
+        )
+    _print_table(rows)
+    mem = status.get("memory") or {}
+    if mem:
+        click.echo(
+            f"memory: {mem['used_bytes'] / 1e6:.0f} of {mem['budget_bytes'] / 1e6:.0f} MB budget; "
+            f"evictions {mem['evictions']}, idle unloads {mem['idle_unloads']}"
+        )
+
+
+main.add_command(status_cmd, name="ps")
+
+
+def _print_table(rows: list[tuple[str, ...]]) -> None:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        click.echo("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
 
 
 @main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
@@ -101,9 +182,7 @@ def list_cmd() -> None:
     for m in found:
         params = f"{m.parameters / 1e6:.0f}M" if m.parameters else "?"
         rows.append((m.name, m.architecture, params, m.dtype, f"{m.size_bytes / 1e6:.0f} MB", m.source))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for r in rows:
-        click.echo("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    _print_table(rows)
 
 
 @main.command()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 from shared import protocol as p
@@ -44,8 +44,11 @@ def raise_for(event: dict) -> None:
 
 
 class Generation:
-    def __init__(self, manager: ModelManager, slot: ModelSlot, req: p.GenerateRequest):
+    def __init__(self, manager: ModelManager, slot: ModelSlot, req: p.GenerateRequest, keepalive_s: float = 5.0):
         self.manager = manager
+        self.keepalive_s = keepalive_s
+        # Called every keepalive_s while the model loads (streams send SSE comments).
+        self.on_wait: Callable[[], Awaitable[None]] | None = None
         self.broker: Broker = manager.broker
         self.slot = slot
         self.req = req
@@ -57,7 +60,7 @@ class Generation:
         self._deadline = self.started + (req.timeout_s or 300) + DEADLINE_SLACK_S
 
     async def __aenter__(self) -> Generation:
-        conn = await self.manager.acquire(self.slot)
+        conn = await self.manager.acquire(self.slot, self.on_wait, self.keepalive_s)
         self.stream = await self.broker.submit(conn, self.req)
         first = await self._next(None)
         if first.get("e") != p.EV_ACCEPTED:
@@ -85,12 +88,12 @@ class Generation:
                 raise ServiceError(ErrorCode.TIMEOUT, "the model worker stopped answering") from None
             raise
 
-    async def events(self, keepalive_s: float = 5.0) -> AsyncIterator[dict | None]:
+    async def events(self) -> AsyncIterator[dict | None]:
         """Delta, progress, finish and error events; None when nothing came for keepalive_s.
         Ends after the terminal event."""
         while True:
             try:
-                event = await self._next(keepalive_s)
+                event = await self._next(self.keepalive_s)
             except asyncio.TimeoutError:
                 yield None
                 continue

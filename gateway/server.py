@@ -1,16 +1,21 @@
-"""`mlxgw up`: serve until SIGINT/SIGTERM, then drain and stop every worker."""
+"""`mlxgw up`: serve until SIGINT/SIGTERM, then drain and stop every worker.
+
+SIGHUP (or `mlxgw reload`) re-reads the registry file: a file with errors is rejected
+whole and the running configuration stays."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import sys
+from pathlib import Path
 
 from aiohttp import web
 
 from shared import paths
-from shared.config import Registry
+from shared.config import ConfigError, Registry, load_registry, with_discovered_models
 
 from .app import default_endpoint, make_app
 from .state import MANAGER, GatewaySettings
@@ -18,12 +23,37 @@ from .state import MANAGER, GatewaySettings
 log = logging.getLogger("mlxgw.gateway")
 
 
+def pid_file(port: int) -> Path:
+    return paths.run_dir() / f"gateway-{port}.pid"
+
+
+async def reload_registry(app: web.Application, config_path: Path | None) -> None:
+    if config_path is None:
+        log.warning("reload asked, but the gateway was started without a registry file")
+        return
+    try:
+        registry = with_discovered_models(load_registry(config_path))
+    except ConfigError as e:
+        log.error("reload rejected, keeping the running registry: %s", e)
+        return
+    await app[MANAGER].reload(registry)
+
+
 async def serve(
-    registry: Registry, settings: GatewaySettings, host: str, port: int, endpoint: str | None = None, secret: str = ""
+    registry: Registry,
+    settings: GatewaySettings,
+    host: str,
+    port: int,
+    *,
+    config_path: Path | None = None,
+    extra_endpoints: tuple[str, ...] = (),
+    secret: str = "",
 ) -> None:
-    endpoint = endpoint or default_endpoint(paths.run_dir())
-    app = make_app(registry, settings, endpoint, secret)
+    endpoint = default_endpoint(paths.run_dir())
+    app = make_app(registry, settings, endpoint, secret, extra_endpoints)
     log.info("worker link endpoint %s", endpoint)
+    for extra in extra_endpoints:
+        log.info("remote workers may connect to %s", extra)
     # Cancel a handler when its client disconnects: a gone client frees its sequence.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
@@ -33,15 +63,21 @@ async def serve(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(reload_registry(app, config_path)))
     if host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("listening on %s: reachable from other machines", host)
-    await app[MANAGER].wait_preloaded()
-    print(f"mlxgw ready on http://{host}:{port}", flush=True)
-    await stop.wait()
-    log.info("shutting down")
-    await runner.cleanup()
+    pid_path = pid_file(port)
+    pid_path.write_text(str(os.getpid()))
+    try:
+        await app[MANAGER].wait_preloaded()
+        print(f"mlxgw ready on http://{host}:{port}", flush=True)
+        await stop.wait()
+        log.info("shutting down")
+        await runner.cleanup()
+    finally:
+        pid_path.unlink(missing_ok=True)
 
 
-def run(registry: Registry, settings: GatewaySettings, host: str, port: int) -> None:
+def run(registry: Registry, settings: GatewaySettings, host: str, port: int, **kwargs) -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    asyncio.run(serve(registry, settings, host, port))
+    asyncio.run(serve(registry, settings, host, port, **kwargs))

@@ -27,10 +27,16 @@ class SSEWriter:
             },
         )
 
+    @property
+    def opened(self) -> bool:
+        return self.response.prepared
+
     async def open(self) -> None:
-        await self.response.prepare(self.request)
+        if not self.response.prepared:
+            await self.response.prepare(self.request)
 
     async def _write(self, chunk: bytes) -> None:
+        await self.open()
         try:
             await asyncio.wait_for(self.response.write(chunk), self.write_timeout_s)
         except asyncio.TimeoutError:

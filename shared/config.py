@@ -44,6 +44,7 @@ class ModelEntry:
     aliases: list[str] = field(default_factory=list)  # exact names or glob patterns
     preload: bool = False
     pin: bool = False
+    remote_only: bool = False  # never spawned here: served by `mlxgw worker --connect` elsewhere
     idle_unload_seconds: float | None = None  # None: the manager's default; 0: never
     max_num_seqs: int = 8
     max_queue: int = 64

@@ -51,6 +51,7 @@ class GatewayProcess:
     proc: subprocess.Popen
     port: int
     log_path: Path
+    config_path: Path
 
     @property
     def url(self) -> str:
@@ -115,7 +116,7 @@ def start_gateway(
         stdout=open(log_path, "w"),
         stderr=subprocess.STDOUT,
     )
-    gw = GatewayProcess(proc, port, log_path)
+    gw = GatewayProcess(proc, port, log_path, config_path)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if "mlxgw ready on" in gw.log():

@@ -114,9 +114,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         max_tokens=oc.max_tokens(request, body, slot.entry, "max_completion_tokens", "max_tokens"),
         **oc.base_request(request, body, slot.entry),
     )
-    async with Generation(manager, slot, req) as gen:
-        if stream:
-            return await _stream(request, gen, include_usage)
+    gen = oc.generation(request, slot, req)
+    if stream:
+        return await _stream(request, gen, include_usage)
+    async with gen:
         out = await gen.result()
         return web.json_response(
             {

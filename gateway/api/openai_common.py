@@ -14,7 +14,7 @@ from shared.errors import ServiceError, invalid
 
 from ..generation import Generation, raise_for
 from ..sse import SSEWriter
-from ..state import SETTINGS
+from ..state import MANAGER, SETTINGS
 from . import validate as v
 from .errors import openai_error_body
 
@@ -114,30 +114,38 @@ ChunkMaker = Callable[[str | None, str | None], dict]
 async def stream_response(
     request: web.Request, gen: Generation, chunk: ChunkMaker, include_usage: bool, preamble: list[dict]
 ) -> web.StreamResponse:
-    """Stream a generation as OpenAI SSE chunks: preamble, text deltas, the finishing chunk,
+    """Run a generation as OpenAI SSE chunks: preamble, text deltas, the finishing chunk,
     the usage chunk when asked for, then [DONE]; or an error event that ends the stream.
 
-    chunk(text, finish_reason) builds one chunk; text None means an empty delta."""
-    settings = request.app[SETTINGS]
-    sse = SSEWriter(request, settings.write_timeout_s)
-    await sse.open()
+    chunk(text, finish_reason) builds one chunk; text None means an empty delta. While the
+    model loads, SSE comments keep the connection alive; an error before anything was sent
+    is still a plain HTTP error with its status."""
+    sse = SSEWriter(request, request.app[SETTINGS].write_timeout_s)
+    gen.on_wait = sse.comment
     try:
-        for c in preamble:
-            await sse.data(c)
-        async for ev in gen.events(settings.keepalive_s):
-            kind = ev["e"] if ev else None
-            if kind in (None, p.EV_PROGRESS):
-                await sse.comment()
-            elif kind == p.EV_DELTA:
-                await sse.data(chunk(ev["text"], None))
-            elif kind == p.EV_FINISH and ev.get("reason") != "cancelled":
-                await sse.data(chunk(ev.get("text") or None, ev.get("reason", "stop")))
-                if include_usage:
-                    await sse.data({**chunk(None, None), "choices": [], "usage": usage_dict(gen.usage)})
-                await sse.data("[DONE]")
-            elif kind in (p.EV_FINISH, p.EV_ERROR):
-                raise_for(ev)
+        async with gen:
+            for c in preamble:
+                await sse.data(c)
+            async for ev in gen.events():
+                kind = ev["e"] if ev else None
+                if kind in (None, p.EV_PROGRESS):
+                    await sse.comment()
+                elif kind == p.EV_DELTA:
+                    await sse.data(chunk(ev["text"], None))
+                elif kind == p.EV_FINISH and ev.get("reason") != "cancelled":
+                    await sse.data(chunk(ev.get("text") or None, ev.get("reason", "stop")))
+                    if include_usage:
+                        await sse.data({**chunk(None, None), "choices": [], "usage": usage_dict(gen.usage)})
+                    await sse.data("[DONE]")
+                elif kind in (p.EV_FINISH, p.EV_ERROR):
+                    raise_for(ev)
     except ServiceError as err:
+        if not sse.opened:
+            raise
         await sse.error(openai_error_body(err))
     await sse.close()
     return sse.response
+
+
+def generation(request: web.Request, slot, req: p.GenerateRequest) -> Generation:
+    return Generation(request.app[MANAGER], slot, req, request.app[SETTINGS].keepalive_s)

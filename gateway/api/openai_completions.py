@@ -53,9 +53,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
         **oc.base_request(request, body, slot.entry),
     )
     prefix = text if echo else ""
-    async with Generation(manager, slot, req) as gen:
-        if stream:
-            return await _stream(request, gen, include_usage, prefix)
+    gen = oc.generation(request, slot, req)
+    if stream:
+        return await _stream(request, gen, include_usage, prefix)
+    async with gen:
         out = await gen.result()
         return web.json_response(
             {

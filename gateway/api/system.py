@@ -53,6 +53,7 @@ async def status(request: web.Request) -> web.Response:
             "uptime_s": round(time.time() - STARTED, 1),
             "workers_connected": len(broker.conns),
             "dropped_messages": broker.dropped_messages,
+            "memory": manager.residency.snapshot(),
             "models": [manager.describe(s) for s in manager.slots.values()],
         }
     )

@@ -1,0 +1,251 @@
+"""Registry and residency: memory budget with LRU eviction, shared first loads, idle
+unload, hung and crashing workers, hot reload, remote workers."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import openai
+import psutil
+import pytest
+import yaml
+from conftest import REPO, free_port, openai_client, start_gateway
+from test_resilience import wait_for
+
+from gateway.residency import PROCESS_OVERHEAD_BYTES, WEIGHTS_FACTOR
+
+MSGS = [{"role": "user", "content": "Say something."}]
+
+
+def rss_of_workers(gw) -> int:
+    total = 0
+    for pid in gw.descendants():
+        try:
+            total += psutil.Process(pid).memory_info().rss
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def greedy(gw, model: str, max_tokens: int = 8) -> str:
+    out = openai_client(gw).chat.completions.create(model=model, messages=MSGS, max_tokens=max_tokens, temperature=0)
+    return out.choices[0].message.content
+
+
+@pytest.fixture(scope="module")
+def one_worker_rss(home, tiny_dir) -> int:
+    """Measured RSS of one tiny worker, to size a budget that fits exactly one."""
+    gw = start_gateway(
+        home, {"manager": {"auto_discover": False}, "models": [{"name": "tiny", "preload": True}]}, "rss-probe"
+    )
+    try:
+        pid = gw.worker_pid("tiny")
+        greedy(gw, "tiny")
+        return psutil.Process(pid).memory_info().rss
+    finally:
+        gw.stop()
+
+
+def test_budget_that_fits_one_model_evicts_the_least_recently_used(home, tiny_dir, one_worker_rss):
+    weights = sum(f.stat().st_size for f in tiny_dir.glob("*.safetensors"))
+    estimate = int(weights * WEIGHTS_FACTOR) + PROCESS_OVERHEAD_BYTES
+    budget = max(int(1.6 * one_worker_rss), estimate + (16 << 20))
+    assert 2 * one_worker_rss > budget, "budget would fit two workers; the test would prove nothing"
+    config = {
+        "manager": {"auto_discover": False, "memory_budget": f"{budget}", "wait_timeout_seconds": 30},
+        "models": [{"name": n, "source": "tiny"} for n in ("tiny-a", "tiny-b", "tiny-c")],
+    }
+    gw = start_gateway(home, config, "budget-gateway")
+    samples: list[int] = []
+    stop = threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            samples.append(rss_of_workers(gw))
+            time.sleep(0.05)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        reference = greedy(gw, "tiny-a")
+        for name in ("tiny-b", "tiny-a", "tiny-c", "tiny-b", "tiny-a"):
+            assert greedy(gw, name) == reference
+        status = gw.status()
+    finally:
+        stop.set()
+        sampler.join()
+        gw.stop()
+    assert status["memory"]["evictions"] >= 5
+    assert len(status["memory"]["resident_models"]) == 1
+    assert max(samples) <= budget, (max(samples), budget)
+
+
+def test_concurrent_first_requests_share_one_load(residency_gateway):
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        outputs = list(pool.map(lambda _: greedy(residency_gateway, "lazy"), range(8)))
+    assert len(set(outputs)) == 1
+    model = residency_gateway.model_status("lazy")
+    assert model["loads"] == 1 and len(model["workers"]) == 1
+
+
+def test_idle_model_is_unloaded_and_its_memory_returned(residency_gateway):
+    greedy(residency_gateway, "idle")
+    pid = residency_gateway.worker_pid("idle")
+    rss = psutil.Process(pid).memory_info().rss
+    before = rss_of_workers(residency_gateway)
+    wait_for(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, 20)
+    wait_for(lambda: residency_gateway.model_status("idle")["state"] == "unloaded", 5)
+    assert rss_of_workers(residency_gateway) <= before - 0.9 * rss
+    greedy(residency_gateway, "idle")  # loads again on demand
+    assert residency_gateway.model_status("idle")["loads"] == 2
+
+
+def test_hung_worker_is_detected_restarted_and_others_are_untouched(residency_gateway):
+    client = openai_client(residency_gateway)
+    greedy(residency_gateway, "steady")
+    steady_pid = residency_gateway.worker_pid("steady")
+    stream = client.chat.completions.create(model="hang", messages=MSGS, max_tokens=30000, stream=True)
+    next(iter(stream))
+    os.kill(residency_gateway.worker_pid("hang"), signal.SIGSTOP)
+    started = time.monotonic()
+    with pytest.raises(openai.APIError, match="stopped"):
+        for _ in stream:
+            pass
+    detected = time.monotonic() - started
+    assert detected < 15
+    assert greedy(residency_gateway, "steady")  # served while the other model was down
+    assert greedy(residency_gateway, "hang")  # restarted
+    assert residency_gateway.model_status("hang")["restarts"] >= 1
+    assert residency_gateway.worker_pid("steady") == steady_pid
+
+
+def test_crash_loop_marks_the_model_failed(residency_gateway):
+    with pytest.raises(openai.APIStatusError) as info:
+        greedy(residency_gateway, "broken")
+    assert info.value.status_code == 503
+    wait_for(lambda: residency_gateway.model_status("broken")["state"] == "failed", 60)
+    models = {m.id: m for m in openai_client(residency_gateway).models.list().data}
+    assert models["broken"].state == "failed" and "crash loop" in models["broken"].last_error
+    with pytest.raises(openai.APIStatusError, match="failed") as info:
+        greedy(residency_gateway, "broken")
+    assert info.value.status_code == 503
+    assert greedy(residency_gateway, "steady")
+
+
+def test_reload_adds_and_removes_models_while_a_stream_completes(residency_gateway, home):
+    client = openai_client(residency_gateway)
+    greedy(residency_gateway, "retiring")
+    pid = residency_gateway.worker_pid("retiring")
+    stream = client.chat.completions.create(
+        model="retiring", messages=MSGS, max_tokens=1500, temperature=0, stream=True
+    )
+    first = next(iter(stream))
+    config = yaml.safe_load(residency_gateway.config_path.read_text())
+    config["models"] = [m for m in config["models"] if m["name"] != "retiring"] + [
+        {"name": "newcomer", "source": "tiny"}
+    ]
+    residency_gateway.config_path.write_text(yaml.safe_dump(config))
+    residency_gateway.proc.send_signal(signal.SIGHUP)
+    chunks = [first, *stream]
+    assert chunks[-1].choices[0].finish_reason == "length"
+    wait_for(lambda: "newcomer" in {m["name"] for m in residency_gateway.status()["models"]}, 10)
+    assert greedy(residency_gateway, "newcomer")
+    with pytest.raises(openai.NotFoundError):
+        greedy(residency_gateway, "retiring")
+    wait_for(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, 20)
+
+
+def test_a_registry_file_with_errors_is_rejected_whole(residency_gateway):
+    original = residency_gateway.config_path.read_text()
+    residency_gateway.config_path.write_text(original + "\n  - name: bad\n    max_num_seqs: lots\n")
+    try:
+        residency_gateway.proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: "reload rejected" in residency_gateway.log(), 10)
+        assert "bad" not in {m["name"] for m in residency_gateway.status()["models"]}
+        assert greedy(residency_gateway, "steady")
+    finally:
+        residency_gateway.config_path.write_text(original)
+
+
+@pytest.fixture(scope="module")
+def residency_gateway(home, tiny_dir):
+    broken = home / "models" / "broken"
+    broken.mkdir(parents=True, exist_ok=True)
+    (broken / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    config = {
+        "manager": {"auto_discover": False, "heartbeat_s": 0.5, "liveness": 6},
+        "models": [
+            {"name": "lazy", "source": "tiny"},
+            {"name": "idle", "source": "tiny", "idle_unload_seconds": 2},
+            {"name": "steady", "source": "tiny"},
+            {"name": "hang", "source": "tiny"},
+            {"name": "broken"},
+            {"name": "retiring", "source": "tiny"},
+        ],
+    }
+    gw = start_gateway(home, config, "residency-gateway")
+    yield gw
+    gw.stop()
+
+
+def test_remote_worker_with_a_shared_secret_serves_through_the_gateway(home, tiny_dir):
+    port = free_port()
+    endpoint = f"tcp://127.0.0.1:{port}"
+    secret = "correct-horse-battery-staple"
+    config = {"manager": {"auto_discover": False}, "models": [{"name": "far", "source": "tiny", "remote_only": True}]}
+    os.environ["MLXGW_SECRET"] = secret
+    try:
+        gw = start_gateway(home, config, "remote-gateway", extra_args=("--worker-listen", endpoint))
+    finally:
+        del os.environ["MLXGW_SECRET"]
+
+    def remote_worker(key: str) -> subprocess.Popen:
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "worker",
+                "--connect",
+                endpoint,
+                "--model",
+                "far",
+                "--model-path",
+                str(tiny_dir),
+                "--orphan-after",
+                "0",
+            ],
+            cwd=REPO,
+            env=dict(os.environ, MLXGW_SECRET=key),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+
+    good = bad = None
+    try:
+        with pytest.raises(openai.APIStatusError) as info:
+            greedy(gw, "far")
+        assert info.value.status_code == 503
+        good = remote_worker(secret)
+        wait_for(lambda: gw.model_status("far")["loaded"], 60)
+        assert greedy(gw, "far")
+        bad = remote_worker("wrong-secret-wrong-secret")
+        wait_for(lambda: "wrong secret" in gw.log(), 60)
+        assert len(gw.model_status("far")["workers"]) == 1
+        good.send_signal(signal.SIGTERM)  # a remote worker that leaves is handled like a crash
+        good.wait(30)
+        wait_for(lambda: not gw.model_status("far")["loaded"], 15)
+        with pytest.raises(openai.APIStatusError):
+            greedy(gw, "far")
+    finally:
+        for p in (good, bad):
+            if p is not None and p.poll() is None:
+                p.kill()
+        gw.stop()
