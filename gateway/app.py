@@ -12,7 +12,7 @@ from aiohttp import web
 from shared.config import Registry
 from shared.errors import ErrorCode, ServiceError
 
-from .api import openai_chat, openai_completions, system
+from .api import anthropic, openai_chat, openai_completions, system
 from .api.body import body_too_large
 from .api.errors import error_response, family_of
 from .broker import Broker
@@ -98,6 +98,6 @@ def make_app(
         await broker.close()
 
     app.cleanup_ctx.append(lifecycle)
-    for module in (openai_chat, openai_completions, system):
+    for module in (openai_chat, openai_completions, anthropic, system):
         app.add_routes(module.routes)
     return app

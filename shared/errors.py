@@ -54,12 +54,15 @@ class ServiceError(Exception):
         *,
         param: str | None = None,
         retry_after: float | None = None,
+        details: dict | None = None,
     ):
         super().__init__(message)
         self.code = ErrorCode(code)
         self.message = message
         self.param = param
         self.retry_after = retry_after
+        # Structured facts an API may phrase its own way (e.g. prompt_tokens, context_length).
+        self.details = details or {}
 
     @property
     def status(self) -> int:
@@ -71,6 +74,8 @@ class ServiceError(Exception):
             wire["param"] = self.param
         if self.retry_after is not None:
             wire["retry_after"] = self.retry_after
+        if self.details:
+            wire["details"] = self.details
         return wire
 
     @classmethod
@@ -84,6 +89,7 @@ class ServiceError(Exception):
             str(wire.get("message", "unknown error")),
             param=wire.get("param"),
             retry_after=wire.get("retry_after"),
+            details=wire.get("details") if isinstance(wire.get("details"), dict) else None,
         )
 
 

@@ -205,20 +205,23 @@ LONG = 30000  # tokens: long enough that a stream is still running when a test a
 
 
 def start_long_stream(gw: GatewayProcess, model: str, rid: str, content: str = "Write a very long story."):
-    """Start a streaming request under a known request id; return its chunk iterator once
-    the first chunk has arrived (the request is then admitted and running). Keep the
-    iterator referenced: when it is garbage-collected the connection closes, and the
-    gateway rightly cancels the request."""
-    raw = openai_client(gw).chat.completions.with_raw_response.create(
-        model=model,
-        messages=[{"role": "user", "content": content}],
-        max_tokens=LONG,
-        stream=True,
-        extra_headers={"x-request-id": rid},
+    """Start a streaming request under a known request id; return the SDK stream once its
+    first chunk has arrived (the request is then admitted). Close it when done: an open
+    stream keeps generating, and a gateway stopping at the end of the session would wait
+    for it to drain."""
+    stream = (
+        openai_client(gw)
+        .chat.completions.with_raw_response.create(
+            model=model,
+            messages=[{"role": "user", "content": content}],
+            max_tokens=LONG,
+            stream=True,
+            extra_headers={"x-request-id": rid},
+        )
+        .parse()
     )
-    chunks = iter(raw.parse())
-    next(chunks)
-    return chunks
+    next(iter(stream))
+    return stream
 
 
 def cancel_request(gw: GatewayProcess, rid: str) -> int:

@@ -180,6 +180,7 @@ def check_budget(prompt_len: int, req_max_tokens: int | None, context: int, poli
             f"This model's maximum context length is {context} tokens, but the prompt has "
             f"{prompt_len} tokens. Shorten the prompt.",
             param="messages",
+            details={"prompt_tokens": prompt_len, "context_length": context},
         )
     room = context - prompt_len
     if req_max_tokens is None:
@@ -190,5 +191,6 @@ def check_budget(prompt_len: int, req_max_tokens: int | None, context: int, poli
             f"This model's maximum context length is {context} tokens; the prompt has "
             f"{prompt_len} tokens and max_tokens asks for {req_max_tokens} more.",
             param="max_tokens",
+            details={"prompt_tokens": prompt_len, "context_length": context, "max_tokens": req_max_tokens},
         )
     return min(req_max_tokens, room)

@@ -19,8 +19,24 @@ _TYPES = {
 }
 
 
+def anthropic_message(err: ServiceError) -> str:
+    # Claude Code compacts its conversation when it reads "prompt is too long".
+    d = err.details
+    if err.code == ErrorCode.CONTEXT_LENGTH_EXCEEDED and "prompt_tokens" in d and "context_length" in d:
+        if "max_tokens" in d:
+            return (
+                f"prompt is too long: {d['prompt_tokens']} tokens + max_tokens {d['max_tokens']} > "
+                f"{d['context_length']} maximum"
+            )
+        return f"prompt is too long: {d['prompt_tokens']} tokens > {d['context_length']} maximum"
+    return err.message
+
+
 def anthropic_error_body(err: ServiceError) -> dict:
-    return {"type": "error", "error": {"type": _TYPES.get(err.code, "invalid_request_error"), "message": err.message}}
+    return {
+        "type": "error",
+        "error": {"type": _TYPES.get(err.code, "invalid_request_error"), "message": anthropic_message(err)},
+    }
 
 
 def anthropic_status(err: ServiceError) -> int:

@@ -1,0 +1,268 @@
+"""Anthropic Messages: POST /v1/messages (streaming and not) and /v1/messages/count_tokens.
+
+Claude Code posts to /v1/messages?beta=true with many betas and fields this server does
+not use: unknown fields are accepted and ignored, never a 400."""
+
+from __future__ import annotations
+
+import json
+import secrets
+
+from aiohttp import web
+
+from shared import protocol as p
+from shared.errors import ServiceError, invalid
+
+from ..generation import Generation, raise_for
+from ..sse import SSEWriter
+from ..state import MANAGER, SETTINGS
+from . import openai_common as oc
+from . import validate as v
+from .anthropic_errors import anthropic_error_body
+from .body import read_json
+
+routes = web.RouteTableDef()
+
+STOP_REASONS = {"length": "max_tokens", "stop": "end_turn"}
+
+
+def _text_of(content, where: str, vision: bool) -> str:
+    """Text of a string or of text blocks (system prompts, tool results)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise invalid(f"{where} must be a string or a list of content blocks")
+    parts = []
+    for i, block in enumerate(content):
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text":
+            if not isinstance(block.get("text"), str):
+                raise invalid(f"{where}[{i}].text: Input should be a valid string")
+            parts.append(block["text"])
+        elif kind == "image":
+            if not vision:
+                raise invalid(f"{where}[{i}]: this model does not accept images; use a vision model")
+        elif kind in ("document", "search_result"):
+            raise invalid(f"{where}[{i}]: content blocks of type {kind!r} are not supported")
+        elif kind is None:
+            raise invalid(f"{where}[{i}]: each content block needs a 'type'")
+        # Other block types (thinking, redacted_thinking, ...) carry nothing the template needs.
+    return "\n".join(parts)
+
+
+def _convert_message(m: dict, i: int, vision: bool) -> list[dict]:
+    where = f"messages.{i}"
+    role = m.get("role")
+    if role not in ("user", "assistant"):
+        raise invalid(f"{where}.role: Input should be 'user' or 'assistant'")
+    content = m.get("content")
+    if isinstance(content, str):
+        return [{"role": role, "content": content}]
+    if not isinstance(content, list):
+        raise invalid(f"{where}.content: Input should be a valid string or list of content blocks")
+    out: list[dict] = []
+    texts: list[str] = []
+    calls: list[dict] = []
+    for j, block in enumerate(content):
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "tool_use" and role == "assistant":
+            if not isinstance(block.get("name"), str):
+                raise invalid(f"{where}.content.{j}.name: Field required")
+            calls.append(
+                {
+                    "id": block.get("id"),
+                    "type": "function",
+                    "function": {"name": block["name"], "arguments": block.get("input") or {}},
+                }
+            )
+        elif kind == "tool_result" and role == "user":
+            result = _text_of(block.get("content") or "", f"{where}.content.{j}.content", vision)
+            out.append({"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": result})
+        else:
+            texts.append(_text_of([block], f"{where}.content", vision))
+    if texts or calls or not out:
+        msg = {"role": role, "content": "\n".join(t for t in texts if t)}
+        if calls:
+            msg["tool_calls"] = calls
+        out.append(msg)
+    return out
+
+
+def parse_request(body: dict, vision: bool) -> dict:
+    """Validate an Anthropic request; return the fields of the internal request."""
+    raw_messages = v.required(body, "messages")
+    if not isinstance(raw_messages, list) or not raw_messages:
+        raise invalid("messages: at least one message is required", "messages")
+    messages: list[dict] = []
+    system = body.get("system")
+    if system:
+        messages.append({"role": "system", "content": _text_of(system, "system", vision)})
+    for i, m in enumerate(raw_messages):
+        if not isinstance(m, dict):
+            raise invalid(f"messages.{i}: Input should be a valid dictionary")
+        messages.extend(_convert_message(m, i, vision))
+    tools = None
+    if body.get("tools") is not None:
+        if not isinstance(body["tools"], list):
+            raise invalid("tools: Input should be a valid list", "tools")
+        tools = [
+            {
+                "type": "function",
+                "function": {
+                    "name": t.get("name"),
+                    "description": t.get("description", ""),
+                    "parameters": t.get("input_schema") or {},
+                },
+            }
+            for t in body["tools"]
+            if isinstance(t, dict) and t.get("name")
+        ]
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict) and choice.get("type") == "none":
+        tools = None
+    return {"messages": messages, "tools": tools or None}
+
+
+def _sampling(body: dict, slot) -> p.SamplingParams:
+    d = slot.entry.defaults
+    temperature = v.number(body, "temperature", 0, 1)
+    top_p = v.number(body, "top_p", 0, 1)
+    top_k = v.integer(body, "top_k", 0)
+    return p.SamplingParams(
+        temperature=temperature if temperature is not None else (d.temperature if d.temperature is not None else 1.0),
+        top_p=top_p if top_p is not None else (d.top_p or 1.0),
+        top_k=top_k if top_k is not None else (d.top_k or 0),
+        min_p=d.min_p or 0.0,
+        repetition_penalty=d.repetition_penalty,
+    )
+
+
+def _build(request: web.Request, body: dict, slot) -> p.GenerateRequest:
+    max_tokens = v.integer(body, "max_tokens", lo=1)
+    if max_tokens is None:
+        raise invalid("max_tokens: Field required", "max_tokens")
+    cap = request.app[SETTINGS].max_tokens_cap
+    fields = parse_request(body, slot.entry.kind == "vision")
+    return p.GenerateRequest(
+        rid=request["rid"],
+        sampling=_sampling(body, slot),
+        stop=v.string_list(body, "stop_sequences"),
+        max_tokens=min(max_tokens, cap) if cap else max_tokens,
+        max_tokens_policy=slot.entry.max_tokens_policy,
+        timeout_s=request.app[SETTINGS].request_timeout_s,
+        stream_interval=slot.entry.stream_interval,
+        **fields,
+    )
+
+
+def _usage(u: p.Usage) -> dict:
+    return {
+        "input_tokens": u.prompt_tokens,
+        "output_tokens": u.completion_tokens,
+        "cache_read_input_tokens": u.cached_tokens,
+        "cache_creation_input_tokens": 0,
+    }
+
+
+def _stop(reason: str, stop: str | None) -> tuple[str, str | None]:
+    if reason == "stop" and stop:
+        return "stop_sequence", stop
+    return STOP_REASONS.get(reason, "end_turn"), None
+
+
+@routes.post("/v1/messages")
+async def messages(request: web.Request) -> web.StreamResponse:
+    body = v.require_object(await read_json(request))
+    model = v.string(body, "model", required_=True)
+    slot = request.app[MANAGER].resolve(model)
+    req = _build(request, body, slot)
+    gen = oc.generation(request, slot, req)
+    if v.boolean(body, "stream"):
+        return await _stream(request, gen)
+    async with gen:
+        out = await gen.result()
+    stop_reason, stop_sequence = _stop(out.finish_reason, out.stop)
+    return web.json_response(
+        {
+            "id": f"msg_{secrets.token_hex(12)}",
+            "type": "message",
+            "role": "assistant",
+            "model": slot.name,
+            "content": [{"type": "text", "text": out.text}],
+            "stop_reason": stop_reason,
+            "stop_sequence": stop_sequence,
+            "usage": _usage(out.usage),
+        }
+    )
+
+
+async def _stream(request: web.Request, gen: Generation) -> web.StreamResponse:
+    """Anthropic's event order: message_start, content_block_start, ping, content_block_delta*,
+    content_block_stop, message_delta, message_stop; or an error event."""
+    sse = SSEWriter(request, request.app[SETTINGS].write_timeout_s)
+    gen.on_wait = sse.comment  # SSE comments: clients ignore them even before message_start
+    mid = f"msg_{secrets.token_hex(12)}"
+    try:
+        async with gen:
+            start = {
+                "id": mid,
+                "type": "message",
+                "role": "assistant",
+                "model": gen.slot.name,
+                "content": [],
+                "stop_reason": None,
+                "stop_sequence": None,
+                "usage": _usage(gen.usage),
+            }
+            await sse.data({"type": "message_start", "message": start}, "message_start")
+            await sse.data(
+                {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+                "content_block_start",
+            )
+            await sse.data({"type": "ping"}, "ping")
+            async for ev in gen.events():
+                kind = ev["e"] if ev else None
+                if kind in (None, p.EV_PROGRESS):
+                    await sse.data({"type": "ping"}, "ping")
+                    continue
+                if kind in (p.EV_DELTA, p.EV_FINISH) and ev.get("text"):
+                    await sse.data(
+                        {
+                            "type": "content_block_delta",
+                            "index": 0,
+                            "delta": {"type": "text_delta", "text": ev["text"]},
+                        },
+                        "content_block_delta",
+                    )
+                if kind == p.EV_FINISH and ev.get("reason") != "cancelled":
+                    stop_reason, stop_sequence = _stop(ev.get("reason", "stop"), ev.get("stop"))
+                    await sse.data({"type": "content_block_stop", "index": 0}, "content_block_stop")
+                    await sse.data(
+                        {
+                            "type": "message_delta",
+                            "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                            "usage": _usage(gen.usage),
+                        },
+                        "message_delta",
+                    )
+                    await sse.data({"type": "message_stop"}, "message_stop")
+                elif kind in (p.EV_FINISH, p.EV_ERROR):
+                    raise_for(ev)
+    except ServiceError as err:
+        if not sse.opened:
+            raise
+        await sse.error(anthropic_error_body(err), "error")
+    await sse.close()
+    return sse.response
+
+
+@routes.post("/v1/messages/count_tokens")
+async def count_tokens(request: web.Request) -> web.Response:
+    body = v.require_object(await read_json(request))
+    model = v.string(body, "model", required_=True)
+    manager = request.app[MANAGER]
+    slot = manager.resolve(model)
+    fields = parse_request(body, slot.entry.kind == "vision")
+    conn = await manager.acquire(slot)
+    result = await manager.broker.call(conn, "tokenize", fields)
+    return web.Response(text=json.dumps({"input_tokens": result["tokens"]}), content_type="application/json")
