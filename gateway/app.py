@@ -12,12 +12,18 @@ from aiohttp import web
 from shared.config import Registry
 from shared.errors import ErrorCode, ServiceError
 
+from . import observe
 from .api import anthropic, openai_chat, openai_completions, system
 from .api.body import body_too_large
 from .api.errors import error_response, family_of
+from .auth import auth_middleware
 from .broker import Broker
+from .keys import KeyStore
+from .limits import RateLimiter
 from .manager import ModelManager
-from .state import BROKER, MANAGER, REGISTRY, SETTINGS, GatewaySettings
+from .metrics import Metrics
+from .observe import ACTIVE, add_response_headers, capacity_middleware, cors_middleware, observe_middleware
+from .state import BROKER, KEYS, LIMITER, MANAGER, METRICS, REGISTRY, SETTINGS, GatewaySettings
 
 log = logging.getLogger("mlxgw.gateway")
 
@@ -29,11 +35,6 @@ async def request_id_middleware(request: web.Request, handler):
     given = request.headers.get("x-request-id", "")
     request["rid"] = given if _REQUEST_ID_RE.match(given) else f"req_{secrets.token_hex(12)}"
     return await handler(request)
-
-
-async def _add_request_id(request: web.Request, response: web.StreamResponse) -> None:
-    if "rid" in request:
-        response.headers["x-request-id"] = request["rid"]
 
 
 @web.middleware
@@ -76,7 +77,16 @@ def make_app(
     extra_endpoints: tuple[str, ...] = (),
 ) -> web.Application:
     app = web.Application(
-        middlewares=[request_id_middleware, error_middleware],
+        # Outermost first: the access log and metrics see the final status of every request,
+        # and auth/limit errors are rendered in the called API's shape.
+        middlewares=[
+            request_id_middleware,
+            observe_middleware,
+            cors_middleware,
+            error_middleware,
+            capacity_middleware,
+            auth_middleware,
+        ],
         client_max_size=settings.max_body_bytes,
     )
     m = registry.manager
@@ -88,7 +98,13 @@ def make_app(
     app[SETTINGS] = settings
     app[BROKER] = broker
     app[MANAGER] = manager
-    app.on_response_prepare.append(_add_request_id)
+    app[KEYS] = KeyStore(settings.keys_path) if settings.keys_path else None
+    app[LIMITER] = RateLimiter()
+    app[METRICS] = Metrics(manager)
+    app[ACTIVE] = {"n": 0}
+    app.on_response_prepare.append(add_response_headers)
+    if app[KEYS] is not None:
+        app[KEYS].refresh()
 
     async def lifecycle(app: web.Application):
         await broker.start()
@@ -98,6 +114,6 @@ def make_app(
         await broker.close()
 
     app.cleanup_ctx.append(lifecycle)
-    for module in (openai_chat, openai_completions, anthropic, system):
+    for module in (openai_chat, openai_completions, anthropic, system, observe):
         app.add_routes(module.routes)
     return app

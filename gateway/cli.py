@@ -33,12 +33,39 @@ def main() -> None:
     multiple=True,
     help="also accept remote workers here, e.g. tcp://0.0.0.0:5555 (needs MLXGW_SECRET)",
 )
-def up(config_path: Path | None, host: str, port: int, timeout: float | None, worker_listen: tuple[str, ...]) -> None:
+@click.option(
+    "--keys",
+    "keys_path",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="API keys file (default: $MLXGW_HOME/keys.yaml when it exists; none: open)",
+)
+@click.option("--metrics-token", envvar="MLXGW_METRICS_TOKEN", default=None, help="bearer token for /metrics")
+@click.option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True)
+@click.option("--log-prompts", is_flag=True, help="include prompts in the access log (off by default)")
+@click.option("--cors-origins", default="", help="comma-separated origins allowed by CORS (default: none)")
+@click.option("--max-tokens-cap", type=int, default=None, help="server-wide ceiling on max_tokens")
+@click.option("--max-connections", type=int, default=1024, show_default=True)
+def up(
+    config_path: Path | None,
+    host: str,
+    port: int,
+    timeout: float | None,
+    worker_listen: tuple[str, ...],
+    keys_path: Path | None,
+    metrics_token: str | None,
+    log_format: str,
+    log_prompts: bool,
+    cors_origins: str,
+    max_tokens_cap: int | None,
+    max_connections: int,
+) -> None:
     """Start the gateway and the workers of the models in the registry."""
     import os
 
     from gateway.server import run
     from gateway.state import GatewaySettings
+    from shared.paths import keys_file
 
     config_path = config_path or DEFAULT_CONFIG
     try:
@@ -54,8 +81,25 @@ def up(config_path: Path | None, host: str, port: int, timeout: float | None, wo
             err=True,
         )
         sys.exit(2)
+    if keys_path is None and keys_file().exists():
+        keys_path = keys_file()
+    if keys_path is not None and not keys_path.exists():
+        click.echo(f"error: keys file {keys_path} does not exist (create keys with `mlxgw keys create`)", err=True)
+        sys.exit(2)
+    if host not in ("127.0.0.1", "localhost", "::1") and keys_path is None:
+        click.echo(f"warning: listening on {host} without API keys: anyone who can reach it can use it", err=True)
     m = registry.manager
-    settings = GatewaySettings(request_timeout_s=timeout or m.request_timeout_seconds, max_body_bytes=m.max_body_bytes)
+    settings = GatewaySettings(
+        request_timeout_s=timeout or m.request_timeout_seconds,
+        max_body_bytes=m.max_body_bytes,
+        keys_path=keys_path,
+        metrics_token=metrics_token,
+        log_format=log_format,
+        log_prompts=log_prompts,
+        cors_origins=tuple(o.strip() for o in cors_origins.split(",") if o.strip()),
+        max_tokens_cap=max_tokens_cap,
+        max_connections=max_connections,
+    )
     run(registry, settings, host, port, config_path=config_path, extra_endpoints=worker_listen, secret=secret)
 
 
@@ -257,6 +301,11 @@ def bench(
     if any(r["failed"] for r in report["levels"]):
         sys.exit(1)
 
+
+from gateway.cli_admin import keys, service  # noqa: E402  (subcommand groups live in their own module)
+
+main.add_command(keys)
+main.add_command(service)
 
 if __name__ == "__main__":
     main()

@@ -56,6 +56,9 @@ class Generation:
         self.accepted: dict = {}
         self.started = time.monotonic()
         self.first_token_at: float | None = None
+        self.outcome: str | None = None  # finish reason, or error:CODE
+        self.token_gaps: list[float] = []  # seconds per token between deltas (inter-token latency)
+        self._last_delta: tuple[float, int] | None = None
         self.usage = p.Usage()
         self._deadline = self.started + (req.timeout_s or 300) + DEADLINE_SLACK_S
 
@@ -88,6 +91,16 @@ class Generation:
                 raise ServiceError(ErrorCode.TIMEOUT, "the model worker stopped answering") from None
             raise
 
+    def _mark_tokens(self, n_total: int) -> None:
+        now = time.monotonic()
+        if self.first_token_at is None:
+            self.first_token_at = now
+        elif self._last_delta is not None and n_total > self._last_delta[1]:
+            then, before = self._last_delta
+            gap = (now - then) / (n_total - before)
+            self.token_gaps.extend([gap] * (n_total - before))
+        self._last_delta = (now, n_total)
+
     async def events(self) -> AsyncIterator[dict | None]:
         """Delta, progress, finish and error events; None when nothing came for keepalive_s.
         Ends after the terminal event."""
@@ -98,9 +111,10 @@ class Generation:
                 yield None
                 continue
             kind = event.get("e")
-            if kind == p.EV_DELTA and self.first_token_at is None:
-                self.first_token_at = time.monotonic()
+            if kind == p.EV_DELTA:
+                self._mark_tokens(int(event.get("n", 0)))
             if kind in (p.EV_FINISH, p.EV_ERROR):
+                self.outcome = event.get("reason") if kind == p.EV_FINISH else f"error:{event.get('code')}"
                 self.usage = _usage(event) if "usage" in event else self.usage
                 if self.first_token_at is None and event.get("text"):
                     self.first_token_at = time.monotonic()

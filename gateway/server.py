@@ -80,4 +80,11 @@ async def serve(
 
 def run(registry: Registry, settings: GatewaySettings, host: str, port: int, **kwargs) -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if settings.log_format == "json":
+        # Access-log lines are complete JSON objects on their own line.
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        access = logging.getLogger("mlxgw.access")
+        access.addHandler(handler)
+        access.propagate = False
     asyncio.run(serve(registry, settings, host, port, **kwargs))

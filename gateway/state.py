@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from aiohttp import web
 
@@ -19,9 +20,18 @@ class GatewaySettings:
     keepalive_s: float = 5.0
     max_body_bytes: int = 10 * 1024 * 1024
     max_tokens_cap: int | None = None  # server-wide ceiling on max_tokens
+    max_connections: int = 1024  # concurrent HTTP requests; past it 503 with Retry-After
+    keys_path: Path | None = None  # None: no authentication (fine on 127.0.0.1)
+    metrics_token: str | None = None  # bearer token for /metrics; None: open
+    log_format: str = "text"  # or "json": one access-log line per request
+    log_prompts: bool = False
+    cors_origins: tuple[str, ...] = ()
 
 
 REGISTRY = web.AppKey("registry", Registry)
 BROKER = web.AppKey("broker", Broker)
 MANAGER = web.AppKey("manager", ModelManager)
 SETTINGS = web.AppKey("settings", GatewaySettings)
+KEYS = web.AppKey("keys", object)  # KeyStore | None
+LIMITER = web.AppKey("limiter", object)  # RateLimiter
+METRICS = web.AppKey("metrics", object)  # Metrics

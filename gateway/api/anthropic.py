@@ -13,6 +13,7 @@ from aiohttp import web
 from shared import protocol as p
 from shared.errors import ServiceError, invalid
 
+from ..auth import resolve_model
 from ..generation import Generation, raise_for
 from ..sse import SSEWriter
 from ..state import MANAGER, SETTINGS
@@ -174,7 +175,7 @@ def _stop(reason: str, stop: str | None) -> tuple[str, str | None]:
 async def messages(request: web.Request) -> web.StreamResponse:
     body = v.require_object(await read_json(request))
     model = v.string(body, "model", required_=True)
-    slot = request.app[MANAGER].resolve(model)
+    slot = resolve_model(request, model)
     req = _build(request, body, slot)
     gen = oc.generation(request, slot, req)
     if v.boolean(body, "stream"):
@@ -261,7 +262,7 @@ async def count_tokens(request: web.Request) -> web.Response:
     body = v.require_object(await read_json(request))
     model = v.string(body, "model", required_=True)
     manager = request.app[MANAGER]
-    slot = manager.resolve(model)
+    slot = resolve_model(request, model)
     fields = parse_request(body, slot.entry.kind == "vision")
     conn = await manager.acquire(slot)
     result = await manager.broker.call(conn, "tokenize", fields)

@@ -9,8 +9,8 @@ from aiohttp import web
 from shared import protocol as p
 from shared.errors import invalid
 
+from ..auth import resolve_model
 from ..generation import Generation
-from ..state import MANAGER
 from . import openai_common as oc
 from . import validate as v
 from .body import read_json
@@ -95,8 +95,7 @@ def _check_response_format(body: dict) -> None:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = v.require_object(await read_json(request))
     model = v.string(body, "model", required_=True)
-    manager = request.app[MANAGER]
-    slot = manager.resolve(model)
+    slot = resolve_model(request, model)
     messages = parse_messages(v.required(body, "messages"), vision=slot.entry.kind == "vision")
     oc.check_unsupported(body)
     _check_response_format(body)

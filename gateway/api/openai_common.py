@@ -148,4 +148,7 @@ async def stream_response(
 
 
 def generation(request: web.Request, slot, req: p.GenerateRequest) -> Generation:
-    return Generation(request.app[MANAGER], slot, req, request.app[SETTINGS].keepalive_s)
+    """The request's generation, also recorded on the request for limits, metrics and logs."""
+    gen = Generation(request.app[MANAGER], slot, req, request.app[SETTINGS].keepalive_s)
+    request["generation"] = gen
+    return gen

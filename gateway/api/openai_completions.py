@@ -7,8 +7,8 @@ from aiohttp import web
 from shared import protocol as p
 from shared.errors import invalid
 
+from ..auth import resolve_model
 from ..generation import Generation
-from ..state import MANAGER
 from . import openai_common as oc
 from . import validate as v
 from .body import read_json
@@ -34,8 +34,7 @@ def _prompt(body: dict) -> tuple[str | None, list[int] | None]:
 async def completions(request: web.Request) -> web.StreamResponse:
     body = v.require_object(await read_json(request))
     model = v.string(body, "model", required_=True)
-    manager = request.app[MANAGER]
-    slot = manager.resolve(model)
+    slot = resolve_model(request, model)
     text, tokens = _prompt(body)
     oc.check_unsupported(body)
     if body.get("logprobs") is not None:

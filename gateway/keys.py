@@ -1,0 +1,173 @@
+"""API keys: a YAML file of key *hashes* with per-key limits, re-read when it changes.
+
+window_seconds: 60            # the rate-limit window (requests and tokens per window)
+keys:
+  - name: alice
+    sha256: 9f86d0...           # SHA-256 of the key; the key itself is never stored
+    models: ["smollm2-*"]       # names or globs; default: every model
+    rpm: 60                     # requests per window
+    tpm: 100000                 # prompt + completion tokens per window
+    max_concurrent: 4
+    expires: "2027-01-01T00:00:00Z"
+    created: "2026-11-29T10:00:00Z"
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import fnmatch
+import hashlib
+import hmac
+import logging
+import os
+import secrets
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+log = logging.getLogger("mlxgw.keys")
+
+KEY_PREFIX = "mlxgw-"
+
+
+class KeysFileError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    name: str
+    sha256: str
+    models: tuple[str, ...] = ()
+    rpm: int | None = None
+    tpm: int | None = None
+    max_concurrent: int | None = None
+    expires: dt.datetime | None = None
+    created: str | None = None
+
+    def allows(self, *model_names: str) -> bool:
+        if not self.models:
+            return True
+        return any(fnmatch.fnmatchcase(n, pattern) for n in model_names for pattern in self.models)
+
+    def expired(self, now: dt.datetime | None = None) -> bool:
+        return self.expires is not None and (now or dt.datetime.now(dt.timezone.utc)) >= self.expires
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def new_key() -> str:
+    return KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+def _parse_time(value, where: str) -> dt.datetime | None:
+    if value is None:
+        return None
+    if isinstance(value, dt.datetime):
+        return value if value.tzinfo else value.replace(tzinfo=dt.timezone.utc)
+    try:
+        parsed = dt.datetime.fromisoformat(str(value).replace("Z", "+00:00"))
+    except ValueError:
+        raise KeysFileError(f"{where}: 'expires' must be an ISO time such as 2027-01-01T00:00:00Z") from None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=dt.timezone.utc)
+
+
+_FIELDS = {"name", "sha256", "models", "rpm", "tpm", "max_concurrent", "expires", "created"}
+
+
+def parse_keys(data, source: str) -> tuple[list[ApiKey], float]:
+    data = data or {}
+    if not isinstance(data, dict):
+        raise KeysFileError(f"{source}: expected a mapping with 'keys'")
+    window = data.get("window_seconds", 60)
+    if isinstance(window, bool) or not isinstance(window, (int, float)) or window <= 0:
+        raise KeysFileError(f"{source}: 'window_seconds' must be a positive number")
+    keys = []
+    for i, raw in enumerate(data.get("keys") or []):
+        where = f"{source}: keys[{i}]"
+        if not isinstance(raw, dict):
+            raise KeysFileError(f"{where}: expected a mapping")
+        unknown = set(raw) - _FIELDS
+        if unknown:
+            raise KeysFileError(f"{where}: unknown field {sorted(unknown)[0]!r}")
+        name, digest = raw.get("name"), str(raw.get("sha256", "")).lower()
+        if not isinstance(name, str) or not name:
+            raise KeysFileError(f"{where}: 'name' is required")
+        if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+            raise KeysFileError(f"{where} ({name}): 'sha256' must be 64 hex digits")
+        limits = {}
+        for f in ("rpm", "tpm", "max_concurrent"):
+            value = raw.get(f)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise KeysFileError(f"{where} ({name}): '{f}' must be a non-negative integer")
+            limits[f] = value
+        models = raw.get("models") or []
+        if isinstance(models, str):
+            models = [models]
+        keys.append(
+            ApiKey(
+                name=name,
+                sha256=digest,
+                models=tuple(models),
+                expires=_parse_time(raw.get("expires"), where),
+                created=raw.get("created"),
+                **limits,
+            )
+        )
+    return keys, float(window)
+
+
+@dataclass
+class KeyStore:
+    """Keys from a file, reloaded when its modification time changes."""
+
+    path: Path
+    keys: list[ApiKey] = field(default_factory=list)
+    window_s: float = 60.0
+    _mtime: float | None = None
+
+    def refresh(self) -> None:
+        try:
+            mtime = os.stat(self.path).st_mtime
+        except OSError:
+            if self._mtime is not None:
+                log.warning("keys file %s disappeared; keeping the keys loaded before", self.path)
+            return
+        if mtime == self._mtime:
+            return
+        try:
+            self.keys, self.window_s = parse_keys(yaml.safe_load(self.path.read_text()), str(self.path))
+            log.info("loaded %d API keys from %s", len(self.keys), self.path)
+        except (KeysFileError, yaml.YAMLError, OSError) as e:
+            log.error("keys file rejected, keeping the previous keys: %s", e)
+        self._mtime = mtime
+
+    def lookup(self, presented: str) -> ApiKey | None:
+        """The key whose hash matches, comparing against every key in constant time."""
+        self.refresh()
+        digest = hash_key(presented)
+        found = None
+        for key in self.keys:
+            if hmac.compare_digest(digest, key.sha256):
+                found = key
+        return found
+
+
+# -- the file, for `mlxgw keys` -----------------------------------------------------------------
+def load_file(path: Path) -> dict:
+    if not path.exists():
+        return {"window_seconds": 60, "keys": []}
+    data = yaml.safe_load(path.read_text()) or {}
+    parse_keys(data, str(path))  # validate before editing
+    return data
+
+
+def save_file(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(yaml.safe_dump(data, sort_keys=False))
+    tmp.chmod(0o600)
+    tmp.replace(path)

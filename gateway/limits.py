@@ -1,0 +1,79 @@
+"""Per-key rate limits: requests and tokens per sliding window, and a concurrency cap.
+
+Kept in the gateway's memory: one process serves the whole machine, so no Redis or
+Postgres is needed for quotas."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from shared.errors import ErrorCode, ServiceError
+
+from .keys import ApiKey
+
+
+@dataclass
+class _Usage:
+    requests: deque = field(default_factory=deque)  # request start times
+    tokens: deque = field(default_factory=deque)  # (time, tokens)
+    token_sum: int = 0
+    concurrent: int = 0
+
+
+class RateLimiter:
+    def __init__(self) -> None:
+        self._usage: dict[str, _Usage] = {}
+
+    def _prune(self, u: _Usage, now: float, window: float) -> None:
+        while u.requests and u.requests[0] <= now - window:
+            u.requests.popleft()
+        while u.tokens and u.tokens[0][0] <= now - window:
+            u.token_sum -= u.tokens.popleft()[1]
+
+    def start(self, key: ApiKey, window: float) -> None:
+        """Admit one request for the key or raise a 429 saying when to retry."""
+        now = time.monotonic()
+        u = self._usage.setdefault(key.name, _Usage())
+        self._prune(u, now, window)
+        if key.rpm is not None and len(u.requests) >= key.rpm:
+            raise ServiceError(
+                ErrorCode.RATE_LIMITED,
+                f"rate limit reached for key '{key.name}': {key.rpm} requests per {window:g} s",
+                retry_after=u.requests[0] + window - now,
+            )
+        if key.tpm is not None and u.token_sum >= key.tpm:
+            raise ServiceError(
+                ErrorCode.RATE_LIMITED,
+                f"token limit reached for key '{key.name}': {key.tpm} tokens per {window:g} s",
+                retry_after=u.tokens[0][0] + window - now if u.tokens else window,
+            )
+        if key.max_concurrent is not None and u.concurrent >= key.max_concurrent:
+            raise ServiceError(
+                ErrorCode.RATE_LIMITED,
+                f"too many concurrent requests for key '{key.name}' (limit {key.max_concurrent})",
+                retry_after=1.0,
+            )
+        u.requests.append(now)
+        u.concurrent += 1
+
+    def finish(self, key: ApiKey, tokens: int) -> None:
+        u = self._usage.setdefault(key.name, _Usage())
+        u.concurrent = max(0, u.concurrent - 1)
+        if tokens > 0:
+            u.tokens.append((time.monotonic(), tokens))
+            u.token_sum += tokens
+
+    def headers(self, key: ApiKey, window: float) -> dict[str, str]:
+        now = time.monotonic()
+        u = self._usage.setdefault(key.name, _Usage())
+        self._prune(u, now, window)
+        out = {}
+        if key.rpm is not None:
+            out["x-ratelimit-limit-requests"] = str(key.rpm)
+            out["x-ratelimit-remaining-requests"] = str(max(0, key.rpm - len(u.requests)))
+        if key.tpm is not None:
+            out["x-ratelimit-limit-tokens"] = str(key.tpm)
+            out["x-ratelimit-remaining-tokens"] = str(max(0, key.tpm - u.token_sum))
+        return out
