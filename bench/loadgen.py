@@ -143,6 +143,7 @@ async def run_level(
     temperature: float,
     stream: bool = True,
     timeout_s: float = 600,
+    api_key: str | None = None,
 ) -> tuple[list[RequestResult], float]:
     """Send every prompt once with `concurrency` clients; return results and wall time."""
     queue: asyncio.Queue = asyncio.Queue()
@@ -151,7 +152,8 @@ async def run_level(
     results: list[RequestResult] = []
     connector = aiohttp.TCPConnector(limit=concurrency * 2)
     timeout = aiohttp.ClientTimeout(total=timeout_s)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers) as session:
 
         async def client() -> None:
             while not queue.empty():

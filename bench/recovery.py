@@ -51,9 +51,18 @@ def main() -> None:
             time.sleep(0.05)
     recovered = time.perf_counter() - killed
     model = _model(args.url, args.model)
-    print(json.dumps({"model": args.model, "first_request_s": round(first, 3),
-                      "load_seconds": model["load_seconds"], "worker_rss_mb": round(rss / 1e6),
-                      "recovery_after_kill_s": round(recovered, 3), "restarts": model["restarts"]}))
+    print(
+        json.dumps(
+            {
+                "model": args.model,
+                "first_request_s": round(first, 3),
+                "load_seconds": model["load_seconds"],
+                "worker_rss_mb": round(rss / 1e6),
+                "recovery_after_kill_s": round(recovered, 3),
+                "restarts": model["restarts"],
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ class Target:
     label: str
     url: str  # base URL including /v1
     model: str
+    api_key: str | None = None
 
 
 @dataclass
@@ -57,7 +58,14 @@ async def sweep(targets: list[Target], cfg: BenchConfig, log=print) -> list[dict
         )
         for t in targets:  # alternate servers within each level
             results, wall = await run_level(
-                t.url, t.model, prompts, c, max_tokens=cfg.max_tokens, temperature=cfg.temperature, stream=cfg.stream
+                t.url,
+                t.model,
+                prompts,
+                c,
+                max_tokens=cfg.max_tokens,
+                temperature=cfg.temperature,
+                stream=cfg.stream,
+                api_key=t.api_key,
             )
             row = {"server": t.label, "concurrency": c, **summarize(results, wall)}
             rows.append(row)

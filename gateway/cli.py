@@ -233,6 +233,8 @@ def list_cmd() -> None:
 @click.option("--url", default="http://127.0.0.1:8000/v1", show_default=True, help="OpenAI base URL")
 @click.option("--model", required=True)
 @click.option("--label", default="mlxgw", show_default=True)
+@click.option("--api-key", envvar="MLXGW_BENCH_KEY", default=None, help="bearer key for the first server")
+@click.option("--compare-api-key", default=None, help="bearer key for the second server")
 @click.option("--compare", "compare_url", default=None, help="a second server's base URL, run alternately")
 @click.option("--compare-model", default=None, help="model name on the second server (default: --model)")
 @click.option("--compare-label", default="peer", show_default=True)
@@ -257,6 +259,8 @@ def bench(
     url,
     model,
     label,
+    api_key,
+    compare_api_key,
     compare_url,
     compare_model,
     compare_label,
@@ -280,9 +284,9 @@ def bench(
         import random
 
         seed = random.randrange(1 << 30)
-    targets = [Target(label, url, model)]
+    targets = [Target(label, url, model, api_key)]
     if compare_url:
-        targets.append(Target(compare_label, compare_url, compare_model or model))
+        targets.append(Target(compare_label, compare_url, compare_model or model, compare_api_key))
     cfg = BenchConfig(
         concurrency=[int(c) for c in concurrency.split(",")],
         requests=requests,
