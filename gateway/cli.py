@@ -45,6 +45,12 @@ def main() -> None:
 @click.option("--log-prompts", is_flag=True, help="include prompts in the access log (off by default)")
 @click.option("--cors-origins", default="", help="comma-separated origins allowed by CORS (default: none)")
 @click.option("--max-tokens-cap", type=int, default=None, help="server-wide ceiling on max_tokens")
+@click.option(
+    "--max-tokens-default",
+    type=int,
+    default=None,
+    help="max_tokens when neither the request nor the model entry sets one (default: the context)",
+)
 @click.option("--max-connections", type=int, default=1024, show_default=True)
 def up(
     config_path: Path | None,
@@ -58,6 +64,7 @@ def up(
     log_prompts: bool,
     cors_origins: str,
     max_tokens_cap: int | None,
+    max_tokens_default: int | None,
     max_connections: int,
 ) -> None:
     """Start the gateway and the workers of the models in the registry."""
@@ -98,6 +105,7 @@ def up(
         log_prompts=log_prompts,
         cors_origins=tuple(o.strip() for o in cors_origins.split(",") if o.strip()),
         max_tokens_cap=max_tokens_cap,
+        max_tokens_default=max_tokens_default,
         max_connections=max_connections,
     )
     run(registry, settings, host, port, config_path=config_path, extra_endpoints=worker_listen, secret=secret)

@@ -20,6 +20,7 @@ class GatewaySettings:
     keepalive_s: float = 5.0
     max_body_bytes: int = 10 * 1024 * 1024
     max_tokens_cap: int | None = None  # server-wide ceiling on max_tokens
+    max_tokens_default: int | None = None  # when neither the request nor the model sets one
     max_connections: int = 1024  # concurrent HTTP requests; past it 503 with Retry-After
     keys_path: Path | None = None  # None: no authentication (fine on 127.0.0.1)
     metrics_token: str | None = None  # bearer token for /metrics; None: open

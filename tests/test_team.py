@@ -56,7 +56,18 @@ def team_gateway(home, tiny_dir):
         home,
         TINY_CONFIG,
         "team-gateway",
-        extra_args=("--keys", str(keys_path), "--log-format", "json", "--metrics-token", "scrape-token-42"),
+        extra_args=(
+            "--keys",
+            str(keys_path),
+            "--log-format",
+            "json",
+            "--metrics-token",
+            "scrape-token-42",
+            "--max-tokens-cap",
+            "10000",
+            "--max-tokens-default",
+            "7",
+        ),
     )
     yield gw
     gw.stop()
@@ -68,6 +79,10 @@ def call(gw, key: str | None, path="/v1/chat/completions", body=None, anthropic=
         headers = {"x-api-key": key} if anthropic else {"Authorization": f"Bearer {key}"}
     body = body or ({"model": "tiny", "max_tokens": 2, "messages": MSGS})
     return http(gw.url + path, "POST", body, headers=headers)
+
+
+def call_anthropic(gw, key: str | None):
+    return call(gw, key, "/v1/messages", body={"model": "tiny", "max_tokens": 2, "messages": MSGS}, anthropic=True)
 
 
 def test_keys_cli_prints_the_key_once_and_stores_only_its_hash(tmp_path):
@@ -88,13 +103,7 @@ def test_missing_and_wrong_keys_are_401_in_each_apis_shape(team_gateway):
     assert status == 401 and body["error"]["type"] == "authentication_error"
     status, _, body = call(team_gateway, "mlxgw-not-a-key")
     assert status == 401 and body["error"]["code"] == "authentication_error"
-    status, _, body = call(
-        team_gateway,
-        "mlxgw-not-a-key",
-        "/v1/messages",
-        anthropic=True,
-        body={"model": "tiny", "max_tokens": 2, "messages": MSGS},
-    )
+    status, _, body = call_anthropic(team_gateway, "mlxgw-not-a-key")
     assert status == 401 and body == {
         "type": "error",
         "error": {"type": "authentication_error", "message": "invalid API key"},
@@ -105,13 +114,7 @@ def test_missing_and_wrong_keys_are_401_in_each_apis_shape(team_gateway):
 def test_key_not_allowed_a_model_is_403_in_each_apis_shape(team_gateway):
     status, _, body = call(team_gateway, KEYS["bob"])
     assert status == 403 and body["error"]["type"] == "permission_error"
-    status, _, body = call(
-        team_gateway,
-        KEYS["bob"],
-        "/v1/messages",
-        anthropic=True,
-        body={"model": "tiny", "max_tokens": 2, "messages": MSGS},
-    )
+    status, _, body = call_anthropic(team_gateway, KEYS["bob"])
     assert status == 403 and body["error"]["type"] == "permission_error"
 
 
@@ -127,13 +130,7 @@ def test_rpm_trips_exactly_at_the_limit_and_recovers_after_the_window(team_gatew
     status, headers, body = call(team_gateway, KEYS["alice"])
     assert status == 429 and body["error"]["type"] == "rate_limit_error"
     assert 1 <= int(headers["retry-after"]) <= WINDOW and headers["x-ratelimit-remaining-requests"] == "0"
-    status, _, body = call(
-        team_gateway,
-        KEYS["alice"],
-        "/v1/messages",
-        anthropic=True,
-        body={"model": "tiny", "max_tokens": 2, "messages": MSGS},
-    )
+    status, _, body = call_anthropic(team_gateway, KEYS["alice"])
     assert status == 429 and body["error"]["type"] == "rate_limit_error"
     time.sleep(WINDOW + 0.2)
     assert call(team_gateway, KEYS["alice"])[0] == 200
@@ -169,6 +166,13 @@ def test_concurrency_cap(team_gateway):
     finally:
         stream.close()
     wait_for(lambda: call(team_gateway, KEYS["carol"])[0] == 200, 10)
+
+
+def test_server_wide_max_tokens_default_and_cap(team_gateway):
+    _, _, out = call(team_gateway, KEYS["carol"], body={"model": "null", "messages": MSGS})
+    assert out["usage"]["completion_tokens"] == 7
+    _, _, out = call(team_gateway, KEYS["carol"], body={"model": "null", "messages": MSGS, "max_tokens": 50000})
+    assert out["usage"]["completion_tokens"] == 10000
 
 
 def test_metrics_show_the_workload_and_never_the_key(team_gateway):

@@ -65,10 +65,12 @@ class Scheduler:
         try:
             if req.rid in self._seqs:
                 raise ServiceError(ErrorCode.INVALID_REQUEST, f"duplicate request id {req.rid}")
-            if len(self._waiting) >= self.max_queue:
+            # Requests that free running slots will take at the next step are not waiting.
+            free_slots = max(0, self.max_num_seqs - len(self._by_uid))
+            if self.waiting >= self.max_queue + free_slots:
                 raise ServiceError(
                     ErrorCode.OVERLOADED,
-                    f"model is at capacity ({len(self._waiting)} requests waiting); retry shortly",
+                    f"model is at capacity ({self.waiting} requests waiting); retry shortly",
                     retry_after=1.0,
                 )
             prompt = self.runner.encode(req)
@@ -90,12 +92,7 @@ class Scheduler:
         )
         self._seqs[req.rid] = seq
         heapq.heappush(self._waiting, (req.priority, next(self._arrivals), req.rid))
-        accepted = {
-            "e": p.EV_ACCEPTED,
-            "prompt_tokens": len(prompt),
-            "max_tokens": max_tokens,
-            "queued": len(self._waiting),
-        }
+        accepted = {"e": p.EV_ACCEPTED, "prompt_tokens": len(prompt), "max_tokens": max_tokens, "queued": self.waiting}
         return [(req.rid, accepted)]
 
     def cancel(self, rid: str) -> list[Event]:

@@ -61,9 +61,10 @@ def max_tokens(request: web.Request, body: dict, entry: ModelEntry, *names: str)
         requested = v.integer(body, name, lo=1)
         if requested is not None:
             break
+    settings = request.app[SETTINGS]
     if requested is None:
-        requested = entry.defaults.max_tokens
-    cap = request.app[SETTINGS].max_tokens_cap
+        requested = entry.defaults.max_tokens if entry.defaults.max_tokens is not None else settings.max_tokens_default
+    cap = settings.max_tokens_cap
     if cap is not None:
         requested = min(requested, cap) if requested is not None else cap
     return requested
