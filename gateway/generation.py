@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from shared import protocol as p
 from shared.errors import ErrorCode, ServiceError
@@ -25,9 +25,11 @@ DEADLINE_SLACK_S = 30.0
 @dataclass
 class Outcome:
     text: str
-    finish_reason: str  # "stop" | "length"
+    finish_reason: str  # "stop" | "length" | "tool_calls"
     stop: str | None
     usage: p.Usage
+    reasoning: str = ""
+    tool_calls: list[dict] = field(default_factory=list)
 
 
 def _usage(event: dict) -> p.Usage:
@@ -123,14 +125,18 @@ class Generation:
                 return
 
     async def result(self) -> Outcome:
-        parts: list[str] = []
+        text: list[str] = []
+        reasoning: list[str] = []
+        calls: list[dict] = []
         async for event in self.events():
-            if event is None:
+            if event is None or event["e"] not in (p.EV_DELTA, p.EV_FINISH, p.EV_ERROR):
                 continue
-            if event["e"] == p.EV_DELTA:
-                parts.append(event.get("text", ""))
-            elif event["e"] in (p.EV_FINISH, p.EV_ERROR):
-                raise_for(event)
-                parts.append(event.get("text", ""))
-                return Outcome("".join(parts), event.get("reason", "stop"), event.get("stop"), self.usage)
+            raise_for(event)
+            text.append(event.get("text", ""))
+            reasoning.append(event.get("reasoning", ""))
+            calls.extend(event.get("tool_calls") or [])
+            if event["e"] == p.EV_FINISH:
+                return Outcome(
+                    "".join(text), event.get("reason", "stop"), event.get("stop"), self.usage, "".join(reasoning), calls
+                )
         raise ServiceError(ErrorCode.INTERNAL, "generation ended without a finish event")

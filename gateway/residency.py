@@ -48,7 +48,7 @@ class Residency:
 
     # -- accounting -------------------------------------------------------------------------------
     def estimate(self, slot: ModelSlot) -> int:
-        if slot.entry.engine == "null":
+        if slot.entry.engine in ("null", "echo"):
             return NULL_ENGINE_BYTES
         path = slot.entry.model_path(self.manager.registry.models_dir)
         return int(_weights_bytes(path) * WEIGHTS_FACTOR) + PROCESS_OVERHEAD_BYTES

@@ -18,7 +18,7 @@ import yaml
 from . import model_store
 
 KINDS = ("chat", "embedding", "vision")
-ENGINES = ("mlx", "null")
+ENGINES = ("mlx", "null", "echo")
 
 
 class ConfigError(ValueError):
@@ -40,7 +40,7 @@ class ModelEntry:
     name: str
     source: str | None = None  # folder name in the models dir, or a path; default: name
     kind: str = "chat"
-    engine: str = "mlx"  # "null" emits tokens without a model (gateway capacity tests)
+    engine: str = "mlx"  # "null": tokens without a model (capacity tests); "echo": repeats the last message
     aliases: list[str] = field(default_factory=list)  # exact names or glob patterns
     preload: bool = False
     pin: bool = False

@@ -30,6 +30,10 @@ def build_runner(entry: ModelEntry, model_path: Path):
         from .null_runner import NullRunner
 
         return NullRunner(entry.context_length)
+    if entry.engine == "echo":
+        from .null_runner import EchoRunner
+
+        return EchoRunner(entry.context_length, entry.tool_parser, entry.reasoning_parser)
     from .runner import MLXRunner
 
     cache_bytes = (
@@ -43,6 +47,8 @@ def build_runner(entry: ModelEntry, model_path: Path):
         max_num_seqs=entry.max_num_seqs,
         prefill_step_size=entry.prefill_step_size,
         cache_bytes=cache_bytes,
+        tool_parser=entry.tool_parser,
+        reasoning_parser=entry.reasoning_parser,
     )
 
 

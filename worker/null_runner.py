@@ -69,3 +69,76 @@ class NullRunner(Runner):
     def remove(self, uids: list[int]) -> None:
         for uid in uids:
             self._seqs.pop(uid, None)
+
+
+class _ByteDetokenizer:
+    """Token ids are UTF-8 bytes; multi-byte characters are released once complete."""
+
+    def __init__(self) -> None:
+        import codecs
+
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self.last_segment = ""
+
+    def add_token(self, token: int) -> None:
+        self.last_segment = self._decoder.decode(bytes([token % 256]))
+
+    def finalize(self) -> None:
+        self.last_segment = self._decoder.decode(b"", final=True)
+
+
+class EchoRunner(NullRunner):
+    """The echo engine: answers with the text of the last message, byte by byte, then ends.
+
+    It lets the whole output path (stop strings, reasoning and tool-call parsing, every
+    API's rendering, the SDKs' stream assembly) be tested with exact, known model output."""
+
+    def __init__(
+        self, context_length: int | None = None, tool_parser: str | None = None, reasoning_parser: str | None = None
+    ):
+        super().__init__(context_length)
+        self.tool_parser = tool_parser
+        self.reasoning_parser = reasoning_parser
+        self._scripts: dict[int, list[int]] = {}
+
+    def encode(self, req: GenerateRequest) -> list[int]:
+        if req.messages:
+            text = str(req.messages[-1].get("content") or "")
+        else:
+            text = req.prompt or ""
+        return list(text.encode()) or [32]
+
+    def new_detokenizer(self):
+        return _ByteDetokenizer()
+
+    def make_parser(self, req: GenerateRequest, prompt: list[int]):
+        from .output_parser import OutputParser, think_tags, tool_syntax
+
+        think = think_tags(self.reasoning_parser, None)
+        tool = tool_syntax(self.tool_parser, None) if req.tools else None
+        return OutputParser(think=think, tool=tool, tools=req.tools) if (think or tool) else None
+
+    def insert(self, prompt: list[int], max_tokens: int, sampling: SamplingParams) -> tuple[int, int]:
+        uid, cached = super().insert(prompt, max_tokens, sampling)
+        self._scripts[uid] = list(prompt)
+        return uid, cached
+
+    def step(self) -> StepOutput:
+        out = StepOutput()
+        for seq in list(self._seqs.values()):
+            script = self._scripts[seq.uid]
+            if not script:  # the whole message was said: end of sequence
+                out.tokens.append(TokenOut(seq.uid, 0, "stop"))
+                self.remove([seq.uid])
+                continue
+            seq.remaining -= 1
+            finish = "length" if seq.remaining <= 0 else None
+            out.tokens.append(TokenOut(seq.uid, script.pop(0), finish))
+            if finish:
+                self.remove([seq.uid])
+        return out
+
+    def remove(self, uids: list[int]) -> None:
+        super().remove(uids)
+        for uid in uids:
+            self._scripts.pop(uid, None)

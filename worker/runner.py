@@ -48,6 +48,10 @@ class Runner(ABC):
     @abstractmethod
     def remove(self, uids: list[int]) -> None: ...
 
+    def make_parser(self, req: GenerateRequest, prompt: list[int]):
+        """An OutputParser when the model reasons or the request offers tools, else None."""
+        return None
+
     def stats(self) -> dict:
         return {}
 
@@ -67,6 +71,8 @@ class MLXRunner(Runner):
         max_num_seqs: int,
         prefill_step_size: int,
         cache_bytes: int,
+        tool_parser: str | None = None,
+        reasoning_parser: str | None = None,
     ):
         import mlx.core as mx
         from mlx_lm import load
@@ -87,6 +93,8 @@ class MLXRunner(Runner):
         )
         self.prefix_cache = PrefixCache(cache_bytes)
         self.cache_bytes = cache_bytes
+        self.tool_parser = tool_parser
+        self.reasoning_parser = reasoning_parser
 
     # -- prompts ------------------------------------------------------------------------
     def encode(self, req: GenerateRequest) -> list[int]:
@@ -115,6 +123,19 @@ class MLXRunner(Runner):
 
     def new_detokenizer(self):
         return self.tokenizer.detokenizer
+
+    def make_parser(self, req: GenerateRequest, prompt: list[int]):
+        from .output_parser import OutputParser, think_tags, tool_syntax
+
+        think = think_tags(self.reasoning_parser, self.tokenizer)
+        tool = tool_syntax(self.tool_parser, self.tokenizer) if req.tools else None
+        if think is None and tool is None:
+            return None
+        in_reasoning = False
+        if think is not None and getattr(self.tokenizer, "has_thinking", False):
+            # Templates that open the think tag themselves leave generation inside it.
+            in_reasoning = self.tokenizer.rfind_think_start(prompt) > self.tokenizer.rfind_think_end(prompt)
+        return OutputParser(think=think, in_reasoning=in_reasoning, tool=tool, tools=req.tools)
 
     # -- execution ----------------------------------------------------------------------
     def insert(self, prompt: list[int], max_tokens: int, sampling: SamplingParams) -> tuple[int, int]:

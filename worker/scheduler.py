@@ -17,10 +17,21 @@ from dataclasses import dataclass, field
 from shared import protocol as p
 from shared.errors import ErrorCode, ServiceError
 
+from .output_parser import OutputParser, Parsed
 from .runner import Runner, check_budget
 from .textstream import TextStream
 
 Event = tuple[str, dict]  # (request id, event)
+
+
+def _fields(parsed: Parsed) -> dict:
+    """The non-empty parts of a delta: text always (possibly empty), the rest when present."""
+    out: dict = {"text": parsed.text}
+    if parsed.reasoning:
+        out["reasoning"] = parsed.reasoning
+    if parsed.tool_calls:
+        out["tool_calls"] = parsed.tool_calls
+    return out
 
 
 @dataclass
@@ -36,7 +47,8 @@ class Sequence:
     cached_tokens: int = 0
     generated: int = 0
     first_token_at: float | None = None
-    unsent: list[str] = field(default_factory=list)
+    parser: OutputParser | None = None  # splits reasoning and tool calls out of the text
+    unsent: Parsed = field(default_factory=Parsed)
     unsent_tokens: int = 0
 
     def usage(self) -> dict:
@@ -89,6 +101,7 @@ class Scheduler:
             arrived=now,
             deadline=now + req.timeout_s if req.timeout_s else None,
             text=TextStream(self.runner.new_detokenizer(), req.stop),
+            parser=self.runner.make_parser(req, prompt),
         )
         self._seqs[req.rid] = seq
         heapq.heappush(self._waiting, (req.priority, next(self._arrivals), req.rid))
@@ -147,22 +160,26 @@ class Scheduler:
                 self.runner.remove([seq.uid])
             elif finish == "length":
                 text += seq.text.finish()
+        parser = seq.parser
         if text:
-            seq.unsent.append(text)
+            seq.unsent.extend(parser.feed(text) if parser else Parsed(text=text))
         seq.unsent_tokens += 1
         if finish is not None:
+            if parser:
+                seq.unsent.extend(parser.finish())
+                if parser.saw_tool_calls and finish == "stop":
+                    finish = "tool_calls"
             end = {
                 "e": p.EV_FINISH,
                 "reason": finish,
-                "text": "".join(seq.unsent),
+                **_fields(seq.unsent),
                 "stop": seq.text.stop_match,
                 "usage": seq.usage(),
             }
-            seq.unsent.clear()
             return [self._end(seq, end, remove=False)]
         if seq.unsent_tokens >= max(1, seq.req.stream_interval) and seq.unsent:
-            delta = {"e": p.EV_DELTA, "text": "".join(seq.unsent), "n": seq.generated}
-            seq.unsent.clear()
+            delta = {"e": p.EV_DELTA, **_fields(seq.unsent), "n": seq.generated}
+            seq.unsent = Parsed()
             seq.unsent_tokens = 0
             return [(seq.req.rid, delta)]
         return []

@@ -24,7 +24,7 @@ from .body import read_json
 
 routes = web.RouteTableDef()
 
-STOP_REASONS = {"length": "max_tokens", "stop": "end_turn"}
+STOP_REASONS = {"length": "max_tokens", "stop": "end_turn", "tool_calls": "tool_use"}
 
 
 def _text_of(content, where: str, vision: bool) -> str:
@@ -183,13 +183,19 @@ async def messages(request: web.Request) -> web.StreamResponse:
     async with gen:
         out = await gen.result()
     stop_reason, stop_sequence = _stop(out.finish_reason, out.stop)
+    content = []
+    if out.reasoning:
+        content.append({"type": "thinking", "thinking": out.reasoning, "signature": ""})
+    if out.text or not out.tool_calls:
+        content.append({"type": "text", "text": out.text})
+    content += [_tool_use(c) for c in out.tool_calls]
     return web.json_response(
         {
             "id": f"msg_{secrets.token_hex(12)}",
             "type": "message",
             "role": "assistant",
             "model": slot.name,
-            "content": [{"type": "text", "text": out.text}],
+            "content": content,
             "stop_reason": stop_reason,
             "stop_sequence": stop_sequence,
             "usage": _usage(out.usage),
@@ -197,16 +203,72 @@ async def messages(request: web.Request) -> web.StreamResponse:
     )
 
 
+def _tool_use(call: dict) -> dict:
+    try:
+        arguments = json.loads(call["arguments"])
+    except ValueError:
+        arguments = {"_raw": call["arguments"]}
+    return {
+        "type": "tool_use",
+        "id": "toolu_" + call["id"].removeprefix("call_"),
+        "name": call["name"],
+        "input": arguments if isinstance(arguments, dict) else {"value": arguments},
+    }
+
+
+class _Blocks:
+    """Anthropic content blocks on a stream: one open at a time, each started, filled with
+    deltas of its own type, and stopped before the next starts."""
+
+    def __init__(self, sse: SSEWriter):
+        self.sse = sse
+        self.index = -1
+        self.open_type: str | None = None
+
+    async def _start(self, block: dict) -> None:
+        await self.close()
+        self.index += 1
+        self.open_type = block["type"]
+        await self.sse.data(
+            {"type": "content_block_start", "index": self.index, "content_block": block}, "content_block_start"
+        )
+
+    async def _delta(self, delta: dict) -> None:
+        await self.sse.data({"type": "content_block_delta", "index": self.index, "delta": delta}, "content_block_delta")
+
+    async def thinking(self, text: str) -> None:
+        if self.open_type != "thinking":
+            await self._start({"type": "thinking", "thinking": "", "signature": ""})
+        await self._delta({"type": "thinking_delta", "thinking": text})
+
+    async def text(self, text: str) -> None:
+        if self.open_type != "text":
+            await self._start({"type": "text", "text": ""})
+        if text:
+            await self._delta({"type": "text_delta", "text": text})
+
+    async def tool_use(self, call: dict) -> None:
+        block = _tool_use(call)
+        await self._start({**block, "input": {}})
+        await self._delta({"type": "input_json_delta", "partial_json": json.dumps(block["input"])})
+
+    async def close(self) -> None:
+        if self.open_type is not None:
+            await self.sse.data({"type": "content_block_stop", "index": self.index}, "content_block_stop")
+            self.open_type = None
+
+
 async def _stream(request: web.Request, gen: Generation) -> web.StreamResponse:
-    """Anthropic's event order: message_start, content_block_start, ping, content_block_delta*,
-    content_block_stop, message_delta, message_stop; or an error event."""
+    """Anthropic's event order: message_start, then per content block content_block_start,
+    deltas and content_block_stop (thinking, text, tool_use), then message_delta and
+    message_stop; pings keep the connection alive; an error event ends a failed stream."""
     sse = SSEWriter(request, request.app[SETTINGS].write_timeout_s)
     gen.on_wait = sse.comment  # SSE comments: clients ignore them even before message_start
-    mid = f"msg_{secrets.token_hex(12)}"
+    blocks = _Blocks(sse)
     try:
         async with gen:
             start = {
-                "id": mid,
+                "id": f"msg_{secrets.token_hex(12)}",
                 "type": "message",
                 "role": "assistant",
                 "model": gen.slot.name,
@@ -216,28 +278,25 @@ async def _stream(request: web.Request, gen: Generation) -> web.StreamResponse:
                 "usage": _usage(gen.usage),
             }
             await sse.data({"type": "message_start", "message": start}, "message_start")
-            await sse.data(
-                {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
-                "content_block_start",
-            )
             await sse.data({"type": "ping"}, "ping")
             async for ev in gen.events():
                 kind = ev["e"] if ev else None
                 if kind in (None, p.EV_PROGRESS):
                     await sse.data({"type": "ping"}, "ping")
                     continue
-                if kind in (p.EV_DELTA, p.EV_FINISH) and ev.get("text"):
-                    await sse.data(
-                        {
-                            "type": "content_block_delta",
-                            "index": 0,
-                            "delta": {"type": "text_delta", "text": ev["text"]},
-                        },
-                        "content_block_delta",
-                    )
-                if kind == p.EV_FINISH and ev.get("reason") != "cancelled":
+                if kind == p.EV_ERROR or (kind == p.EV_FINISH and ev.get("reason") == "cancelled"):
+                    raise_for(ev)
+                if ev.get("reasoning"):
+                    await blocks.thinking(ev["reasoning"])
+                if ev.get("text"):
+                    await blocks.text(ev["text"])
+                for call in ev.get("tool_calls") or []:
+                    await blocks.tool_use(call)
+                if kind == p.EV_FINISH:
+                    if blocks.index < 0:
+                        await blocks.text("")  # every message has at least one content block
+                    await blocks.close()
                     stop_reason, stop_sequence = _stop(ev.get("reason", "stop"), ev.get("stop"))
-                    await sse.data({"type": "content_block_stop", "index": 0}, "content_block_stop")
                     await sse.data(
                         {
                             "type": "message_delta",
@@ -247,8 +306,6 @@ async def _stream(request: web.Request, gen: Generation) -> web.StreamResponse:
                         "message_delta",
                     )
                     await sse.data({"type": "message_stop"}, "message_stop")
-                elif kind in (p.EV_FINISH, p.EV_ERROR):
-                    raise_for(ev)
     except ServiceError as err:
         if not sse.opened:
             raise

@@ -127,7 +127,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                 "choices": [
                     {
                         "index": 0,
-                        "message": {"role": "assistant", "content": out.text, "refusal": None},
+                        "message": _message(out),
                         "logprobs": None,
                         "finish_reason": out.finish_reason,
                     }
@@ -137,11 +137,23 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         )
 
 
+def _message(out) -> dict:
+    message = {"role": "assistant", "content": out.text if out.text or not out.tool_calls else None, "refusal": None}
+    if out.reasoning:
+        message["reasoning_content"] = out.reasoning
+    if out.tool_calls:
+        message["tool_calls"] = [_tool_call(c) for c in out.tool_calls]
+    return message
+
+
+def _tool_call(call: dict) -> dict:
+    return {"id": call["id"], "type": "function", "function": {"name": call["name"], "arguments": call["arguments"]}}
+
+
 async def _stream(request: web.Request, gen: Generation, include_usage: bool) -> web.StreamResponse:
     cid, created, model = oc.new_id("chatcmpl"), oc.now(), gen.slot.name
 
-    def chunk(text: str | None, finish: str | None) -> dict:
-        delta = {"content": text} if text is not None else {}
+    def chunk(delta: dict, finish: str | None = None) -> dict:
         c = {
             "id": cid,
             "object": "chat.completion.chunk",
@@ -153,6 +165,23 @@ async def _stream(request: web.Request, gen: Generation, include_usage: bool) ->
             c["usage"] = None
         return c
 
-    first = chunk("", None)
-    first["choices"][0]["delta"]["role"] = "assistant"
-    return await oc.stream_response(request, gen, chunk, include_usage, [first])
+    def deltas(ev: dict) -> list[dict]:
+        out = []
+        if ev.get("reasoning"):
+            out.append(chunk({"reasoning_content": ev["reasoning"]}))
+        if ev.get("text"):
+            out.append(chunk({"content": ev["text"]}))
+        for call in ev.get("tool_calls") or []:
+            # id and name first, then the arguments, as OpenAI streams them
+            head = {
+                "index": call["index"],
+                "id": call["id"],
+                "type": "function",
+                "function": {"name": call["name"], "arguments": ""},
+            }
+            out.append(chunk({"tool_calls": [head]}))
+            out.append(chunk({"tool_calls": [{"index": call["index"], "function": {"arguments": call["arguments"]}}]}))
+        return out
+
+    first = chunk({"role": "assistant", "content": ""})
+    return await oc.stream_response(request, gen, deltas, lambda reason: chunk({}, reason), include_usage, [first])

@@ -109,18 +109,22 @@ def base_request(request: web.Request, body: dict, entry: ModelEntry) -> dict:
     )
 
 
-ChunkMaker = Callable[[str | None, str | None], dict]
+DeltaChunks = Callable[[dict], list[dict]]  # a delta or finish event -> chunks for its content
+FinishChunk = Callable[[str | None], dict]  # finish reason -> the chunk that carries it
 
 
 async def stream_response(
-    request: web.Request, gen: Generation, chunk: ChunkMaker, include_usage: bool, preamble: list[dict]
+    request: web.Request,
+    gen: Generation,
+    delta_chunks: DeltaChunks,
+    finish_chunk: FinishChunk,
+    include_usage: bool,
+    preamble: list[dict],
 ) -> web.StreamResponse:
-    """Run a generation as OpenAI SSE chunks: preamble, text deltas, the finishing chunk,
+    """Run a generation as OpenAI SSE chunks: preamble, content deltas, the finishing chunk,
     the usage chunk when asked for, then [DONE]; or an error event that ends the stream.
-
-    chunk(text, finish_reason) builds one chunk; text None means an empty delta. While the
-    model loads, SSE comments keep the connection alive; an error before anything was sent
-    is still a plain HTTP error with its status."""
+    While the model loads, SSE comments keep the connection alive; an error before anything
+    was sent is still a plain HTTP error with its status."""
     sse = SSEWriter(request, request.app[SETTINGS].write_timeout_s)
     gen.on_wait = sse.comment
     try:
@@ -131,15 +135,16 @@ async def stream_response(
                 kind = ev["e"] if ev else None
                 if kind in (None, p.EV_PROGRESS):
                     await sse.comment()
-                elif kind == p.EV_DELTA:
-                    await sse.data(chunk(ev["text"], None))
-                elif kind == p.EV_FINISH and ev.get("reason") != "cancelled":
-                    await sse.data(chunk(ev.get("text") or None, ev.get("reason", "stop")))
-                    if include_usage:
-                        await sse.data({**chunk(None, None), "choices": [], "usage": usage_dict(gen.usage)})
-                    await sse.data("[DONE]")
-                elif kind in (p.EV_FINISH, p.EV_ERROR):
+                    continue
+                if kind == p.EV_ERROR or (kind == p.EV_FINISH and ev.get("reason") == "cancelled"):
                     raise_for(ev)
+                for c in delta_chunks(ev):
+                    await sse.data(c)
+                if kind == p.EV_FINISH:
+                    await sse.data(finish_chunk(ev.get("reason", "stop")))
+                    if include_usage:
+                        await sse.data({**finish_chunk(None), "choices": [], "usage": usage_dict(gen.usage)})
+                    await sse.data("[DONE]")
     except ServiceError as err:
         if not sse.opened:
             raise

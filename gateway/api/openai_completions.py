@@ -74,17 +74,20 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def _stream(request: web.Request, gen: Generation, include_usage: bool, prefix: str) -> web.StreamResponse:
     cid, created, model = oc.new_id("cmpl"), oc.now(), gen.slot.name
 
-    def chunk(text: str | None, finish: str | None) -> dict:
+    def chunk(text: str, finish: str | None) -> dict:
         c = {
             "id": cid,
             "object": "text_completion",
             "created": created,
             "model": model,
-            "choices": [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}],
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
         }
         if include_usage:
             c["usage"] = None
         return c
 
+    def deltas(ev: dict) -> list[dict]:
+        return [chunk(ev["text"], None)] if ev.get("text") else []
+
     preamble = [chunk(prefix, None)] if prefix else []
-    return await oc.stream_response(request, gen, chunk, include_usage, preamble)
+    return await oc.stream_response(request, gen, deltas, lambda reason: chunk("", reason), include_usage, preamble)

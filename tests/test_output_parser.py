@@ -1,0 +1,79 @@
+"""The output parser on recorded model outputs, fed whole and split at every position."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from worker.output_parser import OutputParser, tool_syntax
+
+
+def hermes():
+    return tool_syntax("hermes", None)
+
+
+def run(parser_factory, text: str, cut: int | None = None):
+    parser = parser_factory()
+    pieces = [text] if cut is None else [text[:cut], text[cut:]]
+    out = None
+    for piece in pieces:
+        got = parser.feed(piece)
+        out = got if out is None else (out.extend(got) or out)
+    out.extend(parser.finish())
+    return out, parser
+
+
+QWEN_TOOL = (
+    'I will check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n'
+    '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+)
+THINKING = "<think>\nThe user wants a greeting.\n</think>\n\nHello there!"
+
+
+@pytest.mark.parametrize("cut", [None, *range(len(QWEN_TOOL) + 1)])
+def test_hermes_tool_calls_at_every_split(cut):
+    out, parser = run(lambda: OutputParser(tool=hermes()), QWEN_TOOL, cut)
+    assert out.text.strip() == "I will check."
+    assert [c["name"] for c in out.tool_calls] == ["get_weather", "get_time"]
+    assert json.loads(out.tool_calls[0]["arguments"]) == {"city": "Paris", "unit": "c"}
+    assert [c["index"] for c in out.tool_calls] == [0, 1]
+    assert "<tool_call>" not in out.text and parser.saw_tool_calls
+
+
+@pytest.mark.parametrize("cut", [None, *range(len(THINKING) + 1)])
+def test_reasoning_is_split_from_the_answer_at_every_split(cut):
+    out, _ = run(lambda: OutputParser(think=("<think>", "</think>")), THINKING, cut)
+    assert out.reasoning.strip() == "The user wants a greeting."
+    assert out.text == "Hello there!"
+
+
+def test_template_that_opens_the_think_tag_starts_in_reasoning():
+    out, _ = run(lambda: OutputParser(think=("<think>", "</think>"), in_reasoning=True), "planning...</think>\n\nDone.")
+    assert out.reasoning == "planning..." and out.text == "Done."
+
+
+def test_malformed_tool_markup_stays_text_and_is_not_a_call():
+    bad = "<tool_call>\n{not json}\n</tool_call>"
+    out, parser = run(lambda: OutputParser(tool=hermes()), bad)
+    assert out.tool_calls == [] and not parser.saw_tool_calls
+    assert "{not json}" in out.text
+
+
+def test_unterminated_reasoning_is_flushed_as_reasoning():
+    out, _ = run(lambda: OutputParser(think=("<think>", "</think>")), "<think>still thinking when max_tokens hit")
+    assert out.reasoning == "still thinking when max_tokens hit" and out.text == ""
+
+
+def test_mistral_calls_run_to_the_end_of_output():
+    text = 'Sure. [TOOL_CALLS][{"name": "search", "arguments": {"q": "mlx"}}]'
+    out, _ = run(lambda: OutputParser(tool=tool_syntax("mistral", None)), text)
+    assert out.text.strip() == "Sure."
+    assert out.tool_calls[0]["name"] == "search" and json.loads(out.tool_calls[0]["arguments"]) == {"q": "mlx"}
+
+
+def test_text_without_markup_passes_through_unchanged():
+    text = "Plain answer with < and > and <tool and <thi characters."
+    for cut in range(len(text) + 1):
+        out, _ = run(lambda: OutputParser(think=("<think>", "</think>"), tool=hermes()), text, cut)
+        assert out.text == text and not out.tool_calls and not out.reasoning
