@@ -101,6 +101,9 @@ class GenerateRequest:
     stream_interval: int = 1  # tokens per delta event
     priority: int = 0  # lower runs first; FCFS within a priority
     timeout_s: float | None = None
+    # Constrained decoding: {"type": "json_schema", "schema": {...}} | {"type": "json_object"}
+    # | {"type": "regex", "pattern": ...} | {"type": "lark", "grammar": ...}
+    constraint: dict | None = None
     echo: bool = False  # completions: prepend the prompt text to the output
 
     def to_wire(self) -> dict:

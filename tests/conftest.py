@@ -159,6 +159,7 @@ TINY_CONFIG = {
         {"name": "tiny-serial", "source": "tiny", "max_num_seqs": 1, "max_queue": 8},
         {"name": "tiny-smallcache", "source": "tiny", "cache_memory_mb": 1},
         {"name": "tiny-short", "source": "tiny", "context_length": 64, "max_tokens_policy": "reject"},
+        {"name": "tiny-tools", "source": "tiny", "tool_parser": "hermes"},
         {"name": "echo", "engine": "echo", "tool_parser": "hermes", "reasoning_parser": "think"},
         {"name": "null", "engine": "null", "preload": True, "max_num_seqs": 64, "max_queue": 256},
     ],

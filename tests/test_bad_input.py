@@ -111,12 +111,24 @@ CASES = [
         "500",
     ),
     (
-        "response_format not supported yet",
+        "response_format of an unknown type",
         CHAT,
-        {"model": "tiny", "messages": MSGS, "response_format": {"type": "json_object"}},
+        {"model": "tiny", "messages": MSGS, "response_format": {"type": "xml"}},
         400,
         "invalid_request",
         "response_format",
+    ),
+    (
+        "json schema that is not a schema",
+        CHAT,
+        {
+            "model": "tiny",
+            "messages": MSGS,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "wobbly"}}},
+        },
+        400,
+        "invalid_request",
+        "invalid json_schema",
     ),
 ]
 

@@ -79,7 +79,13 @@ class Engine:
                 ).to_wire()
                 self.link.send(p.EVENTS, items=[[req.rid, {"e": p.EV_ERROR, **err}]])
                 return
-            self.link.send(p.EVENTS, items=self.scheduler.submit(req))
+            try:
+                events = self.scheduler.submit(req)
+            except Exception as e:  # a bug on one request's intake must not take the worker down
+                log.exception("submit failed for %s", req.rid)
+                err = ServiceError(ErrorCode.INTERNAL, f"the worker could not start this request: {e}").to_wire()
+                events = [(req.rid, {"e": p.EV_ERROR, **err})]
+            self.link.send(p.EVENTS, items=events)
         elif kind == p.CANCEL:
             events = [ev for rid in msg.get("rids", []) for ev in self.scheduler.cancel(rid)]
             if events:
@@ -112,6 +118,9 @@ class Engine:
             self.link.send(p.REPLY, cid=cid, ok=True, result=result)
         except ServiceError as e:
             self.link.send(p.REPLY, cid=cid, ok=False, error=e.to_wire())
+        except Exception as e:  # as above: answer the call, keep serving
+            log.exception("call %s failed", op)
+            self.link.send(p.REPLY, cid=cid, ok=False, error=ServiceError(ErrorCode.INTERNAL, str(e)).to_wire())
 
     def stats(self) -> dict:
         s = self.scheduler

@@ -39,8 +39,14 @@ class Runner(ABC):
     def new_detokenizer(self): ...
 
     @abstractmethod
-    def insert(self, prompt: list[int], max_tokens: int, sampling: SamplingParams) -> tuple[int, int]:
+    def insert(self, prompt: list[int], max_tokens: int, sampling: SamplingParams, constraint=None) -> tuple[int, int]:
         """Queue a prompt for execution; return (uid, prompt tokens served from the cache)."""
+
+    def make_constraint(self, req: GenerateRequest):
+        """A logits processor enforcing req.constraint (raises a 400 for a bad one), or None."""
+        if req.constraint is not None:
+            raise invalid("constrained decoding is not available for this engine", "response_format")
+        return None
 
     @abstractmethod
     def step(self) -> StepOutput: ...
@@ -95,6 +101,7 @@ class MLXRunner(Runner):
         self.cache_bytes = cache_bytes
         self.tool_parser = tool_parser
         self.reasoning_parser = reasoning_parser
+        self._constraints = None
 
     # -- prompts ------------------------------------------------------------------------
     def encode(self, req: GenerateRequest) -> list[int]:
@@ -138,9 +145,28 @@ class MLXRunner(Runner):
         return OutputParser(think=think, in_reasoning=in_reasoning, tool=tool, tools=req.tools)
 
     # -- execution ----------------------------------------------------------------------
-    def insert(self, prompt: list[int], max_tokens: int, sampling: SamplingParams) -> tuple[int, int]:
+    def make_constraint(self, req: GenerateRequest):
+        if req.constraint is None:
+            return None
+        if self._constraints is None:
+            from .constraints import ConstraintFactory
+
+            vocab = self.model.args.vocab_size if hasattr(self.model, "args") else self.tokenizer.vocab_size
+            self._constraints = ConstraintFactory(
+                self.tokenizer._tokenizer, vocab, sorted(self.tokenizer.eos_token_ids)
+            )
+        from .output_parser import tool_syntax
+
+        syntax = tool_syntax(self.tool_parser, self.tokenizer)
+        markup = (syntax.start, syntax.end or "") if syntax and syntax.end else None
+        return self._constraints.processor(req.constraint, markup)
+
+    def insert(self, prompt: list[int], max_tokens: int, sampling: SamplingParams, constraint=None) -> tuple[int, int]:
         from .sampling import build_logits_processors, build_sampler
 
+        processors = build_logits_processors(sampling)
+        if constraint is not None:
+            processors.append(constraint)  # last: the mask applies after any bias or penalty
         cache, cached = self.prefix_cache.longest_match(prompt)
         (uid,) = self.generator.insert(
             [prompt[cached:]],
@@ -148,7 +174,7 @@ class MLXRunner(Runner):
             caches=[cache] if cache is not None else None,
             all_tokens=[prompt[:cached]],
             samplers=[build_sampler(sampling)],
-            logits_processors=[build_logits_processors(sampling)],
+            logits_processors=[processors],
         )
         return uid, cached
 

@@ -48,6 +48,7 @@ class Sequence:
     generated: int = 0
     first_token_at: float | None = None
     parser: OutputParser | None = None  # splits reasoning and tool calls out of the text
+    constraint: object | None = None  # logits processor enforcing a grammar
     unsent: Parsed = field(default_factory=Parsed)
     unsent_tokens: int = 0
 
@@ -88,6 +89,7 @@ class Scheduler:
             prompt = self.runner.encode(req)
             if not prompt:
                 raise ServiceError(ErrorCode.INVALID_REQUEST, "the prompt is empty", param="prompt")
+            constraint = self.runner.make_constraint(req)
             max_tokens = check_budget(
                 len(prompt), req.max_tokens, self.runner.context_length, req.max_tokens_policy or self.policy
             )
@@ -102,6 +104,7 @@ class Scheduler:
             deadline=now + req.timeout_s if req.timeout_s else None,
             text=TextStream(self.runner.new_detokenizer(), req.stop),
             parser=self.runner.make_parser(req, prompt),
+            constraint=constraint,
         )
         self._seqs[req.rid] = seq
         heapq.heappush(self._waiting, (req.priority, next(self._arrivals), req.rid))
@@ -141,7 +144,9 @@ class Scheduler:
             seq = self._seqs.get(rid)
             if seq is None or seq.uid is not None:
                 continue  # cancelled while queued
-            seq.uid, seq.cached_tokens = self.runner.insert(seq.prompt, seq.max_tokens, seq.req.sampling)
+            seq.uid, seq.cached_tokens = self.runner.insert(
+                seq.prompt, seq.max_tokens, seq.req.sampling, seq.constraint
+            )
             seq.phase = "prefill"
             self._by_uid[seq.uid] = seq
 

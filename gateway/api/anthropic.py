@@ -119,9 +119,25 @@ def parse_request(body: dict, vision: bool) -> dict:
             if isinstance(t, dict) and t.get("name")
         ]
     choice = body.get("tool_choice")
+    forced = None
     if isinstance(choice, dict) and choice.get("type") == "none":
         tools = None
-    return {"messages": messages, "tools": tools or None}
+    elif isinstance(choice, dict) and choice.get("type") in ("any", "tool"):
+        if not tools:
+            raise invalid("tool_choice requires tools", "tool_choice")
+        forced = {"type": "tool_call", "tools": tools, "name": choice.get("name") if choice["type"] == "tool" else None}
+    constraint = None
+    config = body.get("output_config")
+    fmt = config.get("format") if isinstance(config, dict) else None
+    if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
+        if not isinstance(fmt.get("schema"), dict):
+            raise invalid("output_config.format.schema must be a JSON schema object")
+        constraint = {"type": "json_schema", "schema": fmt["schema"]}
+    if forced is not None:
+        if constraint is not None:
+            raise invalid("output_config.format and a forced tool_choice cannot be combined")
+        constraint = forced
+    return {"messages": messages, "tools": tools or None, "constraint": constraint}
 
 
 def _sampling(body: dict, slot) -> p.SamplingParams:
@@ -321,6 +337,7 @@ async def count_tokens(request: web.Request) -> web.Response:
     manager = request.app[MANAGER]
     slot = resolve_model(request, model)
     fields = parse_request(body, slot.entry.kind == "vision")
+    fields.pop("constraint")
     conn = await manager.acquire(slot)
     result = await manager.broker.call(conn, "tokenize", fields)
     return web.Response(text=json.dumps({"input_tokens": result["tokens"]}), content_type="application/json")

@@ -83,12 +83,38 @@ def parse_messages(raw, vision: bool = False) -> list[dict]:
     return out
 
 
-def _check_response_format(body: dict) -> None:
+def forced_tool_constraint(choice, tools: list | None) -> dict | None:
+    """tool_choice "required" or a named function: enforced by constrained decoding."""
+    if choice in (None, "auto", "none"):
+        return None
+    if choice == "required":
+        name = None
+    elif isinstance(choice, dict) and isinstance((choice.get("function") or {}).get("name"), str):
+        name = choice["function"]["name"]
+    else:
+        raise invalid("tool_choice must be 'auto', 'none', 'required' or {'type': 'function', ...}", "tool_choice")
+    if not tools:
+        raise invalid("tool_choice requires 'tools'", "tool_choice")
+    return {"type": "tool_call", "tools": tools, "name": name}
+
+
+def response_format_constraint(body: dict) -> dict | None:
+    """OpenAI response_format as an internal constraint, enforced by constrained decoding."""
     fmt = v.mapping(body, "response_format")
-    if fmt and fmt.get("type") not in (None, "text"):
-        raise invalid(f"response_format {fmt.get('type')!r} is not supported yet", "response_format")
     if body.get("logprobs"):
         raise invalid("logprobs are not supported yet", "logprobs")
+    if not fmt or fmt.get("type") in (None, "text"):
+        return None
+    if fmt["type"] == "json_object":
+        return {"type": "json_object"}
+    if fmt["type"] == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise invalid("response_format.json_schema.schema must be a JSON schema object", "response_format")
+        return {"type": "json_schema", "schema": spec["schema"]}
+    raise invalid(
+        f"response_format type {fmt['type']!r} is not supported (text, json_object, json_schema)", "response_format"
+    )
 
 
 @routes.post("/v1/chat/completions")
@@ -98,18 +124,25 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     slot = resolve_model(request, model)
     messages = parse_messages(v.required(body, "messages"), vision=slot.entry.kind == "vision")
     oc.check_unsupported(body)
-    _check_response_format(body)
+    constraint = response_format_constraint(body)
     tools = body.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise invalid("'tools' must be a list", "tools")
-    if body.get("tool_choice") == "none":
+    choice = body.get("tool_choice")
+    if choice == "none":
         tools = None
+    forced = forced_tool_constraint(choice, tools)
+    if forced is not None:
+        if constraint is not None:
+            raise invalid("response_format and a forced tool_choice cannot be combined", "tool_choice")
+        constraint = forced
     template_kwargs = v.mapping(body, "chat_template_kwargs")
     stream, include_usage = oc.stream_options(body)
     req = p.GenerateRequest(
         messages=messages,
         tools=tools or None,
         chat_template_kwargs=template_kwargs,
+        constraint=constraint,
         max_tokens=oc.max_tokens(request, body, slot.entry, "max_completion_tokens", "max_tokens"),
         **oc.base_request(request, body, slot.entry),
     )
