@@ -204,6 +204,9 @@ def async_openai_client(gw: GatewayProcess, **kwargs):
 
 
 LONG = 30000  # tokens: long enough that a stream is still running when a test acts on it
+# Sampling from random weights reaches an end-of-sequence token sooner or later; tests that
+# need a stream to keep running forbid it (SmolLM2's <|endoftext|> and <|im_end|>).
+NO_EOS = {"0": -100, "2": -100}
 
 
 def start_long_stream(gw: GatewayProcess, model: str, rid: str, content: str = "Write a very long story."):
@@ -219,6 +222,7 @@ def start_long_stream(gw: GatewayProcess, model: str, rid: str, content: str = "
             max_tokens=LONG,
             stream=True,
             extra_headers={"x-request-id": rid},
+            extra_body={"logit_bias": NO_EOS},
         )
         .parse()
     )

@@ -15,7 +15,7 @@ import openai
 import psutil
 import pytest
 import yaml
-from conftest import REPO, free_port, openai_client, start_gateway
+from conftest import NO_EOS, REPO, free_port, openai_client, start_gateway
 from test_resilience import wait_for
 
 from gateway.residency import PROCESS_OVERHEAD_BYTES, WEIGHTS_FACTOR
@@ -112,7 +112,9 @@ def test_hung_worker_is_detected_restarted_and_others_are_untouched(residency_ga
     client = openai_client(residency_gateway)
     greedy(residency_gateway, "steady")
     steady_pid = residency_gateway.worker_pid("steady")
-    stream = client.chat.completions.create(model="hang", messages=MSGS, max_tokens=30000, stream=True)
+    stream = client.chat.completions.create(
+        model="hang", messages=MSGS, max_tokens=30000, stream=True, extra_body={"logit_bias": NO_EOS}
+    )
     next(iter(stream))
     os.kill(residency_gateway.worker_pid("hang"), signal.SIGSTOP)
     started = time.monotonic()
@@ -145,7 +147,7 @@ def test_reload_adds_and_removes_models_while_a_stream_completes(residency_gatew
     greedy(residency_gateway, "retiring")
     pid = residency_gateway.worker_pid("retiring")
     stream = client.chat.completions.create(
-        model="retiring", messages=MSGS, max_tokens=1500, temperature=0, stream=True
+        model="retiring", messages=MSGS, max_tokens=1500, temperature=0, stream=True, extra_body={"logit_bias": NO_EOS}
     )
     first = next(iter(stream))
     config = yaml.safe_load(residency_gateway.config_path.read_text())

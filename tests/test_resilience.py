@@ -13,7 +13,7 @@ import openai
 import psutil
 import pytest
 import zmq
-from conftest import LONG, TINY_CONFIG, cancel_request, http, openai_client, start_gateway, start_long_stream
+from conftest import LONG, NO_EOS, TINY_CONFIG, cancel_request, http, openai_client, start_gateway, start_long_stream
 
 MSGS = [{"role": "user", "content": "Write a very long story."}]
 
@@ -35,7 +35,12 @@ def running(gw, model: str) -> int:
 def test_kill_9_worker_mid_stream_ends_the_stream_with_an_error(tiny_gateway):
     client = openai_client(tiny_gateway)
     stream = client.chat.completions.create(
-        model="tiny-crash", messages=MSGS, max_tokens=LONG, temperature=0, stream=True
+        model="tiny-crash",
+        messages=MSGS,
+        max_tokens=LONG,
+        temperature=0,
+        stream=True,
+        extra_body={"logit_bias": NO_EOS},
     )
     received = 0
     with pytest.raises(openai.APIError) as info:
@@ -61,7 +66,7 @@ async def test_client_disconnect_cancels_the_generation(tiny_gateway):
     async with aiohttp.ClientSession() as session:
         resp = await session.post(
             f"{tiny_gateway.url}/v1/chat/completions",
-            json={"model": "tiny", "messages": MSGS, "max_tokens": LONG, "stream": True},
+            json={"model": "tiny", "messages": MSGS, "max_tokens": LONG, "stream": True, "logit_bias": NO_EOS},
         )
         async for _ in resp.content:
             break
@@ -84,7 +89,7 @@ def test_cancel_endpoint_ends_a_running_request(tiny_gateway):
 async def test_full_queue_answers_429_with_retry_after(tiny_gateway):
     # max_num_seqs 1, max_queue 1: one running, one waiting, the third is refused.
     async with aiohttp.ClientSession() as session:
-        body = {"model": "tiny-small-queue", "messages": MSGS, "max_tokens": LONG, "stream": True}
+        body = {"model": "tiny-small-queue", "messages": MSGS, "max_tokens": LONG, "stream": True, "logit_bias": NO_EOS}
         first = await session.post(f"{tiny_gateway.url}/v1/chat/completions", json=body)
         assert first.status == 200
         second = await session.post(f"{tiny_gateway.url}/v1/chat/completions", json=body)
@@ -121,7 +126,9 @@ def test_timeout_and_clean_shutdown_leave_no_orphans(home, tiny_dir):
         client = openai_client(gw)
         started = time.monotonic()
         with pytest.raises(openai.APIError, match="timed out"):
-            for _ in client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=LONG, stream=True):
+            for _ in client.chat.completions.create(
+                model="tiny", messages=MSGS, max_tokens=LONG, stream=True, extra_body={"logit_bias": NO_EOS}
+            ):
                 pass
         assert time.monotonic() - started < 30
         workers = gw.descendants()

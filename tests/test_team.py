@@ -15,7 +15,7 @@ import time
 
 import pytest
 import yaml
-from conftest import REPO, TINY_CONFIG, http, openai_client, start_gateway
+from conftest import NO_EOS, REPO, TINY_CONFIG, http, openai_client, start_gateway
 from prometheus_client.parser import text_string_to_metric_families
 from test_resilience import wait_for
 
@@ -158,7 +158,9 @@ def test_tpm_counts_prompt_and_completion_tokens(team_gateway):
 
 def test_concurrency_cap(team_gateway):
     client = openai_client(team_gateway, default_headers={"Authorization": f"Bearer {KEYS['carol']}"})
-    stream = client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=30000, stream=True)
+    stream = client.chat.completions.create(
+        model="tiny", messages=MSGS, max_tokens=30000, stream=True, extra_body={"logit_bias": NO_EOS}
+    )
     next(iter(stream))
     try:
         status, _, body = call(team_gateway, KEYS["carol"])
@@ -230,7 +232,13 @@ def test_graceful_shutdown_lets_streams_in_flight_finish(home, tiny_dir):
     gw = start_gateway(home, TINY_CONFIG, "drain-gateway")
     client = openai_client(gw)
     stream = client.chat.completions.create(
-        model="tiny", messages=MSGS, max_tokens=1500, temperature=0, stream=True, stream_options={"include_usage": True}
+        model="tiny",
+        messages=MSGS,
+        max_tokens=1500,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"logit_bias": NO_EOS},
     )
     chunks = [next(iter(stream))]
     gw.proc.send_signal(signal.SIGTERM)
