@@ -153,7 +153,13 @@ def tiny_dir(home, smollm2_dir) -> Path:
 TINY_CONFIG = {
     "manager": {"auto_discover": False},
     "models": [
-        {"name": "tiny", "aliases": ["gpt-4o-mini", "claude-*"], "preload": True, "max_num_seqs": 8, "max_queue": 32},
+        {
+            "name": "tiny",
+            "aliases": ["gpt-4o-mini", "claude-*", "gpt-5*"],
+            "preload": True,
+            "max_num_seqs": 8,
+            "max_queue": 32,
+        },
         {"name": "tiny-crash", "source": "tiny", "max_num_seqs": 4},
         {"name": "tiny-small-queue", "source": "tiny", "max_num_seqs": 1, "max_queue": 1},
         {"name": "tiny-serial", "source": "tiny", "max_num_seqs": 1, "max_queue": 8},
