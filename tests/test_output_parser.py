@@ -77,3 +77,27 @@ def test_text_without_markup_passes_through_unchanged():
     for cut in range(len(text) + 1):
         out, _ = run(lambda: OutputParser(think=("<think>", "</think>"), tool=hermes()), text, cut)
         assert out.text == text and not out.tool_calls and not out.reasoning
+
+
+LLAMA3_BARE = '{"name": "get_weather", "parameters": {"city": "Oslo"}}'
+LLAMA3_TAGGED = 'Let me look.<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}'
+DEEPSEEK = (
+    "Checking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n"
+    '```json\n{"city": "Oslo"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>'
+)
+
+
+@pytest.mark.parametrize("text,prefix", [(LLAMA3_BARE, ""), (LLAMA3_TAGGED, "Let me look."), (DEEPSEEK, "Checking.")])
+def test_llama3_and_deepseek_calls_at_every_split(text, prefix):
+    family = "deepseek" if "tool▁sep" in text else "llama3_json"
+    for cut in [None, *range(len(text) + 1)]:
+        out, _ = run(lambda family=family: OutputParser(tool=tool_syntax(family, None)), text, cut)
+        assert out.text == prefix
+        (call,) = out.tool_calls
+        assert call["name"] == "get_weather" and json.loads(call["arguments"]) == {"city": "Oslo"}
+
+
+def test_llama3_plain_answers_are_not_calls():
+    for text in ('{"answer": 42}', "The name is Bond."):
+        out, _ = run(lambda: OutputParser(tool=tool_syntax("llama3_json", None)), text)
+        assert out.text == text and not out.tool_calls

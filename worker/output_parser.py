@@ -37,6 +37,8 @@ class ToolSyntax:
     start: str
     end: str  # "" means the call runs to the end of the output (Mistral)
     parse: ToolParse
+    bare_starts: tuple[str, ...] = ()  # an answer that begins like this is a call (Llama 3 JSON)
+    wrappers: tuple[str, ...] = ()  # markup around a group of calls, dropped (DeepSeek)
 
 
 def _held_prefix(buf: str, tags: list[str]) -> int:
@@ -63,9 +65,11 @@ class OutputParser:
         self.tool = tool
         self.tools = tools
         self.mode = "reasoning" if (think and in_reasoning) else "text"
+        self._bare = False
         self._buf = ""
         self._calls = 0
         self._after_reasoning = False
+        self._at_start = True  # nothing emitted yet: bare tool-call starts still possible
 
     @property
     def saw_tool_calls(self) -> bool:
@@ -98,21 +102,32 @@ class OutputParser:
             if self._after_reasoning:
                 buf = self._buf = buf.lstrip("\n")
                 self._after_reasoning = not buf
+            if self._at_start and self.tool and self.tool.bare_starts:
+                head = buf.lstrip()
+                if any(head.startswith(b) for b in self.tool.bare_starts):
+                    self.mode, self._buf, self._bare = "tool", head, True
+                    return True
+                if head and any(b.startswith(head) for b in self.tool.bare_starts):
+                    return False  # could still become a bare call: hold it
             tags = []
             if self.think:
                 tags.append(self.think[0])
             if self.tool:
-                tags.append(self.tool.start)
+                tags += [self.tool.start, *self.tool.wrappers]
             found = [(buf.find(t), t) for t in tags if buf.find(t) >= 0]
             if found:
                 i, tag = min(found)
                 out.text += buf[:i]
                 self._buf = buf[i + len(tag) :]
+                if self.tool and tag in self.tool.wrappers:
+                    return True
                 self.mode = "reasoning" if self.think and tag == self.think[0] else "tool"
                 return True
             hold = _held_prefix(buf, tags)
             out.text += buf[: len(buf) - hold]
             self._buf = buf[len(buf) - hold :]
+            if out.text.strip():
+                self._at_start = False
             return False
         if self.mode == "reasoning":
             end = self.think[1]
@@ -138,14 +153,15 @@ class OutputParser:
         return False
 
     def _emit_call(self, body: str, out: Parsed, final: bool) -> None:
+        start = "" if self._bare else self.tool.start
         try:
             parsed = self.tool.parse(body, self.tools)
         except Exception:  # a parser raises anything on malformed markup; keep the model's words
-            out.text += self.tool.start + body + (self.tool.end if not final else "")
+            out.text += start + body + (self.tool.end if not final else "")
             return
         for call in parsed if isinstance(parsed, list) else [parsed]:
             if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-                out.text += self.tool.start + body
+                out.text += start + body
                 return
             args = call.get("arguments", call.get("parameters", {}))
             out.tool_calls.append(
@@ -173,8 +189,16 @@ def tool_syntax(name: str | None, tokenizer) -> ToolSyntax | None:
         return None
     import importlib
 
-    module = importlib.import_module(f"mlx_lm.tool_parsers.{TOOL_PARSER_ALIASES.get(name, name)}")
-    return ToolSyntax(module.tool_call_start, module.tool_call_end or "", module.parse_tool_call)
+    from .tool_formats import FORMATS
+
+    module = FORMATS.get(name) or importlib.import_module(f"mlx_lm.tool_parsers.{TOOL_PARSER_ALIASES.get(name, name)}")
+    return ToolSyntax(
+        module.tool_call_start,
+        module.tool_call_end or "",
+        module.parse_tool_call,
+        tuple(getattr(module, "bare_starts", ())),
+        tuple(getattr(module, "wrappers", ())),
+    )
 
 
 def think_tags(name: str | None, tokenizer) -> tuple[str, str] | None:

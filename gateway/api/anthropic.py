@@ -137,7 +137,17 @@ def parse_request(body: dict, vision: bool) -> dict:
         if constraint is not None:
             raise invalid("output_config.format and a forced tool_choice cannot be combined")
         constraint = forced
-    return {"messages": messages, "tools": tools or None, "constraint": constraint}
+    thinking = body.get("thinking")
+    template_kwargs = None
+    if isinstance(thinking, dict) and thinking.get("type") in ("enabled", "disabled", "adaptive"):
+        # Qwen3-style templates switch reasoning with enable_thinking; others ignore it.
+        template_kwargs = {"enable_thinking": thinking["type"] != "disabled"}
+    return {
+        "messages": messages,
+        "tools": tools or None,
+        "constraint": constraint,
+        "chat_template_kwargs": template_kwargs,
+    }
 
 
 def _sampling(body: dict, slot) -> p.SamplingParams:
@@ -337,7 +347,7 @@ async def count_tokens(request: web.Request) -> web.Response:
     manager = request.app[MANAGER]
     slot = resolve_model(request, model)
     fields = parse_request(body, slot.entry.kind == "vision")
-    fields.pop("constraint")
+    fields.pop("constraint")  # counting tokens needs the prompt, not the grammar
     conn = await manager.acquire(slot)
     result = await manager.broker.call(conn, "tokenize", fields)
     return web.Response(text=json.dumps({"input_tokens": result["tokens"]}), content_type="application/json")
