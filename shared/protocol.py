@@ -104,6 +104,7 @@ class GenerateRequest:
     # Constrained decoding: {"type": "json_schema", "schema": {...}} | {"type": "json_object"}
     # | {"type": "regex", "pattern": ...} | {"type": "lark", "grammar": ...}
     constraint: dict | None = None
+    reasoning_budget: int | None = None  # reasoning tokens before the end of thinking is forced
     echo: bool = False  # completions: prepend the prompt text to the output
 
     def to_wire(self) -> dict:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -147,7 +148,17 @@ def smollm2_dir(home) -> Path:
 def tiny_dir(home, smollm2_dir) -> Path:
     from tiny_model import build_tiny_model
 
-    return build_tiny_model(home / "models" / "tiny", smollm2_dir)
+    tiny = build_tiny_model(home / "models" / "tiny", smollm2_dir)
+    # A thinking variant: its template opens <think> itself, as Qwen3-style templates do.
+    think = home / "models" / "tiny-think"
+    shutil.copytree(tiny, think, dirs_exist_ok=True)
+    config = json.loads((think / "tokenizer_config.json").read_text())
+    assert "'<|im_start|>assistant\n'" in config["chat_template"]
+    config["chat_template"] = config["chat_template"].replace(
+        "'<|im_start|>assistant\n'", "'<|im_start|>assistant\n<think>\n'"
+    )
+    (think / "tokenizer_config.json").write_text(json.dumps(config))
+    return tiny
 
 
 TINY_CONFIG = {
@@ -166,6 +177,7 @@ TINY_CONFIG = {
         {"name": "tiny-smallcache", "source": "tiny", "cache_memory_mb": 1},
         {"name": "tiny-short", "source": "tiny", "context_length": 64, "max_tokens_policy": "reject"},
         {"name": "tiny-tools", "source": "tiny", "tool_parser": "hermes"},
+        {"name": "tiny-think", "reasoning_parser": "think"},
         {"name": "echo", "engine": "echo", "tool_parser": "hermes", "reasoning_parser": "think"},
         {"name": "null", "engine": "null", "preload": True, "max_num_seqs": 64, "max_queue": 256},
     ],

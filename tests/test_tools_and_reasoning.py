@@ -136,3 +136,36 @@ def test_anthropic_tool_round_trip(tiny_gateway):
         ],
     )
     assert final.stop_reason == "end_turn" and final.content[0].text == "Sunny, 24 C"
+
+
+def test_template_opened_thinking_is_reasoning_and_a_budget_ends_it(tiny_gateway):
+    """tiny-think's template opens <think> itself. Random weights never close it on their own,
+    so without a budget everything is reasoning; with one, the end tag is forced after the
+    budget and the rest is the answer."""
+    client = openai_client(tiny_gateway)
+    free = client.chat.completions.create(
+        model="tiny-think",
+        messages=ask("hi"),
+        max_tokens=40,
+        temperature=0,
+        extra_body={"logit_bias": {"0": -100, "2": -100}},
+    )
+    assert free.choices[0].message.model_extra.get("reasoning_content")
+    assert not free.choices[0].message.content
+    capped = client.chat.completions.create(
+        model="tiny-think",
+        messages=ask("hi"),
+        max_tokens=60,
+        temperature=0,
+        extra_body={"reasoning_budget": 10, "logit_bias": {"0": -100, "2": -100}},
+    )
+    message = capped.choices[0].message
+    assert message.model_extra.get("reasoning_content") and message.content
+    msg = anthropic_client(tiny_gateway).messages.create(
+        model="tiny-think",
+        max_tokens=60,
+        messages=ask("hi"),
+        thinking={"type": "enabled", "budget_tokens": 10},
+        extra_body={"temperature": 0},
+    )
+    assert [b.type for b in msg.content] == ["thinking", "text"]

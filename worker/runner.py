@@ -42,6 +42,10 @@ class Runner(ABC):
     def insert(self, prompt: list[int], max_tokens: int, sampling: SamplingParams, constraint=None) -> tuple[int, int]:
         """Queue a prompt for execution; return (uid, prompt tokens served from the cache)."""
 
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of a piece of text, without special tokens."""
+        return list(text.encode())
+
     def make_constraint(self, req: GenerateRequest):
         """A logits processor enforcing req.constraint (raises a 400 for a bad one), or None."""
         if req.constraint is not None:
@@ -139,9 +143,10 @@ class MLXRunner(Runner):
         if think is None and tool is None:
             return None
         in_reasoning = False
-        if think is not None and getattr(self.tokenizer, "has_thinking", False):
+        if think is not None:
             # Templates that open the think tag themselves leave generation inside it.
-            in_reasoning = self.tokenizer.rfind_think_start(prompt) > self.tokenizer.rfind_think_end(prompt)
+            tail = self.tokenizer.decode(prompt[-48:])
+            in_reasoning = tail.rfind(think[0]) > tail.rfind(think[1])
         return OutputParser(think=think, in_reasoning=in_reasoning, tool=tool, tools=req.tools)
 
     # -- execution ----------------------------------------------------------------------
@@ -161,12 +166,16 @@ class MLXRunner(Runner):
         markup = (syntax.start, syntax.end or "") if syntax and syntax.end else None
         return self._constraints.processor(req.constraint, markup)
 
+    def encode_text(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
     def insert(self, prompt: list[int], max_tokens: int, sampling: SamplingParams, constraint=None) -> tuple[int, int]:
         from .sampling import build_logits_processors, build_sampler
 
         processors = build_logits_processors(sampling)
         if constraint is not None:
-            processors.append(constraint)  # last: the mask applies after any bias or penalty
+            # last: masks apply after any bias or penalty; several may be chained
+            processors += constraint if isinstance(constraint, list) else [constraint]
         cache, cached = self.prefix_cache.longest_match(prompt)
         (uid,) = self.generator.insert(
             [prompt[cached:]],
@@ -217,6 +226,33 @@ class MLXRunner(Runner):
         self.prefix_cache.clear()
         gc.collect()
         self._mx.clear_cache()
+
+
+class ThinkingBudget:
+    """Logits processor that ends reasoning after `budget` tokens by forcing the model's end
+    tag, one token per step (the tag may span several tokens)."""
+
+    def __init__(self, parser, budget: int, end_tokens: list[int]):
+        self.parser = parser
+        self.budget = budget
+        self.end_tokens = list(end_tokens)
+        self.used = 0
+        self.forcing: list[int] | None = None
+
+    def __call__(self, tokens, logits):
+        import mlx.core as mx
+
+        if self.forcing is None:
+            if self.parser.mode != "reasoning":
+                return logits
+            self.used += 1
+            if self.used <= self.budget:
+                return logits
+            self.forcing = list(self.end_tokens)
+        if not self.forcing:
+            return logits
+        token = self.forcing.pop(0)
+        return mx.where(mx.arange(logits.shape[-1]) == token, logits, -float("inf"))
 
 
 def check_budget(prompt_len: int, req_max_tokens: int | None, context: int, policy: str) -> int:

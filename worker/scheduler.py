@@ -18,7 +18,7 @@ from shared import protocol as p
 from shared.errors import ErrorCode, ServiceError
 
 from .output_parser import OutputParser, Parsed
-from .runner import Runner, check_budget
+from .runner import Runner, ThinkingBudget, check_budget
 from .textstream import TextStream
 
 Event = tuple[str, dict]  # (request id, event)
@@ -90,6 +90,10 @@ class Scheduler:
             if not prompt:
                 raise ServiceError(ErrorCode.INVALID_REQUEST, "the prompt is empty", param="prompt")
             constraint = self.runner.make_constraint(req)
+            parser = self.runner.make_parser(req, prompt)
+            if req.reasoning_budget is not None and parser is not None and parser.think:
+                budget = ThinkingBudget(parser, req.reasoning_budget, self.runner.encode_text(parser.think[1]))
+                constraint = [budget] + ([constraint] if constraint else [])
             max_tokens = check_budget(
                 len(prompt), req.max_tokens, self.runner.context_length, req.max_tokens_policy or self.policy
             )
@@ -103,7 +107,7 @@ class Scheduler:
             arrived=now,
             deadline=now + req.timeout_s if req.timeout_s else None,
             text=TextStream(self.runner.new_detokenizer(), req.stop),
-            parser=self.runner.make_parser(req, prompt),
+            parser=parser,
             constraint=constraint,
         )
         self._seqs[req.rid] = seq

@@ -142,11 +142,15 @@ def parse_request(body: dict, vision: bool) -> dict:
     if isinstance(thinking, dict) and thinking.get("type") in ("enabled", "disabled", "adaptive"):
         # Qwen3-style templates switch reasoning with enable_thinking; others ignore it.
         template_kwargs = {"enable_thinking": thinking["type"] != "disabled"}
+    budget = thinking.get("budget_tokens") if isinstance(thinking, dict) and thinking.get("type") == "enabled" else None
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
+        raise invalid("thinking.budget_tokens: Input should be a non-negative integer")
     return {
         "messages": messages,
         "tools": tools or None,
         "constraint": constraint,
         "chat_template_kwargs": template_kwargs,
+        "reasoning_budget": budget,
     }
 
 
@@ -348,6 +352,7 @@ async def count_tokens(request: web.Request) -> web.Response:
     slot = resolve_model(request, model)
     fields = parse_request(body, slot.entry.kind == "vision")
     fields.pop("constraint")  # counting tokens needs the prompt, not the grammar
+    fields.pop("reasoning_budget")
     conn = await manager.acquire(slot)
     result = await manager.broker.call(conn, "tokenize", fields)
     return web.Response(text=json.dumps({"input_tokens": result["tokens"]}), content_type="application/json")

@@ -143,6 +143,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         tools=tools or None,
         chat_template_kwargs=template_kwargs,
         constraint=constraint,
+        reasoning_budget=v.integer(body, "reasoning_budget", lo=0),  # mlxgw extension
         max_tokens=oc.max_tokens(request, body, slot.entry, "max_completion_tokens", "max_tokens"),
         **oc.base_request(request, body, slot.entry),
     )
