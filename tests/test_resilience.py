@@ -139,3 +139,30 @@ def test_timeout_and_clean_shutdown_leave_no_orphans(home, tiny_dir):
     time.sleep(0.5)
     alive = [pid for pid in workers if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
     assert alive == []
+
+
+def test_a_flood_of_events_is_never_dropped(home, tiny_dir, monkeypatch):
+    """The null engine emits events faster than the gateway reads them. With a tiny send
+    queue on the worker's link, the worker must hold frames back (backpressure), not drop
+    them: every request still ends with its finish."""
+    import concurrent.futures
+
+    monkeypatch.setenv("MLXGW_LINK_SNDHWM", "4")
+    gw = start_gateway(
+        home,
+        {
+            "manager": {"auto_discover": False},
+            "models": [{"name": "null", "engine": "null", "preload": True, "max_num_seqs": 8}],
+        },
+        "flood-gateway",
+    )
+    try:
+        client = openai_client(gw, timeout=120)
+
+        def one(i: int) -> int:
+            return client.completions.create(model="null", prompt=f"flood {i}", max_tokens=3000).usage.completion_tokens
+
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            assert list(pool.map(one, range(6))) == [3000] * 6
+    finally:
+        gw.stop()

@@ -84,7 +84,7 @@ class WorkerLink:
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 500)
         # Bounded buffers: a gateway that stops reading must not grow this process forever.
-        sock.setsockopt(zmq.SNDHWM, 10000)
+        sock.setsockopt(zmq.SNDHWM, int(os.environ.get("MLXGW_LINK_SNDHWM", "10000")))
         sock.connect(self.endpoint)
         sock.send(p.encode(p.HELLO, **self.hello, state=self.state))
         return sock
@@ -102,8 +102,16 @@ class WorkerLink:
         silent_since = None
         next_beat = 0.0
         backoff = self.heartbeat_s
+        pending: bytes | None = None  # a frame from the engine the gateway socket could not take yet
         while not self._stop.is_set():
-            events = dict(poller.poll(int(self.heartbeat_s * 250)))
+            # While a frame waits for room, retry soon and leave the engine's frames queued:
+            # the engine then blocks on the full inproc pipe, which is the backpressure we want
+            # (a frame is never dropped, and memory stays bounded).
+            if pending is None:
+                poller.modify(self._io_side, zmq.POLLIN)
+            else:
+                poller.modify(self._io_side, 0)
+            events = dict(poller.poll(10 if pending is not None else int(self.heartbeat_s * 250)))
             now = time.monotonic()
             if sock in events:
                 while True:
@@ -113,14 +121,12 @@ class WorkerLink:
                         break
                     last_heard, silent_since, backoff = now, None, self.heartbeat_s
                     self._on_gateway_frame(sock, frame)
-            if self._io_side in events:
-                while True:
-                    try:
-                        sock.send(self._io_side.recv(zmq.NOBLOCK), zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
+            pending = self._forward(sock, pending)
             if now >= next_beat:
-                sock.send(self._heartbeat(), zmq.NOBLOCK)
+                try:
+                    sock.send(self._heartbeat(), zmq.NOBLOCK)
+                except zmq.Again:
+                    pass  # the gateway is not reading; the frames ahead of it prove we are alive
                 next_beat = now + self.heartbeat_s
             if os.getppid() != self._parent and self.orphan_after is not None:
                 log.warning("parent process gone; worker exits")
@@ -140,6 +146,21 @@ class WorkerLink:
                 last_heard = now
                 backoff = min(backoff * 2, 30.0)
         sock.close(linger=200)
+
+    def _forward(self, sock: zmq.Socket, pending: bytes | None) -> bytes | None:
+        """Move engine frames to the gateway until there are none or the socket is full;
+        return the frame still waiting, if any."""
+        while True:
+            if pending is None:
+                try:
+                    pending = self._io_side.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    return None
+            try:
+                sock.send(pending, zmq.NOBLOCK)
+            except zmq.Again:
+                return pending
+            pending = None
 
     def _on_gateway_frame(self, sock: zmq.Socket, frame: bytes) -> None:
         try:
