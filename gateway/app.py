@@ -14,7 +14,7 @@ from shared.config import Registry
 from shared.errors import ErrorCode, ServiceError
 
 from . import observe
-from .api import anthropic, openai_chat, openai_completions, responses, system
+from .api import anthropic, openai_chat, openai_completions, responses, responses_output, system
 from .api.body import body_too_large
 from .api.errors import error_response, family_of
 from .auth import auth_middleware
@@ -115,7 +115,7 @@ def make_app(
         await broker.close()
 
     app.cleanup_ctx.append(lifecycle)
-    app[responses.STORE] = OrderedDict()
+    app[responses_output.STORE] = OrderedDict()
     for module in (openai_chat, openai_completions, anthropic, responses, system, observe):
         app.add_routes(module.routes)
     return app
