@@ -124,14 +124,24 @@ class Generation:
             if kind in (p.EV_FINISH, p.EV_ERROR):
                 return
 
+    async def content(self, on_idle: Callable[[], Awaitable[None]] | None = None) -> AsyncIterator[dict]:
+        """Delta and finish events only. on_idle runs on keep-alive ticks and prefill progress
+        (streams send a comment or ping); an error or a cancellation raises ServiceError."""
+        async for event in self.events():
+            kind = event["e"] if event else None
+            if kind in (None, p.EV_PROGRESS):
+                if on_idle is not None:
+                    await on_idle()
+                continue
+            raise_for(event)
+            if kind in (p.EV_DELTA, p.EV_FINISH):
+                yield event
+
     async def result(self) -> Outcome:
         text: list[str] = []
         reasoning: list[str] = []
         calls: list[dict] = []
-        async for event in self.events():
-            if event is None or event["e"] not in (p.EV_DELTA, p.EV_FINISH, p.EV_ERROR):
-                continue
-            raise_for(event)
+        async for event in self.content():
             text.append(event.get("text", ""))
             reasoning.append(event.get("reasoning", ""))
             calls.extend(event.get("tool_calls") or [])

@@ -14,7 +14,7 @@ from shared import protocol as p
 from shared.errors import ServiceError, invalid
 
 from ..auth import resolve_model
-from ..generation import Generation, raise_for
+from ..generation import Generation
 from ..sse import SSEWriter
 from ..state import MANAGER, SETTINGS
 from . import openai_common as oc
@@ -309,13 +309,8 @@ async def _stream(request: web.Request, gen: Generation) -> web.StreamResponse:
             }
             await sse.data({"type": "message_start", "message": start}, "message_start")
             await sse.data({"type": "ping"}, "ping")
-            async for ev in gen.events():
-                kind = ev["e"] if ev else None
-                if kind in (None, p.EV_PROGRESS):
-                    await sse.data({"type": "ping"}, "ping")
-                    continue
-                if kind == p.EV_ERROR or (kind == p.EV_FINISH and ev.get("reason") == "cancelled"):
-                    raise_for(ev)
+            async for ev in gen.content(on_idle=lambda: sse.data({"type": "ping"}, "ping")):
+                kind = ev["e"]
                 if ev.get("reasoning"):
                     await blocks.thinking(ev["reasoning"])
                 if ev.get("text"):

@@ -12,7 +12,7 @@ from shared import protocol as p
 from shared.config import ModelEntry
 from shared.errors import ServiceError, invalid
 
-from ..generation import Generation, raise_for
+from ..generation import Generation
 from ..sse import SSEWriter
 from ..state import MANAGER, SETTINGS
 from . import validate as v
@@ -131,13 +131,8 @@ async def stream_response(
         async with gen:
             for c in preamble:
                 await sse.data(c)
-            async for ev in gen.events():
-                kind = ev["e"] if ev else None
-                if kind in (None, p.EV_PROGRESS):
-                    await sse.comment()
-                    continue
-                if kind == p.EV_ERROR or (kind == p.EV_FINISH and ev.get("reason") == "cancelled"):
-                    raise_for(ev)
+            async for ev in gen.content(on_idle=sse.comment):
+                kind = ev["e"]
                 for c in delta_chunks(ev):
                     await sse.data(c)
                 if kind == p.EV_FINISH:

@@ -11,7 +11,7 @@ from aiohttp import web
 from shared import protocol as p
 from shared.errors import ServiceError
 
-from ..generation import Generation, raise_for
+from ..generation import Generation
 from ..sse import SSEWriter
 from ..state import SETTINGS
 from .errors import openai_error_body
@@ -221,13 +221,8 @@ async def stream_response(request: web.Request, builder: ResponseBuilder, header
         async with gen:
             await state.emit("response.created", response=builder.snapshot("in_progress"))
             await state.emit("response.in_progress", response=builder.snapshot("in_progress"))
-            async for ev in gen.events():
-                kind = ev["e"] if ev else None
-                if kind in (None, p.EV_PROGRESS):
-                    await sse.comment()
-                    continue
-                if kind == p.EV_ERROR or (kind == p.EV_FINISH and ev.get("reason") == "cancelled"):
-                    raise_for(ev)
+            async for ev in gen.content(on_idle=sse.comment):
+                kind = ev["e"]
                 if ev.get("reasoning"):
                     await state.reasoning_delta(ev["reasoning"])
                 if ev.get("text"):
