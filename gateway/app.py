@@ -24,7 +24,7 @@ from .limits import RateLimiter
 from .manager import ModelManager
 from .metrics import Metrics
 from .observe import ACTIVE, add_response_headers, capacity_middleware, cors_middleware, observe_middleware
-from .state import BROKER, KEYS, LIMITER, MANAGER, METRICS, REGISTRY, SETTINGS, GatewaySettings
+from .state import BROKER, KEYS, LIMITER, MANAGER, METRICS, SETTINGS, GatewaySettings
 
 log = logging.getLogger("mlxgw.gateway")
 
@@ -95,7 +95,6 @@ def make_app(
         endpoint, heartbeat_s=m.heartbeat_s, liveness=m.liveness, secret=secret, extra_endpoints=extra_endpoints
     )
     manager = ModelManager(registry, broker)
-    app[REGISTRY] = registry
     app[SETTINGS] = settings
     app[BROKER] = broker
     app[MANAGER] = manager

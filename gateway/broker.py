@@ -157,8 +157,12 @@ class Broker:
         return reply.get("result") or {}
 
     async def shutdown_worker(self, conn: WorkerConn, drain: bool = True) -> None:
+        """Ask a worker (a remote one: local ones get SIGTERM) to finish its requests and exit."""
         conn.state = "draining"
-        await self._send(conn, p.encode(p.SHUTDOWN, drain=drain))
+        try:
+            await self._send(conn, p.encode(p.SHUTDOWN, drain=drain))
+        except ServiceError:
+            pass  # already gone
 
     async def _send(self, conn: WorkerConn, frame: bytes) -> None:
         try:

@@ -197,6 +197,9 @@ class ModelManager:
     def _retire(self, slot: ModelSlot) -> None:
         slot.retired = True
         del self.slots[slot.name]
+        for conn in self.conns(slot):
+            if conn not in self.local_conns(slot):  # remote workers drain and exit too
+                self._spawn_task(self.broker.shutdown_worker(conn))
         if slot.process is not None:
             self.retiring.add(slot)
             self._spawn_task(self._drain_retired(slot))

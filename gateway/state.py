@@ -7,8 +7,6 @@ from pathlib import Path
 
 from aiohttp import web
 
-from shared.config import Registry
-
 from .broker import Broker
 from .manager import ModelManager
 
@@ -29,7 +27,6 @@ class GatewaySettings:
     cors_origins: tuple[str, ...] = ()
 
 
-REGISTRY = web.AppKey("registry", Registry)
 BROKER = web.AppKey("broker", Broker)
 MANAGER = web.AppKey("manager", ModelManager)
 SETTINGS = web.AppKey("settings", GatewaySettings)

@@ -74,9 +74,3 @@ def list_models(directory: Path | None = None) -> list[StoredModel]:
         return []
     found = (_describe(d) for d in sorted(directory.iterdir()) if d.is_dir() and not d.name.startswith("."))
     return [m for m in found if m is not None]
-
-
-def find_model(name: str, directory: Path | None = None) -> StoredModel | None:
-    directory = directory or models_dir()
-    folder = directory / name
-    return _describe(folder) if folder.is_dir() and not name.startswith(".") else None

@@ -113,7 +113,3 @@ class ConstraintFactory:
             return mx.where(mx.array(allowed), logits, -float("inf"))
 
         return constrain
-
-
-def describe(constraint: dict) -> str:
-    return json.dumps(constraint)[:200]
