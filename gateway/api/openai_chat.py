@@ -185,19 +185,10 @@ def _tool_call(call: dict) -> dict:
 
 
 async def _stream(request: web.Request, gen: Generation, include_usage: bool) -> web.StreamResponse:
-    cid, created, model = oc.new_id("chatcmpl"), oc.now(), gen.slot.name
+    make = oc.chunk_maker("chat.completion.chunk", "chatcmpl", gen.slot.name, include_usage)
 
     def chunk(delta: dict, finish: str | None = None) -> dict:
-        c = {
-            "id": cid,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
-        }
-        if include_usage:
-            c["usage"] = None
-        return c
+        return make({"delta": delta, "finish_reason": finish})
 
     def deltas(ev: dict) -> list[dict]:
         out = []

@@ -86,6 +86,26 @@ def check_unsupported(body: dict) -> None:
         raise invalid("only best_of=1 is supported", "best_of")
 
 
+def chunk_maker(object_name: str, id_prefix: str, model: str, include_usage: bool) -> Callable[[dict], dict]:
+    """Builds the streamed chunks of one response: same id, timestamp and model on each;
+    `usage: null` on each when the client asked for a final usage chunk, as OpenAI does."""
+    cid, created = new_id(id_prefix), now()
+
+    def make(choice: dict) -> dict:
+        chunk = {
+            "id": cid,
+            "object": object_name,
+            "created": created,
+            "model": model,
+            "choices": [{"index": 0, "logprobs": None, **choice}],
+        }
+        if include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    return make
+
+
 def usage_dict(u: p.Usage) -> dict:
     return {
         "prompt_tokens": u.prompt_tokens,

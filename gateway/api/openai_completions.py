@@ -72,19 +72,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 
 async def _stream(request: web.Request, gen: Generation, include_usage: bool, prefix: str) -> web.StreamResponse:
-    cid, created, model = oc.new_id("cmpl"), oc.now(), gen.slot.name
+    make = oc.chunk_maker("text_completion", "cmpl", gen.slot.name, include_usage)
 
     def chunk(text: str, finish: str | None) -> dict:
-        c = {
-            "id": cid,
-            "object": "text_completion",
-            "created": created,
-            "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
-        }
-        if include_usage:
-            c["usage"] = None
-        return c
+        return make({"text": text, "finish_reason": finish})
 
     def deltas(ev: dict) -> list[dict]:
         return [chunk(ev["text"], None)] if ev.get("text") else []
