@@ -160,10 +160,10 @@ def _sampling(body: dict, slot) -> p.SamplingParams:
     top_p = v.number(body, "top_p", 0, 1)
     top_k = v.integer(body, "top_k", 0)
     return p.SamplingParams(
-        temperature=temperature if temperature is not None else (d.temperature if d.temperature is not None else 1.0),
-        top_p=top_p if top_p is not None else (d.top_p or 1.0),
-        top_k=top_k if top_k is not None else (d.top_k or 0),
-        min_p=d.min_p or 0.0,
+        temperature=oc.first_set(temperature, d.temperature, 1.0),
+        top_p=oc.first_set(top_p, d.top_p, 1.0),
+        top_k=oc.first_set(top_k, d.top_k, 0),
+        min_p=oc.first_set(d.min_p, 0.0),
         repetition_penalty=d.repetition_penalty,
     )
 

@@ -27,11 +27,13 @@ def now() -> int:
     return int(time.time())
 
 
+def first_set(*values):
+    """The first value that is not None: request value, then model default, then fallback."""
+    return next((x for x in values if x is not None), None)
+
+
 def sampling_params(body: dict, entry: ModelEntry) -> p.SamplingParams:
     d = entry.defaults
-
-    def pick(value, default, fallback):
-        return value if value is not None else (default if default is not None else fallback)
 
     bias = v.mapping(body, "logit_bias")
     logit_bias = None
@@ -43,12 +45,12 @@ def sampling_params(body: dict, entry: ModelEntry) -> p.SamplingParams:
         if any(not -100 <= b <= 100 for b in logit_bias.values()):
             raise invalid("'logit_bias' values must be between -100 and 100", "logit_bias")
     return p.SamplingParams(
-        temperature=pick(v.number(body, "temperature", 0, 2), d.temperature, 1.0),
-        top_p=pick(v.number(body, "top_p", 0, 1), d.top_p, 1.0),
-        top_k=pick(v.integer(body, "top_k", 0), d.top_k, 0),
-        min_p=pick(v.number(body, "min_p", 0, 1), d.min_p, 0.0),
+        temperature=first_set(v.number(body, "temperature", 0, 2), d.temperature, 1.0),
+        top_p=first_set(v.number(body, "top_p", 0, 1), d.top_p, 1.0),
+        top_k=first_set(v.integer(body, "top_k", 0), d.top_k, 0),
+        min_p=first_set(v.number(body, "min_p", 0, 1), d.min_p, 0.0),
         seed=v.integer(body, "seed"),
-        repetition_penalty=pick(v.number(body, "repetition_penalty", 0.01, 10), d.repetition_penalty, None),
+        repetition_penalty=first_set(v.number(body, "repetition_penalty", 0.01, 10), d.repetition_penalty, None),
         presence_penalty=v.number(body, "presence_penalty", -2, 2, default=0.0),
         frequency_penalty=v.number(body, "frequency_penalty", -2, 2, default=0.0),
         logit_bias=logit_bias,
@@ -63,7 +65,7 @@ def max_tokens(request: web.Request, body: dict, entry: ModelEntry, *names: str)
             break
     settings = request.app[SETTINGS]
     if requested is None:
-        requested = entry.defaults.max_tokens if entry.defaults.max_tokens is not None else settings.max_tokens_default
+        requested = first_set(entry.defaults.max_tokens, settings.max_tokens_default)
     cap = settings.max_tokens_cap
     if cap is not None:
         requested = min(requested, cap) if requested is not None else cap
