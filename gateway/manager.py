@@ -289,9 +289,10 @@ class ModelManager:
             self._start_load(slot, delay=backoff)
 
     def _fail_load(self, slot: ModelSlot, message: str, permanent: bool, retry_after: float | None = 30) -> None:
-        slot.last_error = message if permanent or slot.last_error is None else slot.last_error
         if permanent:
             slot.state = "failed"
+            slot.last_error = message
+        elif slot.last_error is None:
             slot.last_error = message
         if slot.loading is not None and not slot.loading.done():
             slot.loading.set_exception(
