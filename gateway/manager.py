@@ -261,7 +261,8 @@ class ModelManager:
     def _after_exit(self, slot: ModelSlot, code: int) -> None:
         if self.closing or slot.retired or slot.state in ("draining", "unloaded"):
             slot.state = "unloaded"
-            self._fail_load(slot, "the model was unloaded while loading", permanent=False)
+            if slot.loading is not None and not slot.loading.done():
+                self._fail_load(slot, "the model was unloaded while loading", permanent=False)
             return
         if slot.state == "failed":
             return
@@ -319,8 +320,8 @@ class ModelManager:
 
     def _on_lost(self, conn: WorkerConn, reason: str) -> None:
         slot = self.slots.get(conn.model)
-        if slot is None:
-            return
+        if slot is None or slot.state == "draining":
+            return  # gone, or leaving because we asked it to: not an error
         slot.last_error = reason
         proc = slot.process
         if proc is not None and proc.worker_id == conn.worker_id and proc.running:

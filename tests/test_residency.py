@@ -103,6 +103,7 @@ def test_idle_model_is_unloaded_and_its_memory_returned(residency_gateway):
     before = rss_of_workers(residency_gateway)
     wait_for(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, 20)
     wait_for(lambda: residency_gateway.model_status("idle")["state"] == "unloaded", 5)
+    assert residency_gateway.model_status("idle")["last_error"] is None  # an unload is not an error
     assert rss_of_workers(residency_gateway) <= before - 0.9 * rss
     greedy(residency_gateway, "idle")  # loads again on demand
     assert residency_gateway.model_status("idle")["loads"] == 2
