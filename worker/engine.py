@@ -16,15 +16,16 @@ from shared.errors import ErrorCode, ServiceError
 
 from .link import WorkerLink
 from .runner import Runner
-from .scheduler import Scheduler
 
 log = logging.getLogger("mlxgw.worker")
 
 STATS_INTERVAL_S = 0.5
+REQUEST_TYPES = {p.GENERATE: p.GenerateRequest, p.EMBED: p.EmbedRequest}
 
 
 class Engine:
-    def __init__(self, link: WorkerLink, runner: Runner, scheduler: Scheduler):
+    def __init__(self, link: WorkerLink, runner: Runner, scheduler):
+        """scheduler: the text Scheduler or the EmbedScheduler (same small interface)."""
         self.link = link
         self.runner = runner
         self.scheduler = scheduler
@@ -65,13 +66,19 @@ class Engine:
 
     def _handle(self, msg: dict) -> None:
         kind = msg.get("t")
-        if kind == p.GENERATE:
+        if kind in REQUEST_TYPES:
             try:
-                req = p.GenerateRequest.from_wire(msg["request"])
+                req = REQUEST_TYPES[kind].from_wire(msg["request"])
             except (KeyError, TypeError, ValueError) as e:
                 rid = (msg.get("request") or {}).get("rid", "?")
                 err = ServiceError(ErrorCode.INVALID_REQUEST, f"malformed request: {e}").to_wire()
                 self.link.send(p.EVENTS, items=[[rid, {"e": p.EV_ERROR, **err}]])
+                return
+            if not isinstance(req, self.scheduler.request_type):
+                # The gateway routes by kind; a mismatch means a misconfigured remote worker.
+                what = "embeddings or reranking" if kind == p.EMBED else "text generation"
+                err = ServiceError(ErrorCode.INVALID_REQUEST, f"this model does not serve {what}", param="model")
+                self.link.send(p.EVENTS, items=[[req.rid, {"e": p.EV_ERROR, **err.to_wire()}]])
                 return
             if self.draining:
                 err = ServiceError(

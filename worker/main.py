@@ -12,7 +12,7 @@ import uuid
 from pathlib import Path
 
 from shared import protocol as p
-from shared.config import ModelEntry, from_mapping
+from shared.config import ENCODER_KINDS, ModelEntry, from_mapping
 from shared.errors import ErrorCode
 from shared.platform import total_memory_bytes
 
@@ -26,6 +26,18 @@ DEFAULT_CACHE_SHARE = 0.10
 
 
 def build_runner(entry: ModelEntry, model_path: Path):
+    if entry.kind in ENCODER_KINDS:
+        from .embedding.encoder import TextEncoder
+
+        encoder = TextEncoder(model_path, max_length=entry.context_length, truncate=entry.truncate)
+        if encoder.cross_encoder != (entry.kind == "rerank"):
+            found = (
+                "a cross-encoder (set kind: rerank)"
+                if encoder.cross_encoder
+                else "an embedding model (kind: embedding)"
+            )
+            raise ValueError(f"{model_path.name} is {found}")
+        return encoder
     if entry.engine == "null":
         from .null_runner import NullRunner
 
@@ -62,8 +74,6 @@ def serve(
     liveness: int = 5,
     orphan_after: float | None = 15.0,
 ) -> int:
-    from .scheduler import Scheduler
-
     hello = {
         "worker_id": worker_id or uuid.uuid4().hex,
         "model": entry.name,
@@ -92,12 +102,26 @@ def serve(
         "load_seconds": round(time.monotonic() - started, 3),
         "engine": entry.engine,
     }
+    if entry.kind in ENCODER_KINDS:
+        info["dimensions"] = runner.dim
     link.hello["info"] = info
     link.state = "ready"
     link.send(p.READY, info=info)
-    scheduler = Scheduler(
-        runner, max_num_seqs=entry.max_num_seqs, max_queue=entry.max_queue, policy=entry.max_tokens_policy
-    )
+    if entry.kind in ENCODER_KINDS:
+        from .embedding.scheduler import EmbedScheduler
+
+        scheduler = EmbedScheduler(
+            runner,
+            max_batch_size=entry.max_batch_inputs,
+            max_batch_tokens=entry.max_batch_tokens,
+            max_queue=entry.max_queue,
+        )
+    else:
+        from .scheduler import Scheduler
+
+        scheduler = Scheduler(
+            runner, max_num_seqs=entry.max_num_seqs, max_queue=entry.max_queue, policy=entry.max_tokens_policy
+        )
     engine = Engine(link, runner, scheduler)
     signal.signal(signal.SIGTERM, lambda *_: setattr(engine, "draining", True))
     engine.run()

@@ -61,6 +61,8 @@ class Sequence:
 
 
 class Scheduler:
+    request_type = p.GenerateRequest
+
     def __init__(self, runner: Runner, *, max_num_seqs: int, max_queue: int, policy: str = "clamp"):
         self.runner = runner
         self.max_num_seqs = max_num_seqs

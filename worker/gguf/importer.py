@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import json
-import os
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from importlib import metadata as importlib_metadata
@@ -44,25 +40,34 @@ class ImportResult:
 
 
 def resolve_source(spec: str) -> Path:
-    """A .gguf path, or pypi:PACKAGE = the single .gguf inside an installed Python package."""
+    """A .gguf file or a model folder (config.json + .safetensors); or pypi:PACKAGE = the
+    single .gguf, else the single model folder, inside an installed Python package."""
     if spec.startswith("pypi:"):
         package = spec[len("pypi:") :]
         try:
-            files = importlib_metadata.distribution(package).files or []
+            dist = importlib_metadata.distribution(package)
         except importlib_metadata.PackageNotFoundError:
             raise ImportError_(f"Python package {package!r} is not installed") from None
-        dist = importlib_metadata.distribution(package)
-        ggufs = [Path(dist.locate_file(f)) for f in files if str(f).endswith(".gguf")]
-        if not ggufs:
-            raise ImportError_(f"package {package!r} contains no .gguf file")
-        if len(ggufs) > 1:
-            listing = "\n  ".join(str(p) for p in ggufs)
-            raise ImportError_(f"package {package!r} contains several .gguf files; pass one path:\n  {listing}")
-        return ggufs[0]
+        files = [Path(dist.locate_file(f)) for f in dist.files or []]
+        found = [f for f in files if f.suffix == ".gguf"]
+        if not found:
+            found = sorted({f.parent for f in files if f.name == "config.json" and _is_model_folder(f.parent)})
+        if not found:
+            raise ImportError_(f"package {package!r} contains no .gguf file and no model folder")
+        if len(found) > 1:
+            listing = "\n  ".join(str(p) for p in found)
+            raise ImportError_(f"package {package!r} contains several models; pass one path:\n  {listing}")
+        return found[0]
     path = Path(spec).expanduser()
+    if path.is_dir() and _is_model_folder(path):
+        return path
     if not path.is_file():
-        raise ImportError_(f"no such file: {path}")
+        raise ImportError_(f"no such file or model folder: {path}")
     return path
+
+
+def _is_model_folder(path: Path) -> bool:
+    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
 
 
 def sha256_file(path: Path) -> str:
@@ -139,19 +144,6 @@ def _describe_precision(dtype: str, quantize: int | None, quantized: dict[str, d
     return dtype
 
 
-def _clean_stale_temp_dirs(models_dir: Path) -> None:
-    """Remove temp folders of imports whose process is gone (killed mid-write)."""
-    import psutil
-
-    for tmp in models_dir.glob(".import-*"):
-        try:
-            pid = int(tmp.name.rsplit("-", 1)[-1])
-        except ValueError:
-            continue
-        if not psutil.pid_exists(pid):
-            shutil.rmtree(tmp, ignore_errors=True)
-
-
 def import_gguf(
     source: str,
     name: str,
@@ -173,6 +165,10 @@ def import_gguf(
     started = time.perf_counter()
     models_dir = models_dir or model_store.models_dir()
     path = resolve_source(source)
+    if path.is_dir():
+        from ..folder_import import import_folder
+
+        return import_folder(path, source, name, force=force, models_dir=models_dir)
     options = {"dtype": dtype, "quantize": quantize, "keep_quant": keep_quant}
     digest = sha256_file(path)
     dest = models_dir / name
@@ -209,11 +205,7 @@ def import_gguf(
         raise ImportError_(str(e)) from None
     del tensors, weights
 
-    models_dir.mkdir(parents=True, exist_ok=True)
-    _clean_stale_temp_dirs(models_dir)
-    tmp = Path(tempfile.mkdtemp(prefix=f".import-{name}-", suffix=f"-{os.getpid()}", dir=models_dir))
-    tmp.chmod(0o755)
-    try:
+    def fill(tmp: Path) -> dict:
         save_model(tmp, model, donate_model=True)
         save_config(config, tmp / "config.json")
         (tmp / "tokenizer.json").write_text(tok.tokenizer_json, encoding="utf-8")
@@ -222,28 +214,19 @@ def import_gguf(
         if tok.bos_token_id is not None:
             generation["bos_token_id"] = tok.bos_token_id
         (tmp / "generation_config.json").write_text(dump_json(generation))
-        record = {
+        return {
             "source": str(path),
             "source_spec": source,
             "sha256": digest,
             "size_bytes": path.stat().st_size,
-            "imported_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "architecture": arch.name,
+            "kind": "chat",
             "parameters": parameters,
             "options": options,
             "dtype": _describe_precision(dtype, quantize, quantized),
         }
-        (tmp / model_store.IMPORT_RECORD).write_text(json.dumps(record, indent=2) + "\n")
-        trash = None
-        if dest.exists():
-            trash = models_dir / f".trash-{name}-{os.getpid()}"
-            dest.rename(trash)
-        tmp.rename(dest)
-        if trash:
-            shutil.rmtree(trash, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+    record = model_store.publish(models_dir, name, fill)
     return ImportResult(
         name, dest, False, time.perf_counter() - started, model_store.folder_size(dest), record["dtype"], arch.name
     )

@@ -1,0 +1,1 @@
+"""Embedding and reranking workers: an MLX encoder plus a scheduler that batches inputs."""

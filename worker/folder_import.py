@@ -1,0 +1,97 @@
+"""`mlxgw models import` for model folders (Hugging Face / sentence-transformers layout):
+copied as they are into the models dir, with an import record that says what they are.
+
+Used for encoders (embedding and reranking models, which ship as safetensors folders, e.g.
+the all-MiniLM-L6-v2 package) and for MLX chat model folders."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import time
+from pathlib import Path
+
+from shared import model_store
+
+from .gguf.importer import ImportError_, ImportResult
+
+# Files a serving copy does not need.
+SKIP = {".gitattributes", "README.md", "mlxgw.json"}
+
+
+def _digest(folder: Path) -> str:
+    """One SHA-256 over every file's name and bytes, in a stable order."""
+    h = hashlib.sha256()
+    for f in sorted(p for p in folder.rglob("*") if p.is_file() and p.name not in SKIP):
+        h.update(str(f.relative_to(folder)).encode() + b"\0")
+        with open(f, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()
+
+
+def describe(folder: Path) -> tuple[str, str]:
+    """(architecture, kind) from config.json: encoders serve embeddings (or reranking when they
+    are sequence classifiers); anything else is taken to be a chat model."""
+    from .embedding.encoder import SUPPORTED
+
+    config = json.loads((folder / "config.json").read_text())
+    arch = str(config.get("model_type", "?"))
+    archs = config.get("architectures") or []
+    if arch in SUPPORTED:
+        return arch, "rerank" if any(a.endswith("ForSequenceClassification") for a in archs) else "embedding"
+    return arch, "chat"
+
+
+def _parameters(folder: Path) -> int:
+    import mlx.core as mx
+
+    total = 0
+    for f in folder.glob("*.safetensors"):
+        total += sum(int(t.size) for name, t in mx.load(str(f)).items() if not name.endswith("position_ids"))
+    return total
+
+
+def import_folder(
+    path: Path, source: str, name: str, *, force: bool = False, models_dir: Path | None = None
+) -> ImportResult:
+    model_store.validate_model_name(name)
+    started = time.perf_counter()
+    models_dir = models_dir or model_store.models_dir()
+    dest = models_dir / name
+    try:
+        arch, kind = describe(path)
+    except (OSError, ValueError) as e:
+        raise ImportError_(f"{path}: unreadable config.json: {e}") from None
+    digest = _digest(path)
+    existing = model_store.read_import_record(dest)
+    if not force and existing and existing.get("sha256") == digest:
+        size = model_store.folder_size(dest)
+        return ImportResult(name, dest, True, time.perf_counter() - started, size, existing.get("dtype", "?"), arch)
+
+    def fill(tmp: Path) -> dict:
+        shutil.copytree(path, tmp, dirs_exist_ok=True, ignore=shutil.ignore_patterns(*SKIP, "__pycache__"))
+        dtypes = {str(t.dtype).removeprefix("mlx.core.") for t in _sample_tensors(path)}
+        return {
+            "source": str(path),
+            "source_spec": source,
+            "sha256": digest,
+            "size_bytes": model_store.folder_size(path),
+            "architecture": arch,
+            "kind": kind,
+            "parameters": _parameters(path),
+            "options": {},
+            "dtype": ",".join(sorted(dtypes)) or "?",
+        }
+
+    record = model_store.publish(models_dir, name, fill)
+    size = model_store.folder_size(dest)
+    return ImportResult(name, dest, False, time.perf_counter() - started, size, record["dtype"], arch)
+
+
+def _sample_tensors(folder: Path):
+    import mlx.core as mx
+
+    for f in folder.glob("*.safetensors"):
+        yield from (t for n, t in mx.load(str(f)).items() if t.dtype in (mx.float32, mx.float16, mx.bfloat16))
