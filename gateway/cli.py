@@ -52,6 +52,12 @@ def main() -> None:
     help="max_tokens when neither the request nor the model entry sets one (default: the context)",
 )
 @click.option("--max-connections", type=int, default=1024, show_default=True)
+@click.option(
+    "--allow-image-urls",
+    is_flag=True,
+    help="fetch http(s) image URLs for vision models (public addresses only; default: data: URLs only)",
+)
+@click.option("--max-image-mb", type=float, default=8, show_default=True, help="largest accepted image")
 def up(
     config_path: Path | None,
     host: str,
@@ -66,10 +72,13 @@ def up(
     max_tokens_cap: int | None,
     max_tokens_default: int | None,
     max_connections: int,
+    allow_image_urls: bool,
+    max_image_mb: float,
 ) -> None:
     """Start the gateway and the workers of the models in the registry."""
     import os
 
+    from gateway.api.images import ImageLimits
     from gateway.server import run
     from gateway.state import GatewaySettings
     from shared.paths import keys_file
@@ -107,6 +116,7 @@ def up(
         max_tokens_cap=max_tokens_cap,
         max_tokens_default=max_tokens_default,
         max_connections=max_connections,
+        images=ImageLimits(max_bytes=int(max_image_mb * (1 << 20)), allow_urls=allow_image_urls),
     )
     run(registry, settings, host, port, config_path=config_path, extra_endpoints=worker_listen, secret=secret)
 

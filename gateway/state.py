@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from aiohttp import web
 
+from .api.images import ImageLimits
 from .broker import Broker
 from .manager import ModelManager
 
@@ -25,6 +26,7 @@ class GatewaySettings:
     log_format: str = "text"  # or "json": one access-log line per request
     log_prompts: bool = False
     cors_origins: tuple[str, ...] = ()
+    images: ImageLimits = field(default_factory=ImageLimits)  # vision inputs: sizes, count, URL fetching
 
 
 BROKER = web.AppKey("broker", Broker)

@@ -121,6 +121,9 @@ class GenerateRequest:
     constraint: dict | None = None
     reasoning_budget: int | None = None  # reasoning tokens before the end of thinking is forced
     echo: bool = False  # completions: prepend the prompt text to the output
+    # Vision models: the encoded images (PNG, JPEG, ...), in the order of the {"type": "image"}
+    # parts of the messages.
+    images: list[bytes] | None = None
 
     def to_wire(self) -> dict:
         return asdict(self)

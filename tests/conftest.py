@@ -176,6 +176,14 @@ def tiny_reranker_dir(home, minilm_dir) -> Path:
     return build_tiny_cross_encoder(home / "models" / "tiny-rerank", minilm_dir)
 
 
+@pytest.fixture(scope="session")
+def tiny_vision_dir(home, smollm2_dir) -> Path:
+    pytest.importorskip("mlx_vlm", reason="vision tests need the vision extra (pip install -e '.[test,vision]')")
+    from tiny_model import build_tiny_vision_model
+
+    return build_tiny_vision_model(home / "models" / "tiny-vision", smollm2_dir)
+
+
 TINY_CONFIG = {
     "manager": {"auto_discover": False},
     "models": [

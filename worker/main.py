@@ -38,6 +38,17 @@ def build_runner(entry: ModelEntry, model_path: Path):
             )
             raise ValueError(f"{model_path.name} is {found}")
         return encoder
+    if entry.kind == "vision" and entry.engine == "mlx":
+        from .vision_runner import VisionRunner
+
+        return VisionRunner(
+            model_path,
+            context_length=entry.context_length,
+            max_num_seqs=entry.max_num_seqs,
+            prefill_step_size=entry.prefill_step_size,
+            tool_parser=entry.tool_parser,
+            reasoning_parser=entry.reasoning_parser,
+        )
     if entry.engine == "null":
         from .null_runner import NullRunner
 

@@ -106,6 +106,7 @@ class MLXRunner(Runner):
         self.tool_parser = tool_parser
         self.reasoning_parser = reasoning_parser
         self._constraints = None
+        self.vocab_size = self.model.args.vocab_size if hasattr(self.model, "args") else self.tokenizer.vocab_size
 
     # -- prompts ------------------------------------------------------------------------
     def encode(self, req: GenerateRequest) -> list[int]:
@@ -156,9 +157,8 @@ class MLXRunner(Runner):
         if self._constraints is None:
             from .constraints import ConstraintFactory
 
-            vocab = self.model.args.vocab_size if hasattr(self.model, "args") else self.tokenizer.vocab_size
             self._constraints = ConstraintFactory(
-                self.tokenizer._tokenizer, vocab, sorted(self.tokenizer.eos_token_ids)
+                self.tokenizer._tokenizer, self.vocab_size, sorted(self.tokenizer.eos_token_ids)
             )
         from .output_parser import tool_syntax
 

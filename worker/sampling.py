@@ -58,3 +58,27 @@ def build_logits_processors(p: SamplingParams) -> list:
         frequency_penalty=p.frequency_penalty or None,
         frequency_context_size=PENALTY_CONTEXT,
     )
+
+
+def sampling_processor(p: SamplingParams) -> Callable[[mx.array, mx.array], mx.array]:
+    """Temperature and top-p/top-k/min-p as a logits processor, for generators that share one
+    sampler across the batch (mlx-vlm's): the shared sampler then draws from these logits at
+    temperature 1, which is this request's own distribution. Temperature 0 keeps the argmax."""
+    filters = []
+    if 0 < p.top_p < 1.0:
+        filters.append(lambda x: apply_top_p(x, p.top_p))
+    if p.min_p:
+        filters.append(lambda x: apply_min_p(x, p.min_p, 1))
+    if p.top_k > 0:
+        filters.append(lambda x: apply_top_k(x, p.top_k))
+
+    def processor(tokens: mx.array, logits: mx.array) -> mx.array:
+        if p.temperature <= 0:
+            best = mx.argmax(logits, axis=-1, keepdims=True)
+            return mx.where(mx.arange(logits.shape[-1]) == best, 0.0, -mx.inf)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        for f in filters:
+            logprobs = f(logprobs)
+        return logprobs * (1 / p.temperature)
+
+    return processor

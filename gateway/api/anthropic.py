@@ -21,13 +21,14 @@ from . import openai_common as oc
 from . import validate as v
 from .anthropic_errors import anthropic_error_body
 from .body import read_json
+from .images import ImageLimits, collect_images, from_base64, from_url, image_limits, join_content
 
 routes = web.RouteTableDef()
 
 STOP_REASONS = {"length": "max_tokens", "stop": "end_turn", "tool_calls": "tool_use"}
 
 
-def _text_of(content, where: str, vision: bool) -> str:
+def _text_of(content, where: str) -> str:
     """Text of a string or of text blocks (system prompts, tool results)."""
     if isinstance(content, str):
         return content
@@ -41,8 +42,7 @@ def _text_of(content, where: str, vision: bool) -> str:
                 raise invalid(f"{where}[{i}].text: Input should be a valid string")
             parts.append(block["text"])
         elif kind == "image":
-            if not vision:
-                raise invalid(f"{where}[{i}]: this model does not accept images; use a vision model")
+            raise invalid(f"{where}[{i}]: images are accepted in message content only")
         elif kind in ("document", "search_result"):
             raise invalid(f"{where}[{i}]: content blocks of type {kind!r} are not supported")
         elif kind is None:
@@ -51,7 +51,19 @@ def _text_of(content, where: str, vision: bool) -> str:
     return "\n".join(parts)
 
 
-def _convert_message(m: dict, i: int, vision: bool) -> list[dict]:
+def _image(block: dict, where: str, images: ImageLimits | None) -> dict:
+    if images is None:
+        raise invalid(f"{where}: this model does not accept images; use a vision model")
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64":
+        return from_base64(source.get("media_type"), source.get("data"), where, images)
+    if kind == "url":
+        return from_url(source.get("url"), where, images)
+    raise invalid(f"{where}.source: an image source must be of type 'base64' or 'url'")
+
+
+def _convert_message(m: dict, i: int, images: ImageLimits | None) -> list[dict]:
     where = f"messages.{i}"
     role = m.get("role")
     if role not in ("user", "assistant"):
@@ -62,7 +74,7 @@ def _convert_message(m: dict, i: int, vision: bool) -> list[dict]:
     if not isinstance(content, list):
         raise invalid(f"{where}.content: Input should be a valid string or list of content blocks")
     out: list[dict] = []
-    texts: list[str] = []
+    pieces: list = []  # text, and image parts for vision models
     calls: list[dict] = []
     for j, block in enumerate(content):
         kind = block.get("type") if isinstance(block, dict) else None
@@ -77,19 +89,21 @@ def _convert_message(m: dict, i: int, vision: bool) -> list[dict]:
                 }
             )
         elif kind == "tool_result" and role == "user":
-            result = _text_of(block.get("content") or "", f"{where}.content.{j}.content", vision)
+            result = _text_of(block.get("content") or "", f"{where}.content.{j}.content")
             out.append({"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": result})
+        elif kind == "image":
+            pieces.append(_image(block, f"{where}.content.{j}", images))
         else:
-            texts.append(_text_of([block], f"{where}.content", vision))
-    if texts or calls or not out:
-        msg = {"role": role, "content": "\n".join(t for t in texts if t)}
+            pieces.append(_text_of([block], f"{where}.content"))
+    if pieces or calls or not out:
+        msg = {"role": role, "content": join_content([x for x in pieces if x])}
         if calls:
             msg["tool_calls"] = calls
         out.append(msg)
     return out
 
 
-def parse_request(body: dict, vision: bool) -> dict:
+def parse_request(body: dict, images: ImageLimits | None) -> dict:
     """Validate an Anthropic request; return the fields of the internal request."""
     raw_messages = v.required(body, "messages")
     if not isinstance(raw_messages, list) or not raw_messages:
@@ -97,11 +111,11 @@ def parse_request(body: dict, vision: bool) -> dict:
     messages: list[dict] = []
     system = body.get("system")
     if system:
-        messages.append({"role": "system", "content": _text_of(system, "system", vision)})
+        messages.append({"role": "system", "content": _text_of(system, "system")})
     for i, m in enumerate(raw_messages):
         if not isinstance(m, dict):
             raise invalid(f"messages.{i}: Input should be a valid dictionary")
-        messages.extend(_convert_message(m, i, vision))
+        messages.extend(_convert_message(m, i, images))
     tools = None
     if body.get("tools") is not None:
         if not isinstance(body["tools"], list):
@@ -168,12 +182,12 @@ def _sampling(body: dict, slot) -> p.SamplingParams:
     )
 
 
-def _build(request: web.Request, body: dict, slot) -> p.GenerateRequest:
+async def _build(request: web.Request, body: dict, slot) -> p.GenerateRequest:
     max_tokens = v.integer(body, "max_tokens", lo=1)
     if max_tokens is None:
         raise invalid("max_tokens: Field required", "max_tokens")
     cap = request.app[SETTINGS].max_tokens_cap
-    fields = parse_request(body, slot.entry.kind == "vision")
+    fields = await _with_images(request, body, slot)
     return p.GenerateRequest(
         rid=request["rid"],
         sampling=_sampling(body, slot),
@@ -201,12 +215,20 @@ def _stop(reason: str, stop: str | None) -> tuple[str, str | None]:
     return STOP_REASONS.get(reason, "end_turn"), None
 
 
+async def _with_images(request: web.Request, body: dict, slot) -> dict:
+    """The request's fields, with images moved out of the messages (URLs fetched)."""
+    limits = image_limits(request, slot)
+    fields = parse_request(body, limits)
+    fields["messages"], fields["images"] = await collect_images(fields["messages"], limits)
+    return fields
+
+
 @routes.post("/v1/messages")
 async def messages(request: web.Request) -> web.StreamResponse:
     body = v.require_object(await read_json(request))
     model = v.string(body, "model", required_=True)
     slot = resolve_model(request, model)
-    req = _build(request, body, slot)
+    req = await _build(request, body, slot)
     gen = oc.generation(request, slot, req)
     if v.boolean(body, "stream"):
         return await _stream(request, gen)
@@ -345,7 +367,7 @@ async def count_tokens(request: web.Request) -> web.Response:
     model = v.string(body, "model", required_=True)
     manager = request.app[MANAGER]
     slot = resolve_model(request, model)
-    fields = parse_request(body, slot.entry.kind == "vision")
+    fields = await _with_images(request, body, slot)
     fields.pop("constraint")  # counting tokens needs the prompt, not the grammar
     fields.pop("reasoning_budget")
     conn = await manager.acquire(slot)

@@ -14,31 +14,35 @@ from ..generation import Generation
 from . import openai_common as oc
 from . import validate as v
 from .body import read_json
+from .images import ImageLimits, collect_images, from_url, image_limits, join_content
 
 routes = web.RouteTableDef()
 
 ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
 
 
-def _content_text(content, where: str, vision: bool) -> str:
+def _content(content, where: str, images: ImageLimits | None) -> str | list[dict]:
+    """Text, or text and image parts for a vision model (images: None for other models)."""
     if content is None or isinstance(content, str):
         return content or ""
     if not isinstance(content, list):
         raise invalid(f"{where}.content must be a string or a list of content parts", where)
-    texts = []
+    pieces: list = []
     for i, part in enumerate(content):
         if not isinstance(part, dict) or not isinstance(part.get("type"), str):
             raise invalid(f"{where}.content[{i}] must be an object with a 'type'", where)
         if part["type"] in ("text", "input_text"):
             if not isinstance(part.get("text"), str):
                 raise invalid(f"{where}.content[{i}].text must be a string", where)
-            texts.append(part["text"])
+            pieces.append(part["text"])
         elif part["type"] in ("image_url", "input_image"):
-            if not vision:
+            if images is None:
                 raise invalid("this model does not accept images; use a vision model", where)
+            url = part.get("image_url")
+            pieces.append(from_url(url.get("url") if isinstance(url, dict) else url, f"{where}.content[{i}]", images))
         else:
             raise invalid(f"{where}.content[{i}] has unsupported type {part['type']!r}", where)
-    return "\n".join(texts)
+    return join_content(pieces)
 
 
 def _tool_calls(raw, where: str) -> list[dict]:
@@ -58,7 +62,7 @@ def _tool_calls(raw, where: str) -> list[dict]:
     return calls
 
 
-def parse_messages(raw, vision: bool = False) -> list[dict]:
+def parse_messages(raw, images: ImageLimits | None = None) -> list[dict]:
     if not isinstance(raw, list) or not raw:
         raise invalid("'messages' must be a non-empty list", "messages")
     out = []
@@ -71,7 +75,7 @@ def parse_messages(raw, vision: bool = False) -> list[dict]:
             raise invalid(f"{where}.role must be one of {', '.join(sorted(ROLES))}, got {role!r}", "messages")
         msg = {
             "role": "system" if role == "developer" else role,
-            "content": _content_text(m.get("content"), where, vision),
+            "content": _content(m.get("content"), where, images),
         }
         if role == "assistant" and m.get("tool_calls"):
             msg["tool_calls"] = _tool_calls(m["tool_calls"], where)
@@ -122,7 +126,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = v.require_object(await read_json(request))
     model = v.string(body, "model", required_=True)
     slot = resolve_model(request, model)
-    messages = parse_messages(v.required(body, "messages"), vision=slot.entry.kind == "vision")
+    limits = image_limits(request, slot)
+    messages, images = await collect_images(parse_messages(v.required(body, "messages"), limits), limits)
     oc.check_unsupported(body)
     constraint = response_format_constraint(body)
     tools = body.get("tools")
@@ -143,6 +148,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         tools=tools or None,
         chat_template_kwargs=template_kwargs,
         constraint=constraint,
+        images=images,
         reasoning_budget=v.integer(body, "reasoning_budget", lo=0),  # mlxgw extension
         max_tokens=oc.max_tokens(request, body, slot.entry, "max_completion_tokens", "max_tokens"),
         **oc.base_request(request, body, slot.entry),

@@ -20,30 +20,38 @@ from ..auth import resolve_model
 from . import openai_common as oc
 from . import validate as v
 from .body import read_json
+from .images import ImageLimits, collect_images, from_url, image_limits, join_content
 from .openai_chat import forced_tool_constraint
 from .responses_output import NAMESPACE_SEP, STORE, ResponseBuilder, function_call_item, new_item_id, stream_response
 
 routes = web.RouteTableDef()
 
 
-def _content_text(content, where: str, vision: bool) -> str:
+def _content(content, where: str, images: ImageLimits | None) -> str | list[dict]:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise invalid(f"{where}.content must be a string or a list of content parts", "input")
-    texts = []
-    for part in content:
+    pieces: list = []
+    for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in ("input_text", "output_text", "text", "summary_text", "reasoning_text"):
-            texts.append(str(part.get("text", "")))
-        elif kind in ("input_image", "image_url") and not vision:
-            raise invalid("this model does not accept images; use a vision model", "input")
+            pieces.append(str(part.get("text", "")))
+        elif kind in ("input_image", "image_url"):
+            if images is None:
+                raise invalid("this model does not accept images; use a vision model", "input")
+            url = part.get("image_url")
+            if isinstance(url, dict):
+                url = url.get("url")
+            if url is None and part.get("file_id"):
+                raise invalid(f"{where}.content[{j}]: images by file_id are not supported; send a data: URL", "input")
+            pieces.append(from_url(url, f"{where}.content[{j}]", images))
         elif kind == "input_file":
             raise invalid("input_file parts are not supported", "input")
-    return "\n".join(texts)
+    return join_content(pieces)
 
 
-def _items_to_messages(items, vision: bool) -> list[dict]:
+def _items_to_messages(items, images: ImageLimits | None) -> list[dict]:
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     if not isinstance(items, list):
@@ -60,7 +68,7 @@ def _items_to_messages(items, vision: bool) -> list[dict]:
             messages.append(
                 {
                     "role": "system" if role == "developer" else role,
-                    "content": _content_text(item.get("content"), f"input[{i}]", vision),
+                    "content": _content(item.get("content"), f"input[{i}]", images),
                 }
             )
         elif kind == "function_call":
@@ -147,16 +155,18 @@ async def responses(request: web.Request) -> web.StreamResponse:
     body = v.require_object(await read_json(request))
     model = v.string(body, "model", required_=True)
     slot = resolve_model(request, model)
-    vision = slot.entry.kind == "vision"
+    limits = image_limits(request, slot)
     history: list[dict] = []
     previous = v.string(body, "previous_response_id")
     if previous:
         if previous not in request.app[STORE]:
             raise invalid(f"Previous response with id '{previous}' not found.", "previous_response_id")
         history = list(request.app[STORE][previous])
-    history += _items_to_messages(v.required(body, "input"), vision)
+    history += _items_to_messages(v.required(body, "input"), limits)
     instructions = v.string(body, "instructions")
     messages = ([{"role": "system", "content": instructions}] if instructions else []) + history
+    # The stored history keeps the images (a follow-up turn sends them again).
+    messages, images = await collect_images(messages, limits)
     tools, ignored = _tools(body.get("tools"))
     if body.get("tool_choice") == "none":
         tools = None
@@ -164,6 +174,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
         messages=messages,
         tools=tools,
         constraint=_constraint(body, tools),
+        images=images,
         max_tokens=oc.max_tokens(request, body, slot.entry, "max_output_tokens"),
         **oc.base_request(request, {k: body[k] for k in ("temperature", "top_p") if k in body}, slot.entry),
     )

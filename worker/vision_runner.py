@@ -1,0 +1,175 @@
+"""Vision-language models on mlx-vlm (the optional `vision` extra).
+
+Execution is mlx-vlm's BatchGenerator: sequences with and without images share the batch;
+each prompt enters as input embeddings (the vision tower runs once, at admission). Text
+handling (chat template, detokenizing, tool and reasoning parsing, constrained decoding)
+is the MLX runner's, on the same tokenizer files, loaded with mlx-lm.
+
+mlx-vlm's generator draws every row with one sampler, so per-request temperature, top-p,
+top-k and min-p are applied as a logits processor and the shared sampler draws at
+temperature 1 (see sampling.sampling_processor); per-request seeds are not supported here."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+from shared.errors import invalid
+from shared.protocol import GenerateRequest, SamplingParams
+
+from .runner import MLXRunner, StepOutput, TokenOut
+
+# Larger images are refused before decoding (a small file can decode to gigapixels).
+MAX_IMAGE_PIXELS = 40_000_000
+
+
+class MediaPrompt(list):
+    """Token ids that also carry the processor's outputs (pixel values, grid sizes, ...)
+    from encode() to insert(), through a scheduler that only sees a list of ids."""
+
+    media: dict | None = None
+
+
+def decode_image(data: bytes, index: int):
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        img = Image.open(io.BytesIO(data))
+        if img.width * img.height > MAX_IMAGE_PIXELS:
+            raise invalid(
+                f"image {index} is {img.width}x{img.height} pixels; the limit is {MAX_IMAGE_PIXELS} pixels", "messages"
+            )
+        img.load()
+        return img.convert("RGB")
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
+        raise invalid(f"image {index} could not be decoded: {e}", "messages") from None
+
+
+class VisionRunner(MLXRunner):
+    def __init__(
+        self,
+        model_path: Path,
+        *,
+        context_length: int | None,
+        max_num_seqs: int,
+        prefill_step_size: int,
+        tool_parser: str | None = None,
+        reasoning_parser: str | None = None,
+    ):
+        try:
+            import mlx.core as mx
+            from mlx_lm.utils import load_tokenizer
+            from mlx_vlm import load
+            from mlx_vlm.generate import BatchGenerator
+        except ImportError as e:
+            raise RuntimeError(f"vision models need the vision extra (pip install 'mlxgw[vision]'): {e}") from None
+
+        self._mx = mx
+        self.model, self.processor = load(str(model_path))
+        config = self.model.config
+        text_config = getattr(config, "text_config", None) or config
+        eos = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
+        self.tokenizer = load_tokenizer(model_path, eos_token_ids=[t for t in eos if t is not None] or None)
+        self.vocab_size = int(getattr(text_config, "vocab_size", None) or config.vocab_size)
+        model_context = int(getattr(text_config, "max_position_embeddings", None) or 4096)
+        self.context_length = min(context_length or model_context, model_context)
+        self.image_token = getattr(config, "image_token_index", None) or getattr(config, "image_token_id", None)
+        self.generator = BatchGenerator(
+            self.model.language_model,
+            self.processor,
+            stop_tokens=[[t] for t in sorted(self.tokenizer.eos_token_ids)],
+            sampler=lambda logprobs: mx.random.categorical(logprobs),
+            completion_batch_size=max_num_seqs,
+            prefill_batch_size=max_num_seqs,
+            prefill_step_size=prefill_step_size,
+            compute_logprobs=False,
+        )
+        self.tool_parser = tool_parser
+        self.reasoning_parser = reasoning_parser
+        self._constraints = None
+        self.images_seen = 0
+
+    # -- prompts ------------------------------------------------------------------------
+    def encode(self, req: GenerateRequest) -> list[int]:
+        images = req.images or []
+        if req.messages is None or not images:
+            return MediaPrompt(super().encode(req))
+        slots = sum(
+            1
+            for m in req.messages
+            if isinstance(m.get("content"), list)
+            for part in m["content"]
+            if isinstance(part, dict) and part.get("type") == "image"
+        )
+        if slots != len(images):
+            raise invalid(f"the messages reference {slots} images but {len(images)} were sent", "messages")
+        pictures = [decode_image(data, i) for i, data in enumerate(images)]
+        kwargs = dict(req.chat_template_kwargs or {})
+        if req.tools:
+            kwargs["tools"] = req.tools
+        try:
+            text = self.tokenizer.apply_chat_template(
+                req.messages, add_generation_prompt=True, tokenize=False, **kwargs
+            )
+        except Exception as e:  # jinja raises TemplateError, TypeError, ... for bad messages
+            raise invalid(f"the model's chat template rejected the messages: {e}", "messages") from None
+        from mlx_vlm.utils import prepare_inputs
+
+        try:
+            inputs = prepare_inputs(
+                self.processor,
+                images=pictures,
+                prompts=text,
+                image_token_index=self.image_token,
+                add_special_tokens=False,
+            )
+        except ValueError as e:
+            raise invalid(f"the images could not be prepared for this model: {e}", "messages") from None
+        prompt = MediaPrompt(inputs["input_ids"][0].tolist())
+        prompt.media = dict(inputs)
+        self.images_seen += len(pictures)
+        return prompt
+
+    # -- execution ----------------------------------------------------------------------
+    def insert(self, prompt: list[int], max_tokens: int, sampling: SamplingParams, constraint=None) -> tuple[int, int]:
+        from .sampling import build_logits_processors, sampling_processor
+
+        mx = self._mx
+        media = getattr(prompt, "media", None) or {}
+        ids = media.get("input_ids", mx.array([list(prompt)]))
+        extra = {k: v for k, v in media.items() if k not in ("input_ids", "pixel_values", "attention_mask")}
+        embedded = self.model.get_input_embeddings(
+            ids, media.get("pixel_values"), mask=media.get("attention_mask"), **extra
+        )
+        prompt_kwargs = {**extra, **{k: v for k, v in embedded.to_dict().items() if v is not None}}
+        processors = build_logits_processors(sampling)
+        if constraint is not None:
+            processors += constraint if isinstance(constraint, list) else [constraint]
+        processors.append(sampling_processor(sampling))  # last: it turns logits into the draw distribution
+        (uid,) = self.generator.insert(
+            [list(prompt)], max_tokens=[max_tokens], prompt_kwargs=[prompt_kwargs], logits_processors=[processors]
+        )
+        return uid, 0
+
+    def step(self) -> StepOutput:
+        _, gen_responses = self.generator.next()
+        return StepOutput(tokens=[TokenOut(r.uid, int(r.token), r.finish_reason) for r in gen_responses])
+
+    def remove(self, uids: list[int]) -> None:
+        for uid in uids:
+            self.generator.remove(uid)
+
+    # -- introspection -------------------------------------------------------------------
+    def stats(self) -> dict:
+        mx = self._mx
+        return {
+            "mlx_active_bytes": int(mx.get_active_memory()),
+            "mlx_peak_bytes": int(mx.get_peak_memory()),
+            "images_seen": self.images_seen,
+        }
+
+    def cache_stats(self) -> dict:
+        return {}
+
+    def cache_clear(self) -> None:
+        self._mx.clear_cache()
