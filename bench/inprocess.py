@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import time
 
 
@@ -63,12 +61,9 @@ def measure(
 
 
 def main() -> None:
-    from shared.platform import worker_environment
+    from shared.platform import reexec_as_worker
 
-    if os.environ.get("MLXGW_BENCH_CHILD") != "1":
-        env = worker_environment()
-        env["MLXGW_BENCH_CHILD"] = "1"
-        os.execve(sys.executable, [sys.executable, "-m", "bench.inprocess", *sys.argv[1:]], env)
+    reexec_as_worker("bench.inprocess")
     ap = argparse.ArgumentParser()
     ap.add_argument("model_dir")
     ap.add_argument("--concurrency", default="1,8")

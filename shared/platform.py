@@ -50,3 +50,13 @@ def total_memory_bytes() -> int:
     import psutil
 
     return int(psutil.virtual_memory().total)
+
+
+def reexec_as_worker(module: str) -> None:
+    """Re-run `python -m module` with the environment workers get (OpenBLAS preloaded on
+    Linux), so in-process measurements compare like with like. Returns in the child."""
+    if os.environ.get("MLXGW_AS_WORKER") == "1":
+        return
+    env = worker_environment()
+    env["MLXGW_AS_WORKER"] = "1"
+    os.execve(sys.executable, [sys.executable, "-m", module, *sys.argv[1:]], env)

@@ -204,27 +204,39 @@ def test_64_concurrent_requests_share_forward_passes(gw):
         assert np.allclose(a, b, atol=1e-5)
 
 
-def test_scheduler_batches_within_the_token_budget(minilm_dir):
-    """In-process: the batching policy over the real encoder."""
+def test_scheduler_batches_within_the_budgets_and_sorts_by_length(minilm_dir):
+    """In-process: the batching policy over the real encoder (its passes are recorded)."""
     from shared import protocol as p
     from worker.embedding.encoder import TextEncoder
     from worker.embedding.scheduler import EmbedScheduler
 
-    sched = EmbedScheduler(TextEncoder(minilm_dir), max_batch_size=8, max_batch_tokens=600, max_queue=100)
+    encoder = TextEncoder(minilm_dir)
+    passes: list[list[int]] = []
+    embed = encoder.embed
+
+    def recording_embed(batch, dimensions=None):
+        passes.append([len(ids) for ids in batch])
+        return embed(batch, dimensions)
+
+    encoder.embed = recording_embed
+    sched = EmbedScheduler(encoder, max_batch_size=8, max_batch_tokens=600, max_queue=100)
     for i in range(10):
         ((rid, ev),) = sched.submit(p.EmbedRequest(rid=f"r{i}", inputs=[TEXTS[i % 3], TEXTS[2]]))
         assert ev["e"] == p.EV_ACCEPTED
     sched.submit(p.EmbedRequest(rid="long", inputs=["word " * 200]))
     finished = {}
-    steps = 0
     while sched.has_work():
+        before = len(passes)
         for rid, ev in sched.step():
             finished[rid] = ev
-        steps += 1
+        step_inputs = sum(len(x) for x in passes[before:])
+        assert step_inputs <= 8  # max_batch_size per step
     assert len(finished) == 11 and all(ev["e"] == p.EV_FINISH for ev in finished.values())
-    assert sched.encoder.forward_passes == steps
-    # 20 short inputs in batches of at most 8, then the 202-token one alone (3 x 202 > 600).
-    assert steps <= 5
+    assert sum(len(x) for x in passes) == 21
+    assert len(passes) <= 12  # 21 inputs; passes group equal lengths; the long one runs alone
+    assert [202] in passes  # the 202-token input does not pad 7 short ones to its length
+    for lengths in passes:
+        assert lengths == sorted(lengths) and lengths[-1] <= 1.1 * lengths[0] + 2
     vec = np.frombuffer(finished["r0"]["vectors"], dtype=np.float32).reshape(2, 384)
     assert cosine(vec[0], VECTORS[0]) > 1 - 1e-3 and cosine(vec[1], VECTORS[2]) > 1 - 1e-3
 
@@ -304,3 +316,14 @@ def test_rerank_bad_input(gw, body, param):
 def test_rerank_refuses_chat_models(gw):
     status, _, body = http(f"{gw.url}/v1/rerank", "POST", {"model": "tiny", "query": "q", "documents": ["a"]})
     assert status == 400 and body["error"]["param"] == "model"
+
+
+def test_fast_gelu_matches_the_exact_one():
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    from worker.embedding.bert import erf, gelu
+
+    x = mx.concatenate([mx.linspace(-10, 10, 20001), mx.random.normal((10000,)) * 3])
+    assert mx.abs(erf(x) - mx.erf(x)).max().item() < 2e-6
+    assert mx.abs(gelu(x) - nn.gelu(x)).max().item() < 2e-5
