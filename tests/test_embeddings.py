@@ -327,3 +327,43 @@ def test_fast_gelu_matches_the_exact_one():
     x = mx.concatenate([mx.linspace(-10, 10, 20001), mx.random.normal((10000,)) * 3])
     assert mx.abs(erf(x) - mx.erf(x)).max().item() < 2e-6
     assert mx.abs(gelu(x) - nn.gelu(x)).max().item() < 2e-5
+
+
+def test_hostile_bodies_never_get_a_500_or_kill_a_worker(gw):
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    json_values = st.recursive(
+        st.none() | st.booleans() | st.integers(-(10**6), 10**6) | st.floats(allow_nan=False) | st.text(max_size=20),
+        lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+        max_leaves=12,
+    )
+    texts = st.text(max_size=60)
+    token_ids = st.lists(st.integers(-5, 40000), max_size=6)
+    fields = st.fixed_dictionaries(
+        {},
+        optional={
+            "model": st.sampled_from(["minilm-l6", "tiny-rerank", "nope"]) | json_values,
+            "input": texts | st.lists(texts | token_ids, max_size=4) | token_ids | json_values,
+            "encoding_format": st.sampled_from(["float", "base64", "int8"]) | json_values,
+            "dimensions": st.integers(-2, 400) | json_values,
+            "query": texts | json_values,
+            "documents": st.lists(texts | st.fixed_dictionaries({"text": texts}), max_size=4) | json_values,
+            "top_n": st.integers(-1, 5) | json_values,
+            "return_documents": json_values,
+        },
+    )
+    routes = st.sampled_from(["/v1/embeddings", "/v1/rerank"])
+    seen = set()
+
+    @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(route=routes, body=fields | json_values)
+    def hit(route, body):
+        status, _, payload = http(gw.url + route, "POST", body, timeout=60)
+        seen.add(status)
+        assert status < 500 or status in (502, 503, 529), (route, body, payload)
+
+    hit()
+    assert 200 in seen and seen - {200}, seen
+    assert gw.model_status("minilm-l6")["restarts"] == 0
+    assert gw.model_status("tiny-rerank")["restarts"] == 0

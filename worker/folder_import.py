@@ -33,7 +33,7 @@ def _digest(folder: Path) -> str:
 
 def describe(folder: Path) -> tuple[str, str]:
     """(architecture, kind) from config.json: encoders serve embeddings (or reranking when they
-    are sequence classifiers); anything else is taken to be a chat model."""
+    are sequence classifiers), models with a vision tower take images, the rest chat."""
     from .embedding.encoder import SUPPORTED
 
     config = json.loads((folder / "config.json").read_text())
@@ -41,6 +41,8 @@ def describe(folder: Path) -> tuple[str, str]:
     archs = config.get("architectures") or []
     if arch in SUPPORTED:
         return arch, "rerank" if any(a.endswith("ForSequenceClassification") for a in archs) else "embedding"
+    if "vision_config" in config:  # Hugging Face's layout for vision-language models
+        return arch, "vision"
     return arch, "chat"
 
 

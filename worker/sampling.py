@@ -22,9 +22,8 @@ Sampler = Callable[[mx.array], mx.array]
 PENALTY_CONTEXT = 256
 
 
-def _seeded_sampler(p: SamplingParams) -> Sampler:
-    """mlx-lm's samplers draw from MLX's global generator, so a per-request seed needs its
-    own key: split once per step, so the same seed gives the same tokens even in a batch."""
+def _filters(p: SamplingParams) -> list[Callable[[mx.array], mx.array]]:
+    """top-p, min-p and top-k, as mlx-lm applies them to log-probabilities."""
     filters = []
     if 0 < p.top_p < 1.0:
         filters.append(lambda x: apply_top_p(x, p.top_p))
@@ -32,6 +31,13 @@ def _seeded_sampler(p: SamplingParams) -> Sampler:
         filters.append(lambda x: apply_min_p(x, p.min_p, 1))
     if p.top_k > 0:
         filters.append(lambda x: apply_top_k(x, p.top_k))
+    return filters
+
+
+def _seeded_sampler(p: SamplingParams) -> Sampler:
+    """mlx-lm's samplers draw from MLX's global generator, so a per-request seed needs its
+    own key: split once per step, so the same seed gives the same tokens even in a batch."""
+    filters = _filters(p)
     state = {"key": mx.random.key(p.seed)}
 
     def sampler(logprobs: mx.array) -> mx.array:
@@ -64,13 +70,7 @@ def sampling_processor(p: SamplingParams) -> Callable[[mx.array, mx.array], mx.a
     """Temperature and top-p/top-k/min-p as a logits processor, for generators that share one
     sampler across the batch (mlx-vlm's): the shared sampler then draws from these logits at
     temperature 1, which is this request's own distribution. Temperature 0 keeps the argmax."""
-    filters = []
-    if 0 < p.top_p < 1.0:
-        filters.append(lambda x: apply_top_p(x, p.top_p))
-    if p.min_p:
-        filters.append(lambda x: apply_min_p(x, p.min_p, 1))
-    if p.top_k > 0:
-        filters.append(lambda x: apply_top_k(x, p.top_k))
+    filters = _filters(p)
 
     def processor(tokens: mx.array, logits: mx.array) -> mx.array:
         if p.temperature <= 0:
