@@ -150,6 +150,30 @@ def test_responses_input_image(gw):
     assert r.status == "incomplete" and r.usage.output_tokens == 3
 
 
+def test_seeded_requests_repeat_inside_a_batch(gw):
+    """mlx-vlm draws every row with one sampler; a seed still gives the same tokens."""
+
+    async def run():
+        client = async_openai_client(gw)
+        try:
+            jobs = [
+                client.chat.completions.create(
+                    model="tiny-vision",
+                    messages=chat_with_image(data_url(png())),
+                    max_tokens=8,
+                    temperature=1.0,
+                    seed=seed,
+                )
+                for seed in (7, 7, 8, 7)
+            ]
+            return [r.choices[0].message.content for r in await asyncio.gather(*jobs)]
+        finally:
+            await client.close()
+
+    a, b, c, d = asyncio.run(run())
+    assert a == b == d and a != c
+
+
 def test_image_and_text_requests_share_the_batch(gw):
     async def run():
         client = async_openai_client(gw)

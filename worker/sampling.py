@@ -69,16 +69,24 @@ def build_logits_processors(p: SamplingParams) -> list:
 def sampling_processor(p: SamplingParams) -> Callable[[mx.array, mx.array], mx.array]:
     """Temperature and top-p/top-k/min-p as a logits processor, for generators that share one
     sampler across the batch (mlx-vlm's): the shared sampler then draws from these logits at
-    temperature 1, which is this request's own distribution. Temperature 0 keeps the argmax."""
+    temperature 1, which is this request's own distribution. Temperature 0 keeps the argmax;
+    a seeded request draws here, with its own key, and leaves the sampler no choice."""
     filters = _filters(p)
+    state = {"key": mx.random.key(p.seed)} if p.seed is not None else None
+
+    def only(token: mx.array, logits: mx.array) -> mx.array:
+        return mx.where(mx.arange(logits.shape[-1]) == token, 0.0, -mx.inf)
 
     def processor(tokens: mx.array, logits: mx.array) -> mx.array:
         if p.temperature <= 0:
-            best = mx.argmax(logits, axis=-1, keepdims=True)
-            return mx.where(mx.arange(logits.shape[-1]) == best, 0.0, -mx.inf)
+            return only(mx.argmax(logits, axis=-1, keepdims=True), logits)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         for f in filters:
             logprobs = f(logprobs)
-        return logprobs * (1 / p.temperature)
+        scaled = logprobs * (1 / p.temperature)
+        if state is None:
+            return scaled
+        state["key"], sub = mx.random.split(state["key"])
+        return only(mx.random.categorical(scaled, key=sub)[..., None], logits)
 
     return processor

@@ -7,7 +7,8 @@ is the MLX runner's, on the same tokenizer files, loaded with mlx-lm.
 
 mlx-vlm's generator draws every row with one sampler, so per-request temperature, top-p,
 top-k and min-p are applied as a logits processor and the shared sampler draws at
-temperature 1 (see sampling.sampling_processor); per-request seeds are not supported here."""
+temperature 1 (see sampling.sampling_processor), which also draws seeded requests itself.
+No prefix cache here: each prompt's image embeddings are computed at admission."""
 
 from __future__ import annotations
 
