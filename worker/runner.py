@@ -119,19 +119,24 @@ class MLXRunner(Runner):
             return self._apply_template(req)
         return self.tokenizer.encode(req.prompt or "")
 
-    def _apply_template(self, req: GenerateRequest) -> list[int]:
+    def _apply_template(self, req: GenerateRequest, tokenize: bool = True):
+        """The chat prompt: token ids, or the text when tokenize is False."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise invalid("this model has no chat template; use /v1/completions", "messages")
         kwargs = dict(req.chat_template_kwargs or {})
         if req.tools:
             kwargs["tools"] = req.tools
         try:
-            ids = self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=True, **kwargs)
+            out = self.tokenizer.apply_chat_template(
+                req.messages, add_generation_prompt=True, tokenize=tokenize, **kwargs
+            )
         except Exception as e:  # jinja raises TemplateError, TypeError, ... for bad messages
             raise invalid(f"the model's chat template rejected the messages: {e}", "messages") from None
-        if isinstance(ids, dict):  # some transformers versions return a BatchEncoding
-            ids = ids["input_ids"]
-        return list(ids)
+        if not tokenize:
+            return out
+        if isinstance(out, dict):  # some transformers versions return a BatchEncoding
+            out = out["input_ids"]
+        return list(out)
 
     def new_detokenizer(self):
         return self.tokenizer.detokenizer

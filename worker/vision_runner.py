@@ -105,15 +105,7 @@ class VisionRunner(MLXRunner):
         if slots != len(images):
             raise invalid(f"the messages reference {slots} images but {len(images)} were sent", "messages")
         pictures = [decode_image(data, i) for i, data in enumerate(images)]
-        kwargs = dict(req.chat_template_kwargs or {})
-        if req.tools:
-            kwargs["tools"] = req.tools
-        try:
-            text = self.tokenizer.apply_chat_template(
-                req.messages, add_generation_prompt=True, tokenize=False, **kwargs
-            )
-        except Exception as e:  # jinja raises TemplateError, TypeError, ... for bad messages
-            raise invalid(f"the model's chat template rejected the messages: {e}", "messages") from None
+        text = self._apply_template(req, tokenize=False)
         from mlx_vlm.utils import prepare_inputs
 
         try:
