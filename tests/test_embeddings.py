@@ -24,6 +24,7 @@ EMBED_CONFIG = {
         {"name": "minilm-l6", "kind": "embedding", "preload": True, "aliases": ["text-embedding-3-small"]},
         {"name": "minilm-truncate", "source": "minilm-l6", "kind": "embedding", "truncate": True},
         {"name": "tiny-rerank", "kind": "rerank"},
+        {"name": "minilm-mlx-embeddings", "source": "minilm-l6", "kind": "embedding", "engine": "mlx-embeddings"},
         {"name": "tiny", "source": "tiny"},
     ],
 }
@@ -87,6 +88,16 @@ def test_sdk_dimensions_truncate_and_renormalise(gw):
     assert short.shape == (64,)
     assert abs(np.linalg.norm(short) - 1) < 1e-5
     assert np.allclose(short, full[:64] / np.linalg.norm(full[:64]), atol=1e-5)
+
+
+def test_mlx_embeddings_engine_gives_the_same_vectors(gw):
+    """The same folder run by mlx-embeddings (the engine for architectures the built-in
+    encoder does not implement): same tokens, same batching, same vectors."""
+    pytest.importorskip("mlx_embeddings", reason="needs the embeddings extra")
+    r = openai_client(gw).embeddings.create(model="minilm-mlx-embeddings", input=TEXTS, dimensions=384)
+    for d, ref in zip(r.data, VECTORS):
+        assert cosine(d.embedding, ref) > 1 - 1e-3
+    assert r.usage.prompt_tokens == sum(len(ids) for ids in REFERENCE["input_ids"])
 
 
 def test_base64_is_little_endian_float32_of_the_float_answer(gw):
@@ -330,7 +341,7 @@ def test_fast_gelu_matches_the_exact_one():
 
 
 def test_hostile_bodies_never_get_a_500_or_kill_a_worker(gw):
-    from hypothesis import HealthCheck, given, settings
+    from hypothesis import HealthCheck, example, given, settings
     from hypothesis import strategies as st
 
     json_values = st.recursive(
@@ -358,6 +369,8 @@ def test_hostile_bodies_never_get_a_500_or_kill_a_worker(gw):
 
     @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
     @given(route=routes, body=fields | json_values)
+    @example(route="/v1/embeddings", body={"model": "minilm-l6", "input": ["a", [101, 102]]})
+    @example(route="/v1/rerank", body={"model": "tiny-rerank", "query": "q", "documents": ["a", {"text": "b"}]})
     def hit(route, body):
         status, _, payload = http(gw.url + route, "POST", body, timeout=60)
         seen.add(status)

@@ -27,9 +27,10 @@ DEFAULT_CACHE_SHARE = 0.10
 
 def build_runner(entry: ModelEntry, model_path: Path):
     if entry.kind in ENCODER_KINDS:
-        from .embedding.encoder import TextEncoder
+        from .embedding.encoder import MlxEmbeddingsEncoder, TextEncoder
 
-        encoder = TextEncoder(model_path, max_length=entry.context_length, truncate=entry.truncate)
+        encoder_cls = MlxEmbeddingsEncoder if entry.engine == "mlx-embeddings" else TextEncoder
+        encoder = encoder_cls(model_path, max_length=entry.context_length, truncate=entry.truncate)
         if encoder.cross_encoder != (entry.kind == "rerank"):
             found = (
                 "a cross-encoder (set kind: rerank)"

@@ -29,28 +29,13 @@ class TextEncoder:
         import mlx.core as mx
         from tokenizers import Tokenizer
 
-        from . import bert
-
         self._mx = mx
         cfg = _read_json(path / "config.json")
         if not isinstance(cfg, dict):
             raise ValueError(f"{path}: no readable config.json")
-        if cfg.get("model_type") not in SUPPORTED:
-            raise ValueError(
-                f"{path}: encoder type {cfg.get('model_type')!r} is not supported (supported: {', '.join(SUPPORTED)})"
-            )
-        archs = cfg.get("architectures") or ["BertModel"]
+        archs = cfg.get("architectures") or []
         self.cross_encoder = any(a.endswith("ForSequenceClassification") for a in archs)
-        self.model = bert.BertCrossEncoder(cfg) if self.cross_encoder else bert.BertModel(cfg)
-        weights = {}
-        for f in sorted(path.glob("*.safetensors")):
-            weights.update(mx.load(str(f)))
-        if not weights:
-            raise ValueError(f"{path}: no .safetensors weights")
-        # strict: a missing or unexpected tensor is an error, never silently random weights
-        self.model.load_weights(list(bert.sanitize(weights, self.cross_encoder).items()), strict=True)
-        self.model.eval()
-        mx.eval(self.model.parameters())
+        self._load_model(path, cfg)
 
         self.tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
         self.tokenizer.no_truncation()
@@ -76,6 +61,37 @@ class TextEncoder:
         self.normalize = any(str(m.get("type", "")).endswith("Normalize") for m in modules if isinstance(m, dict))
         self.forward_passes = 0
         self.inputs_encoded = 0
+
+    def _load_model(self, path: Path, cfg: dict) -> None:
+        from . import bert
+
+        mx = self._mx
+        if cfg.get("model_type") not in SUPPORTED:
+            raise ValueError(
+                f"{path}: encoder type {cfg.get('model_type')!r} is not supported by the built-in encoder "
+                f"({', '.join(SUPPORTED)}); set `engine: mlx-embeddings` on the model to run it with mlx-embeddings"
+            )
+        self.model = bert.BertCrossEncoder(cfg) if self.cross_encoder else bert.BertModel(cfg)
+        weights = {}
+        for f in sorted(path.glob("*.safetensors")):
+            weights.update(mx.load(str(f)))
+        if not weights:
+            raise ValueError(f"{path}: no .safetensors weights")
+        # strict: a missing or unexpected tensor is an error, never silently random weights
+        self.model.load_weights(list(bert.sanitize(weights, self.cross_encoder).items()), strict=True)
+        self.model.eval()
+        mx.eval(self.model.parameters())
+
+    def _pooled(self, ids, mask):
+        """One vector per row, pooled as the folder's 1_Pooling says (before normalisation)."""
+        mx = self._mx
+        hidden = self.model(ids, mask)
+        m = mask[:, :, None].astype(hidden.dtype)
+        if self.pooling == "cls":
+            return hidden[:, 0]
+        if self.pooling == "max":
+            return mx.where(m > 0, hidden, -mx.inf).max(axis=1)
+        return (hidden * m).sum(axis=1) / mx.maximum(m.sum(axis=1), 1)
 
     def _special_tokens(self) -> tuple[list[int], list[int]]:
         """The ids the tokenizer wraps every text in ([CLS] ... [SEP] for BERT), so token-id
@@ -136,14 +152,7 @@ class TextEncoder:
         `dimensions` truncates a vector and renormalises it."""
         mx = self._mx
         ids, mask = self._pad(batch, self.pad_id)
-        hidden = self.model(ids, mask)
-        m = mask[:, :, None].astype(hidden.dtype)
-        if self.pooling == "cls":
-            pooled = hidden[:, 0]
-        elif self.pooling == "max":
-            pooled = mx.where(m > 0, hidden, -mx.inf).max(axis=1)
-        else:
-            pooled = (hidden * m).sum(axis=1) / mx.maximum(m.sum(axis=1), 1)
+        pooled = self._pooled(ids, mask)
         if self.normalize:
             pooled = pooled / mx.maximum(mx.linalg.norm(pooled, axis=-1, keepdims=True), 1e-12)
         vectors = np.array(pooled.astype(mx.float32))
@@ -188,3 +197,23 @@ class TextEncoder:
 
     def encode(self, req) -> list[int]:
         raise invalid("token counting is for chat models", "model")
+
+
+class MlxEmbeddingsEncoder(TextEncoder):
+    """Encoders the built-in one does not implement (ModernBERT, XLM-RoBERTa, Qwen3 and
+    Gemma embedding models, ...), run by mlx-embeddings (`engine: mlx-embeddings`, needs
+    `pip install 'mlxgw[embeddings]'`). Tokenizing, batching, limits and `dimensions` are the
+    same as for the built-in encoder; the model and its pooling are mlx-embeddings'."""
+
+    def _load_model(self, path: Path, cfg: dict) -> None:
+        if self.cross_encoder:
+            raise ValueError(f"{path}: cross-encoders run on the built-in encoder (engine: mlx), not mlx-embeddings")
+        try:
+            from mlx_embeddings.utils import load_model
+        except ImportError as e:
+            raise RuntimeError(f"engine mlx-embeddings needs pip install 'mlxgw[embeddings]': {e}") from None
+        self.model = load_model(path)
+        self.model.eval()
+
+    def _pooled(self, ids, mask):
+        return self.model(ids, attention_mask=mask).text_embeds
