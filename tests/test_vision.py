@@ -202,6 +202,7 @@ BAD_IMAGES = [
     (data_url(b"just some bytes that are no image"), "not a PNG"),
     (data_url(png()[:40]), "could not be decoded"),  # a PNG signature with a cut-off body
     (data_url(png(600, 600, fmt="BMP"), "image/bmp"), "limit is"),  # over --max-image-mb
+    (data_url(png(2000, 2)), "could not be prepared"),  # decodes, but the processor refuses it
     ("data:image/png," + "x" * 10, "base64"),
     ("https://example.com/cat.png", "not fetched by this server"),
     ("file:///etc/passwd", "must be a data: URL"),

@@ -25,8 +25,8 @@ MAX_IMAGE_PIXELS = 40_000_000
 
 
 class MediaPrompt(list):
-    """Token ids that also carry the processor's outputs (pixel values, grid sizes, ...)
-    from encode() to insert(), through a scheduler that only sees a list of ids."""
+    """Token ids that also carry the prompt's input embeddings (and position data) from
+    encode() to insert(), through a scheduler that only sees a list of ids."""
 
     media: dict | None = None
 
@@ -92,9 +92,13 @@ class VisionRunner(MLXRunner):
 
     # -- prompts ------------------------------------------------------------------------
     def encode(self, req: GenerateRequest) -> list[int]:
+        """Token ids carrying the prompt's input embeddings. The vision tower runs here, at
+        submission, where a failure is this request's 400 rather than the engine's crash."""
         images = req.images or []
         if req.messages is None or not images:
-            return MediaPrompt(super().encode(req))
+            prompt = MediaPrompt(super().encode(req))
+            prompt.media = self._embed(self._mx.array([list(prompt)]), {})
+            return prompt
         slots = sum(
             1
             for m in req.messages
@@ -109,38 +113,43 @@ class VisionRunner(MLXRunner):
         from mlx_vlm.utils import prepare_inputs
 
         try:
-            inputs = prepare_inputs(
-                self.processor,
-                images=pictures,
-                prompts=text,
-                image_token_index=self.image_token,
-                add_special_tokens=False,
+            inputs = dict(
+                prepare_inputs(
+                    self.processor,
+                    images=pictures,
+                    prompts=text,
+                    image_token_index=self.image_token,
+                    add_special_tokens=False,
+                )
             )
-        except ValueError as e:
+            prompt = MediaPrompt(inputs["input_ids"][0].tolist())
+            prompt.media = self._embed(inputs.pop("input_ids"), inputs)
+        except Exception as e:  # processors and vision towers raise many types for odd images
             raise invalid(f"the images could not be prepared for this model: {e}", "messages") from None
-        prompt = MediaPrompt(inputs["input_ids"][0].tolist())
-        prompt.media = dict(inputs)
         self.images_seen += len(pictures)
         return prompt
+
+    def _embed(self, ids, inputs: dict) -> dict:
+        """The generator's prompt kwargs: input embeddings plus what the model needs with them
+        (image grid sizes, mrope positions, ...)."""
+        extra = {k: v for k, v in inputs.items() if k not in ("pixel_values", "attention_mask")}
+        embedded = self.model.get_input_embeddings(
+            ids, inputs.get("pixel_values"), mask=inputs.get("attention_mask"), **extra
+        )
+        kwargs = {**extra, **{k: v for k, v in embedded.to_dict().items() if v is not None}}
+        self._mx.eval([v for v in kwargs.values() if isinstance(v, self._mx.array)])
+        return kwargs
 
     # -- execution ----------------------------------------------------------------------
     def insert(self, prompt: list[int], max_tokens: int, sampling: SamplingParams, constraint=None) -> tuple[int, int]:
         from .sampling import build_logits_processors, sampling_processor
 
-        mx = self._mx
-        media = getattr(prompt, "media", None) or {}
-        ids = media.get("input_ids", mx.array([list(prompt)]))
-        extra = {k: v for k, v in media.items() if k not in ("input_ids", "pixel_values", "attention_mask")}
-        embedded = self.model.get_input_embeddings(
-            ids, media.get("pixel_values"), mask=media.get("attention_mask"), **extra
-        )
-        prompt_kwargs = {**extra, **{k: v for k, v in embedded.to_dict().items() if v is not None}}
         processors = build_logits_processors(sampling)
         if constraint is not None:
             processors += constraint if isinstance(constraint, list) else [constraint]
         processors.append(sampling_processor(sampling))  # last: it turns logits into the draw distribution
         (uid,) = self.generator.insert(
-            [list(prompt)], max_tokens=[max_tokens], prompt_kwargs=[prompt_kwargs], logits_processors=[processors]
+            [list(prompt)], max_tokens=[max_tokens], prompt_kwargs=[prompt.media], logits_processors=[processors]
         )
         return uid, 0
 
