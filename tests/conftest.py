@@ -171,9 +171,9 @@ def minilm_dir(home) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_reranker_dir(home, minilm_dir) -> Path:
-    from tiny_model import build_tiny_cross_encoder
+    from tiny_model import build_tiny_encoder
 
-    return build_tiny_cross_encoder(home / "models" / "tiny-rerank", minilm_dir)
+    return build_tiny_encoder(home / "models" / "tiny-rerank", minilm_dir)
 
 
 @pytest.fixture(scope="session")

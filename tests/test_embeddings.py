@@ -380,3 +380,35 @@ def test_hostile_bodies_never_get_a_500_or_kill_a_worker(gw):
     assert 200 in seen and seen - {200}, seen
     assert gw.model_status("minilm-l6")["restarts"] == 0
     assert gw.model_status("tiny-rerank")["restarts"] == 0
+
+
+def test_xlm_roberta_encoder_matches_mlx_embeddings(tmp_path, minilm_dir):
+    """XLM-RoBERTa (multilingual E5, BGE-M3) on the built-in encoder: its RoBERTa position
+    ids, under padding, against mlx-embeddings' independent implementation, same weights."""
+    pytest.importorskip("mlx_embeddings", reason="needs the embeddings extra")
+    from tiny_model import build_tiny_encoder
+
+    from worker.embedding.encoder import MlxEmbeddingsEncoder, TextEncoder
+
+    folder = build_tiny_encoder(tmp_path / "xlmr", minilm_dir, model_type="xlm-roberta", cross_encoder=False)
+    ours, theirs = TextEncoder(folder), MlxEmbeddingsEncoder(folder)
+    batch = [ours.tokenize(t, i) for i, t in enumerate(TEXTS[:6])]  # mixed lengths: padded
+    for a, b in zip(ours.embed(batch), theirs.embed(batch)):
+        assert cosine(a, b) > 1 - 1e-5
+    alone = ours.embed(batch[:1])[0]
+    assert np.allclose(alone, ours.embed(batch)[0], atol=1e-5)  # padding does not leak in
+
+
+def test_xlm_roberta_cross_encoder_scores_pairs_independently_of_the_batch(tmp_path, minilm_dir):
+    from tiny_model import build_tiny_encoder
+
+    from worker.embedding.encoder import TextEncoder
+
+    folder = build_tiny_encoder(tmp_path / "xlmr-rerank", minilm_dir, model_type="xlm-roberta")
+    enc = TextEncoder(folder)
+    assert enc.cross_encoder
+    pairs = [enc.tokenize_pair("capital of France", d) for d in DOCS]
+    together = enc.score(pairs)
+    alone = [enc.score([p])[0] for p in pairs]
+    assert together == pytest.approx(alone, abs=1e-5)
+    assert all(0 <= s <= 1 for s in together) and len(set(together)) == len(DOCS)

@@ -51,7 +51,6 @@ def build_tiny_model(dest: Path, tokenizer_source: Path, seed: int = 0) -> Path:
 
 TINY_BERT = {
     "model_type": "bert",
-    "architectures": ["BertForSequenceClassification"],
     "hidden_size": 32,
     "num_hidden_layers": 2,
     "num_attention_heads": 4,
@@ -64,21 +63,44 @@ TINY_BERT = {
 }
 
 
-def build_tiny_cross_encoder(dest: Path, tokenizer_source: Path, seed: int = 0) -> Path:
-    """A random-weight BERT cross-encoder (BertForSequenceClassification) with a real
-    WordPiece tokenizer: exercises the reranking path without a real reranker."""
+def build_tiny_encoder(
+    dest: Path, tokenizer_source: Path, *, model_type: str = "bert", cross_encoder: bool = True, seed: int = 0
+) -> Path:
+    """A random-weight BERT or XLM-RoBERTa, as a cross-encoder (…ForSequenceClassification)
+    or an embedding model (mean pooling, normalised, sentence-transformers layout), with a
+    real WordPiece tokenizer: exercises reranking and the architectures without a real model."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from worker.embedding.bert import BertCrossEncoder
+    from worker.embedding import bert
 
     dest.mkdir(parents=True, exist_ok=True)
     shutil.copy(tokenizer_source / "tokenizer.json", dest / "tokenizer.json")
     source_config = json.loads((tokenizer_source / "config.json").read_text())
-    config = dict(TINY_BERT, vocab_size=source_config["vocab_size"])
+    roberta = model_type == "xlm-roberta"
+    config = dict(TINY_BERT, vocab_size=source_config["vocab_size"], model_type=model_type)
+    if roberta:  # XLM-R: one token type, padding id 1, positions offset past it
+        config.update(type_vocab_size=1, pad_token_id=1, max_position_embeddings=130)
+    prefix = "XLMRoberta" if roberta else "Bert"
+    config["architectures"] = [f"{prefix}ForSequenceClassification" if cross_encoder else f"{prefix}Model"]
     mx.random.seed(seed)
-    model = BertCrossEncoder(config)
-    mx.save_safetensors(str(dest / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    model = bert.build(config, cross_encoder)
+    weights = dict(tree_flatten(model.parameters()))
+    if not cross_encoder:  # checkpoints of base models carry a pooler; loaders must skip it
+        h = config["hidden_size"]
+        weights.update({"pooler.dense.weight": mx.random.normal((h, h)) * 0.02, "pooler.dense.bias": mx.zeros((h,))})
+        (dest / "modules.json").write_text(
+            json.dumps(
+                [
+                    {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+                    {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+                    {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
+                ]
+            )
+        )
+        (dest / "1_Pooling").mkdir(exist_ok=True)
+        (dest / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True}))
+    mx.save_safetensors(str(dest / "model.safetensors"), weights)
     (dest / "config.json").write_text(json.dumps(config))
     return dest
 

@@ -1,4 +1,6 @@
-"""BERT-family encoders in MLX (BERT, MiniLM, the sentence-transformers models built on them).
+"""BERT-family encoders in MLX: BERT (MiniLM, BGE, E5, GTE and the other sentence-transformers
+models built on it) and (XLM-)RoBERTa (multilingual E5, BGE-M3, bge-reranker), which differ
+only in their position ids and classification head.
 
 Why our own module instead of mlx-embeddings: mlx-embeddings 0.1.0 imports mlx-vlm at
 module load, and mlx-vlm pulls opencv, datasets, mlx-audio and a web stack (about 1 GB):
@@ -10,6 +12,8 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+ROBERTA_TYPES = ("roberta", "xlm-roberta")
+
 
 class Embeddings(nn.Module):
     def __init__(self, cfg: dict):
@@ -19,9 +23,13 @@ class Embeddings(nn.Module):
         self.position_embeddings = nn.Embedding(cfg["max_position_embeddings"], h)
         self.token_type_embeddings = nn.Embedding(cfg.get("type_vocab_size", 2), h)
         self.LayerNorm = nn.LayerNorm(h, eps=cfg.get("layer_norm_eps", 1e-12))
+        # RoBERTa numbers positions from pad_token_id + 1 and gives padding pad_token_id.
+        self.pad_position = int(cfg.get("pad_token_id", 1)) if cfg.get("model_type") in ROBERTA_TYPES else None
 
-    def __call__(self, ids: mx.array, token_types: mx.array) -> mx.array:
+    def __call__(self, ids: mx.array, token_types: mx.array, mask: mx.array) -> mx.array:
         positions = mx.arange(ids.shape[1])[None, :]
+        if self.pad_position is not None:
+            positions = mx.where(mask.astype(mx.bool_), positions + self.pad_position + 1, self.pad_position)
         x = self.word_embeddings(ids) + self.position_embeddings(positions) + self.token_type_embeddings(token_types)
         return self.LayerNorm(x)
 
@@ -147,12 +155,16 @@ class BertModel(nn.Module):
         """Last hidden states (batch, length, hidden); padding positions are masked out of attention."""
         if token_types is None:
             token_types = mx.zeros_like(ids)
-        x = self.embeddings(ids, token_types)
+        x = self.embeddings(ids, token_types, attention_mask)
         # Additive mask over keys, broadcast over heads and queries.
         mask = mx.where(attention_mask[:, None, None, :].astype(mx.bool_), 0.0, -1e9).astype(x.dtype)
         for layer in self.encoder.layer:
             x = layer(x, mask)
         return x
+
+
+def _labels(cfg: dict) -> int:
+    return cfg.get("num_labels") or len(cfg.get("id2label") or [0])
 
 
 class BertCrossEncoder(nn.Module):
@@ -161,24 +173,51 @@ class BertCrossEncoder(nn.Module):
     def __init__(self, cfg: dict):
         super().__init__()
         self.bert = BertModel(cfg, with_pooler=True)
-        self.classifier = nn.Linear(cfg["hidden_size"], cfg.get("num_labels") or len(cfg.get("id2label") or [0]))
+        self.classifier = nn.Linear(cfg["hidden_size"], _labels(cfg))
 
     def __call__(self, ids: mx.array, attention_mask: mx.array, token_types: mx.array) -> mx.array:
         hidden = self.bert(ids, attention_mask, token_types)
         return self.classifier(self.bert.pooler(hidden))
 
 
+class RobertaHead(nn.Module):
+    def __init__(self, cfg: dict):
+        super().__init__()
+        self.dense = nn.Linear(cfg["hidden_size"], cfg["hidden_size"])
+        self.out_proj = nn.Linear(cfg["hidden_size"], _labels(cfg))
+
+    def __call__(self, first_token: mx.array) -> mx.array:
+        return self.out_proj(mx.tanh(self.dense(first_token)))
+
+
+class RobertaCrossEncoder(nn.Module):
+    """(XLM-)RobertaForSequenceClassification (bge-reranker): no pooler, a two-layer head on <s>."""
+
+    def __init__(self, cfg: dict):
+        super().__init__()
+        self.roberta = BertModel(cfg)
+        self.classifier = RobertaHead(cfg)
+
+    def __call__(self, ids: mx.array, attention_mask: mx.array, token_types: mx.array) -> mx.array:
+        return self.classifier(self.roberta(ids, attention_mask, token_types)[:, 0])
+
+
+def build(cfg: dict, cross_encoder: bool) -> nn.Module:
+    if not cross_encoder:
+        return BertModel(cfg)
+    return RobertaCrossEncoder(cfg) if cfg.get("model_type") in ROBERTA_TYPES else BertCrossEncoder(cfg)
+
+
 def sanitize(weights: dict[str, mx.array], cross_encoder: bool) -> dict[str, mx.array]:
-    """Drop buffers Hugging Face stores with the weights; align the 'bert.' prefix."""
+    """Drop buffers and pretraining heads Hugging Face stores with the weights; align the
+    'bert.' / 'roberta.' prefix with the module."""
     out = {}
     for name, w in weights.items():
-        if name.endswith("position_ids"):
+        if name.endswith("position_ids") or name.startswith(("cls.", "lm_head.")):
             continue
         if not cross_encoder:
-            name = name.removeprefix("bert.")
-            if name.startswith(("pooler.", "cls.")):
-                continue  # pretraining heads, unused for embeddings
-        elif name.startswith("cls."):
-            continue
+            name = name.removeprefix("bert.").removeprefix("roberta.")
+            if name.startswith("pooler."):
+                continue  # unused for embeddings
         out[name] = w
     return out

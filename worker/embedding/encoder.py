@@ -14,7 +14,7 @@ import numpy as np
 
 from shared.errors import invalid
 
-SUPPORTED = ("bert",)
+SUPPORTED = ("bert", "roberta", "xlm-roberta")
 
 
 def _read_json(path: Path) -> dict | list | None:
@@ -71,7 +71,7 @@ class TextEncoder:
                 f"{path}: encoder type {cfg.get('model_type')!r} is not supported by the built-in encoder "
                 f"({', '.join(SUPPORTED)}); set `engine: mlx-embeddings` on the model to run it with mlx-embeddings"
             )
-        self.model = bert.BertCrossEncoder(cfg) if self.cross_encoder else bert.BertModel(cfg)
+        self.model = bert.build(cfg, self.cross_encoder)
         weights = {}
         for f in sorted(path.glob("*.safetensors")):
             weights.update(mx.load(str(f)))
