@@ -16,6 +16,9 @@ from .state import KEYS, LIMITER, MANAGER
 
 # Routes anyone may call: liveness for load balancers and service managers.
 PUBLIC_PATHS = {"/health"}
+# Control routes need a key but do not count against its rate and concurrency limits: a key
+# at its concurrency cap must still be able to cancel its own request.
+UNMETERED_PREFIXES = ("/v1/requests/", "/v1/cache", "/v1/status", "/v1/models")
 
 
 def presented_key(request: web.Request) -> str | None:
@@ -41,6 +44,8 @@ async def auth_middleware(request: web.Request, handler):
     if key.expired():
         raise ServiceError(ErrorCode.AUTHENTICATION, f"API key '{key.name}' has expired")
     request["key"] = key
+    if request.path.startswith(UNMETERED_PREFIXES):
+        return await handler(request)
     limiter: RateLimiter = request.app[LIMITER]
     request["ratelimit_headers"] = lambda: limiter.headers(key, store.window_s)
     limiter.start(key, store.window_s)

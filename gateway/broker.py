@@ -31,9 +31,10 @@ TERMINAL = (p.EV_FINISH, p.EV_ERROR)
 class RequestStream:
     """Events of one request, in order; ends with exactly one finish or error."""
 
-    def __init__(self, rid: str, conn: WorkerConn):
+    def __init__(self, rid: str, conn: WorkerConn, owner: str | None = None):
         self.rid = rid
         self.conn = conn
+        self.owner = owner  # the API key's name, when keys are on: who may cancel it
         self.done = False
         self._queue: asyncio.Queue[dict] = asyncio.Queue()
 
@@ -124,8 +125,10 @@ class Broker:
         ready = self.ready_workers(model)
         return min(ready, key=lambda c: c.load) if ready else None
 
-    async def submit(self, conn: WorkerConn, req: p.GenerateRequest | p.EmbedRequest) -> RequestStream:
-        stream = RequestStream(req.rid, conn)
+    async def submit(
+        self, conn: WorkerConn, req: p.GenerateRequest | p.EmbedRequest, owner: str | None = None
+    ) -> RequestStream:
+        stream = RequestStream(req.rid, conn, owner)
         conn.streams[req.rid] = stream
         await self._send(conn, p.encode(req.WIRE_TYPE, request=req.to_wire()))
         return stream

@@ -27,8 +27,9 @@ def _keys_path(path: Path | None) -> Path:
 @click.option("--max-concurrent", type=int, default=None)
 @click.option("--models", default="", help="comma-separated model names or globs (default: all)")
 @click.option("--expires", default=None, help="ISO time, e.g. 2027-01-01T00:00:00Z")
+@click.option("--admin", is_flag=True, help="may cancel anyone's request and clear prefix caches")
 @click.option("--file", "path", type=click.Path(path_type=Path), default=None)
-def create_key(name, rpm, tpm, max_concurrent, models, expires, path) -> None:
+def create_key(name, rpm, tpm, max_concurrent, models, expires, admin, path) -> None:
     from gateway.keys import KeysFileError, hash_key, load_file, new_key, save_file
 
     path = _keys_path(path)
@@ -51,6 +52,8 @@ def create_key(name, rpm, tpm, max_concurrent, models, expires, path) -> None:
             entry[field] = value
     if models:
         entry["models"] = [m.strip() for m in models.split(",") if m.strip()]
+    if admin:
+        entry["admin"] = True
     data.setdefault("keys", []).append(entry)
     try:
         from gateway.keys import parse_keys
@@ -72,9 +75,10 @@ def list_keys(path) -> None:
     data = load_file(_keys_path(path))
     for k in data.get("keys") or []:
         limits = ", ".join(f"{f}={k[f]}" for f in ("rpm", "tpm", "max_concurrent") if k.get(f) is not None)
+        admin = "\tadmin" if k.get("admin") else ""
         click.echo(
             f"{k['name']}\tmodels={','.join(k.get('models') or ['*'])}\t{limits or 'no limits'}\t"
-            f"expires={k.get('expires', 'never')}\tcreated={k.get('created', '?')}"
+            f"expires={k.get('expires', 'never')}\tcreated={k.get('created', '?')}{admin}"
         )
 
 

@@ -52,8 +52,10 @@ class Generation:
         slot: ModelSlot,
         req: p.GenerateRequest | p.EmbedRequest,
         keepalive_s: float = 5.0,
+        owner: str | None = None,
     ):
         self.manager = manager
+        self.owner = owner  # API key name
         self.keepalive_s = keepalive_s
         # Called every keepalive_s while the model loads (streams send SSE comments).
         self.on_wait: Callable[[], Awaitable[None]] | None = None
@@ -72,7 +74,7 @@ class Generation:
 
     async def __aenter__(self) -> Generation:
         conn = await self.manager.acquire(self.slot, self.on_wait, self.keepalive_s)
-        self.stream = await self.broker.submit(conn, self.req)
+        self.stream = await self.broker.submit(conn, self.req, self.owner)
         first = await self._next(None)
         if first.get("e") != p.EV_ACCEPTED:
             raise_for(first)

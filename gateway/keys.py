@@ -10,6 +10,7 @@ keys:
     max_concurrent: 4
     expires: "2027-01-01T00:00:00Z"
     created: "2026-11-29T10:00:00Z"
+    admin: false                # admin keys may cancel anyone's request and clear caches
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class ApiKey:
     max_concurrent: int | None = None
     expires: dt.datetime | None = None
     created: str | None = None
+    admin: bool = False
 
     def allows(self, *model_names: str) -> bool:
         if not self.models:
@@ -75,7 +77,7 @@ def _parse_time(value, where: str) -> dt.datetime | None:
     return parsed if parsed.tzinfo else parsed.replace(tzinfo=dt.timezone.utc)
 
 
-_FIELDS = {"name", "sha256", "models", "rpm", "tpm", "max_concurrent", "expires", "created"}
+_FIELDS = {"name", "sha256", "models", "rpm", "tpm", "max_concurrent", "expires", "created", "admin"}
 
 
 def parse_keys(data, source: str) -> tuple[list[ApiKey], float]:
@@ -107,6 +109,9 @@ def parse_keys(data, source: str) -> tuple[list[ApiKey], float]:
         models = raw.get("models") or []
         if isinstance(models, str):
             models = [models]
+        admin = raw.get("admin", False)
+        if not isinstance(admin, bool):
+            raise KeysFileError(f"{where} ({name}): 'admin' must be true or false")
         keys.append(
             ApiKey(
                 name=name,
@@ -114,6 +119,7 @@ def parse_keys(data, source: str) -> tuple[list[ApiKey], float]:
                 models=tuple(models),
                 expires=_parse_time(raw.get("expires"), where),
                 created=raw.get("created"),
+                admin=admin,
                 **limits,
             )
         )

@@ -22,7 +22,12 @@ from test_resilience import wait_for
 from gateway.keys import hash_key
 
 WINDOW = 3  # seconds: the keys file's rate-limit window, short so tests can watch it recover
-KEYS = {"alice": "mlxgw-alice-key-0123456789", "bob": "mlxgw-bob-key-0123456789", "carol": "mlxgw-carol-key-0123456789"}
+KEYS = {
+    "alice": "mlxgw-alice-key-0123456789",
+    "bob": "mlxgw-bob-key-0123456789",
+    "carol": "mlxgw-carol-key-0123456789",
+    "dave": "mlxgw-dave-key-0123456789",
+}
 MSGS = [{"role": "user", "content": "hello there"}]
 
 
@@ -48,6 +53,7 @@ def team_gateway(home, tiny_dir):
                     {"name": "alice", "sha256": hash_key(KEYS["alice"]), "rpm": 3},
                     {"name": "bob", "sha256": hash_key(KEYS["bob"]), "models": ["null"], "tpm": 50},
                     {"name": "carol", "sha256": hash_key(KEYS["carol"]), "max_concurrent": 1},
+                    {"name": "dave", "sha256": hash_key(KEYS["dave"]), "admin": True},
                 ],
             }
         )
@@ -93,7 +99,11 @@ def test_keys_cli_prints_the_key_once_and_stores_only_its_hash(tmp_path):
     assert key.startswith("mlxgw-") and key not in stored and hash_key(key) in stored
     assert oct((tmp_path / "keys.yaml").stat().st_mode & 0o777) == "0o600"
     listed = mlxgw("keys", "list", home=tmp_path).stdout
-    assert "dave" in listed and "rpm=10" in listed and key not in listed
+    assert "dave" in listed and "rpm=10" in listed and key not in listed and "admin" not in listed
+    assert mlxgw("keys", "create", "root", "--admin", home=tmp_path).returncode == 0
+    assert "\tadmin" in next(
+        line for line in mlxgw("keys", "list", home=tmp_path).stdout.splitlines() if "root" in line
+    )
     assert mlxgw("keys", "revoke", "dave", home=tmp_path).returncode == 0
     assert "dave" not in mlxgw("keys", "list", home=tmp_path).stdout
 
@@ -168,6 +178,39 @@ def test_concurrency_cap(team_gateway):
     finally:
         stream.close()
     wait_for(lambda: call(team_gateway, KEYS["carol"])[0] == 200, 10)
+
+
+def test_only_the_owner_or_an_admin_cancels_a_request_and_clears_caches(team_gateway):
+    def long_stream(key: str, rid: str):
+        client = openai_client(team_gateway, default_headers={"Authorization": f"Bearer {key}"})
+        stream = client.chat.completions.with_raw_response.create(
+            model="tiny",
+            messages=MSGS,
+            max_tokens=30000,
+            stream=True,
+            extra_body={"logit_bias": NO_EOS},
+            extra_headers={"x-request-id": rid},
+        ).parse()
+        next(iter(stream))
+        return stream
+
+    def control(key: str, path: str, method: str = "POST"):
+        return http(f"{team_gateway.url}{path}", method, {}, headers={"Authorization": f"Bearer {key}"})
+
+    # carol is at her concurrency cap of 1 while her stream runs: control routes do not count
+    mine = long_stream(KEYS["carol"], "req_owned_by_carol")
+    theirs = long_stream(KEYS["alice"], "req_owned_by_alice")
+    try:
+        assert control(KEYS["bob"], "/v1/requests/req_owned_by_carol/cancel")[0] == 404  # not bob's: absent
+        assert control(KEYS["carol"], "/v1/requests/req_owned_by_carol/cancel")[0] == 200
+        assert control(KEYS["dave"], "/v1/requests/req_owned_by_alice/cancel")[0] == 200  # an admin may
+    finally:
+        mine.close()
+        theirs.close()
+    status, _, body = control(KEYS["alice"], "/v1/cache", "DELETE")
+    assert status == 403 and "admin" in body["error"]["message"]
+    status, _, body = control(KEYS["dave"], "/v1/cache", "DELETE")
+    assert status == 200 and body["object"] == "cache.stats"
 
 
 def test_server_wide_max_tokens_default_and_cap(team_gateway):

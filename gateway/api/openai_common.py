@@ -172,6 +172,9 @@ async def stream_response(
 
 def generation(request: web.Request, slot, req: p.GenerateRequest) -> Generation:
     """The request's generation, also recorded on the request for limits, metrics and logs."""
-    gen = Generation(request.app[MANAGER], slot, req, request.app[SETTINGS].keepalive_s)
+    key = request.get("key")
+    gen = Generation(
+        request.app[MANAGER], slot, req, request.app[SETTINGS].keepalive_s, owner=key.name if key else None
+    )
     request["generation"] = gen
     return gen

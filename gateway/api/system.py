@@ -64,7 +64,10 @@ async def cancel_request(request: web.Request) -> web.Response:
     rid = request.match_info["rid"]
     broker = request.app[BROKER]
     stream = broker.find_stream(rid)
-    if stream is None:
+    key = request.get("key")
+    # Another key's request is reported as absent: request ids are not secrets (they are in
+    # /v1/status), so only the key that made a request, or an admin key, may end it.
+    if stream is None or (key is not None and not key.admin and stream.owner != key.name):
         raise ServiceError(ErrorCode.NOT_FOUND, f"no request {rid!r} in flight")
     await broker.cancel(stream)
     return web.json_response({"id": rid, "object": "request.cancel", "cancelled": True})
@@ -96,4 +99,7 @@ async def cache_stats(request: web.Request) -> web.Response:
 
 @routes.delete("/v1/cache")
 async def cache_clear(request: web.Request) -> web.Response:
+    key = request.get("key")
+    if key is not None and not key.admin:
+        raise ServiceError(ErrorCode.PERMISSION, "clearing the prefix cache needs an admin key")
     return await _cache_call(request, "cache_clear")
