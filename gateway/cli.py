@@ -240,10 +240,10 @@ def list_cmd() -> None:
     if not found:
         click.echo(f"no models in {models_dir()}")
         return
-    rows = [("NAME", "ARCH", "PARAMS", "DTYPE", "SIZE", "SOURCE")]
+    rows = [("NAME", "KIND", "ARCH", "PARAMS", "DTYPE", "SIZE", "SOURCE")]
     for m in found:
         params = f"{m.parameters / 1e6:.0f}M" if m.parameters else "?"
-        rows.append((m.name, m.architecture, params, m.dtype, f"{m.size_bytes / 1e6:.0f} MB", m.source))
+        rows.append((m.name, m.kind, m.architecture, params, m.dtype, f"{m.size_bytes / 1e6:.0f} MB", m.source))
     _print_table(rows)
 
 
