@@ -237,6 +237,8 @@ def test_bad_anthropic_images(gw):
         ({"type": "base64", "media_type": "image/tiff", "data": b64(png())}, "unsupported"),
         ({"type": "base64", "media_type": "image/png", "data": b64(png()[:40])}, "decoded"),
         ({"type": "file", "file_id": "f_1"}, "'base64' or 'url'"),
+        ({"type": "base64", "media_type": "image/bmp", "data": b64(png(600, 600, fmt="BMP"))}, "limit is"),
+        ({"type": "url", "url": "https://example.com/cat.png"}, "not fetched by this server"),
     ]:
         status, _, body = send(source)
         assert status == 400 and body["type"] == "error", body
