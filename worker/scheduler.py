@@ -129,7 +129,7 @@ class Scheduler:
 
     def step(self) -> list[Event]:
         events = self._expire(time.monotonic())
-        self._admit()
+        events += self._admit()
         if not self._by_uid:
             return events
         out = self.runner.step()
@@ -144,17 +144,26 @@ class Scheduler:
                 events.extend(self._on_token(seq, t.token, t.finish))
         return events
 
-    def _admit(self) -> None:
+    def _admit(self) -> list[Event]:
+        """Start waiting sequences while there is room. A sequence the runner refuses at
+        admission (a vision model's images its vision tower cannot take) ends with an error;
+        the runner has not taken it, so the others are unaffected."""
+        events = []
         while self._waiting and len(self._by_uid) < self.max_num_seqs:
             _, _, rid = heapq.heappop(self._waiting)
             seq = self._seqs.get(rid)
             if seq is None or seq.uid is not None:
                 continue  # cancelled while queued
-            seq.uid, seq.cached_tokens = self.runner.insert(
-                seq.prompt, seq.max_tokens, seq.req.sampling, seq.constraint
-            )
+            try:
+                seq.uid, seq.cached_tokens = self.runner.insert(
+                    seq.prompt, seq.max_tokens, seq.req.sampling, seq.constraint
+                )
+            except ServiceError as e:
+                events.append(self._end(seq, {"e": p.EV_ERROR, **e.to_wire()}))
+                continue
             seq.phase = "prefill"
             self._by_uid[seq.uid] = seq
+        return events
 
     def _on_token(self, seq: Sequence, token: int, finish: str | None) -> list[Event]:
         if seq.first_token_at is None:

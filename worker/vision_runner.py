@@ -25,8 +25,8 @@ MAX_IMAGE_PIXELS = 40_000_000
 
 
 class MediaPrompt(list):
-    """Token ids that also carry the prompt's input embeddings (and position data) from
-    encode() to insert(), through a scheduler that only sees a list of ids."""
+    """Token ids that also carry the processor's outputs (pixel values, grid sizes, ...)
+    from encode() to insert(), through a scheduler that only sees a list of ids."""
 
     media: dict | None = None
 
@@ -92,13 +92,11 @@ class VisionRunner(MLXRunner):
 
     # -- prompts ------------------------------------------------------------------------
     def encode(self, req: GenerateRequest) -> list[int]:
-        """Token ids carrying the prompt's input embeddings. The vision tower runs here, at
-        submission, where a failure is this request's 400 rather than the engine's crash."""
+        """Token ids carrying the processor's outputs. The vision tower runs at admission
+        (insert), so queued requests hold pixels, not embeddings."""
         images = req.images or []
         if req.messages is None or not images:
-            prompt = MediaPrompt(super().encode(req))
-            prompt.media = self._embed(self._mx.array([list(prompt)]), {})
-            return prompt
+            return MediaPrompt(super().encode(req))
         slots = sum(
             1
             for m in req.messages
@@ -122,10 +120,10 @@ class VisionRunner(MLXRunner):
                     add_special_tokens=False,
                 )
             )
-            prompt = MediaPrompt(inputs["input_ids"][0].tolist())
-            prompt.media = self._embed(inputs.pop("input_ids"), inputs)
-        except Exception as e:  # processors and vision towers raise many types for odd images
+        except Exception as e:  # processors raise many types for odd images
             raise invalid(f"the images could not be prepared for this model: {e}", "messages") from None
+        prompt = MediaPrompt(inputs["input_ids"][0].tolist())
+        prompt.media = inputs
         self.images_seen += len(pictures)
         return prompt
 
@@ -144,13 +142,21 @@ class VisionRunner(MLXRunner):
     def insert(self, prompt: list[int], max_tokens: int, sampling: SamplingParams, constraint=None) -> tuple[int, int]:
         from .sampling import build_logits_processors, sampling_processor
 
+        inputs = dict(getattr(prompt, "media", None) or {})
+        ids = inputs.pop("input_ids", None)
+        try:
+            prompt_kwargs = self._embed(ids if ids is not None else self._mx.array([list(prompt)]), inputs)
+        except Exception as e:  # the vision tower refused these images: this request's error only
+            raise invalid(f"the model could not encode the images: {e}", "messages") from None
+
         processors = build_logits_processors(sampling)
         if constraint is not None:
             processors += constraint if isinstance(constraint, list) else [constraint]
         processors.append(sampling_processor(sampling))  # last: it turns logits into the draw distribution
         (uid,) = self.generator.insert(
-            [list(prompt)], max_tokens=[max_tokens], prompt_kwargs=[prompt.media], logits_processors=[processors]
+            [list(prompt)], max_tokens=[max_tokens], prompt_kwargs=[prompt_kwargs], logits_processors=[processors]
         )
+        prompt.media = None  # the pixels are in the embeddings now; do not hold them to the end
         return uid, 0
 
     def step(self) -> StepOutput:
