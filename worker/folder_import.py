@@ -34,25 +34,30 @@ def _digest(folder: Path) -> str:
 def describe(folder: Path) -> tuple[str, str]:
     """(architecture, kind) from config.json: encoders serve embeddings (or reranking when they
     are sequence classifiers), models with a vision tower take images, the rest chat."""
-    from .embedding.encoder import SUPPORTED
+    from .embedding.encoder import SUPPORTED, is_cross_encoder
 
     config = json.loads((folder / "config.json").read_text())
     arch = str(config.get("model_type", "?"))
-    archs = config.get("architectures") or []
     if arch in SUPPORTED:
-        return arch, "rerank" if any(a.endswith("ForSequenceClassification") for a in archs) else "embedding"
+        return arch, "rerank" if is_cross_encoder(config) else "embedding"
     if "vision_config" in config:  # Hugging Face's layout for vision-language models
         return arch, "vision"
     return arch, "chat"
 
 
-def _parameters(folder: Path) -> int:
+def _weights_summary(folder: Path) -> tuple[int, str]:
+    """Parameter count (buffers like position_ids left out) and the floating dtypes, from
+    one read of the weight files."""
     import mlx.core as mx
 
-    total = 0
+    total, dtypes = 0, set()
     for f in folder.glob("*.safetensors"):
-        total += sum(int(t.size) for name, t in mx.load(str(f)).items() if not name.endswith("position_ids"))
-    return total
+        for name, t in mx.load(str(f)).items():
+            if not name.endswith("position_ids"):
+                total += int(t.size)
+            if t.dtype in (mx.float32, mx.float16, mx.bfloat16):
+                dtypes.add(str(t.dtype).removeprefix("mlx.core."))
+    return total, ",".join(sorted(dtypes)) or "?"
 
 
 def import_folder(
@@ -74,7 +79,7 @@ def import_folder(
 
     def fill(tmp: Path) -> dict:
         shutil.copytree(path, tmp, dirs_exist_ok=True, ignore=shutil.ignore_patterns(*SKIP, "__pycache__"))
-        dtypes = {str(t.dtype).removeprefix("mlx.core.") for t in _sample_tensors(path)}
+        parameters, dtype = _weights_summary(path)
         return {
             "source": str(path),
             "source_spec": source,
@@ -82,18 +87,11 @@ def import_folder(
             "size_bytes": model_store.folder_size(path),
             "architecture": arch,
             "kind": kind,
-            "parameters": _parameters(path),
+            "parameters": parameters,
             "options": {},
-            "dtype": ",".join(sorted(dtypes)) or "?",
+            "dtype": dtype,
         }
 
     record = model_store.publish(models_dir, name, fill)
     size = model_store.folder_size(dest)
     return ImportResult(name, dest, False, time.perf_counter() - started, size, record["dtype"], arch)
-
-
-def _sample_tensors(folder: Path):
-    import mlx.core as mx
-
-    for f in folder.glob("*.safetensors"):
-        yield from (t for n, t in mx.load(str(f)).items() if t.dtype in (mx.float32, mx.float16, mx.bfloat16))

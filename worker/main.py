@@ -76,6 +76,22 @@ def build_runner(entry: ModelEntry, model_path: Path):
     )
 
 
+def build_scheduler(entry: ModelEntry, runner):
+    """The policy over the runner: input batching for encoders, sequences for the rest."""
+    if entry.kind in ENCODER_KINDS:
+        from .embedding.scheduler import EmbedScheduler
+
+        return EmbedScheduler(
+            runner,
+            max_batch_size=entry.max_batch_inputs,
+            max_batch_tokens=entry.max_batch_tokens,
+            max_queue=entry.max_queue,
+        )
+    from .scheduler import Scheduler
+
+    return Scheduler(runner, max_num_seqs=entry.max_num_seqs, max_queue=entry.max_queue, policy=entry.max_tokens_policy)
+
+
 def serve(
     endpoint: str,
     entry: ModelEntry,
@@ -119,22 +135,7 @@ def serve(
     link.hello["info"] = info
     link.state = "ready"
     link.send(p.READY, info=info)
-    if entry.kind in ENCODER_KINDS:
-        from .embedding.scheduler import EmbedScheduler
-
-        scheduler = EmbedScheduler(
-            runner,
-            max_batch_size=entry.max_batch_inputs,
-            max_batch_tokens=entry.max_batch_tokens,
-            max_queue=entry.max_queue,
-        )
-    else:
-        from .scheduler import Scheduler
-
-        scheduler = Scheduler(
-            runner, max_num_seqs=entry.max_num_seqs, max_queue=entry.max_queue, policy=entry.max_tokens_policy
-        )
-    engine = Engine(link, runner, scheduler)
+    engine = Engine(link, runner, build_scheduler(entry, runner))
     signal.signal(signal.SIGTERM, lambda *_: setattr(engine, "draining", True))
     engine.run()
     link.send(p.BYE)

@@ -107,8 +107,17 @@ def from_url(url, where: str, limits: ImageLimits) -> dict:
     )
 
 
-def has_images(messages: list[dict]) -> bool:
-    return any(_image_parts(m) for m in messages)
+def from_openai_part(part: dict, where: str, limits: ImageLimits | None, param: str) -> dict:
+    """An OpenAI image part (`image_url` in Chat Completions, `input_image` in Responses):
+    its URL is a string or {"url": ...}; `limits` is None for models that take no images."""
+    if limits is None:
+        raise invalid("this model does not accept images; use a vision model", param)
+    url = part.get("image_url")
+    if isinstance(url, dict):
+        url = url.get("url")
+    if url is None and part.get("file_id"):
+        raise invalid(f"{where}: images by file_id are not supported; send a data: URL", param)
+    return from_url(url, where, limits)
 
 
 def _image_parts(message: dict) -> list[dict]:

@@ -14,7 +14,7 @@ from ..generation import Generation
 from . import openai_common as oc
 from . import validate as v
 from .body import read_json
-from .images import ImageLimits, collect_images, from_url, image_limits, join_content
+from .images import ImageLimits, collect_images, from_openai_part, image_limits, join_content
 
 routes = web.RouteTableDef()
 
@@ -36,10 +36,7 @@ def _content(content, where: str, images: ImageLimits | None) -> str | list[dict
                 raise invalid(f"{where}.content[{i}].text must be a string", where)
             pieces.append(part["text"])
         elif part["type"] in ("image_url", "input_image"):
-            if images is None:
-                raise invalid("this model does not accept images; use a vision model", where)
-            url = part.get("image_url")
-            pieces.append(from_url(url.get("url") if isinstance(url, dict) else url, f"{where}.content[{i}]", images))
+            pieces.append(from_openai_part(part, f"{where}.content[{i}]", images, where))
         else:
             raise invalid(f"{where}.content[{i}] has unsupported type {part['type']!r}", where)
     return join_content(pieces)

@@ -20,7 +20,7 @@ from ..auth import resolve_model
 from . import openai_common as oc
 from . import validate as v
 from .body import read_json
-from .images import ImageLimits, collect_images, from_url, image_limits, join_content
+from .images import ImageLimits, collect_images, from_openai_part, image_limits, join_content
 from .openai_chat import forced_tool_constraint
 from .responses_output import NAMESPACE_SEP, STORE, ResponseBuilder, function_call_item, new_item_id, stream_response
 
@@ -38,14 +38,7 @@ def _content(content, where: str, images: ImageLimits | None) -> str | list[dict
         if kind in ("input_text", "output_text", "text", "summary_text", "reasoning_text"):
             pieces.append(str(part.get("text", "")))
         elif kind in ("input_image", "image_url"):
-            if images is None:
-                raise invalid("this model does not accept images; use a vision model", "input")
-            url = part.get("image_url")
-            if isinstance(url, dict):
-                url = url.get("url")
-            if url is None and part.get("file_id"):
-                raise invalid(f"{where}.content[{j}]: images by file_id are not supported; send a data: URL", "input")
-            pieces.append(from_url(url, f"{where}.content[{j}]", images))
+            pieces.append(from_openai_part(part, f"{where}.content[{j}]", images, "input"))
         elif kind == "input_file":
             raise invalid("input_file parts are not supported", "input")
     return join_content(pieces)

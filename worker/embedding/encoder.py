@@ -17,6 +17,11 @@ from shared.errors import invalid
 SUPPORTED = ("bert", "roberta", "xlm-roberta")
 
 
+def is_cross_encoder(cfg: dict) -> bool:
+    """A sequence classifier (BertForSequenceClassification, ...): scores pairs, no vectors."""
+    return any(a.endswith("ForSequenceClassification") for a in cfg.get("architectures") or [])
+
+
 def _read_json(path: Path) -> dict | list | None:
     try:
         return json.loads(path.read_text())
@@ -33,8 +38,7 @@ class TextEncoder:
         cfg = _read_json(path / "config.json")
         if not isinstance(cfg, dict):
             raise ValueError(f"{path}: no readable config.json")
-        archs = cfg.get("architectures") or []
-        self.cross_encoder = any(a.endswith("ForSequenceClassification") for a in archs)
+        self.cross_encoder = is_cross_encoder(cfg)
         self._load_model(path, cfg)
 
         self.tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
@@ -200,8 +204,8 @@ class TextEncoder:
 
 
 class MlxEmbeddingsEncoder(TextEncoder):
-    """Encoders the built-in one does not implement (ModernBERT, XLM-RoBERTa, Qwen3 and
-    Gemma embedding models, ...), run by mlx-embeddings (`engine: mlx-embeddings`, needs
+    """Encoders the built-in one does not implement (ModernBERT, Qwen3 and Gemma embedding
+    models, ...), run by mlx-embeddings (`engine: mlx-embeddings`, needs
     `pip install 'mlxgw[embeddings]'`). Tokenizing, batching, limits and `dimensions` are the
     same as for the built-in encoder; the model and its pooling are mlx-embeddings'."""
 

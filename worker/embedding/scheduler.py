@@ -24,6 +24,11 @@ from .encoder import TextEncoder
 Event = tuple[str, dict]
 
 
+def _length(item) -> int:
+    """Tokens of one input: token ids, or a cross-encoder's (ids, token types) pair."""
+    return len(item[0]) if isinstance(item, tuple) else len(item)
+
+
 @dataclass
 class Job:
     req: p.EmbedRequest
@@ -36,7 +41,7 @@ class Job:
 
     @property
     def tokens(self) -> int:
-        return sum(len(x[0]) if isinstance(x, tuple) else len(x) for x in self.inputs)
+        return sum(_length(x) for x in self.inputs)
 
 
 class EmbedScheduler:
@@ -125,8 +130,7 @@ class EmbedScheduler:
             if job is None:  # cancelled or expired: its inputs are dropped as they come up
                 self._pending.popleft()
                 continue
-            item = job.inputs[i]
-            n = len(item[0]) if isinstance(item, tuple) else len(item)
+            n = _length(job.inputs[i])
             if window and tokens + n > self.max_batch_tokens:
                 break  # next step
             tokens += n
