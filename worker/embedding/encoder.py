@@ -45,6 +45,7 @@ class TextEncoder:
         self.tokenizer.no_truncation()
         self.tokenizer.no_padding()
         self.vocab_size = int(cfg["vocab_size"])
+        self.type_vocab_size = int(cfg.get("type_vocab_size") or 1)
         self.pad_id = int(cfg.get("pad_token_id") or 0)
         self.prefix, self.suffix = self._special_tokens()
 
@@ -131,7 +132,10 @@ class TextEncoder:
     def tokenize_pair(self, query: str, document: str) -> tuple[list[int], list[int]]:
         """Cross-encoder input: [CLS] query [SEP] document [SEP]; long documents are cut."""
         enc = self.tokenizer.encode(query, document)
-        ids, types = list(enc.ids), list(enc.type_ids)
+        ids = list(enc.ids)
+        # RoBERTa models have one token type; a tokenizer that marks the second segment 1
+        # would index past the table (MLX does not bounds-check: garbage scores, even NaN).
+        types = [min(t, self.type_vocab_size - 1) for t in enc.type_ids]
         if len(ids) > self.context_length:
             q_len = len(self.tokenizer.encode(query).ids)
             if q_len >= self.context_length // 2:
