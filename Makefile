@@ -38,7 +38,7 @@ test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow"
 
 lint: setup
-	$(BIN)/python -m ruff check gateway worker shared bench tests
+	$(BIN)/python -m ruff check mlxgw gateway worker shared bench tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

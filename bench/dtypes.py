@@ -37,7 +37,7 @@ def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "--child":
         print(json.dumps(measure(sys.argv[2])), flush=True)
         return
-    from shared.platform import openblas_path, worker_environment
+    from mlxgw.shared.platform import openblas_path, worker_environment
 
     for path in sys.argv[1:]:
         for blas in [True, False] if openblas_path() else [False]:
@@ -45,7 +45,7 @@ def main() -> None:
             if not blas:
                 env.pop("LD_PRELOAD", None)
             out = subprocess.run(
-                [sys.executable, "-m", "bench.dtypes", "--child", path], env=env, capture_output=True, text=True
+                [sys.executable, "-m", "mlxgw.bench.dtypes", "--child", path], env=env, capture_output=True, text=True
             )
             row = json.loads(out.stdout) if out.returncode == 0 else {"model": path, "error": out.stderr[-300:]}
             print(json.dumps({**row, "blas": "openblas" if blas else "bundled"}), flush=True)

@@ -89,9 +89,9 @@ def inprocess_runs(model_dir: str, items: list[str]) -> list[dict]:
     """The worker's encoder and scheduler without the gateway: requests of 1 and of 64 inputs."""
     from pathlib import Path
 
-    from shared.protocol import EmbedRequest
-    from worker.embedding.encoder import TextEncoder
-    from worker.embedding.scheduler import EmbedScheduler
+    from mlxgw.shared.protocol import EmbedRequest
+    from mlxgw.worker.embedding.encoder import TextEncoder
+    from mlxgw.worker.embedding.scheduler import EmbedScheduler
 
     enc = TextEncoder(Path(model_dir))
     enc.embed([enc.tokenize(t, i) for i, t in enumerate(items[:4])])  # warm-up
@@ -157,7 +157,7 @@ def encode(batch):
 
 
 def peer_runs(python: str, script: str, model_dir: str, items: list[str]) -> list[dict]:
-    from shared.platform import worker_environment
+    from mlxgw.shared.platform import worker_environment
 
     proc = subprocess.run(
         [python, "-c", script + PEER_TIMING, model_dir],
@@ -171,10 +171,10 @@ def peer_runs(python: str, script: str, model_dir: str, items: list[str]) -> lis
 
 
 def main(argv: list[str] | None = None) -> None:
-    from shared.platform import reexec_as_worker
+    from mlxgw.shared.platform import reexec_as_worker
 
-    reexec_as_worker("bench.embeddings")  # the in-process encoder runs as a worker would
-    ap = argparse.ArgumentParser(prog="python -m bench.embeddings")
+    reexec_as_worker("mlxgw.bench.embeddings")  # the in-process encoder runs as a worker would
+    ap = argparse.ArgumentParser(prog="python -m mlxgw.bench.embeddings")
     ap.add_argument("--url", default="http://127.0.0.1:8000")
     ap.add_argument("--model", default="minilm-l6")
     ap.add_argument("--inputs", type=int, default=512)

@@ -61,9 +61,9 @@ def measure(
 
 
 def main() -> None:
-    from shared.platform import reexec_as_worker
+    from mlxgw.shared.platform import reexec_as_worker
 
-    reexec_as_worker("bench.inprocess")
+    reexec_as_worker("mlxgw.bench.inprocess")
     ap = argparse.ArgumentParser()
     ap.add_argument("model_dir")
     ap.add_argument("--concurrency", default="1,8")

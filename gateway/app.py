@@ -9,9 +9,8 @@ from collections import OrderedDict
 from pathlib import Path
 
 from aiohttp import web
-
-from shared.config import Registry
-from shared.errors import ErrorCode, ServiceError
+from mlxgw.shared.config import Registry
+from mlxgw.shared.errors import ErrorCode, ServiceError
 
 from . import observe
 from .api import (

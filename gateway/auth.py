@@ -6,9 +6,8 @@ Keys are accepted as `Authorization: Bearer KEY` (OpenAI) and `x-api-key: KEY`
 from __future__ import annotations
 
 from aiohttp import web
-
-from shared.config import CHAT_KINDS
-from shared.errors import ErrorCode, ServiceError
+from mlxgw.shared.config import CHAT_KINDS
+from mlxgw.shared.errors import ErrorCode, ServiceError
 
 from .keys import KeyStore
 from .limits import RateLimiter

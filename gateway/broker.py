@@ -19,9 +19,8 @@ from dataclasses import dataclass, field
 
 import zmq
 import zmq.asyncio
-
-from shared import protocol as p
-from shared.errors import ErrorCode, ServiceError
+from mlxgw.shared import protocol as p
+from mlxgw.shared.errors import ErrorCode, ServiceError
 
 log = logging.getLogger("mlxgw.broker")
 

@@ -15,7 +15,7 @@ def keys() -> None:
 
 
 def _keys_path(path: Path | None) -> Path:
-    from shared.paths import keys_file
+    from mlxgw.shared.paths import keys_file
 
     return path or keys_file()
 
@@ -30,7 +30,7 @@ def _keys_path(path: Path | None) -> Path:
 @click.option("--admin", is_flag=True, help="may cancel anyone's request and clear prefix caches")
 @click.option("--file", "path", type=click.Path(path_type=Path), default=None)
 def create_key(name, rpm, tpm, max_concurrent, models, expires, admin, path) -> None:
-    from gateway.keys import KeysFileError, hash_key, load_file, new_key, save_file
+    from mlxgw.gateway.keys import KeysFileError, hash_key, load_file, new_key, save_file
 
     path = _keys_path(path)
     try:
@@ -56,7 +56,7 @@ def create_key(name, rpm, tpm, max_concurrent, models, expires, admin, path) -> 
         entry["admin"] = True
     data.setdefault("keys", []).append(entry)
     try:
-        from gateway.keys import parse_keys
+        from mlxgw.gateway.keys import parse_keys
 
         parse_keys(data, str(path))
     except KeysFileError as e:
@@ -70,7 +70,7 @@ def create_key(name, rpm, tpm, max_concurrent, models, expires, admin, path) -> 
 @keys.command("list")
 @click.option("--file", "path", type=click.Path(path_type=Path), default=None)
 def list_keys(path) -> None:
-    from gateway.keys import load_file
+    from mlxgw.gateway.keys import load_file
 
     data = load_file(_keys_path(path))
     for k in data.get("keys") or []:
@@ -86,7 +86,7 @@ def list_keys(path) -> None:
 @click.argument("name")
 @click.option("--file", "path", type=click.Path(path_type=Path), default=None)
 def revoke_key(name, path) -> None:
-    from gateway.keys import load_file, save_file
+    from mlxgw.gateway.keys import load_file, save_file
 
     path = _keys_path(path)
     data = load_file(path)
@@ -116,8 +116,8 @@ def service() -> None:
     help="write the file here and do not start it (packaging, review)",
 )
 def install(config, host, port, system, output) -> None:
-    from gateway.service import ServiceSpec, activate, default_program, render, target_path
-    from shared import paths
+    from mlxgw.gateway.service import ServiceSpec, activate, default_program, render, target_path
+    from mlxgw.shared import paths
 
     spec = ServiceSpec(
         program=default_program(config, host, port), workdir=Path.cwd(), home=paths.home(), system=system
@@ -133,7 +133,7 @@ def install(config, host, port, system, output) -> None:
 @service.command("uninstall")
 @click.option("--system", is_flag=True)
 def uninstall(system) -> None:
-    from gateway.service import deactivate, target_path
+    from mlxgw.gateway.service import deactivate, target_path
 
     path = target_path(system)
     if not path.exists():
@@ -147,6 +147,6 @@ def uninstall(system) -> None:
 @service.command("status")
 @click.option("--system", is_flag=True)
 def service_status(system) -> None:
-    from gateway.service import status
+    from mlxgw.gateway.service import status
 
     sys.exit(status(system))

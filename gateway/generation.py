@@ -11,8 +11,8 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
-from shared import protocol as p
-from shared.errors import ErrorCode, ServiceError
+from mlxgw.shared import protocol as p
+from mlxgw.shared.errors import ErrorCode, ServiceError
 
 from .broker import Broker, RequestStream
 from .manager import ModelManager, ModelSlot

@@ -9,7 +9,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from shared.errors import ErrorCode, ServiceError
+from mlxgw.shared.errors import ErrorCode, ServiceError
 
 from .keys import ApiKey
 

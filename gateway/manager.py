@@ -16,8 +16,8 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from shared.config import ModelEntry, Registry
-from shared.errors import ErrorCode, ServiceError
+from mlxgw.shared.config import ModelEntry, Registry
+from mlxgw.shared.errors import ErrorCode, ServiceError
 
 from .broker import Broker, WorkerConn
 from .residency import Residency

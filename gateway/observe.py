@@ -9,9 +9,8 @@ import logging
 import time
 
 from aiohttp import web
+from mlxgw.shared.errors import ErrorCode, ServiceError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-
-from shared.errors import ErrorCode, ServiceError
 
 from .state import METRICS, SETTINGS
 

@@ -14,9 +14,9 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from shared.config import parse_memory_budget
-from shared.errors import ErrorCode, ServiceError
-from shared.platform import total_memory_bytes
+from mlxgw.shared.config import parse_memory_budget
+from mlxgw.shared.errors import ErrorCode, ServiceError
+from mlxgw.shared.platform import total_memory_bytes
 
 if TYPE_CHECKING:
     from .manager import ModelManager, ModelSlot

@@ -13,9 +13,8 @@ import sys
 from pathlib import Path
 
 from aiohttp import web
-
-from shared import paths
-from shared.config import ConfigError, Registry, load_registry, with_discovered_models
+from mlxgw.shared import paths
+from mlxgw.shared.config import ConfigError, Registry, load_registry, with_discovered_models
 
 from .app import default_endpoint, make_app
 from .state import MANAGER, GatewaySettings

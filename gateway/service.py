@@ -14,10 +14,11 @@ from pathlib import Path
 from string import Template
 from xml.sax.saxutils import escape
 
-from shared import paths
-from shared.platform import IS_MACOS
+from mlxgw.shared import paths
+from mlxgw.shared.platform import IS_MACOS
+from mlxgw.shared.resources import shipped_file
 
-DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+DEPLOY = shipped_file("deploy", "")
 LABEL = "com.mlxgw.gateway"
 
 

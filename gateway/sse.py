@@ -9,8 +9,7 @@ import asyncio
 import json
 
 from aiohttp import web
-
-from shared.errors import ErrorCode, ServiceError
+from mlxgw.shared.errors import ErrorCode, ServiceError
 
 
 class SSEWriter:

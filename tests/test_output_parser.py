@@ -5,8 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from worker.output_parser import OutputParser, tool_syntax
+from mlxgw.worker.output_parser import OutputParser, tool_syntax
 
 
 def hermes():

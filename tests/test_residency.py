@@ -16,9 +16,8 @@ import psutil
 import pytest
 import yaml
 from conftest import NO_EOS, REPO, free_port, openai_client, start_gateway
+from mlxgw.gateway.residency import PROCESS_OVERHEAD_BYTES, WEIGHTS_FACTOR
 from test_resilience import wait_for
-
-from gateway.residency import PROCESS_OVERHEAD_BYTES, WEIGHTS_FACTOR
 
 MSGS = [{"role": "user", "content": "Say something."}]
 
@@ -215,7 +214,7 @@ def test_remote_worker_with_a_shared_secret_serves_through_the_gateway(home, tin
             [
                 sys.executable,
                 "-m",
-                "worker",
+                "mlxgw.worker",
                 "--connect",
                 endpoint,
                 "--model",

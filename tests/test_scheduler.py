@@ -143,10 +143,10 @@ def test_new_request_is_admitted_while_another_decodes(tiny_gateway):
 def test_a_sequence_the_runner_refuses_at_admission_ends_alone():
     """In-process: the scheduler over the null runner, which here refuses one prompt when it
     is admitted (as a vision tower refuses images); the other sequences run on."""
-    from shared import protocol as p
-    from shared.errors import invalid
-    from worker.null_runner import NullRunner
-    from worker.scheduler import Scheduler
+    from mlxgw.shared import protocol as p
+    from mlxgw.shared.errors import invalid
+    from mlxgw.worker.null_runner import NullRunner
+    from mlxgw.worker.scheduler import Scheduler
 
     class RefusingRunner(NullRunner):
         def insert(self, prompt, max_tokens, sampling, constraint=None):

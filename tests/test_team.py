@@ -16,10 +16,9 @@ import time
 import pytest
 import yaml
 from conftest import NO_EOS, REPO, TINY_CONFIG, http, openai_client, start_gateway
+from mlxgw.gateway.keys import hash_key
 from prometheus_client.parser import text_string_to_metric_families
 from test_resilience import wait_for
-
-from gateway.keys import hash_key
 
 WINDOW = 3  # seconds: the keys file's rate-limit window, short so tests can watch it recover
 KEYS = {
@@ -33,7 +32,7 @@ MSGS = [{"role": "user", "content": "hello there"}]
 
 def mlxgw(*args: str, home) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-c", "from gateway.cli import main; main()", *args],
+        [sys.executable, "-c", "from mlxgw.cli import main; main()", *args],
         cwd=REPO,
         env=dict(os.environ, MLXGW_HOME=str(home)),
         capture_output=True,
@@ -292,7 +291,7 @@ def test_graceful_shutdown_lets_streams_in_flight_finish(home, tiny_dir):
 
 
 def test_service_files_render_and_parse(tmp_path):
-    from gateway.service import ServiceSpec, render_plist, render_unit
+    from mlxgw.gateway.service import ServiceSpec, render_plist, render_unit
 
     spec = ServiceSpec(program=["/opt/mlxgw/bin/mlxgw", "up", "--port", "8000"], workdir=tmp_path, home=tmp_path)
     plist = plistlib.loads(render_plist(spec).encode())
@@ -310,7 +309,7 @@ def test_service_files_render_and_parse(tmp_path):
 
 
 def test_load_run_of_1000_requests_at_concurrency_64_loses_none(tiny_gateway):
-    from bench.loadgen import run_level, varied_prompts
+    from mlxgw.bench.loadgen import run_level, varied_prompts
 
     prompts = varied_prompts(1000, 8, seed=7)
     results, wall = asyncio.run(

@@ -1,5 +1,5 @@
-"""`python -m worker` / `mlxgw worker`: serve one model over the gateway link."""
+"""`python -m mlxgw.worker`: how the gateway starts a worker (the same as `mlxgw worker`)."""
 
-from .main import main
+from .cli import worker
 
-main()
+worker(prog_name="mlxgw worker")

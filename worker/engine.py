@@ -10,9 +10,8 @@ import os
 import time
 
 import psutil
-
-from shared import protocol as p
-from shared.errors import ErrorCode, ServiceError
+from mlxgw.shared import protocol as p
+from mlxgw.shared.errors import ErrorCode, ServiceError
 
 from .link import WorkerLink
 from .runner import Runner

@@ -12,7 +12,7 @@ import shutil
 import time
 from pathlib import Path
 
-from shared import model_store
+from mlxgw.shared import model_store
 
 from .gguf.importer import ImportError_, ImportResult
 

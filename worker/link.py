@@ -21,8 +21,7 @@ import uuid
 
 import msgpack
 import zmq
-
-from shared import protocol as p
+from mlxgw.shared import protocol as p
 
 log = logging.getLogger("mlxgw.worker.link")
 

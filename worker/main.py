@@ -11,10 +11,10 @@ import time
 import uuid
 from pathlib import Path
 
-from shared import protocol as p
-from shared.config import ENCODER_KINDS, ModelEntry, from_mapping
-from shared.errors import ErrorCode
-from shared.platform import total_memory_bytes
+from mlxgw.shared import protocol as p
+from mlxgw.shared.config import ENCODER_KINDS, ModelEntry, from_mapping
+from mlxgw.shared.errors import ErrorCode
+from mlxgw.shared.platform import total_memory_bytes
 
 from .engine import Engine
 from .link import WorkerLink
@@ -144,40 +144,32 @@ def serve(
     return 0
 
 
-def main(argv: list[str] | None = None) -> None:
-    import argparse
-
-    ap = argparse.ArgumentParser(prog="mlxgw worker")
-    ap.add_argument("--connect", required=True, help="gateway endpoint, ipc:// or tcp://")
-    ap.add_argument("--model", required=True, help="model name (as the gateway knows it)")
-    ap.add_argument("--model-path", help="model folder (default: from the entry)")
-    ap.add_argument("--entry", default="{}", help="the models.yaml entry, as JSON")
-    ap.add_argument("--worker-id")
-    ap.add_argument("--heartbeat", type=float, default=1.0)
-    ap.add_argument("--liveness", type=int, default=5)
-    ap.add_argument(
-        "--orphan-after",
-        type=float,
-        default=15.0,
-        help="exit if the gateway is silent this long (0: reconnect forever)",
-    )
-    args = ap.parse_args(argv)
+def run_worker(
+    connect: str,
+    model: str,
+    model_path: str | None,
+    entry_json: str,
+    worker_id: str | None,
+    heartbeat: float,
+    liveness: int,
+    orphan_after: float,
+) -> None:
     logging.basicConfig(
-        level=logging.INFO, stream=sys.stderr, format=f"%(asctime)s worker[{args.model}] %(levelname)s %(message)s"
+        level=logging.INFO, stream=sys.stderr, format=f"%(asctime)s worker[{model}] %(levelname)s %(message)s"
     )
-    entry_data = {**json.loads(args.entry), "name": args.model}
-    entry = from_mapping(ModelEntry, entry_data, f"worker {args.model}")
-    from shared.paths import models_dir
+    entry_data = {**json.loads(entry_json), "name": model}
+    entry = from_mapping(ModelEntry, entry_data, f"worker {model}")
+    from mlxgw.shared.paths import models_dir
 
-    model_path = Path(args.model_path) if args.model_path else entry.model_path(models_dir())
+    path = Path(model_path) if model_path else entry.model_path(models_dir())
     sys.exit(
         serve(
-            args.connect,
+            connect,
             entry,
-            model_path,
-            worker_id=args.worker_id,
-            heartbeat_s=args.heartbeat,
-            liveness=args.liveness,
-            orphan_after=args.orphan_after or None,
+            path,
+            worker_id=worker_id,
+            heartbeat_s=heartbeat,
+            liveness=liveness,
+            orphan_after=orphan_after or None,
         )
     )

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.protocol import GenerateRequest, SamplingParams
+from mlxgw.shared.protocol import GenerateRequest, SamplingParams
 
 from .runner import Runner, StepOutput, TokenOut
 

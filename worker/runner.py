@@ -12,8 +12,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared.errors import ServiceError, invalid
-from shared.protocol import GenerateRequest, SamplingParams
+from mlxgw.shared.errors import ServiceError, invalid
+from mlxgw.shared.protocol import GenerateRequest, SamplingParams
 
 
 @dataclass

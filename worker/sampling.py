@@ -12,8 +12,7 @@ from mlx_lm.sample_utils import (
     make_logits_processors,
     make_sampler,
 )
-
-from shared.protocol import SamplingParams
+from mlxgw.shared.protocol import SamplingParams
 
 Sampler = Callable[[mx.array], mx.array]
 

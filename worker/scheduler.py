@@ -14,8 +14,8 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from shared import protocol as p
-from shared.errors import ErrorCode, ServiceError
+from mlxgw.shared import protocol as p
+from mlxgw.shared.errors import ErrorCode, ServiceError
 
 from .output_parser import OutputParser, Parsed
 from .runner import Runner, ThinkingBudget, check_budget

@@ -15,8 +15,8 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
-from shared.errors import invalid
-from shared.protocol import GenerateRequest, SamplingParams
+from mlxgw.shared.errors import invalid
+from mlxgw.shared.protocol import GenerateRequest, SamplingParams
 
 from .runner import MLXRunner, StepOutput, TokenOut
 

@@ -9,9 +9,8 @@ import json
 import secrets
 
 from aiohttp import web
-
-from shared import protocol as p
-from shared.errors import ServiceError, invalid
+from mlxgw.shared import protocol as p
+from mlxgw.shared.errors import ServiceError, invalid
 
 from ..auth import resolve_model
 from ..generation import Generation

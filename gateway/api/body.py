@@ -6,8 +6,7 @@ import json
 from typing import Any
 
 from aiohttp import web
-
-from shared.errors import ErrorCode, ServiceError, invalid
+from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
 
 
 def body_too_large(request: web.Request) -> ServiceError:

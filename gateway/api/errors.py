@@ -6,8 +6,7 @@ import json
 import math
 
 from aiohttp import web
-
-from shared.errors import ErrorCode, ServiceError
+from mlxgw.shared.errors import ErrorCode, ServiceError
 
 _OPENAI_TYPES = {
     ErrorCode.AUTHENTICATION: "authentication_error",

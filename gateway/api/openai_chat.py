@@ -5,9 +5,8 @@ from __future__ import annotations
 import json
 
 from aiohttp import web
-
-from shared import protocol as p
-from shared.errors import invalid
+from mlxgw.shared import protocol as p
+from mlxgw.shared.errors import invalid
 
 from ..auth import resolve_model
 from ..generation import Generation

@@ -7,10 +7,9 @@ import time
 from collections.abc import Callable
 
 from aiohttp import web
-
-from shared import protocol as p
-from shared.config import ModelEntry
-from shared.errors import ServiceError, invalid
+from mlxgw.shared import protocol as p
+from mlxgw.shared.config import ModelEntry
+from mlxgw.shared.errors import ServiceError, invalid
 
 from ..generation import Generation
 from ..sse import SSEWriter

@@ -10,9 +10,8 @@ import array
 import base64
 
 from aiohttp import web
-
-from shared import protocol as p
-from shared.errors import invalid
+from mlxgw.shared import protocol as p
+from mlxgw.shared.errors import invalid
 
 from ..auth import resolve_model
 from ..state import SETTINGS

@@ -7,10 +7,9 @@ both the documents are batched in the worker like embedding inputs."""
 from __future__ import annotations
 
 from aiohttp import web
-
-from shared import protocol as p
-from shared.config import ENCODER_KINDS
-from shared.errors import invalid
+from mlxgw.shared import protocol as p
+from mlxgw.shared.config import ENCODER_KINDS
+from mlxgw.shared.errors import invalid
 
 from ..auth import resolve_model
 from ..state import SETTINGS

@@ -7,9 +7,8 @@ import time
 from collections import OrderedDict
 
 from aiohttp import web
-
-from shared import protocol as p
-from shared.errors import ServiceError
+from mlxgw.shared import protocol as p
+from mlxgw.shared.errors import ServiceError
 
 from ..generation import Generation
 from ..sse import SSEWriter

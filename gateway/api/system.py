@@ -6,8 +6,7 @@ import asyncio
 import time
 
 from aiohttp import web
-
-from shared.errors import ErrorCode, ServiceError
+from mlxgw.shared.errors import ErrorCode, ServiceError
 
 from ..state import BROKER, MANAGER
 

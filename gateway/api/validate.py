@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from shared.errors import invalid
+from mlxgw.shared.errors import invalid
 
 _MISSING = object()
 

@@ -11,8 +11,7 @@ import json
 from pathlib import Path
 
 import numpy as np
-
-from shared.errors import invalid
+from mlxgw.shared.errors import invalid
 
 SUPPORTED = ("bert", "roberta", "xlm-roberta")
 

@@ -15,9 +15,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
-
-from shared import protocol as p
-from shared.errors import ErrorCode, ServiceError, invalid
+from mlxgw.shared import protocol as p
+from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
 
 from .encoder import TextEncoder
 

@@ -11,9 +11,8 @@ from pathlib import Path
 import mlx.core as mx
 from mlx import nn
 from mlx_lm.utils import _get_classes, get_total_parameters, quantize_model, save_config, save_model
-
-from shared import model_store
-from shared.platform import default_import_dtype
+from mlxgw.shared import model_store
+from mlxgw.shared.platform import default_import_dtype
 
 from .architectures import UnsupportedModel, architecture_for, map_tensor_name, unpermute_rows
 from .tokenizer import build_tokenizer, dump_json

@@ -1,0 +1,85 @@
+"""`mlxgw bench`: load-test an OpenAI-compatible server, optionally against a second one."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+
+@click.command()
+@click.option("--url", default="http://127.0.0.1:8000/v1", show_default=True, help="OpenAI base URL")
+@click.option("--model", required=True)
+@click.option("--label", default="mlxgw", show_default=True)
+@click.option("--api-key", envvar="MLXGW_BENCH_KEY", default=None, help="bearer key for the first server")
+@click.option("--compare-api-key", default=None, help="bearer key for the second server")
+@click.option("--compare", "compare_url", default=None, help="a second server's base URL, run alternately")
+@click.option("--compare-model", default=None, help="model name on the second server (default: --model)")
+@click.option("--compare-label", default="peer", show_default=True)
+@click.option("--concurrency", default="1,4,8", show_default=True, help="comma-separated levels")
+@click.option("--requests", default=0, help="requests per level (default: 2 x concurrency, >= 4)")
+@click.option("--max-tokens", default=32, show_default=True)
+@click.option("--prompt-words", default=40, show_default=True)
+@click.option("--prompt-words-max", default=None, type=int, help="sample prompt lengths up to this")
+@click.option("--temperature", default=0.7, show_default=True)
+@click.option("--no-stream", is_flag=True, help="non-streaming requests")
+@click.option("--fixed-prompt", is_flag=True, help="the same prompt every time (measures caches)")
+@click.option("--prefix-words", default=0, help="also run the shared-prefix workload with this prefix")
+@click.option("--prefix-repeats", default=4, show_default=True)
+@click.option(
+    "--seed",
+    default=None,
+    type=int,
+    help="prompt seed (default: random per run, so no server answers from an earlier run's cache)",
+)
+@click.option("--out", type=click.Path(path_type=Path), default=None, help="write OUT.json and OUT.md")
+def bench(
+    url,
+    model,
+    label,
+    api_key,
+    compare_api_key,
+    compare_url,
+    compare_model,
+    compare_label,
+    concurrency,
+    requests,
+    max_tokens,
+    prompt_words,
+    prompt_words_max,
+    temperature,
+    no_stream,
+    fixed_prompt,
+    prefix_words,
+    prefix_repeats,
+    seed,
+    out,
+) -> None:
+    """Load-test an OpenAI-compatible server (and optionally compare it with a second one)."""
+    from mlxgw.bench.run import BenchConfig, Target, run
+
+    if seed is None:
+        import random
+
+        seed = random.randrange(1 << 30)
+    targets = [Target(label, url, model, api_key)]
+    if compare_url:
+        targets.append(Target(compare_label, compare_url, compare_model or model, compare_api_key))
+    cfg = BenchConfig(
+        concurrency=[int(c) for c in concurrency.split(",")],
+        requests=requests,
+        max_tokens=max_tokens,
+        prompt_words=prompt_words,
+        prompt_words_max=prompt_words_max,
+        temperature=temperature,
+        stream=not no_stream,
+        fixed_prompt=fixed_prompt,
+        prefix_words=prefix_words,
+        prefix_repeats=prefix_repeats,
+        seed=seed,
+    )
+    report = run(targets, cfg, out)
+    click.echo(report["markdown"])
+    if any(r["failed"] for r in report["levels"]):
+        sys.exit(1)

@@ -1,0 +1,1 @@
+"""Shipped configuration: the default models.yaml and a commented example (package data)."""

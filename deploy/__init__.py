@@ -1,0 +1,1 @@
+"""Service templates for launchd and systemd, and the OpenBLAS installer (package data)."""
