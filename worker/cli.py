@@ -9,7 +9,7 @@ from mlxgw.shared.cli_table import print_table
 
 
 @click.command()
-@click.option("--connect", required=True, help="gateway endpoint: ipc://PATH locally, tcp://HOST:PORT for a remote gateway")
+@click.option("--connect", required=True, help="gateway endpoint: ipc://PATH locally, tcp://HOST:PORT remotely")
 @click.option("--model", required=True, help="model name, as the gateway's registry knows it")
 @click.option("--model-path", default=None, help="model folder (default: from the entry, in the models directory)")
 @click.option("--entry", default="{}", show_default=True, help="the models.yaml entry, as JSON")
