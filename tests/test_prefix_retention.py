@@ -9,7 +9,6 @@ import time
 
 import pytest
 from conftest import NO_EOS, GatewayProcess, openai_client
-
 from mlxgw.shared.protocol import SamplingParams
 
 STEP = 32  # prefill chunk: small, so a few steps leave a prefill half done
