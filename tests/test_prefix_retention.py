@@ -71,3 +71,26 @@ def _wait_until_idle(gw: GatewayProcess, model: str, timeout: float = 30) -> Non
             return
         time.sleep(0.1)
     raise AssertionError(f"{model} still busy after {timeout} s")
+
+
+def test_cached_kv_holds_only_the_memory_it_counts(runner):
+    """Eight sequences of different lengths finish at different steps of one batch; what the
+    prefix cache then keeps alive is what it reports (the batch's buffers are freed)."""
+    import gc
+
+    import mlx.core as mx
+
+    runner.cache_clear()
+    gc.collect()
+    baseline = mx.get_active_memory()
+    for i in range(8):
+        runner.insert(_prompt(runner, 60 + 30 * i, f"mem{i}-"), 4 + 5 * i, SamplingParams(temperature=0.0))
+    while runner.generator.prompt_cache_nbytes or runner._covered:
+        runner.step()
+    gc.collect()
+    held = mx.get_active_memory() - baseline
+    assert len(runner.prefix_cache) >= 1
+    assert held <= runner.prefix_cache.nbytes * 1.25 + (1 << 20), (held, runner.prefix_cache.nbytes)
+    runner.cache_clear()
+    gc.collect()
+    assert mx.get_active_memory() - baseline <= 1 << 20

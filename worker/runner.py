@@ -226,6 +226,11 @@ class MLXRunner(Runner):
                 self._keep_kv(tokens, cache)
 
     def _keep_kv(self, tokens: list[int], cache: list) -> None:
+        # The KV extracted from the batch is a lazy slice whose graph still references the
+        # whole batch's buffers (every row, the full allocation). Unevaluated, a cached entry
+        # kept all of that alive while counting only its own slice: a worker reached 14 GB
+        # with a cache that reported 2 GB. Evaluating makes it the compact copy it claims to be.
+        self._mx.eval([c.state for c in cache])
         self.prefix_cache.insert(list(tokens), cache)
         self._bound_cache()
 
