@@ -102,6 +102,7 @@ class MLXRunner(Runner):
             prefill_step_size=prefill_step_size,
         )
         self.prefix_cache = PrefixCache(cache_bytes)
+        self._covered: dict[int, int] = {}  # uid -> prompt tokens its cache lookup covered
         self.cache_bytes = cache_bytes
         self.tool_parser = tool_parser
         self.reasoning_parser = reasoning_parser
@@ -190,6 +191,7 @@ class MLXRunner(Runner):
             samplers=[build_sampler(sampling)],
             logits_processors=[processors],
         )
+        self._covered[uid] = cached
         return uid, cached
 
     def step(self) -> StepOutput:
@@ -199,16 +201,38 @@ class MLXRunner(Runner):
             done, total = r.progress if isinstance(r.progress, tuple) else (0, 0)
             out.prefill.append((r.uid, done, total))
         for r in gen_responses:
-            if r.finish_reason is not None and r.prompt_cache is not None:
-                # The finished sequence's KV (prompt + answer) seeds the next turn's prompt.
-                self.prefix_cache.insert(r.all_tokens, r.prompt_cache)
-                self._bound_cache()
+            if r.finish_reason is not None:
+                self._covered.pop(r.uid, None)
+                if r.prompt_cache is not None:
+                    # The finished sequence's KV (prompt + answer) seeds the next turn's prompt.
+                    self._keep_kv(r.all_tokens, r.prompt_cache)
             out.tokens.append(TokenOut(r.uid, int(r.token), r.finish_reason))
         return out
 
     def remove(self, uids: list[int]) -> None:
-        if uids:
-            self.generator.remove(uids)
+        """Drop sequences that end early (cancelled, timed out, client gone, stop string).
+
+        Their KV so far (the prompt chunks already prefilled, plus any answer) goes to the
+        prefix cache: an agent client that gives up on a long prefill and retries resumes
+        where the last try stopped instead of starting from zero. The batch's KV is always
+        consistent with its token list between steps, so this is a chunk boundary."""
+        if not uids:
+            return
+        removed = self.generator.remove(uids, return_prompt_caches=True)
+        for uid in uids:
+            covered = self._covered.pop(uid, 0)
+            cache, tokens = removed.get(uid, (None, None))
+            if cache and tokens and len(tokens) > covered:
+                self._keep_kv(tokens, cache)
+
+    def _keep_kv(self, tokens: list[int], cache: list) -> None:
+        # The KV extracted from the batch is a lazy slice whose graph still references the
+        # whole batch's buffers (every row, the full allocation). Unevaluated, a cached entry
+        # kept all of that alive while counting only its own slice: a worker reached 14 GB
+        # with a cache that reported 2 GB. Evaluating makes it the compact copy it claims to be.
+        self._mx.eval([c.state for c in cache])
+        self.prefix_cache.insert(list(tokens), cache)
+        self._bound_cache()
 
     def _bound_cache(self) -> None:
         # Live sequences' KV counts against the same budget as the stored prefixes.
