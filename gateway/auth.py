@@ -32,6 +32,8 @@ async def auth_middleware(request: web.Request, handler):
     store: KeyStore | None = request.app[KEYS]
     if store is None or request.path in PUBLIC_PATHS or request.path == "/metrics" or request.method == "OPTIONS":
         return await handler(request)
+    if request.method == "GET" and (request.path == "/ui" or request.path.startswith("/ui/")):  # the console's files
+        return await handler(request)
     given = presented_key(request)
     if not given:
         raise ServiceError(
