@@ -262,6 +262,7 @@ function drawSpark(holder, points) {
     holder.append(svg);
   }
   const [area, line] = svg.childNodes;
+  line.setAttribute("class", points && points.length >= 2 ? "spark-line" : "spark-line empty");
   if (!points || points.length < 2) {
     line.setAttribute("d", `M0 ${H - 1} H${W}`);
     area.setAttribute("d", "");
