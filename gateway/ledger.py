@@ -103,6 +103,7 @@ class _Writer(threading.Thread):
         self.retention_days = retention_days
         self.rows: queue.Queue = queue.Queue(MAX_QUEUED)
         self.written = 0
+        self.cpu_s = 0.0  # the thread's CPU time, reported when it stops
         self._next_prune = 0.0
 
     def run(self) -> None:
@@ -112,6 +113,7 @@ class _Writer(threading.Thread):
                 pass
         finally:
             conn.close()
+            self.cpu_s = time.thread_time()
 
     def _cycle(self, conn: sqlite3.Connection) -> bool:
         """One batch: wait for a row, gather for FLUSH_S, commit. False when told to stop."""
@@ -179,6 +181,8 @@ class Ledger:
         self.inflight = InFlight()
         self.recent: deque[dict] = deque(maxlen=RECENT)
         self.dropped = 0
+        self.written = 0
+        self.writer_cpu_s = 0.0
         self._writer: _Writer | None = None
 
     def start(self) -> None:
@@ -237,6 +241,7 @@ class Ledger:
             return
         self._writer.rows.put(None)
         self._writer.join(timeout=30)
+        self.writer_cpu_s, self.written = self._writer.cpu_s, self._writer.written
         self._writer = None
 
 

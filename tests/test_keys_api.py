@@ -213,3 +213,34 @@ def test_no_key_or_hash_ever_appears_in_a_response_or_the_log(keys_gateway):
         assert hash_key(key) not in everything
     for key in (ROOT, USER, HOG):  # the keys that were presented, never created here
         assert key not in everything
+
+
+def test_admin_unloads_loads_and_pins_a_model_over_http(keys_gateway):
+    import psutil
+
+    gw = keys_gateway
+
+    def null_status() -> dict:
+        return next(m for m in call(gw, "/v1/status")[2]["models"] if m["name"] == "null")
+
+    pid = null_status()["workers"][0]["pid"]
+    assert psutil.pid_exists(pid)
+    status, _, out = call(gw, "/v1/models/null/unload", "POST", {})
+    assert status == 200 and out["state"] == "unloaded"
+    assert not psutil.pid_exists(pid) or _zombie(pid)  # the worker process has ended
+    status, _, out = call(gw, "/v1/models/null/load", "POST", {})
+    assert status == 200 and out["state"] == "ready" and out["loaded"] is True
+    assert chat(gw, USER)[0] == 200
+    status, _, out = call(gw, "/v1/models/null/pin", "POST", {"pinned": True})
+    assert status == 200 and out["pinned"] is True and null_status()["pinned"] is True
+    assert call(gw, "/v1/models/null/pin", "POST", {"pinned": False})[2]["pinned"] is False
+    assert call(gw, "/v1/models/no-such/load", "POST", {})[0] == 404
+
+
+def _zombie(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
