@@ -15,6 +15,8 @@ STATIC = Path(__file__).parent
 FILES = {
     "index.html": "text/html",
     "console.js": "text/javascript",
+    "keys.js": "text/javascript",
+    "playground.js": "text/javascript",
     "console.css": "text/css",
     "favicon.svg": "image/svg+xml",
 }
