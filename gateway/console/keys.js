@@ -3,12 +3,14 @@
 
 // -- keys and usage -------------------------------------------------------------------------------
 async function refreshKeys() {
-  const [keys, today, week] = await Promise.all([
+  const [keys, today, week, models] = await Promise.all([
     api("/v1/keys").catch((e) => (e.status === 400 ? { data: [], open: e.message } : Promise.reject(e))),
     api("/v1/usage?since=today&by=key").catch(() => ({ data: [] })),
     api("/v1/usage?since=7d&by=key").catch(() => ({ data: [] })),
+    api("/v1/usage?since=7d&by=model").catch(() => ({ data: [] })),
   ]);
   renderUsage(today.data, week.data);
+  renderModelUsage(models.data);
   renderKeys(keys);
 }
 
@@ -31,6 +33,18 @@ function renderUsage(today, week) {
         el("span", { class: "muted small", text: ` ${share.toFixed(0)}%` })),
     ];
   });
+}
+
+function renderModelUsage(rows) {
+  fillRows($("model-usage-table"), $("model-usage-empty"), rows, (r) => [
+    el("td", { class: "strong", text: r.model }),
+    el("td", { class: "num", text: fmtNum(r.requests) }),
+    el("td", { class: "num", text: fmtNum(r.prompt_tokens) }),
+    el("td", { class: "num", text: fmtNum(r.completion_tokens) }),
+    el("td", { class: "num", text: fmtNum(r.errors) }),
+    el("td", { class: "num", text: fmtSecs(r.avg_latency_s) }),
+    el("td", { class: "num", text: fmtSecs(r.avg_ttft_s) }),
+  ]);
 }
 
 function limitsText(k) {
