@@ -43,6 +43,7 @@ def keys_gateway(home, tiny_dir, tmp_path_factory):
         "models": [
             {"name": "tiny-serial", "source": "tiny", "preload": True, "max_num_seqs": 1, "max_queue": 8},
             {"name": "null", "engine": "null", "preload": True},
+            {"name": "tiny-lazy", "source": "tiny", "max_num_seqs": 1},  # loads on first use
         ],
     }
     gw = start_gateway(home, config, "keys-api-gateway", extra_args=("--keys", str(keys_path), "--log-format", "json"))
@@ -177,6 +178,33 @@ def test_revoking_a_key_ends_its_queued_requests_at_once(keys_gateway):
         stream.close()
         waiter.join(30)
     assert chat(gw, victim)[0] == 401
+
+
+def test_a_revoked_keys_request_waiting_for_a_model_to_load_never_runs(keys_gateway):
+    gw = keys_gateway
+    victim = call(gw, "/v1/keys", "POST", {"name": "late"})[2]["key"]
+    ISSUED.append(victim)
+    result: dict = {}
+
+    def waiting_request() -> None:
+        body = {"model": "tiny-lazy", "max_tokens": 3, "messages": MSGS}
+        result["status"], _, result["body"] = http(
+            f"{gw.url}/v1/chat/completions", "POST", body, {"Authorization": f"Bearer {victim}"}
+        )
+
+    waiter = threading.Thread(target=waiting_request)
+    waiter.start()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        running = call(gw, "/v1/status/requests")[2]["running"]
+        if any(r["key"] == "late" and r["state"] == "waiting" for r in running):
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError("the request never showed up as waiting")
+    assert call(gw, "/v1/keys/late", "DELETE")[2]["queued_ended"] == 1
+    waiter.join(120)
+    assert result["status"] == 499, result  # cancelled as soon as it reached the worker
 
 
 def test_cli_and_http_editing_at_once_lose_no_key(keys_gateway):
