@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+import time
 from urllib.parse import urlsplit
 
 import psutil
@@ -167,8 +168,10 @@ def test_console_shows_models_unloads_one_and_streams_a_playground_reply(console
     reply = driver.find_element(By.CSS_SELECTOR, ".bubble.assistant .bubble-text").text
     assert reply == "Hello from the console playground"  # the echo engine repeats the message
     driver.save_screenshot(str(tmp_path / "console-playground.png"))
-    print(f"\nconsole screenshots: {tmp_path / 'console-overview.png'}, {tmp_path / 'console-keys.png'}, "
-          f"{tmp_path / 'console-playground.png'}")
+    print(
+        f"\nconsole screenshots: {tmp_path / 'console-overview.png'}, {tmp_path / 'console-keys.png'}, "
+        f"{tmp_path / 'console-playground.png'}"
+    )
 
     urls = requested_urls(driver, gw.url)
     origin = urlsplit(gw.url)
@@ -231,3 +234,46 @@ def test_console_files_are_public_but_fixed_and_same_origin_only(console_gateway
     # Everything the page shows comes from admin routes, which need a key.
     assert http(f"{console_gateway.url}/v1/status/requests")[0] == 401
     assert http(f"{console_gateway.url}/v1/status/requests", headers={"Authorization": f"Bearer {USER}"})[0] == 403
+
+
+def test_console_keeps_updating_while_the_gateway_is_under_load(console_gateway, browser):
+    import asyncio
+    import threading
+
+    from mlxgw.bench.loadgen import run_level, varied_prompts
+    from selenium.webdriver.common.by import By
+
+    gw = console_gateway
+    driver = browser
+    sign_in(driver, gw)
+    outcome = {"failed": 0, "done": 0}
+    stop = threading.Event()
+
+    def load() -> None:  # 32 clients, batch after batch, until the check is over
+        while not stop.is_set():
+            prompts = varied_prompts(256, 20, seed=outcome["done"])
+            results, _ = asyncio.run(
+                run_level(f"{gw.url}/v1", "echo", prompts, 32, max_tokens=16, temperature=0.0, api_key=ADMIN)
+            )
+            outcome["failed"] += sum(1 for r in results if not r.ok)
+            outcome["done"] += len(results)
+
+    loader = threading.Thread(target=load)
+    loader.start()
+    try:
+        seen = set()
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and len(seen) < 4:
+            # Read in one script: the table is redrawn every poll, so element handles go stale.
+            first = driver.execute_script(
+                "const r = document.querySelector('#recent-table tbody tr'); return r ? r.textContent : '';"
+            )
+            if first:
+                seen.add(first)
+            time.sleep(0.5)
+        assert len(seen) >= 4, "the recent-requests table stopped updating under load"
+        assert "unreachable" not in driver.find_element(By.ID, "conn-text").text
+    finally:
+        stop.set()
+        loader.join(300)
+    assert outcome["done"] >= 256 and outcome["failed"] == 0
