@@ -191,11 +191,16 @@ class Ledger:
             return
         from .usage import budget_seed
 
-        conn = connect(self.path)
         try:
-            self.budgets.seed(*budget_seed(conn))
-        finally:
-            conn.close()
+            conn = connect(self.path)
+            try:
+                self.budgets.seed(*budget_seed(conn))
+            finally:
+                conn.close()
+        except sqlite3.Error as e:
+            raise RuntimeError(
+                f"usage ledger {self.path}: {e} (move the file away, or set usage_ledger: false in models.yaml)"
+            ) from e
         self._writer = _Writer(self.path, self.retention_days)
         self._writer.start()
 
