@@ -269,7 +269,10 @@ function drawSpark(holder, points) {
     holder.title = "no samples yet";
     return;
   }
-  const now = Date.now() / 1000, span = state.throughput.window_s || 3600;
+  // The x axis spans the history there is, up to the hour the gateway keeps: a gateway that
+  // started a minute ago gets a readable line, not a sliver at the right edge.
+  const now = Date.now() / 1000;
+  const span = Math.min(state.throughput.window_s || 3600, Math.max(60, now - points[0][0]));
   const max = Math.max(1, ...points.map((p) => p[1]));
   const xy = points.map(([t, v]) => [
     Math.max(0, W - ((now - t) / span) * W).toFixed(1),
@@ -278,7 +281,7 @@ function drawSpark(holder, points) {
   const d = "M" + xy.map(([x, y]) => `${x} ${y}`).join(" L");
   line.setAttribute("d", d);
   area.setAttribute("d", `${d} L${xy[xy.length - 1][0]} ${H} L${xy[0][0]} ${H} Z`);
-  holder.title = `peak ${fmtRate(max)} tokens/s in the last hour`;
+  holder.title = `peak ${fmtRate(max)} tokens/s over the last ${Math.round(span / 60)} min`;
 }
 
 async function refreshThroughput() {

@@ -37,7 +37,9 @@ function renderUsage(today, week) {
 
 function renderModelUsage(rows) {
   fillRows($("model-usage-table"), $("model-usage-empty"), rows, (r) => [
-    el("td", { class: "strong", text: r.model }),
+    r.model === "-"
+      ? el("td", { class: "muted", text: "(refused before routing)" })
+      : el("td", { class: "strong", text: r.model }),
     el("td", { class: "num", text: fmtNum(r.requests) }),
     el("td", { class: "num", text: fmtNum(r.prompt_tokens) }),
     el("td", { class: "num", text: fmtNum(r.completion_tokens) }),
