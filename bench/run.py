@@ -12,6 +12,7 @@ from pathlib import Path
 import aiohttp
 
 from .loadgen import one_request, run_level, shared_prefix_prompts, varied_prompts
+from .progress import LevelProgress
 from .report import markdown, percentile, summarize
 
 
@@ -57,6 +58,7 @@ async def sweep(targets: list[Target], cfg: BenchConfig, log=print) -> list[dict
             else varied_prompts(n, cfg.prompt_words, cfg.seed + 1000 * level, cfg.prompt_words_max)
         )
         for t in targets:  # alternate servers within each level
+            progress = LevelProgress(f"level {level + 1}/{len(cfg.concurrency)} {t.label} c={c}", n)
             results, wall = await run_level(
                 t.url,
                 t.model,
@@ -66,7 +68,9 @@ async def sweep(targets: list[Target], cfg: BenchConfig, log=print) -> list[dict
                 temperature=cfg.temperature,
                 stream=cfg.stream,
                 api_key=t.api_key,
+                on_result=progress.update,
             )
+            progress.close()
             row = {"server": t.label, "concurrency": c, **summarize(results, wall)}
             rows.append(row)
             log(

@@ -9,11 +9,13 @@ from collections import OrderedDict
 from pathlib import Path
 
 from aiohttp import web
+from mlxgw.shared import paths
 from mlxgw.shared.config import Registry
 from mlxgw.shared.errors import ErrorCode, ServiceError
 
 from . import observe
 from .api import (
+    admin,
     anthropic,
     openai_chat,
     openai_completions,
@@ -27,12 +29,15 @@ from .api.body import body_too_large
 from .api.errors import error_response, family_of
 from .auth import auth_middleware
 from .broker import Broker
+from .console import routes as console_routes
 from .keys import KeyStore
+from .ledger import LEDGER, Ledger, ledger_lifecycle, usage_middleware
 from .limits import RateLimiter
 from .manager import ModelManager
 from .metrics import Metrics
 from .observe import ACTIVE, add_response_headers, capacity_middleware, cors_middleware, observe_middleware
 from .state import BROKER, KEYS, LIMITER, MANAGER, METRICS, SETTINGS, GatewaySettings
+from .throughput import THROUGHPUT, Throughput, throughput_lifecycle
 
 log = logging.getLogger("mlxgw.gateway")
 
@@ -95,6 +100,7 @@ def make_app(
             error_middleware,
             capacity_middleware,
             auth_middleware,
+            usage_middleware,
         ],
         client_max_size=settings.max_body_bytes,
     )
@@ -110,6 +116,8 @@ def make_app(
     app[LIMITER] = RateLimiter()
     app[METRICS] = Metrics(manager)
     app[ACTIVE] = {"n": 0}
+    app[LEDGER] = Ledger(paths.home() / "usage.db" if m.usage_ledger else None, m.usage_retention_days)
+    app[THROUGHPUT] = Throughput()
     app.on_response_prepare.append(add_response_headers)
     if app[KEYS] is not None:
         app[KEYS].refresh()
@@ -121,8 +129,12 @@ def make_app(
         await manager.close()
         await broker.close()
 
+    app.cleanup_ctx.append(ledger_lifecycle)  # before the workers' lifecycle: it closes after them
     app.cleanup_ctx.append(lifecycle)
+    app.cleanup_ctx.append(throughput_lifecycle)
     app[responses_output.STORE] = OrderedDict()
     for module in (openai_chat, openai_completions, openai_embeddings, rerank, anthropic, responses, system, observe):
         app.add_routes(module.routes)
+    app.add_routes(admin.routes)
+    app.add_routes(console_routes)
     return app

@@ -17,7 +17,7 @@ from .state import KEYS, LIMITER, MANAGER
 PUBLIC_PATHS = {"/health"}
 # Control routes need a key but do not count against its rate and concurrency limits: a key
 # at its concurrency cap must still be able to cancel its own request.
-UNMETERED_PREFIXES = ("/v1/requests/", "/v1/cache", "/v1/status", "/v1/models")
+UNMETERED_PREFIXES = ("/v1/requests/", "/v1/cache", "/v1/status", "/v1/models", "/v1/keys", "/v1/usage")
 
 
 def presented_key(request: web.Request) -> str | None:
@@ -31,6 +31,8 @@ def presented_key(request: web.Request) -> str | None:
 async def auth_middleware(request: web.Request, handler):
     store: KeyStore | None = request.app[KEYS]
     if store is None or request.path in PUBLIC_PATHS or request.path == "/metrics" or request.method == "OPTIONS":
+        return await handler(request)
+    if request.method == "GET" and (request.path == "/ui" or request.path.startswith("/ui/")):  # the console's files
         return await handler(request)
     given = presented_key(request)
     if not given:

@@ -1,8 +1,7 @@
-"""`mlxgw keys ...` and `mlxgw service ...`."""
+"""`mlxgw keys ...`, `mlxgw usage` and `mlxgw service ...`."""
 
 from __future__ import annotations
 
-import datetime as dt
 import sys
 from pathlib import Path
 
@@ -24,45 +23,30 @@ def _keys_path(path: Path | None) -> Path:
 @click.argument("name")
 @click.option("--rpm", type=int, default=None, help="requests per minute (per window)")
 @click.option("--tpm", type=int, default=None, help="tokens per minute (prompt + completion)")
+@click.option("--tpd", type=int, default=None, help="token budget per UTC day, counted by the usage ledger")
+@click.option("--tpmo", type=int, default=None, help="token budget per UTC month, counted by the usage ledger")
 @click.option("--max-concurrent", type=int, default=None)
 @click.option("--models", default="", help="comma-separated model names or globs (default: all)")
 @click.option("--expires", default=None, help="ISO time, e.g. 2027-01-01T00:00:00Z")
-@click.option("--admin", is_flag=True, help="may cancel anyone's request and clear prefix caches")
+@click.option("--admin", is_flag=True, help="may manage keys and models, see usage, cancel anyone's request")
 @click.option("--file", "path", type=click.Path(path_type=Path), default=None)
-def create_key(name, rpm, tpm, max_concurrent, models, expires, admin, path) -> None:
-    from mlxgw.gateway.keys import KeysFileError, hash_key, load_file, new_key, save_file
+def create_key(name, rpm, tpm, tpd, tpmo, max_concurrent, models, expires, admin, path) -> None:
+    from mlxgw.gateway.key_admin import KeyEditError, create_key
 
     path = _keys_path(path)
-    try:
-        data = load_file(path)
-    except KeysFileError as e:
-        click.echo(f"error: {e}", err=True)
-        sys.exit(2)
-    if any(k.get("name") == name for k in data.get("keys") or []):
-        click.echo(f"error: a key named {name!r} exists; revoke it first", err=True)
-        sys.exit(2)
-    key = new_key()
-    entry = {
-        "name": name,
-        "sha256": hash_key(key),
-        "created": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-    }
-    for field, value in (("rpm", rpm), ("tpm", tpm), ("max_concurrent", max_concurrent), ("expires", expires)):
-        if value is not None:
-            entry[field] = value
+    limits = {"rpm": rpm, "tpm": tpm, "tpd": tpd, "tpmo": tpmo, "max_concurrent": max_concurrent}
+    changes = {f: v for f, v in limits.items() if v is not None}
     if models:
-        entry["models"] = [m.strip() for m in models.split(",") if m.strip()]
+        changes["models"] = models
+    if expires is not None:
+        changes["expires"] = expires
     if admin:
-        entry["admin"] = True
-    data.setdefault("keys", []).append(entry)
+        changes["admin"] = True
     try:
-        from mlxgw.gateway.keys import parse_keys
-
-        parse_keys(data, str(path))
-    except KeysFileError as e:
+        key, _ = create_key(path, name, changes)
+    except KeyEditError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
-    save_file(path, data)
     click.echo(key)
     click.echo(f"key {name!r} stored as a SHA-256 hash in {path}; this is the only time it is shown", err=True)
 
@@ -74,7 +58,9 @@ def list_keys(path) -> None:
 
     data = load_file(_keys_path(path))
     for k in data.get("keys") or []:
-        limits = ", ".join(f"{f}={k[f]}" for f in ("rpm", "tpm", "max_concurrent") if k.get(f) is not None)
+        limits = ", ".join(
+            f"{f}={k[f]}" for f in ("rpm", "tpm", "tpd", "tpmo", "max_concurrent") if k.get(f) is not None
+        )
         admin = "\tadmin" if k.get("admin") else ""
         click.echo(
             f"{k['name']}\tmodels={','.join(k.get('models') or ['*'])}\t{limits or 'no limits'}\t"
@@ -86,17 +72,42 @@ def list_keys(path) -> None:
 @click.argument("name")
 @click.option("--file", "path", type=click.Path(path_type=Path), default=None)
 def revoke_key(name, path) -> None:
-    from mlxgw.gateway.keys import load_file, save_file
+    from mlxgw.gateway.key_admin import KeyEditError, revoke_key
 
-    path = _keys_path(path)
-    data = load_file(path)
-    before = len(data.get("keys") or [])
-    data["keys"] = [k for k in data.get("keys") or [] if k.get("name") != name]
-    if len(data["keys"]) == before:
-        click.echo(f"error: no key named {name!r}", err=True)
+    try:
+        revoke_key(_keys_path(path), name)
+    except KeyEditError as e:
+        click.echo(f"error: {e}", err=True)
         sys.exit(2)
-    save_file(path, data)
-    click.echo(f"revoked {name!r}; a running gateway picks this up on its next request")
+    click.echo(f"revoked {name!r}; a running gateway refuses it from its next request on")
+
+
+@click.command()
+@click.option("--since", default="7d", show_default=True, help="7d, 24h, 30m, today, month, all or an ISO date")
+@click.option("--by", type=click.Choice(["key", "model", "api", "day"]), default="key", show_default=True)
+@click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]), default="table", show_default=True)
+@click.option("--db", type=click.Path(path_type=Path), default=None, help="default: $MLXGW_HOME/usage.db")
+def usage(since, by, fmt, db) -> None:
+    """Requests and tokens per key, model, API or day, from the usage ledger (SQLite)."""
+    from mlxgw.gateway.ledger import connect
+    from mlxgw.gateway.usage import UsageQueryError, parse_since, render, totals
+    from mlxgw.shared.paths import home
+
+    db = db or home() / "usage.db"
+    if not db.exists():
+        click.echo(f"no usage recorded yet ({db} does not exist)", err=True)
+        sys.exit(1)
+    try:
+        start = parse_since(since)
+        conn = connect(db)
+        try:
+            rows = totals(conn, start, by)
+        finally:
+            conn.close()
+    except UsageQueryError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    click.echo(render(rows, fmt))
 
 
 @click.group()

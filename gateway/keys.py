@@ -7,6 +7,8 @@ keys:
     models: ["smollm2-*"]       # names or globs; default: every model
     rpm: 60                     # requests per window
     tpm: 100000                 # prompt + completion tokens per window
+    tpd: 2000000                # token budget per UTC day, counted by the usage ledger
+    tpmo: 40000000              # token budget per UTC calendar month
     max_concurrent: 4
     expires: "2027-01-01T00:00:00Z"
     created: "2026-11-29T10:00:00Z"
@@ -16,12 +18,16 @@ keys:
 from __future__ import annotations
 
 import datetime as dt
+import fcntl
 import fnmatch
 import hashlib
 import hmac
 import logging
 import os
 import secrets
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,6 +53,8 @@ class ApiKey:
     expires: dt.datetime | None = None
     created: str | None = None
     admin: bool = False
+    tpd: int | None = None  # tokens per UTC day (usage ledger)
+    tpmo: int | None = None  # tokens per UTC month (usage ledger)
 
     def allows(self, *model_names: str) -> bool:
         if not self.models:
@@ -77,7 +85,7 @@ def _parse_time(value, where: str) -> dt.datetime | None:
     return parsed if parsed.tzinfo else parsed.replace(tzinfo=dt.timezone.utc)
 
 
-_FIELDS = {"name", "sha256", "models", "rpm", "tpm", "max_concurrent", "expires", "created", "admin"}
+_FIELDS = {"name", "sha256", "models", "rpm", "tpm", "max_concurrent", "expires", "created", "admin", "tpd", "tpmo"}
 
 
 def parse_keys(data, source: str) -> tuple[list[ApiKey], float]:
@@ -101,7 +109,7 @@ def parse_keys(data, source: str) -> tuple[list[ApiKey], float]:
         if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
             raise KeysFileError(f"{where} ({name}): 'sha256' must be 64 hex digits")
         limits = {}
-        for f in ("rpm", "tpm", "max_concurrent"):
+        for f in ("rpm", "tpm", "max_concurrent", "tpd", "tpmo"):
             value = raw.get(f)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
                 raise KeysFileError(f"{where} ({name}): '{f}' must be a non-negative integer")
@@ -133,16 +141,19 @@ class KeyStore:
     path: Path
     keys: list[ApiKey] = field(default_factory=list)
     window_s: float = 60.0
-    _mtime: float | None = None
+    _mtime: tuple | None = None
 
-    def refresh(self) -> None:
+    def refresh(self, force: bool = False) -> None:
         try:
-            mtime = os.stat(self.path).st_mtime
+            st = os.stat(self.path)
+            # Nanosecond mtime, size and inode: two writes within one coarse mtime tick (an
+            # atomic rename gives a new inode) still count as a change.
+            mtime = (st.st_mtime_ns, st.st_size, st.st_ino)
         except OSError:
             if self._mtime is not None:
                 log.warning("keys file %s disappeared; keeping the keys loaded before", self.path)
             return
-        if mtime == self._mtime:
+        if mtime == self._mtime and not force:
             return
         try:
             self.keys, self.window_s = parse_keys(yaml.safe_load(self.path.read_text()), str(self.path))
@@ -172,8 +183,31 @@ def load_file(path: Path) -> dict:
 
 
 def save_file(path: Path, data: dict) -> None:
+    """Atomic: a reader sees the old file or the new one, never half of one. The temporary
+    file's name is unique, so two writers never share it."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(yaml.safe_dump(data, sort_keys=False))
-    tmp.chmod(0o600)
-    tmp.replace(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.fchmod(fd, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(yaml.safe_dump(data, sort_keys=False))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+@contextmanager
+def locked_file(path: Path) -> Iterator[dict]:
+    """Read, edit and write the keys file under an exclusive lock on a side file, so that
+    `mlxgw keys` and the gateway's /v1/keys never lose each other's edits. The caller edits
+    the yielded mapping; it is written only when the block ends without an exception."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        data = load_file(path)
+        yield data
+        parse_keys(data, str(path))  # never write a file the gateway would reject
+        save_file(path, data)

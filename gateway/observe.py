@@ -12,6 +12,7 @@ from aiohttp import web
 from mlxgw.shared.errors import ErrorCode, ServiceError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from .ledger import record_request
 from .state import METRICS, SETTINGS
 
 access_log = logging.getLogger("mlxgw.access")
@@ -47,6 +48,7 @@ async def observe_middleware(request: web.Request, handler):
         route = _route(request)
         request.app[METRICS].observe(route, model, key, status, duration, gen)
         _log(request, route, status, key, model, duration, gen)
+        record_request(request, status, duration)
 
 
 def _log(request: web.Request, route: str, status: int, key: str, model: str, duration: float, gen) -> None:

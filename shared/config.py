@@ -91,6 +91,8 @@ class ManagerConfig:
     load_timeout_seconds: float = 300
     request_timeout_seconds: float = 300
     max_body_bytes: int = 10 * 1024 * 1024
+    usage_ledger: bool = True  # record every API request in $MLXGW_HOME/usage.db (gateway/ledger.py)
+    usage_retention_days: float = 90  # ledger rows older than this are deleted; 0: keep forever
 
 
 @dataclass

@@ -54,3 +54,31 @@ def test_bench_runs_against_the_null_engine_and_writes_reports(tiny_gateway, tmp
         assert row["ttft_p50_s"] is not None and row["output_tok_s"] > 0
     assert len(report["ratios"]) == 2
     assert "| server |" in out.with_suffix(".md").read_text()
+
+
+def test_bench_level_progress_is_plain_lines_off_a_terminal_and_one_redrawn_line_on_one():
+    import io
+
+    from mlxgw.bench.loadgen import RequestResult
+    from mlxgw.bench.progress import LevelProgress
+
+    plain = io.StringIO()
+    progress = LevelProgress("level 1/2 mlxgw c=4", 8, plain)
+    for i in range(8):
+        progress.update(RequestResult(ok=i != 3, status=200, tokens=16))
+    progress.close()
+    lines = plain.getvalue().splitlines()
+    assert lines[0] == "level 1/2 mlxgw c=4: 8 requests"
+    assert [line.split(": ")[1].split(",")[0] for line in lines[1:]] == ["2/8 done", "4/8 done", "6/8 done", "8/8 done"]
+    assert "1 failed" in lines[-1]
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    tty = Terminal()
+    progress = LevelProgress("level 2/2 mlxgw c=8", 3, tty)
+    for _ in range(3):
+        progress.update(RequestResult(ok=True, status=200, tokens=5))
+    progress.close()
+    assert "\n" not in tty.getvalue() and "3/3 done" in tty.getvalue() and "[####" in tty.getvalue()
