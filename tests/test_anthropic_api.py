@@ -7,7 +7,7 @@ from pathlib import Path
 
 import anthropic
 import pytest
-from conftest import http, start_long_stream
+from helpers import http, openai_client, start_long_stream
 
 FIXTURES = Path(__file__).parent / "fixtures"
 MSGS = [{"role": "user", "content": "Tell me about the sea."}]
@@ -60,6 +60,33 @@ def test_stop_sequences_report_stop_sequence(tiny_gateway):
     assert msg.content[0].text == text[: text.index(stop)]
 
 
+@pytest.mark.parametrize(
+    "name,fields",
+    [
+        ("seed", {"temperature": 1, "seed": 7}),
+        ("top_k", {"temperature": 1, "top_k": 3, "seed": 7}),
+        ("top_p", {"temperature": 1, "top_p": 0.5, "seed": 7}),
+        ("min_p", {"temperature": 1, "min_p": 0.2, "seed": 7}),
+        ("presence_penalty", {"temperature": 0, "presence_penalty": 2.0}),
+        ("frequency_penalty", {"temperature": 0, "frequency_penalty": 2.0}),
+        ("repetition_penalty", {"temperature": 0, "repetition_penalty": 5.0}),
+        ("logit_bias", {"temperature": 0, "logit_bias": {"28": 100}}),
+    ],
+)
+def test_every_sampling_field_reaches_the_worker_as_from_openai_chat(tiny_gateway, name, fields):
+    """Anthropic requests take the same sampling fields (mlxgw extensions included) as the
+    OpenAI APIs: the same values give the same tokens, and the field changes the output."""
+    c = client(tiny_gateway)
+    msg = c.messages.create(model="tiny", max_tokens=12, messages=MSGS, extra_body=fields)
+    chat = openai_client(tiny_gateway).chat.completions.create(
+        model="tiny", max_tokens=12, messages=MSGS, extra_body=fields
+    )
+    assert msg.content[0].text == chat.choices[0].message.content
+    baseline = {**fields, "seed": 8} if name == "seed" else {k: v for k, v in fields.items() if k != name}
+    without = c.messages.create(model="tiny", max_tokens=12, messages=MSGS, extra_body=baseline)
+    assert msg.content[0].text != without.content[0].text
+
+
 def test_count_tokens_matches_the_real_input_tokens(tiny_gateway):
     c = client(tiny_gateway)
     counted = c.messages.count_tokens(model="tiny", system="Be brief.", messages=MSGS)
@@ -93,7 +120,7 @@ def test_claude_code_request_shape_is_accepted(tiny_gateway):
         ({"model": "tiny", "messages": MSGS, "max_tokens": -1}, 400, "invalid_request_error", "max_tokens"),
         ({"model": "tiny", "max_tokens": 5}, 400, "invalid_request_error", "messages"),
         (
-            {"model": "tiny", "max_tokens": 5, "messages": [{"role": "system", "content": "x"}]},
+            {"model": "tiny", "max_tokens": 5, "messages": [{"role": "robot", "content": "x"}]},
             400,
             "invalid_request_error",
             "role",

@@ -7,7 +7,7 @@ import asyncio
 
 import openai
 import pytest
-from conftest import async_openai_client, http, openai_client
+from helpers import async_openai_client, http, openai_client
 
 MSGS = [{"role": "user", "content": "Tell me a story about a dragon."}]
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from conftest import http, openai_client
+from helpers import http, openai_client
 
 FIXTURES = Path(__file__).parent / "fixtures"
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'

@@ -14,7 +14,7 @@ import io
 import time
 
 import pytest
-from conftest import async_openai_client, http, openai_client, start_gateway
+from helpers import async_openai_client, http, openai_client, start_gateway
 
 pytest.importorskip("mlx_vlm", reason="vision tests need the vision extra (pip install -e '.[test,vision]')")
 

@@ -1,12 +1,23 @@
-"""Field checks for request bodies: each failure is a 400 naming the field."""
+"""Field checks for request bodies: each failure is a 400 naming the field.
+
+Every number is range-checked here, at the boundary, before anything reaches a worker:
+sampling values end up in native kernels, where an out-of-range value is a crash, not a
+clear error. Non-finite numbers (NaN, Infinity) are refused wherever a number is read."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from mlxgw.shared.errors import invalid
 
 _MISSING = object()
+
+INT32_MAX = 2**31 - 1
+SEED_MAX = 2**63 - 1  # seeds are 0..2^63-1 (what every sampler's generator takes)
+MAX_STOP = 16  # stop sequences per request
+MAX_STOP_CHARS = 1000  # characters per stop sequence
+MAX_LOGIT_BIAS = 1024  # entries in logit_bias
 
 
 def require_object(body: Any) -> dict:
@@ -31,44 +42,52 @@ def string(body: dict, name: str, *, required_: bool = False, default: str | Non
     return value
 
 
-def number(
-    body: dict, name: str, lo: float | None = None, hi: float | None = None, default: float | None = None
-) -> float | None:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise invalid(f"'{name}' must be a number, got {type(value).__name__}", name)
-    if (lo is not None and value < lo) or (hi is not None and value > hi):
-        raise invalid(f"'{name}' must be between {lo} and {hi}, got {value}", name)
-    return float(value)
-
-
-def integer(
-    body: dict, name: str, lo: int | None = None, hi: int | None = None, default: int | None = None
-) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise invalid(f"'{name}' must be an integer, got {type(value).__name__}", name)
+def _in_range(name: str, value: float, lo: float | None, hi: float | None) -> None:
+    if isinstance(value, float) and not math.isfinite(value):
+        raise invalid(f"'{name}' must be a finite number, got {value}", name)
     if lo is not None and value < lo:
         raise invalid(f"'{name}' must be at least {lo}, got {value}", name)
     if hi is not None and value > hi:
         raise invalid(f"'{name}' must be at most {hi}, got {value}", name)
+
+
+def _numeric(body: dict, name: str, types: tuple, what: str, lo, hi):
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, types):
+        raise invalid(f"'{name}' must be {what}, got {type(value).__name__}", name)
+    _in_range(name, value, lo, hi)
+    return value
+
+
+def number(
+    body: dict, name: str, lo: float | None = None, hi: float | None = None, default: float | None = None
+) -> float | None:
+    value = _numeric(body, name, (int, float), "a number", lo, hi)
+    return default if value is None else float(value)
+
+
+def integer(
+    body: dict, name: str, lo: int | None = None, hi: int | None = INT32_MAX, default: int | None = None
+) -> int | None:
+    value = _numeric(body, name, (int,), "an integer", lo, hi)
+    return default if value is None else value
+
+
+def _of_type(body: dict, name: str, tp: type, what: str):
+    value = body.get(name)
+    if value is not None and not isinstance(value, tp):
+        raise invalid(f"'{name}' must be {what}, got {type(value).__name__}", name)
     return value
 
 
 def boolean(body: dict, name: str, default: bool = False) -> bool:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise invalid(f"'{name}' must be true or false, got {type(value).__name__}", name)
-    return value
+    value = _of_type(body, name, bool, "true or false")
+    return default if value is None else value
 
 
-def string_list(body: dict, name: str, max_items: int = 16) -> list[str]:
+def string_list(body: dict, name: str, max_items: int = MAX_STOP, max_chars: int = MAX_STOP_CHARS) -> list[str]:
     value = body.get(name)
     if value is None:
         return []
@@ -78,13 +97,31 @@ def string_list(body: dict, name: str, max_items: int = 16) -> list[str]:
         raise invalid(f"'{name}' must be a string or a list of strings", name)
     if len(value) > max_items:
         raise invalid(f"'{name}' takes at most {max_items} entries, got {len(value)}", name)
+    for i, s in enumerate(value):
+        if not s or len(s) > max_chars:
+            raise invalid(f"'{name}[{i}]' must be 1 to {max_chars} characters long", name)
     return value
 
 
 def mapping(body: dict, name: str) -> dict | None:
-    value = body.get(name)
-    if value is None:
+    return _of_type(body, name, dict, "an object")
+
+
+def logit_bias(body: dict, name: str = "logit_bias") -> dict[int, float] | None:
+    """Token id (a decimal string in JSON) -> bias in [-100, 100]. The worker also checks the
+    ids against the model's vocabulary, which the gateway does not know."""
+    bias = mapping(body, name)
+    if not bias:
         return None
-    if not isinstance(value, dict):
-        raise invalid(f"'{name}' must be an object", name)
-    return value
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise invalid(f"'{name}' takes at most {MAX_LOGIT_BIAS} entries, got {len(bias)}", name)
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        token = key.strip() if isinstance(key, str) else ""
+        if not token.isdigit() or int(token) > INT32_MAX:
+            raise invalid(f"'{name}' keys must be token ids from 0 to {INT32_MAX}, got {key!r}", name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise invalid(f"'{name}' values must be numbers, got {type(value).__name__}", name)
+        _in_range(name, value, -100, 100)
+        out[int(token)] = float(value)
+    return out
