@@ -154,3 +154,45 @@ def test_openai_sdk_raises_not_found_for_unknown_model(tiny_gateway):
     with pytest.raises(openai.NotFoundError) as info:
         client.chat.completions.create(model="no-such-model", messages=MSGS)
     assert info.value.body["code"] == "model_not_found"
+
+
+# -- status codes stay true while a model loads (issue 14) --------------------------------------
+
+
+def test_a_cold_model_refuses_a_too_long_prompt_with_a_400_not_200_and_an_error_event(tiny_gateway):
+    assert tiny_gateway.model_status("tiny-cold")["state"] != "ready"
+    with pytest.raises(openai.BadRequestError, match="context"):
+        stream = openai_client(tiny_gateway).chat.completions.create(
+            model="tiny-cold", messages=[{"role": "user", "content": "word " * 200}], max_tokens=5, stream=True
+        )
+        list(stream)
+
+
+async def test_load_keepalives_start_only_once_a_load_ran_for_20_s():
+    """Keep-alives commit status 200; before 20 s of loading none is sent, so a refusal found
+    after a short load is still a plain 4xx."""
+    from mlxgw.gateway.generation import LOAD_KEEPALIVE_AFTER_S, Generation
+    from mlxgw.shared.errors import ErrorCode, ServiceError
+    from mlxgw.shared.protocol import GenerateRequest
+
+    class LoadingManager:  # acquire ticks once, as the manager does while a load runs
+        broker = None
+
+        async def acquire(self, slot, on_wait, tick_s):
+            await on_wait()
+            raise ServiceError(ErrorCode.MODEL_UNAVAILABLE, "the test stops here")
+
+    ticks = []
+
+    async def keepalive():
+        ticks.append(1)
+
+    gen = Generation(LoadingManager(), None, GenerateRequest(rid="r"))
+    gen.on_wait = keepalive
+    with pytest.raises(ServiceError):
+        await gen.__aenter__()
+    assert ticks == []
+    gen.started -= LOAD_KEEPALIVE_AFTER_S
+    with pytest.raises(ServiceError):
+        await gen.__aenter__()
+    assert ticks == [1]

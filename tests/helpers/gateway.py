@@ -115,6 +115,8 @@ TINY_CONFIG = {
         {"name": "tiny-serial", "source": "tiny", "max_num_seqs": 1, "max_queue": 8},
         {"name": "tiny-smallcache", "source": "tiny", "cache_memory_mb": 1},
         {"name": "tiny-short", "source": "tiny", "context_length": 64, "max_tokens_policy": "reject"},
+        # Loaded only by the test of refusals from a cold model (a lazy load first).
+        {"name": "tiny-cold", "source": "tiny", "context_length": 64},
         {"name": "tiny-tools", "source": "tiny", "tool_parser": "hermes"},
         {"name": "tiny-think", "reasoning_parser": "think"},
         {"name": "echo", "engine": "echo", "tool_parser": "hermes", "reasoning_parser": "think"},
