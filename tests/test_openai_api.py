@@ -196,3 +196,36 @@ async def test_load_keepalives_start_only_once_a_load_ran_for_20_s():
     with pytest.raises(ServiceError):
         await gen.__aenter__()
     assert ticks == [1]
+
+
+# -- defaults and discovery for simple clients (issue 14) ---------------------------------------
+
+
+def test_requests_without_max_tokens_get_the_model_default_else_4096(tiny_gateway):
+    client = openai_client(tiny_gateway)
+    messages = [{"role": "user", "content": "Go on forever."}]
+    bounded = client.chat.completions.create(model="null", messages=messages)
+    assert bounded.usage.completion_tokens == 4096 and bounded.choices[0].finish_reason == "length"
+    per_model = client.chat.completions.create(model="null-default", messages=messages)
+    assert per_model.usage.completion_tokens == 7
+
+
+def test_models_retrieve_works_in_both_sdks(tiny_gateway):
+    import anthropic
+
+    client = openai_client(tiny_gateway)
+    assert client.models.retrieve("tiny").id == "tiny"
+    assert client.models.retrieve("gpt-4o-mini").id == "tiny"  # an alias names its model
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such")
+    claude = anthropic.Anthropic(base_url=tiny_gateway.url, api_key="unused", max_retries=0)
+    model = claude.models.retrieve("claude-sonnet-4-5")
+    assert model.type == "model" and model.id == "tiny"
+    assert "tiny" in [m.id for m in claude.models.list()]
+    with pytest.raises(anthropic.NotFoundError):
+        claude.models.retrieve("no-such")
+
+
+def test_head_root_answers_200(tiny_gateway):
+    status, _, _ = http(tiny_gateway.url + "/", "HEAD")
+    assert status == 200

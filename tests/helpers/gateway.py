@@ -121,6 +121,7 @@ TINY_CONFIG = {
         {"name": "tiny-think", "reasoning_parser": "think"},
         {"name": "echo", "engine": "echo", "tool_parser": "hermes", "reasoning_parser": "think"},
         {"name": "null", "engine": "null", "preload": True, "max_num_seqs": 64, "max_queue": 256},
+        {"name": "null-default", "engine": "null", "defaults": {"max_tokens": 7}},
     ],
 }
 
