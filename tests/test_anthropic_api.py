@@ -162,6 +162,17 @@ def test_bad_requests_get_anthropic_errors(tiny_gateway, body, status, kind, nee
     assert needle in payload["error"]["message"]
 
 
+@pytest.mark.parametrize(
+    "field,value",
+    [("temperature", 1.5), ("top_k", -1), ("seed", -1), ("stop_sequences", [""]), ("presence_penalty", 9)],
+)
+def test_out_of_range_fields_are_anthropic_400s_naming_the_field(tiny_gateway, field, value):
+    body = {"model": "tiny", "max_tokens": 5, "messages": MSGS, field: value}
+    status, _, payload = http(f"{tiny_gateway.url}/v1/messages", "POST", body)
+    assert status == 400 and payload["error"]["type"] == "invalid_request_error"
+    assert field in payload["error"]["message"]
+
+
 def test_sdk_raises_typed_errors(tiny_gateway):
     with pytest.raises(anthropic.NotFoundError):
         client(tiny_gateway).messages.create(model="no-such", max_tokens=5, messages=MSGS)

@@ -229,3 +229,46 @@ def test_models_retrieve_works_in_both_sdks(tiny_gateway):
 def test_head_root_answers_200(tiny_gateway):
     status, _, _ = http(tiny_gateway.url + "/", "HEAD")
     assert status == 200
+
+
+# -- every field range-checked at the boundary (issue 12 item 7) --------------------------------
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("temperature", -0.1),
+        ("top_p", 1.5),
+        ("top_k", -1),
+        ("min_p", 2),
+        ("seed", -1),
+        ("seed", 2**63),
+        ("presence_penalty", 3),
+        ("frequency_penalty", -3),
+        ("repetition_penalty", 0),
+        ("max_tokens", 0),
+        ("max_tokens", 2**31),
+        ("stop", [""]),
+        ("stop", ["x"] * 17),
+        ("logit_bias", {"-5": 1}),
+        ("logit_bias", {"99999999999": 1}),
+        ("logit_bias", {"5": 101}),
+        ("priority", 1000),
+        ("stream", "yes"),
+    ],
+)
+def test_out_of_range_fields_are_400s_naming_the_field(tiny_gateway, field, value):
+    body = {"model": "tiny", "messages": MSGS, field: value}
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        if path == "/v1/completions":
+            body = {"model": "tiny", "prompt": "x", field: value}
+        status, _, payload = http(tiny_gateway.url + path, "POST", body)
+        assert status == 400, payload
+        assert payload["error"]["param"] == field and field in payload["error"]["message"]
+
+
+@pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity"])
+def test_non_finite_numbers_are_400s(tiny_gateway, literal):
+    raw = f'{{"model": "tiny", "messages": [{{"role": "user", "content": "x"}}], "temperature": {literal}}}'
+    status, _, payload = http(tiny_gateway.url + "/v1/chat/completions", "POST", raw=raw.encode())
+    assert status == 400 and payload["error"]["type"] == "invalid_request_error"

@@ -21,6 +21,7 @@ from . import validate as v
 from .anthropic_errors import anthropic_error_body
 from .anthropic_input import convert_messages, read_documents
 from .content import ContentPolicy
+from .fields import AnthropicFields
 from .stream import Emitter
 
 routes = web.RouteTableDef()
@@ -78,7 +79,7 @@ def parse(body: dict, policy: ContentPolicy) -> t.ParsedRequest:
         raise invalid("max_tokens: Field required", "max_tokens")
     tools = None if _choice_disables_tools(body) else _tools(body)
     template_kwargs, budget = _thinking(body)
-    common = t.parse_common(body, max_tokens=("max_tokens",), stop="stop_sequences", temperature_max=1.0)
+    common = t.parse_common(body, AnthropicFields)
     if budget is not None:
         common["reasoning_budget"] = budget
     return t.ParsedRequest(

@@ -11,6 +11,7 @@ from ..generation import Generation, Outcome
 from . import openai_common as oc
 from . import translate as t
 from . import validate as v
+from .fields import ChatFields
 from .images import ImageLimits, from_openai_part, join_content
 
 routes = web.RouteTableDef()
@@ -131,7 +132,7 @@ def parse(body: dict, images: ImageLimits | None) -> t.ParsedRequest:
         tools=tools,
         constraint=constraint,
         chat_template_kwargs=v.mapping(body, "chat_template_kwargs"),
-        **t.parse_common(body, max_tokens=("max_completion_tokens", "max_tokens"), stop="stop"),
+        **t.parse_common(body, ChatFields),
     )
 
 

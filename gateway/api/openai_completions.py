@@ -9,6 +9,7 @@ from ..generation import Generation, Outcome
 from . import openai_common as oc
 from . import translate as t
 from . import validate as v
+from .fields import CompletionFields
 
 routes = web.RouteTableDef()
 
@@ -44,7 +45,7 @@ def parse(body: dict) -> tuple[t.ParsedRequest, str]:
         prompt=text,
         prompt_tokens=tokens,
         api_max_tokens=DEFAULT_MAX_TOKENS,
-        **t.parse_common(body, max_tokens=("max_tokens",), stop="stop"),
+        **t.parse_common(body, CompletionFields),
     )
     return parsed, text if echo else ""
 

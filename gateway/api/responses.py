@@ -18,6 +18,7 @@ from mlxgw.shared.errors import invalid
 from . import translate as t
 from . import validate as v
 from .content import ContentPolicy, b64decode, data_url, read_pdfs, text_file, titled
+from .fields import ResponsesFields
 from .images import from_openai_part, join_content
 from .openai_chat import output_format_constraint, template_arguments, tool_choice_constraint
 from .responses_output import NAMESPACE_SEP, STORE, ResponseEvents, render
@@ -170,7 +171,7 @@ def parse(body: dict, history: list[dict], policy: ContentPolicy) -> t.ParsedReq
         tools=tools,
         constraint=_constraint(body, tools),
         omitted=policy.omitted,
-        **t.parse_common(body, max_tokens=("max_output_tokens",), stop="stop"),
+        **t.parse_common(body, ResponsesFields),
     )
 
 

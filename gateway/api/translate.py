@@ -21,6 +21,7 @@ from ..generation import Generation, Outcome
 from ..state import MANAGER, SETTINGS
 from . import validate as v
 from .body import read_json
+from .fields import CommonFields, decode_fields, logit_bias
 from .images import ImageLimits, collect_images
 from .stream import EmitterFactory, run_stream
 
@@ -45,21 +46,6 @@ class Sampling:
     logit_bias: dict[int, float] | None = None
 
 
-def parse_sampling(body: dict, temperature_max: float = 2.0) -> Sampling:
-    """The sampling fields, by their OpenAI names (the other APIs take them as extensions)."""
-    return Sampling(
-        temperature=v.number(body, "temperature", 0, temperature_max),
-        top_p=v.number(body, "top_p", 0, 1),
-        top_k=v.integer(body, "top_k", 0),
-        min_p=v.number(body, "min_p", 0, 1),
-        seed=v.integer(body, "seed", 0, v.SEED_MAX),
-        repetition_penalty=v.number(body, "repetition_penalty", 0.01, 10),
-        presence_penalty=v.number(body, "presence_penalty", -2, 2),
-        frequency_penalty=v.number(body, "frequency_penalty", -2, 2),
-        logit_bias=v.logit_bias(body),
-    )
-
-
 @dataclass
 class ParsedRequest:
     """One API request, parsed and range-checked, before the model's defaults apply."""
@@ -82,22 +68,29 @@ class ParsedRequest:
     omitted: list[str] = field(default_factory=list)
 
 
-def parse_common(body: dict, *, max_tokens: tuple[str, ...], stop: str, temperature_max: float = 2.0) -> dict:
+def parse_common(body: dict, kind: type[CommonFields]) -> dict:
     """The ParsedRequest fields every generating API reads the same way (mlxgw extensions
-    included: seed, min_p, penalties, logit_bias, priority, stream_interval)."""
-    requested = None
-    for name in max_tokens:
-        requested = v.integer(body, name, lo=1)
-        if requested is not None:
-            break
+    included: seed, min_p, penalties, logit_bias, priority, stream_interval), decoded once."""
+    f = decode_fields(body, kind)
+    sampling = Sampling(
+        temperature=f.temperature,
+        top_p=f.top_p,
+        top_k=f.top_k,
+        min_p=f.min_p,
+        seed=f.seed,
+        repetition_penalty=f.repetition_penalty,
+        presence_penalty=f.presence_penalty,
+        frequency_penalty=f.frequency_penalty,
+        logit_bias=logit_bias(f),
+    )
     return dict(
-        sampling=parse_sampling(body, temperature_max),
-        stream=v.boolean(body, "stream"),
-        max_tokens=requested,
-        stop=v.string_list(body, stop),
-        priority=v.integer(body, "priority", lo=-100, hi=100, default=0),
-        stream_interval=v.integer(body, "stream_interval", lo=1, hi=1024),
-        reasoning_budget=v.integer(body, "reasoning_budget", lo=0),
+        sampling=sampling,
+        stream=bool(f.stream),
+        max_tokens=f.requested_max_tokens(),
+        stop=f.stop_list(),
+        priority=f.priority or 0,
+        stream_interval=f.stream_interval,
+        reasoning_budget=f.reasoning_budget,
     )
 
 

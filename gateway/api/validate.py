@@ -1,8 +1,6 @@
-"""Field checks for request bodies: each failure is a 400 naming the field.
-
-Every number is range-checked here, at the boundary, before anything reaches a worker:
-sampling values end up in native kernels, where an out-of-range value is a crash, not a
-clear error. Non-finite numbers (NaN, Infinity) are refused wherever a number is read."""
+"""Field checks for the request fields that fields.py does not declare (embeddings,
+rerank, nested objects): each failure is a 400 naming the field. Non-finite numbers (NaN,
+Infinity) are refused wherever a number is read."""
 
 from __future__ import annotations
 
@@ -14,10 +12,6 @@ from mlxgw.shared.errors import invalid
 _MISSING = object()
 
 INT32_MAX = 2**31 - 1
-SEED_MAX = 2**63 - 1  # seeds are 0..2^63-1 (what every sampler's generator takes)
-MAX_STOP = 16  # stop sequences per request
-MAX_STOP_CHARS = 1000  # characters per stop sequence
-MAX_LOGIT_BIAS = 1024  # entries in logit_bias
 
 
 def require_object(body: Any) -> dict:
@@ -87,41 +81,5 @@ def boolean(body: dict, name: str, default: bool = False) -> bool:
     return default if value is None else value
 
 
-def string_list(body: dict, name: str, max_items: int = MAX_STOP, max_chars: int = MAX_STOP_CHARS) -> list[str]:
-    value = body.get(name)
-    if value is None:
-        return []
-    if isinstance(value, str):
-        value = [value]
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise invalid(f"'{name}' must be a string or a list of strings", name)
-    if len(value) > max_items:
-        raise invalid(f"'{name}' takes at most {max_items} entries, got {len(value)}", name)
-    for i, s in enumerate(value):
-        if not s or len(s) > max_chars:
-            raise invalid(f"'{name}[{i}]' must be 1 to {max_chars} characters long", name)
-    return value
-
-
 def mapping(body: dict, name: str) -> dict | None:
     return _of_type(body, name, dict, "an object")
-
-
-def logit_bias(body: dict, name: str = "logit_bias") -> dict[int, float] | None:
-    """Token id (a decimal string in JSON) -> bias in [-100, 100]. The worker also checks the
-    ids against the model's vocabulary, which the gateway does not know."""
-    bias = mapping(body, name)
-    if not bias:
-        return None
-    if len(bias) > MAX_LOGIT_BIAS:
-        raise invalid(f"'{name}' takes at most {MAX_LOGIT_BIAS} entries, got {len(bias)}", name)
-    out: dict[int, float] = {}
-    for key, value in bias.items():
-        token = key.strip() if isinstance(key, str) else ""
-        if not token.isdigit() or int(token) > INT32_MAX:
-            raise invalid(f"'{name}' keys must be token ids from 0 to {INT32_MAX}, got {key!r}", name)
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise invalid(f"'{name}' values must be numbers, got {type(value).__name__}", name)
-        _in_range(name, value, -100, 100)
-        out[int(token)] = float(value)
-    return out
