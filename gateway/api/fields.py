@@ -9,7 +9,7 @@ NaN and Infinity fail every range."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, ClassVar
 
 import msgspec
 from mlxgw.shared.errors import invalid
@@ -41,61 +41,42 @@ class CommonFields(msgspec.Struct):
     stream_interval: Annotated[int, M(ge=1, le=1024)] | None = None
     reasoning_budget: Annotated[int, M(ge=0, le=INT32_MAX)] | None = None
 
+    # The API's names for max_tokens (the first one set wins) and for stop sequences.
+    MAX_TOKENS: ClassVar[tuple[str, ...]] = ()
+    STOP: ClassVar[str] = "stop"
+
     def requested_max_tokens(self) -> int | None:
-        return None
+        return next((getattr(self, n) for n in self.MAX_TOKENS if getattr(self, n) is not None), None)
 
     def stop_list(self) -> list[str]:
-        return []
-
-
-def _stop_list(stop) -> list[str]:
-    return [stop] if isinstance(stop, str) else list(stop or [])
+        stop = getattr(self, self.STOP, None)
+        return [stop] if isinstance(stop, str) else list(stop or [])
 
 
 class ChatFields(CommonFields):
+    MAX_TOKENS = ("max_completion_tokens", "max_tokens")
     max_completion_tokens: Tokens | None = None
     max_tokens: Tokens | None = None
     stop: Stop = None
 
-    def requested_max_tokens(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-
-    def stop_list(self) -> list[str]:
-        return _stop_list(self.stop)
-
 
 class CompletionFields(CommonFields):
+    MAX_TOKENS = ("max_tokens",)
     max_tokens: Tokens | None = None
     stop: Stop = None
 
-    def requested_max_tokens(self) -> int | None:
-        return self.max_tokens
-
-    def stop_list(self) -> list[str]:
-        return _stop_list(self.stop)
-
 
 class AnthropicFields(CommonFields):
+    MAX_TOKENS, STOP = ("max_tokens",), "stop_sequences"
     temperature: Annotated[float, M(ge=0, le=1)] | None = None  # Anthropic's range
     max_tokens: Tokens | None = None
     stop_sequences: Stop = None
 
-    def requested_max_tokens(self) -> int | None:
-        return self.max_tokens
-
-    def stop_list(self) -> list[str]:
-        return _stop_list(self.stop_sequences)
-
 
 class ResponsesFields(CommonFields):
+    MAX_TOKENS = ("max_output_tokens",)
     max_output_tokens: Tokens | None = None
     stop: Stop = None  # an mlxgw extension here
-
-    def requested_max_tokens(self) -> int | None:
-        return self.max_output_tokens
-
-    def stop_list(self) -> list[str]:
-        return _stop_list(self.stop)
 
 
 def decode_fields(body: dict, kind: type[CommonFields]) -> CommonFields:
