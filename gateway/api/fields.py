@@ -1,6 +1,8 @@
 """The scalar fields of every generating API, declared once with their ranges and decoded in
-one pass by msgspec (about 5 us a request, against 14 us for pydantic and 48 us for
-field-by-field checks: bench numbers in the README's "API translation" section).
+one pass by msgspec. Measured on a chat request's common fields (shared 2-core host, us per
+request): msgspec decode ~2, pydantic v2 with the same constraints ~8.5, the old
+field-by-field checks ~15; this module's whole path (decode, logit_bias ids, stop list)
+~8.
 
 Each API's struct differs only in the names it gives max_tokens and stop and in its
 temperature range; every other field (the mlxgw extensions included) is the same
@@ -46,7 +48,11 @@ class CommonFields(msgspec.Struct):
     STOP: ClassVar[str] = "stop"
 
     def requested_max_tokens(self) -> int | None:
-        return next((getattr(self, n) for n in self.MAX_TOKENS if getattr(self, n) is not None), None)
+        for name in self.MAX_TOKENS:
+            value = getattr(self, name)
+            if value is not None:
+                return value
+        return None
 
     def stop_list(self) -> list[str]:
         stop = getattr(self, self.STOP, None)
@@ -94,7 +100,10 @@ def logit_bias(fields: CommonFields) -> dict[int, float] | None:
     """Token ids as integers. The worker also checks them against the model's vocabulary."""
     if not fields.logit_bias:
         return None
-    bias = {int(k): v for k, v in fields.logit_bias.items()}
-    if any(k > INT32_MAX for k in bias):
-        raise invalid(f"'logit_bias' keys must be token ids from 0 to {INT32_MAX}", "logit_bias")
+    bias = {}
+    for key, value in fields.logit_bias.items():
+        token = int(key)
+        if token > INT32_MAX:
+            raise invalid(f"'logit_bias' keys must be token ids from 0 to {INT32_MAX}, got {key!r}", "logit_bias")
+        bias[token] = value
     return bias

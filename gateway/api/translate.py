@@ -32,25 +32,10 @@ DEFAULT_MAX_TOKENS = 4096
 
 
 @dataclass
-class Sampling:
-    """Every sampling field any API has; None: not sent (the model's default applies)."""
-
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
-    repetition_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[int, float] | None = None
-
-
-@dataclass
 class ParsedRequest:
     """One API request, parsed and range-checked, before the model's defaults apply."""
 
-    sampling: Sampling
+    sampling: CommonFields  # the API's fields as decoded; only the sampling ones are read from it
     stream: bool = False
     messages: list[dict] | None = None
     prompt: str | None = None
@@ -72,19 +57,8 @@ def parse_common(body: dict, kind: type[CommonFields]) -> dict:
     """The ParsedRequest fields every generating API reads the same way (mlxgw extensions
     included: seed, min_p, penalties, logit_bias, priority, stream_interval), decoded once."""
     f = decode_fields(body, kind)
-    sampling = Sampling(
-        temperature=f.temperature,
-        top_p=f.top_p,
-        top_k=f.top_k,
-        min_p=f.min_p,
-        seed=f.seed,
-        repetition_penalty=f.repetition_penalty,
-        presence_penalty=f.presence_penalty,
-        frequency_penalty=f.frequency_penalty,
-        logit_bias=logit_bias(f),
-    )
     return dict(
-        sampling=sampling,
+        sampling=f,
         stream=bool(f.stream),
         max_tokens=f.requested_max_tokens(),
         stop=f.stop_list(),
@@ -99,7 +73,7 @@ def first_set(*values):
     return next((x for x in values if x is not None), None)
 
 
-def _sampling_params(s: Sampling, slot) -> p.SamplingParams:
+def _sampling_params(s: CommonFields, slot) -> p.SamplingParams:
     d = slot.entry.defaults
     return p.SamplingParams(
         temperature=first_set(s.temperature, d.temperature, 1.0),
@@ -110,7 +84,7 @@ def _sampling_params(s: Sampling, slot) -> p.SamplingParams:
         repetition_penalty=first_set(s.repetition_penalty, d.repetition_penalty),
         presence_penalty=first_set(s.presence_penalty, 0.0),
         frequency_penalty=first_set(s.frequency_penalty, 0.0),
-        logit_bias=s.logit_bias,
+        logit_bias=logit_bias(s),
     )
 
 
