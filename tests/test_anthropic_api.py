@@ -16,6 +16,17 @@ FIXTURES = Path(__file__).parent / "fixtures"
 MSGS = [{"role": "user", "content": "Tell me about the sea."}]
 
 
+def png_bytes() -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (8, 8), (200, 30, 30)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+PNG_B64 = base64.b64encode(png_bytes()).decode()
+
+
 def client(gw) -> anthropic.Anthropic:
     return anthropic.Anthropic(base_url=gw.url, api_key="unused", max_retries=0)
 
@@ -115,6 +126,28 @@ def test_claude_code_request_shape_is_accepted(tiny_gateway):
     assert events[0] == "message_start" and events[-1] == "message_stop"
 
 
+def test_claude_code_request_with_a_mid_conversation_system_turn_and_a_png_read(tiny_gateway):
+    """Current Claude Code (beta mid-conversation-system-2026-04-07): a system turn inside
+    `messages`, and its Read tool's PNG in a tool_result, sent to a text-only model."""
+    body = json.loads((FIXTURES / "claude_code_request.json").read_text())
+    body["max_tokens"] = 8
+    body["messages"].insert(1, {"role": "system", "content": "<system-reminder>Be careful.</system-reminder>"})
+    result = body["messages"][-1]["content"][0]
+    result["content"] = [
+        {"type": "text", "text": "a.png"},
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": PNG_B64}},
+    ]
+    status, headers, text = http(
+        f"{tiny_gateway.url}/v1/messages?beta=true",
+        "POST",
+        body,
+        headers={"anthropic-beta": "mid-conversation-system-2026-04-07", "anthropic-version": "2023-06-01"},
+    )
+    assert status == 200 and headers["x-mlxgw-omitted-content"] == "image"
+    events = [line.split(": ", 1)[1] for line in text.splitlines() if line.startswith("event: ")]
+    assert events[0] == "message_start" and events[-1] == "message_stop"
+
+
 @pytest.mark.parametrize(
     "body,status,kind,needle",
     [
@@ -195,15 +228,6 @@ def test_full_queue_is_overloaded_529(tiny_gateway):
 # -- every message shape current Claude Code sends (issue 14) -----------------------------------
 
 
-def png_bytes() -> bytes:
-    from PIL import Image
-
-    buf = io.BytesIO()
-    Image.new("RGB", (8, 8), (200, 30, 30)).save(buf, "PNG")
-    return buf.getvalue()
-
-
-PNG_B64 = base64.b64encode(png_bytes()).decode()
 CALL = '<tool_call>\n{"name": "Read", "arguments": {"file_path": "a.txt"}}\n</tool_call>'
 READ_TOOL = {"name": "Read", "description": "Read a file", "input_schema": {"type": "object"}}
 
