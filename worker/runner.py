@@ -12,6 +12,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mlxgw.shared.chat import has_late_system_turn, merge_system_turns
 from mlxgw.shared.errors import ServiceError, invalid
 from mlxgw.shared.protocol import GenerateRequest, SamplingParams
 
@@ -128,16 +129,22 @@ class MLXRunner(Runner):
         if req.tools:
             kwargs["tools"] = req.tools
         try:
-            out = self.tokenizer.apply_chat_template(
-                req.messages, add_generation_prompt=True, tokenize=tokenize, **kwargs
-            )
+            out = self._render(req.messages, tokenize, kwargs)
         except Exception as e:  # jinja raises TemplateError, TypeError, ... for bad messages
-            raise invalid(f"the model's chat template rejected the messages: {e}", "messages") from None
+            if not has_late_system_turn(req.messages):
+                raise invalid(f"the model's chat template rejected the messages: {e}", "messages") from None
+            try:  # a template that takes a system turn only first: merge them (shared/chat.py)
+                out = self._render(merge_system_turns(req.messages), tokenize, kwargs)
+            except Exception as e2:
+                raise invalid(f"the model's chat template rejected the messages: {e2}", "messages") from None
         if not tokenize:
             return out
         if isinstance(out, dict):  # some transformers versions return a BatchEncoding
             out = out["input_ids"]
         return list(out)
+
+    def _render(self, messages: list[dict], tokenize: bool, kwargs: dict):
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=tokenize, **kwargs)
 
     def new_detokenizer(self):
         return self.tokenizer.detokenizer
