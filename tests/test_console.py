@@ -12,7 +12,7 @@ from urllib.parse import urlsplit
 import psutil
 import pytest
 import yaml
-from conftest import http, start_gateway
+from helpers import http, start_gateway
 from mlxgw.gateway.keys import hash_key
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"

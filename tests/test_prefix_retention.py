@@ -8,7 +8,8 @@ from __future__ import annotations
 import time
 
 import pytest
-from conftest import NO_EOS, GatewayProcess, openai_client
+from helpers import NO_EOS, openai_client
+from helpers.gateway import GatewayProcess
 from mlxgw.shared.protocol import SamplingParams
 
 STEP = 32  # prefill chunk: small, so a few steps leave a prefill half done
