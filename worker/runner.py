@@ -12,7 +12,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mlxgw.shared.errors import ServiceError, invalid
+from mlxgw.shared.errors import invalid
 from mlxgw.shared.protocol import GenerateRequest, SamplingParams
 
 
@@ -31,6 +31,7 @@ class StepOutput:
 
 class Runner(ABC):
     context_length: int
+    vocab_size: int | None = None  # the logits' width; None where no native code sees token ids
 
     @abstractmethod
     def encode(self, req: GenerateRequest) -> list[int]: ...
@@ -39,8 +40,12 @@ class Runner(ABC):
     def new_detokenizer(self): ...
 
     @abstractmethod
-    def insert(self, prompt: list[int], max_tokens: int, sampling: SamplingParams, constraint=None) -> tuple[int, int]:
-        """Queue a prompt for execution; return (uid, prompt tokens served from the cache)."""
+    def insert(
+        self, prompt: list[int], max_tokens: int, sampling: SamplingParams, constraint=None, guard=None
+    ) -> tuple[int, int]:
+        """Queue a prompt for execution; return (uid, prompt tokens served from the cache).
+        guard (a SequenceGuard) wraps the sequence's samplers and logits processors, so an
+        exception in them ends this sequence only."""
 
     def encode_text(self, text: str) -> list[int]:
         """Token ids of a piece of text, without special tokens."""
@@ -174,20 +179,22 @@ class MLXRunner(Runner):
     def encode_text(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def insert(self, prompt: list[int], max_tokens: int, sampling: SamplingParams, constraint=None) -> tuple[int, int]:
-        from .sampling import build_logits_processors, build_sampler
+    def insert(
+        self, prompt: list[int], max_tokens: int, sampling: SamplingParams, constraint=None, guard=None
+    ) -> tuple[int, int]:
+        from .sampling import build_sampler, guard_sampler, guarded_processors
 
-        processors = build_logits_processors(sampling)
-        if constraint is not None:
-            # last: masks apply after any bias or penalty; several may be chained
-            processors += constraint if isinstance(constraint, list) else [constraint]
+        processors = guarded_processors(sampling, constraint, guard)
+        sampler = build_sampler(sampling)
+        if guard is not None:
+            sampler = guard_sampler(sampler, guard)
         cache, cached = self.prefix_cache.longest_match(prompt)
         (uid,) = self.generator.insert(
             [prompt[cached:]],
             max_tokens=[max_tokens],
             caches=[cache] if cache is not None else None,
             all_tokens=[prompt[:cached]],
-            samplers=[build_sampler(sampling)],
+            samplers=[sampler],
             logits_processors=[processors],
         )
         return uid, cached
@@ -231,54 +238,3 @@ class MLXRunner(Runner):
         self.prefix_cache.clear()
         gc.collect()
         self._mx.clear_cache()
-
-
-class ThinkingBudget:
-    """Logits processor that ends reasoning after `budget` tokens by forcing the model's end
-    tag, one token per step (the tag may span several tokens)."""
-
-    def __init__(self, parser, budget: int, end_tokens: list[int]):
-        self.parser = parser
-        self.budget = budget
-        self.end_tokens = list(end_tokens)
-        self.used = 0
-        self.forcing: list[int] | None = None
-
-    def __call__(self, tokens, logits):
-        import mlx.core as mx
-
-        if self.forcing is None:
-            if self.parser.mode != "reasoning":
-                return logits
-            self.used += 1
-            if self.used <= self.budget:
-                return logits
-            self.forcing = list(self.end_tokens)
-        if not self.forcing:
-            return logits
-        token = self.forcing.pop(0)
-        return mx.where(mx.arange(logits.shape[-1]) == token, logits, -float("inf"))
-
-
-def check_budget(prompt_len: int, req_max_tokens: int | None, context: int, policy: str) -> int:
-    """Validate the prompt against the context and return the max_tokens to use."""
-    if prompt_len >= context:
-        raise ServiceError(
-            "context_length_exceeded",
-            f"This model's maximum context length is {context} tokens, but the prompt has "
-            f"{prompt_len} tokens. Shorten the prompt.",
-            param="messages",
-            details={"prompt_tokens": prompt_len, "context_length": context},
-        )
-    room = context - prompt_len
-    if req_max_tokens is None:
-        return room
-    if req_max_tokens > room and policy == "reject":
-        raise ServiceError(
-            "context_length_exceeded",
-            f"This model's maximum context length is {context} tokens; the prompt has "
-            f"{prompt_len} tokens and max_tokens asks for {req_max_tokens} more.",
-            param="max_tokens",
-            details={"prompt_tokens": prompt_len, "context_length": context, "max_tokens": req_max_tokens},
-        )
-    return min(req_max_tokens, room)

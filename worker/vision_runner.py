@@ -139,8 +139,10 @@ class VisionRunner(MLXRunner):
         return kwargs
 
     # -- execution ----------------------------------------------------------------------
-    def insert(self, prompt: list[int], max_tokens: int, sampling: SamplingParams, constraint=None) -> tuple[int, int]:
-        from .sampling import build_logits_processors, sampling_processor
+    def insert(
+        self, prompt: list[int], max_tokens: int, sampling: SamplingParams, constraint=None, guard=None
+    ) -> tuple[int, int]:
+        from .sampling import guard_processor, guarded_processors, sampling_processor
 
         inputs = dict(getattr(prompt, "media", None) or {})
         ids = inputs.pop("input_ids", None)
@@ -149,10 +151,9 @@ class VisionRunner(MLXRunner):
         except Exception as e:  # the vision tower refused these images: this request's error only
             raise invalid(f"the model could not encode the images: {e}", "messages") from None
 
-        processors = build_logits_processors(sampling)
-        if constraint is not None:
-            processors += constraint if isinstance(constraint, list) else [constraint]
-        processors.append(sampling_processor(sampling))  # last: it turns logits into the draw distribution
+        processors = guarded_processors(sampling, constraint, guard)
+        draw = sampling_processor(sampling)  # last: it turns logits into the draw distribution
+        processors.append(guard_processor(draw, guard) if guard is not None else draw)
         (uid,) = self.generator.insert(
             [list(prompt)], max_tokens=[max_tokens], prompt_kwargs=[prompt_kwargs], logits_processors=[processors]
         )
