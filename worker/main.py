@@ -50,6 +50,7 @@ def build_runner(entry: ModelEntry, model_path: Path):
             prefill_step_size=entry.prefill_step_size,
             tool_parser=entry.tool_parser,
             reasoning_parser=entry.reasoning_parser,
+            allow_request_chat_template=entry.allow_request_chat_template,
         )
     if entry.engine == "null":
         from .null_runner import NullRunner
@@ -74,6 +75,7 @@ def build_runner(entry: ModelEntry, model_path: Path):
         cache_bytes=cache_bytes,
         tool_parser=entry.tool_parser,
         reasoning_parser=entry.reasoning_parser,
+        allow_request_chat_template=entry.allow_request_chat_template,
     )
 
 

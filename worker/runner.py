@@ -15,6 +15,34 @@ from pathlib import Path
 from mlxgw.shared.errors import invalid
 from mlxgw.shared.protocol import GenerateRequest, SamplingParams
 
+from . import templates
+
+# apply_chat_template's own parameters: a request's template kwargs must not set them.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
+        "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict", "tokenizer_kwargs",
+        "return_assistant_tokens_mask", "sanitize_control_tokens",
+    }
+)  # fmt: skip
+
+
+def template_kwargs(req: GenerateRequest, allow_request_template: bool) -> dict:
+    """The extra variables a request passes to the chat template (enable_thinking, ...), checked."""
+    kwargs = dict(req.chat_template_kwargs or {})
+    if "chat_template" in kwargs and not allow_request_template:
+        raise invalid(
+            "this model does not accept a chat_template from the request "
+            "(allow_request_chat_template is off in its models.yaml entry)",
+            "chat_template_kwargs",
+        )
+    reserved = sorted(k for k in kwargs if k in RESERVED_TEMPLATE_KWARGS - {"chat_template"})
+    if reserved:
+        raise invalid(f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs")
+    if req.tools:
+        kwargs["tools"] = req.tools
+    return kwargs
+
 
 @dataclass
 class TokenOut:
@@ -88,6 +116,7 @@ class MLXRunner(Runner):
         cache_bytes: int,
         tool_parser: str | None = None,
         reasoning_parser: str | None = None,
+        allow_request_chat_template: bool = False,
     ):
         import mlx.core as mx
         from mlx_lm import load
@@ -111,6 +140,8 @@ class MLXRunner(Runner):
         self.tool_parser = tool_parser
         self.reasoning_parser = reasoning_parser
         self._constraints = None
+        self.allow_request_chat_template = allow_request_chat_template
+        templates.install()
         self.vocab_size = self.model.args.vocab_size if hasattr(self.model, "args") else self.tokenizer.vocab_size
 
     # -- prompts ------------------------------------------------------------------------
@@ -125,23 +156,23 @@ class MLXRunner(Runner):
         return self.tokenizer.encode(req.prompt or "")
 
     def _apply_template(self, req: GenerateRequest, tokenize: bool = True):
-        """The chat prompt: token ids, or the text when tokenize is False."""
+        """The chat prompt: token ids, or the text when tokenize is False. The template renders
+        sandboxed and budgeted (templates.py); tokenizing happens outside the time budget."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise invalid("this model has no chat template; use /v1/completions", "messages")
-        kwargs = dict(req.chat_template_kwargs or {})
-        if req.tools:
-            kwargs["tools"] = req.tools
+        kwargs = template_kwargs(req, self.allow_request_chat_template)
         try:
-            out = self.tokenizer.apply_chat_template(
-                req.messages, add_generation_prompt=True, tokenize=tokenize, **kwargs
-            )
+            with templates.budget():
+                text = self.tokenizer.apply_chat_template(
+                    req.messages, add_generation_prompt=True, tokenize=False, **kwargs
+                )
+        except templates.TemplateBudgetExceeded as e:
+            raise invalid(f"{e}; the request was stopped", "messages") from None
         except Exception as e:  # jinja raises TemplateError, TypeError, ... for bad messages
             raise invalid(f"the model's chat template rejected the messages: {e}", "messages") from None
-        if not tokenize:
-            return out
-        if isinstance(out, dict):  # some transformers versions return a BatchEncoding
-            out = out["input_ids"]
-        return list(out)
+        if not isinstance(text, str):
+            raise invalid("the chat template did not render to text", "messages")
+        return self.tokenizer.encode(text, add_special_tokens=False) if tokenize else text
 
     def new_detokenizer(self):
         return self.tokenizer.detokenizer

@@ -18,6 +18,7 @@ from pathlib import Path
 from mlxgw.shared.errors import invalid
 from mlxgw.shared.protocol import GenerateRequest, SamplingParams
 
+from . import templates
 from .runner import MLXRunner, StepOutput, TokenOut
 
 # Larger images are refused before decoding (a small file can decode to gigapixels).
@@ -56,6 +57,7 @@ class VisionRunner(MLXRunner):
         prefill_step_size: int,
         tool_parser: str | None = None,
         reasoning_parser: str | None = None,
+        allow_request_chat_template: bool = False,
     ):
         try:
             import mlx.core as mx
@@ -88,6 +90,8 @@ class VisionRunner(MLXRunner):
         self.tool_parser = tool_parser
         self.reasoning_parser = reasoning_parser
         self._constraints = None
+        self.allow_request_chat_template = allow_request_chat_template
+        templates.install()
         self.images_seen = 0
 
     # -- prompts ------------------------------------------------------------------------
