@@ -209,3 +209,24 @@ def test_a_multi_megabyte_prompt_does_not_stall_running_streams(gw):
     assert during, "the stream ended before the big prompt was tokenized; lengthen it"
     assert max(during) < max(2.0, tokenizing / 4), (max(during), tokenizing)
     assert_unharmed(gw, pid)
+
+
+def test_a_worker_of_another_protocol_version_is_refused_with_one_clear_error(gw):
+    import msgpack
+    import zmq
+    from mlxgw.shared import protocol as p
+
+    endpoint = next(line.split("endpoint ")[1] for line in gw.log().splitlines() if "endpoint " in line)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(endpoint)
+    hello = {"v": p.PROTOCOL_VERSION + 1, "t": p.HELLO, "worker_id": "future-1", "model": "tiny", "pid": 4242}
+    for _ in range(3):  # a hello, then what a worker sends after it
+        sock.send(msgpack.packb({**hello, "state": "ready"}))
+    wait_for(lambda: "refused worker future-1" in gw.log(), 10)
+    sock.close(0)
+    ctx.term()
+    refusals = [line for line in gw.log().splitlines() if "refused worker future-1" in line]
+    assert len(refusals) == 1
+    assert f"protocol version {p.PROTOCOL_VERSION + 1}, this gateway {p.PROTOCOL_VERSION}" in refusals[0]
+    assert 4242 not in [w["pid"] for w in gw.model_status("tiny")["workers"]]
