@@ -292,7 +292,7 @@ class Broker:
             ErrorCode.WORKER_LOST, f"the worker serving {conn.model} stopped ({reason}); retry the request"
         )
         for stream in conn.streams.values():
-            stream.push({"e": p.EV_ERROR, **err.to_wire()})
+            stream.push(p.error_event(err))
         conn.streams.clear()
         conn.state = "lost"
         if notify:
