@@ -230,3 +230,70 @@ def test_a_worker_of_another_protocol_version_is_refused_with_one_clear_error(gw
     assert len(refusals) == 1
     assert f"protocol version {p.PROTOCOL_VERSION + 1}, this gateway {p.PROTOCOL_VERSION}" in refusals[0]
     assert 4242 not in [w["pid"] for w in gw.model_status("tiny")["workers"]]
+
+
+# -- in process: the scheduler over a real runner -----------------------------------------
+
+
+def run_to_end(sched) -> dict:
+    ends = {}
+    while sched.has_work():
+        for rid, ev in sched.step():
+            if ev["e"] in ("finish", "error"):
+                ends[rid] = ev
+    return ends
+
+
+def test_a_raising_logits_processor_ends_only_its_own_sequence(tiny_dir):
+    """The real MLX runner and BatchGenerator: one sequence's constraint raises on its third
+    token; it ends with an internal error, the others finish with every token."""
+    from mlxgw.shared.protocol import GenerateRequest, SamplingParams
+    from mlxgw.worker.runner import MLXRunner
+    from mlxgw.worker.scheduler import Scheduler
+
+    runner = MLXRunner(tiny_dir, context_length=None, max_num_seqs=4, prefill_step_size=64, cache_bytes=1 << 20)
+    calls = {"n": 0}
+
+    def exploding(tokens, logits):
+        calls["n"] += 1
+        if calls["n"] >= 3:
+            raise RuntimeError("constraint bug")
+        return logits
+
+    plain = runner.make_constraint
+    runner.make_constraint = lambda req: exploding if req.rid == "bad" else plain(req)
+    sched = Scheduler(runner, max_num_seqs=4, max_queue=8)
+    greedy = SamplingParams(temperature=0, logit_bias={0: -100, 2: -100})
+    for rid in ("a", "bad", "c"):
+        ((_, ev),) = sched.submit(GenerateRequest(rid=rid, prompt="Once upon a time", max_tokens=6, sampling=greedy))
+        assert ev["e"] == "accepted"
+    ends = run_to_end(sched)
+    assert ends["bad"]["e"] == "error" and ends["bad"]["code"] == "internal_error"
+    assert "constraint bug" in ends["bad"]["message"]
+    assert ends["a"]["e"] == ends["c"]["e"] == "finish"
+    assert ends["a"]["usage"]["completion_tokens"] == ends["c"]["usage"]["completion_tokens"] == 6
+    assert sched.running == 0 and sched.waiting == 0
+
+
+def test_an_output_parser_that_raises_ends_only_its_own_sequence():
+    from mlxgw.shared.protocol import GenerateRequest
+    from mlxgw.worker.null_runner import NullRunner
+    from mlxgw.worker.scheduler import Scheduler
+
+    class Broken:
+        think = None
+
+        def feed(self, text):
+            raise ValueError("parser bug")
+
+    class Runner(NullRunner):
+        def make_parser(self, req, prompt):
+            return Broken() if req.rid == "bad" else None
+
+    sched = Scheduler(Runner(), max_num_seqs=4, max_queue=8)
+    for rid in ("a", "bad"):
+        sched.submit(GenerateRequest(rid=rid, prompt="some words", max_tokens=4))
+    ends = run_to_end(sched)
+    assert ends["bad"]["e"] == "error" and "parser bug" in ends["bad"]["message"]
+    assert ends["a"]["e"] == "finish" and ends["a"]["usage"]["completion_tokens"] == 4
+    assert sched.running == 0 and sched.waiting == 0
