@@ -139,7 +139,13 @@ class Scheduler:
 
     def _prepare(self, req: p.GenerateRequest) -> Prepared:
         """Template, tokenize and build the sequence's helpers (runs off the engine thread)."""
-        prompt = self.runner.encode(req)
+        try:
+            prompt = self.runner.encode(req)
+        except ServiceError:
+            raise
+        except Exception as e:  # the tokenizer refused this input (odd code points, ...): its sender's fault
+            param = "messages" if req.messages is not None else "prompt"
+            raise invalid(f"the prompt could not be tokenized: {type(e).__name__}: {e}", param) from None
         if not prompt:
             raise invalid("the prompt is empty", "prompt")
         max_tokens = check_budget(
