@@ -57,15 +57,6 @@ class Preprocessor:
             out.append((rid, None if error else job.future.result(), error))
         return out
 
-    def wait(self, timeout_s: float) -> None:
-        """Block up to timeout_s for the oldest preparation (the engine has nothing else to do)."""
-        for job in self._jobs.values():
-            try:
-                job.future.exception(timeout=timeout_s)
-            except Exception:  # timeout or cancelled: the caller polls again
-                pass
-            return
-
     def __len__(self) -> int:
         return len(self._jobs)
 
