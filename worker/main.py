@@ -146,7 +146,9 @@ def serve(
     link.hello["info"] = info
     link.state = "ready"
     link.send(p.READY, info=info)
-    preprocessor = Preprocessor(threads=2)  # one slow template does not hold up the next request
+    # One thread: HF tokenizers may refuse concurrent use ("Already borrowed"); a slow template
+    # holds the next request back at most its time budget.
+    preprocessor = Preprocessor(threads=1)
     link.busy_probes.append(preprocessor.busy_s)  # the watchdog covers preparation too
     engine = Engine(link, runner, build_scheduler(entry, runner, preprocessor))
     signal.signal(signal.SIGTERM, lambda *_: setattr(engine, "draining", True))
