@@ -95,6 +95,7 @@ class Broker:
         self.on_lost: Callable[[WorkerConn, str], None] = lambda c, r: None
         self.on_load_failed: Callable[[WorkerConn, dict], None] = lambda c, e: None
         self.dropped_messages = 0
+        self._refused_versions: set[bytes] = set()
 
     async def start(self) -> None:
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -185,6 +186,15 @@ class Broker:
             try:
                 msg = p.decode(frame, p.WORKER_TYPES)
                 self._dispatch(identity, msg)
+            except p.VersionMismatch as e:
+                self.dropped_messages += 1
+                if identity not in self._refused_versions:  # once per worker, not per heartbeat
+                    self._refused_versions.add(identity)
+                    log.error(
+                        "refused worker %s for model %s: it speaks protocol version %r, this gateway %d; "
+                        "run the same mlxgw version on both",
+                        e.msg.get("worker_id"), e.msg.get("model"), e.version, p.PROTOCOL_VERSION,
+                    )  # fmt: skip
             except p.ProtocolError as e:
                 self.dropped_messages += 1
                 log.warning("dropped message from worker: %s", e)
@@ -282,7 +292,7 @@ class Broker:
             ErrorCode.WORKER_LOST, f"the worker serving {conn.model} stopped ({reason}); retry the request"
         )
         for stream in conn.streams.values():
-            stream.push({"e": p.EV_ERROR, **err.to_wire()})
+            stream.push(p.error_event(err))
         conn.streams.clear()
         conn.state = "lost"
         if notify:

@@ -37,11 +37,6 @@ class Outcome:
     tool_calls: list[dict] = field(default_factory=list)
 
 
-def _usage(event: dict) -> p.Usage:
-    u = event.get("usage") or {}
-    return p.Usage(int(u.get("prompt_tokens", 0)), int(u.get("completion_tokens", 0)), int(u.get("cached_tokens", 0)))
-
-
 class BlankTextFilter:
     """Whitespace-only text before a tool call (after another one, or at the start) is left
     out: it would be a text block or message item of its own ("\n" between two calls), which
@@ -162,7 +157,7 @@ class Generation:
                 self._mark_tokens(int(event.get("n", 0)))
             if kind in (p.EV_FINISH, p.EV_ERROR):
                 self.outcome = event.get("reason") if kind == p.EV_FINISH else f"error:{event.get('code')}"
-                self.usage = _usage(event) if "usage" in event else self.usage
+                self.usage = p.Usage.from_wire(event["usage"]) if "usage" in event else self.usage
                 if self.first_token_at is None and event.get("text"):
                     self.first_token_at = time.monotonic()
             yield event

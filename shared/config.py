@@ -59,6 +59,9 @@ class ModelEntry:
     defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     tool_parser: str | None = None
     reasoning_parser: str | None = None
+    # A request may replace the chat template (chat_template_kwargs.chat_template): off by
+    # default, a template is a program (it still renders sandboxed and budgeted when on).
+    allow_request_chat_template: bool = False
     # embedding / rerank workers
     truncate: bool = False  # inputs over the model's limit: cut (true) or refuse with a 400 (false)
     max_batch_inputs: int = 64  # inputs per forward pass

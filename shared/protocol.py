@@ -12,9 +12,12 @@ every running request, instead of one message per token.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, ClassVar
+from types import UnionType
+from typing import Any, ClassVar, Union, get_args, get_origin, get_type_hints
 
 import msgpack
+
+from .errors import ServiceError
 
 PROTOCOL_VERSION = 1
 
@@ -39,17 +42,25 @@ HEARTBEAT = "heartbeat"  # worker's carries stats
 WORKER_TYPES = {HELLO, READY, LOAD_FAILED, EVENTS, REPLY, BYE, HEARTBEAT}
 GATEWAY_TYPES = {WELCOME, GENERATE, EMBED, CANCEL, CALL, SHUTDOWN, RECONNECT, HEARTBEAT}
 
-# Event kinds inside EVENTS.
-EV_ACCEPTED = "accepted"  # prompt_tokens, max_tokens (after clamping), queue position
-EV_PROGRESS = "progress"  # prefill progress: done, total  (gateway sends SSE keep-alives)
-EV_DELTA = "delta"  # text, n (completion tokens so far); later: reasoning, tool_calls
-EV_FINISH = "finish"  # reason, text (tail), stop (matched stop string), usage
-#   embeddings: vectors (float32 little-endian, row-major bytes), dim; rerank: scores
-EV_ERROR = "error"  # code, message: the request is over
+# Event kinds inside EVENTS (each built by its dataclass below, never by hand).
+EV_ACCEPTED = "accepted"
+EV_PROGRESS = "progress"
+EV_DELTA = "delta"
+EV_FINISH = "finish"
+EV_ERROR = "error"
 
 
 class ProtocolError(ValueError):
     pass
+
+
+class VersionMismatch(ProtocolError):
+    """A peer speaks another protocol version: refuse it (once, loudly), never half-understand it."""
+
+    def __init__(self, version: object, msg: dict):
+        super().__init__(f"protocol version {version!r} != {PROTOCOL_VERSION}")
+        self.version = version
+        self.msg = msg
 
 
 def encode(msg_type: str, **fields_: Any) -> bytes:
@@ -65,7 +76,7 @@ def decode(frame: bytes, allowed: set[str]) -> dict:
     if not isinstance(msg, dict):
         raise ProtocolError("frame is not a map")
     if msg.get("v") != PROTOCOL_VERSION:
-        raise ProtocolError(f"protocol version {msg.get('v')!r} != {PROTOCOL_VERSION}")
+        raise VersionMismatch(msg.get("v"), msg)
     if msg.get("t") not in allowed:
         raise ProtocolError(f"unknown message type {msg.get('t')!r}")
     return msg
@@ -85,15 +96,45 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
 
 
+_SCALARS = {int: (int,), float: (int, float), str: (str,), bool: (bool,), bytes: (bytes,), dict: (dict,)}
+
+
+def _conforms(value: object, tp: object) -> bool:
+    """Whether a decoded wire value has the declared type (ints, floats, strings, bools, bytes,
+    dicts, lists of those, optionals). bool is not an int here."""
+    origin = get_origin(tp)
+    if origin in (Union, UnionType):
+        return any(_conforms(value, arg) for arg in get_args(tp))
+    if tp is type(None):
+        return value is None
+    if origin is list:
+        (item,) = get_args(tp) or (object,)
+        return isinstance(value, list) and all(_conforms(v, item) for v in value)
+    if origin is dict:
+        key, item = get_args(tp) or (object, object)
+        return isinstance(value, dict) and all(_conforms(k, key) and _conforms(v, item) for k, v in value.items())
+    if tp is object or tp is Any:
+        return True
+    if tp in (int, float) and isinstance(value, bool):
+        return False
+    return isinstance(value, _SCALARS.get(tp, (tp,)))  # type: ignore[arg-type]
+
+
 def _from_wire(cls, wire: dict, **nested: type):
     """Build a request dataclass from its wire map, ignoring fields this version does not know
-    (a newer gateway may send more)."""
-    known = {f.name for f in fields(cls)}
-    data = {k: v for k, v in wire.items() if k in known}
+    (a newer gateway may send more). ValueError names a field of the wrong type."""
+    if not isinstance(wire, dict):
+        raise ValueError("the request is not a map")
+    hints = get_type_hints(cls)
+    data = {k: v for k, v in wire.items() if k in hints and k not in nested}
+    for name, value in data.items():
+        if not _conforms(value, hints[name]):
+            raise ValueError(f"field {name!r} has the wrong type ({type(value).__name__})")
     for name, tp in nested.items():
-        inner = data.pop(name, None) or {}
-        inner_known = {f.name for f in fields(tp)}
-        data[name] = tp(**{k: v for k, v in inner.items() if k in inner_known})
+        inner = wire.get(name) or {}
+        if not isinstance(inner, dict):
+            raise ValueError(f"field {name!r} is not a map")
+        data[name] = _from_wire(tp, inner)
     return cls(**data)
 
 
@@ -154,8 +195,20 @@ class EmbedRequest:
         return _from_wire(cls, wire)
 
 
+# -- events (worker -> gateway, inside EVENTS as [request id, event map]) -----------------
+
+
+def _int(value: object) -> int:
+    try:
+        return int(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return 0
+
+
 @dataclass
 class Usage:
+    """Token counts of one request: built by the worker, read by the gateway, one type."""
+
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
@@ -163,3 +216,101 @@ class Usage:
     @property
     def total_tokens(self) -> int:
         return self.prompt_tokens + self.completion_tokens
+
+    def to_wire(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_wire(cls, wire: object) -> Usage:
+        """Tolerant: a missing or malformed count reads as 0 (a worker bug must not 500 a reply)."""
+        if not isinstance(wire, dict):
+            return cls()
+        return cls(*(_int(wire.get(f.name, 0)) for f in fields(cls)))
+
+
+def _wire(kind: str, event: object, omit_none: bool = True) -> dict:
+    out: dict = {"e": kind}
+    for f in fields(event):  # type: ignore[arg-type]
+        value = getattr(event, f.name)
+        if isinstance(value, Usage):
+            value = value.to_wire()
+        if value is not None or not omit_none:
+            out[f.name] = value
+    return out
+
+
+@dataclass
+class Accepted:
+    """The request is admitted to the worker's queue (the first event of every request)."""
+
+    prompt_tokens: int
+    max_tokens: int  # after clamping to the context (0 for embeddings)
+    queued: int  # requests waiting ahead, this one included
+
+    def to_wire(self) -> dict:
+        return _wire(EV_ACCEPTED, self)
+
+
+@dataclass
+class Progress:
+    """Prefill progress of a long prompt (the gateway sends keep-alives meanwhile)."""
+
+    done: int
+    total: int
+
+    def to_wire(self) -> dict:
+        return _wire(EV_PROGRESS, self)
+
+
+@dataclass
+class Delta:
+    """New output of a running request."""
+
+    text: str
+    n: int  # completion tokens so far
+    reasoning: str | None = None
+    tool_calls: list[dict] | None = None
+
+    def to_wire(self) -> dict:
+        return _wire(EV_DELTA, self)
+
+
+@dataclass
+class Finish:
+    """The request is over: the last output, why it stopped, and its usage.
+    Embeddings carry vectors (float32 little-endian, row-major) and dim; rerank carries scores."""
+
+    reason: str  # stop | length | tool_calls | cancelled
+    usage: Usage
+    text: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[dict] | None = None
+    stop: str | None = None  # the stop string that ended the text
+    vectors: bytes | None = None
+    dim: int | None = None
+    scores: list[float] | None = None
+
+    def to_wire(self) -> dict:
+        return _wire(EV_FINISH, self)
+
+
+@dataclass
+class Error:
+    """The request is over with an error: code, message, and the usage so far when known."""
+
+    error: ServiceError
+    usage: Usage | None = None
+
+    def to_wire(self) -> dict:
+        wire = {"e": EV_ERROR, **self.error.to_wire()}
+        if self.usage is not None:
+            wire["usage"] = self.usage.to_wire()
+        return wire
+
+
+def error_event(error: ServiceError, usage: Usage | None = None) -> dict:
+    """The wire map of an error event: the one way to end a request with an error."""
+    return Error(error, usage).to_wire()
+
+
+Event = tuple[str, dict]  # (request id, wire event)

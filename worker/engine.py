@@ -1,7 +1,9 @@
 """The worker's main loop: take messages from the link, step the scheduler, send events.
 
 One EVENTS message per step carries every running request's delta (batched, not one
-message per token)."""
+message per token). A fault that belongs to one request ends that request only (see
+scheduler and isolation); only a failure of the batched step itself, which no single
+request can be blamed for, ends the process."""
 
 from __future__ import annotations
 
@@ -13,18 +15,19 @@ import psutil
 from mlxgw.shared import protocol as p
 from mlxgw.shared.errors import ErrorCode, ServiceError
 
+from .interfaces import ModelRunner, Scheduler
 from .link import WorkerLink
-from .runner import Runner
 
 log = logging.getLogger("mlxgw.worker")
 
 STATS_INTERVAL_S = 0.5
+IDLE_POLL_MS = 50
+PREPARING_POLL_MS = 5  # a request is being prepared: look for it soon
 REQUEST_TYPES = {p.GENERATE: p.GenerateRequest, p.EMBED: p.EmbedRequest}
 
 
 class Engine:
-    def __init__(self, link: WorkerLink, runner: Runner, scheduler):
-        """scheduler: the text Scheduler or the EmbedScheduler (same small interface)."""
+    def __init__(self, link: WorkerLink, runner: ModelRunner, scheduler: Scheduler):
         self.link = link
         self.runner = runner
         self.scheduler = scheduler
@@ -37,65 +40,54 @@ class Engine:
     def run(self) -> None:
         while not self.link.gateway_gone.is_set():
             busy = self.scheduler.has_work()
-            for msg in self.link.poll(0 if busy else 50):
-                self._handle(msg)
+            preparing = self.scheduler.preparing()
+            wait_ms = 0 if busy else PREPARING_POLL_MS if preparing else IDLE_POLL_MS
+            for msg in self.link.poll(wait_ms):
+                self._watched(self._handle, msg)
             if self.scheduler.has_work():
-                self._step()
+                self._watched(self._step)
+            elif self.scheduler.preparing():
+                self._watched(self._send_prepared)
             elif self.draining:
                 return
             self._update_stats()
 
-    def _step(self) -> None:
+    def _watched(self, fn, *args) -> None:
+        """Run one phase of the loop under the watchdog: heartbeats report how long it has
+        run, and the gateway declares the worker hung past its limit."""
         self.link.step_started = time.monotonic()
+        try:
+            fn(*args)
+        finally:
+            self.link.step_started = None
+
+    def _send(self, events: list[p.Event]) -> None:
+        if events:
+            self.link.send(p.EVENTS, items=events)
+
+    def _send_prepared(self) -> None:
+        self._send(self.scheduler.poll_prepared())
+
+    def _step(self) -> None:
         try:
             events = self.scheduler.step()
         except Exception as e:
-            # The runner's state can no longer be trusted: end every request explicitly,
-            # then let the process die so the supervisor restarts a clean worker.
+            # The batched step failed, not one sequence: the runner's state can no longer be
+            # trusted. End every request explicitly, then let the supervisor restart a clean worker.
             log.exception("engine step failed")
-            err = ServiceError(ErrorCode.INTERNAL, f"the model worker failed: {e}").to_wire()
-            items = [[r["id"], {"e": p.EV_ERROR, **err}] for r in self.scheduler.requests()]
-            self.link.send(p.EVENTS, items=items)
+            err = ServiceError(ErrorCode.INTERNAL, f"the model worker failed: {e}")
+            self._send([(r["id"], p.error_event(err)) for r in self.scheduler.requests()])
             raise
-        finally:
-            self.link.step_started = None
         self.steps += 1
-        if events:
-            self.link.send(p.EVENTS, items=events)
+        self._send(events)
 
     def _handle(self, msg: dict) -> None:
         kind = msg.get("t")
         if kind in REQUEST_TYPES:
-            try:
-                req = REQUEST_TYPES[kind].from_wire(msg["request"])
-            except (KeyError, TypeError, ValueError) as e:
-                rid = (msg.get("request") or {}).get("rid", "?")
-                err = ServiceError(ErrorCode.INVALID_REQUEST, f"malformed request: {e}").to_wire()
-                self.link.send(p.EVENTS, items=[[rid, {"e": p.EV_ERROR, **err}]])
-                return
-            if not isinstance(req, self.scheduler.request_type):
-                # The gateway routes by kind; a mismatch means a misconfigured remote worker.
-                what = "embeddings or reranking" if kind == p.EMBED else "text generation"
-                err = ServiceError(ErrorCode.INVALID_REQUEST, f"this model does not serve {what}", param="model")
-                self.link.send(p.EVENTS, items=[[req.rid, {"e": p.EV_ERROR, **err.to_wire()}]])
-                return
-            if self.draining:
-                err = ServiceError(
-                    ErrorCode.MODEL_UNAVAILABLE, "model worker is shutting down", retry_after=1.0
-                ).to_wire()
-                self.link.send(p.EVENTS, items=[[req.rid, {"e": p.EV_ERROR, **err}]])
-                return
-            try:
-                events = self.scheduler.submit(req)
-            except Exception as e:  # a bug on one request's intake must not take the worker down
-                log.exception("submit failed for %s", req.rid)
-                err = ServiceError(ErrorCode.INTERNAL, f"the worker could not start this request: {e}").to_wire()
-                events = [(req.rid, {"e": p.EV_ERROR, **err})]
-            self.link.send(p.EVENTS, items=events)
+            self._intake(kind, msg)
         elif kind == p.CANCEL:
-            events = [ev for rid in msg.get("rids", []) for ev in self.scheduler.cancel(rid)]
-            if events:
-                self.link.send(p.EVENTS, items=events)
+            rids = msg.get("rids")
+            self._send([ev for rid in (rids if isinstance(rids, list) else []) for ev in self.scheduler.cancel(rid)])
         elif kind == p.CALL:
             self._call(msg)
         elif kind == p.SHUTDOWN:
@@ -105,6 +97,28 @@ class Engine:
                     self.scheduler.cancel(r["id"])
         else:
             log.warning("dropped message of unknown type %r", kind)
+
+    def _intake(self, kind: str, msg: dict) -> None:
+        wire = msg.get("request")
+        rid = wire.get("rid") if isinstance(wire, dict) and isinstance(wire.get("rid"), str) else "?"
+        try:
+            req = REQUEST_TYPES[kind].from_wire(wire)
+            if not isinstance(req, self.scheduler.request_type):
+                # The gateway routes by kind; a mismatch means a misconfigured remote worker.
+                what = "embeddings or reranking" if kind == p.EMBED else "text generation"
+                raise ServiceError(ErrorCode.INVALID_REQUEST, f"this model does not serve {what}", param="model")
+            if self.draining:
+                raise ServiceError(ErrorCode.MODEL_UNAVAILABLE, "model worker is shutting down", retry_after=1.0)
+            events = self.scheduler.submit(req)
+        except ServiceError as e:
+            events = [(rid, p.error_event(e))]
+        except (KeyError, TypeError, ValueError) as e:
+            events = [(rid, p.error_event(ServiceError(ErrorCode.INVALID_REQUEST, f"malformed request: {e}")))]
+        except Exception as e:  # a bug on one request's intake must not take the worker down
+            log.exception("submit failed for %s", rid)
+            err = ServiceError(ErrorCode.INTERNAL, f"the worker could not start this request: {e}")
+            events = [(rid, p.error_event(err))]
+        self._send(events)
 
     def _call(self, msg: dict) -> None:
         op, cid = msg.get("op"), msg.get("cid")
@@ -133,7 +147,7 @@ class Engine:
         return {
             "running": s.running,
             "waiting": s.waiting,
-            "generated_tokens": s.generated_tokens,
+            **s.counters(),
             "finished_requests": s.finished,
             "steps": self.steps,
             "rss_bytes": self._proc.memory_info().rss,
@@ -148,7 +162,8 @@ class Engine:
             return
         stats = self.stats()
         elapsed = now - self._last_stats if self._last_stats else STATS_INTERVAL_S
-        stats["tokens_per_s"] = round((stats["generated_tokens"] - self._last_generated) / elapsed, 2)
-        self._last_generated = stats["generated_tokens"]
+        if "generated_tokens" in stats:
+            stats["tokens_per_s"] = round((stats["generated_tokens"] - self._last_generated) / elapsed, 2)
+            self._last_generated = stats["generated_tokens"]
         self._last_stats = now
         self.link.stats = stats

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import threading
 import time
 import uuid
+from collections.abc import Callable
 
-import msgpack
 import zmq
 from mlxgw.shared import protocol as p
 
@@ -52,6 +53,10 @@ class WorkerLink:
         self.stats: dict = {}
         self.state = "loading"
         self.step_started: float | None = None  # set by the engine around each step
+        # Other phases the watchdog covers (request preparation): each returns seconds busy.
+        self.busy_probes: list[Callable[[], float]] = []
+        # Gateway messages, decoded once by the I/O thread; a byte on the PAIR wakes the engine.
+        self._inbox: queue.SimpleQueue[dict] = queue.SimpleQueue()
         self._parent = os.getppid()
         self._thread = threading.Thread(target=self._run, name="worker-link", daemon=True)
 
@@ -63,16 +68,20 @@ class WorkerLink:
         self._engine_side.send(p.encode(msg_type, **fields))
 
     def poll(self, timeout_ms: int) -> list[dict]:
-        """Messages from the gateway, decoded; waits up to timeout_ms for the first one."""
+        """Messages from the gateway (decoded by the I/O thread); waits up to timeout_ms for the first one."""
+        if self._inbox.empty() and not self._engine_side.poll(timeout_ms):
+            return []
+        while True:  # the wake-up bytes; the messages themselves are in the inbox
+            try:
+                self._engine_side.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
         out = []
-        if not self._engine_side.poll(timeout_ms):
-            return out
         while True:
             try:
-                frame = self._engine_side.recv(zmq.NOBLOCK)
-            except zmq.Again:
+                out.append(self._inbox.get_nowait())
+            except queue.Empty:
                 return out
-            out.append(msgpack.unpackb(frame, raw=False, strict_map_key=False))
 
     def close(self) -> None:
         self._stop.set()
@@ -89,7 +98,8 @@ class WorkerLink:
         return sock
 
     def _heartbeat(self) -> bytes:
-        busy = time.monotonic() - self.step_started if self.step_started else 0.0
+        started = self.step_started
+        busy = max([time.monotonic() - started if started else 0.0] + [probe() for probe in self.busy_probes])
         return p.encode(p.HEARTBEAT, state=self.state, stats=self.stats, step_busy_s=busy)
 
     def _run(self) -> None:
@@ -172,4 +182,5 @@ class WorkerLink:
         if msg["t"] == p.RECONNECT:
             sock.send(p.encode(p.HELLO, **self.hello, state=self.state))
             return
-        self._io_side.send(frame)
+        self._inbox.put(msg)
+        self._io_side.send(b"")

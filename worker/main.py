@@ -13,11 +13,12 @@ from pathlib import Path
 
 from mlxgw.shared import protocol as p
 from mlxgw.shared.config import ENCODER_KINDS, ModelEntry, from_mapping
-from mlxgw.shared.errors import ErrorCode
+from mlxgw.shared.errors import ErrorCode, ServiceError
 from mlxgw.shared.platform import total_memory_bytes
 
 from .engine import Engine
 from .link import WorkerLink
+from .preprocess import Preprocessor
 
 log = logging.getLogger("mlxgw.worker")
 
@@ -49,6 +50,7 @@ def build_runner(entry: ModelEntry, model_path: Path):
             prefill_step_size=entry.prefill_step_size,
             tool_parser=entry.tool_parser,
             reasoning_parser=entry.reasoning_parser,
+            allow_request_chat_template=entry.allow_request_chat_template,
         )
     if entry.engine == "null":
         from .null_runner import NullRunner
@@ -73,11 +75,13 @@ def build_runner(entry: ModelEntry, model_path: Path):
         cache_bytes=cache_bytes,
         tool_parser=entry.tool_parser,
         reasoning_parser=entry.reasoning_parser,
+        allow_request_chat_template=entry.allow_request_chat_template,
     )
 
 
-def build_scheduler(entry: ModelEntry, runner):
-    """The policy over the runner: input batching for encoders, sequences for the rest."""
+def build_scheduler(entry: ModelEntry, runner, preprocessor: Preprocessor | None = None):
+    """The policy over the runner: input batching for encoders, sequences for the rest.
+    preprocessor: where requests are templated and tokenized (off the engine thread)."""
     if entry.kind in ENCODER_KINDS:
         from .embedding.scheduler import EmbedScheduler
 
@@ -86,10 +90,17 @@ def build_scheduler(entry: ModelEntry, runner):
             max_batch_size=entry.max_batch_inputs,
             max_batch_tokens=entry.max_batch_tokens,
             max_queue=entry.max_queue,
+            preprocessor=preprocessor,
         )
     from .scheduler import Scheduler
 
-    return Scheduler(runner, max_num_seqs=entry.max_num_seqs, max_queue=entry.max_queue, policy=entry.max_tokens_policy)
+    return Scheduler(
+        runner,
+        max_num_seqs=entry.max_num_seqs,
+        max_queue=entry.max_queue,
+        policy=entry.max_tokens_policy,
+        preprocessor=preprocessor,
+    )
 
 
 def serve(
@@ -118,7 +129,7 @@ def serve(
         log.exception("model load failed")
         link.send(
             p.LOAD_FAILED,
-            error={"code": ErrorCode.MODEL_UNAVAILABLE.value, "message": f"loading {entry.name} failed: {e}"},
+            error=ServiceError(ErrorCode.MODEL_UNAVAILABLE, f"loading {entry.name} failed: {e}").to_wire(),
         )
         time.sleep(0.5)  # let the link flush
         link.close()
@@ -135,9 +146,14 @@ def serve(
     link.hello["info"] = info
     link.state = "ready"
     link.send(p.READY, info=info)
-    engine = Engine(link, runner, build_scheduler(entry, runner))
+    # One thread: HF tokenizers may refuse concurrent use ("Already borrowed"); a slow template
+    # holds the next request back at most its time budget.
+    preprocessor = Preprocessor(threads=1)
+    link.busy_probes.append(preprocessor.busy_s)  # the watchdog covers preparation too
+    engine = Engine(link, runner, build_scheduler(entry, runner, preprocessor))
     signal.signal(signal.SIGTERM, lambda *_: setattr(engine, "draining", True))
     engine.run()
+    preprocessor.close()
     link.send(p.BYE)
     time.sleep(0.1)
     link.close()

@@ -50,7 +50,9 @@ class NullRunner(Runner):
     def new_detokenizer(self):
         return _NullDetokenizer()
 
-    def insert(self, prompt: list[int], max_tokens: int, sampling: SamplingParams, constraint=None) -> tuple[int, int]:
+    def insert(
+        self, prompt: list[int], max_tokens: int, sampling: SamplingParams, constraint=None, guard=None
+    ) -> tuple[int, int]:
         self._uid += 1
         self._seqs[self._uid] = _Seq(self._uid, max_tokens, len(prompt))
         return self._uid, 0
@@ -118,7 +120,9 @@ class EchoRunner(NullRunner):
         tool = tool_syntax(self.tool_parser, None) if req.tools else None
         return OutputParser(think=think, tool=tool, tools=req.tools) if (think or tool) else None
 
-    def insert(self, prompt: list[int], max_tokens: int, sampling: SamplingParams, constraint=None) -> tuple[int, int]:
+    def insert(
+        self, prompt: list[int], max_tokens: int, sampling: SamplingParams, constraint=None, guard=None
+    ) -> tuple[int, int]:
         uid, cached = super().insert(prompt, max_tokens, sampling)
         self._scripts[uid] = list(prompt)
         return uid, cached

@@ -12,9 +12,10 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mlxgw.shared.chat import has_late_system_turn, merge_system_turns
-from mlxgw.shared.errors import ServiceError, invalid
+from mlxgw.shared.errors import invalid
 from mlxgw.shared.protocol import GenerateRequest, SamplingParams
+
+from .chat_text import ChatText
 
 
 @dataclass
@@ -32,6 +33,7 @@ class StepOutput:
 
 class Runner(ABC):
     context_length: int
+    vocab_size: int | None = None  # the logits' width; None where no native code sees token ids
 
     @abstractmethod
     def encode(self, req: GenerateRequest) -> list[int]: ...
@@ -40,8 +42,12 @@ class Runner(ABC):
     def new_detokenizer(self): ...
 
     @abstractmethod
-    def insert(self, prompt: list[int], max_tokens: int, sampling: SamplingParams, constraint=None) -> tuple[int, int]:
-        """Queue a prompt for execution; return (uid, prompt tokens served from the cache)."""
+    def insert(
+        self, prompt: list[int], max_tokens: int, sampling: SamplingParams, constraint=None, guard=None
+    ) -> tuple[int, int]:
+        """Queue a prompt for execution; return (uid, prompt tokens served from the cache).
+        guard (a SequenceGuard) wraps the sequence's samplers and logits processors, so an
+        exception in them ends this sequence only."""
 
     def encode_text(self, text: str) -> list[int]:
         """Token ids of a piece of text, without special tokens."""
@@ -73,7 +79,29 @@ class Runner(ABC):
         return None
 
 
-class MLXRunner(Runner):
+class ChatTextRunner(Runner):
+    """A runner whose text side is a ChatText (self.text, set by the subclass): prompts,
+    detokenizing, output parsing and constraints are delegated to it."""
+
+    text: ChatText
+
+    def encode(self, req: GenerateRequest) -> list[int]:
+        return self.text.encode(req)
+
+    def encode_text(self, text: str) -> list[int]:
+        return self.text.encode_text(text)
+
+    def new_detokenizer(self):
+        return self.text.new_detokenizer()
+
+    def make_parser(self, req: GenerateRequest, prompt: list[int]):
+        return self.text.make_parser(req, prompt)
+
+    def make_constraint(self, req: GenerateRequest):
+        return self.text.make_constraint(req)
+
+
+class MLXRunner(ChatTextRunner):
     def __init__(
         self,
         model_path: Path,
@@ -84,6 +112,7 @@ class MLXRunner(Runner):
         cache_bytes: int,
         tool_parser: str | None = None,
         reasoning_parser: str | None = None,
+        allow_request_chat_template: bool = False,
     ):
         import mlx.core as mx
         from mlx_lm import load
@@ -105,97 +134,32 @@ class MLXRunner(Runner):
         self.prefix_cache = PrefixCache(cache_bytes)
         self._covered: dict[int, int] = {}  # uid -> prompt tokens its cache lookup covered
         self.cache_bytes = cache_bytes
-        self.tool_parser = tool_parser
-        self.reasoning_parser = reasoning_parser
-        self._constraints = None
         self.vocab_size = self.model.args.vocab_size if hasattr(self.model, "args") else self.tokenizer.vocab_size
-
-    # -- prompts ------------------------------------------------------------------------
-    def encode(self, req: GenerateRequest) -> list[int]:
-        if req.prompt_tokens is not None:
-            vocab = self.tokenizer.vocab_size
-            if any(not isinstance(t, int) or t < 0 or t >= vocab for t in req.prompt_tokens):
-                raise invalid(f"prompt token ids must be integers in [0, {vocab})", "prompt")
-            return list(req.prompt_tokens)
-        if req.messages is not None:
-            return self._apply_template(req)
-        return self.tokenizer.encode(req.prompt or "")
-
-    def _apply_template(self, req: GenerateRequest, tokenize: bool = True):
-        """The chat prompt: token ids, or the text when tokenize is False."""
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise invalid("this model has no chat template; use /v1/completions", "messages")
-        kwargs = dict(req.chat_template_kwargs or {})
-        if req.tools:
-            kwargs["tools"] = req.tools
-        try:
-            out = self._render(req.messages, tokenize, kwargs)
-        except Exception as e:  # jinja raises TemplateError, TypeError, ... for bad messages
-            if not has_late_system_turn(req.messages):
-                raise invalid(f"the model's chat template rejected the messages: {e}", "messages") from None
-            try:  # a template that takes a system turn only first: merge them (shared/chat.py)
-                out = self._render(merge_system_turns(req.messages), tokenize, kwargs)
-            except Exception as e2:
-                raise invalid(f"the model's chat template rejected the messages: {e2}", "messages") from None
-        if not tokenize:
-            return out
-        if isinstance(out, dict):  # some transformers versions return a BatchEncoding
-            out = out["input_ids"]
-        return list(out)
-
-    def _render(self, messages: list[dict], tokenize: bool, kwargs: dict):
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=tokenize, **kwargs)
-
-    def new_detokenizer(self):
-        return self.tokenizer.detokenizer
-
-    def make_parser(self, req: GenerateRequest, prompt: list[int]):
-        from .output_parser import OutputParser, think_tags, tool_syntax
-
-        think = think_tags(self.reasoning_parser, self.tokenizer)
-        tool = tool_syntax(self.tool_parser, self.tokenizer) if req.tools else None
-        if think is None and tool is None:
-            return None
-        in_reasoning = False
-        if think is not None:
-            # Templates that open the think tag themselves leave generation inside it.
-            tail = self.tokenizer.decode(prompt[-48:])
-            in_reasoning = tail.rfind(think[0]) > tail.rfind(think[1])
-        return OutputParser(think=think, in_reasoning=in_reasoning, tool=tool, tools=req.tools)
+        self.text = ChatText(
+            self.tokenizer,
+            self.vocab_size,
+            tool_parser=tool_parser,
+            reasoning_parser=reasoning_parser,
+            allow_request_chat_template=allow_request_chat_template,
+        )
 
     # -- execution ----------------------------------------------------------------------
-    def make_constraint(self, req: GenerateRequest):
-        if req.constraint is None:
-            return None
-        if self._constraints is None:
-            from .constraints import ConstraintFactory
+    def insert(
+        self, prompt: list[int], max_tokens: int, sampling: SamplingParams, constraint=None, guard=None
+    ) -> tuple[int, int]:
+        from .sampling import build_sampler, guard_sampler, guarded_processors
 
-            self._constraints = ConstraintFactory(
-                self.tokenizer._tokenizer, self.vocab_size, sorted(self.tokenizer.eos_token_ids)
-            )
-        from .output_parser import tool_syntax
-
-        syntax = tool_syntax(self.tool_parser, self.tokenizer)
-        markup = (syntax.start, syntax.end or "") if syntax and syntax.end else None
-        return self._constraints.processor(req.constraint, markup)
-
-    def encode_text(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
-    def insert(self, prompt: list[int], max_tokens: int, sampling: SamplingParams, constraint=None) -> tuple[int, int]:
-        from .sampling import build_logits_processors, build_sampler
-
-        processors = build_logits_processors(sampling)
-        if constraint is not None:
-            # last: masks apply after any bias or penalty; several may be chained
-            processors += constraint if isinstance(constraint, list) else [constraint]
+        processors = guarded_processors(sampling, constraint, guard)
+        sampler = build_sampler(sampling)
+        if guard is not None:
+            sampler = guard_sampler(sampler, guard)
         cache, cached = self.prefix_cache.longest_match(prompt)
         (uid,) = self.generator.insert(
             [prompt[cached:]],
             max_tokens=[max_tokens],
             caches=[cache] if cache is not None else None,
             all_tokens=[prompt[:cached]],
-            samplers=[build_sampler(sampling)],
+            samplers=[sampler],
             logits_processors=[processors],
         )
         self._covered[uid] = cached
@@ -262,54 +226,3 @@ class MLXRunner(Runner):
         self.prefix_cache.clear()
         gc.collect()
         self._mx.clear_cache()
-
-
-class ThinkingBudget:
-    """Logits processor that ends reasoning after `budget` tokens by forcing the model's end
-    tag, one token per step (the tag may span several tokens)."""
-
-    def __init__(self, parser, budget: int, end_tokens: list[int]):
-        self.parser = parser
-        self.budget = budget
-        self.end_tokens = list(end_tokens)
-        self.used = 0
-        self.forcing: list[int] | None = None
-
-    def __call__(self, tokens, logits):
-        import mlx.core as mx
-
-        if self.forcing is None:
-            if self.parser.mode != "reasoning":
-                return logits
-            self.used += 1
-            if self.used <= self.budget:
-                return logits
-            self.forcing = list(self.end_tokens)
-        if not self.forcing:
-            return logits
-        token = self.forcing.pop(0)
-        return mx.where(mx.arange(logits.shape[-1]) == token, logits, -float("inf"))
-
-
-def check_budget(prompt_len: int, req_max_tokens: int | None, context: int, policy: str) -> int:
-    """Validate the prompt against the context and return the max_tokens to use."""
-    if prompt_len >= context:
-        raise ServiceError(
-            "context_length_exceeded",
-            f"This model's maximum context length is {context} tokens, but the prompt has "
-            f"{prompt_len} tokens. Shorten the prompt.",
-            param="messages",
-            details={"prompt_tokens": prompt_len, "context_length": context},
-        )
-    room = context - prompt_len
-    if req_max_tokens is None:
-        return room
-    if req_max_tokens > room and policy == "reject":
-        raise ServiceError(
-            "context_length_exceeded",
-            f"This model's maximum context length is {context} tokens; the prompt has "
-            f"{prompt_len} tokens and max_tokens asks for {req_max_tokens} more.",
-            param="max_tokens",
-            details={"prompt_tokens": prompt_len, "context_length": context, "max_tokens": req_max_tokens},
-        )
-    return min(req_max_tokens, room)

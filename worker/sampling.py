@@ -14,7 +14,10 @@ from mlx_lm.sample_utils import (
 )
 from mlxgw.shared.protocol import SamplingParams
 
+from .isolation import SequenceGuard
+
 Sampler = Callable[[mx.array], mx.array]
+Processor = Callable[[mx.array, mx.array], mx.array]
 
 # Penalties look back this many tokens (OpenAI's are over the whole completion; mlx-lm's
 # processors need a window, and a long one costs a gather per step).
@@ -89,3 +92,41 @@ def sampling_processor(p: SamplingParams) -> Callable[[mx.array, mx.array], mx.a
         return only(mx.random.categorical(scaled, key=sub)[..., None], logits)
 
     return processor
+
+
+def guard_processor(fn: Processor, guard: SequenceGuard) -> Processor:
+    """fn, made harmless to the batch: after a fault it returns the logits unchanged."""
+
+    def guarded(tokens: mx.array, logits: mx.array) -> mx.array:
+        if guard.faulted:
+            return logits
+        try:
+            return fn(tokens, logits)
+        except Exception as e:  # this sequence's fault; the scheduler ends it after the step
+            guard.record(e, "constraining or biasing its logits")
+            return logits
+
+    return guarded
+
+
+def guard_sampler(fn: Sampler, guard: SequenceGuard) -> Sampler:
+    """fn, made harmless to the batch: after a fault it draws greedily (the token is dropped)."""
+
+    def guarded(logprobs: mx.array) -> mx.array:
+        if not guard.faulted:
+            try:
+                return fn(logprobs)
+            except Exception as e:
+                guard.record(e, "sampling")
+        return mx.argmax(logprobs, axis=-1)
+
+    return guarded
+
+
+def guarded_processors(sampling: SamplingParams, constraint, guard: SequenceGuard | None) -> list[Processor]:
+    """The sequence's logits processors: bias and penalties, then any constraint (masks apply
+    last; several may be chained), each wrapped in the sequence's guard."""
+    processors = build_logits_processors(sampling)
+    if constraint is not None:
+        processors += constraint if isinstance(constraint, list) else [constraint]
+    return [guard_processor(f, guard) for f in processors] if guard is not None else processors

@@ -1,37 +1,52 @@
 """Admission and lifecycle policy for one model's requests (the runner executes).
 
+- a request is checked against the model (request_checks), then prepared (chat template,
+  tokenizing, constraint) off the engine thread when a Preprocessor is given;
 - bounded waiting queue (`max_queue`): past it a request is refused as overloaded;
 - at most `max_num_seqs` sequences run; new ones are admitted at step boundaries, by
   (priority, arrival): first come, first served within a priority;
 - a request ends exactly once: finish (stop / length / cancelled) or error (timeout, ...);
-  cancelled and timed-out sequences leave the runner, and so free their KV, at once.
+  cancelled and timed-out sequences leave the runner, and so free their KV, at once;
+- a fault of one sequence (an exception while preparing, admitting, sampling, constraining
+  or detokenizing it) ends that sequence with an error and leaves the batch running.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 
 from mlxgw.shared import protocol as p
-from mlxgw.shared.errors import ErrorCode, ServiceError
+from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
 
+from .budget import ThinkingBudget, check_budget
+from .interfaces import TextRunner
+from .isolation import SequenceGuard, as_service_error
 from .output_parser import OutputParser, Parsed
-from .runner import Runner, ThinkingBudget, check_budget
-from .textstream import TextStream
+from .preprocess import Preprocessor
+from .request_checks import check_generate
 
-Event = tuple[str, dict]  # (request id, event)
+log = logging.getLogger("mlxgw.worker")
+
+Event = p.Event
 
 
-def _fields(parsed: Parsed) -> dict:
+def _parts(parsed: Parsed) -> dict:
     """The non-empty parts of a delta: text always (possibly empty), the rest when present."""
-    out: dict = {"text": parsed.text}
-    if parsed.reasoning:
-        out["reasoning"] = parsed.reasoning
-    if parsed.tool_calls:
-        out["tool_calls"] = parsed.tool_calls
-    return out
+    return {"text": parsed.text, "reasoning": parsed.reasoning or None, "tool_calls": parsed.tool_calls or None}
+
+
+@dataclass
+class Prepared:
+    """What preparation makes of a request: its prompt and the per-sequence helpers."""
+
+    prompt: list[int]
+    max_tokens: int
+    parser: OutputParser | None
+    constraint: object | None
 
 
 @dataclass
@@ -41,7 +56,8 @@ class Sequence:
     max_tokens: int
     arrived: float
     deadline: float | None
-    text: TextStream
+    text: object  # TextStream
+    guard: SequenceGuard
     phase: str = "queued"  # queued -> prefill -> decode
     uid: int | None = None
     cached_tokens: int = 0
@@ -52,22 +68,39 @@ class Sequence:
     unsent: Parsed = field(default_factory=Parsed)
     unsent_tokens: int = 0
 
-    def usage(self) -> dict:
-        return {
-            "prompt_tokens": len(self.prompt),
-            "completion_tokens": self.generated,
-            "cached_tokens": self.cached_tokens,
-        }
+    def usage(self) -> p.Usage:
+        return p.Usage(len(self.prompt), self.generated, self.cached_tokens)
+
+
+@dataclass
+class _Intake:
+    """A request between submit and admission, while it is prepared."""
+
+    req: p.GenerateRequest
+    arrival: int
+    arrived: float
 
 
 class Scheduler:
     request_type = p.GenerateRequest
 
-    def __init__(self, runner: Runner, *, max_num_seqs: int, max_queue: int, policy: str = "clamp"):
+    def __init__(
+        self,
+        runner: TextRunner,
+        *,
+        max_num_seqs: int,
+        max_queue: int,
+        policy: str = "clamp",
+        preprocessor: Preprocessor | None = None,
+    ):
+        """preprocessor: prepares requests on its own thread; None prepares them in submit
+        (in-process tests and benchmarks)."""
         self.runner = runner
         self.max_num_seqs = max_num_seqs
         self.max_queue = max_queue
         self.policy = policy
+        self.preprocessor = preprocessor
+        self._intake: dict[str, _Intake] = {}
         self._seqs: dict[str, Sequence] = {}
         self._by_uid: dict[int, Sequence] = {}
         self._waiting: list[tuple[int, int, str]] = []
@@ -78,8 +111,8 @@ class Scheduler:
     # -- intake ---------------------------------------------------------------------------
     def submit(self, req: p.GenerateRequest) -> list[Event]:
         try:
-            if req.rid in self._seqs:
-                raise ServiceError(ErrorCode.INVALID_REQUEST, f"duplicate request id {req.rid}")
+            if req.rid in self._seqs or req.rid in self._intake:
+                raise invalid(f"duplicate request id {req.rid}")
             # Requests that free running slots will take at the next step are not waiting.
             free_slots = max(0, self.max_num_seqs - len(self._by_uid))
             if self.waiting >= self.max_queue + free_slots:
@@ -88,66 +121,144 @@ class Scheduler:
                     f"model is at capacity ({self.waiting} requests waiting); retry shortly",
                     retry_after=1.0,
                 )
-            prompt = self.runner.encode(req)
-            if not prompt:
-                raise ServiceError(ErrorCode.INVALID_REQUEST, "the prompt is empty", param="prompt")
-            constraint = self.runner.make_constraint(req)
-            parser = self.runner.make_parser(req, prompt)
-            if req.reasoning_budget is not None and parser is not None and parser.think:
-                budget = ThinkingBudget(parser, req.reasoning_budget, self.runner.encode_text(parser.think[1]))
-                constraint = [budget] + ([constraint] if constraint else [])
-            max_tokens = check_budget(
-                len(prompt), req.max_tokens, self.runner.context_length, req.max_tokens_policy or self.policy
-            )
+            req = check_generate(req, getattr(self.runner, "vocab_size", None))
         except ServiceError as e:
-            return [(req.rid, {"e": p.EV_ERROR, **e.to_wire()})]
-        now = time.monotonic()
+            return [(req.rid, p.error_event(e))]
+        intake = _Intake(req, next(self._arrivals), time.monotonic())
+        self._intake[req.rid] = intake
+        if self.preprocessor is None:
+            return self._on_prepared(intake, *self._prepare_safely(req))
+        self.preprocessor.submit(req.rid, lambda: self._prepare(req))
+        return []
+
+    def _prepare_safely(self, req: p.GenerateRequest) -> tuple[Prepared | None, BaseException | None]:
+        try:
+            return self._prepare(req), None
+        except Exception as e:
+            return None, e
+
+    def _prepare(self, req: p.GenerateRequest) -> Prepared:
+        """Template, tokenize and build the sequence's helpers (runs off the engine thread)."""
+        try:
+            prompt = self.runner.encode(req)
+        except ServiceError:
+            raise
+        except Exception as e:  # the tokenizer refused this input (odd code points, ...): its sender's fault
+            param = "messages" if req.messages is not None else "prompt"
+            raise invalid(f"the prompt could not be tokenized: {type(e).__name__}: {e}", param) from None
+        if not prompt:
+            raise invalid("the prompt is empty", "prompt")
+        max_tokens = check_budget(
+            len(prompt), req.max_tokens, self.runner.context_length, req.max_tokens_policy or self.policy
+        )
+        constraint = self.runner.make_constraint(req)
+        parser = self.runner.make_parser(req, prompt)
+        if req.reasoning_budget is not None and parser is not None and parser.think:
+            budget = ThinkingBudget(parser, req.reasoning_budget, self.runner.encode_text(parser.think[1]))
+            constraint = [budget] + ([constraint] if constraint else [])
+        return Prepared(prompt, max_tokens, parser, constraint)
+
+    def _collect_prepared(self) -> list[Event]:
+        if self.preprocessor is None:
+            return []
+        events = []
+        for rid, prepared, error in self.preprocessor.ready():
+            intake = self._intake.get(rid)
+            if intake is not None:
+                events += self._on_prepared(intake, prepared, error)
+        return events
+
+    def _on_prepared(self, intake: _Intake, prepared: Prepared | None, error: BaseException | None) -> list[Event]:
+        req = intake.req
+        del self._intake[req.rid]
+        if error is not None or prepared is None:
+            if not isinstance(error, ServiceError):
+                log.error("preparing %s failed: %r", req.rid, error, exc_info=error)
+            return [(req.rid, p.error_event(as_service_error(error, "preparing its prompt")))]
+        from .textstream import TextStream
+
+        try:
+            text = TextStream(self.runner.new_detokenizer(), req.stop)
+        except Exception as e:
+            return [(req.rid, p.error_event(as_service_error(e, "starting its detokenizer")))]
         seq = Sequence(
             req=req,
-            prompt=prompt,
-            max_tokens=max_tokens,
-            arrived=now,
-            deadline=now + req.timeout_s if req.timeout_s else None,
-            text=TextStream(self.runner.new_detokenizer(), req.stop),
-            parser=parser,
-            constraint=constraint,
+            prompt=prepared.prompt,
+            max_tokens=prepared.max_tokens,
+            arrived=intake.arrived,
+            deadline=intake.arrived + req.timeout_s if req.timeout_s else None,
+            text=text,
+            guard=SequenceGuard(req.rid),
+            parser=prepared.parser,
+            constraint=prepared.constraint,
         )
         self._seqs[req.rid] = seq
-        heapq.heappush(self._waiting, (req.priority, next(self._arrivals), req.rid))
-        accepted = {"e": p.EV_ACCEPTED, "prompt_tokens": len(prompt), "max_tokens": max_tokens, "queued": self.waiting}
-        return [(req.rid, accepted)]
+        heapq.heappush(self._waiting, (req.priority, intake.arrival, req.rid))
+        accepted = p.Accepted(prompt_tokens=len(seq.prompt), max_tokens=seq.max_tokens, queued=self.waiting)
+        return [(req.rid, accepted.to_wire())]
 
     def cancel(self, rid: str) -> list[Event]:
+        if rid in self._intake:
+            del self._intake[rid]
+            if self.preprocessor is not None:
+                self.preprocessor.discard(rid)
+            self.finished += 1
+            return [(rid, p.Finish("cancelled", p.Usage(), text="").to_wire())]
         seq = self._seqs.get(rid)
         if seq is None:
             return []
-        return [self._end(seq, {"e": p.EV_FINISH, "reason": "cancelled", "text": "", "usage": seq.usage()})]
+        return [self._end(seq, p.Finish("cancelled", seq.usage(), text="").to_wire())]
 
     # -- the step loop ---------------------------------------------------------------------
     def has_work(self) -> bool:
+        """Sequences to step (requests still being prepared wait on their own thread)."""
         return bool(self._seqs)
 
+    def preparing(self) -> int:
+        return len(self._intake)
+
     def step(self) -> list[Event]:
-        events = self._expire(time.monotonic())
+        events = self._collect_prepared()
+        events += self._expire(time.monotonic())
         events += self._admit()
         if not self._by_uid:
             return events
         out = self.runner.step()
+        events += self._end_faulted()
         for uid, done, total in out.prefill:
             seq = self._by_uid.get(uid)
             if seq is not None and done < total:
                 seq.phase = "prefill"
-                events.append((seq.req.rid, {"e": p.EV_PROGRESS, "done": done, "total": total}))
+                events.append((seq.req.rid, p.Progress(done, total).to_wire()))
         for t in out.tokens:
             seq = self._by_uid.get(t.uid)
-            if seq is not None:
+            if seq is None:
+                continue
+            try:
                 events.extend(self._on_token(seq, t.token, t.finish))
+            except Exception as e:  # detokenizer, stop strings, output parser: this sequence's fault
+                log.error("request %s failed on a token: %r", seq.req.rid, e, exc_info=e)
+                if seq.req.rid in self._seqs:
+                    err = as_service_error(e, "decoding its output")
+                    events.append(self._end(seq, p.error_event(err, seq.usage())))
+        return events
+
+    def poll_prepared(self) -> list[Event]:
+        """Accepted (or refused) requests whose preparation finished: for an idle engine."""
+        return self._collect_prepared()
+
+    def _end_faulted(self) -> list[Event]:
+        """Sequences whose sampler or logits processors raised during the step."""
+        events = []
+        for seq in [s for s in self._by_uid.values() if s.guard.faulted]:
+            err = as_service_error(seq.guard.error, "sampling")  # type: ignore[arg-type]
+            events.append(self._end(seq, p.error_event(err, seq.usage())))
         return events
 
     def _admit(self) -> list[Event]:
         """Start waiting sequences while there is room. A sequence the runner refuses at
-        admission (a vision model's images its vision tower cannot take) ends with an error;
-        the runner has not taken it, so the others are unaffected."""
+        admission (a vision model's images its vision tower cannot take, or any exception)
+        ends with an error; the runner has not taken it, so the others are unaffected."""
         events = []
         while self._waiting and len(self._by_uid) < self.max_num_seqs:
             _, _, rid = heapq.heappop(self._waiting)
@@ -156,10 +267,12 @@ class Scheduler:
                 continue  # cancelled while queued
             try:
                 seq.uid, seq.cached_tokens = self.runner.insert(
-                    seq.prompt, seq.max_tokens, seq.req.sampling, seq.constraint
+                    seq.prompt, seq.max_tokens, seq.req.sampling, seq.constraint, guard=seq.guard
                 )
-            except ServiceError as e:
-                events.append(self._end(seq, {"e": p.EV_ERROR, **e.to_wire()}))
+            except Exception as e:
+                if not isinstance(e, ServiceError):
+                    log.error("admitting %s failed: %r", rid, e, exc_info=e)
+                events.append(self._end(seq, p.error_event(as_service_error(e, "admitting it"))))
                 continue
             seq.phase = "prefill"
             self._by_uid[seq.uid] = seq
@@ -189,19 +302,13 @@ class Scheduler:
                 seq.unsent.extend(parser.finish())
                 if parser.saw_tool_calls and finish == "stop":
                     finish = "tool_calls"
-            end = {
-                "e": p.EV_FINISH,
-                "reason": finish,
-                **_fields(seq.unsent),
-                "stop": seq.text.stop_match,
-                "usage": seq.usage(),
-            }
-            return [self._end(seq, end, remove=False)]
+            end = p.Finish(finish, seq.usage(), stop=seq.text.stop_match, **_parts(seq.unsent))
+            return [self._end(seq, end.to_wire(), remove=False)]
         if seq.unsent_tokens >= max(1, seq.req.stream_interval) and seq.unsent:
-            delta = {"e": p.EV_DELTA, **_fields(seq.unsent), "n": seq.generated}
+            delta = p.Delta(n=seq.generated, **_parts(seq.unsent))
             seq.unsent = Parsed()
             seq.unsent_tokens = 0
-            return [(seq.req.rid, delta)]
+            return [(seq.req.rid, delta.to_wire())]
         return []
 
     def _expire(self, now: float) -> list[Event]:
@@ -210,7 +317,7 @@ class Scheduler:
             err = ServiceError(
                 ErrorCode.TIMEOUT, f"request timed out after {seq.req.timeout_s:g} s ({seq.generated} tokens generated)"
             )
-            events.append(self._end(seq, {"e": p.EV_ERROR, **err.to_wire(), "usage": seq.usage()}))
+            events.append(self._end(seq, p.error_event(err, seq.usage())))
         return events
 
     def _end(self, seq: Sequence, event: dict, remove: bool = True) -> Event:
@@ -218,22 +325,40 @@ class Scheduler:
         if seq.uid is not None:
             self._by_uid.pop(seq.uid, None)
             if remove:
-                self.runner.remove([seq.uid])
+                try:
+                    self.runner.remove([seq.uid])
+                except Exception as e:  # already gone from the runner: nothing left to free
+                    log.warning("removing %s from the runner failed: %r", seq.req.rid, e)
         self.finished += 1
         return (seq.req.rid, event)
 
     # -- introspection ---------------------------------------------------------------------
+    def counters(self) -> dict:
+        return {"generated_tokens": self.generated_tokens}
+
     @property
     def running(self) -> int:
         return len(self._by_uid)
 
     @property
     def waiting(self) -> int:
-        return len(self._seqs) - len(self._by_uid)
+        return len(self._seqs) - len(self._by_uid) + len(self._intake)
 
     def requests(self) -> list[dict]:
         now = time.monotonic()
-        return [
+        preparing = [
+            {
+                "id": rid,
+                "phase": "preparing",
+                "prompt_tokens": 0,
+                "cached_tokens": 0,
+                "generated_tokens": 0,
+                "age_s": round(now - i.arrived, 3),
+                "ttft_s": None,
+            }
+            for rid, i in self._intake.items()
+        ]
+        return preparing + [
             {
                 "id": s.req.rid,
                 "phase": s.phase,

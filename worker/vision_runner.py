@@ -3,7 +3,7 @@
 Execution is mlx-vlm's BatchGenerator: sequences with and without images share the batch;
 each prompt enters as input embeddings (the vision tower runs once, at admission). Text
 handling (chat template, detokenizing, tool and reasoning parsing, constrained decoding)
-is the MLX runner's, on the same tokenizer files, loaded with mlx-lm.
+is a ChatText, as in the MLX runner, on the same tokenizer files, loaded with mlx-lm.
 
 mlx-vlm's generator draws every row with one sampler, so per-request temperature, top-p,
 top-k and min-p are applied as a logits processor and the shared sampler draws at
@@ -18,7 +18,8 @@ from pathlib import Path
 from mlxgw.shared.errors import invalid
 from mlxgw.shared.protocol import GenerateRequest, SamplingParams
 
-from .runner import MLXRunner, StepOutput, TokenOut
+from .chat_text import ChatText
+from .runner import ChatTextRunner, StepOutput, TokenOut
 
 # Larger images are refused before decoding (a small file can decode to gigapixels).
 MAX_IMAGE_PIXELS = 40_000_000
@@ -46,7 +47,7 @@ def decode_image(data: bytes, index: int):
         raise invalid(f"image {index} could not be decoded: {e}", "messages") from None
 
 
-class VisionRunner(MLXRunner):
+class VisionRunner(ChatTextRunner):
     def __init__(
         self,
         model_path: Path,
@@ -56,6 +57,7 @@ class VisionRunner(MLXRunner):
         prefill_step_size: int,
         tool_parser: str | None = None,
         reasoning_parser: str | None = None,
+        allow_request_chat_template: bool = False,
     ):
         try:
             import mlx.core as mx
@@ -85,9 +87,13 @@ class VisionRunner(MLXRunner):
             prefill_step_size=prefill_step_size,
             compute_logprobs=False,
         )
-        self.tool_parser = tool_parser
-        self.reasoning_parser = reasoning_parser
-        self._constraints = None
+        self.text = ChatText(
+            self.tokenizer,
+            self.vocab_size,
+            tool_parser=tool_parser,
+            reasoning_parser=reasoning_parser,
+            allow_request_chat_template=allow_request_chat_template,
+        )
         self.images_seen = 0
 
     # -- prompts ------------------------------------------------------------------------
@@ -96,7 +102,7 @@ class VisionRunner(MLXRunner):
         (insert), so queued requests hold pixels, not embeddings."""
         images = req.images or []
         if req.messages is None or not images:
-            return MediaPrompt(super().encode(req))
+            return MediaPrompt(self.text.encode(req))
         slots = sum(
             1
             for m in req.messages
@@ -107,7 +113,7 @@ class VisionRunner(MLXRunner):
         if slots != len(images):
             raise invalid(f"the messages reference {slots} images but {len(images)} were sent", "messages")
         pictures = [decode_image(data, i) for i, data in enumerate(images)]
-        text = self._apply_template(req, tokenize=False)
+        text = self.text.apply_template(req, tokenize=False)
         from mlx_vlm.utils import prepare_inputs
 
         try:
@@ -139,8 +145,10 @@ class VisionRunner(MLXRunner):
         return kwargs
 
     # -- execution ----------------------------------------------------------------------
-    def insert(self, prompt: list[int], max_tokens: int, sampling: SamplingParams, constraint=None) -> tuple[int, int]:
-        from .sampling import build_logits_processors, sampling_processor
+    def insert(
+        self, prompt: list[int], max_tokens: int, sampling: SamplingParams, constraint=None, guard=None
+    ) -> tuple[int, int]:
+        from .sampling import guard_processor, guarded_processors, sampling_processor
 
         inputs = dict(getattr(prompt, "media", None) or {})
         ids = inputs.pop("input_ids", None)
@@ -149,10 +157,9 @@ class VisionRunner(MLXRunner):
         except Exception as e:  # the vision tower refused these images: this request's error only
             raise invalid(f"the model could not encode the images: {e}", "messages") from None
 
-        processors = build_logits_processors(sampling)
-        if constraint is not None:
-            processors += constraint if isinstance(constraint, list) else [constraint]
-        processors.append(sampling_processor(sampling))  # last: it turns logits into the draw distribution
+        processors = guarded_processors(sampling, constraint, guard)
+        draw = sampling_processor(sampling)  # last: it turns logits into the draw distribution
+        processors.append(guard_processor(draw, guard) if guard is not None else draw)
         (uid,) = self.generator.insert(
             [list(prompt)], max_tokens=[max_tokens], prompt_kwargs=[prompt_kwargs], logits_processors=[processors]
         )

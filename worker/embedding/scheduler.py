@@ -18,9 +18,11 @@ import numpy as np
 from mlxgw.shared import protocol as p
 from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
 
-from .encoder import TextEncoder
+from ..interfaces import EmbeddingRunner
+from ..isolation import as_service_error
+from ..preprocess import Preprocessor
 
-Event = tuple[str, dict]
+Event = p.Event
 
 
 def _length(item) -> int:
@@ -46,35 +48,70 @@ class Job:
 class EmbedScheduler:
     request_type = p.EmbedRequest
 
-    def __init__(self, encoder: TextEncoder, *, max_batch_size: int, max_batch_tokens: int, max_queue: int):
+    def __init__(
+        self,
+        encoder: EmbeddingRunner,
+        *,
+        max_batch_size: int,
+        max_batch_tokens: int,
+        max_queue: int,
+        preprocessor: Preprocessor | None = None,
+    ):
+        """preprocessor: tokenizes on its own thread; None tokenizes in submit."""
         self.encoder = encoder
+        self.preprocessor = preprocessor
+        self._intake: dict[str, tuple[p.EmbedRequest, float]] = {}
         self.max_batch_size = max_batch_size
         self.max_batch_tokens = max_batch_tokens
         self.max_queue = max_queue
         self._jobs: dict[str, Job] = {}
         self._pending: deque[tuple[str, int]] = deque()  # (request id, input index), FIFO
-        self.generated_tokens = 0  # nothing is generated; the engine's stats ask every scheduler
         self.finished = 0
+        self.embedded_inputs = 0
 
     # -- intake ---------------------------------------------------------------------------
     def submit(self, req: p.EmbedRequest) -> list[Event]:
         try:
-            if req.rid in self._jobs:
+            if req.rid in self._jobs or req.rid in self._intake:
                 raise ServiceError(ErrorCode.INVALID_REQUEST, f"duplicate request id {req.rid}")
             if self.waiting >= self.max_queue:
                 raise ServiceError(
                     ErrorCode.OVERLOADED, f"model is at capacity ({self.waiting} requests waiting)", retry_after=1.0
                 )
-            inputs = self._tokenize(req)
         except ServiceError as e:
-            return [(req.rid, {"e": p.EV_ERROR, **e.to_wire()})]
-        now = time.monotonic()
-        job = Job(req, inputs, now, now + req.timeout_s if req.timeout_s else None)
+            return [(req.rid, p.error_event(e))]
+        self._intake[req.rid] = (req, time.monotonic())
+        if self.preprocessor is None:
+            try:
+                inputs, error = self._tokenize(req), None
+            except Exception as e:
+                inputs, error = None, e
+            return self._on_tokenized(req.rid, inputs, error)
+        self.preprocessor.submit(req.rid, lambda: self._tokenize(req))
+        return []
+
+    def _on_tokenized(self, rid: str, inputs: list | None, error: BaseException | None) -> list[Event]:
+        req, arrived = self._intake.pop(rid)
+        if error is not None or inputs is None:
+            return [(rid, p.error_event(as_service_error(error, "tokenizing its inputs")))]
+        job = Job(req, inputs, arrived, arrived + req.timeout_s if req.timeout_s else None)
         job.results = [None] * len(inputs)
         job.remaining = len(inputs)
-        self._jobs[req.rid] = job
-        self._pending.extend((req.rid, i) for i in range(len(inputs)))
-        return [(req.rid, {"e": p.EV_ACCEPTED, "prompt_tokens": job.tokens, "max_tokens": 0, "queued": self.waiting})]
+        self._jobs[rid] = job
+        self._pending.extend((rid, i) for i in range(len(inputs)))
+        return [(rid, p.Accepted(prompt_tokens=job.tokens, max_tokens=0, queued=self.waiting).to_wire())]
+
+    def poll_prepared(self) -> list[Event]:
+        if self.preprocessor is None:
+            return []
+        events = []
+        for rid, inputs, error in self.preprocessor.ready():
+            if rid in self._intake:
+                events += self._on_tokenized(rid, inputs, error)
+        return events
+
+    def preparing(self) -> int:
+        return len(self._intake)
 
     def _tokenize(self, req: p.EmbedRequest) -> list:
         enc = self.encoder
@@ -93,17 +130,23 @@ class EmbedScheduler:
         return [enc.tokenize(x, i, req.truncate) for i, x in enumerate(req.inputs)]
 
     def cancel(self, rid: str) -> list[Event]:
+        if self._intake.pop(rid, None) is not None:
+            if self.preprocessor is not None:
+                self.preprocessor.discard(rid)
+            self.finished += 1
+            return [(rid, p.Finish("cancelled", p.Usage()).to_wire())]
         job = self._jobs.get(rid)
         if job is None:
             return []
-        return [self._end(job, {"e": p.EV_FINISH, "reason": "cancelled", "usage": self._usage(job)})]
+        return [self._end(job, p.Finish("cancelled", self._usage(job)).to_wire())]
 
     # -- the step loop ---------------------------------------------------------------------
     def has_work(self) -> bool:
         return bool(self._jobs)
 
     def step(self) -> list[Event]:
-        events = self._expire(time.monotonic())
+        events = self.poll_prepared()
+        events += self._expire(time.monotonic())
         for batch in self._passes(self._take_window()):
             jobs = [self._jobs[rid] for rid, _, _ in batch]
             inputs = [job.inputs[i] for job, (_, i, _) in zip(jobs, batch)]
@@ -111,6 +154,7 @@ class EmbedScheduler:
                 outputs = self.encoder.score(inputs)
             else:
                 outputs = self.encoder.embed(inputs, [job.req.dimensions for job in jobs])
+            self.embedded_inputs += len(inputs)
             for job, (_, i, _), out in zip(jobs, batch, outputs):
                 job.started = True
                 job.results[i] = out
@@ -150,27 +194,26 @@ class EmbedScheduler:
         return passes
 
     def _finish_event(self, job: Job) -> dict:
-        event = {"e": p.EV_FINISH, "reason": "stop", "usage": self._usage(job)}
+        usage = self._usage(job)
         if job.req.query is None:
-            event["vectors"] = b"".join(v.tobytes() for v in job.results)
-            event["dim"] = int(job.results[0].shape[0])
-        elif self.encoder.cross_encoder:
-            event["scores"] = job.results
-        else:
-            query, docs = job.results[0], np.stack(job.results[1:])
-            norms = np.linalg.norm(docs, axis=1) * max(float(np.linalg.norm(query)), 1e-12)
-            event["scores"] = [float(s) for s in (docs @ query) / np.maximum(norms, 1e-12)]
-        return event
+            vectors = b"".join(v.tobytes() for v in job.results)
+            return p.Finish("stop", usage, vectors=vectors, dim=int(job.results[0].shape[0])).to_wire()
+        if self.encoder.cross_encoder:
+            return p.Finish("stop", usage, scores=job.results).to_wire()
+        query, docs = job.results[0], np.stack(job.results[1:])
+        norms = np.linalg.norm(docs, axis=1) * max(float(np.linalg.norm(query)), 1e-12)
+        scores = [float(s) for s in (docs @ query) / np.maximum(norms, 1e-12)]
+        return p.Finish("stop", usage, scores=scores).to_wire()
 
     @staticmethod
-    def _usage(job: Job) -> dict:
-        return {"prompt_tokens": job.tokens, "completion_tokens": 0, "cached_tokens": 0}
+    def _usage(job: Job) -> p.Usage:
+        return p.Usage(prompt_tokens=job.tokens)
 
     def _expire(self, now: float) -> list[Event]:
         events = []
         for job in [j for j in self._jobs.values() if j.deadline and now >= j.deadline]:
             err = ServiceError(ErrorCode.TIMEOUT, f"request timed out after {job.req.timeout_s:g} s")
-            events.append(self._end(job, {"e": p.EV_ERROR, **err.to_wire()}))
+            events.append(self._end(job, p.error_event(err)))
         return events
 
     def _end(self, job: Job, event: dict) -> Event:
@@ -179,13 +222,16 @@ class EmbedScheduler:
         return (job.req.rid, event)
 
     # -- introspection ---------------------------------------------------------------------
+    def counters(self) -> dict:
+        return {"embedded_inputs": self.embedded_inputs}
+
     @property
     def running(self) -> int:
         return sum(1 for j in self._jobs.values() if j.started)
 
     @property
     def waiting(self) -> int:
-        return len(self._jobs) - self.running
+        return len(self._jobs) - self.running + len(self._intake)
 
     def requests(self) -> list[dict]:
         now = time.monotonic()

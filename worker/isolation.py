@@ -1,0 +1,41 @@
+"""Per-sequence fault boxes: an exception raised for one sequence ends that sequence only.
+
+Samplers and logits processors run inside the runner's batched step (mlx-lm's and
+mlx-vlm's BatchGenerator call them row by row). An exception escaping one of them would
+abort the step for the whole batch, so each sequence's callables are wrapped: the first
+exception is caught and recorded in the sequence's guard, the callable turns neutral for the
+rest of the step (logits unchanged, greedy draw), and after the step the scheduler ends the
+faulted sequence with an error event and removes it from the batch."""
+
+from __future__ import annotations
+
+import logging
+
+from mlxgw.shared.errors import ErrorCode, ServiceError
+
+log = logging.getLogger("mlxgw.worker")
+
+
+class SequenceGuard:
+    """Records the first fault of one sequence's sampling or constraint code."""
+
+    def __init__(self, rid: str):
+        self.rid = rid
+        self.error: BaseException | None = None
+
+    @property
+    def faulted(self) -> bool:
+        return self.error is not None
+
+    def record(self, error: Exception, where: str) -> None:
+        if self.error is None:
+            log.error("request %s failed while %s: %r", self.rid, where, error, exc_info=error)
+            self.error = error
+
+
+def as_service_error(error: BaseException, doing: str) -> ServiceError:
+    """The error event for a sequence that failed: a ServiceError keeps its own code (a 400
+    raised by a constraint, ...); anything else is an internal error of this request only."""
+    if isinstance(error, ServiceError):
+        return error
+    return ServiceError(ErrorCode.INTERNAL, f"the request failed while {doing}: {type(error).__name__}: {error}")
