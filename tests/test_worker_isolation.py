@@ -11,7 +11,7 @@ import threading
 import time
 
 import pytest
-from conftest import NO_EOS, TINY_CONFIG, http, openai_client, start_gateway
+from helpers import NO_EOS, TINY_CONFIG, http, openai_client, start_gateway
 
 CHAT = "/v1/chat/completions"
 MSGS = [{"role": "user", "content": "hi"}]
