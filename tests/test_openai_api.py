@@ -241,7 +241,7 @@ def test_head_root_answers_200(tiny_gateway):
         ("top_p", 1.5),
         ("top_k", -1),
         ("min_p", 2),
-        ("seed", -1),
+        ("seed", -(2**63) - 1),
         ("seed", 2**63),
         ("presence_penalty", 3),
         ("frequency_penalty", -3),

@@ -11,6 +11,7 @@ NaN and Infinity fail every range."""
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, ClassVar
 
 import msgspec
@@ -18,13 +19,14 @@ from mlxgw.shared.errors import invalid
 
 from .validate import INT32_MAX
 
-SEED_MAX = 2**63 - 1  # seeds are 0..2^63-1 (what every sampler's generator takes)
+SEED_MAX = 2**63 - 1  # any int64; the worker maps it onto its generator's range (seed mod 2^64)
 
 M = msgspec.Meta
 Tokens = Annotated[int, M(ge=1, le=INT32_MAX)]
 StopText = Annotated[str, M(min_length=1, max_length=1000)]
 Stop = StopText | Annotated[list[StopText], M(max_length=16)] | None
-TokenId = Annotated[str, M(pattern=r"^\s*\d{1,10}\s*$")]
+# Shape only here (an integer of bounded length); the range check names the key (logit_bias()).
+TokenId = Annotated[str, M(pattern=r"^\s*-?\d{1,20}\s*$")]
 Bias = Annotated[float, M(ge=-100, le=100)]
 
 
@@ -33,7 +35,7 @@ class CommonFields(msgspec.Struct):
     top_p: Annotated[float, M(ge=0, le=1)] | None = None
     top_k: Annotated[int, M(ge=0, le=INT32_MAX)] | None = None
     min_p: Annotated[float, M(ge=0, le=1)] | None = None
-    seed: Annotated[int, M(ge=0, le=SEED_MAX)] | None = None
+    seed: Annotated[int, M(ge=-SEED_MAX - 1, le=SEED_MAX)] | None = None
     repetition_penalty: Annotated[float, M(ge=0.01, le=10)] | None = None
     presence_penalty: Annotated[float, M(ge=-2, le=2)] | None = None
     frequency_penalty: Annotated[float, M(ge=-2, le=2)] | None = None
@@ -90,7 +92,8 @@ def decode_fields(body: dict, kind: type[CommonFields]) -> CommonFields:
     try:
         return msgspec.convert(body, kind)
     except msgspec.ValidationError as e:
-        message = str(e)
+        # msgspec says "of length <= 1024"; users read "at most 1024 entries" faster.
+        message = re.sub(r"of length <= (\d+)", r"of at most \1 entries", str(e))
         path = message.rpartition("`$.")[2]
         param = path.split("[", 1)[0].split(".", 1)[0].rstrip("`") or None
         raise invalid(f"invalid '{param}': {message}" if param else message, param) from None
@@ -103,7 +106,7 @@ def logit_bias(fields: CommonFields) -> dict[int, float] | None:
     bias = {}
     for key, value in fields.logit_bias.items():
         token = int(key)
-        if token > INT32_MAX:
+        if not 0 <= token <= INT32_MAX:
             raise invalid(f"'logit_bias' keys must be token ids from 0 to {INT32_MAX}, got {key!r}", "logit_bias")
         bias[token] = value
     return bias
