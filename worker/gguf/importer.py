@@ -14,11 +14,19 @@ from mlx_lm.utils import _get_classes, get_total_parameters, quantize_model, sav
 from mlxgw.shared import model_store
 from mlxgw.shared.platform import default_import_dtype
 
-from .architectures import UnsupportedModel, architecture_for, map_tensor_name, unpermute_rows
+from .architectures import (
+    Architecture,
+    UnsupportedModel,
+    architecture_for,
+    check_against_tensors,
+    unpermute_rows,
+)
+from .reader import GGUFFormatError, GGUFHeader, read_header
 from .tokenizer import build_tokenizer, dump_json
 
 DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
-GGUF_MAGIC = b"GGUF"
+# ggml tensor types MLX's GGUF reader loads (quantized ones dequantized or as affine triplets).
+MLX_TENSOR_TYPES = {"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}
 # GGUF Q4_0/Q4_1/Q8_0 blocks hold 32 weights; mx.load returns them with this group size.
 GGUF_GROUP_SIZE = 32
 
@@ -77,29 +85,43 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _read_gguf(path: Path) -> tuple[dict, dict]:
-    with open(path, "rb") as f:
-        if f.read(4) != GGUF_MAGIC:
-            raise ImportError_(f"{path} is not a GGUF file (bad magic bytes)")
+def _read_header(path: Path) -> GGUFHeader:
+    """Our own reader checks the whole header first, so MLX's native reader never sees a
+    file whose lengths, counts, types or offsets lie."""
     try:
-        return mx.load(str(path), return_metadata=True)
-    except Exception as e:  # MLX raises plain RuntimeError/ValueError for truncated files
+        header = read_header(path)
+    except GGUFFormatError as e:
+        raise ImportError_(f"{path}: {e}") from None
+    except OSError as e:
+        raise ImportError_(f"cannot read {path}: {e.strerror}") from None
+    unsupported = sorted(header.types - MLX_TENSOR_TYPES)
+    if unsupported:
+        raise ImportError_(f"{path}: tensor type(s) {', '.join(unsupported)} are not supported by the importer")
+    return header
+
+
+def _load_tensors(path: Path) -> dict[str, mx.array]:
+    try:
+        return mx.load(str(path))
+    except Exception as e:  # MLX raises plain RuntimeError/ValueError
         raise ImportError_(f"cannot read GGUF file {path}: {e}") from None
 
 
 def convert_tensors(
-    tensors: dict[str, mx.array], config: dict, permute_qk: bool, dtype: mx.Dtype, keep_quant: bool
+    tensors: dict[str, mx.array], config: dict, arch: Architecture, dtype: mx.Dtype, keep_quant: bool
 ) -> tuple[dict[str, mx.array], dict[str, dict]]:
-    """Map names, undo the Q/K permutation, and dequantize (or keep) quantized triplets.
-
-    Returns the weights under mlx-lm names and, for kept-quantized layers, their parameters."""
+    """Map names, undo llama.cpp's Q/K permutation and norm shift, and dequantize (or keep)
+    quantized triplets. Returns the weights under mlx-lm names and, for kept-quantized
+    layers, their parameters."""
     n_heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
     weights: dict[str, mx.array] = {}
     for gguf_name, value in tensors.items():
-        name = map_tensor_name(gguf_name)
+        name = arch.map_tensor_name(gguf_name)
         layer = name.rsplit(".", 2)[-2]
-        if permute_qk and layer in n_heads:
+        if arch.permute_qk and layer in n_heads:
             value = unpermute_rows(value, n_heads[layer])
+        if arch.norm_shift and name.endswith("norm.weight"):
+            value = value.astype(mx.float32) - arch.norm_shift
         weights[name] = value
 
     quantized: dict[str, dict] = {}
@@ -128,8 +150,12 @@ def _build_model(config: dict, weights: dict, quantized: dict) -> nn.Module:
     if quantized:
         nn.quantize(model, class_predicate=lambda p, m: quantized.get(p, False))
     weights = model.sanitize(weights) if hasattr(model, "sanitize") else weights
-    # strict: every parameter of the model must come from the file and vice versa.
-    model.load_weights(list(weights.items()), strict=True)
+    # strict: every parameter of the model must come from the file and vice versa, each
+    # with the model's shape.
+    try:
+        model.load_weights(list(weights.items()), strict=True)
+    except ValueError as e:
+        raise UnsupportedModel(f"the GGUF tensors do not match mlx-lm's {config['model_type']} model: {e}") from None
     mx.eval(model.parameters())
     return model
 
@@ -183,12 +209,15 @@ def import_gguf(
             existing.get("architecture", "?"),
         )
 
-    tensors, md = _read_gguf(path)
+    header = _read_header(path)
+    md = header.metadata
     try:
         arch = architecture_for(md)
         config = arch.build_config(md)
+        check_against_tensors(config, header)
         tok = build_tokenizer(md, config["max_position_embeddings"])
-        weights, quantized = convert_tensors(tensors, config, arch.permute_qk, DTYPES[dtype], keep_quant)
+        tensors = _load_tensors(path)
+        weights, quantized = convert_tensors(tensors, config, arch, DTYPES[dtype], keep_quant)
         config["tie_word_embeddings"] = "lm_head.weight" not in weights
         config["eos_token_id"] = tok.eos_token_ids
         if tok.bos_token_id is not None:
