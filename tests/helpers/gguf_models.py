@@ -28,13 +28,13 @@ CONFIGS = {
     "qwen3": {"model_type": "qwen3", "tie_word_embeddings": True},
     "gemma2": {
         "model_type": "gemma2",
-        "query_pre_attn_scalar": 16.0,
+        "query_pre_attn_scalar": 16,
         "attn_logit_softcapping": 50.0,
         "final_logit_softcapping": 30.0,
     },
     "gemma3": {
         "model_type": "gemma3_text",
-        "query_pre_attn_scalar": 16.0,
+        "query_pre_attn_scalar": 16,
         "sliding_window": 4,
         "sliding_window_pattern": 6,
         "rope_local_base_freq": 10000.0,

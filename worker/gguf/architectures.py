@@ -177,12 +177,12 @@ def _qwen3_config(md: dict) -> dict:
     return _common_config(md, "qwen3", "qwen3")
 
 
-def _gemma_attention_scale(config: dict, layers_27b: int) -> float:
+def _gemma_attention_scale(config: dict, layers_27b: int) -> int:
     # llama.cpp scales queries by 1/sqrt(head_dim), except for the 27B models, which use
-    # hidden / heads (Hugging Face's query_pre_attn_scalar for them).
+    # hidden / heads (Hugging Face's query_pre_attn_scalar for them; an int in its config).
     if config["num_hidden_layers"] == layers_27b:
-        return config["hidden_size"] / config["num_attention_heads"]
-    return float(config["head_dim"])
+        return config["hidden_size"] // config["num_attention_heads"]
+    return config["head_dim"]
 
 
 def _gemma2_config(md: dict) -> dict:

@@ -24,13 +24,17 @@ from .architectures import (
     check_against_tensors,
     unpermute_rows,
 )
-from .reader import GGUFFormatError, GGUFHeader, read_header
+from .dequant import NUMPY_TENSOR_TYPES, load_tensor
+from .reader import GGUFFormatError, GGUFHeader, read_header, write_tensor_subset
 from .sources import SourceError, assemble, check_split_metadata, package_parts, split_parts
 from .tokenizer import build_tokenizer, dump_json
 
 DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
 # ggml tensor types MLX's GGUF reader loads (quantized ones dequantized or as affine triplets).
-MLX_TENSOR_TYPES = {"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}
+# (Measured on mlx 0.32: its K-quants are wrong, Q3_K, Q5_K, IQ* fail, TQ1_0/TQ2_0 load as nothing.)
+MLX_TENSOR_TYPES = {"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0"}
+# ... and those we dequantize ourselves (dequant.py).
+SUPPORTED_TENSOR_TYPES = MLX_TENSOR_TYPES | NUMPY_TENSOR_TYPES
 # GGUF Q4_0/Q4_1/Q8_0 blocks hold 32 weights; mx.load returns them with this group size.
 GGUF_GROUP_SIZE = 32
 
@@ -98,16 +102,19 @@ def _read_header(path: Path) -> GGUFHeader:
         raise ImportError_(f"{path}: {e}") from None
     except OSError as e:
         raise ImportError_(f"cannot read {path}: {e.strerror}") from None
-    unsupported = sorted(header.types - MLX_TENSOR_TYPES)
+    unsupported = sorted(header.types - SUPPORTED_TENSOR_TYPES)
     if unsupported:
-        raise ImportError_(f"{path}: tensor type(s) {', '.join(unsupported)} are not supported by the importer")
+        supported = ", ".join(sorted(SUPPORTED_TENSOR_TYPES))
+        raise ImportError_(
+            f"{path.name}: tensor type(s) {', '.join(unsupported)} are not supported by the importer "
+            f"(supported: {supported})"
+        )
     return header
 
 
-def _read_headers(files: list[Path]) -> GGUFHeader:
+def _read_headers(headers: list[GGUFHeader], files: list[Path]) -> GGUFHeader:
     """One header for a GGUF file, or for a split GGUF's parts together: the metadata of
     the first part, the tensors of all."""
-    headers = [_read_header(f) for f in files]
     try:
         check_split_metadata(files, headers)
     except GGUFFormatError as e:
@@ -123,13 +130,31 @@ def _read_headers(files: list[Path]) -> GGUFHeader:
     return combined
 
 
-def _load_tensors(files: list[Path]) -> dict[str, mx.array]:
+def _load_tensors(files: list[Path], headers: list[GGUFHeader]) -> dict[str, mx.array]:
     tensors: dict[str, mx.array] = {}
-    for path in files:
+    for path, header in zip(files, headers):
         try:
-            tensors.update(mx.load(str(path)))
+            tensors.update(_load_file_tensors(path, header))
         except Exception as e:  # MLX raises plain RuntimeError/ValueError
             raise ImportError_(f"cannot read GGUF file {path.name}: {e}") from None
+    return tensors
+
+
+def _load_file_tensors(path: Path, header: GGUFHeader) -> dict[str, mx.array]:
+    """MLX's reader for the types it knows; ours for the rest (from a copy of the file that
+    holds only the tensors MLX knows, since mx.load refuses a file with any other type)."""
+    if header.types <= MLX_TENSOR_TYPES:
+        return mx.load(str(path))
+    ours = [t for t in header.tensors if t.type_name in NUMPY_TENSOR_TYPES]
+    theirs = [t for t in header.tensors if t.type_name not in NUMPY_TENSOR_TYPES]
+    tensors = {t.name: mx.array(load_tensor(path, header, t)) for t in ours}
+    if theirs:
+        with tempfile.TemporaryDirectory(prefix="mlxgw-gguf-") as tmp:
+            subset = Path(tmp) / "subset.gguf"
+            write_tensor_subset(path, header, theirs, subset)
+            loaded = mx.load(str(subset))
+            mx.eval(list(loaded.values()))  # read before the file goes away
+            tensors.update(loaded)
     return tensors
 
 
@@ -275,14 +300,15 @@ def _import_files(
             existing.get("architecture", "?"),
         )
 
-    header = _read_headers(files)
+    headers = [_read_header(f) for f in files]
+    header = _read_headers(headers, files)
     md = header.metadata
     try:
         arch = architecture_for(md)
         config = arch.build_config(md)
         check_against_tensors(config, header)
         tok = build_tokenizer(md, config["max_position_embeddings"])
-        tensors = _load_tensors(files)
+        tensors = _load_tensors(files, headers)
         weights, quantized = convert_tensors(tensors, config, arch, DTYPES[dtype], keep_quant)
         config["tie_word_embeddings"] = "lm_head.weight" not in weights
         config["eos_token_id"] = tok.eos_token_ids

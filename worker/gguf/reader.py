@@ -260,3 +260,31 @@ def _check_overlaps(tensors: list[TensorInfo]) -> None:
     for before, after in zip(ordered, ordered[1:]):
         if before.offset + before.nbytes > after.offset:
             raise GGUFFormatError(f"tensors {before.name!r} and {after.name!r} overlap in the file")
+
+
+def write_tensor_subset(source: Path, header: GGUFHeader, keep: list[TensorInfo], dest: Path) -> None:
+    """A GGUF file with no metadata and only the `keep` tensors, their bytes copied from
+    source: lets MLX's reader load the tensors it supports from a file that also holds
+    types it does not."""
+
+    def string(text: str) -> bytes:
+        raw = text.encode()
+        return struct.pack("<Q", len(raw)) + raw
+
+    infos, offset = [], 0
+    for t in keep:
+        infos.append(string(t.name) + struct.pack(f"<I{len(t.shape)}QIQ", len(t.shape), *t.shape, t.type_id, offset))
+        offset += -(-t.nbytes // DEFAULT_ALIGNMENT) * DEFAULT_ALIGNMENT
+    head = GGUF_MAGIC + struct.pack("<IQQ", 3, len(keep), 0) + b"".join(infos)
+    with open(source, "rb") as src, open(dest, "wb") as out:
+        out.write(head + b"\0" * (-len(head) % DEFAULT_ALIGNMENT))
+        for t in keep:
+            src.seek(header.data_offset + t.offset)
+            remaining = t.nbytes
+            while remaining:
+                block = src.read(min(remaining, 1 << 20))
+                if not block:
+                    raise GGUFFormatError(f"{source.name} changed while it was read")
+                out.write(block)
+                remaining -= len(block)
+            out.write(b"\0" * (-t.nbytes % DEFAULT_ALIGNMENT))
