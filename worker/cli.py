@@ -70,18 +70,31 @@ def import_cmd(source: str, name: str, dtype: str | None, quantize: str | None, 
 
 
 @models.command("list")
-def list_cmd() -> None:
-    """Models in the models directory."""
+@click.option(
+    "--discover-path",
+    "discover_paths",
+    multiple=True,
+    help="folder to scan for MLX models (hub cache, LM Studio); default: the platform's usual places",
+)
+def list_cmd(discover_paths: tuple[str, ...]) -> None:
+    """Models in the models directory, and MLX models found in place (hub cache, LM Studio)."""
+    from pathlib import Path
+
+    from mlxgw.shared.discovery import discover
     from mlxgw.shared.model_store import list_models, models_dir
 
     found = list_models()
-    if not found:
+    discovered = discover([Path(p).expanduser() for p in discover_paths] if discover_paths else None)
+    if not found and not discovered:
         click.echo(f"no models in {models_dir()}")
         return
     rows = [("NAME", "KIND", "ARCH", "PARAMS", "DTYPE", "SIZE", "SOURCE")]
     for m in found:
         params = f"{m.parameters / 1e6:.0f}M" if m.parameters else "?"
         rows.append((m.name, m.kind, m.architecture, params, m.dtype, f"{m.size_bytes / 1e6:.0f} MB", m.source))
+    for d in discovered:
+        status = f"{d.source}: {d.path}" if d.error is None else f"{d.source}: NOT SERVABLE: {d.error}"
+        rows.append((d.name, d.kind, "-", "-", "-", "-", status))
     print_table(rows)
 
 
