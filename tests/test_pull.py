@@ -129,4 +129,5 @@ def test_gguf_repo_pull_converts_the_file(tmp_path):
     finally:
         fake.stop()
     assert result.returncode == 0, result.stderr
-    assert json.loads((tmp_path / "models" / "g" / "mlxgw.json").read_text())["architecture"] == "qwen3"
+    record = json.loads((tmp_path / "models" / "g" / "mlxgw.json").read_text())
+    assert record["architecture"] == "qwen3" and record["source_spec"] == f"hf:org/tiny-gguf@{SHA1}/tiny.gguf"

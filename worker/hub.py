@@ -157,8 +157,10 @@ def pull(
     if is_mlx and not file:
         return _pull_mlx(spec, sha, files, name, models_dir, started)
     if file or any(f.endswith(".gguf") for f in files):
-        parts = [_download(spec, sha, f) for f in _pick_gguf(files, file, spec.repo_id)]
-        return import_gguf(str(parts[0]), name, dtype=dtype, force=force, models_dir=models_dir)
+        chosen = _pick_gguf(files, file, spec.repo_id)
+        parts = [_download(spec, sha, f) for f in chosen]
+        label = f"hf:{spec.repo_id}@{sha}/{chosen[0]}"
+        return import_gguf(str(parts[0]), name, dtype=dtype, force=force, models_dir=models_dir, label=label)
     raise ImportError_(
         f"{spec.repo_id} is neither an MLX model (config.json + .safetensors) nor a GGUF repository"
     )

@@ -42,6 +42,9 @@ CONFIGS = {
     },
     "phi3": {"model_type": "phi3", "num_key_value_heads": 4, "tie_word_embeddings": False},
 }
+# Mistral (and Llama 2) GGUFs say `llama`, with a SentencePiece vocabulary.
+CONFIGS["mistral"] = CONFIGS["llama"]
+GGUF_ARCH = {"mistral": "llama"}
 # mlx-lm (Hugging Face) names -> llama.cpp names, from gguf-py's tensor_mapping.py.
 _COMMON = {
     "input_layernorm": "attn_norm",
@@ -68,6 +71,7 @@ _POST_ATTENTION = {
     },
 }
 _POST_ATTENTION["gemma3"] = _POST_ATTENTION["gemma2"]
+_POST_ATTENTION["mistral"] = _POST_ATTENTION["llama"]
 _TOP = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
@@ -96,9 +100,9 @@ def _llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 def to_llama_cpp(arch: str, config: dict, weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     out = {}
     for name, w in weights.items():
-        if arch == "llama" and name.endswith("self_attn.q_proj.weight"):
+        if arch in ("llama", "mistral") and name.endswith("self_attn.q_proj.weight"):
             w = _llama_permute(w, config["num_attention_heads"])
-        elif arch == "llama" and name.endswith("self_attn.k_proj.weight"):
+        elif arch in ("llama", "mistral") and name.endswith("self_attn.k_proj.weight"):
             w = _llama_permute(w, config["num_key_value_heads"])
         elif arch.startswith("gemma") and name.endswith("norm.weight"):
             w = w + 1.0  # Gemma's RMSNorm multiplies by (1 + w); llama.cpp stores 1 + w
@@ -127,7 +131,7 @@ def sentencepiece_vocab(n: int) -> tuple[list[str], list[float], list[int]]:
 
 
 def _add_tokenizer(writer, arch: str, n_vocab: int) -> None:
-    if arch in ("gemma2", "gemma3", "phi3"):
+    if arch in ("gemma2", "gemma3", "phi3", "mistral"):
         tokens, scores, types = sentencepiece_vocab(n_vocab)
         writer.add_tokenizer_model("llama")
         writer.add_token_list(tokens)
@@ -137,7 +141,7 @@ def _add_tokenizer(writer, arch: str, n_vocab: int) -> None:
         writer.add_eos_token_id(2)
         writer.add_unk_token_id(0)
         writer.add_add_bos_token(True)
-        writer.add_add_space_prefix(arch == "phi3")
+        writer.add_add_space_prefix(arch in ("phi3", "mistral"))
     else:
         tokens, types = byte_level_vocab(n_vocab)
         writer.add_tokenizer_model("gpt2")
@@ -196,7 +200,7 @@ def write_twice(arch: str, dest: Path, seed: int = 0, split_max_tensors: int = 0
 
     numpy_weights = {k: np.array(v.astype(mx.float32)) for k, v in params.items()}
     path = dest / f"{arch}.gguf"
-    writer = gguf.GGUFWriter(path, arch, split_max_tensors=split_max_tensors)
+    writer = gguf.GGUFWriter(path, GGUF_ARCH.get(arch, arch), split_max_tensors=split_max_tensors)
     _add_hparams(writer, arch, config)
     _add_tokenizer(writer, arch, config["vocab_size"])
     for name, w in to_llama_cpp(arch, config, numpy_weights).items():

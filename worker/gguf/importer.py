@@ -229,7 +229,9 @@ def import_gguf(
     keep_quant: bool = False,
     force: bool = False,
     models_dir: Path | None = None,
+    label: str | None = None,
 ) -> ImportResult:
+    """`label`: what the import record names as the source (default: `source`)."""
     model_store.validate_model_name(name)
     dtype = dtype or default_import_dtype()
     if dtype not in DTYPES:
@@ -250,7 +252,7 @@ def import_gguf(
             from ..folder_import import import_folder
 
             return import_folder(path, source, name, force=force, models_dir=models_dir)
-        return _import_files(split_parts(path), source, name, options, force, models_dir, started)
+        return _import_files(split_parts(path), label or source, name, options, force, models_dir, started)
     except SourceError as e:
         raise ImportError_(str(e)) from None
 
