@@ -44,6 +44,14 @@ def test_array_longer_than_the_file_is_a_clean_error(tmp_path):
     assert_clean_error(_import(tmp_path / "bad.gguf", tmp_path), "array elements")
 
 
+def test_array_beyond_the_element_cap_is_refused_even_when_the_file_is_large_enough(tmp_path):
+    count = (1 << 22) + 1
+    raw = b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + gguf_string("general.tags")
+    raw += struct.pack("<IIQ", ARRAY, 0, count) + b"\0" * count  # 0: uint8 elements
+    (tmp_path / "bad.gguf").write_bytes(raw)
+    assert_clean_error(_import(tmp_path / "bad.gguf", tmp_path), "at most 4194304")
+
+
 def test_tensor_with_100_dimensions_is_a_clean_error(tmp_path):
     gguf = RawGGUF(tiny_llama_metadata(), [RawTensor("token_embd.weight", [1] * 100, 0, b"\0" * 4)])
     assert_clean_error(_import(gguf.write(tmp_path / "bad.gguf"), tmp_path), "100 dimensions")

@@ -117,11 +117,6 @@ class Architecture:
         raise UnsupportedModel(f"GGUF tensor {name!r} has no mapping to an mlx-lm {self.name} parameter")
 
 
-def map_tensor_name(name: str) -> str:
-    """The llama mapping (kept for callers that predate per-architecture maps)."""
-    return ARCHITECTURES["llama"].map_tensor_name(name)
-
-
 def unpermute_rows(w: mx.array, n_head: int) -> mx.array:
     """Undo llama.cpp's Q/K row permutation (its converter interleaves rotary halves).
 

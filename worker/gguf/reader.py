@@ -18,6 +18,12 @@ GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
 MAX_KEY_LENGTH = 65535  # the GGUF spec's limit
 MAX_DIMS = 4  # ggml tensors have at most 4 dimensions
+# Far above real files (about 40 metadata entries, a few thousand tensors, vocabularies and
+# merge lists under 1M): keeps the Python objects built from a header within a small
+# multiple of the file size.
+MAX_METADATA = 1 << 16
+MAX_TENSORS = 1 << 20
+MAX_ARRAY = 1 << 22
 DEFAULT_ALIGNMENT = 32
 
 # ggml tensor types: id -> (name, elements per block, bytes per block), from ggml.h / gguf-py.
@@ -159,6 +165,8 @@ def _read_array(cur: _Cursor, key: str) -> list:
     # Every element takes at least one byte (strings at least eight): a count larger than
     # what is left of the file is a lie, refused before any list is built.
     min_size = 8 if item_type == _STRING else _SCALARS.get(item_type, ("", 1))[1]
+    if count > MAX_ARRAY:
+        raise GGUFFormatError(f"metadata {key!r} claims {count} array elements (at most {MAX_ARRAY} allowed)")
     if count * min_size > cur.remaining():
         raise GGUFFormatError(
             f"metadata {key!r} claims {count} array elements, more than the file's remaining {cur.remaining()} bytes"
@@ -209,6 +217,11 @@ def _read_counts(cur: _Cursor) -> tuple[int, int, int]:
     if version not in SUPPORTED_VERSIONS:
         raise GGUFFormatError(f"GGUF version {version} is not supported (versions 2 and 3 are)")
     n_tensors, n_kv = cur.u64("tensor count"), cur.u64("metadata count")
+    if n_tensors > MAX_TENSORS or n_kv > MAX_METADATA:
+        raise GGUFFormatError(
+            f"header claims {n_tensors} tensors and {n_kv} metadata entries "
+            f"(at most {MAX_TENSORS} and {MAX_METADATA} allowed)"
+        )
     # A key/value pair takes at least 13 bytes, a tensor info at least 32.
     if n_kv * 13 > cur.remaining() or n_tensors * 32 > cur.remaining():
         raise GGUFFormatError(f"header claims {n_tensors} tensors and {n_kv} metadata entries; the file is too small")
