@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from . import model_store
+from . import discovery, model_store
 
 KINDS = ("chat", "embedding", "rerank", "vision")
 ENCODER_KINDS = ("embedding", "rerank")  # served by /v1/embeddings and /v1/rerank
@@ -89,6 +89,8 @@ class ManagerConfig:
     max_loaded_models: int = 8
     auto_discover: bool = True
     models_dir: str | None = None
+    # Folders scanned for MLX models (hub cache, LM Studio); None: the platform's defaults.
+    discover_paths: list[str] | None = None
     heartbeat_s: float = 1.0
     liveness: int = 5  # missed heartbeats before a worker is declared dead
     load_timeout_seconds: float = 300
@@ -273,4 +275,5 @@ def with_discovered_models(registry: Registry) -> Registry:
         for m in model_store.list_models(registry.models_dir)
         if m.name not in listed
     ]
+    extra += discovery.entries(registry.manager.discover_paths, listed | {e.name for e in extra})
     return dataclasses.replace(registry, models=registry.models + extra)

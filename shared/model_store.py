@@ -120,3 +120,37 @@ def list_models(directory: Path | None = None) -> list[StoredModel]:
         return []
     found = (_describe(d) for d in sorted(directory.iterdir()) if d.is_dir() and not d.name.startswith("."))
     return [m for m in found if m is not None]
+
+
+def serving_pids(folder: Path) -> list[int]:
+    """Worker processes (of any running gateway) that serve the model in folder: a model
+    must not be removed under a live worker."""
+    import psutil
+
+    target = folder.resolve()
+    found = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        cmd = proc.info.get("cmdline") or []
+        if "mlxgw.worker" not in cmd or "--model-path" not in cmd:
+            continue
+        i = cmd.index("--model-path")
+        if i + 1 < len(cmd) and Path(cmd[i + 1]).resolve() == target:
+            found.append(proc.info["pid"])
+    return found
+
+
+def template_features(folder: Path) -> list[str]:
+    """What the model's chat template handles: tools, thinking (by what the template mentions)."""
+    template = ""
+    try:
+        template = str(json.loads((folder / "tokenizer_config.json").read_text()).get("chat_template") or "")
+    except (OSError, ValueError):
+        pass
+    if (folder / "chat_template.jinja").is_file():
+        template += (folder / "chat_template.jinja").read_text(errors="replace")
+    features = []
+    if "tools" in template:
+        features.append("tools")
+    if "<think>" in template or "enable_thinking" in template:
+        features.append("thinking")
+    return features or (["chat"] if template else [])

@@ -158,7 +158,8 @@ def test_model_folders_import_as_they_are_with_their_kind(tmp_path, tiny_reranke
     assert "already imported" in again.stdout
     result = mlxgw("models", "import", str(tiny_reranker_dir), "--name", "rr", home=tmp_path)
     assert result.returncode == 0, result.stderr
-    registry = with_discovered_models(Registry(ManagerConfig(models_dir=str(tmp_path / "models")), models=[]))
+    manager = ManagerConfig(models_dir=str(tmp_path / "models"), discover_paths=[])  # not this machine's hub cache
+    registry = with_discovered_models(Registry(manager, models=[]))
     assert {e.name: e.kind for e in registry.models} == {"emb": "embedding", "rr": "rerank"}
     result = mlxgw("models", "import", str(tmp_path), "--name", "x", home=tmp_path)
     assert result.returncode == 2 and "no such file or model folder" in result.stderr

@@ -35,7 +35,7 @@ def worker(connect, model, model_path, entry, worker_id, heartbeat, liveness, or
 
 @click.group()
 def models() -> None:
-    """Import and list models in the models directory."""
+    """Import, pull, list, show and remove models in the models directory."""
 
 
 @models.command("import")
@@ -70,16 +70,110 @@ def import_cmd(source: str, name: str, dtype: str | None, quantize: str | None, 
 
 
 @models.command("list")
-def list_cmd() -> None:
-    """Models in the models directory."""
+@click.option(
+    "--discover-path",
+    "discover_paths",
+    multiple=True,
+    help="folder to scan for MLX models (hub cache, LM Studio); default: the platform's usual places",
+)
+def list_cmd(discover_paths: tuple[str, ...]) -> None:
+    """Models in the models directory, and MLX models found in place (hub cache, LM Studio)."""
+    from pathlib import Path
+
+    from mlxgw.shared.discovery import discover
     from mlxgw.shared.model_store import list_models, models_dir
 
     found = list_models()
-    if not found:
+    discovered = discover([Path(p).expanduser() for p in discover_paths] if discover_paths else None)
+    if not found and not discovered:
         click.echo(f"no models in {models_dir()}")
         return
     rows = [("NAME", "KIND", "ARCH", "PARAMS", "DTYPE", "SIZE", "SOURCE")]
     for m in found:
         params = f"{m.parameters / 1e6:.0f}M" if m.parameters else "?"
         rows.append((m.name, m.kind, m.architecture, params, m.dtype, f"{m.size_bytes / 1e6:.0f} MB", m.source))
+    for d in discovered:
+        status = f"{d.source}: {d.path}" if d.error is None else f"{d.source}: NOT SERVABLE: {d.error}"
+        rows.append((d.name, d.kind, "-", "-", "-", "-", status))
     print_table(rows)
+
+
+def _fail(message: str) -> None:
+    click.echo(f"error: {message}", err=True)
+    sys.exit(2)
+
+
+@models.command("pull")
+@click.argument("repo")
+@click.option("--name", default=None, help="name to serve the model under (default: the repository's name)")
+@click.option("--file", "file_", default=None, help="the .gguf file to take from a GGUF repository")
+@click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default=None, help="GGUF only")
+@click.option("--force", is_flag=True, help="pull again even if this revision was pulled")
+def pull_cmd(repo: str, name: str | None, file_: str | None, dtype: str | None, force: bool) -> None:
+    """Pull ORG/NAME[@REVISION] from the Hugging Face hub (HF_ENDPOINT, HF_TOKEN apply).
+
+    MLX repositories are referenced in place in the hub cache; GGUF ones are converted."""
+    from mlxgw.shared.model_store import InvalidModelName
+    from mlxgw.worker.gguf import ImportError_
+    from mlxgw.worker.hub import pull
+
+    try:
+        result = pull(repo, name, file=file_, dtype=dtype, force=force)
+    except (ImportError_, InvalidModelName) as e:
+        _fail(str(e))
+    verb = "already pulled (same revision; --force to redo)" if result.skipped else "pulled"
+    click.echo(f"{result.name}: {verb} -> {result.path} ({result.architecture}, {result.seconds:.1f} s)")
+
+
+@models.command("rm")
+@click.argument("name")
+@click.option("--force", is_flag=True, help="remove even if a running gateway serves it")
+def rm_cmd(name: str, force: bool) -> None:
+    """Remove a model from the models directory (a pulled model's hub cache files stay)."""
+    import shutil
+
+    from mlxgw.shared import model_store
+
+    try:
+        model_store.validate_model_name(name)
+    except model_store.InvalidModelName as e:
+        _fail(str(e))
+    folder = model_store.models_dir() / name
+    if not folder.is_dir():
+        _fail(f"no model {name!r} in {model_store.models_dir()}")
+    pids = model_store.serving_pids(folder)
+    if pids and not force:
+        _fail(f"{name} is being served (worker pid {', '.join(map(str, pids))}); stop the gateway or pass --force")
+    shutil.rmtree(folder)
+    click.echo(f"{name}: removed")
+
+
+@models.command("show")
+@click.argument("name")
+def show_cmd(name: str) -> None:
+    """Architecture, parameters, precision, context, template features and size of a model."""
+    import json
+
+    from mlxgw.shared import model_store
+
+    found = {m.name: m for m in model_store.list_models()}
+    if name not in found:
+        _fail(f"no model {name!r} in {model_store.models_dir()}")
+    m = found[name]
+    config = json.loads((m.path / "config.json").read_text())
+    quant = config.get("quantization") or config.get("quantization_config")
+    precision = f"{quant.get('bits', '?')}-bit (group {quant.get('group_size', '?')})" if quant else m.dtype
+    rows = [
+        ("name", m.name),
+        ("kind", m.kind),
+        ("architecture", m.architecture),
+        ("parameters", f"{m.parameters / 1e6:.0f}M" if m.parameters else "?"),
+        ("precision", precision),
+        ("context", str(m.context_length or "?")),
+        ("template", ", ".join(model_store.template_features(m.path)) or "none"),
+        ("size on disk", f"{m.size_bytes / 1e6:.0f} MB"),
+        ("source", m.source),
+        ("path", str(m.path)),
+    ]
+    for key, value in rows:
+        click.echo(f"{key:<13} {value}")

