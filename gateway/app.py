@@ -27,6 +27,7 @@ from .api.body import body_too_large
 from .api.errors import error_response, family_of
 from .auth import auth_middleware
 from .broker import Broker
+from .edge import edge_middleware
 from .keys import KeyStore
 from .limits import RateLimiter
 from .manager import ModelManager
@@ -89,6 +90,7 @@ def make_app(
         # Outermost first: the access log and metrics see the final status of every request,
         # and auth/limit errors are rendered in the called API's shape.
         middlewares=[
+            edge_middleware,
             request_id_middleware,
             observe_middleware,
             cors_middleware,

@@ -77,9 +77,15 @@ def _log(request: web.Request, route: str, status: int, key: str, model: str, du
         access_log.info(" ".join(f"{k}={v}" for k, v in entry.items() if v is not None))
 
 
+# Cheap routes an operator needs most when the server is full: never refused for capacity.
+UNCAPPED_PREFIXES = ("/health", "/metrics", "/v1/status", "/v1/models", "/v1/requests/", "/v1/cache")
+
+
 @web.middleware
 async def capacity_middleware(request: web.Request, handler):
-    """A ceiling on concurrent HTTP requests: past it, 503 with Retry-After."""
+    """A ceiling on concurrent HTTP requests: past it, 429 with Retry-After."""
+    if request.path.startswith(UNCAPPED_PREFIXES):
+        return await handler(request)
     active = request.app[ACTIVE]
     if active["n"] >= request.app[SETTINGS].max_connections:
         raise ServiceError(

@@ -18,6 +18,7 @@ class ErrorCode(str, Enum):
     RATE_LIMITED = "rate_limited"
     OVERLOADED = "overloaded"
     BODY_TOO_LARGE = "request_too_large"
+    REQUEST_TIMEOUT = "request_timeout"
     MODEL_UNAVAILABLE = "model_unavailable"
     WORKER_LOST = "worker_lost"
     TIMEOUT = "timeout"
@@ -36,6 +37,7 @@ HTTP_STATUS = {
     ErrorCode.RATE_LIMITED: 429,
     ErrorCode.OVERLOADED: 429,
     ErrorCode.BODY_TOO_LARGE: 413,
+    ErrorCode.REQUEST_TIMEOUT: 408,
     ErrorCode.MODEL_UNAVAILABLE: 503,
     ErrorCode.WORKER_LOST: 502,
     ErrorCode.TIMEOUT: 504,

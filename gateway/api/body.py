@@ -16,6 +16,8 @@ from typing import Any
 from aiohttp import web
 from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
 
+from ..state import SETTINGS
+
 # Deeper than any real tool schema or chat_template_kwargs; far below the recursion limits
 # of json, msgpack (511) and the schema compilers downstream.
 MAX_DEPTH = 64
@@ -136,11 +138,22 @@ def parse_json(text: str) -> Any:
     return doc
 
 
-async def read_json(request: web.Request) -> Any:
+async def read_body(request: web.Request) -> bytes:
+    """The raw body, within the size limit and the body timeout (slow senders get a 408
+    instead of holding a connection and a request slot for as long as they like)."""
+    timeout_s = request.app[SETTINGS].body_timeout_s
     try:
-        raw = await request.read()
+        return await asyncio.wait_for(request.read(), timeout_s)
     except web.HTTPRequestEntityTooLarge:
         raise body_too_large(request) from None
+    except asyncio.TimeoutError:
+        raise ServiceError(
+            ErrorCode.REQUEST_TIMEOUT, f"the request body did not arrive within {timeout_s:g} s"
+        ) from None
+
+
+async def read_json(request: web.Request) -> Any:
+    raw = await read_body(request)
     if not raw:
         raise invalid("the request body is empty; send a JSON object")
     try:

@@ -1,0 +1,241 @@
+"""The HTTP edge: what a connection may cost the server before it is a request.
+
+aiohttp gives every connection a file descriptor and a protocol object for as long as the
+peer likes, and answers its own parse errors in plain text. Here, per connection:
+- an idle timeout (nothing sent, or between keep-alive requests) and a header timeout
+  (a request head that is not complete in time: slowloris);
+- a body timeout backstop (read_json answers 408 itself; handlers that never read a body
+  are covered here);
+- a connection cap: past it the oldest connection that holds no work (idle, sending its
+  head, or still sending its body) is closed to make room, so /health and control routes
+  stay answerable while a flood holds sockets; past a hard ceiling below the process's
+  file-descriptor limit, a new connection is closed at once instead of the server running
+  out of descriptors;
+- aiohttp's own errors (a 10 KB header, a malformed request line) rendered in the error
+  shape of the API that was called, and logged at a bounded rate."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import resource
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
+from mlxgw.shared.errors import ErrorCode, ServiceError
+
+from .api.errors import error_response, family_of
+
+log = logging.getLogger("mlxgw.edge")
+
+FD_RESERVE_MIN = 128  # descriptors kept for workers' sockets, logs, model files
+SWEEP_S = 1.0
+# The request line of a chunk that starts a request: enough to know which API was called
+# when aiohttp rejects the rest of the head.
+_REQUEST_LINE = re.compile(rb"[A-Z]{3,10} (/[^ ?\r\n]{0,200})")
+
+
+@dataclass
+class EdgeLimits:
+    max_connections: int = 1024  # past it, connections holding no work are closed (oldest first)
+    hard_max_connections: int = 4096  # past it, new connections are closed at once
+    header_timeout_s: float = 10.0  # first byte of a request head to the complete head
+    idle_timeout_s: float = 30.0  # a connection with no request and no bytes of one
+    body_timeout_s: float = 60.0  # dispatch of a request to the end of its body
+
+
+def raise_fd_limit() -> int:
+    """Raise the soft RLIMIT_NOFILE to the hard limit where allowed; the soft limit after."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    # macOS refuses RLIM_INFINITY (and anything over kern.maxfilesperproc): try smaller.
+    for target in (hard, 1 << 20, 65536, 10240):
+        if target == resource.RLIM_INFINITY or target <= soft or (hard != resource.RLIM_INFINITY and target > hard):
+            continue
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            return target
+        except (ValueError, OSError):
+            continue
+    return soft
+
+
+def connection_ceiling(fd_limit: int) -> int:
+    """The most connections the process can hold with descriptors left for everything else."""
+    return max(16, fd_limit - max(FD_RESERVE_MIN, fd_limit // 8))
+
+
+class EdgeProtocol(RequestHandler):
+    """aiohttp's request handler, with the timing the edge needs and API-shaped errors."""
+
+    def __init__(self, manager: EdgeServer, **kwargs):
+        super().__init__(manager, **kwargs)
+        self.edge = manager
+        self.current: web.BaseRequest | None = None  # the request being handled, if any
+        self.since = 0.0  # when the current phase began (connection, request, or idle)
+        self.head_started: float | None = None  # first byte of a head not yet dispatched
+        self.sniffed_path = ""
+
+    # -- bookkeeping ---------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self.since = self._loop.time()
+        self.edge.admit(self)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self.edge.forget(self)
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self.current is None and self.head_started is None and data:
+            self.head_started = self._loop.time()
+        line = _REQUEST_LINE.match(data)
+        if line:
+            self.sniffed_path = line.group(1).decode("latin-1")
+        super().data_received(data)
+
+    def request_started(self, request: web.BaseRequest) -> None:
+        self.current, self.since, self.head_started = request, self._loop.time(), None
+
+    def request_ended(self) -> None:
+        self.current, self.since = None, self._loop.time()
+
+    def holds_work(self) -> bool:
+        """True while a request is being served whose body has arrived: its work must not
+        be cut for room. Idle connections, heads and bodies still arriving hold none."""
+        return self.current is not None and self.current.content.is_eof()
+
+    def overdue(self, now: float, limits: EdgeLimits) -> str | None:
+        if self.current is None:
+            if self.head_started is not None and now - self.head_started > limits.header_timeout_s:
+                return "request head not complete in time"
+            if self.head_started is None and now - self.since > limits.idle_timeout_s:
+                return "idle"
+        elif not self.current.content.is_eof() and now - self.since > limits.body_timeout_s + 5:
+            return "request body not complete in time"
+        return None
+
+    # -- aiohttp's own errors ------------------------------------------------------------
+    def handle_error(
+        self,
+        request: web.BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        if request.writer.output_size > 0:
+            raise ConnectionError("the response has started; no error response can follow")
+        if status >= 500:
+            log.error("error handling a request from %s", request.remote, exc_info=exc)
+            err = ServiceError(
+                ErrorCode.TIMEOUT if status == 504 else ErrorCode.INTERNAL,
+                "the request timed out" if status == 504 else "internal server error",
+            )
+        else:
+            detail = (message or str(exc) or "bad request")[:200]
+            log.warning("malformed HTTP request from %s: %s", request.remote, detail)
+            err = ServiceError(ErrorCode.INVALID_REQUEST, f"malformed HTTP request: {detail}")
+        response = error_response(err, family_of(self.sniffed_path or request.path))
+        response.force_close()
+        return response
+
+
+class EdgeServer(web.Server):
+    """aiohttp's Server, making EdgeProtocols and enforcing the connection limits."""
+
+    limits: EdgeLimits
+    live: OrderedDict  # EdgeProtocol -> None, oldest first
+    sweeper: asyncio.Task | None
+    evicted: int
+    refused: int
+
+    def adopt(self, limits: EdgeLimits) -> None:
+        self.limits, self.live, self.sweeper = limits, OrderedDict(), None
+        self.evicted = self.refused = 0
+
+    def __call__(self) -> EdgeProtocol:
+        return EdgeProtocol(self, loop=self._loop, **self._kwargs)
+
+    def admit(self, proto: EdgeProtocol) -> None:
+        self.live[proto] = None
+        if len(self.live) <= self.limits.max_connections:
+            return
+        victim = next((c for c in self.live if c is not proto and not c.holds_work()), None)
+        if victim is not None:
+            self.evicted += 1
+            log.warning("connection cap %d reached: closing the oldest idle or slow connection", len(self.live) - 1)
+            victim.force_close()
+        elif len(self.live) > self.limits.hard_max_connections:
+            self.refused += 1
+            log.warning("connection ceiling %d reached: refusing a connection", self.limits.hard_max_connections)
+            proto.force_close()
+
+    def forget(self, proto: EdgeProtocol) -> None:
+        self.live.pop(proto, None)
+
+    async def sweep(self) -> None:
+        while True:
+            await asyncio.sleep(SWEEP_S)
+            now = self._loop.time()
+            for proto in list(self.live):
+                reason = proto.overdue(now, self.limits)
+                if reason is not None:
+                    log.info("closing a connection: %s", reason)
+                    proto.force_close()
+
+
+class EdgeRunner(web.AppRunner):
+    """An AppRunner whose server is an EdgeServer."""
+
+    def __init__(self, app: web.Application, limits: EdgeLimits, **kwargs):
+        # aiohttp's own keep-alive timer agrees with ours; its header limits stay default.
+        super().__init__(app, keepalive_timeout=limits.idle_timeout_s, **kwargs)
+        self.limits = limits
+
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        server.__class__ = EdgeServer  # built by aiohttp, then given the edge's behaviour
+        server.adopt(self.limits)
+        server.sweeper = asyncio.get_running_loop().create_task(server.sweep())
+        return server
+
+    async def shutdown(self) -> None:
+        server = self.server
+        if isinstance(server, EdgeServer) and server.sweeper is not None:
+            server.sweeper.cancel()
+        await super().shutdown()
+
+
+@web.middleware
+async def edge_middleware(request: web.Request, handler):
+    """Tell the connection when it holds a request, for its timeouts and the cap."""
+    proto = request.protocol
+    if not isinstance(proto, EdgeProtocol):
+        return await handler(request)
+    proto.request_started(request)
+    try:
+        return await handler(request)
+    finally:
+        proto.request_ended()
+
+
+def edge_limits(max_connections: int, header_timeout_s: float, idle_timeout_s: float, body_timeout_s: float):
+    """The limits for this process: the descriptor limit raised first, the caps below it."""
+    fd_limit = raise_fd_limit()
+    ceiling = connection_ceiling(fd_limit)
+    limits = EdgeLimits(
+        max_connections=min(max_connections, ceiling),
+        hard_max_connections=ceiling,
+        header_timeout_s=header_timeout_s,
+        idle_timeout_s=idle_timeout_s,
+        body_timeout_s=body_timeout_s,
+    )
+    log.info(
+        "file-descriptor limit %d: up to %d connections, oldest idle or slow ones closed past %d",
+        fd_limit,
+        ceiling,
+        limits.max_connections,
+    )
+    return limits
