@@ -27,7 +27,7 @@ from .api.body import body_too_large
 from .api.errors import error_response, family_of
 from .auth import auth_middleware
 from .broker import Broker
-from .edge import edge_middleware
+from .edge import EDGE_STATS, EdgeStats, edge_middleware
 from .keys import KeyStore
 from .limits import RateLimiter
 from .manager import ModelManager
@@ -110,7 +110,8 @@ def make_app(
     app[MANAGER] = manager
     app[KEYS] = KeyStore(settings.keys_path) if settings.keys_path else None
     app[LIMITER] = RateLimiter()
-    app[METRICS] = Metrics(manager)
+    app[EDGE_STATS] = EdgeStats()
+    app[METRICS] = Metrics(manager, app[EDGE_STATS])
     app[ACTIVE] = {"n": 0}
     app.on_response_prepare.append(add_response_headers)
     if app[KEYS] is not None:

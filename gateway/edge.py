@@ -24,6 +24,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from aiohttp import web
+from aiohttp.http_exceptions import LineTooLong
 from aiohttp.web_protocol import RequestHandler
 from mlxgw.shared.errors import ErrorCode, ServiceError
 
@@ -36,6 +37,20 @@ SWEEP_S = 1.0
 # The request line of a chunk that starts a request: enough to know which API was called
 # when aiohttp rejects the rest of the head.
 _REQUEST_LINE = re.compile(rb"[A-Z]{3,10} (/[^ ?\r\n]{0,200})")
+
+
+@dataclass
+class EdgeStats:
+    """What the edge did, for /metrics and the flood figures."""
+
+    open: int = 0  # connections held now
+    peak: int = 0
+    evicted: int = 0  # closed to make room past the cap
+    refused: int = 0  # closed at once past the hard ceiling
+    timed_out: int = 0  # closed by the idle, header or body timeout
+
+
+EDGE_STATS = web.AppKey("edge_stats", EdgeStats)
 
 
 @dataclass
@@ -134,7 +149,10 @@ class EdgeProtocol(RequestHandler):
                 "the request timed out" if status == 504 else "internal server error",
             )
         else:
-            detail = (message or str(exc) or "bad request")[:200]
+            if isinstance(exc, LineTooLong):
+                detail = f"a request line or header is longer than {exc.args[1]} bytes"
+            else:
+                detail = (message or str(exc) or "bad request")[:200]
             log.warning("malformed HTTP request from %s: %s", request.remote, detail)
             err = ServiceError(ErrorCode.INVALID_REQUEST, f"malformed HTTP request: {detail}")
         response = error_response(err, family_of(self.sniffed_path or request.path))
@@ -146,34 +164,47 @@ class EdgeServer(web.Server):
     """aiohttp's Server, making EdgeProtocols and enforcing the connection limits."""
 
     limits: EdgeLimits
+    stats: EdgeStats
     live: OrderedDict  # EdgeProtocol -> None, oldest first
     sweeper: asyncio.Task | None
-    evicted: int
-    refused: int
 
-    def adopt(self, limits: EdgeLimits) -> None:
-        self.limits, self.live, self.sweeper = limits, OrderedDict(), None
-        self.evicted = self.refused = 0
+    def adopt(self, limits: EdgeLimits, stats: EdgeStats) -> None:
+        self.limits, self.stats, self.live, self.sweeper = limits, stats, OrderedDict(), None
 
     def __call__(self) -> EdgeProtocol:
         return EdgeProtocol(self, loop=self._loop, **self._kwargs)
 
     def admit(self, proto: EdgeProtocol) -> None:
         self.live[proto] = None
+        self.stats.open = len(self.live)
+        self.stats.peak = max(self.stats.peak, self.stats.open)
         if len(self.live) <= self.limits.max_connections:
             return
-        victim = next((c for c in self.live if c is not proto and not c.holds_work()), None)
-        if victim is not None:
-            self.evicted += 1
-            log.warning("connection cap %d reached: closing the oldest idle or slow connection", len(self.live) - 1)
-            victim.force_close()
+        if self.evict_one(proto, lambda c: not c.holds_work()):
+            log.warning("connection cap %d reached: closed the oldest idle or slow connection", len(self.live) - 1)
         elif len(self.live) > self.limits.hard_max_connections:
-            self.refused += 1
+            self.stats.refused += 1
             log.warning("connection ceiling %d reached: refusing a connection", self.limits.hard_max_connections)
-            proto.force_close()
+            self.close(proto)
+
+    def evict_one(self, spare: EdgeProtocol, evictable) -> bool:
+        """Close the oldest connection (other than spare) that evictable accepts."""
+        victim = next((c for c in self.live if c is not spare and evictable(c)), None)
+        if victim is None:
+            return False
+        self.stats.evicted += 1
+        self.close(victim)
+        return True
+
+    def close(self, proto: EdgeProtocol) -> None:
+        # Out of the count at once: its descriptor is released on the next loop turn, and
+        # a connection being closed must not be picked again.
+        self.forget(proto)
+        proto.force_close()
 
     def forget(self, proto: EdgeProtocol) -> None:
         self.live.pop(proto, None)
+        self.stats.open = len(self.live)
 
     async def sweep(self) -> None:
         while True:
@@ -183,7 +214,8 @@ class EdgeServer(web.Server):
                 reason = proto.overdue(now, self.limits)
                 if reason is not None:
                     log.info("closing a connection: %s", reason)
-                    proto.force_close()
+                    self.stats.timed_out += 1
+                    self.close(proto)
 
 
 class EdgeRunner(web.AppRunner):
@@ -197,7 +229,7 @@ class EdgeRunner(web.AppRunner):
     async def _make_server(self) -> web.Server:
         server = await super()._make_server()
         server.__class__ = EdgeServer  # built by aiohttp, then given the edge's behaviour
-        server.adopt(self.limits)
+        server.adopt(self.limits, self._app[EDGE_STATS])
         server.sweeper = asyncio.get_running_loop().create_task(server.sweep())
         return server
 
@@ -206,6 +238,15 @@ class EdgeRunner(web.AppRunner):
         if isinstance(server, EdgeServer) and server.sweeper is not None:
             server.sweeper.cancel()
         await super().shutdown()
+
+
+def make_room(request: web.Request) -> bool:
+    """When every request slot is taken: close the oldest request still sending its body
+    (a slow sender holds a slot without work) so this one can run. False if none."""
+    proto = request.protocol
+    if not isinstance(proto, EdgeProtocol):
+        return False
+    return proto.edge.evict_one(proto, lambda c: c.current is not None and not c.current.content.is_eof())
 
 
 @web.middleware

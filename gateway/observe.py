@@ -12,6 +12,7 @@ from aiohttp import web
 from mlxgw.shared.errors import ErrorCode, ServiceError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from .edge import make_room
 from .state import METRICS, SETTINGS
 
 access_log = logging.getLogger("mlxgw.access")
@@ -87,7 +88,7 @@ async def capacity_middleware(request: web.Request, handler):
     if request.path.startswith(UNCAPPED_PREFIXES):
         return await handler(request)
     active = request.app[ACTIVE]
-    if active["n"] >= request.app[SETTINGS].max_connections:
+    if active["n"] >= request.app[SETTINGS].max_connections and not make_room(request):
         raise ServiceError(
             ErrorCode.OVERLOADED, "the server is handling too many requests; retry shortly", retry_after=1
         )

@@ -146,6 +146,8 @@ async def read_body(request: web.Request) -> bytes:
         return await asyncio.wait_for(request.read(), timeout_s)
     except web.HTTPRequestEntityTooLarge:
         raise body_too_large(request) from None
+    except ConnectionError:
+        raise ServiceError(ErrorCode.CANCELLED, "the client closed the connection while sending the body") from None
     except asyncio.TimeoutError:
         raise ServiceError(
             ErrorCode.REQUEST_TIMEOUT, f"the request body did not arrive within {timeout_s:g} s"
