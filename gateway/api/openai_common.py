@@ -11,6 +11,7 @@ from mlxgw.shared import protocol as p
 from mlxgw.shared.config import ModelEntry
 from mlxgw.shared.errors import ServiceError, invalid
 
+from ..auth import reserve_tokens
 from ..generation import Generation
 from ..sse import SSEWriter
 from ..state import MANAGER, SETTINGS
@@ -172,6 +173,7 @@ async def stream_response(
 def generation(request: web.Request, slot, req: p.GenerateRequest) -> Generation:
     """The request's generation, also recorded on the request for limits, metrics and logs."""
     key = request.get("key")
+    reserve_tokens(request, slot, getattr(req, "max_tokens", None))
     gen = Generation(
         request.app[MANAGER], slot, req, request.app[SETTINGS].keepalive_s, owner=key.name if key else None
     )
