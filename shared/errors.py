@@ -4,7 +4,17 @@ Each API module renders a ServiceError in its own shape (OpenAI, Anthropic, ...)
 
 from __future__ import annotations
 
+import re
 from enum import Enum
+
+# An absolute (or ~) filesystem path of two or more parts, not an API route (/v1/...).
+_FS_PATH = re.compile(r"""(?<![\w:/.~-])~?/(?!v1/)(?:[^\s/'"`:,;()\[\]{}<>|]+/)+([^\s/'"`:,;()\[\]{}<>|]*)""")
+
+
+def redact_paths(text: str) -> str:
+    """Server paths out of what a client reads (they reveal user names and the layout of
+    the machine): '/Users/ann/.mlxgw/models/x/config.json' becomes '…/config.json'."""
+    return _FS_PATH.sub(lambda m: "…/" + m.group(1), text)
 
 
 class ErrorCode(str, Enum):
@@ -58,6 +68,8 @@ class ServiceError(Exception):
         retry_after: float | None = None,
         details: dict | None = None,
     ):
+        # Messages reach clients; worker exceptions and load errors can carry server paths.
+        message = redact_paths(message)
         super().__init__(message)
         self.code = ErrorCode(code)
         self.message = message

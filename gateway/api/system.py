@@ -6,7 +6,7 @@ import asyncio
 import time
 
 from aiohttp import web
-from mlxgw.shared.errors import ErrorCode, ServiceError
+from mlxgw.shared.errors import ErrorCode, ServiceError, redact_paths
 
 from ..state import BROKER, MANAGER
 
@@ -30,7 +30,7 @@ async def list_models(request: web.Request) -> web.Response:
                 "state": d["state"],
                 "loaded": d["loaded"],
                 "aliases": d["aliases"],
-                "last_error": d["last_error"],
+                "last_error": redact_paths(d["last_error"]) if d["last_error"] else None,
             }
         )
     return web.json_response({"object": "list", "data": data})
