@@ -20,7 +20,7 @@ import asyncio
 import logging
 import re
 import resource
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -34,6 +34,7 @@ log = logging.getLogger("mlxgw.edge")
 
 FD_RESERVE_MIN = 128  # descriptors kept for workers' sockets, logs, model files
 SWEEP_S = 1.0
+REPORT_S = 10.0
 # The request line of a chunk that starts a request: enough to know which API was called
 # when aiohttp rejects the rest of the head.
 _REQUEST_LINE = re.compile(rb"[A-Z]{3,10} (/[^ ?\r\n]{0,200})")
@@ -125,11 +126,11 @@ class EdgeProtocol(RequestHandler):
     def overdue(self, now: float, limits: EdgeLimits) -> str | None:
         if self.current is None:
             if self.head_started is not None and now - self.head_started > limits.header_timeout_s:
-                return "request head not complete in time"
+                return "head incomplete"
             if self.head_started is None and now - self.since > limits.idle_timeout_s:
                 return "idle"
         elif not self.current.content.is_eof() and now - self.since > limits.body_timeout_s + 5:
-            return "request body not complete in time"
+            return "body incomplete"
         return None
 
     # -- aiohttp's own errors ------------------------------------------------------------
@@ -207,15 +208,22 @@ class EdgeServer(web.Server):
         self.stats.open = len(self.live)
 
     async def sweep(self) -> None:
+        closed: Counter = Counter()
+        reported = self._loop.time()
         while True:
             await asyncio.sleep(SWEEP_S)
             now = self._loop.time()
             for proto in list(self.live):
                 reason = proto.overdue(now, self.limits)
                 if reason is not None:
-                    log.info("closing a connection: %s", reason)
+                    closed[reason] += 1
                     self.stats.timed_out += 1
                     self.close(proto)
+            # One line per REPORT_S at most: a flood times out thousands of sockets.
+            if closed and now - reported >= REPORT_S:
+                log.info("closed connections past their timeouts: %s", ", ".join(f"{n} {r}" for r, n in closed.items()))
+                closed.clear()
+                reported = now
 
 
 class EdgeRunner(web.AppRunner):
