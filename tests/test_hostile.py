@@ -16,10 +16,10 @@ from hypothesis import strategies as st
 MODELS = ["null", "tiny"]
 ROUTES = ["/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses"]
 BASE = {
-    "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
-    "/v1/completions": {"prompt": "hi", "max_tokens": 3},
-    "/v1/messages": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
-    "/v1/responses": {"input": "hi", "max_output_tokens": 3},
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
+    "/v1/completions": {"prompt": "hi", "max_tokens": 1},
+    "/v1/messages": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
+    "/v1/responses": {"input": "hi", "max_output_tokens": 1},
 }
 # Every field a client can send, per API; sampling fields on all of them.
 SAMPLING = ["temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "logit_bias", "stop"]
