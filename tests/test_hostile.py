@@ -124,11 +124,14 @@ def send(gw, route: str, body: dict) -> int:
     return status
 
 
-def assert_unharmed(gw, before: dict) -> None:
+def snapshot(gw) -> tuple[dict, dict]:
+    """Worker pids and restart counts, to compare after the attack."""
+    return worker_pids(gw, MODELS), {m: gw.model_status(m)["restarts"] for m in MODELS}
+
+
+def assert_unharmed(gw, before: tuple[dict, dict]) -> None:
     assert wait_in_flight_zero(gw) == {}
-    assert worker_pids(gw, MODELS) == before
-    for model in MODELS:
-        assert gw.model_status(model)["restarts"] == 0
+    assert snapshot(gw) == before
 
 
 SWEPT_VALUES = [float("nan"), float("inf"), float("-inf"), 2**64, -(2**63) - 1, -1, 0, 100_000, 1e308]
@@ -136,7 +139,7 @@ SWEPT_MAPS = [{"99999999": 1}, {"-1": 1}, {"18446744073709551616": 1}, {str(i): 
 
 
 def test_every_extreme_value_in_every_sampling_field_is_harmless(hostile_gateway):
-    before = worker_pids(hostile_gateway, MODELS)
+    before = snapshot(hostile_gateway)
     for route in ROUTES:
         for name in SAMPLING + ["presence_penalty", "frequency_penalty"]:
             values = SWEPT_MAPS if name == "logit_bias" else SWEPT_VALUES
@@ -148,7 +151,7 @@ def test_every_extreme_value_in_every_sampling_field_is_harmless(hostile_gateway
 
 
 def test_random_hostile_bodies_are_harmless(hostile_gateway):
-    before = worker_pids(hostile_gateway, MODELS)
+    before = snapshot(hostile_gateway)
     seen: set[int] = set()
 
     @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
