@@ -32,7 +32,11 @@ from .api.errors import error_response, family_of
 
 log = logging.getLogger("mlxgw.edge")
 
-FD_RESERVE_MIN = 128  # descriptors kept for workers' sockets, logs, model files
+# Descriptors kept free: workers' sockets, logs and model files (~128), and the accepts in
+# flight: asyncio accepts up to 128 sockets per loop turn, and a socket evicted to make room
+# releases its descriptor three or four turns after the one that came in (measured: 384 was
+# not enough under a storm of connects).
+FD_RESERVE_MIN = 640
 SWEEP_S = 1.0
 REPORT_S = 10.0
 # The request line of a chunk that starts a request: enough to know which API was called
@@ -118,6 +122,10 @@ class EdgeProtocol(RequestHandler):
     def request_ended(self) -> None:
         self.current, self.since = None, self._loop.time()
 
+    def silent(self) -> bool:
+        """No request in progress and not a byte of the next one."""
+        return self.current is None and self.head_started is None
+
     def holds_work(self) -> bool:
         """True while a request is being served whose body has arrived: its work must not
         be cut for room. Idle connections, heads and bodies still arriving hold none."""
@@ -189,8 +197,12 @@ class EdgeServer(web.Server):
             self.close(proto)
 
     def evict_one(self, spare: EdgeProtocol, evictable) -> bool:
-        """Close the oldest connection (other than spare) that evictable accepts."""
-        victim = next((c for c in self.live if c is not spare and evictable(c)), None)
+        """Close the oldest connection (other than spare) that evictable accepts, preferring
+        one that never sent a byte of its request: a client that has sent its request may
+        be a few milliseconds from holding work, and a flood of connects must not cut it."""
+        victim = next((c for c in self.live if c is not spare and c.silent() and evictable(c)), None)
+        if victim is None:
+            victim = next((c for c in self.live if c is not spare and evictable(c)), None)
         if victim is None:
             return False
         self.stats.evicted += 1
