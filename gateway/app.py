@@ -30,6 +30,7 @@ from .api.errors import error_response, family_of
 from .auth import auth_middleware
 from .broker import Broker
 from .console import routes as console_routes
+from .edge import EDGE_STATS, EdgeStats, edge_middleware
 from .keys import KeyStore
 from .ledger import LEDGER, Ledger, ledger_lifecycle, usage_middleware
 from .limits import RateLimiter
@@ -94,6 +95,7 @@ def make_app(
         # Outermost first: the access log and metrics see the final status of every request,
         # and auth/limit errors are rendered in the called API's shape.
         middlewares=[
+            edge_middleware,
             request_id_middleware,
             observe_middleware,
             cors_middleware,
@@ -114,7 +116,8 @@ def make_app(
     app[MANAGER] = manager
     app[KEYS] = KeyStore(settings.keys_path) if settings.keys_path else None
     app[LIMITER] = RateLimiter()
-    app[METRICS] = Metrics(manager)
+    app[EDGE_STATS] = EdgeStats()
+    app[METRICS] = Metrics(manager, app[EDGE_STATS])
     app[ACTIVE] = {"n": 0}
     app[LEDGER] = Ledger(paths.home() / "usage.db" if m.usage_ledger else None, m.usage_retention_days)
     app[THROUGHPUT] = Throughput()

@@ -5,13 +5,15 @@ Keys are accepted as `Authorization: Bearer KEY` (OpenAI) and `x-api-key: KEY`
 
 from __future__ import annotations
 
+import hmac
+
 from aiohttp import web
 from mlxgw.shared.config import CHAT_KINDS
 from mlxgw.shared.errors import ErrorCode, ServiceError
 
-from .keys import KeyStore
+from .keys import ApiKey, KeyStore
 from .limits import RateLimiter
-from .state import KEYS, LIMITER, MANAGER
+from .state import KEYS, LIMITER, MANAGER, SETTINGS
 
 # Routes anyone may call: liveness for load balancers and service managers.
 PUBLIC_PATHS = {"/health"}
@@ -27,13 +29,18 @@ def presented_key(request: web.Request) -> str | None:
     return request.headers.get("x-api-key") or None
 
 
-@web.middleware
-async def auth_middleware(request: web.Request, handler):
-    store: KeyStore | None = request.app[KEYS]
-    if store is None or request.path in PUBLIC_PATHS or request.path == "/metrics" or request.method == "OPTIONS":
-        return await handler(request)
-    if request.method == "GET" and (request.path == "/ui" or request.path.startswith("/ui/")):  # the console's files
-        return await handler(request)
+# Routes that reveal every user's traffic (key names, token counts, request ids): with keys
+# on, an admin key or the metrics token.
+ADMIN_PATHS = ("/metrics", "/v1/status")
+
+
+def _metrics_token_ok(request: web.Request) -> bool:
+    token = request.app[SETTINGS].metrics_token
+    given = request.headers.get("Authorization", "")
+    return bool(token) and hmac.compare_digest(given.encode(), f"Bearer {token}".encode())
+
+
+def authenticate(request: web.Request, store: KeyStore) -> ApiKey:
     given = presented_key(request)
     if not given:
         raise ServiceError(
@@ -44,20 +51,63 @@ async def auth_middleware(request: web.Request, handler):
         raise ServiceError(ErrorCode.AUTHENTICATION, "invalid API key")
     if key.expired():
         raise ServiceError(ErrorCode.AUTHENTICATION, f"API key '{key.name}' has expired")
-    request["key"] = key
+    return key
+
+
+async def _admin_route(request: web.Request, handler, store: KeyStore | None):
+    if _metrics_token_ok(request):
+        return await handler(request)
+    if store is None:
+        if request.path == "/metrics" and request.app[SETTINGS].metrics_token:
+            raise ServiceError(ErrorCode.AUTHENTICATION, "/metrics needs 'Authorization: Bearer METRICS_TOKEN'")
+        return await handler(request)
+    key = request["key"] = authenticate(request, store)
+    if not key.admin:
+        raise ServiceError(ErrorCode.PERMISSION, f"{request.path} needs an admin key or the metrics token")
+    return await handler(request)
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler):
+    store: KeyStore | None = request.app[KEYS]
+    if request.path in PUBLIC_PATHS or request.method == "OPTIONS":
+        return await handler(request)
+    if request.method == "GET" and (request.path == "/ui" or request.path.startswith("/ui/")):  # the console's files
+        return await handler(request)
+    if request.path in ADMIN_PATHS:
+        return await _admin_route(request, handler, store)
+    if store is None:
+        return await handler(request)
+    key = request["key"] = authenticate(request, store)
     if request.path.startswith(UNMETERED_PREFIXES):
         return await handler(request)
     limiter: RateLimiter = request.app[LIMITER]
     request["ratelimit_headers"] = lambda: limiter.headers(key, store.window_s)
     limiter.start(key, store.window_s)
-    tokens = 0
     try:
         return await handler(request)
     finally:
+        # Settled here, after the whole response (a stream included) is over, whether it
+        # finished, failed, or was cut by the client or a crash.
         gen = request.get("generation")
-        if gen is not None:
-            tokens = gen.usage.total_tokens
-        limiter.finish(key, tokens)
+        limiter.finish(key, gen.usage.total_tokens if gen is not None else 0, request.get("tpm_reserved", 0))
+
+
+def reserve_tokens(request: web.Request, slot, max_tokens: int | None) -> None:
+    """At admission, set aside the most tokens the request may use (its max_tokens, else
+    the model's context) from its key's token budget; settled when the request ends."""
+    key = request.get("key")
+    if key is None or key.tpm is None or "ratelimit_headers" not in request:
+        return
+    if max_tokens is None:
+        max_tokens = slot.entry.context_length or next(
+            (c.info.get("context_length") for c in request.app[MANAGER].conns(slot) if c.info.get("context_length")),
+            None,
+        )
+    store: KeyStore = request.app[KEYS]
+    request["tpm_reserved"] = request.get("tpm_reserved", 0) + request.app[LIMITER].reserve(
+        key, store.window_s, int(max_tokens or 0)
+    )
 
 
 # Where each kind of model is served, for the error a wrong route gets.
@@ -74,7 +124,9 @@ def resolve_model(request: web.Request, requested: str, kinds: tuple[str, ...] =
     of a kind this route serves."""
     slot = request.app[MANAGER].resolve(requested)
     key = request.get("key")
-    if key is not None and not key.allows(requested, slot.name):
+    # The model it resolves to decides, by its name or one of its aliases: a key limited to
+    # "smollm2-*" must not reach another model by asking for a name one of its globs matches.
+    if key is not None and not key.allows(slot.name, *slot.entry.aliases):
         raise ServiceError(ErrorCode.PERMISSION, f"API key '{key.name}' may not use model '{requested}'", param="model")
     kind = slot.entry.kind
     if kind not in kinds:

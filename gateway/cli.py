@@ -45,7 +45,16 @@ from mlxgw.shared.resources import default_config
     default=None,
     help="max_tokens when neither the request nor the model entry sets one (default: the context)",
 )
-@click.option("--max-connections", type=int, default=1024, show_default=True)
+@click.option(
+    "--max-connections",
+    type=click.IntRange(1),
+    default=1024,
+    show_default=True,
+    help="open connections and concurrent requests (kept below the file-descriptor limit)",
+)
+@click.option("--header-timeout", type=click.FloatRange(0.1), default=10.0, show_default=True, help="seconds")
+@click.option("--idle-timeout", type=click.FloatRange(0.1), default=30.0, show_default=True, help="seconds")
+@click.option("--body-timeout", type=click.FloatRange(0.1), default=60.0, show_default=True, help="seconds")
 @click.option(
     "--allow-image-urls",
     is_flag=True,
@@ -66,6 +75,9 @@ def up(
     max_tokens_cap: int | None,
     max_tokens_default: int | None,
     max_connections: int,
+    header_timeout: float,
+    idle_timeout: float,
+    body_timeout: float,
     allow_image_urls: bool,
     max_image_mb: float,
 ) -> None:
@@ -110,6 +122,9 @@ def up(
         max_tokens_cap=max_tokens_cap,
         max_tokens_default=max_tokens_default,
         max_connections=max_connections,
+        header_timeout_s=header_timeout,
+        idle_timeout_s=idle_timeout,
+        body_timeout_s=body_timeout,
         images=ImageLimits(max_bytes=int(max_image_mb * (1 << 20)), allow_urls=allow_image_urls),
     )
     run(registry, settings, host, port, config_path=config_path, extra_endpoints=worker_listen, secret=secret)

@@ -115,7 +115,15 @@ class Generation:
         self.usage.prompt_tokens = int(first.get("prompt_tokens", 0))
         return self
 
-    async def __aexit__(self, *exc) -> None:
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        # A stream that ends early (client gone, write timeout, crash) is still accounted
+        # truthfully: the tokens it delivered and why it ended, for limits, metrics and logs.
+        delivered = self._last_delta[1] if self._last_delta else 0
+        self.usage.completion_tokens = max(self.usage.completion_tokens, delivered)
+        if self.outcome is None and exc_type is not None:
+            code = exc.code if isinstance(exc, ServiceError) else ErrorCode.INTERNAL
+            cancelled = issubclass(exc_type, asyncio.CancelledError) or code == ErrorCode.CANCELLED
+            self.outcome = "cancelled" if cancelled else f"error:{code.value}"
         if self.stream is not None and not self.stream.done:
             try:
                 await self.broker.cancel(self.stream)

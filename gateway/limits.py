@@ -19,6 +19,7 @@ class _Usage:
     requests: deque = field(default_factory=deque)  # request start times
     tokens: deque = field(default_factory=deque)  # (time, tokens)
     token_sum: int = 0
+    reserved: int = 0  # tokens set aside for requests in flight (their max_tokens)
     concurrent: int = 0
 
 
@@ -58,9 +59,37 @@ class RateLimiter:
         u.requests.append(now)
         u.concurrent += 1
 
-    def finish(self, key: ApiKey, tokens: int) -> None:
+    def reserve(self, key: ApiKey, window: float, tokens: int) -> int:
+        """Set aside up to `tokens` of the key's token budget for one request, or raise a
+        429: the budget is a hard limit, so a request that could pass it is not started.
+        Returns what was reserved (0 when the key has no token limit)."""
+        if key.tpm is None or tokens <= 0:
+            return 0
+        if tokens > key.tpm:
+            raise ServiceError(
+                ErrorCode.RATE_LIMITED,
+                f"this request may use up to {tokens} tokens (its max_tokens), more than the "
+                f"{key.tpm} tokens per {window:g} s of key '{key.name}'; lower max_tokens",
+                param="max_tokens",
+            )
+        now = time.monotonic()
+        u = self._usage.setdefault(key.name, _Usage())
+        self._prune(u, now, window)
+        if u.token_sum + u.reserved + tokens > key.tpm:
+            raise ServiceError(
+                ErrorCode.RATE_LIMITED,
+                f"token limit reached for key '{key.name}': {key.tpm} tokens per {window:g} s "
+                f"({u.token_sum} used, {u.reserved} reserved by requests in flight, this one needs up to {tokens})",
+                retry_after=u.tokens[0][0] + window - now if u.tokens else 1.0,
+            )
+        u.reserved += tokens
+        return tokens
+
+    def finish(self, key: ApiKey, tokens: int, reserved: int = 0) -> None:
+        """Settle one request: release its reservation and charge what it really used."""
         u = self._usage.setdefault(key.name, _Usage())
         u.concurrent = max(0, u.concurrent - 1)
+        u.reserved = max(0, u.reserved - reserved)
         if tokens > 0:
             u.tokens.append((time.monotonic(), tokens))
             u.token_sum += tokens
@@ -75,5 +104,5 @@ class RateLimiter:
             out["x-ratelimit-remaining-requests"] = str(max(0, key.rpm - len(u.requests)))
         if key.tpm is not None:
             out["x-ratelimit-limit-tokens"] = str(key.tpm)
-            out["x-ratelimit-remaining-tokens"] = str(max(0, key.tpm - u.token_sum))
+            out["x-ratelimit-remaining-tokens"] = str(max(0, key.tpm - u.token_sum - u.reserved))
         return out

@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 if TYPE_CHECKING:
+    from .edge import EdgeStats
     from .generation import Generation
     from .manager import ModelManager
 
@@ -55,8 +56,24 @@ class _ManagerCollector:
         yield from (running, waiting, hit_rate, cache_bytes, rss, mlx, loaded, loads, unloads, restarts, evictions)
 
 
+class _EdgeCollector:
+    def __init__(self, stats: EdgeStats):
+        self.stats = stats
+
+    def collect(self):
+        s = self.stats
+        yield GaugeMetricFamily("mlxgw_http_connections", "Open HTTP connections", value=s.open)
+        yield GaugeMetricFamily("mlxgw_http_connections_peak", "Most HTTP connections open at once", value=s.peak)
+        closed = CounterMetricFamily(
+            "mlxgw_http_connections_closed", "Connections the server closed, by reason", labels=["reason"]
+        )
+        for reason, n in (("evicted", s.evicted), ("refused", s.refused), ("timeout", s.timed_out)):
+            closed.add_metric([reason], n)
+        yield closed
+
+
 class Metrics:
-    def __init__(self, manager: ModelManager):
+    def __init__(self, manager: ModelManager, edge: EdgeStats | None = None):
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("mlxgw_requests", "HTTP requests", ["route", "model", "key", "status"], registry=r)
@@ -79,6 +96,8 @@ class Metrics:
         )
         self.tokens = Counter("mlxgw_tokens", "Tokens processed", ["model", "key", "kind"], registry=r)
         r.register(_ManagerCollector(manager))
+        if edge is not None:
+            r.register(_EdgeCollector(edge))
 
     def observe(self, route: str, model: str, key: str, status: int, duration: float, gen: Generation | None) -> None:
         self.requests.labels(route, model, key, str(status)).inc()

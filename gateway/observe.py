@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import time
 
 from aiohttp import web
-from mlxgw.shared.errors import ErrorCode, ServiceError
+from mlxgw.shared.errors import HTTP_STATUS, ErrorCode, ServiceError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from .edge import make_room
 from .ledger import record_request
 from .state import METRICS, SETTINGS
 
@@ -43,21 +43,39 @@ async def observe_middleware(request: web.Request, handler):
     finally:
         duration = time.monotonic() - started
         gen = request.get("generation")
+        sent, status = status, effective_status(status, gen)
         key = request["key"].name if request.get("key") is not None else "-"
         model = request.get("model") or "-"
         route = _route(request)
         request.app[METRICS].observe(route, model, key, status, duration, gen)
-        _log(request, route, status, key, model, duration, gen)
+        _log(request, route, (status, sent), key, model, duration, gen)
         record_request(request, status, duration)
 
 
-def _log(request: web.Request, route: str, status: int, key: str, model: str, duration: float, gen) -> None:
+def effective_status(sent: int, gen) -> int:
+    """The status that tells the truth about a stream: a 200 whose stream then ended in an
+    error or a cancellation is logged and counted with that error's status."""
+    if sent != 200 or gen is None or not gen.outcome:
+        return sent
+    if gen.outcome == "cancelled":
+        return 499
+    if gen.outcome.startswith("error:"):
+        try:
+            return HTTP_STATUS[ErrorCode(gen.outcome[6:])]
+        except (ValueError, KeyError):
+            return 500
+    return sent
+
+
+def _log(request: web.Request, route: str, statuses: tuple, key: str, model: str, duration: float, gen) -> None:
     settings = request.app[SETTINGS]
+    status, sent = statuses
     entry = {
         "request_id": request.get("rid"),
         "method": request.method,
         "path": request.path,
         "status": status,
+        "http_status": sent if sent != status else None,  # what the headers said, when they differ
         "key": key,
         "model": model,
         "duration_s": round(duration, 4),
@@ -79,11 +97,17 @@ def _log(request: web.Request, route: str, status: int, key: str, model: str, du
         access_log.info(" ".join(f"{k}={v}" for k, v in entry.items() if v is not None))
 
 
+# Cheap routes an operator needs most when the server is full: never refused for capacity.
+UNCAPPED_PREFIXES = ("/health", "/metrics", "/v1/status", "/v1/models", "/v1/requests/", "/v1/cache")
+
+
 @web.middleware
 async def capacity_middleware(request: web.Request, handler):
-    """A ceiling on concurrent HTTP requests: past it, 503 with Retry-After."""
+    """A ceiling on concurrent HTTP requests: past it, 429 with Retry-After."""
+    if request.path.startswith(UNCAPPED_PREFIXES):
+        return await handler(request)
     active = request.app[ACTIVE]
-    if active["n"] >= request.app[SETTINGS].max_connections:
+    if active["n"] >= request.app[SETTINGS].max_connections and not make_room(request):
         raise ServiceError(
             ErrorCode.OVERLOADED, "the server is handling too many requests; retry shortly", retry_after=1
         )
@@ -128,10 +152,6 @@ async def add_response_headers(request: web.Request, response: web.StreamRespons
 
 @routes.get("/metrics")
 async def metrics(request: web.Request) -> web.Response:
-    token = request.app[SETTINGS].metrics_token
-    if token:
-        given = request.headers.get("Authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
-            raise ServiceError(ErrorCode.AUTHENTICATION, "/metrics needs 'Authorization: Bearer METRICS_TOKEN'")
+    # Who may scrape is decided in auth_middleware (metrics token, or an admin key).
     body = generate_latest(request.app[METRICS].registry)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})

@@ -17,6 +17,8 @@ from mlxgw.shared import paths
 from mlxgw.shared.config import ConfigError, Registry, load_registry, with_discovered_models
 
 from .app import default_endpoint, make_app
+from .edge import EdgeRunner, edge_limits
+from .logcap import install_log_limits
 from .state import MANAGER, GatewaySettings
 
 log = logging.getLogger("mlxgw.gateway")
@@ -53,8 +55,12 @@ async def serve(
     log.info("worker link endpoint %s", endpoint)
     for extra in extra_endpoints:
         log.info("remote workers may connect to %s", extra)
+    install_log_limits(asyncio.get_running_loop())
+    limits = edge_limits(
+        settings.max_connections, settings.header_timeout_s, settings.idle_timeout_s, settings.body_timeout_s
+    )
     # Cancel a handler when its client disconnects: a gone client frees its sequence.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    runner = EdgeRunner(app, limits, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_address=True)
     await site.start()

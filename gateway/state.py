@@ -20,7 +20,10 @@ class GatewaySettings:
     max_body_bytes: int = 10 * 1024 * 1024
     max_tokens_cap: int | None = None  # server-wide ceiling on max_tokens
     max_tokens_default: int | None = None  # when neither the request nor the model sets one
-    max_connections: int = 1024  # concurrent HTTP requests; past it 503 with Retry-After
+    max_connections: int = 1024  # connections and concurrent requests; past it 429 (health/control exempt)
+    header_timeout_s: float = 10.0  # a request head must be complete this long after its first byte
+    idle_timeout_s: float = 30.0  # a connection with no request in progress is closed after this
+    body_timeout_s: float = 60.0  # a request body must be complete this long after its head
     keys_path: Path | None = None  # None: no authentication (fine on 127.0.0.1)
     metrics_token: str | None = None  # bearer token for /metrics; None: open
     log_format: str = "text"  # or "json": one access-log line per request

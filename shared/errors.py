@@ -4,7 +4,17 @@ Each API module renders a ServiceError in its own shape (OpenAI, Anthropic, ...)
 
 from __future__ import annotations
 
+import re
 from enum import Enum
+
+# An absolute (or ~) filesystem path of two or more parts, not an API route (/v1/...).
+_FS_PATH = re.compile(r"""(?<![\w:/.~-])~?/(?!v1/)(?:[^\s/'"`:,;()\[\]{}<>|]+/)+([^\s/'"`:,;()\[\]{}<>|]*)""")
+
+
+def redact_paths(text: str) -> str:
+    """Server paths out of what a client reads (they reveal user names and the layout of
+    the machine): '/Users/ann/.mlxgw/models/x/config.json' becomes '…/config.json'."""
+    return _FS_PATH.sub(lambda m: "…/" + m.group(1), text)
 
 
 class ErrorCode(str, Enum):
@@ -18,6 +28,7 @@ class ErrorCode(str, Enum):
     RATE_LIMITED = "rate_limited"
     OVERLOADED = "overloaded"
     BODY_TOO_LARGE = "request_too_large"
+    REQUEST_TIMEOUT = "request_timeout"
     MODEL_UNAVAILABLE = "model_unavailable"
     WORKER_LOST = "worker_lost"
     TIMEOUT = "timeout"
@@ -36,6 +47,7 @@ HTTP_STATUS = {
     ErrorCode.RATE_LIMITED: 429,
     ErrorCode.OVERLOADED: 429,
     ErrorCode.BODY_TOO_LARGE: 413,
+    ErrorCode.REQUEST_TIMEOUT: 408,
     ErrorCode.MODEL_UNAVAILABLE: 503,
     ErrorCode.WORKER_LOST: 502,
     ErrorCode.TIMEOUT: 504,
@@ -56,6 +68,8 @@ class ServiceError(Exception):
         retry_after: float | None = None,
         details: dict | None = None,
     ):
+        # Messages reach clients; worker exceptions and load errors can carry server paths.
+        message = redact_paths(message)
         super().__init__(message)
         self.code = ErrorCode(code)
         self.message = message

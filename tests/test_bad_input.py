@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
-from helpers import http
+from helpers import http, openai_client
+from helpers.hostile import ROUTE_FAMILY, assert_error_shape, raw_request, wait_in_flight_zero, worker_pids
 
 MSGS = [{"role": "user", "content": "hi"}]
 CHAT = "/v1/chat/completions"
@@ -174,3 +177,100 @@ def test_gateway_and_worker_stay_healthy_after_bad_input(tiny_gateway):
     status, _, out = http(tiny_gateway.url + CHAT, "POST", {"model": "tiny", "messages": MSGS, "max_tokens": 3})
     assert status == 200 and out["usage"]["completion_tokens"] == 3
     assert tiny_gateway.model_status("tiny")["restarts"] == 0
+
+
+# -- bodies that are valid JSON but hostile (issue 13): refused before anything else runs ---------
+def hostile_body(fragment: str) -> bytes:
+    """A body every generating route would otherwise accept, with one hostile member."""
+    return (
+        '{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "prompt": "hi", "input": "hi", '
+        + fragment
+        + "}"
+    ).encode()
+
+
+def nested(levels: int) -> str:
+    return '{"a": ' * levels + "1" + "}" * levels
+
+
+HOSTILE = [
+    # (name, body, the param the error names (None: either field may be named), text in the message)
+    ("100000 levels of nesting", hostile_body('"tools": ' + "[" * 100_000 + "]" * 100_000), None, "nested"),
+    (
+        "600 levels in chat_template_kwargs",
+        hostile_body(f'"chat_template_kwargs": {nested(600)}'),
+        "chat_template_kwargs",
+        "nested",
+    ),
+    ("max_tokens of 2**64", hostile_body('"max_tokens": 18446744073709551616'), "max_tokens", "64-bit"),
+    ("seed below the int64 range", hostile_body('"seed": -9223372036854775809'), "seed", "64-bit"),
+    ("temperature NaN", hostile_body('"temperature": NaN'), "temperature", "NaN"),
+    ("top_p Infinity", hostile_body('"top_p": Infinity'), "top_p", "Infinity"),
+    ("temperature 1e400", hostile_body('"temperature": 1e400'), "temperature", "inf"),
+    ("logit_bias value of 2**64", hostile_body('"logit_bias": {"5": 18446744073709551616}'), "logit_bias", "64-bit"),
+    ("dimensions of 2**64", hostile_body('"dimensions": 18446744073709551616'), "dimensions", "64-bit"),
+    (
+        "lone surrogate in content",
+        b'{"model": "tiny", "prompt": "\\ud800", "input": "x", "messages": [{"role": "user", "content": "\\ud800"}]}',
+        None,
+        "surrogate",
+    ),
+    ("lone surrogate in a key", hostile_body('"metadata": {"\\udc00": 1}'), "metadata", "surrogate"),
+]
+HOSTILE_ROUTES = list(ROUTE_FAMILY)
+
+
+@pytest.mark.parametrize("route", HOSTILE_ROUTES)
+@pytest.mark.parametrize("name,body,param,needle", HOSTILE, ids=[h[0] for h in HOSTILE])
+def test_hostile_body_is_a_400_in_the_apis_shape(tiny_gateway, route, name, body, param, needle):
+    status, headers, payload = http(tiny_gateway.url + route, "POST", raw=body)
+    assert status == 400, payload
+    message = assert_error_shape(payload, ROUTE_FAMILY[route], status)
+    assert needle in message
+    if ROUTE_FAMILY[route] == "openai":
+        named = payload["error"]["param"]
+        assert named == param if param else (named is None or named in message)
+    assert headers["content-type"].startswith("application/json")
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/messages"])
+def test_oversized_header_is_a_400_in_the_apis_shape(tiny_gateway, route):
+    request = (
+        f"POST {route} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"x-request-id: {'a' * 10_000}\r\nContent-Length: 2\r\n\r\n{{}}"
+    ).encode()
+    status, body = raw_request(tiny_gateway.port, request)
+    assert status == 400
+    message = assert_error_shape(json.loads(body), ROUTE_FAMILY[route], status)
+    assert "longer than" in message
+
+
+def test_malformed_request_line_is_a_400_in_openai_shape(tiny_gateway):
+    status, body = raw_request(tiny_gateway.port, b"NOT-HTTP \x00\x01\r\n\r\n")
+    assert status == 400
+    assert "malformed HTTP request" in assert_error_shape(json.loads(body), "openai", status)
+
+
+def test_hostile_bodies_leave_no_residue_and_spare_a_concurrent_stream(tiny_gateway):
+    before = worker_pids(tiny_gateway, ["tiny", "null"])
+    client = openai_client(tiny_gateway)
+    innocent = client.chat.completions.create(
+        model="null", messages=MSGS, max_tokens=200, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = [next(iter(innocent))]
+    for route in HOSTILE_ROUTES:
+        for _, body, _, _ in HOSTILE:
+            assert http(tiny_gateway.url + route, "POST", raw=body)[0] == 400
+    chunks += list(innocent)
+    assert chunks[-1].usage.completion_tokens == 200
+    assert wait_in_flight_zero(tiny_gateway) == {}
+    assert worker_pids(tiny_gateway, ["tiny", "null"]) == before
+    assert tiny_gateway.model_status("tiny")["restarts"] == 0
+
+
+def test_redacts_server_paths_from_client_messages():
+    from mlxgw.shared.errors import ErrorCode, ServiceError
+
+    err = ServiceError(ErrorCode.MODEL_UNAVAILABLE, "load failed: '/Users/ann/.mlxgw/models/x/config.json' missing")
+    assert "/Users/ann" not in err.message and "config.json" in err.message
+    assert ServiceError(ErrorCode.NOT_FOUND, "use /v1/chat/completions").message == "use /v1/chat/completions"

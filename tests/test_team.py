@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 
+import openai
 import pytest
 import yaml
 from helpers import NO_EOS, REPO, TINY_CONFIG, http, openai_client, start_gateway, wait_for
@@ -25,6 +26,15 @@ KEYS = {
     "bob": "mlxgw-bob-key-0123456789",
     "carol": "mlxgw-carol-key-0123456789",
     "dave": "mlxgw-dave-key-0123456789",
+    "erin": "mlxgw-erin-key-0123456789",
+    "frank": "mlxgw-frank-key-0123456789",
+    "grace": "mlxgw-grace-key-0123456789",
+}
+# A model only reachable through a glob alias: a key limited to "smollm2-*" must not reach it
+# by asking for "smollm2-large" (issue 13).
+TEAM_CONFIG = {
+    **TINY_CONFIG,
+    "models": [*TINY_CONFIG["models"], {"name": "secretm", "engine": "null", "aliases": ["*-large"]}],
 }
 MSGS = [{"role": "user", "content": "hello there"}]
 
@@ -52,13 +62,16 @@ def team_gateway(home, tiny_dir):
                     {"name": "bob", "sha256": hash_key(KEYS["bob"]), "models": ["null"], "tpm": 50},
                     {"name": "carol", "sha256": hash_key(KEYS["carol"]), "max_concurrent": 1},
                     {"name": "dave", "sha256": hash_key(KEYS["dave"]), "admin": True},
+                    {"name": "erin", "sha256": hash_key(KEYS["erin"]), "tpm": 2000},
+                    {"name": "frank", "sha256": hash_key(KEYS["frank"]), "models": ["smollm2-*"]},
+                    {"name": "grace", "sha256": hash_key(KEYS["grace"]), "models": ["gpt-4o-mini"]},
                 ],
             }
         )
     )
     gw = start_gateway(
         home,
-        TINY_CONFIG,
+        TEAM_CONFIG,
         "team-gateway",
         extra_args=(
             "--keys",
@@ -144,24 +157,113 @@ def test_rpm_trips_exactly_at_the_limit_and_recovers_after_the_window(team_gatew
     assert call(team_gateway, KEYS["alice"])[0] == 200
 
 
-def test_tpm_counts_prompt_and_completion_tokens(team_gateway):
+def test_tpm_refuses_a_request_whose_max_tokens_could_pass_the_budget(team_gateway):
+    # Issue 13: a 200-token request used to pass a 50-token budget (only the window's past
+    # usage was checked). max_tokens is reserved at admission, so it cannot start.
+    time.sleep(WINDOW)
+    status, _, err = call(team_gateway, KEYS["bob"], body={"model": "null", "max_tokens": 200, "messages": MSGS})
+    assert status == 429 and err["error"]["param"] == "max_tokens" and "max_tokens" in err["error"]["message"]
+
+
+def test_tpm_counts_prompt_and_completion_tokens_and_is_a_hard_limit(team_gateway):
     time.sleep(WINDOW)
     body = {"model": "null", "max_tokens": 40, "messages": MSGS}
     status, headers, out = call(team_gateway, KEYS["bob"], body=body)
     assert status == 200
     used = out["usage"]["total_tokens"]
     assert used >= 40
-    # Headers report what remains after the request; 42 of 50 used, so one more is admitted
-    # (the window is below the limit when it starts) and the one after that trips.
+    # Headers report what remains after the request; with 40+ of 50 used, another request
+    # that may use 40 tokens could pass the limit, so it is refused.
     assert headers["x-ratelimit-limit-tokens"] == "50"
     assert int(headers["x-ratelimit-remaining-tokens"]) == max(0, 50 - used)
-    status, headers, _ = call(team_gateway, KEYS["bob"], body=body)
-    assert status == 200 and headers["x-ratelimit-remaining-tokens"] == "0"
     status, headers, err = call(team_gateway, KEYS["bob"], body=body)
     assert status == 429 and "token limit" in err["error"]["message"]
-    assert headers["x-ratelimit-remaining-tokens"] == "0"
+    assert 1 <= int(headers["retry-after"]) <= WINDOW
     time.sleep(WINDOW + 0.2)
     assert call(team_gateway, KEYS["bob"], body=body)[0] == 200
+
+
+def erin_stream(gw, max_tokens: int, rid: str):
+    client = openai_client(gw, default_headers={"Authorization": f"Bearer {KEYS['erin']}"})
+    return client.chat.completions.with_raw_response.create(
+        model="tiny",
+        messages=MSGS,
+        max_tokens=max_tokens,
+        stream=True,
+        extra_body={"logit_bias": NO_EOS},
+        extra_headers={"x-request-id": rid},
+    ).parse()
+
+
+def test_tpm_reserves_for_requests_in_flight_and_charges_a_cut_stream_what_it_delivered(team_gateway):
+    time.sleep(WINDOW)
+    stream = erin_stream(team_gateway, 1500, "req_erin_cut")
+    chunks = [c for _, c in zip(range(6), stream)]
+    # 1500 of erin's 2000 are reserved by the stream in flight: 600 more could pass the limit.
+    body = {"model": "null", "max_tokens": 600, "messages": MSGS}
+    status, _, err = call(team_gateway, KEYS["erin"], body=body)
+    assert status == 429 and "reserved" in err["error"]["message"]
+    stream.close()
+    delivered = sum(1 for c in chunks if c.choices and c.choices[0].delta.content)
+    assert delivered >= 4
+
+    def settled():
+        status, headers, out = call(team_gateway, KEYS["erin"], body={**body, "max_tokens": 5})
+        return (status, headers, out) if status == 200 else None
+
+    status, headers, out = wait_for(settled, 10)
+    charged_to_cut = 2000 - int(headers["x-ratelimit-remaining-tokens"]) - out["usage"]["total_tokens"]
+    prompt = out["usage"]["prompt_tokens"]
+    assert charged_to_cut >= prompt + delivered  # not the prompt alone, as before
+    entry = wait_for(lambda: access_entry(team_gateway, "req_erin_cut"), 10)
+    assert entry["status"] == 499 and entry["completion_tokens"] >= delivered
+
+
+def access_entry(gw, rid: str) -> dict | None:
+    for line in gw.log().splitlines():
+        if line.startswith("{") and f'"request_id": "{rid}"' in line:
+            return json.loads(line)
+    return None
+
+
+def test_access_log_gives_a_cancelled_stream_its_status_and_real_tokens(team_gateway):
+    stream = erin_stream(team_gateway, 1500, "req_erin_cancelled")
+    chunks = [c for _, c in zip(range(6), stream)]
+    status = http(
+        f"{team_gateway.url}/v1/requests/req_erin_cancelled/cancel",
+        "POST",
+        {},
+        headers={"Authorization": f"Bearer {KEYS['erin']}"},
+    )[0]
+    assert status == 200
+    with pytest.raises(openai.APIError):  # the stream ends with an error event
+        list(stream)
+    entry = wait_for(lambda: access_entry(team_gateway, "req_erin_cancelled"), 10)
+    assert entry["status"] == 499 and entry["http_status"] == 200
+    assert entry["completion_tokens"] >= len(chunks) - 1
+
+
+def test_key_model_restriction_applies_to_the_model_a_name_resolves_to(team_gateway):
+    body = {"model": "smollm2-large", "max_tokens": 2, "messages": MSGS}
+    status, _, err = call(team_gateway, KEYS["frank"], body=body)
+    assert status == 403 and err["error"]["type"] == "permission_error"
+    assert call(team_gateway, KEYS["frank"], body={**body, "model": "secretm"})[0] == 403
+    # A key that lists an alias may use the model behind it, under either name.
+    assert call(team_gateway, KEYS["grace"], body={**body, "model": "gpt-4o-mini"})[0] == 200
+    assert call(team_gateway, KEYS["grace"], body={**body, "model": "tiny"})[0] == 200
+    assert call(team_gateway, KEYS["grace"], body={**body, "model": "null"})[0] == 403
+
+
+@pytest.mark.parametrize("path", ["/metrics", "/v1/status"])
+def test_metrics_and_status_need_an_admin_key_or_the_metrics_token(team_gateway, path):
+    def get(auth: str | None):
+        return http(team_gateway.url + path, headers={"Authorization": auth} if auth else None)
+
+    assert get(None)[0] == 401
+    status, _, body = get(f"Bearer {KEYS['alice']}")
+    assert status == 403 and "admin" in body["error"]["message"]
+    assert get(f"Bearer {KEYS['dave']}")[0] == 200
+    assert get("Bearer scrape-token-42")[0] == 200
 
 
 def test_concurrency_cap(team_gateway):

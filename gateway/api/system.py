@@ -7,7 +7,7 @@ import time
 from datetime import datetime, timezone
 
 from aiohttp import web
-from mlxgw.shared.errors import ErrorCode, ServiceError
+from mlxgw.shared.errors import ErrorCode, ServiceError, redact_paths
 
 from ..state import BROKER, MANAGER
 from .errors import error_response
@@ -31,7 +31,8 @@ def _model(request: web.Request, slot, anthropic: bool) -> dict:
         "object": "model",
         "created": int(STARTED),
         "owned_by": "mlxgw",
-        **{k: d[k] for k in ("kind", "state", "loaded", "aliases", "last_error")},
+        **{k: d[k] for k in ("kind", "state", "loaded", "aliases")},
+        "last_error": redact_paths(d["last_error"]) if d["last_error"] else None,
     }
 
 

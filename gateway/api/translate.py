@@ -16,7 +16,7 @@ from mlxgw.shared import protocol as p
 from mlxgw.shared.config import CHAT_KINDS
 from mlxgw.shared.errors import invalid
 
-from ..auth import resolve_model
+from ..auth import reserve_tokens, resolve_model
 from ..generation import Generation, Outcome
 from ..state import MANAGER, SETTINGS
 from . import validate as v
@@ -139,6 +139,8 @@ async def open_request(request: web.Request, kinds: tuple[str, ...] = CHAT_KINDS
 def generation(request: web.Request, slot, req: p.GenerateRequest | p.EmbedRequest) -> Generation:
     """The request's generation, also recorded on the request for limits, metrics and logs."""
     key = request.get("key")
+    if isinstance(req, p.GenerateRequest):  # embeddings are charged their input only
+        reserve_tokens(request, slot, req.max_tokens)
     gen = Generation(
         request.app[MANAGER], slot, req, request.app[SETTINGS].keepalive_s, owner=key.name if key else None
     )
