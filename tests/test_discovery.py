@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import http, start_gateway
+from helpers import http, start_gateway
 from helpers.mlxgw_cli import mlxgw
 
 SHA = "a" * 40

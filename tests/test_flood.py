@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import async_openai_client, http, start_gateway
+from helpers import async_openai_client, http, start_gateway
 from prometheus_client.parser import text_string_to_metric_families
 
 CAP = 64  # --max-connections

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import TINY_CONFIG, http, start_gateway
+from helpers import TINY_CONFIG, http, start_gateway
 from helpers.hostile import ROUTE_FAMILY, assert_error_shape, wait_in_flight_zero, worker_pids
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st

@@ -6,7 +6,7 @@ from __future__ import annotations
 import socket
 import time
 
-from conftest import GatewayProcess, http
+from helpers import GatewayProcess, http
 
 # route -> the error shape its clients parse
 ROUTE_FAMILY = {
