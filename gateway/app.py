@@ -15,6 +15,7 @@ from mlxgw.shared.errors import ErrorCode, ServiceError
 from . import observe
 from .api import (
     anthropic,
+    audio,
     openai_chat,
     openai_completions,
     openai_embeddings,
@@ -123,6 +124,7 @@ def make_app(
 
     app.cleanup_ctx.append(lifecycle)
     app[responses_output.STORE] = OrderedDict()
-    for module in (openai_chat, openai_completions, openai_embeddings, rerank, anthropic, responses, system, observe):
+    modules = (openai_chat, openai_completions, openai_embeddings, rerank, audio, anthropic, responses, system, observe)
+    for module in modules:
         app.add_routes(module.routes)
     return app

@@ -29,6 +29,7 @@ BYE = "bye"
 WELCOME = "welcome"
 GENERATE = "generate"  # request = GenerateRequest
 EMBED = "embed"  # request = EmbedRequest (embedding and reranking workers)
+TRANSCRIBE = "transcribe"  # request = TranscribeRequest (speech-to-text workers)
 CANCEL = "cancel"  # rids = [...]
 CALL = "call"  # cid, op, args  (tokenize, cache_stats, cache_clear, status)
 SHUTDOWN = "shutdown"  # drain: bool
@@ -37,7 +38,7 @@ RECONNECT = "reconnect"  # "who are you?": the gateway lost track of this worker
 HEARTBEAT = "heartbeat"  # worker's carries stats
 
 WORKER_TYPES = {HELLO, READY, LOAD_FAILED, EVENTS, REPLY, BYE, HEARTBEAT}
-GATEWAY_TYPES = {WELCOME, GENERATE, EMBED, CANCEL, CALL, SHUTDOWN, RECONNECT, HEARTBEAT}
+GATEWAY_TYPES = {WELCOME, GENERATE, EMBED, TRANSCRIBE, CANCEL, CALL, SHUTDOWN, RECONNECT, HEARTBEAT}
 
 # Event kinds inside EVENTS.
 EV_ACCEPTED = "accepted"  # prompt_tokens, max_tokens (after clamping), queue position
@@ -151,6 +152,30 @@ class EmbedRequest:
 
     @classmethod
     def from_wire(cls, wire: dict) -> EmbedRequest:
+        return _from_wire(cls, wire)
+
+
+@dataclass
+class TranscribeRequest:
+    """Speech to text: decoded audio (the gateway decodes uploads) and Whisper's options.
+    The finish event carries segments (start, end, text, ...), language and duration."""
+
+    WIRE_TYPE: ClassVar[str] = TRANSCRIBE
+    rid: str
+    audio: bytes = b""  # 16 kHz mono int16 little-endian PCM
+    task: str = "transcribe"  # or "translate" (to English)
+    language: str | None = None  # None: detected
+    prompt: str | None = None
+    temperature: float = 0.0  # 0: greedy with temperature fallback
+    stream: bool = False  # text deltas as windows finish
+    priority: int = 0
+    timeout_s: float | None = None
+
+    def to_wire(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_wire(cls, wire: dict) -> TranscribeRequest:
         return _from_wire(cls, wire)
 
 

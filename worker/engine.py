@@ -19,7 +19,7 @@ from .runner import Runner
 log = logging.getLogger("mlxgw.worker")
 
 STATS_INTERVAL_S = 0.5
-REQUEST_TYPES = {p.GENERATE: p.GenerateRequest, p.EMBED: p.EmbedRequest}
+REQUEST_TYPES = {p.GENERATE: p.GenerateRequest, p.EMBED: p.EmbedRequest, p.TRANSCRIBE: p.TranscribeRequest}
 
 
 class Engine:
@@ -75,7 +75,7 @@ class Engine:
                 return
             if not isinstance(req, self.scheduler.request_type):
                 # The gateway routes by kind; a mismatch means a misconfigured remote worker.
-                what = "embeddings or reranking" if kind == p.EMBED else "text generation"
+                what = {p.EMBED: "embeddings or reranking", p.TRANSCRIBE: "speech to text"}.get(kind, "text generation")
                 err = ServiceError(ErrorCode.INVALID_REQUEST, f"this model does not serve {what}", param="model")
                 self.link.send(p.EVENTS, items=[[req.rid, {"e": p.EV_ERROR, **err.to_wire()}]])
                 return

@@ -39,6 +39,10 @@ def build_runner(entry: ModelEntry, model_path: Path):
             )
             raise ValueError(f"{model_path.name} is {found}")
         return encoder
+    if entry.kind == "audio":
+        from .audio.runner import WhisperRunner
+
+        return WhisperRunner(model_path)
     if entry.kind == "vision" and entry.engine == "mlx":
         from .vision_runner import VisionRunner
 
@@ -87,6 +91,10 @@ def build_scheduler(entry: ModelEntry, runner):
             max_batch_tokens=entry.max_batch_tokens,
             max_queue=entry.max_queue,
         )
+    if entry.kind == "audio":
+        from .audio.scheduler import AudioScheduler
+
+        return AudioScheduler(runner, max_rows=entry.max_num_seqs, max_queue=entry.max_queue)
     from .scheduler import Scheduler
 
     return Scheduler(runner, max_num_seqs=entry.max_num_seqs, max_queue=entry.max_queue, policy=entry.max_tokens_policy)

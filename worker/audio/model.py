@@ -118,7 +118,9 @@ class TextDecoder(nn.Module):
         self.n_ctx = dims.n_text_ctx
         self.token_embedding = nn.Embedding(dims.n_vocab, n)
         self.positional_embedding = mx.zeros((dims.n_text_ctx, n))
-        self.blocks = [ResidualAttentionBlock(n, dims.n_text_head, cross_attention=True) for _ in range(dims.n_text_layer)]
+        self.blocks = [
+            ResidualAttentionBlock(n, dims.n_text_head, cross_attention=True) for _ in range(dims.n_text_layer)
+        ]
         self.ln = nn.LayerNorm(n)
 
     def _logits(self, x: mx.array) -> mx.array:
