@@ -58,9 +58,7 @@ def whisper_source(spec: str) -> tuple[list[Path], dict[str, Path]] | None:
         files = _source_files(spec)
     if not files:
         return None
-    parts = sorted(
-        ((int(m.group(1) or 0), f) for f in files if (m := _PART_RE.match(f.name))), key=lambda x: x[0]
-    )
+    parts = sorted(((int(m.group(1) or 0), f) for f in files if (m := _PART_RE.match(f.name))), key=lambda x: x[0])
     side = {f.name: f for f in files if f.name in SIDE_FILES or f.name == "vocabulary.txt"}
     if not parts or "config.json" not in side:
         return None

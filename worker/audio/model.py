@@ -52,9 +52,7 @@ class MultiHeadAttention(nn.Module):
         def heads(x):
             return x.reshape(x.shape[0], x.shape[1], h, d // h).transpose(0, 2, 1, 3)
 
-        o = mx.fast.scaled_dot_product_attention(
-            heads(q), heads(k), heads(v), scale=(d // h) ** -0.5, mask=mask
-        )
+        o = mx.fast.scaled_dot_product_attention(heads(q), heads(k), heads(v), scale=(d // h) ** -0.5, mask=mask)
         return self.out(o.transpose(0, 2, 1, 3).reshape(b, t, d))
 
 
