@@ -60,6 +60,12 @@ def dims_from(tensors: dict[str, np.ndarray]) -> WhisperDims:
         raise ConversionError(f"not a CTranslate2 Whisper model: no {e.args[0]}") from None
 
 
+def _tensor(t: dict[str, np.ndarray], name: str) -> np.ndarray:
+    if name not in t:
+        raise ConversionError(f"tensor {name} is missing")
+    return t[name]
+
+
 def _split(a: np.ndarray, n: int, parts: int) -> list[np.ndarray]:
     if a.shape[0] != n * parts:
         raise ConversionError(f"fused projection has {a.shape[0]} rows, expected {n * parts}")
@@ -69,7 +75,7 @@ def _split(a: np.ndarray, n: int, parts: int) -> list[np.ndarray]:
 def _map_block(src: str, dst: str, t: dict, n: int, cross: bool, used: set) -> dict[str, np.ndarray]:
     def get(name: str) -> np.ndarray:
         used.add(f"{src}/{name}")
-        return t[f"{src}/{name}"]
+        return _tensor(t, f"{src}/{name}")
 
     out: dict[str, np.ndarray] = {}
     q, k, v = _split(get("self_attention/linear_0/weight"), n, 3)
@@ -111,8 +117,8 @@ def convert(tensors: dict[str, np.ndarray], dtype: mx.Dtype) -> tuple[WhisperDim
     t = tensors
     w: dict[str, np.ndarray] = {}
     for name in ("conv1", "conv2"):
-        w[f"encoder.{name}.weight"] = t[f"encoder/{name}/weight"].transpose(0, 2, 1)
-        w[f"encoder.{name}.bias"] = t[f"encoder/{name}/bias"]
+        w[f"encoder.{name}.weight"] = _tensor(t, f"encoder/{name}/weight").transpose(0, 2, 1)
+        w[f"encoder.{name}.bias"] = _tensor(t, f"encoder/{name}/bias")
         used.update({f"encoder/{name}/weight", f"encoder/{name}/bias"})
     stored = t["encoder/position_encodings/encodings"].astype(np.float32)
     expected = np.array(sinusoids(dims.n_audio_ctx, dims.n_audio_state))
@@ -131,7 +137,7 @@ def convert(tensors: dict[str, np.ndarray], dtype: mx.Dtype) -> tuple[WhisperDim
         ("decoder/embeddings/weight", "decoder.token_embedding.weight"),
         ("decoder/position_encodings/encodings", "decoder.positional_embedding"),
     ):
-        w[dst] = t[src]
+        w[dst] = _tensor(t, src)
         used.add(src)
     projection = t.get("decoder/projection/weight")
     if projection is not None:
