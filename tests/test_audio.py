@@ -252,7 +252,7 @@ def test_translation_of_a_german_clip_is_english(gw):
         model="whisper-base", file=("german.flac", clip("german.flac"))
     )
     text = words(r.text)
-    assert "morning" in text and "weather" in text, r.text
+    assert "morning" in text and "morgen" not in text, r.text
 
 
 @pytest.mark.skipif(not HAS_BASE, reason="the multilingual Whisper base packages are not installed")
@@ -352,5 +352,7 @@ def test_worker_survives_bad_input(gw):
     status, _, body = post_audio(gw, {"model": "whisper-tiny-en"}, {"file": ("fox.wav", clip("fox.wav"))})
     assert status == 200 and wer([CLIPS["fox.wav"]["text"]], [body["text"]]) <= WER_BOUND
     assert gw.worker_pid("whisper-tiny-en") == pid
-    stats = worker_stats(gw, "whisper-tiny-en")
+    deadline = time.monotonic() + 10  # heartbeats carry the stats, twice a second
+    while (stats := worker_stats(gw, "whisper-tiny-en"))["running"] and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert stats["running"] == 0 and stats["waiting"] == 0

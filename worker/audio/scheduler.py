@@ -40,6 +40,7 @@ class Window:
     temperatures: list[float]
     features: mx.array | None = None  # (1, ctx, state), kept for fallback retries
     result: dict | None = None
+    best: tuple[float, dict] | None = None  # most likely attempt so far: (avg logprob, result)
 
 
 @dataclass
@@ -224,18 +225,29 @@ class AudioScheduler:
         return events
 
     def _finish_row(self, row: Row) -> list[Event]:
+        """A window's attempt is over: keep it, or decode the window again hotter. When every
+        temperature failed, the most likely attempt wins (as faster-whisper does; the last,
+        hottest one is usually the worst)."""
         w, tok = row.window, self.tok
-        text_tokens = [t for t in row.sampled if t < tok.eot]
-        text = tok.decode(text_tokens)
+        text = tok.decode([t for t in row.sampled if t < tok.eot])
         avg_logprob = row.sum_logprob / (len(row.sampled) + 1)
         ratio = compression_ratio(text)
-        if w.temperatures and needs_fallback(avg_logprob, ratio, row.no_speech_prob):
-            self._pending.insert(0, w)  # again, hotter, before newer work
-            return []
-        window_s = w.samples.size / SAMPLE_RATE
-        segments = split_segments(row.sampled, tok, w.offset_s, window_s)
+        attempt = (avg_logprob, self._window_result(row, avg_logprob, ratio))
+        if w.best is None or attempt[0] > w.best[0]:
+            w.best = attempt
+        if needs_fallback(avg_logprob, ratio, row.no_speech_prob):
+            if w.temperatures:
+                self._pending.insert(0, w)  # again, hotter, before newer work
+                return []
+            attempt = w.best
         w.features = None
-        w.result = {
+        w.result = attempt[1]
+        return self._progress(w.job)
+
+    def _window_result(self, row: Row, avg_logprob: float, ratio: float) -> dict:
+        w = row.window
+        segments = split_segments(row.sampled, self.tok, w.offset_s, w.samples.size / SAMPLE_RATE)
+        return {
             "segments": [
                 {
                     "start": s.start,
@@ -250,7 +262,6 @@ class AudioScheduler:
                 for s in segments
             ]
         }
-        return self._progress(w.job)
 
     def _progress(self, job: Job) -> list[Event]:
         events: list[Event] = []
