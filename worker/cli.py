@@ -55,11 +55,15 @@ def import_cmd(source: str, name: str, dtype: str | None, quantize: str | None, 
     from mlxgw.shared.model_store import InvalidModelName
     from mlxgw.shared.platform import default_import_dtype
     from mlxgw.worker.audio.importer import import_whisper, whisper_source
+    from mlxgw.worker.audio.speech import import_voice, voice_source
     from mlxgw.worker.gguf import ImportError_, import_gguf
 
     try:
         whisper = whisper_source(source)  # a CTranslate2 Whisper (speech-to-text) model?
-        if whisper:
+        voice = None if whisper else voice_source(source)  # a Piper (text-to-speech) voice?
+        if voice:
+            result = import_voice(source, name, voice)
+        elif whisper:
             result = import_whisper(source, name, *whisper, dtype=dtype or default_import_dtype(), force=force)
         else:
             result = import_gguf(

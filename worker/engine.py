@@ -19,7 +19,13 @@ from .runner import Runner
 log = logging.getLogger("mlxgw.worker")
 
 STATS_INTERVAL_S = 0.5
-REQUEST_TYPES = {p.GENERATE: p.GenerateRequest, p.EMBED: p.EmbedRequest, p.TRANSCRIBE: p.TranscribeRequest}
+REQUEST_TYPES = {
+    p.GENERATE: p.GenerateRequest,
+    p.EMBED: p.EmbedRequest,
+    p.TRANSCRIBE: p.TranscribeRequest,
+    p.SPEAK: p.SpeechRequest,
+}
+SERVES = {p.EMBED: "embeddings or reranking", p.TRANSCRIBE: "speech to text", p.SPEAK: "text to speech"}
 
 
 class Engine:
@@ -75,7 +81,7 @@ class Engine:
                 return
             if not isinstance(req, self.scheduler.request_type):
                 # The gateway routes by kind; a mismatch means a misconfigured remote worker.
-                what = {p.EMBED: "embeddings or reranking", p.TRANSCRIBE: "speech to text"}.get(kind, "text generation")
+                what = SERVES.get(kind, "text generation")
                 err = ServiceError(ErrorCode.INVALID_REQUEST, f"this model does not serve {what}", param="model")
                 self.link.send(p.EVENTS, items=[[req.rid, {"e": p.EV_ERROR, **err.to_wire()}]])
                 return

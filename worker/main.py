@@ -43,6 +43,10 @@ def build_runner(entry: ModelEntry, model_path: Path):
         from .audio.runner import WhisperRunner
 
         return WhisperRunner(model_path)
+    if entry.kind == "speech":
+        from .audio.speech import PiperRunner
+
+        return PiperRunner(model_path)
     if entry.kind == "vision" and entry.engine == "mlx":
         from .vision_runner import VisionRunner
 
@@ -95,6 +99,10 @@ def build_scheduler(entry: ModelEntry, runner):
         from .audio.scheduler import AudioScheduler
 
         return AudioScheduler(runner, max_rows=entry.max_num_seqs, max_queue=entry.max_queue)
+    if entry.kind == "speech":
+        from .audio.speech import SpeechScheduler
+
+        return SpeechScheduler(runner, max_queue=entry.max_queue)
     from .scheduler import Scheduler
 
     return Scheduler(runner, max_num_seqs=entry.max_num_seqs, max_queue=entry.max_queue, policy=entry.max_tokens_policy)

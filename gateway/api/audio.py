@@ -19,6 +19,7 @@ from ..auth import resolve_model
 from ..sse import SSEWriter
 from ..state import SETTINGS
 from . import openai_common as oc
+from . import speech
 from .audio_decode import AudioError, decode_audio
 from .audio_format import render
 from .errors import openai_error_body
@@ -185,3 +186,7 @@ async def transcriptions(request: web.Request) -> web.StreamResponse:
 @routes.post("/v1/audio/translations")
 async def translations(request: web.Request) -> web.StreamResponse:
     return await _handle(request, "translate")
+
+
+# Text to speech lives in its own module; its route is registered with these.
+routes.post("/v1/audio/speech")(speech.create_speech)
