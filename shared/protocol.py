@@ -169,6 +169,7 @@ class TranscribeRequest:
     prompt: str | None = None
     temperature: float = 0.0  # 0: greedy with temperature fallback
     stream: bool = False  # text deltas as windows finish
+    word_timestamps: bool = False  # the finish event also carries words: [{word, start, end}]
     priority: int = 0
     timeout_s: float | None = None
 

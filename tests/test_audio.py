@@ -208,6 +208,18 @@ def test_verbose_json_has_monotonic_segments_inside_the_clip(gw):
     assert words("".join(s.text for s in r.segments)) == words(r.text)
 
 
+def test_word_timestamps_are_monotonic_and_spell_the_text(gw):
+    r = openai_client(gw, timeout=600).audio.transcriptions.create(
+        model="whisper-tiny-en",
+        file=("paris.flac", clip("paris.flac")),
+        response_format="verbose_json",
+        timestamp_granularities=["word", "segment"],
+    )
+    _assert_timeline([(w.start, w.end) for w in r.words], r.duration)
+    assert words(" ".join(w.word for w in r.words)) == words(r.text)
+    assert r.words[-1].end > r.duration / 2  # spread over the clip, not bunched at its start
+
+
 def _cues(body: str) -> list[tuple[float, float]]:
     def sec(t: str) -> float:
         h, m, s = t.replace(",", ".").split(":")
@@ -343,6 +355,7 @@ def test_whisper_model_asked_to_chat_is_a_400(gw):
         ({"temperature": "hot"}, "temperature"),
         ({"language": "de"}, "language"),  # English-only model
         ({"timestamp_granularities[]": "sentence"}, "timestamp_granularities[]"),
+        ({"timestamp_granularities[]": "word"}, "timestamp_granularities[]"),  # needs verbose_json
     ],
 )
 def test_bad_option_is_a_400_naming_it(gw, fields, param):

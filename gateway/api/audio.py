@@ -119,8 +119,8 @@ async def _handle(request: web.Request, task: str) -> web.StreamResponse:
     granularities = set(text.get("timestamp_granularities[]", []))
     if granularities - {"segment", "word"}:
         raise invalid("'timestamp_granularities[]' takes 'segment' and 'word'", "timestamp_granularities[]")
-    if "word" in granularities:
-        raise invalid("word-level timestamps are not supported yet; use 'segment'", "timestamp_granularities[]")
+    if granularities and fmt != "verbose_json":
+        raise invalid("'timestamp_granularities[]' needs response_format verbose_json", "timestamp_granularities[]")
     stream = _stream(text)
     if stream and fmt not in ("json", "text"):
         raise invalid("streaming supports response_format json or text", "stream")
@@ -138,6 +138,7 @@ async def _handle(request: web.Request, task: str) -> web.StreamResponse:
         prompt=_one(text, "prompt") or None,
         temperature=temperature,
         stream=stream,
+        word_timestamps="word" in granularities,
         timeout_s=request.app[SETTINGS].request_timeout_s,
     )
     gen = oc.generation(request, slot, req)

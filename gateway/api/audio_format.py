@@ -57,12 +57,14 @@ def verbose(task: str, done: dict, text: str) -> dict:
         for s in done["segments"]
     ]
     language = done.get("language") or "en"
+    words = {"words": done["words"]} if "words" in done else {}
     return {
         "task": task,
         "language": "english" if task == "translate" else LANGUAGE_NAMES.get(language, language),
         "duration": done["duration"],
         "text": text,
         "segments": segments,
+        **words,
         "usage": {"type": "duration", "seconds": math.ceil(done["duration"])},
     }
 

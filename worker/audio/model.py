@@ -145,6 +145,33 @@ class TextDecoder(nn.Module):
             cache.cross_v.append(cv)
         return self._logits(x), cache
 
+    def cross_attention_scores(self, tokens: list[int], features: mx.array, heads: list[tuple[int, int]]) -> mx.array:
+        """Pre-softmax cross-attention scores (heads, T, ctx) of the given (layer, head)
+        pairs for one row (Whisper's alignment heads, for word timestamps)."""
+        t = len(tokens)
+        x = self.token_embedding(mx.array([tokens])) + self.positional_embedding[:t]
+        mask = nn.MultiHeadAttention.create_additive_causal_mask(t).astype(x.dtype)
+        wanted: dict[int, list[int]] = {}
+        for layer, head in heads:
+            wanted.setdefault(layer, []).append(head)
+        scores = []
+        for i, block in enumerate(self.blocks):
+            if i > max(wanted):
+                break
+            y = block.attn_ln(x)
+            x = x + block.attn.attend(block.attn.query(y), block.attn.key(y), block.attn.value(y), mask)
+            ca = block.cross_attn
+            q, k = ca.query(block.cross_attn_ln(x)), ca.key(features)
+            if i in wanted:
+                h, d = ca.n_head, q.shape[-1] // ca.n_head
+                qh = q.reshape(t, h, d).transpose(1, 0, 2)
+                kh = k.reshape(-1, h, d).transpose(1, 2, 0)
+                s = (qh @ kh) * d**-0.5
+                scores.extend(s[j] for j in wanted[i])
+            x = x + ca.attend(q, k, ca.value(features), None)
+            x = x + block.mlp(x)
+        return mx.stack(scores).astype(mx.float32)
+
     def step(self, tokens: mx.array, cache: DecoderCache) -> mx.array:
         """One token per row at each row's own position: logits (batch, vocab). The cache
         grows in place (its capacity doubles when a row reaches it)."""

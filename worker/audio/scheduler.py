@@ -25,6 +25,7 @@ from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
 from .decoding import FALLBACK_TEMPERATURES, RowRules, choose, compression_ratio, needs_fallback, split_segments
 from .model import DecoderCache, keep_rows, merge_caches
 from .runner import SAMPLE_RATE, WINDOW_SAMPLES, WhisperRunner
+from .words import word_timestamps
 
 Event = tuple[str, dict]
 MIN_TAIL_SAMPLES = SAMPLE_RATE // 10  # a last window shorter than 0.1 s holds no speech
@@ -240,14 +241,26 @@ class AudioScheduler:
                 self._pending.insert(0, w)  # again, hotter, before newer work
                 return []
             attempt = w.best
-        w.features = None
         w.result = attempt[1]
+        if w.job.req.word_timestamps:
+            job = w.job
+            w.result["words"] = word_timestamps(
+                self.runner.model,
+                tok,
+                w.features,
+                tok.sot_sequence(job.language, job.req.task),
+                w.result["text_tokens"],
+                w.samples.size,
+                w.offset_s,
+            )
+        w.features = None
         return self._progress(w.job)
 
     def _window_result(self, row: Row, avg_logprob: float, ratio: float) -> dict:
         w = row.window
         segments = split_segments(row.sampled, self.tok, w.offset_s, w.samples.size / SAMPLE_RATE)
         return {
+            "text_tokens": [t for t in row.sampled if t < self.tok.eot],
             "segments": [
                 {
                     "start": s.start,
@@ -260,7 +273,7 @@ class AudioScheduler:
                     "no_speech_prob": round(row.no_speech_prob, 4),
                 }
                 for s in segments
-            ]
+            ],
         }
 
     def _progress(self, job: Job) -> list[Event]:
@@ -289,6 +302,8 @@ class AudioScheduler:
         }
         if tail is not None:
             event["text"] = tail
+        if job.req.word_timestamps:
+            event["words"] = [word for w in job.windows for word in w.result.get("words", [])]
         return event
 
     def _usage(self, job: Job) -> dict:
