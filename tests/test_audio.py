@@ -370,6 +370,15 @@ def test_translation_on_an_english_only_model_is_a_400(gw):
     _assert_openai_error(status, body, 400, "model")
 
 
+def test_prompt_longer_than_the_context_is_cut(gw):
+    prompt = "Meeting notes about the weather, the report and Paris. " * 60
+    status, _, body = post_audio(
+        gw, {"model": "whisper-tiny-en", "prompt": prompt}, {"file": ("fox.wav", clip("fox.wav"))}
+    )
+    assert status == 200, body
+    assert isinstance(body["text"], str)
+
+
 def test_worker_survives_bad_input(gw):
     pid = gw.worker_pid("whisper-tiny-en")
     for data in BAD_FILES.values():

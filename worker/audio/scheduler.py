@@ -51,6 +51,7 @@ class Row:
     sampled: list[int] = field(default_factory=list)
     sum_logprob: float = 0.0
     no_speech_prob: float = 0.0
+    limit: int = 224  # tokens this row may sample: the prompt and the text share n_text_ctx
 
 
 @dataclass
@@ -172,7 +173,8 @@ class AudioScheduler:
             features = mx.concatenate([w.features for w, _ in group], axis=0)
             logits, cache = self.runner.prefill([pr for _, pr in group], features)
             for (w, _), row_logits in zip(group, logits):
-                row = Row(w, w.temperatures.pop(0))
+                room = self.runner.dims.n_text_ctx - len(group[0][1])
+                row = Row(w, w.temperatures.pop(0), limit=min(self.max_new_tokens, room))
                 row.no_speech_prob = self._no_speech_prob(row_logits[0])
                 self._rows.append(row)
                 self._take(row, row_logits[-1])
@@ -210,11 +212,11 @@ class AudioScheduler:
         logits = self.runner.step([r.sampled[-1] for r in self._rows], self._cache)
         done: list[int] = []
         for i, row in enumerate(self._rows):
-            if row.sampled[-1] != self.tok.eot and len(row.sampled) < self.max_new_tokens:
+            if row.sampled[-1] != self.tok.eot and len(row.sampled) < row.limit:
                 self._take(row, logits[i])
                 self.generated_tokens += 1
                 row.window.job.tokens += 1
-            if row.sampled[-1] == self.tok.eot or len(row.sampled) >= self.max_new_tokens:
+            if row.sampled[-1] == self.tok.eot or len(row.sampled) >= row.limit:
                 done.append(i)
         events: list[Event] = []
         for i in done:
