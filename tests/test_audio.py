@@ -86,7 +86,7 @@ def clip(name: str) -> bytes:
 
 
 def words(text: str) -> str:
-    return re.sub(r"[^a-z0-9' ]+", " ", text.lower()).strip()
+    return " ".join(re.sub(r"[^a-z0-9' ]+", " ", text.lower()).split())
 
 
 def wer(references: list[str], hypotheses: list[str]) -> float:
