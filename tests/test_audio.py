@@ -253,8 +253,23 @@ def test_stream_sends_text_deltas_then_done(gw):
     assert wer([CLIPS["fox.wav"]["text"]], [events[-1].text]) <= WER_BOUND
 
 
+def quiet_stats(gw, model: str, timeout: float = 30) -> dict:
+    """Stats once the worker is idle and two heartbeats (0.5 s apart) agree: earlier tests'
+    requests are all counted."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        stats = worker_stats(gw, model)
+        counters = (stats.get("finished_requests"), stats.get("windows_encoded"), stats.get("running"))
+        if counters == last and not stats.get("running") and not stats.get("waiting"):
+            return stats
+        last = counters
+        time.sleep(1.2)
+    return stats
+
+
 def test_eight_concurrent_requests_share_encoder_passes(gw):
-    before = settled_stats(gw, "whisper-tiny-en", 0)
+    before = quiet_stats(gw, "whisper-tiny-en")
     client = async_openai_client(gw, timeout=900)
     names = (ENGLISH * 2)[:8]
 
