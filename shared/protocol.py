@@ -32,6 +32,8 @@ BYE = "bye"
 WELCOME = "welcome"
 GENERATE = "generate"  # request = GenerateRequest
 EMBED = "embed"  # request = EmbedRequest (embedding and reranking workers)
+TRANSCRIBE = "transcribe"  # request = TranscribeRequest (speech-to-text workers)
+SPEAK = "speak"  # request = SpeechRequest (text-to-speech workers)
 CANCEL = "cancel"  # rids = [...]
 CALL = "call"  # cid, op, args  (tokenize, cache_stats, cache_clear, status)
 SHUTDOWN = "shutdown"  # drain: bool
@@ -40,7 +42,7 @@ RECONNECT = "reconnect"  # "who are you?": the gateway lost track of this worker
 HEARTBEAT = "heartbeat"  # worker's carries stats
 
 WORKER_TYPES = {HELLO, READY, LOAD_FAILED, EVENTS, REPLY, BYE, HEARTBEAT}
-GATEWAY_TYPES = {WELCOME, GENERATE, EMBED, CANCEL, CALL, SHUTDOWN, RECONNECT, HEARTBEAT}
+GATEWAY_TYPES = {WELCOME, GENERATE, EMBED, TRANSCRIBE, SPEAK, CANCEL, CALL, SHUTDOWN, RECONNECT, HEARTBEAT}
 
 # Event kinds inside EVENTS (each built by its dataclass below, never by hand).
 EV_ACCEPTED = "accepted"
@@ -203,6 +205,51 @@ def _int(value: object) -> int:
         return int(value)  # type: ignore[arg-type]
     except (TypeError, ValueError):
         return 0
+
+
+@dataclass
+class TranscribeRequest:
+    """Speech to text: decoded audio (the gateway decodes uploads) and Whisper's options.
+    The finish event carries segments (start, end, text, ...), language and duration."""
+
+    WIRE_TYPE: ClassVar[str] = TRANSCRIBE
+    rid: str
+    audio: bytes = b""  # 16 kHz mono int16 little-endian PCM
+    task: str = "transcribe"  # or "translate" (to English)
+    language: str | None = None  # None: detected
+    prompt: str | None = None
+    temperature: float = 0.0  # 0: greedy with temperature fallback
+    stream: bool = False  # text deltas as windows finish
+    word_timestamps: bool = False  # the finish event also carries words: [{word, start, end}]
+    priority: int = 0
+    timeout_s: float | None = None
+
+    def to_wire(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_wire(cls, wire: dict) -> TranscribeRequest:
+        return _from_wire(cls, wire)
+
+
+@dataclass
+class SpeechRequest:
+    """Text to speech; the finish event carries `audio` (int16 mono PCM) and `sample_rate`."""
+
+    WIRE_TYPE: ClassVar[str] = SPEAK
+    rid: str
+    input: str = ""
+    voice: str | None = None
+    speed: float = 1.0
+    priority: int = 0
+    timeout_s: float | None = None
+
+    def to_wire(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_wire(cls, wire: dict) -> SpeechRequest:
+        return _from_wire(cls, wire)
 
 
 @dataclass

