@@ -252,6 +252,10 @@ class SpeechRequest:
         return _from_wire(cls, wire)
 
 
+# What the gateway submits to a worker: one of these per request.
+WorkerRequest = GenerateRequest | EmbedRequest | TranscribeRequest | SpeechRequest
+
+
 @dataclass
 class Usage:
     """Token counts of one request: built by the worker, read by the gateway, one type."""

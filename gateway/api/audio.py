@@ -18,11 +18,11 @@ from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
 from ..auth import resolve_model
 from ..sse import SSEWriter
 from ..state import SETTINGS
-from . import openai_common as oc
 from . import speech
 from .audio_decode import AudioError, decode_audio
 from .audio_format import render
 from .errors import openai_error_body
+from .translate import generation
 
 routes = web.RouteTableDef()
 
@@ -141,7 +141,7 @@ async def _handle(request: web.Request, task: str) -> web.StreamResponse:
         word_timestamps="word" in granularities,
         timeout_s=request.app[SETTINGS].request_timeout_s,
     )
-    gen = oc.generation(request, slot, req)
+    gen = generation(request, slot, req)
     if stream:
         return await _stream_response(request, gen)
     async with gen:

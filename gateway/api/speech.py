@@ -17,9 +17,9 @@ from mlxgw.shared.errors import invalid
 
 from ..auth import resolve_model
 from ..state import SETTINGS
-from . import openai_common as oc
 from . import validate as v
 from .body import read_json
+from .translate import generation
 
 MAX_INPUT_CHARS = 4096
 # response_format -> (container, codec, sample rate or None for the voice's, content type)
@@ -74,7 +74,7 @@ async def create_speech(request: web.Request) -> web.Response:
         speed=v.number(body, "speed", 0.25, 4.0, default=1.0),
         timeout_s=request.app[SETTINGS].request_timeout_s,
     )
-    async with oc.generation(request, slot, req) as gen:
+    async with generation(request, slot, req) as gen:
         done = await gen.finish_event()
     audio = await asyncio.to_thread(encode, done["audio"], int(done["sample_rate"]), fmt)
     return web.Response(body=audio, content_type=FORMATS[fmt][3])

@@ -136,7 +136,7 @@ async def open_request(request: web.Request, kinds: tuple[str, ...] = CHAT_KINDS
     return body, resolve_model(request, model, kinds)
 
 
-def generation(request: web.Request, slot, req: p.GenerateRequest | p.EmbedRequest) -> Generation:
+def generation(request: web.Request, slot, req: p.WorkerRequest) -> Generation:
     """The request's generation, also recorded on the request for limits, metrics and logs."""
     key = request.get("key")
     if isinstance(req, p.GenerateRequest):  # embeddings are charged their input only
