@@ -126,7 +126,7 @@ class Broker:
         return min(ready, key=lambda c: c.load) if ready else None
 
     async def submit(
-        self, conn: WorkerConn, req: p.GenerateRequest | p.EmbedRequest, owner: str | None = None
+        self, conn: WorkerConn, req: p.WorkerRequest, owner: str | None = None
     ) -> RequestStream:
         stream = RequestStream(req.rid, conn, owner)
         conn.streams[req.rid] = stream

@@ -78,7 +78,7 @@ class Generation:
         self,
         manager: ModelManager,
         slot: ModelSlot,
-        req: p.GenerateRequest | p.EmbedRequest,
+        req: p.WorkerRequest,
         keepalive_s: float = 5.0,
         owner: str | None = None,
     ):
