@@ -124,12 +124,17 @@ class MLXRunner(Runner):
         if not getattr(self.tokenizer, "chat_template", None):
             raise invalid("this model has no chat template; use /v1/completions", "messages")
         kwargs = dict(req.chat_template_kwargs or {})
+        messages = req.messages
         if req.tools:
-            kwargs["tools"] = req.tools
+            from .output_parser import tool_syntax
+
+            syntax = tool_syntax(self.tool_parser, self.tokenizer)
+            if syntax is not None and syntax.chat_messages is not None:
+                messages = syntax.chat_messages(messages, req.tools)  # a template without tools
+            else:
+                kwargs["tools"] = req.tools
         try:
-            out = self.tokenizer.apply_chat_template(
-                req.messages, add_generation_prompt=True, tokenize=tokenize, **kwargs
-            )
+            out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=tokenize, **kwargs)
         except Exception as e:  # jinja raises TemplateError, TypeError, ... for bad messages
             raise invalid(f"the model's chat template rejected the messages: {e}", "messages") from None
         if not tokenize:
