@@ -87,7 +87,8 @@ class RecordingProxy:
         )
         forward = {k: v for k, v in headers.items() if k not in HOP_HEADERS and k != "accept-encoding"}
         async with ClientSession(timeout=ClientTimeout(total=None), auto_decompress=False) as session:
-            async with session.request(request.method, self.upstream + request.path_qs, data=raw, headers=forward) as up:
+            target = self.upstream + request.path_qs
+            async with session.request(request.method, target, data=raw, headers=forward) as up:
                 out = web.StreamResponse(status=up.status)
                 for k, v in up.headers.items():
                     if k.lower() not in HOP_HEADERS:
