@@ -24,6 +24,7 @@ class RecordedRequest:
     path: str
     headers: dict[str, str]
     body: object  # parsed JSON, the text, or None
+    status: int | None = None  # the server's answer
 
 
 @dataclass
@@ -77,18 +78,18 @@ class RecordingProxy:
         except ValueError:
             body = raw.decode(errors="replace")
         headers = {k.lower(): v for k, v in request.headers.items()}
-        self.requests.append(
-            RecordedRequest(
-                request.method,
-                request.path_qs,
-                {k: v for k, v in headers.items() if k not in SECRET_HEADERS and k not in HOP_HEADERS},
-                body,
-            )
+        record = RecordedRequest(
+            request.method,
+            request.path_qs,
+            {k: v for k, v in headers.items() if k not in SECRET_HEADERS and k not in HOP_HEADERS},
+            body,
         )
+        self.requests.append(record)
         forward = {k: v for k, v in headers.items() if k not in HOP_HEADERS and k != "accept-encoding"}
         async with ClientSession(timeout=ClientTimeout(total=None), auto_decompress=False) as session:
             target = self.upstream + request.path_qs
             async with session.request(request.method, target, data=raw, headers=forward) as up:
+                record.status = up.status
                 out = web.StreamResponse(status=up.status)
                 for k, v in up.headers.items():
                     if k.lower() not in HOP_HEADERS:
