@@ -174,3 +174,28 @@ def test_generic_messages_keep_images_of_tool_results():
     out = generic().chat_messages(messages, [WEATHER])
     assert out[0]["role"] == "system" and out[1]["role"] == "user"
     assert image in out[1]["content"] and out[1]["content"][0] == {"type": "text", "text": "Look"}
+
+
+def test_generic_compact_listing_keeps_names_and_types_but_drops_prose():
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "Bash",
+            "description": "Runs a command.\n\nA long manual follows. " * 20,
+            "parameters": {
+                "type": "object",
+                "$schema": "http://json-schema.org/draft-07/schema#",
+                "properties": {"command": {"type": "string", "description": "The command. " * 30}},
+                "required": ["command"],
+            },
+        },
+    }
+    full = generic().chat_messages([{"role": "user", "content": "hi"}], [tool])[0]["content"]
+    compact = generic().chat_messages([{"role": "user", "content": "hi"}], [tool], compact=True)[0]["content"]
+    assert len(compact) < len(full) // 3
+    listing = json.loads(next(line for line in compact.splitlines() if line.startswith('{"name": "Bash"')))
+    assert listing == {
+        "name": "Bash",
+        "description": "Runs a command.",
+        "parameters": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]},
+    }

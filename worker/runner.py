@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import gc
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from mlxgw.shared.errors import ServiceError, invalid
@@ -124,17 +124,17 @@ class MLXRunner(Runner):
         if not getattr(self.tokenizer, "chat_template", None):
             raise invalid("this model has no chat template; use /v1/completions", "messages")
         kwargs = dict(req.chat_template_kwargs or {})
-        messages = req.messages
         if req.tools:
             from .output_parser import tool_syntax
 
             syntax = tool_syntax(self.tool_parser, self.tokenizer)
             if syntax is not None and syntax.chat_messages is not None:
-                messages = syntax.chat_messages(messages, req.tools)  # a template without tools
-            else:
-                kwargs["tools"] = req.tools
+                return self._apply_generic_tools(req, syntax.chat_messages, tokenize)
+            kwargs["tools"] = req.tools
         try:
-            out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=tokenize, **kwargs)
+            out = self.tokenizer.apply_chat_template(
+                req.messages, add_generation_prompt=True, tokenize=tokenize, **kwargs
+            )
         except Exception as e:  # jinja raises TemplateError, TypeError, ... for bad messages
             raise invalid(f"the model's chat template rejected the messages: {e}", "messages") from None
         if not tokenize:
@@ -142,6 +142,16 @@ class MLXRunner(Runner):
         if isinstance(out, dict):  # some transformers versions return a BatchEncoding
             out = out["input_ids"]
         return list(out)
+
+    def _apply_generic_tools(self, req: GenerateRequest, chat_messages, tokenize: bool):
+        """A template without a tool format: the tools go into the messages (generic format).
+        Agents send many long tool descriptions (Claude Code's: ~8,000 tokens); when the full
+        listing would leave under a quarter of the context, the compact one is used."""
+        full = self._apply_template(replace(req, messages=chat_messages(req.messages, req.tools), tools=None), tokenize)
+        if not tokenize or len(full) <= self.context_length * 3 // 4:
+            return full
+        compact = chat_messages(req.messages, req.tools, compact=True)
+        return self._apply_template(replace(req, messages=compact, tools=None), tokenize)
 
     def new_detokenizer(self):
         return self.tokenizer.detokenizer

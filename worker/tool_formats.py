@@ -116,8 +116,30 @@ def _tool_summary(tool: dict) -> dict:
     return out
 
 
-def generic_instruction(tools: list[dict]) -> str:
-    listing = "\n".join(json.dumps(_tool_summary(t), ensure_ascii=False) for t in tools if isinstance(t, dict))
+_SCHEMA_NOISE = ("description", "$schema", "additionalProperties", "title", "examples", "default")
+
+
+def _bare_schema(schema):
+    """A JSON schema without its prose and annotations: types, names, enums and nesting stay."""
+    if isinstance(schema, dict):
+        return {k: _bare_schema(v) for k, v in schema.items() if k not in _SCHEMA_NOISE}
+    if isinstance(schema, list):
+        return [_bare_schema(x) for x in schema]
+    return schema
+
+
+def _compact_summary(tool: dict) -> dict:
+    """The first line of the description (at most 200 characters) and the bare schema."""
+    out = _tool_summary(tool)
+    if "description" in out:
+        out["description"] = out["description"].strip().split("\n")[0][:200]
+    out["parameters"] = _bare_schema(out["parameters"])
+    return out
+
+
+def generic_instruction(tools: list[dict], compact: bool = False) -> str:
+    summary = _compact_summary if compact else _tool_summary
+    listing = "\n".join(json.dumps(summary(t), ensure_ascii=False) for t in tools if isinstance(t, dict))
     return GENERIC_INSTRUCTION.format(tools=listing)
 
 
@@ -135,12 +157,13 @@ def _join(a, b):
     return parts(a) + parts(b)
 
 
-def generic_chat_messages(messages: list[dict], tools: list[dict]) -> list[dict]:
+def generic_chat_messages(messages: list[dict], tools: list[dict], compact: bool = False) -> list[dict]:
     """The conversation as a template without tool support can render it: the tools in the
     system turn, earlier calls as the markup the model is asked to write, and tool results as
     user turns in <tool_response> blocks (merged with a neighbouring user turn, since many
-    templates insist that user and assistant turns alternate)."""
-    instruction = generic_instruction(tools)
+    templates insist that user and assistant turns alternate). compact: the short tool listing
+    (first line of each description, schemas without prose) for a small context."""
+    instruction = generic_instruction(tools, compact)
     out: list[dict] = []
     if messages and messages[0].get("role") == "system":
         out.append({"role": "system", "content": _join(messages[0].get("content") or "", instruction)})
