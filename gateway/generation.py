@@ -17,6 +17,11 @@ from mlxgw.shared.errors import ErrorCode, ServiceError
 from .broker import Broker, RequestStream
 from .manager import ModelManager, ModelSlot
 
+# Keep-alives during a model load commit the HTTP status (200) with the first byte, after
+# which a refusal (prompt too long, bad tool schema) can only be an error event. So they start
+# only once a load has run long enough that a client could time out waiting for headers.
+LOAD_KEEPALIVE_AFTER_S = 20.0
+
 # Gateway-side safety margin over the worker's own timeout: if the worker says nothing at
 # all for this long past the deadline, the request ends with an error anyway.
 DEADLINE_SLACK_S = 30.0
@@ -35,6 +40,34 @@ class Outcome:
 def _usage(event: dict) -> p.Usage:
     u = event.get("usage") or {}
     return p.Usage(int(u.get("prompt_tokens", 0)), int(u.get("completion_tokens", 0)), int(u.get("cached_tokens", 0)))
+
+
+class BlankTextFilter:
+    """Whitespace-only text before a tool call (after another one, or at the start) is left
+    out: it would be a text block or message item of its own ("\n" between two calls), which
+    Anthropic refuses when a client sends it back. Such whitespace is held until text that is
+    not blank follows (then it is sent with it), or the output ends without any tool call."""
+
+    def __init__(self) -> None:
+        self.held = ""
+        self.in_text = False  # text that is not blank has been sent since the last tool call
+        self.any_calls = False
+
+    def filter(self, event: dict) -> dict:
+        text = event.get("text") or ""
+        calls = event.get("tool_calls")
+        if text and not self.in_text:
+            if text.isspace():
+                self.held, text = self.held + text, ""
+            else:
+                self.held, text, self.in_text = "", self.held + text, True
+        if calls:
+            self.held, self.in_text, self.any_calls = "", False, True
+        elif event.get("e") == p.EV_FINISH and self.held and not self.any_calls:
+            self.held, text = "", self.held + text
+        if text == (event.get("text") or ""):
+            return event
+        return {**event, "text": text}
 
 
 def raise_for(event: dict) -> None:
@@ -72,8 +105,12 @@ class Generation:
         self.usage = p.Usage()
         self._deadline = self.started + (req.timeout_s or 300) + DEADLINE_SLACK_S
 
+    async def _load_tick(self) -> None:
+        if self.on_wait is not None and time.monotonic() - self.started >= LOAD_KEEPALIVE_AFTER_S:
+            await self.on_wait()
+
     async def __aenter__(self) -> Generation:
-        conn = await self.manager.acquire(self.slot, self.on_wait, self.keepalive_s)
+        conn = await self.manager.acquire(self.slot, self._load_tick, self.keepalive_s)
         self.stream = await self.broker.submit(conn, self.req, self.owner)
         first = await self._next(None)
         if first.get("e") != p.EV_ACCEPTED:
@@ -133,8 +170,10 @@ class Generation:
                 return
 
     async def content(self, on_idle: Callable[[], Awaitable[None]] | None = None) -> AsyncIterator[dict]:
-        """Delta and finish events only. on_idle runs on keep-alive ticks and prefill progress
-        (streams send a comment or ping); an error or a cancellation raises ServiceError."""
+        """Delta and finish events only, whitespace between tool calls left out (see
+        BlankTextFilter). on_idle runs on keep-alive ticks and prefill progress (streams send
+        a comment or ping); an error or a cancellation raises ServiceError."""
+        blanks = BlankTextFilter()
         async for event in self.events():
             kind = event["e"] if event else None
             if kind in (None, p.EV_PROGRESS):
@@ -143,7 +182,7 @@ class Generation:
                 continue
             raise_for(event)
             if kind in (p.EV_DELTA, p.EV_FINISH):
-                yield event
+                yield blanks.filter(event)
 
     async def finish_event(self) -> dict:
         """The terminal event of a request that streams nothing (embeddings, reranking)."""

@@ -2,15 +2,29 @@
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 from pathlib import Path
 
 import anthropic
 import pytest
-from conftest import http, start_long_stream
+from helpers import http, openai_client, start_long_stream
+from helpers.pdf import pdf_with_text
 
 FIXTURES = Path(__file__).parent / "fixtures"
 MSGS = [{"role": "user", "content": "Tell me about the sea."}]
+
+
+def png_bytes() -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (8, 8), (200, 30, 30)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+PNG_B64 = base64.b64encode(png_bytes()).decode()
 
 
 def client(gw) -> anthropic.Anthropic:
@@ -60,6 +74,33 @@ def test_stop_sequences_report_stop_sequence(tiny_gateway):
     assert msg.content[0].text == text[: text.index(stop)]
 
 
+@pytest.mark.parametrize(
+    "name,fields",
+    [
+        ("seed", {"temperature": 1, "seed": 7}),
+        ("top_k", {"temperature": 1, "top_k": 3, "seed": 7}),
+        ("top_p", {"temperature": 1, "top_p": 0.5, "seed": 7}),
+        ("min_p", {"temperature": 1, "min_p": 0.2, "seed": 7}),
+        ("presence_penalty", {"temperature": 0, "presence_penalty": 2.0}),
+        ("frequency_penalty", {"temperature": 0, "frequency_penalty": 2.0}),
+        ("repetition_penalty", {"temperature": 0, "repetition_penalty": 5.0}),
+        ("logit_bias", {"temperature": 0, "logit_bias": {"28": 100}}),
+    ],
+)
+def test_every_sampling_field_reaches_the_worker_as_from_openai_chat(tiny_gateway, name, fields):
+    """Anthropic requests take the same sampling fields (mlxgw extensions included) as the
+    OpenAI APIs: the same values give the same tokens, and the field changes the output."""
+    c = client(tiny_gateway)
+    msg = c.messages.create(model="tiny", max_tokens=12, messages=MSGS, extra_body=fields)
+    chat = openai_client(tiny_gateway).chat.completions.create(
+        model="tiny", max_tokens=12, messages=MSGS, extra_body=fields
+    )
+    assert msg.content[0].text == chat.choices[0].message.content
+    baseline = {**fields, "seed": 8} if name == "seed" else {k: v for k, v in fields.items() if k != name}
+    without = c.messages.create(model="tiny", max_tokens=12, messages=MSGS, extra_body=baseline)
+    assert msg.content[0].text != without.content[0].text
+
+
 def test_count_tokens_matches_the_real_input_tokens(tiny_gateway):
     c = client(tiny_gateway)
     counted = c.messages.count_tokens(model="tiny", system="Be brief.", messages=MSGS)
@@ -85,6 +126,28 @@ def test_claude_code_request_shape_is_accepted(tiny_gateway):
     assert events[0] == "message_start" and events[-1] == "message_stop"
 
 
+def test_claude_code_request_with_a_mid_conversation_system_turn_and_a_png_read(tiny_gateway):
+    """Current Claude Code (beta mid-conversation-system-2026-04-07): a system turn inside
+    `messages`, and its Read tool's PNG in a tool_result, sent to a text-only model."""
+    body = json.loads((FIXTURES / "claude_code_request.json").read_text())
+    body["max_tokens"] = 8
+    body["messages"].insert(1, {"role": "system", "content": "<system-reminder>Be careful.</system-reminder>"})
+    result = body["messages"][-1]["content"][0]
+    result["content"] = [
+        {"type": "text", "text": "a.png"},
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": PNG_B64}},
+    ]
+    status, headers, text = http(
+        f"{tiny_gateway.url}/v1/messages?beta=true",
+        "POST",
+        body,
+        headers={"anthropic-beta": "mid-conversation-system-2026-04-07", "anthropic-version": "2023-06-01"},
+    )
+    assert status == 200 and headers["x-mlxgw-omitted-content"] == "image"
+    events = [line.split(": ", 1)[1] for line in text.splitlines() if line.startswith("event: ")]
+    assert events[0] == "message_start" and events[-1] == "message_stop"
+
+
 @pytest.mark.parametrize(
     "body,status,kind,needle",
     [
@@ -93,7 +156,7 @@ def test_claude_code_request_shape_is_accepted(tiny_gateway):
         ({"model": "tiny", "messages": MSGS, "max_tokens": -1}, 400, "invalid_request_error", "max_tokens"),
         ({"model": "tiny", "max_tokens": 5}, 400, "invalid_request_error", "messages"),
         (
-            {"model": "tiny", "max_tokens": 5, "messages": [{"role": "system", "content": "x"}]},
+            {"model": "tiny", "max_tokens": 5, "messages": [{"role": "robot", "content": "x"}]},
             400,
             "invalid_request_error",
             "role",
@@ -132,6 +195,17 @@ def test_bad_requests_get_anthropic_errors(tiny_gateway, body, status, kind, nee
     assert needle in payload["error"]["message"]
 
 
+@pytest.mark.parametrize(
+    "field,value",
+    [("temperature", 1.5), ("top_k", -1), ("seed", -1), ("stop_sequences", [""]), ("presence_penalty", 9)],
+)
+def test_out_of_range_fields_are_anthropic_400s_naming_the_field(tiny_gateway, field, value):
+    body = {"model": "tiny", "max_tokens": 5, "messages": MSGS, field: value}
+    status, _, payload = http(f"{tiny_gateway.url}/v1/messages", "POST", body)
+    assert status == 400 and payload["error"]["type"] == "invalid_request_error"
+    assert field in payload["error"]["message"]
+
+
 def test_sdk_raises_typed_errors(tiny_gateway):
     with pytest.raises(anthropic.NotFoundError):
         client(tiny_gateway).messages.create(model="no-such", max_tokens=5, messages=MSGS)
@@ -149,3 +223,140 @@ def test_full_queue_is_overloaded_529(tiny_gateway):
     finally:
         running.close()
         waiting.close()
+
+
+# -- every message shape current Claude Code sends (issue 14) -----------------------------------
+
+
+CALL = '<tool_call>\n{"name": "Read", "arguments": {"file_path": "a.txt"}}\n</tool_call>'
+READ_TOOL = {"name": "Read", "description": "Read a file", "input_schema": {"type": "object"}}
+
+
+def tool_turns(result_content) -> list[dict]:
+    """A user turn, the assistant's Read call, and the user's tool_result with this content."""
+    return [
+        {"role": "user", "content": "Read the file."},
+        {
+            "role": "assistant",
+            "content": [{"type": "tool_use", "id": "toolu_1", "name": "Read", "input": {"file_path": "a.png"}}],
+        },
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": result_content}]},
+    ]
+
+
+def test_system_turns_inside_messages_are_rendered_in_place_also_in_count_tokens(tiny_gateway, smollm2_tokenizer):
+    turns = [
+        {"role": "user", "content": "Hello."},
+        {"role": "assistant", "content": "Hi."},
+        {"role": "system", "content": [{"type": "text", "text": "Reminder: be brief."}]},
+        {"role": "user", "content": "Tell me about the sea."},
+    ]
+    c = client(tiny_gateway)
+    counted = c.messages.count_tokens(model="tiny", system="Be kind.", messages=turns)
+    msg = c.messages.create(model="tiny", max_tokens=2, system="Be kind.", messages=turns)
+    expected = smollm2_tokenizer.apply_chat_template(
+        [
+            {"role": "system", "content": "Be kind."},
+            *turns[:2],
+            {"role": "system", "content": "Reminder: be brief."},
+            turns[3],
+        ],
+        add_generation_prompt=True,
+    )
+    assert counted.input_tokens == msg.usage.input_tokens == len(expected)
+
+
+def test_late_system_turns_merge_into_the_first_for_templates_that_refuse_them():
+    from mlxgw.shared.chat import merge_system_turns
+
+    merged = merge_system_turns(
+        [
+            {"role": "system", "content": "A."},
+            {"role": "user", "content": "u1"},
+            {"role": "system", "content": [{"type": "text", "text": "B."}]},
+            {"role": "assistant", "content": "a1"},
+        ]
+    )
+    assert merged == [
+        {"role": "system", "content": "A.\n\nB."},
+        {"role": "user", "content": "u1"},
+        {"role": "assistant", "content": "a1"},
+    ]
+
+
+def test_tool_result_image_for_a_text_model_becomes_a_placeholder_named_in_a_header(tiny_gateway):
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": PNG_B64}}
+    raw = client(tiny_gateway).messages.with_raw_response.create(
+        model="echo", max_tokens=200, messages=tool_turns([{"type": "text", "text": "The file:"}, image])
+    )
+    assert raw.headers["x-mlxgw-omitted-content"] == "image"
+    assert raw.parse().content[0].text == "The file:\n[image omitted: this model does not accept images]"
+
+
+def test_documents_are_read_as_text_pdf_included(tiny_gateway):
+    pdf = base64.b64encode(pdf_with_text("Revenue grew 12 percent")).decode()
+    for source, expected in [
+        ({"type": "text", "media_type": "text/plain", "data": "Plain notes."}, "Plain notes."),
+        ({"type": "base64", "media_type": "application/pdf", "data": pdf}, "Revenue grew 12 percent"),
+        ({"type": "content", "content": [{"type": "text", "text": "From blocks."}]}, "From blocks."),
+    ]:
+        doc = {"type": "document", "source": source, "title": "report", "cache_control": {"type": "ephemeral"}}
+        msg = client(tiny_gateway).messages.create(
+            model="echo", max_tokens=200, messages=[{"role": "user", "content": [doc]}]
+        )
+        assert msg.content[0].text == f"Document: report\n\n{expected}"
+    blocks = {"type": "content", "content": [{"type": "text", "text": "From blocks."}]}
+    in_tool_result = client(tiny_gateway).messages.create(
+        model="echo", max_tokens=200, messages=tool_turns([{"type": "document", "source": blocks}])
+    )
+    assert in_tool_result.content[0].text == "From blocks."
+
+
+@pytest.mark.parametrize(
+    "source,needle",
+    [
+        (
+            {"type": "base64", "media_type": "application/pdf", "data": base64.b64encode(b"%PDF-1.4 junk").decode()},
+            "PDF",
+        ),
+        ({"type": "base64", "media_type": "application/pdf", "data": base64.b64encode(b"hello").decode()}, "not a PDF"),
+        ({"type": "base64", "media_type": "application/pdf", "data": "***"}, "base64"),
+        ({"type": "url", "url": "https://example.com/a.pdf"}, "not fetched"),
+    ],
+)
+def test_unreadable_documents_are_clear_400s(tiny_gateway, source, needle):
+    body = {
+        "model": "echo",
+        "max_tokens": 5,
+        "messages": [{"role": "user", "content": [{"type": "document", "source": source}]}],
+    }
+    status, _, payload = http(f"{tiny_gateway.url}/v1/messages", "POST", body)
+    assert status == 400 and payload["error"]["type"] == "invalid_request_error"
+    assert needle in payload["error"]["message"]
+
+
+def test_thinking_blocks_and_cache_control_sent_back_are_accepted(tiny_gateway):
+    turns = [
+        {"role": "user", "content": [{"type": "text", "text": "Hi", "cache_control": {"type": "ephemeral"}}]},
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "thinking", "thinking": "The user greets me.", "signature": "sig"},
+                {"type": "redacted_thinking", "data": "opaque"},
+                {"type": "text", "text": "Hello!"},
+            ],
+        },
+        {"role": "user", "content": "Say it again."},
+    ]
+    msg = client(tiny_gateway).messages.create(model="echo", max_tokens=50, messages=turns)
+    assert msg.content[0].text == "Say it again."
+
+
+def test_whitespace_between_tool_calls_is_no_text_block(tiny_gateway):
+    turns = [{"role": "user", "content": f"{CALL}\n{CALL}\n"}]
+    c = client(tiny_gateway)
+    msg = c.messages.create(model="echo", max_tokens=300, messages=turns, tools=[READ_TOOL])
+    assert [b.type for b in msg.content] == ["tool_use", "tool_use"]
+    with c.messages.stream(model="echo", max_tokens=300, messages=turns, tools=[READ_TOOL]) as stream:
+        final = stream.get_final_message()
+    assert [b.type for b in final.content] == ["tool_use", "tool_use"]

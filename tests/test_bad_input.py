@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import http
+from helpers import http
 
 MSGS = [{"role": "user", "content": "hi"}]
 CHAT = "/v1/chat/completions"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import async_openai_client, http, openai_client, start_gateway
+from helpers import async_openai_client, http, openai_client, start_gateway
 
 REFERENCE = json.loads((Path(__file__).parent / "data" / "minilm_reference.json").read_text())
 TEXTS = REFERENCE["texts"]

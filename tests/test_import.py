@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from mlxgw.shared.platform import worker_environment
+from helpers import run_reference
 
 REPO = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).parent / "data"
@@ -26,15 +26,6 @@ def mlxgw(*args: str, home: Path, **kwargs) -> subprocess.CompletedProcess:
         text=True,
         **kwargs,
     )
-
-
-def run_reference(script: str) -> str:
-    """Run MLX code in a fresh process with the same environment a worker gets (BLAS)."""
-    out = subprocess.run(
-        [sys.executable, "-c", script], env=worker_environment(), capture_output=True, text=True, timeout=300
-    )
-    assert out.returncode == 0, out.stderr
-    return out.stdout
 
 
 def test_imported_default_model_answers_paris(smollm2_dir):

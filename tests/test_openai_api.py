@@ -7,7 +7,7 @@ import asyncio
 
 import openai
 import pytest
-from conftest import async_openai_client, http, openai_client
+from helpers import async_openai_client, http, openai_client
 
 MSGS = [{"role": "user", "content": "Tell me a story about a dragon."}]
 
@@ -154,3 +154,121 @@ def test_openai_sdk_raises_not_found_for_unknown_model(tiny_gateway):
     with pytest.raises(openai.NotFoundError) as info:
         client.chat.completions.create(model="no-such-model", messages=MSGS)
     assert info.value.body["code"] == "model_not_found"
+
+
+# -- status codes stay true while a model loads (issue 14) --------------------------------------
+
+
+def test_a_cold_model_refuses_a_too_long_prompt_with_a_400_not_200_and_an_error_event(tiny_gateway):
+    assert tiny_gateway.model_status("tiny-cold")["state"] != "ready"
+    with pytest.raises(openai.BadRequestError, match="context"):
+        stream = openai_client(tiny_gateway).chat.completions.create(
+            model="tiny-cold", messages=[{"role": "user", "content": "word " * 200}], max_tokens=5, stream=True
+        )
+        list(stream)
+
+
+async def test_load_keepalives_start_only_once_a_load_ran_for_20_s():
+    """Keep-alives commit status 200; before 20 s of loading none is sent, so a refusal found
+    after a short load is still a plain 4xx."""
+    from mlxgw.gateway.generation import LOAD_KEEPALIVE_AFTER_S, Generation
+    from mlxgw.shared.errors import ErrorCode, ServiceError
+    from mlxgw.shared.protocol import GenerateRequest
+
+    class LoadingManager:  # acquire ticks once, as the manager does while a load runs
+        broker = None
+
+        async def acquire(self, slot, on_wait, tick_s):
+            await on_wait()
+            raise ServiceError(ErrorCode.MODEL_UNAVAILABLE, "the test stops here")
+
+    ticks = []
+
+    async def keepalive():
+        ticks.append(1)
+
+    gen = Generation(LoadingManager(), None, GenerateRequest(rid="r"))
+    gen.on_wait = keepalive
+    with pytest.raises(ServiceError):
+        await gen.__aenter__()
+    assert ticks == []
+    gen.started -= LOAD_KEEPALIVE_AFTER_S
+    with pytest.raises(ServiceError):
+        await gen.__aenter__()
+    assert ticks == [1]
+
+
+# -- defaults and discovery for simple clients (issue 14) ---------------------------------------
+
+
+def test_requests_without_max_tokens_get_the_model_default_else_4096(tiny_gateway):
+    client = openai_client(tiny_gateway)
+    messages = [{"role": "user", "content": "Go on forever."}]
+    bounded = client.chat.completions.create(model="null", messages=messages)
+    assert bounded.usage.completion_tokens == 4096 and bounded.choices[0].finish_reason == "length"
+    per_model = client.chat.completions.create(model="null-default", messages=messages)
+    assert per_model.usage.completion_tokens == 7
+
+
+def test_models_retrieve_works_in_both_sdks(tiny_gateway):
+    import anthropic
+
+    client = openai_client(tiny_gateway)
+    assert client.models.retrieve("tiny").id == "tiny"
+    assert client.models.retrieve("gpt-4o-mini").id == "tiny"  # an alias names its model
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such")
+    claude = anthropic.Anthropic(base_url=tiny_gateway.url, api_key="unused", max_retries=0)
+    model = claude.models.retrieve("claude-sonnet-4-5")
+    assert model.type == "model" and model.id == "tiny"
+    assert "tiny" in [m.id for m in claude.models.list()]
+    with pytest.raises(anthropic.NotFoundError):
+        claude.models.retrieve("no-such")
+
+
+def test_head_root_answers_200(tiny_gateway):
+    status, _, _ = http(tiny_gateway.url + "/", "HEAD")
+    assert status == 200
+
+
+# -- every field range-checked at the boundary (issue 12 item 7) --------------------------------
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("temperature", -0.1),
+        ("top_p", 1.5),
+        ("top_k", -1),
+        ("min_p", 2),
+        ("seed", -1),
+        ("seed", 2**63),
+        ("presence_penalty", 3),
+        ("frequency_penalty", -3),
+        ("repetition_penalty", 0),
+        ("max_tokens", 0),
+        ("max_tokens", 2**31),
+        ("stop", [""]),
+        ("stop", ["x"] * 17),
+        ("logit_bias", {"-5": 1}),
+        ("logit_bias", {"99999999999": 1}),
+        ("logit_bias", {"5": 101}),
+        ("priority", 1000),
+        ("stream", "yes"),
+    ],
+)
+def test_out_of_range_fields_are_400s_naming_the_field(tiny_gateway, field, value):
+    body = {"model": "tiny", "messages": MSGS, field: value}
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        if path == "/v1/completions":
+            body = {"model": "tiny", "prompt": "x", field: value}
+        status, _, payload = http(tiny_gateway.url + path, "POST", body)
+        assert status == 400, payload
+        assert payload["error"]["param"] == field and field in payload["error"]["message"]
+
+
+@pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity"])
+def test_non_finite_numbers_are_400s(tiny_gateway, literal):
+    raw = f'{{"model": "tiny", "messages": [{{"role": "user", "content": "x"}}], "temperature": {literal}}}'
+    status, _, payload = http(tiny_gateway.url + "/v1/chat/completions", "POST", raw=raw.encode())
+    assert status == 400 and payload["error"]["type"] == "invalid_request_error"

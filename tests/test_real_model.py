@@ -6,8 +6,7 @@ import asyncio
 import json
 
 import pytest
-from conftest import async_openai_client, http, openai_client
-from test_import import run_reference
+from helpers import async_openai_client, http, openai_client, run_reference
 
 pytestmark = pytest.mark.slow
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]

@@ -15,9 +15,8 @@ import openai
 import psutil
 import pytest
 import yaml
-from conftest import NO_EOS, REPO, free_port, openai_client, start_gateway
+from helpers import NO_EOS, REPO, free_port, openai_client, start_gateway, wait_for
 from mlxgw.gateway.residency import PROCESS_OVERHEAD_BYTES, WEIGHTS_FACTOR
-from test_resilience import wait_for
 
 MSGS = [{"role": "user", "content": "Say something."}]
 

@@ -13,23 +13,20 @@ import openai
 import psutil
 import pytest
 import zmq
-from conftest import LONG, NO_EOS, TINY_CONFIG, cancel_request, http, openai_client, start_gateway, start_long_stream
+from helpers import (
+    LONG,
+    NO_EOS,
+    TINY_CONFIG,
+    cancel_request,
+    http,
+    openai_client,
+    running,
+    start_gateway,
+    start_long_stream,
+    wait_for,
+)
 
 MSGS = [{"role": "user", "content": "Write a very long story."}]
-
-
-def wait_for(predicate, timeout: float = 30, interval: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError("condition not met in time")
-
-
-def running(gw, model: str) -> int:
-    return sum(w["stats"].get("running", 0) for w in gw.model_status(model)["workers"])
 
 
 def test_kill_9_worker_mid_stream_ends_the_stream_with_an_error(tiny_gateway):

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 from pathlib import Path
 
 import openai
 import pytest
-from conftest import http, openai_client
+from helpers import http, openai_client
+from helpers.pdf import pdf_with_text
 
 FIXTURES = Path(__file__).parent / "fixtures"
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
@@ -127,3 +130,63 @@ def test_structured_output_via_text_format(tiny_gateway):
 def test_bad_requests_are_clear_4xx(tiny_gateway, body, needle):
     status, _, payload = http(f"{tiny_gateway.url}/v1/responses", "POST", body)
     assert 400 <= status < 500 and needle in payload["error"]["message"]
+
+
+# -- tool outputs with images and files, usage details, whitespace (issue 14) ------------------
+
+
+def png_data_url() -> str:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (8, 8), (20, 200, 30)).save(buf, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def test_function_call_output_image_for_a_text_model_becomes_a_placeholder(tiny_gateway):
+    output = [{"type": "input_text", "text": "Screenshot:"}, {"type": "input_image", "image_url": png_data_url()}]
+    raw = openai_client(tiny_gateway).responses.with_raw_response.create(
+        model="echo",
+        tools=TOOLS,
+        input=[
+            {"role": "user", "content": "Take a screenshot."},
+            {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "call_1", "output": output},
+        ],
+    )
+    assert raw.headers["x-mlxgw-omitted-content"] == "image"
+    assert raw.parse().output_text == "Screenshot:\n[image omitted: this model does not accept images]"
+
+
+def test_input_file_pdf_and_text_are_read(tiny_gateway):
+    pdf = base64.b64encode(pdf_with_text("Invoice total 42 EUR")).decode()
+    for part, expected in [
+        (
+            {"type": "input_file", "filename": "a.pdf", "file_data": f"data:application/pdf;base64,{pdf}"},
+            "Invoice total 42 EUR",
+        ),
+        (
+            {"type": "input_file", "filename": "notes.txt", "file_data": base64.b64encode(b"Some notes").decode()},
+            "Some notes",
+        ),
+    ]:
+        r = openai_client(tiny_gateway).responses.create(model="echo", input=[{"role": "user", "content": [part]}])
+        assert r.output_text == f"Document: {part['filename']}\n\n{expected}"
+    with pytest.raises(openai.BadRequestError, match="not fetched"):
+        openai_client(tiny_gateway).responses.create(
+            model="echo", input=[{"role": "user", "content": [{"type": "input_file", "file_id": "file-1"}]}]
+        )
+
+
+def test_usage_declares_cache_write_tokens(tiny_gateway):
+    r = openai_client(tiny_gateway).responses.create(model="echo", input="Hi")
+    assert r.usage.input_tokens_details.cache_write_tokens == 0
+
+
+def test_whitespace_between_tool_calls_is_no_message_item(tiny_gateway):
+    client = openai_client(tiny_gateway)
+    r = client.responses.create(model="echo", input=f"{CALL}\n{CALL}\n", tools=TOOLS)
+    assert [o.type for o in r.output] == ["function_call", "function_call"]
+    events = list(client.responses.create(model="echo", input=f"{CALL}\n{CALL}\n", tools=TOOLS, stream=True))
+    added = [e.item.type for e in events if e.type == "response.output_item.added"]
+    assert added == ["function_call", "function_call"]

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from conftest import cancel_request, http, openai_client, start_long_stream
-from test_resilience import running, wait_for
+from helpers import cancel_request, http, openai_client, running, start_long_stream, wait_for
 
 
 def story(n_words: int, seed: int = 0) -> str:

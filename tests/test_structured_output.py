@@ -8,7 +8,7 @@ import json
 import anthropic
 import jsonschema
 import pytest
-from conftest import openai_client
+from helpers import openai_client
 
 SCHEMAS = {
     "person": {

@@ -15,10 +15,9 @@ import time
 
 import pytest
 import yaml
-from conftest import NO_EOS, REPO, TINY_CONFIG, http, openai_client, start_gateway
+from helpers import NO_EOS, REPO, TINY_CONFIG, http, openai_client, start_gateway, wait_for
 from mlxgw.gateway.keys import hash_key
 from prometheus_client.parser import text_string_to_metric_families
-from test_resilience import wait_for
 
 WINDOW = 3  # seconds: the keys file's rate-limit window, short so tests can watch it recover
 KEYS = {

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 
 import anthropic
-from conftest import openai_client
+from helpers import openai_client
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
 TOOLS = [

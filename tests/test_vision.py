@@ -14,7 +14,7 @@ import io
 import time
 
 import pytest
-from conftest import async_openai_client, http, openai_client, start_gateway
+from helpers import async_openai_client, http, openai_client, start_gateway
 
 pytest.importorskip("mlx_vlm", reason="vision tests need the vision extra (pip install -e '.[test,vision]')")
 
@@ -131,6 +131,29 @@ def test_anthropic_image_block(gw):
         messages=[{"role": "user", "content": [{"type": "text", "text": "Describe the image."}]}],
     )
     assert msg.usage.input_tokens >= count.input_tokens + 3
+
+
+def test_anthropic_tool_result_image_reaches_the_vision_worker(gw):
+    """Claude Code's Read tool on a PNG: the image in the tool_result goes to the model."""
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=gw.url, api_key="unused", max_retries=0)
+    call = {"type": "tool_use", "id": "toolu_1", "name": "Read", "input": {"file_path": "a.png"}}
+
+    def send(result: list[dict]):
+        turns = [
+            {"role": "user", "content": "Read a.png"},
+            {"role": "assistant", "content": [call]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": result}]},
+        ]
+        return client.messages.with_raw_response.create(model="tiny-vision", max_tokens=2, messages=turns)
+
+    text = {"type": "text", "text": "a.png:"}
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": b64(png())}}
+    with_image, text_only = send([text, image]), send([text])
+    assert "x-mlxgw-omitted-content" not in with_image.headers
+    # the image became vision tokens in the prompt: start, end and at least one patch token
+    assert with_image.parse().usage.input_tokens >= text_only.parse().usage.input_tokens + 3
 
 
 def test_responses_input_image(gw):

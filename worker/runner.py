@@ -12,6 +12,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from mlxgw.shared.chat import has_late_system_turn, merge_system_turns
 from mlxgw.shared.errors import ServiceError, invalid
 from mlxgw.shared.protocol import GenerateRequest, SamplingParams
 
@@ -132,11 +133,14 @@ class MLXRunner(Runner):
                 return self._apply_generic_tools(req, syntax.chat_messages, tokenize)
             kwargs["tools"] = req.tools
         try:
-            out = self.tokenizer.apply_chat_template(
-                req.messages, add_generation_prompt=True, tokenize=tokenize, **kwargs
-            )
+            out = self._render(req.messages, tokenize, kwargs)
         except Exception as e:  # jinja raises TemplateError, TypeError, ... for bad messages
-            raise invalid(f"the model's chat template rejected the messages: {e}", "messages") from None
+            if not has_late_system_turn(req.messages):
+                raise invalid(f"the model's chat template rejected the messages: {e}", "messages") from None
+            try:  # a template that takes a system turn only first: merge them (shared/chat.py)
+                out = self._render(merge_system_turns(req.messages), tokenize, kwargs)
+            except Exception as e2:
+                raise invalid(f"the model's chat template rejected the messages: {e2}", "messages") from None
         if not tokenize:
             return out
         if isinstance(out, dict):  # some transformers versions return a BatchEncoding
@@ -152,6 +156,9 @@ class MLXRunner(Runner):
             return full
         compact = chat_messages(req.messages, req.tools, compact=True)
         return self._apply_template(replace(req, messages=compact, tools=None), tokenize)
+
+    def _render(self, messages: list[dict], tokenize: bool, kwargs: dict):
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=tokenize, **kwargs)
 
     def new_detokenizer(self):
         return self.tokenizer.detokenizer

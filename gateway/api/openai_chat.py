@@ -5,15 +5,14 @@ from __future__ import annotations
 import json
 
 from aiohttp import web
-from mlxgw.shared import protocol as p
 from mlxgw.shared.errors import invalid
 
-from ..auth import resolve_model
-from ..generation import Generation
+from ..generation import Generation, Outcome
 from . import openai_common as oc
+from . import translate as t
 from . import validate as v
-from .body import read_json
-from .images import ImageLimits, collect_images, from_openai_part, image_limits, join_content
+from .fields import ChatFields
+from .images import ImageLimits, from_openai_part, join_content
 
 routes = web.RouteTableDef()
 
@@ -41,6 +40,14 @@ def _content(content, where: str, images: ImageLimits | None) -> str | list[dict
     return join_content(pieces)
 
 
+def template_arguments(args):
+    """Tool-call arguments as chat templates expect them: an object where the JSON parses."""
+    try:
+        return json.loads(args) if isinstance(args, str) else args
+    except ValueError:
+        return args
+
+
 def _tool_calls(raw, where: str) -> list[dict]:
     if not isinstance(raw, list):
         raise invalid(f"{where}.tool_calls must be a list", where)
@@ -49,11 +56,7 @@ def _tool_calls(raw, where: str) -> list[dict]:
         fn = call.get("function") if isinstance(call, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise invalid(f"{where}.tool_calls entries need function.name", where)
-        args = fn.get("arguments") or "{}"
-        try:  # chat templates expect the arguments as an object
-            args = json.loads(args) if isinstance(args, str) else args
-        except ValueError:
-            pass
+        args = template_arguments(fn.get("arguments") or "{}")
         calls.append({"id": call.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": args}})
     return calls
 
@@ -83,132 +86,98 @@ def parse_messages(raw, images: ImageLimits | None = None) -> list[dict]:
     return out
 
 
-def forced_tool_constraint(choice, tools: list | None) -> dict | None:
+def tool_choice_constraint(choice, tools: list | None) -> dict | None:
     """tool_choice "required" or a named function: enforced by constrained decoding."""
     if choice in (None, "auto", "none"):
         return None
     if choice == "required":
-        name = None
-    elif isinstance(choice, dict) and isinstance((choice.get("function") or {}).get("name"), str):
-        name = choice["function"]["name"]
-    else:
-        raise invalid("tool_choice must be 'auto', 'none', 'required' or {'type': 'function', ...}", "tool_choice")
-    if not tools:
-        raise invalid("tool_choice requires 'tools'", "tool_choice")
-    return {"type": "tool_call", "tools": tools, "name": name}
+        return t.forced_tool(tools, None)
+    if isinstance(choice, dict) and isinstance((choice.get("function") or {}).get("name"), str):
+        return t.forced_tool(tools, choice["function"]["name"])
+    raise invalid("tool_choice must be 'auto', 'none', 'required' or {'type': 'function', ...}", "tool_choice")
 
 
-def response_format_constraint(body: dict) -> dict | None:
-    """OpenAI response_format as an internal constraint, enforced by constrained decoding."""
-    fmt = v.mapping(body, "response_format")
-    if body.get("logprobs"):
-        raise invalid("logprobs are not supported yet", "logprobs")
+def output_format_constraint(fmt: dict | None, name: str, schema_where: str, param: str) -> dict | None:
+    """An OpenAI output format (Chat's response_format, Responses' text.format)."""
     if not fmt or fmt.get("type") in (None, "text"):
         return None
     if fmt["type"] == "json_object":
         return {"type": "json_object"}
     if fmt["type"] == "json_schema":
+        return t.json_schema_constraint(fmt.get("schema"), schema_where, param)
+    raise invalid(f"{name} type {fmt['type']!r} is not supported (text, json_object, json_schema)", param)
+
+
+def _tools(body: dict) -> list | None:
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise invalid("'tools' must be a list", "tools")
+    return None if body.get("tool_choice") == "none" else tools
+
+
+def parse(body: dict, images: ImageLimits | None) -> t.ParsedRequest:
+    oc.check_unsupported(body)
+    fmt = v.mapping(body, "response_format")
+    if fmt and fmt.get("type") == "json_schema":  # Chat nests the schema one level deeper
         spec = fmt.get("json_schema")
-        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
-            raise invalid("response_format.json_schema.schema must be a JSON schema object", "response_format")
-        return {"type": "json_schema", "schema": spec["schema"]}
-    raise invalid(
-        f"response_format type {fmt['type']!r} is not supported (text, json_object, json_schema)", "response_format"
+        fmt = {"type": "json_schema", "schema": spec.get("schema") if isinstance(spec, dict) else None}
+    tools = _tools(body)
+    constraint = t.one_constraint(
+        output_format_constraint(fmt, "response_format", "response_format.json_schema.schema", "response_format"),
+        tool_choice_constraint(body.get("tool_choice"), tools),
+        "response_format and a forced tool_choice",
+    )
+    return t.ParsedRequest(
+        messages=parse_messages(v.required(body, "messages"), images),
+        tools=tools,
+        constraint=constraint,
+        chat_template_kwargs=v.mapping(body, "chat_template_kwargs"),
+        **t.parse_common(body, ChatFields),
     )
 
 
 @routes.post("/v1/chat/completions")
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    body = v.require_object(await read_json(request))
-    model = v.string(body, "model", required_=True)
-    slot = resolve_model(request, model)
-    limits = image_limits(request, slot)
-    messages, images = await collect_images(parse_messages(v.required(body, "messages"), limits), limits)
-    oc.check_unsupported(body)
-    constraint = response_format_constraint(body)
-    tools = body.get("tools")
-    if tools is not None and not isinstance(tools, list):
-        raise invalid("'tools' must be a list", "tools")
-    choice = body.get("tool_choice")
-    if choice == "none":
-        tools = None
-    forced = forced_tool_constraint(choice, tools)
-    if forced is not None:
-        if constraint is not None:
-            raise invalid("response_format and a forced tool_choice cannot be combined", "tool_choice")
-        constraint = forced
-    template_kwargs = v.mapping(body, "chat_template_kwargs")
-    stream, include_usage = oc.stream_options(body)
-    req = p.GenerateRequest(
-        messages=messages,
-        tools=tools or None,
-        chat_template_kwargs=template_kwargs,
-        constraint=constraint,
-        images=images,
-        reasoning_budget=v.integer(body, "reasoning_budget", lo=0),  # mlxgw extension
-        max_tokens=oc.max_tokens(request, body, slot.entry, "max_completion_tokens", "max_tokens"),
-        **oc.base_request(request, body, slot.entry),
-    )
-    gen = oc.generation(request, slot, req)
-    if stream:
-        return await _stream(request, gen, include_usage)
-    async with gen:
-        out = await gen.result()
-        return web.json_response(
-            {
-                "id": oc.new_id("chatcmpl"),
-                "object": "chat.completion",
-                "created": oc.now(),
-                "model": slot.name,
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": _message(out),
-                        "logprobs": None,
-                        "finish_reason": out.finish_reason,
-                    }
-                ],
-                "usage": oc.usage_dict(out.usage),
-            }
-        )
+    body, slot = await t.open_request(request)
+    parsed = parse(body, t.image_limits(request, slot))
+    usage = oc.include_usage(body)
+    return await t.respond(request, slot, parsed, lambda sse, gen: ChatChunks(sse, gen, usage), _render)
 
 
-def _message(out) -> dict:
+def _render(gen: Generation, out: Outcome) -> dict:
     message = {"role": "assistant", "content": out.text if out.text or not out.tool_calls else None, "refusal": None}
     if out.reasoning:
         message["reasoning_content"] = out.reasoning
     if out.tool_calls:
-        message["tool_calls"] = [_tool_call(c) for c in out.tool_calls]
-    return message
+        message["tool_calls"] = [
+            {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+            for c in out.tool_calls
+        ]
+    return oc.completion_body("chat.completion", "chatcmpl", gen, out, {"message": message})
 
 
-def _tool_call(call: dict) -> dict:
-    return {"id": call["id"], "type": "function", "function": {"name": call["name"], "arguments": call["arguments"]}}
+class ChatChunks(oc.OpenAIChunks):
+    object_name = "chat.completion.chunk"
+    id_prefix = "chatcmpl"
 
+    def delta(self, delta: dict, finish: str | None = None) -> dict:
+        return self.chunk({"delta": delta, "finish_reason": finish})
 
-async def _stream(request: web.Request, gen: Generation, include_usage: bool) -> web.StreamResponse:
-    make = oc.chunk_maker("chat.completion.chunk", "chatcmpl", gen.slot.name, include_usage)
+    def finish_choice(self, reason: str | None) -> dict:
+        return {"delta": {}, "finish_reason": reason}
 
-    def chunk(delta: dict, finish: str | None = None) -> dict:
-        return make({"delta": delta, "finish_reason": finish})
+    async def opened(self) -> None:
+        await self.sse.data(self.delta({"role": "assistant", "content": ""}))
 
-    def deltas(ev: dict) -> list[dict]:
-        out = []
-        if ev.get("reasoning"):
-            out.append(chunk({"reasoning_content": ev["reasoning"]}))
-        if ev.get("text"):
-            out.append(chunk({"content": ev["text"]}))
-        for call in ev.get("tool_calls") or []:
-            # id and name first, then the arguments, as OpenAI streams them
-            head = {
-                "index": call["index"],
-                "id": call["id"],
-                "type": "function",
-                "function": {"name": call["name"], "arguments": ""},
-            }
-            out.append(chunk({"tool_calls": [head]}))
-            out.append(chunk({"tool_calls": [{"index": call["index"], "function": {"arguments": call["arguments"]}}]}))
-        return out
+    async def reasoning(self, text: str) -> None:
+        await self.sse.data(self.delta({"reasoning_content": text}))
 
-    first = chunk({"role": "assistant", "content": ""})
-    return await oc.stream_response(request, gen, deltas, lambda reason: chunk({}, reason), include_usage, [first])
+    async def text(self, text: str) -> None:
+        await self.sse.data(self.delta({"content": text}))
+
+    async def tool_call(self, call: dict) -> None:
+        # id and name first, then the arguments, as OpenAI streams them
+        head = {"index": call["index"], "id": call["id"], "type": "function"}
+        await self.sse.data(self.delta({"tool_calls": [{**head, "function": {"name": call["name"], "arguments": ""}}]}))
+        args = {"index": call["index"], "function": {"arguments": call["arguments"]}}
+        await self.sse.data(self.delta({"tool_calls": [args]}))

@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 from aiohttp import web
-from mlxgw.shared import protocol as p
 from mlxgw.shared.errors import invalid
 
-from ..auth import resolve_model
-from ..generation import Generation
+from ..generation import Generation, Outcome
 from . import openai_common as oc
+from . import translate as t
 from . import validate as v
-from .body import read_json
+from .fields import CompletionFields
 
 routes = web.RouteTableDef()
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this API
 
 
 def _prompt(body: dict) -> tuple[str | None, list[int] | None]:
@@ -29,11 +30,8 @@ def _prompt(body: dict) -> tuple[str | None, list[int] | None]:
     raise invalid("'prompt' must be a string or a list of token ids", "prompt")
 
 
-@routes.post("/v1/completions")
-async def completions(request: web.Request) -> web.StreamResponse:
-    body = v.require_object(await read_json(request))
-    model = v.string(body, "model", required_=True)
-    slot = resolve_model(request, model)
+def parse(body: dict) -> tuple[t.ParsedRequest, str]:
+    """The parsed request, and the text echoed before the completion ('' unless echo)."""
     text, tokens = _prompt(body)
     oc.check_unsupported(body)
     if body.get("logprobs") is not None:
@@ -43,41 +41,41 @@ async def completions(request: web.Request) -> web.StreamResponse:
     echo = v.boolean(body, "echo")
     if echo and text is None:
         raise invalid("echo needs a text prompt", "echo")
-    stream, include_usage = oc.stream_options(body)
-    req = p.GenerateRequest(
+    parsed = t.ParsedRequest(
         prompt=text,
         prompt_tokens=tokens,
-        max_tokens=oc.max_tokens(request, body, slot.entry, "max_tokens") or 16,
-        **oc.base_request(request, body, slot.entry),
+        api_max_tokens=DEFAULT_MAX_TOKENS,
+        **t.parse_common(body, CompletionFields),
     )
-    prefix = text if echo else ""
-    gen = oc.generation(request, slot, req)
-    if stream:
-        return await _stream(request, gen, include_usage, prefix)
-    async with gen:
-        out = await gen.result()
-        return web.json_response(
-            {
-                "id": oc.new_id("cmpl"),
-                "object": "text_completion",
-                "created": oc.now(),
-                "model": slot.name,
-                "choices": [
-                    {"index": 0, "text": prefix + out.text, "logprobs": None, "finish_reason": out.finish_reason}
-                ],
-                "usage": oc.usage_dict(out.usage),
-            }
-        )
+    return parsed, text if echo else ""
 
 
-async def _stream(request: web.Request, gen: Generation, include_usage: bool, prefix: str) -> web.StreamResponse:
-    make = oc.chunk_maker("text_completion", "cmpl", gen.slot.name, include_usage)
+@routes.post("/v1/completions")
+async def completions(request: web.Request) -> web.StreamResponse:
+    body, slot = await t.open_request(request)
+    parsed, prefix = parse(body)
+    usage = oc.include_usage(body)
 
-    def chunk(text: str, finish: str | None) -> dict:
-        return make({"text": text, "finish_reason": finish})
+    def render(gen: Generation, out: Outcome) -> dict:
+        return oc.completion_body("text_completion", "cmpl", gen, out, {"text": prefix + out.text})
 
-    def deltas(ev: dict) -> list[dict]:
-        return [chunk(ev["text"], None)] if ev.get("text") else []
+    return await t.respond(request, slot, parsed, lambda sse, gen: CompletionChunks(sse, gen, usage, prefix), render)
 
-    preamble = [chunk(prefix, None)] if prefix else []
-    return await oc.stream_response(request, gen, deltas, lambda reason: chunk("", reason), include_usage, preamble)
+
+class CompletionChunks(oc.OpenAIChunks):
+    object_name = "text_completion"
+    id_prefix = "cmpl"
+
+    def __init__(self, sse, gen, include_usage: bool, prefix: str):
+        super().__init__(sse, gen, include_usage)
+        self.prefix = prefix
+
+    def finish_choice(self, reason: str | None) -> dict:
+        return {"text": "", "finish_reason": reason}
+
+    async def opened(self) -> None:
+        if self.prefix:
+            await self.sse.data(self.chunk({"text": self.prefix, "finish_reason": None}))
+
+    async def text(self, text: str) -> None:
+        await self.sse.data(self.chunk({"text": text, "finish_reason": None}))

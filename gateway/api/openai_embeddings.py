@@ -13,11 +13,9 @@ from aiohttp import web
 from mlxgw.shared import protocol as p
 from mlxgw.shared.errors import invalid
 
-from ..auth import resolve_model
 from ..state import SETTINGS
-from . import openai_common as oc
+from . import translate as t
 from . import validate as v
-from .body import read_json
 
 routes = web.RouteTableDef()
 
@@ -50,9 +48,7 @@ def parse_inputs(body: dict) -> list:
 
 @routes.post("/v1/embeddings")
 async def embeddings(request: web.Request) -> web.Response:
-    body = v.require_object(await read_json(request))
-    model = v.string(body, "model", required_=True)
-    slot = resolve_model(request, model, ("embedding",))
+    body, slot = await t.open_request(request, ("embedding",))
     inputs = parse_inputs(body)
     fmt = v.string(body, "encoding_format", default="float")
     if fmt not in ("float", "base64"):
@@ -64,7 +60,7 @@ async def embeddings(request: web.Request) -> web.Response:
         timeout_s=request.app[SETTINGS].request_timeout_s,
         priority=v.integer(body, "priority", lo=-100, hi=100, default=0),
     )
-    async with oc.generation(request, slot, req) as gen:
+    async with t.generation(request, slot, req) as gen:
         done = await gen.finish_event()
     blob, dim = done["vectors"], int(done["dim"])
     row = dim * 4

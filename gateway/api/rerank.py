@@ -11,11 +11,9 @@ from mlxgw.shared import protocol as p
 from mlxgw.shared.config import ENCODER_KINDS
 from mlxgw.shared.errors import invalid
 
-from ..auth import resolve_model
 from ..state import SETTINGS
-from . import openai_common as oc
+from . import translate as t
 from . import validate as v
-from .body import read_json
 
 routes = web.RouteTableDef()
 
@@ -41,9 +39,7 @@ def parse_documents(body: dict) -> list[str]:
 @routes.post("/v1/rerank")
 @routes.post("/v2/rerank")
 async def rerank(request: web.Request) -> web.Response:
-    body = v.require_object(await read_json(request))
-    model = v.string(body, "model", required_=True)
-    slot = resolve_model(request, model, ENCODER_KINDS)
+    body, slot = await t.open_request(request, ENCODER_KINDS)
     query = v.string(body, "query", required_=True)
     if not query:
         raise invalid("'query' must not be empty", "query")
@@ -53,7 +49,7 @@ async def rerank(request: web.Request) -> web.Response:
     req = p.EmbedRequest(
         rid=request["rid"], inputs=docs, query=query, timeout_s=request.app[SETTINGS].request_timeout_s
     )
-    async with oc.generation(request, slot, req) as gen:
+    async with t.generation(request, slot, req) as gen:
         done = await gen.finish_event()
     ranked = sorted(enumerate(done["scores"]), key=lambda x: -x[1])[:top_n]
     results = []

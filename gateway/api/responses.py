@@ -5,45 +5,87 @@ message and function_call items. `previous_response_id` continues a conversation
 bounded in-memory store. Hosted tools this server cannot run (web_search, file_search,
 computer_use_preview, ...) are left out of the prompt and named in the
 `x-mlxgw-ignored-tools` response header instead of refused: refusing them is what makes
-Codex unusable with other local servers."""
+Codex unusable with other local servers. `function_call_output` takes text, images (a
+placeholder for text-only models) and files; `input_file` takes PDFs and UTF-8 text."""
 
 from __future__ import annotations
 
 import json
 
 from aiohttp import web
-from mlxgw.shared import protocol as p
 from mlxgw.shared.errors import invalid
 
-from ..auth import resolve_model
-from . import openai_common as oc
+from . import translate as t
 from . import validate as v
-from .body import read_json
-from .images import ImageLimits, collect_images, from_openai_part, image_limits, join_content
-from .openai_chat import forced_tool_constraint
-from .responses_output import NAMESPACE_SEP, STORE, ResponseBuilder, function_call_item, new_item_id, stream_response
+from .content import ContentPolicy, b64decode, data_url, read_pdfs, text_file, titled
+from .fields import ResponsesFields
+from .images import from_openai_part, join_content
+from .openai_chat import output_format_constraint, template_arguments, tool_choice_constraint
+from .responses_output import NAMESPACE_SEP, STORE, ResponseEvents, render
 
 routes = web.RouteTableDef()
 
+TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
 
-def _content(content, where: str, images: ImageLimits | None) -> str | list[dict]:
+
+def _file_bytes(part: dict, where: str) -> tuple[bytes, bool]:
+    """The bytes of an input_file part, and whether they are a PDF."""
+    data = part.get("file_data")
+    if not isinstance(data, str):
+        how = "file_id" if part.get("file_id") else "file_url" if part.get("file_url") else None
+        if how:
+            raise invalid(f"{where}: files by {how} are not fetched by this server; send file_data", "input")
+        raise invalid(f"{where}: an input_file needs file_data", "input")
+    parsed = data_url(data)
+    media_type, b64 = parsed if parsed else ("", data)
+    raw = b64decode(b64, where, "input")
+    is_pdf = media_type == "application/pdf" or str(part.get("filename", "")).lower().endswith(".pdf")
+    return raw, is_pdf or raw.startswith(b"%PDF-")
+
+
+def _part(part, where: str, policy: ContentPolicy, in_tool_output: bool):
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind in TEXT_PARTS:
+        return str(part.get("text", ""))
+    if kind in ("input_image", "image_url"):
+        if policy.images is None and in_tool_output:
+            return policy.image_placeholder()
+        return from_openai_part(part, where, policy.images, "input")
+    if kind == "input_file":
+        if id(part) in policy.documents:
+            return titled(policy.documents[id(part)], part.get("filename"))
+        raw, _ = _file_bytes(part, where)
+        return titled(text_file(raw, where, "input"), part.get("filename"))
+    return None  # refusals, annotations and other parts carry nothing the template uses
+
+
+def _content(content, where: str, policy: ContentPolicy, in_tool_output: bool = False) -> str | list[dict]:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise invalid(f"{where}.content must be a string or a list of content parts", "input")
-    pieces: list = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind in ("input_text", "output_text", "text", "summary_text", "reasoning_text"):
-            pieces.append(str(part.get("text", "")))
-        elif kind in ("input_image", "image_url"):
-            pieces.append(from_openai_part(part, f"{where}.content[{j}]", images, "input"))
-        elif kind == "input_file":
-            raise invalid("input_file parts are not supported", "input")
-    return join_content(pieces)
+        raise invalid(f"{where} must be a string or a list of content parts", "input")
+    pieces = (_part(x, f"{where}[{j}]", policy, in_tool_output) for j, x in enumerate(content))
+    return join_content([x for x in pieces if x is not None])
 
 
-def _items_to_messages(items, images: ImageLimits | None) -> list[dict]:
+def _function_call(item: dict) -> dict:
+    name = item.get("name", "")
+    if item.get("namespace"):
+        name = f"{item['namespace']}{NAMESPACE_SEP}{name}"
+    args = template_arguments(item.get("arguments") or "{}")
+    return {"id": item.get("call_id"), "type": "function", "function": {"name": name, "arguments": args}}
+
+
+def _tool_output(item: dict, where: str, policy: ContentPolicy) -> dict:
+    output = item.get("output")
+    if isinstance(output, list):
+        content = _content(output, f"{where}.output", policy, in_tool_output=True)
+    else:
+        content = output if isinstance(output, str) else json.dumps(output)
+    return {"role": "tool", "tool_call_id": item.get("call_id"), "content": content}
+
+
+def items_to_messages(items, policy: ContentPolicy) -> list[dict]:
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     if not isinstance(items, list):
@@ -57,37 +99,31 @@ def _items_to_messages(items, images: ImageLimits | None) -> list[dict]:
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
                 raise invalid(f"input[{i}].role must be user, assistant, system or developer", "input")
-            messages.append(
-                {
-                    "role": "system" if role == "developer" else role,
-                    "content": _content(item.get("content"), f"input[{i}]", images),
-                }
-            )
+            content = _content(item.get("content"), f"input[{i}].content", policy)
+            messages.append({"role": "system" if role == "developer" else role, "content": content})
         elif kind == "function_call":
-            args = item.get("arguments") or "{}"
-            try:
-                args = json.loads(args) if isinstance(args, str) else args
-            except ValueError:
-                pass
-            name = item.get("name", "")
-            if item.get("namespace"):
-                name = f"{item['namespace']}{NAMESPACE_SEP}{name}"
-            call = {"id": item.get("call_id"), "type": "function", "function": {"name": name, "arguments": args}}
+            call = _function_call(item)
             if messages and messages[-1]["role"] == "assistant" and not messages[-1]["content"]:
                 messages[-1].setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind == "function_call_output":
-            output = item.get("output")
-            messages.append(
-                {
-                    "role": "tool",
-                    "tool_call_id": item.get("call_id"),
-                    "content": output if isinstance(output, str) else json.dumps(output),
-                }
-            )
+            messages.append(_tool_output(item, f"input[{i}]", policy))
         # reasoning, item_reference and hosted-tool items carry nothing the template can use
     return messages
+
+
+def _pdf_parts(items):
+    if not isinstance(items, list):
+        return
+    for i, item in enumerate(items):
+        parts = item.get("content") or item.get("output") if isinstance(item, dict) else None
+        for j, part in enumerate(parts if isinstance(parts, list) else []):
+            if isinstance(part, dict) and part.get("type") == "input_file":
+                where = f"input[{i}].content[{j}]"
+                raw, is_pdf = _file_bytes(part, where)
+                if is_pdf:
+                    yield part, raw, where
 
 
 def _tools(raw) -> tuple[list[dict] | None, list[str]]:
@@ -97,106 +133,69 @@ def _tools(raw) -> tuple[list[dict] | None, list[str]]:
     if not isinstance(raw, list):
         raise invalid("'tools' must be a list", "tools")
     tools, ignored = [], []
-
-    def add(t: dict, prefix: str = "") -> None:
-        tools.append(
-            {
-                "type": "function",
-                "function": {
-                    "name": prefix + str(t.get("name")),
-                    "description": t.get("description", ""),
-                    "parameters": t.get("parameters") or {"type": "object", "properties": {}},
-                },
-            }
-        )
-
-    for t in raw:
-        if not isinstance(t, dict):
+    for x in raw:
+        if not isinstance(x, dict):
             raise invalid("each tool must be an object", "tools")
-        if t.get("type") == "function":
-            add(t)
-        elif t.get("type") == "namespace":
-            for inner in t.get("tools") or []:
+        if x.get("type") == "function":
+            tools.append(t.function_tool(x.get("name"), x.get("description"), x.get("parameters")))
+        elif x.get("type") == "namespace":
+            for inner in x.get("tools") or []:
                 if isinstance(inner, dict) and inner.get("type", "function") == "function":
-                    add(inner, f"{t.get('name')}{NAMESPACE_SEP}")
+                    name = f"{x.get('name')}{NAMESPACE_SEP}{inner.get('name')}"
+                    tools.append(t.function_tool(name, inner.get("description"), inner.get("parameters")))
         else:
-            ignored.append(str(t.get("type")))
+            ignored.append(str(x.get("type")))
     return tools or None, ignored
 
 
 def _constraint(body: dict, tools) -> dict | None:
-    fmt = (v.mapping(body, "text") or {}).get("format") or {}
-    constraint = None
-    if fmt.get("type") == "json_schema":
-        if not isinstance(fmt.get("schema"), dict):
-            raise invalid("text.format.schema must be a JSON schema object", "text")
-        constraint = {"type": "json_schema", "schema": fmt["schema"]}
-    elif fmt.get("type") == "json_object":
-        constraint = {"type": "json_object"}
+    fmt = (v.mapping(body, "text") or {}).get("format")
     choice = body.get("tool_choice")
     if isinstance(choice, dict) and choice.get("type") == "function":
         choice = {"type": "function", "function": {"name": choice.get("name")}}
-    forced = forced_tool_constraint(choice, tools) if choice != "none" else None
-    if forced and constraint:
-        raise invalid("text.format and a forced tool_choice cannot be combined", "tool_choice")
-    return forced or constraint
+    return t.one_constraint(
+        output_format_constraint(fmt if isinstance(fmt, dict) else None, "text.format", "text.format.schema", "text"),
+        tool_choice_constraint(choice, tools),
+        "text.format and a forced tool_choice",
+    )
+
+
+def parse(body: dict, history: list[dict], policy: ContentPolicy) -> t.ParsedRequest:
+    messages = history + items_to_messages(v.required(body, "input"), policy)
+    instructions = v.string(body, "instructions")
+    tools, _ = _tools(body.get("tools"))
+    if body.get("tool_choice") == "none":
+        tools = None
+    return t.ParsedRequest(
+        messages=([{"role": "system", "content": instructions}] if instructions else []) + messages,
+        tools=tools,
+        constraint=_constraint(body, tools),
+        omitted=policy.omitted,
+        **t.parse_common(body, ResponsesFields),
+    )
 
 
 @routes.post("/v1/responses")
 async def responses(request: web.Request) -> web.StreamResponse:
-    body = v.require_object(await read_json(request))
-    model = v.string(body, "model", required_=True)
-    slot = resolve_model(request, model)
-    limits = image_limits(request, slot)
+    body, slot = await t.open_request(request)
     history: list[dict] = []
     previous = v.string(body, "previous_response_id")
     if previous:
         if previous not in request.app[STORE]:
             raise invalid(f"Previous response with id '{previous}' not found.", "previous_response_id")
         history = list(request.app[STORE][previous])
-    history += _items_to_messages(v.required(body, "input"), limits)
-    instructions = v.string(body, "instructions")
-    messages = ([{"role": "system", "content": instructions}] if instructions else []) + history
-    # The stored history keeps the images (a follow-up turn sends them again).
-    messages, images = await collect_images(messages, limits)
-    tools, ignored = _tools(body.get("tools"))
-    if body.get("tool_choice") == "none":
-        tools = None
-    req = p.GenerateRequest(
-        messages=messages,
-        tools=tools,
-        constraint=_constraint(body, tools),
-        images=images,
-        max_tokens=oc.max_tokens(request, body, slot.entry, "max_output_tokens"),
-        **oc.base_request(request, {k: body[k] for k in ("temperature", "top_p") if k in body}, slot.entry),
-    )
-    gen = oc.generation(request, slot, req)
-    builder = ResponseBuilder(request, body, slot, gen, history)
+    policy = ContentPolicy(t.image_limits(request, slot))
+    await read_pdfs(_pdf_parts(body.get("input")), policy, "input")
+    parsed = parse(body, history, policy)
+    # The stored history keeps the images (a follow-up turn sends them again), not the instructions.
+    stored = parsed.messages[1:] if v.string(body, "instructions") else parsed.messages
+    _, ignored = _tools(body.get("tools"))
     headers = {"x-mlxgw-ignored-tools": ",".join(ignored)} if ignored else {}
-    if v.boolean(body, "stream"):
-        return await stream_response(request, builder, headers)
-    async with gen:
-        out = await gen.result()
-    if out.reasoning:
-        builder.output.append(
-            {
-                "type": "reasoning",
-                "id": new_item_id("rs"),
-                "summary": [],
-                "content": [{"type": "reasoning_text", "text": out.reasoning}],
-            }
-        )
-    if out.text or not out.tool_calls:
-        builder.output.append(
-            {
-                "type": "message",
-                "id": new_item_id("msg"),
-                "status": "completed",
-                "role": "assistant",
-                "content": [{"type": "output_text", "text": out.text, "annotations": [], "logprobs": []}],
-            }
-        )
-    builder.output += [function_call_item(c) for c in out.tool_calls]
-    builder.remember(request, out.text, out.tool_calls)
-    incomplete = "max_output_tokens" if out.finish_reason == "length" else None
-    return web.json_response(builder.snapshot("incomplete" if incomplete else "completed", incomplete), headers=headers)
+    return await t.respond(
+        request,
+        slot,
+        parsed,
+        lambda sse, gen: ResponseEvents(sse, gen, request, body, stored),
+        lambda gen, out: render(request, body, gen, out, stored),
+        headers,
+    )

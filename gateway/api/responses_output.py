@@ -5,15 +5,15 @@ from __future__ import annotations
 import secrets
 import time
 from collections import OrderedDict
+from dataclasses import dataclass, field
 
 from aiohttp import web
-from mlxgw.shared import protocol as p
 from mlxgw.shared.errors import ServiceError
 
-from ..generation import Generation
+from ..generation import Generation, Outcome
 from ..sse import SSEWriter
-from ..state import SETTINGS
 from .errors import openai_error_body
+from .stream import Emitter
 
 STORE = web.AppKey("responses_store", OrderedDict)
 STORE_LIMIT = 1000
@@ -39,12 +39,18 @@ def function_call_item(call: dict) -> dict:
     return item
 
 
+@dataclass
 class ResponseBuilder:
-    def __init__(self, request: web.Request, body: dict, slot, gen: Generation, history: list[dict]):
-        self.id = new_item_id("resp")
-        self.created = int(time.time())
-        self.body, self.slot, self.gen, self.history = body, slot, gen, history
-        self.output: list[dict] = []
+    """One response object as it fills: its id, its output items, and what is stored for
+    previous_response_id."""
+
+    request: web.Request
+    body: dict
+    gen: Generation
+    history: list[dict]  # the conversation so far, stored with this turn appended
+    id: str = field(default_factory=lambda: new_item_id("resp"))
+    created: int = field(default_factory=lambda: int(time.time()))
+    output: list[dict] = field(default_factory=list)
 
     def snapshot(self, status: str, incomplete: str | None = None) -> dict:
         u = self.gen.usage
@@ -58,7 +64,7 @@ class ResponseBuilder:
             "incomplete_details": {"reason": incomplete} if incomplete else None,
             "instructions": b.get("instructions"),
             "max_output_tokens": b.get("max_output_tokens"),
-            "model": self.slot.name,
+            "model": self.gen.slot.name,
             "output": self.output,
             "parallel_tool_calls": True,
             "previous_response_id": b.get("previous_response_id"),
@@ -73,37 +79,73 @@ class ResponseBuilder:
             "metadata": b.get("metadata") or {},
             "usage": {
                 "input_tokens": u.prompt_tokens,
-                "input_tokens_details": {"cached_tokens": u.cached_tokens},
+                # cache_write_tokens: the openai SDK's ResponseUsage declares it; the prefix
+                # cache is written implicitly, so nothing is billed as a write.
+                "input_tokens_details": {"cached_tokens": u.cached_tokens, "cache_write_tokens": 0},
                 "output_tokens": u.completion_tokens,
                 "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": u.total_tokens,
             },
         }
 
-    def remember(self, request: web.Request, text: str, calls: list[dict]) -> None:
-        if self.body.get("store") is False:
-            return
-        turn = {"role": "assistant", "content": text}
-        if calls:
-            turn["tool_calls"] = [
-                {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
-                for c in calls
-            ]
-        store = request.app[STORE]
-        store[self.id] = [*self.history, turn]
-        while len(store) > STORE_LIMIT:
-            store.popitem(last=False)
+    def finish(self, reason: str, text: str, calls: list[dict]) -> dict:
+        """The final response object; the turn is stored unless the client said store: false."""
+        if self.body.get("store") is not False:
+            turn = {"role": "assistant", "content": text}
+            if calls:
+                turn["tool_calls"] = [
+                    {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+                    for c in calls
+                ]
+            store = self.request.app[STORE]
+            store[self.id] = [*self.history, turn]
+            while len(store) > STORE_LIMIT:
+                store.popitem(last=False)
+        incomplete = "max_output_tokens" if reason == "length" else None
+        return self.snapshot("incomplete" if incomplete else "completed", incomplete)
 
 
-class _StreamState:
-    """Output items as they stream: at most one reasoning and one message item open."""
+def reasoning_item(text: str) -> dict:
+    return {
+        "type": "reasoning",
+        "id": new_item_id("rs"),
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": text}],
+    }
 
-    def __init__(self, sse: SSEWriter, builder: ResponseBuilder):
-        self.sse, self.builder = sse, builder
+
+def text_part(text: str) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def message_item(status: str, content: list[dict]) -> dict:
+    return {"type": "message", "id": new_item_id("msg"), "status": status, "role": "assistant", "content": content}
+
+
+def render(request: web.Request, body: dict, gen: Generation, out: Outcome, history: list[dict]) -> dict:
+    """A non-streamed response."""
+    builder = ResponseBuilder(request, body, gen, history)
+    if out.reasoning:
+        builder.output.append(reasoning_item(out.reasoning))
+    if out.text or not out.tool_calls:
+        builder.output.append(message_item("completed", [text_part(out.text)]))
+    builder.output += [function_call_item(c) for c in out.tool_calls]
+    return builder.finish(out.finish_reason, out.text, out.tool_calls)
+
+
+class ResponseEvents(Emitter):
+    """Output items as they stream: at most one reasoning and one message item open; every
+    event numbered by sequence_number."""
+
+    error_event = "error"
+
+    def __init__(self, sse: SSEWriter, gen: Generation, request: web.Request, body: dict, history: list[dict]):
+        super().__init__(sse, gen)
+        self.builder = ResponseBuilder(request, body, gen, history)
         self.seq = 0
-        self.reasoning: dict | None = None
+        self.reasoning_item: dict | None = None
         self.message: dict | None = None
-        self.text: list[str] = []
+        self.texts: list[str] = []
         self.calls: list[dict] = []
 
     async def emit(self, kind: str, **fields) -> None:
@@ -117,139 +159,93 @@ class _StreamState:
         self.builder.output.append(item)
         await self.emit("response.output_item.added", output_index=self._index(item), item=item)
 
-    async def reasoning_delta(self, text: str) -> None:
-        if self.reasoning is None:
-            self.reasoning = {
-                "type": "reasoning",
-                "id": new_item_id("rs"),
-                "summary": [],
-                "content": [{"type": "reasoning_text", "text": ""}],
-            }
-            await self._add(self.reasoning)
-        self.reasoning["content"][0]["text"] += text
+    async def opened(self) -> None:
+        await self.emit("response.created", response=self.builder.snapshot("in_progress"))
+        await self.emit("response.in_progress", response=self.builder.snapshot("in_progress"))
+
+    async def reasoning(self, text: str) -> None:
+        if self.reasoning_item is None:
+            self.reasoning_item = reasoning_item("")
+            await self._add(self.reasoning_item)
+        r = self.reasoning_item
+        r["content"][0]["text"] += text
         await self.emit(
-            "response.reasoning_text.delta",
-            item_id=self.reasoning["id"],
-            output_index=self._index(self.reasoning),
-            content_index=0,
-            delta=text,
+            "response.reasoning_text.delta", item_id=r["id"], output_index=self._index(r), content_index=0, delta=text
         )
 
-    async def close_reasoning(self) -> None:
-        if self.reasoning is not None:
-            r = self.reasoning
+    async def _close_reasoning(self) -> None:
+        r, self.reasoning_item = self.reasoning_item, None
+        if r is not None:
+            text, idx = r["content"][0]["text"], self._index(r)
             await self.emit(
-                "response.reasoning_text.done",
-                item_id=r["id"],
-                output_index=self._index(r),
-                content_index=0,
-                text=r["content"][0]["text"],
+                "response.reasoning_text.done", item_id=r["id"], output_index=idx, content_index=0, text=text
             )
-            await self.emit("response.output_item.done", output_index=self._index(r), item=r)
-            self.reasoning = None
+            await self.emit("response.output_item.done", output_index=idx, item=r)
 
-    async def text_delta(self, text: str) -> None:
-        await self.close_reasoning()
+    async def text(self, text: str) -> None:
+        await self._close_reasoning()
         if self.message is None:
-            self.message = {
-                "type": "message",
-                "id": new_item_id("msg"),
-                "status": "in_progress",
-                "role": "assistant",
-                "content": [],
-            }
+            self.message = message_item("in_progress", [])
             await self._add(self.message)
+            m, idx = self.message, self._index(self.message)
             await self.emit(
-                "response.content_part.added",
-                item_id=self.message["id"],
-                output_index=self._index(self.message),
-                content_index=0,
-                part={"type": "output_text", "text": "", "annotations": [], "logprobs": []},
+                "response.content_part.added", item_id=m["id"], output_index=idx, content_index=0, part=text_part("")
             )
-        self.text.append(text)
+        self.texts.append(text)
+        m = self.message
         await self.emit(
             "response.output_text.delta",
-            item_id=self.message["id"],
-            output_index=self._index(self.message),
+            item_id=m["id"],
+            output_index=self._index(m),
             content_index=0,
             delta=text,
             logprobs=[],
         )
 
-    async def close_message(self) -> None:
-        if self.message is not None:
-            m, text = self.message, "".join(self.text)
-            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-            idx = self._index(m)
+    async def _close_message(self) -> None:
+        m, self.message = self.message, None
+        if m is not None:
+            text, idx = "".join(self.texts), self._index(m)
+            part = text_part(text)
             await self.emit(
                 "response.output_text.done", item_id=m["id"], output_index=idx, content_index=0, text=text, logprobs=[]
             )
             await self.emit("response.content_part.done", item_id=m["id"], output_index=idx, content_index=0, part=part)
             m["content"], m["status"] = [part], "completed"
             await self.emit("response.output_item.done", output_index=idx, item=m)
-            self.message = None
 
     async def tool_call(self, call: dict) -> None:
-        await self.close_reasoning()
-        await self.close_message()
+        await self._close_reasoning()
+        await self._close_message()
         self.calls.append(call)
         item = {**function_call_item(call), "arguments": "", "status": "in_progress"}
         await self._add(item)
-        idx = self._index(item)
-        await self.emit(
-            "response.function_call_arguments.delta", item_id=item["id"], output_index=idx, delta=call["arguments"]
-        )
+        idx, args = self._index(item), call["arguments"]
+        await self.emit("response.function_call_arguments.delta", item_id=item["id"], output_index=idx, delta=args)
         await self.emit(
             "response.function_call_arguments.done",
             item_id=item["id"],
             output_index=idx,
-            arguments=call["arguments"],
+            arguments=args,
             name=item["name"],
         )
-        item.update(arguments=call["arguments"], status="completed")
+        item.update(arguments=args, status="completed")
         await self.emit("response.output_item.done", output_index=idx, item=item)
 
+    async def finished(self, event: dict) -> None:
+        if not self.builder.output:
+            await self.text("")
+        await self._close_reasoning()
+        await self._close_message()
+        final = self.builder.finish(event.get("reason", "stop"), "".join(self.texts), self.calls)
+        await self.emit(f"response.{final['status']}", response=final)
 
-async def stream_response(request: web.Request, builder: ResponseBuilder, headers: dict) -> web.StreamResponse:
-    sse = SSEWriter(request, request.app[SETTINGS].write_timeout_s)
-    sse.response.headers.update(headers)
-    gen = builder.gen
-    gen.on_wait = sse.comment
-    state = _StreamState(sse, builder)
-    try:
-        async with gen:
-            await state.emit("response.created", response=builder.snapshot("in_progress"))
-            await state.emit("response.in_progress", response=builder.snapshot("in_progress"))
-            async for ev in gen.content(on_idle=sse.comment):
-                kind = ev["e"]
-                if ev.get("reasoning"):
-                    await state.reasoning_delta(ev["reasoning"])
-                if ev.get("text"):
-                    await state.text_delta(ev["text"])
-                for call in ev.get("tool_calls") or []:
-                    await state.tool_call(call)
-                if kind == p.EV_FINISH:
-                    if not builder.output:
-                        await state.text_delta("")
-                    await state.close_reasoning()
-                    await state.close_message()
-                    builder.remember(request, "".join(state.text), state.calls)
-                    incomplete = "max_output_tokens" if ev.get("reason") == "length" else None
-                    final = builder.snapshot("incomplete" if incomplete else "completed", incomplete)
-                    await state.emit("response.incomplete" if incomplete else "response.completed", response=final)
-    except ServiceError as err:
-        if not sse.opened:
-            raise
+    def error_body(self, err: ServiceError) -> dict:
         body = openai_error_body(err)["error"]
-        await sse.error(
-            {
-                "type": "error",
-                "sequence_number": state.seq,
-                "code": body["code"],
-                "message": body["message"],
-                "param": body["param"],
-            },
-            "error",
-        )
-    await sse.close()
-    return sse.response
+        return {
+            "type": "error",
+            "sequence_number": self.seq,
+            "code": body["code"],
+            "message": body["message"],
+            "param": body["param"],
+        }

@@ -4,36 +4,68 @@ from __future__ import annotations
 
 import asyncio
 import time
+from datetime import datetime, timezone
 
 from aiohttp import web
 from mlxgw.shared.errors import ErrorCode, ServiceError
 
 from ..state import BROKER, MANAGER
+from .errors import error_response
 
 routes = web.RouteTableDef()
 STARTED = time.time()
 
 
+def _is_anthropic(request: web.Request) -> bool:
+    """Anthropic's SDKs send anthropic-version; they get Anthropic's shapes on /v1/models."""
+    return "anthropic-version" in request.headers
+
+
+def _model(request: web.Request, slot, anthropic: bool) -> dict:
+    if anthropic:
+        created = datetime.fromtimestamp(STARTED, timezone.utc).isoformat().replace("+00:00", "Z")
+        return {"type": "model", "id": slot.name, "display_name": slot.name, "created_at": created}
+    d = request.app[MANAGER].describe(slot)
+    return {
+        "id": slot.name,
+        "object": "model",
+        "created": int(STARTED),
+        "owned_by": "mlxgw",
+        **{k: d[k] for k in ("kind", "state", "loaded", "aliases", "last_error")},
+    }
+
+
 @routes.get("/v1/models")
 async def list_models(request: web.Request) -> web.Response:
-    manager = request.app[MANAGER]
-    data = []
-    for slot in manager.slots.values():
-        d = manager.describe(slot)
-        data.append(
-            {
-                "id": slot.name,
-                "object": "model",
-                "created": int(STARTED),
-                "owned_by": "mlxgw",
-                "kind": d["kind"],
-                "state": d["state"],
-                "loaded": d["loaded"],
-                "aliases": d["aliases"],
-                "last_error": d["last_error"],
-            }
-        )
+    anthropic = _is_anthropic(request)
+    data = [_model(request, s, anthropic) for s in request.app[MANAGER].slots.values()]
+    if anthropic:
+        first, last = (data[0]["id"], data[-1]["id"]) if data else (None, None)
+        return web.json_response({"data": data, "has_more": False, "first_id": first, "last_id": last})
     return web.json_response({"object": "list", "data": data})
+
+
+@routes.get("/v1/models/{model_id:.+}")
+async def retrieve_model(request: web.Request) -> web.Response:
+    """One model by name or alias (both SDKs' models.retrieve)."""
+    anthropic = _is_anthropic(request)
+    requested = request.match_info["model_id"]
+    try:
+        slot = request.app[MANAGER].resolve(requested)
+        key = request.get("key")
+        if key is not None and not key.allows(requested, slot.name):
+            raise ServiceError(ErrorCode.PERMISSION, f"API key '{key.name}' may not use model '{requested}'")
+    except ServiceError as err:
+        if anthropic:  # the error middleware picks the shape by path; this path serves both
+            return error_response(err, "anthropic")
+        raise
+    return web.json_response(_model(request, slot, anthropic))
+
+
+@routes.get("/")
+async def root(request: web.Request) -> web.Response:
+    """Claude Code sends HEAD / when it starts (aiohttp answers HEAD from this GET route)."""
+    return web.json_response({"name": "mlxgw", "status": "ok"})
 
 
 @routes.get("/health")

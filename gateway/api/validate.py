@@ -1,12 +1,17 @@
-"""Field checks for request bodies: each failure is a 400 naming the field."""
+"""Field checks for the request fields that fields.py does not declare (embeddings,
+rerank, nested objects): each failure is a 400 naming the field. Non-finite numbers (NaN,
+Infinity) are refused wherever a number is read."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from mlxgw.shared.errors import invalid
 
 _MISSING = object()
+
+INT32_MAX = 2**31 - 1
 
 
 def require_object(body: Any) -> dict:
@@ -31,60 +36,50 @@ def string(body: dict, name: str, *, required_: bool = False, default: str | Non
     return value
 
 
-def number(
-    body: dict, name: str, lo: float | None = None, hi: float | None = None, default: float | None = None
-) -> float | None:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise invalid(f"'{name}' must be a number, got {type(value).__name__}", name)
-    if (lo is not None and value < lo) or (hi is not None and value > hi):
-        raise invalid(f"'{name}' must be between {lo} and {hi}, got {value}", name)
-    return float(value)
-
-
-def integer(
-    body: dict, name: str, lo: int | None = None, hi: int | None = None, default: int | None = None
-) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise invalid(f"'{name}' must be an integer, got {type(value).__name__}", name)
+def _in_range(name: str, value: float, lo: float | None, hi: float | None) -> None:
+    if isinstance(value, float) and not math.isfinite(value):
+        raise invalid(f"'{name}' must be a finite number, got {value}", name)
     if lo is not None and value < lo:
         raise invalid(f"'{name}' must be at least {lo}, got {value}", name)
     if hi is not None and value > hi:
         raise invalid(f"'{name}' must be at most {hi}, got {value}", name)
+
+
+def _numeric(body: dict, name: str, types: tuple, what: str, lo, hi):
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, types):
+        raise invalid(f"'{name}' must be {what}, got {type(value).__name__}", name)
+    _in_range(name, value, lo, hi)
+    return value
+
+
+def number(
+    body: dict, name: str, lo: float | None = None, hi: float | None = None, default: float | None = None
+) -> float | None:
+    value = _numeric(body, name, (int, float), "a number", lo, hi)
+    return default if value is None else float(value)
+
+
+def integer(
+    body: dict, name: str, lo: int | None = None, hi: int | None = INT32_MAX, default: int | None = None
+) -> int | None:
+    value = _numeric(body, name, (int,), "an integer", lo, hi)
+    return default if value is None else value
+
+
+def _of_type(body: dict, name: str, tp: type, what: str):
+    value = body.get(name)
+    if value is not None and not isinstance(value, tp):
+        raise invalid(f"'{name}' must be {what}, got {type(value).__name__}", name)
     return value
 
 
 def boolean(body: dict, name: str, default: bool = False) -> bool:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise invalid(f"'{name}' must be true or false, got {type(value).__name__}", name)
-    return value
-
-
-def string_list(body: dict, name: str, max_items: int = 16) -> list[str]:
-    value = body.get(name)
-    if value is None:
-        return []
-    if isinstance(value, str):
-        value = [value]
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise invalid(f"'{name}' must be a string or a list of strings", name)
-    if len(value) > max_items:
-        raise invalid(f"'{name}' takes at most {max_items} entries, got {len(value)}", name)
-    return value
+    value = _of_type(body, name, bool, "true or false")
+    return default if value is None else value
 
 
 def mapping(body: dict, name: str) -> dict | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if not isinstance(value, dict):
-        raise invalid(f"'{name}' must be an object", name)
-    return value
+    return _of_type(body, name, dict, "an object")

@@ -1,0 +1,109 @@
+"""The scalar fields of every generating API, declared once with their ranges and decoded in
+one pass by msgspec. Measured on a chat request's common fields (shared 2-core host, us per
+request): msgspec decode ~2, pydantic v2 with the same constraints ~8.5, the old
+field-by-field checks ~15; this module's whole path (decode, logit_bias ids, stop list)
+~8.
+
+Each API's struct differs only in the names it gives max_tokens and stop and in its
+temperature range; every other field (the mlxgw extensions included) is the same
+everywhere. A failure is a 400 that names the field (`param`) in the called API's shape;
+NaN and Infinity fail every range."""
+
+from __future__ import annotations
+
+from typing import Annotated, ClassVar
+
+import msgspec
+from mlxgw.shared.errors import invalid
+
+from .validate import INT32_MAX
+
+SEED_MAX = 2**63 - 1  # seeds are 0..2^63-1 (what every sampler's generator takes)
+
+M = msgspec.Meta
+Tokens = Annotated[int, M(ge=1, le=INT32_MAX)]
+StopText = Annotated[str, M(min_length=1, max_length=1000)]
+Stop = StopText | Annotated[list[StopText], M(max_length=16)] | None
+TokenId = Annotated[str, M(pattern=r"^\s*\d{1,10}\s*$")]
+Bias = Annotated[float, M(ge=-100, le=100)]
+
+
+class CommonFields(msgspec.Struct):
+    temperature: Annotated[float, M(ge=0, le=2)] | None = None
+    top_p: Annotated[float, M(ge=0, le=1)] | None = None
+    top_k: Annotated[int, M(ge=0, le=INT32_MAX)] | None = None
+    min_p: Annotated[float, M(ge=0, le=1)] | None = None
+    seed: Annotated[int, M(ge=0, le=SEED_MAX)] | None = None
+    repetition_penalty: Annotated[float, M(ge=0.01, le=10)] | None = None
+    presence_penalty: Annotated[float, M(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[float, M(ge=-2, le=2)] | None = None
+    logit_bias: Annotated[dict[TokenId, Bias], M(max_length=1024)] | None = None
+    stream: bool | None = None
+    priority: Annotated[int, M(ge=-100, le=100)] | None = None
+    stream_interval: Annotated[int, M(ge=1, le=1024)] | None = None
+    reasoning_budget: Annotated[int, M(ge=0, le=INT32_MAX)] | None = None
+
+    # The API's names for max_tokens (the first one set wins) and for stop sequences.
+    MAX_TOKENS: ClassVar[tuple[str, ...]] = ()
+    STOP: ClassVar[str] = "stop"
+
+    def requested_max_tokens(self) -> int | None:
+        for name in self.MAX_TOKENS:
+            value = getattr(self, name)
+            if value is not None:
+                return value
+        return None
+
+    def stop_list(self) -> list[str]:
+        stop = getattr(self, self.STOP, None)
+        return [stop] if isinstance(stop, str) else list(stop or [])
+
+
+class ChatFields(CommonFields):
+    MAX_TOKENS = ("max_completion_tokens", "max_tokens")
+    max_completion_tokens: Tokens | None = None
+    max_tokens: Tokens | None = None
+    stop: Stop = None
+
+
+class CompletionFields(CommonFields):
+    MAX_TOKENS = ("max_tokens",)
+    max_tokens: Tokens | None = None
+    stop: Stop = None
+
+
+class AnthropicFields(CommonFields):
+    MAX_TOKENS, STOP = ("max_tokens",), "stop_sequences"
+    temperature: Annotated[float, M(ge=0, le=1)] | None = None  # Anthropic's range
+    max_tokens: Tokens | None = None
+    stop_sequences: Stop = None
+
+
+class ResponsesFields(CommonFields):
+    MAX_TOKENS = ("max_output_tokens",)
+    max_output_tokens: Tokens | None = None
+    stop: Stop = None  # an mlxgw extension here
+
+
+def decode_fields(body: dict, kind: type[CommonFields]) -> CommonFields:
+    """The API's scalar fields, checked; unknown fields are ignored."""
+    try:
+        return msgspec.convert(body, kind)
+    except msgspec.ValidationError as e:
+        message = str(e)
+        path = message.rpartition("`$.")[2]
+        param = path.split("[", 1)[0].split(".", 1)[0].rstrip("`") or None
+        raise invalid(f"invalid '{param}': {message}" if param else message, param) from None
+
+
+def logit_bias(fields: CommonFields) -> dict[int, float] | None:
+    """Token ids as integers. The worker also checks them against the model's vocabulary."""
+    if not fields.logit_bias:
+        return None
+    bias = {}
+    for key, value in fields.logit_bias.items():
+        token = int(key)
+        if token > INT32_MAX:
+            raise invalid(f"'logit_bias' keys must be token ids from 0 to {INT32_MAX}, got {key!r}", "logit_bias")
+        bias[token] = value
+    return bias

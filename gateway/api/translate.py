@@ -1,0 +1,206 @@
+"""The one translation layer: every generating API parses its body into a `ParsedRequest`,
+`build_request` turns that into the one internal `GenerateRequest` (model defaults, the
+max_tokens default and cap, images, timeouts), and `respond` answers with one body or a
+stream driven by `run_stream` (stream.py) and the API's emitter.
+
+An API module therefore writes only what is its own: the names and ranges of its fields,
+its message shapes, and its output shapes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from aiohttp import web
+from mlxgw.shared import protocol as p
+from mlxgw.shared.config import CHAT_KINDS
+from mlxgw.shared.errors import invalid
+
+from ..auth import resolve_model
+from ..generation import Generation, Outcome
+from ..state import MANAGER, SETTINGS
+from . import validate as v
+from .body import read_json
+from .fields import CommonFields, decode_fields, logit_bias
+from .images import ImageLimits, collect_images
+from .stream import EmitterFactory, run_stream
+
+# max_tokens when neither the request, the model's entry (defaults.max_tokens) nor the
+# server (--max-tokens-default) sets one: clients that send none (Open WebUI, curl) would
+# otherwise generate up to the whole context.
+DEFAULT_MAX_TOKENS = 4096
+
+
+@dataclass
+class ParsedRequest:
+    """One API request, parsed and range-checked, before the model's defaults apply."""
+
+    sampling: CommonFields  # the API's fields as decoded; only the sampling ones are read from it
+    stream: bool = False
+    messages: list[dict] | None = None
+    prompt: str | None = None
+    prompt_tokens: list[int] | None = None
+    tools: list[dict] | None = None
+    constraint: dict | None = None
+    chat_template_kwargs: dict | None = None
+    reasoning_budget: int | None = None
+    max_tokens: int | None = None  # as sent; None: the defaults below apply
+    api_max_tokens: int | None = None  # the API's own default (legacy Completions: 16)
+    stop: list[str] = field(default_factory=list)
+    priority: int = 0
+    stream_interval: int | None = None
+    # Content a text-only model cannot take, replaced by a placeholder (x-mlxgw-omitted-content).
+    omitted: list[str] = field(default_factory=list)
+
+
+def parse_common(body: dict, kind: type[CommonFields]) -> dict:
+    """The ParsedRequest fields every generating API reads the same way (mlxgw extensions
+    included: seed, min_p, penalties, logit_bias, priority, stream_interval), decoded once."""
+    f = decode_fields(body, kind)
+    return dict(
+        sampling=f,
+        stream=bool(f.stream),
+        max_tokens=f.requested_max_tokens(),
+        stop=f.stop_list(),
+        priority=f.priority or 0,
+        stream_interval=f.stream_interval,
+        reasoning_budget=f.reasoning_budget,
+    )
+
+
+def first_set(*values):
+    """The first value that is not None: request value, then model default, then fallback."""
+    return next((x for x in values if x is not None), None)
+
+
+def _sampling_params(s: CommonFields, slot) -> p.SamplingParams:
+    d = slot.entry.defaults
+    return p.SamplingParams(
+        temperature=first_set(s.temperature, d.temperature, 1.0),
+        top_p=first_set(s.top_p, d.top_p, 1.0),
+        top_k=first_set(s.top_k, d.top_k, 0),
+        min_p=first_set(s.min_p, d.min_p, 0.0),
+        seed=s.seed,
+        repetition_penalty=first_set(s.repetition_penalty, d.repetition_penalty),
+        presence_penalty=first_set(s.presence_penalty, 0.0),
+        frequency_penalty=first_set(s.frequency_penalty, 0.0),
+        logit_bias=logit_bias(s),
+    )
+
+
+async def build_request(request: web.Request, slot, parsed: ParsedRequest) -> p.GenerateRequest:
+    """The internal request: model defaults, the max_tokens default and cap, images out of
+    the messages, timeouts. The one place these rules live."""
+    settings = request.app[SETTINGS]
+    entry = slot.entry
+    max_tokens = first_set(
+        parsed.max_tokens, entry.defaults.max_tokens, settings.max_tokens_default, parsed.api_max_tokens
+    )
+    max_tokens = first_set(max_tokens, DEFAULT_MAX_TOKENS)
+    if settings.max_tokens_cap is not None:
+        max_tokens = min(max_tokens, settings.max_tokens_cap)
+    # A default the client did not ask for is clamped to the context, never refused.
+    policy = entry.max_tokens_policy if parsed.max_tokens is not None else "clamp"
+    messages, images = parsed.messages, None
+    if messages is not None:
+        messages, images = await collect_images(messages, image_limits(request, slot))
+    return p.GenerateRequest(
+        rid=request["rid"],
+        messages=messages,
+        prompt=parsed.prompt,
+        prompt_tokens=parsed.prompt_tokens,
+        tools=parsed.tools or None,
+        chat_template_kwargs=parsed.chat_template_kwargs,
+        sampling=_sampling_params(parsed.sampling, slot),
+        max_tokens=max_tokens,
+        max_tokens_policy=policy,
+        stop=parsed.stop,
+        stream_interval=first_set(parsed.stream_interval, entry.stream_interval),
+        priority=parsed.priority,
+        timeout_s=settings.request_timeout_s,
+        constraint=parsed.constraint,
+        reasoning_budget=parsed.reasoning_budget,
+        images=images,
+    )
+
+
+def image_limits(request: web.Request, slot) -> ImageLimits | None:
+    """The image limits when the model takes images, else None."""
+    return request.app[SETTINGS].images if slot.entry.kind == "vision" else None
+
+
+async def open_request(request: web.Request, kinds: tuple[str, ...] = CHAT_KINDS) -> tuple[dict, object]:
+    """The handler preamble of every API: the JSON body and the model slot it names."""
+    body = v.require_object(await read_json(request))
+    model = v.string(body, "model", required_=True)
+    return body, resolve_model(request, model, kinds)
+
+
+def generation(request: web.Request, slot, req: p.GenerateRequest | p.EmbedRequest) -> Generation:
+    """The request's generation, also recorded on the request for limits, metrics and logs."""
+    key = request.get("key")
+    gen = Generation(
+        request.app[MANAGER], slot, req, request.app[SETTINGS].keepalive_s, owner=key.name if key else None
+    )
+    request["generation"] = gen
+    return gen
+
+
+async def respond(
+    request: web.Request,
+    slot,
+    parsed: ParsedRequest,
+    emitter: EmitterFactory,
+    render: Callable[[Generation, Outcome], dict],
+    headers: dict[str, str] | None = None,
+) -> web.StreamResponse:
+    """Run the request: one JSON body from `render`, or a stream through the API's emitter."""
+    gen = generation(request, slot, await build_request(request, slot, parsed))
+    headers = {**(headers or {}), **omitted_header(parsed)}
+    if parsed.stream:
+        return await run_stream(request, gen, emitter, headers)
+    async with gen:
+        out = await gen.result()
+    return web.json_response(render(gen, out), headers=headers)
+
+
+def omitted_header(parsed: ParsedRequest) -> dict[str, str]:
+    """Names what a text-only model was sent a placeholder for (images in tool results)."""
+    return {"x-mlxgw-omitted-content": ",".join(sorted(set(parsed.omitted)))} if parsed.omitted else {}
+
+
+# -- tools and constraints, in every API's own spelling ---------------------------------------
+
+
+def function_tool(name, description, parameters) -> dict:
+    """A tool as the chat template takes it."""
+    if not isinstance(name, str) or not name:
+        raise invalid("each tool needs a 'name' string", "tools")
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": description if isinstance(description, str) else "",
+            "parameters": parameters if isinstance(parameters, dict) else {"type": "object", "properties": {}},
+        },
+    }
+
+
+def forced_tool(tools: list[dict] | None, name: str | None, param: str = "tool_choice") -> dict:
+    """A tool call enforced by constrained decoding: any of the tools, or the named one."""
+    if not tools:
+        raise invalid(f"{param} requires tools", param)
+    return {"type": "tool_call", "tools": tools, "name": name}
+
+
+def one_constraint(output_format: dict | None, forced: dict | None, names: str) -> dict | None:
+    """An output format or a forced tool call; both at once cannot be enforced."""
+    if output_format is not None and forced is not None:
+        raise invalid(f"{names} cannot be combined", "tool_choice")
+    return forced or output_format
+
+
+def json_schema_constraint(schema, where: str, param: str) -> dict:
+    if not isinstance(schema, dict):
+        raise invalid(f"{where} must be a JSON schema object", param)
+    return {"type": "json_schema", "schema": schema}
