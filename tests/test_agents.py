@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, openai_client, start_gateway
+from helpers import openai_client
+from helpers.gateway import REPO, start_gateway
 from helpers.recording_proxy import RecordingProxy
 from mlxgw.shared.config import parse_registry
 

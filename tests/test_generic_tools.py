@@ -10,7 +10,7 @@ import json
 import anthropic
 import jsonschema
 import pytest
-from conftest import openai_client
+from helpers import openai_client
 
 WEATHER = {
     "type": "object",
