@@ -177,8 +177,10 @@ def test_claude_code_reading_a_png_continues_the_session(proxy, workdir):
     images = [p for p in posts if '"type": "image"' in json.dumps(p.body.get("messages"))]
     assert images, "Claude Code sent no image block"
     record("claude_code_image_tool_result_request.json", images[0].body)
-    # every request carrying the image is answered: the session is not dead
+    # every request carrying the image is answered (the text-only model gets a placeholder,
+    # named in a header): the session is not dead
     assert [p.status for p in images] == [200] * len(images)
+    assert all(p.response_headers.get("x-mlxgw-omitted-content") == "image" for p in images)
     assert result["returncode"] == 0 and not result["is_error"], result
 
 

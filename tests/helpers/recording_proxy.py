@@ -25,6 +25,7 @@ class RecordedRequest:
     headers: dict[str, str]
     body: object  # parsed JSON, the text, or None
     status: int | None = None  # the server's answer
+    response_headers: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -90,6 +91,7 @@ class RecordingProxy:
             target = self.upstream + request.path_qs
             async with session.request(request.method, target, data=raw, headers=forward) as up:
                 record.status = up.status
+                record.response_headers = {k.lower(): v for k, v in up.headers.items()}
                 out = web.StreamResponse(status=up.status)
                 for k, v in up.headers.items():
                     if k.lower() not in HOP_HEADERS:
