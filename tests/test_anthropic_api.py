@@ -127,16 +127,13 @@ def test_claude_code_request_shape_is_accepted(tiny_gateway):
 
 
 def test_claude_code_request_with_a_mid_conversation_system_turn_and_a_png_read(tiny_gateway):
-    """Current Claude Code (beta mid-conversation-system-2026-04-07): a system turn inside
-    `messages`, and its Read tool's PNG in a tool_result, sent to a text-only model."""
-    body = json.loads((FIXTURES / "claude_code_request.json").read_text())
-    body["max_tokens"] = 8
-    body["messages"].insert(1, {"role": "system", "content": "<system-reminder>Be careful.</system-reminder>"})
+    """Current Claude Code (beta mid-conversation-system-2026-04-07), as recorded: a system
+    turn inside `messages`, and its Read tool's PNG in a tool_result, sent to a text-only model."""
+    body = json.loads((FIXTURES / "claude_code_image_tool_result_request.json").read_text())
+    assert any(m["role"] == "system" for m in body["messages"])
     result = body["messages"][-1]["content"][0]
-    result["content"] = [
-        {"type": "text", "text": "a.png"},
-        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": PNG_B64}},
-    ]
+    assert result["type"] == "tool_result" and result["content"][0]["type"] == "image"
+    body["max_tokens"] = 8
     status, headers, text = http(
         f"{tiny_gateway.url}/v1/messages?beta=true",
         "POST",

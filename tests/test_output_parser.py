@@ -100,3 +100,102 @@ def test_llama3_plain_answers_are_not_calls():
     for text in ('{"answer": 42}', "The name is Bond."):
         out, _ = run(lambda: OutputParser(tool=tool_syntax("llama3_json", None)), text)
         assert out.text == text and not out.tool_calls
+
+
+# -- the generic format (templates without a tool format of their own) -------------------
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+GENERIC_TOOL = 'Let me look.<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+
+
+def generic():
+    return tool_syntax("generic", None)
+
+
+class _NoToolTokenizer:  # what mlx-lm's TokenizerWrapper says about a template without tools
+    tool_call_start = None
+    tool_parser = None
+
+
+def test_template_without_tool_format_gets_the_generic_format():
+    assert tool_syntax(None, _NoToolTokenizer()).start == "<tool_call>"
+    assert tool_syntax("auto", _NoToolTokenizer()).chat_messages is not None
+    assert tool_syntax("none", _NoToolTokenizer()) is None
+
+
+@pytest.mark.parametrize("cut", [None, *range(len(GENERIC_TOOL) + 1)])
+def test_generic_tool_call_at_every_split(cut):
+    out, parser = run(lambda: OutputParser(tool=generic(), tools=[WEATHER]), GENERIC_TOOL, cut)
+    assert out.text == "Let me look."
+    assert [(c["name"], json.loads(c["arguments"])) for c in out.tool_calls] == [("get_weather", {"city": "Paris"})]
+
+
+def test_generic_bare_json_call_of_an_offered_tool_is_a_call():
+    out, _ = run(lambda: OutputParser(tool=generic(), tools=[WEATHER]), '{"name": "get_weather", "arguments": {}}')
+    assert out.text == "" and out.tool_calls[0]["name"] == "get_weather"
+
+
+def test_generic_json_naming_no_offered_tool_stays_text():
+    answer = '{"name": "Ada", "arguments": {"age": 36}}'
+    out, parser = run(lambda: OutputParser(tool=generic(), tools=[WEATHER]), answer)
+    assert out.text == answer and not parser.saw_tool_calls
+
+
+def test_generic_list_of_calls_in_one_block():
+    calls = [{"name": "get_weather", "arguments": {}}, {"name": "get_weather", "arguments": {"a": 1}}]
+    text = f"<tool_call>{json.dumps(calls)}</tool_call>"
+    out, _ = run(lambda: OutputParser(tool=generic(), tools=[WEATHER]), text)
+    assert [c["index"] for c in out.tool_calls] == [0, 1]
+
+
+def test_generic_messages_describe_tools_and_replay_calls_and_results():
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"id": "c1", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+        {"role": "user", "content": "And tomorrow?"},
+    ]
+    out = generic().chat_messages(messages, [WEATHER])
+    assert [m["role"] for m in out] == ["system", "user", "assistant", "user"]
+    assert out[0]["content"].startswith("Be brief.") and '"name": "get_weather"' in out[0]["content"]
+    assert out[2]["content"] == '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    assert out[3]["content"] == '<tool_response name="get_weather">\nsunny\n</tool_response>\n\nAnd tomorrow?'
+    assert all("tool_calls" not in m for m in out)
+
+
+def test_generic_messages_keep_images_of_tool_results():
+    image = {"type": "image"}
+    messages = [{"role": "user", "content": "Look"}, {"role": "tool", "tool_call_id": "x", "content": [image]}]
+    out = generic().chat_messages(messages, [WEATHER])
+    assert out[0]["role"] == "system" and out[1]["role"] == "user"
+    assert image in out[1]["content"] and out[1]["content"][0] == {"type": "text", "text": "Look"}
+
+
+def test_generic_compact_listing_keeps_names_and_types_but_drops_prose():
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "Bash",
+            "description": "Runs a command.\n\nA long manual follows. " * 20,
+            "parameters": {
+                "type": "object",
+                "$schema": "http://json-schema.org/draft-07/schema#",
+                "properties": {"command": {"type": "string", "description": "The command. " * 30}},
+                "required": ["command"],
+            },
+        },
+    }
+    full = generic().chat_messages([{"role": "user", "content": "hi"}], [tool])[0]["content"]
+    compact = generic().chat_messages([{"role": "user", "content": "hi"}], [tool], compact=True)[0]["content"]
+    assert len(compact) < len(full) // 3
+    listing = json.loads(next(line for line in compact.splitlines() if line.startswith('{"name": "Bash"')))
+    assert listing == {
+        "name": "Bash",
+        "description": "Runs a command.",
+        "parameters": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]},
+    }

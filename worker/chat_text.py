@@ -6,6 +6,8 @@ kind of mlx-lm tokenizer; neither inherits the other."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from mlxgw.shared.chat import has_late_system_turn, merge_system_turns
 from mlxgw.shared.errors import invalid
 from mlxgw.shared.protocol import GenerateRequest
@@ -48,6 +50,7 @@ class ChatText:
         tool_parser: str | None = None,
         reasoning_parser: str | None = None,
         allow_request_chat_template: bool = False,
+        context_length: int | None = None,
     ):
         """tokenizer: mlx-lm's TokenizerWrapper; vocab_size: the model's logits width."""
         self.tokenizer = tokenizer
@@ -55,6 +58,7 @@ class ChatText:
         self.tool_parser = tool_parser
         self.reasoning_parser = reasoning_parser
         self.allow_request_chat_template = allow_request_chat_template
+        self.context_length = context_length
         self._constraints = None
         templates.install()
 
@@ -73,6 +77,12 @@ class ChatText:
         sandboxed and budgeted (templates.py); tokenizing happens outside the time budget."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise invalid("this model has no chat template; use /v1/completions", "messages")
+        if req.tools:
+            from .output_parser import tool_syntax
+
+            syntax = tool_syntax(self.tool_parser, self.tokenizer)
+            if syntax is not None and syntax.chat_messages is not None:
+                return self._apply_generic_tools(req, syntax.chat_messages, tokenize)
         kwargs = template_kwargs(req, self.allow_request_chat_template)
         try:
             text = self._render(req.messages, kwargs)
@@ -90,6 +100,16 @@ class ChatText:
         if not isinstance(text, str):
             raise invalid("the chat template did not render to text", "messages")
         return self.tokenizer.encode(text, add_special_tokens=False) if tokenize else text
+
+    def _apply_generic_tools(self, req: GenerateRequest, chat_messages, tokenize: bool):
+        """A template without a tool format: the tools go into the messages (generic format).
+        Agents send many long tool descriptions (Claude Code's: ~8,000 tokens); when the full
+        listing would leave under a quarter of the context, the compact one is used."""
+        full = self.apply_template(replace(req, messages=chat_messages(req.messages, req.tools), tools=None), tokenize)
+        if not tokenize or self.context_length is None or len(full) <= self.context_length * 3 // 4:
+            return full
+        compact = chat_messages(req.messages, req.tools, compact=True)
+        return self.apply_template(replace(req, messages=compact, tools=None), tokenize)
 
     def _render(self, messages: list[dict], kwargs: dict):
         with templates.budget():

@@ -86,7 +86,8 @@ class ConstraintFactory:
         if constraint.get("type") == "tool_call":
             if tool_markup is None:
                 raise invalid(
-                    "forcing a tool call needs a model with a known tool-call format (set tool_parser in models.yaml)",
+                    "forcing a tool call needs a tool-call format with an end tag, and this model's has none "
+                    "(set tool_parser: generic in models.yaml to use mlxgw's generic format)",
                     "tool_choice",
                 )
             grammar = llguidance.LLMatcher.grammar_from_lark(self.tool_call_grammar(constraint, *tool_markup))

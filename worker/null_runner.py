@@ -90,7 +90,7 @@ class _ByteDetokenizer:
 
 
 class EchoRunner(NullRunner):
-    """The echo engine: answers with the text of the last message, byte by byte, then ends.
+    """The echo engine: answers with the text of the last non-system message, byte by byte.
 
     It lets the whole output path (stop strings, reasoning and tool-call parsing, every
     API's rendering, the SDKs' stream assembly) be tested with exact, known model output."""
@@ -105,7 +105,9 @@ class EchoRunner(NullRunner):
 
     def encode(self, req: GenerateRequest) -> list[int]:
         if req.messages:
-            text = str(req.messages[-1].get("content") or "")
+            # The last turn to answer: a system turn after it (Claude Code sends one) instructs.
+            turns = [m for m in req.messages if m.get("role") != "system"] or req.messages
+            text = str(turns[-1].get("content") or "")
         else:
             text = req.prompt or ""
         return list(text.encode()) or [32]

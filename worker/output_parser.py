@@ -39,6 +39,9 @@ class ToolSyntax:
     parse: ToolParse
     bare_starts: tuple[str, ...] = ()  # an answer that begins like this is a call (Llama 3 JSON)
     wrappers: tuple[str, ...] = ()  # markup around a group of calls, dropped (DeepSeek)
+    # For formats the chat template does not know (generic): rewrites the messages so the
+    # template can render the tools and earlier calls; None: the template gets `tools`.
+    chat_messages: Callable[[list[dict], list[dict]], list[dict]] | None = None
 
 
 def _held_prefix(buf: str, tags: list[str]) -> int:
@@ -180,13 +183,14 @@ TOOL_PARSER_ALIASES = {"hermes": "json_tools", "qwen": "json_tools", "qwen2": "j
 
 def tool_syntax(name: str | None, tokenizer) -> ToolSyntax | None:
     """The tool markup for a model: named in models.yaml, or inferred by mlx-lm from the
-    chat template ("auto" / unset); "none" disables tool parsing."""
+    chat template ("auto" / unset), else the generic format (a system instruction plus JSON
+    markup, for templates without a tool format); "none" disables tool parsing."""
     if name == "none":
         return None
     if name in (None, "auto"):
         if getattr(tokenizer, "tool_call_start", None) and getattr(tokenizer, "tool_parser", None):
             return ToolSyntax(tokenizer.tool_call_start, tokenizer.tool_call_end or "", tokenizer.tool_parser)
-        return None
+        name = "generic"
     import importlib
 
     from .tool_formats import FORMATS
@@ -198,6 +202,7 @@ def tool_syntax(name: str | None, tokenizer) -> ToolSyntax | None:
         module.parse_tool_call,
         tuple(getattr(module, "bare_starts", ())),
         tuple(getattr(module, "wrappers", ())),
+        getattr(module, "chat_messages", None),
     )
 
 

@@ -141,6 +141,7 @@ class MLXRunner(ChatTextRunner):
             tool_parser=tool_parser,
             reasoning_parser=reasoning_parser,
             allow_request_chat_template=allow_request_chat_template,
+            context_length=self.context_length,
         )
 
     # -- execution ----------------------------------------------------------------------

@@ -55,3 +55,162 @@ deepseek = SimpleNamespace(
 )
 
 FORMATS = {"llama3_json": llama3_json, "llama3": llama3_json, "deepseek": deepseek, "deepseek_v3": deepseek}
+
+# -- the generic format: tools for chat templates that have no tool format of their own --
+#
+# As llama.cpp does for such templates, the tools are described in a system instruction and
+# the model answers with JSON markup this module parses. The markup is the widely trained
+# hermes/Qwen shape, so a model that has seen any tool-calling data has seen it; forced calls
+# (tool_choice required or named) are enforced by the grammar (worker/constraints.py).
+
+GENERIC_START = "<tool_call>"
+GENERIC_END = "</tool_call>"
+GENERIC_INSTRUCTION = (
+    "You can call the following tools. Each is given as a JSON object with its name, what it "
+    "does and a JSON schema of its arguments:\n{tools}\n\n"
+    "To call a tool, reply with exactly this, and nothing after it:\n"
+    + GENERIC_START
+    + '{{"name": "<tool name>", "arguments": {{<the arguments as a JSON object>}}}}'
+    + GENERIC_END
+    + "\nTo call several tools, write one such block per call. The result of each call comes back "
+    "in a <tool_response> block. When no tool is needed, answer the user in plain text."
+)
+
+
+def _generic_parse(text: str, tools=None):
+    """One call object, or a list of them (some models batch their calls in one block);
+    a name that is not among the offered tools is not a call (then the text stays text)."""
+    body = text.strip()
+    if body.startswith("```"):
+        body = body.strip("`").removeprefix("json").strip()
+    obj = json.loads(body)
+    calls = obj if isinstance(obj, list) else [obj]
+    known = {_tool_name(t) for t in tools or []}
+    out = []
+    for call in calls:
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            raise ValueError("not a tool call")
+        if known and call["name"] not in known:
+            raise ValueError(f"unknown tool {call['name']!r}")
+        args = call.get("arguments", call.get("parameters", {}))
+        if isinstance(args, str):
+            args = json.loads(args or "{}")
+        if not isinstance(args, dict):
+            raise ValueError("tool arguments must be an object")
+        out.append({"name": call["name"], "arguments": args})
+    if not out:
+        raise ValueError("empty tool call")
+    return out[0] if len(out) == 1 else out
+
+
+def _tool_name(tool: dict) -> str | None:
+    return (tool.get("function") or tool).get("name") if isinstance(tool, dict) else None
+
+
+def _tool_summary(tool: dict) -> dict:
+    fn = tool.get("function") or tool
+    out = {"name": fn.get("name")}
+    if fn.get("description"):
+        out["description"] = fn["description"]
+    out["parameters"] = fn.get("parameters") or {"type": "object"}
+    return out
+
+
+_SCHEMA_NOISE = ("description", "$schema", "additionalProperties", "title", "examples", "default")
+
+
+def _bare_schema(schema):
+    """A JSON schema without its prose and annotations: types, names, enums and nesting stay."""
+    if isinstance(schema, dict):
+        return {k: _bare_schema(v) for k, v in schema.items() if k not in _SCHEMA_NOISE}
+    if isinstance(schema, list):
+        return [_bare_schema(x) for x in schema]
+    return schema
+
+
+def _compact_summary(tool: dict) -> dict:
+    """The first line of the description (at most 200 characters) and the bare schema."""
+    out = _tool_summary(tool)
+    if "description" in out:
+        out["description"] = out["description"].strip().split("\n")[0][:200]
+    out["parameters"] = _bare_schema(out["parameters"])
+    return out
+
+
+def generic_instruction(tools: list[dict], compact: bool = False) -> str:
+    summary = _compact_summary if compact else _tool_summary
+    listing = "\n".join(json.dumps(summary(t), ensure_ascii=False) for t in tools if isinstance(t, dict))
+    return GENERIC_INSTRUCTION.format(tools=listing)
+
+
+def _wrap(content, head: str, tail: str):
+    """Text around a message's content, which is a string or (with images) a list of parts."""
+    if isinstance(content, list):
+        return [{"type": "text", "text": head}, *content, {"type": "text", "text": tail}]
+    return head + str(content or "") + tail
+
+
+def _join(a, b):
+    if isinstance(a, str) and isinstance(b, str):
+        return f"{a}\n\n{b}" if a else b
+    parts = lambda c: c if isinstance(c, list) else [{"type": "text", "text": str(c or "")}]  # noqa: E731
+    return parts(a) + parts(b)
+
+
+def generic_chat_messages(messages: list[dict], tools: list[dict], compact: bool = False) -> list[dict]:
+    """The conversation as a template without tool support can render it: the tools in the
+    system turn, earlier calls as the markup the model is asked to write, and tool results as
+    user turns in <tool_response> blocks (merged with a neighbouring user turn, since many
+    templates insist that user and assistant turns alternate). compact: the short tool listing
+    (first line of each description, schemas without prose) for a small context."""
+    instruction = generic_instruction(tools, compact)
+    out: list[dict] = []
+    if messages and messages[0].get("role") == "system":
+        out.append({"role": "system", "content": _join(messages[0].get("content") or "", instruction)})
+        messages = messages[1:]
+    else:
+        out.append({"role": "system", "content": instruction})
+    names = {}
+    for m in messages:
+        role = m.get("role")
+        if role == "assistant" and m.get("tool_calls"):
+            markup = ""
+            for call in m["tool_calls"]:
+                fn = call.get("function") or call
+                names[call.get("id")] = fn.get("name")
+                args = fn.get("arguments")
+                if isinstance(args, str):
+                    try:
+                        args = json.loads(args or "{}")
+                    except ValueError:
+                        pass
+                markup += GENERIC_START + json.dumps({"name": fn.get("name"), "arguments": args}, ensure_ascii=False)
+                markup += GENERIC_END
+            out.append({"role": "assistant", "content": _join(m.get("content") or "", markup)})
+            continue
+        if role == "tool":
+            name = m.get("name") or names.get(m.get("tool_call_id"))
+            head = f'<tool_response name="{name}">\n' if name else "<tool_response>\n"
+            m = {"role": "user", "content": _wrap(m.get("content"), head, "\n</tool_response>")}
+        elif role not in ("user", "assistant", "system"):
+            m = {"role": role, "content": m.get("content")}
+        else:
+            m = {k: v for k, v in m.items() if k != "tool_calls"}
+        if out and m["role"] == "user" and out[-1]["role"] == "user":
+            out[-1] = {"role": "user", "content": _join(out[-1]["content"], m["content"])}
+        else:
+            out.append(m)
+    return out
+
+
+generic = SimpleNamespace(
+    tool_call_start=GENERIC_START,
+    tool_call_end=GENERIC_END,
+    parse_tool_call=_generic_parse,
+    # Small models often leave the tags off and answer with the bare object; the parser
+    # only takes it for a call when the name is one of the offered tools.
+    bare_starts=('{"name"',),
+    chat_messages=generic_chat_messages,
+)
+
+FORMATS["generic"] = generic

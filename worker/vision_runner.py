@@ -93,6 +93,7 @@ class VisionRunner(ChatTextRunner):
             tool_parser=tool_parser,
             reasoning_parser=reasoning_parser,
             allow_request_chat_template=allow_request_chat_template,
+            context_length=self.context_length,
         )
         self.images_seen = 0
 
