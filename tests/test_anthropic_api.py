@@ -194,7 +194,7 @@ def test_bad_requests_get_anthropic_errors(tiny_gateway, body, status, kind, nee
 
 @pytest.mark.parametrize(
     "field,value",
-    [("temperature", 1.5), ("top_k", -1), ("seed", -1), ("stop_sequences", [""]), ("presence_penalty", 9)],
+    [("temperature", 1.5), ("top_k", -1), ("seed", 2**63), ("stop_sequences", [""]), ("presence_penalty", 9)],
 )
 def test_out_of_range_fields_are_anthropic_400s_naming_the_field(tiny_gateway, field, value):
     body = {"model": "tiny", "max_tokens": 5, "messages": MSGS, field: value}
