@@ -57,7 +57,7 @@ def test_budget_that_fits_one_model_evicts_the_least_recently_used(home, tiny_di
     budget = max(int(1.6 * one_worker_rss), estimate + (16 << 20))
     assert 2 * one_worker_rss > budget, "budget would fit two workers; the test would prove nothing"
     config = {
-        "manager": {"auto_discover": False, "memory_budget": f"{budget}", "wait_timeout_seconds": 30},
+        "manager": {"auto_discover": False, "memory_budget": f"{budget}", "wait_timeout_s": 30},
         "models": [{"name": n, "source": "tiny"} for n in ("tiny-a", "tiny-b", "tiny-c")],
     }
     gw = start_gateway(home, config, "budget-gateway")
@@ -186,7 +186,7 @@ def residency_gateway(home, tiny_dir):
         "manager": {"auto_discover": False, "heartbeat_s": 0.5, "liveness": 6},
         "models": [
             {"name": "lazy", "source": "tiny"},
-            {"name": "idle", "source": "tiny", "idle_unload_seconds": 2},
+            {"name": "idle", "source": "tiny", "idle_unload_s": 2},
             {"name": "steady", "source": "tiny"},
             {"name": "hang", "source": "tiny"},
             {"name": "broken"},
