@@ -257,9 +257,9 @@ class Broker:
         before the stream is registered: a refused request leaves nothing behind."""
         label = req.rid
         rid = f"{label}#{next(self._rids)}"
-        wire = req.to_wire()
-        wire["rid"] = rid
         try:
+            wire = req.to_wire()
+            wire["rid"] = rid
             frame = p.encode(req.WIRE_TYPE, request=wire)
             fp = fingerprint(wire)
         except (ValueError, TypeError, OverflowError, RecursionError) as e:

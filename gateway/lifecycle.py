@@ -62,6 +62,8 @@ class CrashHistory:
 
     window_s: float = 120.0
     max_crashes: int = 4
+    base_backoff_s: float = 1.0  # doubles per crash in the window
+    max_backoff_s: float = 30.0
     times: deque = field(default_factory=deque)
     loops: int = 0  # crash loops in a row (each one doubles the wait before the next try)
 
@@ -76,7 +78,7 @@ class CrashHistory:
         return len(self.times) >= self.max_crashes
 
     def backoff_s(self) -> float:
-        return float(min(2 ** (len(self.times) - 1), 30))
+        return min(self.base_backoff_s * 2 ** (len(self.times) - 1), self.max_backoff_s)
 
     def clear(self) -> None:
         self.times.clear()
