@@ -87,6 +87,7 @@ class WorkerConn:
     local_pid: int | None = None  # set only for processes this gateway spawned
     remote: bool = False
     sock: zmq.asyncio.Socket | None = None
+    reachable: bool = True  # False after a send found no peer (it may be reconnecting)
 
     @property
     def load(self) -> int:
@@ -218,7 +219,7 @@ class Broker:
         return [c for c in self.conns.values() if c.model == model]
 
     def ready_workers(self, model: str) -> list[WorkerConn]:
-        return [c for c in self.workers(model) if c.state is ConnState.READY]
+        return [c for c in self.workers(model) if c.state is ConnState.READY and c.reachable]
 
     def least_loaded(self, model: str) -> WorkerConn | None:
         ready = self.ready_workers(model)
@@ -316,9 +317,12 @@ class Broker:
     async def _send(self, conn: WorkerConn, frame: bytes) -> None:
         try:
             await (conn.sock or self.sock).send_multipart([conn.identity, frame])
-        except zmq.ZMQError as e:  # EHOSTUNREACH: the peer is gone
-            self.drop(conn, f"worker unreachable: {e}")
-            raise ServiceError(ErrorCode.WORKER_LOST, f"worker for {conn.model} is gone") from None
+        except zmq.ZMQError:
+            # EHOSTUNREACH: no peer under this identity now. It may be reconnecting (a worker
+            # that thought the gateway gone comes back under a new identity and keeps its
+            # requests), so route nothing new to it and let liveness judge it.
+            conn.reachable = False
+            raise ServiceError(ErrorCode.WORKER_LOST, f"the worker for {conn.model} is not reachable") from None
 
     async def _reply(self, sock: zmq.asyncio.Socket, identity: bytes, frame: bytes) -> None:
         try:
@@ -359,6 +363,7 @@ class Broker:
             await self._reply(sock, identity, p.encode(p.RECONNECT))
             return
         conn.last_heard = time.monotonic()
+        conn.reachable = True
         if kind == p.HEARTBEAT:
             if "stats" in msg:
                 conn.stats = wc.clean_stats(msg.get("stats"))
@@ -457,7 +462,7 @@ class Broker:
                 try:
                     await (conn.sock or self.sock).send_multipart([conn.identity, beat], zmq.NOBLOCK)
                 except zmq.ZMQError:
-                    self.drop(conn, "worker unreachable")
+                    conn.reachable = False  # reconnecting, or gone: liveness decides which
 
     def _judge(self, now: float) -> None:
         conns = list(self.conns.values())

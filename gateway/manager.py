@@ -479,6 +479,22 @@ class ModelManager:
     def memory_snapshot(self) -> dict:
         return self.residency.snapshot(self.occupants())
 
+    def processes(self) -> list[dict]:
+        """Every worker process this gateway spawned and has not yet seen exit, retiring ones
+        included: a process not listed here is not one of ours."""
+        return [
+            {"model": s.name, "pid": s.process.pid, "worker_id": s.worker_id, "state": s.state.value}
+            for s in self.all_slots()
+            if s.process is not None
+        ]
+
+    def health(self) -> dict:
+        return {
+            "host_stalls": self.broker.host_stalls,
+            "quarantined_requests": self.broker.quarantine.quarantined(),
+            "in_flight": sum(c.load for c in self.broker.conns.values()),
+        }
+
     async def _tick_loop(self) -> None:
         """Measure resident models and unload the idle ones (time-based: a periodic tick)."""
         while True:

@@ -54,6 +54,8 @@ async def status(request: web.Request) -> web.Response:
             "dropped_messages": broker.dropped_messages,
             "memory": manager.memory_snapshot(),
             "models": [manager.describe(s) for s in manager.slots.values()],
+            "processes": manager.processes(),
+            **manager.health(),
         }
     )
 
