@@ -18,6 +18,7 @@ import hmac
 import itertools
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -174,6 +175,9 @@ class Broker:
         self.dropped_messages = 0
         self.host_stalls = 0
         self._local: dict[str, int] = {}  # worker_id -> pid, for processes the manager spawned
+        # Workers that said goodbye (or whose process has exited): a later hello from one of
+        # them is a worker on its way out answering our "who are you?", not a new worker.
+        self._departed: OrderedDict[str, None] = OrderedDict()
         self._replies: dict[int, asyncio.Future] = {}
         self._cids = itertools.count(1)
         self._rids = itertools.count(1)
@@ -245,6 +249,7 @@ class Broker:
         """The process has exited: forget its connection. The fingerprints of the requests it
         still had in flight are returned (the manager decides whether that was a crash)."""
         self._local.pop(worker_id, None)
+        self._depart(worker_id)
         fps: list[str] = []
         for conn in [c for c in self.conns.values() if c.worker_id == worker_id and not c.remote]:
             fps += self.drop(conn, reason, notify=False, planned=planned)
@@ -382,9 +387,16 @@ class Broker:
         elif kind == p.LOAD_FAILED:
             error = msg.get("error") if isinstance(msg.get("error"), dict) else {}
             self.events.put_nowait(WorkerLoadFailed(conn, wc.short_text(error.get("message")) or "load failed"))
+            self._depart(conn.worker_id)
             self.drop(conn, "model load failed", notify=False)
         elif kind == p.BYE:
+            self._depart(conn.worker_id)
             self.drop(conn, "worker exited", planned=conn.state is ConnState.DRAINING)
+
+    def _depart(self, worker_id: str) -> None:
+        self._departed[worker_id] = None
+        while len(self._departed) > 4096:
+            self._departed.popitem(last=False)
 
     def _on_events(self, conn: WorkerConn, raw_items) -> None:
         items, bad = wc.event_items(raw_items)
@@ -410,6 +422,8 @@ class Broker:
         if not isinstance(model, str) or not model or not isinstance(worker_id, str) or not worker_id:
             self._reject("hello", "dropped a hello without a model name or worker id")
             return
+        if worker_id in self._departed:
+            return  # on its way out: it said goodbye, or its process has exited
         pid = msg.get("pid")
         state = ConnState.READY if msg.get("state") == "ready" else ConnState.LOADING
         conn = WorkerConn(
