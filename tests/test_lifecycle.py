@@ -360,3 +360,12 @@ async def test_a_worker_lost_event_for_a_draining_slot_is_not_an_error(world):
     manager.on_worker_event(WorkerLost(conn, "bye", ()))
     await unloading
     assert slot.last_error is None and slot.restarts == 0
+
+
+async def test_a_context_length_above_the_models_own_is_reported(world):
+    # the fake worker serves 64 tokens, as a worker capped at its model's own length would
+    manager, _, _ = await world(models=[{"name": "a", "engine": "echo", "context_length": 128}])
+    slot = manager.slots["a"]
+    await manager.acquire(slot)
+    assert "128" in slot.context_warning and "64" in slot.context_warning
+    assert manager.describe(slot)["context_warning"] == slot.context_warning
