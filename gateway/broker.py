@@ -19,8 +19,6 @@ import itertools
 import logging
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
-from enum import Enum
 
 import zmq
 import zmq.asyncio
@@ -30,95 +28,36 @@ from mlxgw.shared.errors import ErrorCode, ServiceError
 from . import liveness as live
 from . import wire_checks as wc
 from .quarantine import Quarantine, fingerprint
+from .worker_conn import (
+    ConnState,
+    RequestStream,
+    WorkerBack,
+    WorkerConn,
+    WorkerEvent,
+    WorkerIdle,
+    WorkerLoadFailed,
+    WorkerLost,
+    WorkerReady,
+)
+
+__all__ = [
+    "Broker",
+    "ConnState",
+    "RequestStream",
+    "WorkerBack",
+    "WorkerConn",
+    "WorkerEvent",
+    "WorkerIdle",
+    "WorkerLoadFailed",
+    "WorkerLost",
+    "WorkerReady",
+]
 
 log = logging.getLogger("mlxgw.broker")
 
-TERMINAL = (p.EV_FINISH, p.EV_ERROR)
 # Largest message a remote worker may send (embedding batches are the big ones).
 REMOTE_MAX_MESSAGE_BYTES = 64 << 20
 LOG_EVERY_S = 10.0  # rejected frames: one log line per kind per interval, with a count
-
-
-class ConnState(str, Enum):
-    LOADING = "loading"
-    READY = "ready"
-    DRAINING = "draining"
-    LOST = "lost"
-
-    def __str__(self) -> str:
-        return self.value
-
-
-class RequestStream:
-    """Events of one request, in order; ends with exactly one finish or error."""
-
-    def __init__(self, rid: str, label: str, conn: WorkerConn, owner: str | None = None, fp: str = ""):
-        self.rid = rid  # the routing id: generated here, unique in this gateway's lifetime
-        self.label = label  # the id the client knows (its x-request-id, or the gateway's)
-        self.conn = conn
-        self.owner = owner  # the API key's name, when keys are on: who may cancel it
-        self.fingerprint = fp
-        self.done = False
-        self._queue: asyncio.Queue[dict] = asyncio.Queue()
-
-    def push(self, event: dict) -> None:
-        if self.done:
-            return
-        if event.get("e") in TERMINAL:
-            self.done = True
-        self._queue.put_nowait(event)
-
-    async def next(self, timeout: float | None = None) -> dict:
-        return await asyncio.wait_for(self._queue.get(), timeout)
-
-
-@dataclass(eq=False)
-class WorkerConn:
-    identity: bytes
-    worker_id: str
-    model: str
-    kind: str
-    pid: int | None  # as the worker reports it (remote: another host's pid)
-    state: ConnState = ConnState.LOADING
-    info: dict = field(default_factory=dict)
-    stats: dict = field(default_factory=dict)
-    last_heard: float = field(default_factory=time.monotonic)
-    step_busy_s: float = 0.0
-    streams: dict[str, RequestStream] = field(default_factory=dict)
-    local_pid: int | None = None  # set only for processes this gateway spawned
-    remote: bool = False
-    sock: zmq.asyncio.Socket | None = None
-    reachable: bool = True  # False after a send found no peer (it may be reconnecting)
-
-    @property
-    def load(self) -> int:
-        return len(self.streams)
-
-
-@dataclass(frozen=True)
-class WorkerReady:
-    conn: WorkerConn
-
-
-@dataclass(frozen=True)
-class WorkerLoadFailed:
-    conn: WorkerConn
-    message: str
-
-
-@dataclass(frozen=True)
-class WorkerLost:
-    conn: WorkerConn
-    reason: str
-    fingerprints: tuple[str, ...]  # of the requests it had in flight
-
-
-@dataclass(frozen=True)
-class WorkerIdle:
-    conn: WorkerConn  # its last request in flight has ended
-
-
-WorkerEvent = WorkerReady | WorkerLoadFailed | WorkerLost | WorkerIdle
 
 
 class _RateLimitedLog:
@@ -368,7 +307,9 @@ class Broker:
             await self._reply(sock, identity, p.encode(p.RECONNECT))
             return
         conn.last_heard = time.monotonic()
-        conn.reachable = True
+        if not conn.reachable:
+            conn.reachable = True
+            self.events.put_nowait(WorkerBack(conn))
         if kind == p.HEARTBEAT:
             if "stats" in msg:
                 conn.stats = wc.clean_stats(msg.get("stats"))

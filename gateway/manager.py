@@ -22,7 +22,17 @@ from typing import Any, Protocol
 from mlxgw.shared.config import Registry
 from mlxgw.shared.errors import ErrorCode, ServiceError
 
-from .broker import Broker, ConnState, WorkerConn, WorkerEvent, WorkerIdle, WorkerLoadFailed, WorkerLost, WorkerReady
+from .broker import (
+    Broker,
+    ConnState,
+    WorkerBack,
+    WorkerConn,
+    WorkerEvent,
+    WorkerIdle,
+    WorkerLoadFailed,
+    WorkerLost,
+    WorkerReady,
+)
 from .lifecycle import ModelSlot, Pulse, SlotState
 from .residency import TICK_S, Occupant, Residency
 from .supervisor import spawn_worker
@@ -419,8 +429,8 @@ class ModelManager:
         return self.slots.get(conn.model)
 
     def on_worker_event(self, event: WorkerEvent) -> None:
-        if isinstance(event, WorkerIdle):
-            self.changed.fire()
+        self.changed.fire()  # whatever it was, waiters for a worker or for room look again
+        if isinstance(event, (WorkerIdle, WorkerBack)):
             return
         slot = self._slot_of(event.conn)
         if slot is None:
