@@ -1,11 +1,15 @@
 """The gateway's end of the ZeroMQ link: a small Majordomo broker.
 
-One ROUTER socket; workers connect DEALERs and announce the model they serve. The broker
-keeps a connection record per worker, heartbeats every one, declares a worker dead when
-it is silent for `liveness` heartbeats (or hung inside one engine step too long), routes
-requests, and fans the batched events back out to per-request streams. A worker lost
-with requests in flight ends each of them with an explicit error event: streams end
-exactly once, never by hanging."""
+One ROUTER socket for local workers (ipc), and one for remote workers when the gateway
+listens for them (tcp, with a maximum message size so that nobody can send gigabytes
+before authenticating). Workers connect DEALERs and announce the model they serve. The
+broker keeps a connection record per worker, heartbeats every one, judges liveness
+(gateway/liveness.py), routes requests under ids it generates itself, and fans the batched
+events back out to per-request streams. A worker lost with requests in flight ends each of
+them with an explicit error event: streams end exactly once, never by hanging.
+
+What the model manager needs to hear (a worker ready, failed to load, lost, idle) is put
+on `events`, a queue the manager consumes: the broker holds no reference to the manager."""
 
 from __future__ import annotations
 
@@ -14,57 +18,76 @@ import hmac
 import itertools
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections import OrderedDict
 
 import zmq
 import zmq.asyncio
 from mlxgw.shared import protocol as p
 from mlxgw.shared.errors import ErrorCode, ServiceError
 
+from . import liveness as live
+from . import wire_checks as wc
+from .quarantine import Quarantine, fingerprint
+from .worker_conn import (
+    ConnState,
+    RequestStream,
+    WorkerBack,
+    WorkerConn,
+    WorkerEvent,
+    WorkerIdle,
+    WorkerLoadFailed,
+    WorkerLost,
+    WorkerReady,
+)
+
+__all__ = [
+    "Broker",
+    "ConnState",
+    "RequestStream",
+    "WorkerBack",
+    "WorkerConn",
+    "WorkerEvent",
+    "WorkerIdle",
+    "WorkerLoadFailed",
+    "WorkerLost",
+    "WorkerReady",
+]
+
 log = logging.getLogger("mlxgw.broker")
 
-TERMINAL = (p.EV_FINISH, p.EV_ERROR)
+# Largest message a remote worker may send (embedding batches are the big ones).
+REMOTE_MAX_MESSAGE_BYTES = 64 << 20
+LOG_EVERY_S = 10.0  # rejected frames: one log line per kind per interval, with a count
 
 
-class RequestStream:
-    """Events of one request, in order; ends with exactly one finish or error."""
+class _RateLimitedLog:
+    """At most one line per kind every LOG_EVERY_S, saying how many were suppressed."""
 
-    def __init__(self, rid: str, conn: WorkerConn, owner: str | None = None):
-        self.rid = rid
-        self.conn = conn
-        self.owner = owner  # the API key's name, when keys are on: who may cancel it
-        self.done = False
-        self._queue: asyncio.Queue[dict] = asyncio.Queue()
+    def __init__(self) -> None:
+        self._last: dict[str, float] = {}
+        self._suppressed: dict[str, int] = {}
 
-    def push(self, event: dict) -> None:
-        if self.done:
+    def warning(self, kind: str, message: str, *args) -> None:
+        now = time.monotonic()
+        if now - self._last.get(kind, -LOG_EVERY_S) < LOG_EVERY_S:
+            self._suppressed[kind] = self._suppressed.get(kind, 0) + 1
             return
-        if event.get("e") in TERMINAL:
-            self.done = True
-        self._queue.put_nowait(event)
-
-    async def next(self, timeout: float | None = None) -> dict:
-        return await asyncio.wait_for(self._queue.get(), timeout)
+        self._last[kind] = now
+        skipped = self._suppressed.pop(kind, 0)
+        suffix = f" (and {skipped} more like it in the last {LOG_EVERY_S:g} s)" if skipped else ""
+        log.warning(message + suffix, *args)
 
 
-@dataclass
-class WorkerConn:
-    identity: bytes
-    worker_id: str
-    model: str
-    kind: str
-    pid: int | None
-    state: str = "loading"
-    info: dict = field(default_factory=dict)
-    stats: dict = field(default_factory=dict)
-    last_heard: float = field(default_factory=time.monotonic)
-    step_busy_s: float = 0.0
-    streams: dict[str, RequestStream] = field(default_factory=dict)
-
-    @property
-    def load(self) -> int:
-        return len(self.streams)
+def _encoding_error(e: Exception) -> ServiceError:
+    if isinstance(e, UnicodeError):
+        why = "it holds text that is not valid Unicode (an unpaired surrogate)"
+    elif isinstance(e, OverflowError):
+        why = "it holds an integer outside the 64-bit range"
+    elif "recursion" in str(e) or isinstance(e, RecursionError):
+        why = "it is nested too deeply"
+    else:
+        why = "it holds a value that cannot be sent to the model worker"
+    return ServiceError(ErrorCode.INVALID_REQUEST, f"the request cannot be processed: {why}")
 
 
 class Broker:
@@ -77,60 +100,124 @@ class Broker:
         hang_timeout_s: float = 120.0,
         secret: str = "",
         extra_endpoints: tuple[str, ...] = (),
+        remote_max_message_bytes: int = REMOTE_MAX_MESSAGE_BYTES,
     ):
         self.endpoint = endpoint
         self.extra_endpoints = extra_endpoints  # e.g. tcp:// for remote workers
         self.heartbeat_s = heartbeat_s
-        self.liveness = liveness
-        self.hang_timeout_s = hang_timeout_s
+        self.limits = live.Limits(heartbeat_s * liveness, hang_timeout_s)
         self.secret = secret
+        self.remote_max_message_bytes = remote_max_message_bytes
         self.conns: dict[bytes, WorkerConn] = {}
+        self.events: asyncio.Queue[WorkerEvent] = asyncio.Queue()
+        self.quarantine = Quarantine()
+        self.dropped_messages = 0
+        self.host_stalls = 0
+        self._local: dict[str, int] = {}  # worker_id -> pid, for processes the manager spawned
+        # Workers that said goodbye (or whose process has exited): a later hello from one of
+        # them is a worker on its way out answering our "who are you?", not a new worker.
+        self._departed: OrderedDict[str, None] = OrderedDict()
         self._replies: dict[int, asyncio.Future] = {}
         self._cids = itertools.count(1)
+        self._rids = itertools.count(1)
         self._tasks: list[asyncio.Task] = []
+        self._rejects = _RateLimitedLog()
+        self._stalled = False
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
-        # Callbacks set by the model manager.
-        self.on_ready: Callable[[WorkerConn], None] = lambda c: None
-        self.on_lost: Callable[[WorkerConn, str], None] = lambda c, r: None
-        self.on_load_failed: Callable[[WorkerConn, dict], None] = lambda c, e: None
-        self.dropped_messages = 0
+        self.remote_sock = self.ctx.socket(zmq.ROUTER) if extra_endpoints else None
         self._refused_versions: set[bytes] = set()
 
     async def start(self) -> None:
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unroutable sends raise, not vanish
+        for sock in (self.sock, self.remote_sock):
+            if sock is not None:
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unroutable sends raise, not vanish
         self.sock.bind(self.endpoint)
-        for extra in self.extra_endpoints:
-            self.sock.bind(extra)
-        self._tasks = [
-            asyncio.create_task(self._recv_loop(), name="broker-recv"),
-            asyncio.create_task(self._heartbeat_loop(), name="broker-heartbeat"),
-        ]
+        loops = [self._recv_loop(self.sock, remote=False)]
+        if self.remote_sock is not None:
+            # Set before bind: applies to every peer, authenticated or not.
+            self.remote_sock.setsockopt(zmq.MAXMSGSIZE, self.remote_max_message_bytes)
+            for extra in self.extra_endpoints:
+                self.remote_sock.bind(extra)
+            loops.append(self._recv_loop(self.remote_sock, remote=True))
+        self._tasks = [asyncio.create_task(c, name="broker-recv") for c in loops]
+        self._tasks.append(asyncio.create_task(self._heartbeat_loop(), name="broker-heartbeat"))
 
     async def close(self) -> None:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        left = sum(c.load for c in self.conns.values())
+        if left:
+            log.error("%d requests were still in flight at shutdown; ending them with an error", left)
         for conn in list(self.conns.values()):
-            self.drop(conn, "gateway shutting down")
-        self.sock.close(linger=0)
+            self.drop(conn, "gateway shutting down", notify=False, planned=True)
+        for sock in (self.sock, self.remote_sock):
+            if sock is not None:
+                sock.close(linger=0)
         self.ctx.term()
 
-    # -- routing ------------------------------------------------------------------------------
+    # -- what the manager uses ---------------------------------------------------------------
+    def workers(self, model: str) -> list[WorkerConn]:
+        return [c for c in self.conns.values() if c.model == model]
+
     def ready_workers(self, model: str) -> list[WorkerConn]:
-        return [c for c in self.conns.values() if c.model == model and c.state == "ready"]
+        return [c for c in self.workers(model) if c.state is ConnState.READY and c.reachable]
 
     def least_loaded(self, model: str) -> WorkerConn | None:
         ready = self.ready_workers(model)
         return min(ready, key=lambda c: c.load) if ready else None
 
+    def in_flight(self, model: str) -> int:
+        return sum(c.load for c in self.workers(model))
+
+    def expect_local(self, worker_id: str, pid: int) -> None:
+        """A process the manager spawned: its liveness may be judged by its process state."""
+        self._local[worker_id] = pid
+        for conn in self.conns.values():
+            if conn.worker_id == worker_id and not conn.remote:
+                conn.local_pid = pid
+
+    def drain_local(self, worker_id: str) -> None:
+        """Route nothing new to the worker (it was asked to stop)."""
+        for conn in self.conns.values():
+            if conn.worker_id == worker_id and conn.state is not ConnState.LOST:
+                conn.state = ConnState.DRAINING
+
+    def release_local(self, worker_id: str, reason: str, planned: bool) -> list[str]:
+        """The process has exited: forget its connection. The fingerprints of the requests it
+        still had in flight are returned (the manager decides whether that was a crash)."""
+        self._local.pop(worker_id, None)
+        self._depart(worker_id)
+        fps: list[str] = []
+        for conn in [c for c in self.conns.values() if c.worker_id == worker_id and not c.remote]:
+            fps += self.drop(conn, reason, notify=False, planned=planned)
+        return fps
+
+    # -- routing ------------------------------------------------------------------------------
     async def submit(
         self, conn: WorkerConn, req: p.WorkerRequest, owner: str | None = None
     ) -> RequestStream:
-        stream = RequestStream(req.rid, conn, owner)
-        conn.streams[req.rid] = stream
-        await self._send(conn, p.encode(req.WIRE_TYPE, request=req.to_wire()))
+        """Send a request under a fresh routing id. Encoding and the quarantine check happen
+        before the stream is registered: a refused request leaves nothing behind."""
+        label = req.rid
+        rid = f"{label}#{next(self._rids)}"
+        try:
+            wire = req.to_wire()
+            wire["rid"] = rid
+            frame = p.encode(req.WIRE_TYPE, request=wire)
+            fp = fingerprint(wire)
+        except (ValueError, TypeError, OverflowError, RecursionError) as e:
+            raise _encoding_error(e) from None
+        self.quarantine.check(conn.model, fp)
+        stream = RequestStream(rid, label, conn, owner, fp)
+        conn.streams[rid] = stream
+        try:
+            await self._send(conn, frame)
+        except BaseException:
+            conn.streams.pop(rid, None)
+            raise
         return stream
 
     async def cancel(self, stream: RequestStream) -> None:
@@ -138,10 +225,13 @@ class Broker:
             return
         await self._send(stream.conn, p.encode(p.CANCEL, rids=[stream.rid]))
 
-    def find_stream(self, rid: str) -> RequestStream | None:
+    def find_stream(self, rid: str, allowed=None) -> RequestStream | None:
+        """The stream with this routing id or client-visible id that `allowed` (a predicate on
+        streams, e.g. "made by this key") admits; the oldest when several do."""
         for conn in self.conns.values():
-            if rid in conn.streams:
-                return conn.streams[rid]
+            for stream in conn.streams.values():
+                if rid in (stream.rid, stream.label) and (allowed is None or allowed(stream)):
+                    return stream
         return None
 
     async def call(self, conn: WorkerConn, op: str, args: dict | None = None, timeout: float = 10.0) -> dict:
@@ -156,12 +246,14 @@ class Broker:
         finally:
             self._replies.pop(cid, None)
         if not reply.get("ok"):
-            raise ServiceError.from_wire(reply.get("error") or {})
-        return reply.get("result") or {}
+            error = reply.get("error")
+            raise ServiceError.from_wire(error if isinstance(error, dict) else {})
+        result = reply.get("result")
+        return result if isinstance(result, dict) else {}
 
     async def shutdown_worker(self, conn: WorkerConn, drain: bool = True) -> None:
         """Ask a worker (a remote one: local ones get SIGTERM) to finish its requests and exit."""
-        conn.state = "draining"
+        conn.state = ConnState.DRAINING
         try:
             await self._send(conn, p.encode(p.SHUTDOWN, drain=drain))
         except ServiceError:
@@ -169,23 +261,31 @@ class Broker:
 
     async def _send(self, conn: WorkerConn, frame: bytes) -> None:
         try:
-            await self.sock.send_multipart([conn.identity, frame])
-        except zmq.ZMQError as e:  # EHOSTUNREACH: the peer is gone
-            self.drop(conn, f"worker unreachable: {e}")
-            raise ServiceError(ErrorCode.WORKER_LOST, f"worker for {conn.model} is gone") from None
+            await (conn.sock or self.sock).send_multipart([conn.identity, frame])
+        except zmq.ZMQError:
+            # EHOSTUNREACH: no peer under this identity now. It may be reconnecting (a worker
+            # that thought the gateway gone comes back under a new identity and keeps its
+            # requests), so route nothing new to it and let liveness judge it.
+            conn.reachable = False
+            raise ServiceError(ErrorCode.WORKER_LOST, f"the worker for {conn.model} is not reachable") from None
+
+    async def _reply(self, sock: zmq.asyncio.Socket, identity: bytes, frame: bytes) -> None:
+        try:
+            await sock.send_multipart([identity, frame], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # the peer left already
 
     # -- incoming --------------------------------------------------------------------------------
-    async def _recv_loop(self) -> None:
+    async def _recv_loop(self, sock: zmq.asyncio.Socket, remote: bool) -> None:
         while True:
-            frames = await self.sock.recv_multipart()
+            frames = await sock.recv_multipart()
             if len(frames) != 2:
-                self.dropped_messages += 1
-                log.warning("dropped a message with %d frames", len(frames))
+                self._reject("frames", "dropped a message with %d frames", len(frames))
                 continue
             identity, frame = frames
             try:
                 msg = p.decode(frame, p.WORKER_TYPES)
-                self._dispatch(identity, msg)
+                await self._dispatch(sock, remote, identity, msg)
             except p.VersionMismatch as e:
                 self.dropped_messages += 1
                 if identity not in self._refused_versions:  # once per worker, not per heartbeat
@@ -196,104 +296,178 @@ class Broker:
                         e.msg.get("worker_id"), e.msg.get("model"), e.version, p.PROTOCOL_VERSION,
                     )  # fmt: skip
             except p.ProtocolError as e:
-                self.dropped_messages += 1
-                log.warning("dropped message from worker: %s", e)
+                self._reject("protocol", "dropped message from worker: %s", e)
             except Exception:  # a bug in handling one message must not stop the broker
                 self.dropped_messages += 1
                 log.exception("error handling a worker message")
 
-    def _dispatch(self, identity: bytes, msg: dict) -> None:
+    def _reject(self, kind: str, message: str, *args) -> None:
+        self.dropped_messages += 1
+        self._rejects.warning(kind, message, *args)
+
+    async def _dispatch(self, sock: zmq.asyncio.Socket, remote: bool, identity: bytes, msg: dict) -> None:
         kind = msg["t"]
-        conn = self.conns.get(identity)
         if kind == p.HELLO:
-            self._on_hello(identity, msg)
+            await self._on_hello(sock, remote, identity, msg)
             return
+        conn = self.conns.get(identity)
         if conn is None:
             # A worker we do not know (gateway restarted, or declared it dead): ask it to
             # announce itself again instead of acting on its messages.
-            asyncio.ensure_future(self.sock.send_multipart([identity, p.encode(p.RECONNECT)]))
+            await self._reply(sock, identity, p.encode(p.RECONNECT))
             return
         conn.last_heard = time.monotonic()
+        if not conn.reachable:
+            conn.reachable = True
+            self.events.put_nowait(WorkerBack(conn))
         if kind == p.HEARTBEAT:
-            conn.stats = msg.get("stats") or conn.stats
-            conn.step_busy_s = float(msg.get("step_busy_s") or 0.0)
+            if "stats" in msg:
+                conn.stats = wc.clean_stats(msg.get("stats"))
+            conn.step_busy_s = wc.clean_busy(msg.get("step_busy_s"))
         elif kind == p.EVENTS:
-            for rid, event in msg.get("items") or []:
-                stream = conn.streams.get(rid)
-                if stream is None:
-                    continue  # request already ended gateway-side (client gone)
-                stream.push(event)
-                if stream.done:
-                    conn.streams.pop(rid, None)
+            self._on_events(conn, msg.get("items"))
         elif kind == p.READY:
-            conn.state, conn.info = "ready", msg.get("info") or {}
-            self.on_ready(conn)
+            if conn.state is ConnState.LOADING:
+                conn.state = ConnState.READY
+            conn.info = wc.clean_info(msg.get("info"))
+            self.events.put_nowait(WorkerReady(conn))
         elif kind == p.REPLY:
-            fut = self._replies.get(msg.get("cid"))
+            fut = self._replies.get(msg.get("cid")) if isinstance(msg.get("cid"), int) else None
             if fut and not fut.done():
                 fut.set_result(msg)
         elif kind == p.LOAD_FAILED:
-            self.on_load_failed(conn, msg.get("error") or {})
+            error = msg.get("error") if isinstance(msg.get("error"), dict) else {}
+            self.events.put_nowait(WorkerLoadFailed(conn, wc.short_text(error.get("message")) or "load failed"))
+            self._depart(conn.worker_id)
             self.drop(conn, "model load failed", notify=False)
         elif kind == p.BYE:
-            self.drop(conn, "worker exited")
+            self._depart(conn.worker_id)
+            self.drop(conn, "worker exited", planned=conn.state is ConnState.DRAINING)
 
-    def _on_hello(self, identity: bytes, msg: dict) -> None:
-        if self.secret and not hmac.compare_digest(str(msg.get("secret", "")), self.secret):
-            log.warning("refused worker %s for model %s: wrong secret", msg.get("worker_id"), msg.get("model"))
+    def _depart(self, worker_id: str) -> None:
+        self._departed[worker_id] = None
+        while len(self._departed) > 4096:
+            self._departed.popitem(last=False)
+
+    def _on_events(self, conn: WorkerConn, raw_items) -> None:
+        items, bad = wc.event_items(raw_items)
+        if bad:
+            self._reject("events", "dropped %d malformed events from worker %s", bad, conn.worker_id)
+        for rid, event in items:
+            stream = conn.streams.get(rid)
+            if stream is None:
+                continue  # request already ended gateway-side (client gone)
+            stream.push(event)
+            if stream.done:
+                del conn.streams[rid]
+                if not conn.streams:
+                    self.events.put_nowait(WorkerIdle(conn))
+
+    async def _on_hello(self, sock: zmq.asyncio.Socket, remote: bool, identity: bytes, msg: dict) -> None:
+        if self.secret and not hmac.compare_digest(str(msg.get("secret", "")).encode(), self.secret.encode()):
+            self._reject(
+                "secret", "refused worker %.64s for model %.64s: wrong secret", msg.get("worker_id"), msg.get("model")
+            )
             return
-        model = msg.get("model")
-        if not isinstance(model, str):
-            log.warning("dropped hello without a model name")
+        model, worker_id = msg.get("model"), msg.get("worker_id")
+        if not isinstance(model, str) or not model or not isinstance(worker_id, str) or not worker_id:
+            self._reject("hello", "dropped a hello without a model name or worker id")
             return
+        if worker_id in self._departed:
+            return  # on its way out: it said goodbye, or its process has exited
+        pid = msg.get("pid")
+        state = ConnState.READY if msg.get("state") == "ready" else ConnState.LOADING
         conn = WorkerConn(
             identity=identity,
-            worker_id=str(msg.get("worker_id")),
-            model=model,
-            kind=str(msg.get("kind", "chat")),
-            pid=msg.get("pid"),
-            state=str(msg.get("state", "loading")),
-            info=msg.get("info") or {},
+            worker_id=worker_id[:64],
+            model=model[:128],
+            kind=msg.get("kind") if isinstance(msg.get("kind"), str) else "chat",
+            pid=pid if isinstance(pid, int) and not isinstance(pid, bool) else None,
+            state=state,
+            info=wc.clean_info(msg.get("info")),
+            remote=remote,
+            sock=sock,
+            local_pid=None if remote else self._local.get(worker_id),
         )
-        old = self.conns.get(identity)
-        if old is not None:
-            conn.streams = old.streams
+        # The same worker under a new identity has reconnected (it thought we were gone):
+        # it keeps its requests in flight, and nothing is dropped.
+        for old in [c for c in self.conns.values() if c.worker_id == conn.worker_id and c.remote == remote]:
+            del self.conns[old.identity]
+            conn.streams.update(old.streams)
+            for stream in conn.streams.values():
+                stream.conn = conn
+            if old.state is ConnState.DRAINING:
+                conn.state = ConnState.DRAINING
         self.conns[identity] = conn
-        asyncio.ensure_future(self.sock.send_multipart([identity, p.encode(p.WELCOME)]))
-        log.info("worker %s for %s connected (%s)", conn.worker_id, model, conn.state)
-        if conn.state == "ready":
-            self.on_ready(conn)
+        await self._reply(sock, identity, p.encode(p.WELCOME))
+        log.info("worker %s for %s connected (%s)", conn.worker_id, conn.model, conn.state)
+        if conn.state is ConnState.READY:
+            self.events.put_nowait(WorkerReady(conn))
 
     # -- liveness ------------------------------------------------------------------------------
     async def _heartbeat_loop(self) -> None:
         beat = p.encode(p.HEARTBEAT)
+        last = time.monotonic()
         while True:
             await asyncio.sleep(self.heartbeat_s)
             now = time.monotonic()
+            lag, last = now - last - self.heartbeat_s, now
+            if lag > self.limits.loop_lag_s:
+                self.host_stalls += 1
+                log.warning(
+                    "the gateway itself did not run for %.1f s (host stall or event-loop lag): "
+                    "workers get a fresh liveness window instead of blame",
+                    lag,
+                )
+                for conn in self.conns.values():
+                    conn.last_heard = max(conn.last_heard, now)
+            else:
+                self._judge(now)
             for conn in list(self.conns.values()):
-                silent = now - conn.last_heard
-                if silent > self.heartbeat_s * self.liveness:
-                    self.drop(conn, f"worker silent for {silent:.1f} s")
-                elif conn.step_busy_s > self.hang_timeout_s:
-                    self.drop(conn, f"worker hung in one step for {conn.step_busy_s:.0f} s")
-                else:
-                    try:
-                        await self.sock.send_multipart([conn.identity, beat], zmq.NOBLOCK)
-                    except zmq.ZMQError:
-                        self.drop(conn, "worker unreachable")
+                try:
+                    await (conn.sock or self.sock).send_multipart([conn.identity, beat], zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    conn.reachable = False  # reconnecting, or gone: liveness decides which
 
-    def drop(self, conn: WorkerConn, reason: str, notify: bool = True) -> None:
-        """Forget a worker: every request in flight on it ends with a worker_lost error."""
+    def _judge(self, now: float) -> None:
+        conns = list(self.conns.values())
+        silent = [c for c in conns if now - c.last_heard > self.limits.window_s]
+        all_silent = len(conns) >= 2 and len(silent) == len(conns)
+        if all_silent and not self._stalled:
+            self.host_stalls += 1
+            log.warning("all %d workers are silent at once: a host stall, not %d crashes", len(conns), len(conns))
+        self._stalled = all_silent
+        for conn in conns:
+            silent_s = now - conn.last_heard
+            why = live.verdict(silent_s, conn.step_busy_s, self._process_state(conn, silent_s), self.limits, all_silent)
+            if why is not None:
+                self.drop(conn, f"worker {why}")
+
+    def _process_state(self, conn: WorkerConn, silent_s: float) -> live.ProcessState:
+        if conn.local_pid is None:
+            return live.ProcessState.UNKNOWN
+        if silent_s <= self.limits.window_s:
+            return live.ProcessState.RUNNING  # heard from recently: no need to look
+        return live.probe(conn.local_pid)
+
+    def drop(self, conn: WorkerConn, reason: str, notify: bool = True, planned: bool = False) -> list[str]:
+        """Forget a worker: every request in flight on it ends with a worker_lost error.
+        Returns the fingerprints of those requests."""
         if self.conns.get(conn.identity) is not conn:
-            return
+            return []
         del self.conns[conn.identity]
-        log.warning("lost worker %s for %s: %s", conn.worker_id, conn.model, reason)
+        if planned:
+            log.info("worker %s for %s left: %s", conn.worker_id, conn.model, reason)
+        else:
+            log.warning("lost worker %s for %s: %s", conn.worker_id, conn.model, reason)
         err = ServiceError(
             ErrorCode.WORKER_LOST, f"the worker serving {conn.model} stopped ({reason}); retry the request"
         )
+        fps = [s.fingerprint for s in conn.streams.values()]
         for stream in conn.streams.values():
             stream.push(p.error_event(err))
         conn.streams.clear()
-        conn.state = "lost"
+        conn.state = ConnState.LOST
         if notify:
-            self.on_lost(conn, reason)
+            self.events.put_nowait(WorkerLost(conn, reason, tuple(fps)))
+        return fps

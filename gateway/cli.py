@@ -17,11 +17,11 @@ from mlxgw.shared.resources import default_config
     "config_path",
     type=click.Path(path_type=Path),
     default=None,
-    help="models.yaml (default: config/models.yaml)",
+    help="models.yaml (default: config/models.yaml); its gateway: section sets what the flags below override",
 )
-@click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", default=8000, show_default=True, type=int)
-@click.option("--timeout", default=None, type=float, help="request timeout in seconds (default 300)")
+@click.option("--host", default=None, help="address to listen on [gateway.host: 127.0.0.1]")
+@click.option("--port", default=None, type=int, help="HTTP port [gateway.port: 8000]")
+@click.option("--timeout", default=None, type=float, help="request timeout in seconds [gateway.request_timeout_s: 300]")
 @click.option(
     "--worker-listen",
     multiple=True,
@@ -35,9 +35,11 @@ from mlxgw.shared.resources import default_config
     help="API keys file (default: $MLXGW_HOME/keys.yaml when it exists; none: open)",
 )
 @click.option("--metrics-token", envvar="MLXGW_METRICS_TOKEN", default=None, help="bearer token for /metrics")
-@click.option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True)
-@click.option("--log-prompts", is_flag=True, help="include prompts in the access log (off by default)")
-@click.option("--cors-origins", default="", help="comma-separated origins allowed by CORS (default: none)")
+@click.option("--log-format", type=click.Choice(["text", "json"]), default=None, help="[gateway.log_format: text]")
+@click.option(
+    "--log-prompts/--no-log-prompts", default=None, help="include prompts in the access log [gateway.log_prompts: off]"
+)
+@click.option("--cors-origins", default=None, help="comma-separated origins allowed by CORS [gateway.cors_origins]")
 @click.option("--max-tokens-cap", type=int, default=None, help="server-wide ceiling on max_tokens")
 @click.option(
     "--max-tokens-default",
@@ -48,45 +50,24 @@ from mlxgw.shared.resources import default_config
 @click.option(
     "--max-connections",
     type=click.IntRange(1),
-    default=1024,
-    show_default=True,
-    help="open connections and concurrent requests (kept below the file-descriptor limit)",
+    default=None,
+    help="open connections and concurrent requests, kept below the file-descriptor limit "
+    "[gateway.max_connections: 1024]",
 )
-@click.option("--header-timeout", type=click.FloatRange(0.1), default=10.0, show_default=True, help="seconds")
-@click.option("--idle-timeout", type=click.FloatRange(0.1), default=30.0, show_default=True, help="seconds")
-@click.option("--body-timeout", type=click.FloatRange(0.1), default=60.0, show_default=True, help="seconds")
+@click.option("--header-timeout", type=click.FloatRange(0.1), default=None, help="[gateway.header_timeout_s: 10]")
+@click.option("--idle-timeout", type=click.FloatRange(0.1), default=None, help="[gateway.idle_timeout_s: 30]")
+@click.option("--body-timeout", type=click.FloatRange(0.1), default=None, help="[gateway.body_timeout_s: 60]")
 @click.option(
-    "--allow-image-urls",
-    is_flag=True,
-    help="fetch http(s) image URLs for vision models (public addresses only; default: data: URLs only)",
+    "--allow-image-urls/--no-allow-image-urls",
+    default=None,
+    help="fetch http(s) image URLs for vision models (public addresses only) [gateway.allow_image_urls: off]",
 )
-@click.option("--max-image-mb", type=float, default=8, show_default=True, help="largest accepted image")
-def up(
-    config_path: Path | None,
-    host: str,
-    port: int,
-    timeout: float | None,
-    worker_listen: tuple[str, ...],
-    keys_path: Path | None,
-    metrics_token: str | None,
-    log_format: str,
-    log_prompts: bool,
-    cors_origins: str,
-    max_tokens_cap: int | None,
-    max_tokens_default: int | None,
-    max_connections: int,
-    header_timeout: float,
-    idle_timeout: float,
-    body_timeout: float,
-    allow_image_urls: bool,
-    max_image_mb: float,
-) -> None:
+@click.option("--max-image-mb", type=float, default=None, help="largest accepted image [gateway.max_image_mb: 8]")
+def up(config_path: Path | None, worker_listen: tuple[str, ...], keys_path: Path | None, **flags) -> None:
     """Start the gateway and the workers of the models in the registry."""
     import os
 
-    from mlxgw.gateway.api.images import ImageLimits
     from mlxgw.gateway.server import run
-    from mlxgw.gateway.state import GatewaySettings
     from mlxgw.shared.paths import keys_file
 
     config_path = config_path or default_config()
@@ -108,26 +89,69 @@ def up(
     if keys_path is not None and not keys_path.exists():
         click.echo(f"error: keys file {keys_path} does not exist (create keys with `mlxgw keys create`)", err=True)
         sys.exit(2)
-    if host not in ("127.0.0.1", "localhost", "::1") and keys_path is None:
-        click.echo(f"warning: listening on {host} without API keys: anyone who can reach it can use it", err=True)
-    m = registry.manager
-    settings = GatewaySettings(
-        request_timeout_s=timeout or m.request_timeout_seconds,
-        max_body_bytes=m.max_body_bytes,
+    gw = gateway_config(registry.gateway, flags)
+    if gw.host not in ("127.0.0.1", "localhost", "::1") and keys_path is None:
+        click.echo(f"warning: listening on {gw.host} without API keys: anyone who can reach it can use it", err=True)
+    settings = gateway_settings(gw, keys_path=keys_path, metrics_token=flags.get("metrics_token"))
+    run(registry, settings, gw.host, gw.port, config_path=config_path, extra_endpoints=worker_listen, secret=secret)
+
+
+# `mlxgw up` flag -> gateway: field it overrides
+FLAG_FIELDS = {
+    "host": "host",
+    "port": "port",
+    "timeout": "request_timeout_s",
+    "log_format": "log_format",
+    "log_prompts": "log_prompts",
+    "cors_origins": "cors_origins",
+    "max_tokens_cap": "max_tokens_cap",
+    "max_tokens_default": "max_tokens_default",
+    "max_connections": "max_connections",
+    "header_timeout": "header_timeout_s",
+    "idle_timeout": "idle_timeout_s",
+    "body_timeout": "body_timeout_s",
+    "allow_image_urls": "allow_image_urls",
+    "max_image_mb": "max_image_mb",
+}
+
+
+def gateway_config(config, flags: dict):
+    """The registry's gateway: section with every flag that was given laid over it."""
+    import dataclasses
+
+    overrides = {}
+    for flag, name in FLAG_FIELDS.items():
+        value = flags.get(flag)
+        if value is None:
+            continue
+        if flag == "cors_origins":
+            value = [o.strip() for o in value.split(",") if o.strip()]
+        overrides[name] = value
+    return dataclasses.replace(config, **overrides)
+
+
+def gateway_settings(gw, *, keys_path: Path | None = None, metrics_token: str | None = None):
+    from mlxgw.gateway.api.images import ImageLimits
+    from mlxgw.gateway.state import GatewaySettings
+
+    return GatewaySettings(
+        request_timeout_s=gw.request_timeout_s,
+        max_body_bytes=gw.max_body_bytes,
         keys_path=keys_path,
         metrics_token=metrics_token,
-        log_format=log_format,
-        log_prompts=log_prompts,
-        cors_origins=tuple(o.strip() for o in cors_origins.split(",") if o.strip()),
-        max_tokens_cap=max_tokens_cap,
-        max_tokens_default=max_tokens_default,
-        max_connections=max_connections,
-        header_timeout_s=header_timeout,
-        idle_timeout_s=idle_timeout,
-        body_timeout_s=body_timeout,
-        images=ImageLimits(max_bytes=int(max_image_mb * (1 << 20)), allow_urls=allow_image_urls),
+        log_format=gw.log_format,
+        log_prompts=gw.log_prompts,
+        cors_origins=tuple(gw.cors_origins),
+        max_tokens_cap=gw.max_tokens_cap,
+        max_tokens_default=gw.max_tokens_default,
+        max_connections=gw.max_connections,
+        header_timeout_s=gw.header_timeout_s,
+        idle_timeout_s=gw.idle_timeout_s,
+        body_timeout_s=gw.body_timeout_s,
+        images=ImageLimits(
+            max_bytes=int(gw.max_image_mb * (1 << 20)), max_images=gw.max_images, allow_urls=gw.allow_image_urls
+        ),
     )
-    run(registry, settings, host, port, config_path=config_path, extra_endpoints=worker_listen, secret=secret)
 
 
 @click.command()
@@ -137,15 +161,14 @@ def reload(port: int) -> None:
     import os
     import signal
 
-    from mlxgw.gateway.server import pid_file
+    from mlxgw.gateway.runfiles import find_gateway
 
-    try:
-        pid = int(pid_file(port).read_text())
-        os.kill(pid, signal.SIGHUP)
-    except (OSError, ValueError):
-        click.echo(f"error: no gateway running on port {port} (no pid file at {pid_file(port)})", err=True)
+    pid, note = find_gateway(port)
+    if pid is None:
+        click.echo(f"error: no mlxgw gateway is running on port {port}{note}", err=True)
         sys.exit(2)
-    click.echo(f"asked gateway {pid} to reload its registry")
+    os.kill(pid, signal.SIGHUP)
+    click.echo(f"asked gateway {pid} to reload its registry{note}")
 
 
 @click.command(name="status")

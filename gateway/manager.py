@@ -1,10 +1,14 @@
 """Model slots: which models have a worker, loading on demand, unloading, restarts.
 
-Each configured model has a slot: unloaded -> loading -> ready -> draining -> unloaded,
-with restarting after a crash and failed after a crash loop. Concurrent first requests
-share one load. A crashed worker's requests have already ended with an error (the broker
-saw to that); the slot restarts it with exponential backoff. What may be resident, and
-what must leave to make room, is the Residency policy's call (gateway/residency.py)."""
+Each configured model has a slot (gateway/lifecycle.py has its states and edges). One
+lifecycle task per slot makes every load (gateway/slot_runner.py): it asks for room,
+spawns the worker, waits for it to exit, and then ends (a planned stop), restarts it with
+backoff (a crash), or marks the model failed after a crash loop. So a model never loads
+twice at once, a planned stop is never a crash, and every worker process belongs to a slot
+until it has exited. This module handles requests, reloads, worker events and reporting.
+
+The broker tells the manager what its workers do through a queue of events; what may be
+resident is the Residency policy's call, made on snapshots the manager hands it."""
 
 from __future__ import annotations
 
@@ -12,58 +16,43 @@ import asyncio
 import logging
 import signal
 import time
-from collections import deque
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
 
-from mlxgw.shared.config import ModelEntry, Registry
+from mlxgw.shared.config import Registry
 from mlxgw.shared.errors import ErrorCode, ServiceError
 
-from .broker import Broker, WorkerConn
-from .residency import Residency
-from .supervisor import WorkerProcess, spawn_worker
+from .broker import (
+    Broker,
+    ConnState,
+    WorkerBack,
+    WorkerConn,
+    WorkerEvent,
+    WorkerIdle,
+    WorkerLoadFailed,
+    WorkerLost,
+    WorkerReady,
+)
+from .lifecycle import ModelSlot, Pulse, SlotState
+from .residency import TICK_S, Occupant, Residency
+from .slot_runner import SlotRunner, Spawner
+from .supervisor import spawn_worker
 
 log = logging.getLogger("mlxgw.manager")
 
-CRASH_WINDOW_S = 120.0
-MAX_CRASHES = 4  # within the window -> failed
-STOP_GRACE_S = 30.0
 
-
-@dataclass(eq=False)
-class ModelSlot:
-    entry: ModelEntry
-    state: str = "unloaded"  # unloaded | loading | ready | restarting | draining | failed
-    process: WorkerProcess | None = None
-    exited: asyncio.Event | None = None  # set when the current local process has ended
-    loading: asyncio.Future | None = None
-    last_error: str | None = None
-    crashes: deque = field(default_factory=deque)
-    restarts: int = 0
-    loads: int = 0
-    unloads: int = 0
-    last_used: float = field(default_factory=time.monotonic)
-    load_seconds: float | None = None
-    measured_bytes: int | None = None  # peak RSS seen for this model's worker
-    retired: bool = False  # removed or replaced by a reload: never restarted
-
-    @property
-    def name(self) -> str:
-        return self.entry.name
-
-
-class ModelManager:
-    def __init__(self, registry: Registry, broker: Broker):
+class ModelManager(SlotRunner):
+    def __init__(self, registry: Registry, broker: Broker, spawner: Spawner = spawn_worker):
         self.registry = registry
         self.broker = broker
+        self.spawner = spawner
         self.slots: dict[str, ModelSlot] = {e.name: ModelSlot(e) for e in registry.models}
-        self.retiring: set[ModelSlot] = set()
-        self.residency = Residency(self)
+        self.retiring: set[ModelSlot] = set()  # replaced or removed by a reload, still draining
+        self.residency = Residency(registry)
+        self.changed = Pulse()  # fires on every slot transition and when a worker goes idle
+        self._admit_lock = asyncio.Lock()
         self._tasks: set[asyncio.Task] = set()
         self.closing = False
-        broker.on_ready = self._on_ready
-        broker.on_lost = self._on_lost
-        broker.on_load_failed = self._on_load_failed
 
     # -- lookup ------------------------------------------------------------------------------
     def resolve(self, requested: str) -> ModelSlot:
@@ -77,29 +66,61 @@ class ModelManager:
         return self.slots[entry.name]
 
     def conns(self, slot: ModelSlot) -> list[WorkerConn]:
-        return [c for c in self.broker.conns.values() if c.model == slot.name]
+        if slot.retired:
+            return self.local_conns(slot)
+        return self.broker.workers(slot.name)
 
     def local_conns(self, slot: ModelSlot) -> list[WorkerConn]:
-        wid = slot.process.worker_id if slot.process else None
-        return [c for c in self.conns(slot) if c.worker_id == wid]
+        wid = slot.worker_id
+        return [c for c in self.broker.workers(slot.name) if wid is not None and c.worker_id == wid and not c.remote]
 
     def in_flight(self, slot: ModelSlot) -> int:
         return sum(c.load for c in self.conns(slot))
 
+    def all_slots(self) -> list[ModelSlot]:
+        return [*self.slots.values(), *self.retiring]
+
+    # -- requests ----------------------------------------------------------------------------
     async def acquire(
         self, slot: ModelSlot, on_wait: Callable[[], Awaitable[None]] | None = None, wait_tick_s: float = 5.0
     ) -> WorkerConn:
-        """A ready worker for the model, loading it first if needed. on_wait runs every
-        wait_tick_s while the load is under way (streaming clients get keep-alives)."""
+        """A ready worker for the model, loading it first if needed (once, however many ask).
+        A model that is draining is waited for, then loaded. on_wait runs every wait_tick_s
+        while the request waits (streaming clients get keep-alives)."""
         slot.last_used = time.monotonic()
-        conn = self.broker.least_loaded(slot.name)
-        if conn is not None:
-            return conn
+        deadline = slot.last_used + self.registry.manager.load_timeout_s
+        next_tick = slot.last_used + wait_tick_s
+        attempt = 0  # the lifecycle run this request waits for
+        while True:
+            conn = self.broker.least_loaded(slot.name)
+            if conn is not None:
+                return conn
+            self._refuse_if_unavailable(slot)
+            if slot.state is SlotState.UNLOADED:
+                if attempt and slot.failed_attempt >= attempt and slot.load_error is not None:
+                    raise slot.load_error
+                self._ensure_started(slot)
+            if slot.state is not SlotState.DRAINING:
+                attempt = attempt or slot.attempts
+            now = time.monotonic()
+            if now >= deadline:
+                raise ServiceError(
+                    ErrorCode.MODEL_UNAVAILABLE, f"model {slot.name} did not load in time", retry_after=10
+                )
+            await self.changed.wait(min(next_tick, deadline) - now)
+            if on_wait is not None and time.monotonic() >= next_tick:
+                await on_wait()
+                next_tick = time.monotonic() + wait_tick_s
+
+    def _refuse_if_unavailable(self, slot: ModelSlot) -> None:
         if self.closing or slot.retired:
             raise ServiceError(ErrorCode.MODEL_UNAVAILABLE, f"model {slot.name} is going away", retry_after=5)
-        if slot.state == "failed":
+        if slot.state is SlotState.FAILED:
+            wait = max(1.0, slot.failed_until - time.monotonic())
             raise ServiceError(
-                ErrorCode.MODEL_UNAVAILABLE, f"model {slot.name} failed: {slot.last_error}", retry_after=30
+                ErrorCode.MODEL_UNAVAILABLE,
+                f"model {slot.name} failed: {slot.last_error}; next try in {wait:.0f} s (or on `mlxgw reload`)",
+                retry_after=min(wait, 300),
             )
         if slot.entry.remote_only:
             raise ServiceError(
@@ -107,238 +128,208 @@ class ModelManager:
                 f"no worker is connected for model {slot.name} (it is served by remote workers)",
                 retry_after=10,
             )
-        if slot.loading is None or slot.loading.done():
-            self._start_load(slot)
-        deadline = time.monotonic() + self.registry.manager.load_timeout_seconds
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise ServiceError(
-                    ErrorCode.MODEL_UNAVAILABLE, f"model {slot.name} did not load in time", retry_after=10
-                )
-            done, _ = await asyncio.wait({slot.loading}, timeout=min(wait_tick_s, remaining))
-            if done:
-                slot.loading.result()  # raises the load's error
-                break
-            if on_wait is not None:
-                await on_wait()
-        conn = self.broker.least_loaded(slot.name)
-        if conn is None:
-            raise ServiceError(ErrorCode.MODEL_UNAVAILABLE, f"model {slot.name} is not available", retry_after=2)
-        return conn
 
-    # -- lifecycle -------------------------------------------------------------------------------
+    # -- gateway start and stop ------------------------------------------------------------------
     async def start(self) -> None:
+        self._own(self._consume_worker_events(), "manager-events")
+        self._own(self._tick_loop(), "manager-residency")
         for slot in self.slots.values():
-            if slot.entry.preload and not slot.entry.remote_only:
-                self._start_load(slot)
-        self._spawn_task(self.residency.run())
+            if slot.entry.preload:
+                self._ensure_started(slot)
 
     async def wait_preloaded(self) -> None:
-        for slot in list(self.slots.values()):
-            if slot.entry.preload and slot.loading is not None:
-                try:
-                    await asyncio.wait_for(asyncio.shield(slot.loading), self.registry.manager.load_timeout_seconds)
-                except (ServiceError, asyncio.TimeoutError) as e:  # reported in /health; the rest still serve
-                    log.error("preloading %s failed: %s", slot.name, e)
+        deadline = time.monotonic() + self.registry.manager.load_timeout_s
+        for slot in [s for s in self.slots.values() if s.entry.preload and not s.entry.remote_only]:
+            while slot.state in (SlotState.LOADING, SlotState.RESTARTING) and time.monotonic() < deadline:
+                await self.changed.wait(deadline - time.monotonic())
+            if slot.state is not SlotState.READY:  # reported in /health; the rest still serve
+                log.error("preloading %s failed: %s", slot.name, slot.last_error or "not ready in time")
 
     async def close(self) -> None:
         self.closing = True
-        slots = [s for s in (*self.slots.values(), *self.retiring) if s.process and s.process.running]
-        await asyncio.gather(*(self.unload(s, "gateway shutting down") for s in slots), return_exceptions=True)
-        for t in list(self._tasks):  # after the unloads: the load tasks are what see processes exit
+        self.changed.fire()
+        await asyncio.gather(*(self.unload(s, "gateway shutting down") for s in self.all_slots()))
+        for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        left = {s.name: self.in_flight(s) for s in self.all_slots() if self.in_flight(s)}
+        if left:
+            log.error("requests still in flight after every worker stopped: %s", left)
 
-    async def unload(self, slot: ModelSlot, reason: str) -> None:
-        """End the slot's local worker: it finishes its requests in flight, then exits."""
-        proc, exited = slot.process, slot.exited
-        if proc is None or exited is None:
-            return
-        log.info("unloading %s: %s", slot.name, reason)
-        slot.state = "draining"
-        for conn in self.local_conns(slot):
-            conn.state = "draining"  # route nothing new to it
-        proc.signal(signal.SIGTERM)
-        try:
-            await asyncio.wait_for(exited.wait(), STOP_GRACE_S)
-        except asyncio.TimeoutError:
-            log.warning("worker for %s did not drain in %g s; killing it", slot.name, STOP_GRACE_S)
-            proc.signal(signal.SIGKILL)
-            await proc.wait()
-        slot.unloads += 1
+    def _own(self, coro: Coroutine[Any, Any, Any], name: str | None = None) -> asyncio.Task:
+        """Every background task is kept here, and cancelled and awaited by close()."""
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
 
+    # -- reload -------------------------------------------------------------------------------------
     async def reload(self, registry: Registry) -> dict:
         """Apply a new registry: added models appear, removed ones drain and stop, changed
-        ones drain and come back with their new settings."""
+        ones drain and come back with their new settings (once the old worker is gone);
+        failed models try again."""
         self.registry = registry
+        self.residency.configure(registry)
         added, removed, changed = [], [], []
         for name, slot in list(self.slots.items()):
             entry = next((e for e in registry.models if e.name == name), None)
             if entry == slot.entry:
+                if slot.state is SlotState.FAILED:
+                    slot.retry_now = True
+                    slot.wake.fire()
                 continue
-            was_resident = slot.process is not None
+            was_resident = slot.task is not None
             self._retire(slot)
             if entry is None:
                 removed.append(name)
                 continue
             changed.append(name)
-            self.slots[name] = fresh = ModelSlot(entry)
-            self._spawn_task(self._replace(slot, fresh, was_resident or entry.preload))
+            self.broker.quarantine.forget_model(name)
+            self.slots[name] = fresh = ModelSlot(entry, predecessor=slot if slot.task else None)
+            if was_resident or entry.preload:
+                self._ensure_started(fresh)
         for entry in registry.models:
             if entry.name not in self.slots:
                 added.append(entry.name)
                 self.slots[entry.name] = ModelSlot(entry)
-                if entry.preload and not entry.remote_only:
-                    self._start_load(self.slots[entry.name])
+                if entry.preload:
+                    self._ensure_started(self.slots[entry.name])
         log.info("reloaded registry: added %s, removed %s, changed %s", added, removed, changed)
+        self.changed.fire()
         return {"added": added, "removed": removed, "changed": changed}
 
     def _retire(self, slot: ModelSlot) -> None:
-        slot.retired = True
         del self.slots[slot.name]
-        for conn in self.conns(slot):
-            if conn not in self.local_conns(slot):  # remote workers drain and exit too
-                self._spawn_task(self.broker.shutdown_worker(conn))
-        if slot.process is not None:
+        for conn in [c for c in self.broker.workers(slot.name) if c.remote]:  # remote workers leave too
+            self._own(self.broker.shutdown_worker(conn))
+        slot.retired = True
+        if slot.task is not None:
             self.retiring.add(slot)
-            self._spawn_task(self._drain_retired(slot))
+            self._own(self._drain_retired(slot))
 
     async def _drain_retired(self, slot: ModelSlot) -> None:
         try:
             await self.unload(slot, "removed or changed by a registry reload")
         finally:
             self.retiring.discard(slot)
+            self.changed.fire()
 
-    async def _replace(self, old: ModelSlot, fresh: ModelSlot, load: bool) -> None:
-        while old in self.retiring:
-            await asyncio.sleep(0.1)
-        if load and not fresh.retired and not fresh.entry.remote_only:
-            self._start_load(fresh)
+    # -- what the workers say ------------------------------------------------------------------------
+    async def _consume_worker_events(self) -> None:
+        while True:
+            event = await self.broker.events.get()
+            try:
+                self.on_worker_event(event)
+            except Exception:  # one bad event must not stop the manager hearing the rest
+                log.exception("error handling %s", type(event).__name__)
 
-    def _spawn_task(self, coro) -> None:
-        task = asyncio.create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+    def _slot_of(self, conn: WorkerConn) -> ModelSlot | None:
+        if not conn.remote:
+            for slot in self.all_slots():
+                if slot.worker_id == conn.worker_id:
+                    return slot
+            return None
+        return self.slots.get(conn.model)
 
-    def _start_load(self, slot: ModelSlot, delay: float = 0.0) -> None:
-        slot.loading = asyncio.get_running_loop().create_future()
-        slot.loading.add_done_callback(lambda f: f.cancelled() or f.exception())
-        slot.state = "loading" if delay == 0 else "restarting"
-        self._spawn_task(self._load(slot, delay))
-
-    async def _load(self, slot: ModelSlot, delay: float) -> None:
-        if delay:
-            await asyncio.sleep(delay)
-        if slot.retired or self.closing:
-            self._fail_load(slot, "model removed", permanent=False)
+    def on_worker_event(self, event: WorkerEvent) -> None:
+        self.changed.fire()  # whatever it was, waiters for a worker or for room look again
+        if isinstance(event, (WorkerIdle, WorkerBack)):
             return
-        slot.state = "loading"
-        path = slot.entry.model_path(self.registry.models_dir)
-        if slot.entry.engine == "mlx" and not (path / "config.json").exists():
-            self._fail_load(slot, f"no model at {path} (import it with `mlxgw models import`)", permanent=True)
-            return
-        try:
-            await self.residency.admit(slot)
-        except ServiceError as e:
-            slot.state = "unloaded"
-            self._fail_load(slot, e.message, permanent=False, retry_after=e.retry_after)
-            return
-        m = self.registry.manager
-        slot.loads += 1
-        slot.exited = asyncio.Event()
-        proc = await spawn_worker(
-            self.broker.endpoint, slot.entry, path, heartbeat_s=m.heartbeat_s, liveness=m.liveness
-        )
-        slot.process = proc
-        code = await proc.wait()
-        slot.process = None
-        for conn in [c for c in self.broker.conns.values() if c.worker_id == proc.worker_id]:
-            self.broker.drop(conn, f"process exited with code {code}", notify=False)
-        slot.exited.set()
-        self._after_exit(slot, code)
-
-    def _after_exit(self, slot: ModelSlot, code: int) -> None:
-        if self.closing or slot.retired or slot.state in ("draining", "unloaded"):
-            slot.state = "unloaded"
-            if slot.loading is not None and not slot.loading.done():
-                self._fail_load(slot, "the model was unloaded while loading", permanent=False)
-            return
-        if slot.state == "failed":
-            return
-        was_loading = slot.loading is not None and not slot.loading.done()
-        now = time.monotonic()
-        slot.crashes.append(now)
-        while slot.crashes and now - slot.crashes[0] > CRASH_WINDOW_S:
-            slot.crashes.popleft()
-        if not (was_loading and slot.last_error):
-            slot.last_error = f"worker exited with code {code}"
-        if len(slot.crashes) >= MAX_CRASHES:
-            self._fail_load(
-                slot,
-                f"crash loop: {len(slot.crashes)} exits in {CRASH_WINDOW_S:g} s; last: {slot.last_error}",
-                permanent=True,
-            )
-            return
-        backoff = min(2 ** (len(slot.crashes) - 1), 30)
-        log.warning("worker for %s exited (code %s); restarting in %d s", slot.name, code, backoff)
-        slot.restarts += 1
-        if was_loading:
-            slot.state = "restarting"  # waiters keep waiting on the same future
-            self._spawn_task(self._load(slot, backoff))
-        else:
-            self._start_load(slot, delay=backoff)
-
-    def _fail_load(self, slot: ModelSlot, message: str, permanent: bool, retry_after: float | None = 30) -> None:
-        if permanent:
-            slot.state = "failed"
-            slot.last_error = message
-        elif slot.last_error is None:
-            slot.last_error = message
-        if slot.loading is not None and not slot.loading.done():
-            slot.loading.set_exception(
-                ServiceError(ErrorCode.MODEL_UNAVAILABLE, f"model {slot.name}: {message}", retry_after=retry_after)
-            )
-
-    # -- broker callbacks ----------------------------------------------------------------------------
-    def _on_ready(self, conn: WorkerConn) -> None:
-        slot = self.slots.get(conn.model)
+        slot = self._slot_of(event.conn)
         if slot is None:
-            log.warning("worker %s serves unknown model %s; ignoring it", conn.worker_id, conn.model)
+            if isinstance(event, WorkerReady):
+                log.warning("worker %s serves unknown model %s; ignoring it", event.conn.worker_id, event.conn.model)
             return
-        if slot.state != "draining":
-            slot.state = "ready"
+        if isinstance(event, WorkerReady):
+            self._on_ready(slot, event.conn)
+        elif isinstance(event, WorkerLoadFailed):
+            slot.last_error = event.message
+        elif isinstance(event, WorkerLost):
+            self._on_lost(slot, event)
+
+    def _on_ready(self, slot: ModelSlot, conn: WorkerConn) -> None:
+        if conn.state is not ConnState.READY or slot.stopping or slot.retired:
+            return  # already gone again, or leaving
         slot.last_error = None
+        slot.load_error = None
+        slot.ready_since = time.monotonic()
         slot.load_seconds = conn.info.get("load_seconds", slot.load_seconds)
-        if slot.loading is not None and not slot.loading.done():
-            slot.loading.set_result(conn)
+        self._check_context(slot, conn)
+        if slot.state in (SlotState.LOADING, SlotState.RESTARTING, SlotState.UNLOADED):
+            self._set(slot, SlotState.READY)
 
-    def _on_load_failed(self, conn: WorkerConn, error: dict) -> None:
-        slot = self.slots.get(conn.model)
-        if slot is not None:
-            slot.last_error = str(error.get("message", "load failed"))
+    def _check_context(self, slot: ModelSlot, conn: WorkerConn) -> None:
+        wanted, serving = slot.entry.context_length, conn.info.get("context_length")
+        if wanted and serving and wanted > serving:
+            slot.context_warning = (
+                f"context_length {wanted} in models.yaml exceeds what the model supports; serving {serving} tokens"
+            )
+            log.warning("%s: %s", slot.name, slot.context_warning)
 
-    def _on_lost(self, conn: WorkerConn, reason: str) -> None:
-        slot = self.slots.get(conn.model)
-        if slot is None or slot.state == "draining":
-            return  # gone, or leaving because we asked it to: not an error
-        slot.last_error = reason
+    def _on_lost(self, slot: ModelSlot, event: WorkerLost) -> None:
+        if slot.stopping or slot.retired:
+            return  # leaving because we asked it to: not an error
+        slot.last_error = event.reason
+        if event.fingerprints:
+            self.broker.quarantine.record_crash(slot.name, list(event.fingerprints))
         proc = slot.process
-        if proc is not None and proc.worker_id == conn.worker_id and proc.running:
-            # Silent or hung: make sure the process is really gone; _load sees it exit.
-            proc.signal(signal.SIGKILL)
-        elif proc is None and not self.conns(slot) and slot.state == "ready":
-            slot.state = "unloaded"  # its last remote worker left
+        if proc is not None and proc.worker_id == event.conn.worker_id and proc.running:
+            proc.signal(signal.SIGKILL)  # silent or hung: make sure it is gone; the lifecycle sees it exit
+        elif event.conn.remote and not self.broker.ready_workers(slot.name) and slot.process is None:
+            self._set(slot, SlotState.UNLOADED)  # its last remote worker left
+
+    # -- residency ---------------------------------------------------------------------------------
+    def occupants(self, exclude: ModelSlot | None = None) -> list[Occupant]:
+        return [
+            Occupant(s, self._rss(s), self.in_flight(s))
+            for s in self.all_slots()
+            if s is not exclude and (s.process is not None or s.admitted)
+        ]
+
+    def _rss(self, slot: ModelSlot) -> int:
+        return max((int(c.stats.get("rss_bytes", 0)) for c in self.local_conns(slot)), default=0)
+
+    def memory_snapshot(self) -> dict:
+        return self.residency.snapshot(self.occupants())
+
+    def processes(self) -> list[dict]:
+        """Every worker process this gateway spawned and has not yet seen exit, retiring ones
+        included: a process not listed here is not one of ours."""
+        return [
+            {"model": s.name, "pid": s.process.pid, "worker_id": s.worker_id, "state": s.state.value}
+            for s in self.all_slots()
+            if s.process is not None
+        ]
+
+    def health(self) -> dict:
+        return {
+            "host_stalls": self.broker.host_stalls,
+            "quarantined_requests": self.broker.quarantine.quarantined(),
+            "in_flight": sum(c.load for c in self.broker.conns.values()),
+        }
+
+    async def _tick_loop(self) -> None:
+        """Measure resident models and unload the idle ones (time-based: a periodic tick)."""
+        while True:
+            await asyncio.sleep(TICK_S)
+            now = time.monotonic()
+            for o in self.occupants():
+                if o.rss_bytes and o.slot.state is SlotState.READY:
+                    o.slot.measured_bytes = max(o.slot.measured_bytes or 0, o.rss_bytes)
+                if self.residency.is_idle(o, now) and not o.slot.stopping:
+                    self.residency.idle_unloads += 1
+                    self._own(self.unload(o.slot, f"idle for {now - o.slot.last_used:.0f} s"))
 
     # -- reporting ---------------------------------------------------------------------------------
     def describe(self, slot: ModelSlot) -> dict:
         workers = self.conns(slot)
         in_flight = self.in_flight(slot)
+        resident = slot.process is not None or slot.admitted
         return {
             "name": slot.name,
             "kind": slot.entry.kind,
-            "state": slot.state,
-            "loaded": any(c.state == "ready" for c in workers),
+            "state": slot.state.value,
+            "loaded": any(c.state is ConnState.READY for c in workers),
             "aliases": slot.entry.aliases,
             "pinned": slot.entry.pin,
             "last_error": slot.last_error,
@@ -348,15 +339,19 @@ class ModelManager:
             "load_seconds": slot.load_seconds,
             "in_flight": in_flight,
             "idle_s": round(time.monotonic() - slot.last_used, 1) if in_flight == 0 else 0.0,
-            "memory_bytes": self.residency.footprint(slot) if slot.process else 0,
+            "memory_bytes": self.residency.footprint(Occupant(slot, self._rss(slot), in_flight)) if resident else 0,
             "expected_bytes": self.residency.expected(slot),
+            "context_warning": slot.context_warning,
+            "retry_in_s": round(max(0.0, slot.failed_until - time.monotonic()), 1)
+            if slot.state is SlotState.FAILED
+            else None,
             "workers": [
                 {
                     "worker_id": c.worker_id,
                     "pid": c.pid,
-                    "state": c.state,
+                    "state": c.state.value,
                     "in_flight": c.load,
-                    "local": slot.process is not None and c.worker_id == slot.process.worker_id,
+                    "local": not c.remote and c.worker_id == slot.worker_id,
                     "context_length": c.info.get("context_length"),
                     "stats": c.stats,
                 }

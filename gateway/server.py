@@ -1,13 +1,13 @@
 """`mlxgw up`: serve until SIGINT/SIGTERM, then drain and stop every worker.
 
 SIGHUP (or `mlxgw reload`) re-reads the registry file: a file with errors is rejected
-whole and the running configuration stays."""
+whole and the running configuration stays. The port is checked before any worker starts,
+and run files a killed gateway left behind are cleaned first (gateway/runfiles.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import signal
 import sys
 from pathlib import Path
@@ -19,13 +19,10 @@ from mlxgw.shared.config import ConfigError, Registry, load_registry, with_disco
 from .app import default_endpoint, make_app
 from .edge import EdgeRunner, edge_limits
 from .logcap import install_log_limits
+from .runfiles import PortBusy, check_port, clean_stale_run_files, remove_pid_file, write_pid_file
 from .state import MANAGER, GatewaySettings
 
 log = logging.getLogger("mlxgw.gateway")
-
-
-def pid_file(port: int) -> Path:
-    return paths.run_dir() / f"gateway-{port}.pid"
 
 
 async def reload_registry(app: web.Application, config_path: Path | None) -> None:
@@ -50,6 +47,12 @@ async def serve(
     extra_endpoints: tuple[str, ...] = (),
     secret: str = "",
 ) -> None:
+    try:
+        check_port(host, port)  # before any worker starts
+    except PortBusy as e:
+        log.error("%s; is another gateway running? (`mlxgw status --url http://%s:%d`)", e, host, port)
+        raise SystemExit(2) from None
+    clean_stale_run_files()
     endpoint = default_endpoint(paths.run_dir())
     app = make_app(registry, settings, endpoint, secret, extra_endpoints)
     log.info("worker link endpoint %s", endpoint)
@@ -63,24 +66,36 @@ async def serve(
     runner = EdgeRunner(app, limits, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_address=True)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as e:  # lost a race for the port after the check: stop the workers again
+        log.error("cannot listen on %s:%d: %s", host, port, e.strerror)
+        await runner.cleanup()
+        raise SystemExit(2) from None
     stop = asyncio.Event()
+    reloads: set[asyncio.Task] = set()  # owned: awaited before the workers stop
+
+    def on_sighup() -> None:
+        task = asyncio.create_task(reload_registry(app, config_path))
+        reloads.add(task)
+        task.add_done_callback(reloads.discard)
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(reload_registry(app, config_path)))
+    loop.add_signal_handler(signal.SIGHUP, on_sighup)
     if host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("listening on %s: reachable from other machines", host)
-    pid_path = pid_file(port)
-    pid_path.write_text(str(os.getpid()))
+    pid_path = write_pid_file(port)
     try:
         await app[MANAGER].wait_preloaded()
         print(f"mlxgw ready on http://{host}:{port}", flush=True)
         await stop.wait()
         log.info("shutting down")
+        await asyncio.gather(*reloads, return_exceptions=True)
         await runner.cleanup()
     finally:
-        pid_path.unlink(missing_ok=True)
+        remove_pid_file(pid_path)
 
 
 def run(registry: Registry, settings: GatewaySettings, host: str, port: int, **kwargs) -> None:

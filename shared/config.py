@@ -7,20 +7,29 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import logging
+import math
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
 from . import discovery, model_store
 
-KINDS = ("chat", "embedding", "rerank", "vision", "audio", "speech")
+log = logging.getLogger("mlxgw.config")
+
+Kind = Literal["chat", "embedding", "rerank", "vision", "audio", "speech"]
+Engine = Literal["mlx", "null", "echo", "mlx-embeddings"]
+MaxTokensPolicy = Literal["clamp", "reject"]
+Contention = Literal["wait", "fail"]
+LogFormat = Literal["text", "json"]
+KINDS: tuple[str, ...] = typing.get_args(Kind)
 ENCODER_KINDS = ("embedding", "rerank")  # served by /v1/embeddings and /v1/rerank
 CHAT_KINDS = ("chat", "vision")  # served by the generating APIs
-ENGINES = ("mlx", "null", "echo", "mlx-embeddings")
+ENGINES: tuple[str, ...] = typing.get_args(Engine)
 
 
 class ConfigError(ValueError):
@@ -41,17 +50,17 @@ class SamplingDefaults:
 class ModelEntry:
     name: str
     source: str | None = None  # folder name in the models dir, or a path; default: name
-    kind: str = "chat"
-    engine: str = "mlx"  # "null": tokens without a model (capacity tests); "echo": repeats the last message
+    kind: Kind = "chat"
+    engine: Engine = "mlx"  # "null": tokens without a model (capacity tests); "echo": repeats the last message
     aliases: list[str] = field(default_factory=list)  # exact names or glob patterns
     preload: bool = False
     pin: bool = False
     remote_only: bool = False  # never spawned here: served by `mlxgw worker --connect` elsewhere
-    idle_unload_seconds: float | None = None  # None: the manager's default; 0: never
+    idle_unload_s: float | None = None  # None: the manager's default; 0: never
     max_num_seqs: int = 8
     max_queue: int = 64
     context_length: int | None = None  # None: the model's own
-    max_tokens_policy: str = "clamp"
+    max_tokens_policy: MaxTokensPolicy = "clamp"
     stream_interval: int = 1
     prefill_step_size: int = 512
     cache_memory_mb: int | None = None  # prefix cache bound; None: a share of RAM
@@ -83,9 +92,9 @@ class ModelEntry:
 @dataclass
 class ManagerConfig:
     memory_budget: str = "75%"  # of RAM, or "12GB"
-    idle_unload_seconds: float = 0  # 0: never unload
-    contention: str = "wait"  # or "fail"
-    wait_timeout_seconds: float = 60
+    idle_unload_s: float = 0  # 0: never unload
+    contention: Contention = "wait"
+    wait_timeout_s: float = 60
     max_loaded_models: int = 8
     auto_discover: bool = True
     models_dir: str | None = None
@@ -93,11 +102,44 @@ class ManagerConfig:
     discover_paths: list[str] | None = None
     heartbeat_s: float = 1.0
     liveness: int = 5  # missed heartbeats before a worker is declared dead
-    load_timeout_seconds: float = 300
-    request_timeout_seconds: float = 300
-    max_body_bytes: int = 10 * 1024 * 1024
+    load_timeout_s: float = 300
+    failed_retry_s: float = 300  # a crash-looping model is tried again after this (doubling)
     usage_ledger: bool = True  # record every API request in $MLXGW_HOME/usage.db (gateway/ledger.py)
     usage_retention_days: float = 90  # ledger rows older than this are deleted; 0: keep forever
+
+
+@dataclass
+class GatewayConfig:
+    """The HTTP side; each field has a `mlxgw up` flag that overrides it."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    request_timeout_s: float = 300
+    max_body_bytes: int = 10 * 1024 * 1024
+    max_connections: int = 1024
+    header_timeout_s: float = 10  # a request head must be complete this long after its first byte
+    body_timeout_s: float = 60  # a body, this long after its head (408)
+    idle_timeout_s: float = 30  # a keep-alive connection with no request is closed after this
+    cors_origins: list[str] = field(default_factory=list)
+    max_tokens_cap: int | None = None  # server-wide ceiling on max_tokens
+    max_tokens_default: int | None = None  # when neither the request nor the model sets one
+    max_image_mb: float = 8
+    max_images: int = 16  # per request
+    allow_image_urls: bool = False
+    log_format: LogFormat = "text"
+    log_prompts: bool = False
+
+
+# Old spellings still accepted (with a deprecation note): one suffix, _s, for seconds.
+RENAMED = {
+    "ManagerConfig": {
+        "idle_unload_seconds": "idle_unload_s",
+        "wait_timeout_seconds": "wait_timeout_s",
+        "load_timeout_seconds": "load_timeout_s",
+    },
+    "ModelEntry": {"idle_unload_seconds": "idle_unload_s"},
+}
+MOVED_TO_GATEWAY = {"request_timeout_seconds": "request_timeout_s", "max_body_bytes": "max_body_bytes"}
 
 
 @dataclass
@@ -105,6 +147,7 @@ class Registry:
     manager: ManagerConfig
     models: list[ModelEntry]
     path: Path | None = None
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
 
     @property
     def models_dir(self) -> Path:
@@ -132,6 +175,11 @@ def _type_name(tp: Any) -> str:
 
 def _coerce(value: Any, tp: Any, where: str) -> Any:
     origin = typing.get_origin(tp)
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed or isinstance(value, bool):
+            raise ConfigError(f"{where}: must be one of {', '.join(map(str, allowed))}, got {value!r}")
+        return value
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
         if value is None and type(None) in args:
@@ -154,7 +202,7 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             raise ConfigError(f"{where}: expected an integer, got {value!r}")
         return value
     if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise ConfigError(f"{where}: expected a number, got {value!r}")
         return float(value)
     if tp is str:
@@ -169,6 +217,7 @@ def from_mapping(cls: type, data: Any, where: str) -> Any:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: expected a mapping, got {data!r}")
+    data = _renamed(cls.__name__, data, where)
     hints = typing.get_type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - known)
@@ -181,6 +230,52 @@ def from_mapping(cls: type, data: Any, where: str) -> Any:
         raise ConfigError(f"{where}: {e}") from None
 
 
+def _renamed(cls_name: str, data: dict, where: str) -> dict:
+    renames = RENAMED.get(cls_name, {})
+    if not any(old in data for old in renames):
+        return data
+    out = dict(data)
+    for old, new in renames.items():
+        if old in out:
+            if new in out:
+                raise ConfigError(f"{where}: field {old!r}: set only {new!r} (the old spelling of the same field)")
+            log.warning("%s: field %r is deprecated; call it %r", where, old, new)
+            out[new] = out.pop(old)
+    return out
+
+
+def _at_least(where: str, obj: Any, minimum: float, names: tuple[str, ...], strict: bool = False) -> None:
+    """Range checks: each named field (when set) must be >= minimum (> when strict)."""
+    for name in names:
+        value = getattr(obj, name)
+        if value is None:
+            continue
+        if value < minimum or (strict and value == minimum):
+            need = f"greater than {minimum:g}" if strict else f"at least {minimum:g}"
+            raise ConfigError(f"{where}: field {name!r}: must be {need}, got {value!r}")
+
+
+def _check_manager(m: ManagerConfig, where: str) -> None:
+    _at_least(where, m, 0, ("heartbeat_s", "load_timeout_s", "failed_retry_s"), strict=True)
+    _at_least(where, m, 0, ("idle_unload_s", "wait_timeout_s"))
+    _at_least(where, m, 1, ("liveness", "max_loaded_models"))
+    try:
+        budget = parse_memory_budget(m.memory_budget, 1 << 30)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: field 'memory_budget': {e}") from None
+    if budget <= 0:
+        raise ConfigError(f"{where}: field 'memory_budget': must be more than 0, got {m.memory_budget!r}")
+
+
+def _check_gateway(g: GatewayConfig, where: str) -> None:
+    _at_least(where, g, 1, ("port", "max_body_bytes", "max_connections", "max_tokens_cap", "max_tokens_default"))
+    _at_least(where, g, 1, ("max_images",))
+    _at_least(where, g, 0, ("request_timeout_s", "max_image_mb"), strict=True)
+    _at_least(where, g, 0, ("header_timeout_s", "body_timeout_s", "idle_timeout_s"), strict=True)
+    if g.port > 65535:
+        raise ConfigError(f"{where}: field 'port': must be at most 65535, got {g.port}")
+
+
 def _check_entry(e: ModelEntry, where: str) -> None:
     def bad(field_name: str, why: str) -> ConfigError:
         return ConfigError(f"{where}: field {field_name!r}: {why}")
@@ -189,12 +284,8 @@ def _check_entry(e: ModelEntry, where: str) -> None:
         model_store.validate_model_name(e.name)
     except model_store.InvalidModelName as err:
         raise bad("name", str(err)) from None
-    if e.kind not in KINDS:
-        raise bad("kind", f"must be one of {', '.join(KINDS)}, got {e.kind!r}")
-    if e.engine not in ENGINES:
-        raise bad("engine", f"must be one of {', '.join(ENGINES)}, got {e.engine!r}")
-    if e.max_tokens_policy not in ("clamp", "reject"):
-        raise bad("max_tokens_policy", f"must be clamp or reject, got {e.max_tokens_policy!r}")
+    _at_least(where, e, 0, ("idle_unload_s",))
+    _at_least(where, e, 1, ("cache_memory_mb",))
     for name in ("max_num_seqs", "max_queue", "stream_interval", "prefill_step_size", "max_batch_inputs"):
         if getattr(e, name) < 1:
             raise bad(name, f"must be at least 1, got {getattr(e, name)}")
@@ -228,14 +319,15 @@ def parse_registry(data: Any, path: Path | None = None) -> Registry:
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError(f"{src}: expected a mapping with 'manager' and 'models'")
-    unknown = sorted(set(data) - {"manager", "models"})
+        raise ConfigError(f"{src}: expected a mapping with 'gateway', 'manager' and 'models'")
+    unknown = sorted(set(data) - {"gateway", "manager", "models"})
     if unknown:
-        raise ConfigError(f"{src}: unknown top-level key {unknown[0]!r} (known: manager, models)")
-    manager = from_mapping(ManagerConfig, data.get("manager"), f"{src}: manager")
-    if manager.contention not in ("wait", "fail"):
-        raise ConfigError(f"{src}: manager: field 'contention': must be wait or fail")
-    parse_memory_budget(manager.memory_budget, 1 << 30)
+        raise ConfigError(f"{src}: unknown top-level key {unknown[0]!r} (known: gateway, manager, models)")
+    raw_manager, raw_gateway = _split_moved(data.get("manager"), data.get("gateway"), src)
+    manager = from_mapping(ManagerConfig, raw_manager, f"{src}: manager")
+    _check_manager(manager, f"{src}: manager")
+    gateway = from_mapping(GatewayConfig, raw_gateway, f"{src}: gateway")
+    _check_gateway(gateway, f"{src}: gateway")
     raw_models = data.get("models") or []
     if not isinstance(raw_models, list):
         raise ConfigError(f"{src}: 'models' must be a list")
@@ -252,7 +344,25 @@ def parse_registry(data: Any, path: Path | None = None) -> Registry:
             raise ConfigError(f"{where}: field 'name': duplicate model name {entry.name!r}")
         seen.add(entry.name)
         models.append(entry)
-    return Registry(manager=manager, models=models, path=path)
+    return Registry(manager=manager, models=models, path=path, gateway=gateway)
+
+
+def _split_moved(manager: Any, gateway: Any, src: str) -> tuple[Any, Any]:
+    """HTTP settings that used to sit under manager: move them to gateway, with a note."""
+    if not isinstance(manager, dict) or not any(k in manager for k in MOVED_TO_GATEWAY):
+        return manager, gateway
+    manager = dict(manager)
+    gateway = {} if gateway is None else gateway
+    if not isinstance(gateway, dict):
+        return manager, gateway  # from_mapping reports it
+    gateway = dict(gateway)
+    for old, new in MOVED_TO_GATEWAY.items():
+        if old in manager:
+            if new in gateway:
+                raise ConfigError(f"{src}: manager: field {old!r}: already set as gateway: {new}")
+            log.warning("%s: manager: field %r is deprecated; set gateway: %s instead", src, old, new)
+            gateway[new] = manager.pop(old)
+    return manager, gateway
 
 
 def load_registry(path: Path) -> Registry:

@@ -163,3 +163,101 @@ def test_a_flood_of_events_is_never_dropped(home, tiny_dir, monkeypatch):
             assert list(pool.map(one, range(6))) == [3000] * 6
     finally:
         gw.stop()
+
+
+def test_two_concurrent_requests_with_the_same_request_id_both_complete(tiny_gateway):
+    """A client's x-request-id is echoed and logged, never the routing key."""
+    import concurrent.futures
+
+    client = openai_client(tiny_gateway)
+
+    def ask(content: str) -> tuple[str, str, int]:
+        raw = client.chat.completions.with_raw_response.create(
+            model="tiny",
+            messages=[{"role": "user", "content": content}],
+            max_tokens=12,
+            temperature=0,
+            extra_headers={"x-request-id": "shared-id-1"},
+            extra_body={"logit_bias": NO_EOS},
+        )
+        out = raw.parse()
+        return out.choices[0].message.content, raw.headers["x-request-id"], out.usage.completion_tokens
+
+    alone = [ask("Tell me about cats."), ask("Tell me about ships.")]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        together = list(pool.map(ask, ["Tell me about cats.", "Tell me about ships."]))
+    assert together == alone
+    assert all(rid == "shared-id-1" and n == 12 for _, rid, n in together)
+    wait_for(lambda: tiny_gateway.model_status("tiny")["in_flight"] == 0, 10)
+
+
+def test_a_request_the_wire_cannot_carry_is_a_400_and_leaves_nothing_in_flight(tiny_gateway):
+    tiny_gateway.worker_pid("tiny")
+    bodies = [
+        b'{"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "\\ud800"}]}',
+        b'{"model": "tiny", "max_tokens": 2, "seed": 18446744073709551616, "messages": [{"role": "user", '
+        b'"content": "hi"}]}',
+    ]
+    for raw in bodies:
+        status, _, body = http(f"{tiny_gateway.url}/v1/chat/completions", "POST", raw=raw)
+        assert status == 400, body
+    assert tiny_gateway.model_status("tiny")["in_flight"] == 0
+    assert tiny_gateway.status()["in_flight"] == 0
+
+
+@pytest.fixture(scope="module")
+def crash_gateway(home, tiny_dir):
+    config = {
+        "manager": {"auto_discover": False, "heartbeat_s": 0.5, "liveness": 4},
+        "models": [{"name": "victim", "source": "tiny", "preload": True}, {"name": "bystander", "source": "tiny"}],
+    }
+    gw = start_gateway(home, config, "crash-gateway")
+    yield gw
+    gw.stop()
+
+
+def test_a_request_in_flight_at_two_crashes_is_refused_with_a_400_naming_it(crash_gateway):
+    gw = crash_gateway
+    poison = "This exact request is in flight whenever the worker dies."
+    for crash in range(2):
+        pid = gw.worker_pid("victim")
+        stream = start_long_stream(gw, "victim", f"poison-{crash}", content=poison)
+        innocent = start_long_stream(gw, "victim", f"innocent-{crash}", content=f"Innocent request {crash}.")
+        os.kill(pid, signal.SIGKILL)
+        for s in (stream, innocent):
+            with pytest.raises(openai.APIError):
+                for _ in s:
+                    pass
+        wait_for(lambda p=pid: gw.worker_pid("victim") != p, 60)
+    with pytest.raises(openai.BadRequestError) as info:
+        start_long_stream(gw, "victim", "poison-2", content=poison)
+    status = gw.status()
+    (entry,) = status["quarantined_requests"]
+    assert entry["fingerprint"] in str(info.value) and entry["model"] == "victim"
+    out = openai_client(gw).chat.completions.create(
+        model="victim", messages=[{"role": "user", "content": "Innocent request 0."}], max_tokens=2
+    )
+    assert out.usage.completion_tokens == 2  # in flight at one crash only: still served
+    assert gw.model_status("victim")["in_flight"] == 0
+    assert gw.model_status("victim")["state"] == "ready"
+
+
+def test_a_stalled_gateway_restarts_no_worker(crash_gateway):
+    """SIGSTOP the gateway for longer than the liveness window (2 s here): when it runs again
+    it blames nobody, and every worker is the one it had."""
+    gw = crash_gateway
+    openai_client(gw).chat.completions.create(model="bystander", messages=MSGS, max_tokens=2)
+    before = {m["name"]: (m["restarts"], [w["pid"] for w in m["workers"]]) for m in gw.status()["models"]}
+    log_before = len(gw.log())
+    os.kill(gw.proc.pid, signal.SIGSTOP)
+    try:
+        time.sleep(6)
+    finally:
+        os.kill(gw.proc.pid, signal.SIGCONT)
+    time.sleep(3)  # a few liveness rounds after the stall
+    after = {m["name"]: (m["restarts"], [w["pid"] for w in m["workers"]]) for m in gw.status()["models"]}
+    assert after == before
+    assert "lost worker" not in gw.log()[log_before:]
+    assert gw.status()["host_stalls"] >= 1
+    out = openai_client(gw).chat.completions.create(model="bystander", messages=MSGS, max_tokens=2)
+    assert out.usage.completion_tokens == 2

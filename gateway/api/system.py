@@ -85,8 +85,10 @@ async def status(request: web.Request) -> web.Response:
             "uptime_s": round(time.time() - STARTED, 1),
             "workers_connected": len(broker.conns),
             "dropped_messages": broker.dropped_messages,
-            "memory": manager.residency.snapshot(),
+            "memory": manager.memory_snapshot(),
             "models": [manager.describe(s) for s in manager.slots.values()],
+            "processes": manager.processes(),
+            **manager.health(),
         }
     )
 
@@ -95,11 +97,11 @@ async def status(request: web.Request) -> web.Response:
 async def cancel_request(request: web.Request) -> web.Response:
     rid = request.match_info["rid"]
     broker = request.app[BROKER]
-    stream = broker.find_stream(rid)
     key = request.get("key")
     # Another key's request is reported as absent: request ids are not secrets (they are in
     # /v1/status), so only the key that made a request, or an admin key, may end it.
-    if stream is None or (key is not None and not key.admin and stream.owner != key.name):
+    stream = broker.find_stream(rid, lambda s: key is None or key.admin or s.owner == key.name)
+    if stream is None:
         raise ServiceError(ErrorCode.NOT_FOUND, f"no request {rid!r} in flight")
     await broker.cancel(stream)
     return web.json_response({"id": rid, "object": "request.cancel", "cancelled": True})

@@ -1,0 +1,101 @@
+"""What the broker keeps per worker connection and per request, and the events it reports
+to the model manager (through a queue: the broker holds no reference to the manager)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+import zmq.asyncio
+from mlxgw.shared import protocol as p
+
+TERMINAL = (p.EV_FINISH, p.EV_ERROR)
+
+
+class ConnState(str, Enum):
+    LOADING = "loading"
+    READY = "ready"
+    DRAINING = "draining"
+    LOST = "lost"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class RequestStream:
+    """Events of one request, in order; ends with exactly one finish or error."""
+
+    def __init__(self, rid: str, label: str, conn: WorkerConn, owner: str | None = None, fp: str = ""):
+        self.rid = rid  # the routing id: generated here, unique in this gateway's lifetime
+        self.label = label  # the id the client knows (its x-request-id, or the gateway's)
+        self.conn = conn
+        self.owner = owner  # the API key's name, when keys are on: who may cancel it
+        self.fingerprint = fp
+        self.done = False
+        self._queue: asyncio.Queue[dict] = asyncio.Queue()
+
+    def push(self, event: dict) -> None:
+        if self.done:
+            return
+        if event.get("e") in TERMINAL:
+            self.done = True
+        self._queue.put_nowait(event)
+
+    async def next(self, timeout: float | None = None) -> dict:
+        return await asyncio.wait_for(self._queue.get(), timeout)
+
+
+@dataclass(eq=False)
+class WorkerConn:
+    identity: bytes
+    worker_id: str
+    model: str
+    kind: str
+    pid: int | None  # as the worker reports it (remote: another host's pid)
+    state: ConnState = ConnState.LOADING
+    info: dict = field(default_factory=dict)
+    stats: dict = field(default_factory=dict)
+    last_heard: float = field(default_factory=time.monotonic)
+    step_busy_s: float = 0.0
+    streams: dict[str, RequestStream] = field(default_factory=dict)
+    local_pid: int | None = None  # set only for processes this gateway spawned
+    remote: bool = False
+    sock: zmq.asyncio.Socket | None = None
+    reachable: bool = True  # False after a send found no peer (it may be reconnecting)
+
+    @property
+    def load(self) -> int:
+        return len(self.streams)
+
+
+@dataclass(frozen=True)
+class WorkerReady:
+    conn: WorkerConn
+
+
+@dataclass(frozen=True)
+class WorkerLoadFailed:
+    conn: WorkerConn
+    message: str
+
+
+@dataclass(frozen=True)
+class WorkerLost:
+    conn: WorkerConn
+    reason: str
+    fingerprints: tuple[str, ...]  # of the requests it had in flight
+
+
+@dataclass(frozen=True)
+class WorkerIdle:
+    conn: WorkerConn  # its last request in flight has ended
+
+
+@dataclass(frozen=True)
+class WorkerBack:
+    conn: WorkerConn  # answered again after a send found no peer: routable again
+
+
+WorkerEvent = WorkerReady | WorkerLoadFailed | WorkerLost | WorkerIdle | WorkerBack

@@ -1,0 +1,114 @@
+"""models.yaml: the gateway: section, flags over it, one suffix for seconds, Literal types,
+and range checks that name the file, the model and the field."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import yaml
+from mlxgw.gateway.cli import gateway_config, gateway_settings
+from mlxgw.shared.config import ConfigError, load_registry, parse_registry
+from mlxgw.shared.resources import default_config
+
+
+def write(tmp_path, data: dict):
+    path = tmp_path / "models.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("section", "field", "value"),
+    [
+        ("manager", "heartbeat_s", 0),
+        ("manager", "liveness", 0),
+        ("manager", "max_loaded_models", 0),
+        ("manager", "memory_budget", "-50%"),
+        ("manager", "load_timeout_s", -1),
+        ("gateway", "max_body_bytes", -1),
+        ("gateway", "port", 70000),
+        ("gateway", "request_timeout_s", 0),
+        ("gateway", "max_connections", 0),
+    ],
+)
+def test_out_of_range_settings_are_refused_naming_file_section_and_field(tmp_path, section, field, value):
+    path = write(tmp_path, {section: {field: value}, "models": []})
+    with pytest.raises(ConfigError) as info:
+        load_registry(path)
+    message = str(info.value)
+    assert str(path) in message and section in message and repr(field) in message
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("max_num_seqs", 0), ("context_length", 8), ("idle_unload_s", -5), ("kind", "speech"), ("engine", "gguf")],
+)
+def test_out_of_range_model_fields_are_refused_naming_the_model(tmp_path, field, value):
+    path = write(tmp_path, {"models": [{"name": "m1", field: value}]})
+    with pytest.raises(ConfigError) as info:
+        load_registry(path)
+    message = str(info.value)
+    assert str(path) in message and "(m1)" in message and repr(field) in message
+
+
+def test_policy_fields_accept_only_their_listed_values():
+    with pytest.raises(ConfigError, match="wait, fail"):
+        parse_registry({"manager": {"contention": "maybe"}})
+    with pytest.raises(ConfigError, match="clamp, reject"):
+        parse_registry({"models": [{"name": "m", "max_tokens_policy": "truncate"}]})
+    with pytest.raises(ConfigError, match="text, json"):
+        parse_registry({"gateway": {"log_format": "xml"}})
+
+
+def test_old_seconds_spellings_are_accepted_with_a_deprecation_note(caplog):
+    with caplog.at_level(logging.WARNING, "mlxgw.config"):
+        reg = parse_registry(
+            {
+                "manager": {"wait_timeout_seconds": 7, "request_timeout_seconds": 9, "max_body_bytes": 1000},
+                "models": [{"name": "m", "idle_unload_seconds": 3}],
+            }
+        )
+    assert reg.manager.wait_timeout_s == 7 and reg.models[0].idle_unload_s == 3
+    assert reg.gateway.request_timeout_s == 9 and reg.gateway.max_body_bytes == 1000
+    assert "deprecated" in caplog.text and "wait_timeout_s" in caplog.text
+
+
+def test_a_field_set_under_both_spellings_is_an_error():
+    with pytest.raises(ConfigError, match="old spelling"):
+        parse_registry({"manager": {"wait_timeout_seconds": 7, "wait_timeout_s": 8}})
+
+
+def test_the_gateway_section_sets_the_http_settings_and_flags_override_it():
+    reg = parse_registry(
+        {
+            "gateway": {
+                "host": "127.0.0.2",
+                "port": 9000,
+                "request_timeout_s": 50,
+                "max_body_bytes": 2048,
+                "max_connections": 10,
+                "cors_origins": ["http://a"],
+                "max_tokens_cap": 100,
+                "max_tokens_default": 20,
+                "max_image_mb": 2,
+                "allow_image_urls": True,
+                "log_format": "json",
+            }
+        }
+    )
+    gw = gateway_config(reg.gateway, {"port": 9100, "cors_origins": "http://b, http://c", "timeout": None})
+    assert (gw.host, gw.port, gw.cors_origins) == ("127.0.0.2", 9100, ["http://b", "http://c"])
+    settings = gateway_settings(gw)
+    assert settings.request_timeout_s == 50 and settings.max_body_bytes == 2048 and settings.max_connections == 10
+    assert settings.max_tokens_cap == 100 and settings.max_tokens_default == 20 and settings.log_format == "json"
+    assert settings.images.max_bytes == 2 << 20 and settings.images.allow_urls is True
+
+
+def test_the_shipped_configs_load_without_deprecation_notes(caplog):
+    from mlxgw.shared.resources import shipped_file
+
+    with caplog.at_level(logging.WARNING, "mlxgw.config"):
+        load_registry(default_config())
+        load_registry(shipped_file("config", "models.example.yaml"))
+    assert "deprecated" not in caplog.text

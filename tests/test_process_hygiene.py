@@ -1,0 +1,88 @@
+"""`mlxgw up` and `mlxgw reload` as processes: the port is checked before any worker starts,
+run files a killed gateway left behind are cleaned at start, and reload finds the gateway
+even when its pid file is stale (or says clearly that none runs)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import REPO, start_gateway
+
+NULL_CONFIG = {
+    "manager": {"auto_discover": False},
+    "models": [{"name": "null", "engine": "null", "preload": True}],
+}
+
+
+def mlxgw(home, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", "from mlxgw.cli import main; main()", *args],
+        cwd=REPO,
+        env=dict(os.environ, MLXGW_HOME=str(home)),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.fixture(scope="module")
+def null_gateway(home):
+    gw = start_gateway(home, NULL_CONFIG, "hygiene-gateway")
+    yield gw
+    gw.stop()
+
+
+def test_up_on_a_busy_port_exits_before_starting_any_worker(home, null_gateway):
+    pid_file = home / "run" / f"gateway-{null_gateway.port}.pid"
+    result = mlxgw(home, "up", "--config", str(null_gateway.config_path), "--port", str(null_gateway.port))
+    assert result.returncode == 2
+    assert "in use" in result.stderr and "Traceback" not in result.stderr
+    assert "started worker" not in result.stderr
+    assert pid_file.read_text().strip() == str(null_gateway.proc.pid)  # the running gateway's stays
+
+
+def test_stale_sockets_and_pid_files_are_removed_at_start(home, tmp_path):
+    run = home / "run"
+    run.mkdir(parents=True, exist_ok=True)
+    stale_sock = run / "gateway-deadbeef.sock"
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(stale_sock))  # closed without unlinking: what a kill -9 leaves
+    stale_pid = run / "gateway-1.pid"
+    stale_pid.write_text("4194303")
+    gw = start_gateway(home, NULL_CONFIG, "cleaning-gateway")
+    try:
+        assert not stale_sock.exists() and not stale_pid.exists()
+        assert (run / f"gateway-{gw.port}.pid").read_text().strip() == str(gw.proc.pid)
+    finally:
+        gw.stop()
+    assert not (run / f"gateway-{gw.port}.pid").exists()
+
+
+def test_reload_finds_the_gateway_by_its_port_when_the_pid_file_is_stale(home, null_gateway):
+    pid_file = home / "run" / f"gateway-{null_gateway.port}.pid"
+    pid_file.write_text("4194303")  # left by a killed predecessor
+    result = mlxgw(home, "reload", "--port", str(null_gateway.port))
+    assert result.returncode == 0, result.stderr
+    assert str(null_gateway.proc.pid) in result.stdout
+    assert pid_file.read_text().strip() == str(null_gateway.proc.pid)
+    deadline = time.monotonic() + 10
+    while "reloaded registry" not in null_gateway.log():
+        assert time.monotonic() < deadline, "the gateway did not reload"
+        time.sleep(0.1)
+
+
+def test_reload_says_clearly_that_no_gateway_runs_after_one_was_killed(home):
+    gw = start_gateway(home, NULL_CONFIG, "killed-gateway")
+    gw.stop(signal.SIGKILL)
+    pid_file = home / "run" / f"gateway-{gw.port}.pid"
+    assert pid_file.exists()  # kill -9 leaves it
+    result = mlxgw(home, "reload", "--port", str(gw.port))
+    assert result.returncode == 2
+    assert f"no mlxgw gateway is running on port {gw.port}" in result.stderr
+    assert "stale pid file" in result.stderr and not pid_file.exists()
