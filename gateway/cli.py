@@ -21,7 +21,18 @@ from mlxgw.shared.resources import default_config
 )
 @click.option("--host", default=None, help="address to listen on [gateway.host: 127.0.0.1]")
 @click.option("--port", default=None, type=int, help="HTTP port [gateway.port: 8000]")
-@click.option("--timeout", default=None, type=float, help="request timeout in seconds [gateway.request_timeout_s: 300]")
+@click.option(
+    "--timeout",
+    default=None,
+    type=float,
+    help="seconds for an answer, from its first token [gateway.request_timeout_s: 300]",
+)
+@click.option(
+    "--prefill-timeout",
+    default=None,
+    type=float,
+    help="seconds from arrival to the first token (queue + prompt processing) [gateway.prefill_timeout_s: 900]",
+)
 @click.option(
     "--worker-listen",
     multiple=True,
@@ -101,6 +112,7 @@ FLAG_FIELDS = {
     "host": "host",
     "port": "port",
     "timeout": "request_timeout_s",
+    "prefill_timeout": "prefill_timeout_s",
     "log_format": "log_format",
     "log_prompts": "log_prompts",
     "cors_origins": "cors_origins",
@@ -136,6 +148,7 @@ def gateway_settings(gw, *, keys_path: Path | None = None, metrics_token: str | 
 
     return GatewaySettings(
         request_timeout_s=gw.request_timeout_s,
+        prefill_timeout_s=gw.prefill_timeout_s,
         max_body_bytes=gw.max_body_bytes,
         keys_path=keys_path,
         metrics_token=metrics_token,

@@ -98,7 +98,11 @@ class Generation:
         self.token_gaps: list[float] = []  # seconds per token between deltas (inter-token latency)
         self._last_delta: tuple[float, int] | None = None
         self.usage = p.Usage()
-        self._deadline = self.started + (req.timeout_s or 300) + DEADLINE_SLACK_S
+        # Gateway-side backstop, two-phase like the worker's own timeout: until the first
+        # token the queue + prefill bound, then the generation bound from the first token.
+        self._timeout_s = getattr(req, "timeout_s", None) or 300
+        first = getattr(req, "prefill_timeout_s", None) or self._timeout_s
+        self._deadline = self.started + first + DEADLINE_SLACK_S
 
     async def _load_tick(self) -> None:
         if self.on_wait is not None and time.monotonic() - self.started >= LOAD_KEEPALIVE_AFTER_S:
@@ -145,6 +149,7 @@ class Generation:
         now = time.monotonic()
         if self.first_token_at is None:
             self.first_token_at = now
+            self._deadline = now + self._timeout_s + DEADLINE_SLACK_S
         elif self._last_delta is not None and n_total > self._last_delta[1]:
             then, before = self._last_delta
             gap = (now - then) / (n_total - before)

@@ -14,7 +14,8 @@ from .manager import ModelManager
 
 @dataclass
 class GatewaySettings:
-    request_timeout_s: float = 300.0
+    request_timeout_s: float = 300.0  # generation, from the first token
+    prefill_timeout_s: float = 900.0  # queue + prompt processing, until the first token
     write_timeout_s: float = 30.0
     keepalive_s: float = 5.0
     max_body_bytes: int = 10 * 1024 * 1024

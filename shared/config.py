@@ -114,7 +114,10 @@ class GatewayConfig:
 
     host: str = "127.0.0.1"
     port: int = 8000
-    request_timeout_s: float = 300
+    request_timeout_s: float = 300  # the answer, counted from its first token
+    # Queue + prompt processing until the first token: agents send 5-10k-token prompts, which a
+    # slow host may take minutes to prefill (kept apart so prefill never eats the answer's time).
+    prefill_timeout_s: float = 900
     max_body_bytes: int = 10 * 1024 * 1024
     max_connections: int = 1024
     header_timeout_s: float = 10  # a request head must be complete this long after its first byte
@@ -270,7 +273,7 @@ def _check_manager(m: ManagerConfig, where: str) -> None:
 def _check_gateway(g: GatewayConfig, where: str) -> None:
     _at_least(where, g, 1, ("port", "max_body_bytes", "max_connections", "max_tokens_cap", "max_tokens_default"))
     _at_least(where, g, 1, ("max_images",))
-    _at_least(where, g, 0, ("request_timeout_s", "max_image_mb"), strict=True)
+    _at_least(where, g, 0, ("request_timeout_s", "prefill_timeout_s", "max_image_mb"), strict=True)
     _at_least(where, g, 0, ("header_timeout_s", "body_timeout_s", "idle_timeout_s"), strict=True)
     if g.port > 65535:
         raise ConfigError(f"{where}: field 'port': must be at most 65535, got {g.port}")

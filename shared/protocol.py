@@ -158,7 +158,11 @@ class GenerateRequest:
     stop: list[str] = field(default_factory=list)
     stream_interval: int = 1  # tokens per delta event
     priority: int = 0  # lower runs first; FCFS within a priority
-    timeout_s: float | None = None
+    # Two bounds: queue + prefill until the first token, then generation from the first token.
+    # Long agent prompts on a slow host can take minutes to prefill; that must not eat the
+    # time the answer has.
+    timeout_s: float | None = None  # from the first token
+    prefill_timeout_s: float | None = None  # from arrival to the first token (None: timeout_s)
     # Constrained decoding: {"type": "json_schema", "schema": {...}} | {"type": "json_object"}
     # | {"type": "regex", "pattern": ...} | {"type": "lark", "grammar": ...}
     constraint: dict | None = None

@@ -186,7 +186,7 @@ class Scheduler:
             prompt=prepared.prompt,
             max_tokens=prepared.max_tokens,
             arrived=intake.arrived,
-            deadline=intake.arrived + req.timeout_s if req.timeout_s else None,
+            deadline=_first_deadline(req, intake.arrived),
             text=text,
             guard=SequenceGuard(req.rid),
             parser=prepared.parser,
@@ -282,6 +282,8 @@ class Scheduler:
         if seq.first_token_at is None:
             seq.first_token_at = time.monotonic()
             seq.phase = "decode"
+            # The prefill bound is over; the generation gets its own, from now.
+            seq.deadline = seq.first_token_at + seq.req.timeout_s if seq.req.timeout_s else None
         if finish == "stop":  # end-of-sequence token: not part of the answer
             text = seq.text.finish()
         else:
@@ -314,9 +316,11 @@ class Scheduler:
     def _expire(self, now: float) -> list[Event]:
         events = []
         for seq in [s for s in self._seqs.values() if s.deadline and now >= s.deadline]:
-            err = ServiceError(
-                ErrorCode.TIMEOUT, f"request timed out after {seq.req.timeout_s:g} s ({seq.generated} tokens generated)"
-            )
+            if seq.first_token_at is None:
+                why = f"no first token within {_prefill_bound(seq.req):g} s (queue and prompt processing)"
+            else:
+                why = f"the answer took over {seq.req.timeout_s:g} s ({seq.generated} tokens generated)"
+            err = ServiceError(ErrorCode.TIMEOUT, f"request timed out: {why}")
             events.append(self._end(seq, p.error_event(err, seq.usage())))
         return events
 
@@ -370,3 +374,13 @@ class Scheduler:
             }
             for s in self._seqs.values()
         ]
+
+
+def _prefill_bound(req: p.GenerateRequest) -> float | None:
+    return req.prefill_timeout_s or req.timeout_s
+
+
+def _first_deadline(req: p.GenerateRequest, arrived: float) -> float | None:
+    """Until its first token a sequence is bounded by the queue + prefill timeout."""
+    bound = _prefill_bound(req)
+    return arrived + bound if bound else None

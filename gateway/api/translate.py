@@ -118,6 +118,7 @@ async def build_request(request: web.Request, slot, parsed: ParsedRequest) -> p.
         stream_interval=first_set(parsed.stream_interval, entry.stream_interval),
         priority=parsed.priority,
         timeout_s=settings.request_timeout_s,
+        prefill_timeout_s=settings.prefill_timeout_s,
         constraint=parsed.constraint,
         reasoning_budget=parsed.reasoning_budget,
         images=images,

@@ -1,0 +1,97 @@
+"""A request has two time bounds: queue + prompt processing until its first token
+(gateway.prefill_timeout_s), then the answer, counted from the first token
+(gateway.request_timeout_s). A long wait for a turn or a long prefill never eats the time the
+answer has, and a request that never gets a turn is still ended."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from helpers import NO_EOS, http, openai_client, start_gateway, wait_for
+
+SERIAL = {"name": "serial", "source": "tiny", "max_num_seqs": 1, "max_queue": 8, "preload": True}
+MSGS = [{"role": "user", "content": "Write a very long story."}]
+
+
+def _config(request_timeout_s: float, prefill_timeout_s: float) -> dict:
+    return {
+        "manager": {"auto_discover": False},
+        "gateway": {"request_timeout_s": request_timeout_s, "prefill_timeout_s": prefill_timeout_s},
+        "models": [SERIAL],
+    }
+
+
+def _endless(gw, outcome: dict) -> threading.Thread:
+    """A stream that never stops by itself, on the one-row model; records how it ended."""
+
+    def run() -> None:
+        stream = openai_client(gw).chat.completions.create(
+            model="serial", messages=MSGS, max_tokens=30000, stream=True, extra_body={"logit_bias": NO_EOS}
+        )
+        try:
+            for _ in stream:
+                pass
+            outcome["end"] = "finished"
+        except Exception as e:  # the SDK raises on the SSE error event that ends the stream
+            outcome["end"] = str(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.fixture(scope="module")
+def answer_bound_gw(home, tiny_dir):
+    gw = start_gateway(home, _config(request_timeout_s=3, prefill_timeout_s=120), "timeouts-answer")
+    yield gw
+    gw.stop()
+
+
+@pytest.fixture(scope="module")
+def prefill_bound_gw(home, tiny_dir):
+    gw = start_gateway(home, _config(request_timeout_s=120, prefill_timeout_s=2), "timeouts-prefill")
+    yield gw
+    gw.stop()
+
+
+def test_waiting_for_a_turn_does_not_count_against_the_answer(answer_bound_gw):
+    """Two endless streams ahead on a one-row model each end 3 s after their first token; the
+    request behind them waits about 6 s, more than the 3 s an answer has, and still completes."""
+    outcomes = [{}, {}]
+    threads = [_endless(answer_bound_gw, outcome) for outcome in outcomes]
+    wait_for(lambda: _running_and_waiting(answer_bound_gw) == 2, 30)
+    status, _, body = http(
+        f"{answer_bound_gw.url}/v1/chat/completions",
+        "POST",
+        {"model": "serial", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
+        timeout=120,
+    )
+    for t in threads:
+        t.join(60)
+    assert status == 200, body
+    assert body["usage"]["completion_tokens"] >= 1
+    for outcome in outcomes:
+        assert "the answer took over 3 s" in outcome["end"]
+
+
+def test_a_request_that_gets_no_first_token_in_time_is_a_504(prefill_bound_gw):
+    outcome: dict = {}
+    thread = _endless(prefill_bound_gw, outcome)
+    try:
+        status, _, body = http(
+            f"{prefill_bound_gw.url}/v1/chat/completions",
+            "POST",
+            {"model": "serial", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
+            timeout=60,
+        )
+        assert status == 504, body
+        assert "no first token within 2 s" in body["error"]["message"]
+    finally:
+        prefill_bound_gw.stop()  # ends the endless stream too
+        thread.join(30)
+
+
+def _running_and_waiting(gw) -> int:
+    stats = [w.get("stats") or {} for w in gw.model_status("serial")["workers"]]
+    return sum(s.get("running", 0) + s.get("waiting", 0) for s in stats)
