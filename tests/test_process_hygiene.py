@@ -12,7 +12,7 @@ import sys
 import time
 
 import pytest
-from conftest import REPO, start_gateway
+from helpers import REPO, start_gateway
 
 NULL_CONFIG = {
     "manager": {"auto_discover": False},

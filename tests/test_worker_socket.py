@@ -10,7 +10,7 @@ import time
 import psutil
 import pytest
 import zmq
-from conftest import free_port, http, start_gateway
+from helpers import free_port, http, start_gateway
 from mlxgw.shared import protocol as p
 
 SECRET = "correct-horse-battery-staple-2"
