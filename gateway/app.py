@@ -15,6 +15,8 @@ from mlxgw.shared.errors import ErrorCode, ServiceError
 from . import observe
 from .api import (
     anthropic,
+    ollama,
+    ollama_models,
     openai_chat,
     openai_completions,
     openai_embeddings,
@@ -22,6 +24,7 @@ from .api import (
     responses,
     responses_output,
     system,
+    tokenize,
 )
 from .api.body import body_too_large
 from .api.errors import error_response, family_of
@@ -123,6 +126,9 @@ def make_app(
 
     app.cleanup_ctx.append(lifecycle)
     app[responses_output.STORE] = OrderedDict()
-    for module in (openai_chat, openai_completions, openai_embeddings, rerank, anthropic, responses, system, observe):
+    for module in (
+        *(openai_chat, openai_completions, openai_embeddings, rerank, anthropic, responses, system, observe),
+        *(ollama, ollama_models, tokenize),
+    ):
         app.add_routes(module.routes)
     return app

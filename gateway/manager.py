@@ -46,6 +46,7 @@ class ModelSlot:
     load_seconds: float | None = None
     measured_bytes: int | None = None  # peak RSS seen for this model's worker
     retired: bool = False  # removed or replaced by a reload: never restarted
+    keep_until: float = 0.0  # monotonic time before which idle unloading and eviction leave it (keep_loaded)
 
     @property
     def name(self) -> str:
@@ -82,6 +83,11 @@ class ModelManager:
     def local_conns(self, slot: ModelSlot) -> list[WorkerConn]:
         wid = slot.process.worker_id if slot.process else None
         return [c for c in self.conns(slot) if c.worker_id == wid]
+
+    def keep_loaded(self, slot: ModelSlot, seconds: float) -> None:
+        """Hold the model against idle unloading and eviction for `seconds` from now (Ollama's
+        keep_alive; math.inf: until unloaded explicitly). The latest request's value wins."""
+        slot.keep_until = time.monotonic() + seconds
 
     def in_flight(self, slot: ModelSlot) -> int:
         return sum(c.load for c in self.conns(slot))

@@ -77,7 +77,11 @@ class Residency:
         candidates = [
             s
             for s in self.resident(exclude)
-            if s.state == "ready" and not s.entry.pin and not s.retired and self.manager.in_flight(s) == 0
+            if s.state == "ready"
+            and not s.entry.pin
+            and not s.retired
+            and self.manager.in_flight(s) == 0
+            and time.monotonic() >= s.keep_until
         ]
         return min(candidates, key=lambda s: s.last_used) if candidates else None
 
@@ -135,6 +139,7 @@ class Residency:
                 idle_after
                 and not slot.entry.pin
                 and self.manager.in_flight(slot) == 0
+                and now >= slot.keep_until
                 and now - slot.last_used > idle_after
             ):
                 self.idle_unloads += 1
