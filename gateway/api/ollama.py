@@ -14,12 +14,12 @@ from aiohttp import web
 from mlxgw.shared.errors import ServiceError, invalid
 
 from ..generation import Generation, Outcome
+from ..sse import NDJSONWriter
 from ..state import MANAGER
 from . import ollama_common as oc
 from . import translate as t
 from . import validate as v
 from .images import ImageLimits, from_bare_base64, join_content
-from ..sse import NDJSONWriter
 from .stream import Emitter
 
 routes = web.RouteTableDef()

@@ -19,7 +19,7 @@ from ..state import MANAGER
 from . import translate as t
 from . import validate as v
 from .body import read_json
-from .fields import CommonFields, M, Stop, decode_fields
+from .fields import CommonFields, M, Stop
 from .validate import INT32_MAX
 
 # Ollama's own spelling of the options that mlxgw names differently.
@@ -72,7 +72,7 @@ def parse_duration(value, name: str = "keep_alive") -> float | None:
             return 0.0
         parts = _DURATION.findall(body)
         if not body or "".join(a + u for a, u in parts) != body:
-            raise invalid(f"'{name}' is not a valid duration: {value!r} (examples: \"5m\", \"1h30m\", \"0\")", name)
+            raise invalid(f'\'{name}\' is not a valid duration: {value!r} (examples: "5m", "1h30m", "0")', name)
         seconds = sign * sum(float(a) * _UNITS[u] for a, u in parts)
     else:
         seconds = float(value)
@@ -101,7 +101,7 @@ def think_kwargs(body: dict) -> dict | None:
         return {"enable_thinking": think}
     if think in ("low", "medium", "high"):
         return {"enable_thinking": True, "reasoning_effort": think}
-    raise invalid("'think' must be true, false, \"low\", \"medium\" or \"high\"", "think")
+    raise invalid('\'think\' must be true, false, "low", "medium" or "high"', "think")
 
 
 def resolve(request: web.Request, name: str, kinds: tuple[str, ...] = CHAT_KINDS):
