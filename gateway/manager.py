@@ -113,6 +113,10 @@ class ModelManager:
                 f"no worker is connected for model {slot.name} (it is served by remote workers)",
                 retry_after=10,
             )
+        if slot.state == "draining" and slot.exited is not None:
+            # A new process must not start while the last one exits: its exit would read as a
+            # crash of the new one (a restart, and an orphaned worker). unload() bounds the wait.
+            await slot.exited.wait()
         if slot.loading is None or slot.loading.done():
             self._start_load(slot)
         deadline = time.monotonic() + self.registry.manager.load_timeout_seconds

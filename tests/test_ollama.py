@@ -4,7 +4,9 @@ engine (exact output: tool calls, thinking), the real MiniLM encoder (embeddings
 
 from __future__ import annotations
 
+import datetime
 import json
+import time
 
 import jsonschema
 import ollama
@@ -22,7 +24,9 @@ CONFIG = {
     "models": [
         {"name": "tiny", "preload": True, "tool_parser": "hermes"},
         {"name": "tiny-unload", "source": "tiny"},
+        # Idle models leave after a second, unless keep_alive holds them.
         {"name": "echo", "engine": "echo", "tool_parser": "hermes", "reasoning_parser": "think"},
+        {"name": "echo-idle", "engine": "echo", "idle_unload_seconds": 1},
         {"name": "minilm-l6", "kind": "embedding"},
     ],
 }
@@ -36,7 +40,10 @@ WEATHER_TOOL = {
 }
 PERSON = {
     "type": "object",
-    "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0}},
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    },
     "required": ["name", "age"],
     "additionalProperties": False,
 }
@@ -78,7 +85,8 @@ def test_chat_answers_with_a_message_and_ollama_counters(client):
 
 
 def test_chat_streams_ndjson_by_default(gw):
-    status, headers, text = post(gw, "/api/chat", {"model": "echo", "messages": [{"role": "user", "content": "hello there"}]})
+    body = {"model": "echo", "messages": [{"role": "user", "content": "hello there"}]}
+    status, headers, text = post(gw, "/api/chat", body)
     assert status == 200 and headers["content-type"].startswith("application/x-ndjson")
     lines = [json.loads(line) for line in text.splitlines()]
     assert all(not line["done"] for line in lines[:-1]) and lines[-1]["done"]
@@ -124,7 +132,10 @@ def test_format_schema_is_enforced(client):
 
 def test_format_json_gives_an_object(client):
     r = client.generate(model="tiny", prompt="x", format="json", options={"num_predict": 300, "seed": 3})
-    assert isinstance(json.loads(r.response), dict)
+    if r.done_reason == "stop":
+        assert isinstance(json.loads(r.response), dict)
+    else:  # an unbounded object from random weights may run out of tokens; it must still be a JSON prefix
+        assert r.response.lstrip().startswith("{")
 
 
 def test_tool_calls_come_back_with_object_arguments(client):
@@ -205,14 +216,32 @@ def test_keep_alive_0_unloads_after_the_request(gw, client):
     assert "tiny-unload" not in {m.model for m in client.ps().models}
 
 
-def test_keep_alive_duration_shows_in_ps(client):
-    client.generate(model="echo", prompt="x", keep_alive="2h")
-    (echo,) = [m for m in client.ps().models if m.model == "echo"]
-    assert echo.expires_at.year >= 2000
-    import datetime
+def test_idle_model_leaves_without_keep_alive(client, gw):
+    client.generate(model="echo-idle", prompt="x")
+    wait_for(lambda: not gw.model_status("echo-idle")["loaded"], 30)
 
-    left = echo.expires_at - datetime.datetime.now(datetime.timezone.utc)
+
+def test_a_request_while_the_model_drains_gets_a_fresh_worker(client, gw):
+    """The next request right after keep_alive 0 waits for the old process to exit; its exit
+    is not taken for a crash of the new one (no restart, no orphaned worker)."""
+    for i in range(4):
+        client.generate(model="echo-idle", prompt="x", keep_alive=0)
+        time.sleep(0.05 * i)  # land in the unload at different moments
+        assert client.generate(model="echo-idle", prompt="again").response == "again"
+    time.sleep(2)
+    status = gw.model_status("echo-idle")
+    assert status["restarts"] == 0 and all(w["local"] for w in status["workers"])
+
+
+def test_keep_alive_duration_holds_the_model_past_its_idle_time(client, gw):
+    client.generate(model="echo-idle", prompt="x", keep_alive="2h")
+    (held,) = [m for m in client.ps().models if m.model == "echo-idle"]
+    left = held.expires_at - datetime.datetime.now(datetime.timezone.utc)
     assert datetime.timedelta(minutes=110) < left <= datetime.timedelta(hours=2, minutes=1)
+    time.sleep(4)  # four idle ticks past its idle_unload_seconds
+    assert gw.model_status("echo-idle")["loaded"]
+    client.generate(model="echo-idle", prompt="x", keep_alive="1s")  # the latest keep_alive wins
+    wait_for(lambda: not gw.model_status("echo-idle")["loaded"], 30)
 
 
 def test_load_only_request_loads_the_model(client, gw):
