@@ -4,7 +4,9 @@ engine (exact output: tool calls, thinking), the real MiniLM encoder (embeddings
 
 from __future__ import annotations
 
+import base64
 import datetime
+import io
 import json
 import time
 
@@ -309,3 +311,41 @@ def test_worker_lives_after_bad_input(gw, client):
     post(gw, "/api/chat", {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "format": {"type": 7}})
     r = client.chat(model="tiny", messages=[{"role": "user", "content": "x"}], options={"num_predict": 1})
     assert r.done and gw.worker_pid("tiny") == pid
+
+
+# -- images for vision models ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def vision_gw(home, tiny_vision_dir):
+    config = {"manager": {"auto_discover": False}, "models": [{"name": "tiny-vision", "kind": "vision"}]}
+    gw = start_gateway(home, config, "ollama-vision-gateway")
+    yield gw
+    gw.stop()
+
+
+def _png() -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (64, 48), (200, 30, 30)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def test_images_reach_a_vision_model(vision_gw):
+    client = ollama.Client(host=vision_gw.url, timeout=120)
+    ask = {"role": "user", "content": "What is in this image?"}
+    text_only = client.chat(model="tiny-vision", messages=[ask], options={"num_predict": 2})
+    with_image = client.chat(model="tiny-vision", messages=[{**ask, "images": [_png()]}], options={"num_predict": 2})
+    # the image became vision tokens in the prompt: start, end and at least one patch token
+    assert with_image.prompt_eval_count >= text_only.prompt_eval_count + 3
+    r = client.generate(model="tiny-vision", prompt="Describe", images=[_png()], options={"num_predict": 2})
+    assert r.prompt_eval_count >= text_only.prompt_eval_count
+    (worker,) = vision_gw.model_status("tiny-vision")["workers"]
+    wait_for(lambda: vision_gw.model_status("tiny-vision")["workers"][0]["stats"].get("images_seen") == 2, 10)
+
+
+def test_an_image_that_is_not_an_image_is_a_400(vision_gw):
+    body = {"model": "tiny-vision", "stream": False, "prompt": "x", "images": [base64.b64encode(b"text").decode()]}
+    got, _, answer = post(vision_gw, "/api/generate", body)
+    assert got == 400 and "not a PNG" in answer["error"]
