@@ -17,7 +17,7 @@ from .state import KEYS, LIMITER, MANAGER
 PUBLIC_PATHS = {"/health"}
 # Control routes need a key but do not count against its rate and concurrency limits: a key
 # at its concurrency cap must still be able to cancel its own request.
-UNMETERED_PREFIXES = ("/v1/requests/", "/v1/cache", "/v1/status", "/v1/models")
+UNMETERED_PREFIXES = ("/v1/requests/", "/v1/cache", "/v1/status", "/v1/models", "/api/tags", "/api/ps", "/api/version")
 
 
 def presented_key(request: web.Request) -> str | None:
