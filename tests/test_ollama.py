@@ -30,6 +30,7 @@ CONFIG = {
         {"name": "echo", "engine": "echo", "tool_parser": "hermes", "reasoning_parser": "think"},
         {"name": "echo-idle", "engine": "echo", "idle_unload_seconds": 1},
         {"name": "minilm-l6", "kind": "embedding"},
+        {"name": "tiny-short", "source": "tiny", "context_length": 64, "max_tokens_policy": "reject"},
     ],
 }
 WEATHER_TOOL = {
@@ -289,6 +290,39 @@ def test_client_raises_response_error_for_unknown_model(client):
     with pytest.raises(ollama.ResponseError) as e:
         client.chat(model="no-such-model", messages=[{"role": "user", "content": "x"}])
     assert e.value.status_code == 404
+
+
+def test_a_refusal_before_the_first_line_is_an_http_error_even_when_streaming(gw):
+    body = {"model": "tiny-short", "prompt": "word " * 200, "options": {"num_predict": 10}}
+    got, headers, answer = post(gw, "/api/generate", body)
+    assert got == 400 and set(answer) == {"error"} and headers["content-type"].startswith("application/json")
+
+
+def test_generate_streams_thinking_separately(client):
+    parts = list(client.generate(model="echo", prompt="<think>hmm</think>Yes.", think=True, stream=True))
+    assert "".join(p.thinking or "" for p in parts) == "hmm"
+    assert "".join(p.response for p in parts) == "Yes."
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status"),
+    [
+        ("/api/show", {"model": "no-such-model"}, 404),
+        ("/api/show", {}, 400),
+        ("/api/embed", {"model": "minilm-l6", "input": "x", "keep_alive": "soon"}, 400),
+        ("/api/embed", {"model": "minilm-l6", "input": "x", "options": {"temperature": "hot"}}, 400),
+        ("/api/embed", {"model": "tiny", "input": "x"}, 400),
+        ("/api/embeddings", {"model": "minilm-l6", "prompt": 5}, 400),
+        ("/api/chat", {"model": "minilm-l6", "messages": [{"role": "user", "content": "x"}]}, 400),
+        ("/api/generate", {"model": "tiny", "prompt": "x", "options": {"top_k": -1}}, 400),
+        ("/api/generate", {"model": "tiny", "prompt": "x", "keep_alive": [5]}, 400),
+        ("/api/generate", {"model": "tiny", "prompt": "x", "suffix": "y"}, 400),
+        ("/api/generate", {"model": "tiny", "prompt": "x", "raw": True, "system": "s"}, 400),
+    ],
+)
+def test_bad_input_on_every_route_is_an_ollama_error(gw, path, body, status):
+    got, _, answer = post(gw, path, body)
+    assert got == status and set(answer) == {"error"} and answer["error"]
 
 
 def test_bad_embed_input_is_a_400(gw):
