@@ -18,6 +18,8 @@ from .api import (
     admin,
     anthropic,
     audio,
+    ollama,
+    ollama_models,
     openai_chat,
     openai_completions,
     openai_embeddings,
@@ -25,6 +27,7 @@ from .api import (
     responses,
     responses_output,
     system,
+    tokenize,
 )
 from .api.body import body_too_large
 from .api.errors import error_response, family_of
@@ -137,8 +140,10 @@ def make_app(
     app.cleanup_ctx.append(lifecycle)
     app.cleanup_ctx.append(throughput_lifecycle)
     app[responses_output.STORE] = OrderedDict()
-    modules = (openai_chat, openai_completions, openai_embeddings, rerank, audio, anthropic, responses, system, observe)
-    for module in modules:
+    for module in (
+        *(openai_chat, openai_completions, openai_embeddings, rerank, audio, anthropic, responses, system, observe),
+        *(ollama, ollama_models, tokenize),
+    ):
         app.add_routes(module.routes)
     app.add_routes(admin.routes)
     app.add_routes(console_routes)

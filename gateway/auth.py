@@ -19,7 +19,10 @@ from .state import KEYS, LIMITER, MANAGER, SETTINGS
 PUBLIC_PATHS = {"/health"}
 # Control routes need a key but do not count against its rate and concurrency limits: a key
 # at its concurrency cap must still be able to cancel its own request.
-UNMETERED_PREFIXES = ("/v1/requests/", "/v1/cache", "/v1/status", "/v1/models", "/v1/keys", "/v1/usage")
+UNMETERED_PREFIXES = (
+    *("/v1/requests/", "/v1/cache", "/v1/status", "/v1/models", "/v1/keys", "/v1/usage"),
+    *("/api/tags", "/api/ps", "/api/version"),  # Ollama clients poll these
+)
 
 
 def presented_key(request: web.Request) -> str | None:

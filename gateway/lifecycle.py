@@ -109,6 +109,9 @@ class ModelSlot:
     measured_bytes: int | None = None  # peak RSS seen for this model's worker
     context_warning: str | None = None  # context_length above what the model supports
     retired: bool = False  # removed or replaced by a reload: never started again
+    # Monotonic time before which idle unloading and eviction leave the model (Ollama's
+    # keep_alive, through ModelManager.keep_loaded).
+    keep_until: float = 0.0
     wake: Pulse = field(default_factory=Pulse)  # interrupts the lifecycle task's waits
 
     @property

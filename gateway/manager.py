@@ -77,6 +77,11 @@ class ModelManager(SlotRunner):
     def in_flight(self, slot: ModelSlot) -> int:
         return sum(c.load for c in self.conns(slot))
 
+    def keep_loaded(self, slot: ModelSlot, seconds: float) -> None:
+        """Hold the model against idle unloading and eviction for `seconds` from now (Ollama's
+        keep_alive; math.inf: until unloaded explicitly). The latest request's value wins."""
+        slot.keep_until = time.monotonic() + seconds
+
     def all_slots(self) -> list[ModelSlot]:
         return [*self.slots.values(), *self.retiring]
 

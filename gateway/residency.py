@@ -9,6 +9,7 @@ The policy sees resident models as Occupants, a snapshot the manager builds."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from mlxgw.shared.config import Registry, parse_memory_budget
@@ -95,7 +96,11 @@ class Residency:
         candidates = [
             o.slot
             for o in others
-            if o.slot.state is SlotState.READY and not o.slot.entry.pin and not o.slot.retired and o.in_flight == 0
+            if o.slot.state is SlotState.READY
+            and not o.slot.entry.pin
+            and not o.slot.retired
+            and o.in_flight == 0
+            and time.monotonic() >= o.slot.keep_until
         ]
         return Plan(victim=min(candidates, key=lambda s: s.last_used) if candidates else None)
 
@@ -118,6 +123,7 @@ class Residency:
             and slot.state is SlotState.READY
             and not slot.entry.pin
             and o.in_flight == 0
+            and now >= slot.keep_until
             and now - slot.last_used > idle_after
         )
 

@@ -61,3 +61,19 @@ class SSEWriter:
             await self.response.write_eof()
         except (ConnectionResetError, RuntimeError):
             pass
+
+
+class NDJSONWriter(SSEWriter):
+    """Newline-delimited JSON (Ollama's streams): one object per line. The format has no
+    comments, so keep-alives write nothing."""
+
+    def __init__(self, request: web.Request, write_timeout_s: float = 30.0):
+        super().__init__(request, write_timeout_s)
+        self.response.headers["Content-Type"] = "application/x-ndjson"
+
+    async def data(self, payload: dict | str, event: str | None = None) -> None:
+        text = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
+        await self._write(f"{text}\n".encode())
+
+    async def comment(self, text: str = "keep-alive") -> None:
+        pass

@@ -135,8 +135,14 @@ class Engine:
                 self.runner.cache_clear()
                 result = self.runner.cache_stats()
             elif op == "tokenize":
-                req = p.GenerateRequest.from_wire({"rid": "tokenize", **(msg.get("args") or {})})
-                result = {"tokens": len(self.runner.encode(req))}
+                args = dict(msg.get("args") or {})
+                # add_special_tokens=False: the prompt's own tokens (chat templates place theirs).
+                plain = args.pop("add_special_tokens", True) is False and args.get("prompt") is not None
+                req = p.GenerateRequest.from_wire({"rid": "tokenize", **args})
+                ids = self.runner.encode_text(req.prompt) if plain else self.runner.encode(req)
+                result = {"tokens": len(ids), "ids": [int(i) for i in ids]}
+            elif op == "detokenize":
+                result = {"text": self._decode((msg.get("args") or {}).get("tokens") or [])}
             elif op == "status":
                 result = self.stats()
             else:
@@ -147,6 +153,24 @@ class Engine:
         except Exception as e:  # as above: answer the call, keep serving
             log.exception("call %s failed", op)
             self.link.send(p.REPLY, cid=cid, ok=False, error=ServiceError(ErrorCode.INTERNAL, str(e)).to_wire())
+
+    def _decode(self, ids: list) -> str:
+        """Token ids back to text with the model's own tokenizer (the engines without one
+        use their streaming detokenizer)."""
+        tokenizer = getattr(self.runner, "tokenizer", None)
+        vocab = getattr(self.runner, "vocab_size", None) or getattr(tokenizer, "vocab_size", None)
+        if any(not isinstance(t, int) or t < 0 or (vocab is not None and t >= vocab) for t in ids):
+            raise ServiceError(
+                ErrorCode.INVALID_REQUEST, f"token ids must be integers in [0, {vocab or 'vocab'})", param="tokens"
+            )
+        if tokenizer is not None and hasattr(tokenizer, "decode"):
+            return tokenizer.decode(ids)
+        detok, pieces = self.runner.new_detokenizer(), []
+        for t in ids:
+            detok.add_token(t)
+            pieces.append(detok.last_segment)
+        detok.finalize()
+        return "".join(pieces) + detok.last_segment
 
     def stats(self) -> dict:
         s = self.scheduler

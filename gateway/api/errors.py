@@ -21,6 +21,8 @@ _OPENAI_TYPES = {
 
 
 def family_of(path: str) -> str:
+    if path.startswith("/api/"):
+        return "ollama"
     return "anthropic" if path.startswith("/v1/messages") else "openai"
 
 
@@ -46,6 +48,8 @@ def error_response(err: ServiceError, family: str = "openai") -> web.Response:
         from .anthropic_errors import anthropic_error_body, anthropic_status
 
         body, status = anthropic_error_body(err), anthropic_status(err)
+    elif family == "ollama":  # Ollama's shape: {"error": "..."} with the status
+        body, status = {"error": err.message}, err.status
     else:
         body, status = openai_error_body(err), err.status
     return web.Response(

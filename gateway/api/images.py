@@ -85,6 +85,13 @@ def from_base64(media_type: str, data, where: str, limits: ImageLimits) -> dict:
     return {"type": "image", "source": _checked(_b64(data, where), where, limits)}
 
 
+def from_bare_base64(data, where: str, limits: ImageLimits) -> dict:
+    """An image as bare base64 without a media type (Ollama's `images`): the type is sniffed."""
+    if not isinstance(data, str) or not data:
+        raise invalid(f"{where}: an image must be a non-empty base64 string", where)
+    return {"type": "image", "source": _checked(_b64(data, where), where, limits)}
+
+
 def from_url(url, where: str, limits: ImageLimits) -> dict:
     """An image given as a URL: data: URLs always, http(s) only when fetching is enabled."""
     if not isinstance(url, str) or not url:

@@ -55,9 +55,14 @@ EmitterFactory = Callable[[SSEWriter, Generation], Emitter]
 
 
 async def run_stream(
-    request: web.Request, gen: Generation, make: EmitterFactory, headers: dict[str, str] | None = None
+    request: web.Request,
+    gen: Generation,
+    make: EmitterFactory,
+    headers: dict[str, str] | None = None,
+    writer: type[SSEWriter] = SSEWriter,
 ) -> web.StreamResponse:
-    sse = SSEWriter(request, request.app[SETTINGS].write_timeout_s)
+    """writer: the wire format (server-sent events; Ollama's NDJSON is a subclass)."""
+    sse = writer(request, request.app[SETTINGS].write_timeout_s)
     sse.response.headers.update(headers or {})
     gen.on_wait = sse.comment  # SSE comments: every client ignores them, even before the first event
     out = make(sse, gen)

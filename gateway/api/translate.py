@@ -18,6 +18,7 @@ from mlxgw.shared.errors import invalid
 
 from ..auth import reserve_tokens, resolve_model
 from ..generation import Generation, Outcome
+from ..sse import SSEWriter
 from ..state import MANAGER, SETTINGS
 from . import validate as v
 from .body import read_json
@@ -156,12 +157,14 @@ async def respond(
     emitter: EmitterFactory,
     render: Callable[[Generation, Outcome], dict],
     headers: dict[str, str] | None = None,
+    writer: type[SSEWriter] = SSEWriter,
 ) -> web.StreamResponse:
-    """Run the request: one JSON body from `render`, or a stream through the API's emitter."""
+    """Run the request: one JSON body from `render`, or a stream through the API's emitter
+    in the writer's wire format."""
     gen = generation(request, slot, await build_request(request, slot, parsed))
     headers = {**(headers or {}), **omitted_header(parsed)}
     if parsed.stream:
-        return await run_stream(request, gen, emitter, headers)
+        return await run_stream(request, gen, emitter, headers, writer)
     async with gen:
         out = await gen.result()
     return web.json_response(render(gen, out), headers=headers)

@@ -1,0 +1,238 @@
+"""Ollama's generating API: POST /api/chat and POST /api/generate, streamed as NDJSON
+(Ollama streams by default). One more translator on the shared layer: the body becomes a
+ParsedRequest, `respond` runs it, and the emitter below writes Ollama's lines.
+
+keep_alive maps to residency (ollama_common.apply_keep_alive); a request with no prompt
+(generate) or no messages (chat) only loads or, with keep_alive 0, unloads the model, as
+Ollama's clients expect."""
+
+from __future__ import annotations
+
+import json
+
+from aiohttp import web
+from mlxgw.shared.errors import ServiceError, invalid
+
+from ..generation import Generation, Outcome
+from ..sse import NDJSONWriter
+from ..state import MANAGER
+from . import ollama_common as oc
+from . import translate as t
+from . import validate as v
+from .images import ImageLimits, from_bare_base64, join_content
+from .stream import Emitter
+
+routes = web.RouteTableDef()
+
+ROLES = {"system", "user", "assistant", "tool"}
+
+
+def _images(raw, where: str, limits: ImageLimits | None) -> list[dict]:
+    if raw is None or raw == []:
+        return []
+    if not isinstance(raw, list):
+        raise invalid(f"{where}.images must be a list of base64 strings", "images")
+    if limits is None:
+        raise invalid("this model does not accept images; use a vision model", "images")
+    return [from_bare_base64(x, f"{where}.images[{i}]", limits) for i, x in enumerate(raw)]
+
+
+def _tool_calls(raw, where: str) -> list[dict]:
+    """Ollama's tool calls (arguments as an object) in the chat template's shape."""
+    if not isinstance(raw, list):
+        raise invalid(f"{where}.tool_calls must be a list", "messages")
+    calls = []
+    for call in raw:
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise invalid(f"{where}.tool_calls entries need function.name", "messages")
+        args = fn.get("arguments") or {}
+        if not isinstance(args, dict):
+            raise invalid(f"{where}.tool_calls[].function.arguments must be an object", "messages")
+        calls.append({"type": "function", "function": {"name": fn["name"], "arguments": args}})
+    return calls
+
+
+def parse_messages(raw, limits: ImageLimits | None) -> list[dict]:
+    if not isinstance(raw, list):
+        raise invalid("'messages' must be a list", "messages")
+    out = []
+    for i, m in enumerate(raw):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise invalid(f"{where} must be an object with a role of {', '.join(sorted(ROLES))}", "messages")
+        text = m.get("content") or ""
+        if not isinstance(text, str):
+            raise invalid(f"{where}.content must be a string", "messages")
+        msg = {"role": m["role"], "content": join_content([*_images(m.get("images"), where, limits), text])}
+        if m.get("tool_calls"):
+            msg["tool_calls"] = _tool_calls(m["tool_calls"], where)
+        name = m.get("tool_name") or m.get("name")
+        if isinstance(name, str):
+            msg["name"] = name
+        out.append(msg)
+    return out
+
+
+def parse_tools(raw) -> list[dict] | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, list):
+        raise invalid("'tools' must be a list", "tools")
+    tools = []
+    for tool in raw:
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(fn, dict):
+            raise invalid("each tool must be {'type': 'function', 'function': {...}}", "tools")
+        tools.append(t.function_tool(fn.get("name"), fn.get("description"), fn.get("parameters")))
+    return tools or None
+
+
+def _parsed(body: dict, messages=None, prompt=None, tools=None) -> t.ParsedRequest:
+    return t.ParsedRequest(
+        messages=messages,
+        prompt=prompt,
+        tools=tools,
+        constraint=oc.format_constraint(body.get("format")),
+        chat_template_kwargs=oc.think_kwargs(body),
+        **oc.parse_options(body),
+    )
+
+
+def parse_chat(body: dict, limits: ImageLimits | None) -> t.ParsedRequest:
+    messages = parse_messages(body.get("messages") or [], limits)
+    return _parsed(body, messages=messages, tools=parse_tools(body.get("tools")))
+
+
+def parse_generate(body: dict, limits: ImageLimits | None) -> t.ParsedRequest:
+    """A prompt through the chat template (with `system`), or as it is with `raw`."""
+    for unsupported in ("suffix", "template"):
+        if body.get(unsupported):
+            raise invalid(f"'{unsupported}' is not supported by this server", unsupported)
+    prompt = v.string(body, "prompt") or ""
+    system = v.string(body, "system")
+    images = _images(body.get("images"), "request", limits)
+    if v.boolean(body, "raw"):
+        if images or system:
+            raise invalid("'raw' prompts take no 'images' or 'system'", "raw")
+        return _parsed(body, prompt=prompt)
+    messages = [{"role": "system", "content": system}] if system else []
+    messages.append({"role": "user", "content": join_content([*images, prompt])})
+    return _parsed(body, messages=messages)
+
+
+async def _load_or_unload(request: web.Request, slot, keep_alive: float | None, shape: str) -> web.Response:
+    """A request without input: load the model (or unload it with keep_alive 0)."""
+    manager = request.app[MANAGER]
+    if keep_alive == 0:
+        if slot.process is not None and slot.state == "ready":
+            await manager.unload(slot, "keep_alive 0")
+        reason = "unload"
+    else:
+        await manager.acquire(slot)
+        oc.apply_keep_alive(request, slot, keep_alive)
+        reason = "load"
+    head = {"model": slot.name, "created_at": oc.created_at()}
+    empty = {"message": {"role": "assistant", "content": ""}} if shape == "chat" else {"response": ""}
+    return web.json_response({**head, **empty, "done": True, "done_reason": reason})
+
+
+async def _run(request: web.Request, shape: str) -> web.StreamResponse:
+    body, slot = await oc.open_request(request)
+    keep_alive = oc.parse_duration(body.get("keep_alive"))
+    limits = t.image_limits(request, slot)
+    parsed = parse_chat(body, limits) if shape == "chat" else parse_generate(body, limits)
+    if (shape == "chat" and not parsed.messages) or (shape == "generate" and _no_input(body)):
+        return await _load_or_unload(request, slot, keep_alive, shape)
+    try:
+        return await t.respond(
+            request, slot, parsed, lambda sse, gen: OllamaLines(sse, gen, shape), _renderer(shape), writer=NDJSONWriter
+        )
+    finally:
+        oc.apply_keep_alive(request, slot, keep_alive)
+
+
+def _no_input(body: dict) -> bool:
+    return not body.get("prompt") and not body.get("images") and not body.get("system")
+
+
+@routes.post("/api/chat")
+async def chat(request: web.Request) -> web.StreamResponse:
+    return await _run(request, "chat")
+
+
+@routes.post("/api/generate")
+async def generate(request: web.Request) -> web.StreamResponse:
+    return await _run(request, "generate")
+
+
+# -- output ---------------------------------------------------------------------------------------
+
+
+def _arguments(raw) -> dict:
+    """Ollama gives arguments as an object; text that is not a JSON object is kept under
+    "arguments" so nothing the model wrote is lost."""
+    try:
+        args = json.loads(raw) if isinstance(raw, str) else raw
+    except ValueError:
+        args = None
+    return args if isinstance(args, dict) else {"arguments": raw}
+
+
+def _tool_call(call: dict) -> dict:
+    return {"function": {"name": call["name"], "arguments": _arguments(call["arguments"])}}
+
+
+def _piece(shape: str, text: str = "", thinking: str = "", calls: list[dict] | None = None) -> dict:
+    """The output part of one line or body: `message` for chat, `response` for generate."""
+    if shape == "chat":
+        message = {"role": "assistant", "content": text}
+        if thinking:
+            message["thinking"] = thinking
+        if calls:
+            message["tool_calls"] = [_tool_call(c) for c in calls]
+        return {"message": message}
+    return {"response": text, **({"thinking": thinking} if thinking else {})}
+
+
+def _renderer(shape: str):
+    def render(gen: Generation, out: Outcome) -> dict:
+        return {
+            "model": gen.slot.name,
+            "created_at": oc.created_at(),
+            **_piece(shape, out.text, out.reasoning, out.tool_calls),
+            "done": True,
+            "done_reason": oc.done_reason(out.finish_reason),
+            **oc.timings(gen, out.usage),
+        }
+
+    return render
+
+
+class OllamaLines(Emitter):
+    """One JSON line per piece of output, then a last line with done: true and the counters."""
+
+    def __init__(self, sse, gen: Generation, shape: str):
+        super().__init__(sse, gen)
+        self.shape = shape
+
+    async def _line(self, piece: dict, done: bool = False) -> None:
+        await self.sse.data({"model": self.gen.slot.name, "created_at": oc.created_at(), **piece, "done": done})
+
+    async def reasoning(self, text: str) -> None:
+        await self._line(_piece(self.shape, thinking=text))
+
+    async def text(self, text: str) -> None:
+        await self._line(_piece(self.shape, text))
+
+    async def tool_call(self, call: dict) -> None:
+        await self._line(_piece(self.shape, calls=[call]))
+
+    async def finished(self, event: dict) -> None:
+        last = {"done_reason": oc.done_reason(event.get("reason")), **oc.timings(self.gen, self.gen.usage)}
+        await self.sse.data(
+            {"model": self.gen.slot.name, "created_at": oc.created_at(), **_piece(self.shape), "done": True, **last}
+        )
+
+    def error_body(self, err: ServiceError) -> dict:
+        return {"error": err.message}

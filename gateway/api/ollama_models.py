@@ -1,0 +1,198 @@
+"""Ollama's model routes and embeddings: GET /api/tags, GET /api/ps, POST /api/show,
+GET /api/version, POST /api/embed and the older POST /api/embeddings.
+
+Details (family, context length, chat template) come from the model's own files in the
+models directory (config.json, tokenizer_config.json); never from a path a client names."""
+
+from __future__ import annotations
+
+import array
+import hashlib
+import json
+import math
+import time
+from pathlib import Path
+
+from aiohttp import web
+from mlxgw.shared import protocol as p
+from mlxgw.shared.errors import invalid
+
+from ..state import MANAGER, SETTINGS
+from . import ollama_common as oc
+from . import translate as t
+from . import validate as v
+
+routes = web.RouteTableDef()
+
+# The Ollama API version reported to clients that check it (the shapes here follow it).
+OLLAMA_VERSION = "0.12.0"
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _model_dir(request: web.Request, slot) -> Path:
+    return slot.entry.model_path(request.app[MANAGER].registry.models_dir)
+
+
+def _details(config: dict, slot) -> dict:
+    family = str(config.get("model_type") or slot.entry.engine)
+    quant = config.get("quantization") or {}
+    return {
+        "parent_model": "",
+        "format": "safetensors" if slot.entry.engine == "mlx" else slot.entry.engine,
+        "family": family,
+        "families": [family],
+        "parameter_size": "",
+        "quantization_level": f"{quant['bits']}-bit" if isinstance(quant, dict) and quant.get("bits") else "",
+    }
+
+
+def _listing(request: web.Request, slot) -> dict:
+    path = _model_dir(request, slot)
+    files = [f for f in path.iterdir() if f.is_file()] if path.is_dir() else []
+    modified = max((f.stat().st_mtime for f in files), default=time.time())
+    return {
+        "name": slot.name,
+        "model": slot.name,
+        "modified_at": oc.created_at(modified),
+        "size": sum(f.stat().st_size for f in files),
+        "digest": hashlib.sha256(slot.name.encode()).hexdigest(),
+        "details": _details(_read_json(path / "config.json"), slot),
+    }
+
+
+@routes.get("/api/tags")
+async def tags(request: web.Request) -> web.Response:
+    slots = request.app[MANAGER].slots.values()
+    return web.json_response({"models": [_listing(request, s) for s in slots]})
+
+
+def _expires_at(manager, slot) -> str:
+    """When the model leaves if nothing uses it: keep_alive, else the idle-unload policy."""
+    now = time.monotonic()
+    idle = slot.entry.idle_unload_s
+    idle = manager.registry.manager.idle_unload_s if idle is None else idle
+    until = max(slot.keep_until, slot.last_used + idle if idle and not slot.entry.pin else math.inf)
+    wall = time.time() + min(until - now, 10 * 365 * 86400)  # "forever" as ten years, as a date
+    return oc.created_at(wall)
+
+
+@routes.get("/api/ps")
+async def ps(request: web.Request) -> web.Response:
+    manager = request.app[MANAGER]
+    running = []
+    for slot in manager.slots.values():
+        d = manager.describe(slot)
+        if not d["loaded"]:
+            continue
+        context = next((w["context_length"] for w in d["workers"] if w["context_length"]), None)
+        running.append(
+            {
+                **_listing(request, slot),
+                "size": d["memory_bytes"] or d["expected_bytes"],
+                "size_vram": 0,
+                "expires_at": _expires_at(manager, slot),
+                "context_length": context,
+            }
+        )
+    return web.json_response({"models": running})
+
+
+def _capabilities(slot) -> list[str]:
+    e = slot.entry
+    if e.kind in ("embedding", "rerank"):
+        return ["embedding"]
+    caps = ["completion"]
+    caps += ["tools"] if e.tool_parser else []
+    caps += ["vision"] if e.kind == "vision" else []
+    caps += ["thinking"] if e.reasoning_parser else []
+    return caps
+
+
+@routes.post("/api/show")
+async def show(request: web.Request) -> web.Response:
+    body, slot = await oc.open_request(request, kinds=("chat", "vision", "embedding", "rerank"))
+    path = _model_dir(request, slot)
+    config = _read_json(path / "config.json")
+    template = _read_json(path / "tokenizer_config.json").get("chat_template")
+    details = _details(config, slot)
+    info = {"general.architecture": details["family"]}
+    context = slot.entry.context_length or config.get("max_position_embeddings")
+    if context:
+        info[f"{details['family']}.context_length"] = context
+    return web.json_response(
+        {
+            "modelfile": "",
+            "parameters": "",
+            "template": template if isinstance(template, str) else "",
+            "details": details,
+            "model_info": info,
+            "capabilities": _capabilities(slot),
+            "modified_at": _listing(request, slot)["modified_at"],
+        }
+    )
+
+
+@routes.get("/api/version")
+async def version(request: web.Request) -> web.Response:
+    return web.json_response({"version": OLLAMA_VERSION})
+
+
+# -- embeddings -----------------------------------------------------------------------------------
+
+
+def _inputs(raw, name: str) -> list[str]:
+    if isinstance(raw, str) and raw:
+        return [raw]
+    if isinstance(raw, list) and raw and all(isinstance(x, str) and x for x in raw):
+        return raw
+    raise invalid(f"'{name}' must be a non-empty string or a list of non-empty strings", name)
+
+
+async def _embed(request: web.Request, slot, body: dict, inputs: list[str]) -> tuple[list[list[float]], dict]:
+    oc.parse_options(body)  # checked like every API's options, though an encoder samples nothing
+    v.boolean(body, "truncate")  # the model's entry decides (truncate: in models.yaml)
+    req = p.EmbedRequest(
+        rid=request["rid"],
+        inputs=inputs,
+        dimensions=v.integer(body, "dimensions", lo=1),
+        timeout_s=request.app[SETTINGS].request_timeout_s,
+    )
+    async with t.generation(request, slot, req) as gen:
+        done = await gen.finish_event()
+    blob, dim = done["vectors"], int(done["dim"])
+    row = dim * 4
+    vectors = [array.array("f", blob[i * row : (i + 1) * row]).tolist() for i in range(len(inputs))]
+    return vectors, oc.timings(gen, gen.usage)
+
+
+@routes.post("/api/embed")
+async def embed(request: web.Request) -> web.Response:
+    body, slot = await oc.open_request(request, kinds=("embedding",))
+    keep_alive = oc.parse_duration(body.get("keep_alive"))
+    inputs = _inputs(body.get("input"), "input")
+    try:
+        vectors, timing = await _embed(request, slot, body, inputs)
+    finally:
+        oc.apply_keep_alive(request, slot, keep_alive)
+    counters = {k: timing[k] for k in ("total_duration", "load_duration", "prompt_eval_count")}
+    return web.json_response({"model": slot.name, "embeddings": vectors, **counters})
+
+
+@routes.post("/api/embeddings")
+async def embeddings(request: web.Request) -> web.Response:
+    """The older single-prompt form: {"model", "prompt"} -> {"embedding": [...]}."""
+    body, slot = await oc.open_request(request, kinds=("embedding",))
+    keep_alive = oc.parse_duration(body.get("keep_alive"))
+    inputs = _inputs(body.get("prompt"), "prompt")
+    try:
+        vectors, _ = await _embed(request, slot, body, inputs)
+    finally:
+        oc.apply_keep_alive(request, slot, keep_alive)
+    return web.json_response({"embedding": vectors[0]})
