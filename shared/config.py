@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from . import discovery, model_store
+from .mcp_config import McpConfig, parse_mcp
 
 KINDS = ("chat", "embedding", "rerank", "vision", "audio", "speech")
 ENCODER_KINDS = ("embedding", "rerank")  # served by /v1/embeddings and /v1/rerank
@@ -66,6 +67,7 @@ class ModelEntry:
     truncate: bool = False  # inputs over the model's limit: cut (true) or refuse with a 400 (false)
     max_batch_inputs: int = 64  # inputs per forward pass
     max_batch_tokens: int = 8192  # padded tokens per forward pass
+    mcp_servers: list[str] = field(default_factory=list)  # MCP servers offered by default (shared/mcp_config.py)
 
     def model_path(self, models_dir: Path) -> Path:
         source = self.source or self.name
@@ -105,6 +107,7 @@ class Registry:
     manager: ManagerConfig
     models: list[ModelEntry]
     path: Path | None = None
+    mcp: McpConfig = field(default_factory=McpConfig)
 
     @property
     def models_dir(self) -> Path:
@@ -229,9 +232,10 @@ def parse_registry(data: Any, path: Path | None = None) -> Registry:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{src}: expected a mapping with 'manager' and 'models'")
-    unknown = sorted(set(data) - {"manager", "models"})
+    unknown = sorted(set(data) - {"manager", "models", "mcp"})
     if unknown:
-        raise ConfigError(f"{src}: unknown top-level key {unknown[0]!r} (known: manager, models)")
+        raise ConfigError(f"{src}: unknown top-level key {unknown[0]!r} (known: manager, models, mcp)")
+    mcp = parse_mcp(data.get("mcp"), src)
     manager = from_mapping(ManagerConfig, data.get("manager"), f"{src}: manager")
     if manager.contention not in ("wait", "fail"):
         raise ConfigError(f"{src}: manager: field 'contention': must be wait or fail")
@@ -252,7 +256,10 @@ def parse_registry(data: Any, path: Path | None = None) -> Registry:
             raise ConfigError(f"{where}: field 'name': duplicate model name {entry.name!r}")
         seen.add(entry.name)
         models.append(entry)
-    return Registry(manager=manager, models=models, path=path)
+        for label in entry.mcp_servers:
+            if mcp.server(label) is None:
+                raise ConfigError(f"{where}: field 'mcp_servers': no MCP server labelled {label!r} in mcp.servers")
+    return Registry(manager=manager, models=models, path=path, mcp=mcp)
 
 
 def load_registry(path: Path) -> Registry:
