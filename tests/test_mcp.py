@@ -8,14 +8,19 @@ result (the last message is then the tool message)."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import openai
+import psutil
 import pytest
 import yaml
-from helpers import REPO, http, start_gateway, wait_for
+from helpers import REPO, free_port, http, start_gateway, wait_for
 from mlxgw.gateway.keys import hash_key
 
 ADMIN = "mlxgw-mcp-admin-0123456789"
@@ -24,6 +29,7 @@ TIMEOUT_S = 2.0  # the files server's per-call timeout
 MAX_TURNS = 3
 FILES = [{"type": "mcp", "server_label": "files"}]
 NOTE = "the note says 42"
+SERVER_SCRIPT = REPO / "tests" / "fixtures" / "mcp_notes_server.py"
 
 
 def call(tool: str, **arguments) -> str:
@@ -42,8 +48,54 @@ def notes(tmp_path_factory) -> Path:
     return root
 
 
+def accepts(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
 @pytest.fixture(scope="module")
-def gw(home, notes, tmp_path_factory):
+def http_server(notes):
+    """The same MCP server over streamable HTTP, run by the test on a loopback port."""
+    port = free_port()
+    env = dict(os.environ, NOTES_DIR=str(notes))
+    proc = subprocess.Popen(
+        [sys.executable, str(SERVER_SCRIPT), "--http", str(port)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    wait_for(lambda: accepts(port), timeout=60)
+    yield f"http://127.0.0.1:{port}/mcp"
+    proc.terminate()
+    proc.wait(30)
+
+
+def files_server(notes: Path, **extra) -> dict:
+    return {
+        "label": "files",
+        "command": sys.executable,
+        "args": [str(SERVER_SCRIPT)],
+        "env": {"NOTES_DIR": str(notes)},
+        "allowed_tools": ["add", "read_note", "hang"],
+        "timeout_seconds": TIMEOUT_S,
+        **extra,
+    }
+
+
+def mcp_server_pids(gw) -> list[int]:
+    """The gateway's stdio MCP server processes."""
+    found = []
+    for pid in gw.descendants():
+        try:
+            if str(SERVER_SCRIPT) in psutil.Process(pid).cmdline():
+                found.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
+@pytest.fixture(scope="module")
+def gw(home, notes, http_server, tmp_path_factory):
     keys_path = tmp_path_factory.mktemp("mcp-keys") / "keys.yaml"
     keys = [{"name": "admin", "sha256": hash_key(ADMIN), "admin": True}, {"name": "user", "sha256": hash_key(USER)}]
     keys_path.write_text(yaml.safe_dump({"keys": keys}))
@@ -53,14 +105,8 @@ def gw(home, notes, tmp_path_factory):
             "max_turns": MAX_TURNS,
             "total_timeout_seconds": 60,
             "servers": [
-                {
-                    "label": "files",
-                    "command": sys.executable,
-                    "args": [str(REPO / "tests" / "fixtures" / "mcp_notes_server.py")],
-                    "env": {"NOTES_DIR": str(notes)},
-                    "allowed_tools": ["add", "read_note", "hang"],
-                    "timeout_seconds": TIMEOUT_S,
-                },
+                files_server(notes),
+                {"label": "web", "url": http_server, "allowed_tools": ["add"]},
                 # A server that cannot start: reported, never fatal to the gateway.
                 {"label": "broken", "command": sys.executable, "args": ["-c", "import sys; sys.exit(3)"]},
             ],
@@ -71,7 +117,7 @@ def gw(home, notes, tmp_path_factory):
         ],
     }
     gw = start_gateway(home, config, "mcp-gateway", extra_args=("--keys", str(keys_path)))
-    wait_for(lambda: servers(gw)["files"]["state"] == "ready", timeout=60)
+    wait_for(lambda: servers(gw)["files"]["state"] == servers(gw)["web"]["state"] == "ready", timeout=60)
     yield gw
     gw.stop()
 
@@ -92,18 +138,21 @@ def client(gw) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{gw.url}/v1", api_key=USER, max_retries=0)
 
 
-def test_tools_lists_the_allow_listed_tools_only(gw):
+def test_tools_lists_the_allow_listed_tools_of_every_server(gw):
     status, _, body = get(gw, "/v1/mcp/tools")
     assert status == 200
-    tools = {t["name"]: t for t in body["data"]}
-    assert set(tools) == {"add", "read_note", "hang"}  # delete_everything is not allow-listed
-    assert tools["add"]["server_label"] == "files"
-    assert set(tools["add"]["input_schema"]["properties"]) == {"a", "b"}
+    listed = {(t["server_label"], t["name"]) for t in body["data"]}
+    # delete_everything is on neither allow-list; "web" allows add only.
+    assert listed == {("files", "add"), ("files", "read_note"), ("files", "hang"), ("web", "add")}
+    add = next(t for t in body["data"] if t["name"] == "add")
+    assert set(add["input_schema"]["properties"]) == {"a", "b"}
 
 
 def test_servers_report_state_transport_tool_count_and_last_error(gw):
     files = servers(gw)["files"]
     assert (files["state"], files["transport"], files["tool_count"]) == ("ready", "stdio", 3)
+    web = servers(gw)["web"]
+    assert (web["state"], web["transport"], web["tool_count"]) == ("ready", "streamable-http", 1)
     broken = wait_for(lambda: servers(gw)["broken"]["last_error"] and servers(gw)["broken"])
     assert broken["state"] in ("failed", "connecting")
     assert broken["tool_count"] == 0
@@ -199,6 +248,20 @@ def test_responses_streams_mcp_call_items(gw):
     assert final.output_text == "2"
 
 
+def test_a_streamable_http_server_runs_tools_in_the_loop(gw):
+    tools = [{"type": "mcp", "server_label": "web"}]
+    out = client(gw).chat.completions.create(model="echo", messages=ask(call("add", a=3, b=4)), tools=tools)
+    assert out.choices[0].message.content == "7"
+    assert out.choices[0].message.model_extra["mlxgw_mcp_calls"][0]["server_label"] == "web"
+
+
+def test_naming_two_servers_with_the_same_tool_name_is_a_400(gw):
+    tools = [{"type": "mcp", "server_label": "files"}, {"type": "mcp", "server_label": "web"}]
+    with pytest.raises(openai.BadRequestError) as err:
+        client(gw).chat.completions.create(model="echo", messages=ask("hi"), tools=tools)
+    assert "offered twice" in err.value.body["message"]
+
+
 def test_a_hanging_tool_becomes_an_error_result_within_the_timeout(gw):
     started = time.monotonic()
     out = client(gw).chat.completions.create(model="echo", messages=ask(call("hang")), tools=FILES)
@@ -267,3 +330,23 @@ def test_the_loop_stops_after_max_turns_and_the_model_answers(gw):
     assert len(ran) == MAX_TURNS
     assert out.choices[0].finish_reason == "stop"  # the tools were withdrawn: the model answered
     assert "read_note" in out.choices[0].message.content
+
+
+def test_a_server_process_that_dies_is_reconnected(gw):
+    (pid,) = mcp_server_pids(gw)
+    before = servers(gw)["files"]["connect_attempts"]
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: servers(gw)["files"]["connect_attempts"] > before and servers(gw)["files"]["state"] == "ready", 60)
+    assert mcp_server_pids(gw) != [pid]
+    assert execute(gw, {"server_label": "files", "name": "add", "arguments": {"a": 2, "b": 2}})[2]["output"] == "4"
+
+
+def test_stopping_the_gateway_stops_its_mcp_servers(home, notes):
+    config = {"manager": {"auto_discover": False}, "mcp": {"servers": [files_server(notes)]}, "models": []}
+    gw = start_gateway(home, config, "mcp-stop-gateway")
+    try:
+        pids = wait_for(lambda: mcp_server_pids(gw))
+        wait_for(lambda: http(f"{gw.url}/health")[2]["mcp"]["files"] == "ready", 60)
+    finally:
+        assert gw.stop() == 0
+    assert not [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]

@@ -12,9 +12,6 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
-from mcp import ClientSession, StdioServerParameters
-from mcp.client.stdio import get_default_environment, stdio_client
-from mcp.client.streamable_http import streamablehttp_client
 from mlxgw.shared.errors import redact_paths
 from mlxgw.shared.mcp_config import McpServerConfig
 
@@ -22,7 +19,7 @@ log = logging.getLogger("mlxgw.mcp")
 
 BACKOFF_FIRST_S = 1.0
 BACKOFF_MAX_S = 30.0
-PING_EVERY_S = 10.0
+PING_EVERY_S = 5.0  # how soon a dead server is noticed
 
 
 @dataclass
@@ -52,7 +49,7 @@ class McpServer:
         self.state = "connecting"  # connecting | ready | failed | closed
         self.last_error: str | None = None
         self.tools: list = []  # mcp.types.Tool, allow-listed
-        self.session: ClientSession | None = None
+        self.session = None  # mcp.ClientSession while ready
         self.connected_at: float | None = None
         self.attempts = 0
 
@@ -78,6 +75,12 @@ class McpServer:
 
     @asynccontextmanager
     async def _streams(self):
+        # Imported here: the SDK (pydantic, starlette, ...) costs a gateway without MCP
+        # servers over half a second of start-up.
+        from mcp import StdioServerParameters
+        from mcp.client.stdio import get_default_environment, stdio_client
+        from mcp.client.streamable_http import streamablehttp_client
+
         if self.cfg.command:
             # The default environment (PATH, HOME, ...) plus the configured variables: the
             # gateway's own environment (keys, tokens) is not handed to a tool process.
@@ -108,6 +111,8 @@ class McpServer:
             backoff = min(backoff * 2, BACKOFF_MAX_S)
 
     async def _hold_session(self) -> None:
+        from mcp import ClientSession
+
         self.state = "connecting"
         async with self._streams() as (read, write), ClientSession(read, write) as session:
             await asyncio.wait_for(session.initialize(), self.cfg.connect_timeout_seconds)
