@@ -22,6 +22,7 @@ import pytest
 import yaml
 from helpers import REPO, free_port, http, start_gateway, wait_for
 from mlxgw.gateway.keys import hash_key
+from mlxgw.shared.config import ConfigError, parse_registry
 
 ADMIN = "mlxgw-mcp-admin-0123456789"
 USER = "mlxgw-mcp-user-0123456789"
@@ -350,3 +351,20 @@ def test_stopping_the_gateway_stops_its_mcp_servers(home, notes):
     finally:
         assert gw.stop() == 0
     assert not [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
+
+
+@pytest.mark.parametrize(
+    ("mcp", "models", "message"),
+    [
+        ({"servers": [{"label": "a", "command": "x", "timeout": 3}]}, [], "unknown field 'timeout'"),
+        ({"servers": [{"label": "a", "command": "x", "url": "http://127.0.0.1:1/mcp"}]}, [], "either 'command'"),
+        ({"servers": [{"label": "a"}]}, [], "either 'command'"),
+        ({"servers": [{"label": "a", "command": "x", "env": {"A": 1}}]}, [], "field 'env'"),
+        ({"servers": [{"label": "a b", "command": "x"}]}, [], "field 'label'"),
+        ({"servers": [{"label": "a", "command": "x"}, {"label": "a", "command": "y"}]}, [], "duplicate"),
+        ({"servers": []}, [{"name": "m", "mcp_servers": ["nope"]}], "no MCP server labelled 'nope'"),
+    ],
+)
+def test_models_yaml_mcp_mistakes_are_errors_that_name_the_field(mcp, models, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_registry({"mcp": mcp, "models": models})
