@@ -115,6 +115,7 @@ def gw(home, notes, http_server, tmp_path_factory):
         "models": [
             {"name": "echo", "engine": "echo", "tool_parser": "hermes", "preload": True},
             {"name": "echo-files", "engine": "echo", "tool_parser": "hermes", "mcp_servers": ["files"]},
+            {"name": "echo-broken", "engine": "echo", "tool_parser": "hermes", "mcp_servers": ["broken"]},
         ],
     }
     gw = start_gateway(home, config, "mcp-gateway", extra_args=("--keys", str(keys_path)))
@@ -316,6 +317,21 @@ def test_calling_a_client_tool_returns_the_turn_to_the_client(gw):
     assert choice.finish_reason == "tool_calls"
     assert [c.function.name for c in choice.message.tool_calls] == ["get_weather"]
     assert "mlxgw_mcp_calls" not in choice.message.model_extra
+
+
+def test_mcp_calls_beside_a_client_call_are_run_and_not_handed_to_the_client(gw):
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    text = call("add", a=1, b=2) + call("get_weather", city="Paris")
+    out = client(gw).chat.completions.create(model="echo", messages=ask(text), tools=[*FILES, weather])
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert [c.function.name for c in choice.message.tool_calls] == ["get_weather"]
+    assert [(c["name"], c["output"]) for c in choice.message.model_extra["mlxgw_mcp_calls"]] == [("add", "3")]
+
+
+def test_a_models_default_server_that_is_down_does_not_stop_the_model(gw):
+    out = client(gw).chat.completions.create(model="echo-broken", messages=ask("still here"))
+    assert out.choices[0].message.content == "still here"
 
 
 def test_the_models_default_servers_are_offered_without_naming_them(gw):

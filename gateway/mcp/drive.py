@@ -63,6 +63,9 @@ async def respond(
             if len(mine) == len(out.tool_calls):
                 loop.extend(parsed.messages, out.text, results, *hooks.also_extend)
                 continue
+            # The client's own calls go back to it; the MCP calls beside them were run and are
+            # listed by hooks.decorate, not handed to the client to run.
+            out.tool_calls = [c for c in out.tool_calls if not loop.is_mcp(c)]
         out.usage = gen.usage = total
         body = render(gen, out)
         hooks.decorate(body, loop.calls)

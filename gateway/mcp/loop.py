@@ -98,6 +98,8 @@ class ToolLoop:
         client_names = {_tool_name(x) for x in client_tools or [] if isinstance(x, dict)}
         for label, allowed in labels:
             server = hub.server(label)
+            if server.state != "ready" and not specs:
+                continue  # a model's default server that is down: the model still serves without it
             if server.state != "ready":
                 raise ServiceError(
                     ErrorCode.MODEL_UNAVAILABLE,
