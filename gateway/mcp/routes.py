@@ -13,6 +13,8 @@ from .hub import MCP
 
 routes = web.RouteTableDef()
 
+FAILED = {"timeout": ErrorCode.TIMEOUT, "unavailable": ErrorCode.MODEL_UNAVAILABLE, "failed": ErrorCode.WORKER_LOST}
+
 
 @routes.get("/v1/mcp/servers")
 async def servers(request: web.Request) -> web.Response:
@@ -51,6 +53,8 @@ async def execute(request: web.Request) -> web.Response:
     if server.state == "ready" and server.tool(name) is None:
         raise invalid(f"tool '{name}' is not allowed on MCP server '{label}'", "name")
     result = await server.call(name, arguments)
+    if result.status in FAILED:  # the status tells the truth; a tool's own error is still a 200
+        raise ServiceError(FAILED[result.status], result.error or "the tool call failed")
     return web.json_response(
         {
             "server_label": label,

@@ -26,6 +26,8 @@ PING_EVERY_S = 5.0  # how soon a dead server is noticed
 class ToolResult:
     output: str
     error: str | None = None  # set when the call failed, timed out or the tool reported an error
+    # ok | tool_error (the tool answered with an error) | timeout | unavailable | failed (transport)
+    status: str = "ok"
 
 
 def _describe(err: BaseException) -> str:
@@ -130,18 +132,22 @@ class McpServer:
         timeout = min(self.cfg.timeout_seconds, timeout_s) if timeout_s is not None else self.cfg.timeout_seconds
         session = self.session
         if session is None or self.state != "ready":
-            return ToolResult("", f"MCP server '{self.label}' is {self.state}: {self.last_error or 'not connected'}")
+            why = f"MCP server '{self.label}' is {self.state}: {self.last_error or 'not connected'}"
+            return ToolResult("", why, "unavailable")
         if self.tool(name) is None:
-            return ToolResult("", f"tool '{name}' is not allowed on MCP server '{self.label}'")
+            return ToolResult("", f"tool '{name}' is not allowed on MCP server '{self.label}'", "unavailable")
+        where = f"tool '{name}' on MCP server '{self.label}'"
         try:
             result = await asyncio.wait_for(
                 session.call_tool(name, arguments, read_timeout_seconds=timedelta(seconds=timeout + 1)), timeout
             )
         except asyncio.TimeoutError:
-            return ToolResult("", f"tool '{name}' on MCP server '{self.label}' timed out after {timeout:g} s")
+            return ToolResult("", f"{where} timed out after {timeout:g} s", "timeout")
         except asyncio.CancelledError:
             raise
         except Exception as err:  # noqa: BLE001 - the transport's failures become the call's error
-            return ToolResult("", f"tool '{name}' on MCP server '{self.label}' failed: {_describe(err)}")
+            return ToolResult("", f"{where} failed: {_describe(err)}", "failed")
         text = _content_text(result)
-        return ToolResult(text, (text or "the tool reported an error") if result.isError else None)
+        if result.isError:
+            return ToolResult(text, text or "the tool reported an error", "tool_error")
+        return ToolResult(text)
