@@ -50,7 +50,7 @@ async def respond(
     headers = {**(headers or {}), **t.omitted_header(parsed)}
     client_tools = parsed.tools
     if parsed.stream:
-        return await _stream(request, slot, parsed, loop, hooks, emitter, headers, client_tools)
+        return await _McpStream(request, slot, parsed, loop, hooks, emitter, client_tools).respond(headers)
     while True:
         offering = loop.offering()
         gen = await _turn_request(request, slot, parsed, loop, client_tools)
@@ -85,60 +85,89 @@ async def _run_with_keepalive(loop: ToolLoop, calls: list[dict], sse: SSEWriter,
         task.cancel()
 
 
-async def _stream(request, slot, parsed, loop: ToolLoop, hooks: McpHooks, make: EmitterFactory, headers, client_tools):
-    sse = SSEWriter(request, request.app[SETTINGS].write_timeout_s)
-    sse.response.headers.update(headers)
-    out: Emitter | None = None
-    shown = 0  # tool calls already shown: Chat's indices continue across turns
-    try:
-        while True:
-            offering = loop.offering()
-            gen = await _turn_request(request, slot, parsed, loop, client_tools)
-            gen.on_wait = sse.comment
-            mine: list[dict] = []
-            client_calls = 0
-            texts: list[str] = []
-            finish: dict | None = None
-            async with gen:
-                if out is None:
-                    out = make(sse, gen)
-                    await out.opened()
-                out.gen = gen
-                if hasattr(out, "builder"):  # the Responses emitter's response object reads it too
-                    out.builder.gen = gen
-                async for ev in gen.content(on_idle=out.idle):
-                    if ev.get("reasoning"):
-                        await out.reasoning(ev["reasoning"])
-                    if ev.get("text"):
-                        texts.append(ev["text"])
-                        await out.text(ev["text"])
-                    for call in ev.get("tool_calls") or []:
-                        call = {**call, "index": call.get("index", 0) + shown, "id": call.get("id") or new_call_id()}
-                        if offering and loop.is_mcp(call):
-                            mine.append(call)
-                            await hooks.call(out, call, loop.tools[call["name"]].label)
-                        else:
-                            client_calls += 1
-                            await out.tool_call(call)
-                    if ev["e"] == p.EV_FINISH:
-                        finish = ev
-            if finish is None:
-                raise ServiceError(ErrorCode.INTERNAL, "the generation ended without a finish event")
-            total = loop.add_usage(gen.usage)
-            if mine:
-                shown += len(mine) + client_calls
-                results = await _run_with_keepalive(loop, mine, sse, request.app[SETTINGS].keepalive_s)
-                for r in results:
-                    await hooks.result(out, r)
-                if not client_calls:
-                    loop.extend(parsed.messages, "".join(texts), results, *hooks.also_extend)
-                    continue
-            gen.usage = total
-            await out.finished(finish)
-            break
-    except ServiceError as err:
-        if not sse.opened or out is None:
-            raise
-        await sse.error(out.error_body(err), out.error_event)
-    await sse.close()
-    return sse.response
+@dataclass
+class _Turn:
+    """What one streamed generation produced, as far as the loop cares."""
+
+    mcp_calls: list[dict] = field(default_factory=list)
+    client_calls: int = 0
+    texts: list[str] = field(default_factory=list)
+    finish: dict | None = None
+
+
+class _McpStream:
+    """One stream across the loop's turns: one emitter, opened once and finished once."""
+
+    def __init__(self, request: web.Request, slot, parsed, loop: ToolLoop, hooks: McpHooks, make, client_tools):
+        self.request, self.slot, self.parsed, self.loop, self.hooks = request, slot, parsed, loop, hooks
+        self.make, self.client_tools = make, client_tools
+        self.sse = SSEWriter(request, request.app[SETTINGS].write_timeout_s)
+        self.out: Emitter | None = None
+        self.shown = 0  # tool calls already shown: Chat's indices continue across turns
+
+    async def respond(self, headers: dict[str, str]) -> web.StreamResponse:
+        self.sse.response.headers.update(headers)
+        try:
+            while not await self._turn():
+                pass
+        except ServiceError as err:
+            if not self.sse.opened or self.out is None:
+                raise
+            await self.sse.error(self.out.error_body(err), self.out.error_event)
+        await self.sse.close()
+        return self.sse.response
+
+    async def _turn(self) -> bool:
+        """One generation, and its MCP calls run; True once the client's turn is over."""
+        offering = self.loop.offering()
+        gen = await _turn_request(self.request, self.slot, self.parsed, self.loop, self.client_tools)
+        gen.on_wait = self.sse.comment
+        turn = _Turn()
+        async with gen:
+            out = self._emitter(gen)
+            if self.out is None:
+                self.out = out
+                await out.opened()
+            async for ev in gen.content(on_idle=out.idle):
+                await self._show(ev, turn, offering)
+        if turn.finish is None:
+            raise ServiceError(ErrorCode.INTERNAL, "the generation ended without a finish event")
+        total = self.loop.add_usage(gen.usage)
+        if turn.mcp_calls:
+            self.shown += len(turn.mcp_calls) + turn.client_calls
+            every_s = self.request.app[SETTINGS].keepalive_s
+            results = await _run_with_keepalive(self.loop, turn.mcp_calls, self.sse, every_s)
+            for r in results:
+                await self.hooks.result(out, r)
+            if not turn.client_calls:
+                self.loop.extend(self.parsed.messages, "".join(turn.texts), results, *self.hooks.also_extend)
+                return False
+        gen.usage = total
+        await out.finished(turn.finish)
+        return True
+
+    def _emitter(self, gen: Generation) -> Emitter:
+        """The stream's one emitter, pointed at this turn's generation."""
+        out = self.out or self.make(self.sse, gen)
+        out.gen = gen
+        if hasattr(out, "builder"):  # the Responses emitter's response object reads it too
+            out.builder.gen = gen
+        return out
+
+    async def _show(self, ev: dict, turn: _Turn, offering: bool) -> None:
+        out = self.out
+        if ev.get("reasoning"):
+            await out.reasoning(ev["reasoning"])
+        if ev.get("text"):
+            turn.texts.append(ev["text"])
+            await out.text(ev["text"])
+        for call in ev.get("tool_calls") or []:
+            call = {**call, "index": call.get("index", 0) + self.shown, "id": call.get("id") or new_call_id()}
+            if offering and self.loop.is_mcp(call):
+                turn.mcp_calls.append(call)
+                await self.hooks.call(out, call, self.loop.tools[call["name"]].label)
+            else:
+                turn.client_calls += 1
+                await out.tool_call(call)
+        if ev["e"] == p.EV_FINISH:
+            turn.finish = ev
