@@ -39,6 +39,8 @@ from .keys import KeyStore
 from .ledger import LEDGER, Ledger, ledger_lifecycle, usage_middleware
 from .limits import RateLimiter
 from .manager import ModelManager
+from .mcp import routes as mcp_routes
+from .mcp.hub import MCP, McpHub, mcp_lifecycle
 from .metrics import Metrics
 from .observe import ACTIVE, add_response_headers, capacity_middleware, cors_middleware, observe_middleware
 from .state import BROKER, KEYS, LIMITER, MANAGER, METRICS, SETTINGS, GatewaySettings
@@ -125,6 +127,7 @@ def make_app(
     app[ACTIVE] = {"n": 0}
     app[LEDGER] = Ledger(paths.home() / "usage.db" if m.usage_ledger else None, m.usage_retention_days)
     app[THROUGHPUT] = Throughput()
+    app[MCP] = McpHub(registry.mcp)
     app.on_response_prepare.append(add_response_headers)
     if app[KEYS] is not None:
         app[KEYS].refresh()
@@ -139,6 +142,7 @@ def make_app(
     app.cleanup_ctx.append(ledger_lifecycle)  # before the workers' lifecycle: it closes after them
     app.cleanup_ctx.append(lifecycle)
     app.cleanup_ctx.append(throughput_lifecycle)
+    app.cleanup_ctx.append(mcp_lifecycle)  # connects in the background: never delays start-up
     app[responses_output.STORE] = OrderedDict()
     for module in (
         *(openai_chat, openai_completions, openai_embeddings, rerank, audio, anthropic, responses, system, observe),
@@ -146,5 +150,6 @@ def make_app(
     ):
         app.add_routes(module.routes)
     app.add_routes(admin.routes)
+    app.add_routes(mcp_routes.routes)
     app.add_routes(console_routes)
     return app

@@ -18,6 +18,7 @@ from typing import Any, Literal
 import yaml
 
 from . import discovery, model_store
+from .mcp_config import McpConfig, parse_mcp
 
 log = logging.getLogger("mlxgw.config")
 
@@ -75,6 +76,7 @@ class ModelEntry:
     truncate: bool = False  # inputs over the model's limit: cut (true) or refuse with a 400 (false)
     max_batch_inputs: int = 64  # inputs per forward pass
     max_batch_tokens: int = 8192  # padded tokens per forward pass
+    mcp_servers: list[str] = field(default_factory=list)  # MCP servers offered by default (shared/mcp_config.py)
 
     def model_path(self, models_dir: Path) -> Path:
         source = self.source or self.name
@@ -151,6 +153,7 @@ class Registry:
     models: list[ModelEntry]
     path: Path | None = None
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
+    mcp: McpConfig = field(default_factory=McpConfig)
 
     @property
     def models_dir(self) -> Path:
@@ -322,10 +325,11 @@ def parse_registry(data: Any, path: Path | None = None) -> Registry:
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError(f"{src}: expected a mapping with 'gateway', 'manager' and 'models'")
-    unknown = sorted(set(data) - {"gateway", "manager", "models"})
+        raise ConfigError(f"{src}: expected a mapping with 'gateway', 'manager', 'models' and 'mcp'")
+    unknown = sorted(set(data) - {"gateway", "manager", "models", "mcp"})
     if unknown:
-        raise ConfigError(f"{src}: unknown top-level key {unknown[0]!r} (known: gateway, manager, models)")
+        raise ConfigError(f"{src}: unknown top-level key {unknown[0]!r} (known: gateway, manager, models, mcp)")
+    mcp = parse_mcp(data.get("mcp"), src)
     raw_manager, raw_gateway = _split_moved(data.get("manager"), data.get("gateway"), src)
     manager = from_mapping(ManagerConfig, raw_manager, f"{src}: manager")
     _check_manager(manager, f"{src}: manager")
@@ -347,7 +351,10 @@ def parse_registry(data: Any, path: Path | None = None) -> Registry:
             raise ConfigError(f"{where}: field 'name': duplicate model name {entry.name!r}")
         seen.add(entry.name)
         models.append(entry)
-    return Registry(manager=manager, models=models, path=path, gateway=gateway)
+        for label in entry.mcp_servers:
+            if mcp.server(label) is None:
+                raise ConfigError(f"{where}: field 'mcp_servers': no MCP server labelled {label!r} in mcp.servers")
+    return Registry(manager=manager, models=models, path=path, gateway=gateway, mcp=mcp)
 
 
 def _split_moved(manager: Any, gateway: Any, src: str) -> tuple[Any, Any]:

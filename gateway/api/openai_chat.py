@@ -8,6 +8,9 @@ from aiohttp import web
 from mlxgw.shared.errors import invalid
 
 from ..generation import Generation, Outcome
+from ..mcp import drive as mcp_drive
+from ..mcp import loop as mcp
+from ..mcp.shapes import chat_hooks
 from . import openai_common as oc
 from . import translate as t
 from . import validate as v
@@ -139,8 +142,12 @@ def parse(body: dict, images: ImageLimits | None) -> t.ParsedRequest:
 @routes.post("/v1/chat/completions")
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     body, slot = await t.open_request(request)
+    body, mcp_loop = mcp.from_request(request, slot, body)  # MCP tools run by the gateway (gateway/mcp/)
     parsed = parse(body, t.image_limits(request, slot))
     usage = oc.include_usage(body)
+    if mcp_loop is not None:
+        emitter = lambda sse, gen: ChatChunks(sse, gen, usage)  # noqa: E731
+        return await mcp_drive.respond(request, slot, parsed, mcp_loop, chat_hooks(), emitter, _render)
     return await t.respond(request, slot, parsed, lambda sse, gen: ChatChunks(sse, gen, usage), _render)
 
 

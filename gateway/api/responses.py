@@ -15,6 +15,9 @@ import json
 from aiohttp import web
 from mlxgw.shared.errors import invalid
 
+from ..mcp import drive as mcp_drive
+from ..mcp import loop as mcp
+from ..mcp.shapes import responses_hooks
 from . import translate as t
 from . import validate as v
 from .content import ContentPolicy, b64decode, data_url, read_pdfs, text_file, titled
@@ -178,6 +181,8 @@ def parse(body: dict, history: list[dict], policy: ContentPolicy) -> t.ParsedReq
 @routes.post("/v1/responses")
 async def responses(request: web.Request) -> web.StreamResponse:
     body, slot = await t.open_request(request)
+    sent = body  # the body as sent: echoed in the response object, MCP tools included
+    body, mcp_loop = mcp.from_request(request, slot, body)  # MCP tools run by the gateway (gateway/mcp/)
     history: list[dict] = []
     previous = v.string(body, "previous_response_id")
     if previous:
@@ -191,11 +196,9 @@ async def responses(request: web.Request) -> web.StreamResponse:
     stored = parsed.messages[1:] if v.string(body, "instructions") else parsed.messages
     _, ignored = _tools(body.get("tools"))
     headers = {"x-mlxgw-ignored-tools": ",".join(ignored)} if ignored else {}
-    return await t.respond(
-        request,
-        slot,
-        parsed,
-        lambda sse, gen: ResponseEvents(sse, gen, request, body, stored),
-        lambda gen, out: render(request, body, gen, out, stored),
-        headers,
-    )
+    emitter = lambda sse, gen: ResponseEvents(sse, gen, request, sent, stored)  # noqa: E731
+    renderer = lambda gen, out: render(request, sent, gen, out, stored)  # noqa: E731
+    if mcp_loop is not None:
+        hooks = responses_hooks(stored)
+        return await mcp_drive.respond(request, slot, parsed, mcp_loop, hooks, emitter, renderer, headers)
+    return await t.respond(request, slot, parsed, emitter, renderer, headers)

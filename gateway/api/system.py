@@ -9,6 +9,7 @@ from datetime import datetime, timezone
 from aiohttp import web
 from mlxgw.shared.errors import ErrorCode, ServiceError, redact_paths
 
+from ..mcp.hub import MCP
 from ..state import BROKER, MANAGER
 from .errors import error_response
 
@@ -73,7 +74,7 @@ async def root(request: web.Request) -> web.Response:
 async def health(request: web.Request) -> web.Response:
     manager = request.app[MANAGER]
     models = {s.name: s.state for s in manager.slots.values()}
-    return web.json_response({"status": "ok", "models": models})
+    return web.json_response({"status": "ok", "models": models, "mcp": request.app[MCP].health()})
 
 
 @routes.get("/v1/status")

@@ -1,0 +1,153 @@
+"""One MCP server's connection, owned by a background task: connect, list tools, keep the
+session alive with pings, reconnect with backoff when it fails. Start-up never waits on it;
+a server that cannot connect is reported (state, last_error), never fatal."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+
+from mlxgw.shared.errors import redact_paths
+from mlxgw.shared.mcp_config import McpServerConfig
+
+log = logging.getLogger("mlxgw.mcp")
+
+BACKOFF_FIRST_S = 1.0
+BACKOFF_MAX_S = 30.0
+PING_EVERY_S = 5.0  # how soon a dead server is noticed
+
+
+@dataclass
+class ToolResult:
+    output: str
+    error: str | None = None  # set when the call failed, timed out or the tool reported an error
+    # ok | tool_error (the tool answered with an error) | timeout | unavailable | failed (transport)
+    status: str = "ok"
+
+
+def _describe(err: BaseException) -> str:
+    """A one-line reason; anyio wraps transport failures in exception groups."""
+    while getattr(err, "exceptions", None):
+        err = err.exceptions[0]
+    return redact_paths(f"{type(err).__name__}: {err}" if str(err) else type(err).__name__)
+
+
+def _content_text(result) -> str:
+    parts = []
+    for block in result.content or []:
+        text = getattr(block, "text", None)
+        parts.append(text if isinstance(text, str) else json.dumps(block.model_dump(mode="json")))
+    return "\n".join(parts)
+
+
+class McpServer:
+    def __init__(self, cfg: McpServerConfig):
+        self.cfg = cfg
+        self.state = "connecting"  # connecting | ready | failed | closed
+        self.last_error: str | None = None
+        self.tools: list = []  # mcp.types.Tool, allow-listed
+        self.session = None  # mcp.ClientSession while ready
+        self.connected_at: float | None = None
+        self.attempts = 0
+
+    @property
+    def label(self) -> str:
+        return self.cfg.label
+
+    def tool(self, name: str):
+        return next((t for t in self.tools if t.name == name), None)
+
+    def describe(self) -> dict:
+        return {
+            "label": self.label,
+            "transport": self.cfg.transport,
+            "state": self.state,
+            "tool_count": len(self.tools),
+            "allowed_tools": self.cfg.allowed_tools,
+            "timeout_s": self.cfg.timeout_s,
+            "last_error": self.last_error,
+            "connected_at": self.connected_at,
+            "connect_attempts": self.attempts,
+        }
+
+    @asynccontextmanager
+    async def _streams(self):
+        # Imported here: the SDK (pydantic, starlette, ...) costs a gateway without MCP
+        # servers over half a second of start-up.
+        from mcp import StdioServerParameters
+        from mcp.client.stdio import get_default_environment, stdio_client
+        from mcp.client.streamable_http import streamablehttp_client
+
+        if self.cfg.command:
+            # The default environment (PATH, HOME, ...) plus the configured variables: the
+            # gateway's own environment (keys, tokens) is not handed to a tool process.
+            params = StdioServerParameters(
+                command=self.cfg.command, args=self.cfg.args, env={**get_default_environment(), **self.cfg.env}
+            )
+            async with stdio_client(params) as (read, write):
+                yield read, write
+        else:
+            async with streamablehttp_client(self.cfg.url, timeout=self.cfg.connect_timeout_s) as (r, w, _):
+                yield r, w
+
+    async def run(self) -> None:
+        """The connection task: until cancelled, connect and hold the session."""
+        backoff = BACKOFF_FIRST_S
+        while True:
+            self.attempts += 1
+            try:
+                await self._hold_session()
+            except asyncio.CancelledError:
+                raise
+            except BaseException as err:  # noqa: BLE001 - anyio raises exception groups
+                self.last_error = _describe(err)
+            self.session, self.tools, self.state = None, [], "failed"
+            log.warning("MCP server %r unavailable (%s); retrying in %.0f s", self.label, self.last_error, backoff)
+            await asyncio.sleep(backoff)
+            backoff = BACKOFF_FIRST_S if self.connected_at and time.time() - self.connected_at > 60 else backoff
+            backoff = min(backoff * 2, BACKOFF_MAX_S)
+
+    async def _hold_session(self) -> None:
+        from mcp import ClientSession
+
+        self.state = "connecting"
+        async with self._streams() as (read, write), ClientSession(read, write) as session:
+            await asyncio.wait_for(session.initialize(), self.cfg.connect_timeout_s)
+            listed = await asyncio.wait_for(session.list_tools(), self.cfg.connect_timeout_s)
+            self.tools = [t for t in listed.tools if self.cfg.allows(t.name)]
+            self.session, self.state, self.connected_at = session, "ready", time.time()
+            self.last_error = None
+            log.info("MCP server %r ready: %d tools", self.label, len(self.tools))
+            while True:  # a dead process or server shows as a failed ping
+                await asyncio.sleep(PING_EVERY_S)
+                await asyncio.wait_for(session.send_ping(), self.cfg.connect_timeout_s)
+
+    async def call(self, name: str, arguments: dict, timeout_s: float | None = None) -> ToolResult:
+        """Run one allow-listed tool; every failure is a ToolResult with an error, never raised."""
+        timeout = min(self.cfg.timeout_s, timeout_s) if timeout_s is not None else self.cfg.timeout_s
+        session = self.session
+        if session is None or self.state != "ready":
+            why = f"MCP server '{self.label}' is {self.state}: {self.last_error or 'not connected'}"
+            return ToolResult("", why, "unavailable")
+        if self.tool(name) is None:
+            return ToolResult("", f"tool '{name}' is not allowed on MCP server '{self.label}'", "unavailable")
+        where = f"tool '{name}' on MCP server '{self.label}'"
+        try:
+            result = await asyncio.wait_for(
+                session.call_tool(name, arguments, read_timeout_seconds=timedelta(seconds=timeout + 1)), timeout
+            )
+        except asyncio.TimeoutError:
+            return ToolResult("", f"{where} timed out after {timeout:g} s", "timeout")
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:  # noqa: BLE001 - the transport's failures become the call's error
+            return ToolResult("", f"{where} failed: {_describe(err)}", "failed")
+        text = _content_text(result)
+        if result.isError:
+            return ToolResult(text, text or "the tool reported an error", "tool_error")
+        return ToolResult(text)
