@@ -154,6 +154,9 @@ class Registry:
     path: Path | None = None
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
     mcp: McpConfig = field(default_factory=McpConfig)
+    # Models found in the hub cache and LM Studio's folder (auto_discover), servable or not:
+    # /v1/models lists each with its source, and the broken ones with their reason.
+    discovered: list[discovery.FoundModel] = field(default_factory=list)
 
     @property
     def models_dir(self) -> Path:
@@ -397,5 +400,6 @@ def with_discovered_models(registry: Registry) -> Registry:
         for m in model_store.list_models(registry.models_dir)
         if m.name not in listed
     ]
-    extra += discovery.entries(registry.manager.discover_paths, listed | {e.name for e in extra})
-    return dataclasses.replace(registry, models=registry.models + extra)
+    found = discovery.found_models(registry.manager.discover_paths, listed | {e.name for e in extra})
+    extra += discovery.entries(found)
+    return dataclasses.replace(registry, models=registry.models + extra, discovered=found)

@@ -113,14 +113,19 @@ def discover(paths: list[Path] | None = None) -> list[FoundModel]:
     return list(seen.values())
 
 
-def entries(discover_paths: list[str] | None, taken: set[str]) -> list:
-    """Registry entries for the discovered models that can be served, under names not taken
-    by models.yaml or the models dir. (config.py calls this for manager.auto_discover.)"""
+def found_models(discover_paths: list[str] | None, taken: set[str]) -> list[FoundModel]:
+    """The discovered models whose names models.yaml and the models dir do not already
+    take, servable or not (config.py calls this for manager.auto_discover)."""
+    paths = None if discover_paths is None else [Path(p).expanduser() for p in discover_paths]
+    return [m for m in discover(paths) if m.name not in taken]
+
+
+def entries(found: list[FoundModel]) -> list:
+    """Registry entries for the servable ones, served in place."""
     from .config import KINDS, ModelEntry  # config imports this module
 
-    paths = None if discover_paths is None else [Path(p).expanduser() for p in discover_paths]
     return [
         ModelEntry(name=m.name, source=str(m.path), kind=m.kind if m.kind in KINDS else "chat")
-        for m in discover(paths)
-        if m.error is None and m.name not in taken
+        for m in found
+        if m.error is None
     ]

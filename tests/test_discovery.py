@@ -95,8 +95,11 @@ def test_discovered_models_answer_through_the_gateway(layouts, tmp_path):
     try:
         status, _, body = http(f"{gw.url}/v1/models")
         assert status == 200
-        ids = {m["id"] for m in body["data"]}
-        assert {"mlx-community/Tiny-4bit", "lmstudio-community/tiny-mlx"} <= ids
+        listed = {m["id"]: m for m in body["data"]}
+        assert listed["mlx-community/Tiny-4bit"]["source"] == "hf-cache"
+        assert listed["lmstudio-community/tiny-mlx"]["source"] == "lmstudio"
+        broken = [m for m in listed.values() if m["state"] == "unavailable"]
+        assert broken and all(m["last_error"] for m in broken)  # listed with the reason, not hidden
         for model in ("mlx-community/Tiny-4bit", "lmstudio-community/tiny-mlx"):
             req = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
             status, _, reply = http(f"{gw.url}/v1/chat/completions", "POST", req, timeout=240)

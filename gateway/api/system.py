@@ -26,7 +26,9 @@ def _model(request: web.Request, slot, anthropic: bool) -> dict:
     if anthropic:
         created = datetime.fromtimestamp(STARTED, timezone.utc).isoformat().replace("+00:00", "Z")
         return {"type": "model", "id": slot.name, "display_name": slot.name, "created_at": created}
-    d = request.app[MANAGER].describe(slot)
+    manager = request.app[MANAGER]
+    d = manager.describe(slot)
+    found = _discovered(manager).get(slot.name)
     return {
         "id": slot.name,
         "object": "model",
@@ -34,7 +36,32 @@ def _model(request: web.Request, slot, anthropic: bool) -> dict:
         "owned_by": "mlxgw",
         **{k: d[k] for k in ("kind", "state", "loaded", "aliases")},
         "last_error": redact_paths(d["last_error"]) if d["last_error"] else None,
+        "source": found.source if found else "mlxgw",  # hf-cache, lmstudio, or models.yaml/models dir
     }
+
+
+def _discovered(manager) -> dict:
+    return {m.name: m for m in manager.registry.discovered}
+
+
+def _unservable(manager) -> list[dict]:
+    """Folders discovery found but cannot serve, listed with the reason instead of hidden."""
+    return [
+        {
+            "id": m.name,
+            "object": "model",
+            "created": int(STARTED),
+            "owned_by": "mlxgw",
+            "kind": m.kind,
+            "state": "unavailable",
+            "loaded": False,
+            "aliases": [],
+            "last_error": redact_paths(m.error),
+            "source": m.source,
+        }
+        for m in manager.registry.discovered
+        if m.error is not None
+    ]
 
 
 @routes.get("/v1/models")
@@ -44,7 +71,7 @@ async def list_models(request: web.Request) -> web.Response:
     if anthropic:
         first, last = (data[0]["id"], data[-1]["id"]) if data else (None, None)
         return web.json_response({"data": data, "has_more": False, "first_id": first, "last_id": last})
-    return web.json_response({"object": "list", "data": data})
+    return web.json_response({"object": "list", "data": data + _unservable(request.app[MANAGER])})
 
 
 @routes.get("/v1/models/{model_id:.+}")
@@ -55,7 +82,8 @@ async def retrieve_model(request: web.Request) -> web.Response:
     try:
         slot = request.app[MANAGER].resolve(requested)
         key = request.get("key")
-        if key is not None and not key.allows(requested, slot.name):
+        # as for requests: the model the name resolves to decides (its name or an alias)
+        if key is not None and not key.allows(slot.name, *slot.entry.aliases):
             raise ServiceError(ErrorCode.PERMISSION, f"API key '{key.name}' may not use model '{requested}'")
     except ServiceError as err:
         if anthropic:  # the error middleware picks the shape by path; this path serves both
