@@ -15,6 +15,14 @@ COMPLETIONS = "/v1/completions"
 CASES = [
     # (name, path, body or raw bytes, status, code, text the message must contain)
     ("malformed json", CHAT, b'{"model": "tiny", "messages": [', 400, "invalid_request", "malformed JSON"),
+    (
+        "responses text.format not an object",
+        "/v1/responses",
+        {"model": "tiny", "input": "hi", "text": {"format": "abc"}},
+        400,
+        "invalid_request",
+        "format",
+    ),
     ("not utf-8", CHAT, b'\xff\xfe{"model"', 400, "invalid_request", "UTF-8"),
     ("empty body", CHAT, b"", 400, "invalid_request", "empty"),
     ("body is a list", CHAT, [1, 2], 400, "invalid_request", "JSON object"),

@@ -7,11 +7,13 @@ flight, and the innocent stream's tokens equal to those it gives with no attack.
 
 from __future__ import annotations
 
+import json
+import shutil
 import threading
 import time
 
 import pytest
-from helpers import NO_EOS, TINY_CONFIG, http, openai_client, start_gateway
+from helpers import NO_EOS, TINY_CONFIG, http, openai_client, start_gateway, wait_for
 
 CHAT = "/v1/chat/completions"
 MSGS = [{"role": "user", "content": "hi"}]
@@ -22,26 +24,25 @@ TEMPLATE_BUDGET_S = 5.0  # worker/templates.py TIME_BUDGET_S
 
 @pytest.fixture(scope="module")
 def gw(home, tiny_dir):
-    """A gateway of its own: `tiny` here lets requests bring a chat template."""
+    """A gateway of its own: `tiny` here lets requests bring a chat template; `tiny-evil`
+    ships an endless template of its own (as a GGUF's tokenizer.chat_template can)."""
+    evil = home / "models" / "tiny-evil"
+    shutil.copytree(tiny_dir, evil, dirs_exist_ok=True)
+    tokenizer_config = json.loads((evil / "tokenizer_config.json").read_text())
+    tokenizer_config["chat_template"] = LOOP_TEMPLATE
+    (evil / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
     config = {
         "manager": TINY_CONFIG["manager"],
         "models": [
             {"name": "tiny", "preload": True, "max_num_seqs": 8, "allow_request_chat_template": True},
             {"name": "tiny-strict", "source": "tiny", "preload": True},
+            {"name": "tiny-evil", "preload": True},
         ],
     }
     gateway = start_gateway(home, config, "isolation-gateway")
     yield gateway
     gateway.stop()
 
-
-def wait_for(predicate, timeout: float = 30, interval: float = 0.1):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(interval)
-    raise AssertionError("condition not met in time")
 
 
 class InnocentStream:
@@ -184,6 +185,24 @@ def test_endless_request_template_ends_in_a_400_within_its_budget(gw, innocent_a
     assert took < TEMPLATE_BUDGET_S + 10
     assert innocent.text() == innocent_alone
     assert_unharmed(gw, pid)
+
+
+def test_a_models_own_endless_template_ends_each_request_in_a_400_and_the_worker_serves_on(gw):
+    """An imported model whose chat template never ends (a GGUF's tokenizer.chat_template is
+    copied as is): every chat request is a 400 within the budget, the worker stays, and the
+    model still serves completions, which use no template."""
+    pid = gw.worker_pid("tiny-evil")
+    for _ in range(2):
+        started = time.monotonic()
+        status, _, payload = post_chat(gw, {}, model="tiny-evil")
+        assert_openai_400(status, payload, "messages")
+        assert "budget" in payload["error"]["message"]
+        assert time.monotonic() - started < TEMPLATE_BUDGET_S + 10
+    status, _, body = http(
+        f"{gw.url}/v1/completions", "POST", {"model": "tiny-evil", "prompt": "Once upon", "max_tokens": 3}
+    )
+    assert status == 200, body
+    assert_unharmed(gw, pid, "tiny-evil")
 
 
 def test_template_that_repeats_a_huge_string_is_stopped_before_it_allocates(gw):
