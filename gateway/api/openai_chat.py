@@ -178,7 +178,7 @@ class ChatChunks(oc.OpenAIChunks):
 
     async def opened(self) -> None:
         for index in range(self.gen.req.n):
-            self.index = index
+            self.choice = index
             await self.sse.data(self.delta({"role": "assistant", "content": ""}))
 
     async def reasoning(self, text: str) -> None:

@@ -97,7 +97,7 @@ class OpenAIChunks(Emitter):
             "object": self.object_name,
             "created": self.created,
             "model": self.gen.slot.name,
-            "choices": [{"index": self.index, "logprobs": None, **choice}],
+            "choices": [{"index": self.choice, "logprobs": None, **choice}],
         }
         if self.include_usage:
             chunk["usage"] = None
@@ -108,7 +108,7 @@ class OpenAIChunks(Emitter):
 
     async def finished(self, event: dict) -> None:
         for end in event.get("choices") or [{"index": 0, "reason": event.get("reason", "stop")}]:
-            self.index = end["index"]
+            self.choice = end["index"]
             await self.sse.data(self.chunk(self.finish_choice(end["reason"])))
         if self.include_usage:
             await self.sse.data({**self.chunk({}), "choices": [], "usage": usage_dict(self.gen.usage)})

@@ -100,7 +100,7 @@ class CompletionChunks(oc.OpenAIChunks):
     async def opened(self) -> None:
         if self.prefix:
             for index in range(self.gen.req.n):
-                self.index = index
+                self.choice = index
                 await self.sse.data(self.chunk({"text": self.prefix, "finish_reason": None}))
 
     async def text_with_logprobs(self, text: str, entries: list[dict]) -> None:
@@ -110,8 +110,8 @@ class CompletionChunks(oc.OpenAIChunks):
         await self.sse.data(self.chunk({"text": "", "logprobs": self._logprobs(entries), "finish_reason": None}))
 
     def _logprobs(self, entries: list[dict]) -> dict:
-        out = legacy_logprobs(entries, self.offsets.get(self.index, 0))
-        self.offsets[self.index] = self.offsets.get(self.index, 0) + sum(len(e["token"]) for e in entries)
+        out = legacy_logprobs(entries, self.offsets.get(self.choice, 0))
+        self.offsets[self.choice] = self.offsets.get(self.choice, 0) + sum(len(e["token"]) for e in entries)
         return out
 
     async def text(self, text: str) -> None:

@@ -31,7 +31,7 @@ class Emitter:
 
     def __init__(self, sse: SSEWriter, gen: Generation):
         self.sse, self.gen = sse, gen
-        self.index = 0
+        self.choice = 0  # the choice (n > 1) the next call belongs to
 
     async def opened(self) -> None:
         pass
@@ -77,7 +77,7 @@ async def run_stream(
             await out.opened()
             finished = False
             async for ev in gen.content(on_idle=out.idle):
-                out.index = ev.get("index") or 0
+                out.choice = ev.get("index") or 0
                 entries = ev.get("logprobs")
                 if ev.get("reasoning"):
                     await out.reasoning(ev["reasoning"])
