@@ -8,7 +8,7 @@ import secrets
 
 import openai
 import pytest
-from helpers import http, openai_client
+from helpers import LONG, NO_EOS, http, openai_client, running, wait_for
 
 SAMPLING = dict(temperature=1.0, max_tokens=8)
 
@@ -78,6 +78,28 @@ def test_completions_n_with_logprobs(tiny_gateway):
 def test_best_of_equal_to_n_is_taken(tiny_gateway):
     out = openai_client(tiny_gateway).completions.create(model="tiny", prompt="Once", n=2, best_of=2, **SAMPLING)
     assert len(out.choices) == 2
+
+
+def test_a_client_that_leaves_ends_every_choice(tiny_gateway):
+    client = openai_client(tiny_gateway)
+    stream = ask(client, "Write a long story.", n=3, seed=1, max_tokens=LONG, logit_bias=NO_EOS, stream=True)
+    seen = set()
+    for chunk in stream:
+        seen |= {c.index for c in chunk.choices if c.delta.content}
+        if len(seen) == 3:
+            break
+    stream.close()
+    wait_for(lambda: running(tiny_gateway, "tiny") == 0)
+    assert ask(client, "Still there?", n=2, max_tokens=2, logit_bias=NO_EOS).usage.completion_tokens == 4
+
+
+def test_choices_queue_behind_a_one_sequence_batch(tiny_gateway):
+    """max_num_seqs 1: the choices run one after another, and still all end."""
+    messages = [{"role": "user", "content": "One word."}]
+    out = openai_client(tiny_gateway).chat.completions.create(
+        model="tiny-serial", messages=messages, n=3, seed=4, **SAMPLING
+    )
+    assert [c.index for c in out.choices] == [0, 1, 2] and all(c.finish_reason for c in out.choices)
 
 
 @pytest.mark.parametrize(
