@@ -47,7 +47,7 @@ def chat_logprobs(body: dict) -> int | None:
     """Chat's logprobs (bool) and top_logprobs (0-20): alternatives per token, or None."""
     wanted = v.boolean(body, "logprobs")
     top = v.integer(body, "top_logprobs", lo=0, hi=20)
-    if top is not None and not wanted:
+    if top and not wanted:  # top_logprobs: 0 alone is harmless (some clients always send it)
         raise invalid("top_logprobs requires logprobs to be true", "top_logprobs")
     return (top or 0) if wanted else None
 
