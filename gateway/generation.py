@@ -35,6 +35,10 @@ class Outcome:
     usage: p.Usage
     reasoning: str = ""
     tool_calls: list[dict] = field(default_factory=list)
+    logprobs: list[dict] = field(default_factory=list)  # per token, when the request asked
+    index: int = 0
+    # n > 1: every choice's outcome, by index (this one first); empty for one choice.
+    choices: list[Outcome] = field(default_factory=list)
 
 
 class BlankTextFilter:
@@ -181,7 +185,7 @@ class Generation:
         """Delta and finish events only, whitespace between tool calls left out (see
         BlankTextFilter). on_idle runs on keep-alive ticks and prefill progress (streams send
         a comment or ping); an error or a cancellation raises ServiceError."""
-        blanks = BlankTextFilter()
+        blanks: dict[int, BlankTextFilter] = {}  # per choice (n > 1)
         async for event in self.events():
             kind = event["e"] if event else None
             if kind in (None, p.EV_PROGRESS):
@@ -190,7 +194,7 @@ class Generation:
                 continue
             raise_for(event)
             if kind in (p.EV_DELTA, p.EV_FINISH):
-                yield blanks.filter(event)
+                yield blanks.setdefault(event.get("index") or 0, BlankTextFilter()).filter(event)
 
     async def finish_event(self) -> dict:
         """The terminal event of a request that streams nothing (embeddings, reranking)."""
@@ -200,15 +204,28 @@ class Generation:
         raise ServiceError(ErrorCode.INTERNAL, "the request ended without a finish event")
 
     async def result(self) -> Outcome:
-        text: list[str] = []
-        reasoning: list[str] = []
-        calls: list[dict] = []
+        """The whole output; with n > 1 choices, choice 0's with all of them in `choices`."""
+        parts: dict[int, dict] = {}
         async for event in self.content():
-            text.append(event.get("text", ""))
-            reasoning.append(event.get("reasoning", ""))
-            calls.extend(event.get("tool_calls") or [])
+            part = parts.setdefault(event.get("index") or 0, {"text": [], "reasoning": [], "calls": [], "lp": []})
+            part["text"].append(event.get("text") or "")
+            part["reasoning"].append(event.get("reasoning") or "")
+            part["calls"].extend(event.get("tool_calls") or [])
+            part["lp"].extend(event.get("logprobs") or [])
             if event["e"] == p.EV_FINISH:
-                return Outcome(
-                    "".join(text), event.get("reason", "stop"), event.get("stop"), self.usage, "".join(reasoning), calls
-                )
+                return self._outcome(parts, event)
         raise ServiceError(ErrorCode.INTERNAL, "generation ended without a finish event")
+
+    def _outcome(self, parts: dict[int, dict], finish: dict) -> Outcome:
+        one = {"index": 0, "reason": finish.get("reason", "stop"), "stop": finish.get("stop")}
+        ends = finish.get("choices") or [one]
+        outcomes = []
+        for end in ends:
+            part = parts.get(end["index"]) or {"text": [], "reasoning": [], "calls": [], "lp": []}
+            text, reasoning, calls = "".join(part["text"]), "".join(part["reasoning"]), part["calls"]
+            reason, stop, lp = end["reason"], end.get("stop"), part["lp"]
+            outcomes.append(Outcome(text, reason, stop, self.usage, reasoning, calls, lp, end["index"]))
+        first = outcomes[0]
+        if len(outcomes) > 1:
+            first.choices = outcomes
+        return first

@@ -171,6 +171,11 @@ class GenerateRequest:
     # Vision models: the encoded images (PNG, JPEG, ...), in the order of the {"type": "image"}
     # parts of the messages.
     images: list[bytes] | None = None
+    # Per-token log-probabilities: None (none), or how many top alternatives each token's
+    # entry lists (0-20). Only the sequences that ask pay for them.
+    logprobs: int | None = None
+    # Choices sampled from one prompt (prefilled once); choice i samples with seed + i.
+    n: int = 1
 
     def to_wire(self) -> dict:
         return asdict(self)
@@ -325,6 +330,10 @@ class Delta:
     n: int  # completion tokens so far
     reasoning: str | None = None
     tool_calls: list[dict] | None = None
+    # One entry per generated token when the request asked for logprobs:
+    # {token, bytes, logprob, top_logprobs: [{token, bytes, logprob}]} (OpenAI Chat's shape).
+    logprobs: list[dict] | None = None
+    index: int | None = None  # the choice this output belongs to (n > 1); None: choice 0
 
     def to_wire(self) -> dict:
         return _wire(EV_DELTA, self)
@@ -344,6 +353,10 @@ class Finish:
     vectors: bytes | None = None
     dim: int | None = None
     scores: list[float] | None = None
+    logprobs: list[dict] | None = None  # entries of the last tokens, as in Delta
+    # n > 1: every choice's end, [{index, reason, stop}]; reason/stop above are choice 0's.
+    # A choice's last output comes before, as a Delta with its index.
+    choices: list[dict] | None = None
 
     def to_wire(self) -> dict:
         return _wire(EV_FINISH, self)

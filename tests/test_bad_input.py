@@ -71,7 +71,7 @@ CASES = [
         "invalid_request",
         "max_tokens",
     ),
-    ("n above one", CHAT, {"model": "tiny", "messages": MSGS, "n": 3}, 400, "invalid_request", "n=1"),
+    ("n above the limit", CHAT, {"model": "tiny", "messages": MSGS, "n": 17}, 400, "invalid_request", "at most 16"),
     ("stop of wrong type", CHAT, {"model": "tiny", "messages": MSGS, "stop": 12}, 400, "invalid_request", "stop"),
     (
         "bad logit_bias",

@@ -23,6 +23,7 @@ class TokenOut:
     uid: int
     token: int
     finish: str | None  # "stop" (end-of-sequence token) or "length"
+    logprobs: dict | None = None  # for sequences inserted with logprobs (worker/logprobs.py)
 
 
 @dataclass
@@ -41,13 +42,18 @@ class Runner(ABC):
     @abstractmethod
     def new_detokenizer(self): ...
 
+    # Whether insert() takes logprobs= and keep_prompt= (per-token logprobs, n > 1 choices).
+    supports_choices: bool = False
+
     @abstractmethod
     def insert(
         self, prompt: list[int], max_tokens: int, sampling: SamplingParams, constraint=None, guard=None
     ) -> tuple[int, int]:
         """Queue a prompt for execution; return (uid, prompt tokens served from the cache).
         guard (a SequenceGuard) wraps the sequence's samplers and logits processors, so an
-        exception in them ends this sequence only."""
+        exception in them ends this sequence only. Runners with supports_choices also take
+        logprobs (None, or how many alternatives per token) and keep_prompt (store the
+        prompt's KV in the prefix cache as soon as it is prefilled, for sibling choices)."""
 
     def encode_text(self, text: str) -> list[int]:
         """Token ids of a piece of text, without special tokens."""
@@ -102,6 +108,8 @@ class ChatTextRunner(Runner):
 
 
 class MLXRunner(ChatTextRunner):
+    supports_choices = True
+
     def __init__(
         self,
         model_path: Path,
@@ -133,8 +141,13 @@ class MLXRunner(ChatTextRunner):
         )
         self.prefix_cache = PrefixCache(cache_bytes)
         self._covered: dict[int, int] = {}  # uid -> prompt tokens its cache lookup covered
+        self._logprobs: dict[int, int] = {}  # uid -> alternatives per token, for those that ask
+        self._keep_prompt: set[int] = set()  # uids whose prompt KV is stored once prefilled
         self.cache_bytes = cache_bytes
         self.vocab_size = self.model.args.vocab_size if hasattr(self.model, "args") else self.tokenizer.vocab_size
+        from .logprobs import TokenBytes
+
+        self.token_bytes = TokenBytes(self.tokenizer)
         self.text = ChatText(
             self.tokenizer,
             self.vocab_size,
@@ -146,7 +159,14 @@ class MLXRunner(ChatTextRunner):
 
     # -- execution ----------------------------------------------------------------------
     def insert(
-        self, prompt: list[int], max_tokens: int, sampling: SamplingParams, constraint=None, guard=None
+        self,
+        prompt: list[int],
+        max_tokens: int,
+        sampling: SamplingParams,
+        constraint=None,
+        guard=None,
+        logprobs: int | None = None,
+        keep_prompt: bool = False,
     ) -> tuple[int, int]:
         from .sampling import build_sampler, guard_sampler, guarded_processors
 
@@ -164,6 +184,10 @@ class MLXRunner(ChatTextRunner):
             logits_processors=[processors],
         )
         self._covered[uid] = cached
+        if logprobs is not None:
+            self._logprobs[uid] = logprobs
+        if keep_prompt:
+            self._keep_prompt.add(uid)
         return uid, cached
 
     def step(self) -> StepOutput:
@@ -172,14 +196,38 @@ class MLXRunner(ChatTextRunner):
         for r in prompt_responses:
             done, total = r.progress if isinstance(r.progress, tuple) else (0, 0)
             out.prefill.append((r.uid, done, total))
+        self._keep_prompts(gen_responses)
+        logprobs = self._logprob_entries(gen_responses)
         for r in gen_responses:
             if r.finish_reason is not None:
                 self._covered.pop(r.uid, None)
+                self._logprobs.pop(r.uid, None)
                 if r.prompt_cache is not None:
                     # The finished sequence's KV (prompt + answer) seeds the next turn's prompt.
                     self._keep_kv(r.all_tokens, r.prompt_cache)
-            out.tokens.append(TokenOut(r.uid, int(r.token), r.finish_reason))
+            out.tokens.append(TokenOut(r.uid, int(r.token), r.finish_reason, logprobs.get(r.uid)))
         return out
+
+    def _logprob_entries(self, responses) -> dict[int, dict]:
+        """Logprob entries for the sequences that asked; the others are not touched."""
+        asked = [r for r in responses if r.uid in self._logprobs]
+        if not asked:
+            return {}
+        from .logprobs import entries
+
+        rows = [(int(r.token), r.logprobs, self._logprobs[r.uid]) for r in asked]
+        return {r.uid: e for r, e in zip(asked, entries(rows, self.token_bytes))}
+
+    def _keep_prompts(self, responses) -> None:
+        """A first choice's prompt KV goes to the prefix cache with its first token, so its
+        sibling choices (admitted after it) prefill only the last prompt token."""
+        for r in responses:
+            if r.uid in self._keep_prompt:
+                self._keep_prompt.discard(r.uid)
+                if r.prompt_cache is None:  # still running: copy its row out of the batch
+                    extracted = self.generator.extract_cache([r.uid]).get(r.uid)
+                    if extracted:
+                        self._keep_kv(list(extracted[1]), extracted[0])
 
     def remove(self, uids: list[int]) -> None:
         """Drop sequences that end early (cancelled, timed out, client gone, stop string).
@@ -192,6 +240,8 @@ class MLXRunner(ChatTextRunner):
             return
         removed = self.generator.remove(uids, return_prompt_caches=True)
         for uid in uids:
+            self._logprobs.pop(uid, None)
+            self._keep_prompt.discard(uid)
             covered = self._covered.pop(uid, 0)
             cache, tokens = removed.get(uid, (None, None))
             if cache and tokens and len(tokens) > covered:

@@ -23,6 +23,7 @@ from mlxgw.shared import protocol as p
 from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
 
 from .budget import ThinkingBudget, check_budget
+from .choices import MAX_CHOICES, ChoiceGroups
 from .interfaces import TextRunner
 from .isolation import SequenceGuard, as_service_error
 from .output_parser import OutputParser, Parsed
@@ -67,6 +68,7 @@ class Sequence:
     constraint: object | None = None  # logits processor enforcing a grammar
     unsent: Parsed = field(default_factory=Parsed)
     unsent_tokens: int = 0
+    unsent_logprobs: list[dict] = field(default_factory=list)
 
     def usage(self) -> p.Usage:
         return p.Usage(len(self.prompt), self.generated, self.cached_tokens)
@@ -106,10 +108,44 @@ class Scheduler:
         self._waiting: list[tuple[int, int, str]] = []
         self._arrivals = itertools.count()
         self.generated_tokens = 0  # lifetime counter, for tokens/s in stats
+        self.prefilled_tokens = 0  # prompt tokens computed (not served by the prefix cache)
+        self.choices = ChoiceGroups()
         self.finished = 0
 
     # -- intake ---------------------------------------------------------------------------
     def submit(self, req: p.GenerateRequest) -> list[Event]:
+        try:
+            self._check_choices(req)
+        except ServiceError as e:
+            return [(req.rid, p.error_event(e))]
+        if req.n > 1:
+            if req.rid in self.choices.groups:
+                return [(req.rid, p.error_event(invalid(f"duplicate request id {req.rid}")))]
+            events: list[Event] = []
+            for choice in self.choices.expand(req):
+                events += self._submit_one(choice)
+            return self._merged(events)
+        return self._submit_one(req)
+
+    def _check_choices(self, req: p.GenerateRequest) -> None:
+        if not isinstance(req.n, int) or not 1 <= req.n <= MAX_CHOICES:
+            raise invalid(f"'n' must be between 1 and {MAX_CHOICES}", "n")
+        if req.logprobs is not None and not 0 <= req.logprobs <= 20:
+            raise invalid("'top_logprobs' must be between 0 and 20", "top_logprobs")
+        if (req.n > 1 or req.logprobs is not None) and not self.runner.supports_choices:
+            param = "n" if req.n > 1 else "logprobs"
+            raise invalid(f"this model's engine does not support '{param}'", param)
+
+    def _merged(self, events: list[Event]) -> list[Event]:
+        """Events of requests with choices merged into one stream each (worker/choices.py)."""
+        if not self.choices.members:
+            return events
+        out, cancel = self.choices.merge(events)
+        for rid in cancel:
+            out += self._merged(self._cancel_one(rid))
+        return out
+
+    def _submit_one(self, req: p.GenerateRequest) -> list[Event]:
         try:
             if req.rid in self._seqs or req.rid in self._intake:
                 raise invalid(f"duplicate request id {req.rid}")
@@ -198,6 +234,12 @@ class Scheduler:
         return [(req.rid, accepted.to_wire())]
 
     def cancel(self, rid: str) -> list[Event]:
+        choices = self.choices.internal_rids(rid)
+        if choices:
+            return self._merged([ev for choice in choices for ev in self._cancel_one(choice)])
+        return self._cancel_one(rid)
+
+    def _cancel_one(self, rid: str) -> list[Event]:
         if rid in self._intake:
             del self._intake[rid]
             if self.preprocessor is not None:
@@ -218,6 +260,9 @@ class Scheduler:
         return len(self._intake)
 
     def step(self) -> list[Event]:
+        return self._merged(self._step())
+
+    def _step(self) -> list[Event]:
         events = self._collect_prepared()
         events += self._expire(time.monotonic())
         events += self._admit()
@@ -235,7 +280,7 @@ class Scheduler:
             if seq is None:
                 continue
             try:
-                events.extend(self._on_token(seq, t.token, t.finish))
+                events.extend(self._on_token(seq, t.token, t.finish, t.logprobs))
             except Exception as e:  # detokenizer, stop strings, output parser: this sequence's fault
                 log.error("request %s failed on a token: %r", seq.req.rid, e, exc_info=e)
                 if seq.req.rid in self._seqs:
@@ -245,7 +290,7 @@ class Scheduler:
 
     def poll_prepared(self) -> list[Event]:
         """Accepted (or refused) requests whose preparation finished: for an idle engine."""
-        return self._collect_prepared()
+        return self._merged(self._collect_prepared())
 
     def _end_faulted(self) -> list[Event]:
         """Sequences whose sampler or logits processors raised during the step."""
@@ -259,16 +304,23 @@ class Scheduler:
         """Start waiting sequences while there is room. A sequence the runner refuses at
         admission (a vision model's images its vision tower cannot take, or any exception)
         ends with an error; the runner has not taken it, so the others are unaffected."""
-        events = []
+        events: list[Event] = []
+        deferred = []
         while self._waiting and len(self._by_uid) < self.max_num_seqs:
-            _, _, rid = heapq.heappop(self._waiting)
+            entry = heapq.heappop(self._waiting)
+            rid = entry[2]
             seq = self._seqs.get(rid)
             if seq is None or seq.uid is not None:
                 continue  # cancelled while queued
+            leader = self._seqs.get(self.choices.is_follower(rid) or "")
+            if leader is not None and leader.phase != "decode":
+                deferred.append(entry)  # choice 0's prompt KV is not in the prefix cache yet
+                continue
             try:
                 seq.uid, seq.cached_tokens = self.runner.insert(
-                    seq.prompt, seq.max_tokens, seq.req.sampling, seq.constraint, guard=seq.guard
+                    seq.prompt, seq.max_tokens, seq.req.sampling, seq.constraint, guard=seq.guard, **self._extra(seq)
                 )
+                self.prefilled_tokens += len(seq.prompt) - seq.cached_tokens
             except Exception as e:
                 if not isinstance(e, ServiceError):
                     log.error("admitting %s failed: %r", rid, e, exc_info=e)
@@ -276,9 +328,20 @@ class Scheduler:
                 continue
             seq.phase = "prefill"
             self._by_uid[seq.uid] = seq
+        for entry in deferred:
+            heapq.heappush(self._waiting, entry)
         return events
 
-    def _on_token(self, seq: Sequence, token: int, finish: str | None) -> list[Event]:
+    def _extra(self, seq: Sequence) -> dict:
+        """Options only runners with supports_choices take (checked at submit)."""
+        extra: dict = {}
+        if seq.req.logprobs is not None:
+            extra["logprobs"] = seq.req.logprobs
+        if self.choices.is_leader(seq.req.rid):
+            extra["keep_prompt"] = True
+        return extra
+
+    def _on_token(self, seq: Sequence, token: int, finish: str | None, logprobs: dict | None = None) -> list[Event]:
         if seq.first_token_at is None:
             seq.first_token_at = time.monotonic()
             seq.phase = "decode"
@@ -289,6 +352,8 @@ class Scheduler:
         else:
             seq.generated += 1
             self.generated_tokens += 1
+            if logprobs is not None:  # the end-of-sequence token above is not part of the answer
+                seq.unsent_logprobs.append(logprobs)
             text = seq.text.push(token)
             if seq.text.stopped:
                 finish = "stop"
@@ -304,14 +369,23 @@ class Scheduler:
                 seq.unsent.extend(parser.finish())
                 if parser.saw_tool_calls and finish == "stop":
                     finish = "tool_calls"
-            end = p.Finish(finish, seq.usage(), stop=seq.text.stop_match, **_parts(seq.unsent))
+            end = p.Finish(
+                finish, seq.usage(), stop=seq.text.stop_match, logprobs=self._take_logprobs(seq), **_parts(seq.unsent)
+            )
             return [self._end(seq, end.to_wire(), remove=False)]
         if seq.unsent_tokens >= max(1, seq.req.stream_interval) and seq.unsent:
-            delta = p.Delta(n=seq.generated, **_parts(seq.unsent))
+            delta = p.Delta(n=seq.generated, logprobs=self._take_logprobs(seq), **_parts(seq.unsent))
             seq.unsent = Parsed()
             seq.unsent_tokens = 0
             return [(seq.req.rid, delta.to_wire())]
         return []
+
+    @staticmethod
+    def _take_logprobs(seq: Sequence) -> list[dict] | None:
+        if seq.req.logprobs is None:
+            return None
+        taken, seq.unsent_logprobs = seq.unsent_logprobs, []
+        return taken
 
     def _expire(self, now: float) -> list[Event]:
         events = []
@@ -338,7 +412,7 @@ class Scheduler:
 
     # -- introspection ---------------------------------------------------------------------
     def counters(self) -> dict:
-        return {"generated_tokens": self.generated_tokens}
+        return {"generated_tokens": self.generated_tokens, "prefilled_tokens": self.prefilled_tokens}
 
     @property
     def running(self) -> int:

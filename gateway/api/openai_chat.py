@@ -119,7 +119,6 @@ def _tools(body: dict) -> list | None:
 
 
 def parse(body: dict, images: ImageLimits | None) -> t.ParsedRequest:
-    oc.check_unsupported(body)
     fmt = v.mapping(body, "response_format")
     if fmt and fmt.get("type") == "json_schema":  # Chat nests the schema one level deeper
         spec = fmt.get("json_schema")
@@ -135,6 +134,8 @@ def parse(body: dict, images: ImageLimits | None) -> t.ParsedRequest:
         tools=tools,
         constraint=constraint,
         chat_template_kwargs=v.mapping(body, "chat_template_kwargs"),
+        n=oc.choices_count(body),
+        logprobs=oc.chat_logprobs(body),
         **t.parse_common(body, ChatFields),
     )
 
@@ -152,6 +153,15 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 def _render(gen: Generation, out: Outcome) -> dict:
+    wants_logprobs = gen.req.logprobs is not None
+    return oc.completion_body("chat.completion", "chatcmpl", gen, out, lambda o: _choice(o, wants_logprobs))
+
+
+def chat_logprobs(entries: list[dict]) -> dict:
+    return {"content": entries, "refusal": None}
+
+
+def _choice(out: Outcome, wants_logprobs: bool) -> dict:
     message = {"role": "assistant", "content": out.text if out.text or not out.tool_calls else None, "refusal": None}
     if out.reasoning:
         message["reasoning_content"] = out.reasoning
@@ -160,7 +170,7 @@ def _render(gen: Generation, out: Outcome) -> dict:
             {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
             for c in out.tool_calls
         ]
-    return oc.completion_body("chat.completion", "chatcmpl", gen, out, {"message": message})
+    return {"message": message, "logprobs": chat_logprobs(out.logprobs) if wants_logprobs else None}
 
 
 class ChatChunks(oc.OpenAIChunks):
@@ -174,13 +184,23 @@ class ChatChunks(oc.OpenAIChunks):
         return {"delta": {}, "finish_reason": reason}
 
     async def opened(self) -> None:
-        await self.sse.data(self.delta({"role": "assistant", "content": ""}))
+        for index in range(self.gen.req.n):
+            self.choice = index
+            await self.sse.data(self.delta({"role": "assistant", "content": ""}))
 
     async def reasoning(self, text: str) -> None:
         await self.sse.data(self.delta({"reasoning_content": text}))
 
     async def text(self, text: str) -> None:
         await self.sse.data(self.delta({"content": text}))
+
+    async def text_with_logprobs(self, text: str, entries: list[dict]) -> None:
+        await self.sse.data(
+            self.chunk({"delta": {"content": text}, "logprobs": chat_logprobs(entries), "finish_reason": None})
+        )
+
+    async def logprobs(self, entries: list[dict]) -> None:
+        await self.sse.data(self.chunk({"delta": {}, "logprobs": chat_logprobs(entries), "finish_reason": None}))
 
     async def tool_call(self, call: dict) -> None:
         # id and name first, then the arguments, as OpenAI streams them

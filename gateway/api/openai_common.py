@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Callable
 
 from mlxgw.shared import protocol as p
 from mlxgw.shared.errors import ServiceError, invalid
@@ -28,15 +29,27 @@ def include_usage(body: dict) -> bool:
     return bool(opts.get("include_usage")) and v.boolean(body, "stream")
 
 
-def check_unsupported(body: dict) -> None:
-    n = v.integer(body, "n", lo=1)
-    if n not in (None, 1):
-        raise invalid("only n=1 is supported", "n")
+MAX_CHOICES = 16  # n per request; each choice is a sequence in the batch
+
+
+def choices_count(body: dict) -> int:
+    """n (1-16). best_of (Completions) is taken only where it ranks nothing: 1 or n."""
+    n = v.integer(body, "n", lo=1, hi=MAX_CHOICES, default=1)
     best_of = v.integer(body, "best_of", lo=1)
-    if best_of not in (None, 1):
-        raise invalid("only best_of=1 is supported", "best_of")
-    if body.get("logprobs"):
-        raise invalid("logprobs are not supported yet", "logprobs")
+    if best_of not in (None, 1, n):
+        raise invalid(
+            f"best_of > n is not supported (choices are not ranked); send best_of={n} or leave it out", "best_of"
+        )
+    return n
+
+
+def chat_logprobs(body: dict) -> int | None:
+    """Chat's logprobs (bool) and top_logprobs (0-20): alternatives per token, or None."""
+    wanted = v.boolean(body, "logprobs")
+    top = v.integer(body, "top_logprobs", lo=0, hi=20)
+    if top and not wanted:  # top_logprobs: 0 alone is harmless (some clients always send it)
+        raise invalid("top_logprobs requires logprobs to be true", "top_logprobs")
+    return (top or 0) if wanted else None
 
 
 def usage_dict(u: p.Usage) -> dict:
@@ -48,14 +61,20 @@ def usage_dict(u: p.Usage) -> dict:
     }
 
 
-def completion_body(object_name: str, id_prefix: str, gen: Generation, out: Outcome, choice: dict) -> dict:
-    """A non-streamed Chat Completions or Completions response with its one choice."""
+def completion_body(
+    object_name: str, id_prefix: str, gen: Generation, out: Outcome, choice: Callable[[Outcome], dict]
+) -> dict:
+    """A non-streamed Chat Completions or Completions response: `choice` renders each
+    choice's own fields (its message or text, and its logprobs)."""
+    outcomes = out.choices or [out]
     return {
         "id": new_id(id_prefix),
         "object": object_name,
         "created": now(),
         "model": gen.slot.name,
-        "choices": [{"index": 0, **choice, "logprobs": None, "finish_reason": out.finish_reason}],
+        "choices": [
+            {"index": o.index, "logprobs": None, **choice(o), "finish_reason": o.finish_reason} for o in outcomes
+        ],
         "usage": usage_dict(out.usage),
     }
 
@@ -78,7 +97,7 @@ class OpenAIChunks(Emitter):
             "object": self.object_name,
             "created": self.created,
             "model": self.gen.slot.name,
-            "choices": [{"index": 0, "logprobs": None, **choice}],
+            "choices": [{"index": self.choice, "logprobs": None, **choice}],
         }
         if self.include_usage:
             chunk["usage"] = None
@@ -88,7 +107,9 @@ class OpenAIChunks(Emitter):
         raise NotImplementedError
 
     async def finished(self, event: dict) -> None:
-        await self.sse.data(self.chunk(self.finish_choice(event.get("reason", "stop"))))
+        for end in event.get("choices") or [{"index": 0, "reason": event.get("reason", "stop")}]:
+            self.choice = end["index"]
+            await self.sse.data(self.chunk(self.finish_choice(end["reason"])))
         if self.include_usage:
             await self.sse.data({**self.chunk({}), "choices": [], "usage": usage_dict(self.gen.usage)})
         await self.sse.data("[DONE]")

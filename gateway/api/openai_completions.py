@@ -14,6 +14,22 @@ from .fields import CompletionFields
 routes = web.RouteTableDef()
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this API
+MAX_LOGPROBS = 5  # OpenAI's limit for this API
+
+
+def legacy_logprobs(entries: list[dict], offset: int = 0) -> dict:
+    """Chat-shaped logprob entries in this API's column shape; text_offset counts characters
+    from the start of the choice's text (offset: what came before in a stream)."""
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e["token"])
+    return {
+        "tokens": [e["token"] for e in entries],
+        "token_logprobs": [e["logprob"] for e in entries],
+        "top_logprobs": [{a["token"]: a["logprob"] for a in e["top_logprobs"]} for e in entries],
+        "text_offset": offsets,
+    }
 
 
 def _prompt(body: dict) -> tuple[str | None, list[int] | None]:
@@ -33,18 +49,21 @@ def _prompt(body: dict) -> tuple[str | None, list[int] | None]:
 def parse(body: dict) -> tuple[t.ParsedRequest, str]:
     """The parsed request, and the text echoed before the completion ('' unless echo)."""
     text, tokens = _prompt(body)
-    oc.check_unsupported(body)
-    if body.get("logprobs") is not None:
-        raise invalid("logprobs are not supported yet", "logprobs")
+    n = oc.choices_count(body)
+    logprobs = v.integer(body, "logprobs", lo=0, hi=MAX_LOGPROBS)
     if body.get("suffix"):
         raise invalid("suffix (fill-in-the-middle) is not supported", "suffix")
     echo = v.boolean(body, "echo")
     if echo and text is None:
         raise invalid("echo needs a text prompt", "echo")
+    if echo and logprobs is not None:
+        raise invalid("echo with logprobs (prompt logprobs) is not supported; send one of them", "echo")
     parsed = t.ParsedRequest(
         prompt=text,
         prompt_tokens=tokens,
         api_max_tokens=DEFAULT_MAX_TOKENS,
+        n=n,
+        logprobs=logprobs,
         **t.parse_common(body, CompletionFields),
     )
     return parsed, text if echo else ""
@@ -57,7 +76,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
     usage = oc.include_usage(body)
 
     def render(gen: Generation, out: Outcome) -> dict:
-        return oc.completion_body("text_completion", "cmpl", gen, out, {"text": prefix + out.text})
+        def choice(o: Outcome) -> dict:
+            lp = legacy_logprobs(o.logprobs) if parsed.logprobs is not None else None
+            return {"text": prefix + o.text, "logprobs": lp}
+
+        return oc.completion_body("text_completion", "cmpl", gen, out, choice)
 
     return await t.respond(request, slot, parsed, lambda sse, gen: CompletionChunks(sse, gen, usage, prefix), render)
 
@@ -69,13 +92,27 @@ class CompletionChunks(oc.OpenAIChunks):
     def __init__(self, sse, gen, include_usage: bool, prefix: str):
         super().__init__(sse, gen, include_usage)
         self.prefix = prefix
+        self.offsets: dict[int, int] = {}  # per choice: characters of logprob tokens so far
 
     def finish_choice(self, reason: str | None) -> dict:
         return {"text": "", "finish_reason": reason}
 
     async def opened(self) -> None:
         if self.prefix:
-            await self.sse.data(self.chunk({"text": self.prefix, "finish_reason": None}))
+            for index in range(self.gen.req.n):
+                self.choice = index
+                await self.sse.data(self.chunk({"text": self.prefix, "finish_reason": None}))
+
+    async def text_with_logprobs(self, text: str, entries: list[dict]) -> None:
+        await self.sse.data(self.chunk({"text": text, "logprobs": self._logprobs(entries), "finish_reason": None}))
+
+    async def logprobs(self, entries: list[dict]) -> None:
+        await self.sse.data(self.chunk({"text": "", "logprobs": self._logprobs(entries), "finish_reason": None}))
+
+    def _logprobs(self, entries: list[dict]) -> dict:
+        out = legacy_logprobs(entries, self.offsets.get(self.choice, 0))
+        self.offsets[self.choice] = self.offsets.get(self.choice, 0) + sum(len(e["token"]) for e in entries)
+        return out
 
     async def text(self, text: str) -> None:
         await self.sse.data(self.chunk({"text": text, "finish_reason": None}))

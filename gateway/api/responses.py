@@ -163,6 +163,18 @@ def _constraint(body: dict, tools) -> dict | None:
     )
 
 
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
+
+def _logprobs(body: dict) -> int | None:
+    """include: ["message.output_text.logprobs"] (or top_logprobs) asks for logprobs."""
+    include = body.get("include") or []
+    if not isinstance(include, list):
+        raise invalid("'include' must be a list", "include")
+    top = v.integer(body, "top_logprobs", lo=0, hi=20)
+    return (top or 0) if LOGPROBS_INCLUDE in include or top is not None else None
+
+
 def parse(body: dict, history: list[dict], policy: ContentPolicy) -> t.ParsedRequest:
     messages = history + items_to_messages(v.required(body, "input"), policy)
     instructions = v.string(body, "instructions")
@@ -174,6 +186,7 @@ def parse(body: dict, history: list[dict], policy: ContentPolicy) -> t.ParsedReq
         tools=tools,
         constraint=_constraint(body, tools),
         omitted=policy.omitted,
+        logprobs=_logprobs(body),
         **t.parse_common(body, ResponsesFields),
     )
 

@@ -114,8 +114,8 @@ def reasoning_item(text: str) -> dict:
     }
 
 
-def text_part(text: str) -> dict:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def text_part(text: str, logprobs: list[dict] | None = None) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
 def message_item(status: str, content: list[dict]) -> dict:
@@ -128,7 +128,7 @@ def render(request: web.Request, body: dict, gen: Generation, out: Outcome, hist
     if out.reasoning:
         builder.output.append(reasoning_item(out.reasoning))
     if out.text or not out.tool_calls:
-        builder.output.append(message_item("completed", [text_part(out.text)]))
+        builder.output.append(message_item("completed", [text_part(out.text, out.logprobs)]))
     builder.output += [function_call_item(c) for c in out.tool_calls]
     return builder.finish(out.finish_reason, out.text, out.tool_calls)
 
@@ -147,6 +147,7 @@ class ResponseEvents(Emitter):
         self.message: dict | None = None
         self.texts: list[str] = []
         self.calls: list[dict] = []
+        self.logprob_entries: list[dict] = []
 
     async def emit(self, kind: str, **fields) -> None:
         await self.sse.data({"type": kind, "sequence_number": self.seq, **fields}, kind)
@@ -182,7 +183,13 @@ class ResponseEvents(Emitter):
             )
             await self.emit("response.output_item.done", output_index=idx, item=r)
 
-    async def text(self, text: str) -> None:
+    async def text_with_logprobs(self, text: str, entries: list[dict]) -> None:
+        await self.text(text, entries)
+
+    async def logprobs(self, entries: list[dict]) -> None:
+        self.logprob_entries += entries  # tokens that became reasoning or tool calls: in the final part
+
+    async def text(self, text: str, entries: list[dict] | None = None) -> None:
         await self._close_reasoning()
         if self.message is None:
             self.message = message_item("in_progress", [])
@@ -192,6 +199,7 @@ class ResponseEvents(Emitter):
                 "response.content_part.added", item_id=m["id"], output_index=idx, content_index=0, part=text_part("")
             )
         self.texts.append(text)
+        self.logprob_entries += entries or []
         m = self.message
         await self.emit(
             "response.output_text.delta",
@@ -199,16 +207,21 @@ class ResponseEvents(Emitter):
             output_index=self._index(m),
             content_index=0,
             delta=text,
-            logprobs=[],
+            logprobs=entries or [],
         )
 
     async def _close_message(self) -> None:
         m, self.message = self.message, None
         if m is not None:
             text, idx = "".join(self.texts), self._index(m)
-            part = text_part(text)
+            part = text_part(text, self.logprob_entries)
             await self.emit(
-                "response.output_text.done", item_id=m["id"], output_index=idx, content_index=0, text=text, logprobs=[]
+                "response.output_text.done",
+                item_id=m["id"],
+                output_index=idx,
+                content_index=0,
+                text=text,
+                logprobs=self.logprob_entries,
             )
             await self.emit("response.content_part.done", item_id=m["id"], output_index=idx, content_index=0, part=part)
             m["content"], m["status"] = [part], "completed"

@@ -22,12 +22,16 @@ from ..state import SETTINGS
 class Emitter:
     """One API's streamed events. run_stream calls `opened` once the worker accepted the
     request, then `reasoning`, `text` and `tool_call` for each piece of output in order, then
-    `finished` once; `idle` on keep-alive ticks after opening."""
+    `finished` once; `idle` on keep-alive ticks after opening. With n > 1 choices, `index`
+    is the choice the call belongs to. Per-token logprob entries (when the request asked)
+    come with the text they belong to (`text_with_logprobs`), or alone (`logprobs`) for
+    tokens that became reasoning or tool calls."""
 
     error_event: str | None = None  # the SSE event name of an error ("error"), if the API names it
 
     def __init__(self, sse: SSEWriter, gen: Generation):
         self.sse, self.gen = sse, gen
+        self.choice = 0  # the choice (n > 1) the next call belongs to
 
     async def opened(self) -> None:
         pass
@@ -39,6 +43,13 @@ class Emitter:
         pass
 
     async def tool_call(self, call: dict) -> None:
+        pass
+
+    async def text_with_logprobs(self, text: str, entries: list[dict]) -> None:
+        await self.text(text)
+        await self.logprobs(entries)
+
+    async def logprobs(self, entries: list[dict]) -> None:
         pass
 
     async def finished(self, event: dict) -> None:
@@ -71,12 +82,19 @@ async def run_stream(
             await out.opened()
             finished = False
             async for ev in gen.content(on_idle=out.idle):
+                out.choice = ev.get("index") or 0
+                entries = ev.get("logprobs")
                 if ev.get("reasoning"):
                     await out.reasoning(ev["reasoning"])
-                if ev.get("text"):
+                if ev.get("text") and entries:
+                    await out.text_with_logprobs(ev["text"], entries)
+                    entries = None
+                elif ev.get("text"):
                     await out.text(ev["text"])
                 for call in ev.get("tool_calls") or []:
                     await out.tool_call(call)
+                if entries:
+                    await out.logprobs(entries)
                 if ev["e"] == p.EV_FINISH:
                     finished = True
                     await out.finished(ev)

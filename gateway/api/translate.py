@@ -52,6 +52,8 @@ class ParsedRequest:
     stream_interval: int | None = None
     # Content a text-only model cannot take, replaced by a placeholder (x-mlxgw-omitted-content).
     omitted: list[str] = field(default_factory=list)
+    logprobs: int | None = None  # alternatives per token's logprob entry; None: no logprobs
+    n: int = 1  # choices from the one prompt
 
 
 def parse_common(body: dict, kind: type[CommonFields]) -> dict:
@@ -123,6 +125,8 @@ async def build_request(request: web.Request, slot, parsed: ParsedRequest) -> p.
         constraint=parsed.constraint,
         reasoning_budget=parsed.reasoning_budget,
         images=images,
+        logprobs=parsed.logprobs,
+        n=parsed.n,
     )
 
 
@@ -142,7 +146,7 @@ def generation(request: web.Request, slot, req: p.WorkerRequest) -> Generation:
     """The request's generation, also recorded on the request for limits, metrics and logs."""
     key = request.get("key")
     if isinstance(req, p.GenerateRequest):  # embeddings are charged their input only
-        reserve_tokens(request, slot, req.max_tokens)
+        reserve_tokens(request, slot, req.max_tokens * req.n if req.max_tokens is not None else None)
     gen = Generation(
         request.app[MANAGER], slot, req, request.app[SETTINGS].keepalive_s, owner=key.name if key else None
     )

@@ -1,0 +1,125 @@
+"""What logprobs and n > 1 cost, measured on the worker's own scheduler and MLX runner
+in-process (no HTTP, no IPC, so only the engine's work is timed):
+
+- a batch of 8 greedy requests, without logprobs and with one of them asking for
+  logprobs + 20 alternatives (the other 7 must not pay: same tokens, same time);
+- one request with n=4 against four separate requests with the same prompt (prompt tokens
+  computed, and wall time).
+
+    python -m mlxgw.bench.choices MODEL_DIR --max-tokens 64 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+
+def _runner(model_dir: str):
+    from mlxgw.worker.runner import MLXRunner
+
+    return MLXRunner(model_dir, context_length=None, max_num_seqs=8, prefill_step_size=512, cache_bytes=1 << 30)
+
+
+def _run(scheduler, reqs) -> tuple[float, int]:
+    """Submit, step until every request ended; (seconds, completion tokens)."""
+    from mlxgw.shared import protocol as p
+
+    started = time.perf_counter()
+    pending = {r.rid for r in reqs}
+    tokens = 0
+    for r in reqs:
+        scheduler.submit(r)
+    while pending:
+        for rid, ev in scheduler.step():
+            if ev["e"] in (p.EV_FINISH, p.EV_ERROR) and rid in pending:
+                pending.discard(rid)
+                tokens += p.Usage.from_wire(ev.get("usage")).completion_tokens
+    return time.perf_counter() - started, tokens
+
+
+def _requests(tag: str, prompts: list[str], max_tokens: int, logprobs: list[int | None], n: int = 1) -> list:
+    from mlxgw.shared import protocol as p
+
+    return [
+        p.GenerateRequest(
+            rid=f"{tag}-{i}",
+            messages=[{"role": "user", "content": text}],
+            sampling=p.SamplingParams(temperature=0.0 if n == 1 else 0.8, seed=None if n == 1 else 1 + i),
+            max_tokens=max_tokens,
+            logprobs=lp,
+            n=n,
+        )
+        for i, (text, lp) in enumerate(zip(prompts, logprobs))
+    ]
+
+
+def logprobs_cost(scheduler, max_tokens: int, rounds: int) -> dict:
+    from .loadgen import varied_prompts
+
+    prompts = [m[0]["content"] for m in varied_prompts(8, 40, seed=0)]
+    times: dict[str, list[float]] = {"without": [], "with_one": []}
+    tokens: dict[str, int] = {}
+    _run(scheduler, _requests("warm", prompts[:2], 4, [None, 5]))
+    for r in range(rounds):
+        for name, lps in (("without", [None] * 8), ("with_one", [20] + [None] * 7)):
+            scheduler.runner.cache_clear()
+            wall, n = _run(scheduler, _requests(f"{name}{r}", prompts, max_tokens, lps))
+            times[name].append(wall)
+            tokens[name] = n
+    return {
+        "batch": 8,
+        "max_tokens": max_tokens,
+        "completion_tokens": tokens,
+        "median_wall_s": {k: round(statistics.median(v), 3) for k, v in times.items()},
+        "tok_s": {k: round(tokens[k] / statistics.median(v), 1) for k, v in times.items()},
+    }
+
+
+def choices_cost(scheduler, max_tokens: int, rounds: int) -> dict:
+    from .loadgen import varied_prompts
+
+    prompt = varied_prompts(1, 300, seed=1)[0][0]["content"]
+    out: dict[str, list] = {"n4": [], "four_requests": []}
+    prefilled: dict[str, int] = {}
+    for r in range(rounds):
+        for name in out:
+            scheduler.runner.cache_clear()
+            before = scheduler.prefilled_tokens
+            if name == "n4":
+                reqs = _requests(f"n4-{r}", [prompt], max_tokens, [None], n=4)
+            else:
+                reqs = [_requests(f"four-{r}-{i}", [prompt], max_tokens, [None], n=1)[0] for i in range(4)]
+                for i, req in enumerate(reqs):
+                    req.rid, req.sampling.temperature, req.sampling.seed = f"four-{r}-{i}", 0.8, 1 + i
+            wall, _ = _run(scheduler, reqs)
+            out[name].append(wall)
+            prefilled[name] = scheduler.prefilled_tokens - before
+    return {
+        "prompt_words": 300,
+        "max_tokens": max_tokens,
+        "prompt_tokens_computed": prefilled,
+        "median_wall_s": {k: round(statistics.median(v), 3) for k, v in out.items()},
+    }
+
+
+def main() -> None:
+    from mlxgw.shared.platform import reexec_as_worker
+
+    reexec_as_worker("mlxgw.bench.choices")
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model_dir")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    from mlxgw.worker.scheduler import Scheduler
+
+    scheduler = Scheduler(_runner(args.model_dir), max_num_seqs=8, max_queue=64)
+    print(json.dumps({"logprobs": logprobs_cost(scheduler, args.max_tokens, args.rounds)}), flush=True)
+    print(json.dumps({"n_choices": choices_cost(scheduler, args.max_tokens, args.rounds)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""Per-token logprobs through a real `mlxgw up` and the official openai SDK (tiny model):
+Chat Completions (logprobs + top_logprobs), Completions (logprobs 0-5) and Responses
+(include message.output_text.logprobs), streamed and not. Values are the log-softmax of the
+processed logits at temperature 1: checked against mlx-lm run on the same model outside the
+server."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import openai
+import pytest
+from helpers import openai_client, run_reference
+
+MSGS = [{"role": "user", "content": "Name three colours."}]
+PROMPT_IDS = [1, 504, 3458, 282, 260, 5272, 314]  # a token-id prompt: no template in the way
+
+
+def chat(client, **kw):
+    kw.setdefault("max_tokens", 6)
+    return client.chat.completions.create(model="tiny", messages=MSGS, temperature=0, **kw)
+
+
+def streamed_entries(stream) -> tuple[str, list]:
+    text, entries = "", []
+    for chunk in stream:
+        for c in chunk.choices:
+            text += c.delta.content or ""
+            if c.logprobs and c.logprobs.content:
+                entries += c.logprobs.content
+    return text, entries
+
+
+def test_top_logprobs_are_sorted_and_sum_to_at_most_one(tiny_gateway):
+    out = chat(openai_client(tiny_gateway), logprobs=True, top_logprobs=5)
+    entries = out.choices[0].logprobs.content
+    assert len(entries) == out.usage.completion_tokens
+    for e in entries:
+        values = [t.logprob for t in e.top_logprobs]
+        assert len(values) == 5 and values == sorted(values, reverse=True)
+        assert sum(math.exp(v) for v in values) <= 1 + 1e-6
+        # greedy: the chosen token is the most likely one
+        assert e.token == e.top_logprobs[0].token and e.logprob == pytest.approx(values[0], abs=1e-6)
+        if not e.token.startswith("bytes:"):
+            assert bytes(e.bytes).decode("utf-8") == e.token
+
+
+def test_text_is_the_tokens_joined(tiny_gateway):
+    out = chat(openai_client(tiny_gateway), logprobs=True)
+    entries = out.choices[0].logprobs.content
+    assert "".join(e.token for e in entries) == out.choices[0].message.content
+    assert all(e.top_logprobs == [] for e in entries)
+
+
+def test_requests_without_logprobs_get_none(tiny_gateway):
+    assert chat(openai_client(tiny_gateway)).choices[0].logprobs is None
+
+
+def test_greedy_logprobs_equal_mlx_lm_recomputed(tiny_gateway, tiny_dir):
+    client = openai_client(tiny_gateway)
+    out = client.completions.create(model="tiny", prompt=PROMPT_IDS, temperature=0, max_tokens=6, logprobs=2)
+    served = out.choices[0].logprobs.token_logprobs
+    script = f"""
+import json, mlx.core as mx
+from mlx_lm import load
+model, tok = load({str(tiny_dir)!r})
+ids, out = {PROMPT_IDS!r}, []
+for _ in range({len(served)}):
+    logits = model(mx.array([ids]))[0, -1].astype(mx.float32)
+    lp = logits - mx.logsumexp(logits)
+    t = int(mx.argmax(lp).item())
+    out.append([t, lp[t].item()])
+    ids = ids + [t]
+print(json.dumps({{"out": out, "text": tok.decode([t for t, _ in out])}}))
+"""
+    ref = json.loads(run_reference(script).strip().splitlines()[-1])
+    assert served == pytest.approx([v for _, v in ref["out"]], abs=1e-3)
+    assert out.choices[0].text == ref["text"]
+
+
+def test_streamed_logprobs_equal_non_streamed(tiny_gateway):
+    client = openai_client(tiny_gateway)
+    full = chat(client, logprobs=True, top_logprobs=3).choices[0]
+    text, entries = streamed_entries(chat(client, logprobs=True, top_logprobs=3, stream=True))
+    assert text == full.message.content
+    assert [e.token for e in entries] == [e.token for e in full.logprobs.content]
+    assert [e.logprob for e in entries] == pytest.approx([e.logprob for e in full.logprobs.content], abs=1e-5)
+
+
+def test_logprobs_do_not_depend_on_temperature(tiny_gateway):
+    """The first token's distribution comes from the same prompt at any temperature: its
+    alternatives are reported before temperature is applied."""
+    client = openai_client(tiny_gateway)
+    cold = chat(client, logprobs=True, top_logprobs=4).choices[0].logprobs.content[0]
+    client_hot = client.chat.completions.create(
+        model="tiny", messages=MSGS, temperature=1.7, seed=5, max_tokens=1, logprobs=True, top_logprobs=4
+    )
+    hot = client_hot.choices[0].logprobs.content[0]
+    assert [t.token for t in hot.top_logprobs] == [t.token for t in cold.top_logprobs]
+    assert [t.logprob for t in hot.top_logprobs] == pytest.approx([t.logprob for t in cold.top_logprobs], abs=1e-5)
+
+
+def test_logprobs_follow_logit_bias(tiny_gateway, smollm2_tokenizer):
+    """Logit processors (bias, penalties) shape the distribution that is reported."""
+    (token,) = smollm2_tokenizer.encode(" blue", add_special_tokens=False)
+    out = chat(openai_client(tiny_gateway), logprobs=True, max_tokens=1, logit_bias={str(token): 100})
+    first = out.choices[0].logprobs.content[0]
+    assert first.token == " blue" and first.logprob == pytest.approx(0.0, abs=1e-3)
+
+
+def test_completions_logprobs_in_the_legacy_shape(tiny_gateway):
+    client = openai_client(tiny_gateway)
+    out = client.completions.create(model="tiny", prompt="Once upon a time", temperature=0, max_tokens=5, logprobs=3)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 5
+    assert "".join(lp.tokens) == out.choices[0].text
+    assert all(len(top) <= 3 and max(top.values()) >= v - 1e-6 for top, v in zip(lp.top_logprobs, lp.token_logprobs))
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    streamed = client.completions.create(
+        model="tiny", prompt="Once upon a time", temperature=0, max_tokens=5, logprobs=3, stream=True
+    )
+    tokens = [t for chunk in streamed for c in chunk.choices if c.logprobs for t in c.logprobs.tokens]
+    assert tokens == lp.tokens
+
+
+def test_responses_include_output_text_logprobs(tiny_gateway):
+    client = openai_client(tiny_gateway)
+    kw = dict(model="tiny", input="Name three colours.", temperature=0, max_output_tokens=5)
+    out = client.responses.create(include=["message.output_text.logprobs"], top_logprobs=2, **kw)
+    part = out.output[0].content[0]
+    assert len(part.logprobs) == out.usage.output_tokens
+    assert "".join(e.token for e in part.logprobs) == part.text
+    assert all(len(e.top_logprobs) == 2 for e in part.logprobs)
+    events = list(client.responses.create(include=["message.output_text.logprobs"], stream=True, **kw))
+    deltas = [e for ev in events if ev.type == "response.output_text.delta" for e in ev.logprobs]
+    assert [e.token for e in deltas] == [e.token for e in part.logprobs]
+    assert client.responses.create(**kw).output[0].content[0].logprobs == []
+
+
+@pytest.mark.parametrize(
+    "call, param",
+    [
+        (lambda c: chat(c, logprobs=True, top_logprobs=21), "top_logprobs"),
+        (lambda c: chat(c, top_logprobs=2), "top_logprobs"),
+        (lambda c: c.completions.create(model="tiny", prompt="hi", logprobs=6), "logprobs"),
+        (lambda c: c.completions.create(model="tiny", prompt="hi", logprobs=1, echo=True), "echo"),
+        (lambda c: c.responses.create(model="tiny", input="hi", top_logprobs=21), "top_logprobs"),
+    ],
+    ids=["chat-top-21", "chat-top-without-logprobs", "completions-6", "completions-echo", "responses-top-21"],
+)
+def test_bad_logprobs_values_are_400s_naming_the_field(tiny_gateway, call, param):
+    with pytest.raises(openai.BadRequestError) as err:
+        call(openai_client(tiny_gateway))
+    assert err.value.status_code == 400
+    assert err.value.body["param"] == param and err.value.body["type"] == "invalid_request_error"
