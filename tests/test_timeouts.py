@@ -78,6 +78,7 @@ def test_waiting_for_a_turn_does_not_count_against_the_answer(answer_bound_gw):
 def test_a_request_that_gets_no_first_token_in_time_is_a_504(prefill_bound_gw):
     outcome: dict = {}
     thread = _endless(prefill_bound_gw, outcome)
+    wait_for(lambda: _running_and_waiting(prefill_bound_gw) == 1, 30)  # it holds the one row
     try:
         status, _, body = http(
             f"{prefill_bound_gw.url}/v1/chat/completions",
