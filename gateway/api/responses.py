@@ -153,11 +153,13 @@ def _tools(raw) -> tuple[list[dict] | None, list[str]]:
 
 def _constraint(body: dict, tools) -> dict | None:
     fmt = (v.mapping(body, "text") or {}).get("format")
+    if fmt is not None and not isinstance(fmt, dict):
+        raise invalid("text.format must be an object such as {\"type\": \"json_schema\", ...}", "text")
     choice = body.get("tool_choice")
     if isinstance(choice, dict) and choice.get("type") == "function":
         choice = {"type": "function", "function": {"name": choice.get("name")}}
     return t.one_constraint(
-        output_format_constraint(fmt if isinstance(fmt, dict) else None, "text.format", "text.format.schema", "text"),
+        output_format_constraint(fmt, "text.format", "text.format.schema", "text"),
         tool_choice_constraint(choice, tools),
         "text.format and a forced tool_choice",
     )
