@@ -42,7 +42,7 @@ def test_out_of_range_settings_are_refused_naming_file_section_and_field(tmp_pat
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("max_num_seqs", 0), ("context_length", 8), ("idle_unload_s", -5), ("kind", "speech"), ("engine", "gguf")],
+    [("max_num_seqs", 0), ("context_length", 8), ("idle_unload_s", -5), ("kind", "video"), ("engine", "gguf")],
 )
 def test_out_of_range_model_fields_are_refused_naming_the_model(tmp_path, field, value):
     path = write(tmp_path, {"models": [{"name": "m1", field: value}]})

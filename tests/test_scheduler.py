@@ -122,7 +122,9 @@ def test_status_lists_requests_in_flight(tiny_gateway):
 
     def listed():
         reqs = worker_stats(tiny_gateway, "tiny")["requests"]
-        return next((r for r in reqs if r["id"] == "status-probe-1" and r["generated_tokens"] > 0), None)
+        # the worker knows the gateway's routing id: the client's x-request-id plus "#n"
+        mine = (r for r in reqs if r["id"].partition("#")[0] == "status-probe-1")
+        return next((r for r in mine if r["generated_tokens"] > 0), None)
 
     entry = wait_for(listed)
     assert entry["phase"] == "decode" and entry["ttft_s"] is not None
