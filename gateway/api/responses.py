@@ -1,7 +1,8 @@
 """OpenAI Responses API: POST /v1/responses (Codex and the openai SDK's `responses`).
 
 Input items become the one internal chat request; output comes back as reasoning,
-message, function_call and custom_tool_call items (tools in every form: responses_tools.py). `previous_response_id` continues a conversation from a
+message, function_call and custom_tool_call items (tools in every form: responses_tools.py).
+`previous_response_id` continues a conversation from a
 bounded in-memory store. Hosted tools this server cannot run (web_search, file_search,
 computer_use_preview, ...) are left out of the prompt and named in the
 `x-mlxgw-ignored-tools` response header instead of refused: refusing them is what makes

@@ -88,7 +88,12 @@ class ResponsesTools:
 
 
 def _schema(param: dict) -> dict:
-    return {"type": "object", "properties": {CUSTOM_INPUT: param}, "required": [CUSTOM_INPUT]}
+    return {
+        "type": "object",
+        "properties": {CUSTOM_INPUT: param},
+        "required": [CUSTOM_INPUT],
+        "additionalProperties": False,
+    }
 
 
 def parse_tools(raw, items) -> ResponsesTools:
