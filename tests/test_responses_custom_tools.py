@@ -178,3 +178,16 @@ def test_codex_code_mode_prompt_with_its_tools_fits_the_quick_start_context(smol
     assert len(ids) < 8192 - 256
     prompt = tokenizer.decode(ids)
     assert '{"name": "functions__exec", "arguments": {"input": "string"}}' in prompt
+
+
+def test_a_forced_call_may_name_a_namespaced_custom_tool_without_its_namespace(tiny_gateway):
+    tool = {**RUN_JS, "name": "answer", "format": {"type": "grammar", "syntax": "regex", "definition": "ok"}}
+    r = openai_client(tiny_gateway).responses.create(
+        model="tiny",
+        input="Answer.",
+        tools=[{"type": "namespace", "name": "functions", "description": "", "tools": [tool]}],
+        tool_choice={"type": "custom", "name": "answer"},
+        max_output_tokens=64,
+    )
+    (call,) = [o for o in r.output if o.type == "custom_tool_call"]
+    assert (call.namespace, call.name, call.input) == ("functions", "answer", "ok")

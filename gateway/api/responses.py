@@ -138,8 +138,10 @@ def _tool_choice(choice, tools: ResponsesTools):
     name = choice.get("name")
     if not isinstance(name, str):
         raise invalid(f"tool_choice of type {choice['type']!r} needs a 'name' string", "tool_choice")
-    if choice["type"] == "custom":  # a custom tool in a namespace is named without it
-        name = next((c for c in tools.custom if c == name or split_name(c)["name"] == name), name)
+    # a tool in a namespace is named without it (it is offered as namespace__name)
+    offered = [x["function"]["name"] for x in tools.tools]
+    if name not in offered:
+        name = next((n for n in offered if split_name(n)["name"] == name), name)
     return {"type": "function", "function": {"name": name}}
 
 
