@@ -210,17 +210,18 @@ def test_codex_exec_command_tool_round_trip(proxy, workdir):
     assert posts[-1].status == 200 and "periwinkle" in done.stdout
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Codex's own models use code mode: tools in an `additional_tools` input item and a freeform "
-    "`custom` tool `exec` (JavaScript), which /v1/responses does not offer to the model yet",
-)
 def test_codex_default_model_exec_tool_round_trip(proxy, workdir):
+    # Codex's own model names run in code mode: its tools come in an `additional_tools` input
+    # item and the main one is the freeform (custom) tool `exec`, which runs JavaScript whose
+    # nested tools (exec_command, ...) Codex runs for real.
     script = "const r = await tools.exec_command({cmd: 'cat notes.txt'}); text(r.output);"
     done = run_codex(proxy, workdir, call("functions__exec", input=script))
     assert done.returncode == 0, done.stderr[-3000:]
     last = proxy.posts("/v1/responses")[-1]
-    assert "periwinkle" in json.dumps(last.body["input"])
+    items = {i.get("type"): i for i in last.body["input"]}
+    assert items["custom_tool_call"]["name"] == "exec" and items["custom_tool_call"]["input"] == script
+    assert "periwinkle" in json.dumps(items["custom_tool_call_output"]), "Codex did not send the script's output back"
+    assert last.status == 200 and "periwinkle" in done.stdout
 
 
 # -- a forced tool call with the agents' real tool schemas on the real default model ------

@@ -104,12 +104,16 @@ class ChatText:
     def _apply_generic_tools(self, req: GenerateRequest, chat_messages, tokenize: bool):
         """A template without a tool format: the tools go into the messages (generic format).
         Agents send many long tool descriptions (Claude Code's: ~8,000 tokens); when the full
-        listing would leave under a quarter of the context, the compact one is used."""
-        full = self.apply_template(replace(req, messages=chat_messages(req.messages, req.tools), tools=None), tokenize)
-        if not tokenize or self.context_length is None or len(full) <= self.context_length * 3 // 4:
-            return full
-        compact = chat_messages(req.messages, req.tools, compact=True)
-        return self.apply_template(replace(req, messages=compact, tools=None), tokenize)
+        listing would leave under a quarter of the context, the compact one is used, and when
+        that would not fit either, the minimal one (names and argument types)."""
+        for listing in ({}, {"compact": True}, {"minimal": True}):
+            messages = chat_messages(req.messages, req.tools, **listing)
+            out = self.apply_template(replace(req, messages=messages, tools=None), tokenize)
+            if not tokenize or self.context_length is None or len(out) <= self.context_length * 3 // 4:
+                return out
+            if listing and len(out) < self.context_length:
+                return out  # the compact listing fits: names alone only when it does not
+        return out
 
     def _render(self, messages: list[dict], kwargs: dict):
         with templates.budget():

@@ -137,8 +137,17 @@ def _compact_summary(tool: dict) -> dict:
     return out
 
 
-def generic_instruction(tools: list[dict], compact: bool = False) -> str:
-    summary = _compact_summary if compact else _tool_summary
+def _minimal_summary(tool: dict) -> dict:
+    """The name and each argument's name and type: for a prompt that even the compact listing
+    would push past the context (Codex's code-mode prompt is ~7,200 tokens on SmolLM2)."""
+    fn = tool.get("function") or tool
+    props = (fn.get("parameters") or {}).get("properties") or {}
+    types = {k: (v.get("type") if isinstance(v, dict) else None) or "any" for k, v in props.items()}
+    return {"name": fn.get("name"), "arguments": types}
+
+
+def generic_instruction(tools: list[dict], compact: bool = False, minimal: bool = False) -> str:
+    summary = _minimal_summary if minimal else _compact_summary if compact else _tool_summary
     listing = "\n".join(json.dumps(summary(t), ensure_ascii=False) for t in tools if isinstance(t, dict))
     return GENERIC_INSTRUCTION.format(tools=listing)
 
@@ -157,13 +166,16 @@ def _join(a, b):
     return parts(a) + parts(b)
 
 
-def generic_chat_messages(messages: list[dict], tools: list[dict], compact: bool = False) -> list[dict]:
+def generic_chat_messages(
+    messages: list[dict], tools: list[dict], compact: bool = False, minimal: bool = False
+) -> list[dict]:
     """The conversation as a template without tool support can render it: the tools in the
     system turn, earlier calls as the markup the model is asked to write, and tool results as
     user turns in <tool_response> blocks (merged with a neighbouring user turn, since many
     templates insist that user and assistant turns alternate). compact: the short tool listing
-    (first line of each description, schemas without prose) for a small context."""
-    instruction = generic_instruction(tools, compact)
+    (first line of each description, schemas without prose) for a small context; minimal:
+    names and argument types only, when even that does not fit."""
+    instruction = generic_instruction(tools, compact, minimal)
     out: list[dict] = []
     if messages and messages[0].get("role") == "system":
         out.append({"role": "system", "content": _join(messages[0].get("content") or "", instruction)})

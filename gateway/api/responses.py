@@ -1,7 +1,8 @@
 """OpenAI Responses API: POST /v1/responses (Codex and the openai SDK's `responses`).
 
 Input items become the one internal chat request; output comes back as reasoning,
-message and function_call items. `previous_response_id` continues a conversation from a
+message, function_call and custom_tool_call items (tools in every form: responses_tools.py).
+`previous_response_id` continues a conversation from a
 bounded in-memory store. Hosted tools this server cannot run (web_search, file_search,
 computer_use_preview, ...) are left out of the prompt and named in the
 `x-mlxgw-ignored-tools` response header instead of refused: refusing them is what makes
@@ -24,7 +25,8 @@ from .content import ContentPolicy, b64decode, data_url, read_pdfs, text_file, t
 from .fields import ResponsesFields
 from .images import from_openai_part, join_content
 from .openai_chat import output_format_constraint, template_arguments, tool_choice_constraint
-from .responses_output import NAMESPACE_SEP, STORE, ResponseEvents, render
+from .responses_output import STORE, ResponseEvents, render
+from .responses_tools import ResponsesTools, custom_arguments, joined_name, parse_tools, split_name
 
 routes = web.RouteTableDef()
 
@@ -72,11 +74,10 @@ def _content(content, where: str, policy: ContentPolicy, in_tool_output: bool = 
 
 
 def _function_call(item: dict) -> dict:
-    name = item.get("name", "")
-    if item.get("namespace"):
-        name = f"{item['namespace']}{NAMESPACE_SEP}{name}"
-    args = template_arguments(item.get("arguments") or "{}")
-    return {"id": item.get("call_id"), "type": "function", "function": {"name": name, "arguments": args}}
+    """A function_call or custom_tool_call sent back, as the template's tool call."""
+    raw = custom_arguments(item) if item.get("type") == "custom_tool_call" else item.get("arguments")
+    args = template_arguments(raw or "{}")
+    return {"id": item.get("call_id"), "type": "function", "function": {"name": joined_name(item), "arguments": args}}
 
 
 def _tool_output(item: dict, where: str, policy: ContentPolicy) -> dict:
@@ -104,15 +105,16 @@ def items_to_messages(items, policy: ContentPolicy) -> list[dict]:
                 raise invalid(f"input[{i}].role must be user, assistant, system or developer", "input")
             content = _content(item.get("content"), f"input[{i}].content", policy)
             messages.append({"role": "system" if role == "developer" else role, "content": content})
-        elif kind == "function_call":
+        elif kind in ("function_call", "custom_tool_call"):
             call = _function_call(item)
             if messages and messages[-1]["role"] == "assistant" and not messages[-1]["content"]:
                 messages[-1].setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
-        elif kind == "function_call_output":
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             messages.append(_tool_output(item, f"input[{i}]", policy))
-        # reasoning, item_reference and hosted-tool items carry nothing the template can use
+        # reasoning, item_reference, additional_tools (read by parse_tools) and hosted-tool
+        # items carry nothing the template can use
     return messages
 
 
@@ -129,38 +131,28 @@ def _pdf_parts(items):
                     yield part, raw, where
 
 
-def _tools(raw) -> tuple[list[dict] | None, list[str]]:
-    """Function tools (namespaces flattened) for the template, and the hosted tools left out."""
-    if raw is None:
-        return None, []
-    if not isinstance(raw, list):
-        raise invalid("'tools' must be a list", "tools")
-    tools, ignored = [], []
-    for x in raw:
-        if not isinstance(x, dict):
-            raise invalid("each tool must be an object", "tools")
-        if x.get("type") == "function":
-            tools.append(t.function_tool(x.get("name"), x.get("description"), x.get("parameters")))
-        elif x.get("type") == "namespace":
-            for inner in x.get("tools") or []:
-                if isinstance(inner, dict) and inner.get("type", "function") == "function":
-                    name = f"{x.get('name')}{NAMESPACE_SEP}{inner.get('name')}"
-                    tools.append(t.function_tool(name, inner.get("description"), inner.get("parameters")))
-        else:
-            ignored.append(str(x.get("type")))
-    return tools or None, ignored
+def _tool_choice(choice, tools: ResponsesTools):
+    """Responses' tool_choice in Chat's spelling: a named function or custom tool."""
+    if not isinstance(choice, dict) or choice.get("type") not in ("function", "custom"):
+        return choice
+    name = choice.get("name")
+    if not isinstance(name, str):
+        raise invalid(f"tool_choice of type {choice['type']!r} needs a 'name' string", "tool_choice")
+    # a tool in a namespace is named without it (it is offered as namespace__name)
+    offered = [x["function"]["name"] for x in tools.tools]
+    if name not in offered:
+        name = next((n for n in offered if split_name(n)["name"] == name), name)
+    return {"type": "function", "function": {"name": name}}
 
 
-def _constraint(body: dict, tools) -> dict | None:
+def _constraint(body: dict, tools: ResponsesTools | None) -> dict | None:
     fmt = (v.mapping(body, "text") or {}).get("format")
     if fmt is not None and not isinstance(fmt, dict):
         raise invalid("text.format must be an object such as {\"type\": \"json_schema\", ...}", "text")
-    choice = body.get("tool_choice")
-    if isinstance(choice, dict) and choice.get("type") == "function":
-        choice = {"type": "function", "function": {"name": choice.get("name")}}
+    choice = _tool_choice(body.get("tool_choice"), tools or ResponsesTools())
     return t.one_constraint(
         output_format_constraint(fmt, "text.format", "text.format.schema", "text"),
-        tool_choice_constraint(choice, tools),
+        tool_choice_constraint(choice, tools.for_constraint() if tools else None),
         "text.format and a forced tool_choice",
     )
 
@@ -177,16 +169,14 @@ def _logprobs(body: dict) -> int | None:
     return (top or 0) if LOGPROBS_INCLUDE in include or top is not None else None
 
 
-def parse(body: dict, history: list[dict], policy: ContentPolicy) -> t.ParsedRequest:
+def parse(body: dict, history: list[dict], policy: ContentPolicy, tools: ResponsesTools) -> t.ParsedRequest:
     messages = history + items_to_messages(v.required(body, "input"), policy)
     instructions = v.string(body, "instructions")
-    tools, _ = _tools(body.get("tools"))
-    if body.get("tool_choice") == "none":
-        tools = None
+    offered = None if body.get("tool_choice") == "none" or not tools.tools else tools
     return t.ParsedRequest(
         messages=([{"role": "system", "content": instructions}] if instructions else []) + messages,
-        tools=tools,
-        constraint=_constraint(body, tools),
+        tools=offered.tools if offered else None,
+        constraint=_constraint(body, offered),
         omitted=policy.omitted,
         logprobs=_logprobs(body),
         **t.parse_common(body, ResponsesFields),
@@ -206,13 +196,13 @@ async def responses(request: web.Request) -> web.StreamResponse:
         history = list(request.app[STORE][previous])
     policy = ContentPolicy(t.image_limits(request, slot))
     await read_pdfs(_pdf_parts(body.get("input")), policy, "input")
-    parsed = parse(body, history, policy)
+    tools = parse_tools(body.get("tools"), body.get("input"))
+    parsed = parse(body, history, policy, tools)
     # The stored history keeps the images (a follow-up turn sends them again), not the instructions.
     stored = parsed.messages[1:] if v.string(body, "instructions") else parsed.messages
-    _, ignored = _tools(body.get("tools"))
-    headers = {"x-mlxgw-ignored-tools": ",".join(ignored)} if ignored else {}
-    emitter = lambda sse, gen: ResponseEvents(sse, gen, request, sent, stored)  # noqa: E731
-    renderer = lambda gen, out: render(request, sent, gen, out, stored)  # noqa: E731
+    headers = {"x-mlxgw-ignored-tools": ",".join(tools.ignored)} if tools.ignored else {}
+    emitter = lambda sse, gen: ResponseEvents(sse, gen, request, sent, stored, tools.custom)  # noqa: E731
+    renderer = lambda gen, out: render(request, sent, gen, out, stored, tools.custom)  # noqa: E731
     if mcp_loop is not None:
         hooks = responses_hooks(stored)
         return await mcp_drive.respond(request, slot, parsed, mcp_loop, hooks, emitter, renderer, headers)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import secrets
 import time
 from collections import OrderedDict
+from collections.abc import Set
 from dataclasses import dataclass, field
 
 from aiohttp import web
@@ -13,30 +14,23 @@ from mlxgw.shared.errors import ServiceError
 from ..generation import Generation, Outcome
 from ..sse import SSEWriter
 from .errors import openai_error_body
+from .responses_tools import custom_input, split_name
 from .stream import Emitter
 
 STORE = web.AppKey("responses_store", OrderedDict)
 STORE_LIMIT = 1000
-NAMESPACE_SEP = "__"  # namespace tools are exposed to the model as namespace__function
 
 
 def new_item_id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(12)}"
 
 
-def function_call_item(call: dict) -> dict:
-    item = {
-        "type": "function_call",
-        "id": new_item_id("fc"),
-        "call_id": call["id"],
-        "name": call["name"],
-        "arguments": call["arguments"],
-        "status": "completed",
-    }
-    ns, sep, name = call["name"].partition(NAMESPACE_SEP)
-    if sep:
-        item["namespace"], item["name"] = ns, name
-    return item
+def call_item(call: dict, custom: Set[str] = frozenset()) -> dict:
+    """A function_call item, or a custom_tool_call item when the model called a custom tool."""
+    head = {"call_id": call["id"], **split_name(call["name"]), "status": "completed"}
+    if call["name"] in custom:
+        return {"type": "custom_tool_call", "id": new_item_id("ctc"), **head, "input": custom_input(call["arguments"])}
+    return {"type": "function_call", "id": new_item_id("fc"), **head, "arguments": call["arguments"]}
 
 
 @dataclass
@@ -122,14 +116,16 @@ def message_item(status: str, content: list[dict]) -> dict:
     return {"type": "message", "id": new_item_id("msg"), "status": status, "role": "assistant", "content": content}
 
 
-def render(request: web.Request, body: dict, gen: Generation, out: Outcome, history: list[dict]) -> dict:
-    """A non-streamed response."""
+def render(
+    request: web.Request, body: dict, gen: Generation, out: Outcome, history: list[dict], custom: Set[str] = frozenset()
+) -> dict:
+    """A non-streamed response; `custom`: the exposed names of the custom tools."""
     builder = ResponseBuilder(request, body, gen, history)
     if out.reasoning:
         builder.output.append(reasoning_item(out.reasoning))
     if out.text or not out.tool_calls:
         builder.output.append(message_item("completed", [text_part(out.text, out.logprobs)]))
-    builder.output += [function_call_item(c) for c in out.tool_calls]
+    builder.output += [call_item(c, custom) for c in out.tool_calls]
     return builder.finish(out.finish_reason, out.text, out.tool_calls)
 
 
@@ -139,8 +135,17 @@ class ResponseEvents(Emitter):
 
     error_event = "error"
 
-    def __init__(self, sse: SSEWriter, gen: Generation, request: web.Request, body: dict, history: list[dict]):
+    def __init__(
+        self,
+        sse: SSEWriter,
+        gen: Generation,
+        request: web.Request,
+        body: dict,
+        history: list[dict],
+        custom: Set[str] = frozenset(),
+    ):
         super().__init__(sse, gen)
+        self.custom = custom
         self.builder = ResponseBuilder(request, body, gen, history)
         self.seq = 0
         self.reasoning_item: dict | None = None
@@ -231,18 +236,17 @@ class ResponseEvents(Emitter):
         await self._close_reasoning()
         await self._close_message()
         self.calls.append(call)
-        item = {**function_call_item(call), "arguments": "", "status": "in_progress"}
+        done = call_item(call, self.custom)
+        if done["type"] == "custom_tool_call":  # streamed as OpenAI streams custom tool calls
+            field, event, extra = "input", "response.custom_tool_call_input", {}
+        else:
+            field, event, extra = "arguments", "response.function_call_arguments", {"name": done["name"]}
+        item = {**done, field: "", "status": "in_progress"}
         await self._add(item)
-        idx, args = self._index(item), call["arguments"]
-        await self.emit("response.function_call_arguments.delta", item_id=item["id"], output_index=idx, delta=args)
-        await self.emit(
-            "response.function_call_arguments.done",
-            item_id=item["id"],
-            output_index=idx,
-            arguments=args,
-            name=item["name"],
-        )
-        item.update(arguments=args, status="completed")
+        idx, value = self._index(item), done[field]
+        await self.emit(f"{event}.delta", item_id=item["id"], output_index=idx, delta=value)
+        await self.emit(f"{event}.done", item_id=item["id"], output_index=idx, **{field: value}, **extra)
+        item.update({field: value, "status": "completed"})
         await self.emit("response.output_item.done", output_index=idx, item=item)
 
     async def finished(self, event: dict) -> None:
