@@ -22,6 +22,7 @@ import numpy as np
 from mlxgw.shared import protocol as p
 from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
 
+from ..jobs import JobTable
 from .decoding import FALLBACK_TEMPERATURES, RowRules, choose, compression_ratio, needs_fallback, split_segments
 from .model import DecoderCache, keep_rows, merge_caches
 from .runner import SAMPLE_RATE, WINDOW_SAMPLES, WhisperRunner
@@ -72,22 +73,21 @@ class Job:
         return all(w.result is not None for w in self.windows)
 
 
-class AudioScheduler:
+class AudioScheduler(JobTable):
     request_type = p.TranscribeRequest
 
     def __init__(self, runner: WhisperRunner, *, max_rows: int, max_queue: int):
+        super().__init__()
         self.runner = runner
         self.tok = runner.tokens
         self.rules = RowRules(self.tok)
         self.max_rows = max_rows
         self.max_queue = max_queue
         self.max_new_tokens = runner.dims.n_text_ctx // 2
-        self._jobs: dict[str, Job] = {}
         self._pending: list[Window] = []
         self._rows: list[Row] = []
         self._cache: DecoderCache | None = None
         self.generated_tokens = 0
-        self.finished = 0
 
     # -- intake ---------------------------------------------------------------------------
     def submit(self, req: p.TranscribeRequest) -> list[Event]:
@@ -134,17 +134,8 @@ class AudioScheduler:
         return [self._end(job, {"e": p.EV_FINISH, "reason": "cancelled", "usage": self._usage(job)})]
 
     # -- the step loop ---------------------------------------------------------------------
-    def preparing(self) -> int:
-        return 0  # uploads are decoded in the gateway; nothing is prepared here
-
-    def poll_prepared(self) -> list[Event]:
-        return []
-
     def counters(self) -> dict:
         return {"generated_tokens": self.generated_tokens}
-
-    def has_work(self) -> bool:
-        return bool(self._jobs)
 
     def step(self) -> list[Event]:
         events = self._expire(time.monotonic())
@@ -320,27 +311,7 @@ class AudioScheduler:
     def _usage(self, job: Job) -> dict:
         return {"prompt_tokens": len(job.prompt_tokens), "completion_tokens": job.tokens, "cached_tokens": 0}
 
-    def _expire(self, now: float) -> list[Event]:
-        events = []
-        for job in [j for j in self._jobs.values() if j.deadline and now >= j.deadline]:
-            err = ServiceError(ErrorCode.TIMEOUT, f"request timed out after {job.req.timeout_s:g} s")
-            events.append(self._end(job, p.error_event(err)))
-        return events
-
-    def _end(self, job: Job, event: dict) -> Event:
-        self._jobs.pop(job.req.rid, None)
-        self.finished += 1
-        return (job.req.rid, event)
-
     # -- introspection ---------------------------------------------------------------------
-    @property
-    def running(self) -> int:
-        return sum(1 for j in self._jobs.values() if j.started)
-
-    @property
-    def waiting(self) -> int:
-        return len(self._jobs) - self.running
-
     def requests(self) -> list[dict]:
         now = time.monotonic()
         return [

@@ -20,6 +20,7 @@ from mlxgw.shared import protocol as p
 from mlxgw.shared.errors import ErrorCode, ServiceError
 
 from ..gguf.importer import ImportError_, ImportResult
+from ..jobs import JobTable
 
 Event = p.Event
 
@@ -95,19 +96,19 @@ class SpeechJob:
     req: p.SpeechRequest
     pieces: deque
     arrived: float
+    deadline: float | None
     audio: list[np.ndarray] = field(default_factory=list)
     started: bool = False
 
 
-class SpeechScheduler:
+class SpeechScheduler(JobTable):
     request_type = p.SpeechRequest
 
     def __init__(self, runner: PiperRunner, *, max_queue: int):
+        super().__init__()
         self.runner = runner
         self.max_queue = max_queue
-        self._jobs: dict[str, SpeechJob] = {}
         self.generated_tokens = 0
-        self.finished = 0
 
     def submit(self, req: p.SpeechRequest) -> list[Event]:
         if req.rid in self._jobs or len(self._jobs) >= self.max_queue or not req.input.strip():
@@ -117,45 +118,29 @@ class SpeechScheduler:
                 code, why = ErrorCode.INVALID_REQUEST, "'input' is empty"
             return [(req.rid, p.error_event(ServiceError(code, why)))]
         pieces = deque(line for line in req.input.splitlines() if line.strip())
-        self._jobs[req.rid] = SpeechJob(req, pieces, time.monotonic())
+        now = time.monotonic()
+        self._jobs[req.rid] = SpeechJob(req, pieces, now, now + req.timeout_s if req.timeout_s else None)
         return [(req.rid, {"e": p.EV_ACCEPTED, "prompt_tokens": len(req.input), "max_tokens": 0})]
 
     def cancel(self, rid: str) -> list[Event]:
         job = self._jobs.pop(rid, None)
         return [(rid, {"e": p.EV_FINISH, "reason": "cancelled", "usage": self._usage(job)})] if job else []
 
-    def preparing(self) -> int:
-        return 0  # uploads are decoded in the gateway; nothing is prepared here
-
-    def poll_prepared(self) -> list[Event]:
-        return []
-
     def counters(self) -> dict:
         return {"generated_tokens": self.generated_tokens}
 
-    def has_work(self) -> bool:
-        return bool(self._jobs)
-
     def step(self) -> list[Event]:
-        events: list[Event] = []
-        now = time.monotonic()
-        for job in list(self._jobs.values()):
-            if job.req.timeout_s and now - job.arrived > job.req.timeout_s:
-                self._jobs.pop(job.req.rid)
-                err = ServiceError(ErrorCode.TIMEOUT, f"request timed out after {job.req.timeout_s:g} s")
-                events.append((job.req.rid, p.error_event(err)))
+        events = self._expire(time.monotonic())
         if not self._jobs:
             return events
         job = next(iter(self._jobs.values()))  # FIFO, one line of text per step
         job.started = True
         job.audio.append(self.runner.synthesize(job.pieces.popleft(), job.req.speed))
         if not job.pieces:
-            self._jobs.pop(job.req.rid)
-            self.finished += 1
             pcm = np.concatenate(job.audio).astype("<i2")
             events.append(
-                (
-                    job.req.rid,
+                self._end(
+                    job,
                     {
                         "e": p.EV_FINISH,
                         "reason": "stop",
@@ -170,14 +155,6 @@ class SpeechScheduler:
     @staticmethod
     def _usage(job: SpeechJob | None) -> dict:
         return {"prompt_tokens": len(job.req.input) if job else 0, "completion_tokens": 0, "cached_tokens": 0}
-
-    @property
-    def running(self) -> int:
-        return sum(1 for j in self._jobs.values() if j.started)
-
-    @property
-    def waiting(self) -> int:
-        return len(self._jobs) - self.running
 
     def requests(self) -> list[dict]:
         now = time.monotonic()

@@ -20,6 +20,7 @@ from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
 
 from ..interfaces import EmbeddingRunner
 from ..isolation import as_service_error
+from ..jobs import JobTable
 from ..preprocess import Preprocessor
 
 Event = p.Event
@@ -45,7 +46,7 @@ class Job:
         return sum(_length(x) for x in self.inputs)
 
 
-class EmbedScheduler:
+class EmbedScheduler(JobTable):
     request_type = p.EmbedRequest
 
     def __init__(
@@ -58,15 +59,14 @@ class EmbedScheduler:
         preprocessor: Preprocessor | None = None,
     ):
         """preprocessor: tokenizes on its own thread; None tokenizes in submit."""
+        super().__init__()
         self.encoder = encoder
         self.preprocessor = preprocessor
         self._intake: dict[str, tuple[p.EmbedRequest, float]] = {}
         self.max_batch_size = max_batch_size
         self.max_batch_tokens = max_batch_tokens
         self.max_queue = max_queue
-        self._jobs: dict[str, Job] = {}
         self._pending: deque[tuple[str, int]] = deque()  # (request id, input index), FIFO
-        self.finished = 0
         self.embedded_inputs = 0
 
     # -- intake ---------------------------------------------------------------------------
@@ -141,9 +141,6 @@ class EmbedScheduler:
         return [self._end(job, p.Finish("cancelled", self._usage(job)).to_wire())]
 
     # -- the step loop ---------------------------------------------------------------------
-    def has_work(self) -> bool:
-        return bool(self._jobs)
-
     def step(self) -> list[Event]:
         events = self.poll_prepared()
         events += self._expire(time.monotonic())
@@ -209,29 +206,13 @@ class EmbedScheduler:
     def _usage(job: Job) -> p.Usage:
         return p.Usage(prompt_tokens=job.tokens)
 
-    def _expire(self, now: float) -> list[Event]:
-        events = []
-        for job in [j for j in self._jobs.values() if j.deadline and now >= j.deadline]:
-            err = ServiceError(ErrorCode.TIMEOUT, f"request timed out after {job.req.timeout_s:g} s")
-            events.append(self._end(job, p.error_event(err)))
-        return events
-
-    def _end(self, job: Job, event: dict) -> Event:
-        self._jobs.pop(job.req.rid, None)
-        self.finished += 1
-        return (job.req.rid, event)
-
     # -- introspection ---------------------------------------------------------------------
     def counters(self) -> dict:
         return {"embedded_inputs": self.embedded_inputs}
 
     @property
-    def running(self) -> int:
-        return sum(1 for j in self._jobs.values() if j.started)
-
-    @property
     def waiting(self) -> int:
-        return len(self._jobs) - self.running + len(self._intake)
+        return super().waiting + len(self._intake)
 
     def requests(self) -> list[dict]:
         now = time.monotonic()

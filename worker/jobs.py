@@ -1,0 +1,48 @@
+"""Bookkeeping shared by the schedulers whose requests are jobs rather than decoding
+sequences (embedding, speech to text, text to speech): the job table, timeouts, the
+finished count and the running/waiting view the engine reports."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mlxgw.shared import protocol as p
+from mlxgw.shared.errors import ErrorCode, ServiceError
+
+
+class JobTable:
+    """Jobs keyed by request id; each job has `req` (with `rid`, `timeout_s`), `deadline`
+    (monotonic time or None) and `started`."""
+
+    def __init__(self) -> None:
+        self._jobs: dict[str, Any] = {}
+        self.finished = 0
+
+    def has_work(self) -> bool:
+        return bool(self._jobs)
+
+    def preparing(self) -> int:
+        return 0  # nothing is prepared off the engine thread unless a scheduler says so
+
+    def poll_prepared(self) -> list[p.Event]:
+        return []
+
+    def _expire(self, now: float) -> list[p.Event]:
+        events = []
+        for job in [j for j in self._jobs.values() if j.deadline and now >= j.deadline]:
+            err = ServiceError(ErrorCode.TIMEOUT, f"request timed out after {job.req.timeout_s:g} s")
+            events.append(self._end(job, p.error_event(err)))
+        return events
+
+    def _end(self, job, event: dict) -> p.Event:
+        self._jobs.pop(job.req.rid, None)
+        self.finished += 1
+        return (job.req.rid, event)
+
+    @property
+    def running(self) -> int:
+        return sum(1 for j in self._jobs.values() if j.started)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._jobs) - self.running
