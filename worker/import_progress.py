@@ -105,8 +105,11 @@ class ImportProgress:
                 self.stream.write("\n")
                 self.stream.flush()
             else:
-                self._line(f"{self._status()} done" if self.total else f"{self.title}: done, "
-                           f"{time.perf_counter() - self.started:.1f} s")
+                self._line(
+                    f"{self._status()} done"
+                    if self.total
+                    else f"{self.title}: done, {time.perf_counter() - self.started:.1f} s"
+                )
 
     @contextmanager
     def phase(self, title: str, total: float = 0, unit: str = "") -> Iterator[ImportProgress]:
@@ -166,4 +169,3 @@ def _folder_bytes(folder: Path) -> int:
         except OSError:
             pass  # a file renamed or removed under us
     return total
-
