@@ -184,6 +184,14 @@ def reload(port: int) -> None:
     click.echo(f"asked gateway {pid} to reload its registry{note}")
 
 
+def _state_text(model: dict) -> str:
+    """The state column; a loading model with how far its load has got ("loading 312/540 MB")."""
+    load = model.get("load")
+    if model["state"] != "loading" or not isinstance(load, dict):
+        return model["state"]
+    return f"loading {load['loaded_bytes'] / 1e6:.0f}/{load['expected_bytes'] / 1e6:.0f} MB"
+
+
 @click.command(name="status")
 @click.option("--url", default="http://127.0.0.1:8000", show_default=True)
 def status_cmd(url: str) -> None:
@@ -203,7 +211,7 @@ def status_cmd(url: str) -> None:
         rows.append(
             (
                 m["name"],
-                m["state"],
+                _state_text(m),
                 str(len(m["workers"])),
                 f"{m['memory_bytes'] / 1e6:.0f} MB" if m["memory_bytes"] else "-",
                 str(sum(s.get("running", 0) for s in stats)),

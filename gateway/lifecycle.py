@@ -105,6 +105,7 @@ class ModelSlot:
     unloads: int = 0
     last_used: float = field(default_factory=time.monotonic)
     ready_since: float | None = None
+    loading_since: float | None = None  # monotonic time of the last UNLOADED/RESTARTING -> LOADING
     load_seconds: float | None = None
     measured_bytes: int | None = None  # peak RSS seen for this model's worker
     context_warning: str | None = None  # context_length above what the model supports

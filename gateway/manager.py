@@ -326,6 +326,24 @@ class ModelManager(SlotRunner):
                     self._own(self.unload(o.slot, f"idle for {now - o.slot.last_used:.0f} s"))
 
     # -- reporting ---------------------------------------------------------------------------------
+    def load_progress(self, slot: ModelSlot) -> dict:
+        """How far a loading model has got, from its worker's heartbeats (worker/load_progress.py):
+        bytes of weights read so far and the weight files' total (our own estimate where the
+        worker knows none, e.g. before its first heartbeat)."""
+        report = next((r for c in self.conns(slot) if isinstance(r := c.stats.get("load"), dict)), {})
+
+        def count(key: str) -> int:
+            value = report.get(key)
+            return int(value) if isinstance(value, (int, float)) and value >= 0 else 0
+
+        since = slot.loading_since
+        return {
+            "loaded_bytes": count("loaded_bytes"),
+            "expected_bytes": count("expected_bytes") or self.residency.expected(slot),
+            "rss_bytes": count("rss_bytes"),
+            "elapsed_s": round(time.monotonic() - since, 1) if since is not None else 0.0,
+        }
+
     def describe(self, slot: ModelSlot) -> dict:
         workers = self.conns(slot)
         in_flight = self.in_flight(slot)
@@ -346,6 +364,7 @@ class ModelManager(SlotRunner):
             "idle_s": round(time.monotonic() - slot.last_used, 1) if in_flight == 0 else 0.0,
             "memory_bytes": self.residency.footprint(Occupant(slot, self._rss(slot), in_flight)) if resident else 0,
             "expected_bytes": self.residency.expected(slot),
+            "load": self.load_progress(slot) if slot.state is SlotState.LOADING else None,
             "context_warning": slot.context_warning,
             "retry_in_s": round(max(0.0, slot.failed_until - time.monotonic()), 1)
             if slot.state is SlotState.FAILED

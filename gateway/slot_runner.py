@@ -67,6 +67,8 @@ class SlotRunner:
     def _set(self, slot: ModelSlot, state: SlotState) -> None:
         if slot.state is not state:
             log.debug("%s: %s -> %s", slot.name, slot.state, state)
+            if state is SlotState.LOADING:
+                slot.loading_since = time.monotonic()
             slot.state = state
         self.changed.fire()
 

@@ -57,18 +57,22 @@ def import_cmd(source: str, name: str, dtype: str | None, quantize: str | None, 
     from mlxgw.worker.audio.importer import import_whisper, whisper_source
     from mlxgw.worker.audio.speech import import_voice, voice_source
     from mlxgw.worker.gguf import ImportError_, import_gguf
+    from mlxgw.worker.import_progress import ImportProgress
 
+    progress = ImportProgress(sys.stderr)  # stderr: stdout keeps only the result line
     try:
         whisper = whisper_source(source)  # a CTranslate2 Whisper (speech-to-text) model?
         voice = None if whisper else voice_source(source)  # a Piper (text-to-speech) voice?
         if voice:
             result = import_voice(source, name, voice)
         elif whisper:
-            result = import_whisper(source, name, *whisper, dtype=dtype or default_import_dtype(), force=force)
+            result = import_whisper(
+                source, name, *whisper, dtype=dtype or default_import_dtype(), force=force, progress=progress
+            )
         else:
             result = import_gguf(
                 source, name, dtype=dtype, quantize=int(quantize) if quantize else None, keep_quant=keep_quant,
-                force=force,
+                force=force, progress=progress,
             )
     except (ImportError_, InvalidModelName) as e:
         click.echo(f"error: {e}", err=True)

@@ -17,6 +17,7 @@ from pathlib import Path
 from mlxgw.shared import model_store
 
 from .gguf.importer import ImportError_, ImportResult
+from .import_progress import ImportProgress, NoProgress
 
 # Files a serving copy does not need.
 SKIP = {".gitattributes", "README.md", "mlxgw.json"}
@@ -69,14 +70,16 @@ def safe_manifest(folder: Path) -> dict[str, Path]:
     return files
 
 
-def _digest(files: dict[str, Path]) -> str:
+def _digest(files: dict[str, Path], progress: ImportProgress) -> str:
     """One SHA-256 over every file's name and bytes, in a stable order."""
     h = hashlib.sha256()
-    for rel in sorted(files):
-        h.update(rel.encode() + b"\0")
-        with open(files[rel], "rb") as fh:
-            for block in iter(lambda: fh.read(1 << 20), b""):
-                h.update(block)
+    with progress.phase("hashing source", sum(f.stat().st_size for f in files.values()), "MB"):
+        for rel in sorted(files):
+            h.update(rel.encode() + b"\0")
+            with open(files[rel], "rb") as fh:
+                for block in iter(lambda: fh.read(1 << 20), b""):
+                    h.update(block)
+                    progress.advance(len(block))
     return h.hexdigest()
 
 
@@ -121,9 +124,16 @@ def _weights_summary(files: dict[str, Path]) -> tuple[int, str]:
 
 
 def import_folder(
-    path: Path, source: str, name: str, *, force: bool = False, models_dir: Path | None = None
+    path: Path,
+    source: str,
+    name: str,
+    *,
+    force: bool = False,
+    models_dir: Path | None = None,
+    progress: ImportProgress | None = None,
 ) -> ImportResult:
     model_store.validate_model_name(name)
+    progress = progress or NoProgress()
     started = time.perf_counter()
     models_dir = models_dir or model_store.models_dir()
     dest = models_dir / name
@@ -134,15 +144,17 @@ def import_folder(
         arch, kind = describe(path, files["config.json"])
     except (OSError, ValueError) as e:
         raise ImportError_(f"{path}: unreadable config.json: {e}") from None
-    digest = _digest(files)
+    digest = _digest(files, progress)
     existing = model_store.read_import_record(dest)
     if not force and existing and existing.get("sha256") == digest:
         size = model_store.folder_size(dest)
         return ImportResult(name, dest, True, time.perf_counter() - started, size, existing.get("dtype", "?"), arch)
 
     def fill(tmp: Path) -> dict:
-        _copy_files(files, tmp)
-        parameters, dtype = _weights_summary(files)
+        with progress.watch_folder("copying files", tmp, sum(f.stat().st_size for f in files.values())):
+            _copy_files(files, tmp)
+        with progress.phase("checking weights"):
+            parameters, dtype = _weights_summary(files)
         return {
             "source": str(path),
             "source_spec": source,

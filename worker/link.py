@@ -55,6 +55,8 @@ class WorkerLink:
         self.step_started: float | None = None  # set by the engine around each step
         # Other phases the watchdog covers (request preparation): each returns seconds busy.
         self.busy_probes: list[Callable[[], float]] = []
+        # While loading: how far the load has got (LoadProgress.snapshot), sent in heartbeats.
+        self.load_probe: Callable[[], dict] | None = None
         # Gateway messages, decoded once by the I/O thread; a byte on the PAIR wakes the engine.
         self._inbox: queue.SimpleQueue[dict] = queue.SimpleQueue()
         self._parent = os.getppid()
@@ -100,7 +102,14 @@ class WorkerLink:
     def _heartbeat(self) -> bytes:
         started = self.step_started
         busy = max([time.monotonic() - started if started else 0.0] + [probe() for probe in self.busy_probes])
-        return p.encode(p.HEARTBEAT, state=self.state, stats=self.stats, step_busy_s=busy)
+        stats = self.stats
+        probe = self.load_probe
+        if self.state == "loading" and probe is not None:
+            try:
+                stats = {**stats, "load": probe()}
+            except Exception:  # a failed probe must never stop the heartbeats
+                log.debug("load progress probe failed", exc_info=True)
+        return p.encode(p.HEARTBEAT, state=self.state, stats=stats, step_busy_s=busy)
 
     def _run(self) -> None:
         sock = self._connect()

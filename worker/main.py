@@ -18,6 +18,7 @@ from mlxgw.shared.platform import total_memory_bytes
 
 from .engine import Engine
 from .link import WorkerLink
+from .load_progress import LoadProgress
 from .preprocess import Preprocessor
 
 log = logging.getLogger("mlxgw.worker")
@@ -137,6 +138,7 @@ def serve(
         "secret": os.environ.get("MLXGW_SECRET", ""),
     }
     link = WorkerLink(endpoint, hello, heartbeat_s=heartbeat_s, liveness=liveness, orphan_after=orphan_after)
+    link.load_probe = LoadProgress(model_path).snapshot
     link.start()
     started = time.monotonic()
     try:

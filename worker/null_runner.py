@@ -5,6 +5,8 @@ models.yaml), and lets protocol tests run without loading weights."""
 
 from __future__ import annotations
 
+import os
+import time
 from dataclasses import dataclass
 
 from mlxgw.shared.protocol import GenerateRequest, SamplingParams
@@ -34,6 +36,9 @@ class _Seq:
 
 class NullRunner(Runner):
     def __init__(self, context_length: int | None = None):
+        # Tests only (tests/test_load_progress.py): a load that takes this long, so its
+        # progress can be watched; unset everywhere else.
+        time.sleep(float(os.environ.get("MLXGW_TEST_NULL_LOAD_S") or 0))
         self.context_length = context_length or 32768
         self._seqs: dict[int, _Seq] = {}
         self._uid = 0

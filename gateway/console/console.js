@@ -177,6 +177,13 @@ function renderSummary(s) {
 
 const STATE_CLASS = { ready: "ok", loading: "busy", restarting: "busy", draining: "busy", failed: "bad" };
 
+// A loading model shows how far its load has got: "loading 312/540 MB".
+function stateText(m) {
+  if (m.state !== "loading" || !m.load) return m.state;
+  const mb = (n) => Math.round(n / 1e6);
+  return `loading ${mb(m.load.loaded_bytes)}/${mb(m.load.expected_bytes)} MB`;
+}
+
 function modelRow(name) {
   let row = state.modelRows.get(name);
   if (row) return row;
@@ -222,7 +229,7 @@ function renderModels(models) {
     const w = workerStats(m);
     c.name.textContent = m.name;
     c.sub.textContent = [m.kind, ...(m.aliases || []).slice(0, 3)].join(" · ");
-    c.state.textContent = m.state + (m.pinned ? " · pinned" : "");
+    c.state.textContent = stateText(m) + (m.pinned ? " · pinned" : "");
     c.state.className = `pill ${STATE_CLASS[m.state] || "idle"}`;
     c.err.textContent = m.last_error || "";
     c.mem.textContent = m.memory_bytes ? fmtBytes(m.memory_bytes) : "–";

