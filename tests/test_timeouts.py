@@ -14,11 +14,15 @@ SERIAL = {"name": "serial", "source": "tiny", "max_num_seqs": 1, "max_queue": 8,
 MSGS = [{"role": "user", "content": "Write a very long story."}]
 
 
+# 16-token prefill chunks: a long prompt takes many steps, so its progress can be watched
+CHUNKY = {"name": "chunky", "source": "tiny", "prefill_step_size": 16, "preload": True}
+
+
 def _config(request_timeout_s: float, prefill_timeout_s: float) -> dict:
     return {
         "manager": {"auto_discover": False},
         "gateway": {"request_timeout_s": request_timeout_s, "prefill_timeout_s": prefill_timeout_s},
-        "models": [SERIAL],
+        "models": [SERIAL, CHUNKY],
     }
 
 
@@ -96,3 +100,27 @@ def test_a_request_that_gets_no_first_token_in_time_is_a_504(prefill_bound_gw):
 def _running_and_waiting(gw) -> int:
     stats = [w.get("stats") or {} for w in gw.model_status("serial")["workers"]]
     return sum(s.get("running", 0) + s.get("waiting", 0) for s in stats)
+
+
+def test_a_long_prefill_reports_its_progress_in_status(answer_bound_gw):
+    """Operators (and agent users waiting on a slow host) see how far a prefill has got."""
+    content = " ".join(f"word{i}" for i in range(6000))
+    body = {"model": "chunky", "messages": [{"role": "user", "content": content}], "max_tokens": 1}
+    reply: dict = {}
+    thread = threading.Thread(
+        target=lambda: reply.update(r=http(f"{answer_bound_gw.url}/v1/chat/completions", "POST", body, timeout=300))
+    )
+    thread.start()
+    seen: list[dict] = []
+
+    def prefilling() -> bool:
+        for worker in answer_bound_gw.model_status("chunky")["workers"]:
+            for r in (worker.get("stats") or {}).get("requests", []):
+                if r["phase"] == "prefill" and 0 < r["prefilled_tokens"] < r["prompt_tokens"]:
+                    seen.append(r)
+        return len(seen) >= 2
+
+    wait_for(prefilling, 120, interval=0.2)
+    thread.join(300)
+    assert reply["r"][0] == 200
+    assert seen[-1]["prefilled_tokens"] >= seen[0]["prefilled_tokens"]

@@ -62,6 +62,7 @@ class Sequence:
     phase: str = "queued"  # queued -> prefill -> decode
     uid: int | None = None
     cached_tokens: int = 0
+    prefilled: int = 0  # prompt tokens past the cached ones computed so far (progress)
     generated: int = 0
     first_token_at: float | None = None
     parser: OutputParser | None = None  # splits reasoning and tool calls out of the text
@@ -274,6 +275,7 @@ class Scheduler:
             seq = self._by_uid.get(uid)
             if seq is not None and done < total:
                 seq.phase = "prefill"
+                seq.prefilled = done
                 events.append((seq.req.rid, p.Progress(done, total).to_wire()))
         for t in out.tokens:
             seq = self._by_uid.get(t.uid)
@@ -443,6 +445,8 @@ class Scheduler:
                 "prompt_tokens": len(s.prompt),
                 "cached_tokens": s.cached_tokens,
                 "generated_tokens": s.generated,
+                # long prompts: how far the prefill has got (cached tokens count as done)
+                "prefilled_tokens": len(s.prompt) if s.first_token_at else s.cached_tokens + s.prefilled,
                 "age_s": round(now - s.arrived, 3),
                 "ttft_s": round(s.first_token_at - s.arrived, 3) if s.first_token_at else None,
             }
