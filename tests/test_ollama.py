@@ -266,7 +266,7 @@ BAD = [
     ({"options": {"num_predict": "many"}}, 400, "num_predict"),
     ({"options": {"num_predict": 0}}, 400, "num_predict"),
     ({"options": {"top_p": 3}}, 400, "top_p"),
-    ({"options": {"seed": -1}}, 400, "seed"),
+    ({"options": {"seed": 2**64}}, 400, "seed"),
     ({"options": {"num_ctx": 0}}, 400, "num_ctx"),
     ({"options": {"stop": 5}}, 400, "stop"),
     ({"options": "fast"}, 400, "options"),
