@@ -115,10 +115,17 @@ class Generation:
     async def __aenter__(self) -> Generation:
         conn = await self.manager.acquire(self.slot, self._load_tick, self.keepalive_s)
         self.stream = await self.broker.submit(conn, self.req, self.owner)
-        first = await self._next(None)
-        if first.get("e") != p.EV_ACCEPTED:
-            raise_for(first)
-            raise ServiceError(ErrorCode.INTERNAL, f"unexpected first event {first.get('e')!r}")
+        try:
+            first = await self._next(None)
+            if first.get("e") != p.EV_ACCEPTED:
+                raise_for(first)
+                raise ServiceError(ErrorCode.INTERNAL, f"unexpected first event {first.get('e')!r}")
+        except BaseException as e:
+            # `async with` runs no __aexit__ when __aenter__ raises: a client that leaves
+            # before the worker accepted (or a timeout here) must still cancel the request,
+            # or the worker would generate for nobody until max_tokens.
+            await self.__aexit__(type(e), e, e.__traceback__)
+            raise
         self.accepted = first
         self.usage.prompt_tokens = int(first.get("prompt_tokens", 0))
         return self
