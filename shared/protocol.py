@@ -342,7 +342,9 @@ class Delta:
 @dataclass
 class Finish:
     """The request is over: the last output, why it stopped, and its usage.
-    Embeddings carry vectors (float32 little-endian, row-major) and dim; rerank carries scores."""
+    Embeddings carry vectors (float32 little-endian, row-major) and dim; rerank carries scores;
+    transcriptions carry segments (words when asked), language and duration; speech carries
+    audio (int16 mono PCM) and sample_rate."""
 
     reason: str  # stop | length | tool_calls | cancelled
     usage: Usage
@@ -357,6 +359,12 @@ class Finish:
     # n > 1: every choice's end, [{index, reason, stop}]; reason/stop above are choice 0's.
     # A choice's last output comes before, as a Delta with its index.
     choices: list[dict] | None = None
+    segments: list[dict] | None = None
+    words: list[dict] | None = None
+    language: str | None = None
+    duration: float | None = None
+    audio: bytes | None = None
+    sample_rate: int | None = None
 
     def to_wire(self) -> dict:
         return _wire(EV_FINISH, self)

@@ -101,7 +101,7 @@ class AudioScheduler(JobTable):
             return [(req.rid, p.error_event(e))]
         self._jobs[req.rid] = job
         self._pending.extend(job.windows)
-        return [(req.rid, {"e": p.EV_ACCEPTED, "prompt_tokens": len(job.prompt_tokens), "max_tokens": 0})]
+        return [(req.rid, p.Accepted(len(job.prompt_tokens), 0, self.waiting).to_wire())]
 
     def _new_job(self, req: p.TranscribeRequest) -> Job:
         tok = self.tok
@@ -131,7 +131,7 @@ class AudioScheduler(JobTable):
         job = self._jobs.get(rid)
         if job is None:
             return []
-        return [self._end(job, {"e": p.EV_FINISH, "reason": "cancelled", "usage": self._usage(job)})]
+        return [self._end(job, p.Finish("cancelled", self._usage(job)).to_wire())]
 
     # -- the step loop ---------------------------------------------------------------------
     def counters(self) -> dict:
@@ -285,7 +285,7 @@ class AudioScheduler(JobTable):
             texts.extend(s["text"] for s in job.windows[job.sent].result["segments"])
             job.sent += 1
         if job.req.stream and texts and not job.done:
-            events.append((job.req.rid, {"e": p.EV_DELTA, "text": "".join(texts), "n": job.tokens}))
+            events.append((job.req.rid, p.Delta("".join(texts), job.tokens).to_wire()))
         if job.done:
             events.append(self._end(job, self._finish_event(job, "".join(texts) if job.req.stream else None)))
         return events
@@ -294,22 +294,19 @@ class AudioScheduler(JobTable):
         segments = [s for w in job.windows for s in w.result["segments"]]
         for i, s in enumerate(segments):
             s["id"] = i
-        event = {
-            "e": p.EV_FINISH,
-            "reason": "stop",
-            "segments": segments,
-            "language": job.language or "en",
-            "duration": round(sum(w.samples.size for w in job.windows) / SAMPLE_RATE, 3),
-            "usage": self._usage(job),
-        }
-        if tail is not None:
-            event["text"] = tail
-        if job.req.word_timestamps:
-            event["words"] = [word for w in job.windows for word in w.result.get("words", [])]
-        return event
+        words = [word for w in job.windows for word in w.result.get("words", [])] if job.req.word_timestamps else None
+        return p.Finish(
+            "stop",
+            self._usage(job),
+            text=tail,
+            segments=segments,
+            words=words,
+            language=job.language or "en",
+            duration=round(sum(w.samples.size for w in job.windows) / SAMPLE_RATE, 3),
+        ).to_wire()
 
-    def _usage(self, job: Job) -> dict:
-        return {"prompt_tokens": len(job.prompt_tokens), "completion_tokens": job.tokens, "cached_tokens": 0}
+    def _usage(self, job: Job) -> p.Usage:
+        return p.Usage(prompt_tokens=len(job.prompt_tokens), completion_tokens=job.tokens)
 
     # -- introspection ---------------------------------------------------------------------
     def requests(self) -> list[dict]:

@@ -120,11 +120,11 @@ class SpeechScheduler(JobTable):
         pieces = deque(line for line in req.input.splitlines() if line.strip())
         now = time.monotonic()
         self._jobs[req.rid] = SpeechJob(req, pieces, now, now + req.timeout_s if req.timeout_s else None)
-        return [(req.rid, {"e": p.EV_ACCEPTED, "prompt_tokens": len(req.input), "max_tokens": 0})]
+        return [(req.rid, p.Accepted(len(req.input), 0, self.waiting).to_wire())]
 
     def cancel(self, rid: str) -> list[Event]:
         job = self._jobs.pop(rid, None)
-        return [(rid, {"e": p.EV_FINISH, "reason": "cancelled", "usage": self._usage(job)})] if job else []
+        return [(rid, p.Finish("cancelled", self._usage(job)).to_wire())] if job else []
 
     def counters(self) -> dict:
         return {"generated_tokens": self.generated_tokens}
@@ -138,23 +138,13 @@ class SpeechScheduler(JobTable):
         job.audio.append(self.runner.synthesize(job.pieces.popleft(), job.req.speed))
         if not job.pieces:
             pcm = np.concatenate(job.audio).astype("<i2")
-            events.append(
-                self._end(
-                    job,
-                    {
-                        "e": p.EV_FINISH,
-                        "reason": "stop",
-                        "audio": pcm.tobytes(),
-                        "sample_rate": self.runner.sample_rate,
-                        "usage": self._usage(job),
-                    },
-                )
-            )
+            done = p.Finish("stop", self._usage(job), audio=pcm.tobytes(), sample_rate=self.runner.sample_rate)
+            events.append(self._end(job, done.to_wire()))
         return events
 
     @staticmethod
-    def _usage(job: SpeechJob | None) -> dict:
-        return {"prompt_tokens": len(job.req.input) if job else 0, "completion_tokens": 0, "cached_tokens": 0}
+    def _usage(job: SpeechJob | None) -> p.Usage:
+        return p.Usage(prompt_tokens=len(job.req.input) if job else 0)
 
     def requests(self) -> list[dict]:
         now = time.monotonic()
