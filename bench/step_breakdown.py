@@ -108,13 +108,15 @@ def install_timers(timers: Timers, runner, mx) -> None:
     p.encode = timers.timed("encode", p.encode)
 
 
-def make_request(rid: str, messages: list[dict], max_tokens: int, temperature: float, stop: list[str]):
+def make_request(
+    rid: str, messages: list[dict], max_tokens: int, temperature: float, stop: list[str], penalty: float = 0.0
+):
     from mlxgw.shared import protocol as p
 
     return p.GenerateRequest(
         rid=rid,
         messages=messages,
-        sampling=p.SamplingParams(temperature=temperature),
+        sampling=p.SamplingParams(temperature=temperature, frequency_penalty=penalty),
         max_tokens=max_tokens,
         stop=stop,
     )
@@ -139,7 +141,12 @@ class Workload:
             self.next_prompt += 1
             rid = f"b{self.batch}-{i}"
             req = make_request(
-                rid, self.prompts[i % len(self.prompts)], self.args.max_tokens, self.args.temperature, self.args.stop
+                rid,
+                self.prompts[i % len(self.prompts)],
+                self.args.max_tokens,
+                self.args.temperature,
+                self.args.stop,
+                self.args.frequency_penalty,
             )
             for _, ev in self.scheduler.submit(req):
                 if ev.get("e") == p.EV_ERROR:
@@ -277,6 +284,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
     lines.append(
         f"Model {meta['model']} ({meta['parameters'] / 1e6:.1f}M parameters, {meta['dtype']}), "
         f"prompts ~{meta['prompt_tokens']} tokens, temperature {meta['temperature']}, "
+        f"frequency penalty {meta['frequency_penalty']}, "
         f"{meta['steps']} counted steps per batch (medians), BLAS preload: {meta['ld_preload'] or 'none'}; "
         f"peak GEMM rate {meta['peak_gemm_gflops']:.0f} GFLOP/s (batch {meta['peak_batch']})."
     )
@@ -301,6 +309,7 @@ def main() -> None:
     ap.add_argument("--prompt-words", type=int, default=22, help="~64 prompt tokens with the chat template")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--temperature", type=float, default=0.7)
+    ap.add_argument("--frequency-penalty", type=float, default=0.0, help="non-zero: every row runs a logits processor")
     ap.add_argument("--stop", action="append", default=None, help="stop strings (default: one that never matches)")
     ap.add_argument("--gemm-repeats", type=int, default=20)
     ap.add_argument("--peak-batch", type=int, default=256, help="batch at which the peak GEMM rate is measured")
@@ -342,6 +351,7 @@ def main() -> None:
         "dtype": dtype,
         "prompt_tokens": len(runner.encode(sample)),
         "temperature": args.temperature,
+        "frequency_penalty": args.frequency_penalty,
         "steps": args.steps,
         "ld_preload": os.environ.get("LD_PRELOAD", ""),
         "peak_batch": args.peak_batch,
