@@ -239,7 +239,10 @@ def test_forced_claude_code_read_call_on_the_default_model(real_gateway, workdir
     read = recorded_tool("claude_code_request.json", "Read")
     msg = anthropic.Anthropic(base_url=real_gateway.url, api_key="unused", max_retries=0).messages.create(
         model="claude-opus-5-5",
-        max_tokens=80,
+        # room for the whole call: the grammar forces its shape, not its length (a sampled
+        # path or optional fields can run past a tight budget and leave the call unfinished)
+        max_tokens=256,
+        extra_body={"temperature": 0},  # this SDK version no longer takes it as an argument
         messages=[{"role": "user", "content": f"Read the file {workdir / 'notes.txt'}"}],
         # the recorded schema; a short description keeps the prompt short on a slow host
         tools=[{"name": "Read", "description": "Read a file", "input_schema": read["input_schema"]}],
@@ -257,7 +260,8 @@ def test_forced_codex_exec_command_call_on_the_default_model(real_gateway):
         input="List the files in this folder.",
         tools=[{**tool, "description": "Run a shell command"}],
         tool_choice="required",
-        max_output_tokens=80,
+        max_output_tokens=256,
+        temperature=0,
     )
     (item,) = [i for i in response.output if i.type == "function_call"]
     assert item.name == "exec_command" and isinstance(json.loads(item.arguments)["cmd"], str)

@@ -26,6 +26,10 @@ from ..preprocess import Preprocessor
 Event = p.Event
 
 
+# How long a ready input may wait for inputs still being tokenized (see _gathering).
+GATHER_S = 0.010
+
+
 def _length(item) -> int:
     """Tokens of one input: token ids, or a cross-encoder's (ids, token types) pair."""
     return len(item[0]) if isinstance(item, tuple) else len(item)
@@ -143,7 +147,10 @@ class EmbedScheduler(JobTable):
     # -- the step loop ---------------------------------------------------------------------
     def step(self) -> list[Event]:
         events = self.poll_prepared()
-        events += self._expire(time.monotonic())
+        now = time.monotonic()
+        events += self._expire(now)
+        if self._gathering(now):
+            return events
         for batch in self._passes(self._take_window()):
             jobs = [self._jobs[rid] for rid, _, _ in batch]
             inputs = [job.inputs[i] for job, (_, i, _) in zip(jobs, batch)]
@@ -159,6 +166,16 @@ class EmbedScheduler(JobTable):
                 if job.remaining == 0:
                     events.append(self._end(job, self._finish_event(job)))
         return events
+
+    def _gathering(self, now: float) -> bool:
+        """Hold the pass a moment while requests that arrived together are still being
+        tokenized on the preparation thread: a burst of N requests then shares a few passes
+        instead of starting one pass per request as each becomes ready. Bounded: the oldest
+        waiting input never waits more than GATHER_S for company."""
+        if not self._pending or not self.preparing() or len(self._pending) >= self.max_batch_size:
+            return False
+        oldest = self._jobs.get(self._pending[0][0])
+        return oldest is not None and now - oldest.arrived < GATHER_S
 
     def _take_window(self) -> list[tuple[str, int, int]]:
         """The oldest waiting inputs as (request id, input index, tokens), within the budgets."""
