@@ -4,31 +4,18 @@ even when its pid file is stale (or says clearly that none runs)."""
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
-import subprocess
-import sys
 import time
 
 import pytest
-from helpers import REPO, start_gateway
+from helpers import start_gateway
+from helpers.mlxgw_cli import mlxgw
 
 NULL_CONFIG = {
     "manager": {"auto_discover": False},
     "models": [{"name": "null", "engine": "null", "preload": True}],
 }
-
-
-def mlxgw(home, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-c", "from mlxgw.cli import main; main()", *args],
-        cwd=REPO,
-        env=dict(os.environ, MLXGW_HOME=str(home)),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +27,8 @@ def null_gateway(home):
 
 def test_up_on_a_busy_port_exits_before_starting_any_worker(home, null_gateway):
     pid_file = home / "run" / f"gateway-{null_gateway.port}.pid"
-    result = mlxgw(home, "up", "--config", str(null_gateway.config_path), "--port", str(null_gateway.port))
+    config, port = str(null_gateway.config_path), str(null_gateway.port)
+    result = mlxgw("up", "--config", config, "--port", port, home=home, timeout=120)
     assert result.returncode == 2
     assert "in use" in result.stderr and "Traceback" not in result.stderr
     assert "started worker" not in result.stderr
@@ -67,7 +55,7 @@ def test_stale_sockets_and_pid_files_are_removed_at_start(home, tmp_path):
 def test_reload_finds_the_gateway_by_its_port_when_the_pid_file_is_stale(home, null_gateway):
     pid_file = home / "run" / f"gateway-{null_gateway.port}.pid"
     pid_file.write_text("4194303")  # left by a killed predecessor
-    result = mlxgw(home, "reload", "--port", str(null_gateway.port))
+    result = mlxgw("reload", "--port", str(null_gateway.port), home=home, timeout=120)
     assert result.returncode == 0, result.stderr
     assert str(null_gateway.proc.pid) in result.stdout
     assert pid_file.read_text().strip() == str(null_gateway.proc.pid)
@@ -82,7 +70,7 @@ def test_reload_says_clearly_that_no_gateway_runs_after_one_was_killed(home):
     gw.stop(signal.SIGKILL)
     pid_file = home / "run" / f"gateway-{gw.port}.pid"
     assert pid_file.exists()  # kill -9 leaves it
-    result = mlxgw(home, "reload", "--port", str(gw.port))
+    result = mlxgw("reload", "--port", str(gw.port), home=home, timeout=120)
     assert result.returncode == 2
     assert f"no mlxgw gateway is running on port {gw.port}" in result.stderr
     assert "stale pid file" in result.stderr and not pid_file.exists()

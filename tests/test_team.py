@@ -5,18 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import plistlib
 import shutil
 import signal
 import subprocess
-import sys
 import time
 
 import openai
 import pytest
 import yaml
-from helpers import NO_EOS, REPO, TINY_CONFIG, http, openai_client, start_gateway, wait_for
+from helpers import NO_EOS, TINY_CONFIG, http, openai_client, start_gateway, wait_for
+from helpers.mlxgw_cli import mlxgw
 from mlxgw.gateway.keys import hash_key
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -37,17 +36,6 @@ TEAM_CONFIG = {
     "models": [*TINY_CONFIG["models"], {"name": "secretm", "engine": "null", "aliases": ["*-large"]}],
 }
 MSGS = [{"role": "user", "content": "hello there"}]
-
-
-def mlxgw(*args: str, home) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-c", "from mlxgw.cli import main; main()", *args],
-        cwd=REPO,
-        env=dict(os.environ, MLXGW_HOME=str(home)),
-        capture_output=True,
-        text=True,
-        check=False,
-    )
 
 
 @pytest.fixture(scope="module")
