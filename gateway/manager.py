@@ -22,8 +22,12 @@ from typing import Any
 from mlxgw.shared.config import Registry
 from mlxgw.shared.errors import ErrorCode, ServiceError
 
-from .broker import (
-    Broker,
+from .broker import Broker
+from .lifecycle import ModelSlot, Pulse, SlotState
+from .residency import TICK_S, Occupant, Residency
+from .slot_runner import SlotRunner, Spawner
+from .supervisor import spawn_worker
+from .worker_conn import (
     ConnState,
     WorkerBack,
     WorkerConn,
@@ -33,10 +37,6 @@ from .broker import (
     WorkerLost,
     WorkerReady,
 )
-from .lifecycle import ModelSlot, Pulse, SlotState
-from .residency import TICK_S, Occupant, Residency
-from .slot_runner import SlotRunner, Spawner
-from .supervisor import spawn_worker
 
 log = logging.getLogger("mlxgw.manager")
 
