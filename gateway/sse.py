@@ -40,6 +40,12 @@ class SSEWriter:
             await asyncio.wait_for(self.response.write(chunk), self.write_timeout_s)
         except asyncio.TimeoutError:
             raise ServiceError(ErrorCode.TIMEOUT, "client stopped reading the stream") from None
+        except ConnectionResetError:
+            # The client closed the connection between two events. Whether aiohttp cancels
+            # the handler first or a write finds the transport closed first is a race; both
+            # mean the same thing and must end the request the same way: cancelled (499),
+            # not an internal error.
+            raise ServiceError(ErrorCode.CANCELLED, "the client closed the connection") from None
 
     async def data(self, payload: dict | str, event: str | None = None) -> None:
         text = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"), ensure_ascii=False)

@@ -8,6 +8,8 @@ import json
 import plistlib
 import shutil
 import signal
+import socket
+import struct
 import subprocess
 import time
 
@@ -229,6 +231,33 @@ def test_access_log_gives_a_cancelled_stream_its_status_and_real_tokens(team_gat
     entry = wait_for(lambda: access_entry(team_gateway, "req_erin_cancelled"), 10)
     assert entry["status"] == 499 and entry["http_status"] == 200
     assert entry["completion_tokens"] >= len(chunks) - 1
+
+
+def reset_stream_after_first_bytes(gw, rid: str) -> None:
+    """A client that reads the start of a stream, then drops the connection with a TCP
+    reset (SO_LINGER 0), as a killed process or a pulled cable does."""
+    body = json.dumps({"model": "null", "max_tokens": 5000, "stream": True, "messages": MSGS}).encode()
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Authorization: Bearer {KEYS['dave']}\r\nx-request-id: {rid}\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    with socket.create_connection(("127.0.0.1", gw.port), timeout=10) as sock:
+        sock.sendall(head + body)
+        received = b""
+        while received.count(b"data:") < 3:
+            received += sock.recv(65536)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+
+def test_a_client_that_resets_its_connection_is_logged_499_never_500(team_gateway):
+    # Whether aiohttp cancels the handler first or a write finds the transport closed first
+    # is a race; a fast stream makes the write side likely. Either way the truth is 499.
+    rids = [f"req_reset_{i}" for i in range(12)]
+    for rid in rids:
+        reset_stream_after_first_bytes(team_gateway, rid)
+    for rid in rids:
+        entry = wait_for(lambda rid=rid: access_entry(team_gateway, rid), 10)
+        assert entry["status"] == 499, entry
 
 
 def test_key_model_restriction_applies_to_the_model_a_name_resolves_to(team_gateway):
