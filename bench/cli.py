@@ -13,10 +13,11 @@ import click
 @click.option("--model", required=True)
 @click.option("--label", default="mlxgw", show_default=True)
 @click.option("--api-key", envvar="MLXGW_BENCH_KEY", default=None, help="bearer key for the first server")
-@click.option("--compare-api-key", default=None, help="bearer key for the second server")
-@click.option("--compare", "compare_url", default=None, help="a second server's base URL, run alternately")
-@click.option("--compare-model", default=None, help="model name on the second server (default: --model)")
-@click.option("--compare-label", default="peer", show_default=True)
+@click.option("--compare-api-key", default=None, help="bearer key for the other servers")
+@click.option("--compare", "compare_url", multiple=True, help="another server's base URL, run alternately (repeatable)")
+@click.option("--compare-model", multiple=True, help="model name on each --compare server (default: --model)")
+@click.option("--compare-label", multiple=True, help="label of each --compare server (default: peer, peer2...)")
+@click.option("--rounds", default=1, show_default=True, help="repeat the sweep, rotating the servers' order")
 @click.option("--concurrency", default="1,4,8", show_default=True, help="comma-separated levels")
 @click.option("--requests", default=0, help="requests per level (default: 2 x concurrency, >= 4)")
 @click.option("--max-tokens", default=32, show_default=True)
@@ -43,6 +44,7 @@ def bench(
     compare_url,
     compare_model,
     compare_label,
+    rounds,
     concurrency,
     requests,
     max_tokens,
@@ -64,8 +66,10 @@ def bench(
 
         seed = random.randrange(1 << 30)
     targets = [Target(label, url, model, api_key)]
-    if compare_url:
-        targets.append(Target(compare_label, compare_url, compare_model or model, compare_api_key))
+    for i, peer_url in enumerate(compare_url):
+        peer_label = compare_label[i] if i < len(compare_label) else ("peer" if i == 0 else f"peer{i + 1}")
+        peer_model = compare_model[i] if i < len(compare_model) else model
+        targets.append(Target(peer_label, peer_url, peer_model, compare_api_key))
     cfg = BenchConfig(
         concurrency=[int(c) for c in concurrency.split(",")],
         requests=requests,
@@ -78,6 +82,7 @@ def bench(
         prefix_words=prefix_words,
         prefix_repeats=prefix_repeats,
         seed=seed,
+        rounds=rounds,
     )
     report = run(targets, cfg, out)
     click.echo(report["markdown"])

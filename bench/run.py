@@ -37,6 +37,7 @@ class BenchConfig:
     prefix_words: int  # 0: skip the shared-prefix workload
     prefix_repeats: int
     seed: int
+    rounds: int = 1  # the whole sweep this many times, the servers' order rotated each round
 
 
 async def _clear_cache(target: Target) -> None:
@@ -49,35 +50,76 @@ async def _clear_cache(target: Target) -> None:
 
 
 async def sweep(targets: list[Target], cfg: BenchConfig, log=print) -> list[dict]:
+    """Every level for every server, alternated: within a level the servers take turns on
+    the same prompts, and each round rotates who goes first, so drift in the machine's
+    state (thermal, other load) lands on everyone alike."""
     rows = []
-    for level, c in enumerate(cfg.concurrency):
-        n = cfg.requests or max(4, 2 * c)
-        prompts = (
-            varied_prompts(1, cfg.prompt_words, cfg.seed) * n
-            if cfg.fixed_prompt
-            else varied_prompts(n, cfg.prompt_words, cfg.seed + 1000 * level, cfg.prompt_words_max)
-        )
-        for t in targets:  # alternate servers within each level
-            progress = LevelProgress(f"level {level + 1}/{len(cfg.concurrency)} {t.label} c={c}", n)
-            results, wall = await run_level(
-                t.url,
-                t.model,
-                prompts,
-                c,
-                max_tokens=cfg.max_tokens,
-                temperature=cfg.temperature,
-                stream=cfg.stream,
-                api_key=t.api_key,
-                on_result=progress.update,
+    for rnd in range(cfg.rounds):
+        order = targets[rnd % len(targets) :] + targets[: rnd % len(targets)]
+        for level, c in enumerate(cfg.concurrency):
+            n = cfg.requests or max(4, 2 * c)
+            prompts = (
+                varied_prompts(1, cfg.prompt_words, cfg.seed) * n
+                if cfg.fixed_prompt
+                else varied_prompts(n, cfg.prompt_words, cfg.seed + 1000 * level + 100_000 * rnd, cfg.prompt_words_max)
             )
-            progress.close()
-            row = {"server": t.label, "concurrency": c, **summarize(results, wall)}
-            rows.append(row)
-            log(
-                f"{t.label:>10} c={c:<3} ok={row['completed']:<4} failed={row['failed']:<3} "
-                f"tok/s={row['output_tok_s']:<8} TTFT p50={row['ttft_p50_s']} s"
-            )
+            for t in order:
+                rows.append(await _level(t, cfg, c, n, prompts, f"round {rnd + 1}/{cfg.rounds} level {level + 1}"))
+                rows[-1]["round"] = rnd + 1
+                row = rows[-1]
+                log(
+                    f"{t.label:>14} c={c:<3} ok={row['completed']:<4} failed={row['failed']:<3} "
+                    f"tok/s={row['output_tok_s']:<8} TTFT p50={row['ttft_p50_s']} s"
+                )
     return rows
+
+
+async def _level(t: Target, cfg: BenchConfig, c: int, n: int, prompts: list[str], title: str) -> dict:
+    progress = LevelProgress(f"{title} {t.label} c={c}", n)
+    results, wall = await run_level(
+        t.url,
+        t.model,
+        prompts,
+        c,
+        max_tokens=cfg.max_tokens,
+        temperature=cfg.temperature,
+        stream=cfg.stream,
+        api_key=t.api_key,
+        on_result=progress.update,
+    )
+    progress.close()
+    return {"server": t.label, "concurrency": c, **summarize(results, wall)}
+
+
+def medians(rows: list[dict]) -> list[dict]:
+    """One row per (server, concurrency): the median over rounds of each figure."""
+    if not any(r.get("round", 1) > 1 for r in rows):
+        return rows
+    keys = (
+        "output_tok_s",
+        "requests_s",
+        "ttft_p50_s",
+        "ttft_p90_s",
+        "ttft_p99_s",
+        "itl_p50_s",
+        "itl_p99_s",
+        "itl_max_s",
+    )
+    out: list[dict] = []
+    for r in rows:
+        if any(o["server"] == r["server"] and o["concurrency"] == r["concurrency"] for o in out):
+            continue
+        same = [x for x in rows if x["server"] == r["server"] and x["concurrency"] == r["concurrency"]]
+        merged = {**r, "rounds": len(same)}
+        merged["completed"] = sum(x["completed"] for x in same)
+        merged["failed"] = sum(x["failed"] for x in same)
+        merged["output_tokens"] = sum(x["output_tokens"] for x in same)
+        for k in keys:
+            values = [x[k] for x in same if x.get(k) is not None]
+            merged[k] = round(percentile(values, 50), 4) if values else None
+        merged.pop("round", None)
+        out.append(merged)
+    return out
 
 
 async def shared_prefix(target: Target, cfg: BenchConfig) -> dict:
@@ -131,15 +173,20 @@ def run(targets: list[Target], cfg: BenchConfig, out: Path | None, log=print) ->
         "targets": [t.__dict__ for t in targets],
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    report["levels"] = asyncio.run(sweep(targets, cfg, log))
-    if len(targets) == 2:
-        report["ratios"] = ratios(report["levels"], targets[0].label, targets[1].label)
+    report["runs"] = asyncio.run(sweep(targets, cfg, log))
+    report["levels"] = medians(report["runs"])
+    report["ratios"] = {t.label: ratios(report["levels"], targets[0].label, t.label) for t in targets[1:]}
     if cfg.prefix_words:
         report["shared_prefix"] = [asyncio.run(shared_prefix(t, cfg)) for t in targets]
     md = [markdown(report["levels"])]
-    if report.get("ratios"):
-        md.append("\n| c | tok/s ratio | TTFT p50 ratio (higher = first is faster) |\n|---|---|---|")
-        md += [f"| {r['concurrency']} | {r['tok_s_ratio']} | {r['ttft_p50_ratio']} |" for r in report["ratios"]]
+    if cfg.rounds > 1:
+        md.insert(0, f"(median of {cfg.rounds} rounds, servers alternated)\n")
+    for peer, rows in report["ratios"].items():
+        md.append(
+            f"\n| c | {targets[0].label} / {peer} tok/s | TTFT p50 ratio (higher = {targets[0].label} "
+            "is faster) |\n|---|---|---|"
+        )
+        md += [f"| {r['concurrency']} | {r['tok_s_ratio']} | {r['ttft_p50_ratio']} |" for r in rows]
     for sp in report.get("shared_prefix", []):
         md.append(
             f"\nshared prefix ({sp['prefix_words']} words) on {sp['server']}: cold TTFT "

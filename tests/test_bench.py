@@ -10,7 +10,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
-def test_bench_runs_against_the_null_engine_and_writes_reports(tiny_gateway, tmp_path):
+def test_bench_alternates_servers_over_rounds_and_writes_reports(tiny_gateway, tmp_path):
     out = tmp_path / "smoke"
     result = subprocess.run(
         [
@@ -32,6 +32,8 @@ def test_bench_runs_against_the_null_engine_and_writes_reports(tiny_gateway, tmp
             f"{tiny_gateway.url}/v1",
             "--compare-label",
             "again",
+            "--rounds",
+            "2",
             "--out",
             str(out),
         ],
@@ -48,11 +50,14 @@ def test_bench_runs_against_the_null_engine_and_writes_reports(tiny_gateway, tmp
         ("mlxgw", 4),
         ("again", 4),
     ]
+    # Two rounds, the second starting with the other server; levels are medians over both.
+    assert [r["server"] for r in report["runs"]] == ["mlxgw", "again"] * 2 + ["again", "mlxgw"] * 2
     for row in report["levels"]:
-        assert row["completed"] == 8 and row["failed"] == 0
-        assert row["output_tokens"] == 8 * 16
+        assert row["rounds"] == 2
+        assert row["completed"] == 16 and row["failed"] == 0
+        assert row["output_tokens"] == 16 * 16
         assert row["ttft_p50_s"] is not None and row["output_tok_s"] > 0
-    assert len(report["ratios"]) == 2
+    assert len(report["ratios"]["again"]) == 2
     assert "| server |" in out.with_suffix(".md").read_text()
 
 
