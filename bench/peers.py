@@ -79,7 +79,17 @@ def start_mlx_lm(model_dir: Path, log) -> tuple[str, subprocess.Popen, str]:
 def start_vllm_mlx(python: str, model_dir: Path, log) -> tuple[str, subprocess.Popen, str]:
     port = free_port()
     exe = str(Path(python).parent / "vllm-mlx")
-    cmd = [exe, "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port), "--continuous-batching", "--offline"]
+    cmd = [
+        exe,
+        "serve",
+        str(model_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--continuous-batching",
+        "--offline",
+    ]
     proc = subprocess.Popen(cmd, env=worker_environment(), stdout=log, stderr=subprocess.STDOUT)
     return f"http://127.0.0.1:{port}/v1", proc, str(model_dir)
 
