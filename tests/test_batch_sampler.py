@@ -145,3 +145,69 @@ def test_penalties_on_some_rows_leave_the_others_untouched():
         assert np.array_equal(np.array(out[i]), np.array(logits[i]))
     for j, i in enumerate((1, 3)):
         assert np.array_equal(np.array(out[i : i + 1]), np.array(processors[j].apply(contexts[j], logits[i : i + 1])))
+
+
+# -- through the real runner ---------------------------------------------------------------
+PROMPTS = ["Once upon a time", "The capital of France is", "def fibonacci(n):", "1, 2, 3, 4,"]
+
+
+def decode(runner, requests: list[tuple[str, SamplingParams]], max_tokens: int) -> list[list[int]]:
+    """Every request inserted at once into the runner's batch; each one's tokens."""
+    uids = [runner.insert(runner.encode_text(text), max_tokens, params)[0] for text, params in requests]
+    tokens: dict[int, list[int]] = {uid: [] for uid in uids}
+    done: set[int] = set()
+    while len(done) < len(uids):
+        for out in runner.step().tokens:
+            tokens[out.uid].append(out.token)
+            if out.finish is not None:
+                done.add(out.uid)
+    return [tokens[uid] for uid in uids]
+
+
+@pytest.fixture(scope="module")
+def tiny_runner(tiny_dir):
+    from mlxgw.worker.runner import MLXRunner
+
+    return MLXRunner(tiny_dir, context_length=None, max_num_seqs=8, prefill_step_size=64, cache_bytes=0)
+
+
+def test_greedy_rows_in_a_mixed_batch_equal_mlx_lm_stream_generate(tiny_runner):
+    from mlx_lm import stream_generate
+
+    runner = tiny_runner
+    greedy = SamplingParams(temperature=0.0)
+    others = [(PROMPTS[1], SamplingParams(temperature=0.8, top_p=0.9)), (PROMPTS[2], SamplingParams(seed=1))]
+    batch = decode(runner, [(PROMPTS[0], greedy), *others, (PROMPTS[3], greedy)], 12)
+    for text, got in ((PROMPTS[0], batch[0]), (PROMPTS[3], batch[3])):
+        prompt = runner.encode_text(text)
+        expected = [r.token for r in stream_generate(runner.model, runner.tokenizer, prompt, max_tokens=12)]
+        assert got == expected[: len(got)] and len(got) in (12, len(expected)), text
+
+
+MIXED_REQUESTS = [
+    (PROMPTS[0], SamplingParams(temperature=0.9, top_k=40, seed=1)),
+    (PROMPTS[1], SamplingParams(temperature=0.0, frequency_penalty=0.7)),
+    (PROMPTS[2], SamplingParams(temperature=1.1, top_p=0.9, min_p=0.01, seed=2, presence_penalty=0.5)),
+    (PROMPTS[3], SamplingParams(temperature=0.7, repetition_penalty=1.2, logit_bias={11: 3.0})),
+    (PROMPTS[0], SamplingParams(temperature=1.0, seed=3)),
+]
+
+
+def test_each_seeded_request_gives_the_tokens_it_gives_alone(tiny_runner):
+    batch = decode(tiny_runner, MIXED_REQUESTS, 10)
+    for request, got in zip(MIXED_REQUESTS, batch):
+        if request[1].seed is not None:
+            assert got == decode(tiny_runner, [request], 10)[0], request
+
+
+def test_the_batched_step_equals_mlx_lms_per_row_step(tiny_runner):
+    """Seeded and greedy rows (penalties, bias, filters) through the batch-wide step and
+    through mlx-lm's own per-row step: the same tokens."""
+    requests = [r for r in MIXED_REQUESTS if r[1].seed is not None or r[1].temperature == 0]
+    batched = decode(tiny_runner, requests, 10)
+    tiny_runner.generator.vectorized = False
+    try:
+        per_row = decode(tiny_runner, requests, 10)
+    finally:
+        tiny_runner.generator.vectorized = True
+    assert batched == per_row
