@@ -9,7 +9,7 @@ the step does, for the whole batch:
   (RowPenalties), in mlx-lm's order and with the same float operations, so the values are
   bit-identical to the per-row processors; rows with other processors (grammar masks) run
   those per row, and rows without processors are not touched at all;
-- sampling: per-row temperature / top-p / min-p / top-k as arrays, one Gumbel-max draw for
+- sampling: per-row temperature / top-p / min-p / top-k as arrays, one categorical draw for
   the unseeded rows; greedy rows take the argmax. Rows with a seed draw from their own key,
   one small call each (MLX's categorical is an inverse-CDF draw that vmap cannot batch over
   keys), which gives exactly the per-row seeded sampler's tokens whatever else is in the
@@ -46,8 +46,8 @@ def _same(a: tuple, b: tuple) -> bool:
     return len(a) == len(b) and all(map(operator.is_, a, b))
 
 
-def _column(values: list[float], dtype=mx.float32) -> mx.array:
-    return mx.array(values, dtype=mx.float32).astype(dtype)[:, None]
+def _column(values: list[float]) -> mx.array:
+    return mx.array(values, dtype=mx.float32)[:, None]
 
 
 def _on_rows(x: mx.array, rows: mx.array | None, fn) -> mx.array:
@@ -75,9 +75,9 @@ class SamplePlan:
     drawn_index: mx.array | None  # None when drawn is every row in order
     greedy: mx.array | None  # batch rows that take the argmax
     restore: mx.array | None  # puts [drawn..., greedy...] back in batch order
-    temperature: list[float]
-    top_p: tuple[mx.array | None, list[float]] | None  # (positions in drawn, values)
-    min_p: tuple[mx.array | None, list[float]] | None
+    inverse_temperature: mx.array  # [drawn, 1]
+    top_p: tuple[mx.array | None, mx.array] | None  # (positions in drawn, [rows, 1] values)
+    min_p: tuple[mx.array | None, mx.array] | None  # (positions in drawn, [rows, 1] log(min_p))
     top_k: list[tuple[int, mx.array | None]]
     unseeded: int
     seeded: list[RowSampling]
@@ -100,19 +100,19 @@ class SamplePlan:
             drawn_index=_subset(drawn, len(rows)),
             greedy=mx.array(greedy) if greedy else None,
             restore=None if order == list(range(len(rows))) else mx.argsort(mx.array(order)),
-            temperature=[p.temperature for p in params],
-            top_p=(_subset(top_p, n), [params[j].top_p for j in top_p]) if top_p else None,
-            min_p=(_subset(min_p, n), [params[j].min_p for j in min_p]) if min_p else None,
+            # 1/T and log(min_p) in double, rounded once: the scalars the per-row sampler uses.
+            inverse_temperature=_column([1 / p.temperature for p in params]),
+            top_p=(_subset(top_p, n), _column([params[j].top_p for j in top_p])) if top_p else None,
+            min_p=(_subset(min_p, n), _column([math.log(params[j].min_p) for j in min_p])) if min_p else None,
             top_k=[(k, _subset([j for j, p in enumerate(params) if p.top_k == k], n)) for k in ks],
             unseeded=len(unseeded),
             seeded=[rows[i] for i in seeded],
         )
 
 
-def _min_p(x: mx.array, min_p: list[float]) -> mx.array:
-    # mlx-lm's apply_min_p (min_tokens_to_keep=1) with a per-row threshold: the top
-    # log-probability plus log(min_p), the latter computed in double and rounded once.
-    scaled = mx.max(x, axis=-1, keepdims=True) + _column([math.log(p) for p in min_p], x.dtype)
+def _min_p(x: mx.array, log_min_p: mx.array) -> mx.array:
+    # mlx-lm's apply_min_p (min_tokens_to_keep=1) with a per-row threshold.
+    scaled = mx.max(x, axis=-1, keepdims=True) + log_min_p.astype(x.dtype)
     return mx.where(x < scaled, -float("inf"), x)
 
 
@@ -120,7 +120,7 @@ def filter_rows(x: mx.array, plan: SamplePlan) -> mx.array:
     """top-p, then min-p, then top-k (mlx-lm's order), each on the rows that ask for it."""
     if plan.top_p is not None:
         rows, values = plan.top_p
-        x = _on_rows(x, rows, lambda r: apply_top_p(r, _column(values)))
+        x = _on_rows(x, rows, lambda r: apply_top_p(r, values))
     if plan.min_p is not None:
         rows, values = plan.min_p
         x = _on_rows(x, rows, lambda r: _min_p(r, values))
@@ -135,7 +135,7 @@ def sample_rows(logprobs: mx.array, plan: SamplePlan) -> mx.array:
         return mx.argmax(logprobs, axis=-1)
     x = logprobs if plan.drawn_index is None else logprobs[plan.drawn_index]
     # x * (1/T) row by row: the float32 product the per-row sampler computes.
-    x = filter_rows(x, plan) * _column([1 / t for t in plan.temperature], x.dtype)
+    x = filter_rows(x, plan) * plan.inverse_temperature.astype(x.dtype)
     drawn = []
     if plan.unseeded:  # one draw for these rows, from the global generator as mlx-lm's
         drawn.append(mx.random.categorical(x[: plan.unseeded] if plan.seeded else x))
