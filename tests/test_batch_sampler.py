@@ -113,6 +113,16 @@ def test_unseeded_rows_sample_each_rows_own_filtered_distribution():
         assert chi2 < 30, (p, counts[i], probs)  # 7 degrees of freedom at most: p < 1e-4
 
 
+def test_a_wide_batch_drawn_in_groups_of_rows_keeps_each_row_its_own_token():
+    """On a CPU a 49k-wide batch is drawn a few rows per call: row i, which allows only
+    token 7 * i, still gets token 7 * i."""
+    rows, width = 7, 49152
+    allowed = mx.arange(width)[None] == (7 * mx.arange(rows))[:, None]
+    logprobs = mx.where(allowed, 0.0, -float("inf"))
+    plan = SamplePlan.build(tuple(RowSampling(SamplingParams(temperature=1.0)) for _ in range(rows)))
+    assert sample_rows(logprobs, plan).tolist() == [7 * i for i in range(rows)]
+
+
 PENALISED = [
     SamplingParams(frequency_penalty=0.5),
     SamplingParams(presence_penalty=0.8, logit_bias={3: 5.0, 17: -100.0}),

@@ -1,20 +1,21 @@
 """The decode step's per-row work done once for the whole batch.
 
 mlx-lm's generation batch calls each row's sampler on its own row when the rows' samplers
-are distinct objects (one call, one sort, one Gumbel draw per row, then a concatenate), and
-runs every row through the logits-processor loop as soon as one row has a processor. Here
-the step does, for the whole batch:
+are distinct objects (one call, one sort, one draw per row, then a concatenate), and runs
+every row through the logits-processor loop as soon as one row has a processor. Here the
+step does, for the whole batch:
 
 - penalties and logit bias: one scatter/mask per kind over the rows that have them
   (RowPenalties), in mlx-lm's order and with the same float operations, so the values are
   bit-identical to the per-row processors; rows with other processors (grammar masks) run
   those per row, and rows without processors are not touched at all;
-- sampling: per-row temperature / top-p / min-p / top-k as arrays, one categorical draw for
-  the unseeded rows; greedy rows take the argmax. Rows with a seed draw from their own key,
-  one small call each (MLX's categorical is an inverse-CDF draw that vmap cannot batch over
-  keys), which gives exactly the per-row seeded sampler's tokens whatever else is in the
-  batch. Masks come from mlx-lm's own compiled filters (top-p with a per-row
-  threshold column, top-k once per distinct k), so they are the per-row masks exactly.
+- sampling: per-row temperature / top-p / min-p / top-k as arrays; one categorical draw for
+  the unseeded rows (in cache-sized groups of rows on a CPU); the argmax for greedy rows.
+  Rows with a seed draw from their own key, one small call each (MLX's categorical is an
+  inverse-CDF draw that vmap cannot batch over keys), which gives exactly the per-row
+  seeded sampler's tokens whatever else is in the batch. Masks come from mlx-lm's own
+  compiled filters (top-p with a per-row threshold column, top-k once per distinct k), so
+  they are the per-row masks exactly.
 
 How it plugs in: VectorGenerationBatch subclasses mlx-lm's GenerationBatch and replaces
 only `_step`. Each row's parameters travel in its sampler object (a RowSampling) and its
@@ -26,8 +27,8 @@ that costs one row-sized call per request, not per token.
 
 mlx-lm's step already overlaps: it queues step t+1 with mx.async_eval before handing step t's
 tokens to the host (detokenizing, events), and this step keeps that order. mx.compile of the
-sampling arithmetic measured no gain on CPU (the cost is the transcendental functions over
-the vocabulary, not dispatch), so nothing here is compiled beyond mlx-lm's filters."""
+sampling arithmetic measured no gain on CPU (the cost is full-vocabulary passes, not
+dispatch), so nothing here is compiled beyond mlx-lm's own (compiled) filters."""
 
 from __future__ import annotations
 
@@ -129,6 +130,28 @@ def filter_rows(x: mx.array, plan: SamplePlan) -> mx.array:
     return x
 
 
+# MLX's categorical makes several full-vocabulary passes (softmax, cumsum, search). On a CPU
+# these run from cache when a call holds a few rows (a float32 row of a 49k vocabulary is
+# 196 KB; this machine's L2 is 1 MB per core), and from memory when it holds the whole batch:
+# measured here, batch 32 in calls of 2-4 rows took 22-65 ms against 85-176 ms in one call
+# (and 43-85 ms row by row). A GPU takes the whole batch in one call.
+CPU_CALL_BYTES = 512 * 1024
+
+
+def _rows_per_call(x: mx.array) -> int:
+    if mx.default_device().type == mx.gpu:
+        return x.shape[0]
+    return max(1, CPU_CALL_BYTES // (x.shape[-1] * x.dtype.size))
+
+
+def _categorical(x: mx.array) -> mx.array:
+    """mx.random.categorical over the rows of x, a cache-sized group of rows per call."""
+    n = _rows_per_call(x)
+    if n >= x.shape[0]:
+        return mx.random.categorical(x)
+    return mx.concatenate([mx.random.categorical(x[i : i + n]) for i in range(0, x.shape[0], n)])
+
+
 def sample_rows(logprobs: mx.array, plan: SamplePlan) -> mx.array:
     """One token per row, as each row's RowSampling would draw it."""
     if not plan.drawn:
@@ -137,8 +160,8 @@ def sample_rows(logprobs: mx.array, plan: SamplePlan) -> mx.array:
     # x * (1/T) row by row: the float32 product the per-row sampler computes.
     x = filter_rows(x, plan) * plan.inverse_temperature.astype(x.dtype)
     drawn = []
-    if plan.unseeded:  # one draw for these rows, from the global generator as mlx-lm's
-        drawn.append(mx.random.categorical(x[: plan.unseeded] if plan.seeded else x))
+    if plan.unseeded:  # drawn together, from the global generator as mlx-lm's
+        drawn.append(_categorical(x[: plan.unseeded] if plan.seeded else x))
     # MLX's categorical is an inverse-CDF draw (searchsorted), which vmap cannot batch over
     # keys: each seeded row draws on its own, from its own key, exactly as RowSampling does.
     for j, row in enumerate(plan.seeded, start=plan.unseeded):
