@@ -17,6 +17,12 @@ worker builds them). Each batch size is measured twice on the same runner:
 Only steps where the whole batch decoded (no prefill, no row finished) count; a finished row
 is replaced by a new request so the batch stays full. Medians over the counted steps.
 
+--sampler both (the default) measures the two sampler paths of the same runner, taking turns
+every --block steps on the same batch: "batched" (worker/batch_sampler.py: one sampling and
+one penalty call per step for the whole batch) and "per-row" (mlx-lm's own step, one
+sampler call per row: the path before it). "sampling" and "processors" then time the batched
+calls or the per-row calls, whichever ran.
+
 The compute floor: 2 FLOPs per parameter per token x batch, at the rate mx.matmul reaches on
 this machine for the model's own weight shapes in float32 (all of one forward's weight GEMMs
 evaluated as one graph, fastest of repeats), both at each batch size (small batches are
@@ -327,6 +333,58 @@ def markdown(rows: list[dict], meta: dict) -> str:
     return "\n".join(lines)
 
 
+def _sampling_case(batch: int, vocab: int, penalty: float) -> dict[str, Callable]:
+    """One step's processors + normalize + sampling on random logits, both ways: mlx-lm's
+    step (processors row by row, one logsumexp, one sampler call per row) and the batched."""
+    import mlx.core as mx
+    from mlxgw.shared.protocol import SamplingParams
+    from mlxgw.worker.batch_sampler import PenaltyPlan, SamplePlan, apply_penalties, sample_rows
+    from mlxgw.worker.sampling import RowPenalties, RowSampling
+
+    params = SamplingParams(temperature=0.7, frequency_penalty=penalty)
+    rows = tuple(RowSampling(params) for _ in range(batch))
+    penalties = tuple(RowPenalties(params) for _ in range(batch)) if penalty else ()
+    contexts = [mx.random.randint(0, vocab, (120,)) for _ in range(batch)]
+    logits = mx.random.normal((batch, vocab)) * 3
+    mx.eval(logits, contexts)
+    plan = SamplePlan.build(rows)
+    penalty_plan = PenaltyPlan.build(penalties, list(range(batch)), batch) if penalty else None
+
+    def per_row() -> mx.array:
+        x = logits
+        if penalties:
+            x = mx.concatenate([penalties[e](contexts[e], logits[e : e + 1]) for e in range(batch)])
+        x = x - mx.logsumexp(x, axis=-1, keepdims=True)
+        return mx.concatenate([rows[e](x[e : e + 1]) for e in range(batch)])
+
+    def batched() -> mx.array:
+        x = apply_penalties(logits, penalty_plan, contexts) if penalty_plan else logits
+        return sample_rows(x - mx.logsumexp(x, axis=-1, keepdims=True), plan)
+
+    return {"per-row": per_row, "batched": batched}
+
+
+def sampling_only(batches: list[int], vocab: int, repeats: int, penalty: float) -> list[dict]:
+    """The sampling (and, with a penalty, processor) work of one step alone, on random
+    logits of the model's width, the two paths taking turns every repeat (medians, ms).
+    Much less noisy than whole steps on a loaded machine."""
+    import mlx.core as mx
+
+    out = []
+    for batch in batches:
+        case = _sampling_case(batch, vocab, penalty)
+        times: dict[str, list[float]] = {name: [] for name in case}
+        for _ in range(repeats):
+            for name, fn in case.items():
+                t0 = time.perf_counter()
+                mx.eval(fn())
+                times[name].append(time.perf_counter() - t0)
+        row = {"batch": batch, **{k: _ms(statistics.median(v)) for k, v in times.items()}}
+        out.append(row)
+        print(json.dumps(row), flush=True)
+    return out
+
+
 def default_model_dir() -> Path:
     from mlxgw.shared.paths import models_dir
 
@@ -358,6 +416,14 @@ def main() -> None:
         "mlx-lm's own step, one sampler call per row (the path before it); both: alternate them",
     )
     ap.add_argument("--block", type=int, default=10, help="steps per turn when alternating sampler paths")
+    ap.add_argument(
+        "--sampling-only",
+        type=int,
+        default=0,
+        metavar="REPEATS",
+        help="time only normalize + sampling (+ the frequency penalty, if set) per-row vs batched "
+        "on random logits, this many alternating repeats per batch; no model is run",
+    )
     ap.add_argument("--out", type=Path, default=None, help="also write the results as JSON")
     args = ap.parse_args()
     args.stop = args.stop if args.stop is not None else ["<<never-matches>>"]
@@ -371,6 +437,10 @@ def main() -> None:
 
     model_dir = args.model_dir or default_model_dir()
     batches = [int(b) for b in args.batches.split(",")]
+    if args.sampling_only:
+        vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+        sampling_only(batches, vocab, args.sampling_only, args.frequency_penalty)
+        return
     runner = load_runner(model_dir, max(batches))
     weights = [w for _, w in tree_flatten(runner.model.parameters())]
     params = sum(w.size for w in weights)
