@@ -123,6 +123,23 @@ def test_a_wide_batch_drawn_in_groups_of_rows_keeps_each_row_its_own_token():
     assert sample_rows(logprobs, plan).tolist() == [7 * i for i in range(rows)]
 
 
+def test_a_row_whose_values_mlx_refuses_faults_only_itself():
+    """top_k past the vocabulary (the boundary clamps it; here it slips through): the batched
+    draw falls back to row by row, that row's guard records the fault, the others sample."""
+    from mlxgw.worker.batch_sampler import VectorGenerationBatch
+    from mlxgw.worker.isolation import SequenceGuard
+
+    guards = [SequenceGuard(f"r{i}") for i in range(3)]
+    params = [SamplingParams(temperature=0.0), SamplingParams(top_k=VOCAB + 5), SamplingParams(seed=1)]
+    rows = tuple(RowSampling(p, g) for p, g in zip(params, guards))
+    batch = VectorGenerationBatch.empty(None, None)
+    x = random_logprobs(3)
+    tokens = batch.sample(x, rows).tolist()
+    assert [g.faulted for g in guards] == [False, True, False]
+    assert tokens[0] == mx.argmax(x[0]).item()
+    assert tokens[2] == RowSampling(params[2])(x[2:3]).item()
+
+
 PENALISED = [
     SamplingParams(frequency_penalty=0.5),
     SamplingParams(presence_penalty=0.8, logit_bias={3: 5.0, 17: -100.0}),

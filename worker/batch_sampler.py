@@ -274,10 +274,14 @@ class VectorGenerationBatch(GenerationBatch):
         return inputs, self._current_logprobs
 
     def sample(self, logprobs: mx.array, rows: tuple) -> mx.array:
-        plan = self._sample_plan
-        if plan is None or not _same(plan.rows, rows):
-            plan = self._sample_plan = SamplePlan.build(rows)
-        return sample_rows(logprobs, plan)
+        try:
+            plan = self._sample_plan
+            if plan is None or not _same(plan.rows, rows):
+                plan = self._sample_plan = SamplePlan.build(rows)
+            return sample_rows(logprobs, plan)
+        except Exception:  # values MLX refuses: row by row, so only the faulty row's guard trips
+            self._sample_plan = None
+            return mx.concatenate([row(logprobs[e : e + 1]) for e, row in enumerate(rows)])
 
     def process(self, logits: mx.array, inputs: mx.array) -> tuple[mx.array, list]:
         """Penalties and bias batch-wide; other processors (grammar masks) on their own rows
@@ -297,8 +301,7 @@ class VectorGenerationBatch(GenerationBatch):
             if processors:
                 per_row.append((e, context, processors))
         if penalized:
-            plan = self._penalties([self.logits_processors[e][0] for e in penalized], penalized)
-            logits = apply_penalties(logits, plan, penalty_rows)
+            logits = self._penalise(logits, penalized, penalty_rows)
         if per_row:
             rows = []
             for e, context, processors in per_row:
@@ -309,6 +312,17 @@ class VectorGenerationBatch(GenerationBatch):
             logits = logits[:]
             logits[mx.array([e for e, _, _ in per_row])] = mx.concatenate(rows)
         return logits, contexts
+
+    def _penalise(self, logits: mx.array, batch_rows: list[int], contexts: list[mx.array]) -> mx.array:
+        objects = [self.logits_processors[e][0] for e in batch_rows]
+        try:
+            return apply_penalties(logits, self._penalties(objects, batch_rows), contexts)
+        except Exception:  # row by row, so only the faulty row's guard trips
+            self._penalty_plan = None
+            rows = [p(c, logits[e : e + 1]) for p, c, e in zip(objects, contexts, batch_rows)]
+            out = logits[:]
+            out[mx.array(batch_rows)] = mx.concatenate(rows)
+            return out
 
     def _penalties(self, objects: list[RowPenalties], batch_rows: list[int]) -> PenaltyPlan:
         plan = self._penalty_plan
