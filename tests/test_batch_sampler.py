@@ -238,3 +238,21 @@ def test_the_batched_step_equals_mlx_lms_per_row_step(tiny_runner):
     finally:
         tiny_runner.generator.vectorized = True
     assert batched == per_row
+
+
+def test_smollm2_greedy_rows_in_a_sampled_batch_equal_stream_generate(smollm2_dir):
+    from mlx_lm import stream_generate
+    from mlxgw.worker.runner import MLXRunner
+
+    runner = MLXRunner(smollm2_dir, context_length=None, max_num_seqs=4, prefill_step_size=64, cache_bytes=0)
+    greedy = SamplingParams(temperature=0.0)
+    requests = [
+        (PROMPTS[0], greedy),
+        (PROMPTS[1], SamplingParams(temperature=0.8, frequency_penalty=0.5)),
+        (PROMPTS[2], greedy),
+    ]
+    batch = decode(runner, requests, 8)
+    for text, got in ((PROMPTS[0], batch[0]), (PROMPTS[2], batch[2])):
+        prompt = runner.encode_text(text)
+        expected = [r.token for r in stream_generate(runner.model, runner.tokenizer, prompt, max_tokens=8)]
+        assert got == expected[: len(got)] and len(got) in (8, len(expected)), text
