@@ -17,6 +17,12 @@ worker builds them). Each batch size is measured twice on the same runner:
 Only steps where the whole batch decoded (no prefill, no row finished) count; a finished row
 is replaced by a new request so the batch stays full. Medians over the counted steps.
 
+--sampler both (the default) measures the two sampler paths of the same runner, taking turns
+every --block steps on the same batch: "batched" (worker/batch_sampler.py: one sampling and
+one penalty call per step for the whole batch) and "per-row" (mlx-lm's own step, one
+sampler call per row: the path before it). "sampling" and "processors" then time the batched
+calls or the per-row calls, whichever ran.
+
 The compute floor: 2 FLOPs per parameter per token x batch, at the rate mx.matmul reaches on
 this machine for the model's own weight shapes in float32 (all of one forward's weight GEMMs
 evaluated as one graph, fastest of repeats), both at each batch size (small batches are
@@ -81,24 +87,37 @@ def install_timers(timers: Timers, runner, mx) -> None:
     """Wrap the pieces of a step (once per process); everything else runs as shipped."""
     from mlxgw.shared import protocol as p
     from mlxgw.worker import output_parser, sampling, textstream
+    from mlxgw.worker.batch_sampler import VectorGenerationBatch
 
     timed_model = TimedModel(runner.generator.model, timers, mx)
     # The decode batch holds its own reference, taken when the generator was built.
     runner.generator.model = runner.generator._generation_batch.model = timed_model
 
-    def timed_sampler(sampler):
-        def run(logprobs):
-            if timers.on:  # the batch's logsumexp is not sampling: evaluate it outside the timer
+    def normalized_first(sample):
+        """sample, with the batch's logsumexp evaluated outside its timer (it is not sampling)."""
+
+        def run(self, logprobs, *rest):
+            if timers.on:
                 t0 = time.perf_counter()
                 mx.eval(logprobs)
                 timers.add("normalize", time.perf_counter() - t0)
-            return timers.timed("sampling", sampler, mx.eval)(logprobs)
+            return timers.timed("sampling", sample, mx.eval)(self, logprobs, *rest)
 
         return run
 
-    build_sampler, guarded = sampling.build_sampler, sampling.guarded_processors
-    sampling.build_sampler = lambda params: timed_sampler(build_sampler(params))
-    sampling.guarded_processors = lambda *a, **k: [timers.timed("processors", f, mx.eval) for f in guarded(*a, **k)]
+    # Per-row path (mlx-lm's own step): each row's sampler and processors, one call per row.
+    # Class attributes, so the objects stay the RowSampling/RowPenalties the batched step uses.
+    sampling.RowSampling.__call__ = normalized_first(sampling.RowSampling.__call__)
+    sampling.RowPenalties.__call__ = timers.timed("processors", sampling.RowPenalties.__call__, mx.eval)
+    guarded = sampling.guarded_processors
+    sampling.guarded_processors = lambda *a, **k: [
+        f if isinstance(f, sampling.RowPenalties) else timers.timed("processors", f, mx.eval) for f in guarded(*a, **k)
+    ]
+    # Batched path: one call each per step.
+    VectorGenerationBatch.sample = normalized_first(VectorGenerationBatch.sample)
+    VectorGenerationBatch.process = timers.timed(
+        "processors", VectorGenerationBatch.process, lambda out: mx.eval(out[0])
+    )
     for name in ("push", "finish"):
         setattr(textstream.TextStream, name, timers.timed("detokenize", getattr(textstream.TextStream, name)))
     parser_cls = output_parser.OutputParser
@@ -173,10 +192,16 @@ class Workload:
         return wall, pure
 
 
-def measure_batch(runner, batch: int, args, timers: Timers) -> dict:
+SAMPLERS = {"batched": True, "per-row": False}  # runner.generator.vectorized
+
+
+def measure_batch(runner, batch: int, args, timers: Timers) -> list[dict]:
+    """One row per sampler path; the paths alternate in blocks of steps on the same batch,
+    so load changes on the machine fall on both alike."""
     from mlxgw.shared import protocol as p
     from mlxgw.worker.scheduler import Scheduler
 
+    modes = args.samplers
     scheduler = Scheduler(runner, max_num_seqs=batch, max_queue=4 * batch)
     runner.generator.completion_batch_size = batch
     runner.generator.prefill_batch_size = batch
@@ -186,28 +211,44 @@ def measure_batch(runner, batch: int, args, timers: Timers) -> dict:
     work = Workload(scheduler, batch, args)
     for _ in range(args.warmup):
         work.step(p.encode)
-    pipelined = _collect(work, args.steps, lambda: work.step(p.encode))
+    pipelined = _alternate(runner, work, args, lambda mode: work.step(p.encode))
     timers.on = True
-    pieces: list[dict[str, float]] = []
+    pieces: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
 
-    def instrumented():
+    def instrumented(mode):
         timers.step = defaultdict(float)
         wall, pure = work.step(p.encode)
         if pure:
-            pieces.append(_split(timers.step, wall))
+            pieces[mode].append(_split(timers.step, wall))
         return wall, pure
 
-    instrumented_walls = _collect(work, args.steps, instrumented)
+    instrumented_walls = _alternate(runner, work, args, instrumented)
     timers.on = False
+    runner.generator.vectorized = True
     for rid in list(work.live):
         scheduler.cancel(rid)
-    return {
-        "batch": batch,
-        "steps": len(pipelined),
-        "step_ms": _ms(statistics.median(pipelined)),
-        "instrumented_step_ms": _ms(statistics.median(instrumented_walls)),
-        "pieces_ms": {k: _ms(statistics.median(s[k] for s in pieces)) for k in PIECES},
-    }
+    return [
+        {
+            "batch": batch,
+            "sampler": m,
+            "steps": len(pipelined[m]),
+            "step_ms": _ms(statistics.median(pipelined[m])),
+            "instrumented_step_ms": _ms(statistics.median(instrumented_walls[m])),
+            "pieces_ms": {k: _ms(statistics.median(s[k] for s in pieces[m])) for k in PIECES},
+        }
+        for m in modes
+    ]
+
+
+def _alternate(runner, work: Workload, args, one: Callable[[str], tuple[float, bool]]) -> dict[str, list[float]]:
+    """args.steps counted steps per sampler path, the paths taking turns every args.block steps."""
+    walls: dict[str, list[float]] = {m: [] for m in args.samplers}
+    while any(len(w) < args.steps for w in walls.values()):
+        for mode in args.samplers:
+            runner.generator.vectorized = SAMPLERS[mode]
+            want = min(args.block, args.steps - len(walls[mode]))
+            walls[mode] += _collect(work, want, lambda mode=mode: one(mode))
+    return walls
 
 
 def _collect(work: Workload, steps: int, one: Callable[[], tuple[float, bool]]) -> list[float]:
@@ -268,15 +309,16 @@ def load_runner(model_dir: Path, max_batch: int):
 
 def markdown(rows: list[dict], meta: dict) -> str:
     head = (
-        "| batch | step ms (pipelined) | floor ms | step / floor | floor at peak ms | instrumented ms | "
+        "| batch | sampler | step ms (pipelined) | floor ms | step / floor | floor at peak ms | instrumented ms | "
         + " | ".join(PIECES)
         + " | GEMM GFLOP/s |"
     )
-    lines = [head, "|" + "---|" * (len(PIECES) + 7)]
+    lines = [head, "|" + "---|" * (len(PIECES) + 8)]
     for r in rows:
         pieces = " | ".join(f"{r['pieces_ms'][k]:.2f}" for k in PIECES)
         lines.append(
-            f"| {r['batch']} | {r['step_ms']:.1f} | {r['floor_ms']:.1f} | {r['step_ms'] / r['floor_ms']:.1f}x | "
+            f"| {r['batch']} | {r['sampler']} | {r['step_ms']:.1f} | {r['floor_ms']:.1f} | "
+            f"{r['step_ms'] / r['floor_ms']:.1f}x | "
             f"{r['peak_floor_ms']:.1f} | "
             f"{r['instrumented_step_ms']:.1f} | {pieces} | {r['gemm_gflops']:.0f} |"
         )
@@ -289,6 +331,60 @@ def markdown(rows: list[dict], meta: dict) -> str:
         f"peak GEMM rate {meta['peak_gemm_gflops']:.0f} GFLOP/s (batch {meta['peak_batch']})."
     )
     return "\n".join(lines)
+
+
+def _sampling_case(batch: int, vocab: int, penalty: float) -> dict[str, Callable]:
+    """One step's processors + normalize + sampling on random logits, both ways: mlx-lm's
+    step (processors row by row, one logsumexp, one sampler call per row) and the batched."""
+    import mlx.core as mx
+    from mlxgw.shared.protocol import SamplingParams
+    from mlxgw.worker.batch_sampler import PenaltyPlan, SamplePlan, apply_penalties, sample_rows
+    from mlxgw.worker.sampling import RowPenalties, RowSampling
+
+    params = SamplingParams(temperature=0.7, frequency_penalty=penalty)
+    rows = tuple(RowSampling(params) for _ in range(batch))
+    penalties = tuple(RowPenalties(params) for _ in range(batch)) if penalty else ()
+    contexts = [mx.random.randint(0, vocab, (120,)) for _ in range(batch)]
+    logits = mx.random.normal((batch, vocab)) * 3
+    mx.eval(logits, contexts)
+    plan = SamplePlan.build(rows)
+    penalty_plan = PenaltyPlan.build(penalties, list(range(batch)), batch) if penalty else None
+
+    def per_row() -> mx.array:
+        x = logits
+        if penalties:
+            x = mx.concatenate([penalties[e](contexts[e], logits[e : e + 1]) for e in range(batch)])
+        x = x - mx.logsumexp(x, axis=-1, keepdims=True)
+        return mx.concatenate([rows[e](x[e : e + 1]) for e in range(batch)])
+
+    def batched() -> mx.array:
+        x = apply_penalties(logits, penalty_plan, contexts) if penalty_plan else logits
+        return sample_rows(x - mx.logsumexp(x, axis=-1, keepdims=True), plan)
+
+    return {"per-row": per_row, "batched": batched}
+
+
+def sampling_only(batches: list[int], vocab: int, repeats: int, penalty: float) -> list[dict]:
+    """The sampling (and, with a penalty, processor) work of one step alone, on random
+    logits of the model's width, the two paths taking turns every repeat (medians, ms).
+    Much less noisy than whole steps on a loaded machine."""
+    import mlx.core as mx
+
+    out = []
+    for batch in batches:
+        case = _sampling_case(batch, vocab, penalty)
+        # Wall time, and the CPU time this process spent (less sensitive to other load).
+        times: dict[str, list[float]] = {f"{name} {kind}": [] for name in case for kind in ("wall", "cpu")}
+        for _ in range(repeats):
+            for name, fn in case.items():
+                t0, c0 = time.perf_counter(), time.process_time()
+                mx.eval(fn())
+                times[f"{name} wall"].append(time.perf_counter() - t0)
+                times[f"{name} cpu"].append(time.process_time() - c0)
+        row = {"batch": batch, **{k: _ms(statistics.median(v)) for k, v in times.items()}}
+        out.append(row)
+        print(json.dumps(row), flush=True)
+    return out
 
 
 def default_model_dir() -> Path:
@@ -314,9 +410,26 @@ def main() -> None:
     ap.add_argument("--gemm-repeats", type=int, default=20)
     ap.add_argument("--peak-batch", type=int, default=256, help="batch at which the peak GEMM rate is measured")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--sampler",
+        default="both",
+        choices=["both", *SAMPLERS],
+        help="batched: the batch-wide sampler and penalties (worker/batch_sampler.py); per-row: "
+        "mlx-lm's own step, one sampler call per row (the path before it); both: alternate them",
+    )
+    ap.add_argument("--block", type=int, default=10, help="steps per turn when alternating sampler paths")
+    ap.add_argument(
+        "--sampling-only",
+        type=int,
+        default=0,
+        metavar="REPEATS",
+        help="time only normalize + sampling (+ the frequency penalty, if set) per-row vs batched "
+        "on random logits, this many alternating repeats per batch; no model is run",
+    )
     ap.add_argument("--out", type=Path, default=None, help="also write the results as JSON")
     args = ap.parse_args()
     args.stop = args.stop if args.stop is not None else ["<<never-matches>>"]
+    args.samplers = list(SAMPLERS) if args.sampler == "both" else [args.sampler]
     import os
 
     import mlx.core as mx
@@ -326,6 +439,10 @@ def main() -> None:
 
     model_dir = args.model_dir or default_model_dir()
     batches = [int(b) for b in args.batches.split(",")]
+    if args.sampling_only:
+        vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+        sampling_only(batches, vocab, args.sampling_only, args.frequency_penalty)
+        return
     runner = load_runner(model_dir, max(batches))
     weights = [w for _, w in tree_flatten(runner.model.parameters())]
     params = sum(w.size for w in weights)
@@ -337,14 +454,15 @@ def main() -> None:
     _, peak = gemm_rate(runner.model, args.peak_batch, mx, args.gemm_repeats)
     rows = []
     for batch in batches:
-        row = measure_batch(runner, batch, args, timers)
+        measured = measure_batch(runner, batch, args, timers)
         gemm_s, rate = gemm_rate(runner.model, batch, mx, args.gemm_repeats)
-        row["gemm_gflops"] = round(rate / 1e9, 1)
-        row["gemm_ms"] = _ms(gemm_s)
-        row["floor_ms"] = round(2 * params * batch / rate * 1000, 3)
-        row["peak_floor_ms"] = round(2 * params * batch / peak * 1000, 3)
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+        for row in measured:
+            row["gemm_gflops"] = round(rate / 1e9, 1)
+            row["gemm_ms"] = _ms(gemm_s)
+            row["floor_ms"] = round(2 * params * batch / rate * 1000, 3)
+            row["peak_floor_ms"] = round(2 * params * batch / peak * 1000, 3)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     meta = {
         "model": str(model_dir.name),
         "parameters": params,

@@ -124,15 +124,16 @@ class MLXRunner(ChatTextRunner):
     ):
         import mlx.core as mx
         from mlx_lm import load
-        from mlx_lm.generate import BatchGenerator
 
+        from .batch_sampler import VectorBatchGenerator
         from .prefix_cache import PrefixCache
 
         self._mx = mx
         self.model, self.tokenizer, config = load(str(model_path), return_config=True)
         model_context = int(config.get("max_position_embeddings") or 4096)
         self.context_length = min(context_length or model_context, model_context)
-        self.generator = BatchGenerator(
+        # mlx-lm's BatchGenerator, sampling and penalising the whole batch in one call per step.
+        self.generator = VectorBatchGenerator(
             self.model,
             stop_tokens=[[t] for t in sorted(self.tokenizer.eos_token_ids)],
             completion_batch_size=max_num_seqs,
