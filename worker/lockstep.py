@@ -31,6 +31,17 @@ log = logging.getLogger("mlxgw.worker.lockstep")
 GATHER_INTERVAL_S = 1.0  # rank memory is gathered (and idle peers checked) this often
 
 
+def _settle() -> None:
+    """Wait for the forward pass BatchGenerator left running: it async_evals the next
+    tokens on mlx-lm's generation stream, and the model's own send/recv/all_gather share the
+    ring's connections with ours; a collective issued meanwhile interleaves with them and
+    corrupts both (measured: wrong tokens from the second step on)."""
+    from mlx_lm.generate import generation_stream
+
+    mx.synchronize(generation_stream)
+    mx.synchronize()
+
+
 class Channel:
     """Rank 0 -> every rank messages, and a gather of a few integers per rank."""
 
@@ -39,6 +50,7 @@ class Channel:
         self.rank = group.rank()
 
     def _round(self, data: bytes) -> bytes:
+        _settle()
         length = mx.distributed.all_sum(mx.array([len(data)], dtype=mx.int32), group=self.group, stream=mx.cpu)
         n = int(length.item())
         if self.rank == 0:
@@ -56,6 +68,7 @@ class Channel:
         return msgpack.unpackb(self._round(b""), strict_map_key=False)
 
     def gather(self, values: list[int]) -> list[list[int]]:
+        _settle()
         row = mx.array([values], dtype=mx.int64)
         return mx.distributed.all_gather(row, group=self.group, stream=mx.cpu).tolist()
 
