@@ -55,6 +55,28 @@ def group_hosts(entry: ModelEntry) -> list[str]:
     return list(d.hosts) or [f"127.0.0.1:{_free_port()}" for _ in range(d.ranks)]
 
 
+async def sharding_refusal(entry: ModelEntry, model_path: Path) -> str | None:
+    """Why this model cannot be sharded as configured (strategy the architecture lacks,
+    heads that do not divide), checked in a short-lived process before any rank starts:
+    a refused configuration is an immediate, clear error instead of a crash loop."""
+    assert entry.distributed is not None
+    cmd = [sys.executable, "-m", "mlxgw.worker.distributed", str(model_path), json.dumps(asdict(entry.distributed))]
+    proc = await asyncio.create_subprocess_exec(
+        *cmd,
+        env=worker_environment(use_openblas=False),
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await proc.communicate()
+    if proc.returncode == 0:
+        return None
+    if proc.returncode == 3:
+        return out.decode(errors="replace").strip()
+    log.warning("checking the sharding of %s failed: %s", entry.name, err.decode(errors="replace")[-500:])
+    return None  # the ranks will report it
+
+
 @dataclass
 class RankGroup:
     model: str

@@ -240,3 +240,18 @@ def serve_follower(entry: ModelEntry, model_path: Path, cache_bytes: int) -> int
     except RuntimeError as e:
         log.error("rank %d: the group failed: %s", rank, e)
         return 4
+
+
+def _check_main(argv: list[str]) -> int:
+    """`python -m mlxgw.worker.distributed MODEL_PATH DISTRIBUTED_JSON`: the gateway's check
+    before it starts any rank (it never imports MLX itself). Prints the refusal, exits 3."""
+    try:
+        check_support(Path(argv[0]), DistributedConfig(**json.loads(argv[1])))
+    except ShardingError as e:
+        print(e)
+        return 3
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_check_main(sys.argv[1:]))
