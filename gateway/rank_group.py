@@ -60,7 +60,18 @@ async def sharding_refusal(entry: ModelEntry, model_path: Path) -> str | None:
     heads that do not divide), checked in a short-lived process before any rank starts:
     a refused configuration is an immediate, clear error instead of a crash loop."""
     assert entry.distributed is not None
-    cmd = [sys.executable, "-m", "mlxgw.worker.distributed", str(model_path), json.dumps(asdict(entry.distributed))]
+    config = model_path / "config.json"
+    key = (str(model_path), json.dumps(asdict(entry.distributed)), config.stat().st_mtime_ns if config.exists() else 0)
+    if key not in _refusals:
+        _refusals[key] = await _check_sharding(entry.name, model_path, key[1])
+    return _refusals[key]
+
+
+_refusals: dict[tuple, str | None] = {}  # (model, distributed, config.json mtime) -> refusal
+
+
+async def _check_sharding(name: str, model_path: Path, distributed_json: str) -> str | None:
+    cmd = [sys.executable, "-m", "mlxgw.worker.distributed", str(model_path), distributed_json]
     proc = await asyncio.create_subprocess_exec(
         *cmd,
         env=worker_environment(use_openblas=False),
@@ -73,7 +84,7 @@ async def sharding_refusal(entry: ModelEntry, model_path: Path) -> str | None:
         return None
     if proc.returncode == 3:
         return out.decode(errors="replace").strip()
-    log.warning("checking the sharding of %s failed: %s", entry.name, err.decode(errors="replace")[-500:])
+    log.warning("checking the sharding of %s failed: %s", name, err.decode(errors="replace")[-500:])
     return None  # the ranks will report it
 
 

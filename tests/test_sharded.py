@@ -15,6 +15,7 @@ import openai
 import psutil
 import pytest
 from helpers import NO_EOS, openai_client, start_gateway, wait_for
+from helpers.http import http
 from mlxgw.shared.config import ConfigError, parse_registry
 
 PROMPTS = ["Tell me about the sea.", "List three colours.", "What is two plus two?"]
@@ -41,7 +42,6 @@ def gw(home, qwen_dir, tiny_dir):
         "models": [
             {"name": "qwen-one", "source": "tiny-qwen2"},
             {"name": "qwen-pipe", "source": "tiny-qwen2", "distributed": pipeline()},
-            {"name": "qwen-crash", "source": "tiny-qwen2", "distributed": pipeline()},
             {"name": "tiny-one", "source": "tiny"},
             {"name": "tiny-tensor", "source": "tiny", "distributed": {"strategy": "tensor", "ranks": 2}},
             {"name": "tiny-pipe", "source": "tiny", "distributed": pipeline()},
@@ -120,10 +120,20 @@ def test_each_rank_holds_less_than_the_whole_model(gw, qwen_dir, tiny_dir):
         assert s["rss_bytes"] == sum(s["rank_rss_bytes"])
 
 
+def test_unloading_a_sharded_model_ends_every_rank(gw):
+    complete(gw, "tiny-tensor", PROMPTS[0], stream=False)
+    ranks = rank_processes(gw, "tiny-tensor")
+    assert len(ranks) == 2
+    status, _, _ = http(f"{gw.url}/v1/models/tiny-tensor/unload", "POST", {})
+    assert status == 200
+    assert not rank_processes(gw, "tiny-tensor")
+    assert "killing them" not in gw.log()  # rank 0 drained and led the others out
+
+
 def test_killing_rank_1_mid_stream_ends_the_stream_with_an_error_and_the_group_restarts(gw):
     client = openai_client(gw, timeout=120)
     stream = client.chat.completions.create(
-        model="qwen-crash",
+        model="qwen-pipe",
         messages=[{"role": "user", "content": "Write a very long story."}],
         max_tokens=5000,
         stream=True,
@@ -131,17 +141,17 @@ def test_killing_rank_1_mid_stream_ends_the_stream_with_an_error_and_the_group_r
     )
     chunks = iter(stream)
     next(chunks)
-    old = rank_processes(gw, "qwen-crash")
+    old = rank_processes(gw, "qwen-pipe")
     assert sorted(rank_of(p) for p in old) == [0, 1]
     leader = next(p for p in old if rank_of(p) == 0)
     next(p for p in old if rank_of(p) == 1).send_signal(signal.SIGKILL)
     with pytest.raises(openai.APIError, match="peer was lost"):
         for _ in chunks:
             pass
-    wait_for(lambda: gw.worker_pid("qwen-crash") != leader.pid, timeout=60)
-    assert complete(gw, "qwen-crash", PROMPTS[0], stream=False) == complete(gw, "qwen-one", PROMPTS[0], stream=False)
+    wait_for(lambda: gw.worker_pid("qwen-pipe") != leader.pid, timeout=60)
+    assert complete(gw, "qwen-pipe", PROMPTS[0], stream=False) == complete(gw, "qwen-one", PROMPTS[0], stream=False)
     wait_for(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in old), timeout=30)
-    new = rank_processes(gw, "qwen-crash")
+    new = rank_processes(gw, "qwen-pipe")
     assert sorted(rank_of(p) for p in new) == [0, 1]
     assert not {p.pid for p in new} & {p.pid for p in old}
 
