@@ -94,6 +94,7 @@ class RankGroup:
     worker_id: str
     procs: dict[int, asyncio.subprocess.Process]  # rank -> local process; rank 0 always here
     hostfile: Path
+    start_timeout_s: float = 0.0
     _done: asyncio.Future | None = field(default=None, repr=False)
 
     @property
@@ -140,8 +141,16 @@ class RankGroup:
             done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
             first = min(waits[t] for t in done)
             leader = self.procs[0]
+            code = self.procs[first].returncode
+            if code == -signal.SIGALRM:
+                log.error(
+                    "rank %d of %s: the group did not form within distributed.start_timeout_s (%g s): "
+                    "check that every rank was started and that the hosts' ports are reachable",
+                    first,
+                    self.model,
+                    self.start_timeout_s,
+                )
             if first != 0:
-                code = self.procs[first].returncode
                 log.error("rank %d of %s exited with code %s: ending the group", first, self.model, code)
                 await self._wait_for(leader, PEER_LOST_GRACE_S)
             else:
@@ -202,7 +211,7 @@ async def spawn_group(endpoint: str, entry: ModelEntry, model_path: Path, worker
             proc.kill()
         Path(name).unlink(missing_ok=True)
         raise
-    group = RankGroup(entry.name, worker_id, procs, Path(name))
+    group = RankGroup(entry.name, worker_id, procs, Path(name), entry.distributed.start_timeout_s)
     group.start_watch()
     log.info("started ranks %s of %s (pids %s)", sorted(procs), entry.name, group.pids)
     return group

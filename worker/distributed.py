@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import sys
+import tempfile
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -100,6 +101,13 @@ def init_group(d: DistributedConfig) -> Any:
 def arm_start_alarm(d: DistributedConfig) -> None:
     """SIGALRM with its default action ends this process if the group has not formed and
     loaded within start_timeout_s (the supervisor then ends the other ranks)."""
+    log.info(
+        "rank %d: joining a group of %d (%s backend); waiting up to %g s for the other ranks",
+        rank_from_env(),
+        d.ranks,
+        d.backend,
+        d.start_timeout_s,
+    )
     signal.signal(signal.SIGALRM, signal.SIG_DFL)
     signal.alarm(max(1, int(d.start_timeout_s)))
 
@@ -240,6 +248,20 @@ def serve_follower(entry: ModelEntry, model_path: Path, cache_bytes: int) -> int
     except RuntimeError as e:
         log.error("rank %d: the group failed: %s", rank, e)
         return 4
+
+
+def join_as_rank(rank: int, entry_json: str) -> None:
+    """`mlxgw worker --rank N`: a rank started by hand on another host. Its hostfile is the
+    entry's distributed.hosts (the same file on every host); MLX_RANK says which it is."""
+    data = json.loads(entry_json)
+    hosts = (data.get("distributed") or {}).get("hosts") or []
+    if not 0 < rank < len(hosts):
+        raise SystemExit(f"--rank {rank}: the entry's distributed.hosts must list this rank (it has {len(hosts)})")
+    if "MLX_HOSTFILE" not in os.environ:
+        path = Path(tempfile.gettempdir()) / f"mlxgw-rank{rank}-{os.getpid()}.hosts.json"
+        path.write_text(json.dumps([[h] for h in hosts]))
+        os.environ["MLX_HOSTFILE"] = str(path)
+    os.environ["MLX_RANK"] = str(rank)
 
 
 def _check_main(argv: list[str]) -> int:
