@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import click
@@ -38,11 +39,11 @@ def worker(connect, model, model_path, entry, worker_id, heartbeat, liveness, or
     from mlxgw.worker.main import run_worker
 
     if rank is not None:
-        from mlxgw.worker.distributed import join_as_rank
+        from mlxgw.worker.distributed import run_remote_rank
 
-        join_as_rank(rank, entry)
-    elif connect is None:
-        raise click.UsageError("--connect is required (except for --rank)")
+        run_remote_rank(rank, model, model_path, entry)
+    elif connect is None and not os.environ.get("MLX_RANK"):
+        raise click.UsageError("--connect is required (except for the ranks of a sharded model)")
 
     run_worker(connect, model, model_path, entry, worker_id, heartbeat, liveness, orphan_after)
 

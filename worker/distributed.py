@@ -250,18 +250,28 @@ def serve_follower(entry: ModelEntry, model_path: Path, cache_bytes: int) -> int
         return 4
 
 
-def join_as_rank(rank: int, entry_json: str) -> None:
-    """`mlxgw worker --rank N`: a rank started by hand on another host. Its hostfile is the
-    entry's distributed.hosts (the same file on every host); MLX_RANK says which it is."""
-    data = json.loads(entry_json)
-    hosts = (data.get("distributed") or {}).get("hosts") or []
+def run_remote_rank(rank: int, model: str, model_path: str | None, entry_json: str) -> None:
+    """`mlxgw worker --rank N`: a rank started by hand on another host, rejoining each new
+    group (a group ends with every restart or unload of rank 0, and MLX cannot re-form a
+    group in the same process, so each group gets a fresh child process). Its hostfile is the
+    entry's distributed.hosts, the same on every host."""
+    import subprocess
+    import time
+
+    hosts = (json.loads(entry_json).get("distributed") or {}).get("hosts") or []
     if not 0 < rank < len(hosts):
         raise SystemExit(f"--rank {rank}: the entry's distributed.hosts must list this rank (it has {len(hosts)})")
-    if "MLX_HOSTFILE" not in os.environ:
+    env = dict(os.environ, MLX_RANK=str(rank))
+    if "MLX_HOSTFILE" not in env:
         path = Path(tempfile.gettempdir()) / f"mlxgw-rank{rank}-{os.getpid()}.hosts.json"
         path.write_text(json.dumps([[h] for h in hosts]))
-        os.environ["MLX_HOSTFILE"] = str(path)
-    os.environ["MLX_RANK"] = str(rank)
+        env["MLX_HOSTFILE"] = str(path)
+    cmd = [sys.executable, "-m", "mlxgw.worker", "--model", model, "--entry", entry_json]
+    cmd += ["--model-path", model_path] if model_path else []
+    while True:
+        code = subprocess.run(cmd, env=env).returncode
+        print(f"rank {rank}: the group ended (exit code {code}); joining the next one", file=sys.stderr, flush=True)
+        time.sleep(2)
 
 
 def _check_main(argv: list[str]) -> int:
