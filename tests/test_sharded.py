@@ -96,6 +96,42 @@ def test_tensor_outputs_are_token_identical_to_one_process(gw):
     assert all(sharded)
 
 
+def test_constrained_output_is_identical_to_one_process(gw):
+    """A grammar masks logits on rank 0 only: the other ranks take rank 0's tokens."""
+
+    def ask(model: str) -> str:
+        return (
+            openai_client(gw, timeout=120)
+            .chat.completions.create(
+                model=model,
+                messages=[{"role": "user", "content": "Give me a JSON object."}],
+                max_tokens=MAX_TOKENS,
+                temperature=0,
+                response_format={"type": "json_object"},
+            )
+            .choices[0]
+            .message.content
+        )
+
+    sharded = ask("qwen-pipe")
+    assert sharded == ask("qwen-one")
+    assert sharded.lstrip().startswith("{")
+
+
+def test_a_repeated_prompt_reuses_the_prefix_cache_on_every_rank(gw):
+    client = openai_client(gw, timeout=120)
+    kwargs = dict(
+        model="qwen-pipe",
+        messages=[{"role": "user", "content": "Name a large animal that lives in the ocean."}],
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+    )
+    first = client.chat.completions.create(**kwargs)
+    second = client.chat.completions.create(**kwargs)
+    assert second.usage.prompt_tokens_details.cached_tokens > 0
+    assert second.choices[0].message.content == first.choices[0].message.content
+
+
 def test_a_sharded_model_runs_as_two_local_rank_processes(gw):
     complete(gw, "qwen-pipe", PROMPTS[0], stream=False)
     assert sorted(rank_of(p) for p in rank_processes(gw, "qwen-pipe")) == [0, 1]
