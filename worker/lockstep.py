@@ -154,7 +154,7 @@ class LockstepRunner:
         if self.broken is None:
             try:
                 self._broadcast(exit=True)
-            except RuntimeError:
+            except Exception:  # the group is already broken: the other ranks see it too
                 pass
             self.broken = RuntimeError("finished")
 
