@@ -208,6 +208,14 @@ def test_tensor_heads_not_divisible_by_the_ranks_are_refused(home, tiny_dir):
         check_support(tiny_dir, DistributedConfig(strategy="tensor", ranks=3))
 
 
+def test_a_backend_that_cannot_initialise_is_named_with_what_it_needs():
+    from mlxgw.shared.config import DistributedConfig
+    from mlxgw.worker.distributed import ShardingError, init_group
+
+    with pytest.raises(ShardingError, match="mpi backend could not initialise.*backend: ring"):
+        init_group(DistributedConfig(backend="mpi"))
+
+
 @pytest.mark.parametrize(
     "distributed, message",
     [
