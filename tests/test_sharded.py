@@ -28,6 +28,10 @@ def pipeline(**extra) -> dict:
     return {"strategy": "pipeline", "ranks": 2, **extra}
 
 
+def tensor(**extra) -> dict:
+    return {"strategy": "tensor", "ranks": 2, **extra}
+
+
 @pytest.fixture(scope="module")
 def qwen_dir(home, smollm2_dir) -> Path:
     from tiny_model import build_tiny_model
@@ -40,10 +44,11 @@ def gw(home, qwen_dir, tiny_dir):
     config = {
         "manager": {"auto_discover": False, "max_loaded_models": 8},
         "models": [
-            {"name": "qwen-one", "source": "tiny-qwen2"},
-            {"name": "qwen-pipe", "source": "tiny-qwen2", "distributed": pipeline()},
-            {"name": "tiny-one", "source": "tiny"},
-            {"name": "tiny-tensor", "source": "tiny", "distributed": {"strategy": "tensor", "ranks": 2}},
+            # preloaded: the gateway loads them side by side while it starts (where cores allow)
+            {"name": "qwen-one", "source": "tiny-qwen2", "preload": True},
+            {"name": "qwen-pipe", "source": "tiny-qwen2", "distributed": pipeline(), "preload": True},
+            {"name": "tiny-one", "source": "tiny", "preload": True},
+            {"name": "tiny-tensor", "source": "tiny", "distributed": tensor(), "preload": True},
             {"name": "tiny-pipe", "source": "tiny", "distributed": pipeline()},
         ],
     }
