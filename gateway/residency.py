@@ -64,7 +64,8 @@ class Residency:
         if slot.entry.engine in ("null", "echo"):
             return NULL_ENGINE_BYTES
         path = slot.entry.model_path(self.registry.models_dir)
-        return int(_weights_bytes(path) * WEIGHTS_FACTOR) + PROCESS_OVERHEAD_BYTES
+        ranks = slot.entry.distributed.ranks if slot.entry.distributed else 1  # each rank is a process
+        return int(_weights_bytes(path) * WEIGHTS_FACTOR) + PROCESS_OVERHEAD_BYTES * ranks
 
     def expected(self, slot: ModelSlot) -> int:
         return slot.measured_bytes or self.estimate(slot)

@@ -19,6 +19,7 @@ from mlxgw.shared.errors import ErrorCode, ServiceError
 
 from .broker import Broker
 from .lifecycle import ModelSlot, Pulse, SlotState
+from .rank_group import sharding_refusal
 from .residency import Occupant, Residency
 
 log = logging.getLogger("mlxgw.manager")
@@ -116,6 +117,8 @@ class SlotRunner:
         path = slot.entry.model_path(self.registry.models_dir)
         if slot.entry.engine == "mlx" and not (path / "config.json").exists():
             return self._not_started(slot, f"no model at {path} (import it with `mlxgw models import`)")
+        if slot.entry.distributed is not None and (refusal := await sharding_refusal(slot.entry, path)):
+            return self._not_started(slot, refusal, retry_after=None)
         try:
             await self._admit(slot)
         except ServiceError as e:

@@ -14,6 +14,8 @@ from pathlib import Path
 from mlxgw.shared.config import ModelEntry
 from mlxgw.shared.platform import worker_environment
 
+from .rank_group import RankGroup, spawn_group
+
 log = logging.getLogger("mlxgw.supervisor")
 
 
@@ -59,7 +61,10 @@ async def spawn_worker(
     *,
     heartbeat_s: float,
     liveness: int,
-) -> WorkerProcess:
+) -> WorkerProcess | RankGroup:
+    if entry.distributed is not None:  # a sharded model: its ranks, as one handle
+        flags = ["--heartbeat", str(heartbeat_s), "--liveness", str(liveness)]
+        return await spawn_group(endpoint, entry, model_path, flags)
     worker_id = uuid.uuid4().hex
     cmd = [
         sys.executable,

@@ -27,6 +27,9 @@ Engine = Literal["mlx", "null", "echo", "mlx-embeddings"]
 MaxTokensPolicy = Literal["clamp", "reject"]
 Contention = Literal["wait", "fail"]
 LogFormat = Literal["text", "json"]
+Strategy = Literal["pipeline", "tensor"]
+DistributedBackend = Literal["ring", "jaccl", "mpi"]
+MAX_RANKS = 16
 KINDS: tuple[str, ...] = typing.get_args(Kind)
 ENCODER_KINDS = ("embedding", "rerank")  # served by /v1/embeddings and /v1/rerank
 CHAT_KINDS = ("chat", "vision")  # served by the generating APIs
@@ -45,6 +48,23 @@ class SamplingDefaults:
     min_p: float | None = None
     repetition_penalty: float | None = None
     max_tokens: int | None = None
+
+
+@dataclass
+class DistributedConfig:
+    """One model sharded over several ranks on MLX's distributed layer (worker/distributed.py).
+
+    hosts: one "host:port" per rank (rank 0 first, the machine running the gateway); empty:
+    every rank on this machine over 127.0.0.1 with free ports. The gateway starts the ranks
+    whose host is this machine; the others run `mlxgw worker --rank N` on their own host."""
+
+    strategy: Strategy = "pipeline"
+    ranks: int = 2
+    hosts: list[str] = field(default_factory=list)
+    backend: DistributedBackend = "ring"
+    # The group must form (every rank connected, weights loaded) within this; a rank whose
+    # peer never starts would otherwise wait in accept() forever.
+    start_timeout_s: float = 300
 
 
 @dataclass
@@ -77,6 +97,7 @@ class ModelEntry:
     max_batch_inputs: int = 64  # inputs per forward pass
     max_batch_tokens: int = 8192  # padded tokens per forward pass
     mcp_servers: list[str] = field(default_factory=list)  # MCP servers offered by default (shared/mcp_config.py)
+    distributed: DistributedConfig | None = None  # shard the model over several ranks
 
     def model_path(self, models_dir: Path) -> Path:
         source = self.source or self.name
@@ -308,6 +329,30 @@ def _check_entry(e: ModelEntry, where: str) -> None:
         raise bad("engine", "mlx-embeddings serves kind: embedding models only")
     if e.context_length is not None and e.context_length < 16:
         raise bad("context_length", f"must be at least 16, got {e.context_length}")
+    if e.distributed is not None:
+        _check_distributed(e, where)
+
+
+def _check_distributed(e: ModelEntry, where: str) -> None:
+    d = e.distributed
+    assert d is not None
+
+    def bad(field_name: str, why: str) -> ConfigError:
+        return ConfigError(f"{where}: field 'distributed.{field_name}': {why}")
+
+    if e.kind != "chat" or e.engine != "mlx" or e.remote_only:
+        raise ConfigError(
+            f"{where}: field 'distributed': only chat models on the mlx engine, spawned here, can be sharded"
+        )
+    _at_least(f"{where}: field 'distributed'", d, 0, ("start_timeout_s",), strict=True)
+    if not 2 <= d.ranks <= MAX_RANKS:
+        raise bad("ranks", f"must be between 2 and {MAX_RANKS}, got {d.ranks}")
+    if d.hosts and len(d.hosts) != d.ranks:
+        raise bad("hosts", f"needs one host:port per rank ({d.ranks}), got {len(d.hosts)}")
+    for i, host in enumerate(d.hosts):
+        name, _, port = host.rpartition(":")
+        if not name or not port.isdigit() or not 1 <= int(port) <= 65535:
+            raise bad(f"hosts[{i}]", f"expected host:port (e.g. 192.168.1.10:52000), got {host!r}")
 
 
 def parse_memory_budget(text: str, total_bytes: int) -> int:

@@ -25,8 +25,9 @@ TINY_CONFIG = {
 }
 
 
-def build_tiny_model(dest: Path, tokenizer_source: Path, seed: int = 0) -> Path:
-    """Write a tiny llama into dest, with the tokenizer files of tokenizer_source."""
+def build_tiny_model(dest: Path, tokenizer_source: Path, seed: int = 0, overrides: dict | None = None) -> Path:
+    """Write a tiny llama into dest, with the tokenizer files of tokenizer_source (overrides:
+    config keys to change, e.g. another model_type)."""
     import mlx.core as mx
     from mlx_lm.utils import _get_classes, save_config, save_model
 
@@ -36,6 +37,7 @@ def build_tiny_model(dest: Path, tokenizer_source: Path, seed: int = 0) -> Path:
     source_config = json.loads((tokenizer_source / "config.json").read_text())
     config = dict(
         TINY_CONFIG,
+        **(overrides or {}),
         vocab_size=source_config["vocab_size"],
         eos_token_id=source_config.get("eos_token_id"),
         bos_token_id=source_config.get("bos_token_id"),

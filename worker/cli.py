@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import click
@@ -9,7 +10,7 @@ from mlxgw.shared.cli_table import print_table
 
 
 @click.command()
-@click.option("--connect", required=True, help="gateway endpoint: ipc://PATH locally, tcp://HOST:PORT remotely")
+@click.option("--connect", default=None, help="gateway endpoint: ipc://PATH locally, tcp://HOST:PORT remotely")
 @click.option("--model", required=True, help="model name, as the gateway's registry knows it")
 @click.option("--model-path", default=None, help="model folder (default: from the entry, in the models directory)")
 @click.option("--entry", default="{}", show_default=True, help="the models.yaml entry, as JSON")
@@ -23,12 +24,26 @@ from mlxgw.shared.cli_table import print_table
     show_default=True,
     help="exit if the gateway is silent this long (0: reconnect forever, for remote workers)",
 )
-def worker(connect, model, model_path, entry, worker_id, heartbeat, liveness, orphan_after) -> None:
+@click.option(
+    "--rank",
+    type=int,
+    default=None,
+    help="join a sharded model's group as this rank (> 0), on a host named in its distributed.hosts",
+)
+def worker(connect, model, model_path, entry, worker_id, heartbeat, liveness, orphan_after, rank) -> None:
     """Serve one model through a gateway (started by the gateway, or by hand on a remote host).
 
-    A remote worker needs MLXGW_SECRET in its environment, equal to the gateway's.
+    A remote worker needs MLXGW_SECRET in its environment, equal to the gateway's. A rank of
+    a sharded model (--rank N, with the model's entry) needs no gateway: it follows rank 0.
     """
     from mlxgw.worker.main import run_worker
+
+    if rank is not None:
+        from mlxgw.worker.distributed import run_remote_rank
+
+        run_remote_rank(rank, model, model_path, entry)
+    elif connect is None and not os.environ.get("MLX_RANK"):
+        raise click.UsageError("--connect is required (except for the ranks of a sharded model)")
 
     run_worker(connect, model, model_path, entry, worker_id, heartbeat, liveness, orphan_after)
 

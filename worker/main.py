@@ -71,11 +71,11 @@ def build_runner(entry: ModelEntry, model_path: Path):
         return EchoRunner(entry.context_length, entry.tool_parser, entry.reasoning_parser)
     from .runner import MLXRunner
 
-    cache_bytes = (
-        entry.cache_memory_mb * (1 << 20)
-        if entry.cache_memory_mb is not None
-        else int(total_memory_bytes() * DEFAULT_CACHE_SHARE)
-    )
+    cache_bytes = prefix_cache_bytes(entry)
+    if entry.distributed is not None:  # rank 0 of a sharded model (the others never get here)
+        from .distributed import build_rank0_runner
+
+        return build_rank0_runner(entry, model_path, cache_bytes)
     return MLXRunner(
         model_path,
         context_length=entry.context_length,
@@ -86,6 +86,12 @@ def build_runner(entry: ModelEntry, model_path: Path):
         reasoning_parser=entry.reasoning_parser,
         allow_request_chat_template=entry.allow_request_chat_template,
     )
+
+
+def prefix_cache_bytes(entry: ModelEntry) -> int:
+    if entry.cache_memory_mb is not None:
+        return entry.cache_memory_mb * (1 << 20)
+    return int(total_memory_bytes() * DEFAULT_CACHE_SHARE)
 
 
 def build_scheduler(entry: ModelEntry, runner, preprocessor: Preprocessor | None = None):
@@ -196,6 +202,11 @@ def run_worker(
     from mlxgw.shared.paths import models_dir
 
     path = Path(model_path) if model_path else entry.model_path(models_dir())
+    if entry.distributed is not None:
+        from .distributed import rank_from_env, serve_follower
+
+        if rank_from_env() > 0:  # a follower rank: no gateway link (worker/lockstep.py)
+            sys.exit(serve_follower(entry, path, prefix_cache_bytes(entry)))
     sys.exit(
         serve(
             connect,

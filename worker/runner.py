@@ -121,6 +121,7 @@ class MLXRunner(ChatTextRunner):
         tool_parser: str | None = None,
         reasoning_parser: str | None = None,
         allow_request_chat_template: bool = False,
+        loader=None,  # (path, return_config=True) -> (model, tokenizer, config); default mlx_lm.load
     ):
         import mlx.core as mx
         from mlx_lm import load
@@ -129,7 +130,7 @@ class MLXRunner(ChatTextRunner):
         from .prefix_cache import PrefixCache
 
         self._mx = mx
-        self.model, self.tokenizer, config = load(str(model_path), return_config=True)
+        self.model, self.tokenizer, config = (loader or load)(str(model_path), return_config=True)
         model_context = int(config.get("max_position_embeddings") or 4096)
         self.context_length = min(context_length or model_context, model_context)
         # mlx-lm's BatchGenerator, sampling and penalising the whole batch in one call per step.
