@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
 
-
 # A lookup counts as a hit of the entry it came from (for keeping entries on disk) only when
 # it reused this many tokens: prompts that share just a template's first tokens do not.
 ENTRY_HIT_MIN_TOKENS = 64
