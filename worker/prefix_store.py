@@ -140,7 +140,7 @@ class PrefixStore:
                 continue
             try:
                 meta, nbytes = self._header(path)
-            except (OSError, ValueError, RuntimeError) as e:
+            except Exception as e:  # whatever is wrong with one file costs that file only
                 self._discard(path, f"unreadable ({e})")
                 report["skipped"] += 1
                 continue
@@ -148,8 +148,7 @@ class PrefixStore:
                 refused += 1
                 path.unlink(missing_ok=True)
                 continue
-            saved = index.get(path.name) or {}
-            use = EntryUse(float(saved.get("last_used", meta["saved_at"])), int(saved.get("hits", 0)))
+            use = _use(index.get(path.name), meta["saved_at"])
             found.append(OnDisk(path, meta["tokens"], use, nbytes))
         if refused:
             report["refused"] = refused
@@ -252,8 +251,7 @@ class PrefixStore:
             out[name] = Candidate(name, e.use, e.nbytes, e)
         for name, saved in index.items():
             if name not in out and name not in self._restored and ENTRY_FILE.match(name):
-                use = EntryUse(float(saved.get("last_used", 0)), int(saved.get("hits", 0)))
-                out[name] = Candidate(name, use, int(saved.get("bytes", 0)), None)
+                out[name] = Candidate(name, _use(saved, 0.0), 0, None)
         return sorted(out.values(), key=lambda c: hotness(c.use), reverse=True)
 
     def _write(self, path: Path, e: CachedEntry) -> int:
@@ -319,6 +317,14 @@ class PrefixStore:
         report["restore_s"] = round(time.monotonic() - started, 3)
         cache.disk = {**(cache.disk or {}), **report}
         return report
+
+
+def _use(saved, saved_at: float) -> EntryUse:
+    """An entry's history from index.json; the file's own save time when that is missing."""
+    try:
+        return EntryUse(float(saved.get("last_used", saved_at)), int(saved.get("hits", 0)))
+    except (AttributeError, TypeError, ValueError):
+        return EntryUse(saved_at)
 
 
 def _fsync(path: Path) -> None:
