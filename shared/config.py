@@ -85,6 +85,7 @@ class ModelEntry:
     stream_interval: int = 1
     prefill_step_size: int = 512
     cache_memory_mb: int | None = None  # prefix cache bound; None: a share of RAM
+    prefix_cache_disk_mb: int = 1024  # hottest prefixes kept on disk across unloads; 0: off
     use_openblas: bool = True  # Linux CPU only, see shared/platform.py
     defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     tool_parser: str | None = None
@@ -316,6 +317,7 @@ def _check_entry(e: ModelEntry, where: str) -> None:
         raise bad("name", str(err)) from None
     _at_least(where, e, 0, ("idle_unload_s",))
     _at_least(where, e, 1, ("cache_memory_mb",))
+    _at_least(where, e, 0, ("prefix_cache_disk_mb",))
     for name in ("max_num_seqs", "max_queue", "stream_interval", "prefill_step_size", "max_batch_inputs"):
         if getattr(e, name) < 1:
             raise bad(name, f"must be at least 1, got {getattr(e, name)}")

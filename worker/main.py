@@ -19,6 +19,7 @@ from mlxgw.shared.platform import total_memory_bytes
 from .engine import Engine
 from .link import WorkerLink
 from .load_progress import LoadProgress
+from .prefix_store import restore_into, save_from
 from .preprocess import Preprocessor
 
 log = logging.getLogger("mlxgw.worker")
@@ -69,6 +70,7 @@ def build_runner(entry: ModelEntry, model_path: Path):
         from .null_runner import EchoRunner
 
         return EchoRunner(entry.context_length, entry.tool_parser, entry.reasoning_parser)
+    from .prefix_store import store_for
     from .runner import MLXRunner
 
     cache_bytes = prefix_cache_bytes(entry)
@@ -85,6 +87,7 @@ def build_runner(entry: ModelEntry, model_path: Path):
         tool_parser=entry.tool_parser,
         reasoning_parser=entry.reasoning_parser,
         allow_request_chat_template=entry.allow_request_chat_template,
+        prefix_store=store_for(entry.name, model_path, entry.prefix_cache_disk_mb),
     )
 
 
@@ -176,8 +179,11 @@ def serve(
     link.busy_probes.append(preprocessor.busy_s)  # the watchdog covers preparation too
     engine = Engine(link, runner, build_scheduler(entry, runner, preprocessor))
     signal.signal(signal.SIGTERM, lambda *_: setattr(engine, "draining", True))
+    # After READY (readiness is not delayed); requests that arrive meanwhile wait in the link.
+    restore_into(runner)
     engine.run()
     preprocessor.close()
+    save_from(runner)  # a graceful stop (a crash never gets here: its KV is not trusted)
     link.send(p.BYE)
     time.sleep(0.1)
     link.close()

@@ -122,9 +122,11 @@ class MLXRunner(ChatTextRunner):
         reasoning_parser: str | None = None,
         allow_request_chat_template: bool = False,
         loader=None,  # (path, return_config=True) -> (model, tokenizer, config); default mlx_lm.load
+        prefix_store=None,
     ):
         import mlx.core as mx
         from mlx_lm import load
+        from mlx_lm.models.cache import make_prompt_cache
 
         from .batch_sampler import VectorBatchGenerator
         from .prefix_cache import PrefixCache
@@ -142,6 +144,11 @@ class MLXRunner(ChatTextRunner):
             prefill_step_size=prefill_step_size,
         )
         self.prefix_cache = PrefixCache(cache_bytes)
+        # The prefix cache's disk copy (worker/prefix_store.py), or None: main.serve restores
+        # it before the first request and saves it when the worker stops gracefully.
+        self.prefix_store = prefix_store
+        if prefix_store is not None:
+            prefix_store.layer_classes = [type(c).__name__ for c in make_prompt_cache(self.model)]
         self._covered: dict[int, int] = {}  # uid -> prompt tokens its cache lookup covered
         self._logprobs: dict[int, int] = {}  # uid -> alternatives per token, for those that ask
         self._keep_prompt: set[int] = set()  # uids whose prompt KV is stored once prefilled
@@ -277,5 +284,7 @@ class MLXRunner(ChatTextRunner):
 
     def cache_clear(self) -> None:
         self.prefix_cache.clear()
+        if self.prefix_store is not None:  # a cleared cache must not come back at the next start
+            self.prefix_store.clear()
         gc.collect()
         self._mx.clear_cache()
