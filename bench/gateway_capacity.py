@@ -124,12 +124,14 @@ def free_port() -> int:
 @dataclass
 class Server:
     label: str
-    proc: subprocess.Popen
+    proc: subprocess.Popen | None  # None: a server this run did not start (--url)
     url: str
 
     def pids(self) -> list[int]:
         import psutil
 
+        if self.proc is None:
+            return []
         try:
             root = psutil.Process(self.proc.pid)
             return [root.pid, *(c.pid for c in root.children(recursive=True))]
@@ -137,7 +139,7 @@ class Server:
             return []
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
+        if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(30)
@@ -174,7 +176,7 @@ async def wait_ready(server: Server, timeout: float = 120) -> None:
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     async with aiohttp.ClientSession() as session:
         while time.monotonic() < deadline:
-            if server.proc.poll() is not None:
+            if server.proc is not None and server.proc.poll() is not None:
                 raise RuntimeError(f"{server.label} exited with {server.proc.returncode}")
             try:
                 async with session.post(f"{server.url}/v1/chat/completions", json=body) as resp:
@@ -312,7 +314,7 @@ def main() -> None:
         home = Path(tmp)
         bare = start_bare(home / "bare.log")
         gateway = None if args.url else start_gateway(home, max(64, args.concurrency))
-        mlxgw = gateway or Server("mlxgw", subprocess.Popen(["true"]), args.url.rstrip("/"))
+        mlxgw = gateway or Server("mlxgw", None, args.url.rstrip("/"))
         try:
             result = asyncio.run(measure(args, [mlxgw, bare]))
         finally:

@@ -91,6 +91,9 @@ class Generation:
         self.keepalive_s = keepalive_s
         # Called every keepalive_s while the model loads (streams send SSE comments).
         self.on_wait: Callable[[], Awaitable[None]] | None = None
+        # Called before waiting for the worker when no event is ready (a stream sends what
+        # it gathered from the events that were: SSEWriter.hold).
+        self.before_wait: Callable[[], Awaitable[None]] | None = None
         self.broker: Broker = manager.broker
         self.slot = slot
         self.req = req
@@ -147,6 +150,11 @@ class Generation:
         self.slot.last_used = time.monotonic()
 
     async def _next(self, timeout: float | None) -> dict:
+        stream = self.stream
+        if stream.ready():  # the hot path: a step's events are already here
+            return await stream.next()
+        if self.before_wait is not None:
+            await self.before_wait()
         remaining = self._deadline - time.monotonic()
         wait = remaining if timeout is None else min(timeout, remaining)
         try:
@@ -201,7 +209,11 @@ class Generation:
                 continue
             raise_for(event)
             if kind in (p.EV_DELTA, p.EV_FINISH):
-                yield blanks.setdefault(event.get("index") or 0, BlankTextFilter()).filter(event)
+                index = event.get("index") or 0
+            blank = blanks.get(index)
+            if blank is None:
+                blank = blanks[index] = BlankTextFilter()
+            yield blank.filter(event)
 
     async def finish_event(self) -> dict:
         """The terminal event of a request that streams nothing (embeddings, reranking)."""

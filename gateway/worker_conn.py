@@ -43,8 +43,16 @@ class RequestStream:
             self.done = True
         self._queue.put_nowait(event)
 
+    def ready(self) -> bool:
+        """An event is waiting: next() returns it without suspending."""
+        return not self._queue.empty()
+
     async def next(self, timeout: float | None = None) -> dict:
-        return await asyncio.wait_for(self._queue.get(), timeout)
+        # The hot path (a step's events already here) costs no task, future or timer.
+        if not self._queue.empty():
+            return self._queue.get_nowait()
+        async with asyncio.timeout(timeout):
+            return await self._queue.get()
 
 
 @dataclass(eq=False)
