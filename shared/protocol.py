@@ -11,6 +11,7 @@ every running request, instead of one message per token.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass, field, fields
 from types import UnionType
 from typing import Any, ClassVar, Union, get_args, get_origin, get_type_hints
@@ -122,12 +123,34 @@ def _conforms(value: object, tp: object) -> bool:
     return isinstance(value, _SCALARS.get(tp, (tp,)))  # type: ignore[arg-type]
 
 
+@functools.cache
+def _type_hints(cls) -> dict:
+    return get_type_hints(cls)  # resolving string annotations costs more than a request's decoding
+
+
+@functools.cache
+def _field_names(cls) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(cls))
+
+
+def _plain(obj) -> dict:
+    """A request dataclass as its wire map, nested dataclasses as maps: what asdict gives,
+    without deep-copying every message and list (msgpack packs them as they are)."""
+    out = {}
+    for name in _field_names(type(obj)):
+        value = getattr(obj, name)
+        if hasattr(type(value), "__dataclass_fields__"):
+            value = _plain(value)
+        out[name] = value
+    return out
+
+
 def _from_wire(cls, wire: dict, **nested: type):
     """Build a request dataclass from its wire map, ignoring fields this version does not know
     (a newer gateway may send more). ValueError names a field of the wrong type."""
     if not isinstance(wire, dict):
         raise ValueError("the request is not a map")
-    hints = get_type_hints(cls)
+    hints = _type_hints(cls)
     data = {k: v for k, v in wire.items() if k in hints and k not in nested}
     for name, value in data.items():
         if not _conforms(value, hints[name]):
@@ -178,7 +201,7 @@ class GenerateRequest:
     n: int = 1
 
     def to_wire(self) -> dict:
-        return asdict(self)
+        return _plain(self)
 
     @classmethod
     def from_wire(cls, wire: dict) -> GenerateRequest:
@@ -199,7 +222,7 @@ class EmbedRequest:
     timeout_s: float | None = None
 
     def to_wire(self) -> dict:
-        return asdict(self)
+        return _plain(self)
 
     @classmethod
     def from_wire(cls, wire: dict) -> EmbedRequest:
@@ -234,7 +257,7 @@ class TranscribeRequest:
     timeout_s: float | None = None
 
     def to_wire(self) -> dict:
-        return asdict(self)
+        return _plain(self)
 
     @classmethod
     def from_wire(cls, wire: dict) -> TranscribeRequest:
@@ -254,7 +277,7 @@ class SpeechRequest:
     timeout_s: float | None = None
 
     def to_wire(self) -> dict:
-        return asdict(self)
+        return _plain(self)
 
     @classmethod
     def from_wire(cls, wire: dict) -> SpeechRequest:
@@ -290,12 +313,12 @@ class Usage:
 
 def _wire(kind: str, event: object, omit_none: bool = True) -> dict:
     out: dict = {"e": kind}
-    for f in fields(event):  # type: ignore[arg-type]
-        value = getattr(event, f.name)
+    for name in _field_names(type(event)):
+        value = getattr(event, name)
         if isinstance(value, Usage):
             value = value.to_wire()
         if value is not None or not omit_none:
-            out[f.name] = value
+            out[name] = value
     return out
 
 
