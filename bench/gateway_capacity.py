@@ -14,7 +14,9 @@ One client (aiohttp, `--concurrency` keep-alive connections, closed loop) drives
 for `--seconds` per workload; the servers alternate within every round, and the first one
 alternates between rounds. Reported: requests/s (non-streaming, `--plain-tokens` tokens) and
 streamed tokens/s (`--stream-tokens` per request) per round, their medians, and the ratio
-mlxgw / bare. With `--pin`, every server process (the bare server; the gateway and its
+mlxgw / bare; and the CPU time the server's processes spent per request and per token
+(robust on a busy machine, where throughput swings with the neighbours' load: bare / mlxgw of
+it is the capacity ratio a run on quiet cores would show). With `--pin`, every server process (the bare server; the gateway and its
 worker) runs on CPU 0 and the client on CPU 1, so both servers get the same one core; without
 it the OS places everything (the gateway and its worker may then use both cores)."""
 
@@ -188,6 +190,21 @@ async def wait_ready(server: Server, timeout: float = 120) -> None:
     raise RuntimeError(f"{server.label} not ready after {timeout} s")
 
 
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU time of these processes so far (a busy machine slows a server down,
+    but does not change how much CPU it spends per request)."""
+    import psutil
+
+    total = 0.0
+    for pid in pids:
+        try:
+            t = psutil.Process(pid).cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
 def pin(pids: list[int], cpu: int) -> None:
     for pid in pids:
         try:
@@ -273,7 +290,10 @@ async def measure(args: argparse.Namespace, servers: list[Server]) -> dict:
         order = servers if rnd % 2 == 0 else servers[::-1]
         for stream, tokens in ((False, args.plain_tokens), (True, args.stream_tokens)):
             for server in order:
+                pids = server.pids()
+                cpu_before = cpu_seconds(pids)
                 tally, wall = await drive(server.url, args.concurrency, args.seconds, tokens, stream)
+                cpu = cpu_seconds(pids) - cpu_before
                 row = {
                     "round": rnd,
                     "server": server.label,
@@ -282,10 +302,19 @@ async def measure(args: argparse.Namespace, servers: list[Server]) -> dict:
                     "failed": tally.failed,
                     "req_s": round(tally.requests / wall, 1),
                     "tok_s": round(tally.tokens / wall, 1),
+                    # server CPU (all its processes) per request and per streamed token
+                    "cpu_us_per_req": round(cpu * 1e6 / max(tally.requests, 1), 1),
+                    "cpu_us_per_tok": round(cpu * 1e6 / max(tally.tokens, 1), 2),
                 }
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     summary = {}
+    for stream, metric in ((False, "cpu_us_per_req"), (True, "cpu_us_per_tok")):
+        name = "stream_cpu_us_per_tok" if stream else "plain_cpu_us_per_req"
+        per = {s.label: [r[metric] for r in rows if r["server"] == s.label and r["stream"] == stream] for s in servers}
+        summary[name] = {label: statistics.median(v) for label, v in per.items()}
+        # bare / mlxgw: the capacity ratio a server-bound run would show
+        summary[name]["ratio"] = ratio(per.get("bare", []), per.get("mlxgw", []))
     for stream, metric in ((False, "req_s"), (True, "tok_s")):
         per = {s.label: [r[metric] for r in rows if r["server"] == s.label and r["stream"] == stream] for s in servers}
         name = "stream_tok_s" if stream else "plain_req_s"
