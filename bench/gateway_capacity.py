@@ -16,9 +16,10 @@ alternates between rounds. Reported: requests/s (non-streaming, `--plain-tokens`
 streamed tokens/s (`--stream-tokens` per request) per round, their medians, and the ratio
 mlxgw / bare; and the CPU time the server's processes spent per request and per token
 (robust on a busy machine, where throughput swings with the neighbours' load: bare / mlxgw of
-it is the capacity ratio a run on quiet cores would show). With `--pin`, every server process (the bare server; the gateway and its
-worker) runs on CPU 0 and the client on CPU 1, so both servers get the same one core; without
-it the OS places everything (the gateway and its worker may then use both cores)."""
+it is the capacity ratio a run on quiet cores would show). With `--pin`, every server process
+(the bare server; the gateway and its worker) runs on CPU 0 and the client on CPU 1, so both
+servers get the same one core; without it the OS places everything (the gateway and its
+worker may then use both cores)."""
 
 from __future__ import annotations
 

@@ -277,29 +277,40 @@ class Broker:
 
     # -- incoming --------------------------------------------------------------------------------
     async def _recv_loop(self, sock: zmq.asyncio.Socket, remote: bool) -> None:
+        # Frames that have already arrived are taken with plain non-blocking reads of the same
+        # socket: pyzmq's asyncio path costs a future, callbacks and flag arithmetic per frame.
+        plain = zmq.Socket.shadow(sock.underlying)
         while True:
-            frames = await sock.recv_multipart()
-            if len(frames) != 2:
-                self._reject("frames", "dropped a message with %d frames", len(frames))
-                continue
-            identity, frame = frames
-            try:
-                msg = p.decode(frame, p.WORKER_TYPES)
-                await self._dispatch(sock, remote, identity, msg)
-            except p.VersionMismatch as e:
-                self.dropped_messages += 1
-                if identity not in self._refused_versions:  # once per worker, not per heartbeat
-                    self._refused_versions.add(identity)
-                    log.error(
-                        "refused worker %s for model %s: it speaks protocol version %r, this gateway %d; "
-                        "run the same mlxgw version on both",
-                        e.msg.get("worker_id"), e.msg.get("model"), e.version, p.PROTOCOL_VERSION,
-                    )  # fmt: skip
-            except p.ProtocolError as e:
-                self._reject("protocol", "dropped message from worker: %s", e)
-            except Exception:  # a bug in handling one message must not stop the broker
-                self.dropped_messages += 1
-                log.exception("error handling a worker message")
+            await self._take(sock, remote, await sock.recv_multipart())
+            while True:
+                try:
+                    frames = plain.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                await self._take(sock, remote, frames)
+
+    async def _take(self, sock: zmq.asyncio.Socket, remote: bool, frames: list[bytes]) -> None:
+        if len(frames) != 2:
+            self._reject("frames", "dropped a message with %d frames", len(frames))
+            return
+        identity, frame = frames
+        try:
+            msg = p.decode(frame, p.WORKER_TYPES)
+            await self._dispatch(sock, remote, identity, msg)
+        except p.VersionMismatch as e:
+            self.dropped_messages += 1
+            if identity not in self._refused_versions:  # once per worker, not per heartbeat
+                self._refused_versions.add(identity)
+                log.error(
+                    "refused worker %s for model %s: it speaks protocol version %r, this gateway %d; "
+                    "run the same mlxgw version on both",
+                    e.msg.get("worker_id"), e.msg.get("model"), e.version, p.PROTOCOL_VERSION,
+                )  # fmt: skip
+        except p.ProtocolError as e:
+            self._reject("protocol", "dropped message from worker: %s", e)
+        except Exception:  # a bug in handling one message must not stop the broker
+            self.dropped_messages += 1
+            log.exception("error handling a worker message")
 
     def _reject(self, kind: str, message: str, *args) -> None:
         self.dropped_messages += 1
