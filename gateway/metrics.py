@@ -133,20 +133,30 @@ class Metrics:
         self.itl = _GapCollector()
         r.register(self.itl)
         self.tokens = Counter("mlxgw_tokens", "Tokens processed", ["model", "key", "kind"], registry=r)
+        self._children: dict[tuple, object] = {}
         r.register(_ManagerCollector(manager))
         if edge is not None:
             r.register(_EdgeCollector(edge))
 
+    def _child(self, metric, *labels: str):
+        """metric.labels(*labels), remembered: prometheus_client validates the labels and
+        takes a lock on every call, and a request's labels are nearly always ones seen before."""
+        key = (id(metric), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
     def observe(self, route: str, model: str, key: str, status: int, duration: float, gen: Generation | None) -> None:
-        self.requests.labels(route, model, key, str(status)).inc()
-        self.duration.labels(route, model).observe(duration)
+        self._child(self.requests, route, model, key, str(status)).inc()
+        self._child(self.duration, route, model).observe(duration)
         if gen is None:
             return
         if gen.first_token_at is not None:
-            self.ttft.labels(model).observe(gen.first_token_at - gen.started)
+            self._child(self.ttft, model).observe(gen.first_token_at - gen.started)
         if any(gen.token_gaps.counts):
             self.itl.per_model.setdefault(model, GapHistogram()).merge(gen.token_gaps)
         u = gen.usage
         for kind, n in (("prompt", u.prompt_tokens), ("cached", u.cached_tokens), ("completion", u.completion_tokens)):
             if n:
-                self.tokens.labels(model, key, kind).inc(n)
+                self._child(self.tokens, model, key, kind).inc(n)

@@ -133,15 +133,19 @@ def _field_names(cls) -> tuple[str, ...]:
     return tuple(f.name for f in fields(cls))
 
 
+@functools.cache
+def _nested_fields(cls) -> frozenset[str]:
+    """The fields declared as a dataclass (GenerateRequest.sampling)."""
+    return frozenset(name for name, tp in _type_hints(cls).items() if hasattr(tp, "__dataclass_fields__"))
+
+
 def _plain(obj) -> dict:
     """A request dataclass as its wire map, nested dataclasses as maps: what asdict gives,
     without deep-copying every message and list (msgpack packs them as they are)."""
-    out = {}
-    for name in _field_names(type(obj)):
-        value = getattr(obj, name)
-        if hasattr(type(value), "__dataclass_fields__"):
-            value = _plain(value)
-        out[name] = value
+    out = {name: getattr(obj, name) for name in _field_names(type(obj))}
+    for name in _nested_fields(type(obj)):
+        if out[name] is not None:
+            out[name] = _plain(out[name])
     return out
 
 
