@@ -158,7 +158,7 @@ def start_bare(log: Path) -> Server:
     return Server("bare", proc, f"http://127.0.0.1:{port}")
 
 
-def start_gateway(home: Path, max_num_seqs: int) -> Server:
+def start_gateway(home: Path, max_num_seqs: int, label: str = "mlxgw", pythonpath: str | None = None) -> Server:
     config = {
         "manager": {"auto_discover": False},
         "models": [
@@ -169,9 +169,12 @@ def start_gateway(home: Path, max_num_seqs: int) -> Server:
     path.write_text(yaml.safe_dump(config))
     port = free_port()
     env = dict(os.environ, MLXGW_HOME=str(home), PYTHONUNBUFFERED="1")
+    if pythonpath:  # another mlxgw (an earlier commit's tree laid out as the mlxgw package)
+        env["PYTHONPATH"] = pythonpath
     cmd = [sys.executable, "-c", "from mlxgw.cli import main; main()", "up", "--config", str(path), "--port", str(port)]
-    proc = subprocess.Popen(cmd, env=env, stdout=open(home / "gateway.log", "w"), stderr=subprocess.STDOUT)
-    return Server("mlxgw", proc, f"http://127.0.0.1:{port}")
+    log = open(home / f"{label}.log", "w")
+    proc = subprocess.Popen(cmd, env=env, cwd=home, stdout=log, stderr=subprocess.STDOUT)  # cwd: no ./mlxgw
+    return Server(label, proc, f"http://127.0.0.1:{port}")
 
 
 async def wait_ready(server: Server, timeout: float = 120) -> None:
@@ -309,20 +312,31 @@ async def measure(args: argparse.Namespace, servers: list[Server]) -> dict:
                 }
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    summary = {}
-    for stream, metric in ((False, "cpu_us_per_req"), (True, "cpu_us_per_tok")):
-        name = "stream_cpu_us_per_tok" if stream else "plain_cpu_us_per_req"
-        per = {s.label: [r[metric] for r in rows if r["server"] == s.label and r["stream"] == stream] for s in servers}
-        summary[name] = {label: statistics.median(v) for label, v in per.items()}
-        # bare / mlxgw: the capacity ratio a server-bound run would show
-        summary[name]["ratio"] = ratio(per.get("bare", []), per.get("mlxgw", []))
-    for stream, metric in ((False, "req_s"), (True, "tok_s")):
-        per = {s.label: [r[metric] for r in rows if r["server"] == s.label and r["stream"] == stream] for s in servers}
-        name = "stream_tok_s" if stream else "plain_req_s"
-        summary[name] = {label: statistics.median(v) for label, v in per.items()}
-        summary[name]["ratio"] = ratio(per.get("mlxgw", []), per.get("bare", []))
-        summary[name]["ratios_per_round"] = [round(a / b, 3) for a, b in zip(per["mlxgw"], per["bare"]) if b]
-    return {"rows": rows, "summary": summary}
+    return {"rows": rows, "summary": summarize(rows, [s.label for s in servers])}
+
+
+def summarize(rows: list[dict], labels: list[str]) -> dict:
+    """Medians per server, and each mlxgw's ratio to the bare server (per round too)."""
+    summary: dict = {}
+    gateways = [label for label in labels if label != "bare"]
+    for stream, metric, name in (
+        (False, "req_s", "plain_req_s"),
+        (True, "tok_s", "stream_tok_s"),
+        (False, "cpu_us_per_req", "plain_cpu_us_per_req"),
+        (True, "cpu_us_per_tok", "stream_cpu_us_per_tok"),
+    ):
+        per = {label: [r[metric] for r in rows if r["server"] == label and r["stream"] == stream] for label in labels}
+        summary[name] = {label: statistics.median(v) for label, v in per.items() if v}
+        for label in gateways:
+            suffix = "" if label == "mlxgw" else f"_{label}"
+            if metric.startswith("cpu"):  # bare / mlxgw: the capacity ratio a server-bound run would show
+                summary[name][f"ratio{suffix}"] = ratio(per["bare"], per[label])
+            else:
+                summary[name][f"ratio{suffix}"] = ratio(per[label], per["bare"])
+                summary[name][f"ratios_per_round{suffix}"] = [
+                    round(a / b, 3) for a, b in zip(per[label], per["bare"]) if b
+                ]
+    return summary
 
 
 def main() -> None:
@@ -335,6 +349,12 @@ def main() -> None:
     ap.add_argument("--stream-tokens", type=int, default=256)
     ap.add_argument("--pin", action="store_true", help="servers on CPU 0, the client on CPU 1")
     ap.add_argument("--url", default=None, help="an mlxgw already running (null model `null`) instead of starting one")
+    ap.add_argument(
+        "--before",
+        default=None,
+        help="also run an earlier mlxgw, labelled `before`: a PYTHONPATH where `mlxgw` is that version "
+        "(see bench/README.md)",
+    )
     ap.add_argument("--out", type=Path, default=None, help="write the rows and summary as JSON here")
     args = ap.parse_args()
     if args.serve_bare is not None:
@@ -343,14 +363,23 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="mlxgw-capacity-") as tmp:
         home = Path(tmp)
         bare = start_bare(home / "bare.log")
-        gateway = None if args.url else start_gateway(home, max(64, args.concurrency))
-        mlxgw = gateway or Server("mlxgw", None, args.url.rstrip("/"))
+        seqs = max(64, args.concurrency)
+        started = [bare]
         try:
-            result = asyncio.run(measure(args, [mlxgw, bare]))
+            if args.url:
+                servers = [Server("mlxgw", None, args.url.rstrip("/")), bare]
+            else:
+                (home / "mlxgw").mkdir()
+                servers = [start_gateway(home / "mlxgw", seqs), bare]
+                started.append(servers[0])
+            if args.before:
+                (home / "before").mkdir()
+                servers.append(start_gateway(home / "before", seqs, "before", args.before))
+                started.append(servers[-1])
+            result = asyncio.run(measure(args, servers))
         finally:
-            bare.stop()
-            if gateway is not None:
-                gateway.stop()
+            for server in started:
+                server.stop()
     result["settings"] = {k: v for k, v in vars(args).items() if k not in ("serve_bare", "out")}
     result["settings"]["out"] = str(args.out) if args.out else None
     print(json.dumps(result["summary"], indent=1))
