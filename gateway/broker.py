@@ -207,11 +207,13 @@ class Broker:
             wire = req.to_wire()
             wire["rid"] = rid
             frame = p.encode(req.WIRE_TYPE, request=wire)
-            fp = fingerprint(wire)
         except (ValueError, TypeError, OverflowError, RecursionError) as e:
             raise _encoding_error(e) from None
-        self.quarantine.check(conn.model, fp)
-        stream = RequestStream(rid, label, conn, owner, fp)
+        fp = None  # computed when a crash needs it (RequestStream.fingerprint), or now to check it
+        if self.quarantine.watching(conn.model):
+            fp = fingerprint(wire)
+            self.quarantine.check(conn.model, fp)
+        stream = RequestStream(rid, label, conn, owner, fp, frame)
         conn.streams[rid] = stream
         try:
             await self._send(conn, frame)

@@ -155,7 +155,7 @@ class Generation:
     async def _next(self, timeout: float | None) -> dict:
         stream = self.stream
         if stream.ready():  # the hot path: a step's events are already here
-            return await stream.next()
+            return stream.take()
         if self.before_wait is not None:
             await self.before_wait()
         remaining = self._deadline - time.monotonic()

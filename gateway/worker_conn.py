@@ -9,8 +9,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
 
+import msgpack
 import zmq.asyncio
 from mlxgw.shared import protocol as p
+
+from .quarantine import fingerprint
 
 TERMINAL = (p.EV_FINISH, p.EV_ERROR)
 
@@ -28,17 +31,35 @@ class ConnState(str, Enum):
 class RequestStream:
     """Events of one request, in order; ends with exactly one finish or error."""
 
-    def __init__(self, rid: str, label: str, conn: WorkerConn, owner: str | None = None, fp: str = ""):
+    def __init__(
+        self,
+        rid: str,
+        label: str,
+        conn: WorkerConn,
+        owner: str | None = None,
+        fp: str | None = None,
+        frame: bytes = b"",
+    ):
         self.rid = rid  # the routing id: generated here, unique in this gateway's lifetime
         self.label = label  # the id the client knows (its x-request-id, or the gateway's)
         self.conn = conn
         self.owner = owner  # the API key's name, when keys are on: who may cancel it
-        self.fingerprint = fp
+        # The quarantine's fingerprint, computed when first asked for (a worker crashed with
+        # this request in flight): from the frame as sent, which nothing can change since.
+        self._fingerprint = fp
+        self._frame = frame
         self.done = False
         # One reader (the request's Generation): a deque and one waiter future cost less per
         # token than an asyncio.Queue.
         self._events: deque[dict] = deque()
         self._waiter: asyncio.Future | None = None
+
+    @property
+    def fingerprint(self) -> str:
+        if self._fingerprint is None:
+            wire = msgpack.unpackb(self._frame, raw=False, strict_map_key=False)["request"]
+            self._fingerprint = fingerprint(wire)
+        return self._fingerprint
 
     def push(self, event: dict) -> None:
         if self.done:
@@ -51,8 +72,12 @@ class RequestStream:
             waiter.set_result(None)
 
     def ready(self) -> bool:
-        """An event is waiting: next() returns it without suspending."""
+        """An event is waiting: take() returns it."""
         return bool(self._events)
+
+    def take(self) -> dict:
+        """The next event, which ready() said is here."""
+        return self._events.popleft()
 
     async def next(self, timeout: float | None = None) -> dict:
         # The hot path (a step's events already here) costs no task, future or timer.
