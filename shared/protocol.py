@@ -102,19 +102,36 @@ class SamplingParams:
 _SCALARS = {int: (int,), float: (int, float), str: (str,), bool: (bool,), bytes: (bytes,), dict: (dict,)}
 
 
+@functools.cache
+def _shape(tp: object) -> tuple:
+    return get_origin(tp), get_args(tp)
+
+
+# Item types whose exact Python type msgpack decodes to: a list of exactly these conforms
+# without a call per item (a long prompt_tokens list has thousands).
+_EXACT_ITEMS = {int: int, str: str, bytes: bytes, dict: dict}
+
+
 def _conforms(value: object, tp: object) -> bool:
     """Whether a decoded wire value has the declared type (ints, floats, strings, bools, bytes,
     dicts, lists of those, optionals). bool is not an int here."""
-    origin = get_origin(tp)
+    origin, args = _shape(tp)
     if origin in (Union, UnionType):
-        return any(_conforms(value, arg) for arg in get_args(tp))
+        if value is None:  # most optional fields of a request are unset
+            return type(None) in args
+        return any(_conforms(value, arg) for arg in args)
     if tp is type(None):
         return value is None
     if origin is list:
-        (item,) = get_args(tp) or (object,)
-        return isinstance(value, list) and all(_conforms(v, item) for v in value)
+        (item,) = args or (object,)
+        if not isinstance(value, list):
+            return False
+        exact = _EXACT_ITEMS.get(item)
+        if exact is not None and set(map(type, value)) <= {exact}:
+            return True
+        return all(_conforms(v, item) for v in value)
     if origin is dict:
-        key, item = get_args(tp) or (object, object)
+        key, item = args or (object, object)
         return isinstance(value, dict) and all(_conforms(k, key) and _conforms(v, item) for k, v in value.items())
     if tp is object or tp is Any:
         return True
