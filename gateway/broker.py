@@ -58,6 +58,8 @@ log = logging.getLogger("mlxgw.broker")
 # Largest message a remote worker may send (embedding batches are the big ones).
 REMOTE_MAX_MESSAGE_BYTES = 64 << 20
 LOG_EVERY_S = 10.0  # rejected frames: one log line per kind per interval, with a count
+# Containers inside containers in one request (HTTP bodies already stop at 64: api/body.py).
+MAX_WIRE_DEPTH = 256
 
 
 class _RateLimitedLog:
@@ -76,6 +78,18 @@ class _RateLimitedLog:
         skipped = self._suppressed.pop(kind, 0)
         suffix = f" (and {skipped} more like it in the last {LOG_EVERY_S:g} s)" if skipped else ""
         log.warning(message + suffix, *args)
+
+
+def _nested_deeper_than(value, limit: int) -> bool:
+    """Iteratively, so that the check itself cannot hit the recursion limit."""
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item
+        if depth >= limit:
+            return True
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list, tuple)))
+    return False
 
 
 def _encoding_error(e: Exception) -> ServiceError:
@@ -206,6 +220,8 @@ class Broker:
         try:
             wire = req.to_wire()
             wire["rid"] = rid
+            if _nested_deeper_than(wire, MAX_WIRE_DEPTH):
+                raise RecursionError("the request is nested too deeply")
             frame = p.encode(req.WIRE_TYPE, request=wire)
         except (ValueError, TypeError, OverflowError, RecursionError) as e:
             raise _encoding_error(e) from None
