@@ -29,17 +29,17 @@ class SSEWriter:
                 "X-Accel-Buffering": "no",
             },
         )
-        self._held: list[bytes] | None = None
+        self._holding = False
+        self._held: list[bytes] = []
 
     def hold(self) -> None:
-        """Gather events until release() (see the module's docstring)."""
-        if self._held is None:
-            self._held = []
+        """From now on, gather events until release() (see the module's docstring)."""
+        self._holding = True
 
     async def release(self) -> None:
-        """Send what was gathered, and write through again."""
-        held, self._held = self._held, None
-        if held:
+        """Send what was gathered (and keep gathering what comes next)."""
+        if self._held:
+            held, self._held = self._held, []
             await self._send(b"".join(held))
 
     @property
@@ -52,7 +52,7 @@ class SSEWriter:
             await self.response.prepare(self.request)
 
     async def _write(self, chunk: bytes) -> None:
-        if self._held is not None:
+        if self._holding:
             self._held.append(chunk)
             return
         await self._send(chunk)
@@ -96,6 +96,8 @@ class SSEWriter:
             await self.release()
         except (ServiceError, ConnectionResetError):
             return  # the client is gone or not reading: nothing more can reach it
+        finally:
+            self._holding = False
         try:
             await self.response.write_eof()
         except (ConnectionResetError, RuntimeError):
