@@ -128,3 +128,43 @@ def test_a_request_goes_to_the_wire_as_asdict_would_send_it():
     req = p.GenerateRequest(rid="r", prompt="x", sampling=p.SamplingParams(seed=3), stop=["a"])
     assert req.to_wire() == asdict(req)
     assert p.GenerateRequest.from_wire(req.to_wire()) == req
+
+
+async def test_events_written_after_a_release_are_held_until_the_next_one():
+    from aiohttp import web
+    from mlxgw.gateway.sse import SSEWriter
+
+    checked = asyncio.Event()
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        sse = SSEWriter(request)
+        await sse.data("first")  # not holding yet: goes out at once
+        sse.hold()
+        await sse.data("second")
+        await sse.release()
+        await sse.data("third")  # gathered for the next release, which has not come
+        await checked.wait()
+        await sse.close()  # sends it
+        return sse.response
+
+    app = web.Application()
+    app.router.add_get("/", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    try:
+        async with aiohttp.ClientSession() as session, session.get(f"http://127.0.0.1:{port}/") as resp:
+            seen = b""
+            while b"second" not in seen:
+                seen += await asyncio.wait_for(resp.content.readany(), 10)
+            await asyncio.sleep(0.2)  # "third" would have arrived by now had it been written
+            seen += resp.content.read_nowait()
+            assert b"data: first" in seen and b"third" not in seen
+            checked.set()
+            seen += await resp.content.read()
+            assert seen.endswith(b"data: third\n\n")
+    finally:
+        checked.set()
+        await runner.cleanup()
