@@ -161,9 +161,7 @@ def start_bare(log: Path) -> Server:
 def start_gateway(home: Path, max_num_seqs: int, label: str = "mlxgw", pythonpath: str | None = None) -> Server:
     config = {
         "manager": {"auto_discover": False},
-        "models": [
-            {"name": MODEL, "engine": "null", "preload": True, "max_num_seqs": max_num_seqs, "max_queue": 1024}
-        ],
+        "models": [{"name": MODEL, "engine": "null", "preload": True, "max_num_seqs": max_num_seqs, "max_queue": 1024}],
     }
     path = home / "models.yaml"
     path.write_text(yaml.safe_dump(config))
