@@ -58,6 +58,8 @@ log = logging.getLogger("mlxgw.broker")
 # Largest message a remote worker may send (embedding batches are the big ones).
 REMOTE_MAX_MESSAGE_BYTES = 64 << 20
 LOG_EVERY_S = 10.0  # rejected frames: one log line per kind per interval, with a count
+# Containers inside containers in one request (HTTP bodies already stop at 64: api/body.py).
+MAX_WIRE_DEPTH = 256
 
 
 class _RateLimitedLog:
@@ -76,6 +78,18 @@ class _RateLimitedLog:
         skipped = self._suppressed.pop(kind, 0)
         suffix = f" (and {skipped} more like it in the last {LOG_EVERY_S:g} s)" if skipped else ""
         log.warning(message + suffix, *args)
+
+
+def _nested_deeper_than(value, limit: int) -> bool:
+    """Iteratively, so that the check itself cannot hit the recursion limit."""
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item
+        if depth >= limit:
+            return True
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list, tuple)))
+    return False
 
 
 def _encoding_error(e: Exception) -> ServiceError:
@@ -206,12 +220,16 @@ class Broker:
         try:
             wire = req.to_wire()
             wire["rid"] = rid
+            if _nested_deeper_than(wire, MAX_WIRE_DEPTH):
+                raise RecursionError("the request is nested too deeply")
             frame = p.encode(req.WIRE_TYPE, request=wire)
-            fp = fingerprint(wire)
         except (ValueError, TypeError, OverflowError, RecursionError) as e:
             raise _encoding_error(e) from None
-        self.quarantine.check(conn.model, fp)
-        stream = RequestStream(rid, label, conn, owner, fp)
+        fp = None  # computed when a crash needs it (RequestStream.fingerprint), or now to check it
+        if self.quarantine.watching(conn.model):
+            fp = fingerprint(wire)
+            self.quarantine.check(conn.model, fp)
+        stream = RequestStream(rid, label, conn, owner, fp, frame)
         conn.streams[rid] = stream
         try:
             await self._send(conn, frame)
@@ -277,29 +295,40 @@ class Broker:
 
     # -- incoming --------------------------------------------------------------------------------
     async def _recv_loop(self, sock: zmq.asyncio.Socket, remote: bool) -> None:
+        # Frames that have already arrived are taken with plain non-blocking reads of the same
+        # socket: pyzmq's asyncio path costs a future, callbacks and flag arithmetic per frame.
+        plain = zmq.Socket.shadow(sock.underlying)
         while True:
-            frames = await sock.recv_multipart()
-            if len(frames) != 2:
-                self._reject("frames", "dropped a message with %d frames", len(frames))
-                continue
-            identity, frame = frames
-            try:
-                msg = p.decode(frame, p.WORKER_TYPES)
-                await self._dispatch(sock, remote, identity, msg)
-            except p.VersionMismatch as e:
-                self.dropped_messages += 1
-                if identity not in self._refused_versions:  # once per worker, not per heartbeat
-                    self._refused_versions.add(identity)
-                    log.error(
-                        "refused worker %s for model %s: it speaks protocol version %r, this gateway %d; "
-                        "run the same mlxgw version on both",
-                        e.msg.get("worker_id"), e.msg.get("model"), e.version, p.PROTOCOL_VERSION,
-                    )  # fmt: skip
-            except p.ProtocolError as e:
-                self._reject("protocol", "dropped message from worker: %s", e)
-            except Exception:  # a bug in handling one message must not stop the broker
-                self.dropped_messages += 1
-                log.exception("error handling a worker message")
+            await self._take(sock, remote, await sock.recv_multipart())
+            while True:
+                try:
+                    frames = plain.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                await self._take(sock, remote, frames)
+
+    async def _take(self, sock: zmq.asyncio.Socket, remote: bool, frames: list[bytes]) -> None:
+        if len(frames) != 2:
+            self._reject("frames", "dropped a message with %d frames", len(frames))
+            return
+        identity, frame = frames
+        try:
+            msg = p.decode(frame, p.WORKER_TYPES)
+            await self._dispatch(sock, remote, identity, msg)
+        except p.VersionMismatch as e:
+            self.dropped_messages += 1
+            if identity not in self._refused_versions:  # once per worker, not per heartbeat
+                self._refused_versions.add(identity)
+                log.error(
+                    "refused worker %s for model %s: it speaks protocol version %r, this gateway %d; "
+                    "run the same mlxgw version on both",
+                    e.msg.get("worker_id"), e.msg.get("model"), e.version, p.PROTOCOL_VERSION,
+                )  # fmt: skip
+        except p.ProtocolError as e:
+            self._reject("protocol", "dropped message from worker: %s", e)
+        except Exception:  # a bug in handling one message must not stop the broker
+            self.dropped_messages += 1
+            log.exception("error handling a worker message")
 
     def _reject(self, kind: str, message: str, *args) -> None:
         self.dropped_messages += 1

@@ -16,6 +16,7 @@ from mlxgw.shared.errors import ErrorCode, ServiceError
 
 from .broker import Broker, RequestStream
 from .manager import ModelManager, ModelSlot
+from .metrics import GapHistogram
 
 # Keep-alives during a model load commit the HTTP status (200) with the first byte, after
 # which a refusal (prompt too long, bad tool schema) can only be an error event. So they start
@@ -53,8 +54,10 @@ class BlankTextFilter:
         self.any_calls = False
 
     def filter(self, event: dict) -> dict:
-        text = event.get("text") or ""
         calls = event.get("tool_calls")
+        if self.in_text and not calls:
+            return event  # text after text (nothing is held then): the common case, unchanged
+        text = event.get("text") or ""
         if text and not self.in_text:
             if text.isspace():
                 self.held, text = self.held + text, ""
@@ -91,6 +94,9 @@ class Generation:
         self.keepalive_s = keepalive_s
         # Called every keepalive_s while the model loads (streams send SSE comments).
         self.on_wait: Callable[[], Awaitable[None]] | None = None
+        # Called before waiting for the worker when no event is ready (a stream sends what
+        # it gathered from the events that were: SSEWriter.hold).
+        self.before_wait: Callable[[], Awaitable[None]] | None = None
         self.broker: Broker = manager.broker
         self.slot = slot
         self.req = req
@@ -99,7 +105,7 @@ class Generation:
         self.started = time.monotonic()
         self.first_token_at: float | None = None
         self.outcome: str | None = None  # finish reason, or error:CODE
-        self.token_gaps: list[float] = []  # seconds per token between deltas (inter-token latency)
+        self.token_gaps = GapHistogram()  # seconds per token between deltas (inter-token latency)
         self._last_delta: tuple[float, int] | None = None
         self.usage = p.Usage()
         # Gateway-side backstop, two-phase like the worker's own timeout: until the first
@@ -147,6 +153,11 @@ class Generation:
         self.slot.last_used = time.monotonic()
 
     async def _next(self, timeout: float | None) -> dict:
+        stream = self.stream
+        if stream.ready():  # the hot path: a step's events are already here
+            return stream.take()
+        if self.before_wait is not None:
+            await self.before_wait()
         remaining = self._deadline - time.monotonic()
         wait = remaining if timeout is None else min(timeout, remaining)
         try:
@@ -164,8 +175,20 @@ class Generation:
         elif self._last_delta is not None and n_total > self._last_delta[1]:
             then, before = self._last_delta
             gap = (now - then) / (n_total - before)
-            self.token_gaps.extend([gap] * (n_total - before))
+            self.token_gaps.add(gap, n_total - before)
         self._last_delta = (now, n_total)
+
+    def _note(self, event: dict) -> str | None:
+        """The bookkeeping of every event from the worker (token times, outcome, usage); its kind."""
+        kind = event.get("e")
+        if kind == p.EV_DELTA:
+            self._mark_tokens(int(event.get("n", 0)))
+        elif kind in (p.EV_FINISH, p.EV_ERROR):
+            self.outcome = event.get("reason") if kind == p.EV_FINISH else f"error:{event.get('code')}"
+            self.usage = p.Usage.from_wire(event["usage"]) if "usage" in event else self.usage
+            if self.first_token_at is None and event.get("text"):
+                self.first_token_at = time.monotonic()
+        return kind
 
     async def events(self) -> AsyncIterator[dict | None]:
         """Delta, progress, finish and error events; None when nothing came for keepalive_s.
@@ -176,14 +199,7 @@ class Generation:
             except asyncio.TimeoutError:
                 yield None
                 continue
-            kind = event.get("e")
-            if kind == p.EV_DELTA:
-                self._mark_tokens(int(event.get("n", 0)))
-            if kind in (p.EV_FINISH, p.EV_ERROR):
-                self.outcome = event.get("reason") if kind == p.EV_FINISH else f"error:{event.get('code')}"
-                self.usage = p.Usage.from_wire(event["usage"]) if "usage" in event else self.usage
-                if self.first_token_at is None and event.get("text"):
-                    self.first_token_at = time.monotonic()
+            kind = self._note(event)
             yield event
             if kind in (p.EV_FINISH, p.EV_ERROR):
                 return
@@ -191,17 +207,29 @@ class Generation:
     async def content(self, on_idle: Callable[[], Awaitable[None]] | None = None) -> AsyncIterator[dict]:
         """Delta and finish events only, whitespace between tool calls left out (see
         BlankTextFilter). on_idle runs on keep-alive ticks and prefill progress (streams send
-        a comment or ping); an error or a cancellation raises ServiceError."""
+        a comment or ping); an error or a cancellation raises ServiceError. (The loop of
+        events() is inlined: one generator less per token.)"""
         blanks: dict[int, BlankTextFilter] = {}  # per choice (n > 1)
-        async for event in self.events():
-            kind = event["e"] if event else None
-            if kind in (None, p.EV_PROGRESS):
+        while True:
+            try:
+                event = await self._next(self.keepalive_s)
+            except asyncio.TimeoutError:
+                event = None
+            kind = self._note(event) if event is not None else None
+            if kind is None or kind == p.EV_PROGRESS:
                 if on_idle is not None:
                     await on_idle()
                 continue
-            raise_for(event)
+            if kind != p.EV_DELTA:
+                raise_for(event)
             if kind in (p.EV_DELTA, p.EV_FINISH):
-                yield blanks.setdefault(event.get("index") or 0, BlankTextFilter()).filter(event)
+                index = event.get("index") or 0
+                blank = blanks.get(index)
+                if blank is None:
+                    blank = blanks[index] = BlankTextFilter()
+                yield blank.filter(event)
+            if kind in (p.EV_FINISH, p.EV_ERROR):
+                return
 
     async def finish_event(self) -> dict:
         """The terminal event of a request that streams nothing (embeddings, reranking)."""

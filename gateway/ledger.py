@@ -30,6 +30,8 @@ log = logging.getLogger("mlxgw.ledger")
 FLUSH_S = 1.0  # the crash window: rows are committed at least this often
 MAX_QUEUED = 100_000  # rows waiting for the writer; past this they are counted and dropped
 RETENTION_CHECK_S = 3600.0
+GATHER_NAP_S = 0.05  # while gathering a batch: how late a flush() request may be seen
+_NOTHING = object()  # a nap that found no row
 RECENT = 200  # finished requests kept in memory for the console
 
 COLUMNS = (
@@ -116,31 +118,39 @@ class _Writer(threading.Thread):
             self.cpu_s = time.thread_time()
 
     def _cycle(self, conn: sqlite3.Connection) -> bool:
-        """One batch: wait for a row, gather for FLUSH_S, commit. False when told to stop."""
+        """One batch: wait for a row, gather for FLUSH_S, commit. False when told to stop.
+        While gathering, the thread sleeps in short naps and takes what queued meanwhile: a
+        thread blocked in get() would be woken (and take the GIL from the event loop) by
+        every row the loop puts."""
         self._maybe_prune(conn)
         try:
-            first = self.rows.get(timeout=RETENTION_CHECK_S)
+            item = self.rows.get(timeout=RETENTION_CHECK_S)
         except queue.Empty:
             return True
         batch, waiters, stop = [], [], False
         deadline = time.monotonic() + FLUSH_S
-        item = first
         while True:
-            if item is None:
+            if item is _NOTHING:
+                pass
+            elif item is None:
                 stop = True
             elif isinstance(item, threading.Event):
                 waiters.append(item)
             else:
                 batch.append(item)
-            if stop or waiters:
-                break
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
             try:
-                item = self.rows.get(timeout=remaining)
+                item = self.rows.get_nowait()
+                continue
             except queue.Empty:
+                pass
+            remaining = deadline - time.monotonic()
+            if stop or waiters or remaining <= 0:
                 break
+            time.sleep(min(remaining, GATHER_NAP_S))
+            try:
+                item = self.rows.get_nowait()
+            except queue.Empty:
+                item = _NOTHING
         self._commit(conn, batch)
         for w in waiters:
             w.set()

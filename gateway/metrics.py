@@ -6,10 +6,12 @@ evictions and restarts live in the gateway too, so a worker restarting loses not
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 if TYPE_CHECKING:
     from .edge import EdgeStats
@@ -18,6 +20,47 @@ if TYPE_CHECKING:
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2.5)
+
+
+class GapHistogram:
+    """Inter-token gaps counted into ITL_BUCKETS (Prometheus' `le` buckets) with their sum.
+    A stream adds each gap with one bisect into its own counts, merged into the model's once
+    when the request ends: a prometheus_client Histogram would take a lock and walk the
+    buckets in Python for every token."""
+
+    __slots__ = ("counts", "total")
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(ITL_BUCKETS) + 1)  # the last one: +Inf
+        self.total = 0.0
+
+    def add(self, gap: float, n: int = 1) -> None:
+        self.counts[bisect_left(ITL_BUCKETS, gap)] += n
+        self.total += gap * n
+
+    def merge(self, other: GapHistogram) -> None:
+        for i, n in enumerate(other.counts):
+            self.counts[i] += n
+        self.total += other.total
+
+
+class _GapCollector:
+    """mlxgw_inter_token_latency_seconds, per model, from the merged GapHistograms."""
+
+    def __init__(self) -> None:
+        self.per_model: dict[str, GapHistogram] = {}
+
+    def collect(self):
+        family = HistogramMetricFamily(
+            "mlxgw_inter_token_latency_seconds", "Time between streamed tokens", labels=["model"]
+        )
+        for model, hist in list(self.per_model.items()):
+            cumulative, buckets = 0, []
+            for bound, n in zip((*ITL_BUCKETS, float("inf")), hist.counts):
+                cumulative += n
+                buckets.append((floatToGoString(bound), cumulative))
+            family.add_metric([model], buckets, hist.total)
+        yield family
 
 
 class _ManagerCollector:
@@ -87,29 +130,33 @@ class Metrics:
         self.ttft = Histogram(
             "mlxgw_time_to_first_token_seconds", "Time to first token", ["model"], buckets=LATENCY_BUCKETS, registry=r
         )
-        self.itl = Histogram(
-            "mlxgw_inter_token_latency_seconds",
-            "Time between streamed tokens",
-            ["model"],
-            buckets=ITL_BUCKETS,
-            registry=r,
-        )
+        self.itl = _GapCollector()
+        r.register(self.itl)
         self.tokens = Counter("mlxgw_tokens", "Tokens processed", ["model", "key", "kind"], registry=r)
+        self._children: dict[tuple, object] = {}
         r.register(_ManagerCollector(manager))
         if edge is not None:
             r.register(_EdgeCollector(edge))
 
+    def _child(self, metric, *labels: str):
+        """metric.labels(*labels), remembered: prometheus_client validates the labels and
+        takes a lock on every call, and a request's labels are nearly always ones seen before."""
+        key = (id(metric), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
     def observe(self, route: str, model: str, key: str, status: int, duration: float, gen: Generation | None) -> None:
-        self.requests.labels(route, model, key, str(status)).inc()
-        self.duration.labels(route, model).observe(duration)
+        self._child(self.requests, route, model, key, str(status)).inc()
+        self._child(self.duration, route, model).observe(duration)
         if gen is None:
             return
         if gen.first_token_at is not None:
-            self.ttft.labels(model).observe(gen.first_token_at - gen.started)
-        itl = self.itl.labels(model)
-        for gap in gen.token_gaps:
-            itl.observe(gap)
+            self._child(self.ttft, model).observe(gen.first_token_at - gen.started)
+        if any(gen.token_gaps.counts):
+            self.itl.per_model.setdefault(model, GapHistogram()).merge(gen.token_gaps)
         u = gen.usage
         for kind, n in (("prompt", u.prompt_tokens), ("cached", u.cached_tokens), ("completion", u.completion_tokens)):
             if n:
-                self.tokens.labels(model, key, kind).inc(n)
+                self._child(self.tokens, model, key, kind).inc(n)

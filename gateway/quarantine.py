@@ -45,6 +45,11 @@ class Quarantine:
         while len(self._counts) > self.max_tracked:
             self._counts.popitem(last=False)
 
+    def watching(self, model: str) -> bool:
+        """Whether any request shape of this model has been in flight at a crash (only then
+        does a new request need its fingerprint checked)."""
+        return any(m == model for m, _ in self._counts)
+
     def check(self, model: str, fp: str) -> None:
         n = self._counts.get((model, fp), 0)
         if n >= self.crashes_to_refuse:

@@ -100,6 +100,9 @@ async def serve(
 
 def run(registry: Registry, settings: GatewaySettings, host: str, port: int, **kwargs) -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # No format here shows a record's source file or line: don't walk the stack for them on
+    # every access-log line (the logging docs' own optimization).
+    logging._srcfile = None
     if settings.log_format == "json":
         # Access-log lines are complete JSON objects on their own line.
         handler = logging.StreamHandler(sys.stderr)

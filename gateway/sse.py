@@ -1,7 +1,11 @@
 """Server-sent events over aiohttp's StreamResponse, with a write timeout.
 
 A client that stops reading must not hold a sequence forever: a write that cannot drain
-within `write_timeout_s` ends the request (and so cancels it in the worker)."""
+within `write_timeout_s` ends the request (and so cancels it in the worker).
+
+While `hold()` is on, events are gathered and `release()` sends them in one write: a stream
+driver holds while more of the model's output is already waiting, so a burst of tokens costs
+one socket write instead of one per token (each is still its own event)."""
 
 from __future__ import annotations
 
@@ -25,20 +29,51 @@ class SSEWriter:
                 "X-Accel-Buffering": "no",
             },
         )
+        self._holding = False
+        self._held: list[bytes] = []
+
+    def hold(self) -> None:
+        """From now on, gather events until release() (see the module's docstring)."""
+        self._holding = True
+
+    async def release(self) -> None:
+        """Send what was gathered (and keep gathering what comes next)."""
+        if self._held:
+            held, self._held = self._held, []
+            await self._send(b"".join(held))
 
     @property
     def opened(self) -> bool:
-        return self.response.prepared
+        """Something was written (or gathered to be): the status can no longer change."""
+        return self.response.prepared or bool(self._held)
 
     async def open(self) -> None:
         if not self.response.prepared:
             await self.response.prepare(self.request)
 
     async def _write(self, chunk: bytes) -> None:
+        if self._holding:
+            self._held.append(chunk)
+            return
+        await self._send(chunk)
+
+    async def _send(self, chunk: bytes) -> None:
         await self.open()
+        transport = self.request.transport
+        if (
+            transport is not None
+            and not transport.get_write_buffer_size()
+            and len(chunk) <= transport.get_write_buffer_limits()[1]
+        ):
+            # Everything written so far has reached the socket and this chunk stays under the
+            # high-water mark: the write cannot pause for the client, so it needs no timer.
+            await self.response.write(chunk)
+            return
         try:
-            await asyncio.wait_for(self.response.write(chunk), self.write_timeout_s)
-        except asyncio.TimeoutError:
+            # asyncio.timeout, not wait_for: no task per write (a write rarely suspends at all).
+            async with asyncio.timeout(self.write_timeout_s):
+                await self.response.write(chunk)
+        except TimeoutError:
             raise ServiceError(ErrorCode.TIMEOUT, "client stopped reading the stream") from None
         except ConnectionResetError:
             # The client closed the connection between two events. Whether aiohttp cancels
@@ -63,6 +98,12 @@ class SSEWriter:
             pass
 
     async def close(self) -> None:
+        try:
+            await self.release()
+        except (ServiceError, ConnectionResetError):
+            return  # the client is gone or not reading: nothing more can reach it
+        finally:
+            self._holding = False
         try:
             await self.response.write_eof()
         except (ConnectionResetError, RuntimeError):

@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
 
+import msgpack
 import zmq.asyncio
 from mlxgw.shared import protocol as p
+
+from .quarantine import fingerprint
 
 TERMINAL = (p.EV_FINISH, p.EV_ERROR)
 
@@ -27,24 +31,65 @@ class ConnState(str, Enum):
 class RequestStream:
     """Events of one request, in order; ends with exactly one finish or error."""
 
-    def __init__(self, rid: str, label: str, conn: WorkerConn, owner: str | None = None, fp: str = ""):
+    def __init__(
+        self,
+        rid: str,
+        label: str,
+        conn: WorkerConn,
+        owner: str | None = None,
+        fp: str | None = None,
+        frame: bytes = b"",
+    ):
         self.rid = rid  # the routing id: generated here, unique in this gateway's lifetime
         self.label = label  # the id the client knows (its x-request-id, or the gateway's)
         self.conn = conn
         self.owner = owner  # the API key's name, when keys are on: who may cancel it
-        self.fingerprint = fp
+        # The quarantine's fingerprint, computed when first asked for (a worker crashed with
+        # this request in flight): from the frame as sent, which nothing can change since.
+        self._fingerprint = fp
+        self._frame = frame
         self.done = False
-        self._queue: asyncio.Queue[dict] = asyncio.Queue()
+        # One reader (the request's Generation): a deque and one waiter future cost less per
+        # token than an asyncio.Queue.
+        self._events: deque[dict] = deque()
+        self._waiter: asyncio.Future | None = None
+
+    @property
+    def fingerprint(self) -> str:
+        if self._fingerprint is None:
+            wire = msgpack.unpackb(self._frame, raw=False, strict_map_key=False)["request"]
+            self._fingerprint = fingerprint(wire)
+        return self._fingerprint
 
     def push(self, event: dict) -> None:
         if self.done:
             return
         if event.get("e") in TERMINAL:
             self.done = True
-        self._queue.put_nowait(event)
+        self._events.append(event)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def ready(self) -> bool:
+        """An event is waiting: take() returns it."""
+        return bool(self._events)
+
+    def take(self) -> dict:
+        """The next event, which ready() said is here."""
+        return self._events.popleft()
 
     async def next(self, timeout: float | None = None) -> dict:
-        return await asyncio.wait_for(self._queue.get(), timeout)
+        # The hot path (a step's events already here) costs no task, future or timer.
+        if self._events:
+            return self._events.popleft()
+        self._waiter = waiter = asyncio.get_running_loop().create_future()
+        try:
+            async with asyncio.timeout(timeout):
+                await waiter
+        finally:
+            self._waiter = None
+        return self._events.popleft()
 
 
 @dataclass(eq=False)

@@ -11,6 +11,7 @@ every running request, instead of one message per token.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass, field, fields
 from types import UnionType
 from typing import Any, ClassVar, Union, get_args, get_origin, get_type_hints
@@ -101,19 +102,36 @@ class SamplingParams:
 _SCALARS = {int: (int,), float: (int, float), str: (str,), bool: (bool,), bytes: (bytes,), dict: (dict,)}
 
 
+@functools.cache
+def _shape(tp: object) -> tuple:
+    return get_origin(tp), get_args(tp)
+
+
+# Item types whose exact Python type msgpack decodes to: a list of exactly these conforms
+# without a call per item (a long prompt_tokens list has thousands).
+_EXACT_ITEMS = {int: int, str: str, bytes: bytes, dict: dict}
+
+
 def _conforms(value: object, tp: object) -> bool:
     """Whether a decoded wire value has the declared type (ints, floats, strings, bools, bytes,
     dicts, lists of those, optionals). bool is not an int here."""
-    origin = get_origin(tp)
+    origin, args = _shape(tp)
     if origin in (Union, UnionType):
-        return any(_conforms(value, arg) for arg in get_args(tp))
+        if value is None:  # most optional fields of a request are unset
+            return type(None) in args
+        return any(_conforms(value, arg) for arg in args)
     if tp is type(None):
         return value is None
     if origin is list:
-        (item,) = get_args(tp) or (object,)
-        return isinstance(value, list) and all(_conforms(v, item) for v in value)
+        (item,) = args or (object,)
+        if not isinstance(value, list):
+            return False
+        exact = _EXACT_ITEMS.get(item)
+        if exact is not None and set(map(type, value)) <= {exact}:
+            return True
+        return all(_conforms(v, item) for v in value)
     if origin is dict:
-        key, item = get_args(tp) or (object, object)
+        key, item = args or (object, object)
         return isinstance(value, dict) and all(_conforms(k, key) and _conforms(v, item) for k, v in value.items())
     if tp is object or tp is Any:
         return True
@@ -122,12 +140,38 @@ def _conforms(value: object, tp: object) -> bool:
     return isinstance(value, _SCALARS.get(tp, (tp,)))  # type: ignore[arg-type]
 
 
+@functools.cache
+def _type_hints(cls) -> dict:
+    return get_type_hints(cls)  # resolving string annotations costs more than a request's decoding
+
+
+@functools.cache
+def _field_names(cls) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(cls))
+
+
+@functools.cache
+def _nested_fields(cls) -> frozenset[str]:
+    """The fields declared as a dataclass (GenerateRequest.sampling)."""
+    return frozenset(name for name, tp in _type_hints(cls).items() if hasattr(tp, "__dataclass_fields__"))
+
+
+def _plain(obj) -> dict:
+    """A request dataclass as its wire map, nested dataclasses as maps: what asdict gives,
+    without deep-copying every message and list (msgpack packs them as they are)."""
+    out = {name: getattr(obj, name) for name in _field_names(type(obj))}
+    for name in _nested_fields(type(obj)):
+        if out[name] is not None:
+            out[name] = _plain(out[name])
+    return out
+
+
 def _from_wire(cls, wire: dict, **nested: type):
     """Build a request dataclass from its wire map, ignoring fields this version does not know
     (a newer gateway may send more). ValueError names a field of the wrong type."""
     if not isinstance(wire, dict):
         raise ValueError("the request is not a map")
-    hints = get_type_hints(cls)
+    hints = _type_hints(cls)
     data = {k: v for k, v in wire.items() if k in hints and k not in nested}
     for name, value in data.items():
         if not _conforms(value, hints[name]):
@@ -178,7 +222,7 @@ class GenerateRequest:
     n: int = 1
 
     def to_wire(self) -> dict:
-        return asdict(self)
+        return _plain(self)
 
     @classmethod
     def from_wire(cls, wire: dict) -> GenerateRequest:
@@ -199,7 +243,7 @@ class EmbedRequest:
     timeout_s: float | None = None
 
     def to_wire(self) -> dict:
-        return asdict(self)
+        return _plain(self)
 
     @classmethod
     def from_wire(cls, wire: dict) -> EmbedRequest:
@@ -234,7 +278,7 @@ class TranscribeRequest:
     timeout_s: float | None = None
 
     def to_wire(self) -> dict:
-        return asdict(self)
+        return _plain(self)
 
     @classmethod
     def from_wire(cls, wire: dict) -> TranscribeRequest:
@@ -254,7 +298,7 @@ class SpeechRequest:
     timeout_s: float | None = None
 
     def to_wire(self) -> dict:
-        return asdict(self)
+        return _plain(self)
 
     @classmethod
     def from_wire(cls, wire: dict) -> SpeechRequest:
@@ -290,12 +334,12 @@ class Usage:
 
 def _wire(kind: str, event: object, omit_none: bool = True) -> dict:
     out: dict = {"e": kind}
-    for f in fields(event):  # type: ignore[arg-type]
-        value = getattr(event, f.name)
+    for name in _field_names(type(event)):
+        value = getattr(event, name)
         if isinstance(value, Usage):
             value = value.to_wire()
         if value is not None or not omit_none:
-            out[f.name] = value
+            out[name] = value
     return out
 
 

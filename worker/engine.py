@@ -50,6 +50,7 @@ class Engine:
             wait_ms = 0 if busy else PREPARING_POLL_MS if preparing else IDLE_POLL_MS
             for msg in self.link.poll(wait_ms):
                 self._watched(self._handle, msg)
+            self.link.flush()  # the acceptances of all of them in one frame, before a step can take long
             if self.scheduler.has_work():
                 self._watched(self._step)
             elif self.scheduler.preparing():
@@ -83,6 +84,7 @@ class Engine:
             log.exception("engine step failed")
             err = ServiceError(ErrorCode.INTERNAL, f"the model worker failed: {e}")
             self._send([(r["id"], p.error_event(err)) for r in self.scheduler.requests()])
+            self.link.flush()  # the link gathers events until the next poll, which will not come
             raise
         self.steps += 1
         self._send(events)

@@ -59,6 +59,9 @@ class WorkerLink:
         self.load_probe: Callable[[], dict] | None = None
         # Gateway messages, decoded once by the I/O thread; a byte on the PAIR wakes the engine.
         self._inbox: queue.SimpleQueue[dict] = queue.SimpleQueue()
+        # Events the engine sent since it last polled: they leave as one EVENTS frame (the
+        # acceptances of every request taken in, and the step's output for all of them).
+        self._events: list = []
         self._parent = os.getppid()
         self._thread = threading.Thread(target=self._run, name="worker-link", daemon=True)
 
@@ -67,10 +70,24 @@ class WorkerLink:
         self._thread.start()
 
     def send(self, msg_type: str, **fields) -> None:
+        """Events (EVENTS with items) are gathered until the engine polls again, or flushes;
+        every other message goes at once, after the events gathered before it."""
+        if msg_type == p.EVENTS and fields.keys() == {"items"}:
+            self._events.extend(fields["items"])
+            return
+        self.flush()
         self._engine_side.send(p.encode(msg_type, **fields))
 
+    def flush(self) -> None:
+        """Send the gathered events now, as one frame."""
+        if self._events:
+            items, self._events = self._events, []
+            self._engine_side.send(p.encode(p.EVENTS, items=items))
+
     def poll(self, timeout_ms: int) -> list[dict]:
-        """Messages from the gateway (decoded by the I/O thread); waits up to timeout_ms for the first one."""
+        """Messages from the gateway (decoded by the I/O thread); waits up to timeout_ms for the first one.
+        The events gathered since the last poll are sent first."""
+        self.flush()
         if self._inbox.empty() and not self._engine_side.poll(timeout_ms):
             return []
         while True:  # the wake-up bytes; the messages themselves are in the inbox
@@ -86,6 +103,7 @@ class WorkerLink:
                 return out
 
     def close(self) -> None:
+        self.flush()
         self._stop.set()
         self._thread.join(timeout=2)
 

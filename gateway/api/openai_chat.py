@@ -189,10 +189,10 @@ class ChatChunks(oc.OpenAIChunks):
             await self.sse.data(self.delta({"role": "assistant", "content": ""}))
 
     async def reasoning(self, text: str) -> None:
-        await self.sse.data(self.delta({"reasoning_content": text}))
+        await self.sse.data(self.text_chunk("reasoning_content", text))
 
     async def text(self, text: str) -> None:
-        await self.sse.data(self.delta({"content": text}))
+        await self.sse.data(self.text_chunk("content", text))
 
     async def text_with_logprobs(self, text: str, entries: list[dict]) -> None:
         await self.sse.data(

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import secrets
 import time
 from collections.abc import Callable
+from json.encoder import encode_basestring  # what json.dumps(..., ensure_ascii=False) uses for a str
 
 from mlxgw.shared import protocol as p
 from mlxgw.shared.errors import ServiceError, invalid
@@ -90,6 +92,19 @@ class OpenAIChunks(Emitter):
         super().__init__(sse, gen)
         self.include_usage = include_usage
         self.id, self.created = new_id(self.id_prefix), now()
+        self._templates: dict[tuple[int, str], tuple[str, str]] = {}
+
+    def text_chunk(self, key: str, text: str) -> str:
+        """The JSON of `chunk({"delta": {key: text}, "finish_reason": None})`, byte for byte,
+        from a template made once per stream and choice: per token, only the text is encoded."""
+        template = self._templates.get((self.choice, key))
+        if template is None:
+            probe = json.dumps(
+                self.chunk({"delta": {key: "\x00"}, "finish_reason": None}), separators=(",", ":"), ensure_ascii=False
+            )
+            head, _, tail = probe.rpartition('"\\u0000"')
+            template = self._templates[(self.choice, key)] = (head, tail)
+        return template[0] + encode_basestring(text) + template[1]
 
     def chunk(self, choice: dict) -> dict:
         chunk = {

@@ -80,6 +80,9 @@ async def run_stream(
     try:
         async with gen:
             await out.opened()
+            # Events already waiting are written together, before the next wait for the worker.
+            sse.hold()
+            gen.before_wait = sse.release
             finished = False
             async for ev in gen.content(on_idle=out.idle):
                 out.choice = ev.get("index") or 0
