@@ -59,17 +59,17 @@ class SSEWriter:
 
     async def _send(self, chunk: bytes) -> None:
         await self.open()
-        transport = self.request.transport
-        if (
-            transport is not None
-            and not transport.get_write_buffer_size()
-            and len(chunk) <= transport.get_write_buffer_limits()[1]
-        ):
-            # Everything written so far has reached the socket and this chunk stays under the
-            # high-water mark: the write cannot pause for the client, so it needs no timer.
-            await self.response.write(chunk)
-            return
         try:
+            transport = self.request.transport
+            if (
+                transport is not None
+                and not transport.get_write_buffer_size()
+                and len(chunk) <= transport.get_write_buffer_limits()[1]
+            ):
+                # Everything written so far has reached the socket and this chunk stays under
+                # the high-water mark: the write cannot pause for the client, so no timer.
+                await self.response.write(chunk)
+                return
             # asyncio.timeout, not wait_for: no task per write (a write rarely suspends at all).
             async with asyncio.timeout(self.write_timeout_s):
                 await self.response.write(chunk)
