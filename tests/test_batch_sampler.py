@@ -140,6 +140,26 @@ def test_a_row_whose_values_mlx_refuses_faults_only_itself():
     assert tokens[2] == RowSampling(params[2])(x[2:3]).item()
 
 
+def test_a_fault_inside_a_compiled_filter_leaves_the_random_state_usable_for_everyone():
+    """mlx-lm's filters are compiled with MLX's global random state as an output; one that
+    raises while tracing (a fresh shape, top_k past the vocabulary) left the state as a
+    placeholder, and every later unseeded draw in the worker failed. The guard reseeds."""
+    from mlxgw.worker.batch_sampler import VectorGenerationBatch
+    from mlxgw.worker.isolation import SequenceGuard
+
+    width = 1237  # a width no other test traces the filters with
+    guards = [SequenceGuard("ok"), SequenceGuard("bad")]
+    rows = (
+        RowSampling(SamplingParams(temperature=1.0), guards[0]),
+        RowSampling(SamplingParams(top_k=width + 1), guards[1]),
+    )
+    x = random_logprobs(2, vocab=width)
+    VectorGenerationBatch.empty(None, None).sample(x, rows).tolist()
+    assert [g.faulted for g in guards] == [False, True]
+    mx.eval(mx.random.state)  # raised "eval an array without a primitive" before the fix
+    assert 0 <= mx.random.categorical(x[0]).item() < width
+
+
 PENALISED = [
     SamplingParams(frequency_penalty=0.5),
     SamplingParams(presence_penalty=0.8, logit_bias={3: 5.0, 17: -100.0}),

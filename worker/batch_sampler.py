@@ -40,6 +40,7 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, GenerationBatch
 from mlx_lm.sample_utils import apply_top_k, apply_top_p
 
+from .isolation import heal_random_state
 from .sampling import PENALTY_CONTEXT, REPETITION_CONTEXT, RowPenalties, RowSampling
 
 
@@ -280,6 +281,7 @@ class VectorGenerationBatch(GenerationBatch):
                 plan = self._sample_plan = SamplePlan.build(rows)
             return sample_rows(logprobs, plan)
         except Exception:  # values MLX refuses: row by row, so only the faulty row's guard trips
+            heal_random_state()
             self._sample_plan = None
             return mx.concatenate([row(logprobs[e : e + 1]) for e, row in enumerate(rows)])
 
@@ -318,6 +320,7 @@ class VectorGenerationBatch(GenerationBatch):
         try:
             return apply_penalties(logits, self._penalties(objects, batch_rows), contexts)
         except Exception:  # row by row, so only the faulty row's guard trips
+            heal_random_state()
             self._penalty_plan = None
             rows = [p(c, logits[e : e + 1]) for p, c, e in zip(objects, contexts, batch_rows)]
             out = logits[:]

@@ -10,6 +10,7 @@ faulted sequence with an error event and removes it from the batch."""
 from __future__ import annotations
 
 import logging
+import os
 
 from mlxgw.shared.errors import ErrorCode, ServiceError
 
@@ -28,9 +29,25 @@ class SequenceGuard:
         return self.error is not None
 
     def record(self, error: Exception, where: str) -> None:
+        heal_random_state()
         if self.error is None:
             log.error("request %s failed while %s: %r", self.rid, where, error, exc_info=error)
             self.error = error
+
+
+def heal_random_state() -> None:
+    """Call after an exception escaped sampling code. mlx-lm's filters are compiled with
+    MLX's global random state as an implicit output; when one raises (mlx 0.32: top_k past
+    the vocabulary, for one), `mx.random.state` is left holding the tracer's placeholder, and
+    every later unseeded draw in the process fails with "eval an array without a primitive":
+    one request's fault would end every other request's sampling. A fresh seed repairs it."""
+    import mlx.core as mx
+
+    try:
+        mx.eval(mx.random.state)
+    except RuntimeError:
+        mx.random.seed(int.from_bytes(os.urandom(4), "little"))
+        log.warning("MLX's random state was left broken by a failed sampling call; reseeded")
 
 
 def as_service_error(error: BaseException, doing: str) -> ServiceError:
