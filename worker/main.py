@@ -85,6 +85,7 @@ def build_runner(entry: ModelEntry, model_path: Path):
         tool_parser=entry.tool_parser,
         reasoning_parser=entry.reasoning_parser,
         allow_request_chat_template=entry.allow_request_chat_template,
+        speculative=entry.speculative,
     )
 
 
