@@ -7,7 +7,6 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import BatchKVCache
-
 from mlxgw.shared import protocol as p
 from mlxgw.shared.config import ConfigError, SpeculativeConfig, parse_registry
 from mlxgw.shared.protocol import SamplingParams
