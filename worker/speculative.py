@@ -127,9 +127,8 @@ class Speculator:
             self._forget_gone(batch)
         if not self._worth_trying(batch):
             return self._plain(batch, plain_next)
-        started = time.perf_counter()
         pending = batch._next_tokens.tolist()  # waits for a plain step still computing
-        self._close_plain(started)
+        self._close_plain(time.perf_counter())
         drafts = [self._draft(batch, i, x) for i, x in enumerate(pending)]
         if not any(drafts):
             return self._plain(batch, plain_next)
@@ -141,9 +140,14 @@ class Speculator:
         return responses
 
     def _worth_trying(self, batch) -> bool:
-        if not self.rows or self.steps < self.paused_until or self.steps % PROBE_EVERY == 0:
+        if not self.rows or self.steps < self.paused_until or self._probe_due(len(batch.uids)):
             return False
         return any(uid in self.rows for uid in batch.uids) and rollback_supported(batch.prompt_cache)
+
+    def _probe_due(self, size: int) -> bool:
+        """A plain step now, to measure what speculation competes with (often until known)."""
+        known = self.plain_cost.get(size, CostMeter()).samples >= MIN_SAMPLES
+        return self.steps % (PROBE_EVERY if known else PROBE_EVERY // 8) == 0
 
     def _plain(self, batch, plain_next) -> list:
         self._close_plain(time.perf_counter())
