@@ -5,7 +5,7 @@ file in the prompt and an instruction to return it with a small edit, greedy, 51
 Both variants are loaded once and alternated round by round in one run, so a busy machine
 slows both alike; the outputs must be identical (greedy speculation changes speed only).
 
-    python -m mlxgw.bench.speculative MODEL_DIR --max-tokens 512 --rounds 2
+    python -m mlxgw.bench.speculative MODEL_DIR --max-tokens 512 --rounds 2 [--max-draft 6]
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def agent_prompt(tokenizer, code_tokens: int) -> list[int]:
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
 
-def _scheduler(model_dir: str, mode: str):
+def _scheduler(model_dir: str, mode: str, max_draft: int):
     from mlxgw.shared.config import SpeculativeConfig
     from mlxgw.worker.runner import MLXRunner
     from mlxgw.worker.scheduler import Scheduler
@@ -47,7 +47,7 @@ def _scheduler(model_dir: str, mode: str):
         max_num_seqs=8,
         prefill_step_size=512,
         cache_bytes=0,
-        speculative=SpeculativeConfig(mode=mode),
+        speculative=SpeculativeConfig(mode=mode, max_draft=max_draft),
     )
     return Scheduler(runner, max_num_seqs=8, max_queue=8)
 
@@ -81,11 +81,11 @@ def run_once(scheduler, prompt: list[int], max_tokens: int, rid: str) -> dict:
         events = scheduler.step()
 
 
-def measure(model_dir: str, max_tokens: int, rounds: int, code_tokens: int) -> dict:
+def measure(model_dir: str, max_tokens: int, rounds: int, code_tokens: int, max_draft: int = 6) -> dict:
     from mlx_lm.utils import load_tokenizer
 
     prompt = agent_prompt(load_tokenizer(Path(model_dir)), code_tokens)
-    variants = {mode: _scheduler(model_dir, mode) for mode in ("off", "prompt_lookup")}
+    variants = {mode: _scheduler(model_dir, mode, max_draft) for mode in ("off", "prompt_lookup")}
     for mode, sched in variants.items():  # warm-up: allocation and first-call costs
         run_once(sched, prompt[:64], 4, f"warm-{mode}")
     results: dict[str, list[dict]] = {mode: [] for mode in variants}
@@ -122,8 +122,10 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--code-tokens", type=int, default=2000)
+    ap.add_argument("--max-draft", type=int, default=6)
     args = ap.parse_args()
-    print(json.dumps(measure(args.model_dir, args.max_tokens, args.rounds, args.code_tokens)), flush=True)
+    result = measure(args.model_dir, args.max_tokens, args.rounds, args.code_tokens, args.max_draft)
+    print(json.dumps({"max_draft": args.max_draft, **result}), flush=True)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
+from helpers import openai_client, wait_for
 from mlx_lm.models.cache import BatchKVCache
 from mlxgw.shared import protocol as p
 from mlxgw.shared.config import ConfigError, SpeculativeConfig, parse_registry
@@ -166,6 +167,19 @@ def test_the_real_model_accepts_drafts_when_copying_its_context_and_stays_identi
     outputs = {mode: _generate(r, [(prompt, 24, GREEDY)]) for mode, r in runners.items()}
     assert outputs["prompt_lookup"] == outputs["off"]
     assert runners["prompt_lookup"].stats()["speculative"]["acceptance_rate"] > 0
+
+
+def test_the_acceptance_rate_reaches_the_status_endpoint(tiny_gateway):
+    client = openai_client(tiny_gateway)
+    messages = [{"role": "user", "content": "Copy this code:\n" + COPY_TEXT}]
+    client.chat.completions.create(model="tiny", messages=messages, max_tokens=24, temperature=0)
+
+    def speculative() -> dict:
+        workers = tiny_gateway.model_status("tiny")["workers"]
+        return (workers[0]["stats"].get("speculative") if workers else None) or {}
+
+    wait_for(lambda: (speculative().get("accepted_tokens") or 0) > 0, 15)
+    assert speculative()["mode"] == "prompt_lookup" and speculative()["acceptance_rate"] > 0
 
 
 # -- configuration ----------------------------------------------------------------------------
