@@ -5,7 +5,7 @@ file in the prompt and an instruction to return it with a small edit, greedy, 51
 Both variants are loaded once and alternated round by round in one run, so a busy machine
 slows both alike; the outputs must be identical (greedy speculation changes speed only).
 
-    python -m mlxgw.bench.speculative MODEL_DIR --max-tokens 512 --rounds 2 [--max-draft 6]
+    python -m mlxgw.bench.speculative MODEL_DIR --max-tokens 512 --rounds 2 [--max-draft 8]
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def run_once(scheduler, prompt: list[int], max_tokens: int, rid: str) -> dict:
         events = scheduler.step()
 
 
-def measure(model_dir: str, max_tokens: int, rounds: int, code_tokens: int, max_draft: int = 6) -> dict:
+def measure(model_dir: str, max_tokens: int, rounds: int, code_tokens: int, max_draft: int = 8) -> dict:
     from mlx_lm.utils import load_tokenizer
 
     prompt = agent_prompt(load_tokenizer(Path(model_dir)), code_tokens)
@@ -122,7 +122,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--code-tokens", type=int, default=2000)
-    ap.add_argument("--max-draft", type=int, default=6)
+    ap.add_argument("--max-draft", type=int, default=8)
     args = ap.parse_args()
     result = measure(args.model_dir, args.max_tokens, args.rounds, args.code_tokens, args.max_draft)
     print(json.dumps({"max_draft": args.max_draft, **result}), flush=True)

@@ -53,7 +53,7 @@ class SpeculativeConfig:
     drafts copied from their own context in the batch's forward pass; off: never."""
 
     mode: Literal["prompt_lookup", "off"] = "prompt_lookup"
-    max_draft: int = 6  # tokens drafted per row and step, at most
+    max_draft: int = 8  # tokens drafted per row and step, at most
     max_ngram: int = 3  # the longest suffix looked up in the context
     min_ngram: int = 1  # the shortest
 
