@@ -68,6 +68,17 @@ class DistributedConfig:
 
 
 @dataclass
+class SpeculativeConfig:
+    """Speculative decoding (worker/speculative.py). prompt_lookup: greedy requests verify
+    drafts copied from their own context in the batch's forward pass; off: never."""
+
+    mode: Literal["prompt_lookup", "off"] = "prompt_lookup"
+    max_draft: int = 8  # tokens drafted per row and step, at most
+    max_ngram: int = 3  # the longest suffix looked up in the context
+    min_ngram: int = 1  # the shortest
+
+
+@dataclass
 class ModelEntry:
     name: str
     source: str | None = None  # folder name in the models dir, or a path; default: name
@@ -88,6 +99,7 @@ class ModelEntry:
     prefix_cache_disk_mb: int = 1024  # hottest prefixes kept on disk across unloads; 0: off
     use_openblas: bool = True  # Linux CPU only, see shared/platform.py
     defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     tool_parser: str | None = None
     reasoning_parser: str | None = None
     # A request may replace the chat template (chat_template_kwargs.chat_template): off by
@@ -329,6 +341,11 @@ def _check_entry(e: ModelEntry, where: str) -> None:
         raise bad("engine", f"{e.kind} models run on the default engine (mlx)")
     if e.engine == "mlx-embeddings" and e.kind != "embedding":
         raise bad("engine", "mlx-embeddings serves kind: embedding models only")
+    sp = e.speculative
+    if not 1 <= sp.max_draft <= 16:
+        raise bad("speculative.max_draft", f"must be between 1 and 16, got {sp.max_draft}")
+    if not 1 <= sp.min_ngram <= sp.max_ngram <= 8:
+        raise bad("speculative", "needs 1 <= min_ngram <= max_ngram <= 8")
     if e.context_length is not None and e.context_length < 16:
         raise bad("context_length", f"must be at least 16, got {e.context_length}")
     if e.distributed is not None:

@@ -252,10 +252,16 @@ class VectorGenerationBatch(GenerationBatch):
     _sample_plan: SamplePlan | None = None
     _penalty_plan: PenaltyPlan | None = None
 
+    def batch_wide(self) -> bool:
+        """Whether this batch's rows can be processed and sampled batch-wide (every row's
+        sampler is a RowSampling); otherwise mlx-lm's own per-row step applies."""
+        rows = self.samplers or ()
+        return self.vectorized and bool(rows) and all(isinstance(r, RowSampling) for r in rows)
+
     def _step(self):
-        rows = tuple(self.samplers or ())
-        if not self.vectorized or not rows or not all(isinstance(r, RowSampling) for r in rows):
+        if not self.batch_wide():
             return super()._step()
+        rows = tuple(self.samplers)
         self._current_tokens = self._next_tokens
         self._current_logprobs = self._next_logprobs
         inputs = self._current_tokens

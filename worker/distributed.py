@@ -18,7 +18,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from mlxgw.shared.config import DistributedConfig, ModelEntry
+from mlxgw.shared.config import DistributedConfig, ModelEntry, SpeculativeConfig
 
 from .prefix_cache import PrefixCache
 from .runner import MLXRunner
@@ -207,6 +207,9 @@ def runner_kwargs(entry: ModelEntry, cache_bytes: int) -> dict:
         "tool_parser": entry.tool_parser,
         "reasoning_parser": entry.reasoning_parser,
         "allow_request_chat_template": entry.allow_request_chat_template,
+        # Speculation pauses and resumes on measured step times, which differ between ranks:
+        # ranks would take different steps and leave lockstep. Sharded models never speculate.
+        "speculative": SpeculativeConfig(mode="off"),
     }
 
 

@@ -88,6 +88,7 @@ def build_runner(entry: ModelEntry, model_path: Path):
         reasoning_parser=entry.reasoning_parser,
         allow_request_chat_template=entry.allow_request_chat_template,
         prefix_store=store_for(entry.name, model_path, entry.prefix_cache_disk_mb),
+        speculative=entry.speculative,
     )
 
 

@@ -12,6 +12,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mlxgw.shared.config import SpeculativeConfig
 from mlxgw.shared.errors import invalid
 from mlxgw.shared.protocol import GenerateRequest, SamplingParams
 
@@ -123,6 +124,7 @@ class MLXRunner(ChatTextRunner):
         allow_request_chat_template: bool = False,
         loader=None,  # (path, return_config=True) -> (model, tokenizer, config); default mlx_lm.load
         prefix_store=None,
+        speculative: SpeculativeConfig | None = None,
     ):
         import mlx.core as mx
         from mlx_lm import load
@@ -149,6 +151,10 @@ class MLXRunner(ChatTextRunner):
         self.prefix_store = prefix_store
         if prefix_store is not None:
             prefix_store.layer_classes = [type(c).__name__ for c in make_prompt_cache(self.model)]
+        from .speculative import Speculator
+
+        self.speculator = Speculator(speculative or SpeculativeConfig())
+        self.speculator.attach(self.generator)
         self._covered: dict[int, int] = {}  # uid -> prompt tokens its cache lookup covered
         self._logprobs: dict[int, int] = {}  # uid -> alternatives per token, for those that ask
         self._keep_prompt: set[int] = set()  # uids whose prompt KV is stored once prefilled
@@ -193,6 +199,8 @@ class MLXRunner(ChatTextRunner):
             logits_processors=[processors],
         )
         self._covered[uid] = cached
+        # Drafts are verified against the argmax: only for greedy rows with nothing reshaping it.
+        self.speculator.admit(uid, sampling.temperature <= 0 and not processors and logprobs is None)
         if logprobs is not None:
             self._logprobs[uid] = logprobs
         if keep_prompt:
@@ -277,6 +285,7 @@ class MLXRunner(ChatTextRunner):
             "mlx_peak_bytes": int(mx.get_peak_memory()),
             "mlx_cache_bytes": int(mx.get_cache_memory()),
             "kv_bytes": int(self.generator.prompt_cache_nbytes),
+            "speculative": self.speculator.stats(),
         }
 
     def cache_stats(self) -> dict:

@@ -1,0 +1,132 @@
+"""The agent workload, with and without speculative decoding (prompt lookup), measured on
+the worker's own scheduler and MLX runner in-process (no HTTP, no IPC): a ~2k-token code
+file in the prompt and an instruction to return it with a small edit, greedy, 512 tokens.
+
+Both variants are loaded once and alternated round by round in one run, so a busy machine
+slows both alike; the outputs must be identical (greedy speculation changes speed only).
+
+    python -m mlxgw.bench.speculative MODEL_DIR --max-tokens 512 --rounds 2 [--max-draft 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+CODE_FILE = Path(__file__).resolve().parent.parent / "worker" / "scheduler.py"
+INSTRUCTION = (
+    "Here is a Python file. Return the complete file with one change: rename the function "
+    "`_parts` to `_delta_parts` everywhere. Output only the code.\n\n```python\n{code}```"
+)
+
+
+def agent_prompt(tokenizer, code_tokens: int) -> list[int]:
+    """The chat prompt: the first lines of a real code file, about code_tokens tokens."""
+    lines, used = [], 0
+    for line in CODE_FILE.read_text().splitlines(keepends=True):
+        used += len(tokenizer.encode(line, add_special_tokens=False))
+        if used > code_tokens:
+            break
+        lines.append(line)
+    messages = [{"role": "user", "content": INSTRUCTION.format(code="".join(lines))}]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+
+
+def _scheduler(model_dir: str, mode: str, max_draft: int):
+    from mlxgw.shared.config import SpeculativeConfig
+    from mlxgw.worker.runner import MLXRunner
+    from mlxgw.worker.scheduler import Scheduler
+
+    # No prefix cache: every round prefills the same way, only decoding differs.
+    runner = MLXRunner(
+        model_dir,
+        context_length=None,
+        max_num_seqs=8,
+        prefill_step_size=512,
+        cache_bytes=0,
+        speculative=SpeculativeConfig(mode=mode, max_draft=max_draft),
+    )
+    return Scheduler(runner, max_num_seqs=8, max_queue=8)
+
+
+def run_once(scheduler, prompt: list[int], max_tokens: int, rid: str) -> dict:
+    """One greedy request to its end: TTFT, decode tokens/s (after the first token), text."""
+    from mlxgw.shared import protocol as p
+
+    started = time.perf_counter()
+    req = p.GenerateRequest(
+        rid=rid, prompt_tokens=prompt, sampling=p.SamplingParams(temperature=0.0), max_tokens=max_tokens
+    )
+    events, text, first = scheduler.submit(req), "", None
+    while True:
+        for _, ev in events:
+            if ev["e"] in (p.EV_DELTA, p.EV_FINISH):
+                first = first or time.perf_counter()
+                text += ev.get("text") or ""
+            if ev["e"] == p.EV_ERROR:
+                raise RuntimeError(ev)
+            if ev["e"] == p.EV_FINISH:
+                done = time.perf_counter()
+                tokens = p.Usage.from_wire(ev["usage"]).completion_tokens
+                return {
+                    "tokens": tokens,
+                    "ttft_s": first - started,
+                    "decode_tok_s": (tokens - 1) / (done - first) if done > first else 0.0,
+                    "total_tok_s": tokens / (done - started),
+                    "text": text,
+                }
+        events = scheduler.step()
+
+
+def measure(model_dir: str, max_tokens: int, rounds: int, code_tokens: int, max_draft: int = 8) -> dict:
+    from mlx_lm.utils import load_tokenizer
+
+    prompt = agent_prompt(load_tokenizer(Path(model_dir)), code_tokens)
+    variants = {mode: _scheduler(model_dir, mode, max_draft) for mode in ("off", "prompt_lookup")}
+    for mode, sched in variants.items():  # warm-up: allocation and first-call costs
+        run_once(sched, prompt[:64], 4, f"warm-{mode}")
+    results: dict[str, list[dict]] = {mode: [] for mode in variants}
+    for r in range(rounds):
+        for mode, sched in variants.items():
+            results[mode].append(run_once(sched, prompt, max_tokens, f"{mode}-{r}"))
+            print(json.dumps({"round": r, "mode": mode, **_public(results[mode][-1])}), flush=True)
+    texts = {res["text"] for runs in results.values() for res in runs}
+    off, spec = (statistics.median(x["decode_tok_s"] for x in results[m]) for m in ("off", "prompt_lookup"))
+    stats = variants["prompt_lookup"].runner.stats()["speculative"]
+    return {
+        "prompt_tokens": len(prompt),
+        "completion_tokens": results["off"][0]["tokens"],
+        "outputs_identical": len(texts) == 1,
+        "decode_tok_s_off": round(off, 2),
+        "decode_tok_s_speculative": round(spec, 2),
+        "speedup": round(spec / off, 2),
+        "acceptance_rate": stats["acceptance_rate"],
+        "tokens_per_speculative_step": stats["tokens_per_speculative_step"],
+        "pauses": stats["pauses"],
+    }
+
+
+def _public(res: dict) -> dict:
+    return {k: round(v, 3) if isinstance(v, float) else v for k, v in res.items() if k != "text"}
+
+
+def main() -> None:
+    from mlxgw.shared.platform import reexec_as_worker
+
+    reexec_as_worker("mlxgw.bench.speculative")
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model_dir")
+    ap.add_argument("--max-tokens", type=int, default=512)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--code-tokens", type=int, default=2000)
+    ap.add_argument("--max-draft", type=int, default=8)
+    args = ap.parse_args()
+    result = measure(args.model_dir, args.max_tokens, args.rounds, args.code_tokens, args.max_draft)
+    print(json.dumps({"max_draft": args.max_draft, **result}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

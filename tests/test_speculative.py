@@ -1,0 +1,190 @@
+"""Speculative decoding (worker/speculative.py, worker/spec_verify.py): greedy outputs with
+prompt-lookup speculation are token-identical to plain decoding, alone and in a batch, and
+a request that ends inside an accepted draft ends exactly where plain decoding ends it."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from helpers import openai_client, wait_for
+from mlx_lm.models.cache import BatchKVCache
+from mlxgw.shared import protocol as p
+from mlxgw.shared.config import ConfigError, SpeculativeConfig, parse_registry
+from mlxgw.shared.protocol import SamplingParams
+from mlxgw.worker.runner import MLXRunner
+from mlxgw.worker.scheduler import Scheduler
+from mlxgw.worker.spec_verify import rollback_rows
+from mlxgw.worker.speculative import NgramIndex
+
+GREEDY = SamplingParams(temperature=0.0)
+COPY_TEXT = "def add(a, b):\n    return a + b\n\n" * 6
+
+
+def _runner(model_dir, mode: str) -> MLXRunner:
+    return MLXRunner(
+        model_dir,
+        context_length=None,
+        max_num_seqs=8,
+        prefill_step_size=256,
+        cache_bytes=0,
+        speculative=SpeculativeConfig(mode=mode),
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny_runners(tiny_dir):
+    return {mode: _runner(tiny_dir, mode) for mode in ("off", "prompt_lookup")}
+
+
+def _generate(runner: MLXRunner, jobs: list[tuple[list[int], int, SamplingParams]]) -> list[list[int]]:
+    """Run the jobs (prompt, max_tokens, sampling) together to the end; each one's tokens."""
+    slot = {}
+    for i, (prompt, max_tokens, sampling) in enumerate(jobs):
+        uid, _ = runner.insert(prompt, max_tokens, sampling)
+        slot[uid] = i
+    out: list[list[int]] = [[] for _ in jobs]
+    finished = 0
+    while finished < len(jobs):
+        for t in runner.step().tokens:
+            out[slot[t.uid]].append(t.token)
+            finished += t.finish is not None
+    return out
+
+
+def _copy_prompt(runner: MLXRunner, text: str = COPY_TEXT) -> list[int]:
+    return runner.encode_text("Copy this code:\n" + text + "\nCopy:\n" + text[:40])
+
+
+# -- drafting and rollback, without a model ----------------------------------------------------
+def test_prompt_lookup_proposes_what_followed_the_last_earlier_occurrence():
+    index = NgramIndex(1, 3)
+    tokens = [5, 6, 7, 8, 9, 1, 5, 6, 7, 2, 3, 5, 6, 7]
+    assert index.propose(tokens, 3) == [2, 3, 5]  # the later of the two earlier "5 6 7"
+    assert index.propose(tokens + [2], 2) == [3, 5]
+
+
+def test_prompt_lookup_proposes_nothing_for_an_unseen_suffix():
+    assert NgramIndex(1, 3).propose([1, 2, 3, 4], 4) == []
+
+
+def test_rollback_keeps_each_rows_accepted_positions_and_drops_the_rest():
+    cache = BatchKVCache([1, 0])
+    start = mx.random.normal((2, 2, 3, 4))
+    cache.update_and_fetch(start, start)
+    fed = mx.random.normal((2, 2, 4, 4))  # a verification pass of width 4
+    cache.update_and_fetch(fed, fed)
+    rollback_rows([cache], width=4, kept=[3, 1])
+    row0, row1 = cache.extract(0), cache.extract(1)
+    expect0 = mx.concatenate([start[0:1, :, 1:], fed[0:1, :, :3]], axis=2)
+    expect1 = mx.concatenate([start[1:2], fed[1:2, :, :1]], axis=2)
+    assert mx.array_equal(row0.keys, expect0) and mx.array_equal(row1.values, expect1)
+    assert cache.offset.tolist() == [2 + 3, 3 + 1]
+
+
+# -- token identity with a model ----------------------------------------------------------------
+def test_a_greedy_request_is_token_identical_with_speculation(tiny_runners):
+    prompt = _copy_prompt(tiny_runners["off"])
+    plain = _generate(tiny_runners["off"], [(prompt, 40, GREEDY)])
+    spec = _generate(tiny_runners["prompt_lookup"], [(prompt, 40, GREEDY)])
+    assert spec == plain and len(plain[0]) == 40
+
+
+def test_a_batch_of_greedy_requests_of_different_lengths_is_token_identical(tiny_runners):
+    r = tiny_runners["off"]
+    jobs = [
+        (_copy_prompt(r), 37, GREEDY),
+        (r.encode_text("one two three one two three one two"), 23, GREEDY),
+        (r.encode_text("Hello"), 31, GREEDY),
+        (_copy_prompt(r, "x = [1, 2, 3]\n" * 9), 12, GREEDY),
+    ]
+    assert _generate(tiny_runners["prompt_lookup"], jobs) == _generate(r, jobs)
+
+
+def test_sampled_rows_in_a_speculating_batch_keep_their_seeded_tokens(tiny_runners):
+    r = tiny_runners["off"]
+    seeded = SamplingParams(temperature=0.8, seed=7)
+    jobs = [(_copy_prompt(r), 30, GREEDY), (r.encode_text("Write a poem"), 20, seeded)]
+    assert _generate(tiny_runners["prompt_lookup"], jobs) == _generate(r, jobs)
+
+
+def test_a_max_tokens_end_inside_an_accepted_draft_emits_no_extra_token(tiny_runners):
+    prompt = _copy_prompt(tiny_runners["off"])
+    full = _generate(tiny_runners["off"], [(prompt, 40, GREEDY)])[0]
+    for n in (2, 5, 9, 14):
+        assert _generate(tiny_runners["prompt_lookup"], [(prompt, n, GREEDY)])[0] == full[:n]
+
+
+def _text_until_finish(runner: MLXRunner, req: p.GenerateRequest) -> tuple[str, dict]:
+    sched = Scheduler(runner, max_num_seqs=4, max_queue=4)
+    events = sched.submit(req)
+    text = ""
+    while True:
+        for _, ev in events:
+            if ev["e"] in (p.EV_DELTA, p.EV_FINISH):
+                text += ev.get("text") or ""
+            if ev["e"] == p.EV_FINISH:
+                return text, ev
+            assert ev["e"] != p.EV_ERROR, ev
+        events = sched.step()
+
+
+def test_a_stop_string_inside_an_accepted_draft_ends_where_plain_decoding_ends(tiny_runners):
+    prompt = _copy_prompt(tiny_runners["off"])
+    full = tiny_runners["off"].text.tokenizer.decode(_generate(tiny_runners["off"], [(prompt, 30, GREEDY)])[0])
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    assert stop.strip(), full
+
+    def ask(runner):
+        req = p.GenerateRequest(rid="r", prompt_tokens=prompt, sampling=GREEDY, max_tokens=30, stop=[stop])
+        return _text_until_finish(runner, req)
+
+    (plain_text, plain_end), (spec_text, spec_end) = ask(tiny_runners["off"]), ask(tiny_runners["prompt_lookup"])
+    assert spec_text == plain_text and stop not in spec_text
+    assert spec_end["reason"] == plain_end["reason"] == "stop"
+    assert spec_end["usage"] == plain_end["usage"]
+
+
+def test_speculation_reports_its_acceptance_rate_in_the_runner_stats(tiny_runners):
+    runner = tiny_runners["prompt_lookup"]
+    _generate(runner, [(_copy_prompt(runner), 24, GREEDY)])
+    stats = runner.stats()["speculative"]
+    assert stats["mode"] == "prompt_lookup" and stats["accepted_tokens"] > 0 and stats["acceptance_rate"] > 0
+
+
+def test_speculation_off_drafts_nothing(tiny_runners):
+    runner = tiny_runners["off"]
+    _generate(runner, [(_copy_prompt(runner), 8, GREEDY)])
+    assert runner.stats()["speculative"]["drafted_tokens"] == 0
+
+
+# -- the real model: drafts accepted on a copy-the-context prompt --------------------------------
+def test_the_real_model_accepts_drafts_when_copying_its_context_and_stays_identical(smollm2_dir):
+    runners = {mode: _runner(smollm2_dir, mode) for mode in ("off", "prompt_lookup")}
+    tok = runners["off"].text.tokenizer
+    code = "def area(w, h):\n    return w * h\n\n\ndef perimeter(w, h):\n    return 2 * (w + h)\n"
+    messages = [{"role": "user", "content": f"Repeat this code exactly, nothing else:\n\n{code}"}]
+    prompt = tok.apply_chat_template(messages, add_generation_prompt=True)
+    outputs = {mode: _generate(r, [(prompt, 24, GREEDY)]) for mode, r in runners.items()}
+    assert outputs["prompt_lookup"] == outputs["off"]
+    assert runners["prompt_lookup"].stats()["speculative"]["acceptance_rate"] > 0
+
+
+def test_the_acceptance_rate_reaches_the_status_endpoint(tiny_gateway):
+    client = openai_client(tiny_gateway)
+    messages = [{"role": "user", "content": "Copy this code:\n" + COPY_TEXT}]
+    client.chat.completions.create(model="tiny", messages=messages, max_tokens=24, temperature=0)
+
+    def speculative() -> dict:
+        workers = tiny_gateway.model_status("tiny")["workers"]
+        return (workers[0]["stats"].get("speculative") if workers else None) or {}
+
+    wait_for(lambda: (speculative().get("accepted_tokens") or 0) > 0, 15)
+    assert speculative()["mode"] == "prompt_lookup" and speculative()["acceptance_rate"] > 0
+
+
+# -- configuration ----------------------------------------------------------------------------
+def test_speculation_is_configured_per_model():
+    reg = parse_registry({"models": [{"name": "a", "speculative": {"mode": "off", "max_draft": 4}}]})
+    assert reg.models[0].speculative == SpeculativeConfig(mode="off", max_draft=4)
+    with pytest.raises(ConfigError, match="max_draft"):
+        parse_registry({"models": [{"name": "a", "speculative": {"max_draft": 0}}]})

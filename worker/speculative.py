@@ -1,0 +1,234 @@
+"""Speculative decoding inside continuous batching: prompt-lookup drafting and the policy
+that decides, step by step, whether speculating pays (the verification step itself is in
+worker/spec_verify.py).
+
+- Drafting (prompt lookup, no second model): a row's draft is what followed the most recent
+  earlier occurrence of its last n tokens (n = max_ngram down to min_ngram) in its own prompt
+  and output. Agents quote, copy and edit their context, so these drafts are often right.
+- Who speculates: greedy rows (temperature 0) without logits processors (penalties, bias,
+  grammar, thinking budget) and without logprobs: for them accepting the draft prefix the
+  model's own argmax agrees with is exactly non-speculative decoding. Other rows share the
+  same forward pass with no draft (their first position is sampled as usual); they do not
+  speculate (rejection sampling for sampled rows is not implemented).
+- Per row: the draft length adapts to acceptance (grows after a fully accepted draft,
+  shrinks to what was accepted otherwise) and a row whose drafts keep missing backs off.
+- Per model: the time per emitted token of speculative steps is compared with that of
+  plain steps at the same batch size (plain steps keep being sampled as probes); when
+  speculation loses it pauses for a while (a doubling cooldown), then is tried again.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from mlxgw.shared.config import SpeculativeConfig
+
+from .spec_verify import Verified, rollback_supported, verify_step
+
+PROBE_EVERY = 32  # a plain step this often while speculating, to keep its cost current
+MIN_SAMPLES = 8  # steps of each kind before the comparison is trusted
+COOLDOWN_STEPS = (64, 2048)  # first and longest pause after speculation lost
+EMA = 0.9  # weight of the past in the cost averages
+MAX_BACKOFF = 16  # steps a row waits before drafting again after repeated misses
+
+
+class NgramIndex:
+    """The most recent end position of every n-gram of a growing token list."""
+
+    def __init__(self, min_n: int, max_n: int):
+        self.sizes = list(range(max_n, min_n - 1, -1))
+        self.ends: dict[int, dict[tuple, int]] = {n: {} for n in self.sizes}
+        self.indexed = 0  # n-grams ending before this position are in `ends`
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        """Up to k tokens that followed the last earlier occurrence of tokens' suffix."""
+        last = len(tokens) - 1
+        for end in range(self.indexed, last):  # never the suffix itself: it has no future yet
+            for n in self.sizes:
+                if end + 1 >= n:
+                    self.ends[n][tuple(tokens[end + 1 - n : end + 1])] = end
+        self.indexed = max(self.indexed, last)
+        for n in self.sizes:
+            if last + 1 >= n:
+                end = self.ends[n].get(tuple(tokens[last + 1 - n :]))
+                if end is not None:
+                    return tokens[end + 1 : end + 1 + k]
+        return []
+
+
+@dataclass
+class RowState:
+    index: NgramIndex
+    draft_len: int
+    misses: int = 0
+    skip: int = 0  # steps left before this row drafts again
+
+
+@dataclass
+class CostMeter:
+    """Seconds and emitted tokens, exponentially averaged, for one kind of step."""
+
+    seconds: float = 0.0
+    tokens: float = 0.0
+    samples: int = 0
+
+    def add(self, seconds: float, tokens: int) -> None:
+        self.seconds = EMA * self.seconds + (1 - EMA) * seconds
+        self.tokens = EMA * self.tokens + (1 - EMA) * tokens
+        self.samples += 1
+
+    def per_token(self) -> float | None:
+        return self.seconds / self.tokens if self.samples >= MIN_SAMPLES and self.tokens > 0 else None
+
+
+@dataclass
+class Counters:
+    drafted: int = 0
+    accepted: int = 0
+    speculative_steps: int = 0
+    plain_steps: int = 0
+    emitted_in_speculative_steps: int = 0
+    pauses: int = 0
+
+
+@dataclass
+class Speculator:
+    config: SpeculativeConfig
+    rows: dict[int, RowState] = field(default_factory=dict)  # uid -> state, eligible rows only
+    counters: Counters = field(default_factory=Counters)
+    plain_cost: dict[int, CostMeter] = field(default_factory=dict)  # by batch size
+    spec_cost: dict[int, CostMeter] = field(default_factory=dict)
+    steps: int = 0
+    paused_until: int = 0
+    cooldown: int = COOLDOWN_STEPS[0]
+    _open: tuple | None = None  # (batch size, started) of a plain step still computing
+
+    @property
+    def enabled(self) -> bool:
+        return self.config.mode == "prompt_lookup"
+
+    def attach(self, generator) -> None:
+        """Route the generator's decode step through this speculator. BatchGenerator keeps
+        one GenerationBatch for its whole life (new rows are merged into it), so wrapping
+        that object's next() covers every decode step; prefill is untouched."""
+        batch = generator._generation_batch
+        plain_next = batch.next
+        batch.next = lambda: self.next(batch, plain_next)
+
+    def admit(self, uid: int, eligible: bool) -> None:
+        if self.enabled and eligible:
+            self.rows[uid] = RowState(NgramIndex(self.config.min_ngram, self.config.max_ngram), self.config.max_draft)
+
+    # -- the step ---------------------------------------------------------------------------
+    def next(self, batch, plain_next) -> list:
+        self.steps += 1
+        if len(self.rows) > 4 * max(1, len(batch.uids)):
+            self._forget_gone(batch)
+        if not self._worth_trying(batch):
+            return self._plain(batch, plain_next)
+        pending = batch._next_tokens.tolist()  # waits for a plain step still computing
+        self._close_plain(time.perf_counter())
+        drafts = [self._draft(batch, i, x) for i, x in enumerate(pending)]
+        if not any(drafts):
+            return self._plain(batch, plain_next)
+        states = [self.rows.get(uid) for uid in batch.uids]  # before finished rows leave the batch
+        started = time.perf_counter()
+        responses, verified = verify_step(batch, pending, drafts)
+        self._record(len(drafts), verified, time.perf_counter() - started)
+        self._adapt(states, drafts, verified)
+        return responses
+
+    def _worth_trying(self, batch) -> bool:
+        if not self.rows or self.steps < self.paused_until or self._probe_due(len(batch.uids)):
+            return False
+        return any(uid in self.rows for uid in batch.uids) and rollback_supported(batch.prompt_cache)
+
+    def _probe_due(self, size: int) -> bool:
+        """A plain step now, to measure what speculation competes with (often until known)."""
+        known = self.plain_cost.get(size, CostMeter()).samples >= MIN_SAMPLES
+        return self.steps % (PROBE_EVERY if known else PROBE_EVERY // 8) == 0
+
+    def _plain(self, batch, plain_next) -> list:
+        self._close_plain(time.perf_counter())
+        size, started = len(batch.uids), time.perf_counter()
+        responses = plain_next()
+        self.counters.plain_steps += 1
+        self._open = (size, started)
+        return responses
+
+    def _close_plain(self, now: float) -> None:
+        """A plain step's cost is known once its (asynchronously computed) tokens are."""
+        if self._open is not None:
+            size, started = self._open
+            self.plain_cost.setdefault(size, CostMeter()).add(now - started, size)
+            self._open = None
+
+    def _draft(self, batch, i: int, pending: int) -> list[int]:
+        state = self.rows.get(batch.uids[i])
+        if state is None:
+            return []
+        if state.skip:
+            state.skip -= 1
+            return []
+        room = batch.max_tokens[i] - batch._num_tokens[i] - 1  # never draft past max_tokens
+        if room <= 0:
+            return []
+        return state.index.propose(batch.tokens[i] + [pending], min(state.draft_len, room))
+
+    def _record(self, size: int, verified: Verified, seconds: float) -> None:
+        c = self.counters
+        c.speculative_steps += 1
+        c.drafted += sum(verified.drafted)
+        c.accepted += sum(verified.accepted)
+        c.emitted_in_speculative_steps += verified.emitted
+        meter = self.spec_cost.setdefault(size, CostMeter())
+        meter.add(seconds, verified.emitted)
+        spec, plain = meter.per_token(), self.plain_cost.get(size, CostMeter()).per_token()
+        if spec is not None and plain is not None:
+            if spec > plain:
+                self._pause(size)
+            else:
+                self.cooldown = COOLDOWN_STEPS[0]
+
+    def _pause(self, size: int) -> None:
+        self.counters.pauses += 1
+        self.paused_until = self.steps + self.cooldown
+        self.cooldown = min(2 * self.cooldown, COOLDOWN_STEPS[1])
+        self.spec_cost.pop(size, None)  # judged afresh when it is tried again
+
+    def _adapt(self, states: list[RowState | None], drafts: list[list[int]], verified: Verified) -> None:
+        """Per-row draft length and back-off, from this step's acceptance."""
+        for draft, accepted, state in zip(drafts, verified.accepted, states):
+            if not draft or state is None:
+                continue
+            if accepted == len(draft):
+                state.draft_len = min(self.config.max_draft, state.draft_len + 2)
+            else:
+                state.draft_len = max(1, accepted + 1)
+            if accepted == 0:
+                state.misses += 1
+                state.skip = min(2 ** (state.misses - 1), MAX_BACKOFF) - 1
+            else:
+                state.misses = 0
+
+    def _forget_gone(self, batch) -> None:
+        live = set(batch.uids)
+        self.rows = {uid: s for uid, s in self.rows.items() if uid in live}
+
+    # -- introspection ----------------------------------------------------------------------
+    def stats(self) -> dict:
+        c = self.counters
+        return {
+            "mode": self.config.mode,
+            "active": self.enabled and self.steps >= self.paused_until,
+            "drafted_tokens": c.drafted,
+            "accepted_tokens": c.accepted,
+            "acceptance_rate": round(c.accepted / c.drafted, 4) if c.drafted else None,
+            "speculative_steps": c.speculative_steps,
+            "plain_steps": c.plain_steps,
+            "tokens_per_speculative_step": (
+                round(c.emitted_in_speculative_steps / c.speculative_steps, 3) if c.speculative_steps else None
+            ),
+            "pauses": c.pauses,
+        }
