@@ -86,8 +86,13 @@ def import_cmd(source: str, name: str, dtype: str | None, quantize: str | None, 
             )
         else:
             result = import_gguf(
-                source, name, dtype=dtype, quantize=int(quantize) if quantize else None, keep_quant=keep_quant,
-                force=force, progress=progress,
+                source,
+                name,
+                dtype=dtype,
+                quantize=int(quantize) if quantize else None,
+                keep_quant=keep_quant,
+                force=force,
+                progress=progress,
             )
     except (ImportError_, InvalidModelName) as e:
         click.echo(f"error: {e}", err=True)

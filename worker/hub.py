@@ -161,6 +161,4 @@ def pull(
         parts = [_download(spec, sha, f) for f in chosen]
         label = f"hf:{spec.repo_id}@{sha}/{chosen[0]}"
         return import_gguf(str(parts[0]), name, dtype=dtype, force=force, models_dir=models_dir, label=label)
-    raise ImportError_(
-        f"{spec.repo_id} is neither an MLX model (config.json + .safetensors) nor a GGUF repository"
-    )
+    raise ImportError_(f"{spec.repo_id} is neither an MLX model (config.json + .safetensors) nor a GGUF repository")
