@@ -58,7 +58,9 @@ class ModelEntry:
     pin: bool = False
     remote_only: bool = False  # never spawned here: served by `mlxgw worker --connect` elsewhere
     idle_unload_s: float | None = None  # None: the manager's default; 0: never
-    max_num_seqs: int = 8
+    # Sequences decoded together; None: from the model's KV bytes per token and the machine's
+    # RAM (worker/capacity.py), reported in /v1/status.
+    max_num_seqs: int | None = None
     max_queue: int = 64
     context_length: int | None = None  # None: the model's own
     max_tokens_policy: MaxTokensPolicy = "clamp"
@@ -296,7 +298,7 @@ def _check_entry(e: ModelEntry, where: str) -> None:
     _at_least(where, e, 0, ("idle_unload_s",))
     _at_least(where, e, 1, ("cache_memory_mb",))
     for name in ("max_num_seqs", "max_queue", "stream_interval", "prefill_step_size", "max_batch_inputs"):
-        if getattr(e, name) < 1:
+        if getattr(e, name) is not None and getattr(e, name) < 1:
             raise bad(name, f"must be at least 1, got {getattr(e, name)}")
     if e.max_batch_tokens < 512:
         raise bad("max_batch_tokens", f"must be at least 512, got {e.max_batch_tokens}")

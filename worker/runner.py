@@ -190,6 +190,11 @@ class MLXRunner(ChatTextRunner):
             self._keep_prompt.add(uid)
         return uid, cached
 
+    def set_prefill_chunk(self, tokens: int) -> None:
+        """Prompt tokens each prefilling row reads in the next step (the scheduler shares
+        a per-step budget among them: worker/prefill_plan.py)."""
+        self.generator.prefill_step_size = max(1, int(tokens))
+
     def step(self) -> StepOutput:
         prompt_responses, gen_responses = self.generator.next()
         out = StepOutput()
