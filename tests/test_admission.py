@@ -111,3 +111,36 @@ def test_a_short_request_gets_its_first_token_before_a_long_prefill_completes(ru
     assert first["short"] <= 4  # admitted at once, not after the long prompt's 12+ steps
     while sched.has_work():
         sched.step()
+
+
+# -- max_num_seqs when models.yaml leaves it out (worker/capacity.py) ---------------------
+SMOLLM2 = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64}
+
+
+def test_kv_bytes_per_token_is_layers_kv_heads_head_dim_keys_and_values_and_dtype():
+    from mlxgw.worker.capacity import kv_bytes_per_token
+
+    assert kv_bytes_per_token(SMOLLM2, 4) == 30 * 3 * 64 * 2 * 4 == 46_080
+    # no head_dim: hidden_size / attention heads; no kv heads: as many as attention heads
+    assert kv_bytes_per_token({"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64}, 2) == 512
+    # a vision model's text side
+    assert kv_bytes_per_token({"text_config": SMOLLM2}, 2) == 23_040
+    assert kv_bytes_per_token({"d_model": 384}, 4) is None
+
+
+def test_max_num_seqs_is_the_kv_budget_over_a_typical_rows_kv_clamped():
+    from mlxgw.worker.capacity import default_max_num_seqs
+
+    gib = 1 << 30
+    # SmolLM2-135M float32 on 24 GiB: an eighth of RAM over 2,048 tokens x 45 KiB
+    assert default_max_num_seqs(46_080, 24 * gib // 8, 2048) == 34
+    assert default_max_num_seqs(46_080, 64 * gib // 8, 2048) == 64  # ceiling
+    assert default_max_num_seqs(8 * 131_072, 16 * gib // 8, 2048) == 8  # a large model: the floor
+
+
+def test_a_configured_max_num_seqs_wins_over_the_formula(tiny_dir):
+    from mlxgw.worker.capacity import choose_max_num_seqs
+
+    assert choose_max_num_seqs(3, tiny_dir, 1 << 40).value == 3
+    chosen = choose_max_num_seqs(None, tiny_dir, 1 << 30)
+    assert chosen.source == "kv formula" and chosen.kv_bytes_per_token == 2 * 2 * 16 * 2 * 4

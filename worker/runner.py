@@ -195,6 +195,11 @@ class MLXRunner(ChatTextRunner):
         a per-step budget among them: worker/prefill_plan.py)."""
         self.generator.prefill_step_size = max(1, int(tokens))
 
+    def release_idle_memory(self) -> None:
+        """Nothing runs: hand MLX's pool of freed buffers back to the system. While busy the
+        pool saves allocations; idle, it is memory no counter shows but RSS."""
+        self._mx.clear_cache()
+
     def step(self) -> StepOutput:
         prompt_responses, gen_responses = self.generator.next()
         out = StepOutput()

@@ -287,6 +287,10 @@ class Scheduler:
         out = self.runner.step()
         self._count_prefill()
         events += self._end_faulted()
+        return events + self._on_step_tokens(out)
+
+    def _on_step_tokens(self, out) -> list[Event]:
+        events: list[Event] = []
         for uid, done, total in out.prefill:
             seq = self._by_uid.get(uid)
             if seq is not None and done < total:
@@ -455,6 +459,8 @@ class Scheduler:
                     self.runner.remove([seq.uid])
                 except Exception as e:  # already gone from the runner: nothing left to free
                     log.warning("removing %s from the runner failed: %r", seq.req.rid, e)
+            if not self._by_uid and hasattr(self.runner, "release_idle_memory"):
+                self.runner.release_idle_memory()  # the last running sequence ended
         self.finished += 1
         return (seq.req.rid, event)
 
