@@ -82,6 +82,22 @@ def test_long_prompts_arriving_while_rows_decode_read_at_most_the_budget_per_ste
         sched.step()
 
 
+def test_a_burst_at_an_idle_model_starts_in_one_larger_step(runner):
+    """No row is decoding, so nobody waits on the prefill but the burst itself: one step
+    reads up to IDLE_BUDGET_FACTOR budgets and starts 8 of these prompts, not 2."""
+    from mlxgw.worker.scheduler import IDLE_BUDGET_FACTOR
+
+    sched = _scheduler(runner)
+    for i in range(12):
+        _submit(sched, f"burst{i}", 60, 2)
+    before = _prompt_tokens_read(runner)
+    sched.step()
+    assert _prompt_tokens_read(runner) - before <= IDLE_BUDGET_FACTOR * BUDGET
+    assert sched.running == (IDLE_BUDGET_FACTOR * BUDGET) // 59 == 8
+    while sched.has_work():
+        sched.step()
+
+
 def test_without_a_budget_the_same_arrivals_read_several_chunks_in_one_step(runner):
     """The control for the test above: it can fail (this is what the budget prevents)."""
     sched = _scheduler(runner, budget=None)

@@ -8,7 +8,8 @@
 - each step reads at most `prefill_budget` prompt tokens (padding included) across the rows
   still prefilling, and admits new prompts only while that budget is shared fairly
   (worker/prefill_plan.py): decoding rows never wait for more than one decode step plus one
-  budget of prefill, and a short prompt does not wait for a long one to finish;
+  budget of prefill, and a short prompt does not wait for a long one to finish; with no row
+  decoding, a step may read IDLE_BUDGET_FACTOR budgets (a burst starts in one step);
 - a request ends exactly once: finish (stop / length / cancelled) or error (timeout, ...);
   cancelled and timed-out sequences leave the runner, and so free their KV, at once;
 - a fault of one sequence (an exception while preparing, admitting, sampling, constraining
@@ -36,6 +37,8 @@ from .preprocess import Preprocessor
 from .request_checks import check_generate
 
 log = logging.getLogger("mlxgw.worker")
+
+IDLE_BUDGET_FACTOR = 4  # prompt budget of a step when no row is decoding (nobody waits on it)
 
 Event = p.Event
 
@@ -114,6 +117,7 @@ class Scheduler:
         self.prefill_budget = prefill_budget if hasattr(runner, "set_prefill_chunk") else None
         self.capacity = capacity or {"value": max_num_seqs, "source": "caller"}
         self._chunk = 0  # prompt tokens per prefilling row in the current step
+        self._budget = prefill_budget or 0  # this step's budget (_step_budget)
         self.max_queue = max_queue
         self.policy = policy
         self.preprocessor = preprocessor
@@ -328,6 +332,7 @@ class Scheduler:
         ends with an error; the runner has not taken it, so the others are unaffected."""
         events: list[Event] = []
         deferred = []
+        self._budget = self._step_budget()
         while self._waiting and len(self._by_uid) < self.max_num_seqs:
             entry = heapq.heappop(self._waiting)
             rid = entry[2]
@@ -368,13 +373,21 @@ class Scheduler:
         if self.prefill_budget is None:
             return True
         prefilling = [s.to_prefill for s in self._prefilling()]
-        return admit_count(prefilling, [len(seq.prompt) - 1], self.prefill_budget) == 1
+        return admit_count(prefilling, [len(seq.prompt) - 1], self._budget) == 1
+
+    def _step_budget(self) -> int:
+        """The budget protects rows that are decoding; with none (a burst arriving at an idle
+        model), the prompts only wait for each other, and one larger step starts them all
+        sooner than several small ones would."""
+        budget = self.prefill_budget or 0
+        decoding = any(s.to_prefill == 0 for s in self._by_uid.values())
+        return budget if decoding else budget * IDLE_BUDGET_FACTOR
 
     def _set_chunk(self) -> None:
         """Share this step's prompt budget among the rows still reading their prompts."""
         if self.prefill_budget is None:
             return
-        self._chunk = chunk_for(len(self._prefilling()), self.prefill_budget)
+        self._chunk = chunk_for(len(self._prefilling()), self._budget)
         self.runner.set_prefill_chunk(self._chunk)  # type: ignore[attr-defined]
 
     def _count_prefill(self) -> None:
