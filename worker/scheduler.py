@@ -106,6 +106,7 @@ class Scheduler:
         preprocessor: Preprocessor | None = None,
         prefill_budget: int | None = None,
         capacity: dict | None = None,
+        idle_budget_factor: int = IDLE_BUDGET_FACTOR,
     ):
         """preprocessor: prepares requests on its own thread; None prepares them in submit
         (in-process tests and benchmarks). prefill_budget: prompt tokens per step across
@@ -118,6 +119,7 @@ class Scheduler:
         self.capacity = capacity or {"value": max_num_seqs, "source": "caller"}
         self._chunk = 0  # prompt tokens per prefilling row in the current step
         self._budget = prefill_budget or 0  # this step's budget (_step_budget)
+        self.idle_budget_factor = idle_budget_factor
         self.max_queue = max_queue
         self.policy = policy
         self.preprocessor = preprocessor
@@ -381,7 +383,7 @@ class Scheduler:
         sooner than several small ones would."""
         budget = self.prefill_budget or 0
         decoding = any(s.to_prefill == 0 for s in self._by_uid.values())
-        return budget if decoding else budget * IDLE_BUDGET_FACTOR
+        return budget if decoding else budget * self.idle_budget_factor
 
     def _set_chunk(self) -> None:
         """Share this step's prompt budget among the rows still reading their prompts."""
