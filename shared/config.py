@@ -89,7 +89,9 @@ class ModelEntry:
     pin: bool = False
     remote_only: bool = False  # never spawned here: served by `mlxgw worker --connect` elsewhere
     idle_unload_s: float | None = None  # None: the manager's default; 0: never
-    max_num_seqs: int = 8
+    # Sequences decoded together; None: from the model's KV bytes per token and the machine's
+    # RAM (worker/capacity.py), reported in /v1/status.
+    max_num_seqs: int | None = None
     max_queue: int = 64
     context_length: int | None = None  # None: the model's own
     max_tokens_policy: MaxTokensPolicy = "clamp"
@@ -331,7 +333,7 @@ def _check_entry(e: ModelEntry, where: str) -> None:
     _at_least(where, e, 1, ("cache_memory_mb",))
     _at_least(where, e, 0, ("prefix_cache_disk_mb",))
     for name in ("max_num_seqs", "max_queue", "stream_interval", "prefill_step_size", "max_batch_inputs"):
-        if getattr(e, name) < 1:
+        if getattr(e, name) is not None and getattr(e, name) < 1:
             raise bad(name, f"must be at least 1, got {getattr(e, name)}")
     if e.max_batch_tokens < 512:
         raise bad("max_batch_tokens", f"must be at least 512, got {e.max_batch_tokens}")
@@ -372,6 +374,10 @@ def _check_distributed(e: ModelEntry, where: str) -> None:
         name, _, port = host.rpartition(":")
         if not name or not port.isdigit() or not 1 <= int(port) <= 65535:
             raise bad(f"hosts[{i}]", f"expected host:port (e.g. 192.168.1.10:52000), got {host!r}")
+    if d.hosts and e.max_num_seqs is None:
+        # Without it each rank derives max_num_seqs from its own machine's memory, and ranks
+        # that batch differently leave lockstep.
+        raise ConfigError(f"{where}: field 'max_num_seqs': set it for a model whose ranks run on other hosts")
 
 
 def parse_memory_budget(text: str, total_bytes: int) -> int:

@@ -229,6 +229,7 @@ def test_a_backend_that_cannot_initialise_is_named_with_what_it_needs():
         ({"backend": "nccl"}, "must be one of ring, jaccl, mpi"),
         ({"ranks": 2, "hosts": ["10.0.0.1:5000"]}, "needs one host:port per rank"),
         ({"ranks": 2, "hosts": ["10.0.0.1", "10.0.0.2:5000"]}, "expected host:port"),
+        ({"ranks": 2, "hosts": ["10.0.0.1:5000", "10.0.0.2:5000"]}, "max_num_seqs.*other hosts"),
     ],
 )
 def test_a_bad_distributed_section_is_a_config_error(distributed, message):

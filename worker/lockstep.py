@@ -117,6 +117,12 @@ class LockstepRunner:
         self._pending.append(["cache_clear"])
         self.inner.cache_clear()
 
+    def set_prefill_chunk(self, tokens: int) -> None:
+        # The scheduler's per-step prefill budget decides how far each prompt gets in a step;
+        # every rank must read the same chunk or their batches stop matching.
+        self._pending.append(["prefill_chunk", int(tokens)])
+        self.inner.set_prefill_chunk(tokens)
+
     def step(self):
         if self.broken is not None:
             raise RuntimeError(f"a rank of the group was lost: {self.broken}")
@@ -198,5 +204,7 @@ def _apply(runner: Any, op: list) -> None:
             log.warning("removing %s failed: %r", op[1], e)
     elif kind == "cache_clear":
         runner.cache_clear()
+    elif kind == "prefill_chunk":
+        runner.set_prefill_chunk(op[1])
     else:
         raise RuntimeError(f"unknown lockstep operation {kind!r}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -12,10 +13,11 @@ import uuid
 from pathlib import Path
 
 from mlxgw.shared import protocol as p
-from mlxgw.shared.config import ENCODER_KINDS, ModelEntry, from_mapping
+from mlxgw.shared.config import CHAT_KINDS, ENCODER_KINDS, ModelEntry, from_mapping
 from mlxgw.shared.errors import ErrorCode, ServiceError
 from mlxgw.shared.platform import total_memory_bytes
 
+from .capacity import SeqsChoice, choose_max_num_seqs
 from .engine import Engine
 from .link import WorkerLink
 from .load_progress import LoadProgress
@@ -98,7 +100,18 @@ def prefix_cache_bytes(entry: ModelEntry) -> int:
     return int(total_memory_bytes() * DEFAULT_CACHE_SHARE)
 
 
-def build_scheduler(entry: ModelEntry, runner, preprocessor: Preprocessor | None = None):
+def resolve_max_num_seqs(entry: ModelEntry, model_path: Path) -> tuple[ModelEntry, SeqsChoice]:
+    """The entry with max_num_seqs filled in (models.yaml's, else worker/capacity.py's formula)."""
+    if entry.kind not in CHAT_KINDS or entry.engine != "mlx":  # no KV rows to size: the minimum
+        choice = choose_max_num_seqs(entry.max_num_seqs, Path("/nonexistent"), 0)
+    else:
+        choice = choose_max_num_seqs(entry.max_num_seqs, model_path, total_memory_bytes())
+    return dataclasses.replace(entry, max_num_seqs=choice.value), choice
+
+
+def build_scheduler(
+    entry: ModelEntry, runner, preprocessor: Preprocessor | None = None, seqs: SeqsChoice | None = None
+):
     """The policy over the runner: input batching for encoders, sequences for the rest.
     preprocessor: where requests are templated and tokenized (off the engine thread)."""
     if entry.kind in ENCODER_KINDS:
@@ -127,6 +140,8 @@ def build_scheduler(entry: ModelEntry, runner, preprocessor: Preprocessor | None
         max_queue=entry.max_queue,
         policy=entry.max_tokens_policy,
         preprocessor=preprocessor,
+        prefill_budget=entry.prefill_step_size,
+        capacity=seqs.as_dict() if seqs else None,
     )
 
 
@@ -151,6 +166,7 @@ def serve(
     link.load_probe = LoadProgress(model_path).snapshot
     link.start()
     started = time.monotonic()
+    entry, seqs = resolve_max_num_seqs(entry, model_path)
     try:
         runner = build_runner(entry, model_path)
     except Exception as e:  # any load failure is reported, then the process exits non-zero
@@ -178,7 +194,7 @@ def serve(
     # holds the next request back at most its time budget.
     preprocessor = Preprocessor(threads=1)
     link.busy_probes.append(preprocessor.busy_s)  # the watchdog covers preparation too
-    engine = Engine(link, runner, build_scheduler(entry, runner, preprocessor))
+    engine = Engine(link, runner, build_scheduler(entry, runner, preprocessor, seqs))
     signal.signal(signal.SIGTERM, lambda *_: setattr(engine, "draining", True))
     # After READY (readiness is not delayed); requests that arrive meanwhile wait in the link.
     restore_into(runner)
@@ -213,6 +229,9 @@ def run_worker(
         from .distributed import rank_from_env, serve_follower
 
         if rank_from_env() > 0:  # a follower rank: no gateway link (worker/lockstep.py)
+            # The same batch size as rank 0 (same formula, same machine; remote ranks need
+            # max_num_seqs set in models.yaml: shared/config._check_distributed).
+            entry, _ = resolve_max_num_seqs(entry, path)
             sys.exit(serve_follower(entry, path, prefix_cache_bytes(entry)))
     sys.exit(
         serve(

@@ -207,6 +207,16 @@ class MLXRunner(ChatTextRunner):
             self._keep_prompt.add(uid)
         return uid, cached
 
+    def set_prefill_chunk(self, tokens: int) -> None:
+        """Prompt tokens each prefilling row reads in the next step (the scheduler shares
+        a per-step budget among them: worker/prefill_plan.py)."""
+        self.generator.prefill_step_size = max(1, int(tokens))
+
+    def release_idle_memory(self) -> None:
+        """Nothing runs: hand MLX's pool of freed buffers back to the system. While busy the
+        pool saves allocations; idle, it is memory no counter shows but RSS."""
+        self._mx.clear_cache()
+
     def step(self) -> StepOutput:
         prompt_responses, gen_responses = self.generator.next()
         out = StepOutput()

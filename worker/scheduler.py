@@ -5,6 +5,11 @@
 - bounded waiting queue (`max_queue`): past it a request is refused as overloaded;
 - at most `max_num_seqs` sequences run; new ones are admitted at step boundaries, by
   (priority, arrival): first come, first served within a priority;
+- each step reads at most `prefill_budget` prompt tokens (padding included) across the rows
+  still prefilling, and admits new prompts only while that budget is shared fairly
+  (worker/prefill_plan.py): decoding rows never wait for more than one decode step plus one
+  budget of prefill, and a short prompt does not wait for a long one to finish; with no row
+  decoding, a step may read IDLE_BUDGET_FACTOR budgets (a burst starts in one step);
 - a request ends exactly once: finish (stop / length / cancelled) or error (timeout, ...);
   cancelled and timed-out sequences leave the runner, and so free their KV, at once;
 - a fault of one sequence (an exception while preparing, admitting, sampling, constraining
@@ -27,10 +32,13 @@ from .choices import MAX_CHOICES, ChoiceGroups
 from .interfaces import TextRunner
 from .isolation import SequenceGuard, as_service_error
 from .output_parser import OutputParser, Parsed
+from .prefill_plan import admit_count, chunk_for
 from .preprocess import Preprocessor
 from .request_checks import check_generate
 
 log = logging.getLogger("mlxgw.worker")
+
+IDLE_BUDGET_FACTOR = 4  # prompt budget of a step when no row is decoding (nobody waits on it)
 
 Event = p.Event
 
@@ -63,6 +71,7 @@ class Sequence:
     uid: int | None = None
     cached_tokens: int = 0
     prefilled: int = 0  # prompt tokens past the cached ones computed so far (progress)
+    to_prefill: int = 0  # prompt tokens the runner still has to read before the last one
     generated: int = 0
     first_token_at: float | None = None
     parser: OutputParser | None = None  # splits reasoning and tool calls out of the text
@@ -95,11 +104,22 @@ class Scheduler:
         max_queue: int,
         policy: str = "clamp",
         preprocessor: Preprocessor | None = None,
+        prefill_budget: int | None = None,
+        capacity: dict | None = None,
+        idle_budget_factor: int = IDLE_BUDGET_FACTOR,
     ):
         """preprocessor: prepares requests on its own thread; None prepares them in submit
-        (in-process tests and benchmarks)."""
+        (in-process tests and benchmarks). prefill_budget: prompt tokens per step across
+        the prefilling rows (None: every admitted prompt reads the runner's own chunk per
+        step); used only with runners that take a chunk size (set_prefill_chunk).
+        capacity: how max_num_seqs was chosen (worker/capacity.py), for stats."""
         self.runner = runner
         self.max_num_seqs = max_num_seqs
+        self.prefill_budget = prefill_budget if hasattr(runner, "set_prefill_chunk") else None
+        self.capacity = capacity or {"value": max_num_seqs, "source": "caller"}
+        self._chunk = 0  # prompt tokens per prefilling row in the current step
+        self._budget = prefill_budget or 0  # this step's budget (_step_budget)
+        self.idle_budget_factor = idle_budget_factor
         self.max_queue = max_queue
         self.policy = policy
         self.preprocessor = preprocessor
@@ -269,8 +289,14 @@ class Scheduler:
         events += self._admit()
         if not self._by_uid:
             return events
+        self._set_chunk()
         out = self.runner.step()
+        self._count_prefill()
         events += self._end_faulted()
+        return events + self._on_step_tokens(out)
+
+    def _on_step_tokens(self, out) -> list[Event]:
+        events: list[Event] = []
         for uid, done, total in out.prefill:
             seq = self._by_uid.get(uid)
             if seq is not None and done < total:
@@ -308,6 +334,7 @@ class Scheduler:
         ends with an error; the runner has not taken it, so the others are unaffected."""
         events: list[Event] = []
         deferred = []
+        self._budget = self._step_budget()
         while self._waiting and len(self._by_uid) < self.max_num_seqs:
             entry = heapq.heappop(self._waiting)
             rid = entry[2]
@@ -318,11 +345,15 @@ class Scheduler:
             if leader is not None and leader.phase != "decode":
                 deferred.append(entry)  # choice 0's prompt KV is not in the prefix cache yet
                 continue
+            if not self._prefill_fits(seq):
+                deferred.append(entry)  # this step's prompt budget is taken: next step
+                break
             try:
                 seq.uid, seq.cached_tokens = self.runner.insert(
                     seq.prompt, seq.max_tokens, seq.req.sampling, seq.constraint, guard=seq.guard, **self._extra(seq)
                 )
                 self.prefilled_tokens += len(seq.prompt) - seq.cached_tokens
+                seq.to_prefill = max(0, len(seq.prompt) - seq.cached_tokens - 1)
             except Exception as e:
                 if not isinstance(e, ServiceError):
                     log.error("admitting %s failed: %r", rid, e, exc_info=e)
@@ -333,6 +364,40 @@ class Scheduler:
         for entry in deferred:
             heapq.heappush(self._waiting, entry)
         return events
+
+    def _prefilling(self) -> list[Sequence]:
+        return [s for s in self._by_uid.values() if s.to_prefill > 0]
+
+    def _prefill_fits(self, seq: Sequence) -> bool:
+        """Whether seq may start this step under the prompt budget. Its cached prefix is not
+        known before the runner looks it up, so the whole prompt counts (a cache hit then
+        leaves room for more)."""
+        if self.prefill_budget is None:
+            return True
+        prefilling = [s.to_prefill for s in self._prefilling()]
+        return admit_count(prefilling, [len(seq.prompt) - 1], self._budget) == 1
+
+    def _step_budget(self) -> int:
+        """The budget protects rows that are decoding; with none (a burst arriving at an idle
+        model), the prompts only wait for each other, and one larger step starts them all
+        sooner than several small ones would."""
+        budget = self.prefill_budget or 0
+        decoding = any(s.to_prefill == 0 for s in self._by_uid.values())
+        return budget if decoding else budget * self.idle_budget_factor
+
+    def _set_chunk(self) -> None:
+        """Share this step's prompt budget among the rows still reading their prompts."""
+        if self.prefill_budget is None:
+            return
+        self._chunk = chunk_for(len(self._prefilling()), self._budget)
+        self.runner.set_prefill_chunk(self._chunk)  # type: ignore[attr-defined]
+
+    def _count_prefill(self) -> None:
+        """The runner read min(left, chunk) prompt tokens of every prefilling row."""
+        if self.prefill_budget is None:
+            return
+        for seq in self._prefilling():
+            seq.to_prefill -= min(seq.to_prefill, self._chunk)
 
     def _extra(self, seq: Sequence) -> dict:
         """Options only runners with supports_choices take (checked at submit)."""
@@ -409,12 +474,20 @@ class Scheduler:
                     self.runner.remove([seq.uid])
                 except Exception as e:  # already gone from the runner: nothing left to free
                     log.warning("removing %s from the runner failed: %r", seq.req.rid, e)
+            if not self._by_uid and hasattr(self.runner, "release_idle_memory"):
+                self.runner.release_idle_memory()  # the last running sequence ended
         self.finished += 1
         return (seq.req.rid, event)
 
     # -- introspection ---------------------------------------------------------------------
     def counters(self) -> dict:
-        return {"generated_tokens": self.generated_tokens, "prefilled_tokens": self.prefilled_tokens}
+        return {
+            "generated_tokens": self.generated_tokens,
+            "prefilled_tokens": self.prefilled_tokens,
+            "max_num_seqs": self.max_num_seqs,
+            "max_num_seqs_basis": self.capacity,
+            "prefill_budget": self.prefill_budget,
+        }
 
     @property
     def running(self) -> int:

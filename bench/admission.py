@@ -1,0 +1,132 @@
+"""Admission policies compared in-process: the real Scheduler + MLXRunner, same prompts, no HTTP.
+
+    python -m mlxgw.bench.admission ~/.cache/mlxgw/models/smollm2-135m --concurrency 16,32 --rounds 2
+
+Variants, alternated within each round:
+- mlx_lm.server's: every request goes to the BatchGenerator at once, which reads up to 8
+  prompts per step in chunks of 2,048 tokens (`--prompt-concurrency 8`, `--prefill-step-size
+  2048`, its defaults);
+- budget: mlxgw's per-step prompt budget (512 tokens, worker/prefill_plan.py) always;
+- budget+idle: the same, and four budgets per step while no row is decoding (the default).
+Two loads: a burst (c requests at once) and a closed loop (c clients, 2c requests). TTFT is
+from submission to the first token on the engine thread: the gateway and HTTP are not in it,
+so this isolates the policy (bench/run.py measures through `mlxgw up`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from .loadgen import varied_prompts
+from .report import percentile
+
+VARIANTS = {
+    "mlx_lm.server's": {"budget": None, "prefill_batch": 8, "step": 2048, "idle": 1},
+    "budget": {"budget": 512, "prefill_batch": None, "step": 512, "idle": 1},
+    "budget+idle": {"budget": 512, "prefill_batch": None, "step": 512, "idle": 4},
+}
+
+
+def run_variant(runner, variant: dict, prompts: list, clients: int, max_tokens: int) -> dict:
+    from mlxgw.shared.protocol import GenerateRequest, SamplingParams
+    from mlxgw.worker.scheduler import Scheduler
+
+    runner.cache_clear()  # distinct prompts; no variant is served from another's cache
+    gen = runner.generator
+    gen.prefill_batch_size = variant["prefill_batch"] or gen.completion_batch_size
+    gen.prefill_step_size = variant["step"]
+    sched = Scheduler(
+        runner,
+        max_num_seqs=gen.completion_batch_size,
+        max_queue=len(prompts),
+        prefill_budget=variant["budget"],
+        idle_budget_factor=variant["idle"],
+    )
+    queue, sent, first, ends = list(enumerate(prompts)), {}, {}, {}
+    gaps: list[float] = []
+    last: dict[str, float] = {}
+    started = time.perf_counter()
+
+    def submit() -> None:
+        i, messages = queue.pop(0)
+        rid = f"r{i}"
+        sent[rid] = time.perf_counter()
+        sampling = SamplingParams(temperature=0.7, seed=i)
+        sched.submit(GenerateRequest(rid=rid, messages=messages, max_tokens=max_tokens, sampling=sampling))
+
+    for _ in range(min(clients, len(queue))):
+        submit()
+    tokens = 0
+    while sched.has_work():
+        for rid, ev in sched.step():
+            now = time.perf_counter()
+            if ev["e"] in ("delta", "finish"):
+                if rid not in first:
+                    first[rid] = now - sent[rid]
+                elif rid in last:
+                    gaps.append(now - last[rid])
+                last[rid] = now
+            if ev["e"] in ("finish", "error"):
+                ends[rid] = ev
+                tokens += (ev.get("usage") or {}).get("completion_tokens", 0)
+                if queue:
+                    submit()
+    wall = time.perf_counter() - started
+    ttfts = list(first.values())
+    return {
+        "requests": len(prompts),
+        "failed": sum(1 for e in ends.values() if e["e"] != "finish"),
+        "tok_s": round(tokens / wall, 2),
+        "ttft_p50_s": round(percentile(ttfts, 50), 3),
+        "ttft_p90_s": round(percentile(ttfts, 90), 3),
+        "itl_p50_s": round(percentile(gaps, 50), 3) if gaps else None,
+        "itl_max_s": round(max(gaps), 3) if gaps else None,
+        "wall_s": round(wall, 2),
+    }
+
+
+def main() -> None:
+    from mlxgw.shared.platform import reexec_as_worker
+
+    reexec_as_worker("mlxgw.bench.admission")
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model_dir")
+    ap.add_argument("--concurrency", default="16,32")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--prompt-words", type=int, default=40)
+    ap.add_argument("--loads", default="burst,closed")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    from mlxgw.worker.runner import MLXRunner
+
+    levels = [int(c) for c in args.concurrency.split(",")]
+    runner = MLXRunner(
+        args.model_dir, context_length=None, max_num_seqs=max(levels), prefill_step_size=2048, cache_bytes=0
+    )
+    run_variant(runner, VARIANTS["budget"], varied_prompts(4, args.prompt_words, seed=7), 4, 4)  # warm-up
+    rows = []
+    for rnd in range(args.rounds):
+        for c in levels:
+            for load in args.loads.split(","):
+                n = c if load == "burst" else 2 * c
+                prompts = varied_prompts(n, args.prompt_words, seed=1000 * rnd + c)
+                names = list(VARIANTS) if rnd % 2 == 0 else list(VARIANTS)[::-1]
+                for name in names:
+                    row = {
+                        "round": rnd,
+                        "c": c,
+                        "load": load,
+                        "variant": name,
+                        **run_variant(runner, VARIANTS[name], prompts, c, args.max_tokens),
+                    }
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
