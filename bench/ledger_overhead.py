@@ -48,10 +48,14 @@ def main(n: int = 20000, rounds: int = 5) -> None:
         on.close()  # commits what is queued
         rows = on.written
     per = {k: min(v) / n * 1e6 for k, v in times.items()}
-    print(f"hook on the event loop, best of {rounds} x {n}: ledger on {per['on']:.2f} us, off {per['off']:.2f} us, "
-          f"difference {per['on'] - per['off']:.2f} us per request")
-    print(f"writer thread: {rows} rows committed with {on.writer_cpu_s:.2f} s of CPU, "
-          f"{on.writer_cpu_s / max(rows, 1) * 1e6:.2f} us per row")
+    print(
+        f"hook on the event loop, best of {rounds} x {n}: ledger on {per['on']:.2f} us, off {per['off']:.2f} us, "
+        f"difference {per['on'] - per['off']:.2f} us per request"
+    )
+    print(
+        f"writer thread: {rows} rows committed with {on.writer_cpu_s:.2f} s of CPU, "
+        f"{on.writer_cpu_s / max(rows, 1) * 1e6:.2f} us per row"
+    )
 
 
 if __name__ == "__main__":

@@ -32,10 +32,7 @@ class LevelProgress:
     def _status(self) -> str:
         elapsed = time.perf_counter() - self.started
         rate = self.tokens / elapsed if elapsed > 0 else 0.0
-        return (
-            f"{self.title}: {self.done}/{self.total} done, {self.failed} failed, "
-            f"{rate:.1f} tok/s, {elapsed:.1f} s"
-        )
+        return f"{self.title}: {self.done}/{self.total} done, {self.failed} failed, {rate:.1f} tok/s, {elapsed:.1f} s"
 
     def update(self, result: RequestResult) -> None:
         self.done += 1

@@ -210,7 +210,7 @@ def summarize(cfg: SoakConfig, samples: list[Sample], tally: Tally, first: dict 
     def _mb(x):
         return round(x / mb, 1) if x is not None else None
 
-    tail = rss_warm[-max(1, len(rss_warm) // 10):]  # the last tenth, against noise
+    tail = rss_warm[-max(1, len(rss_warm) // 10) :]  # the last tenth, against noise
     head = rss_warm[: max(1, len(rss_warm) // 10)]
     return {
         "config": cfg.__dict__,

@@ -210,9 +210,7 @@ class Broker:
         return fps
 
     # -- routing ------------------------------------------------------------------------------
-    async def submit(
-        self, conn: WorkerConn, req: p.WorkerRequest, owner: str | None = None
-    ) -> RequestStream:
+    async def submit(self, conn: WorkerConn, req: p.WorkerRequest, owner: str | None = None) -> RequestStream:
         """Send a request under a fresh routing id. Encoding and the quarantine check happen
         before the stream is registered: a refused request leaves nothing behind."""
         label = req.rid

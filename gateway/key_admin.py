@@ -74,9 +74,11 @@ def create_key(path: Path, name: str, changes: dict) -> tuple[str, dict]:
     if not isinstance(name, str) or not _NAME_RE.match(name):
         raise KeyEditError("invalid", "'name' must be 1-64 letters, digits or ._@- and start with a letter or digit")
     key = new_key()
-    entry = {"name": name, "sha256": hash_key(key), "created": dt.datetime.now(dt.timezone.utc).strftime(
-        "%Y-%m-%dT%H:%M:%SZ"
-    )}
+    entry = {
+        "name": name,
+        "sha256": hash_key(key),
+        "created": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }
     _apply(entry, changes)
     try:
         with locked_file(path) as data:

@@ -44,7 +44,6 @@ def gw(home, tiny_dir):
     gateway.stop()
 
 
-
 class InnocentStream:
     """A greedy stream on the model, read on its own thread, chunk times recorded."""
 

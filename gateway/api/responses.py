@@ -148,7 +148,7 @@ def _tool_choice(choice, tools: ResponsesTools):
 def _constraint(body: dict, tools: ResponsesTools | None) -> dict | None:
     fmt = (v.mapping(body, "text") or {}).get("format")
     if fmt is not None and not isinstance(fmt, dict):
-        raise invalid("text.format must be an object such as {\"type\": \"json_schema\", ...}", "text")
+        raise invalid('text.format must be an object such as {"type": "json_schema", ...}', "text")
     choice = _tool_choice(body.get("tool_choice"), tools or ResponsesTools())
     return t.one_constraint(
         output_format_constraint(fmt, "text.format", "text.format.schema", "text"),

@@ -1,6 +1,6 @@
 """Regenerate the test clips offline: espeak-ng speech, resampled to 16 kHz mono with PyAV.
 
-    apt-get install -y espeak-ng && .venv/bin/python tests/data/audio/make_clips.py
+apt-get install -y espeak-ng && .venv/bin/python tests/data/audio/make_clips.py
 """
 
 import io
