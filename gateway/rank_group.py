@@ -173,6 +173,27 @@ class RankGroup:
             pass
 
 
+def worker_command(endpoint: str, entry: ModelEntry, model_path: Path, worker_id: str, extra: list[str]) -> list[str]:
+    """The command line of a worker process the gateway spawns (a model's worker, or one
+    local rank of a sharded model: the rank comes from its environment)."""
+    return [
+        sys.executable,
+        "-m",
+        "mlxgw.worker",
+        "--connect",
+        endpoint,
+        "--model",
+        entry.name,
+        "--model-path",
+        str(model_path),
+        "--entry",
+        json.dumps(asdict(entry)),
+        "--worker-id",
+        worker_id,
+        *extra,
+    ]
+
+
 async def spawn_group(endpoint: str, entry: ModelEntry, model_path: Path, worker_args: list[str]) -> RankGroup:
     """Start the local ranks (rank 0 with the broker link); the other hosts' ranks are
     started by hand there (`mlxgw worker --rank N`, see the README)."""
@@ -182,29 +203,13 @@ async def spawn_group(endpoint: str, entry: ModelEntry, model_path: Path, worker
         json.dump([[h] for h in hosts], f)
     worker_id = uuid.uuid4().hex
     procs: dict[int, asyncio.subprocess.Process] = {}
-    entry_json = json.dumps(asdict(entry))
     try:
         for rank, host in enumerate(hosts):
             if rank != 0 and not _is_local(host):
                 continue
             env = worker_environment(use_openblas=entry.use_openblas)
             env.update(MLX_HOSTFILE=name, MLX_RANK=str(rank))
-            cmd = [
-                sys.executable,
-                "-m",
-                "mlxgw.worker",
-                "--connect",
-                endpoint,
-                "--model",
-                entry.name,
-                "--model-path",
-                str(model_path),
-                "--entry",
-                entry_json,
-                "--worker-id",
-                worker_id,
-                *worker_args,
-            ]
+            cmd = worker_command(endpoint, entry, model_path, worker_id, worker_args)
             procs[rank] = await asyncio.create_subprocess_exec(*cmd, env=env, stdin=asyncio.subprocess.DEVNULL)
     except BaseException:
         for proc in procs.values():

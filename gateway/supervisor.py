@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import signal
-import sys
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from mlxgw.shared.config import ModelEntry
 from mlxgw.shared.platform import worker_environment
 
-from .rank_group import RankGroup, spawn_group
+from .rank_group import RankGroup, spawn_group, worker_command
 
 log = logging.getLogger("mlxgw.supervisor")
 
@@ -62,29 +60,11 @@ async def spawn_worker(
     heartbeat_s: float,
     liveness: int,
 ) -> WorkerProcess | RankGroup:
+    flags = ["--heartbeat", str(heartbeat_s), "--liveness", str(liveness)]
     if entry.distributed is not None:  # a sharded model: its ranks, as one handle
-        flags = ["--heartbeat", str(heartbeat_s), "--liveness", str(liveness)]
         return await spawn_group(endpoint, entry, model_path, flags)
     worker_id = uuid.uuid4().hex
-    cmd = [
-        sys.executable,
-        "-m",
-        "mlxgw.worker",
-        "--connect",
-        endpoint,
-        "--model",
-        entry.name,
-        "--model-path",
-        str(model_path),
-        "--entry",
-        json.dumps(asdict(entry)),
-        "--worker-id",
-        worker_id,
-        "--heartbeat",
-        str(heartbeat_s),
-        "--liveness",
-        str(liveness),
-    ]
+    cmd = worker_command(endpoint, entry, model_path, worker_id, flags)
     proc = await asyncio.create_subprocess_exec(
         *cmd, env=worker_environment(use_openblas=entry.use_openblas), stdin=asyncio.subprocess.DEVNULL
     )
