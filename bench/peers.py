@@ -8,6 +8,10 @@ their order rotated each round. Only loopback ports; every server is stopped at 
 
     python -m mlxgw.bench.peers ~/.cache/mlxgw/models/smollm2-135m \\
         --vllm-python /work/peers/vllm/bin/python --concurrency 1,4,8,16,32 --rounds 2
+
+`--agent-rounds N` also runs bench/speculative.py's agent workload through each server's
+HTTP API (a ~2k-token code file and an instruction to return it with a small edit, greedy,
+512 tokens), alternated, and reports decode speed and whether each output equals mlxgw's.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from pathlib import Path
 from mlxgw.shared.platform import worker_environment
 
 from .run import BenchConfig, Target, run
+from .speculative import CODE_FILE, INSTRUCTION
 
 
 def free_port() -> int:
@@ -94,6 +99,77 @@ def start_vllm_mlx(python: str, model_dir: Path, log) -> tuple[str, subprocess.P
     return f"http://127.0.0.1:{port}/v1", proc, str(model_dir)
 
 
+def agent_messages(model_dir: Path, code_tokens: int) -> list[dict]:
+    """The agent workload of bench/speculative.py as chat messages: about code_tokens tokens
+    of a real code file and an instruction to return it with a small edit."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    lines, used = [], 0
+    for line in CODE_FILE.read_text().splitlines(keepends=True):
+        used += len(tokenizer.encode(line, add_special_tokens=False))
+        if used > code_tokens:
+            break
+        lines.append(line)
+    return [{"role": "user", "content": INSTRUCTION.format(code="".join(lines))}]
+
+
+def agent_request(url: str, model: str, messages: list[dict], max_tokens: int) -> dict:
+    """One greedy streaming request: TTFT, decode tokens/s after the first token, the text."""
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0, "stream": True}
+    req = urllib.request.Request(
+        f"{url}/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    started = time.perf_counter()
+    first = last = None
+    pieces: list[str] = []
+    with urllib.request.urlopen(req, timeout=1800) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choices = json.loads(line[6:]).get("choices") or []
+            text = (choices[0].get("delta") or {}).get("content") if choices else None
+            if text:
+                last = time.perf_counter()
+                first = first or last
+                pieces.append(text)
+    chunks = len(pieces)
+    decode = (chunks - 1) / (last - first) if chunks > 1 and last > first else None
+    return {
+        "ttft_s": round(first - started, 3) if first else None,
+        "chunks": chunks,
+        "decode_chunks_s": round(decode, 2) if decode else None,
+        "e2e_s": round((last or time.perf_counter()) - started, 2),
+        "text": "".join(pieces),
+    }
+
+
+def agent_table(servers: list[tuple], model_dir: Path, rounds: int, max_tokens: int) -> str:
+    """The agent workload on every server, alternated round by round (order rotated)."""
+    messages = agent_messages(model_dir, 2000)
+    runs: dict[str, list[dict]] = {label: [] for label, *_ in servers}
+    for rnd in range(rounds):
+        order = servers[rnd % len(servers) :] + servers[: rnd % len(servers)]
+        for label, url, _, model in order:
+            runs[label].append(agent_request(url, model, messages, max_tokens))
+            r = runs[label][-1]
+            print(f"agent round {rnd + 1} {label}: TTFT {r['ttft_s']} s, {r['decode_chunks_s']} chunks/s", flush=True)
+    first = next(iter(runs))
+    reference = runs[first][0]["text"]
+    rows = [
+        "| server | TTFT p50 s | decode chunks/s (median) | e2e s (median) | output = mlxgw's |",
+        "|---|---|---|---|---|",
+    ]
+    for label, rs in runs.items():
+        med = sorted(r["decode_chunks_s"] or 0 for r in rs)[len(rs) // 2]
+        ttft = sorted(r["ttft_s"] or 0 for r in rs)[len(rs) // 2]
+        e2e = sorted(r["e2e_s"] for r in rs)[len(rs) // 2]
+        same = all(r["text"] == reference for r in rs)
+        rows.append(f"| {label} | {ttft} | {med} | {e2e} | {'yes' if same else 'no'} |")
+    return "\n".join(rows)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model_dir", type=Path)
@@ -107,6 +183,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--agent-rounds", type=int, default=0, help="also run the agent workload this many rounds")
+    ap.add_argument("--agent-max-tokens", type=int, default=512)
+    ap.add_argument("--no-sweep", action="store_true", help="only the agent workload")
     args = ap.parse_args(argv)
     model_dir = args.model_dir.expanduser().resolve()
     procs: list[subprocess.Popen] = []
@@ -137,8 +216,11 @@ def main(argv: list[str] | None = None) -> None:
                 seed=args.seed if args.seed is not None else int(time.time()) % (1 << 30),
                 rounds=args.rounds,
             )
-            report = run(targets, cfg, args.out)
-            print(report["markdown"])
+            if not args.no_sweep:
+                report = run(targets, cfg, args.out)
+                print(report["markdown"])
+            if args.agent_rounds:
+                print(agent_table(servers, model_dir, args.agent_rounds, args.agent_max_tokens))
         except Exception:
             log.flush()
             sys.stderr.write((Path(tmp) / "servers.log").read_text(errors="replace")[-4000:])
