@@ -153,7 +153,11 @@ class MLXRunner(ChatTextRunner):
             prefix_store.layer_classes = [type(c).__name__ for c in make_prompt_cache(self.model)]
         from .speculative import Speculator
 
-        self.speculator = Speculator(speculative or SpeculativeConfig())
+        from .draft_model import load_drafter
+
+        speculative = speculative or SpeculativeConfig()
+        vocab_size = self.model.args.vocab_size if hasattr(self.model, "args") else self.tokenizer.vocab_size
+        self.speculator = Speculator(speculative, drafter=load_drafter(speculative, self.tokenizer, vocab_size))
         self.speculator.attach(self.generator)
         self._covered: dict[int, int] = {}  # uid -> prompt tokens its cache lookup covered
         self._logprobs: dict[int, int] = {}  # uid -> alternatives per token, for those that ask

@@ -1,0 +1,128 @@
+"""A draft model for speculative decoding (`speculative: {mode: draft, draft_model: ...}`):
+a smaller model sharing the target's tokenizer decodes each speculating row's draft greedily;
+the target verifies it in the batch's forward pass (worker/spec_verify.py), so outputs stay
+exactly the target's greedy outputs whatever the draft proposes.
+
+The draft keeps no batch cache: each speculating row has its own draft KV cache holding the
+row's tokens so far. Before drafting, the cache catches up with what the target accepted
+(the tokens it has not seen) after the positions it drafted that were rejected are trimmed
+away; then k tokens are decoded one by one. Rows are drafted one after another (batching the
+draft across rows is not done)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+
+from mlxgw.shared.config import ConfigError, SpeculativeConfig
+
+from .speculative import DraftRequest
+
+PREFILL_CHUNK = 512  # context tokens fed to the draft per forward pass when it catches up
+
+
+@dataclass
+class DraftRow:
+    cache: list
+    fed: list[int] = field(default_factory=list)  # the tokens in `cache`, in order
+
+
+@dataclass
+class DraftModelDrafter:
+    model: object
+    vocab_limit: int  # drafted ids at or past this are not the target's tokens: cut there
+    rows: dict[int, DraftRow] = field(default_factory=dict)  # uid -> its draft KV
+
+    def propose(self, requests: list[DraftRequest]) -> list[list[int]]:
+        return [self._propose(r) for r in requests]
+
+    def retain(self, live: set[int]) -> None:
+        if len(self.rows) > len(live) or any(uid not in live for uid in self.rows):
+            self.rows = {uid: row for uid, row in self.rows.items() if uid in live}
+
+    def _propose(self, request: DraftRequest) -> list[int]:
+        row = self.rows.get(request.uid)
+        if row is None:
+            row = self.rows[request.uid] = DraftRow(make_prompt_cache(self.model))
+        context = request.context
+        kept = self._rewind(row, context)
+        logits = self._feed(row.cache, context[kept:])
+        draft: list[int] = []
+        while True:
+            token = mx.argmax(logits[0, -1]).item()
+            if token >= self.vocab_limit:
+                break
+            draft.append(token)
+            if len(draft) == request.k:
+                break
+            logits = self.model(mx.array([[token]]), cache=row.cache)
+        # The last drafted token is never fed: the target's choice at that position comes next.
+        row.fed = context + draft[:-1] if draft else list(context)
+        return draft
+
+    def _rewind(self, row: DraftRow, context: list[int]) -> int:
+        """Trim the row's cache to the longest prefix it shares with context, leaving at least
+        the last context token to feed (its logits give the first draft token). Returns that
+        prefix's length."""
+        n = min(len(row.fed), len(context) - 1)
+        if row.fed[:n] != context[:n]:  # a rejection further back than the last draft (rare)
+            n = next(i for i, (a, b) in enumerate(zip(row.fed, context)) if a != b)
+        extra = len(row.fed) - n
+        if extra:
+            if can_trim_prompt_cache(row.cache):
+                trim_prompt_cache(row.cache, extra)
+            else:  # a cache that cannot be cut (rotating window, SSM state): start over
+                row.cache, n = make_prompt_cache(self.model), 0
+        row.fed = row.fed[:n]
+        return n
+
+    def _feed(self, cache: list, tokens: list[int]) -> mx.array:
+        """Feed tokens (at least one) into the cache; the logits of the last pass."""
+        logits = None
+        for start in range(0, len(tokens), PREFILL_CHUNK):
+            logits = self.model(mx.array([tokens[start : start + PREFILL_CHUNK]]), cache=cache)
+            if start + PREFILL_CHUNK < len(tokens):
+                mx.eval([c.state for c in cache])
+        return logits
+
+
+def load_drafter(config: SpeculativeConfig, target_tokenizer, target_vocab_size: int) -> DraftModelDrafter | None:
+    """The draft model of a `mode: draft` config, checked against the target's tokenizer;
+    None for the other modes. A draft that cannot serve the target is a ConfigError."""
+    if config.mode != "draft":
+        return None
+    from mlx_lm import load
+
+    from mlxgw.shared.paths import models_dir
+
+    path = config.draft_model_path(models_dir())
+    if path is None or not path.exists():
+        raise ConfigError(f"speculative.draft_model: no model at {path} ({config.draft_model!r})")
+    model, tokenizer = load(str(path))
+    target_vocab, draft_vocab = _vocabulary(target_tokenizer), _vocabulary(tokenizer)
+    if draft_vocab != target_vocab:
+        raise ConfigError(
+            f"speculative.draft_model {config.draft_model!r} does not share the model's tokenizer "
+            f"vocabulary ({len(draft_vocab)} tokens vs {len(target_vocab)}): a draft must use the same tokenizer"
+        )
+    draft_size = _output_size(model)
+    if draft_size < len(target_vocab):
+        raise ConfigError(
+            f"speculative.draft_model {config.draft_model!r} has a vocabulary of {draft_size} tokens, "
+            f"the model's tokenizer has {len(target_vocab)}: a draft must cover the same vocabulary"
+        )
+    return DraftModelDrafter(model, vocab_limit=min(target_vocab_size, draft_size))
+
+
+def _vocabulary(tokenizer) -> dict[str, int]:
+    return dict(tokenizer.get_vocab())
+
+
+def _output_size(model) -> int:
+    args = getattr(model, "args", None)
+    size = getattr(args, "vocab_size", None)
+    if size is None:  # no config field: ask the model
+        size = model(mx.array([[0]])).shape[-1]
+    return int(size)
