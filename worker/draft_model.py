@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
-
 from mlxgw.shared.config import ConfigError, SpeculativeConfig
 
 from .speculative import DraftRequest
@@ -94,7 +93,6 @@ def load_drafter(config: SpeculativeConfig, target_tokenizer, target_vocab_size:
     if config.mode != "draft":
         return None
     from mlx_lm import load
-
     from mlxgw.shared.paths import models_dir
 
     path = config.draft_model_path(models_dir())

@@ -151,9 +151,8 @@ class MLXRunner(ChatTextRunner):
         self.prefix_store = prefix_store
         if prefix_store is not None:
             prefix_store.layer_classes = [type(c).__name__ for c in make_prompt_cache(self.model)]
-        from .speculative import Speculator
-
         from .draft_model import load_drafter
+        from .speculative import Speculator
 
         speculative = speculative or SpeculativeConfig()
         vocab_size = self.model.args.vocab_size if hasattr(self.model, "args") else self.tokenizer.vocab_size
