@@ -118,6 +118,11 @@ def test_a_draft_with_another_vocabulary_is_refused_at_load(home, tiny_dir):
         _runner(tiny_dir, _draft(small))
 
 
+def test_a_draft_model_named_by_its_models_dir_folder_is_found(tiny_dir, other_draft_dir):
+    runner = _runner(tiny_dir, _draft(Path(other_draft_dir.name)))
+    assert runner.speculator.enabled and runner.speculator.drafter.vocab_limit == runner.vocab_size
+
+
 def test_a_missing_draft_model_is_refused_at_load(home, tiny_dir):
     with pytest.raises(ConfigError, match="no model at"):
         _runner(tiny_dir, _draft(home / "models" / "no-such-draft"))

@@ -12,6 +12,7 @@ draft across rows is not done)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
@@ -87,16 +88,17 @@ class DraftModelDrafter:
         return logits
 
 
-def load_drafter(config: SpeculativeConfig, target_tokenizer, target_vocab_size: int) -> DraftModelDrafter | None:
+def load_drafter(
+    config: SpeculativeConfig, target_path: Path, target_tokenizer, target_vocab_size: int
+) -> DraftModelDrafter | None:
     """The draft model of a `mode: draft` config, checked against the target's tokenizer;
     None for the other modes. A draft that cannot serve the target is a ConfigError."""
     if config.mode != "draft":
         return None
     from mlx_lm import load
-    from mlxgw.shared.paths import models_dir
 
-    path = config.draft_model_path(models_dir())
-    if path is None or not path.exists():
+    path = _draft_path(config, target_path)
+    if not (path / "config.json").exists():
         raise ConfigError(f"speculative.draft_model: no model at {path} ({config.draft_model!r})")
     model, tokenizer = load(str(path))
     target_vocab, draft_vocab = _vocabulary(target_tokenizer), _vocabulary(tokenizer)
@@ -112,6 +114,17 @@ def load_drafter(config: SpeculativeConfig, target_tokenizer, target_vocab_size:
             f"the model's tokenizer has {len(target_vocab)}: a draft must cover the same vocabulary"
         )
     return DraftModelDrafter(model, vocab_limit=min(target_vocab_size, draft_size))
+
+
+def _draft_path(config: SpeculativeConfig, target_path: Path) -> Path:
+    """A name resolves in the models dir; the gateway's (manager.models_dir) may not be the
+    worker's default, but the target usually lies in it, so its folder is tried too."""
+    from mlxgw.shared.paths import models_dir
+
+    path = config.draft_model_path(models_dir())
+    assert path is not None
+    beside = config.draft_model_path(Path(target_path).parent)
+    return beside if not path.exists() and beside is not None and beside.exists() else path
 
 
 def _vocabulary(tokenizer) -> dict[str, int]:

@@ -156,7 +156,8 @@ class MLXRunner(ChatTextRunner):
 
         speculative = speculative or SpeculativeConfig()
         vocab_size = self.model.args.vocab_size if hasattr(self.model, "args") else self.tokenizer.vocab_size
-        self.speculator = Speculator(speculative, drafter=load_drafter(speculative, self.tokenizer, vocab_size))
+        drafter = load_drafter(speculative, model_path, self.tokenizer, vocab_size)  # mode draft only
+        self.speculator = Speculator(speculative, drafter=drafter)
         self.speculator.attach(self.generator)
         self._covered: dict[int, int] = {}  # uid -> prompt tokens its cache lookup covered
         self._logprobs: dict[int, int] = {}  # uid -> alternatives per token, for those that ask
