@@ -9,6 +9,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from helpers import openai_client, wait_for
 from mlxgw.shared.config import ConfigError, SpeculativeConfig, parse_registry
 from mlxgw.shared.protocol import SamplingParams
 from mlxgw.worker.runner import MLXRunner
@@ -97,6 +98,24 @@ def test_a_finished_rows_draft_cache_is_freed(runners):
     _generate(runner, _jobs(runner)[:2])
     _generate(runner, [(runner.encode_text("Hi"), 4)])
     assert len(runner.speculator.drafter.rows) <= 1
+
+
+def test_a_draft_model_from_models_yaml_serves_the_same_greedy_text_and_reports_its_mode(tiny_gateway):
+    client = openai_client(tiny_gateway)
+    messages = [{"role": "user", "content": "Copy this code:\n" + COPY_TEXT}]
+
+    def ask(model: str) -> str:
+        reply = client.chat.completions.create(model=model, messages=messages, max_tokens=24, temperature=0)
+        return reply.choices[0].message.content
+
+    assert ask("tiny-drafted") == ask("tiny")
+
+    def speculative() -> dict:  # the stats arrive with the worker's heartbeats
+        workers = tiny_gateway.model_status("tiny-drafted")["workers"]
+        return (workers[0]["stats"].get("speculative") if workers else None) or {}
+
+    wait_for(lambda: (speculative().get("accepted_tokens") or 0) > 0, 15)
+    assert speculative()["mode"] == "draft" and speculative()["draft_model"] == "tiny"
 
 
 def _shrink_vocabulary(source: Path, dest: Path, size: int) -> Path:
