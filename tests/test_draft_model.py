@@ -12,7 +12,9 @@ import pytest
 from helpers import openai_client, wait_for
 from mlxgw.shared.config import ConfigError, SpeculativeConfig, parse_registry
 from mlxgw.shared.protocol import SamplingParams
+from mlxgw.worker.draft_model import DraftModelDrafter
 from mlxgw.worker.runner import MLXRunner
+from mlxgw.worker.speculative import DraftRequest
 
 GREEDY = SamplingParams(temperature=0.0)
 COPY_TEXT = "def add(a, b):\n    return a + b\n\n" * 4
@@ -91,6 +93,22 @@ def test_the_target_as_its_own_draft_has_its_drafts_accepted(tiny_dir):
     stats = runner.stats()["speculative"]
     assert stats["mode"] == "draft" and stats["draft_model"] == str(tiny_dir)
     assert stats["drafted_tokens"] > 0 and stats["acceptance_rate"] >= 0.95, stats
+
+
+def test_after_a_rejection_the_draft_continues_as_if_fed_from_scratch(other_draft_dir):
+    from mlx_lm import load
+
+    model, _ = load(str(other_draft_dir))
+    context = list(range(100, 140))
+    drafter = DraftModelDrafter(model, vocab_limit=1 << 20)
+    first = drafter.propose([DraftRequest(1, context, 5)])[0]
+    # The target kept one drafted token, then chose another than the draft's second.
+    rejected = (first[1] + 1) % 1000
+    later = context + first[:1] + [rejected, 7, 8]
+    assert drafter.propose([DraftRequest(1, later, 4)]) == DraftModelDrafter(model, 1 << 20).propose(
+        [DraftRequest(2, later, 4)]
+    )
+    assert drafter.rows[1].cache[0].offset == len(later) + 3  # the context and all but the last draft
 
 
 def test_a_finished_rows_draft_cache_is_freed(runners):
