@@ -111,6 +111,25 @@ def test_after_a_rejection_the_draft_continues_as_if_fed_from_scratch(other_draf
     assert drafter.rows[1].cache[0].offset == len(later) + 3  # the context and all but the last draft
 
 
+def test_rows_drafted_together_draft_what_each_drafts_alone(other_draft_dir):
+    from mlx_lm import load
+
+    model, _ = load(str(other_draft_dir))
+    contexts = {1: list(range(100, 140)), 2: list(range(300, 310)), 3: list(range(500, 570))}
+    ks = {1: 5, 2: 2, 3: 4}
+
+    def alone(uid: int, context: list[int]) -> list[int]:
+        return DraftModelDrafter(model, 1 << 20).propose([DraftRequest(uid, context, ks[uid])])[0]
+
+    together = DraftModelDrafter(model, 1 << 20)
+    first = together.propose([DraftRequest(uid, c, ks[uid]) for uid, c in contexts.items()])
+    assert first == [alone(uid, c) for uid, c in contexts.items()]
+    # Then each row's split cache continues after a rejection (row 2 was fed less: k=2).
+    later = {uid: c + d[:1] + [(d[-1] + 1) % 1000] for (uid, c), d in zip(contexts.items(), first)}
+    second = together.propose([DraftRequest(uid, c, ks[uid]) for uid, c in later.items()])
+    assert second == [alone(uid, c) for uid, c in later.items()]
+
+
 def test_a_finished_rows_draft_cache_is_freed(runners):
     runner = runners["self"]
     _generate(runner, _jobs(runner)[:2])

@@ -3,11 +3,12 @@ a smaller model sharing the target's tokenizer decodes each speculating row's dr
 the target verifies it in the batch's forward pass (worker/spec_verify.py), so outputs stay
 exactly the target's greedy outputs whatever the draft proposes.
 
-The draft keeps no batch cache: each speculating row has its own draft KV cache holding the
-row's tokens so far. Before drafting, the cache catches up with what the target accepted
-(the tokens it has not seen) after the positions it drafted that were rejected are trimmed
-away; then k tokens are decoded one by one. Rows are drafted one after another (batching the
-draft across rows is not done)."""
+The draft keeps no persistent batch cache: each speculating row has its own draft KV cache
+holding the row's tokens so far. Before drafting, the positions it drafted that the target
+rejected are trimmed away and the cache catches up with what the target accepted (each row
+alone: their contexts differ in length). Then the draft's tokens are decoded greedily, one
+position per pass; when several rows draft, their caches are merged into one batch cache
+for those passes and split again after (a copy of their KV, cheaper than a pass per row)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
-from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import BatchKVCache, KVCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 from mlxgw.shared.config import ConfigError, SpeculativeConfig
 
 from .speculative import DraftRequest
@@ -36,31 +37,68 @@ class DraftModelDrafter:
     rows: dict[int, DraftRow] = field(default_factory=dict)  # uid -> its draft KV
 
     def propose(self, requests: list[DraftRequest]) -> list[list[int]]:
-        return [self._propose(r) for r in requests]
+        """Each row catches up alone (contexts differ in length), then the rows that draft
+        more than one token decode together, one batched pass per drafted position."""
+        drafts = [self._start(r) for r in requests]
+        fed: list[list[int]] = [[] for _ in requests]  # draft tokens fed into each row's cache
+        more = [i for i, r in enumerate(requests) if drafts[i] and r.k > 1]
+        rows = [self.rows[requests[i].uid] for i in more]
+        if len(rows) > 1 and all(type(c) is KVCache for row in rows for c in row.cache):
+            ks = [requests[i].k for i in more]
+            self._decode_together(rows, ks, [drafts[i] for i in more], [fed[i] for i in more])
+        else:
+            for i, row in zip(more, rows):
+                self._decode_alone(row.cache, requests[i].k, drafts[i], fed[i])
+        for r, tokens in zip(requests, fed):
+            self.rows[r.uid].fed = r.context + tokens
+        return drafts
 
     def retain(self, live: set[int]) -> None:
         if len(self.rows) > len(live) or any(uid not in live for uid in self.rows):
             self.rows = {uid: row for uid, row in self.rows.items() if uid in live}
 
-    def _propose(self, request: DraftRequest) -> list[int]:
+    def _start(self, request: DraftRequest) -> list[int]:
+        """Bring the row's cache to its context; the first draft token (none if invalid)."""
         row = self.rows.get(request.uid)
         if row is None:
             row = self.rows[request.uid] = DraftRow(make_prompt_cache(self.model))
-        context = request.context
-        kept = self._rewind(row, context)
-        logits = self._feed(row.cache, context[kept:])
-        draft: list[int] = []
-        while True:
-            token = mx.argmax(logits[0, -1]).item()
+        kept = self._rewind(row, request.context)
+        logits = self._feed(row.cache, request.context[kept:])
+        token = mx.argmax(logits[0, -1]).item()
+        return [token] if token < self.vocab_limit else []
+
+    def _decode_alone(self, cache: list, k: int, draft: list[int], fed: list[int]) -> None:
+        while len(draft) < k:
+            fed.append(draft[-1])
+            token = mx.argmax(self.model(mx.array([[draft[-1]]]), cache=cache)[0, -1]).item()
             if token >= self.vocab_limit:
-                break
+                return
             draft.append(token)
-            if len(draft) == request.k:
-                break
-            logits = self.model(mx.array([[token]]), cache=row.cache)
-        # The last drafted token is never fed: the target's choice at that position comes next.
-        row.fed = context + draft[:-1] if draft else list(context)
-        return draft
+
+    def _decode_together(
+        self, rows: list[DraftRow], ks: list[int], drafts: list[list[int]], fed: list[list[int]]
+    ) -> None:
+        """Merge the rows' caches into one batch cache, decode, and split it again. A row
+        that is done keeps being fed its last token (the pass is batched); `fed` records it
+        and the next rewind trims it."""
+        layers = len(rows[0].cache)
+        batch = [BatchKVCache.merge([row.cache[layer] for row in rows]) for layer in range(layers)]
+        going = [len(d) < k for d, k in zip(drafts, ks)]
+        while any(going):
+            last = [d[-1] for d in drafts]
+            logits = self.model(mx.array(last)[:, None], cache=batch)
+            chosen = mx.argmax(logits[:, -1], axis=-1).tolist()
+            for j, token in enumerate(chosen):
+                fed[j].append(last[j])
+                if not going[j]:
+                    continue
+                if token >= self.vocab_limit:
+                    going[j] = False
+                    continue
+                drafts[j].append(token)
+                going[j] = len(drafts[j]) < ks[j]
+        for j, row in enumerate(rows):
+            row.cache = [c.extract(j) for c in batch]
 
     def _rewind(self, row: DraftRow, context: list[int]) -> int:
         """Trim the row's cache to the longest prefix it shares with context, leaving at least
