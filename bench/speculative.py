@@ -1,4 +1,5 @@
-"""The agent workload, with and without speculative decoding (prompt lookup), measured on
+"""The agent workload, with and without speculative decoding (prompt lookup, and a draft
+model when --draft-model is given), measured on
 the worker's own scheduler and MLX runner in-process (no HTTP, no IPC): a ~2k-token code
 file in the prompt and an instruction to return it with a small edit, greedy, 512 tokens.
 
@@ -6,6 +7,7 @@ Both variants are loaded once and alternated round by round in one run, so a bus
 slows both alike; the outputs must be identical (greedy speculation changes speed only).
 
     python -m mlxgw.bench.speculative MODEL_DIR --max-tokens 512 --rounds 2 [--max-draft 8]
+        [--draft-model DRAFT_DIR]
 """
 
 from __future__ import annotations
@@ -35,8 +37,7 @@ def agent_prompt(tokenizer, code_tokens: int) -> list[int]:
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
 
-def _scheduler(model_dir: str, mode: str, max_draft: int):
-    from mlxgw.shared.config import SpeculativeConfig
+def _scheduler(model_dir: str, speculative):
     from mlxgw.worker.runner import MLXRunner
     from mlxgw.worker.scheduler import Scheduler
 
@@ -47,7 +48,7 @@ def _scheduler(model_dir: str, mode: str, max_draft: int):
         max_num_seqs=8,
         prefill_step_size=512,
         cache_bytes=0,
-        speculative=SpeculativeConfig(mode=mode, max_draft=max_draft),
+        speculative=speculative,
     )
     return Scheduler(runner, max_num_seqs=8, max_queue=8)
 
@@ -81,11 +82,18 @@ def run_once(scheduler, prompt: list[int], max_tokens: int, rid: str) -> dict:
         events = scheduler.step()
 
 
-def measure(model_dir: str, max_tokens: int, rounds: int, code_tokens: int, max_draft: int = 8) -> dict:
+def measure(
+    model_dir: str, max_tokens: int, rounds: int, code_tokens: int, max_draft: int = 8, draft_model: str | None = None
+) -> dict:
     from mlx_lm.utils import load_tokenizer
+    from mlxgw.shared.config import SpeculativeConfig
 
     prompt = agent_prompt(load_tokenizer(Path(model_dir)), code_tokens)
-    variants = {mode: _scheduler(model_dir, mode, max_draft) for mode in ("off", "prompt_lookup")}
+    configs = {mode: SpeculativeConfig(mode=mode, max_draft=max_draft) for mode in ("off", "prompt_lookup")}
+    if draft_model:
+        path = str(Path(draft_model).resolve())
+        configs["draft"] = SpeculativeConfig(mode="draft", draft_model=path, max_draft=max_draft)
+    variants = {mode: _scheduler(model_dir, config) for mode, config in configs.items()}
     for mode, sched in variants.items():  # warm-up: allocation and first-call costs
         run_once(sched, prompt[:64], 4, f"warm-{mode}")
     results: dict[str, list[dict]] = {mode: [] for mode in variants}
@@ -94,19 +102,29 @@ def measure(model_dir: str, max_tokens: int, rounds: int, code_tokens: int, max_
             results[mode].append(run_once(sched, prompt, max_tokens, f"{mode}-{r}"))
             print(json.dumps({"round": r, "mode": mode, **_public(results[mode][-1])}), flush=True)
     texts = {res["text"] for runs in results.values() for res in runs}
-    off, spec = (statistics.median(x["decode_tok_s"] for x in results[m]) for m in ("off", "prompt_lookup"))
+    rate = {m: statistics.median(x["decode_tok_s"] for x in results[m]) for m in variants}
     stats = variants["prompt_lookup"].runner.stats()["speculative"]
-    return {
+    summary = {
         "prompt_tokens": len(prompt),
         "completion_tokens": results["off"][0]["tokens"],
         "outputs_identical": len(texts) == 1,
-        "decode_tok_s_off": round(off, 2),
-        "decode_tok_s_speculative": round(spec, 2),
-        "speedup": round(spec / off, 2),
+        "decode_tok_s_off": round(rate["off"], 2),
+        "decode_tok_s_speculative": round(rate["prompt_lookup"], 2),
+        "speedup": round(rate["prompt_lookup"] / rate["off"], 2),
         "acceptance_rate": stats["acceptance_rate"],
         "tokens_per_speculative_step": stats["tokens_per_speculative_step"],
         "pauses": stats["pauses"],
     }
+    if "draft" in variants:
+        draft = variants["draft"].runner.stats()["speculative"]
+        summary.update(
+            decode_tok_s_draft=round(rate["draft"], 2),
+            speedup_draft=round(rate["draft"] / rate["off"], 2),
+            acceptance_rate_draft=draft["acceptance_rate"],
+            tokens_per_speculative_step_draft=draft["tokens_per_speculative_step"],
+            pauses_draft=draft["pauses"],
+        )
+    return summary
 
 
 def _public(res: dict) -> dict:
@@ -123,8 +141,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--code-tokens", type=int, default=2000)
     ap.add_argument("--max-draft", type=int, default=8)
+    ap.add_argument("--draft-model", help="a draft model's folder: adds a draft-model variant")
     args = ap.parse_args()
-    result = measure(args.model_dir, args.max_tokens, args.rounds, args.code_tokens, args.max_draft)
+    result = measure(args.model_dir, args.max_tokens, args.rounds, args.code_tokens, args.max_draft, args.draft_model)
     print(json.dumps({"max_draft": args.max_draft, **result}), flush=True)
 
 

@@ -70,12 +70,21 @@ class DistributedConfig:
 @dataclass
 class SpeculativeConfig:
     """Speculative decoding (worker/speculative.py). prompt_lookup: greedy requests verify
-    drafts copied from their own context in the batch's forward pass; off: never."""
+    drafts copied from their own context in the batch's forward pass; draft: drafts decoded
+    greedily by a smaller model sharing the tokenizer (worker/draft_model.py); off: never."""
 
-    mode: Literal["prompt_lookup", "off"] = "prompt_lookup"
+    mode: Literal["prompt_lookup", "draft", "off"] = "prompt_lookup"
     max_draft: int = 8  # tokens drafted per row and step, at most
-    max_ngram: int = 3  # the longest suffix looked up in the context
+    max_ngram: int = 3  # the longest suffix looked up in the context (prompt_lookup)
     min_ngram: int = 1  # the shortest
+    draft_model: str | None = None  # mode draft: folder name in the models dir, or a path
+
+    def draft_model_path(self, models_dir: Path) -> Path | None:
+        """Resolved like a model's source: an absolute path as is, else a models-dir folder."""
+        if self.draft_model is None:
+            return None
+        path = Path(self.draft_model).expanduser()
+        return path if path.is_absolute() else models_dir / self.draft_model
 
 
 @dataclass
@@ -348,6 +357,10 @@ def _check_entry(e: ModelEntry, where: str) -> None:
         raise bad("speculative.max_draft", f"must be between 1 and 16, got {sp.max_draft}")
     if not 1 <= sp.min_ngram <= sp.max_ngram <= 8:
         raise bad("speculative", "needs 1 <= min_ngram <= max_ngram <= 8")
+    if sp.mode == "draft" and not sp.draft_model:
+        raise bad("speculative.draft_model", "mode draft needs a draft model (a models-dir folder or a path)")
+    if sp.draft_model and sp.mode != "draft":
+        raise bad("speculative.draft_model", f"is only used with mode: draft (mode is {sp.mode})")
     if e.context_length is not None and e.context_length < 16:
         raise bad("context_length", f"must be at least 16, got {e.context_length}")
     if e.distributed is not None:

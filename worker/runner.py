@@ -151,9 +151,13 @@ class MLXRunner(ChatTextRunner):
         self.prefix_store = prefix_store
         if prefix_store is not None:
             prefix_store.layer_classes = [type(c).__name__ for c in make_prompt_cache(self.model)]
+        from .draft_model import load_drafter
         from .speculative import Speculator
 
-        self.speculator = Speculator(speculative or SpeculativeConfig())
+        speculative = speculative or SpeculativeConfig()
+        vocab_size = self.model.args.vocab_size if hasattr(self.model, "args") else self.tokenizer.vocab_size
+        drafter = load_drafter(speculative, model_path, self.tokenizer, vocab_size)  # mode draft only
+        self.speculator = Speculator(speculative, drafter=drafter)
         self.speculator.attach(self.generator)
         self._covered: dict[int, int] = {}  # uid -> prompt tokens its cache lookup covered
         self._logprobs: dict[int, int] = {}  # uid -> alternatives per token, for those that ask

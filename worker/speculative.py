@@ -1,10 +1,14 @@
-"""Speculative decoding inside continuous batching: prompt-lookup drafting and the policy
-that decides, step by step, whether speculating pays (the verification step itself is in
+"""Speculative decoding inside continuous batching: drafting and the policy that decides,
+step by step, whether speculating pays (the verification step itself is in
 worker/spec_verify.py).
 
-- Drafting (prompt lookup, no second model): a row's draft is what followed the most recent
-  earlier occurrence of its last n tokens (n = max_ngram down to min_ngram) in its own prompt
-  and output. Agents quote, copy and edit their context, so these drafts are often right.
+- Drafting, by one of two drafters behind the same interface (propose drafts for some rows,
+  forget rows that left the batch):
+  - prompt lookup (no second model): a row's draft is what followed the most recent earlier
+    occurrence of its last n tokens (n = max_ngram down to min_ngram) in its own prompt and
+    output. Agents quote, copy and edit their context, so these drafts are often right.
+  - a draft model (worker/draft_model.py): a smaller model sharing the tokenizer decodes the
+    draft greedily from the row's context.
 - Who speculates: greedy rows (temperature 0) without logits processors (penalties, bias,
   grammar, thinking budget) and without logprobs: for them accepting the draft prefix the
   model's own argmax agrees with is exactly non-speculative decoding. Other rows share the
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from mlxgw.shared.config import SpeculativeConfig
 
@@ -58,8 +63,44 @@ class NgramIndex:
 
 
 @dataclass
+class DraftRequest:
+    uid: int
+    context: list[int]  # the row's tokens so far, ending with its pending (not yet fed) token
+    k: int  # tokens to draft, at most
+
+
+class Drafter(Protocol):
+    def propose(self, requests: list[DraftRequest]) -> list[list[int]]:
+        """Each request's draft (possibly empty), in order."""
+        ...
+
+    def retain(self, live: set[int]) -> None:
+        """Drop what is kept for rows no longer in the batch (they never come back)."""
+        ...
+
+
+@dataclass
+class PromptLookupDrafter:
+    min_ngram: int
+    max_ngram: int
+    indices: dict[int, NgramIndex] = field(default_factory=dict)  # uid -> its context's n-grams
+
+    def propose(self, requests: list[DraftRequest]) -> list[list[int]]:
+        drafts = []
+        for r in requests:
+            index = self.indices.get(r.uid)
+            if index is None:
+                index = self.indices[r.uid] = NgramIndex(self.min_ngram, self.max_ngram)
+            drafts.append(index.propose(r.context, r.k))
+        return drafts
+
+    def retain(self, live: set[int]) -> None:
+        if len(self.indices) > len(live):
+            self.indices = {uid: i for uid, i in self.indices.items() if uid in live}
+
+
+@dataclass
 class RowState:
-    index: NgramIndex
     draft_len: int
     misses: int = 0
     skip: int = 0  # steps left before this row drafts again
@@ -95,6 +136,7 @@ class Counters:
 @dataclass
 class Speculator:
     config: SpeculativeConfig
+    drafter: Drafter | None = None  # mode draft: a DraftModelDrafter; else made from the config
     rows: dict[int, RowState] = field(default_factory=dict)  # uid -> state, eligible rows only
     counters: Counters = field(default_factory=Counters)
     plain_cost: dict[int, CostMeter] = field(default_factory=dict)  # by batch size
@@ -104,9 +146,13 @@ class Speculator:
     cooldown: int = COOLDOWN_STEPS[0]
     _open: tuple | None = None  # (batch size, started) of a plain step still computing
 
+    def __post_init__(self) -> None:
+        if self.drafter is None and self.config.mode == "prompt_lookup":
+            self.drafter = PromptLookupDrafter(self.config.min_ngram, self.config.max_ngram)
+
     @property
     def enabled(self) -> bool:
-        return self.config.mode == "prompt_lookup"
+        return self.config.mode != "off" and self.drafter is not None
 
     def attach(self, generator) -> None:
         """Route the generator's decode step through this speculator. BatchGenerator keeps
@@ -118,18 +164,20 @@ class Speculator:
 
     def admit(self, uid: int, eligible: bool) -> None:
         if self.enabled and eligible:
-            self.rows[uid] = RowState(NgramIndex(self.config.min_ngram, self.config.max_ngram), self.config.max_draft)
+            self.rows[uid] = RowState(self.config.max_draft)
 
     # -- the step ---------------------------------------------------------------------------
     def next(self, batch, plain_next) -> list:
         self.steps += 1
         if len(self.rows) > 4 * max(1, len(batch.uids)):
             self._forget_gone(batch)
+        if self.drafter is not None:  # a draft model's per-row KV is freed as soon as its row ends
+            self.drafter.retain(set(batch.uids))
         if not self._worth_trying(batch):
             return self._plain(batch, plain_next)
         pending = batch._next_tokens.tolist()  # waits for a plain step still computing
         self._close_plain(time.perf_counter())
-        drafts = [self._draft(batch, i, x) for i, x in enumerate(pending)]
+        drafts = self._drafts(batch, pending)
         if not any(drafts):
             return self._plain(batch, plain_next)
         states = [self.rows.get(uid) for uid in batch.uids]  # before finished rows leave the batch
@@ -164,17 +212,32 @@ class Speculator:
             self.plain_cost.setdefault(size, CostMeter()).add(now - started, size)
             self._open = None
 
-    def _draft(self, batch, i: int, pending: int) -> list[int]:
-        state = self.rows.get(batch.uids[i])
+    def _drafts(self, batch, pending: list[int]) -> list[list[int]]:
+        """Every row's draft for this step (empty for rows that do not speculate now)."""
+        drafts: list[list[int]] = [[] for _ in pending]
+        asked, requests = [], []
+        for i, x in enumerate(pending):
+            request = self._request(batch, i, x)
+            if request is not None:
+                asked.append(i)
+                requests.append(request)
+        if requests:
+            for i, draft in zip(asked, self.drafter.propose(requests)):
+                drafts[i] = draft
+        return drafts
+
+    def _request(self, batch, i: int, pending: int) -> DraftRequest | None:
+        uid = batch.uids[i]
+        state = self.rows.get(uid)
         if state is None:
-            return []
+            return None
         if state.skip:
             state.skip -= 1
-            return []
+            return None
         room = batch.max_tokens[i] - batch._num_tokens[i] - 1  # never draft past max_tokens
         if room <= 0:
-            return []
-        return state.index.propose(batch.tokens[i] + [pending], min(state.draft_len, room))
+            return None
+        return DraftRequest(uid, batch.tokens[i] + [pending], min(state.draft_len, room))
 
     def _record(self, size: int, verified: Verified, seconds: float) -> None:
         c = self.counters
@@ -221,6 +284,7 @@ class Speculator:
         c = self.counters
         return {
             "mode": self.config.mode,
+            **({"draft_model": self.config.draft_model} if self.config.mode == "draft" else {}),
             "active": self.enabled and self.steps >= self.paused_until,
             "drafted_tokens": c.drafted,
             "accepted_tokens": c.accepted,

@@ -118,6 +118,8 @@ TINY_CONFIG = {
         # Loaded only by the test of refusals from a cold model (a lazy load first).
         {"name": "tiny-cold", "source": "tiny", "context_length": 64},
         {"name": "tiny-tools", "source": "tiny", "tool_parser": "hermes"},
+        # Speculative decoding with a draft model: the model itself, named by its folder.
+        {"name": "tiny-drafted", "source": "tiny", "speculative": {"mode": "draft", "draft_model": "tiny"}},
         {"name": "tiny-think", "reasoning_parser": "think"},
         {"name": "echo", "engine": "echo", "tool_parser": "hermes", "reasoning_parser": "think"},
         {"name": "null", "engine": "null", "preload": True, "max_num_seqs": 64, "max_queue": 256},
