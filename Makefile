@@ -60,7 +60,7 @@ run: model
 	$(BIN)/mlxgw up --host $(HOST) --port $(PORT)
 
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow"
