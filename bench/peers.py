@@ -31,7 +31,7 @@ from pathlib import Path
 from mlxgw.shared.platform import worker_environment
 
 from .run import BenchConfig, Target, run
-from .speculative import CODE_FILE, INSTRUCTION
+from .speculative import agent_messages
 
 
 def free_port() -> int:
@@ -99,21 +99,6 @@ def start_vllm_mlx(python: str, model_dir: Path, log) -> tuple[str, subprocess.P
     return f"http://127.0.0.1:{port}/v1", proc, str(model_dir)
 
 
-def agent_messages(model_dir: Path, code_tokens: int) -> list[dict]:
-    """The agent workload of bench/speculative.py as chat messages: about code_tokens tokens
-    of a real code file and an instruction to return it with a small edit."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    lines, used = [], 0
-    for line in CODE_FILE.read_text().splitlines(keepends=True):
-        used += len(tokenizer.encode(line, add_special_tokens=False))
-        if used > code_tokens:
-            break
-        lines.append(line)
-    return [{"role": "user", "content": INSTRUCTION.format(code="".join(lines))}]
-
-
 def agent_request(url: str, model: str, messages: list[dict], max_tokens: int) -> dict:
     """One greedy streaming request: TTFT, decode tokens/s after the first token, the text."""
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0, "stream": True}
@@ -147,7 +132,9 @@ def agent_request(url: str, model: str, messages: list[dict], max_tokens: int) -
 
 def agent_table(servers: list[tuple], model_dir: Path, rounds: int, max_tokens: int) -> str:
     """The agent workload on every server, alternated round by round (order rotated)."""
-    messages = agent_messages(model_dir, 2000)
+    from transformers import AutoTokenizer
+
+    messages = agent_messages(AutoTokenizer.from_pretrained(str(model_dir)), 2000)
     runs: dict[str, list[dict]] = {label: [] for label, *_ in servers}
     for rnd in range(rounds):
         order = servers[rnd % len(servers) :] + servers[: rnd % len(servers)]

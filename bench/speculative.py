@@ -25,16 +25,21 @@ INSTRUCTION = (
 )
 
 
-def agent_prompt(tokenizer, code_tokens: int) -> list[int]:
-    """The chat prompt: the first lines of a real code file, about code_tokens tokens."""
+def agent_messages(tokenizer, code_tokens: int) -> list[dict]:
+    """The chat messages: the first lines of a real code file (about code_tokens tokens)
+    and the instruction to return it with a small edit."""
     lines, used = [], 0
     for line in CODE_FILE.read_text().splitlines(keepends=True):
         used += len(tokenizer.encode(line, add_special_tokens=False))
         if used > code_tokens:
             break
         lines.append(line)
-    messages = [{"role": "user", "content": INSTRUCTION.format(code="".join(lines))}]
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return [{"role": "user", "content": INSTRUCTION.format(code="".join(lines))}]
+
+
+def agent_prompt(tokenizer, code_tokens: int) -> list[int]:
+    """The chat prompt's token ids."""
+    return tokenizer.apply_chat_template(agent_messages(tokenizer, code_tokens), add_generation_prompt=True)
 
 
 def _scheduler(model_dir: str, speculative):

@@ -10,6 +10,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 from helpers import openai_client, wait_for
+from helpers.runner_jobs import generate_together
 from mlxgw.shared.config import ConfigError, SpeculativeConfig, parse_registry
 from mlxgw.shared.protocol import SamplingParams
 from mlxgw.worker.draft_model import DraftModelDrafter
@@ -52,21 +53,6 @@ def runners(tiny_dir, other_draft_dir) -> dict[str, MLXRunner]:
     }
 
 
-def _generate(runner: MLXRunner, jobs: list[tuple[list[int], int]]) -> list[list[int]]:
-    """Run the greedy jobs (prompt, max_tokens) together to the end; each one's tokens."""
-    slot = {}
-    for i, (prompt, max_tokens) in enumerate(jobs):
-        uid, _ = runner.insert(prompt, max_tokens, GREEDY)
-        slot[uid] = i
-    out: list[list[int]] = [[] for _ in jobs]
-    finished = 0
-    while finished < len(jobs):
-        for t in runner.step().tokens:
-            out[slot[t.uid]].append(t.token)
-            finished += t.finish is not None
-    return out
-
-
 def _jobs(runner: MLXRunner) -> list[tuple[list[int], int]]:
     return [
         (runner.encode_text("Copy this code:\n" + COPY_TEXT), 29),
@@ -78,18 +64,18 @@ def _jobs(runner: MLXRunner) -> list[tuple[list[int], int]]:
 @pytest.mark.parametrize("draft", ["self", "other"])
 def test_a_greedy_request_is_token_identical_with_a_draft_model(runners, draft):
     job = _jobs(runners["off"])[:1]
-    assert _generate(runners[draft], job) == _generate(runners["off"], job)
+    assert generate_together(runners[draft], job) == generate_together(runners["off"], job)
 
 
 @pytest.mark.parametrize("draft", ["self", "other"])
 def test_a_batch_of_greedy_requests_is_token_identical_with_a_draft_model(runners, draft):
     jobs = _jobs(runners["off"])
-    assert _generate(runners[draft], jobs) == _generate(runners["off"], jobs)
+    assert generate_together(runners[draft], jobs) == generate_together(runners["off"], jobs)
 
 
 def test_the_target_as_its_own_draft_has_its_drafts_accepted(tiny_dir):
     runner = _runner(tiny_dir, _draft(tiny_dir))
-    _generate(runner, _jobs(runner))
+    generate_together(runner, _jobs(runner))
     stats = runner.stats()["speculative"]
     assert stats["mode"] == "draft" and stats["draft_model"] == str(tiny_dir)
     assert stats["drafted_tokens"] > 0 and stats["acceptance_rate"] >= 0.95, stats
@@ -132,8 +118,8 @@ def test_rows_drafted_together_draft_what_each_drafts_alone(other_draft_dir):
 
 def test_a_finished_rows_draft_cache_is_freed(runners):
     runner = runners["self"]
-    _generate(runner, _jobs(runner)[:2])
-    _generate(runner, [(runner.encode_text("Hi"), 4)])
+    generate_together(runner, _jobs(runner)[:2])
+    generate_together(runner, [(runner.encode_text("Hi"), 4)])
     assert len(runner.speculator.drafter.rows) <= 1
 
 

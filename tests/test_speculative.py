@@ -7,6 +7,7 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 from helpers import openai_client, wait_for
+from helpers.runner_jobs import generate_together
 from mlx_lm.models.cache import BatchKVCache
 from mlxgw.shared import protocol as p
 from mlxgw.shared.config import ConfigError, SpeculativeConfig, parse_registry
@@ -34,21 +35,6 @@ def _runner(model_dir, mode: str) -> MLXRunner:
 @pytest.fixture(scope="module")
 def tiny_runners(tiny_dir):
     return {mode: _runner(tiny_dir, mode) for mode in ("off", "prompt_lookup")}
-
-
-def _generate(runner: MLXRunner, jobs: list[tuple[list[int], int, SamplingParams]]) -> list[list[int]]:
-    """Run the jobs (prompt, max_tokens, sampling) together to the end; each one's tokens."""
-    slot = {}
-    for i, (prompt, max_tokens, sampling) in enumerate(jobs):
-        uid, _ = runner.insert(prompt, max_tokens, sampling)
-        slot[uid] = i
-    out: list[list[int]] = [[] for _ in jobs]
-    finished = 0
-    while finished < len(jobs):
-        for t in runner.step().tokens:
-            out[slot[t.uid]].append(t.token)
-            finished += t.finish is not None
-    return out
 
 
 def _copy_prompt(runner: MLXRunner, text: str = COPY_TEXT) -> list[int]:
@@ -84,8 +70,8 @@ def test_rollback_keeps_each_rows_accepted_positions_and_drops_the_rest():
 # -- token identity with a model ----------------------------------------------------------------
 def test_a_greedy_request_is_token_identical_with_speculation(tiny_runners):
     prompt = _copy_prompt(tiny_runners["off"])
-    plain = _generate(tiny_runners["off"], [(prompt, 40, GREEDY)])
-    spec = _generate(tiny_runners["prompt_lookup"], [(prompt, 40, GREEDY)])
+    plain = generate_together(tiny_runners["off"], [(prompt, 40, GREEDY)])
+    spec = generate_together(tiny_runners["prompt_lookup"], [(prompt, 40, GREEDY)])
     assert spec == plain and len(plain[0]) == 40
 
 
@@ -97,21 +83,21 @@ def test_a_batch_of_greedy_requests_of_different_lengths_is_token_identical(tiny
         (r.encode_text("Hello"), 31, GREEDY),
         (_copy_prompt(r, "x = [1, 2, 3]\n" * 9), 12, GREEDY),
     ]
-    assert _generate(tiny_runners["prompt_lookup"], jobs) == _generate(r, jobs)
+    assert generate_together(tiny_runners["prompt_lookup"], jobs) == generate_together(r, jobs)
 
 
 def test_sampled_rows_in_a_speculating_batch_keep_their_seeded_tokens(tiny_runners):
     r = tiny_runners["off"]
     seeded = SamplingParams(temperature=0.8, seed=7)
     jobs = [(_copy_prompt(r), 30, GREEDY), (r.encode_text("Write a poem"), 20, seeded)]
-    assert _generate(tiny_runners["prompt_lookup"], jobs) == _generate(r, jobs)
+    assert generate_together(tiny_runners["prompt_lookup"], jobs) == generate_together(r, jobs)
 
 
 def test_a_max_tokens_end_inside_an_accepted_draft_emits_no_extra_token(tiny_runners):
     prompt = _copy_prompt(tiny_runners["off"])
-    full = _generate(tiny_runners["off"], [(prompt, 40, GREEDY)])[0]
+    full = generate_together(tiny_runners["off"], [(prompt, 40, GREEDY)])[0]
     for n in (2, 5, 9, 14):
-        assert _generate(tiny_runners["prompt_lookup"], [(prompt, n, GREEDY)])[0] == full[:n]
+        assert generate_together(tiny_runners["prompt_lookup"], [(prompt, n, GREEDY)])[0] == full[:n]
 
 
 def _text_until_finish(runner: MLXRunner, req: p.GenerateRequest) -> tuple[str, dict]:
@@ -130,7 +116,7 @@ def _text_until_finish(runner: MLXRunner, req: p.GenerateRequest) -> tuple[str, 
 
 def test_a_stop_string_inside_an_accepted_draft_ends_where_plain_decoding_ends(tiny_runners):
     prompt = _copy_prompt(tiny_runners["off"])
-    full = tiny_runners["off"].text.tokenizer.decode(_generate(tiny_runners["off"], [(prompt, 30, GREEDY)])[0])
+    full = tiny_runners["off"].text.tokenizer.decode(generate_together(tiny_runners["off"], [(prompt, 30, GREEDY)])[0])
     stop = full[len(full) // 2 : len(full) // 2 + 3]
     assert stop.strip(), full
 
@@ -146,14 +132,14 @@ def test_a_stop_string_inside_an_accepted_draft_ends_where_plain_decoding_ends(t
 
 def test_speculation_reports_its_acceptance_rate_in_the_runner_stats(tiny_runners):
     runner = tiny_runners["prompt_lookup"]
-    _generate(runner, [(_copy_prompt(runner), 24, GREEDY)])
+    generate_together(runner, [(_copy_prompt(runner), 24, GREEDY)])
     stats = runner.stats()["speculative"]
     assert stats["mode"] == "prompt_lookup" and stats["accepted_tokens"] > 0 and stats["acceptance_rate"] > 0
 
 
 def test_speculation_off_drafts_nothing(tiny_runners):
     runner = tiny_runners["off"]
-    _generate(runner, [(_copy_prompt(runner), 8, GREEDY)])
+    generate_together(runner, [(_copy_prompt(runner), 8, GREEDY)])
     assert runner.stats()["speculative"]["drafted_tokens"] == 0
 
 
@@ -164,7 +150,7 @@ def test_the_real_model_accepts_drafts_when_copying_its_context_and_stays_identi
     code = "def area(w, h):\n    return w * h\n\n\ndef perimeter(w, h):\n    return 2 * (w + h)\n"
     messages = [{"role": "user", "content": f"Repeat this code exactly, nothing else:\n\n{code}"}]
     prompt = tok.apply_chat_template(messages, add_generation_prompt=True)
-    outputs = {mode: _generate(r, [(prompt, 24, GREEDY)]) for mode, r in runners.items()}
+    outputs = {mode: generate_together(r, [(prompt, 24, GREEDY)]) for mode, r in runners.items()}
     assert outputs["prompt_lookup"] == outputs["off"]
     assert runners["prompt_lookup"].stats()["speculative"]["acceptance_rate"] > 0
 

@@ -1,0 +1,23 @@
+"""Driving a runner in-process: run jobs together in one batch to their ends."""
+
+from __future__ import annotations
+
+from mlxgw.shared.protocol import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def generate_together(runner, jobs: list[tuple]) -> list[list[int]]:
+    """Insert every job (prompt, max_tokens[, sampling]; greedy by default) into the runner's
+    batch and step until all end; each job's tokens, in job order."""
+    slot = {}
+    for i, (prompt, max_tokens, *sampling) in enumerate(jobs):
+        uid, _ = runner.insert(prompt, max_tokens, sampling[0] if sampling else GREEDY)
+        slot[uid] = i
+    out: list[list[int]] = [[] for _ in jobs]
+    finished = 0
+    while finished < len(jobs):
+        for t in runner.step().tokens:
+            out[slot[t.uid]].append(t.token)
+            finished += t.finish is not None
+    return out
