@@ -26,12 +26,18 @@ def _config(request_timeout_s: float, prefill_timeout_s: float) -> dict:
     }
 
 
-def _endless(gw, outcome: dict) -> threading.Thread:
+def _endless(gw, outcome: dict, rid: str | None = None) -> threading.Thread:
     """A stream that never stops by itself, on the one-row model; records how it ended."""
+    headers = {"x-request-id": rid} if rid else None
 
     def run() -> None:
         stream = openai_client(gw).chat.completions.create(
-            model="serial", messages=MSGS, max_tokens=30000, stream=True, extra_body={"logit_bias": NO_EOS}
+            model="serial",
+            messages=MSGS,
+            max_tokens=30000,
+            stream=True,
+            extra_body={"logit_bias": NO_EOS},
+            extra_headers=headers,
         )
         try:
             for _ in stream:
@@ -81,7 +87,7 @@ def test_waiting_for_a_turn_does_not_count_against_the_answer(answer_bound_gw):
 
 def test_a_request_that_gets_no_first_token_in_time_is_a_504(prefill_bound_gw):
     outcome: dict = {}
-    thread = _endless(prefill_bound_gw, outcome)
+    thread = _endless(prefill_bound_gw, outcome, "req_endless_holder")
     wait_for(lambda: _running_and_waiting(prefill_bound_gw) == 1, 30)  # it holds the one row
     try:
         status, _, body = http(
@@ -93,8 +99,11 @@ def test_a_request_that_gets_no_first_token_in_time_is_a_504(prefill_bound_gw):
         assert status == 504, body
         assert "no first token within 2 s" in body["error"]["message"]
     finally:
-        prefill_bound_gw.stop()  # ends the endless stream too
+        # Cancelled, not left to the shutdown: a graceful stop gives streams in flight up to
+        # a minute to finish, and this one never would.
+        http(f"{prefill_bound_gw.url}/v1/requests/req_endless_holder/cancel", "POST", {})
         thread.join(30)
+        prefill_bound_gw.stop()
 
 
 def _running_and_waiting(gw) -> int:
