@@ -10,26 +10,13 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 from helpers import openai_client, wait_for
-from helpers.runner_jobs import generate_together
+from helpers.runner_jobs import generate_together, speculative_runner
 from mlxgw.shared.config import ConfigError, SpeculativeConfig, parse_registry
-from mlxgw.shared.protocol import SamplingParams
 from mlxgw.worker.draft_model import DraftModelDrafter
 from mlxgw.worker.runner import MLXRunner
 from mlxgw.worker.speculative import DraftRequest
 
-GREEDY = SamplingParams(temperature=0.0)
 COPY_TEXT = "def add(a, b):\n    return a + b\n\n" * 4
-
-
-def _runner(model_dir: Path, speculative: SpeculativeConfig) -> MLXRunner:
-    return MLXRunner(
-        model_dir,
-        context_length=None,
-        max_num_seqs=8,
-        prefill_step_size=256,
-        cache_bytes=0,
-        speculative=speculative,
-    )
 
 
 def _draft(path: Path, max_draft: int = 4) -> SpeculativeConfig:
@@ -47,9 +34,9 @@ def other_draft_dir(home, smollm2_dir) -> Path:
 @pytest.fixture(scope="module")
 def runners(tiny_dir, other_draft_dir) -> dict[str, MLXRunner]:
     return {
-        "off": _runner(tiny_dir, SpeculativeConfig(mode="off")),
-        "self": _runner(tiny_dir, _draft(tiny_dir)),
-        "other": _runner(tiny_dir, _draft(other_draft_dir)),
+        "off": speculative_runner(tiny_dir, SpeculativeConfig(mode="off")),
+        "self": speculative_runner(tiny_dir, _draft(tiny_dir)),
+        "other": speculative_runner(tiny_dir, _draft(other_draft_dir)),
     }
 
 
@@ -74,7 +61,7 @@ def test_a_batch_of_greedy_requests_is_token_identical_with_a_draft_model(runner
 
 
 def test_the_target_as_its_own_draft_has_its_drafts_accepted(tiny_dir):
-    runner = _runner(tiny_dir, _draft(tiny_dir))
+    runner = speculative_runner(tiny_dir, _draft(tiny_dir))
     generate_together(runner, _jobs(runner))
     stats = runner.stats()["speculative"]
     assert stats["mode"] == "draft" and stats["draft_model"] == str(tiny_dir)
@@ -157,17 +144,17 @@ def _shrink_vocabulary(source: Path, dest: Path, size: int) -> Path:
 def test_a_draft_with_another_vocabulary_is_refused_at_load(home, tiny_dir):
     small = _shrink_vocabulary(tiny_dir, home / "models" / "tiny-draft-small-vocab", 1000)
     with pytest.raises(ConfigError, match="vocabulary of 1000 tokens"):
-        _runner(tiny_dir, _draft(small))
+        speculative_runner(tiny_dir, _draft(small))
 
 
 def test_a_draft_model_named_by_its_models_dir_folder_is_found(tiny_dir, other_draft_dir):
-    runner = _runner(tiny_dir, _draft(Path(other_draft_dir.name)))
+    runner = speculative_runner(tiny_dir, _draft(Path(other_draft_dir.name)))
     assert runner.speculator.enabled and runner.speculator.drafter.vocab_limit == runner.vocab_size
 
 
 def test_a_missing_draft_model_is_refused_at_load(home, tiny_dir):
     with pytest.raises(ConfigError, match="no model at"):
-        _runner(tiny_dir, _draft(home / "models" / "no-such-draft"))
+        speculative_runner(tiny_dir, _draft(home / "models" / "no-such-draft"))
 
 
 def test_a_draft_model_is_configured_per_model():

@@ -7,7 +7,7 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 from helpers import openai_client, wait_for
-from helpers.runner_jobs import generate_together
+from helpers.runner_jobs import GREEDY, generate_together, speculative_runner
 from mlx_lm.models.cache import BatchKVCache
 from mlxgw.shared import protocol as p
 from mlxgw.shared.config import ConfigError, SpeculativeConfig, parse_registry
@@ -17,24 +17,12 @@ from mlxgw.worker.scheduler import Scheduler
 from mlxgw.worker.spec_verify import rollback_rows
 from mlxgw.worker.speculative import NgramIndex
 
-GREEDY = SamplingParams(temperature=0.0)
 COPY_TEXT = "def add(a, b):\n    return a + b\n\n" * 6
-
-
-def _runner(model_dir, mode: str) -> MLXRunner:
-    return MLXRunner(
-        model_dir,
-        context_length=None,
-        max_num_seqs=8,
-        prefill_step_size=256,
-        cache_bytes=0,
-        speculative=SpeculativeConfig(mode=mode),
-    )
 
 
 @pytest.fixture(scope="module")
 def tiny_runners(tiny_dir):
-    return {mode: _runner(tiny_dir, mode) for mode in ("off", "prompt_lookup")}
+    return {mode: speculative_runner(tiny_dir, SpeculativeConfig(mode=mode)) for mode in ("off", "prompt_lookup")}
 
 
 def _copy_prompt(runner: MLXRunner, text: str = COPY_TEXT) -> list[int]:
@@ -145,7 +133,7 @@ def test_speculation_off_drafts_nothing(tiny_runners):
 
 # -- the real model: drafts accepted on a copy-the-context prompt --------------------------------
 def test_the_real_model_accepts_drafts_when_copying_its_context_and_stays_identical(smollm2_dir):
-    runners = {mode: _runner(smollm2_dir, mode) for mode in ("off", "prompt_lookup")}
+    runners = {mode: speculative_runner(smollm2_dir, SpeculativeConfig(mode=mode)) for mode in ("off", "prompt_lookup")}
     tok = runners["off"].text.tokenizer
     code = "def area(w, h):\n    return w * h\n\n\ndef perimeter(w, h):\n    return 2 * (w + h)\n"
     messages = [{"role": "user", "content": f"Repeat this code exactly, nothing else:\n\n{code}"}]
