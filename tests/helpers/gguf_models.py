@@ -210,3 +210,88 @@ def write_twice(arch: str, dest: Path, seed: int = 0, split_max_tensors: int = 0
     writer.write_tensors_to_file()
     writer.close()
     return folder, path
+
+
+# --- Quantized tensors: one GGUF per ggml type, next to an mlx-lm folder holding exactly what
+# llama.cpp's reference (gguf-py's numpy dequantize) reads back from the same bytes.
+
+# Row lengths must be multiples of 256 for the K and IQ types' super-blocks.
+QUANT_BASE = {"hidden_size": 256, "intermediate_size": 512, "head_dim": 64}
+# Where each block's fp16 scale(s) sit, for the types gguf-py cannot quantize: random bytes
+# make valid quant codes and grid indices, but a random fp16 scale can be inf or NaN.
+_FP16_SCALE_OFFSETS = {
+    "Q2_K": (80, 82),
+    "Q3_K": (108,),
+    "Q4_K": (0, 2),
+    "Q5_K": (0, 2),
+    "Q6_K": (208,),
+    "IQ2_XXS": (0,),
+    "IQ2_XS": (0,),
+    "IQ2_S": (0,),
+    "IQ3_XXS": (0,),
+    "IQ3_S": (0,),
+    "IQ1_S": (0,),
+    "IQ4_NL": (0,),
+    "IQ4_XS": (0,),
+}
+
+
+def quantized_bytes(qtype: str, w: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """w (rows, cols) as ggml blocks of qtype: gguf-py's quantizer where it has one, else
+    random blocks with small, finite scales (what matters is reading them back exactly)."""
+    import gguf
+    from gguf.quants import quantize
+
+    t = gguf.GGMLQuantizationType[qtype]
+    if qtype not in _FP16_SCALE_OFFSETS:
+        return quantize(w, t)
+    block_size, type_size = gguf.GGML_QUANT_SIZES[t]
+    rows, cols = w.shape
+    blocks = rng.integers(0, 256, size=(rows, cols // block_size, type_size), dtype=np.uint8)
+    for offset in _FP16_SCALE_OFFSETS[qtype]:
+        scale = rng.uniform(2e-4, 1e-3, size=blocks.shape[:2]).astype(np.float16)
+        blocks[:, :, offset : offset + 2] = scale.view(np.uint8).reshape(*scale.shape, 2)
+    return blocks.reshape(rows, -1)
+
+
+def write_quantized(qtype: str, dest: Path, arch: str = "qwen3", seed: int = 0) -> tuple[Path, Path]:
+    """(mlx-lm folder, GGUF file): every matrix stored as qtype in the GGUF (norms stay F32, as
+    llama.cpp keeps them), and the folder holding gguf-py's dequantization of those bytes."""
+    import gguf
+    import mlx.core as mx
+    from gguf.quants import dequantize
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import _get_classes, save_config, save_model
+
+    assert arch not in ("llama", "mistral") and not arch.startswith("gemma"), "no weight transforms here"
+    config = {**mlx_config(arch), **QUANT_BASE}
+    rng = np.random.default_rng(seed)
+    mx.random.seed(seed)
+    model_cls, args_cls = _get_classes(config)
+    model = model_cls(args_cls.from_dict(config))
+    params = {k: np.array(v.astype(mx.float32)) for k, v in tree_flatten(model.parameters())}
+    path = dest / f"{arch}-{qtype}.gguf"
+    writer = gguf.GGUFWriter(path, arch)
+    _add_hparams(writer, arch, config)
+    _add_tokenizer(writer, arch, config["vocab_size"])
+    reference = {}
+    t = gguf.GGMLQuantizationType[qtype]
+    for name, w in params.items():
+        w = rng.normal(0, 0.5, w.shape).astype(np.float32) if name.endswith("norm.weight") else w
+        if w.ndim == 2:
+            raw = quantized_bytes(qtype, w, rng)
+            w = dequantize(raw, t).astype(np.float32).reshape(w.shape)
+            writer.add_tensor(gguf_name(arch, name), raw, raw_dtype=t)
+        else:
+            writer.add_tensor(gguf_name(arch, name), w)
+        reference[name] = mx.array(w)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    model.load_weights(list(reference.items()))
+    folder = dest / f"{arch}-{qtype}-mlx"
+    folder.mkdir(parents=True, exist_ok=True)
+    save_model(folder, model)
+    save_config(config, folder / "config.json")
+    return folder, path
