@@ -16,7 +16,7 @@ pytest.importorskip("gguf", reason="the GGUF writer for these tests: pip install
 
 from helpers.gguf_models import write_twice  # noqa: E402
 
-ARCHS = ["llama", "mistral", "qwen3", "gemma2", "gemma3", "phi3"]
+ARCHS = ["llama", "mistral", "mistral3", "qwen3", "gemma2", "gemma3", "phi3"]
 TOKENS = [[1, 5, 17, 42, 299, 3, 7, 100, 250, 11]]  # longer than Gemma 3's test sliding window
 ATOL = 1e-4
 

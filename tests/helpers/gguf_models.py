@@ -44,6 +44,23 @@ CONFIGS = {
 }
 # Mistral (and Llama 2) GGUFs say `llama`, with a SentencePiece vocabulary.
 CONFIGS["mistral"] = CONFIGS["llama"]
+# Ministral 3 (`mistral3` in llama.cpp): YaRN rope and Llama 4's attention temperature. A
+# tiny original context (4) makes the temperature reach the test's ten positions.
+CONFIGS["mistral3"] = {
+    "model_type": "ministral3",
+    "tie_word_embeddings": False,
+    "rope_parameters": {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 16.0,
+        "original_max_position_embeddings": 4,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "llama_4_scaling_beta": 0.1,
+    },
+}
 GGUF_ARCH = {"mistral": "llama"}
 # mlx-lm (Hugging Face) names -> llama.cpp names, from gguf-py's tensor_mapping.py.
 _COMMON = {
@@ -72,6 +89,7 @@ _POST_ATTENTION = {
 }
 _POST_ATTENTION["gemma3"] = _POST_ATTENTION["gemma2"]
 _POST_ATTENTION["mistral"] = _POST_ATTENTION["llama"]
+_POST_ATTENTION["mistral3"] = _POST_ATTENTION["llama"]
 _TOP = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
@@ -97,12 +115,15 @@ def _llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+_PERMUTED = ("llama", "mistral", "mistral3")  # convert_hf_to_gguf's LlamaModel subclasses
+
+
 def to_llama_cpp(arch: str, config: dict, weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     out = {}
     for name, w in weights.items():
-        if arch in ("llama", "mistral") and name.endswith("self_attn.q_proj.weight"):
+        if arch in _PERMUTED and name.endswith("self_attn.q_proj.weight"):
             w = _llama_permute(w, config["num_attention_heads"])
-        elif arch in ("llama", "mistral") and name.endswith("self_attn.k_proj.weight"):
+        elif arch in _PERMUTED and name.endswith("self_attn.k_proj.weight"):
             w = _llama_permute(w, config["num_key_value_heads"])
         elif arch.startswith("gemma") and name.endswith("norm.weight"):
             w = w + 1.0  # Gemma's RMSNorm multiplies by (1 + w); llama.cpp stores 1 + w
@@ -172,6 +193,17 @@ def _add_hparams(writer, arch: str, c: dict) -> None:
         writer.add_final_logit_softcapping(c["final_logit_softcapping"])
     if arch == "gemma3":
         writer.add_sliding_window(c["sliding_window"])
+    if arch == "mistral3":  # as convert_hf_to_gguf's Ministral3Model writes them
+        import gguf
+
+        rope = c["rope_parameters"]
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        writer.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        writer.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+        writer.add_rope_scaling_yarn_log_mul(rope["mscale_all_dim"])
+        writer.add_attn_temperature_scale(rope["llama_4_scaling_beta"])
 
 
 def write_twice(arch: str, dest: Path, seed: int = 0, split_max_tensors: int = 0) -> tuple[Path, Path]:
