@@ -146,8 +146,13 @@ def test_usage_totals_equal_what_the_clients_counted_after_a_restart_too(ledger_
     gw = start(ledger_home, "ledger-gateway-2")
     try:
         assert_totals(api_usage(gw, since="1h", by="key"), counted)
+        # Counting goes on across the restart: both lifetimes add up.
+        again = run_workload(gw)
+        both = {k: {f: counted[k][f] + again[k][f] for f in counted[k]} for k in counted}
+        assert_totals(api_usage(gw, since="1h", by="key"), both)
     finally:
-        gw.stop()
+        assert gw.stop() == 0
+    assert_totals(usage_cli(ledger_home, "--since", "1h"), both)
 
 
 def test_rows_carry_key_names_never_keys(ledger_home):
