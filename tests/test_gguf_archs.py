@@ -100,6 +100,26 @@ def test_unsupported_architecture_is_named(tmp_path):
         _import(bad, "other", tmp_path / "models")
 
 
+def test_mistral3_with_a_temperature_length_mlx_lm_cannot_express_is_refused():
+    from mlxgw.worker.gguf.architectures import UnsupportedModel, _mistral3_config
+
+    md = {
+        "mistral3.attention.head_count": 4,
+        "mistral3.embedding_length": 64,
+        "mistral3.block_count": 2,
+        "mistral3.feed_forward_length": 128,
+        "mistral3.attention.layer_norm_rms_epsilon": 1e-5,
+        "mistral3.rope.scaling.type": "yarn",
+        "mistral3.rope.scaling.factor": 16.0,
+        "mistral3.rope.scaling.original_context_length": 16384,
+        "mistral3.attention.temperature_scale": 0.1,
+    }
+    rope = _mistral3_config(md)["rope_parameters"]
+    assert rope["original_max_position_embeddings"] == 16384 and rope["llama_4_scaling_beta"] == 0.1
+    with pytest.raises(UnsupportedModel, match="temperature_length"):
+        _mistral3_config({**md, "mistral3.attention.temperature_length": 8192})
+
+
 @pytest.mark.slow
 def test_gemma3_270m_from_its_packages_imports_and_generates(tmp_path):
     """The real Gemma 3 270M (Q4_K_M: Q4_K, Q5_0, Q6_K, Q8_0 tensors) from its five packages."""
