@@ -4,15 +4,16 @@ chromium-driver, with Selenium) against a real gateway with 50 models configured
 from __future__ import annotations
 
 import json
+import os
 import shutil
-import sys
 import time
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import psutil
 import pytest
 import yaml
-from helpers import http, start_gateway
+from helpers import REPO, http, start_gateway
 from mlxgw.gateway.keys import hash_key
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -20,6 +21,9 @@ CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
 ADMIN = "mlxgw-console-admin-0123456789"
 USER = "mlxgw-console-user-0123456789"
 N_SPARE = 48  # with echo and null: 50 models
+# Screenshots are saved under the test's tmp folder and copied here, which outlives pytest's
+# rotation of its tmp folders (the path is printed either way).
+ARTIFACTS = Path(os.environ.get("MLXGW_TEST_ARTIFACTS", REPO / "build" / "test-artifacts")) / "console"
 
 
 def _browser_missing() -> str | None:
@@ -60,10 +64,11 @@ def console_gateway(home, tmp_path_factory):
 
 
 @pytest.fixture
-def browser(tmp_path):
+def browser(tmp_path, capsys):
     missing = _browser_missing()
     if missing:
-        print(f"SKIPPED browser test: {missing}", file=sys.stderr)
+        with capsys.disabled():  # said on the terminal, not only in the skip report
+            print(f"\nSKIPPED browser test: {missing}")
         pytest.skip(missing)
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
@@ -89,6 +94,13 @@ def browser(tmp_path):
     driver.set_page_load_timeout(60)
     yield driver
     driver.quit()
+
+
+def screenshot(driver, tmp_path: Path, name: str) -> Path:
+    path = tmp_path / name
+    driver.save_screenshot(str(path))
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    return Path(shutil.copy(path, ARTIFACTS / name))
 
 
 def wait_until(driver, condition, timeout: float = 30, what: str = "condition"):
@@ -126,7 +138,7 @@ def model_state(driver, name: str) -> str:
     return driver.find_element(By.CSS_SELECTOR, f"tr[data-model='{name}'] .pill").text
 
 
-def test_console_shows_models_unloads_one_and_streams_a_playground_reply(console_gateway, browser, tmp_path):
+def test_console_shows_models_unloads_one_and_streams_a_playground_reply(console_gateway, browser, tmp_path, capsys):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.common.keys import Keys
     from selenium.webdriver.support.ui import Select
@@ -151,11 +163,11 @@ def test_console_shows_models_unloads_one_and_streams_a_playground_reply(console
     driver.find_element(By.CSS_SELECTOR, "button[data-action='unload'][data-model='null']").click()
     wait_until(driver, lambda d: not _alive(pid), timeout=60, what="the null worker process to end")
     wait_until(driver, lambda d: model_state(d, "null") == "unloaded", what="null shown unloaded")
-    driver.save_screenshot(str(tmp_path / "console-overview.png"))
+    shots = [screenshot(driver, tmp_path, "console-overview.png")]
 
     driver.find_element(By.CSS_SELECTOR, ".tab-button[data-tab='keys']").click()
     wait_until(driver, lambda d: "erin" in d.find_element(By.ID, "usage-table").text, what="usage per key")
-    driver.save_screenshot(str(tmp_path / "console-keys.png"))
+    shots.append(screenshot(driver, tmp_path, "console-keys.png"))
 
     driver.find_element(By.CSS_SELECTOR, ".tab-button[data-tab='playground']").click()
     Select(driver.find_element(By.ID, "play-model")).select_by_value("echo")
@@ -167,11 +179,9 @@ def test_console_shows_models_unloads_one_and_streams_a_playground_reply(console
     )
     reply = driver.find_element(By.CSS_SELECTOR, ".bubble.assistant .bubble-text").text
     assert reply == "Hello from the console playground"  # the echo engine repeats the message
-    driver.save_screenshot(str(tmp_path / "console-playground.png"))
-    print(
-        f"\nconsole screenshots: {tmp_path / 'console-overview.png'}, {tmp_path / 'console-keys.png'}, "
-        f"{tmp_path / 'console-playground.png'}"
-    )
+    shots.append(screenshot(driver, tmp_path, "console-playground.png"))
+    with capsys.disabled():
+        print(f"\nconsole screenshots (also under {tmp_path}): {', '.join(map(str, shots))}")
 
     urls = requested_urls(driver, gw.url)
     origin = urlsplit(gw.url)

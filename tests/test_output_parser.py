@@ -199,3 +199,27 @@ def test_generic_compact_listing_keeps_names_and_types_but_drops_prose():
         "description": "Runs a command.",
         "parameters": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]},
     }
+
+
+class _HermesTokenizer:
+    tool_call_start, tool_call_end = "<tool_call>", "</tool_call>"
+
+    @staticmethod
+    def tool_parser(text, tools=None):
+        return json.loads(text.strip())
+
+
+def test_hermes_template_bare_json_naming_an_offered_tool_is_a_call():
+    """Qwen2.5-Coder-0.5B (imported from GGUF) answers a tool request with the bare object."""
+    answer = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    out, _ = run(lambda: OutputParser(tool=tool_syntax(None, _HermesTokenizer()), tools=[WEATHER]), answer)
+    assert out.text == "" and [(c["name"], json.loads(c["arguments"])) for c in out.tool_calls] == [
+        ("get_weather", {"city": "Paris"})
+    ]
+
+
+def test_hermes_template_bare_json_without_offered_tools_stays_text():
+    answer = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    for tools in (None, [{"type": "function", "function": {"name": "other"}}]):
+        out, parser = run(lambda t=tools: OutputParser(tool=tool_syntax(None, _HermesTokenizer()), tools=t), answer)
+        assert out.text == answer and not parser.saw_tool_calls

@@ -42,6 +42,8 @@ class ToolSyntax:
     # For formats the chat template does not know (generic): rewrites the messages so the
     # template can render the tools and earlier calls; None: the template gets `tools`.
     chat_messages: Callable[[list[dict], list[dict]], list[dict]] | None = None
+    # Parses a bare (untagged) call; None: `parse` does (it must then check the name itself).
+    bare_parse: ToolParse | None = None
 
 
 def _held_prefix(buf: str, tags: list[str]) -> int:
@@ -157,8 +159,9 @@ class OutputParser:
 
     def _emit_call(self, body: str, out: Parsed, final: bool) -> None:
         start = "" if self._bare else self.tool.start
+        parse = self.tool.bare_parse if self._bare and self.tool.bare_parse else self.tool.parse
         try:
-            parsed = self.tool.parse(body, self.tools)
+            parsed = parse(body, self.tools)
         except Exception:  # a parser raises anything on malformed markup; keep the model's words
             out.text += start + body + (self.tool.end if not final else "")
             return
@@ -189,7 +192,18 @@ def tool_syntax(name: str | None, tokenizer) -> ToolSyntax | None:
         return None
     if name in (None, "auto"):
         if getattr(tokenizer, "tool_call_start", None) and getattr(tokenizer, "tool_parser", None):
-            return ToolSyntax(tokenizer.tool_call_start, tokenizer.tool_call_end or "", tokenizer.tool_parser)
+            from .tool_formats import HERMES_BARE_STARTS, offered_tool_call
+
+            # Hermes-style templates (<tool_call>, Qwen 2.5): small models such as
+            # Qwen2.5-Coder-0.5B answer with the bare JSON object, tags left off.
+            hermes = tokenizer.tool_call_start == "<tool_call>"
+            return ToolSyntax(
+                tokenizer.tool_call_start,
+                tokenizer.tool_call_end or "",
+                tokenizer.tool_parser,
+                bare_starts=HERMES_BARE_STARTS if hermes else (),
+                bare_parse=offered_tool_call if hermes else None,
+            )
         name = "generic"
     import importlib
 

@@ -226,3 +226,14 @@ generic = SimpleNamespace(
 )
 
 FORMATS["generic"] = generic
+
+# A bare answer `{"name": ..., "arguments": ...}` to a hermes-style (<tool_call>) template.
+HERMES_BARE_STARTS = ('{"name"',)
+
+
+def offered_tool_call(text: str, tools=None):
+    """A bare JSON answer is a call only when tools were offered and it names one of them
+    (otherwise it stays the model's text: JSON a user asked for)."""
+    if not tools:
+        raise ValueError("no tools offered")
+    return _generic_parse(text, tools)

@@ -44,6 +44,23 @@ CONFIGS = {
 }
 # Mistral (and Llama 2) GGUFs say `llama`, with a SentencePiece vocabulary.
 CONFIGS["mistral"] = CONFIGS["llama"]
+# Ministral 3 (`mistral3` in llama.cpp): YaRN rope and Llama 4's attention temperature. A
+# tiny original context (4) makes the temperature reach the test's ten positions.
+CONFIGS["mistral3"] = {
+    "model_type": "ministral3",
+    "tie_word_embeddings": False,
+    "rope_parameters": {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 16.0,
+        "original_max_position_embeddings": 4,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "llama_4_scaling_beta": 0.1,
+    },
+}
 GGUF_ARCH = {"mistral": "llama"}
 # mlx-lm (Hugging Face) names -> llama.cpp names, from gguf-py's tensor_mapping.py.
 _COMMON = {
@@ -72,6 +89,7 @@ _POST_ATTENTION = {
 }
 _POST_ATTENTION["gemma3"] = _POST_ATTENTION["gemma2"]
 _POST_ATTENTION["mistral"] = _POST_ATTENTION["llama"]
+_POST_ATTENTION["mistral3"] = _POST_ATTENTION["llama"]
 _TOP = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
@@ -97,12 +115,15 @@ def _llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+_PERMUTED = ("llama", "mistral", "mistral3")  # convert_hf_to_gguf's LlamaModel subclasses
+
+
 def to_llama_cpp(arch: str, config: dict, weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     out = {}
     for name, w in weights.items():
-        if arch in ("llama", "mistral") and name.endswith("self_attn.q_proj.weight"):
+        if arch in _PERMUTED and name.endswith("self_attn.q_proj.weight"):
             w = _llama_permute(w, config["num_attention_heads"])
-        elif arch in ("llama", "mistral") and name.endswith("self_attn.k_proj.weight"):
+        elif arch in _PERMUTED and name.endswith("self_attn.k_proj.weight"):
             w = _llama_permute(w, config["num_key_value_heads"])
         elif arch.startswith("gemma") and name.endswith("norm.weight"):
             w = w + 1.0  # Gemma's RMSNorm multiplies by (1 + w); llama.cpp stores 1 + w
@@ -172,6 +193,17 @@ def _add_hparams(writer, arch: str, c: dict) -> None:
         writer.add_final_logit_softcapping(c["final_logit_softcapping"])
     if arch == "gemma3":
         writer.add_sliding_window(c["sliding_window"])
+    if arch == "mistral3":  # as convert_hf_to_gguf's Ministral3Model writes them
+        import gguf
+
+        rope = c["rope_parameters"]
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        writer.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        writer.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+        writer.add_rope_scaling_yarn_log_mul(rope["mscale_all_dim"])
+        writer.add_attn_temperature_scale(rope["llama_4_scaling_beta"])
 
 
 def write_twice(arch: str, dest: Path, seed: int = 0, split_max_tensors: int = 0) -> tuple[Path, Path]:
@@ -209,4 +241,89 @@ def write_twice(arch: str, dest: Path, seed: int = 0, split_max_tensors: int = 0
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return folder, path
+
+
+# --- Quantized tensors: one GGUF per ggml type, next to an mlx-lm folder holding exactly what
+# llama.cpp's reference (gguf-py's numpy dequantize) reads back from the same bytes.
+
+# Row lengths must be multiples of 256 for the K and IQ types' super-blocks.
+QUANT_BASE = {"hidden_size": 256, "intermediate_size": 512, "head_dim": 64}
+# Where each block's fp16 scale(s) sit, for the types gguf-py cannot quantize: random bytes
+# make valid quant codes and grid indices, but a random fp16 scale can be inf or NaN.
+_FP16_SCALE_OFFSETS = {
+    "Q2_K": (80, 82),
+    "Q3_K": (108,),
+    "Q4_K": (0, 2),
+    "Q5_K": (0, 2),
+    "Q6_K": (208,),
+    "IQ2_XXS": (0,),
+    "IQ2_XS": (0,),
+    "IQ2_S": (0,),
+    "IQ3_XXS": (0,),
+    "IQ3_S": (0,),
+    "IQ1_S": (0,),
+    "IQ4_NL": (0,),
+    "IQ4_XS": (0,),
+}
+
+
+def quantized_bytes(qtype: str, w: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """w (rows, cols) as ggml blocks of qtype: gguf-py's quantizer where it has one, else
+    random blocks with small, finite scales (what matters is reading them back exactly)."""
+    import gguf
+    from gguf.quants import quantize
+
+    t = gguf.GGMLQuantizationType[qtype]
+    if qtype not in _FP16_SCALE_OFFSETS:
+        return quantize(w, t)
+    block_size, type_size = gguf.GGML_QUANT_SIZES[t]
+    rows, cols = w.shape
+    blocks = rng.integers(0, 256, size=(rows, cols // block_size, type_size), dtype=np.uint8)
+    for offset in _FP16_SCALE_OFFSETS[qtype]:
+        scale = rng.uniform(2e-4, 1e-3, size=blocks.shape[:2]).astype(np.float16)
+        blocks[:, :, offset : offset + 2] = scale.view(np.uint8).reshape(*scale.shape, 2)
+    return blocks.reshape(rows, -1)
+
+
+def write_quantized(qtype: str, dest: Path, arch: str = "qwen3", seed: int = 0) -> tuple[Path, Path]:
+    """(mlx-lm folder, GGUF file): every matrix stored as qtype in the GGUF (norms stay F32, as
+    llama.cpp keeps them), and the folder holding gguf-py's dequantization of those bytes."""
+    import gguf
+    import mlx.core as mx
+    from gguf.quants import dequantize
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import _get_classes, save_config, save_model
+
+    assert arch not in ("llama", "mistral") and not arch.startswith("gemma"), "no weight transforms here"
+    config = {**mlx_config(arch), **QUANT_BASE}
+    rng = np.random.default_rng(seed)
+    mx.random.seed(seed)
+    model_cls, args_cls = _get_classes(config)
+    model = model_cls(args_cls.from_dict(config))
+    params = {k: np.array(v.astype(mx.float32)) for k, v in tree_flatten(model.parameters())}
+    path = dest / f"{arch}-{qtype}.gguf"
+    writer = gguf.GGUFWriter(path, arch)
+    _add_hparams(writer, arch, config)
+    _add_tokenizer(writer, arch, config["vocab_size"])
+    reference = {}
+    t = gguf.GGMLQuantizationType[qtype]
+    for name, w in params.items():
+        w = rng.normal(0, 0.5, w.shape).astype(np.float32) if name.endswith("norm.weight") else w
+        if w.ndim == 2:
+            raw = quantized_bytes(qtype, w, rng)
+            w = dequantize(raw, t).astype(np.float32).reshape(w.shape)
+            writer.add_tensor(gguf_name(arch, name), raw, raw_dtype=t)
+        else:
+            writer.add_tensor(gguf_name(arch, name), w)
+        reference[name] = mx.array(w)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    model.load_weights(list(reference.items()))
+    folder = dest / f"{arch}-{qtype}-mlx"
+    folder.mkdir(parents=True, exist_ok=True)
+    save_model(folder, model)
+    save_config(config, folder / "config.json")
     return folder, path

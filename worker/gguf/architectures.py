@@ -32,6 +32,7 @@ _LIMITS = {
     "context_length": 1 << 24,
     "attention.sliding_window": 1 << 24,
     "rope.dimension_count": 4096,
+    "rope.scaling.original_context_length": 1 << 24,
 }
 
 
@@ -151,7 +152,8 @@ def _common_config(md: dict, arch: str, model_type: str) -> dict:
     if model_type != "phi3" and _int(md, arch, "rope.dimension_count", head_dim) != head_dim:
         raise UnsupportedModel(f"{arch}: partial rotary embeddings (rope.dimension_count) are not supported")
     scaling = md.get(f"{arch}.rope.scaling.type")
-    if scaling not in (None, "none") and not (scaling == "linear" and model_type == "gemma3_text"):
+    allowed = {"gemma3_text": "linear", "ministral3": "yarn"}
+    if scaling not in (None, "none") and scaling != allowed.get(model_type):
         raise UnsupportedModel(f"{arch}: rope scaling {scaling!r} is not supported by the importer")
     return config
 
@@ -215,6 +217,39 @@ def _phi3_config(md: dict) -> dict:
     return config
 
 
+def _mistral3_config(md: dict) -> dict:
+    """Ministral 3 as llama.cpp writes it (`mistral3`): a llama block with YaRN rope and
+    Llama 4's attention temperature, q * (1 + beta * log(1 + floor(pos / original_ctx)))."""
+    config = _common_config(md, "mistral3", "ministral3")
+    if md.get("mistral3.expert_count"):
+        raise UnsupportedModel("mistral3: mixture-of-experts GGUF files are not supported")
+    original = _int(md, "mistral3", "context_length", 4096)
+    rope = {"rope_type": "default", "rope_theta": config.pop("rope_theta")}
+    if md.get("mistral3.rope.scaling.type") == "yarn":
+        original = _int(md, "mistral3", "rope.scaling.original_context_length", original)
+        rope.update(
+            rope_type="yarn",
+            factor=_float(md, "mistral3", "rope.scaling.factor", high=1e6),
+            beta_fast=_float(md, "mistral3", "rope.scaling.yarn_beta_fast", 32.0, high=1e6),
+            beta_slow=_float(md, "mistral3", "rope.scaling.yarn_beta_slow", 1.0, high=1e6),
+            # llama.cpp's mistral3 graph cancels YaRN's magnitude correction (its attn_factor
+            # is 1 / (1 + 0.1 ln factor)); equal mscales make mlx-lm's ratio 1 as well.
+            mscale=1.0,
+            mscale_all_dim=1.0,
+        )
+    temperature_length = md.get("mistral3.attention.temperature_length", original)
+    if temperature_length != original:
+        raise UnsupportedModel(
+            f"mistral3: attention.temperature_length {temperature_length!r} differs from the original "
+            f"context {original} (mlx-lm's ministral3 uses one value for both)"
+        )
+    rope["original_max_position_embeddings"] = original
+    beta = md.get("mistral3.attention.temperature_scale", 0.0)
+    rope["llama_4_scaling_beta"] = _float(md, "mistral3", "attention.temperature_scale", 0.0, low=-1.0) if beta else 0.0
+    config.update(rope_parameters=rope, attention_bias=False, mlp_bias=False)
+    return config
+
+
 ARCHITECTURES = {
     "llama": Architecture("llama", _llama_config, permute_qk=True),
     "qwen2": Architecture("qwen2", _qwen2_config),
@@ -222,6 +257,9 @@ ARCHITECTURES = {
     "gemma2": Architecture("gemma2", _gemma2_config, _GEMMA_BLOCK, norm_shift=1.0),
     "gemma3": Architecture("gemma3", _gemma3_config, {**_GEMMA_BLOCK, **_QK_NORM}, norm_shift=1.0),
     "phi3": Architecture("phi3", _phi3_config, _PHI3_BLOCK),
+    # Mistral 3 GGUFs: `llama` from older llama.cpp (imported as llama), `mistral3` since
+    # Ministral 3; both carry llama's Q/K row permutation (llama.cpp's NORM rope).
+    "mistral3": Architecture("mistral3", _mistral3_config, permute_qk=True),
 }
 
 
