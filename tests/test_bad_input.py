@@ -363,6 +363,9 @@ def test_hostile_bodies_leave_no_residue_and_spare_a_concurrent_stream(tiny_gate
             assert http(tiny_gateway.url + route, "POST", raw=body)[0] == 400
     for _, route, body, _ in TOKEN_IDS_PAST_64_BITS:
         assert http(tiny_gateway.url + route, "POST", body)[0] == 400
+    for _, path, body, status, _, _ in CASES:
+        raw = body if isinstance(body, bytes) else None
+        assert http(tiny_gateway.url + path, "POST", None if raw is not None else body, raw=raw)[0] == status
     chunks += list(innocent)
     assert chunks[-1].usage.completion_tokens == 200
     assert stream_text(chunks) == stream_text(alone)

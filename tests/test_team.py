@@ -348,28 +348,37 @@ def greedy_stream(gw, key: str, rid: str, model: str = "tiny", max_tokens: int =
     return raw.parse(), raw.headers["x-request-id"]
 
 
+def model_status_as_admin(gw, name: str) -> dict:
+    """/v1/status needs an admin key here."""
+    status = http(f"{gw.url}/v1/status", headers={"Authorization": f"Bearer {KEYS['dave']}"})[2]
+    return next(m for m in status["models"] if m["name"] == name)
+
+
 def streamed_text(chunks) -> str:
     return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
 
 
 def test_another_key_reusing_a_request_id_cannot_cut_or_cancel_the_stream(team_gateway):
     """Issue 13: a second key that sent the x-request-id of a stream in flight and then
-    disconnected cancelled the first key's generation (the id was the routing key)."""
+    cancelled or disconnected ended the first key's generation (the id was the routing key).
+    Now both act on the second key's own request only."""
     rid = "req_henry_shared_id"
-    alone, _ = greedy_stream(team_gateway, KEYS["henry"], rid)
+    alone, _ = greedy_stream(team_gateway, KEYS["henry"], rid, max_tokens=120)
     alone_text = streamed_text(list(alone))
-    stream, echoed = greedy_stream(team_gateway, KEYS["henry"], rid)
+    stream, echoed = greedy_stream(team_gateway, KEYS["henry"], rid, max_tokens=120)
     first = [next(iter(stream))]
-    hijack, hijack_echoed = greedy_stream(team_gateway, KEYS["grace"], rid, model="gpt-4o-mini", max_tokens=5000)
-    next(iter(hijack))
-    hijack.close()  # grace disconnects: only her own request may end
-    cancel = http(
-        f"{team_gateway.url}/v1/requests/{rid}/cancel", "POST", {}, headers={"Authorization": f"Bearer {KEYS['grace']}"}
-    )
-    assert cancel[0] == 404  # henry's request is not grace's to cancel
+    cancelled, hijack_echoed = greedy_stream(team_gateway, KEYS["grace"], rid, model="gpt-4o-mini", max_tokens=5000)
+    next(iter(cancelled))
+    grace = {"Authorization": f"Bearer {KEYS['grace']}"}
+    assert http(f"{team_gateway.url}/v1/requests/{rid}/cancel", "POST", {}, headers=grace)[0] == 200
+    with pytest.raises(openai.APIError):  # grace's own request is the one cancelled
+        list(cancelled)
+    dropped, _ = greedy_stream(team_gateway, KEYS["grace"], rid, model="gpt-4o-mini", max_tokens=5000)
+    next(iter(dropped))
+    dropped.close()  # grace disconnects: only her own request may end
     assert streamed_text(first + list(stream)) == alone_text
     assert echoed == hijack_echoed == rid  # echoed to each caller, never used to route
-    wait_for(lambda: team_gateway.model_status("tiny")["in_flight"] == 0, 10)
+    wait_for(lambda: model_status_as_admin(team_gateway, "tiny")["in_flight"] == 0, 10)
 
 
 def test_a_stream_cut_by_a_worker_crash_is_charged_what_it_delivered(team_gateway):
@@ -387,7 +396,8 @@ def test_a_stream_cut_by_a_worker_crash_is_charged_what_it_delivered(team_gatewa
     chunks = [c for _, c in zip(range(8), stream)]
     delivered = sum(1 for c in chunks if c.choices and c.choices[0].delta.content)
     assert delivered >= 6
-    os.kill(team_gateway.worker_pid("tiny-crash"), signal.SIGKILL)
+    (worker,) = model_status_as_admin(team_gateway, "tiny-crash")["workers"]
+    os.kill(worker["pid"], signal.SIGKILL)
     with pytest.raises(openai.APIError):
         list(stream)
     body = {"model": "null", "max_tokens": 5, "messages": MSGS}
