@@ -24,7 +24,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-CONFIG = "manager: {auto_discover: false}\nmodels: [{name: null, engine: null, preload: true}]\n"
+CONFIG = "manager: {auto_discover: false}\nmodels: [{name: 'null', engine: 'null', preload: true}]\n"
 
 
 def free_port() -> int:
@@ -74,16 +74,20 @@ async def idle(port: int, stop: asyncio.Event) -> None:
         pass
 
 
-async def health(port: int) -> float | None:
-    started = time.monotonic()
-    try:
-        r, w = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 10)
-        w.write(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-        reply = await asyncio.wait_for(r.read(), 10)
-        w.close()
-    except (OSError, asyncio.TimeoutError):
-        return None
-    return time.monotonic() - started if reply.startswith(b"HTTP/1.1 200") else None
+def health_probes(port: int, seconds: float) -> list[float | None]:
+    """/health every 0.25 s for `seconds`, on a thread of its own with blocking sockets, so the
+    attack's event loop does not delay the probe: seconds per answer, None for a failure."""
+    out: list[float | None] = []
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        started = time.monotonic()
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10) as r:
+                out.append(time.monotonic() - started if r.status == 200 else None)
+        except OSError:
+            out.append(None)
+        time.sleep(0.25)
+    return out
 
 
 def metrics(port: int) -> dict[str, float]:
@@ -107,12 +111,9 @@ async def flood(port: int, slow_bodies: int, idle_sockets: int, seconds: float) 
     stop = asyncio.Event()
     tasks = [asyncio.create_task(slow_body(port, stop)) for _ in range(slow_bodies)]
     tasks += [asyncio.create_task(idle(port, stop)) for _ in range(idle_sockets)]
-    latencies: list[float | None] = []
+    await asyncio.sleep(0.5)  # the flood is under way
     tokens = asyncio.create_task(asyncio.to_thread(stream_tokens, port))
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        latencies.append(await health(port))
-        await asyncio.sleep(0.25)
+    latencies = await asyncio.to_thread(health_probes, port, seconds)
     held = await asyncio.to_thread(metrics, port)
     stop.set()
     await asyncio.gather(*tasks)
