@@ -211,17 +211,37 @@ def test_a_models_own_endless_template_ends_each_request_in_a_400_and_the_worker
     assert_unharmed(gw, pid, "tiny-evil")
 
 
+def completion_stream_text(gw, model: str, started: threading.Event | None = None) -> str:
+    """A greedy completions stream (no chat template) on the model; sets `started` at its
+    first chunk. Token 299, the tiny GGUF's end of sequence, is forbidden so it runs long."""
+    stream = openai_client(gw).completions.create(
+        model=model, prompt="ab", max_tokens=1500, temperature=0, stream=True, extra_body={"logit_bias": {"299": -100}}
+    )
+    text = []
+    for chunk in stream:
+        if started is not None:
+            started.set()
+        text.append(chunk.choices[0].text if chunk.choices else "")
+    return "".join(text)
+
+
 def test_an_imported_gguf_with_an_endless_template_ends_each_chat_in_a_400(gw):
     """Issue 13: a GGUF whose tokenizer.chat_template held the loop imported without complaint
-    and would hang its worker; now the template renders budgeted like every other."""
+    and would hang its worker; now the template renders budgeted like every other, while a
+    stream on the same worker goes on."""
     pid = gw.worker_pid("gguf-evil")
-    started = time.monotonic()
+    alone = completion_stream_text(gw, "gguf-evil")
+    started, during = threading.Event(), []
+    innocent = threading.Thread(target=lambda: during.append(completion_stream_text(gw, "gguf-evil", started)))
+    innocent.start()
+    assert started.wait(60)
+    began = time.monotonic()
     status, _, payload = post_chat(gw, {}, model="gguf-evil")
     assert_openai_400(status, payload, "messages")
     assert "budget" in payload["error"]["message"]
-    assert time.monotonic() - started < TEMPLATE_BUDGET_S + 10
-    status, _, body = http(f"{gw.url}/v1/completions", "POST", {"model": "gguf-evil", "prompt": "ab", "max_tokens": 2})
-    assert status == 200, body
+    assert time.monotonic() - began < TEMPLATE_BUDGET_S + 10
+    innocent.join(120)
+    assert during == [alone]
     assert_unharmed(gw, pid, "gguf-evil")
 
 
