@@ -113,6 +113,9 @@ class ModelSlot:
     # Monotonic time before which idle unloading and eviction leave the model (Ollama's
     # keep_alive, through ModelManager.keep_loaded).
     keep_until: float = 0.0
+    # Requests inside ModelManager.acquire for this model. A ready model that requests are
+    # waiting for is about to be used: evicting it before they start made loads thrash.
+    waiters: int = 0
     wake: Pulse = field(default_factory=Pulse)  # interrupts the lifecycle task's waits
 
     @property

@@ -92,6 +92,15 @@ class ModelManager(SlotRunner):
         """A ready worker for the model, loading it first if needed (once, however many ask).
         A model that is draining is waited for, then loaded. on_wait runs every wait_tick_s
         while the request waits (streaming clients get keep-alives)."""
+        slot.waiters += 1  # a ready model with waiters is not evicted before they start
+        try:
+            return await self._acquire(slot, on_wait, wait_tick_s)
+        finally:
+            slot.waiters -= 1
+
+    async def _acquire(
+        self, slot: ModelSlot, on_wait: Callable[[], Awaitable[None]] | None, wait_tick_s: float
+    ) -> WorkerConn:
         slot.last_used = time.monotonic()
         deadline = slot.last_used + self.registry.manager.load_timeout_s
         next_tick = slot.last_used + wait_tick_s

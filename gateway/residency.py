@@ -101,6 +101,7 @@ class Residency:
             and not o.slot.entry.pin
             and not o.slot.retired
             and o.in_flight == 0
+            and o.slot.waiters == 0
             and time.monotonic() >= o.slot.keep_until
         ]
         return Plan(victim=min(candidates, key=lambda s: s.last_used) if candidates else None)
@@ -124,6 +125,7 @@ class Residency:
             and slot.state is SlotState.READY
             and not slot.entry.pin
             and o.in_flight == 0
+            and slot.waiters == 0
             and now >= slot.keep_until
             and now - slot.last_used > idle_after
         )

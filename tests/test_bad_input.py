@@ -224,6 +224,15 @@ HOSTILE = [
         "surrogate",
     ),
     ("lone surrogate in a key", hostile_body('"metadata": {"\\udc00": 1}'), "metadata", "surrogate"),
+    ("600 levels in tools", hostile_body(f'"tools": [{nested(600)}]'), "tools", "nested"),
+    (
+        "600 levels in a response_format schema",
+        hostile_body(
+            '"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": ' + nested(600) + "}}"
+        ),
+        "response_format",
+        "nested",
+    ),
 ]
 HOSTILE_ROUTES = list(ROUTE_FAMILY)
 
@@ -239,6 +248,79 @@ def test_hostile_body_is_a_400_in_the_apis_shape(tiny_gateway, route, name, body
         named = payload["error"]["param"]
         assert named == param if param else (named is None or named in message)
     assert headers["content-type"].startswith("application/json")
+
+
+# Token ids at or past 2**64 where a client sends token ids: a prompt of ids, an embeddings
+# input of ids, and logit_bias keys (strings in JSON, so the body parser cannot see them).
+TOKEN_IDS_PAST_64_BITS = [
+    ("prompt ids", COMPLETIONS, {"model": "tiny", "prompt": [1, 2**64], "max_tokens": 2}, "prompt"),
+    ("batch of prompt ids", COMPLETIONS, {"model": "tiny", "prompt": [[1], [2**64]], "max_tokens": 2}, "prompt"),
+    ("embeddings input ids", "/v1/embeddings", {"model": "tiny", "input": [[1, 2**64]]}, "input"),
+    ("logit_bias key", CHAT, {"model": "tiny", "messages": MSGS, "logit_bias": {str(2**64): 1}}, "logit_bias"),
+    (
+        "logit_bias key, completions",
+        COMPLETIONS,
+        {"model": "tiny", "prompt": "x", "logit_bias": {str(2**64): 1}},
+        "logit_bias",
+    ),
+]
+
+
+@pytest.mark.parametrize("name,route,body,param", TOKEN_IDS_PAST_64_BITS, ids=[c[0] for c in TOKEN_IDS_PAST_64_BITS])
+def test_token_ids_past_64_bits_are_a_400_naming_the_field(tiny_gateway, name, route, body, param):
+    status, _, payload = http(tiny_gateway.url + route, "POST", body)
+    assert status == 400, payload
+    assert_error_shape(payload, "openai", status)
+    assert payload["error"]["param"] == param, payload
+
+
+def body_routes() -> list[tuple[str, str]]:
+    """Every route of the gateway that may read a body (method, path with its parameters
+    filled in), taken from the route tables the app is built from."""
+    import re
+
+    from mlxgw.gateway import observe
+    from mlxgw.gateway.api import (
+        admin,
+        anthropic,
+        audio,
+        ollama,
+        ollama_models,
+        openai_chat,
+        openai_completions,
+        openai_embeddings,
+        rerank,
+        responses,
+        system,
+        tokenize,
+    )
+    from mlxgw.gateway.console import routes as console_routes
+    from mlxgw.gateway.mcp import routes as mcp_routes
+
+    modules = [openai_chat, openai_completions, openai_embeddings, rerank, audio, anthropic, responses, system]
+    modules += [observe, ollama, ollama_models, tokenize, admin, mcp_routes]
+    tables = [m.routes for m in modules] + [console_routes]
+    found = set()
+
+    def fill(m: re.Match) -> str:
+        # a model nothing else uses (unloading or pinning it disturbs no other test)
+        return "null-default" if m.group(1) == "name" else "no-such-id"
+
+    for table in tables:
+        for route in table:
+            if getattr(route, "method", "GET") in ("POST", "PUT", "PATCH"):
+                found.add((route.method, re.sub(r"\{(\w+)(:[^}]*)?\}", fill, route.path)))
+    return sorted(found)
+
+
+@pytest.mark.parametrize("method,path", body_routes())
+def test_json_nested_100000_levels_is_never_a_500_on_any_route(tiny_gateway, method, path):
+    """RecursionError used to escape the JSON reader: a 500 on every route."""
+    raw = ("[" * 100_000 + "]" * 100_000).encode()
+    status, _, payload = http(tiny_gateway.url + path, method, raw=raw)
+    assert status < 500, (path, payload)
+    if status >= 400:
+        assert isinstance(payload, dict) and "error" in payload, payload
 
 
 @pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/messages"])
@@ -259,18 +341,34 @@ def test_malformed_request_line_is_a_400_in_openai_shape(tiny_gateway):
     assert "malformed HTTP request" in assert_error_shape(json.loads(body), "openai", status)
 
 
-def test_hostile_bodies_leave_no_residue_and_spare_a_concurrent_stream(tiny_gateway):
-    before = worker_pids(tiny_gateway, ["tiny", "null"])
-    client = openai_client(tiny_gateway)
-    innocent = client.chat.completions.create(
+def innocent_stream(gw):
+    """A stream on the null engine: its first chunk (it is running from here on) and the rest."""
+    stream = openai_client(gw).chat.completions.create(
         model="null", messages=MSGS, max_tokens=200, stream=True, stream_options={"include_usage": True}
     )
-    chunks = [next(iter(innocent))]
+    return [next(iter(stream))], stream
+
+
+def stream_text(chunks) -> str:
+    return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+def test_hostile_bodies_leave_no_residue_and_spare_a_concurrent_stream(tiny_gateway):
+    first, rest = innocent_stream(tiny_gateway)
+    alone = first + list(rest)
+    before = worker_pids(tiny_gateway, ["tiny", "null"])
+    chunks, innocent = innocent_stream(tiny_gateway)
     for route in HOSTILE_ROUTES:
         for _, body, _, _ in HOSTILE:
             assert http(tiny_gateway.url + route, "POST", raw=body)[0] == 400
+    for _, route, body, _ in TOKEN_IDS_PAST_64_BITS:
+        assert http(tiny_gateway.url + route, "POST", body)[0] == 400
+    for _, path, body, status, _, _ in CASES:
+        raw = body if isinstance(body, bytes) else None
+        assert http(tiny_gateway.url + path, "POST", None if raw is not None else body, raw=raw)[0] == status
     chunks += list(innocent)
     assert chunks[-1].usage.completion_tokens == 200
+    assert stream_text(chunks) == stream_text(alone)
     assert wait_in_flight_zero(tiny_gateway) == {}
     assert worker_pids(tiny_gateway, ["tiny", "null"]) == before
     assert tiny_gateway.model_status("tiny")["restarts"] == 0

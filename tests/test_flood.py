@@ -226,3 +226,47 @@ def test_the_file_descriptor_soft_limit_is_raised_to_the_hard_limit(flood_gatewa
     line = next(x for x in limits.splitlines() if x.startswith("Max open files")).split()
     soft, hard = line[3], line[4]
     assert soft == hard or int(soft) >= 65536
+
+
+FD_LIMIT = 1024  # the gateway's descriptor limit in the next test: its defaults would hold 1,024
+FD_FLOOD = 2000  # idle sockets: past the limit, as the 20,000 of the issue were past the host's
+
+
+def test_idle_sockets_past_the_descriptor_limit_never_exhaust_it(home):
+    """Issue 13: 20,000 idle sockets exhausted the descriptors; /health and chat timed out and
+    the log took 314,623 `Too many open files` tracebacks. The connection ceiling is kept below
+    the descriptor limit, so a flood past it costs the flood its connections, nobody else."""
+    from mlxgw.gateway.edge import connection_ceiling
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < FD_FLOOD + 256:
+        if hard != resource.RLIM_INFINITY and hard < FD_FLOOD + 256:
+            pytest.skip(f"the test process may open only {hard} files")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (FD_FLOOD + 256, hard))
+    gw = start_gateway(home, FLOOD_CONFIG, "fd-limited-gateway", max_files=FD_LIMIT)  # default --max-connections
+    try:
+
+        async def storm() -> dict:
+            stop, opened = asyncio.Event(), []
+            attackers = [asyncio.create_task(idle_socket(gw.port, stop, opened)) for _ in range(FD_FLOOD)]
+            await asyncio.sleep(2.0)
+            client = async_openai_client(gw, timeout=30)
+            out = await client.chat.completions.create(
+                model="null", messages=[{"role": "user", "content": "hi"}], max_tokens=20
+            )
+            latencies = [await health_latency(gw.port) for _ in range(10)]
+            held = await asyncio.to_thread(edge_metrics, gw)
+            stop.set()
+            await asyncio.gather(*attackers)
+            return {"tokens": out.usage.completion_tokens, "latencies": latencies, "held": held, "opened": len(opened)}
+
+        result = asyncio.run(storm())
+        log = gw.log()
+    finally:
+        gw.stop()
+    assert result["tokens"] == 20
+    assert max(result["latencies"]) < 5.0, result["latencies"]
+    assert result["opened"] > connection_ceiling(FD_LIMIT), result["opened"]  # the flood did get past it
+    assert result["held"]["mlxgw_http_connections_peak"] <= connection_ceiling(FD_LIMIT) + 1, result["held"]
+    assert log.count("Too many open files") <= 10, log.count("Too many open files")
+    assert len(log) < 200_000, len(log)

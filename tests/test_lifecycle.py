@@ -256,6 +256,36 @@ async def test_a_busy_model_is_not_evicted_and_the_load_waits_for_it(world):
     assert a.state is SlotState.UNLOADED and spawner.most_alive_total == 1
 
 
+async def test_a_ready_model_with_requests_waiting_for_it_is_not_evicted(world):
+    """Issue 13, residency: with room for one model, requests for three thrashed (43 loads for
+    9 requests in the three-model test, some past the wait timeout). A model turned ready; the
+    other model's load, woken by the same event before the requests waiting for the first,
+    evicted it before they could start. A model that requests wait for is not a victim."""
+    manager, _, _ = await world(memory_budget="200MB")
+    a, b = manager.slots["a"], manager.slots["b"]
+    await manager.acquire(a)
+    a.waiters = 1  # a request woken by a's load, not yet run
+    assert manager.residency.plan(b, manager.occupants(b)).victim is None
+    a.waiters = 0
+    assert manager.residency.plan(b, manager.occupants(b)).victim is a
+
+
+async def test_requests_for_two_models_that_do_not_fit_together_load_each_at_most_once_per_request(world):
+    manager, broker, spawner = await world(memory_budget="200MB", wait_timeout_s=5, load_timeout_s=5)
+    a, b = manager.slots["a"], manager.slots["b"]
+    spawner.load_s = 0.05
+
+    async def ask(slot, i: int) -> None:
+        conn = await manager.acquire(slot)
+        stream = await broker.submit(conn, p.GenerateRequest(rid=f"{slot.name}{i}", prompt="hi"))
+        await asyncio.sleep(0.02)  # generating
+        broker._on_events(conn, [[stream.rid, {"e": p.EV_FINISH, "reason": "stop"}]])
+
+    await asyncio.wait_for(asyncio.gather(*(ask(s, i) for i in range(3) for s in (a, b))), 10)
+    assert len(spawner.spawned) <= 6, [q.model for q in spawner.spawned]
+    assert spawner.most_alive_total == 1 and a.waiters == b.waiters == 0
+
+
 async def test_a_hot_reload_that_changes_a_model_drains_the_old_worker_before_loading_once(world):
     manager, _, spawner = await world()
     spawner.drain_s = 0.2

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import plistlib
 import shutil
 import signal
@@ -30,6 +31,7 @@ KEYS = {
     "erin": "mlxgw-erin-key-0123456789",
     "frank": "mlxgw-frank-key-0123456789",
     "grace": "mlxgw-grace-key-0123456789",
+    "henry": "mlxgw-henry-key-0123456789",
 }
 # A model only reachable through a glob alias: a key limited to "smollm2-*" must not reach it
 # by asking for "smollm2-large" (issue 13).
@@ -55,6 +57,7 @@ def team_gateway(home, tiny_dir):
                     {"name": "erin", "sha256": hash_key(KEYS["erin"]), "tpm": 2000},
                     {"name": "frank", "sha256": hash_key(KEYS["frank"]), "models": ["smollm2-*"]},
                     {"name": "grace", "sha256": hash_key(KEYS["grace"]), "models": ["gpt-4o-mini"]},
+                    {"name": "henry", "sha256": hash_key(KEYS["henry"])},
                 ],
             }
         )
@@ -328,6 +331,94 @@ def test_only_the_owner_or_an_admin_cancels_a_request_and_clears_caches(team_gat
     assert status == 403 and "admin" in body["error"]["message"]
     status, _, body = control(KEYS["dave"], "/v1/cache", "DELETE")
     assert status == 200 and body["object"] == "cache.stats"
+
+
+def greedy_stream(gw, key: str, rid: str, model: str = "tiny", max_tokens: int = 40):
+    """A greedy stream under a given key and x-request-id: (the SDK stream, the echoed id)."""
+    client = openai_client(gw, default_headers={"Authorization": f"Bearer {key}"})
+    raw = client.chat.completions.with_raw_response.create(
+        model=model,
+        messages=[{"role": "user", "content": "Tell me about the sea."}],
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        extra_body={"logit_bias": NO_EOS},
+        extra_headers={"x-request-id": rid},
+    )
+    return raw.parse(), raw.headers["x-request-id"]
+
+
+def model_status_as_admin(gw, name: str) -> dict:
+    """/v1/status needs an admin key here."""
+    status = http(f"{gw.url}/v1/status", headers={"Authorization": f"Bearer {KEYS['dave']}"})[2]
+    return next(m for m in status["models"] if m["name"] == name)
+
+
+def streamed_text(chunks) -> str:
+    return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+def test_another_key_reusing_a_request_id_cannot_cut_or_cancel_the_stream(team_gateway):
+    """Issue 13: a second key that sent the x-request-id of a stream in flight and then
+    cancelled or disconnected ended the first key's generation (the id was the routing key).
+    Now both act on the second key's own request only."""
+    rid = "req_henry_shared_id"
+    alone, _ = greedy_stream(team_gateway, KEYS["henry"], rid, max_tokens=120)
+    alone_text = streamed_text(list(alone))
+    stream, echoed = greedy_stream(team_gateway, KEYS["henry"], rid, max_tokens=120)
+    first = [next(iter(stream))]
+    cancelled, hijack_echoed = greedy_stream(team_gateway, KEYS["grace"], rid, model="gpt-4o-mini", max_tokens=5000)
+    next(iter(cancelled))
+    grace = {"Authorization": f"Bearer {KEYS['grace']}"}
+    assert http(f"{team_gateway.url}/v1/requests/{rid}/cancel", "POST", {}, headers=grace)[0] == 200
+    with pytest.raises(openai.APIError):  # grace's own request is the one cancelled
+        list(cancelled)
+    dropped, _ = greedy_stream(team_gateway, KEYS["grace"], rid, model="gpt-4o-mini", max_tokens=5000)
+    next(iter(dropped))
+    dropped.close()  # grace disconnects: only her own request may end
+    assert streamed_text(first + list(stream)) == alone_text
+    assert echoed == hijack_echoed == rid  # echoed to each caller, never used to route
+    wait_for(lambda: model_status_as_admin(team_gateway, "tiny")["in_flight"] == 0, 10)
+
+
+def test_a_stream_cut_by_a_worker_crash_is_charged_what_it_delivered(team_gateway):
+    """Issue 13: streams cut by a crash were charged their prompt tokens only."""
+    time.sleep(WINDOW)
+    client = openai_client(team_gateway, default_headers={"Authorization": f"Bearer {KEYS['erin']}"})
+    stream = client.chat.completions.create(
+        model="tiny-crash",
+        messages=MSGS,
+        max_tokens=1500,
+        temperature=0,
+        stream=True,
+        extra_body={"logit_bias": NO_EOS},
+    )
+    chunks = [c for _, c in zip(range(8), stream)]
+    delivered = sum(1 for c in chunks if c.choices and c.choices[0].delta.content)
+    assert delivered >= 6
+    (worker,) = model_status_as_admin(team_gateway, "tiny-crash")["workers"]
+    os.kill(worker["pid"], signal.SIGKILL)
+    with pytest.raises(openai.APIError):
+        list(stream)
+    body = {"model": "null", "max_tokens": 5, "messages": MSGS}
+
+    def settled():
+        status, headers, out = call(team_gateway, KEYS["erin"], body=body)
+        return (status, headers, out) if status == 200 else None
+
+    status, headers, out = wait_for(settled, 10)
+    charged_to_cut = 2000 - int(headers["x-ratelimit-remaining-tokens"]) - out["usage"]["total_tokens"]
+    assert charged_to_cut >= out["usage"]["prompt_tokens"] + delivered  # not the prompt alone
+    assert charged_to_cut < 1500  # settled to what it delivered, not its reservation
+
+
+def test_admin_routes_refuse_a_deeply_nested_body_with_a_400(team_gateway):
+    """The key routes read JSON too: 100,000 levels of nesting used to escape as a 500."""
+    raw = ("[" * 100_000 + "]" * 100_000).encode()
+    admin = {"Authorization": f"Bearer {KEYS['dave']}"}
+    for method, path in (("POST", "/v1/keys"), ("PATCH", "/v1/keys/alice")):
+        status, _, body = http(team_gateway.url + path, method, raw=raw, headers=admin)
+        assert status == 400 and "nested" in body["error"]["message"], (path, body)
 
 
 def test_server_wide_max_tokens_default_and_cap(team_gateway):

@@ -31,12 +31,19 @@ def gw(home, tiny_dir):
     tokenizer_config = json.loads((evil / "tokenizer_config.json").read_text())
     tokenizer_config["chat_template"] = LOOP_TEMPLATE
     (evil / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    from helpers.gguf_models import write_twice
+    from mlxgw.worker.gguf import import_gguf
+
+    # A GGUF whose tokenizer.chat_template holds the same loop, imported as `mlxgw models import` does.
+    _, gguf_file = write_twice("llama", home / "evil-gguf-src", chat_template=LOOP_TEMPLATE)
+    import_gguf(str(gguf_file), "gguf-evil", dtype="float32", models_dir=home / "models", force=True)
     config = {
         "manager": TINY_CONFIG["manager"],
         "models": [
             {"name": "tiny", "preload": True, "max_num_seqs": 8, "allow_request_chat_template": True},
             {"name": "tiny-strict", "source": "tiny", "preload": True},
             {"name": "tiny-evil", "preload": True},
+            {"name": "gguf-evil", "preload": True},
         ],
     }
     gateway = start_gateway(home, config, "isolation-gateway")
@@ -202,6 +209,40 @@ def test_a_models_own_endless_template_ends_each_request_in_a_400_and_the_worker
     )
     assert status == 200, body
     assert_unharmed(gw, pid, "tiny-evil")
+
+
+def completion_stream_text(gw, model: str, started: threading.Event | None = None) -> str:
+    """A greedy completions stream (no chat template) on the model; sets `started` at its
+    first chunk. Token 299, the tiny GGUF's end of sequence, is forbidden so it runs long."""
+    stream = openai_client(gw).completions.create(
+        model=model, prompt="ab", max_tokens=1500, temperature=0, stream=True, extra_body={"logit_bias": {"299": -100}}
+    )
+    text = []
+    for chunk in stream:
+        if started is not None:
+            started.set()
+        text.append(chunk.choices[0].text if chunk.choices else "")
+    return "".join(text)
+
+
+def test_an_imported_gguf_with_an_endless_template_ends_each_chat_in_a_400(gw):
+    """Issue 13: a GGUF whose tokenizer.chat_template held the loop imported without complaint
+    and would hang its worker; now the template renders budgeted like every other, while a
+    stream on the same worker goes on."""
+    pid = gw.worker_pid("gguf-evil")
+    alone = completion_stream_text(gw, "gguf-evil")
+    started, during = threading.Event(), []
+    innocent = threading.Thread(target=lambda: during.append(completion_stream_text(gw, "gguf-evil", started)))
+    innocent.start()
+    assert started.wait(60)
+    began = time.monotonic()
+    status, _, payload = post_chat(gw, {}, model="gguf-evil")
+    assert_openai_400(status, payload, "messages")
+    assert "budget" in payload["error"]["message"]
+    assert time.monotonic() - began < TEMPLATE_BUDGET_S + 10
+    innocent.join(120)
+    assert during == [alone]
+    assert_unharmed(gw, pid, "gguf-evil")
 
 
 def test_template_that_repeats_a_huge_string_is_stopped_before_it_allocates(gw):

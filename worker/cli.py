@@ -8,6 +8,8 @@ import sys
 import click
 from mlxgw.shared.cli_table import print_table
 
+from .file_limits import tolerate_a_low_file_limit
+
 
 @click.command()
 @click.option("--connect", default=None, help="gateway endpoint: ipc://PATH locally, tcp://HOST:PORT remotely")
@@ -36,6 +38,7 @@ def worker(connect, model, model_path, entry, worker_id, heartbeat, liveness, or
     A remote worker needs MLXGW_SECRET in its environment, equal to the gateway's. A rank of
     a sharded model (--rank N, with the model's entry) needs no gateway: it follows rank 0.
     """
+    tolerate_a_low_file_limit()  # before mlx_lm is imported
     from mlxgw.worker.main import run_worker
 
     if rank is not None:
@@ -51,6 +54,7 @@ def worker(connect, model, model_path, entry, worker_id, heartbeat, liveness, or
 @click.group()
 def models() -> None:
     """Import, pull, list, show and remove models in the models directory."""
+    tolerate_a_low_file_limit()  # before mlx_lm is imported
 
 
 @models.command("import")

@@ -20,6 +20,7 @@ from ..ledger import LEDGER, connect
 from ..state import BROKER, KEYS, MANAGER, SETTINGS
 from ..throughput import THROUGHPUT
 from ..usage import UsageQueryError, key_activity, parse_since, totals
+from .body import read_json
 
 routes = web.RouteTableDef()
 _EDIT_ERRORS = {
@@ -49,10 +50,8 @@ def _keys_path(request: web.Request):
 
 
 async def _json_object(request: web.Request) -> dict:
-    try:
-        body = await request.json()
-    except ValueError:
-        raise ServiceError(ErrorCode.INVALID_REQUEST, "the body must be a JSON object") from None
+    # read_json, not request.json(): deep nesting, NaN and huge numbers are a 400, never a 500
+    body = await read_json(request)
     if not isinstance(body, dict):
         raise ServiceError(ErrorCode.INVALID_REQUEST, "the body must be a JSON object")
     return body

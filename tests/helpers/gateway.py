@@ -64,8 +64,15 @@ class GatewayProcess:
 
 
 def start_gateway(
-    home: Path, config: dict, name: str, *, timeout: float = 240, extra_args: tuple[str, ...] = ()
+    home: Path,
+    config: dict,
+    name: str,
+    *,
+    timeout: float = 240,
+    extra_args: tuple[str, ...] = (),
+    max_files: int | None = None,
 ) -> GatewayProcess:
+    """`mlxgw up` on a free port, ready; max_files sets its descriptor limit (soft and hard)."""
     config_path = home / f"{name}.yaml"
     config_path.write_text(yaml.safe_dump(config))
     port = free_port()
@@ -87,6 +94,7 @@ def start_gateway(
         env=env,
         stdout=open(log_path, "w"),
         stderr=subprocess.STDOUT,
+        preexec_fn=None if max_files is None else lambda: _limit_files(max_files),
     )
     gw = GatewayProcess(proc, port, log_path, config_path)
     deadline = time.monotonic() + timeout
@@ -98,6 +106,12 @@ def start_gateway(
         time.sleep(0.2)
     gw.stop()
     raise AssertionError(f"gateway not ready after {timeout} s:\n{gw.log()}")
+
+
+def _limit_files(n: int) -> None:
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_NOFILE, (n, n))
 
 
 TINY_CONFIG = {

@@ -151,7 +151,10 @@ def sentencepiece_vocab(n: int) -> tuple[list[str], list[float], list[int]]:
     return tokens, scores, types
 
 
-def _add_tokenizer(writer, arch: str, n_vocab: int) -> None:
+SIMPLE_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+
+
+def _add_tokenizer(writer, arch: str, n_vocab: int, chat_template: str = SIMPLE_TEMPLATE) -> None:
     if arch in ("gemma2", "gemma3", "phi3", "mistral"):
         tokens, scores, types = sentencepiece_vocab(n_vocab)
         writer.add_tokenizer_model("llama")
@@ -171,7 +174,7 @@ def _add_tokenizer(writer, arch: str, n_vocab: int) -> None:
         writer.add_token_types(types)
         writer.add_token_merges([])
         writer.add_eos_token_id(n_vocab - 1)
-    writer.add_chat_template("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    writer.add_chat_template(chat_template)
 
 
 def _add_hparams(writer, arch: str, c: dict) -> None:
@@ -206,8 +209,10 @@ def _add_hparams(writer, arch: str, c: dict) -> None:
         writer.add_attn_temperature_scale(rope["llama_4_scaling_beta"])
 
 
-def write_twice(arch: str, dest: Path, seed: int = 0, split_max_tensors: int = 0) -> tuple[Path, Path]:
-    """(mlx-lm folder, GGUF file) holding the same random weights."""
+def write_twice(
+    arch: str, dest: Path, seed: int = 0, split_max_tensors: int = 0, chat_template: str = SIMPLE_TEMPLATE
+) -> tuple[Path, Path]:
+    """(mlx-lm folder, GGUF file) holding the same random weights (and the GGUF that chat template)."""
     import gguf
     import mlx.core as mx
     from mlx.utils import tree_flatten
@@ -234,7 +239,7 @@ def write_twice(arch: str, dest: Path, seed: int = 0, split_max_tensors: int = 0
     path = dest / f"{arch}.gguf"
     writer = gguf.GGUFWriter(path, GGUF_ARCH.get(arch, arch), split_max_tensors=split_max_tensors)
     _add_hparams(writer, arch, config)
-    _add_tokenizer(writer, arch, config["vocab_size"])
+    _add_tokenizer(writer, arch, config["vocab_size"], chat_template)
     for name, w in to_llama_cpp(arch, config, numpy_weights).items():
         writer.add_tensor(name, w.astype(np.float32))
     writer.write_header_to_file()
