@@ -112,10 +112,13 @@ def in_numpy(a: mx.array, rows_fn) -> mx.array:
     a = a.astype(mx.float32)
     mx.eval(a)
     view = np.array(a, copy=False)  # writable, zero-copy
+    if not view.flags.c_contiguous:  # a strided result: work on a copy (a reshape would copy silently)
+        view = np.ascontiguousarray(view)
+        a = None
     flat = view.reshape(-1, view.shape[-1])
     parts = [p for p in np.array_split(flat, _POOL._max_workers) if p.size]
     list(_POOL.map(rows_fn, parts))
-    return a
+    return mx.array(view) if a is None else a
 
 
 class ResidualAttentionBlock(nn.Module):
