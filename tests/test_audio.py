@@ -161,6 +161,53 @@ def test_conversion_refuses_a_missing_or_misshapen_tensor():
         convert(extra, mx.float32)
 
 
+# -- the model's CPU paths -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def whisper_runner(whisper_tiny_dir):
+    from mlxgw.worker.audio.runner import WhisperRunner
+
+    return WhisperRunner(whisper_tiny_dir)
+
+
+def test_cpu_encoder_attention_and_mlp_equal_mlx_fused_ones(whisper_runner):
+    """The encoder's numpy softmax and GELU (the CPU's fast path) compute what MLX's fused
+    attention and nn.gelu compute, for a batch of two windows."""
+    import mlx.core as mx
+    import numpy as np
+
+    block = whisper_runner.model.encoder.blocks[1]
+    x = mx.random.normal((2, 1500, 384), key=mx.random.key(0))
+    a = block.attn
+    fused = a.attend(a.query(x), a.key(x), a.value(x), None)
+    np.testing.assert_allclose(np.array(a.attend_long(x)), np.array(fused), atol=2e-4, rtol=1e-3)
+    np.testing.assert_allclose(np.array(block.mlp_long(x)), np.array(block.mlp(x)), atol=2e-4, rtol=1e-3)
+
+
+def test_decoder_steps_give_the_logits_of_a_prefill_of_the_same_tokens(whisper_runner):
+    """The step cache (self keys/values in head layout, cross keys projected once) is exact:
+    rows that advance one token at a time from prompts of different lengths end with the
+    logits a prefill of their whole sequence gives."""
+    import numpy as np
+    from mlxgw.worker.audio.model import merge_caches
+
+    r, tok = whisper_runner, whisper_runner.tokens
+    features = r.encode([np.zeros(16000, np.float32), np.full(16000, 0.01, np.float32)])
+    prompt = tok.sot_sequence("en", "transcribe")
+    p = len(prompt)
+    seqs = [prompt + [440, 2068, 7586], prompt + [383, 11]]  # the first starts one token ahead
+    _, cache_a = r.prefill([seqs[0][: p + 1]], features[:1])
+    _, cache_b = r.prefill([seqs[1][:p]], features[1:])
+    cache = merge_caches(cache_a, cache_b)
+    for i in range(2):
+        logits = r.step([seqs[0][p + 1 + i], seqs[1][p + i]], cache)
+    for row, seq in enumerate(seqs):
+        full, _ = r.prefill([seq], features[row : row + 1])
+        np.testing.assert_allclose(logits[row], full[0, -1], atol=2e-3, rtol=1e-3)
+    assert cache.positions == [p + 3, p + 2]
+
+
 # -- transcription ---------------------------------------------------------------------------
 
 

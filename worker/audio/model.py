@@ -9,10 +9,18 @@ in lockstep from a shared start, and mlx-audio's module pulls huggingface_hub an
 from __future__ import annotations
 
 import math
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 from mlx import nn
+
+try:  # numpy has no erf; scipy (installed with mlx-audio) has a vectorised one
+    from scipy.special import erf
+except ImportError:  # then the encoder's GELU stays in MLX
+    erf = None
 
 
 @dataclass
@@ -45,15 +53,72 @@ class MultiHeadAttention(nn.Module):
         self.value = nn.Linear(n_state, n_state)
         self.out = nn.Linear(n_state, n_state)
 
+    def split_heads(self, x: mx.array) -> mx.array:
+        """(batch, T, state) -> (batch, heads, T, head_dim), contiguous: attention over a
+        strided view copies it on every call, which dominated the decoder's steps."""
+        b, t, d = x.shape
+        return mx.contiguous(x.reshape(b, t, self.n_head, d // self.n_head).transpose(0, 2, 1, 3))
+
+    def merge_heads(self, o: mx.array) -> mx.array:
+        b, h, t, hd = o.shape
+        return self.out(o.transpose(0, 2, 1, 3).reshape(b, t, h * hd))
+
     def attend(self, q: mx.array, k: mx.array, v: mx.array, mask: mx.array | None) -> mx.array:
-        b, t, d = q.shape
-        h = self.n_head
+        d = q.shape[-1]
+        o = mx.fast.scaled_dot_product_attention(
+            self.split_heads(q), self.split_heads(k), self.split_heads(v), scale=(d // self.n_head) ** -0.5, mask=mask
+        )
+        return self.merge_heads(o)
 
-        def heads(x):
-            return x.reshape(x.shape[0], x.shape[1], h, d // h).transpose(0, 2, 1, 3)
+    def attend_long(self, x: mx.array) -> mx.array:
+        """Self-attention over the encoder's 1500 positions. On the CPU the softmax of the
+        (heads, 1500, 1500) scores is most of the encoder's time in MLX (a scalar exp, one
+        thread); numpy's vectorised exp, split over the cores, is several times faster, so
+        the scores take a trip through numpy there. Elsewhere (Metal) MLX's fused attention."""
+        q, k, v = (self.split_heads(p(x)) for p in (self.query, self.key, self.value))
+        scale = (q.shape[-1]) ** -0.5
+        if mx.default_device() != mx.cpu:
+            return self.merge_heads(mx.fast.scaled_dot_product_attention(q, k, v, scale=scale))
+        out = []
+        for i in range(q.shape[0]):  # one window's scores (54 MB for tiny) stay in cache; 8 did not
+            scores = (q[i] * scale) @ k[i].swapaxes(-1, -2)
+            out.append(in_numpy(scores, _softmax_rows).astype(v.dtype) @ v[i])
+        return self.merge_heads(mx.stack(out))
 
-        o = mx.fast.scaled_dot_product_attention(heads(q), heads(k), heads(v), scale=(d // h) ** -0.5, mask=mask)
-        return self.out(o.transpose(0, 2, 1, 3).reshape(b, t, d))
+
+_POOL = ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1)), thread_name_prefix="whisper-cpu")
+_SQRT_HALF = np.float32(math.sqrt(0.5))
+
+
+def _softmax_rows(part: np.ndarray) -> None:
+    part -= part.max(axis=-1, keepdims=True)
+    np.exp(part, out=part)
+    part /= part.sum(axis=-1, keepdims=True)
+
+
+def _gelu_rows(part: np.ndarray) -> None:
+    """Exact (erf) GELU, as nn.gelu computes it."""
+    y = erf(part * _SQRT_HALF)
+    y += 1
+    y *= 0.5
+    part *= y
+
+
+def in_numpy(a: mx.array, rows_fn) -> mx.array:
+    """Apply rows_fn in place to a float32 array's buffer, its rows split over threads (numpy
+    and scipy release the GIL in their ufuncs). For the elementwise work MLX's CPU backend
+    runs slowly (scalar exp and erf on one thread): numpy's vectorised kernels are faster.
+    `a` must be a fresh, contiguous result nothing else holds."""
+    a = a.astype(mx.float32)
+    mx.eval(a)
+    view = np.array(a, copy=False)  # writable, zero-copy
+    if not view.flags.c_contiguous:  # a strided result: work on a copy (a reshape would copy silently)
+        view = np.ascontiguousarray(view)
+        a = None
+    flat = view.reshape(-1, view.shape[-1])
+    parts = [p for p in np.array_split(flat, _POOL._max_workers) if p.size]
+    list(_POOL.map(rows_fn, parts))
+    return mx.array(view) if a is None else a
 
 
 class ResidualAttentionBlock(nn.Module):
@@ -69,6 +134,13 @@ class ResidualAttentionBlock(nn.Module):
 
     def mlp(self, x: mx.array) -> mx.array:
         return self.mlp2(nn.gelu(self.mlp1(self.mlp_ln(x))))
+
+    def mlp_long(self, x: mx.array) -> mx.array:
+        """The encoder's MLP (1500 positions x 1536): on the CPU its GELU runs in numpy."""
+        if mx.default_device() != mx.cpu or erf is None:
+            return self.mlp(x)
+        h = self.mlp1(self.mlp_ln(x))
+        return self.mlp2(in_numpy(h, _gelu_rows).astype(x.dtype))
 
 
 class AudioEncoder(nn.Module):
@@ -87,16 +159,17 @@ class AudioEncoder(nn.Module):
         x = nn.gelu(self.conv2(x))
         x = x + self._positional_embedding[: x.shape[1]].astype(x.dtype)
         for block in self.blocks:
-            y = block.attn_ln(x)
-            x = x + block.attn.attend(block.attn.query(y), block.attn.key(y), block.attn.value(y), None)
-            x = x + block.mlp(x)
+            x = x + block.attn.attend_long(block.attn_ln(x))
+            x = x + block.mlp_long(x)
         return self.ln_post(x)
 
 
 @dataclass
 class DecoderCache:
-    """Per layer: self-attention keys/values (batch, capacity, state), filled up to each row's
-    position, and the cross-attention keys/values of each row's audio."""
+    """Per layer, in head layout (batch, heads, positions, head_dim): self-attention keys and
+    values (positions = capacity, filled up to each row's position), and the cross-attention
+    keys (transposed: (batch, heads, head_dim, audio positions)) and values of each row's
+    audio, projected once at prefill rather than at every step."""
 
     self_k: list[mx.array]
     self_v: list[mx.array]
@@ -133,11 +206,12 @@ class TextDecoder(nn.Module):
         cache = DecoderCache([], [], [], [], [t] * len(prompts))
         for block in self.blocks:
             y = block.attn_ln(x)
-            k, v = block.attn.key(y), block.attn.value(y)
-            x = x + block.attn.attend(block.attn.query(y), k, v, mask)
-            ca = block.cross_attn
-            ck, cv = ca.key(features), ca.value(features)
-            x = x + ca.attend(ca.query(block.cross_attn_ln(x)), ck, cv, None)
+            sa, ca = block.attn, block.cross_attn
+            k, v = sa.split_heads(sa.key(y)), sa.split_heads(sa.value(y))
+            x = x + sa.merge_heads(_attend_short(sa.split_heads(sa.query(y)), k.swapaxes(-1, -2), v, mask))
+            ck, cv = ca.split_heads(ca.key(features)), ca.split_heads(ca.value(features))
+            ck = mx.contiguous(ck.swapaxes(-1, -2))
+            x = x + ca.merge_heads(_attend_short(ca.split_heads(ca.query(block.cross_attn_ln(x))), ck, cv))
             x = x + block.mlp(x)
             cache.self_k.append(k)
             cache.self_v.append(v)
@@ -185,32 +259,43 @@ class TextDecoder(nn.Module):
         rows = mx.arange(b)
         for i, block in enumerate(self.blocks):
             y = block.attn_ln(x)
-            cache.self_k[i][rows, pos] = block.attn.key(y)[:, 0]
-            cache.self_v[i][rows, pos] = block.attn.value(y)[:, 0]
-            k, v = cache.self_k[i][:, :longest], cache.self_v[i][:, :longest]
-            x = x + block.attn.attend(block.attn.query(y), k, v, mask)
-            ca = block.cross_attn
-            x = x + ca.attend(ca.query(block.cross_attn_ln(x)), cache.cross_k[i], cache.cross_v[i], None)
+            sa, ca = block.attn, block.cross_attn
+            cache.self_k[i][rows, :, pos] = sa.split_heads(sa.key(y))[:, :, 0]
+            cache.self_v[i][rows, :, pos] = sa.split_heads(sa.value(y))[:, :, 0]
+            k, v = cache.self_k[i][:, :, :longest], cache.self_v[i][:, :, :longest]
+            x = x + sa.merge_heads(_attend_short(sa.split_heads(sa.query(y)), k.swapaxes(-1, -2), v, mask))
+            q = ca.split_heads(ca.query(block.cross_attn_ln(x)))
+            x = x + ca.merge_heads(_attend_short(q, cache.cross_k[i], cache.cross_v[i]))
             x = x + block.mlp(x)
         cache.positions = [p + 1 for p in cache.positions]
         return self._logits(x[:, 0])
 
 
+def _attend_short(q: mx.array, k_t: mx.array, v: mx.array, mask: mx.array | None = None) -> mx.array:
+    """Attention of a few query positions (batch, heads, T, head_dim) over keys given
+    transposed (batch, heads, head_dim, S): two small matmuls, no copy of the keys."""
+    scores = (q * q.shape[-1] ** -0.5) @ k_t
+    if mask is not None:
+        scores = scores + mask
+    return mx.softmax(scores.astype(mx.float32), axis=-1).astype(v.dtype) @ v
+
+
 def _ensure_capacity(cache: DecoderCache, needed: int) -> None:
-    have = cache.self_k[0].shape[1]
+    have = cache.self_k[0].shape[2]
     if needed <= have:
         return
     grow = max(needed, 2 * have) - have
     for kv in (cache.self_k, cache.self_v):
         for i, a in enumerate(kv):
-            kv[i] = mx.concatenate([a, mx.zeros((a.shape[0], grow, a.shape[2]), a.dtype)], axis=1)
+            b, h, _, hd = a.shape
+            kv[i] = mx.concatenate([a, mx.zeros((b, h, grow, hd), a.dtype)], axis=2)
 
 
 def merge_caches(a: DecoderCache | None, b: DecoderCache) -> DecoderCache:
     """Rows of a, then rows of b (self caches padded to one capacity)."""
     if a is None:
         return b
-    cap = max(a.self_k[0].shape[1], b.self_k[0].shape[1])
+    cap = max(a.self_k[0].shape[2], b.self_k[0].shape[2])
     _ensure_capacity(a, cap)
     _ensure_capacity(b, cap)
 
