@@ -113,6 +113,14 @@ def reserve_tokens(request: web.Request, slot, max_tokens: int | None) -> None:
     )
 
 
+def charge_audio_seconds(request: web.Request, seconds: float) -> None:
+    """Count an upload's audio seconds against its key's `aspm` (a 429 past it)."""
+    key = request.get("key")
+    if key is None or "ratelimit_headers" not in request:
+        return
+    request.app[LIMITER].charge_audio(key, request.app[KEYS].window_s, seconds)
+
+
 # Where each kind of model is served, for the error a wrong route gets.
 _ROUTE_FOR_KIND = {
     "chat": "/v1/chat/completions",

@@ -25,16 +25,17 @@ def _keys_path(path: Path | None) -> Path:
 @click.option("--tpm", type=int, default=None, help="tokens per minute (prompt + completion)")
 @click.option("--tpd", type=int, default=None, help="token budget per UTC day, counted by the usage ledger")
 @click.option("--tpmo", type=int, default=None, help="token budget per UTC month, counted by the usage ledger")
+@click.option("--aspm", type=int, default=None, help="seconds of audio transcribed per minute (per window)")
 @click.option("--max-concurrent", type=int, default=None)
 @click.option("--models", default="", help="comma-separated model names or globs (default: all)")
 @click.option("--expires", default=None, help="ISO time, e.g. 2027-01-01T00:00:00Z")
 @click.option("--admin", is_flag=True, help="may manage keys and models, see usage, cancel anyone's request")
 @click.option("--file", "path", type=click.Path(path_type=Path), default=None)
-def create_key(name, rpm, tpm, tpd, tpmo, max_concurrent, models, expires, admin, path) -> None:
+def create_key(name, rpm, tpm, tpd, tpmo, aspm, max_concurrent, models, expires, admin, path) -> None:
     from mlxgw.gateway.key_admin import KeyEditError, create_key
 
     path = _keys_path(path)
-    limits = {"rpm": rpm, "tpm": tpm, "tpd": tpd, "tpmo": tpmo, "max_concurrent": max_concurrent}
+    limits = {"rpm": rpm, "tpm": tpm, "tpd": tpd, "tpmo": tpmo, "aspm": aspm, "max_concurrent": max_concurrent}
     changes = {f: v for f, v in limits.items() if v is not None}
     if models:
         changes["models"] = models
@@ -59,7 +60,7 @@ def list_keys(path) -> None:
     data = load_file(_keys_path(path))
     for k in data.get("keys") or []:
         limits = ", ".join(
-            f"{f}={k[f]}" for f in ("rpm", "tpm", "tpd", "tpmo", "max_concurrent") if k.get(f) is not None
+            f"{f}={k[f]}" for f in ("rpm", "tpm", "tpd", "tpmo", "aspm", "max_concurrent") if k.get(f) is not None
         )
         admin = "\tadmin" if k.get("admin") else ""
         click.echo(

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from .keys import KeysFileError, hash_key, locked_file, new_key
 
-LIMIT_FIELDS = ("rpm", "tpm", "tpd", "tpmo", "max_concurrent")
+LIMIT_FIELDS = ("rpm", "tpm", "tpd", "tpmo", "aspm", "max_concurrent")
 EDITABLE_FIELDS = (*LIMIT_FIELDS, "models", "expires", "admin")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,63}$")
 

@@ -9,6 +9,7 @@ keys:
     tpm: 100000                 # prompt + completion tokens per window
     tpd: 2000000                # token budget per UTC day, counted by the usage ledger
     tpmo: 40000000              # token budget per UTC calendar month
+    aspm: 600                   # seconds of audio transcribed per window
     max_concurrent: 4
     expires: "2027-01-01T00:00:00Z"
     created: "2026-11-29T10:00:00Z"
@@ -55,6 +56,7 @@ class ApiKey:
     admin: bool = False
     tpd: int | None = None  # tokens per UTC day (usage ledger)
     tpmo: int | None = None  # tokens per UTC month (usage ledger)
+    aspm: int | None = None  # seconds of uploaded audio per window (speech to text)
 
     def allows(self, *model_names: str) -> bool:
         if not self.models:
@@ -85,7 +87,20 @@ def _parse_time(value, where: str) -> dt.datetime | None:
     return parsed if parsed.tzinfo else parsed.replace(tzinfo=dt.timezone.utc)
 
 
-_FIELDS = {"name", "sha256", "models", "rpm", "tpm", "max_concurrent", "expires", "created", "admin", "tpd", "tpmo"}
+_FIELDS = {
+    "name",
+    "sha256",
+    "models",
+    "rpm",
+    "tpm",
+    "max_concurrent",
+    "expires",
+    "created",
+    "admin",
+    "tpd",
+    "tpmo",
+    "aspm",
+}
 
 
 def parse_keys(data, source: str) -> tuple[list[ApiKey], float]:
@@ -109,7 +124,7 @@ def parse_keys(data, source: str) -> tuple[list[ApiKey], float]:
         if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
             raise KeysFileError(f"{where} ({name}): 'sha256' must be 64 hex digits")
         limits = {}
-        for f in ("rpm", "tpm", "max_concurrent", "tpd", "tpmo"):
+        for f in ("rpm", "tpm", "max_concurrent", "tpd", "tpmo", "aspm"):
             value = raw.get(f)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
                 raise KeysFileError(f"{where} ({name}): '{f}' must be a non-negative integer")

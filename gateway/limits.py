@@ -1,4 +1,5 @@
-"""Per-key rate limits: requests and tokens per sliding window, and a concurrency cap.
+"""Per-key rate limits: requests, tokens and audio seconds per sliding window, and a
+concurrency cap.
 
 Kept in the gateway's memory: one process serves the whole machine, so no Redis or
 Postgres is needed for quotas."""
@@ -21,6 +22,8 @@ class _Usage:
     token_sum: int = 0
     reserved: int = 0  # tokens set aside for requests in flight (their max_tokens)
     concurrent: int = 0
+    audio: deque = field(default_factory=deque)  # (time, seconds of audio)
+    audio_sum: float = 0.0
 
 
 class RateLimiter:
@@ -32,6 +35,8 @@ class RateLimiter:
             u.requests.popleft()
         while u.tokens and u.tokens[0][0] <= now - window:
             u.token_sum -= u.tokens.popleft()[1]
+        while u.audio and u.audio[0][0] <= now - window:
+            u.audio_sum -= u.audio.popleft()[1]
 
     def start(self, key: ApiKey, window: float) -> None:
         """Admit one request for the key or raise a 429 saying when to retry."""
@@ -85,6 +90,31 @@ class RateLimiter:
         u.reserved += tokens
         return tokens
 
+    def charge_audio(self, key: ApiKey, window: float, seconds: float) -> None:
+        """Count an upload's decoded duration against the key's audio seconds per window
+        (`aspm`), or raise a 429: known before the model sees the audio, so it is a hard limit."""
+        if key.aspm is None:
+            return
+        if seconds > key.aspm:
+            raise ServiceError(
+                ErrorCode.RATE_LIMITED,
+                f"this file holds {seconds:.1f} s of audio, more than the {key.aspm} audio seconds per "
+                f"{window:g} s of key '{key.name}'",
+                param="file",
+            )
+        now = time.monotonic()
+        u = self._usage.setdefault(key.name, _Usage())
+        self._prune(u, now, window)
+        if u.audio_sum + seconds > key.aspm:
+            raise ServiceError(
+                ErrorCode.RATE_LIMITED,
+                f"audio limit reached for key '{key.name}': {key.aspm} audio seconds per {window:g} s "
+                f"({u.audio_sum:.1f} used, this file holds {seconds:.1f})",
+                retry_after=u.audio[0][0] + window - now if u.audio else 1.0,
+            )
+        u.audio.append((now, seconds))
+        u.audio_sum += seconds
+
     def finish(self, key: ApiKey, tokens: int, reserved: int = 0) -> None:
         """Settle one request: release its reservation and charge what it really used."""
         u = self._usage.setdefault(key.name, _Usage())
@@ -105,4 +135,7 @@ class RateLimiter:
         if key.tpm is not None:
             out["x-ratelimit-limit-tokens"] = str(key.tpm)
             out["x-ratelimit-remaining-tokens"] = str(max(0, key.tpm - u.token_sum - u.reserved))
+        if key.aspm is not None:
+            out["x-ratelimit-limit-audio-seconds"] = str(key.aspm)
+            out["x-ratelimit-remaining-audio-seconds"] = str(max(0, int(key.aspm - u.audio_sum)))
         return out

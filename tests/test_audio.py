@@ -500,3 +500,47 @@ def test_bad_speech_request_is_a_400(gw, body, param):
 def test_voice_model_asked_to_transcribe_is_a_400(gw):
     status, _, body = post_audio(gw, {"model": "piper-joe"}, {"file": ("fox.wav", clip("fox.wav"))})
     _assert_openai_error(status, body, 400, "model")
+
+
+AUDIO_KEYS = {"ivy": "mlxgw-ivy-key-0123456789", "jay": "mlxgw-jay-key-0123456789", "kim": "mlxgw-kim-key-0123456789"}
+
+
+@pytest.fixture(scope="module")
+def keyed_gw(home, whisper_tiny_dir):
+    """A gateway with keys: ivy may transcribe 6 s of audio per minute, jay 2 s, kim anything."""
+    import yaml
+    from mlxgw.gateway.keys import hash_key
+
+    keys_path = home / "audio-keys.yaml"
+    limits = {"ivy": {"aspm": 6}, "jay": {"aspm": 2}, "kim": {}}
+    keys = [{"name": n, "sha256": hash_key(AUDIO_KEYS[n]), **limits[n]} for n in AUDIO_KEYS]
+    keys_path.write_text(yaml.safe_dump({"window_seconds": 60, "keys": keys}))
+    config = {"manager": {"auto_discover": False}, "models": [{"name": "whisper-tiny-en", "kind": "audio"}]}
+    gw = start_gateway(home, config, "audio-keyed-gateway", extra_args=("--keys", str(keys_path)))
+    yield gw
+    gw.stop()
+
+
+def test_a_keys_audio_seconds_per_window_are_a_hard_limit(keyed_gw):
+    import openai
+
+    def client(name):
+        return openai.OpenAI(base_url=f"{keyed_gw.url}/v1", api_key=AUDIO_KEYS[name], max_retries=0, timeout=600)
+
+    seconds = 3.0  # every committed clip is 3-5 s long: two pass 6 s only if the count is wrong
+    raw = client("ivy").audio.transcriptions.with_raw_response.create(
+        model="whisper-tiny-en", file=("fox.wav", clip("fox.wav"))
+    )
+    assert raw.headers["x-ratelimit-limit-audio-seconds"] == "6"
+    assert int(raw.headers["x-ratelimit-remaining-audio-seconds"]) <= 6 - seconds
+    with pytest.raises(openai.RateLimitError) as refused:
+        client("ivy").audio.transcriptions.create(model="whisper-tiny-en", file=("fox.wav", clip("fox.wav")))
+    assert "audio limit reached for key 'ivy'" in refused.value.message
+    assert float(refused.value.response.headers["retry-after"]) > 0
+    # A file longer than the whole allowance can never pass: no retry is offered.
+    with pytest.raises(openai.RateLimitError) as too_long:
+        client("jay").audio.transcriptions.create(model="whisper-tiny-en", file=("fox.wav", clip("fox.wav")))
+    assert too_long.value.body["param"] == "file" and "retry-after" not in too_long.value.response.headers
+    # Another key is not touched by ivy's count.
+    text = client("kim").audio.transcriptions.create(model="whisper-tiny-en", file=("fox.wav", clip("fox.wav"))).text
+    assert text.strip()

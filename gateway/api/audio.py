@@ -15,7 +15,7 @@ from aiohttp import web
 from mlxgw.shared import protocol as p
 from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
 
-from ..auth import resolve_model
+from ..auth import charge_audio_seconds, resolve_model
 from ..sse import SSEWriter
 from ..state import SETTINGS
 from . import speech
@@ -130,6 +130,7 @@ async def _handle(request: web.Request, task: str) -> web.StreamResponse:
     except AudioError as e:
         raise invalid(str(e), "file") from None
     request["audio_seconds"] = audio.seconds
+    charge_audio_seconds(request, audio.seconds)
     req = p.TranscribeRequest(
         rid=request["rid"],
         audio=audio.pcm,

@@ -55,6 +55,7 @@ function limitsText(k) {
   if (k.tpm != null) parts.push(`${fmtNum(k.tpm)} tok/min`);
   if (k.tpd != null) parts.push(`${fmtNum(k.tpd)} tok/day`);
   if (k.tpmo != null) parts.push(`${fmtNum(k.tpmo)} tok/month`);
+  if (k.aspm != null) parts.push(`${fmtNum(k.aspm)} audio s/min`);
   if (k.max_concurrent != null) parts.push(`${k.max_concurrent} at once`);
   if (k.expires) parts.push(`expires ${k.expires.slice(0, 10)}`);
   return parts.join(" · ") || "none";
