@@ -32,7 +32,7 @@ from .choices import MAX_CHOICES, ChoiceGroups
 from .interfaces import TextRunner
 from .isolation import SequenceGuard, as_service_error
 from .output_parser import OutputParser, Parsed
-from .prefill_plan import admit_count, chunk_for
+from .prefill_plan import PrefillPace, admit_count, chunk_for
 from .preprocess import Preprocessor
 from .request_checks import check_generate
 
@@ -107,12 +107,15 @@ class Scheduler:
         prefill_budget: int | None = None,
         capacity: dict | None = None,
         idle_budget_factor: int = IDLE_BUDGET_FACTOR,
+        pace: PrefillPace | None = None,
     ):
         """preprocessor: prepares requests on its own thread; None prepares them in submit
         (in-process tests and benchmarks). prefill_budget: prompt tokens per step across
         the prefilling rows (None: every admitted prompt reads the runner's own chunk per
         step); used only with runners that take a chunk size (set_prefill_chunk).
-        capacity: how max_num_seqs was chosen (worker/capacity.py), for stats."""
+        capacity: how max_num_seqs was chosen (worker/capacity.py), for stats.
+        pace: how fast this host reads prompts, which caps a step's budget so that no step
+        runs long enough to look hung (worker/prefill_plan.py)."""
         self.runner = runner
         self.max_num_seqs = max_num_seqs
         self.prefill_budget = prefill_budget if hasattr(runner, "set_prefill_chunk") else None
@@ -120,6 +123,7 @@ class Scheduler:
         self._chunk = 0  # prompt tokens per prefilling row in the current step
         self._budget = prefill_budget or 0  # this step's budget (_step_budget)
         self.idle_budget_factor = idle_budget_factor
+        self.pace = pace or PrefillPace()
         self.max_queue = max_queue
         self.policy = policy
         self.preprocessor = preprocessor
@@ -290,7 +294,10 @@ class Scheduler:
         if not self._by_uid:
             return events
         self._set_chunk()
+        reading = self._tokens_read_this_step()
+        started = time.monotonic()
         out = self.runner.step()
+        self.pace.observe(reading, time.monotonic() - started)
         self._count_prefill()
         events += self._end_faulted()
         return events + self._on_step_tokens(out)
@@ -383,7 +390,12 @@ class Scheduler:
         sooner than several small ones would."""
         budget = self.prefill_budget or 0
         decoding = any(s.to_prefill == 0 for s in self._by_uid.values())
-        return budget if decoding else budget * self.idle_budget_factor
+        return self.pace.cap(budget if decoding else budget * self.idle_budget_factor)
+
+    def _tokens_read_this_step(self) -> int:
+        if self.prefill_budget is None:
+            return 0
+        return sum(min(s.to_prefill, self._chunk) for s in self._prefilling())
 
     def _set_chunk(self) -> None:
         """Share this step's prompt budget among the rows still reading their prompts."""
@@ -487,6 +499,8 @@ class Scheduler:
             "max_num_seqs": self.max_num_seqs,
             "max_num_seqs_basis": self.capacity,
             "prefill_budget": self.prefill_budget,
+            "prefill_step_budget": self._budget if self.prefill_budget is not None else None,
+            "prefill_tokens_per_s": round(self.pace.tokens_per_s, 1) if self.pace.tokens_per_s else None,
         }
 
     @property
