@@ -357,3 +357,13 @@ def test_whitespace_between_tool_calls_is_no_text_block(tiny_gateway):
     with c.messages.stream(model="echo", max_tokens=300, messages=turns, tools=[READ_TOOL]) as stream:
         final = stream.get_final_message()
     assert [b.type for b in final.content] == ["tool_use", "tool_use"]
+
+
+def test_the_model_list_comes_in_anthropics_shape_when_anthropic_version_is_sent(tiny_gateway):
+    status, _, body = http(f"{tiny_gateway.url}/v1/models", headers={"anthropic-version": "2023-06-01"})
+    assert status == 200 and "object" not in body
+    assert body["has_more"] is False and body["first_id"] == body["data"][0]["id"]
+    tiny = next(m for m in body["data"] if m["id"] == "tiny")
+    assert tiny["type"] == "model" and tiny["display_name"] == "tiny" and tiny["created_at"].endswith("Z")
+    _, _, openai_shape = http(f"{tiny_gateway.url}/v1/models")  # without the header: OpenAI's
+    assert openai_shape["object"] == "list" and "has_more" not in openai_shape
