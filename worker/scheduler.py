@@ -79,6 +79,7 @@ class Sequence:
     unsent: Parsed = field(default_factory=Parsed)
     unsent_tokens: int = 0
     unsent_logprobs: list[dict] = field(default_factory=list)
+    sent_delta: bool = False  # the first delta carries cached_tokens
 
     def usage(self) -> p.Usage:
         return p.Usage(len(self.prompt), self.generated, self.cached_tokens)
@@ -309,7 +310,7 @@ class Scheduler:
             if seq is not None and done < total:
                 seq.phase = "prefill"
                 seq.prefilled = done
-                events.append((seq.req.rid, p.Progress(done, total).to_wire()))
+                events.append((seq.req.rid, p.Progress(done, total, seq.cached_tokens or None).to_wire()))
         for t in out.tokens:
             seq = self._by_uid.get(t.uid)
             if seq is None:
@@ -453,7 +454,9 @@ class Scheduler:
             )
             return [self._end(seq, end.to_wire(), remove=False)]
         if seq.unsent_tokens >= max(1, seq.req.stream_interval) and seq.unsent:
-            delta = p.Delta(n=seq.generated, logprobs=self._take_logprobs(seq), **_parts(seq.unsent))
+            cached = None if seq.sent_delta else seq.cached_tokens or None
+            delta = p.Delta(n=seq.generated, logprobs=self._take_logprobs(seq), cached=cached, **_parts(seq.unsent))
+            seq.sent_delta = True
             seq.unsent = Parsed()
             seq.unsent_tokens = 0
             return [(seq.req.rid, delta.to_wire())]
