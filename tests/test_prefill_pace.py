@@ -45,15 +45,19 @@ def runner(tiny_dir):
     return MLXRunner(tiny_dir, context_length=None, max_num_seqs=8, prefill_step_size=BUDGET, cache_bytes=0)
 
 
+def _submit(sched, rid: str, length: int, max_tokens: int) -> None:
+    tokens = [100 + (hash(rid) + i) % 5000 for i in range(length)]
+    ((_, ev),) = sched.submit(GenerateRequest(rid=rid, prompt_tokens=tokens, max_tokens=max_tokens, sampling=GREEDY))
+    assert ev["e"] == "accepted", ev
+
+
 def _read_a_long_prompt(runner, pace: PrefillPace) -> list[int]:
     from mlxgw.worker.scheduler import Scheduler
 
     runner.cache_clear()
     host = SlowHost(runner)
     sched = Scheduler(host, max_num_seqs=8, max_queue=16, prefill_budget=BUDGET, pace=pace)
-    tokens = [100 + i % 5000 for i in range(12 * BUDGET)]
-    ((_, ev),) = sched.submit(GenerateRequest(rid="long", prompt_tokens=tokens, max_tokens=2, sampling=GREEDY))
-    assert ev["e"] == "accepted", ev
+    _submit(sched, "long", 12 * BUDGET, 2)
     while sched.has_work():
         sched.step()
     return [r for r in host.reads if r > 0]
@@ -74,6 +78,27 @@ def test_a_fast_enough_host_keeps_the_idle_burst(runner):
     assert max(reads[1:]) > max(MIN_PACED_BUDGET, int(0.1 / SECONDS_PER_TOKEN))
 
 
+def test_while_a_row_decodes_a_prefill_step_keeps_to_the_shorter_bound(runner):
+    """The decoding row's every token waits for the step: it gets the shorter bound."""
+    from mlxgw.worker.scheduler import Scheduler
+
+    runner.cache_clear()
+    host = SlowHost(runner)
+    pace = PrefillPace(max_step_s=1.0, max_step_decoding_s=0.1)
+    sched = Scheduler(host, max_num_seqs=8, max_queue=16, prefill_budget=BUDGET, pace=pace)
+    _submit(sched, "running", 8, 400)
+    while sched.generated_tokens < 2:
+        sched.step()
+    _submit(sched, "long", 12 * BUDGET, 2)
+    while any(r["id"] == "long" and r["ttft_s"] is None for r in sched.requests()):
+        sched.step()
+    cap = max(MIN_PACED_BUDGET, int(0.1 / SECONDS_PER_TOKEN))
+    assert max(host.reads[-5:]) <= cap < BUDGET, host.reads  # 1 s alone would allow BUDGET
+    sched.cancel("running")
+    while sched.has_work():
+        sched.step()
+
+
 def test_the_pace_follows_a_slowdown_at_once_and_recovers_over_steps():
     pace = PrefillPace(max_step_s=10)
     assert pace.cap(8192) == 8192  # nothing measured yet
@@ -87,3 +112,9 @@ def test_the_pace_follows_a_slowdown_at_once_and_recovers_over_steps():
     assert pace.cap(8192) == 2550
     pace.observe(1, 1000.0)
     assert pace.cap(8192) == MIN_PACED_BUDGET
+
+
+def test_rows_that_decode_get_the_shorter_step():
+    pace = PrefillPace(max_step_s=10, max_step_decoding_s=2)
+    pace.observe(100, 1.0)
+    assert pace.cap(8192) == 1000 and pace.cap(8192, decoding=True) == 200

@@ -391,7 +391,7 @@ class Scheduler:
         sooner than several small ones would."""
         budget = self.prefill_budget or 0
         decoding = any(s.to_prefill == 0 for s in self._by_uid.values())
-        return self.pace.cap(budget if decoding else budget * self.idle_budget_factor)
+        return self.pace.cap(budget if decoding else budget * self.idle_budget_factor, decoding)
 
     def _tokens_read_this_step(self) -> int:
         if self.prefill_budget is None:
