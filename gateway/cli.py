@@ -56,7 +56,8 @@ from mlxgw.shared.resources import default_config
     "--max-tokens-default",
     type=int,
     default=None,
-    help="max_tokens when neither the request nor the model entry sets one (default: the context)",
+    help="max_tokens when neither the request nor the model entry sets one (default: the model's "
+    "generation_config.json max_new_tokens, else 4096)",
 )
 @click.option(
     "--max-connections",

@@ -183,7 +183,10 @@ class Generation:
         kind = event.get("e")
         if kind == p.EV_DELTA:
             self._mark_tokens(int(event.get("n", 0)))
-        elif kind in (p.EV_FINISH, p.EV_ERROR):
+        if kind in (p.EV_DELTA, p.EV_PROGRESS) and "cached" in event:
+            # the first delta, or prefill progress: a stream cut before its finish still logs its cache hit
+            self.usage.cached_tokens = p.Usage.from_wire({"cached_tokens": event["cached"]}).cached_tokens
+        if kind in (p.EV_FINISH, p.EV_ERROR):
             self.outcome = event.get("reason") if kind == p.EV_FINISH else f"error:{event.get('code')}"
             self.usage = p.Usage.from_wire(event["usage"]) if "usage" in event else self.usage
             if self.first_token_at is None and event.get("text"):

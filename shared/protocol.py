@@ -361,6 +361,7 @@ class Progress:
 
     done: int
     total: int
+    cached: int | None = None  # prompt tokens served by the prefix cache (for the access log of a cut stream)
 
     def to_wire(self) -> dict:
         return _wire(EV_PROGRESS, self)
@@ -378,6 +379,9 @@ class Delta:
     # {token, bytes, logprob, top_logprobs: [{token, bytes, logprob}]} (OpenAI Chat's shape).
     logprobs: list[dict] | None = None
     index: int | None = None  # the choice this output belongs to (n > 1); None: choice 0
+    # Prompt tokens served by the prefix cache, on a request's first delta: a stream cut
+    # before its finish event is still logged and billed with them.
+    cached: int | None = None
 
     def to_wire(self) -> dict:
         return _wire(EV_DELTA, self)

@@ -357,3 +357,36 @@ def test_whitespace_between_tool_calls_is_no_text_block(tiny_gateway):
     with c.messages.stream(model="echo", max_tokens=300, messages=turns, tools=[READ_TOOL]) as stream:
         final = stream.get_final_message()
     assert [b.type for b in final.content] == ["tool_use", "tool_use"]
+
+
+def test_the_model_list_comes_in_anthropics_shape_when_anthropic_version_is_sent(tiny_gateway):
+    status, _, body = http(f"{tiny_gateway.url}/v1/models", headers={"anthropic-version": "2023-06-01"})
+    assert status == 200 and "object" not in body
+    assert body["has_more"] is False and body["first_id"] == body["data"][0]["id"]
+    tiny = next(m for m in body["data"] if m["id"] == "tiny")
+    assert tiny["type"] == "model" and tiny["display_name"] == "tiny" and tiny["created_at"].endswith("Z")
+    _, _, openai_shape = http(f"{tiny_gateway.url}/v1/models")  # without the header: OpenAI's
+    assert openai_shape["object"] == "list" and "has_more" not in openai_shape
+
+
+def _system_with_billing_line(cch: str) -> list[dict]:
+    """Claude Code's system prompt: a billing line for Anthropic's servers, then the prompt."""
+    header = f"x-anthropic-billing-header: cc_version=2.1.332.{cch[:3]}; cc_entrypoint=sdk-cli; cch={cch};"
+    prompt = " ".join(f"instruction{i}" for i in range(200))
+    return [{"type": "text", "text": header}, {"type": "text", "text": prompt, "cache_control": {"type": "ephemeral"}}]
+
+
+def test_claude_codes_billing_line_is_left_out_of_the_prompt(tiny_gateway):
+    c = client(tiny_gateway)
+    with_line = c.messages.count_tokens(model="tiny", system=_system_with_billing_line("a1b2c"), messages=MSGS)
+    without = c.messages.count_tokens(model="tiny", system=_system_with_billing_line("a1b2c")[1:], messages=MSGS)
+    assert with_line.input_tokens == without.input_tokens
+
+
+def test_a_new_billing_line_does_not_miss_the_prefix_cache(tiny_gateway):
+    """Its values change per session (or per request): left in, every new Claude Code
+    session would prefill its whole system prompt and tools again."""
+    c = client(tiny_gateway)
+    c.messages.create(model="tiny", max_tokens=1, system=_system_with_billing_line("11111"), messages=MSGS)
+    again = c.messages.create(model="tiny", max_tokens=1, system=_system_with_billing_line("99999"), messages=MSGS)
+    assert again.usage.cache_read_input_tokens >= again.usage.input_tokens - 1

@@ -64,6 +64,35 @@ def test_a_retry_after_a_stream_cut_at_its_first_token_reuses_the_whole_prompt(t
     assert retry.usage.prompt_tokens_details.cached_tokens >= prompt_tokens - 1
 
 
+def test_a_stream_cut_after_a_cache_hit_is_logged_with_its_cached_tokens(tiny_gateway):
+    """The access log (and the ledger) of a stream that never got its finish event still
+    counts the prompt tokens the prefix cache served: the worker sends them with the first
+    delta (here the retry Claude Code sends after a timeout: 5,779 of 5,780 cached)."""
+    client = openai_client(tiny_gateway)
+    messages = [{"role": "user", "content": " ".join(f"logged{i}" for i in range(300))}]
+    seeded = client.chat.completions.create(model="tiny", messages=messages, max_tokens=1)
+    rid = "req_cut_after_cache_hit"
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        max_tokens=200,
+        stream=True,
+        extra_body={"logit_bias": NO_EOS},
+        extra_headers={"x-request-id": rid},
+    )
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            break
+    stream.close()
+    _wait_until_idle(tiny_gateway, "tiny")
+    deadline = time.monotonic() + 10
+    while not (lines := [ln for ln in tiny_gateway.log().splitlines() if f"request_id={rid} " in ln]):
+        assert time.monotonic() < deadline, "no access log line for the cut stream"
+        time.sleep(0.1)
+    assert "outcome=cancelled" in lines[0]
+    assert f"cached_tokens={seeded.usage.prompt_tokens - 1}" in lines[0], lines[0]
+
+
 def _wait_until_idle(gw: GatewayProcess, model: str, timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

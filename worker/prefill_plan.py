@@ -14,11 +14,54 @@ step, whatever arrives; the same budget decides how many new prompts start:
   short ones in beside it at the next step (it slows down, they do not wait for it), and no
   row is ever sliced so thin that nobody finishes;
 - when nothing is prefilling, the first waiting prompt is always admitted (progress).
+
+On a slow or loaded host the same token budget can take minutes: a 2,048-token step of an
+idle model's burst took over 120 s on a shared 2-core CPU, and the gateway's watchdog
+(one engine step past 120 s is a hang) killed the worker mid-prefill. `PrefillPace` measures
+how fast this host reads prompt tokens and caps each step's budget at what it reads in
+MAX_PREFILL_STEP_S, or in MAX_STEP_WHILE_DECODING_S while other rows decode (each of their
+tokens waits for the step: a 512-token budget was 40 s per token for them on that host), so
+a step stays short wherever it runs; on a fast host the cap is far above the budget and
+changes nothing.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 MIN_SHARE_DIVISOR = 4  # a long prompt keeps at least budget / 4 tokens per step
+MAX_PREFILL_STEP_S = 10.0  # a twelfth of the gateway's hang bound (120 s)
+MAX_STEP_WHILE_DECODING_S = 2.0  # a decoding row's token waits at most this for a prefill chunk
+MIN_PACED_BUDGET = 32  # below this a step's fixed cost dominates its prompt reading
+
+
+@dataclass
+class PrefillPace:
+    """Prompt tokens this host reads per second (smoothed over recent steps), and the
+    budget that keeps a step within `max_step_s`."""
+
+    max_step_s: float = MAX_PREFILL_STEP_S
+    max_step_decoding_s: float = MAX_STEP_WHILE_DECODING_S
+    tokens_per_s: float | None = None  # None until a step has read a prompt
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        """One step read `tokens` prompt tokens in `seconds` (decoding rows included, which
+        errs towards smaller steps)."""
+        if tokens <= 0 or seconds <= 0:
+            return
+        rate = tokens / seconds
+        # the slower of the last two readings leads: a step that got slow (a longer context,
+        # a busier host) shrinks the next one at once; recovery takes a step or two
+        self.tokens_per_s = rate if self.tokens_per_s is None else min(rate, (rate + self.tokens_per_s) / 2)
+
+    def cap(self, budget: int, decoding: bool = False) -> int:
+        """This step's budget: `budget` unless this host is too slow for it (the first step
+        of a worker is not capped: at the 4 x 512 idle burst it takes 60 s at 30 tokens/s).
+        decoding: other rows are generating and wait for this step."""
+        if self.tokens_per_s is None:
+            return budget
+        seconds = self.max_step_decoding_s if decoding else self.max_step_s
+        return min(budget, max(MIN_PACED_BUDGET, int(self.tokens_per_s * seconds)))
 
 
 def chunk_for(rows: int, budget: int) -> int:

@@ -32,7 +32,7 @@ from .choices import MAX_CHOICES, ChoiceGroups
 from .interfaces import TextRunner
 from .isolation import SequenceGuard, as_service_error
 from .output_parser import OutputParser, Parsed
-from .prefill_plan import admit_count, chunk_for
+from .prefill_plan import PrefillPace, admit_count, chunk_for
 from .preprocess import Preprocessor
 from .request_checks import check_generate
 
@@ -79,6 +79,7 @@ class Sequence:
     unsent: Parsed = field(default_factory=Parsed)
     unsent_tokens: int = 0
     unsent_logprobs: list[dict] = field(default_factory=list)
+    sent_delta: bool = False  # the first delta carries cached_tokens
 
     def usage(self) -> p.Usage:
         return p.Usage(len(self.prompt), self.generated, self.cached_tokens)
@@ -107,12 +108,15 @@ class Scheduler:
         prefill_budget: int | None = None,
         capacity: dict | None = None,
         idle_budget_factor: int = IDLE_BUDGET_FACTOR,
+        pace: PrefillPace | None = None,
     ):
         """preprocessor: prepares requests on its own thread; None prepares them in submit
         (in-process tests and benchmarks). prefill_budget: prompt tokens per step across
         the prefilling rows (None: every admitted prompt reads the runner's own chunk per
         step); used only with runners that take a chunk size (set_prefill_chunk).
-        capacity: how max_num_seqs was chosen (worker/capacity.py), for stats."""
+        capacity: how max_num_seqs was chosen (worker/capacity.py), for stats.
+        pace: how fast this host reads prompts, which caps a step's budget so that no step
+        runs long enough to look hung (worker/prefill_plan.py)."""
         self.runner = runner
         self.max_num_seqs = max_num_seqs
         self.prefill_budget = prefill_budget if hasattr(runner, "set_prefill_chunk") else None
@@ -120,6 +124,7 @@ class Scheduler:
         self._chunk = 0  # prompt tokens per prefilling row in the current step
         self._budget = prefill_budget or 0  # this step's budget (_step_budget)
         self.idle_budget_factor = idle_budget_factor
+        self.pace = pace or PrefillPace()
         self.max_queue = max_queue
         self.policy = policy
         self.preprocessor = preprocessor
@@ -290,7 +295,10 @@ class Scheduler:
         if not self._by_uid:
             return events
         self._set_chunk()
+        reading = self._tokens_read_this_step()
+        started = time.monotonic()
         out = self.runner.step()
+        self.pace.observe(reading, time.monotonic() - started)
         self._count_prefill()
         events += self._end_faulted()
         return events + self._on_step_tokens(out)
@@ -302,7 +310,7 @@ class Scheduler:
             if seq is not None and done < total:
                 seq.phase = "prefill"
                 seq.prefilled = done
-                events.append((seq.req.rid, p.Progress(done, total).to_wire()))
+                events.append((seq.req.rid, p.Progress(done, total, seq.cached_tokens or None).to_wire()))
         for t in out.tokens:
             seq = self._by_uid.get(t.uid)
             if seq is None:
@@ -383,7 +391,12 @@ class Scheduler:
         sooner than several small ones would."""
         budget = self.prefill_budget or 0
         decoding = any(s.to_prefill == 0 for s in self._by_uid.values())
-        return budget if decoding else budget * self.idle_budget_factor
+        return self.pace.cap(budget if decoding else budget * self.idle_budget_factor, decoding)
+
+    def _tokens_read_this_step(self) -> int:
+        if self.prefill_budget is None:
+            return 0
+        return sum(min(s.to_prefill, self._chunk) for s in self._prefilling())
 
     def _set_chunk(self) -> None:
         """Share this step's prompt budget among the rows still reading their prompts."""
@@ -441,7 +454,9 @@ class Scheduler:
             )
             return [self._end(seq, end.to_wire(), remove=False)]
         if seq.unsent_tokens >= max(1, seq.req.stream_interval) and seq.unsent:
-            delta = p.Delta(n=seq.generated, logprobs=self._take_logprobs(seq), **_parts(seq.unsent))
+            cached = None if seq.sent_delta else seq.cached_tokens or None
+            delta = p.Delta(n=seq.generated, logprobs=self._take_logprobs(seq), cached=cached, **_parts(seq.unsent))
+            seq.sent_delta = True
             seq.unsent = Parsed()
             seq.unsent_tokens = 0
             return [(seq.req.rid, delta.to_wire())]
@@ -487,6 +502,8 @@ class Scheduler:
             "max_num_seqs": self.max_num_seqs,
             "max_num_seqs_basis": self.capacity,
             "prefill_budget": self.prefill_budget,
+            "prefill_step_budget": self._budget if self.prefill_budget is not None else None,
+            "prefill_tokens_per_s": round(self.pace.tokens_per_s, 1) if self.pace.tokens_per_s else None,
         }
 
     @property

@@ -6,14 +6,25 @@ gets them merged into the leading system prompt, see shared/chat.py), tool resul
 text, images and documents, `document` blocks (plain text, or PDF read to text),
 `thinking` and `redacted_thinking` blocks sent back (accepted, not rendered: they are the
 model's own earlier reasoning), `cache_control` on any block (ignored: the prefix cache
-needs no hints). Unknown fields are ignored, never a 400."""
+needs no hints). Unknown fields are ignored, never a 400.
+
+Claude Code opens its system prompt with a billing line for Anthropic's servers
+(`x-anthropic-billing-header: cc_version=2.1.332.848; cc_entrypoint=sdk-cli; cch=...;`) whose
+values change per session or per request. It says nothing to the model, and at the very
+start of the prompt it would make every new session miss the prefix cache on ~5,800 tokens of
+system prompt and tools (minutes of prefill on a slow host): it is left out, as vLLM and
+SGLang do."""
 
 from __future__ import annotations
+
+import re
 
 from mlxgw.shared.errors import invalid
 
 from .content import ContentPolicy, b64decode, blocks_of, read_pdfs, text_file, titled
 from .images import from_base64, from_url, join_content
+
+BILLING_LINE = re.compile(r"^x-anthropic-billing-header:[^\n]*(\n|$)", re.MULTILINE)
 
 # Blocks that carry nothing a chat template renders: accepted and left out.
 SILENT_BLOCKS = {"thinking", "redacted_thinking", "server_tool_use", "web_search_tool_result", "container_upload"}
@@ -152,7 +163,9 @@ def convert_messages(body: dict, policy: ContentPolicy) -> list[dict]:
     messages: list[dict] = []
     system = body.get("system")
     if system:
-        messages.append({"role": "system", "content": _text_of(system, "system", policy)})
+        text = BILLING_LINE.sub("", _text_of(system, "system", policy))
+        if text:
+            messages.append({"role": "system", "content": text})
     for i, m in enumerate(raw):
         if not isinstance(m, dict):
             raise invalid(f"messages.{i}: Input should be a valid dictionary")

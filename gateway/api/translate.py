@@ -8,8 +8,11 @@ its message shapes, and its output shapes."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
 
 from aiohttp import web
 from mlxgw.shared import protocol as p
@@ -26,9 +29,10 @@ from .fields import CommonFields, decode_fields, logit_bias
 from .images import ImageLimits, collect_images
 from .stream import EmitterFactory, run_stream
 
-# max_tokens when neither the request, the model's entry (defaults.max_tokens) nor the
-# server (--max-tokens-default) sets one: clients that send none (Open WebUI, curl) would
-# otherwise generate up to the whole context.
+# max_tokens when neither the request, the model's entry (defaults.max_tokens), the server
+# (--max-tokens-default) nor the model's own generation_config.json (max_new_tokens) sets
+# one: clients that send none (Open WebUI, curl) would otherwise generate up to the whole
+# context.
 DEFAULT_MAX_TOKENS = 4096
 
 
@@ -99,7 +103,8 @@ async def build_request(request: web.Request, slot, parsed: ParsedRequest) -> p.
     max_tokens = first_set(
         parsed.max_tokens, entry.defaults.max_tokens, settings.max_tokens_default, parsed.api_max_tokens
     )
-    max_tokens = first_set(max_tokens, DEFAULT_MAX_TOKENS)
+    models_dir = request.app[MANAGER].registry.models_dir
+    max_tokens = first_set(max_tokens, model_max_new_tokens(entry, models_dir), DEFAULT_MAX_TOKENS)
     if settings.max_tokens_cap is not None:
         max_tokens = min(max_tokens, settings.max_tokens_cap)
     # A default the client did not ask for is clamped to the context, never refused.
@@ -128,6 +133,26 @@ async def build_request(request: web.Request, slot, parsed: ParsedRequest) -> p.
         logprobs=parsed.logprobs,
         n=parsed.n,
     )
+
+
+def model_max_new_tokens(entry, models_dir: Path) -> int | None:
+    """`max_new_tokens` of the model folder's generation_config.json, where the model is
+    local and its authors set one (a remote-only model's folder is not here: None)."""
+    path = entry.model_path(models_dir) / "generation_config.json"
+    try:
+        stamp = path.stat().st_mtime_ns
+    except OSError:
+        return None
+    return _max_new_tokens(path, stamp)
+
+
+@lru_cache(maxsize=256)
+def _max_new_tokens(path: Path, stamp: int) -> int | None:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8")).get("max_new_tokens")
+    except (OSError, ValueError, AttributeError):
+        return None  # unreadable or not an object: as if it set nothing
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def image_limits(request: web.Request, slot) -> ImageLimits | None:
