@@ -144,7 +144,9 @@ def test_echo_with_logprobs_gives_prompt_logprobs_equal_to_mlx_lm(tiny_gateway, 
     assert "".join(lp.tokens[:prompt_count]) == ECHO_PROMPT and choice.text.startswith(ECHO_PROMPT)
     # The first prompt token has nothing before it: null, as OpenAI sends it.
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
-    assert all(len(top) == 2 and max(top.values()) >= v - 1e-6 for top, v in zip(lp.top_logprobs[1:], lp.token_logprobs[1:]))
+    assert all(
+        len(top) == 2 and max(top.values()) >= v - 1e-6 for top, v in zip(lp.top_logprobs[1:], lp.token_logprobs[1:])
+    )
     assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
     assert lp.text_offset[prompt_count] == len(ECHO_PROMPT)
     script = f"""
