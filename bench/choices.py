@@ -4,7 +4,11 @@ in-process (no HTTP, no IPC, so only the engine's work is timed):
 - a batch of 8 greedy requests, without logprobs and with one of them asking for
   logprobs + 20 alternatives (the other 7 must not pay: same tokens, same time);
 - one request with n=4 against four separate requests with the same prompt (prompt tokens
-  computed, and wall time).
+  computed, and wall time);
+- prompt logprobs (Completions' echo + logprobs: one extra forward pass over the prompt):
+  one request alone with and without them, and a batch of 8 where one asks.
+
+The variants of each figure alternate within every round (shared hosts are noisy).
 
     python -m mlxgw.bench.choices MODEL_DIR --max-tokens 64 --rounds 3
 """
@@ -40,9 +44,17 @@ def _run(scheduler, reqs) -> tuple[float, int]:
     return time.perf_counter() - started, tokens
 
 
-def _requests(tag: str, prompts: list[str], max_tokens: int, logprobs: list[int | None], n: int = 1) -> list:
+def _requests(
+    tag: str,
+    prompts: list[str],
+    max_tokens: int,
+    logprobs: list[int | None],
+    n: int = 1,
+    prompt_logprobs: list[int | None] | None = None,
+) -> list:
     from mlxgw.shared import protocol as p
 
+    prompt_logprobs = prompt_logprobs or [None] * len(prompts)
     return [
         p.GenerateRequest(
             rid=f"{tag}-{i}",
@@ -51,8 +63,9 @@ def _requests(tag: str, prompts: list[str], max_tokens: int, logprobs: list[int 
             max_tokens=max_tokens,
             logprobs=lp,
             n=n,
+            prompt_logprobs=plp,
         )
-        for i, (text, lp) in enumerate(zip(prompts, logprobs))
+        for i, (text, lp, plp) in enumerate(zip(prompts, logprobs, prompt_logprobs))
     ]
 
 
@@ -105,6 +118,33 @@ def choices_cost(scheduler, max_tokens: int, rounds: int) -> dict:
     }
 
 
+def prompt_logprobs_cost(scheduler, max_tokens: int, rounds: int) -> dict:
+    """Prompt logprobs cost one forward pass over the prompt, outside the batch's prefill:
+    alone (300-word prompt) and in a batch of 8 (one of them asking, 5 alternatives)."""
+    from .loadgen import varied_prompts
+
+    long_prompt = varied_prompts(1, 300, seed=2)[0][0]["content"]
+    batch = [m[0]["content"] for m in varied_prompts(8, 300, seed=3)]
+    variants = {
+        "alone_without": lambda tag: _requests(tag, [long_prompt], max_tokens, [0]),
+        "alone_with": lambda tag: _requests(tag, [long_prompt], max_tokens, [0], prompt_logprobs=[5]),
+        "batch_without": lambda tag: _requests(tag, batch, max_tokens, [None] * 8),
+        "batch_with_one": lambda tag: _requests(tag, batch, max_tokens, [None] * 8, prompt_logprobs=[5] + [None] * 7),
+    }
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    _run(scheduler, _requests("warm-plp", [long_prompt], 2, [0], prompt_logprobs=[5]))
+    for r in range(rounds):
+        for name, make in variants.items():
+            scheduler.runner.cache_clear()
+            wall, _ = _run(scheduler, make(f"{name}{r}"))
+            times[name].append(wall)
+    return {
+        "prompt_words": 300,
+        "max_tokens": max_tokens,
+        "median_wall_s": {k: round(statistics.median(v), 3) for k, v in times.items()},
+    }
+
+
 def main() -> None:
     from mlxgw.shared.platform import reexec_as_worker
 
@@ -119,6 +159,7 @@ def main() -> None:
     scheduler = Scheduler(_runner(args.model_dir), max_num_seqs=8, max_queue=64)
     print(json.dumps({"logprobs": logprobs_cost(scheduler, args.max_tokens, args.rounds)}), flush=True)
     print(json.dumps({"n_choices": choices_cost(scheduler, args.max_tokens, args.rounds)}), flush=True)
+    print(json.dumps({"prompt_logprobs": prompt_logprobs_cost(scheduler, args.max_tokens, args.rounds)}), flush=True)
 
 
 if __name__ == "__main__":
