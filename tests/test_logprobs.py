@@ -231,14 +231,15 @@ def test_bad_logprobs_values_are_400s_naming_the_field(tiny_gateway, call, param
 
 def test_prompt_scoring_takes_one_chunk_per_step_while_other_rows_decode(tiny_dir):
     """In-process (the real Scheduler over the real MLXRunner): a long prompt asking for
-    prompt logprobs is scored CHUNK_TOKENS positions per engine step, and a row that was
-    decoding gets its token in every one of those steps."""
+    prompt logprobs is scored CHUNK_TOKENS positions per engine step, a row that was
+    decoding gets its token in every one of those steps, and the scoring pass's KV serves
+    the request's prefill (the prompt is computed once)."""
     from mlxgw.shared import protocol as p
     from mlxgw.worker.prompt_logprobs import CHUNK_TOKENS
     from mlxgw.worker.runner import MLXRunner
     from mlxgw.worker.scheduler import Scheduler
 
-    runner = MLXRunner(tiny_dir, context_length=None, max_num_seqs=4, prefill_step_size=128, cache_bytes=0)
+    runner = MLXRunner(tiny_dir, context_length=None, max_num_seqs=4, prefill_step_size=128, cache_bytes=1 << 28)
     sched = Scheduler(runner, max_num_seqs=4, max_queue=8)
     greedy = p.SamplingParams(temperature=0, logit_bias={0: -100, 2: -100})  # no end-of-sequence
     sched.submit(p.GenerateRequest(rid="decoding", prompt_tokens=[5, 6, 7, 8], max_tokens=60, sampling=greedy))
@@ -246,6 +247,7 @@ def test_prompt_scoring_takes_one_chunk_per_step_while_other_rows_decode(tiny_di
         pass
     prompt = [100 + i % 4000 for i in range(3 * CHUNK_TOKENS + 10)]
     scored = p.GenerateRequest(rid="scored", prompt_tokens=prompt, max_tokens=2, sampling=greedy, prompt_logprobs=3)
+    prefilled_before = sched.prefilled_tokens
     ((_, accepted),) = sched.submit(scored)
     assert accepted["e"] == "accepted"
     steps, entries = 0, None
@@ -259,3 +261,4 @@ def test_prompt_scoring_takes_one_chunk_per_step_while_other_rows_decode(tiny_di
     assert all(len(e["top_logprobs"]) == 3 for e in entries[1:])
     while sched.has_work():
         sched.step()
+    assert sched.prefilled_tokens - prefilled_before == 1  # only the last prompt token

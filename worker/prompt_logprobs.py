@@ -6,12 +6,16 @@ extra forward pass over its prompt, of its own, with a fresh KV cache: in chunks
 CHUNK_TOKENS tokens, one chunk per engine step (worker/scheduler.py), so the rows decoding
 meanwhile wait at most one chunk per step, and the logits held at once are bounded by
 CHUNK_TOKENS x vocabulary whatever the prompt's length. Requests that do not ask pay nothing.
+Once scored, the pass's KV (every prompt token but the last) goes to the prefix cache, so the
+request's own prefill then reads one token: the prompt is computed once, not twice.
 
 Values are the raw model's log-softmax (penalties, biases and grammars shape what is
 generated, not the prompt), as OpenAI and vLLM report prompt logprobs. The first prompt
 token has nothing before it: its entry has `logprob: None` and `top_logprobs: None`."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import mlx.core as mx
 
@@ -23,10 +27,20 @@ CHUNK_TOKENS = 256  # prompt positions scored per engine step
 class PromptScorer:
     """One request's prompt, scored a chunk at a time; `entries` once `advance` says done."""
 
-    def __init__(self, model, prompt: list[int], top: int, names: TokenBytes, chunk: int = CHUNK_TOKENS):
+    def __init__(
+        self,
+        model,
+        prompt: list[int],
+        top: int,
+        names: TokenBytes,
+        chunk: int = CHUNK_TOKENS,
+        keep_kv: Callable[[list[int], list], None] | None = None,
+    ):
+        """keep_kv(tokens, cache): where the pass's KV goes once the prompt is scored."""
         from mlx_lm.models.cache import make_prompt_cache
 
         self.model = model
+        self.keep_kv = keep_kv
         self.prompt = prompt
         self.top = top
         self.names = names
@@ -52,7 +66,9 @@ class PromptScorer:
         self.entries += self._entries(logprobs, targets)
         self.pos = end
         if self.done:
-            self.cache = None  # the KV of this pass is of no further use
+            if self.keep_kv is not None:
+                self.keep_kv(self.prompt[: self.pos], self.cache)
+            self.cache = None
         return self.done
 
     def _entries(self, logprobs: mx.array, targets: list[int]) -> list[dict]:

@@ -218,7 +218,7 @@ class MLXRunner(ChatTextRunner):
         """A PromptScorer of this model for one request's prompt logprobs (worker/prompt_logprobs.py)."""
         from .prompt_logprobs import PromptScorer
 
-        return PromptScorer(self.model, prompt, top, self.token_bytes)
+        return PromptScorer(self.model, prompt, top, self.token_bytes, keep_kv=self._keep_kv)
 
     def set_prefill_chunk(self, tokens: int) -> None:
         """Prompt tokens each prefilling row reads in the next step (the scheduler shares
