@@ -108,6 +108,9 @@ class Generation:
         self.token_gaps = GapHistogram()  # seconds per token between deltas (inter-token latency)
         self._last_delta: tuple[float, int] | None = None
         self.usage = p.Usage()
+        # The prompt's logprob entries, when the request asked (Completions' echo + logprobs):
+        # sent once, before the first output (shared/protocol.py PromptLogprobs).
+        self.prompt_logprobs: list[dict] | None = None
         # Gateway-side backstop, two-phase like the worker's own timeout: until the first
         # token the queue + prefill bound, then the generation bound from the first token.
         self._timeout_s = getattr(req, "timeout_s", None) or 300
@@ -183,6 +186,8 @@ class Generation:
         kind = event.get("e")
         if kind == p.EV_DELTA:
             self._mark_tokens(int(event.get("n", 0)))
+        elif kind == p.EV_PROMPT_LOGPROBS:
+            self.prompt_logprobs = list(event.get("entries") or [])
         if kind in (p.EV_DELTA, p.EV_PROGRESS) and "cached" in event:
             # the first delta, or prefill progress: a stream cut before its finish still logs its cache hit
             self.usage.cached_tokens = p.Usage.from_wire({"cached_tokens": event["cached"]}).cached_tokens

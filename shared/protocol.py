@@ -49,6 +49,7 @@ GATEWAY_TYPES = {WELCOME, GENERATE, EMBED, TRANSCRIBE, SPEAK, CANCEL, CALL, SHUT
 EV_ACCEPTED = "accepted"
 EV_PROGRESS = "progress"
 EV_DELTA = "delta"
+EV_PROMPT_LOGPROBS = "prompt_logprobs"
 EV_FINISH = "finish"
 EV_ERROR = "error"
 
@@ -218,6 +219,11 @@ class GenerateRequest:
     # Per-token log-probabilities: None (none), or how many top alternatives each token's
     # entry lists (0-20). Only the sequences that ask pay for them.
     logprobs: int | None = None
+    # Prompt logprobs (Completions' echo + logprobs): None, or how many top alternatives each
+    # prompt token's entry lists (0-20). Scored by one extra forward pass over the prompt,
+    # in bounded chunks between engine steps; sent as one PromptLogprobs event before the
+    # first output.
+    prompt_logprobs: int | None = None
     # Choices sampled from one prompt (prefilled once); choice i samples with seed + i.
     n: int = 1
 
@@ -385,6 +391,19 @@ class Delta:
 
     def to_wire(self) -> dict:
         return _wire(EV_DELTA, self)
+
+
+@dataclass
+class PromptLogprobs:
+    """The prompt's log-probabilities (the request asked: prompt_logprobs), once, before
+    the first output: one entry per prompt token in Delta's entry shape, except the first
+    token's, which has nothing before it: {token, bytes, logprob: None, top_logprobs: None}.
+    Values are the raw model's log-softmax (no penalties or biases apply to a prompt)."""
+
+    entries: list[dict]
+
+    def to_wire(self) -> dict:
+        return _wire(EV_PROMPT_LOGPROBS, self)
 
 
 @dataclass

@@ -124,6 +124,69 @@ def test_completions_logprobs_in_the_legacy_shape(tiny_gateway):
     assert tokens == lp.tokens
 
 
+# Longer than one scoring chunk (worker/prompt_logprobs.py CHUNK_TOKENS = 256): the prompt
+# is scored in two steps, and must still equal one full-sequence pass.
+ECHO_PROMPT = "The quick brown fox jumps over the lazy dog near the river bank. " * 24
+
+
+def echo_completion(client, **kw):
+    kw = {"max_tokens": 4, "temperature": 0, "logprobs": 2, "echo": True, **kw}
+    return client.completions.create(model="tiny", prompt=ECHO_PROMPT, **kw)
+
+
+def test_echo_with_logprobs_gives_prompt_logprobs_equal_to_mlx_lm(tiny_gateway, tiny_dir):
+    out = echo_completion(openai_client(tiny_gateway))
+    choice, lp = out.choices[0], out.choices[0].logprobs
+    prompt_count = out.usage.prompt_tokens
+    assert prompt_count > 256
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset)
+    assert len(lp.tokens) == prompt_count + out.usage.completion_tokens
+    assert "".join(lp.tokens[:prompt_count]) == ECHO_PROMPT and choice.text.startswith(ECHO_PROMPT)
+    # The first prompt token has nothing before it: null, as OpenAI sends it.
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(
+        len(top) == 2 and max(top.values()) >= v - 1e-6 for top, v in zip(lp.top_logprobs[1:], lp.token_logprobs[1:])
+    )
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    assert lp.text_offset[prompt_count] == len(ECHO_PROMPT)
+    script = f"""
+import json, mlx.core as mx
+from mlx_lm import load
+model, tok = load({str(tiny_dir)!r})
+ids = tok.encode({ECHO_PROMPT!r})
+logits = model(mx.array([ids]))[0].astype(mx.float32)
+lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+print(json.dumps({{"ids": ids, "lp": [lp[i, ids[i + 1]].item() for i in range(len(ids) - 1)]}}))
+"""
+    ref = json.loads(run_reference(script).strip().splitlines()[-1])
+    assert len(ref["ids"]) == prompt_count
+    assert lp.token_logprobs[1:prompt_count] == pytest.approx(ref["lp"], abs=1e-3)
+
+
+def test_streamed_echo_with_logprobs_sends_the_prompt_first(tiny_gateway):
+    client = openai_client(tiny_gateway)
+    full = echo_completion(client).choices[0]
+    chunks = [c for chunk in echo_completion(client, stream=True) for c in chunk.choices]
+    first = chunks[0]
+    assert first.text == ECHO_PROMPT and first.logprobs.token_logprobs[0] is None
+    assert "".join(first.logprobs.tokens) == ECHO_PROMPT
+    text = "".join(c.text for c in chunks)
+    tokens = [t for c in chunks if c.logprobs for t in c.logprobs.tokens]
+    values = [x for c in chunks if c.logprobs for x in c.logprobs.token_logprobs]
+    offsets = [x for c in chunks if c.logprobs for x in c.logprobs.text_offset]
+    assert text == full.text and tokens == full.logprobs.tokens and offsets == full.logprobs.text_offset
+    assert values[0] is None and values[1:] == pytest.approx(full.logprobs.token_logprobs[1:], abs=1e-5)
+
+
+def test_echo_with_logprobs_repeats_the_prompt_for_every_choice(tiny_gateway):
+    out = echo_completion(openai_client(tiny_gateway), n=2, temperature=1.0, seed=3)
+    count = out.usage.prompt_tokens
+    first, second = (c.logprobs for c in out.choices)
+    assert first.tokens[:count] == second.tokens[:count] and "".join(first.tokens[:count]) == ECHO_PROMPT
+    assert first.token_logprobs[:count] == second.token_logprobs[:count]
+    assert all(c.text.startswith(ECHO_PROMPT) for c in out.choices)
+
+
 def test_responses_include_output_text_logprobs(tiny_gateway):
     client = openai_client(tiny_gateway)
     kw = dict(model="tiny", input="Name three colours.", temperature=0, max_output_tokens=5)
@@ -144,13 +207,58 @@ def test_responses_include_output_text_logprobs(tiny_gateway):
         (lambda c: chat(c, logprobs=True, top_logprobs=21), "top_logprobs"),
         (lambda c: chat(c, top_logprobs=2), "top_logprobs"),
         (lambda c: c.completions.create(model="tiny", prompt="hi", logprobs=6), "logprobs"),
-        (lambda c: c.completions.create(model="tiny", prompt="hi", logprobs=1, echo=True), "echo"),
+        (lambda c: c.completions.create(model="tiny", prompt="hi", logprobs=6, echo=True), "logprobs"),
+        (lambda c: c.completions.create(model="tiny", prompt=[1, 2], logprobs=1, echo=True), "echo"),
+        (lambda c: c.completions.create(model="echo", prompt="hi", logprobs=1, echo=True), "logprobs"),
         (lambda c: c.responses.create(model="tiny", input="hi", top_logprobs=21), "top_logprobs"),
     ],
-    ids=["chat-top-21", "chat-top-without-logprobs", "completions-6", "completions-echo", "responses-top-21"],
+    ids=[
+        "chat-top-21",
+        "chat-top-without-logprobs",
+        "completions-6",
+        "completions-echo-6",
+        "completions-echo-token-prompt",
+        "echo-engine-prompt-logprobs",
+        "responses-top-21",
+    ],
 )
 def test_bad_logprobs_values_are_400s_naming_the_field(tiny_gateway, call, param):
     with pytest.raises(openai.BadRequestError) as err:
         call(openai_client(tiny_gateway))
     assert err.value.status_code == 400
     assert err.value.body["param"] == param and err.value.body["type"] == "invalid_request_error"
+
+
+def test_prompt_scoring_takes_one_chunk_per_step_while_other_rows_decode(tiny_dir):
+    """In-process (the real Scheduler over the real MLXRunner): a long prompt asking for
+    prompt logprobs is scored CHUNK_TOKENS positions per engine step, a row that was
+    decoding gets its token in every one of those steps, and the scoring pass's KV serves
+    the request's prefill (the prompt is computed once)."""
+    from mlxgw.shared import protocol as p
+    from mlxgw.worker.prompt_logprobs import CHUNK_TOKENS
+    from mlxgw.worker.runner import MLXRunner
+    from mlxgw.worker.scheduler import Scheduler
+
+    runner = MLXRunner(tiny_dir, context_length=None, max_num_seqs=4, prefill_step_size=128, cache_bytes=1 << 28)
+    sched = Scheduler(runner, max_num_seqs=4, max_queue=8)
+    greedy = p.SamplingParams(temperature=0, logit_bias={0: -100, 2: -100})  # no end-of-sequence
+    sched.submit(p.GenerateRequest(rid="decoding", prompt_tokens=[5, 6, 7, 8], max_tokens=60, sampling=greedy))
+    while not any(rid == "decoding" and ev["e"] == "delta" for rid, ev in sched.step()):
+        pass
+    prompt = [100 + i % 4000 for i in range(3 * CHUNK_TOKENS + 10)]
+    scored = p.GenerateRequest(rid="scored", prompt_tokens=prompt, max_tokens=2, sampling=greedy, prompt_logprobs=3)
+    prefilled_before = sched.prefilled_tokens
+    ((_, accepted),) = sched.submit(scored)
+    assert accepted["e"] == "accepted"
+    steps, entries = 0, None
+    while entries is None:
+        events = sched.step()
+        steps += 1
+        assert any(rid == "decoding" and ev["e"] == "delta" for rid, ev in events), steps
+        entries = next((ev["entries"] for rid, ev in events if ev["e"] == p.EV_PROMPT_LOGPROBS), None)
+    assert steps == -(-(len(prompt) - 1) // CHUNK_TOKENS)  # one chunk per step: 4 steps
+    assert len(entries) == len(prompt) and entries[0]["logprob"] is None and entries[0]["top_logprobs"] is None
+    assert all(len(e["top_logprobs"]) == 3 for e in entries[1:])
+    while sched.has_work():
+        sched.step()
+    assert sched.prefilled_tokens - prefilled_before == 1  # only the last prompt token

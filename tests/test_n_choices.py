@@ -80,6 +80,35 @@ def test_best_of_equal_to_n_is_taken(tiny_gateway):
     assert len(out.choices) == 2
 
 
+def mean_logprob(choice) -> float:
+    values = choice.logprobs.token_logprobs
+    return sum(values) / len(values) if values else float("-inf")
+
+
+def test_best_of_returns_the_n_candidates_with_the_highest_logprob_per_token(tiny_gateway):
+    """best_of 4 generates the same four candidates as n=4 with the same seed (candidate i
+    samples with seed + i), and returns the two of them with the highest mean logprob."""
+    client = openai_client(tiny_gateway)
+    kw = dict(model="tiny", prompt="Once upon a time", seed=21, logprobs=1, **SAMPLING)
+    candidates = client.completions.create(n=4, **kw)
+    assert len({c.text for c in candidates.choices}) > 2  # the ranking has something to rank
+    ranked = sorted(candidates.choices, key=lambda c: (-mean_logprob(c), c.index))
+    assert [c.index for c in ranked[:2]] != [0, 1]  # so returning the first two would fail
+    best = client.completions.create(n=2, best_of=4, **kw)
+    assert [c.index for c in best.choices] == [0, 1]
+    assert [c.text for c in best.choices] == [c.text for c in ranked[:2]]
+    assert [c.logprobs.token_logprobs for c in best.choices] == [c.logprobs.token_logprobs for c in ranked[:2]]
+    # usage counts every candidate generated, as OpenAI does
+    assert best.usage.completion_tokens == candidates.usage.completion_tokens
+    assert best.usage.prompt_tokens == candidates.usage.prompt_tokens
+
+
+def test_best_of_without_logprobs_returns_none(tiny_gateway):
+    """The candidates are ranked on logprobs the client did not ask for: none are returned."""
+    out = openai_client(tiny_gateway).completions.create(model="tiny", prompt="Once", best_of=3, seed=5, **SAMPLING)
+    assert len(out.choices) == 1 and out.choices[0].index == 0 and out.choices[0].logprobs is None
+
+
 def test_a_client_that_leaves_ends_every_choice(tiny_gateway):
     client = openai_client(tiny_gateway)
     stream = ask(client, "Write a long story.", n=3, seed=1, max_tokens=LONG, logit_bias=NO_EOS, stream=True)
@@ -109,9 +138,21 @@ def test_choices_queue_behind_a_one_sequence_batch(tiny_gateway):
         (lambda c: ask(c, "hi", n=1000), "n"),
         (lambda c: ask(c, "hi", n=17), "n"),
         (lambda c: c.completions.create(model="tiny", prompt="hi", n=1000), "n"),
-        (lambda c: c.completions.create(model="tiny", prompt="hi", best_of=3), "best_of"),
+        (lambda c: c.completions.create(model="tiny", prompt="hi", best_of=3, stream=True), "best_of"),
+        (lambda c: c.completions.create(model="tiny", prompt="hi", n=3, best_of=2), "best_of"),
+        (lambda c: c.completions.create(model="tiny", prompt="hi", best_of=17), "best_of"),
+        (lambda c: c.completions.create(model="tiny", prompt="hi", best_of=0), "best_of"),
     ],
-    ids=["chat-0", "chat-1000", "chat-17", "completions-1000", "best-of-ranking"],
+    ids=[
+        "chat-0",
+        "chat-1000",
+        "chat-17",
+        "completions-1000",
+        "best-of-streamed",
+        "best-of-below-n",
+        "best-of-17",
+        "best-of-0",
+    ],
 )
 def test_bad_n_is_a_400_naming_the_field(tiny_gateway, call, param):
     with pytest.raises(openai.BadRequestError) as err:

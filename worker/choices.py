@@ -52,7 +52,11 @@ class ChoiceGroups:
         for i in range(req.n):
             seed = req.sampling.seed + i if req.sampling.seed is not None else None
             sampling = dataclasses.replace(req.sampling, seed=seed)
-            choice = dataclasses.replace(req, rid=choice_rid(req.rid, i), n=1, sampling=sampling)
+            # The prompt's logprobs are the same for every choice: choice 0 computes them.
+            prompt_logprobs = req.prompt_logprobs if i == 0 else None
+            choice = dataclasses.replace(
+                req, rid=choice_rid(req.rid, i), n=1, sampling=sampling, prompt_logprobs=prompt_logprobs
+            )
             self.members[choice.rid] = (group, i)
             out.append(choice)
         return out
@@ -102,7 +106,7 @@ class ChoiceGroups:
                 return []
             group.accepted = True
             return [(group.rid, ev)]
-        if kind == p.EV_PROGRESS:
+        if kind in (p.EV_PROGRESS, p.EV_PROMPT_LOGPROBS):
             return [(group.rid, ev)] if index == 0 else []
         if kind == p.EV_ERROR:
             group.failed = True

@@ -143,6 +143,8 @@ class ShardedRunner(MLXRunner):
     token (sync_next, for constrained sequences), and a follower's prefix-cache lookup covers
     exactly as many tokens as rank 0's did (forced_cached)."""
 
+    supports_prompt_logprobs = False  # an extra forward pass on rank 0 alone would hang the group
+
     def __init__(self, model_path: Path, group: Any, strategy: str, **kwargs: Any):
         super().__init__(model_path, loader=shard_loader(group, strategy), **kwargs)
         from mlx.utils import tree_flatten

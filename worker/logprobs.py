@@ -66,7 +66,7 @@ class TokenBytes:
         return known
 
 
-def _value(x: float) -> float:
+def value(x: float) -> float:
     return x if math.isfinite(x) else IMPOSSIBLE
 
 
@@ -91,6 +91,6 @@ def entries(rows: list[tuple[int, mx.array, int]], names: TokenBytes) -> list[di
             ids, values = top[0].tolist(), top[1].tolist()
             for i, v in sorted(zip(ids, values), key=lambda x: -x[1]):
                 t, b = names.get(i)
-                alternatives.append({"token": t, "bytes": b, "logprob": _value(v)})
-        out.append({"token": text, "bytes": raw, "logprob": _value(lp.item()), "top_logprobs": alternatives})
+                alternatives.append({"token": t, "bytes": b, "logprob": value(v)})
+        out.append({"token": text, "bytes": raw, "logprob": value(lp.item()), "top_logprobs": alternatives})
     return out

@@ -45,6 +45,8 @@ class Runner(ABC):
 
     # Whether insert() takes logprobs= and keep_prompt= (per-token logprobs, n > 1 choices).
     supports_choices: bool = False
+    # Whether prompt_scorer() exists (prompt logprobs: an extra forward pass over a prompt).
+    supports_prompt_logprobs: bool = False
 
     @abstractmethod
     def insert(
@@ -110,6 +112,7 @@ class ChatTextRunner(Runner):
 
 class MLXRunner(ChatTextRunner):
     supports_choices = True
+    supports_prompt_logprobs = True
 
     def __init__(
         self,
@@ -210,6 +213,12 @@ class MLXRunner(ChatTextRunner):
         if keep_prompt:
             self._keep_prompt.add(uid)
         return uid, cached
+
+    def prompt_scorer(self, prompt: list[int], top: int):
+        """A PromptScorer of this model for one request's prompt logprobs (worker/prompt_logprobs.py)."""
+        from .prompt_logprobs import PromptScorer
+
+        return PromptScorer(self.model, prompt, top, self.token_bytes, keep_kv=self._keep_kv)
 
     def set_prefill_chunk(self, tokens: int) -> None:
         """Prompt tokens each prefilling row reads in the next step (the scheduler shares

@@ -22,6 +22,7 @@ import heapq
 import itertools
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from mlxgw.shared import protocol as p
@@ -80,6 +81,7 @@ class Sequence:
     unsent_tokens: int = 0
     unsent_logprobs: list[dict] = field(default_factory=list)
     sent_delta: bool = False  # the first delta carries cached_tokens
+    scorer: object | None = None  # a PromptScorer until its prompt logprobs are computed
 
     def usage(self) -> p.Usage:
         return p.Usage(len(self.prompt), self.generated, self.cached_tokens)
@@ -136,6 +138,7 @@ class Scheduler:
         self.generated_tokens = 0  # lifetime counter, for tokens/s in stats
         self.prefilled_tokens = 0  # prompt tokens computed (not served by the prefix cache)
         self.choices = ChoiceGroups()
+        self._scoring: deque[str] = deque()  # requests whose prompt logprobs are computed, in order
         self.finished = 0
 
     # -- intake ---------------------------------------------------------------------------
@@ -161,6 +164,11 @@ class Scheduler:
         if (req.n > 1 or req.logprobs is not None) and not self.runner.supports_choices:
             param = "n" if req.n > 1 else "logprobs"
             raise invalid(f"this model's engine does not support '{param}'", param)
+        if req.prompt_logprobs is not None:
+            if not isinstance(req.prompt_logprobs, int) or not 0 <= req.prompt_logprobs <= 20:
+                raise invalid("'logprobs' must be between 0 and 20", "logprobs")
+            if not getattr(self.runner, "supports_prompt_logprobs", False):
+                raise invalid("this model's engine does not support prompt logprobs (echo with logprobs)", "echo")
 
     def _merged(self, events: list[Event]) -> list[Event]:
         """Events of requests with choices merged into one stream each (worker/choices.py)."""
@@ -254,6 +262,13 @@ class Scheduler:
             parser=prepared.parser,
             constraint=prepared.constraint,
         )
+        if req.prompt_logprobs is not None:
+            try:
+                seq.scorer = self.runner.prompt_scorer(seq.prompt, req.prompt_logprobs)  # type: ignore[attr-defined]
+            except Exception as e:
+                return [(req.rid, p.error_event(as_service_error(e, "scoring its prompt")))]
+            seq.phase = "scoring"
+            self._scoring.append(req.rid)
         self._seqs[req.rid] = seq
         heapq.heappush(self._waiting, (req.priority, intake.arrival, req.rid))
         accepted = p.Accepted(prompt_tokens=len(seq.prompt), max_tokens=seq.max_tokens, queued=self.waiting)
@@ -291,6 +306,7 @@ class Scheduler:
     def _step(self) -> list[Event]:
         events = self._collect_prepared()
         events += self._expire(time.monotonic())
+        events += self._score()
         events += self._admit()
         if not self._by_uid:
             return events
@@ -349,6 +365,9 @@ class Scheduler:
             seq = self._seqs.get(rid)
             if seq is None or seq.uid is not None:
                 continue  # cancelled while queued
+            if seq.scorer is not None:
+                deferred.append(entry)  # its prompt logprobs come first (_score)
+                continue
             leader = self._seqs.get(self.choices.is_follower(rid) or "")
             if leader is not None and leader.phase != "decode":
                 deferred.append(entry)  # choice 0's prompt KV is not in the prefix cache yet
@@ -372,6 +391,28 @@ class Scheduler:
         for entry in deferred:
             heapq.heappush(self._waiting, entry)
         return events
+
+    def _score(self) -> list[Event]:
+        """One chunk of prompt scoring per step, for the oldest request that asked for prompt
+        logprobs (worker/prompt_logprobs.py): the rows decoding meanwhile wait at most one
+        chunk. A request is admitted once its prompt is scored, after its PromptLogprobs event."""
+        while self._scoring:
+            seq = self._seqs.get(self._scoring[0])
+            if seq is None or seq.scorer is None:  # cancelled or timed out meanwhile
+                self._scoring.popleft()
+                continue
+            try:
+                if not seq.scorer.advance():  # type: ignore[attr-defined]
+                    return []
+            except Exception as e:
+                self._scoring.popleft()
+                log.error("scoring the prompt of %s failed: %r", seq.req.rid, e, exc_info=e)
+                return [self._end(seq, p.error_event(as_service_error(e, "scoring its prompt")))]
+            self._scoring.popleft()
+            entries, seq.scorer = seq.scorer.entries, None  # type: ignore[attr-defined]
+            seq.phase = "queued"
+            return [(seq.req.rid, p.PromptLogprobs(entries).to_wire())]
+        return []
 
     def _prefilling(self) -> list[Sequence]:
         return [s for s in self._by_uid.values() if s.to_prefill > 0]

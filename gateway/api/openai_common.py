@@ -35,7 +35,8 @@ MAX_CHOICES = 16  # n per request; each choice is a sequence in the batch
 
 
 def choices_count(body: dict) -> int:
-    """n (1-16). best_of (Completions) is taken only where it ranks nothing: 1 or n."""
+    """n (1-16), for Chat Completions: it has no best_of, which is taken only where it ranks
+    nothing (1 or n). Completions ranks best_of candidates (openai_completions._choices)."""
     n = v.integer(body, "n", lo=1, hi=MAX_CHOICES, default=1)
     best_of = v.integer(body, "best_of", lo=1)
     if best_of not in (None, 1, n):

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
+from dataclasses import dataclass
+
 from aiohttp import web
 from mlxgw.shared.errors import invalid
 
@@ -19,7 +23,8 @@ MAX_LOGPROBS = 5  # OpenAI's limit for this API
 
 def legacy_logprobs(entries: list[dict], offset: int = 0) -> dict:
     """Chat-shaped logprob entries in this API's column shape; text_offset counts characters
-    from the start of the choice's text (offset: what came before in a stream)."""
+    from the start of the choice's text (offset: what came before in a stream). The first
+    prompt token of an echoed prompt has no logprob: null in both columns, as OpenAI sends."""
     offsets = []
     for e in entries:
         offsets.append(offset)
@@ -27,9 +32,28 @@ def legacy_logprobs(entries: list[dict], offset: int = 0) -> dict:
     return {
         "tokens": [e["token"] for e in entries],
         "token_logprobs": [e["logprob"] for e in entries],
-        "top_logprobs": [{a["token"]: a["logprob"] for a in e["top_logprobs"]} for e in entries],
+        "top_logprobs": [
+            None if e["top_logprobs"] is None else {a["token"]: a["logprob"] for a in e["top_logprobs"]}
+            for e in entries
+        ],
         "text_offset": offsets,
     }
+
+
+def joined_logprobs(first: dict, then: dict) -> dict:
+    """Two column sets, one after the other (the echoed prompt's, then the completion's)."""
+    return {key: first[key] + then[key] for key in first}
+
+
+@dataclass
+class Options:
+    """What this API does around the generation: echo, the logprobs the client asked for,
+    and best_of (candidates generated, the n best returned)."""
+
+    prefix: str = ""  # the prompt text when echo, else ''
+    logprobs: int | None = None  # as the client asked (best_of asks the worker for them anyway)
+    n: int = 1
+    best_of: int = 1
 
 
 def _prompt(body: dict) -> tuple[str | None, list[int] | None]:
@@ -46,67 +70,121 @@ def _prompt(body: dict) -> tuple[str | None, list[int] | None]:
     raise invalid("'prompt' must be a string or a list of token ids", "prompt")
 
 
-def parse(body: dict) -> tuple[t.ParsedRequest, str]:
-    """The parsed request, and the text echoed before the completion ('' unless echo)."""
+def _choices(body: dict) -> tuple[int, int]:
+    """n and best_of (n <= best_of <= 16): best_of candidates are generated, the n with the
+    highest logprob per token returned. OpenAI cannot stream that, nor can this."""
+    n = v.integer(body, "n", lo=1, hi=oc.MAX_CHOICES, default=1)
+    best_of = v.integer(body, "best_of", lo=1, hi=oc.MAX_CHOICES)
+    best_of = n if best_of is None else best_of
+    if best_of < n:
+        raise invalid(f"best_of ({best_of}) must be at least n ({n})", "best_of")
+    if best_of > n and v.boolean(body, "stream"):
+        raise invalid("best_of > n cannot be streamed (the best are known only at the end)", "best_of")
+    return n, best_of
+
+
+def parse(body: dict) -> tuple[t.ParsedRequest, Options]:
+    """The parsed request (what the worker generates), and what this API does around it."""
     text, tokens = _prompt(body)
-    n = oc.choices_count(body)
+    n, best_of = _choices(body)
     logprobs = v.integer(body, "logprobs", lo=0, hi=MAX_LOGPROBS)
     if body.get("suffix"):
         raise invalid("suffix (fill-in-the-middle) is not supported", "suffix")
     echo = v.boolean(body, "echo")
     if echo and text is None:
         raise invalid("echo needs a text prompt", "echo")
-    if echo and logprobs is not None:
-        raise invalid("echo with logprobs (prompt logprobs) is not supported; send one of them", "echo")
     parsed = t.ParsedRequest(
         prompt=text,
         prompt_tokens=tokens,
         api_max_tokens=DEFAULT_MAX_TOKENS,
-        n=n,
-        logprobs=logprobs,
+        n=best_of,
+        # Ranking best_of candidates needs their token logprobs, asked or not.
+        logprobs=logprobs if logprobs is not None or best_of == n else 0,
+        prompt_logprobs=logprobs if echo else None,
         **t.parse_common(body, CompletionFields),
     )
-    return parsed, text if echo else ""
+    return parsed, Options(text if echo else "", logprobs, n, best_of)
+
+
+def mean_logprob(o: Outcome) -> float:
+    """A candidate's score for best_of: its logprob per token (OpenAI: "the highest log
+    probability per token"); one without tokens ranks last."""
+    if not o.logprobs:
+        return -math.inf
+    return sum(e["logprob"] for e in o.logprobs) / len(o.logprobs)
+
+
+def best_choices(out: Outcome, n: int) -> Outcome:
+    """The n best candidates, best first, numbered 0..n-1; usage stays that of all of them."""
+    ranked = sorted(out.choices or [out], key=lambda o: (-mean_logprob(o), o.index))[:n]
+    chosen = [dataclasses.replace(o, index=i, choices=[]) for i, o in enumerate(ranked)]
+    first = chosen[0]
+    first.choices = chosen if n > 1 else []
+    return first
 
 
 @routes.post("/v1/completions")
 async def completions(request: web.Request) -> web.StreamResponse:
     body, slot = await t.open_request(request)
-    parsed, prefix = parse(body)
+    parsed, opts = parse(body)
     usage = oc.include_usage(body)
 
     def render(gen: Generation, out: Outcome) -> dict:
+        if opts.best_of > opts.n:
+            out = best_choices(out, opts.n)
+
         def choice(o: Outcome) -> dict:
-            lp = legacy_logprobs(o.logprobs) if parsed.logprobs is not None else None
-            return {"text": prefix + o.text, "logprobs": lp}
+            if opts.logprobs is None:
+                return {"text": opts.prefix + o.text, "logprobs": None}
+            lp = legacy_logprobs(o.logprobs, len(opts.prefix))
+            if gen.prompt_logprobs is not None:
+                lp = joined_logprobs(legacy_logprobs(gen.prompt_logprobs), lp)
+            return {"text": opts.prefix + o.text, "logprobs": lp}
 
         return oc.completion_body("text_completion", "cmpl", gen, out, choice)
 
-    return await t.respond(request, slot, parsed, lambda sse, gen: CompletionChunks(sse, gen, usage, prefix), render)
+    return await t.respond(request, slot, parsed, lambda sse, gen: CompletionChunks(sse, gen, usage, opts), render)
 
 
 class CompletionChunks(oc.OpenAIChunks):
     object_name = "text_completion"
     id_prefix = "cmpl"
 
-    def __init__(self, sse, gen, include_usage: bool, prefix: str):
+    def __init__(self, sse, gen, include_usage: bool, opts: Options):
         super().__init__(sse, gen, include_usage)
-        self.prefix = prefix
+        self.prefix = opts.prefix
+        # With logprobs, the echoed prompt's chunk carries its logprobs: it waits for them
+        # (they come before the first output), and the completion's offsets follow the prompt.
+        self.echo_pending = bool(self.prefix) and opts.logprobs is not None
         self.offsets: dict[int, int] = {}  # per choice: characters of logprob tokens so far
 
     def finish_choice(self, reason: str | None) -> dict:
         return {"text": "", "finish_reason": reason}
 
     async def opened(self) -> None:
-        if self.prefix:
-            for index in range(self.gen.req.n):
-                self.choice = index
-                await self.sse.data(self.chunk({"text": self.prefix, "finish_reason": None}))
+        if self.prefix and not self.echo_pending:
+            await self._echo(None)
+
+    async def _echo(self, logprobs: dict | None) -> None:
+        """The echoed prompt, one chunk per choice, as OpenAI streams it."""
+        current = self.choice
+        for index in range(self.gen.req.n):
+            self.choice = index
+            self.offsets[index] = len(self.prefix)
+            await self.sse.data(self.chunk({"text": self.prefix, "logprobs": logprobs, "finish_reason": None}))
+        self.choice = current
+
+    async def _echo_with_logprobs(self) -> None:
+        if self.echo_pending:
+            self.echo_pending = False
+            await self._echo(legacy_logprobs(self.gen.prompt_logprobs or []))
 
     async def text_with_logprobs(self, text: str, entries: list[dict]) -> None:
+        await self._echo_with_logprobs()
         await self.sse.data(self.chunk({"text": text, "logprobs": self._logprobs(entries), "finish_reason": None}))
 
     async def logprobs(self, entries: list[dict]) -> None:
+        await self._echo_with_logprobs()
         await self.sse.data(self.chunk({"text": "", "logprobs": self._logprobs(entries), "finish_reason": None}))
 
     def _logprobs(self, entries: list[dict]) -> dict:
@@ -115,4 +193,9 @@ class CompletionChunks(oc.OpenAIChunks):
         return out
 
     async def text(self, text: str) -> None:
+        await self._echo_with_logprobs()
         await self.sse.data(self.chunk({"text": text, "finish_reason": None}))
+
+    async def finished(self, event: dict) -> None:
+        await self._echo_with_logprobs()
+        await super().finished(event)

@@ -57,6 +57,7 @@ class ParsedRequest:
     # Content a text-only model cannot take, replaced by a placeholder (x-mlxgw-omitted-content).
     omitted: list[str] = field(default_factory=list)
     logprobs: int | None = None  # alternatives per token's logprob entry; None: no logprobs
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens (Completions' echo)
     n: int = 1  # choices from the one prompt
 
 
@@ -131,6 +132,7 @@ async def build_request(request: web.Request, slot, parsed: ParsedRequest) -> p.
         reasoning_budget=parsed.reasoning_budget,
         images=images,
         logprobs=parsed.logprobs,
+        prompt_logprobs=parsed.prompt_logprobs,
         n=parsed.n,
     )
 
