@@ -136,8 +136,10 @@ def test_the_real_model_accepts_drafts_when_copying_its_context_and_stays_identi
     runners = {mode: speculative_runner(smollm2_dir, SpeculativeConfig(mode=mode)) for mode in ("off", "prompt_lookup")}
     tok = runners["off"].text.tokenizer
     code = "def area(w, h):\n    return w * h\n\n\ndef perimeter(w, h):\n    return 2 * (w + h)\n"
-    messages = [{"role": "user", "content": f"Repeat this code exactly, nothing else:\n\n{code}"}]
-    prompt = tok.apply_chat_template(messages, add_generation_prompt=True)
+    # A file copied twice and a third copy begun: the model copies on (a chat request asking
+    # to repeat the code depends on the model's whims: a float32 re-import answered in prose).
+    copies = f"# shapes.py\n{code}\n\n# shapes_copy.py (identical)\n{code}\n\n"
+    prompt = tok.encode(copies + "# shapes_copy2.py (identical)\ndef area(")
     outputs = {mode: generate_together(r, [(prompt, 24, GREEDY)]) for mode, r in runners.items()}
     assert outputs["prompt_lookup"] == outputs["off"]
     assert runners["prompt_lookup"].stats()["speculative"]["acceptance_rate"] > 0
