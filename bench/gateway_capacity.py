@@ -277,14 +277,20 @@ def ratio(ours: list[float], theirs: list[float]) -> float:
     return round(statistics.median(ours) / statistics.median(theirs), 3) if theirs and ours else 0.0
 
 
-async def measure(args: argparse.Namespace, servers: list[Server]) -> dict:
-    rows: list[dict] = []
+async def ready_and_pinned(servers: list[Server], pin_cpus: bool) -> None:
+    """Every server answering; with pin_cpus, the servers on CPU 0 and this client on CPU 1
+    (so the client's own load does not count against the servers)."""
     for server in servers:
         await wait_ready(server)
-    if args.pin:
+    if pin_cpus:
         for server in servers:
             pin(server.pids(), 0)
         os.sched_setaffinity(0, {1})
+
+
+async def measure(args: argparse.Namespace, servers: list[Server]) -> dict:
+    rows: list[dict] = []
+    await ready_and_pinned(servers, args.pin)
     for server in servers:  # warm-up: connections, first-request paths
         await drive(server.url, args.concurrency, 1.0, args.plain_tokens, False)
         await drive(server.url, args.concurrency, 1.0, args.stream_tokens, True)

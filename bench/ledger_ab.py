@@ -27,7 +27,7 @@ from pathlib import Path
 
 import yaml
 
-from .gateway_capacity import MODEL, Server, cpu_seconds, drive, free_port, pin, wait_ready
+from .gateway_capacity import MODEL, Server, cpu_seconds, drive, free_port, ready_and_pinned
 
 
 def start(home: Path, ledger: bool) -> Server:
@@ -47,12 +47,7 @@ def start(home: Path, ledger: bool) -> Server:
 
 
 async def measure(args: argparse.Namespace, servers: list[Server]) -> list[dict]:
-    for server in servers:
-        await wait_ready(server)
-    if args.pin:
-        for server in servers:
-            pin(server.pids(), 0)
-        os.sched_setaffinity(0, {1})
+    await ready_and_pinned(servers, args.pin)
     for server in servers:  # warm-up: connections, first-request paths
         await drive(server.url, args.concurrency, 1.0, args.tokens, False)
     rows = []
