@@ -59,11 +59,14 @@ model: setup
 run: model
 	$(BIN)/mlxgw up --host $(HOST) --port $(PORT)
 
+# The tests' own process gets the BLAS a worker gets (OpenBLAS on Linux; nothing on macOS).
+TEST_PRELOAD = LD_PRELOAD="$$($(BIN)/python -c 'from mlxgw.shared.platform import openblas_path; print(openblas_path() or "")')"
+
 test: setup
-	$(BIN)/python -m pytest -q --durations=25
+	$(TEST_PRELOAD) $(BIN)/python -m pytest -q --durations=25
 
 test-fast: setup
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(TEST_PRELOAD) $(BIN)/python -m pytest -q -m "not slow"
 
 lint: setup
 	$(BIN)/python -m ruff check mlxgw gateway worker shared bench tests

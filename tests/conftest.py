@@ -13,6 +13,12 @@ import pytest
 import yaml
 from helpers import REPO, TINY_CONFIG, start_gateway
 
+# `make test` starts pytest with OpenBLAS preloaded (Linux), as the gateway starts its workers:
+# the models that tests run in this process (references, in-process runners) then use the
+# fast BLAS too. The children this process starts (gateways, CLIs, the browser) must not
+# inherit it; workers get it from the gateway's own worker environment.
+os.environ.pop("LD_PRELOAD", None)
+
 
 @pytest.fixture(scope="session")
 def home(tmp_path_factory) -> Path:
