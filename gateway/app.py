@@ -144,12 +144,13 @@ def make_app(
     app.cleanup_ctx.append(throughput_lifecycle)
     app.cleanup_ctx.append(mcp_lifecycle)  # connects in the background: never delays start-up
     app[responses_output.STORE] = OrderedDict()
-    for module in (
-        *(openai_chat, openai_completions, openai_embeddings, rerank, audio, anthropic, responses, system, observe),
-        *(ollama, ollama_models, tokenize),
-    ):
-        app.add_routes(module.routes)
-    app.add_routes(admin.routes)
-    app.add_routes(mcp_routes.routes)
-    app.add_routes(console_routes)
+    for table in route_tables():
+        app.add_routes(table)
     return app
+
+
+def route_tables() -> list:
+    """Every route table the app serves (tests walk them to reach every route)."""
+    modules = (openai_chat, openai_completions, openai_embeddings, rerank, audio, anthropic, responses, system)
+    modules += (observe, ollama, ollama_models, tokenize, admin, mcp_routes)
+    return [m.routes for m in modules] + [console_routes]

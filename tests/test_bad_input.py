@@ -279,27 +279,9 @@ def body_routes() -> list[tuple[str, str]]:
     filled in), taken from the route tables the app is built from."""
     import re
 
-    from mlxgw.gateway import observe
-    from mlxgw.gateway.api import (
-        admin,
-        anthropic,
-        audio,
-        ollama,
-        ollama_models,
-        openai_chat,
-        openai_completions,
-        openai_embeddings,
-        rerank,
-        responses,
-        system,
-        tokenize,
-    )
-    from mlxgw.gateway.console import routes as console_routes
-    from mlxgw.gateway.mcp import routes as mcp_routes
+    from mlxgw.gateway.app import route_tables
 
-    modules = [openai_chat, openai_completions, openai_embeddings, rerank, audio, anthropic, responses, system]
-    modules += [observe, ollama, ollama_models, tokenize, admin, mcp_routes]
-    tables = [m.routes for m in modules] + [console_routes]
+    tables = route_tables()
     found = set()
 
     def fill(m: re.Match) -> str:

@@ -16,8 +16,15 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-MAPPED = {"gateway": "mlxgw/gateway", "worker": "mlxgw/worker", "shared": "mlxgw/shared",
-          "bench": "mlxgw/bench", "config": "mlxgw/config", "deploy": "mlxgw/deploy", "mlxgw": "mlxgw"}
+MAPPED = {
+    "gateway": "mlxgw/gateway",
+    "worker": "mlxgw/worker",
+    "shared": "mlxgw/shared",
+    "bench": "mlxgw/bench",
+    "config": "mlxgw/config",
+    "deploy": "mlxgw/deploy",
+    "mlxgw": "mlxgw",
+}
 # Files that are not Python but must ship (read at run time through the package).
 DATA_SUFFIXES = {".yaml", ".template", ".sh", ".html", ".js", ".css", ".svg"}
 
@@ -32,7 +39,9 @@ def wheel_names(tmp_path_factory) -> set[str]:
     out_dir = tmp_path_factory.mktemp("wheel")
     build = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(out_dir), str(ROOT)],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert build.returncode == 0, build.stderr[-3000:]
     (wheel,) = out_dir.glob("mlxgw-*.whl")
@@ -59,7 +68,6 @@ def test_every_source_module_and_data_file_is_in_the_wheel(wheel_names):
     assert not missing, "not installed by `pip install .` (add the package to pyproject):\n" + "\n".join(missing)
 
 
-
 def test_worker_help_documents_every_flag():
     from click.testing import CliRunner
 
@@ -67,6 +75,15 @@ def test_worker_help_documents_every_flag():
 
     out = CliRunner().invoke(main, ["worker", "--help"])
     assert out.exit_code == 0
-    for flag in ("--connect", "--model", "--model-path", "--entry", "--worker-id", "--heartbeat",
-                 "--liveness", "--orphan-after", "--rank"):
+    for flag in (
+        "--connect",
+        "--model",
+        "--model-path",
+        "--entry",
+        "--worker-id",
+        "--heartbeat",
+        "--liveness",
+        "--orphan-after",
+        "--rank",
+    ):
         assert flag in out.output, flag
