@@ -18,6 +18,11 @@ from helpers import REPO, TINY_CONFIG, start_gateway
 # fast BLAS too. The children this process starts (gateways, CLIs, the browser) must not
 # inherit it; workers get it from the gateway's own worker environment.
 os.environ.pop("LD_PRELOAD", None)
+# Every child (gateways, workers, CLIs) imports this checkout's code, from whatever folder it
+# runs in and whichever checkout an editable install points at (mlxgw/<part> link the folders).
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [str(REPO), *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(REPO))]
+)
 
 
 @pytest.fixture(scope="session")
