@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 import pytest
+
 from mlxgw.bench import method as bench_method
 from mlxgw.bench.method import UNSTABLE_EXIT, Method, busy_loops, rotated, spread_arg
 from mlxgw.bench.peers import agent_markdown
