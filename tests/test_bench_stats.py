@@ -138,3 +138,49 @@ def test_busy_loops_run_for_the_block_and_stop_at_its_end():
     assert procs[0].poll() is not None  # stopped with the block
     with pytest.raises(ValueError):
         bench_method.Method(busy=-1)
+
+
+def test_speculation_table_pairs_rounds_and_catches_a_changed_greedy_text():
+    from mlxgw.bench.spec_matrix import identical, table
+
+    def run(variant: str, rnd: int, tok_s: float, texts: dict) -> dict:
+        return {
+            "round": rnd,
+            "workload": "agent",
+            "concurrency": 8,
+            "variant": variant,
+            "failed": 0,
+            "tok_s": tok_s,
+            "ttft_p50_s": 1.0,
+            "itl_p50_s": 0.1,
+            "acceptance": 0.7 if variant == "spec-on" else None,
+            "texts": texts,
+        }
+
+    same = {0: "a", 1: "b"}
+    runs = [
+        run("spec-off", 1, 10.0, same),
+        run("spec-on", 1, 15.0, same),
+        run("spec-on", 2, 14.0, same),
+        run("spec-off", 2, 10.0, {0: "a", 1: "changed"}),
+    ]
+    assert identical(runs) == (1, 2)
+    rows, md = table(runs, Method(rounds=2, max_spread=0.10))
+    assert rows[0]["on_over_off"]["rounds"] == [1.5, 1.4]  # on / off within each round
+    assert "1/2 NO" in md
+
+
+def test_padding_share_counts_left_padding_of_the_decode_batch():
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache
+
+    from mlxgw.bench.step_breakdown import padding_share
+
+    cache = BatchKVCache(left_padding=[0, 3, 1])
+    cache.update_and_fetch(mx.zeros((3, 2, 4, 8)), mx.zeros((3, 2, 4, 8)))
+
+    class Batch:
+        prompt_cache = [cache]
+
+    assert padding_share(Batch()) == pytest.approx(4 / 12)
+    assert padding_share(object()) is None
