@@ -265,7 +265,6 @@ def measure(servers: list[tuple], model_dir: Path, args: argparse.Namespace, met
         if args.agent:
             agent_method = dataclasses.replace(method, logs=[], unstable=[])
             print(agent_table(servers, model_dir, agent_method, args.agent_max_tokens))
-            print("\n".join(log.line() for log in agent_method.logs))
             status = agent_method.finish() or status
     return status
 
