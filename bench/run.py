@@ -5,6 +5,7 @@ output with every round beside its median."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from .loadgen import one_request, run_level, shared_prefix_prompts, varied_promp
 from .method import Method
 from .progress import LevelProgress
 from .report import levels_markdown, merge_rounds, paired_ratio_rows, percentile, ratios_markdown, summarize_level
+from .stats import summarize
 
 
 @dataclass
@@ -114,6 +116,31 @@ async def shared_prefix(target: Target, cfg: BenchConfig) -> dict:
     }
 
 
+def shared_prefix_rounds(targets: list[Target], cfg: BenchConfig, method: Method) -> list[dict]:
+    """The shared-prefix workload once per round and server (cache cleared each time, order
+    rotated): per server, the median cold/warm TTFT and speedup with every round."""
+    runs: dict[str, list[dict]] = {t.label: [] for t in targets}
+    rounds = dataclasses.replace(method, logs=[], unstable=[])  # its own round lines, not the sweep's
+    for _, order in rounds.each_round(targets, label=lambda t: t.label, log=lambda line: None):
+        for t in order:
+            runs[t.label].append(asyncio.run(shared_prefix(t, cfg)))
+    out = []
+    for label, rs in runs.items():
+        speedup = summarize([r["speedup"] for r in rs])
+        method.check(f"shared prefix {label} speedup", speedup)  # flagged on the run itself
+        out.append(
+            {
+                **rs[-1],
+                "cold_ttft_s": summarize([r["cold_ttft_s"] for r in rs]).median,
+                "warm_ttft_p50_s": summarize([r["warm_ttft_p50_s"] for r in rs]).median,
+                "speedup": speedup.median,
+                "speedup_rounds": list(speedup.rounds),
+                "failed": sum(r["failed"] for r in rs),
+            }
+        )
+    return out
+
+
 def run(targets: list[Target], cfg: BenchConfig, out: Path | None, log=print, method: Method | None = None) -> dict:
     """The sweep (and the shared-prefix workload) under `method`, with its busy loops
     running throughout; report["exit_status"] is UNSTABLE_EXIT when rounds disagree."""
@@ -126,7 +153,7 @@ def run(targets: list[Target], cfg: BenchConfig, out: Path | None, log=print, me
     with method.busy_loops():
         report["runs"] = asyncio.run(sweep(targets, cfg, method, log))
         if cfg.prefix_words:
-            report["shared_prefix"] = [asyncio.run(shared_prefix(t, cfg)) for t in targets]
+            report["shared_prefix"] = shared_prefix_rounds(targets, cfg, method)
     report["levels"] = merge_rounds(report["runs"], method)
     first = targets[0].label
     report["ratios"] = {t.label: paired_ratio_rows(report["runs"], first, t.label, method) for t in targets[1:]}
@@ -148,7 +175,8 @@ def _markdown(report: dict, method: Method, first: str) -> str:
     for sp in report.get("shared_prefix", []):
         md.append(
             f"\nshared prefix ({sp['prefix_words']} words) on {sp['server']}: cold TTFT "
-            f"{sp['cold_ttft_s']} s, warm TTFT p50 {sp['warm_ttft_p50_s']} s, x{sp['speedup']}"
+            f"{sp['cold_ttft_s']} s, warm TTFT p50 {sp['warm_ttft_p50_s']} s, x{sp['speedup']} "
+            f"(medians; speedup by round: {', '.join(f'{v:.1f}' for v in sp['speedup_rounds'])})"
         )
     md.append("")
     md += [log.line() for log in method.logs]
