@@ -123,7 +123,7 @@ class MlxLmLoop:
     def split(self, acc: dict[str, float], wall: float) -> dict[str, float]:
         """This turn's pieces: forward, normalize, sampling, host (the per-token loop), rest
         (mlx-lm's batch bookkeeping inside next())."""
-        from .step_breakdown import PIECES
+        from .step_mlxgw import PIECES
 
         out = {k: acc.get(k, 0.0) for k in PIECES}  # mlxgw's own pieces stay 0 here
         out["rest"] = max(0.0, wall - sum(v for k, v in out.items() if k != "rest"))
