@@ -35,7 +35,7 @@ def test_bench_alternates_servers_over_rounds_and_writes_reports(tiny_gateway, t
             "--rounds",
             "2",
             "--max-spread",
-            "off",  # the null engine on a shared host is not steady enough for a verdict
+            "0",  # any difference between rounds is "unstable": the run must say so and exit 3
             "--out",
             str(out),
         ],
@@ -44,7 +44,8 @@ def test_bench_alternates_servers_over_rounds_and_writes_reports(tiny_gateway, t
         text=True,
         timeout=120,
     )
-    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.returncode == 3, result.stdout + result.stderr
+    assert "this run is not a result" in result.stderr
     report = json.loads(out.with_suffix(".json").read_text())
     assert [(r["server"], r["concurrency"]) for r in report["levels"]] == [
         ("mlxgw", 1),
@@ -65,6 +66,7 @@ def test_bench_alternates_servers_over_rounds_and_writes_reports(tiny_gateway, t
     md = out.with_suffix(".md").read_text()
     assert "| server |" in md and "round 2: order again -> mlxgw; load average" in md
     assert "fewer than 3" in result.stderr  # two rounds verify nothing, and it says so
+    assert "UNSTABLE" in md and report["method"]["unstable"]
 
 
 def test_bench_level_progress_is_plain_lines_off_a_terminal_and_one_redrawn_line_on_one():
