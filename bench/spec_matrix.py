@@ -97,7 +97,10 @@ def clear_cache(url: str) -> None:
 
 def level(url: str, variant: str, prompts: list[list[dict]], c: int, max_tokens: int) -> dict:
     clear_cache(url)
-    results, wall = asyncio.run(run_level(url, variant, prompts, c, max_tokens=max_tokens, temperature=0.0))
+    # A long timeout: at c=32 an agent request waits for 31 others' 2k-token prefills on a CPU.
+    results, wall = asyncio.run(
+        run_level(url, variant, prompts, c, max_tokens=max_tokens, temperature=0.0, timeout_s=3600)
+    )
     ok = [r for r in results if r.ok]
     tokens = sum(r.tokens for r in ok)
     return {
