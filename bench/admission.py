@@ -22,8 +22,7 @@ import time
 
 from . import method as bench_method
 from .loadgen import varied_prompts
-from .report import percentile
-from .stats import summarize
+from .stats import percentile, summarize
 
 VARIANTS = {
     "mlx_lm.server's": {"budget": None, "prefill_batch": 8, "step": 2048, "idle": 1},
