@@ -189,6 +189,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=40, help="counted steps per batch and engine")
     ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--prompt-words", type=int, default=22, help="~64 prompt tokens with the chat template")
+    ap.add_argument(
+        "--prompt-words-max",
+        type=int,
+        default=None,
+        help="draw each prompt's length up to this many words: rows of different lengths, so padding shows",
+    )
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--frequency-penalty", type=float, default=0.0, help="non-zero: every row runs a logits processor")
@@ -226,7 +232,7 @@ def make_loops(names: list[str], runner, timed_model, batch: int, args, timers: 
     from .loadgen import varied_prompts
     from .step_mlx_lm import MlxLmLoop
 
-    prompts = varied_prompts(4 * batch + 64, args.prompt_words, args.seed)
+    prompts = varied_prompts(4 * batch + 64, args.prompt_words, args.seed, args.prompt_words_max)
     loops: list = []
     mlxgw: MlxgwLoop | None = None
     for name in names:
