@@ -97,8 +97,8 @@ class Method:
     def __post_init__(self) -> None:
         if self.rounds < 1:
             raise ValueError("rounds must be at least 1")
-        if self.busy < 0:
-            raise ValueError("--busy takes a number of loops, 0 or more")
+        if not 0 <= self.busy <= 4 * (os.cpu_count() or 1):
+            raise ValueError(f"--busy takes a number of loops from 0 to 4 x the {os.cpu_count()} cores")
 
     def each_round(self, items: Sequence[T], label=str, log=print) -> Iterator[tuple[int, list[T]]]:
         """(round index, items in this round's order), recording each round's load."""
@@ -208,6 +208,13 @@ def spread_arg(text: str) -> float | None:
     return value
 
 
+def busy_arg(text: str) -> int:
+    """--busy: a number of loops, checked as Method checks it."""
+    value = int(text)
+    Method(busy=value)
+    return value
+
+
 def add_arguments(ap: argparse.ArgumentParser, rounds: int = DEFAULT_ROUNDS) -> None:
     """The method's flags, the same in every bench that compares."""
     ap.add_argument("--rounds", type=int, default=rounds, help=f"rounds, order rotated each (default {rounds})")
@@ -218,7 +225,7 @@ def add_arguments(ap: argparse.ArgumentParser, rounds: int = DEFAULT_ROUNDS) -> 
         help="flag the run (exit status 3) when a figure's rounds differ by more than this share "
         "of its median: 0.1 or 10%% (default), 'off' never flags",
     )
-    ap.add_argument("--busy", type=int, default=0, help="N fixed CPU busy loops beside every server")
+    ap.add_argument("--busy", type=busy_arg, default=0, help="N fixed CPU busy loops beside every server")
 
 
 def from_args(args: argparse.Namespace) -> Method:

@@ -139,7 +139,7 @@ def agent_request(url: str, model: str, messages: list[dict], max_tokens: int) -
     }
 
 
-def agent_table(servers: list[tuple], model_dir: Path, method: Method, max_tokens: int) -> str:
+def agent_table(servers: list[tuple], model_dir: Path, method: Method, max_tokens: int, out: Path | None = None) -> str:
     """The agent workload on every server, one request each per round, the order rotated
     round by round; every round shown beside the median, ratios paired within rounds."""
     from transformers import AutoTokenizer
@@ -151,7 +151,13 @@ def agent_table(servers: list[tuple], model_dir: Path, method: Method, max_token
             runs[label].append(agent_request(url, model, messages, max_tokens))
             r = runs[label][-1]
             print(f"agent round {rnd + 1} {label}: TTFT {r['ttft_s']} s, {r['decode_chunks_s']} chunks/s", flush=True)
-    return agent_markdown(runs, method)
+    table = agent_markdown(runs, method)
+    if out is not None:  # every round (texts left out) and the rounds' load, beside the sweep's report
+        rounds = {label: [{k: v for k, v in r.items() if k != "text"} for r in rs] for label, rs in runs.items()}
+        report = {"runs": rounds, "method": method.as_dict(), "markdown": table}
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.with_suffix(".agent.json").write_text(json.dumps(report, indent=2))
+    return table
 
 
 def agent_markdown(runs: dict[str, list[dict]], method: Method) -> str:
@@ -264,7 +270,7 @@ def measure(servers: list[tuple], model_dir: Path, args: argparse.Namespace, met
             status = report["exit_status"]
         if args.agent:
             agent_method = dataclasses.replace(method, logs=[], unstable=[])
-            print(agent_table(servers, model_dir, agent_method, args.agent_max_tokens))
+            print(agent_table(servers, model_dir, agent_method, args.agent_max_tokens, args.out))
             status = agent_method.finish() or status
     return status
 
