@@ -1,8 +1,10 @@
 """Admission policies compared in-process: the real Scheduler + MLXRunner, same prompts, no HTTP.
 
-    python -m mlxgw.bench.admission ~/.cache/mlxgw/models/smollm2-135m --concurrency 16,32 --rounds 2
+    python -m mlxgw.bench.admission ~/.cache/mlxgw/models/smollm2-135m --concurrency 16,32 --rounds 3
 
-Variants, alternated within each round:
+Variants, alternated within each round, the order rotated each round (bench/method.py: 3
+rounds by default, load per round, `--busy N`, exit 3 when a TTFT's rounds disagree by more
+than --max-spread); the summary shows each TTFT p50 as the median with every round:
 - mlx_lm.server's: every request goes to the BatchGenerator at once, which reads up to 8
   prompts per step in chunks of 2,048 tokens (`--prompt-concurrency 8`, `--prefill-step-size
   2048`, its defaults);
@@ -18,8 +20,9 @@ import argparse
 import json
 import time
 
+from . import method as bench_method
 from .loadgen import varied_prompts
-from .report import percentile
+from .stats import percentile, summarize
 
 VARIANTS = {
     "mlx_lm.server's": {"budget": None, "prefill_batch": 8, "step": 2048, "idle": 1},
@@ -93,12 +96,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model_dir")
     ap.add_argument("--concurrency", default="16,32")
-    ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--prompt-words", type=int, default=40)
     ap.add_argument("--loads", default="burst,closed")
     ap.add_argument("--out", default=None)
+    bench_method.add_arguments(ap)
     args = ap.parse_args()
+    method = bench_method.from_args(args)
     from mlxgw.worker.runner import MLXRunner
 
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -107,25 +111,45 @@ def main() -> None:
     )
     run_variant(runner, VARIANTS["budget"], varied_prompts(4, args.prompt_words, seed=7), 4, 4)  # warm-up
     rows = []
-    for rnd in range(args.rounds):
-        for c in levels:
-            for load in args.loads.split(","):
-                n = c if load == "burst" else 2 * c
-                prompts = varied_prompts(n, args.prompt_words, seed=1000 * rnd + c)
-                names = list(VARIANTS) if rnd % 2 == 0 else list(VARIANTS)[::-1]
-                for name in names:
-                    row = {
-                        "round": rnd,
-                        "c": c,
-                        "load": load,
-                        "variant": name,
-                        **run_variant(runner, VARIANTS[name], prompts, c, args.max_tokens),
-                    }
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
+    with method.busy_loops():
+        for rnd, names in method.each_round(list(VARIANTS)):
+            for c in levels:
+                for load in args.loads.split(","):
+                    rows += _level(runner, rnd, c, load, names, args)
+    print(summary(rows, method))
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump({"rows": rows, "method": method.as_dict()}, f, indent=1)
+    raise SystemExit(method.finish())
+
+
+def _level(runner, rnd: int, c: int, load: str, names: list[str], args) -> list[dict]:
+    n = c if load == "burst" else 2 * c
+    prompts = varied_prompts(n, args.prompt_words, seed=1000 * rnd + c)
+    rows = []
+    for name in names:
+        row = {
+            "round": rnd,
+            "c": c,
+            "load": load,
+            "variant": name,
+            **run_variant(runner, VARIANTS[name], prompts, c, args.max_tokens),
+        }
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def summary(rows: list[dict], method) -> str:
+    """TTFT p50 and p90 per level and variant: median over the rounds, every round shown."""
+    lines = ["| c | load | variant | TTFT p50 s (rounds) | spread | TTFT p90 s (median) |", "|---|---|---|---|---|---|"]
+    for c, load, name in dict.fromkeys((r["c"], r["load"], r["variant"]) for r in rows):
+        same = [r for r in rows if (r["c"], r["load"], r["variant"]) == (c, load, name)]
+        p50 = summarize([r["ttft_p50_s"] for r in same])
+        method.check(f"c={c} {load} {name} TTFT p50", p50)
+        p90 = summarize([r["ttft_p90_s"] for r in same]).median
+        lines.append(f"| {c} | {load} | {name} | {p50.cell(3)} | {method.flag_cell(p50)} | {p90:.3f} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

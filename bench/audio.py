@@ -14,7 +14,8 @@ dependency: `pip install faster-whisper` here, or in a venv of its own named by
 --peer-python (the peer then runs in a child process of that interpreter, this file run as
 a script, so the project's venv is not polluted). Engines alternate within each round
 (mlxgw, then each peer, per concurrency) so load from other jobs hits all of them alike;
-with several rounds the table keeps each engine's best round."""
+the table shows each engine's median over the rounds with every round beside it (bench/method.py:
+3 rounds by default, the order rotated each round, `--busy N`, exit 3 when rounds disagree)."""
 
 from __future__ import annotations
 
@@ -149,6 +150,8 @@ def default_ct2_dir() -> Path:
 
 
 def main() -> None:
+    from . import method as bench_method
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", default="http://127.0.0.1:8000")
     ap.add_argument("--model", default="whisper-tiny-en")
@@ -158,32 +161,37 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--peers", nargs="*", default=["int8", "float32"], help="faster-whisper compute types")
     ap.add_argument("--threads", type=int, default=0, help="faster-whisper cpu_threads (0: all cores)")
-    ap.add_argument("--rounds", type=int, default=1, help="alternate all engines this many times")
+    bench_method.add_arguments(ap)
     ap.add_argument("--peer-python", default=None, help="interpreter of a venv with faster-whisper")
     args = ap.parse_args()
     clips = load_clips(args.clips)
     jobs = [clips[i % len(clips)] for i in range(args.requests)]
     ct2 = args.ct2_dir or (default_ct2_dir() if args.peers else None)
-    best: dict[tuple[str, int], dict] = {}
-    for _ in range(args.rounds):
-        for c in args.concurrency:
-            runs = [lambda c=c: asyncio.run(mlxgw_run(args.url, args.model, jobs, c))]
-            for compute_type in args.peers:
-                runs.append(lambda t=compute_type, c=c: peer_run(args, ct2, t, jobs, c))
-            for run in runs:
-                r = run()
-                print(json.dumps(r), flush=True)
-                key = (r["engine"], r["concurrency"])
-                if key not in best or r["requests_per_s"] > best[key]["requests_per_s"]:
-                    best[key] = r
+    from .stats import summarize  # here: the peer's child runs this file as a script, without mlxgw
+
+    method = bench_method.from_args(args)
+    rounds: dict[tuple[str, int], list[dict]] = {}
+    engines = ["mlxgw", *args.peers]
+    with method.busy_loops():
+        for _, order in method.each_round(engines):
+            for c in args.concurrency:
+                for engine in order:
+                    if engine == "mlxgw":
+                        r = asyncio.run(mlxgw_run(args.url, args.model, jobs, c))
+                    else:
+                        r = peer_run(args, ct2, engine, jobs, c)
+                    print(json.dumps(r), flush=True)
+                    rounds.setdefault((r["engine"], r["concurrency"]), []).append(r)
     audio = sum(j[3] for j in jobs)
-    print(
-        f"\n{len(jobs)} requests, {audio:.1f} s of audio ({len(clips)} clips cycled), best of {args.rounds} round(s)\n"
-    )
-    print("| engine | concurrency | requests/s | real-time factor | WER |")
-    print("|---|---|---|---|---|")
-    for r in sorted(best.values(), key=lambda r: (r["engine"] != "mlxgw (HTTP)", r["engine"], r["concurrency"])):
-        print(f"| {r['engine']} | {r['concurrency']} | {r['requests_per_s']} | {r['rtf']} | {r['wer']} |")
+    print(f"\n{len(jobs)} requests, {audio:.1f} s of audio ({len(clips)} clips cycled); {method.header()}\n")
+    print("| engine | concurrency | requests/s median (rounds) | spread | real-time factor (median) | WER |")
+    print("|---|---|---|---|---|---|")
+    for (engine, c), rs in sorted(rounds.items(), key=lambda kv: (kv[0][0] != "mlxgw (HTTP)", kv[0])):
+        rate = summarize([r["requests_per_s"] for r in rs])
+        method.check(f"{engine} c={c} requests/s", rate)
+        rtf = summarize([r["rtf"] for r in rs]).median
+        print(f"| {engine} | {c} | {rate.cell(3)} | {method.flag_cell(rate)} | {rtf:.3f} | {rs[0]['wer']} |")
+    raise SystemExit(method.finish())
 
 
 if __name__ == "__main__":

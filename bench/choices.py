@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
+
+from .stats import mean, median
 
 
 def _runner(model_dir: str, speculation: bool = True):
@@ -97,17 +98,17 @@ def logprobs_cost(scheduler, max_tokens: int, rounds: int) -> dict:
             ends: dict[str, float] = {}
             wall, n = _run(scheduler, _requests(f"{name}{r}", prompts, max_tokens, lps), ends)
             times[name].append(wall)
-            others[name].append(statistics.mean(ends[f"{name}{r}-{i}"] for i in range(1, 8)))
+            others[name].append(mean(ends[f"{name}{r}-{i}"] for i in range(1, 8)))
             tokens[name] = n
     return {
         "batch": 8,
         "max_tokens": max_tokens,
         "speculation": scheduler.runner.speculator.enabled,
         "completion_tokens": tokens,
-        "median_wall_s": {k: round(statistics.median(v), 3) for k, v in times.items()},
-        "others_mean_end_s": {k: round(statistics.median(v), 3) for k, v in others.items()},
+        "median_wall_s": {k: round(median(v), 3) for k, v in times.items()},
+        "others_mean_end_s": {k: round(median(v), 3) for k, v in others.items()},
         "wall_s_by_round": {k: [round(x, 2) for x in v] for k, v in times.items()},
-        "tok_s": {k: round(tokens[k] / statistics.median(v), 1) for k, v in times.items()},
+        "tok_s": {k: round(tokens[k] / median(v), 1) for k, v in times.items()},
     }
 
 
@@ -134,7 +135,7 @@ def choices_cost(scheduler, max_tokens: int, rounds: int) -> dict:
         "prompt_words": 300,
         "max_tokens": max_tokens,
         "prompt_tokens_computed": prefilled,
-        "median_wall_s": {k: round(statistics.median(v), 3) for k, v in out.items()},
+        "median_wall_s": {k: round(median(v), 3) for k, v in out.items()},
         "wall_s_by_round": {k: [round(x, 2) for x in v] for k, v in out.items()},
     }
 
@@ -162,7 +163,7 @@ def prompt_logprobs_cost(scheduler, max_tokens: int, rounds: int) -> dict:
     return {
         "prompt_words": 300,
         "max_tokens": max_tokens,
-        "median_wall_s": {k: round(statistics.median(v), 3) for k, v in times.items()},
+        "median_wall_s": {k: round(median(v), 3) for k, v in times.items()},
         "wall_s_by_round": {k: [round(x, 2) for x in v] for k, v in times.items()},
     }
 

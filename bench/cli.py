@@ -17,7 +17,14 @@ import click
 @click.option("--compare", "compare_url", multiple=True, help="another server's base URL, run alternately (repeatable)")
 @click.option("--compare-model", multiple=True, help="model name on each --compare server (default: --model)")
 @click.option("--compare-label", multiple=True, help="label of each --compare server (default: peer, peer2...)")
-@click.option("--rounds", default=1, show_default=True, help="repeat the sweep, rotating the servers' order")
+@click.option("--rounds", default=3, show_default=True, help="repeat the sweep, rotating the servers' order")
+@click.option(
+    "--max-spread",
+    default="10%",
+    show_default=True,
+    help="exit 3 and say so when a figure's rounds differ by more than this share of its median ('off': never)",
+)
+@click.option("--busy", default=0, show_default=True, help="N fixed CPU busy loops running beside every server")
 @click.option("--concurrency", default="1,4,8", show_default=True, help="comma-separated levels")
 @click.option("--requests", default=0, help="requests per level (default: 2 x concurrency, >= 4)")
 @click.option("--max-tokens", default=32, show_default=True)
@@ -45,6 +52,8 @@ def bench(
     compare_model,
     compare_label,
     rounds,
+    max_spread,
+    busy,
     concurrency,
     requests,
     max_tokens,
@@ -59,6 +68,7 @@ def bench(
     out,
 ) -> None:
     """Load-test an OpenAI-compatible server (and optionally compare it with a second one)."""
+    from mlxgw.bench.method import Method, spread_arg
     from mlxgw.bench.run import BenchConfig, Target, run
 
     if seed is None:
@@ -84,7 +94,12 @@ def bench(
         seed=seed,
         rounds=rounds,
     )
-    report = run(targets, cfg, out)
+    try:
+        method = Method(rounds=rounds, max_spread=spread_arg(max_spread), busy=busy)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from e
+    report = run(targets, cfg, out, method=method)
     click.echo(report["markdown"])
     if any(r["failed"] for r in report["levels"]):
         sys.exit(1)
+    sys.exit(report["exit_status"])

@@ -16,13 +16,14 @@ import json
 import os
 import resource
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
+
+from .stats import median
 
 CONFIG = "manager: {auto_discover: false}\nmodels: [{name: 'null', engine: 'null', preload: true}]\n"
 
@@ -120,7 +121,7 @@ async def flood(port: int, slow_bodies: int, idle_sockets: int, seconds: float) 
     ok = sorted(x for x in latencies if x is not None)
     return {
         "health_answered": f"{len(ok)} of {len(latencies)}",
-        "health_median_ms": round(statistics.median(ok) * 1000, 1) if ok else None,
+        "health_median_ms": round(median(ok) * 1000, 1) if ok else None,
         "health_p95_ms": round(ok[int(0.95 * (len(ok) - 1))] * 1000, 1) if ok else None,
         "health_max_ms": round(ok[-1] * 1000, 1) if ok else None,
         "stream_tokens": await tokens,

@@ -29,7 +29,6 @@ import json
 import os
 import re
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -39,6 +38,9 @@ from pathlib import Path
 
 import aiohttp
 import yaml
+
+from .method import rotated
+from .stats import median
 
 MODEL = "null"
 WORDS = ["lorem", "ipsum", "dolor", "sit", "amet", "consectetur", "adipiscing", "elit"]
@@ -274,7 +276,7 @@ async def drive(url: str, concurrency: int, seconds: float, max_tokens: int, str
 
 
 def ratio(ours: list[float], theirs: list[float]) -> float:
-    return round(statistics.median(ours) / statistics.median(theirs), 3) if theirs and ours else 0.0
+    return round(median(ours) / median(theirs), 3) if theirs and ours else 0.0
 
 
 async def ready_and_pinned(servers: list[Server], pin_cpus: bool) -> None:
@@ -295,7 +297,7 @@ async def measure(args: argparse.Namespace, servers: list[Server]) -> dict:
         await drive(server.url, args.concurrency, 1.0, args.plain_tokens, False)
         await drive(server.url, args.concurrency, 1.0, args.stream_tokens, True)
     for rnd in range(args.rounds):
-        order = servers if rnd % 2 == 0 else servers[::-1]
+        order = rotated(servers, rnd)
         for stream, tokens in ((False, args.plain_tokens), (True, args.stream_tokens)):
             for server in order:
                 pids = server.pids()
@@ -330,7 +332,7 @@ def summarize(rows: list[dict], labels: list[str]) -> dict:
         (True, "cpu_us_per_tok", "stream_cpu_us_per_tok"),
     ):
         per = {label: [r[metric] for r in rows if r["server"] == label and r["stream"] == stream] for label in labels}
-        summary[name] = {label: statistics.median(v) for label, v in per.items() if v}
+        summary[name] = {label: median(v) for label, v in per.items() if v}
         for label in gateways:
             suffix = "" if label == "mlxgw" else f"_{label}"
             if metric.startswith("cpu"):  # bare / mlxgw: the capacity ratio a server-bound run would show

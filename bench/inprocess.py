@@ -19,7 +19,7 @@ def measure(
     from mlx_lm.sample_utils import make_sampler
 
     from .loadgen import varied_prompts
-    from .report import percentile
+    from .stats import percentile
 
     model, tok = load(model_dir)
     prompts = [

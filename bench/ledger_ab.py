@@ -18,7 +18,6 @@ import asyncio
 import json
 import os
 import sqlite3
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -28,6 +27,8 @@ from pathlib import Path
 import yaml
 
 from .gateway_capacity import MODEL, Server, cpu_seconds, drive, free_port, ready_and_pinned
+from .method import rotated
+from .stats import median
 
 
 def start(home: Path, ledger: bool) -> Server:
@@ -52,7 +53,7 @@ async def measure(args: argparse.Namespace, servers: list[Server]) -> list[dict]
         await drive(server.url, args.concurrency, 1.0, args.tokens, False)
     rows = []
     for rnd in range(args.rounds):
-        for server in servers if rnd % 2 == 0 else servers[::-1]:
+        for server in rotated(servers, rnd):
             pids = server.pids()
             before = cpu_seconds(pids)
             tally, wall = await drive(server.url, args.concurrency, args.seconds, args.tokens, False)
@@ -74,7 +75,7 @@ def summarize(rows: list[dict]) -> dict:
     out: dict = {}
     for metric in ("req_s", "cpu_us_per_req"):
         per = {s: [r[metric] for r in rows if r["server"] == s] for s in ("ledger-on", "ledger-off")}
-        med = {s: statistics.median(v) for s, v in per.items()}
+        med = {s: median(v) for s, v in per.items()}
         out[metric] = {
             **med,
             "on_minus_off": round(med["ledger-on"] - med["ledger-off"], 1),

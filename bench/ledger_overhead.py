@@ -14,6 +14,7 @@ from pathlib import Path
 
 from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
+
 from mlxgw.gateway.keys import ApiKey
 from mlxgw.gateway.ledger import LEDGER, Ledger, record_request
 

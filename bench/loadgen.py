@@ -31,6 +31,8 @@ class RequestResult:
     tokens: int = 0
     cached_tokens: int = 0
     e2e: float = 0.0
+    index: int = -1  # the prompt's place in the level's list (results arrive in finishing order)
+    text: str = ""  # the streamed content, kept to compare outputs (greedy parity)
 
 
 def varied_prompts(n: int, words: int, seed: int = 0, max_words: int | None = None) -> list[list[dict]]:
@@ -78,7 +80,9 @@ async def _stream(session: aiohttp.ClientSession, url: str, body: dict, result: 
                 result.tokens = usage.get("completion_tokens", result.tokens)
                 result.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
             choices = chunk.get("choices") or []
-            if choices and (choices[0].get("delta") or {}).get("content"):
+            content = (choices[0].get("delta") or {}).get("content") if choices else None
+            if content:
+                result.text += content
                 now = time.perf_counter()
                 if result.ttft is None:
                     result.ttft = now - started
@@ -96,6 +100,8 @@ async def _plain(session: aiohttp.ClientSession, url: str, body: dict, result: R
             result.error = str(payload)[:200]
             return
         usage = payload.get("usage") or {}
+        choices = payload.get("choices") or []
+        result.text = ((choices[0].get("message") or {}).get("content") or "") if choices else ""
         result.tokens = usage.get("completion_tokens", 0)
         result.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
         result.ok = True
@@ -150,8 +156,8 @@ async def run_level(
     """Send every prompt once with `concurrency` clients; return results and wall time.
     on_result sees each request as it ends (progress)."""
     queue: asyncio.Queue = asyncio.Queue()
-    for p in prompts:
-        queue.put_nowait(p)
+    for i, p in enumerate(prompts):
+        queue.put_nowait((i, p))
     results: list[RequestResult] = []
     connector = aiohttp.TCPConnector(limit=concurrency * 2)
     timeout = aiohttp.ClientTimeout(total=timeout_s)
@@ -160,7 +166,7 @@ async def run_level(
 
         async def client() -> None:
             while not queue.empty():
-                messages = queue.get_nowait()
+                index, messages = queue.get_nowait()
                 result = await one_request(
                     session,
                     base_url,
@@ -170,6 +176,7 @@ async def run_level(
                     temperature=temperature,
                     stream=stream,
                 )
+                result.index = index
                 results.append(result)
                 if on_result is not None:
                     on_result(result)

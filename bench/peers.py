@@ -3,21 +3,27 @@
 Starts mlxgw (`mlxgw up`), `mlx_lm.server` and, when a Python with vllm-mlx is given,
 `vllm-mlx serve --continuous-batching`, all on the same model folder and with the same
 OpenBLAS preloaded (shared/platform.worker_environment, as mlxgw's own workers get it), then
-runs `mlxgw bench`'s sweep against all of them, servers alternated within every level and
-their order rotated each round. Only loopback ports; every server is stopped at the end.
+runs `mlxgw bench`'s sweep against all of them under bench/method.py: 3 rounds by default,
+servers alternated within every level and their order rotated each round, the load average
+of every round recorded, every round shown beside its median, `--busy N` fixed busy loops
+beside all servers, exit status 3 when rounds disagree by more than `--max-spread`. Only
+loopback ports; every server and busy loop is stopped at the end.
 
     python -m mlxgw.bench.peers ~/.cache/mlxgw/models/smollm2-135m \\
-        --vllm-python /work/peers/vllm/bin/python --concurrency 1,4,8,16,32 --rounds 2
+        --vllm-python /work/peers/vllm/bin/python --concurrency 1,8,16,32 --rounds 3 [--busy 2]
 
-`--agent-rounds N` also runs bench/speculative.py's agent workload through each server's
-HTTP API (a ~2k-token code file and an instruction to return it with a small edit, greedy,
-512 tokens), alternated, and reports decode speed and whether each output equals mlxgw's.
+`--agent` also runs bench/speculative.py's agent workload through each server's HTTP API
+(a ~2k-token code file and an instruction to return it with a small edit, greedy, 512
+tokens), one request per server per round, and reports decode speed (median and every
+round, mean +- stdev, the ratio to mlxgw paired within rounds) and whether each output
+equals mlxgw's.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import socket
@@ -30,8 +36,11 @@ from pathlib import Path
 
 from mlxgw.shared.platform import worker_environment
 
+from . import method as bench_method
+from .method import Method
 from .run import BenchConfig, Target, run
 from .speculative import agent_messages
+from .stats import paired_ratios, summarize
 
 
 def free_port() -> int:
@@ -130,31 +139,60 @@ def agent_request(url: str, model: str, messages: list[dict], max_tokens: int) -
     }
 
 
-def agent_table(servers: list[tuple], model_dir: Path, rounds: int, max_tokens: int) -> str:
-    """The agent workload on every server, alternated round by round (order rotated)."""
+def agent_table(servers: list[tuple], model_dir: Path, method: Method, max_tokens: int, out: Path | None = None) -> str:
+    """The agent workload on every server, one request each per round, the order rotated
+    round by round; every round shown beside the median, ratios paired within rounds."""
     from transformers import AutoTokenizer
 
     messages = agent_messages(AutoTokenizer.from_pretrained(str(model_dir)), 2000)
     runs: dict[str, list[dict]] = {label: [] for label, *_ in servers}
-    for rnd in range(rounds):
-        order = servers[rnd % len(servers) :] + servers[: rnd % len(servers)]
+    for rnd, order in method.each_round(servers, label=lambda s: s[0]):
         for label, url, _, model in order:
             runs[label].append(agent_request(url, model, messages, max_tokens))
             r = runs[label][-1]
             print(f"agent round {rnd + 1} {label}: TTFT {r['ttft_s']} s, {r['decode_chunks_s']} chunks/s", flush=True)
+    table = agent_markdown(runs, method)
+    if out is not None:  # every round (texts left out) and the rounds' load, beside the sweep's report
+        rounds = {label: [{k: v for k, v in r.items() if k != "text"} for r in rs] for label, rs in runs.items()}
+        report = {"runs": rounds, "method": method.as_dict(), "markdown": table}
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.with_suffix(".agent.json").write_text(json.dumps(report, indent=2))
+    return table
+
+
+def agent_markdown(runs: dict[str, list[dict]], method: Method) -> str:
+    """The agent table from each server's rounds (in the order they ran): decode chunks/s
+    median (rounds), mean +- stdev, spread, the paired ratio to the first server, TTFT, e2e
+    and whether every output equals the first server's first one."""
     first = next(iter(runs))
     reference = runs[first][0]["text"]
     rows = [
-        "| server | TTFT p50 s | decode chunks/s (median) | e2e s (median) | output = mlxgw's |",
-        "|---|---|---|---|---|",
+        "| server | decode chunks/s median (rounds) | mean +- stdev | spread | "
+        f"{first} / server (per-round ratios) | TTFT s median (rounds) | e2e s median | output = {first}'s |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for label, rs in runs.items():
-        med = sorted(r["decode_chunks_s"] or 0 for r in rs)[len(rs) // 2]
-        ttft = sorted(r["ttft_s"] or 0 for r in rs)[len(rs) // 2]
-        e2e = sorted(r["e2e_s"] for r in rs)[len(rs) // 2]
+        decode = summarize([r["decode_chunks_s"] for r in rs])
+        method.check(f"agent {label} decode chunks/s", decode)
+        ttft = summarize([r["ttft_s"] for r in rs])
+        e2e = summarize([r["e2e_s"] for r in rs])
+        ratio = "" if label == first else _ratio_cell(runs[first], rs, method, label)
+        spread_sd = f"{decode.mean:.2f} +- {decode.stdev:.2f}" if decode.stdev is not None else ""
         same = all(r["text"] == reference for r in rs)
-        rows.append(f"| {label} | {ttft} | {med} | {e2e} | {'yes' if same else 'no'} |")
+        rows.append(
+            f"| {label} | {decode.cell()} | {spread_sd} | {method.flag_cell(decode)} | {ratio} | "
+            f"{ttft.cell(3)} | {e2e.cell()} | {'yes' if same else 'no'} |"
+        )
     return "\n".join(rows)
+
+
+def _ratio_cell(ours: list[dict], theirs: list[dict], method: Method, label: str) -> str:
+    n = min(len(ours), len(theirs))
+    pairs = summarize(
+        paired_ratios([r["decode_chunks_s"] for r in ours[:n]], [r["decode_chunks_s"] for r in theirs[:n]])
+    )
+    method.check(f"agent ratio to {label}", pairs)
+    return pairs.cell(2) if pairs.median is not None else ""
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -164,18 +202,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-mlx-lm", action="store_true", help="skip mlx_lm.server")
     ap.add_argument("--max-num-seqs", type=int, default=None, help="mlxgw's batch (default: its own default)")
     ap.add_argument("--concurrency", default="1,4,8,16,32")
-    ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--requests", type=int, default=0, help="per level (default 2 x c, >= 4)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("--agent-rounds", type=int, default=0, help="also run the agent workload this many rounds")
+    ap.add_argument("--agent", action="store_true", help="also run the agent workload (--rounds rounds)")
     ap.add_argument("--agent-max-tokens", type=int, default=512)
     ap.add_argument("--no-sweep", action="store_true", help="only the agent workload")
+    bench_method.add_arguments(ap)
     args = ap.parse_args(argv)
+    method = bench_method.from_args(args)
     model_dir = args.model_dir.expanduser().resolve()
     procs: list[subprocess.Popen] = []
+    status = 0
     with tempfile.TemporaryDirectory(prefix="mlxgw-peers-") as tmp, open(Path(tmp) / "servers.log", "wb") as log:
         try:
             servers = [("mlxgw", *start_mlxgw(model_dir, Path(tmp), args.max_num_seqs, log))]
@@ -188,26 +228,7 @@ def main(argv: list[str] | None = None) -> None:
                 wait_ready(url, proc)
                 warm_up(url, model)
                 print(f"{label} ready at {url}", flush=True)
-            targets = [Target(label, url, model) for label, url, _, model in servers]
-            cfg = BenchConfig(
-                concurrency=[int(c) for c in args.concurrency.split(",")],
-                requests=args.requests,
-                max_tokens=args.max_tokens,
-                prompt_words=40,
-                prompt_words_max=None,
-                temperature=args.temperature,
-                stream=True,
-                fixed_prompt=False,
-                prefix_words=0,
-                prefix_repeats=0,
-                seed=args.seed if args.seed is not None else int(time.time()) % (1 << 30),
-                rounds=args.rounds,
-            )
-            if not args.no_sweep:
-                report = run(targets, cfg, args.out)
-                print(report["markdown"])
-            if args.agent_rounds:
-                print(agent_table(servers, model_dir, args.agent_rounds, args.agent_max_tokens))
+            status = measure(servers, model_dir, args, method)
         except Exception:
             log.flush()
             sys.stderr.write((Path(tmp) / "servers.log").read_text(errors="replace")[-4000:])
@@ -220,6 +241,38 @@ def main(argv: list[str] | None = None) -> None:
                     proc.wait(30)
                 except subprocess.TimeoutExpired:
                     proc.kill()
+    sys.exit(status)
+
+
+def measure(servers: list[tuple], model_dir: Path, args: argparse.Namespace, method: Method) -> int:
+    """The sweep and the agent workload on ready servers, with the busy loops running
+    throughout; the exit status (UNSTABLE_EXIT when rounds disagree)."""
+    targets = [Target(label, url, model) for label, url, _, model in servers]
+    cfg = BenchConfig(
+        concurrency=[int(c) for c in args.concurrency.split(",")],
+        requests=args.requests,
+        max_tokens=args.max_tokens,
+        prompt_words=40,
+        prompt_words_max=None,
+        temperature=args.temperature,
+        stream=True,
+        fixed_prompt=False,
+        prefix_words=0,
+        prefix_repeats=0,
+        seed=args.seed if args.seed is not None else int(time.time()) % (1 << 30),
+        rounds=args.rounds,
+    )
+    status = 0
+    with method.busy_loops():
+        if not args.no_sweep:
+            report = run(targets, cfg, args.out, method=method)
+            print(report["markdown"])
+            status = report["exit_status"]
+        if args.agent:
+            agent_method = dataclasses.replace(method, logs=[], unstable=[])
+            print(agent_table(servers, model_dir, agent_method, args.agent_max_tokens, args.out))
+            status = agent_method.finish() or status
+    return status
 
 
 if __name__ == "__main__":

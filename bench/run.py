@@ -1,9 +1,11 @@
-"""The `mlxgw bench` workflow: concurrency sweep (optionally against a second server,
-alternating), shared-prefix workload, JSON and Markdown output."""
+"""The `mlxgw bench` workflow: concurrency sweep (optionally against other servers, alternated
+and rotated round by round under bench/method.py), shared-prefix workload, JSON and Markdown
+output with every round beside its median."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from dataclasses import dataclass
@@ -12,8 +14,10 @@ from pathlib import Path
 import aiohttp
 
 from .loadgen import one_request, run_level, shared_prefix_prompts, varied_prompts
+from .method import Method
 from .progress import LevelProgress
-from .report import markdown, percentile, summarize
+from .report import levels_markdown, merge_rounds, paired_ratio_rows, percentile, ratios_markdown, summarize_level
+from .stats import summarize
 
 
 @dataclass
@@ -37,7 +41,7 @@ class BenchConfig:
     prefix_words: int  # 0: skip the shared-prefix workload
     prefix_repeats: int
     seed: int
-    rounds: int = 1  # the whole sweep this many times, the servers' order rotated each round
+    rounds: int = 3  # the whole sweep this many times, the servers' order rotated each round
 
 
 async def _clear_cache(target: Target) -> None:
@@ -49,13 +53,12 @@ async def _clear_cache(target: Target) -> None:
         pass
 
 
-async def sweep(targets: list[Target], cfg: BenchConfig, log=print) -> list[dict]:
+async def sweep(targets: list[Target], cfg: BenchConfig, method: Method, log=print) -> list[dict]:
     """Every level for every server, alternated: within a level the servers take turns on
-    the same prompts, and each round rotates who goes first, so drift in the machine's
-    state (thermal, other load) lands on everyone alike."""
+    the same prompts, and each round rotates who goes first (bench/method.py), so drift in
+    the machine's state (thermal, other load) lands on everyone alike."""
     rows = []
-    for rnd in range(cfg.rounds):
-        order = targets[rnd % len(targets) :] + targets[: rnd % len(targets)]
+    for rnd, order in method.each_round(targets, label=lambda t: t.label, log=log):
         for level, c in enumerate(cfg.concurrency):
             n = cfg.requests or max(4, 2 * c)
             prompts = (
@@ -64,9 +67,9 @@ async def sweep(targets: list[Target], cfg: BenchConfig, log=print) -> list[dict
                 else varied_prompts(n, cfg.prompt_words, cfg.seed + 1000 * level + 100_000 * rnd, cfg.prompt_words_max)
             )
             for t in order:
-                rows.append(await _level(t, cfg, c, n, prompts, f"round {rnd + 1}/{cfg.rounds} level {level + 1}"))
-                rows[-1]["round"] = rnd + 1
-                row = rows[-1]
+                row = await _level(t, cfg, c, n, prompts, f"round {rnd + 1}/{method.rounds} level {level + 1}")
+                row["round"] = rnd + 1
+                rows.append(row)
                 log(
                     f"{t.label:>14} c={c:<3} ok={row['completed']:<4} failed={row['failed']:<3} "
                     f"tok/s={row['output_tok_s']:<8} TTFT p50={row['ttft_p50_s']} s"
@@ -88,38 +91,7 @@ async def _level(t: Target, cfg: BenchConfig, c: int, n: int, prompts: list[str]
         on_result=progress.update,
     )
     progress.close()
-    return {"server": t.label, "concurrency": c, **summarize(results, wall)}
-
-
-def medians(rows: list[dict]) -> list[dict]:
-    """One row per (server, concurrency): the median over rounds of each figure."""
-    if not any(r.get("round", 1) > 1 for r in rows):
-        return rows
-    keys = (
-        "output_tok_s",
-        "requests_s",
-        "ttft_p50_s",
-        "ttft_p90_s",
-        "ttft_p99_s",
-        "itl_p50_s",
-        "itl_p99_s",
-        "itl_max_s",
-    )
-    out: list[dict] = []
-    for r in rows:
-        if any(o["server"] == r["server"] and o["concurrency"] == r["concurrency"] for o in out):
-            continue
-        same = [x for x in rows if x["server"] == r["server"] and x["concurrency"] == r["concurrency"]]
-        merged = {**r, "rounds": len(same)}
-        merged["completed"] = sum(x["completed"] for x in same)
-        merged["failed"] = sum(x["failed"] for x in same)
-        merged["output_tokens"] = sum(x["output_tokens"] for x in same)
-        for k in keys:
-            values = [x[k] for x in same if x.get(k) is not None]
-            merged[k] = round(percentile(values, 50), 4) if values else None
-        merged.pop("round", None)
-        out.append(merged)
-    return out
+    return {"server": t.label, "concurrency": c, **summarize_level(results, wall)}
 
 
 async def shared_prefix(target: Target, cfg: BenchConfig) -> dict:
@@ -144,57 +116,72 @@ async def shared_prefix(target: Target, cfg: BenchConfig) -> dict:
     }
 
 
-def ratios(rows: list[dict], a: str, b: str) -> list[dict]:
+def shared_prefix_rounds(targets: list[Target], cfg: BenchConfig, method: Method) -> list[dict]:
+    """The shared-prefix workload once per round and server (cache cleared each time, order
+    rotated): per server, the median cold/warm TTFT and speedup with every round."""
+    runs: dict[str, list[dict]] = {t.label: [] for t in targets}
+    rounds = dataclasses.replace(method, logs=[], unstable=[])  # its own round lines, not the sweep's
+    for _, order in rounds.each_round(targets, label=lambda t: t.label, log=lambda line: None):
+        for t in order:
+            runs[t.label].append(asyncio.run(shared_prefix(t, cfg)))
     out = []
-    for ra in (r for r in rows if r["server"] == a):
-        rb = next((r for r in rows if r["server"] == b and r["concurrency"] == ra["concurrency"]), None)
-        if rb is None:
-            continue
-
-        def ratio(k, invert=False, ra=ra, rb=rb):
-            x, y = ra.get(k), rb.get(k)
-            if not x or not y:
-                return None
-            return round(y / x if invert else x / y, 2)
-
+    for label, rs in runs.items():
+        speedup = summarize([r["speedup"] for r in rs])
+        method.check(f"shared prefix {label} speedup", speedup)  # flagged on the run itself
         out.append(
             {
-                "concurrency": ra["concurrency"],
-                "tok_s_ratio": ratio("output_tok_s"),
-                "ttft_p50_ratio": ratio("ttft_p50_s", invert=True),
+                **rs[-1],
+                "cold_ttft_s": summarize([r["cold_ttft_s"] for r in rs]).median,
+                "warm_ttft_p50_s": summarize([r["warm_ttft_p50_s"] for r in rs]).median,
+                "speedup": speedup.median,
+                "speedup_rounds": list(speedup.rounds),
+                "failed": sum(r["failed"] for r in rs),
             }
         )
     return out
 
 
-def run(targets: list[Target], cfg: BenchConfig, out: Path | None, log=print) -> dict:
+def run(targets: list[Target], cfg: BenchConfig, out: Path | None, log=print, method: Method | None = None) -> dict:
+    """The sweep (and the shared-prefix workload) under `method`, with its busy loops
+    running throughout; report["exit_status"] is UNSTABLE_EXIT when rounds disagree."""
+    method = method or Method(rounds=cfg.rounds)
     report = {
         "config": cfg.__dict__,
         "targets": [t.__dict__ for t in targets],
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    report["runs"] = asyncio.run(sweep(targets, cfg, log))
-    report["levels"] = medians(report["runs"])
-    report["ratios"] = {t.label: ratios(report["levels"], targets[0].label, t.label) for t in targets[1:]}
-    if cfg.prefix_words:
-        report["shared_prefix"] = [asyncio.run(shared_prefix(t, cfg)) for t in targets]
-    md = [markdown(report["levels"])]
-    if cfg.rounds > 1:
-        md.insert(0, f"(median of {cfg.rounds} rounds, servers alternated)\n")
-    for peer, rows in report["ratios"].items():
-        md.append(
-            f"\n| c | {targets[0].label} / {peer} tok/s | TTFT p50 ratio (higher = {targets[0].label} "
-            "is faster) |\n|---|---|---|"
-        )
-        md += [f"| {r['concurrency']} | {r['tok_s_ratio']} | {r['ttft_p50_ratio']} |" for r in rows]
-    for sp in report.get("shared_prefix", []):
-        md.append(
-            f"\nshared prefix ({sp['prefix_words']} words) on {sp['server']}: cold TTFT "
-            f"{sp['cold_ttft_s']} s, warm TTFT p50 {sp['warm_ttft_p50_s']} s, x{sp['speedup']}"
-        )
-    report["markdown"] = "\n".join(md)
+    with method.busy_loops():
+        report["runs"] = asyncio.run(sweep(targets, cfg, method, log))
+        if cfg.prefix_words:
+            report["shared_prefix"] = shared_prefix_rounds(targets, cfg, method)
+    report["levels"] = merge_rounds(report["runs"], method)
+    first = targets[0].label
+    report["ratios"] = {t.label: paired_ratio_rows(report["runs"], first, t.label, method) for t in targets[1:]}
+    report["method"] = method.as_dict()
+    report["markdown"] = _markdown(report, method, first)
+    report["exit_status"] = method.finish()
+    report["method"]["unstable"] = list(method.unstable)
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.with_suffix(".json").write_text(json.dumps(report, indent=2))
         out.with_suffix(".md").write_text(report["markdown"] + "\n")
     return report
+
+
+def _markdown(report: dict, method: Method, first: str) -> str:
+    md = [f"({method.header()})\n", levels_markdown(report["levels"])]
+    for peer, rows in report["ratios"].items():
+        md.append("\n" + ratios_markdown(first, peer, rows))
+    for sp in report.get("shared_prefix", []):
+        md.append(
+            f"\nshared prefix ({sp['prefix_words']} words) on {sp['server']}: cold TTFT "
+            f"{sp['cold_ttft_s']} s, warm TTFT p50 {sp['warm_ttft_p50_s']} s, x{sp['speedup']} "
+            f"(medians; speedup by round: {', '.join(f'{v:.1f}' for v in sp['speedup_rounds'])})"
+        )
+    md.append("")
+    md += [log.line() for log in method.logs]
+    if method.unstable:
+        share = f"{method.max_spread:.0%}"
+        md.append(f"\n**UNSTABLE: {len(method.unstable)} figure(s) vary across rounds by more than {share}**")
+        md += [f"- {line}" for line in method.unstable]
+    return "\n".join(md)

@@ -1,5 +1,6 @@
 """A sharded model against the same model in one process, through one running gateway:
-decode tokens/s (alternating the two within each round) and memory per rank.
+decode tokens/s (the two take turns in each round, order rotated, under bench/method.py:
+median and every round, the ratio paired within rounds) and memory per rank.
 
     python -m mlxgw.bench.sharded --url http://127.0.0.1:8000 --one qwen-one --sharded qwen-pipe \
         --concurrency 1,4 --rounds 3 --max-tokens 32
@@ -13,6 +14,9 @@ import json
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+
+from . import method as bench_method
+from .stats import paired_ratios, summarize
 
 PROMPTS = [
     "Write a short poem about the sea.",
@@ -74,26 +78,34 @@ def main() -> None:
     ap.add_argument("--one", required=True, help="the unsharded entry")
     ap.add_argument("--sharded", required=True, help="the sharded entry of the same model")
     ap.add_argument("--concurrency", default="1,4")
-    ap.add_argument("--rounds", type=int, default=3)
+    bench_method.add_arguments(ap)
     ap.add_argument("--max-tokens", type=int, default=32)
     args = ap.parse_args()
+    method = bench_method.from_args(args)
     models = (args.one, args.sharded)
     for m in models:  # load both, and warm up
         one_round(args.url, m, 1, 4)
     results: dict = {"tokens_per_s": {}, "memory": {}}
-    for c in [int(x) for x in args.concurrency.split(",")]:
-        runs: dict[str, list[float]] = {m: [] for m in models}
-        for _ in range(args.rounds):
-            for m in models:  # alternate: a noisy machine slows both alike
-                runs[m].append(round(one_round(args.url, m, c, args.max_tokens), 2))
-        results["tokens_per_s"][c] = runs
-        best = {m: max(v) for m, v in runs.items()}
-        print(f"concurrency {c}: " + ", ".join(f"{m} {best[m]:.2f} tok/s (runs {runs[m]})" for m in models))
-        print(f"  sharded / one process: {best[args.sharded] / best[args.one]:.2f}")
+    levels = [int(x) for x in args.concurrency.split(",")]
+    runs: dict[int, dict[str, list[float]]] = {c: {m: [] for m in models} for c in levels}
+    with method.busy_loops():
+        for _, order in method.each_round(models):
+            for c in levels:
+                for m in order:  # alternate, rotated: a noisy machine slows both alike
+                    runs[c][m].append(round(one_round(args.url, m, c, args.max_tokens), 2))
+    for c in levels:
+        results["tokens_per_s"][c] = runs[c]
+        rates = {m: summarize(v) for m, v in runs[c].items()}
+        ratio = summarize(paired_ratios(runs[c][args.sharded], runs[c][args.one]))
+        method.check(f"c={c} sharded / one process", ratio)
+        print(f"concurrency {c}: " + ", ".join(f"{m} {rates[m].cell()} tok/s" for m in models))
+        print(f"  sharded / one process, per round: {ratio.cell()} ({method.flag_cell(ratio)})")
     for m in models:
         results["memory"][m] = memory(args.url, m)
         print(f"memory {m}: {results['memory'][m]}")
+    results["method"] = method.as_dict()
     print(json.dumps(results))
+    raise SystemExit(method.finish())
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ import aiohttp
 import psutil
 
 from .loadgen import WORDS
-from .report import percentile
+from .stats import percentile
 
 KINDS = ("varied", "shared_prefix", "multi_turn", "cancel_prefill", "cancel_answer", "choices")
 WEIGHTS = (30, 25, 15, 10, 10, 10)

@@ -3,20 +3,28 @@ model when --draft-model is given), measured on
 the worker's own scheduler and MLX runner in-process (no HTTP, no IPC): a ~2k-token code
 file in the prompt and an instruction to return it with a small edit, greedy, 512 tokens.
 
-Both variants are loaded once and alternated round by round in one run, so a busy machine
+Both variants are loaded once and take turns in every round under bench/method.py (3 rounds
+by default, the order rotated each round, the load average recorded per round, `--busy N`,
+exit status 3 when a speedup's rounds differ by more than --max-spread), so a busy machine
 slows both alike; the outputs must be identical (greedy speculation changes speed only).
+Each speedup is the median of per-round ratios (both variants ran back to back), with every
+round beside it.
 
-    python -m mlxgw.bench.speculative MODEL_DIR --max-tokens 512 --rounds 2 [--max-draft 8]
-        [--draft-model DRAFT_DIR]
+    python -m mlxgw.bench.speculative MODEL_DIR --max-tokens 512 --rounds 3 [--max-draft 8]
+        [--draft-model DRAFT_DIR] [--busy 2]
+(see bench/spec_matrix.py for the same question through the server at c = 1..32)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from pathlib import Path
+
+from . import method as bench_method
+from .method import Method
+from .stats import paired_ratios, summarize
 
 CODE_FILE = Path(__file__).resolve().parent.parent / "worker" / "scheduler.py"
 INSTRUCTION = (
@@ -88,9 +96,15 @@ def run_once(scheduler, prompt: list[int], max_tokens: int, rid: str) -> dict:
 
 
 def measure(
-    model_dir: str, max_tokens: int, rounds: int, code_tokens: int, max_draft: int = 8, draft_model: str | None = None
+    model_dir: str,
+    max_tokens: int,
+    method: Method,
+    code_tokens: int,
+    max_draft: int = 8,
+    draft_model: str | None = None,
 ) -> dict:
     from mlx_lm.utils import load_tokenizer
+
     from mlxgw.shared.config import SpeculativeConfig
 
     prompt = agent_prompt(load_tokenizer(Path(model_dir)), code_tokens)
@@ -102,12 +116,17 @@ def measure(
     for mode, sched in variants.items():  # warm-up: allocation and first-call costs
         run_once(sched, prompt[:64], 4, f"warm-{mode}")
     results: dict[str, list[dict]] = {mode: [] for mode in variants}
-    for r in range(rounds):
-        for mode, sched in variants.items():
-            results[mode].append(run_once(sched, prompt, max_tokens, f"{mode}-{r}"))
-            print(json.dumps({"round": r, "mode": mode, **_public(results[mode][-1])}), flush=True)
+    with method.busy_loops():
+        for r, order in method.each_round(list(variants)):
+            for mode in order:
+                results[mode].append(run_once(variants[mode], prompt, max_tokens, f"{mode}-{r}"))
+                print(json.dumps({"round": r, "mode": mode, **_public(results[mode][-1])}), flush=True)
     texts = {res["text"] for runs in results.values() for res in runs}
-    rate = {m: statistics.median(x["decode_tok_s"] for x in results[m]) for m in variants}
+    rates = {m: [x["decode_tok_s"] for x in results[m]] for m in variants}
+    rate = {m: summarize(v).median for m, v in rates.items()}
+    speedup = {m: summarize(paired_ratios(rates[m], rates["off"])) for m in variants if m != "off"}
+    for m, s in speedup.items():
+        method.check(f"speedup {m}", s)
     stats = variants["prompt_lookup"].runner.stats()["speculative"]
     summary = {
         "prompt_tokens": len(prompt),
@@ -115,7 +134,11 @@ def measure(
         "outputs_identical": len(texts) == 1,
         "decode_tok_s_off": round(rate["off"], 2),
         "decode_tok_s_speculative": round(rate["prompt_lookup"], 2),
-        "speedup": round(rate["prompt_lookup"] / rate["off"], 2),
+        "decode_tok_s_rounds": {m: [round(v, 2) for v in r] for m, r in rates.items()},
+        "speedup": round(speedup["prompt_lookup"].median, 2),
+        "speedup_rounds": [round(v, 2) for v in speedup["prompt_lookup"].rounds],
+        "speedup_spread": speedup["prompt_lookup"].as_dict()["spread"],
+        "round_logs": [log.line() for log in method.logs],
         "acceptance_rate": stats["acceptance_rate"],
         "tokens_per_speculative_step": stats["tokens_per_speculative_step"],
         "pauses": stats["pauses"],
@@ -124,7 +147,8 @@ def measure(
         draft = variants["draft"].runner.stats()["speculative"]
         summary.update(
             decode_tok_s_draft=round(rate["draft"], 2),
-            speedup_draft=round(rate["draft"] / rate["off"], 2),
+            speedup_draft=round(speedup["draft"].median, 2),
+            speedup_draft_rounds=[round(v, 2) for v in speedup["draft"].rounds],
             acceptance_rate_draft=draft["acceptance_rate"],
             tokens_per_speculative_step_draft=draft["tokens_per_speculative_step"],
             pauses_draft=draft["pauses"],
@@ -143,13 +167,15 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model_dir")
     ap.add_argument("--max-tokens", type=int, default=512)
-    ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--code-tokens", type=int, default=2000)
     ap.add_argument("--max-draft", type=int, default=8)
     ap.add_argument("--draft-model", help="a draft model's folder: adds a draft-model variant")
+    bench_method.add_arguments(ap)
     args = ap.parse_args()
-    result = measure(args.model_dir, args.max_tokens, args.rounds, args.code_tokens, args.max_draft, args.draft_model)
+    method = bench_method.from_args(args)
+    result = measure(args.model_dir, args.max_tokens, method, args.code_tokens, args.max_draft, args.draft_model)
     print(json.dumps({"max_draft": args.max_draft, **result}), flush=True)
+    raise SystemExit(method.finish())
 
 
 if __name__ == "__main__":

@@ -17,13 +17,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import statistics
 import time
 from pathlib import Path
 
 import aiohttp
 
 from .loadgen import one_request, shared_prefix_prompts
+from .stats import median
 
 
 async def _admin(session: aiohttp.ClientSession, method: str, url: str) -> float:
@@ -81,10 +81,10 @@ async def one_round(session: aiohttp.ClientSession, url: str, model: str, words:
 
 
 def summarize(rounds: list[dict]) -> dict:
-    def median(variant: str) -> float:
-        return statistics.median(r[variant]["ttft_s"] for r in rounds)
+    def median_ttft(variant: str) -> float:
+        return median(r[variant]["ttft_s"] for r in rounds)
 
-    cold, restored, warm = median("cold"), median("restored"), median("warm")
+    cold, restored, warm = median_ttft("cold"), median_ttft("restored"), median_ttft("warm")
     return {
         "rounds": len(rounds),
         "prompt_tokens": rounds[0]["prompt_tokens"],
@@ -92,11 +92,11 @@ def summarize(rounds: list[dict]) -> dict:
         "ttft_restored_s": restored,
         "ttft_warm_in_memory_s": warm,
         "restored_vs_cold": round(cold / restored, 1) if restored else None,
-        "restore_s": statistics.median(r["disk"].get("restore_s", 0.0) for r in rounds),
-        "load_s_cold": statistics.median(r["cold_load_s"] for r in rounds),
-        "load_s_restored": statistics.median(r["restored_load_s"] for r in rounds),
-        "unload_s_nothing_to_write": statistics.median(r["cold_unload_s"] for r in rounds),
-        "unload_s_with_write": statistics.median(r["restored_unload_s"] for r in rounds),
+        "restore_s": median(r["disk"].get("restore_s", 0.0) for r in rounds),
+        "load_s_cold": median(r["cold_load_s"] for r in rounds),
+        "load_s_restored": median(r["restored_load_s"] for r in rounds),
+        "unload_s_nothing_to_write": median(r["cold_unload_s"] for r in rounds),
+        "unload_s_with_write": median(r["restored_unload_s"] for r in rounds),
     }
 
 

@@ -34,6 +34,8 @@ def test_bench_alternates_servers_over_rounds_and_writes_reports(tiny_gateway, t
             "again",
             "--rounds",
             "2",
+            "--max-spread",
+            "0",  # any difference between rounds is "unstable": the run must say so and exit 3
             "--out",
             str(out),
         ],
@@ -42,7 +44,8 @@ def test_bench_alternates_servers_over_rounds_and_writes_reports(tiny_gateway, t
         text=True,
         timeout=120,
     )
-    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.returncode == 3, result.stdout + result.stderr
+    assert "this run is not a result" in result.stderr
     report = json.loads(out.with_suffix(".json").read_text())
     assert [(r["server"], r["concurrency"]) for r in report["levels"]] == [
         ("mlxgw", 1),
@@ -57,8 +60,13 @@ def test_bench_alternates_servers_over_rounds_and_writes_reports(tiny_gateway, t
         assert row["completed"] == 16 and row["failed"] == 0
         assert row["output_tokens"] == 16 * 16
         assert row["ttft_p50_s"] is not None and row["output_tok_s"] > 0
+        assert len(row["output_tok_s_rounds"]) == 2  # every round kept beside the median
     assert len(report["ratios"]["again"]) == 2
-    assert "| server |" in out.with_suffix(".md").read_text()
+    assert [log["order"] for log in report["method"]["round_logs"]] == [["mlxgw", "again"], ["again", "mlxgw"]]
+    md = out.with_suffix(".md").read_text()
+    assert "| server |" in md and "round 2: order again -> mlxgw; load average" in md
+    assert "fewer than 3" in result.stderr  # two rounds verify nothing, and it says so
+    assert "UNSTABLE" in md and report["method"]["unstable"]
 
 
 def test_bench_level_progress_is_plain_lines_off_a_terminal_and_one_redrawn_line_on_one():
