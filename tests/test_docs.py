@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from helpers import REPO, start_gateway
-from helpers.doc_commands import RUNNABLE, Block, commands, mlxgw_args, parse, shell_blocks, stray_marks
+from helpers.doc_commands import RUNNABLE, Block, broken_links, commands, mlxgw_args, parse, shell_blocks, stray_marks
 
 DOC_FILES = [REPO / "README.md", REPO / "ARCHITECTURE.md", *sorted((REPO / "docs").glob("*.md"))]
 BLOCKS = [block for path in DOC_FILES for block in shell_blocks(path)]
@@ -109,3 +109,8 @@ def test_an_unmarked_block_runs(block: Block, docs_gateway, tmp_path):
     )
     output = f"{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
     assert result.returncode == 0, f"{block.where} failed ({result.returncode}):\n{block.text}\n{output}"
+
+
+@pytest.mark.parametrize("path", DOC_FILES, ids=lambda p: p.name)
+def test_every_relative_link_resolves(path: Path):
+    assert broken_links(path) == [], f"{path.name}: links to a missing file or heading"
