@@ -6,7 +6,7 @@ every `mlxgw` command in it is still parsed by the real command line (so its fla
 values stay true). An unmarked block is executed by bash with these stand-ins:
 - `curl` is the real curl, failing on an HTTP error, with 127.0.0.1:8000 pointed at the
   test's gateway;
-- `mlxgw` runs `python -m tests.helpers.doc_commands` (this file): the arguments are parsed
+- `mlxgw` runs `python -m helpers.doc_commands` (this file): the arguments are parsed
   by the real CLI, then `keys`, `usage` and `models list` run for real; `up` and `worker`,
   which would serve forever, stop after the parse (the `--help` check, with values checked
   too); anything else must be marked;
