@@ -1,7 +1,8 @@
 """Authentication and per-key limits, as an aiohttp middleware, plus the model check.
 
 Keys are accepted as `Authorization: Bearer KEY` (OpenAI) and `x-api-key: KEY`
-(Anthropic). Keys are never logged: only their names travel further."""
+(Anthropic). Keys are never logged: only their names travel further. Who may call a route,
+and whether it counts against its key's limits, is the route's entry in gateway/api/routes.py."""
 
 from __future__ import annotations
 
@@ -11,18 +12,10 @@ from aiohttp import web
 from mlxgw.shared.config import CHAT_KINDS
 from mlxgw.shared.errors import ErrorCode, ServiceError
 
+from .api.routes import ROUTE_FOR_KIND, Access, route_of
 from .keys import ApiKey, KeyStore
 from .limits import RateLimiter
 from .state import KEYS, LIMITER, MANAGER, SETTINGS
-
-# Routes anyone may call: liveness for load balancers and service managers.
-PUBLIC_PATHS = {"/health"}
-# Control routes need a key but do not count against its rate and concurrency limits: a key
-# at its concurrency cap must still be able to cancel its own request.
-UNMETERED_PREFIXES = (
-    *("/v1/requests/", "/v1/cache", "/v1/status", "/v1/models", "/v1/keys", "/v1/usage"),
-    *("/api/tags", "/api/ps", "/api/version"),  # Ollama clients poll these
-)
 
 
 def presented_key(request: web.Request) -> str | None:
@@ -30,11 +23,6 @@ def presented_key(request: web.Request) -> str | None:
     if auth[:7].lower() == "bearer " and auth[7:].strip():
         return auth[7:].strip()
     return request.headers.get("x-api-key") or None
-
-
-# Routes that reveal every user's traffic (key names, token counts, request ids): with keys
-# on, an admin key or the metrics token.
-ADMIN_PATHS = ("/metrics", "/v1/status")
 
 
 def _metrics_token_ok(request: web.Request) -> bool:
@@ -73,16 +61,17 @@ async def _admin_route(request: web.Request, handler, store: KeyStore | None):
 @web.middleware
 async def auth_middleware(request: web.Request, handler):
     store: KeyStore | None = request.app[KEYS]
-    if request.path in PUBLIC_PATHS or request.method == "OPTIONS":
+    route = route_of(request)
+    if route.access is Access.PUBLIC or request.method == "OPTIONS":  # OPTIONS: CORS preflights
         return await handler(request)
-    if request.method == "GET" and (request.path == "/ui" or request.path.startswith("/ui/")):  # the console's files
-        return await handler(request)
-    if request.path in ADMIN_PATHS:
+    if route.access is Access.OBSERVER:
         return await _admin_route(request, handler, store)
     if store is None:
         return await handler(request)
     key = request["key"] = authenticate(request, store)
-    if request.path.startswith(UNMETERED_PREFIXES):
+    if route.access is Access.ADMIN and not key.admin:
+        raise ServiceError(ErrorCode.PERMISSION, f"{request.method} {request.path} needs an admin key")
+    if not route.metered:
         return await handler(request)
     limiter: RateLimiter = request.app[LIMITER]
     request["ratelimit_headers"] = lambda: limiter.headers(key, store.window_s)
@@ -121,17 +110,6 @@ def charge_audio_seconds(request: web.Request, seconds: float) -> None:
     request.app[LIMITER].charge_audio(key, request.app[KEYS].window_s, seconds)
 
 
-# Where each kind of model is served, for the error a wrong route gets.
-_ROUTE_FOR_KIND = {
-    "chat": "/v1/chat/completions",
-    "vision": "/v1/chat/completions",
-    "embedding": "/v1/embeddings",
-    "rerank": "/v1/rerank",
-    "audio": "/v1/audio/transcriptions",
-    "speech": "/v1/audio/speech",
-}
-
-
 def resolve_model(request: web.Request, requested: str, kinds: tuple[str, ...] = CHAT_KINDS):
     """The model slot for a requested name, if the caller's key may use it and the model is
     of a kind this route serves."""
@@ -146,7 +124,7 @@ def resolve_model(request: web.Request, requested: str, kinds: tuple[str, ...] =
         raise ServiceError(
             ErrorCode.INVALID_REQUEST,
             f"model '{requested}' is {'an' if kind[0] in 'ae' else 'a'} {kind} model and is not served here; "
-            f"use {_ROUTE_FOR_KIND.get(kind, 'another route')}",
+            f"use {ROUTE_FOR_KIND.get(kind, 'another route')}",
             param="model",
         )
     request["model"] = slot.name

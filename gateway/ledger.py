@@ -23,6 +23,7 @@ from pathlib import Path
 from aiohttp import web
 from mlxgw.shared import protocol as p
 
+from .api.routes import route_of
 from .budgets import InFlight, TokenBudgets
 
 log = logging.getLogger("mlxgw.ledger")
@@ -74,16 +75,6 @@ CREATE INDEX IF NOT EXISTS requests_key_ts ON requests (key, ts);
 _INSERT = f"INSERT INTO requests ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})"
 
 # The public API routes: what the ledger records (control routes such as /v1/status are not usage).
-API_NAMES = {
-    "/v1/chat/completions": "chat",
-    "/v1/completions": "completions",
-    "/v1/embeddings": "embeddings",
-    "/v1/rerank": "rerank",
-    "/v1/messages": "messages",
-    "/v1/messages/count_tokens": "count_tokens",
-    "/v1/responses": "responses",
-}
-_NOT_USAGE_PREFIXES = ("/v1/keys", "/v1/models/", "/v1/requests/", "/v1/cache", "/v1/usage", "/ui")
 
 
 def connect(path: Path) -> sqlite3.Connection:
@@ -263,14 +254,10 @@ class Ledger:
 LEDGER = web.AppKey("ledger", Ledger)
 
 
-def _api_name(path: str) -> str:
-    return API_NAMES.get(path) or path
-
-
 def usage_row(request: web.Request, status: int, duration: float) -> tuple | None:
     """The ledger row of a finished request, or None for routes that are not usage."""
-    path = request.path
-    if request.method != "POST" or path.startswith(_NOT_USAGE_PREFIXES):
+    api = route_of(request).usage  # which routes are usage, and their names: gateway/api/routes.py
+    if api is None:
         return None
     key = request.get("key")
     gen = request.get("generation")
@@ -291,7 +278,7 @@ def usage_row(request: web.Request, status: int, duration: float) -> tuple | Non
         request.get("rid"),
         key.name if key is not None else "-",
         request.get("model") or "-",
-        _api_name(path),
+        api,
         status,
         outcome,
         prompt,
@@ -328,7 +315,7 @@ async def usage_middleware(request: web.Request, handler):
     """Inside auth: refuses a key whose daily or monthly token budget is spent (before any
     work), adds the budget headers, and tracks the API requests in flight."""
     ledger = request.app.get(LEDGER)
-    if ledger is None or request.method != "POST" or request.path.startswith(_NOT_USAGE_PREFIXES):
+    if ledger is None or route_of(request).usage is None:
         return await handler(request)
     key = request.get("key")
     if key is not None and "ratelimit_headers" in request:

@@ -11,6 +11,7 @@ from aiohttp import web
 from mlxgw.shared.errors import HTTP_STATUS, ErrorCode, ServiceError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from .api.routes import route_of
 from .edge import make_room
 from .ledger import record_request
 from .state import METRICS, SETTINGS
@@ -97,14 +98,10 @@ def _log(request: web.Request, route: str, statuses: tuple, key: str, model: str
         access_log.info(" ".join(f"{k}={v}" for k, v in entry.items() if v is not None))
 
 
-# Cheap routes an operator needs most when the server is full: never refused for capacity.
-UNCAPPED_PREFIXES = ("/health", "/metrics", "/v1/status", "/v1/models", "/v1/requests/", "/v1/cache")
-
-
 @web.middleware
 async def capacity_middleware(request: web.Request, handler):
     """A ceiling on concurrent HTTP requests: past it, 429 with Retry-After."""
-    if request.path.startswith(UNCAPPED_PREFIXES):
+    if not route_of(request).capped:  # cheap routes an operator needs most when the server is full
         return await handler(request)
     active = request.app[ACTIVE]
     if active["n"] >= request.app[SETTINGS].max_connections and not make_room(request):

@@ -8,8 +8,6 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import logging
-import math
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +17,7 @@ import yaml
 
 from . import discovery, model_store
 from .mcp_config import McpConfig, parse_mcp
+from .schema import ConfigError, from_mapping
 
 log = logging.getLogger("mlxgw.config")
 
@@ -34,10 +33,6 @@ KINDS: tuple[str, ...] = typing.get_args(Kind)
 ENCODER_KINDS = ("embedding", "rerank")  # served by /v1/embeddings and /v1/rerank
 CHAT_KINDS = ("chat", "vision")  # served by the generating APIs
 ENGINES: tuple[str, ...] = typing.get_args(Engine)
-
-
-class ConfigError(ValueError):
-    pass
 
 
 @dataclass
@@ -180,15 +175,6 @@ class GatewayConfig:
     log_prompts: bool = False
 
 
-# Old spellings still accepted (with a deprecation note): one suffix, _s, for seconds.
-RENAMED = {
-    "ManagerConfig": {
-        "idle_unload_seconds": "idle_unload_s",
-        "wait_timeout_seconds": "wait_timeout_s",
-        "load_timeout_seconds": "load_timeout_s",
-    },
-    "ModelEntry": {"idle_unload_seconds": "idle_unload_s"},
-}
 MOVED_TO_GATEWAY = {"request_timeout_seconds": "request_timeout_s", "max_body_bytes": "max_body_bytes"}
 
 
@@ -221,81 +207,6 @@ class Registry:
             if e.matches(name):
                 return e
         return None
-
-
-def _type_name(tp: Any) -> str:
-    return getattr(tp, "__name__", str(tp))
-
-
-def _coerce(value: Any, tp: Any, where: str) -> Any:
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        allowed = typing.get_args(tp)
-        if value not in allowed or isinstance(value, bool):
-            raise ConfigError(f"{where}: must be one of {', '.join(map(str, allowed))}, got {value!r}")
-        return value
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        inner = [a for a in args if a is not type(None)]
-        return _coerce(value, inner[0], where)
-    if origin is list:
-        if not isinstance(value, list):
-            raise ConfigError(f"{where}: expected a list, got {value!r}")
-        (item_tp,) = typing.get_args(tp)
-        return [_coerce(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value)]
-    if dataclasses.is_dataclass(tp):
-        return from_mapping(tp, value, where)
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{where}: expected true or false, got {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{where}: expected an integer, got {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ConfigError(f"{where}: expected a number, got {value!r}")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{where}: expected a string, got {value!r}")
-        return value
-    raise ConfigError(f"{where}: unsupported type {_type_name(tp)}")
-
-
-def from_mapping(cls: type, data: Any, where: str) -> Any:
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where}: expected a mapping, got {data!r}")
-    data = _renamed(cls.__name__, data, where)
-    hints = typing.get_type_hints(cls)
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise ConfigError(f"{where}: unknown field {unknown[0]!r} (known: {', '.join(sorted(known))})")
-    kwargs = {k: _coerce(v, hints[k], f"{where}: field {k!r}") for k, v in data.items()}
-    try:
-        return cls(**kwargs)
-    except TypeError as e:
-        raise ConfigError(f"{where}: {e}") from None
-
-
-def _renamed(cls_name: str, data: dict, where: str) -> dict:
-    renames = RENAMED.get(cls_name, {})
-    if not any(old in data for old in renames):
-        return data
-    out = dict(data)
-    for old, new in renames.items():
-        if old in out:
-            if new in out:
-                raise ConfigError(f"{where}: field {old!r}: set only {new!r} (the old spelling of the same field)")
-            log.warning("%s: field %r is deprecated; call it %r", where, old, new)
-            out[new] = out.pop(old)
-    return out
 
 
 def _at_least(where: str, obj: Any, minimum: float, names: tuple[str, ...], strict: bool = False) -> None:
@@ -484,5 +395,9 @@ def with_discovered_models(registry: Registry) -> Registry:
         if m.name not in listed
     ]
     found = discovery.found_models(registry.manager.discover_paths, listed | {e.name for e in extra})
-    extra += discovery.entries(found)
+    extra += [  # the servable ones, served in place
+        ModelEntry(name=m.name, source=str(m.path), kind=m.kind if m.kind in KINDS else "chat")
+        for m in found
+        if m.error is None
+    ]
     return dataclasses.replace(registry, models=registry.models + extra, discovered=found)

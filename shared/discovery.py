@@ -118,14 +118,3 @@ def found_models(discover_paths: list[str] | None, taken: set[str]) -> list[Foun
     take, servable or not (config.py calls this for manager.auto_discover)."""
     paths = None if discover_paths is None else [Path(p).expanduser() for p in discover_paths]
     return [m for m in discover(paths) if m.name not in taken]
-
-
-def entries(found: list[FoundModel]) -> list:
-    """Registry entries for the servable ones, served in place."""
-    from .config import KINDS, ModelEntry  # config imports this module
-
-    return [
-        ModelEntry(name=m.name, source=str(m.path), kind=m.kind if m.kind in KINDS else "chat")
-        for m in found
-        if m.error is None
-    ]

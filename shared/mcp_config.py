@@ -20,6 +20,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from .schema import ConfigError, from_mapping
+
 LABEL_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
@@ -53,8 +55,6 @@ class McpConfig:
 
 
 def _env(raw, where: str) -> dict[str, str]:
-    from .config import ConfigError
-
     if raw is None:
         return {}
     if not isinstance(raw, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in raw.items()):
@@ -63,8 +63,6 @@ def _env(raw, where: str) -> dict[str, str]:
 
 
 def _server(raw, where: str) -> McpServerConfig:
-    from .config import ConfigError, from_mapping
-
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: expected a mapping")
     raw = dict(raw)
@@ -83,8 +81,6 @@ def _server(raw, where: str) -> McpServerConfig:
 
 
 def parse_mcp(data, src: str) -> McpConfig:
-    from .config import ConfigError, from_mapping
-
     if data is None:
         return McpConfig()
     if not isinstance(data, dict):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from mlxgw.shared import model_store
 
-from .gguf.importer import ImportError_, ImportResult
+from .import_result import ImportError_, ImportResult
 from .import_progress import ImportProgress, NoProgress
 
 # Files a serving copy does not need.

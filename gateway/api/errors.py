@@ -8,6 +8,10 @@ import math
 from aiohttp import web
 from mlxgw.shared.errors import ErrorCode, ServiceError
 
+from .routes import family_of
+
+__all__ = ["error_headers", "error_response", "family_of", "openai_error_body"]
+
 _OPENAI_TYPES = {
     ErrorCode.AUTHENTICATION: "authentication_error",
     ErrorCode.PERMISSION: "permission_error",
@@ -18,12 +22,6 @@ _OPENAI_TYPES = {
     ErrorCode.TIMEOUT: "server_error",
     ErrorCode.INTERNAL: "server_error",
 }
-
-
-def family_of(path: str) -> str:
-    if path.startswith("/api/"):
-        return "ollama"
-    return "anthropic" if path.startswith("/v1/messages") else "openai"
 
 
 def openai_error_body(err: ServiceError) -> dict:

@@ -133,13 +133,6 @@ def _image_parts(message: dict) -> list[dict]:
     return [part for part in content if isinstance(part, dict) and part.get("type") == "image"]
 
 
-def image_limits(request, slot) -> ImageLimits | None:
-    """The image limits when the model takes images, else None (images are then a 400)."""
-    from ..state import SETTINGS
-
-    return request.app[SETTINGS].images if slot.entry.kind == "vision" else None
-
-
 async def collect_images(messages: list[dict], limits: ImageLimits | None) -> tuple[list[dict], list[bytes] | None]:
     """The messages as the worker takes them, and the images in order (None: no images).
     The input messages are not modified (the Responses store keeps them, images included)."""

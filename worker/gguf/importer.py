@@ -7,7 +7,6 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
 from importlib import metadata as importlib_metadata
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from mlxgw.shared import model_store
 from mlxgw.shared.platform import default_import_dtype
 
 from ..import_progress import ImportProgress, NoProgress
+from ..import_result import ImportError_, ImportResult
 from .architectures import (
     Architecture,
     UnsupportedModel,
@@ -39,21 +39,6 @@ MLX_TENSOR_TYPES = {"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0"}
 SUPPORTED_TENSOR_TYPES = MLX_TENSOR_TYPES | NUMPY_TENSOR_TYPES
 # GGUF Q4_0/Q4_1/Q8_0 blocks hold 32 weights; mx.load returns them with this group size.
 GGUF_GROUP_SIZE = 32
-
-
-class ImportError_(Exception):
-    """A problem the user can act on (bad source, unsupported model); the CLI exits 2."""
-
-
-@dataclass
-class ImportResult:
-    name: str
-    path: Path
-    skipped: bool
-    seconds: float
-    size_bytes: int
-    dtype: str
-    architecture: str
 
 
 def resolve_source(spec: str) -> Path:

@@ -1,0 +1,165 @@
+"""The layering the architecture states, read from the source with `ast` (nothing imported):
+the gateway imports no worker code and no MLX, `shared/` imports neither the gateway nor the
+worker, the worker imports no gateway code, and no modules import each other in a cycle,
+counting lazy imports inside functions too (only `if TYPE_CHECKING:` blocks, which never
+run, are left out)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PARTS = ("gateway", "worker", "shared", "bench")
+MLX_PACKAGES = ("mlx", "mlx_lm", "mlx_vlm", "mlx_embeddings", "mlx_whisper", "mlx_audio")
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(["mlxgw", *parts])
+
+
+MODULES: dict[str, Path] = {_module_name(p): p for part in PARTS for p in sorted((ROOT / part).rglob("*.py"))}
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _import_nodes(tree: ast.AST):
+    """Every import that can run: module level, in functions and in branches."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.If) and _is_type_checking(node):
+            yield from (n for child in node.orelse for n in _import_nodes_of(child))
+            continue
+        yield from _import_nodes_of(node)
+
+
+def _import_nodes_of(node: ast.AST):
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+        yield node
+    else:
+        yield from _import_nodes(node)
+
+
+def _resolve(module: str, is_package: bool, node: ast.ImportFrom) -> str:
+    if node.level == 0:
+        return node.module or ""
+    base = module.split(".") if is_package else module.split(".")[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def imports_of(module: str) -> set[str]:
+    """The modules (ours and third-party, by full name) that `module` imports."""
+    path = MODULES[module]
+    tree = ast.parse(path.read_text(), str(path))
+    out: set[str] = set()
+    for node in _import_nodes(tree):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+            continue
+        target = _resolve(module, path.name == "__init__.py", node)
+        for alias in node.names:  # `from pkg import sub` imports the submodule pkg.sub
+            sub = f"{target}.{alias.name}"
+            out.add(sub if sub in MODULES else target)
+    return out
+
+
+GRAPH = {m: imports_of(m) for m in MODULES}
+
+
+def _part(module: str) -> str:
+    return module.split(".")[1] if module.startswith("mlxgw.") and module.count(".") else ""
+
+
+def _offenders(part: str, forbidden) -> list[str]:
+    return sorted(f"{m} imports {i}" for m in GRAPH if _part(m) == part for i in GRAPH[m] if forbidden(i))
+
+
+def _is_mlx(name: str) -> bool:
+    return name.split(".")[0] in MLX_PACKAGES
+
+
+def test_the_graph_sees_the_whole_tree():
+    assert len(MODULES) > 150 and "mlxgw.gateway.app" in MODULES and "mlxgw.worker.scheduler" in MODULES
+    assert "mlxgw.shared.protocol" in GRAPH["mlxgw.gateway.broker"]  # an absolute import is seen
+    assert "mlxgw.gateway.api.routes" in GRAPH["mlxgw.gateway.auth"]  # a relative one too
+
+
+def test_the_gateway_imports_no_worker_and_no_mlx():
+    assert _offenders("gateway", lambda i: i.startswith("mlxgw.worker") or _is_mlx(i)) == []
+
+
+def test_shared_imports_neither_the_gateway_nor_the_worker():
+    assert _offenders("shared", lambda i: i.startswith(("mlxgw.gateway", "mlxgw.worker"))) == []
+
+
+def test_the_worker_imports_no_gateway():
+    assert _offenders("worker", lambda i: i.startswith("mlxgw.gateway")) == []
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    counter = 0
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root] & graph.keys())))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        top = stack.pop()
+                        on_stack.discard(top)
+                        component.append(top)
+                        if top == node:
+                            break
+                    if len(component) > 1:
+                        found.append(sorted(component))
+            elif child not in index:
+                index[child] = low[child] = counter
+                counter += 1
+                stack.append(child)
+                on_stack.add(child)
+                work.append((child, iter(sorted(graph[child] & graph.keys()))))
+            elif child in on_stack:
+                low[node] = min(low[node], index[child])
+    return found
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+@pytest.mark.parametrize("part", PARTS)
+def test_no_import_cycles(part):
+    inside = {m: {i for i in deps if _part(i) == part} for m, deps in GRAPH.items() if _part(m) == part}
+    assert cycles(inside) == []
+
+
+def test_no_import_cycles_across_parts():
+    assert cycles(GRAPH) == []
