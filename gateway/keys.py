@@ -14,6 +14,7 @@ keys:
     expires: "2027-01-01T00:00:00Z"
     created: "2026-11-29T10:00:00Z"
     admin: false                # admin keys may cancel anyone's request and clear caches
+    residency: false            # may its Ollama keep_alive load, pin or unload models (admins may)
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ class ApiKey:
     tpd: int | None = None  # tokens per UTC day (usage ledger)
     tpmo: int | None = None  # tokens per UTC month (usage ledger)
     aspm: int | None = None  # seconds of uploaded audio per window (speech to text)
+    residency: bool = False  # Ollama keep_alive may keep or unload models for everyone
 
     def allows(self, *model_names: str) -> bool:
         if not self.models:
@@ -100,6 +102,7 @@ _FIELDS = {
     "tpd",
     "tpmo",
     "aspm",
+    "residency",
 }
 
 
@@ -135,6 +138,9 @@ def parse_keys(data, source: str) -> tuple[list[ApiKey], float]:
         admin = raw.get("admin", False)
         if not isinstance(admin, bool):
             raise KeysFileError(f"{where} ({name}): 'admin' must be true or false")
+        residency = raw.get("residency", False)
+        if not isinstance(residency, bool):
+            raise KeysFileError(f"{where} ({name}): 'residency' must be true or false")
         keys.append(
             ApiKey(
                 name=name,
@@ -143,6 +149,7 @@ def parse_keys(data, source: str) -> tuple[list[ApiKey], float]:
                 expires=_parse_time(raw.get("expires"), where),
                 created=raw.get("created"),
                 admin=admin,
+                residency=residency,
                 **limits,
             )
         )

@@ -8,7 +8,6 @@ timestamped segments, rendered here as json, text, srt, vtt or verbose_json, or 
 
 from __future__ import annotations
 
-import asyncio
 import math
 
 from aiohttp import web
@@ -18,6 +17,7 @@ from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
 from ..auth import charge_audio_seconds, resolve_model
 from ..sse import SSEWriter
 from ..state import SETTINGS
+from ..work_pools import THREAD_POOLS
 from . import speech
 from .audio_decode import AudioError, decode_audio
 from .audio_format import render
@@ -126,7 +126,7 @@ async def _handle(request: web.Request, task: str) -> web.StreamResponse:
         raise invalid("streaming supports response_format json or text", "stream")
     temperature = _temperature(text)
     try:
-        audio = await asyncio.to_thread(decode_audio, data, MAX_AUDIO_SECONDS)
+        audio = await THREAD_POOLS["audio"].run(decode_audio, data, MAX_AUDIO_SECONDS)
     except AudioError as e:
         raise invalid(str(e), "file") from None
     request["audio_seconds"] = audio.seconds

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 
 from aiohttp import web
-from mlxgw.shared.errors import ServiceError, invalid
+from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
 
 from ..generation import Generation, Outcome
 from ..sse import NDJSONWriter
@@ -125,6 +125,13 @@ async def _load_or_unload(request: web.Request, slot, keep_alive: float | None, 
     """A request without input: load the model (or unload it with keep_alive 0)."""
     manager = request.app[MANAGER]
     if keep_alive == 0:
+        if not oc.may_set_residency(request):
+            raise ServiceError(
+                ErrorCode.PERMISSION,
+                "unloading a model needs an admin key (or a key with 'residency: true'); "
+                "other keys' keep_alive is ignored",
+                param="keep_alive",
+            )
         if slot.process is not None and slot.state == "ready":
             await manager.unload(slot, "keep_alive 0")
         reason = "unload"
