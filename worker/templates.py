@@ -169,7 +169,9 @@ def _refuse_past(size: int, what: str) -> None:
 
 def _bounded_lipsum(n: int = 5, html: bool = True, min: int = 20, max: int = 100) -> str:  # noqa: A002 (Jinja's names)
     if not all(isinstance(x, int) for x in (n, min, max)) or n * max > MAX_LIPSUM_WORDS or n < 0 or min < 1:
-        raise TemplateBudgetExceeded(f"the chat template's lipsum() asks for more than {MAX_LIPSUM_WORDS} words")
+        raise TemplateBudgetExceeded(
+            f"the chat template's lipsum() asks for more than its budget of {MAX_LIPSUM_WORDS} words"
+        )
     return jinja_utils.generate_lorem_ipsum(n=n, html=html, min=min, max=max)
 
 

@@ -100,6 +100,8 @@ def _parsed(body: dict, messages=None, prompt=None, tools=None) -> t.ParsedReque
 
 
 def parse_chat(body: dict, limits: ImageLimits | None) -> t.ParsedRequest:
+    if body.get("template"):  # as /api/generate: a Go template is not run here, and not silently ignored
+        raise invalid("'template' is not supported by this server", "template")
     messages = parse_messages(body.get("messages") or [], limits)
     return _parsed(body, messages=messages, tools=parse_tools(body.get("tools")))
 

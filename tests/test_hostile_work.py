@@ -1,0 +1,311 @@
+"""Issue 26: no request can buy another user's capacity. Against real `mlxgw up` processes
+with keys on: bounded, stoppable work in the gateway (bomb PDFs, large bodies, shutdown),
+residency only for the operator, tokenizing off the engine thread, templates whose C calls
+are bounded, and the views and side doors an ordinary key must not reach."""
+
+from __future__ import annotations
+
+import base64
+import os
+import stat
+import threading
+import time
+
+import psutil
+import pytest
+import yaml
+from helpers import NO_EOS, http, openai_client, start_gateway
+from helpers.pdf import pdf_bomb, pdf_with_text
+
+from mlxgw.gateway.keys import hash_key
+
+KEYS = {
+    "admin": "mlxgw-hostile-admin-0123456789",
+    "user": "mlxgw-hostile-user-0123456789",
+    "limited": "mlxgw-hostile-limited-0123456789",
+    "resident": "mlxgw-hostile-resident-0123456789",
+}
+KEY_ENTRIES = [
+    {"name": "admin", "sha256": hash_key(KEYS["admin"]), "admin": True},
+    {"name": "user", "sha256": hash_key(KEYS["user"])},
+    {"name": "limited", "sha256": hash_key(KEYS["limited"]), "models": ["null"]},
+    {"name": "resident", "sha256": hash_key(KEYS["resident"]), "residency": True},
+]
+MODELS = [
+    {"name": "echo", "engine": "echo", "preload": True, "context_length": 1_000_000},
+    {"name": "null", "engine": "null", "preload": True},
+    {"name": "null-unload", "engine": "null"},
+    {"name": "tiny", "preload": True, "max_num_seqs": 8, "allow_request_chat_template": True},
+]
+
+
+def auth(name: str) -> dict:
+    return {"Authorization": f"Bearer {KEYS[name]}"}
+
+
+def keyed_gateway(home, name: str, models: list[dict]):
+    keys_path = home / f"{name}-keys.yaml"
+    keys_path.write_text(yaml.safe_dump({"keys": KEY_ENTRIES}))
+    config = {"manager": {"auto_discover": False}, "models": models}
+    return start_gateway(home, config, name, extra_args=("--keys", str(keys_path)))
+
+
+@pytest.fixture(scope="module")
+def gw(home, tiny_dir):
+    gateway = keyed_gateway(home, "hostile-work", MODELS)
+    yield gateway
+    gateway.stop()
+
+
+def bomb_message(pdf: bytes) -> dict:
+    source = {"type": "base64", "media_type": "application/pdf", "data": base64.b64encode(pdf).decode()}
+    content = [{"type": "document", "source": source}, {"type": "text", "text": "summarize"}]
+    return {"model": "echo", "max_tokens": 64, "messages": [{"role": "user", "content": content}]}
+
+
+def timed(fn) -> tuple[object, float]:
+    started = time.monotonic()
+    result = fn()
+    return result, time.monotonic() - started
+
+
+def pdf_jobs(gw) -> list[int]:
+    return [
+        c.pid
+        for c in psutil.Process(gw.proc.pid).children(recursive=True)
+        if "mlxgw.gateway.pdf_job" in " ".join(c.cmdline())
+    ]
+
+
+# -- 1. bounded, stoppable work --------------------------------------------------------------------
+
+
+def test_six_bomb_pdfs_leave_admin_routes_and_a_large_chat_answering_and_sigterm_stops_the_gateway(home):
+    """On main: the 400 came at 60 s while pypdf ran on for hours in six executor threads;
+    GET /v1/keys, GET /v1/usage and a 300 KB chat timed out at 60 s; SIGTERM did not stop
+    the gateway. Now the bombs are refused within their budget and nothing waits on them."""
+    gw = keyed_gateway(home, "pdf-flood", [MODELS[0]])
+    try:
+        body = bomb_message(pdf_bomb())
+        answers: list[tuple[int, float]] = []
+
+        def send_bomb() -> None:
+            (status, _, _), took = timed(lambda: http(gw.url + "/v1/messages", "POST", body, auth("user"), timeout=120))
+            answers.append((status, took))
+
+        bombs = [threading.Thread(target=send_bomb) for _ in range(6)]
+        for t in bombs:
+            t.start()
+        time.sleep(0.3)  # the six are being read
+        big_chat = {"model": "echo", "max_tokens": 4, "messages": [{"role": "user", "content": "word " * 60_000}]}
+        probes = {
+            "keys": timed(lambda: http(gw.url + "/v1/keys", headers=auth("admin"), timeout=30)),
+            "usage": timed(lambda: http(gw.url + "/v1/usage", headers=auth("admin"), timeout=30)),
+            "chat": timed(lambda: http(gw.url + "/v1/chat/completions", "POST", big_chat, auth("user"), timeout=30)),
+        }
+        for name, ((status, _, payload), took) in probes.items():
+            assert status == 200, (name, payload)
+            assert took < 5, (name, took)
+        for t in bombs:
+            t.join(60)
+        assert len(answers) == 6 and all(status == 400 for status, _ in answers), answers
+        assert max(took for _, took in answers) < 30, answers
+        # A second wave, and SIGTERM while it is being read: the gateway stops, no job survives.
+        bombs = [threading.Thread(target=send_bomb, daemon=True) for _ in range(6)]
+        for t in bombs:
+            t.start()
+        time.sleep(0.3)
+        jobs = pdf_jobs(gw)
+        _, took = timed(lambda: gw.stop(timeout=60))
+        assert gw.proc.returncode == 0 and took < 20, (gw.proc.returncode, took)
+        assert not [pid for pid in jobs if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
+    finally:
+        gw.stop()
+
+
+def test_the_pdf_reader_keeps_its_operator_budget_in_process(monkeypatch):
+    """The operator budget is the parser's own: it stops mid-document, not at the deadline."""
+    from mlxgw.gateway import pdf_job
+
+    assert pdf_job.pdf_text(pdf_with_text("hello budget")) == "hello budget"
+    monkeypatch.setattr(pdf_job, "MAX_OPERATORS", 1000)
+    with pytest.raises(pdf_job.OverBudget, match="drawing operators"):
+        pdf_job.pdf_text(pdf_bomb(pages=3, operators=2000))
+    monkeypatch.setattr(pdf_job, "MAX_CONTENT_BYTES", 10_000)
+    with pytest.raises(pdf_job.OverBudget, match="MB of content"):
+        pdf_job.pdf_text(pdf_bomb(pages=3, operators=2000))
+
+
+def test_a_readable_pdf_still_reaches_the_model(gw):
+    status, _, payload = http(
+        gw.url + "/v1/messages", "POST", bomb_message(pdf_with_text("quiet harbour")), auth("user")
+    )
+    assert status == 200, payload
+    assert "quiet harbour" in payload["content"][0]["text"]
+
+
+# -- 2. residency is the operator's -----------------------------------------------------------------
+
+
+def test_keep_alive_from_an_ordinary_key_neither_unloads_nor_pins(gw):
+    before = model_status(gw, "null")
+    status, _, payload = http(gw.url + "/api/generate", "POST", {"model": "null", "keep_alive": 0}, auth("user"))
+    assert status == 403 and "admin" in payload["error"], payload
+    body = {"model": "null", "prompt": "hi", "stream": False, "keep_alive": 0, "options": {"num_predict": 2}}
+    status, _, payload = http(gw.url + "/api/generate", "POST", body, auth("user"))
+    assert status == 200, payload
+    for keep_alive in (-1, "9999999999h"):
+        body["keep_alive"] = keep_alive
+        assert http(gw.url + "/api/generate", "POST", body, auth("user"))[0] == 200
+    time.sleep(1)  # an unload would have started by now
+    after = model_status(gw, "null")
+    assert after["state"] == "ready" and worker_pids(after) == worker_pids(before)
+    assert not after["pinned"]
+
+
+def test_a_key_with_residency_may_unload_through_keep_alive(gw):
+    load = {"model": "null-unload", "prompt": "hi", "stream": False, "options": {"num_predict": 1}}
+    assert http(gw.url + "/api/generate", "POST", load, auth("user"))[0] == 200
+    status, _, payload = http(
+        gw.url + "/api/generate", "POST", {"model": "null-unload", "keep_alive": 0}, auth("resident")
+    )
+    assert status == 200 and payload["done_reason"] == "unload", payload
+    assert not model_status(gw, "null-unload")["loaded"]
+
+
+def model_status(gw, name: str) -> dict:
+    status = http(gw.url + "/v1/status", headers=auth("admin"))[2]
+    return next(m for m in status["models"] if m["name"] == name)
+
+
+def worker_pids(model: dict) -> list[int]:
+    return sorted(w["pid"] for w in model["workers"])
+
+
+# -- 3. tokenizing off the engine thread ----------------------------------------------------------
+
+
+def test_a_multi_megabyte_tokenize_does_not_stall_a_stream_on_the_model(gw):
+    """On main /tokenize ran on the engine thread: a 9 MB one froze a stream for 32 s and
+    was answered 503 "worker did not answer"."""
+    stream = openai_client(gw, default_headers=auth("user")).chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Tell me about the sea."}],
+        max_tokens=5000,
+        temperature=0,
+        stream=True,
+        extra_body={"logit_bias": NO_EOS},
+    )
+    times: list[float] = []
+    first = next(iter(stream))
+    times.append(time.monotonic())
+    assert first is not None
+
+    def read() -> None:
+        try:
+            for _ in stream:
+                times.append(time.monotonic())
+        except Exception:  # closed below
+            pass
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    prompt = "the quick brown fox jumps over the lazy dog " * 60_000  # 2.6 MB
+    started = time.monotonic()
+    status, _, payload = http(
+        gw.url + "/tokenize", "POST", {"model": "tiny", "prompt": prompt}, auth("user"), timeout=300
+    )
+    took = time.monotonic() - started
+    stream.close()
+    reader.join(30)
+    assert status == 200 and payload["count"] > 500_000, payload
+    during = [b - a for a, b in zip(times, times[1:]) if a >= started and b <= started + took]
+    assert during, "the stream ended before the tokenize did; lengthen it"
+    assert max(during) < max(2.0, took / 4), (max(during), took)
+
+
+def test_count_tokens_answers_like_a_chat_prompt(gw):
+    body = {"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": "hello there"}]}
+    status, _, payload = http(gw.url + "/v1/messages/count_tokens", "POST", body, auth("user"))
+    assert status == 200 and payload["input_tokens"] > 2, payload
+
+
+# -- 4. templates bounded for real ---------------------------------------------------------------
+
+TEMPLATE_BOMBS = [
+    "{{ lipsum(200000)|length }}",
+    "{{ 'a'|center(400000000) }}",
+    "{{ ('a\\n' * 1000)|indent(1000000) }}",
+    "{{ ('a' * 1000)|replace('a', 'b' * 100000) }}",
+    "{{ '%999999999d'|format(1) }}",
+    "{{ '{:>999999999}'.format(1) }}",
+]
+
+
+@pytest.mark.parametrize("template", TEMPLATE_BOMBS)
+def test_template_c_calls_past_the_budget_are_a_fast_400_and_the_worker_serves_on(gw, template):
+    before = worker_pids(model_status(gw, "tiny"))
+    body = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    body["chat_template_kwargs"] = {"chat_template": template}
+    (status, _, payload), took = timed(
+        lambda: http(gw.url + "/v1/chat/completions", "POST", body, auth("user"), timeout=60)
+    )
+    assert status == 400 and "budget" in payload["error"]["message"], payload
+    assert took < 5, took
+    after = model_status(gw, "tiny")
+    assert worker_pids(after) == before and after["restarts"] == 0
+
+
+# -- 8. scoped views -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", ["/v1/cache/stats", "/v1/status/throughput"])
+def test_other_users_traffic_views_need_an_admin_key(gw, path):
+    status, _, payload = http(gw.url + path, headers=auth("user"))
+    assert status == 403 and "admin" in payload["error"]["message"], payload
+    assert http(gw.url + path, headers=auth("admin"))[0] == 200
+
+
+def test_model_lists_show_a_key_only_the_models_it_may_use(gw):
+    openai_ids = [m["id"] for m in http(gw.url + "/v1/models", headers=auth("limited"))[2]["data"]]
+    assert openai_ids == ["null"]
+    tags = [m["name"] for m in http(gw.url + "/api/tags", headers=auth("limited"))[2]["models"]]
+    assert tags == ["null"]
+    ps = [m["name"] for m in http(gw.url + "/api/ps", headers=auth("limited"))[2]["models"]]
+    assert ps == ["null"]
+    everything = {m["id"] for m in http(gw.url + "/v1/models", headers=auth("admin"))[2]["data"]}
+    assert {"echo", "null", "tiny"} <= everything
+
+
+def test_health_without_an_admin_key_lists_nothing(gw):
+    assert http(gw.url + "/health")[2] == {"status": "ok"}
+    assert http(gw.url + "/health", headers=auth("user"))[2] == {"status": "ok"}
+    full = http(gw.url + "/health", headers=auth("admin"))[2]
+    assert full["models"]["echo"] == "ready" and "mcp" in full
+
+
+# -- 10. the small ones ----------------------------------------------------------------------------
+
+
+def test_usage_since_past_1970_is_a_400_not_minus_infinity(gw):
+    status, _, payload = http(gw.url + "/v1/usage?since=" + "9" * 5000 + "d", headers=auth("admin"))
+    assert status == 400 and "since" in payload["error"]["message"], payload
+
+
+def test_usage_db_is_the_owners_only(gw, home):
+    assert stat.S_IMODE(os.stat(home / "usage.db").st_mode) == 0o600
+
+
+def test_ollama_chat_refuses_a_template_like_generate(gw):
+    body = {"model": "null", "messages": [{"role": "user", "content": "hi"}], "template": "{{ .Prompt }}"}
+    status, _, payload = http(gw.url + "/api/chat", "POST", body, auth("user"))
+    assert status == 400 and "template" in payload["error"], payload
+
+
+def test_responses_input_file_of_plain_text_is_read_as_utf8(gw):
+    data = "data:text/plain;base64," + base64.b64encode(b"notes about the harbour").decode()
+    part = {"type": "input_file", "filename": "notes.txt", "file_data": data}
+    body = {"model": "echo", "input": [{"role": "user", "content": [part]}], "max_output_tokens": 64}
+    status, _, payload = http(gw.url + "/v1/responses", "POST", body, auth("user"))
+    assert status == 200, payload
+    assert "notes about the harbour" in payload["output"][0]["content"][0]["text"]
