@@ -15,6 +15,7 @@ import psutil
 import pytest
 import yaml
 from helpers import NO_EOS, http, openai_client, start_gateway
+from helpers import audio_bombs
 from helpers.pdf import pdf_bomb, pdf_with_text
 
 from mlxgw.gateway.keys import hash_key
@@ -36,6 +37,8 @@ MODELS = [
     {"name": "null", "engine": "null", "preload": True},
     {"name": "null-unload", "engine": "null"},
     {"name": "tiny", "preload": True, "max_num_seqs": 8, "allow_request_chat_template": True},
+    # Audio is measured before any worker is asked: a model that would never load will do.
+    {"name": "ears", "kind": "audio", "source": "no-such-whisper"},
 ]
 
 
@@ -254,6 +257,42 @@ def test_template_c_calls_past_the_budget_are_a_fast_400_and_the_worker_serves_o
     assert took < 5, took
     after = model_status(gw, "tiny")
     assert worker_pids(after) == before and after["restarts"] == 0
+
+
+# -- 5. audio measured before decoding ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name,make,needle",
+    [
+        ("a 32 KB WAV whose header says 1 Hz", lambda: audio_bombs.wav(1, 16_000), "sample rate"),
+        ("a 0.5 MB FLAC of 115 minutes of silence", lambda: audio_bombs.flac_silence(115 * 60), "from its header"),
+        ("a WAV of 64 channels", lambda: audio_bombs.wav(16_000, 160, channels=64), "channels"),
+    ],
+)
+def test_audio_is_refused_from_its_header_before_decoding(gw, name, make, needle):
+    """On main the 1-Hz WAV decoded and resampled to the 2-hour limit (+220 MB) and the FLAC
+    took the gateway to 1 GB and a 504 after 161 s."""
+    rss = psutil.Process(gw.proc.pid).memory_info().rss
+    fields = {"model": "ears", "response_format": "json"}
+    status, payload, took = post_audio(gw, make(), fields)
+    assert status == 400 and needle in payload["error"]["message"], (name, payload)
+    assert took < 5, (name, took)
+    assert psutil.Process(gw.proc.pid).memory_info().rss - rss < 50 << 20
+
+
+def post_audio(gw, data: bytes, fields: dict) -> tuple[int, dict, float]:
+    import requests
+
+    started = time.monotonic()
+    r = requests.post(
+        gw.url + "/v1/audio/transcriptions",
+        files={"file": ("clip.bin", data)},
+        data=fields,
+        headers=auth("user"),
+        timeout=60,
+    )
+    return r.status_code, r.json(), time.monotonic() - started
 
 
 # -- 8. scoped views -----------------------------------------------------------------------------
