@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import base64
 import os
+import sys
 import signal
 import stat
 import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -47,16 +49,32 @@ def auth(name: str) -> dict:
     return {"Authorization": f"Bearer {KEYS[name]}"}
 
 
-def keyed_gateway(home, name: str, models: list[dict]):
+HOSTILE_MCP = str(Path(__file__).parent / "fixtures" / "mcp_hostile_server.py")
+MCP_SERVERS = [
+    # The operator chose what it exposes: ordinary keys may use it.
+    {
+        "label": "tools",
+        "command": sys.executable,
+        "args": [HOSTILE_MCP],
+        "allowed_tools": ["slow_add", "crash", "noisy"],
+    },
+    # Every tool the server lists: admin keys (or keys whose `mcp:` names it) only.
+    {"label": "everything", "command": sys.executable, "args": [HOSTILE_MCP]},
+]
+
+
+def keyed_gateway(home, name: str, models: list[dict], mcp: list[dict] | None = None):
     keys_path = home / f"{name}-keys.yaml"
     keys_path.write_text(yaml.safe_dump({"keys": KEY_ENTRIES}))
     config = {"manager": {"auto_discover": False}, "models": models}
+    if mcp:
+        config["mcp"] = {"servers": mcp}
     return start_gateway(home, config, name, extra_args=("--keys", str(keys_path)))
 
 
 @pytest.fixture(scope="module")
 def gw(home, tiny_dir):
-    gateway = keyed_gateway(home, "hostile-work", MODELS)
+    gateway = keyed_gateway(home, "hostile-work", MODELS, MCP_SERVERS)
     yield gateway
     gateway.stop()
 
@@ -352,6 +370,67 @@ def test_health_without_an_admin_key_lists_nothing(gw):
     assert http(gw.url + "/health", headers=auth("user"))[2] == {"status": "ok"}
     full = http(gw.url + "/health", headers=auth("admin"))[2]
     assert full["models"]["echo"] == "ready" and "mcp" in full
+
+
+# -- 9. MCP tools: who may call which, and one crash fails no one else's call ---------------------
+
+
+def mcp_servers(gw, key: str) -> dict[str, dict]:
+    return {s["label"]: s for s in http(gw.url + "/v1/mcp/servers", headers=auth(key))[2]["data"]}
+
+
+def wait_mcp_ready(gw) -> None:
+    deadline = time.monotonic() + 60
+    while {s["state"] for s in mcp_servers(gw, "admin").values()} != {"ready"}:
+        assert time.monotonic() < deadline, mcp_servers(gw, "admin")
+        time.sleep(0.3)
+
+
+def test_an_ordinary_key_reaches_only_the_mcp_servers_the_operator_curated(gw):
+    wait_mcp_ready(gw)
+    assert set(mcp_servers(gw, "user")) == {"tools"}
+    assert set(mcp_servers(gw, "admin")) == {"tools", "everything"}
+    body = {
+        "model": "echo",
+        "max_tokens": 8,
+        "messages": [{"role": "user", "content": "hi"}],
+        "tools": [{"type": "mcp", "server_label": "everything"}],
+    }
+    status, _, payload = http(gw.url + "/v1/chat/completions", "POST", body, auth("user"))
+    assert status == 400 and "unknown MCP server_label 'everything'" in payload["error"]["message"], payload
+    body["tools"] = [{"type": "mcp", "server_label": "nope"}]
+    message = http(gw.url + "/v1/chat/completions", "POST", body, auth("user"))[2]["error"]["message"]
+    assert "tools" not in message.replace("'tools'", "") and "everything" not in message, message  # labels not listed
+
+
+def test_a_crashing_tool_call_fails_no_other_callers_call(gw):
+    """On main a `crash` tool killed the shared stdio server: every call in flight failed."""
+    wait_mcp_ready(gw)
+    results: dict[str, tuple] = {}
+
+    def execute(name: str, tool: str, arguments: dict) -> None:
+        body = {"server_label": "tools", "name": tool, "arguments": arguments}
+        results[name] = http(gw.url + "/v1/mcp/execute", "POST", body, auth("admin"), timeout=60)
+
+    calls = [threading.Thread(target=execute, args=(f"add{i}", "slow_add", {"a": i, "b": 1})) for i in range(3)]
+    calls.append(threading.Thread(target=execute, args=("crash", "crash", {})))
+    for t in calls:
+        t.start()
+    for t in calls:
+        t.join(90)
+    for i in range(3):
+        status, _, payload = results[f"add{i}"]
+        assert status == 200 and payload["output"] == str(i + 1), payload
+    assert results["crash"][0] != 200
+
+
+def test_an_mcp_servers_stderr_is_rate_limited_in_the_log(gw):
+    wait_mcp_ready(gw)
+    body = {"server_label": "tools", "name": "noisy", "arguments": {"lines": 2000}}
+    assert http(gw.url + "/v1/mcp/execute", "POST", body, auth("admin"), timeout=60)[0] == 200
+    time.sleep(0.5)
+    logged = [line for line in gw.log().splitlines() if "stderr: noise line" in line]
+    assert 0 < len(logged) <= 20, len(logged)
 
 
 # -- 10. the small ones ----------------------------------------------------------------------------
