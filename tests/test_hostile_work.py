@@ -40,6 +40,7 @@ MODELS = [
     {"name": "null", "engine": "null", "preload": True},
     {"name": "null-unload", "engine": "null"},
     {"name": "tiny", "preload": True, "max_num_seqs": 8, "allow_request_chat_template": True},
+    {"name": "tiny-fifo", "source": "tiny"},  # loaded by the FIFO test, onto a planted FIFO
     # Audio is measured before any worker is asked: a model that would never load will do.
     {"name": "ears", "kind": "audio", "source": "no-such-whisper"},
 ]
@@ -314,6 +315,26 @@ def post_audio(gw, data: bytes, fields: dict) -> tuple[int, dict, float]:
     return r.status_code, r.json(), time.monotonic() - started
 
 
+# -- 6. regular files only in the prefix-cache restore --------------------------------------------
+
+
+def test_a_fifo_in_the_prefix_cache_folder_does_not_block_the_restoring_worker(gw, home):
+    """On main the restoring worker blocked on the FIFO, was silent for 30 s, was killed: twice."""
+    folder = home / "prefix-cache" / "tiny-fifo"
+    folder.mkdir(parents=True, exist_ok=True)
+    os.mkfifo(folder / ("ab" * 16 + ".safetensors"))
+    os.mkfifo(folder / "index.json")
+    body = {"model": "tiny-fifo", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    (status, _, payload), took = timed(
+        lambda: http(gw.url + "/v1/chat/completions", "POST", body, auth("user"), timeout=120)
+    )
+    assert status == 200, payload
+    model = model_status(gw, "tiny-fifo")
+    assert model["restarts"] == 0 and model["state"] == "ready", model
+    assert not (folder / ("ab" * 16 + ".safetensors")).exists()  # skipped and removed
+    assert took < 60, took
+
+
 # -- 7. reloads queue behind a reload -------------------------------------------------------------
 
 
@@ -458,3 +479,55 @@ def test_responses_input_file_of_plain_text_is_read_as_utf8(gw):
     status, _, payload = http(gw.url + "/v1/responses", "POST", body, auth("user"))
     assert status == 200, payload
     assert "notes about the harbour" in payload["output"][0]["content"][0]["text"]
+
+
+BAD_CONFIGS = [
+    ({"defaults": {"temperature": 5}}, "temperature"),
+    ({"defaults": {"top_p": 3}}, "top_p"),
+    ({"defaults": {"max_tokens": -4}}, "max_tokens"),
+    ({"aliases": [""]}, "aliases"),
+    ({"source": "../../../../etc"}, "source"),
+]
+
+
+@pytest.mark.parametrize("extra,field", BAD_CONFIGS, ids=[c[1] for c in BAD_CONFIGS])
+def test_config_refuses_values_no_request_could_send(extra, field):
+    from mlxgw.shared.config import ConfigError, parse_registry
+
+    with pytest.raises(ConfigError, match=field):
+        parse_registry({"models": [{"name": "m", "engine": "null", **extra}]})
+
+
+def test_config_refuses_a_negative_usage_retention():
+    from mlxgw.shared.config import ConfigError, parse_registry
+
+    with pytest.raises(ConfigError, match="usage_retention_days"):
+        parse_registry({"manager": {"usage_retention_days": -1}, "models": []})
+
+
+def test_folder_import_refuses_a_hard_link(tmp_path):
+    """On main a root-prepared folder with a hard link to /etc/shadow imported it, mode 644."""
+    from mlxgw.worker.folder_import import safe_manifest
+    from mlxgw.worker.gguf.importer import ImportError_
+
+    outside = tmp_path / "secret"
+    outside.write_text("root:x:0:0")
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    os.link(outside, folder / "tokenizer.json")
+    with pytest.raises(ImportError_, match="hard-linked"):
+        safe_manifest(folder)
+
+
+def test_hub_discovery_does_not_list_a_snapshot_linking_outside_the_hub_cache(tmp_path):
+    from mlxgw.shared.discovery import discover
+
+    outside = tmp_path / "shadow"
+    outside.write_text("secret")
+    snapshot = tmp_path / "hub" / "models--org--evil" / "snapshots" / "abc"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text('{"model_type": "llama"}')
+    (snapshot / "model.safetensors").symlink_to(outside)
+    (found,) = discover([tmp_path / "hub"])
+    assert found.error is not None and "outside" in found.error, found
