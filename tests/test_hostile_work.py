@@ -107,7 +107,8 @@ def test_six_bomb_pdfs_leave_admin_routes_and_a_large_chat_answering_and_sigterm
     """On main: the 400 came at 60 s while pypdf ran on for hours in six executor threads;
     GET /v1/keys, GET /v1/usage and a 300 KB chat timed out at 60 s; SIGTERM did not stop
     the gateway. Now the bombs are refused within their budget and nothing waits on them."""
-    gw = keyed_gateway(home, "pdf-flood", [MODELS[0]])
+    ears = next(m for m in MODELS if m["name"] == "ears")
+    gw = keyed_gateway(home, "pdf-flood", [MODELS[0], ears])
     try:
         body = bomb_message(pdf_bomb())
         answers: list[tuple[int, float]] = []
@@ -126,6 +127,10 @@ def test_six_bomb_pdfs_leave_admin_routes_and_a_large_chat_answering_and_sigterm
             "usage": timed(lambda: http(gw.url + "/v1/usage", headers=auth("admin"), timeout=30)),
             "chat": timed(lambda: http(gw.url + "/v1/chat/completions", "POST", big_chat, auth("user"), timeout=30)),
         }
+        # A 1-s clip is decoded (in the audio pool) and then finds no worker: its answer comes
+        # in its normal time, not after the PDFs (on main: 45-60 s).
+        status, payload, took = post_audio(gw, audio_bombs.wav(16_000, 16_000), {"model": "ears"})
+        assert status == 503 and took < 5, (status, payload, took)
         for name, ((status, _, payload), took) in probes.items():
             assert status == 200, (name, payload)
             assert took < 5, (name, took)
