@@ -452,7 +452,7 @@ def test_a_crashing_tool_call_fails_no_other_callers_call(gw):
 
 def test_an_mcp_servers_stderr_is_rate_limited_in_the_log(gw):
     wait_mcp_ready(gw)
-    body = {"server_label": "tools", "name": "noisy", "arguments": {"lines": 2000}}
+    body = {"server_label": "tools", "name": "noisy", "arguments": {"lines": 300}}
     assert http(gw.url + "/v1/mcp/execute", "POST", body, auth("admin"), timeout=60)[0] == 200
     time.sleep(0.5)
     logged = [line for line in gw.log().splitlines() if "stderr: noise line" in line]
