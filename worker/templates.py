@@ -103,10 +103,12 @@ def budget(seconds: float = TIME_BUDGET_S, max_chars: int = OUTPUT_BUDGET_CHARS)
 
 
 class BudgetedSandbox(ImmutableSandboxedEnvironment):
-    intercepted_binops = frozenset({"*", "**", "+"})
+    intercepted_binops = frozenset({"*", "**", "+", "%"})
 
     def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (Jinja's signature)
         _check()
+        if isinstance(getattr(__obj, "__self__", None), str):
+            _check_str_method(__obj.__self__, getattr(__obj, "__name__", ""), args, kwargs)
         return super().call(__context, __obj, *args, **kwargs)
 
     def wrap_str_format(self, value):
@@ -132,6 +134,8 @@ class BudgetedSandbox(ImmutableSandboxedEnvironment):
             for seq, times in ((left, right), (right, left)):
                 if isinstance(seq, (str, list, tuple)) and isinstance(times, int) and len(seq) * times > limit:
                     raise TemplateBudgetExceeded("the chat template repeats a sequence past its output budget")
+        elif operator == "%" and isinstance(left, str):
+            _check_format_widths(left)
         elif operator == "**" and isinstance(right, int) and abs(right) > MAX_EXPONENT:
             raise TemplateBudgetExceeded(f"the chat template raises to a power over {MAX_EXPONENT}")
         elif operator == "+" and isinstance(left, (str, list)) and isinstance(right, (str, list)):
@@ -200,6 +204,22 @@ def _check_format_widths(spec: str) -> None:
     """Any number in a format string may be a field width ("%999999999d", "{:>999999999}")."""
     numbers = _FORMAT_WIDTH.findall(spec)
     _refuse_past(max((int(w) if len(w) < 12 else _limit() + 1 for w in numbers), default=0), "format width")
+
+
+_WIDTH_METHODS = {"center", "ljust", "rjust", "zfill"}
+
+
+def _check_str_method(text: str, name: str, args: tuple, kwargs: dict) -> None:
+    """The str methods whose result size an argument sets, checked before the call."""
+    if name in _WIDTH_METHODS and args and isinstance(args[0], int):
+        _refuse_past(args[0], f"{name} width")
+    elif name == "expandtabs":
+        size = args[0] if args else kwargs.get("tabsize", 8)
+        _refuse_past(len(text) + text.count("\t") * (size if isinstance(size, int) else 0), "expandtabs")
+    elif name == "replace" and len(args) >= 2:
+        old, new = str(args[0]), str(args[1])
+        times = text.count(old) if old else len(text) + 1
+        _refuse_past(len(text) + times * len(new), "replace")
 
 
 def _format(value, *args, **kwargs) -> str:
