@@ -7,70 +7,30 @@ from __future__ import annotations
 
 import base64
 import os
-import sys
 import signal
 import stat
 import threading
 import time
-from pathlib import Path
 
 import psutil
 import pytest
 import yaml
-from helpers import NO_EOS, http, openai_client, start_gateway
-from helpers import audio_bombs
+from helpers import NO_EOS, audio_bombs, http, openai_client
+from helpers.hostile_work import (
+    MCP_SERVERS,
+    MODELS,
+    auth,
+    bomb_message,
+    keyed_gateway,
+    mcp_servers,
+    model_status,
+    pdf_jobs,
+    post_audio,
+    timed,
+    wait_mcp_ready,
+    worker_pids,
+)
 from helpers.pdf import pdf_bomb, pdf_with_text
-
-from mlxgw.gateway.keys import hash_key
-
-KEYS = {
-    "admin": "mlxgw-hostile-admin-0123456789",
-    "user": "mlxgw-hostile-user-0123456789",
-    "limited": "mlxgw-hostile-limited-0123456789",
-    "resident": "mlxgw-hostile-resident-0123456789",
-}
-KEY_ENTRIES = [
-    {"name": "admin", "sha256": hash_key(KEYS["admin"]), "admin": True},
-    {"name": "user", "sha256": hash_key(KEYS["user"])},
-    {"name": "limited", "sha256": hash_key(KEYS["limited"]), "models": ["null"]},
-    {"name": "resident", "sha256": hash_key(KEYS["resident"]), "residency": True},
-]
-MODELS = [
-    {"name": "echo", "engine": "echo", "preload": True, "context_length": 1_000_000},
-    {"name": "null", "engine": "null", "preload": True},
-    {"name": "null-unload", "engine": "null"},
-    {"name": "tiny", "preload": True, "max_num_seqs": 8, "allow_request_chat_template": True},
-    {"name": "tiny-fifo", "source": "tiny"},  # loaded by the FIFO test, onto a planted FIFO
-    # Audio is measured before any worker is asked: a model that would never load will do.
-    {"name": "ears", "kind": "audio", "source": "no-such-whisper"},
-]
-
-
-def auth(name: str) -> dict:
-    return {"Authorization": f"Bearer {KEYS[name]}"}
-
-
-HOSTILE_MCP = str(Path(__file__).parent / "fixtures" / "mcp_hostile_server.py")
-MCP_SERVERS = [
-    # The operator chose what it exposes: ordinary keys may use it.
-    {
-        "label": "tools",
-        "command": sys.executable,
-        "args": [HOSTILE_MCP],
-        "allowed_tools": ["slow_add", "crash", "noisy"],
-    },
-    # Every tool the server lists: admin keys (or keys whose `mcp:` names it) only.
-    {"label": "everything", "command": sys.executable, "args": [HOSTILE_MCP]},
-]
-
-
-def keyed_gateway(home, name: str, models: list[dict], mcp: list[dict] | None = None):
-    keys_path = home / f"{name}-keys.yaml"
-    keys_path.write_text(yaml.safe_dump({"keys": KEY_ENTRIES}))
-    config = {"manager": {"auto_discover": False}, "models": models}
-    if mcp:
-        config["mcp"] = {"servers": mcp}
-    return start_gateway(home, config, name, extra_args=("--keys", str(keys_path)))
 
 
 @pytest.fixture(scope="module")
@@ -78,26 +38,6 @@ def gw(home, tiny_dir):
     gateway = keyed_gateway(home, "hostile-work", MODELS, MCP_SERVERS)
     yield gateway
     gateway.stop()
-
-
-def bomb_message(pdf: bytes) -> dict:
-    source = {"type": "base64", "media_type": "application/pdf", "data": base64.b64encode(pdf).decode()}
-    content = [{"type": "document", "source": source}, {"type": "text", "text": "summarize"}]
-    return {"model": "echo", "max_tokens": 64, "messages": [{"role": "user", "content": content}]}
-
-
-def timed(fn) -> tuple[object, float]:
-    started = time.monotonic()
-    result = fn()
-    return result, time.monotonic() - started
-
-
-def pdf_jobs(gw) -> list[int]:
-    return [
-        c.pid
-        for c in psutil.Process(gw.proc.pid).children(recursive=True)
-        if "mlxgw.gateway.pdf_job" in " ".join(c.cmdline())
-    ]
 
 
 # -- 1. bounded, stoppable work --------------------------------------------------------------------
@@ -151,19 +91,6 @@ def test_six_bomb_pdfs_leave_admin_routes_and_a_large_chat_answering_and_sigterm
         gw.stop()
 
 
-def test_the_pdf_reader_keeps_its_operator_budget_in_process(monkeypatch):
-    """The operator budget is the parser's own: it stops mid-document, not at the deadline."""
-    from mlxgw.gateway import pdf_job
-
-    assert pdf_job.pdf_text(pdf_with_text("hello budget")) == "hello budget"
-    monkeypatch.setattr(pdf_job, "MAX_OPERATORS", 1000)
-    with pytest.raises(pdf_job.OverBudget, match="drawing operators"):
-        pdf_job.pdf_text(pdf_bomb(pages=3, operators=2000))
-    monkeypatch.setattr(pdf_job, "MAX_CONTENT_BYTES", 10_000)
-    with pytest.raises(pdf_job.OverBudget, match="MB of content"):
-        pdf_job.pdf_text(pdf_bomb(pages=3, operators=2000))
-
-
 def test_a_readable_pdf_still_reaches_the_model(gw):
     status, _, payload = http(
         gw.url + "/v1/messages", "POST", bomb_message(pdf_with_text("quiet harbour")), auth("user")
@@ -199,15 +126,6 @@ def test_a_key_with_residency_may_unload_through_keep_alive(gw):
     )
     assert status == 200 and payload["done_reason"] == "unload", payload
     assert not model_status(gw, "null-unload")["loaded"]
-
-
-def model_status(gw, name: str) -> dict:
-    status = http(gw.url + "/v1/status", headers=auth("admin"))[2]
-    return next(m for m in status["models"] if m["name"] == name)
-
-
-def worker_pids(model: dict) -> list[int]:
-    return sorted(w["pid"] for w in model["workers"])
 
 
 # -- 3. tokenizing off the engine thread ----------------------------------------------------------
@@ -309,20 +227,6 @@ def test_audio_is_refused_from_its_header_before_decoding(gw, name, make, needle
     assert psutil.Process(gw.proc.pid).memory_info().rss - rss < 50 << 20
 
 
-def post_audio(gw, data: bytes, fields: dict) -> tuple[int, dict, float]:
-    import requests
-
-    started = time.monotonic()
-    r = requests.post(
-        gw.url + "/v1/audio/transcriptions",
-        files={"file": ("clip.bin", data)},
-        data=fields,
-        headers=auth("user"),
-        timeout=60,
-    )
-    return r.status_code, r.json(), time.monotonic() - started
-
-
 # -- 6. regular files only in the prefix-cache restore --------------------------------------------
 
 
@@ -404,17 +308,6 @@ def test_health_without_an_admin_key_lists_nothing(gw):
 # -- 9. MCP tools: who may call which, and one crash fails no one else's call ---------------------
 
 
-def mcp_servers(gw, key: str) -> dict[str, dict]:
-    return {s["label"]: s for s in http(gw.url + "/v1/mcp/servers", headers=auth(key))[2]["data"]}
-
-
-def wait_mcp_ready(gw) -> None:
-    deadline = time.monotonic() + 60
-    while {s["state"] for s in mcp_servers(gw, "admin").values()} != {"ready"}:
-        assert time.monotonic() < deadline, mcp_servers(gw, "admin")
-        time.sleep(0.3)
-
-
 def test_an_ordinary_key_reaches_only_the_mcp_servers_the_operator_curated(gw):
     wait_mcp_ready(gw)
     assert set(mcp_servers(gw, "user")) == {"tools"}
@@ -487,55 +380,3 @@ def test_responses_input_file_of_plain_text_is_read_as_utf8(gw):
     status, _, payload = http(gw.url + "/v1/responses", "POST", body, auth("user"))
     assert status == 200, payload
     assert "notes about the harbour" in payload["output"][0]["content"][0]["text"]
-
-
-BAD_CONFIGS = [
-    ({"defaults": {"temperature": 5}}, "temperature"),
-    ({"defaults": {"top_p": 3}}, "top_p"),
-    ({"defaults": {"max_tokens": -4}}, "max_tokens"),
-    ({"aliases": [""]}, "aliases"),
-    ({"source": "../../../../etc"}, "source"),
-]
-
-
-@pytest.mark.parametrize("extra,field", BAD_CONFIGS, ids=[c[1] for c in BAD_CONFIGS])
-def test_config_refuses_values_no_request_could_send(extra, field):
-    from mlxgw.shared.config import ConfigError, parse_registry
-
-    with pytest.raises(ConfigError, match=field):
-        parse_registry({"models": [{"name": "m", "engine": "null", **extra}]})
-
-
-def test_config_refuses_a_negative_usage_retention():
-    from mlxgw.shared.config import ConfigError, parse_registry
-
-    with pytest.raises(ConfigError, match="usage_retention_days"):
-        parse_registry({"manager": {"usage_retention_days": -1}, "models": []})
-
-
-def test_folder_import_refuses_a_hard_link(tmp_path):
-    """On main a root-prepared folder with a hard link to /etc/shadow imported it, mode 644."""
-    from mlxgw.worker.folder_import import safe_manifest
-    from mlxgw.worker.gguf.importer import ImportError_
-
-    outside = tmp_path / "secret"
-    outside.write_text("root:x:0:0")
-    folder = tmp_path / "model"
-    folder.mkdir()
-    (folder / "config.json").write_text("{}")
-    os.link(outside, folder / "tokenizer.json")
-    with pytest.raises(ImportError_, match="hard-linked"):
-        safe_manifest(folder)
-
-
-def test_hub_discovery_does_not_list_a_snapshot_linking_outside_the_hub_cache(tmp_path):
-    from mlxgw.shared.discovery import discover
-
-    outside = tmp_path / "shadow"
-    outside.write_text("secret")
-    snapshot = tmp_path / "hub" / "models--org--evil" / "snapshots" / "abc"
-    snapshot.mkdir(parents=True)
-    (snapshot / "config.json").write_text('{"model_type": "llama"}')
-    (snapshot / "model.safetensors").symlink_to(outside)
-    (found,) = discover([tmp_path / "hub"])
-    assert found.error is not None and "outside" in found.error, found
