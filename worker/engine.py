@@ -139,15 +139,14 @@ class Engine:
             elif op == "cache_clear":
                 self.runner.cache_clear()
                 result = self.runner.cache_stats()
-            elif op == "tokenize":
+            elif op in ("tokenize", "detokenize"):
                 args = dict(msg.get("args") or {})
+                job = (lambda: self._tokenize(args)) if op == "tokenize" else (lambda: self._detokenize(args))
                 preprocessor = getattr(self.scheduler, "preprocessor", None)
                 if preprocessor is not None:  # off the engine thread, as a chat request's prompt (issue 26)
-                    self._calls.append((cid, preprocessor.call(lambda: self._tokenize(args))))
+                    self._calls.append((cid, preprocessor.call(job)))
                     return
-                result = self._tokenize(args)
-            elif op == "detokenize":
-                result = {"text": self._decode((msg.get("args") or {}).get("tokens") or [])}
+                result = job()
             elif op == "status":
                 result = self.stats()
             else:
@@ -166,6 +165,9 @@ class Engine:
         ids = self.runner.encode_text(req.prompt) if plain else self.runner.encode(req)
         return {"tokens": len(ids), "ids": [int(i) for i in ids]}
 
+    def _detokenize(self, args: dict) -> dict:
+        return {"text": self._decode(args.get("tokens") or [])}
+
     def _reply_finished_calls(self) -> None:
         if not self._calls:
             return
@@ -181,7 +183,7 @@ class Engine:
             if not isinstance(error, ServiceError):
                 kind = "invalid" if isinstance(error, (KeyError, TypeError, ValueError)) else "internal"
                 code = ErrorCode.INVALID_REQUEST if kind == "invalid" else ErrorCode.INTERNAL
-                error = ServiceError(code, f"the prompt could not be tokenized: {type(error).__name__}: {error}")
+                error = ServiceError(code, f"the tokenizer refused this input: {type(error).__name__}: {error}")
             self.link.send(p.REPLY, cid=cid, ok=False, error=error.to_wire())
         self._calls = waiting
 

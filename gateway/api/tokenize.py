@@ -74,5 +74,6 @@ async def detokenize(request: web.Request) -> web.Response:
         raise invalid(f"'tokens' must be a list of at most {MAX_TOKENS_IN} token ids (integers >= 0)", "tokens")
     manager = request.app[MANAGER]
     conn = await manager.acquire(slot)
-    result = await manager.broker.call(conn, "detokenize", {"tokens": tokens})
+    timeout = request.app[SETTINGS].prefill_timeout_s  # on the preparation thread too, behind prompts
+    result = await manager.broker.call(conn, "detokenize", {"tokens": tokens}, timeout=timeout)
     return web.json_response({"prompt": result["text"]})
