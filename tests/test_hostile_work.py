@@ -116,6 +116,9 @@ def test_keep_alive_from_an_ordinary_key_neither_unloads_nor_pins(gw):
     after = model_status(gw, "null")
     assert after["state"] == "ready" and worker_pids(after) == worker_pids(before)
     assert not after["pinned"]
+    # Still leaving on the idle policy (600 s), not kept "forever" (shown as ten years on).
+    (ps,) = [m for m in http(gw.url + "/api/ps", headers=auth("admin"))[2]["models"] if m["name"] == "null"]
+    assert int(ps["expires_at"][:4]) <= time.gmtime().tm_year + 1, ps
 
 
 def test_a_key_with_residency_may_unload_through_keep_alive(gw):

@@ -33,7 +33,7 @@ KEY_ENTRIES = [
 
 MODELS = [
     {"name": "echo", "engine": "echo", "preload": True, "context_length": 1_000_000},
-    {"name": "null", "engine": "null", "preload": True},
+    {"name": "null", "engine": "null", "preload": True, "idle_unload_s": 600},  # so a pin would show
     {"name": "null-unload", "engine": "null"},
     {"name": "tiny", "preload": True, "max_num_seqs": 8, "allow_request_chat_template": True},
     {"name": "tiny-fifo", "source": "tiny"},  # loaded by the FIFO test, onto a planted FIFO
