@@ -110,6 +110,13 @@ def charge_audio_seconds(request: web.Request, seconds: float) -> None:
     request.app[LIMITER].charge_audio(key, request.app[KEYS].window_s, seconds)
 
 
+def may_use(request: web.Request, slot) -> bool:
+    """Whether the caller's key may use this model (by its name or an alias): model lists
+    show a key only these (issue 26)."""
+    key = request.get("key")
+    return key is None or key.allows(slot.name, *slot.entry.aliases)
+
+
 def resolve_model(request: web.Request, requested: str, kinds: tuple[str, ...] = CHAT_KINDS):
     """The model slot for a requested name, if the caller's key may use it and the model is
     of a kind this route serves."""

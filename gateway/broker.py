@@ -132,6 +132,7 @@ class Broker:
         # them is a worker on its way out answering our "who are you?", not a new worker.
         self._departed: OrderedDict[str, None] = OrderedDict()
         self._replies: dict[int, asyncio.Future] = {}
+        self._call_conns: dict[int, WorkerConn] = {}  # the worker each pending call went to
         self._cids = itertools.count(1)
         self._rids = itertools.count(1)
         self._tasks: list[asyncio.Task] = []
@@ -254,6 +255,7 @@ class Broker:
         cid = next(self._cids)
         fut = asyncio.get_running_loop().create_future()
         self._replies[cid] = fut
+        self._call_conns[cid] = conn
         try:
             await self._send(conn, p.encode(p.CALL, cid=cid, op=op, args=args or {}))
             reply = await asyncio.wait_for(fut, timeout)
@@ -261,6 +263,7 @@ class Broker:
             raise ServiceError(ErrorCode.MODEL_UNAVAILABLE, f"worker for {conn.model} did not answer") from None
         finally:
             self._replies.pop(cid, None)
+            self._call_conns.pop(cid, None)
         if not reply.get("ok"):
             error = reply.get("error")
             raise ServiceError.from_wire(error if isinstance(error, dict) else {})
@@ -494,6 +497,10 @@ class Broker:
         for stream in conn.streams.values():
             stream.push(p.error_event(err))
         conn.streams.clear()
+        for cid in [c for c, on in self._call_conns.items() if on is conn]:  # calls may wait long (tokenize)
+            fut = self._replies.get(cid)
+            if fut is not None and not fut.done():
+                fut.set_result({"ok": False, "error": err.to_wire()})
         conn.state = ConnState.LOST
         if notify:
             self.events.put_nowait(WorkerLost(conn, reason, tuple(fps)))

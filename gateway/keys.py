@@ -14,6 +14,8 @@ keys:
     expires: "2027-01-01T00:00:00Z"
     created: "2026-11-29T10:00:00Z"
     admin: false                # admin keys may cancel anyone's request and clear caches
+    residency: false            # may its Ollama keep_alive load, pin or unload models (admins may)
+    mcp: [files]                # MCP servers it may use (default: those with allowed_tools)
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ class ApiKey:
     tpd: int | None = None  # tokens per UTC day (usage ledger)
     tpmo: int | None = None  # tokens per UTC month (usage ledger)
     aspm: int | None = None  # seconds of uploaded audio per window (speech to text)
+    residency: bool = False  # Ollama keep_alive may keep or unload models for everyone
+    mcp: tuple[str, ...] | None = None  # MCP server labels/globs; None: gateway/mcp/access.py's default
 
     def allows(self, *model_names: str) -> bool:
         if not self.models:
@@ -100,6 +104,8 @@ _FIELDS = {
     "tpd",
     "tpmo",
     "aspm",
+    "residency",
+    "mcp",
 }
 
 
@@ -135,6 +141,14 @@ def parse_keys(data, source: str) -> tuple[list[ApiKey], float]:
         admin = raw.get("admin", False)
         if not isinstance(admin, bool):
             raise KeysFileError(f"{where} ({name}): 'admin' must be true or false")
+        residency = raw.get("residency", False)
+        if not isinstance(residency, bool):
+            raise KeysFileError(f"{where} ({name}): 'residency' must be true or false")
+        mcp = raw.get("mcp")
+        if isinstance(mcp, str):
+            mcp = [mcp]
+        if mcp is not None and (not isinstance(mcp, list) or not all(isinstance(m, str) and m for m in mcp)):
+            raise KeysFileError(f"{where} ({name}): 'mcp' must be a list of MCP server labels or globs")
         keys.append(
             ApiKey(
                 name=name,
@@ -143,6 +157,8 @@ def parse_keys(data, source: str) -> tuple[list[ApiKey], float]:
                 expires=_parse_time(raw.get("expires"), where),
                 created=raw.get("created"),
                 admin=admin,
+                residency=residency,
+                mcp=tuple(mcp) if mcp is not None else None,
                 **limits,
             )
         )

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import sqlite3
 import threading
@@ -79,6 +80,12 @@ _INSERT = f"INSERT INTO requests ({', '.join(COLUMNS)}) VALUES ({', '.join('?' *
 
 def connect(path: Path) -> sqlite3.Connection:
     path.parent.mkdir(parents=True, exist_ok=True)
+    # Key names and everyone's usage, like keys.yaml: the owner only. SQLite gives its -wal
+    # and -shm files the database file's mode, so creating that one 0600 covers all three.
+    if not path.exists():
+        os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600))
+    elif path.stat().st_mode & 0o077 and path.stat().st_uid == os.getuid():
+        path.chmod(0o600)  # made before this check, with the umask
     conn = sqlite3.connect(path, timeout=30, isolation_level=None, check_same_thread=False)
     conn.execute("PRAGMA journal_mode=WAL")
     # NORMAL: a commit survives a crash of the process; only a power loss can undo the last ones.

@@ -41,6 +41,13 @@ from .worker_conn import (
 log = logging.getLogger("mlxgw.manager")
 
 
+class _Replaced(Exception):
+    """The slot a request waits for was replaced by a reload: wait for the successor."""
+
+    def __init__(self, successor: ModelSlot):
+        self.successor = successor
+
+
 class ModelManager(SlotRunner):
     def __init__(self, registry: Registry, broker: Broker, spawner: Spawner = spawn_worker):
         self.registry = registry
@@ -92,11 +99,16 @@ class ModelManager(SlotRunner):
         """A ready worker for the model, loading it first if needed (once, however many ask).
         A model that is draining is waited for, then loaded. on_wait runs every wait_tick_s
         while the request waits (streaming clients get keep-alives)."""
-        slot.waiters += 1  # a ready model with waiters is not evicted before they start
-        try:
-            return await self._acquire(slot, on_wait, wait_tick_s)
-        finally:
-            slot.waiters -= 1
+        current = slot
+        while True:
+            current.waiters += 1  # a ready model with waiters is not evicted before they start
+            try:
+                return await self._acquire(current, on_wait, wait_tick_s)
+            except _Replaced as replaced:
+                successor = replaced.successor
+            finally:
+                current.waiters -= 1
+            current = successor  # a reload replaced the slot while this request waited: wait for the new one
 
     async def _acquire(
         self, slot: ModelSlot, on_wait: Callable[[], Awaitable[None]] | None, wait_tick_s: float
@@ -109,6 +121,9 @@ class ModelManager(SlotRunner):
             conn = self.broker.least_loaded(slot.name)
             if conn is not None:
                 return conn
+            successor = self.slots.get(slot.name)
+            if slot.retired and not self.closing and successor is not None and successor is not slot:
+                raise _Replaced(successor)  # reloads queue behind a reload; its waiters move along (issue 26)
             self._refuse_if_unavailable(slot)
             if slot.state is SlotState.UNLOADED:
                 if attempt and slot.failed_attempt >= attempt and slot.load_error is not None:

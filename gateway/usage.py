@@ -9,6 +9,7 @@ import csv
 import datetime as dt
 import io
 import json
+import math
 import re
 import sqlite3
 import time
@@ -36,7 +37,10 @@ def parse_since(text: str | None, now: float | None = None) -> float:
         return month_start(now)
     m = _SINCE_RE.match(text)
     if m:
-        return now - float(m.group(1)) * _UNITS[m.group(2)]
+        since = now - float(m.group(1)) * _UNITS[m.group(2)]
+        if not math.isfinite(since) or since < 0:  # 5,000 nines of days: -Infinity is not JSON
+            raise UsageQueryError(f"since: {text[:40]!r} reaches back before 1970; use 'all' for everything")
+        return since
     try:
         parsed = dt.datetime.fromisoformat(text.upper().replace("Z", "+00:00"))
     except ValueError:

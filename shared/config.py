@@ -222,7 +222,7 @@ def _at_least(where: str, obj: Any, minimum: float, names: tuple[str, ...], stri
 
 def _check_manager(m: ManagerConfig, where: str) -> None:
     _at_least(where, m, 0, ("heartbeat_s", "load_timeout_s", "failed_retry_s"), strict=True)
-    _at_least(where, m, 0, ("idle_unload_s", "wait_timeout_s"))
+    _at_least(where, m, 0, ("idle_unload_s", "wait_timeout_s", "usage_retention_days"))
     _at_least(where, m, 1, ("liveness", "max_loaded_models"))
     try:
         budget = parse_memory_budget(m.memory_budget, 1 << 30)
@@ -251,6 +251,8 @@ def _check_entry(e: ModelEntry, where: str) -> None:
         raise bad("name", str(err)) from None
     _at_least(where, e, 0, ("idle_unload_s",))
     _at_least(where, e, 1, ("cache_memory_mb",))
+    _check_source_and_aliases(e, bad)
+    _check_defaults(e.defaults, f"{where}: field 'defaults'")
     _at_least(where, e, 0, ("prefix_cache_disk_mb",))
     for name in ("max_num_seqs", "max_queue", "stream_interval", "prefill_step_size", "max_batch_inputs"):
         if getattr(e, name) is not None and getattr(e, name) < 1:
@@ -276,6 +278,36 @@ def _check_entry(e: ModelEntry, where: str) -> None:
         raise bad("context_length", f"must be at least 16, got {e.context_length}")
     if e.distributed is not None:
         _check_distributed(e, where)
+
+
+# The ranges the APIs accept in a request (gateway/api/fields.py): a default outside them
+# would be a value no request could send.
+_DEFAULT_RANGES = {
+    "temperature": (0, 2),
+    "top_p": (0, 1),
+    "top_k": (0, 2**31 - 1),
+    "min_p": (0, 1),
+    "repetition_penalty": (0.01, 10),
+    "max_tokens": (1, 2**31 - 1),
+}
+
+
+def _check_defaults(d: SamplingDefaults, where: str) -> None:
+    for name, (low, high) in _DEFAULT_RANGES.items():
+        value = getattr(d, name)
+        if value is not None and not low <= value <= high:  # NaN fails too
+            raise ConfigError(f"{where}: {name!r} must be between {low:g} and {high:g}, got {value!r}")
+
+
+def _check_source_and_aliases(e: ModelEntry, bad) -> None:
+    if e.source is not None:
+        if not e.source.strip():
+            raise bad("source", "must name a folder (empty)")
+        if not Path(e.source).expanduser().is_absolute() and ".." in Path(e.source).parts:
+            raise bad("source", f"a relative source is a folder in the models dir; '..' leaves it ({e.source!r})")
+    for alias in e.aliases:
+        if not isinstance(alias, str) or not alias.strip():
+            raise bad("aliases", "an alias must be a non-empty name or glob")
 
 
 def _check_distributed(e: ModelEntry, where: str) -> None:

@@ -61,6 +61,22 @@ def _check_folder(path: Path) -> tuple[str, str | None]:
     return kind, None
 
 
+def _link_outside(snapshot: Path, repo: Path) -> str | None:
+    """Why a snapshot cannot be served if one of its files links outside its repository's
+    cache folder (`model.safetensors -> /etc/shadow`), as `mlxgw models import` refuses it."""
+    root = repo.resolve()
+    for path in snapshot.rglob("*"):
+        if not path.is_symlink():
+            continue
+        try:
+            target = path.resolve(strict=True)
+        except (OSError, RuntimeError):
+            return f"{path.relative_to(snapshot)}: broken or looping symlink"
+        if not target.is_relative_to(root):
+            return f"{path.relative_to(snapshot)} links outside the hub cache's folder for this model"
+    return None
+
+
 def _latest_snapshot(repo: Path) -> Path | None:
     """The snapshot refs/main points at, else the newest one."""
     snapshots = repo / "snapshots"
@@ -85,6 +101,7 @@ def _hub_cache(root: Path) -> list[FoundModel]:
         if not (snapshot / "config.json").exists() and not any(snapshot.glob("*.safetensors")):
             continue  # not a model repository (datasets, GGUF-only repos are listed by LM Studio's scan)
         kind, error = _check_folder(snapshot)
+        error = _link_outside(snapshot, repo) or error
         found.append(FoundModel(f"{org}/{name}", snapshot, "hf-cache", kind, error))
     return found
 

@@ -98,7 +98,10 @@ def mcp_server_pids(gw) -> list[int]:
 @pytest.fixture(scope="module")
 def gw(home, notes, http_server, tmp_path_factory):
     keys_path = tmp_path_factory.mktemp("mcp-keys") / "keys.yaml"
-    keys = [{"name": "admin", "sha256": hash_key(ADMIN), "admin": True}, {"name": "user", "sha256": hash_key(USER)}]
+    # The user key may use every server here, "broken" (no allowed_tools) included (issue 26:
+    # a server exposing all its tools is otherwise for admin keys only).
+    user = {"name": "user", "sha256": hash_key(USER), "mcp": ["*"]}
+    keys = [{"name": "admin", "sha256": hash_key(ADMIN), "admin": True}, user]
     keys_path.write_text(yaml.safe_dump({"keys": keys}))
     config = {
         "manager": {"auto_discover": False},
@@ -161,7 +164,7 @@ def test_servers_report_state_transport_tool_count_and_last_error(gw):
 
 
 def test_health_reports_mcp_status(gw):
-    status, _, body = http(f"{gw.url}/health")
+    status, _, body = http(f"{gw.url}/health", headers={"Authorization": f"Bearer {ADMIN}"})  # an admin's view
     assert status == 200
     assert body["status"] == "ok"
     assert body["mcp"]["files"] == "ready"

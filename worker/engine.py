@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from concurrent.futures import Future
 
 import psutil
 from mlxgw.shared import protocol as p
@@ -42,14 +43,16 @@ class Engine:
         self._last_stats = 0.0
         self._last_generated = 0
         self.steps = 0
+        self._calls: list[tuple[object, Future]] = []  # (cid, result) of calls on the preparation thread
 
     def run(self) -> None:
         while not self.link.gateway_gone.is_set():
             busy = self.scheduler.has_work()
             preparing = self.scheduler.preparing()
-            wait_ms = 0 if busy else PREPARING_POLL_MS if preparing else IDLE_POLL_MS
+            wait_ms = 0 if busy else PREPARING_POLL_MS if preparing or self._calls else IDLE_POLL_MS
             for msg in self.link.poll(wait_ms):
                 self._watched(self._handle, msg)
+            self._reply_finished_calls()
             self.link.flush()  # the acceptances of all of them in one frame, before a step can take long
             if self.scheduler.has_work():
                 self._watched(self._step)
@@ -136,15 +139,14 @@ class Engine:
             elif op == "cache_clear":
                 self.runner.cache_clear()
                 result = self.runner.cache_stats()
-            elif op == "tokenize":
+            elif op in ("tokenize", "detokenize"):
                 args = dict(msg.get("args") or {})
-                # add_special_tokens=False: the prompt's own tokens (chat templates place theirs).
-                plain = args.pop("add_special_tokens", True) is False and args.get("prompt") is not None
-                req = p.GenerateRequest.from_wire({"rid": "tokenize", **args})
-                ids = self.runner.encode_text(req.prompt) if plain else self.runner.encode(req)
-                result = {"tokens": len(ids), "ids": [int(i) for i in ids]}
-            elif op == "detokenize":
-                result = {"text": self._decode((msg.get("args") or {}).get("tokens") or [])}
+                job = (lambda: self._tokenize(args)) if op == "tokenize" else (lambda: self._detokenize(args))
+                preprocessor = getattr(self.scheduler, "preprocessor", None)
+                if preprocessor is not None:  # off the engine thread, as a chat request's prompt (issue 26)
+                    self._calls.append((cid, preprocessor.call(job)))
+                    return
+                result = job()
             elif op == "status":
                 result = self.stats()
             else:
@@ -155,6 +157,35 @@ class Engine:
         except Exception as e:  # as above: answer the call, keep serving
             log.exception("call %s failed", op)
             self.link.send(p.REPLY, cid=cid, ok=False, error=ServiceError(ErrorCode.INTERNAL, str(e)).to_wire())
+
+    def _tokenize(self, args: dict) -> dict:
+        # add_special_tokens=False: the prompt's own tokens (chat templates place theirs).
+        plain = args.pop("add_special_tokens", True) is False and args.get("prompt") is not None
+        req = p.GenerateRequest.from_wire({"rid": "tokenize", **args})
+        ids = self.runner.encode_text(req.prompt) if plain else self.runner.encode(req)
+        return {"tokens": len(ids), "ids": [int(i) for i in ids]}
+
+    def _detokenize(self, args: dict) -> dict:
+        return {"text": self._decode(args.get("tokens") or [])}
+
+    def _reply_finished_calls(self) -> None:
+        if not self._calls:
+            return
+        waiting = []
+        for cid, future in self._calls:
+            if not future.done():
+                waiting.append((cid, future))
+                continue
+            error = future.exception()
+            if error is None:
+                self.link.send(p.REPLY, cid=cid, ok=True, result=future.result())
+                continue
+            if not isinstance(error, ServiceError):
+                kind = "invalid" if isinstance(error, (KeyError, TypeError, ValueError)) else "internal"
+                code = ErrorCode.INVALID_REQUEST if kind == "invalid" else ErrorCode.INTERNAL
+                error = ServiceError(code, f"the tokenizer refused this input: {type(error).__name__}: {error}")
+            self.link.send(p.REPLY, cid=cid, ok=False, error=error.to_wire())
+        self._calls = waiting
 
     def _decode(self, ids: list) -> str:
         """Token ids back to text with the model's own tokenizer (the engines without one

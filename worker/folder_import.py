@@ -47,7 +47,7 @@ def safe_manifest(folder: Path) -> dict[str, Path]:
 
     Only regular files inside the folder are taken: directory symlinks are never followed
     (no loops), file symlinks only when they resolve inside the folder, and anything else
-    (devices, FIFOs, sockets) is refused, so an import can never read outside the folder."""
+    (devices, FIFOs, sockets, hard-linked files) is refused, so an import can never read outside the folder."""
     folder = folder.resolve()
     root = _containment_root(folder)
     files: dict[str, Path] = {}
@@ -64,8 +64,11 @@ def safe_manifest(folder: Path) -> dict[str, Path]:
             if name in SKIP:
                 continue
             target = _resolve_link(path, root, rel) if path.is_symlink() else path
-            if not stat.S_ISREG(target.stat().st_mode):
+            info = target.stat()
+            if not stat.S_ISREG(info.st_mode):
                 raise ImportError_(f"{rel}: not a regular file")
+            if info.st_nlink > 1:  # another name for the same file, perhaps outside the folder (/etc/shadow)
+                raise ImportError_(f"{rel}: a hard-linked file is not imported; copy it into the folder")
             files[rel] = target
     return files
 

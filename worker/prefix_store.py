@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import re
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -137,6 +138,10 @@ class PrefixStore:
         found, refused = [], 0
         for path in sorted(self.dir.iterdir()):
             if not ENTRY_FILE.match(path.name):
+                continue
+            if not _regular_file(path):  # a FIFO would block the restoring worker until it is killed
+                self._discard(path, "not a regular file")
+                report["skipped"] += 1
                 continue
             try:
                 meta, nbytes = self._header(path)
@@ -278,6 +283,9 @@ class PrefixStore:
     # -- index, clear, housekeeping --------------------------------------------------------------
     def _read_index(self) -> dict[str, dict]:
         path = self.dir / INDEX
+        if path.exists() and not _regular_file(path):
+            log.warning("prefix cache: %s is not a regular file; entries keep their saved times", path)
+            return {}
         try:
             data = json.loads(path.read_text())
         except FileNotFoundError:
@@ -325,6 +333,14 @@ def _use(saved, saved_at: float) -> EntryUse:
         return EntryUse(float(saved.get("last_used", saved_at)), int(saved.get("hits", 0)))
     except (AttributeError, TypeError, ValueError):
         return EntryUse(saved_at)
+
+
+def _regular_file(path: Path) -> bool:
+    """A plain file, not a link, FIFO, socket or device: reading one of those can block."""
+    try:
+        return stat.S_ISREG(path.lstat().st_mode)
+    except OSError:
+        return False
 
 
 def _fsync(path: Path) -> None:

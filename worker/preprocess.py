@@ -28,6 +28,7 @@ class Preprocessor:
     def __init__(self, threads: int = 1):
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="worker-prepare")
         self._jobs: dict[str, _Job] = {}
+        self._calls: list[_Job] = []  # worker calls (tokenize) queued or running
 
     def submit(self, rid: str, fn: Callable[[], Any]) -> None:
         job = _Job(Future())
@@ -38,6 +39,23 @@ class Preprocessor:
 
         job.future = self._pool.submit(run)
         self._jobs[rid] = job
+
+    def call(self, fn: Callable[[], Any]) -> Future:
+        """Run a worker call (tokenize) on the preparation thread: the engine thread never
+        tokenizes megabytes, and one thread keeps the tokenizer single-user. Watched as a
+        preparation (busy_s); the engine replies once the future is done."""
+        job = _Job(Future())
+
+        def run() -> Any:
+            job.started.append(time.monotonic())
+            try:
+                return fn()
+            finally:
+                self._calls.remove(job)
+
+        self._calls.append(job)
+        job.future = self._pool.submit(run)
+        return job.future
 
     def discard(self, rid: str) -> bool:
         """Forget a request (cancelled); a preparation already running finishes unseen."""
@@ -65,7 +83,8 @@ class Preprocessor:
 
     def busy_s(self) -> float:
         now = time.monotonic()
-        running = [now - job.started[0] for job in self._jobs.values() if job.started and not job.future.done()]
+        jobs = [*self._jobs.values(), *list(self._calls)]
+        running = [now - job.started[0] for job in jobs if job.started and not job.future.done()]
         return max(running, default=0.0)
 
     def close(self) -> None:

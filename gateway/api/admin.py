@@ -241,7 +241,9 @@ def _model_state(manager, slot) -> dict:
 # -- the console's live feeds ----------------------------------------------------------------------
 @routes.get("/v1/status/throughput")
 async def throughput(request: web.Request) -> web.Response:
-    """Tokens/s per model over the last hour (samples every 10 s)."""
+    """Tokens/s per model over the last hour (samples every 10 s): every user's traffic,
+    admin only (as /v1/status)."""
+    require_admin(request)
     return web.json_response(request.app[THROUGHPUT].snapshot())
 
 

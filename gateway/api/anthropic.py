@@ -15,7 +15,7 @@ from mlxgw.shared import protocol as p
 from mlxgw.shared.errors import ServiceError, invalid
 
 from ..generation import Generation, Outcome
-from ..state import MANAGER
+from ..state import MANAGER, SETTINGS
 from . import translate as t
 from . import validate as v
 from .anthropic_errors import anthropic_error_body
@@ -233,5 +233,6 @@ async def count_tokens(request: web.Request) -> web.Response:
     args = {"messages": req.messages, "tools": req.tools, "chat_template_kwargs": req.chat_template_kwargs}
     if req.images:
         args["images"] = req.images
-    result = await manager.broker.call(conn, "tokenize", args)
+    # Tokenized on the worker's preparation thread, like a chat prompt: as long as a chat's.
+    result = await manager.broker.call(conn, "tokenize", args, timeout=request.app[SETTINGS].prefill_timeout_s)
     return web.json_response({"input_tokens": result["tokens"]}, headers=t.omitted_header(parsed))

@@ -8,7 +8,6 @@ timestamped segments, rendered here as json, text, srt, vtt or verbose_json, or 
 
 from __future__ import annotations
 
-import asyncio
 import math
 
 from aiohttp import web
@@ -18,6 +17,7 @@ from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
 from ..auth import charge_audio_seconds, resolve_model
 from ..sse import SSEWriter
 from ..state import SETTINGS
+from ..work_pools import THREAD_POOLS
 from . import speech
 from .audio_decode import AudioError, decode_audio
 from .audio_format import render
@@ -28,6 +28,16 @@ routes = web.RouteTableDef()
 
 MAX_UPLOAD_BYTES = 25 * 1024 * 1024  # OpenAI's limit
 MAX_AUDIO_SECONDS = 2 * 3600.0  # decoded int16 PCM: 230 MB at most
+# Audio seconds a request may bring per second of its request timeout: what a small machine
+# can transcribe before the timeout (a 2-hour file on a 300-s timeout was decoded, 1 GB, to
+# end in a 504). The default timeout of 300 s allows 20 minutes.
+AUDIO_SECONDS_PER_TIMEOUT_S = 4.0
+
+
+def audio_seconds_cap(request_timeout_s: float) -> float:
+    return min(MAX_AUDIO_SECONDS, request_timeout_s * AUDIO_SECONDS_PER_TIMEOUT_S)
+
+
 MAX_FIELD_BYTES = 64 * 1024  # a text field (prompt, ...)
 FORMATS = ("json", "text", "srt", "vtt", "verbose_json")
 TEXT_FIELDS = {"model", "language", "prompt", "response_format", "temperature", "stream", "timestamp_granularities[]"}
@@ -126,7 +136,8 @@ async def _handle(request: web.Request, task: str) -> web.StreamResponse:
         raise invalid("streaming supports response_format json or text", "stream")
     temperature = _temperature(text)
     try:
-        audio = await asyncio.to_thread(decode_audio, data, MAX_AUDIO_SECONDS)
+        cap = audio_seconds_cap(request.app[SETTINGS].request_timeout_s)
+        audio = await THREAD_POOLS["audio"].run(decode_audio, data, cap)
     except AudioError as e:
         raise invalid(str(e), "file") from None
     request["audio_seconds"] = audio.seconds

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 
 SAMPLE_RATE = 16000
+MIN_RATE, MAX_RATE = 1000, 384_000  # Hz: a header outside this is a decoding bomb (1 Hz -> x16000)
+MAX_CHANNELS = 32
 
 
 class AudioError(ValueError):
@@ -25,6 +27,34 @@ class DecodedAudio:
     pcm: bytes  # int16 little-endian, mono, SAMPLE_RATE
     seconds: float
     format: str
+
+
+def check_declared(container, stream, max_seconds: float) -> None:
+    """Refuse from the header, before decoding: its rate, channels and declared length."""
+    rate = stream.codec_context.sample_rate or stream.rate or 0
+    if rate and not MIN_RATE <= rate <= MAX_RATE:
+        raise AudioError(f"the audio's sample rate of {rate} Hz is outside {MIN_RATE}-{MAX_RATE} Hz")
+    channels = stream.codec_context.channels or 0
+    if channels > MAX_CHANNELS:
+        raise AudioError(f"the audio has {channels} channels; the limit is {MAX_CHANNELS}")
+    declared = []
+    if stream.duration and stream.time_base:
+        declared.append(float(stream.duration * stream.time_base))
+    if container.duration:
+        declared.append(container.duration / 1_000_000)  # AV_TIME_BASE
+    if declared and max(declared) > max_seconds:
+        raise AudioError(
+            f"the audio is {max(declared):.0f} seconds long (from its header); the limit is {max_seconds:g} seconds"
+        )
+
+
+def check_frame(frame, total: int, limit: int, max_seconds: float) -> None:
+    """A frame's own rate can differ from the header's: refuse before resampling it."""
+    rate = frame.sample_rate or 0
+    if not MIN_RATE <= rate <= MAX_RATE:
+        raise AudioError(f"the audio's sample rate of {rate} Hz is outside {MIN_RATE}-{MAX_RATE} Hz")
+    if total + frame.samples * SAMPLE_RATE / rate > limit:
+        raise AudioError(f"the audio is longer than the limit of {max_seconds:g} seconds")
 
 
 def decode_audio(data: bytes, max_seconds: float) -> DecodedAudio:
@@ -42,8 +72,10 @@ def decode_audio(data: bytes, max_seconds: float) -> DecodedAudio:
             if not streams:
                 raise AudioError("the uploaded file has no audio stream")
             fmt = container.format.name
+            check_declared(container, streams[0], max_seconds)
             resampler = av.AudioResampler(format="s16", layout="mono", rate=SAMPLE_RATE)
             for frame in container.decode(streams[0]):
+                check_frame(frame, total, limit, max_seconds)
                 for out in resampler.resample(frame):
                     chunk = out.to_ndarray().reshape(-1)
                     chunks.append(chunk)

@@ -17,6 +17,7 @@ from aiohttp import web
 from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
 
 from ..state import SETTINGS
+from ..work_pools import THREAD_POOLS
 
 # Deeper than any real tool schema or chat_template_kwargs; far below the recursion limits
 # of json, msgpack (511) and the schema compilers downstream.
@@ -164,5 +165,5 @@ async def read_json(request: web.Request) -> Any:
     except UnicodeDecodeError:
         raise invalid("the request body is not UTF-8") from None
     if len(raw) > THREAD_PARSE_BYTES:
-        return await asyncio.to_thread(parse_json, text)
+        return await THREAD_POOLS["json"].run(parse_json, text)
     return parse_json(text)

@@ -1,27 +1,28 @@
 """Content other than plain text and images in messages: documents (text and PDF), and what a
 text-only model is sent instead of an image in a tool result.
 
-PDFs are read with pypdf, in a worker thread (a large PDF takes long enough to stall every
-other stream on the event loop). What cannot be read (not a PDF, encrypted, no text layer)
-is a clear 400; what a model cannot take in a tool result (an image for a text-only model)
-becomes a short placeholder named in the `x-mlxgw-omitted-content` response header, never
-a 400: an agent resends every earlier turn, so one refusal would end its session."""
+PDFs are read with pypdf in a child process (gateway/pdf_job.py) that keeps a budget of
+pages, content bytes and operators and is killed at its deadline: a small PDF can be hours of
+work, and a thread could not be stopped (issue 26). What cannot be read (not a PDF,
+encrypted, no text layer, over the budget) is a clear 400; what a model cannot take in a tool
+result (an image for a text-only model) becomes a short placeholder named in the
+`x-mlxgw-omitted-content` response header, never a 400: an agent resends every earlier turn,
+so one refusal would end its session."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
 import binascii
-import io
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from mlxgw.shared.errors import invalid
 
+from ..work_pools import JobFailed, JobTimeout, run_process_job
 from .images import ImageLimits
 
-MAX_PDF_PAGES = 1000
 PDF_TIMEOUT_S = 60.0
 IMAGE_PLACEHOLDER = "[image omitted: this model does not accept images]"
 _DATA_URL = re.compile(r"^data:(?P<type>[^;,]*)(?:;[^;,]*)*,(?P<data>.*)$", re.S)
@@ -49,26 +50,15 @@ def b64decode(data, where: str, param: str) -> bytes:
         raise invalid(f"{where}: the data is not valid base64", param) from None
 
 
-def _pdf_text(data: bytes) -> str:
-    from pypdf import PdfReader
-
-    reader = PdfReader(io.BytesIO(data))
-    if reader.is_encrypted and not reader.decrypt(""):
-        raise ValueError("the PDF is encrypted")
-    if len(reader.pages) > MAX_PDF_PAGES:
-        raise ValueError(f"the PDF has {len(reader.pages)} pages; the limit is {MAX_PDF_PAGES}")
-    return "\n\n".join((page.extract_text() or "").strip() for page in reader.pages).strip()
-
-
 async def pdf_text(data: bytes, where: str, param: str) -> str:
     """The text of a PDF, or a 400 that says why it cannot be read."""
     if not data.startswith(b"%PDF-"):
         raise invalid(f"{where}: the document is not a PDF file", param)
     try:
-        text = await asyncio.wait_for(asyncio.to_thread(_pdf_text, data), PDF_TIMEOUT_S)
-    except asyncio.TimeoutError:
+        text = await run_process_job("mlxgw.gateway.pdf_job", data, PDF_TIMEOUT_S)
+    except JobTimeout:
         raise invalid(f"{where}: reading the PDF took longer than {PDF_TIMEOUT_S:.0f} s", param) from None
-    except Exception as e:  # pypdf raises many types for damaged files
+    except JobFailed as e:
         raise invalid(f"{where}: the PDF could not be read: {e}", param) from None
     if not text:
         raise invalid(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 
 from aiohttp import web
-from mlxgw.shared.errors import ServiceError, invalid
+from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
 
 from ..generation import Generation, Outcome
 from ..sse import NDJSONWriter
@@ -100,6 +100,8 @@ def _parsed(body: dict, messages=None, prompt=None, tools=None) -> t.ParsedReque
 
 
 def parse_chat(body: dict, limits: ImageLimits | None) -> t.ParsedRequest:
+    if body.get("template"):  # as /api/generate: a Go template is not run here, and not silently ignored
+        raise invalid("'template' is not supported by this server", "template")
     messages = parse_messages(body.get("messages") or [], limits)
     return _parsed(body, messages=messages, tools=parse_tools(body.get("tools")))
 
@@ -125,6 +127,13 @@ async def _load_or_unload(request: web.Request, slot, keep_alive: float | None, 
     """A request without input: load the model (or unload it with keep_alive 0)."""
     manager = request.app[MANAGER]
     if keep_alive == 0:
+        if not oc.may_set_residency(request):
+            raise ServiceError(
+                ErrorCode.PERMISSION,
+                "unloading a model needs an admin key (or a key with 'residency: true'); "
+                "other keys' keep_alive is ignored",
+                param="keep_alive",
+            )
         if slot.process is not None and slot.state == "ready":
             await manager.unload(slot, "keep_alive 0")
         reason = "unload"

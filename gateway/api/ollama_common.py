@@ -155,9 +155,17 @@ _UNLOADS: set[asyncio.Task] = set()
 UNLOAD_WAIT_S = 120.0  # how long a keep_alive 0 waits for the model's other requests to end
 
 
+def may_set_residency(request: web.Request) -> bool:
+    """Residency is the operator's (issue 26): keep_alive counts only from an admin key, a key
+    with `residency: true`, or anyone when keys are off. Other keys' keep_alive is ignored:
+    one key must not unload (keep_alive 0) or pin (-1, "9999h") a model for everyone."""
+    key = request.get("key")
+    return key is None or key.admin or key.residency
+
+
 def apply_keep_alive(request: web.Request, slot, seconds: float | None) -> None:
     """After a request: keep the model for `seconds`, or (0) unload it once it is idle."""
-    if seconds is None:
+    if seconds is None or not may_set_residency(request):
         return
     manager = request.app[MANAGER]
     if seconds > 0:

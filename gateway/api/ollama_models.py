@@ -17,6 +17,7 @@ from aiohttp import web
 from mlxgw.shared import protocol as p
 from mlxgw.shared.errors import invalid
 
+from ..auth import may_use
 from ..state import MANAGER, SETTINGS
 from . import ollama_common as oc
 from . import translate as t
@@ -70,7 +71,7 @@ def _listing(request: web.Request, slot) -> dict:
 @routes.get("/api/tags")
 async def tags(request: web.Request) -> web.Response:
     slots = request.app[MANAGER].slots.values()
-    return web.json_response({"models": [_listing(request, s) for s in slots]})
+    return web.json_response({"models": [_listing(request, s) for s in slots if may_use(request, s)]})
 
 
 def _expires_at(manager, slot) -> str:
@@ -89,7 +90,7 @@ async def ps(request: web.Request) -> web.Response:
     running = []
     for slot in manager.slots.values():
         d = manager.describe(slot)
-        if not d["loaded"]:
+        if not d["loaded"] or not may_use(request, slot):
             continue
         context = next((w["context_length"] for w in d["workers"] if w["context_length"]), None)
         running.append(

@@ -86,13 +86,13 @@ ROUTES: tuple[Route, ...] = (
     Route(("GET",), "/v1/models", **_CONTROL),
     Route(("GET",), "/v1/models/{model_id}", **_CONTROL),
     Route(("POST",), "/v1/requests/{rid}/cancel", **_CONTROL),  # the handler checks whose request
-    Route(("GET",), "/v1/cache/stats", **_CONTROL),
+    Route(("GET",), "/v1/cache/stats", access=Access.ADMIN, **_CONTROL),  # every model's reuse
     Route(("DELETE",), "/v1/cache", access=Access.ADMIN, **_CONTROL),
     # liveness and what every user's traffic looks like
     Route(("GET",), "/health", access=Access.PUBLIC, capped=False),
     Route(("GET",), "/metrics", access=Access.OBSERVER, **_CONTROL),
     Route(("GET",), "/v1/status", access=Access.OBSERVER, **_CONTROL),
-    Route(("GET",), "/v1/status/throughput", **_CONTROL),  # per model only: no user's traffic
+    Route(("GET",), "/v1/status/throughput", access=Access.ADMIN, **_CONTROL),  # every model's tokens/s
     Route(("GET",), "/v1/status/requests", access=Access.ADMIN, **_CONTROL),
     # administration
     Route(("GET", "POST"), "/v1/keys", access=Access.ADMIN, metered=False),

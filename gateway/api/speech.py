@@ -7,7 +7,6 @@ with PyAV, in a thread."""
 
 from __future__ import annotations
 
-import asyncio
 import io
 
 import numpy as np
@@ -17,6 +16,7 @@ from mlxgw.shared.errors import invalid
 
 from ..auth import resolve_model
 from ..state import SETTINGS
+from ..work_pools import THREAD_POOLS
 from . import validate as v
 from .body import read_json
 from .translate import generation
@@ -76,5 +76,5 @@ async def create_speech(request: web.Request) -> web.Response:
     )
     async with generation(request, slot, req) as gen:
         done = await gen.finish_event()
-    audio = await asyncio.to_thread(encode, done["audio"], int(done["sample_rate"]), fmt)
+    audio = await THREAD_POOLS["speech"].run(encode, done["audio"], int(done["sample_rate"]), fmt)
     return web.Response(body=audio, content_type=FORMATS[fmt][3])

@@ -10,7 +10,9 @@ from aiohttp import web
 from mlxgw.shared.errors import ErrorCode, ServiceError, redact_paths
 
 from ..mcp.hub import MCP
-from ..state import BROKER, MANAGER
+from ..auth import may_use, presented_key
+from ..state import BROKER, KEYS, MANAGER
+from .admin import require_admin
 from .errors import error_response
 
 routes = web.RouteTableDef()
@@ -67,11 +69,13 @@ def _unservable(manager) -> list[dict]:
 @routes.get("/v1/models")
 async def list_models(request: web.Request) -> web.Response:
     anthropic = _is_anthropic(request)
-    data = [_model(request, s, anthropic) for s in request.app[MANAGER].slots.values()]
+    data = [_model(request, s, anthropic) for s in request.app[MANAGER].slots.values() if may_use(request, s)]
     if anthropic:
         first, last = (data[0]["id"], data[-1]["id"]) if data else (None, None)
         return web.json_response({"data": data, "has_more": False, "first_id": first, "last_id": last})
-    return web.json_response({"object": "list", "data": data + _unservable(request.app[MANAGER])})
+    key = request.get("key")
+    unservable = _unservable(request.app[MANAGER]) if key is None or key.admin else []  # folders: the operator's
+    return web.json_response({"object": "list", "data": data + unservable})
 
 
 @routes.get("/v1/models/{model_id:.+}")
@@ -100,9 +104,22 @@ async def root(request: web.Request) -> web.Response:
 
 @routes.get("/health")
 async def health(request: web.Request) -> web.Response:
+    """Liveness for anyone; the models and MCP servers with their states only for an admin
+    key (or with keys off): the list says what runs here and for whom."""
+    if not _is_operator(request):
+        return web.json_response({"status": "ok"})
     manager = request.app[MANAGER]
     models = {s.name: s.state for s in manager.slots.values()}
     return web.json_response({"status": "ok", "models": models, "mcp": request.app[MCP].health()})
+
+
+def _is_operator(request: web.Request) -> bool:
+    store = request.app[KEYS]
+    if store is None:
+        return True
+    given = presented_key(request)
+    key = store.lookup(given) if given else None
+    return key is not None and key.admin and not key.expired()
 
 
 @routes.get("/v1/status")
@@ -157,6 +174,8 @@ async def _cache_call(request: web.Request, op: str) -> web.Response:
 
 @routes.get("/v1/cache/stats")
 async def cache_stats(request: web.Request) -> web.Response:
+    """Every model's worker ids, entries and reused tokens: other users' traffic, admin only."""
+    require_admin(request)
     return await _cache_call(request, "cache_stats")
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from aiohttp import web
 from mlxgw.shared.errors import invalid
 
-from ..state import MANAGER
+from ..state import MANAGER, SETTINGS
 from . import translate as t
 from . import validate as v
 from .images import collect_images
@@ -49,7 +49,9 @@ async def tokenize(request: web.Request) -> web.Response:
             args["images"] = images
     manager = request.app[MANAGER]
     conn = await manager.acquire(slot)
-    result = await manager.broker.call(conn, "tokenize", args)
+    # Tokenized on the worker's preparation thread (never its engine thread), like a chat
+    # prompt: megabytes take seconds on a busy host, so as long as a chat's preparation may.
+    result = await manager.broker.call(conn, "tokenize", args, timeout=request.app[SETTINGS].prefill_timeout_s)
     return web.json_response(
         {
             "count": result["tokens"],
@@ -72,5 +74,6 @@ async def detokenize(request: web.Request) -> web.Response:
         raise invalid(f"'tokens' must be a list of at most {MAX_TOKENS_IN} token ids (integers >= 0)", "tokens")
     manager = request.app[MANAGER]
     conn = await manager.acquire(slot)
-    result = await manager.broker.call(conn, "detokenize", {"tokens": tokens})
+    timeout = request.app[SETTINGS].prefill_timeout_s  # on the preparation thread too, behind prompts
+    result = await manager.broker.call(conn, "detokenize", {"tokens": tokens}, timeout=timeout)
     return web.json_response({"prompt": result["text"]})

@@ -33,10 +33,11 @@ class McpHub:
 
     def server(self, label: str, param: str = "tools") -> McpServer:
         """The server a request names; an unknown label is the request's fault (400)."""
-        if label not in self.servers:
-            known = ", ".join(sorted(self.servers)) or "none configured"
+        if label not in self.servers:  # the configured labels are not listed: they are the operator's
             raise ServiceError(
-                ErrorCode.INVALID_REQUEST, f"unknown MCP server_label '{label}' (known: {known})", param=param
+                ErrorCode.INVALID_REQUEST,
+                f"unknown MCP server_label '{label}': ask the server's operator which MCP servers it offers",
+                param=param,
             )
         return self.servers[label]
 

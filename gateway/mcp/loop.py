@@ -23,6 +23,7 @@ from mlxgw.shared import protocol as p
 from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
 
 from ..api import translate as t
+from . import access
 from .hub import MCP
 from .server import McpServer
 
@@ -98,6 +99,9 @@ class ToolLoop:
         client_names = {_tool_name(x) for x in client_tools or [] if isinstance(x, dict)}
         for label, allowed in labels:
             server = hub.server(label)
+            if not specs and not access.may_use(request, server):
+                continue  # a model's default server this key may not use: the model serves without it
+            access.check(request, server, label, "tools")
             if server.state != "ready" and not specs:
                 continue  # a model's default server that is down: the model still serves without it
             if server.state != "ready":

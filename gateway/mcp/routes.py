@@ -9,6 +9,7 @@ from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
 from ..api import validate as v
 from ..api.body import read_json
 from ..state import KEYS
+from . import access
 from .hub import MCP
 
 routes = web.RouteTableDef()
@@ -19,7 +20,8 @@ FAILED = {"timeout": ErrorCode.TIMEOUT, "unavailable": ErrorCode.MODEL_UNAVAILAB
 @routes.get("/v1/mcp/servers")
 async def servers(request: web.Request) -> web.Response:
     hub = request.app[MCP]
-    return web.json_response({"object": "list", "data": [s.describe() for s in hub.servers.values()]})
+    data = [s.describe() for s in hub.servers.values() if access.may_use(request, s)]
+    return web.json_response({"object": "list", "data": data})
 
 
 @routes.get("/v1/mcp/tools")
@@ -33,6 +35,7 @@ async def tools(request: web.Request) -> web.Response:
             "input_schema": t.inputSchema,
         }
         for s in hub.servers.values()
+        if access.may_use(request, s)
         for t in s.tools
     ]
     return web.json_response({"object": "list", "data": data})

@@ -15,6 +15,8 @@ from datetime import timedelta
 from mlxgw.shared.errors import redact_paths
 from mlxgw.shared.mcp_config import McpServerConfig
 
+from .stderr_log import throttled_stderr
+
 log = logging.getLogger("mlxgw.mcp")
 
 BACKOFF_FIRST_S = 1.0
@@ -54,6 +56,10 @@ class McpServer:
         self.session = None  # mcp.ClientSession while ready
         self.connected_at: float | None = None
         self.attempts = 0
+        self._recovery = asyncio.Lock()  # retries after a crash, one at a time
+        self.generation = 0  # counts the sessions held so far
+        self._dead: set[int] = set()  # generations of sessions a call saw fail
+        self._broken = asyncio.Event()  # a call saw the connection fail: reconnect now
 
     @property
     def label(self) -> str:
@@ -89,8 +95,9 @@ class McpServer:
             params = StdioServerParameters(
                 command=self.cfg.command, args=self.cfg.args, env={**get_default_environment(), **self.cfg.env}
             )
-            async with stdio_client(params) as (read, write):
-                yield read, write
+            with throttled_stderr(self.label) as errlog:
+                async with stdio_client(params, errlog=errlog) as (read, write):
+                    yield read, write
         else:
             async with streamablehttp_client(self.cfg.url, timeout=self.cfg.connect_timeout_s) as (r, w, _):
                 yield r, w
@@ -120,16 +127,58 @@ class McpServer:
             await asyncio.wait_for(session.initialize(), self.cfg.connect_timeout_s)
             listed = await asyncio.wait_for(session.list_tools(), self.cfg.connect_timeout_s)
             self.tools = [t for t in listed.tools if self.cfg.allows(t.name)]
+            self.generation += 1
             self.session, self.state, self.connected_at = session, "ready", time.time()
             self.last_error = None
             log.info("MCP server %r ready: %d tools", self.label, len(self.tools))
-            while True:  # a dead process or server shows as a failed ping
-                await asyncio.sleep(PING_EVERY_S)
+            self._broken.clear()
+            while True:  # a dead process or server shows as a failed ping, or a failed call
+                try:
+                    await asyncio.wait_for(self._broken.wait(), PING_EVERY_S)
+                    raise ConnectionError("a tool call found the connection closed")
+                except asyncio.TimeoutError:
+                    pass
                 await asyncio.wait_for(session.send_ping(), self.cfg.connect_timeout_s)
 
     async def call(self, name: str, arguments: dict, timeout_s: float | None = None) -> ToolResult:
-        """Run one allow-listed tool; every failure is a ToolResult with an error, never raised."""
+        """Run one allow-listed tool; every failure is a ToolResult with an error, never raised.
+
+        A call whose transport died (another caller's tool may have crashed the shared stdio
+        process) is tried once more on the reconnected session, within its own timeout: one
+        crashing call must not fail everyone else's. The crashing call crashes it again and
+        fails; a server that stays down fails the retry as unavailable."""
         timeout = min(self.cfg.timeout_s, timeout_s) if timeout_s is not None else self.cfg.timeout_s
+        deadline = time.monotonic() + timeout
+        result = await self._call_once(name, arguments, timeout)
+        if result.status != "failed":
+            return result
+        # Every call in flight when the process died is a suspect: they retry one at a time,
+        # so the culprit ends the next process alone and only its own call fails.
+        async with self._recovery:
+            if not await self._reconnected(deadline):
+                return result
+            retry = await self._call_once(name, arguments, max(deadline - time.monotonic(), 0.001))
+            if retry.status == "failed":
+                retry.error = f"{retry.error} (it ended the MCP server's process again, alone)"
+            return retry
+
+    async def _reconnected(self, deadline: float) -> bool:
+        """Wait for a session that no call has seen fail."""
+        while time.monotonic() < deadline:
+            if self.state == "ready" and self.session is not None and self.generation not in self._dead:
+                return True
+            await asyncio.sleep(0.05)
+        return False
+
+    async def _call_once(self, name: str, arguments: dict, timeout: float) -> ToolResult:
+        generation = self.generation
+        result = await self._call_on_session(name, arguments, timeout)
+        if result.status == "failed":
+            self._dead.add(generation)
+            self._broken.set()  # the holder reconnects now instead of at its next ping
+        return result
+
+    async def _call_on_session(self, name: str, arguments: dict, timeout: float) -> ToolResult:
         session = self.session
         if session is None or self.state != "ready":
             why = f"MCP server '{self.label}' is {self.state}: {self.last_error or 'not connected'}"
