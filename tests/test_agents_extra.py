@@ -32,7 +32,13 @@ ECHO_CONFIG = {
     "models": [{"name": MODEL, "engine": "echo", "preload": True, "max_num_seqs": 8}],
 }
 # Each client's first request for the task "Create hello.py that prints hi" (docs/agents.md).
-RECORDED = ["opencode_request.json", "qwen_code_request.json", "continue_cli_request.json", "aider_request.json"]
+RECORDED = [
+    "opencode_request.json",
+    "qwen_code_request.json",
+    "qwen_code_bare_request.json",  # `--bare` with a short system prompt (QWEN_SYSTEM_MD)
+    "continue_cli_request.json",
+    "aider_request.json",
+]
 # opencode's switches for a machine with no internet: no update check, model catalog, plugins
 # or language servers downloaded at start, no share links, no Claude Code files read.
 OPENCODE_OFFLINE = {
