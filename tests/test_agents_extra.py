@@ -126,3 +126,13 @@ def test_recorded_client_request_is_answered(echo_gateway, fixture, stream):
         assert ('"prompt_tokens"' in out) == bool(body.get("stream_options", {}).get("include_usage"))
     else:
         assert out["choices"][0]["finish_reason"] == "stop" and out["choices"][0]["message"]["content"]
+
+
+def test_forced_tool_choice_on_the_echo_engine_names_tool_choice(echo_gateway):
+    # The echo engine has no constrained decoding: a forced call is a clean 400 that names the
+    # field that forced it (it named response_format, which the request did not send).
+    body = json.loads((FIXTURES / "opencode_request.json").read_text())
+    body.update(stream=False, tool_choice="required")
+    body.pop("stream_options", None)
+    status, _, out = http(f"{echo_gateway.url}/v1/chat/completions", "POST", body)
+    assert status == 400 and out["error"]["param"] == "tool_choice", out
