@@ -22,37 +22,14 @@ import threading
 import time
 import urllib.error
 import urllib.request
-import zlib
 from pathlib import Path
 
 import yaml
 
+from .pdf_bytes import pdf_bomb
+
 ADMIN_KEY = "mlxgw-flood-admin-key-0123456789"
 USER_KEY = "mlxgw-flood-user-key-0123456789"
-
-
-def pdf_bomb(pages: int = 1000, operators: int = 300_000) -> bytes:
-    content = zlib.compress(b"BT /F1 12 Tf 72 720 Td " + b"(a) Tj " * operators + b"ET", 9)
-    kids = b" ".join(b"%d 0 R" % (6 + i) for i in range(pages))
-    page = b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Contents 4 0 R /Resources 5 0 R >>"
-    objects = [
-        b"<< /Type /Catalog /Pages 2 0 R >>",
-        b"<< /Type /Pages /Kids [" + kids + b"] /Count %d >>" % pages,
-        b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>",
-        b"<< /Length %d /Filter /FlateDecode >>\nstream\n" % len(content) + content + b"\nendstream",
-        b"<< /Font << /F1 3 0 R >> >>",
-        *[page] * pages,
-    ]
-    out = bytearray(b"%PDF-1.4\n")
-    offsets = []
-    for number, body in enumerate(objects, 1):
-        offsets.append(len(out))
-        out += b"%d 0 obj\n" % number + body + b"\nendobj\n"
-    xref = len(out)
-    out += b"xref\n0 %d\n0000000000 65535 f \n" % (len(objects) + 1)
-    out += b"".join(b"%010d 00000 n \n" % offset for offset in offsets)
-    out += b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n" % (len(objects) + 1, xref) + b"%%EOF\n"
-    return bytes(out)
 
 
 def call(url: str, key: str, body: dict | None = None, timeout: float = 60) -> tuple[int, float]:
