@@ -95,6 +95,8 @@ def choose_max_num_seqs(configured: int | None, model_path: Path, total_ram_byte
     per_token = kv_bytes_per_token(config, activation_dtype_bytes(model_path, config)) if config else None
     if per_token is None:
         return SeqsChoice(MIN_SEQS, "kv formula (model config has no attention shape: minimum)")
-    context = min(TYPICAL_CONTEXT, int(config.get("max_position_embeddings") or TYPICAL_CONTEXT))
+    text = config.get("text_config") or {}
+    model_context = config.get("max_position_embeddings") or text.get("max_position_embeddings")
+    context = min(TYPICAL_CONTEXT, int(model_context or TYPICAL_CONTEXT))
     budget = int(total_ram_bytes * KV_SHARE_OF_RAM)
     return SeqsChoice(default_max_num_seqs(per_token, budget, context), "kv formula", per_token, budget, context)

@@ -94,6 +94,15 @@ def build_runner(entry: ModelEntry, model_path: Path):
     )
 
 
+def unservable(error: Exception) -> bool:
+    """Whether a load failure is the model's own (restarting would fail the same way), not
+    a passing condition such as memory."""
+    from .model_info import UnservableModel
+
+    deterministic = (UnservableModel, ValueError, KeyError, AttributeError, TypeError, NotImplementedError, ImportError)
+    return isinstance(error, (*deterministic, FileNotFoundError))
+
+
 def prefix_cache_bytes(entry: ModelEntry) -> int:
     if entry.cache_memory_mb is not None:
         return entry.cache_memory_mb * (1 << 20)
@@ -177,7 +186,7 @@ def serve(
         )
         time.sleep(0.5)  # let the link flush
         link.close()
-        return 3
+        return p.EXIT_UNSERVABLE if unservable(e) else 3
     info = {
         "context_length": runner.context_length,
         "max_num_seqs": entry.max_num_seqs,

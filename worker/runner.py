@@ -137,8 +137,11 @@ class MLXRunner(ChatTextRunner):
         from .prefix_cache import PrefixCache
 
         self._mx = mx
+        from . import model_info
+
         self.model, self.tokenizer, config = (loader or load)(str(model_path), return_config=True)
-        model_context = int(config.get("max_position_embeddings") or 4096)
+        model_info.check_servable(self.model)
+        model_context = model_info.context_length(config)
         self.context_length = min(context_length or model_context, model_context)
         # mlx-lm's BatchGenerator, sampling and penalising the whole batch in one call per step.
         self.generator = VectorBatchGenerator(
@@ -158,7 +161,7 @@ class MLXRunner(ChatTextRunner):
         from .speculative import Speculator
 
         speculative = speculative or SpeculativeConfig()
-        vocab_size = self.model.args.vocab_size if hasattr(self.model, "args") else self.tokenizer.vocab_size
+        vocab_size = model_info.vocab_size(self.model, self.tokenizer)
         drafter = load_drafter(speculative, model_path, self.tokenizer, vocab_size)  # mode draft only
         self.speculator = Speculator(speculative, drafter=drafter)
         self.speculator.attach(self.generator)
@@ -166,7 +169,7 @@ class MLXRunner(ChatTextRunner):
         self._logprobs: dict[int, int] = {}  # uid -> alternatives per token, for those that ask
         self._keep_prompt: set[int] = set()  # uids whose prompt KV is stored once prefilled
         self.cache_bytes = cache_bytes
-        self.vocab_size = self.model.args.vocab_size if hasattr(self.model, "args") else self.tokenizer.vocab_size
+        self.vocab_size = vocab_size
         from .logprobs import TokenBytes
 
         self.token_bytes = TokenBytes(self.tokenizer)
