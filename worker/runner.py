@@ -16,7 +16,12 @@ from mlxgw.shared.config import SpeculativeConfig
 from mlxgw.shared.errors import invalid
 from mlxgw.shared.protocol import GenerateRequest, SamplingParams
 
+from . import state_checkpoints as sc
 from .chat_text import ChatText
+
+# Prefill positions between state checkpoints (plus message boundaries and the last token);
+# long prompts space them wider so an entry keeps at most about MAX_CHECKPOINTS of them.
+CHECKPOINT_INTERVAL = 512
 
 
 @dataclass
@@ -166,6 +171,12 @@ class MLXRunner(ChatTextRunner):
         self.speculator = Speculator(speculative, drafter=drafter)
         self.speculator.attach(self.generator)
         self._covered: dict[int, int] = {}  # uid -> prompt tokens its cache lookup covered
+        # Families with recurrent or sliding-window layers keep state checkpoints while
+        # prefilling (worker/state_checkpoints.py): uid -> those taken so far.
+        self._checkpointing = sc.needs_checkpoints(make_prompt_cache(self.model))
+        self._turn_openers = sc.turn_opener_ids(self.tokenizer)
+        self._checkpoints: dict[int, sc.Checkpoints] = {}
+        self._boundaries: dict[int, set[int]] = {}  # uid -> its prompt's message boundaries
         self._logprobs: dict[int, int] = {}  # uid -> alternatives per token, for those that ask
         self._keep_prompt: set[int] = set()  # uids whose prompt KV is stored once prefilled
         self.cache_bytes = cache_bytes
@@ -200,8 +211,9 @@ class MLXRunner(ChatTextRunner):
         if guard is not None:
             sampler = guard_sampler(sampler, guard)
         cache, cached = self.prefix_cache.longest_match(prompt)
-        (uid,) = self.generator.insert(
-            [prompt[cached:]],
+        segments, boundaries = self._segments(prompt, cached)
+        (uid,) = self.generator.insert_segments(
+            [segments],
             max_tokens=[max_tokens],
             caches=[cache] if cache is not None else None,
             all_tokens=[prompt[:cached]],
@@ -209,6 +221,9 @@ class MLXRunner(ChatTextRunner):
             logits_processors=[processors],
         )
         self._covered[uid] = cached
+        if self._checkpointing:
+            self._checkpoints[uid] = sc.Checkpoints(list(prompt))
+            self._boundaries[uid] = boundaries
         # Drafts are verified against the argmax: only for greedy rows with nothing reshaping it.
         self.speculator.admit(uid, sampling.temperature <= 0 and not processors and logprobs is None)
         if logprobs is not None:
@@ -216,6 +231,29 @@ class MLXRunner(ChatTextRunner):
         if keep_prompt:
             self._keep_prompt.add(uid)
         return uid, cached
+
+    def _segments(self, prompt: list[int], cached: int) -> tuple[list[list[int]], set[int]]:
+        """The uncached prompt, cut where the generator must stop to take a checkpoint, and
+        the message boundaries among the cuts."""
+        if not self._checkpointing:
+            return [prompt[cached:]], set()
+        boundaries = sc.message_boundaries(prompt, self._turn_openers)
+        interval = max(CHECKPOINT_INTERVAL, len(prompt) // sc.MAX_CHECKPOINTS)
+        positions = sc.checkpoint_positions(prompt, cached, boundaries, interval)
+        return sc.segments(prompt, cached, positions), set(boundaries)
+
+    def _take_checkpoints(self, prompt_responses) -> None:
+        """After a prefill step: checkpoint each row that stopped at a segment's end."""
+        batch = self.generator._prompt_batch
+        for r in prompt_responses:
+            if not r.end_of_segment or r.end_of_prompt or r.uid not in self._checkpoints:
+                continue
+            row = batch.uids.index(r.uid) if r.uid in batch.uids else None
+            if row is None:
+                continue
+            marks = self._checkpoints[r.uid]
+            position = len(batch.tokens[row])
+            marks.add(position, sc.row_snapshot(batch.prompt_cache, row), position in self._boundaries.get(r.uid, ()))
 
     def prompt_scorer(self, prompt: list[int], top: int):
         """A PromptScorer of this model for one request's prompt logprobs (worker/prompt_logprobs.py)."""
@@ -239,15 +277,19 @@ class MLXRunner(ChatTextRunner):
         for r in prompt_responses:
             done, total = r.progress if isinstance(r.progress, tuple) else (0, 0)
             out.prefill.append((r.uid, done, total))
+        if self._checkpoints:
+            self._take_checkpoints(prompt_responses)
         self._keep_prompts(gen_responses)
         logprobs = self._logprob_entries(gen_responses)
         for r in gen_responses:
             if r.finish_reason is not None:
                 self._covered.pop(r.uid, None)
                 self._logprobs.pop(r.uid, None)
+                self._boundaries.pop(r.uid, None)
+                marks = self._checkpoints.pop(r.uid, None)
                 if r.prompt_cache is not None:
                     # The finished sequence's KV (prompt + answer) seeds the next turn's prompt.
-                    self._keep_kv(r.all_tokens, r.prompt_cache)
+                    self._keep_kv(r.all_tokens, r.prompt_cache, marks)
             out.tokens.append(TokenOut(r.uid, int(r.token), r.finish_reason, logprobs.get(r.uid)))
         return out
 
@@ -270,7 +312,7 @@ class MLXRunner(ChatTextRunner):
                 if r.prompt_cache is None:  # still running: copy its row out of the batch
                     extracted = self.generator.extract_cache([r.uid]).get(r.uid)
                     if extracted:
-                        self._keep_kv(list(extracted[1]), extracted[0])
+                        self._keep_kv(list(extracted[1]), extracted[0], self._checkpoints.get(r.uid))
 
     def remove(self, uids: list[int]) -> None:
         """Drop sequences that end early (cancelled, timed out, client gone, stop string).
@@ -286,17 +328,21 @@ class MLXRunner(ChatTextRunner):
             self._logprobs.pop(uid, None)
             self._keep_prompt.discard(uid)
             covered = self._covered.pop(uid, 0)
+            self._boundaries.pop(uid, None)
+            marks = self._checkpoints.pop(uid, None)
             cache, tokens = removed.get(uid, (None, None))
             if cache and tokens and len(tokens) > covered:
-                self._keep_kv(tokens, cache)
+                self._keep_kv(tokens, cache, marks)
 
-    def _keep_kv(self, tokens: list[int], cache: list) -> None:
+    def _keep_kv(self, tokens: list[int], cache: list, checkpoints: sc.Checkpoints | None = None) -> None:
         # The KV extracted from the batch is a lazy slice whose graph still references the
         # whole batch's buffers (every row, the full allocation). Unevaluated, a cached entry
         # kept all of that alive while counting only its own slice: a worker reached 14 GB
         # with a cache that reported 2 GB. Evaluating makes it the compact copy it claims to be.
         self._mx.eval([c.state for c in cache])
-        self.prefix_cache.insert(list(tokens), cache)
+        if checkpoints is not None:  # those of a prompt the tokens begin with
+            checkpoints = checkpoints.for_entry(list(tokens))
+        self.prefix_cache.insert(list(tokens), cache, checkpoints=checkpoints)
         self._bound_cache()
 
     def _bound_cache(self) -> None:

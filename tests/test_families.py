@@ -1,0 +1,172 @@
+"""The family matrix: every mlx-lm family a team runs loads, batches, keeps its prefix cache
+and speculates, with the same greedy tokens as mlx-lm's own stream_generate.
+
+Each family is a tiny random-weight model built from mlx-lm 0.32.2's own classes
+(tests/helpers/family_models.py: every layer kind, non-flat logits), driven through the
+worker's real engine in-process (MLXRunner: BatchGenerator, prefix cache, speculation).
+Per family: parity alone, from the prefix cache (a repeat, a prompt sharing the system
+prompt, the next turn, each reusing what it shares), four at once, and with prompt-lookup
+speculation. A mismatch at a position where the reference's top two logits are exactly
+equal counts as a tie, not a failure. Set FAMILY_TABLE=path to get the table as JSON lines."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import mlx.core as mx
+import pytest
+from helpers.family_models import FAMILIES, NON_TRIMMABLE, build_family_model
+from helpers.runner_jobs import GREEDY, generate_together
+
+from mlxgw.shared.config import SpeculativeConfig
+
+TOKENS = 8
+SYSTEM = "You are a careful assistant for a team of engineers. Answer briefly and cite the file. " * 2
+ORDERED_FAMILIES = list(FAMILIES)
+
+
+def _reference(model, tokenizer, prompt: list[int], max_tokens: int) -> list[int]:
+    """mlx-lm alone: stream_generate, greedy."""
+    from mlx_lm import stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    steps = stream_generate(model, tokenizer, mx.array(prompt), max_tokens=max_tokens, sampler=make_sampler(0.0))
+    return [r.token for r in steps]
+
+
+def _is_tie(model, context: list[int], a: int, b: int) -> bool:
+    from mlx_lm.models.cache import make_prompt_cache
+
+    logits = model(mx.array([context]), cache=make_prompt_cache(model))[0, -1].astype(mx.float32)
+    return float(logits[a]) == float(logits[b])
+
+
+def assert_greedy_equal(model, prompt: list[int], reference: list[int], got: list[int], what: str) -> None:
+    """got equals the reference, or differs first where the reference had an exact tie."""
+    for i, (r, g) in enumerate(zip(reference, got)):
+        if r != g:
+            assert _is_tie(model, prompt + reference[:i], r, g), f"{what}: token {i} is {g}, mlx-lm gives {r}"
+            return
+    assert len(got) == len(reference), f"{what}: {len(got)} tokens, mlx-lm gives {len(reference)}"
+
+
+def _run(runner, prompt: list[int], max_tokens: int = TOKENS) -> tuple[list[int], int]:
+    uid, cached = runner.insert(prompt, max_tokens, GREEDY)
+    out = []
+    while True:
+        for t in runner.step().tokens:
+            if t.uid == uid:
+                out.append(t.token)
+                if t.finish is not None:
+                    return out, cached
+
+
+def _chat(tokenizer, messages: list[dict]) -> list[int]:
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+
+
+def _shared_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+@pytest.fixture(scope="module")
+def family_dirs(home, smollm2_dir):
+    root = home / "models"
+    return {f: build_family_model(f, root / f"fam-{f}", smollm2_dir) for f in ORDERED_FAMILIES}
+
+
+def _record(row: dict) -> None:
+    path = os.environ.get("FAMILY_TABLE")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+@pytest.mark.parametrize("family", ORDERED_FAMILIES)
+def test_family_has_parity_alone_batched_speculating_and_from_its_prefix_cache(family, family_dirs):
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlxgw.worker.runner import MLXRunner
+
+    runner = MLXRunner(
+        family_dirs[family],
+        context_length=None,
+        max_num_seqs=8,
+        prefill_step_size=32,  # several prefill chunks per prompt, as long prompts have
+        cache_bytes=64 << 20,
+        speculative=SpeculativeConfig(mode="off"),
+    )
+    tok, model = runner.tokenizer, runner.model
+    first = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Where is the scheduler?"}]
+    other = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Who owns the cache code?"}]
+    p1, p2 = _chat(tok, first), _chat(tok, other)
+    ref1 = _reference(model, tok, p1, 2 * TOKENS)
+
+    # Alone, then the same prompt again: resumed just before its last token.
+    out, cached = _run(runner, p1)
+    assert cached == 0
+    assert_greedy_equal(model, p1, ref1[:TOKENS], out, "alone")
+    out, repeat = _run(runner, p1)
+    assert_greedy_equal(model, p1, ref1[:TOKENS], out, "repeat from the cache")
+    assert repeat == len(p1) - 1
+
+    # A new prompt sharing the system prompt: resumed at the message boundary at least.
+    out, shared = _run(runner, p2)
+    assert_greedy_equal(model, p2, _reference(model, tok, p2, TOKENS), out, "shared system prompt")
+    system_end = p1.index(tok.convert_tokens_to_ids("<|im_start|>"), 1)  # where the user turn opens
+    assert shared >= system_end and shared < _shared_prefix(p1, p2) + 1
+
+    # The next turn of the first conversation: resumes at least where the first prompt ended.
+    answer = tok.decode(ref1[:TOKENS])
+    p3 = _chat(tok, [*first, {"role": "assistant", "content": answer}, {"role": "user", "content": "And tests?"}])
+    out, next_turn = _run(runner, p3)
+    assert_greedy_equal(model, p3, _reference(model, tok, p3, TOKENS), out, "next turn")
+    assert next_turn >= min(len(p1), _shared_prefix(p1, p3)) - 1
+
+    # Four at once (no cache help): rows of different lengths prefill and decode together.
+    runner.cache_clear()
+    raw = [tok.encode("the quick brown fox " * n) for n in (3, 5)]
+    prompts = [p1, p2, *raw]
+    refs = [ref1[:TOKENS]] + [_reference(model, tok, p, TOKENS) for p in prompts[1:]]
+    for p, r, o in zip(prompts, refs, generate_together(runner, [(p, TOKENS) for p in prompts])):
+        assert_greedy_equal(model, p, r, o, "four at once")
+    stats = runner.cache_stats()
+    assert stats["bytes"] <= stats["max_bytes"]
+    if family in NON_TRIMMABLE:
+        assert stats["checkpoints"] > 0 and stats["checkpoint_bytes"] > 0
+
+    # Prompt-lookup speculation, four rows: the same tokens as plain greedy decoding.
+    spec = MLXRunner(
+        family_dirs[family],
+        context_length=None,
+        max_num_seqs=8,
+        prefill_step_size=256,
+        cache_bytes=0,
+        speculative=SpeculativeConfig(mode="prompt_lookup"),
+    )
+    # Each prompt, its own continuation and the prompt again: its context then holds n-grams
+    # the model is likely to produce, so prompt lookup drafts (accepted or not).
+    echoed = [p + r + p for p, r in zip(prompts, refs)]
+    long_refs = [_reference(model, tok, p, 2 * TOKENS) for p in echoed]
+    for p, r in zip(echoed, long_refs):  # alone: every step can verify the row's draft
+        assert_greedy_equal(model, p, r, generate_together(spec, [(p, 2 * TOKENS)])[0], "speculating alone")
+    for p, r, o in zip(echoed, long_refs, generate_together(spec, [(p, 2 * TOKENS) for p in echoed])):
+        assert_greedy_equal(model, p, r, o, "speculating, four rows")
+    speculated = spec.stats()["speculative"]
+    assert speculated["speculative_steps"] > 0, "speculation never ran"
+    _record(
+        {
+            "family": family,
+            "cache": sorted({type(c).__name__ for c in make_prompt_cache(model)}),
+            "prompt": len(p1),
+            "repeat": repeat,
+            "shared": f"{shared}/{_shared_prefix(p1, p2)}",
+            "next_turn": f"{next_turn}/{_shared_prefix(p1, p3)}",
+            "drafted": speculated["drafted_tokens"],
+            "accepted": speculated["accepted_tokens"],
+        }
+    )
