@@ -170,3 +170,58 @@ def test_family_has_parity_alone_batched_speculating_and_from_its_prefix_cache(f
             "accepted": speculated["accepted_tokens"],
         }
     )
+
+
+def _hybrid_runner(model_dir, cache_bytes: int = 64 << 20, prefix_store=None):
+    from mlxgw.worker.runner import MLXRunner
+
+    return MLXRunner(
+        model_dir,
+        context_length=None,
+        max_num_seqs=8,
+        prefill_step_size=32,
+        cache_bytes=cache_bytes,
+        prefix_store=prefix_store,
+        speculative=SpeculativeConfig(mode="off"),
+    )
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "gemma3_text", "falcon_h1"])
+def test_checkpoints_go_to_the_disk_tier_and_come_back(family, family_dirs, tmp_path):
+    from mlxgw.worker.prefix_store import PrefixStore, model_fingerprint
+
+    def store():
+        return PrefixStore(tmp_path / "store", model_fingerprint(family_dirs[family]), 64 << 20)
+
+    first = _hybrid_runner(family_dirs[family], prefix_store=store())
+    prompt = _chat(first.tokenizer, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi"}])
+    expected, _ = _run(first, prompt)
+    saved = first.cache_stats()
+    assert first.prefix_store.save(first.prefix_cache)["saved_entries"] == 1
+
+    again = _hybrid_runner(family_dirs[family], prefix_store=store())
+    report = again.prefix_store.restore(again.prefix_cache)
+    assert report["restored_entries"] == 1
+    restored = again.cache_stats()
+    assert restored["checkpoints"] == saved["checkpoints"] and restored["bytes"] == saved["bytes"]
+    out, cached = _run(again, prompt)  # resumed from the checkpoint before the last token
+    assert cached == len(prompt) - 1 and out == expected
+
+
+def test_checkpoint_bytes_count_against_the_cache_bound_and_leave_with_their_entry(family_dirs):
+    runner = _hybrid_runner(family_dirs["qwen3_next"])
+    tok = runner.tokenizer
+    prompts = [tok.encode(f"topic {i}: " + "words and more words " * 12) for i in range(3)]
+    for p in prompts:
+        _run(runner, p, 2)
+    stats = runner.cache_stats()
+    assert stats["checkpoint_bytes"] > 0
+    entry_bytes = sum(e.nbytes for e in runner.prefix_cache.entries())  # entries with their checkpoints
+    assert stats["bytes"] == entry_bytes
+    # A bound that holds about one entry: the others leave, their checkpoints with them.
+    runner.prefix_cache.trim_to(entry_bytes // 3 + 1)
+    after = runner.cache_stats()
+    assert after["entries"] == 1 and after["bytes"] <= entry_bytes // 3 + 1
+    assert after["checkpoint_bytes"] == sum(e.checkpoints.nbytes for e in runner.prefix_cache.entries())
+    _, cached = _run(runner, prompts[-1], 2)  # the newest stayed, resumable
+    assert cached == len(prompts[-1]) - 1

@@ -214,9 +214,10 @@ class PrefixCache:
     def trim_to(self, max_bytes: int) -> None:
         """Evict least recently used entries (with their checkpoints) until all fits."""
         max_bytes = max(0, max_bytes)
-        self._lru.trim_to(n_bytes=max(0, max_bytes - self._checkpoint_bytes))
-        self._sync_checkpoints()
-        while self.nbytes > max_bytes and len(self._lru):
+        if not self._checkpoints:
+            self._lru.trim_to(n_bytes=max_bytes)
+            return
+        while self.nbytes > max_bytes and len(self._lru):  # one at a time: entries own checkpoints
             self._lru.trim_to(n_sequences=len(self._lru) - 1)
             self._sync_checkpoints()
 

@@ -212,3 +212,53 @@ def turn_opener_ids(tokenizer) -> frozenset[int]:
 def message_boundaries(prompt: list[int], openers: frozenset[int]) -> list[int]:
     """Positions just before each message opener (the first one excluded: nothing before it)."""
     return [i for i, t in enumerate(prompt) if i > 0 and t in openers]
+
+
+# -- on disk (worker/prefix_store.py) ------------------------------------------------------------
+def to_layout(marks: Checkpoints, layers: int) -> tuple[dict, list]:
+    """Checkpoints as JSON plus the cache layers it points into, stored after the entry's
+    own `layers` layers: {"layers": n, "at": [[position, boundary, items], ...]}, where an item
+    is null (a KV layer: taken from the entry), an index into the extra layers, or a list of
+    those (a CacheList's sub-caches)."""
+    extra: list = []
+
+    def item(snap_item):
+        if snap_item is None:
+            return None
+        if isinstance(snap_item, tuple):
+            return [item(sub) for sub in snap_item]
+        extra.append(snap_item)
+        return len(extra) - 1
+
+    at = [[p, int(p in marks.priority), [item(i) for i in snap]] for p, snap in sorted(marks.states.items())]
+    return {"layers": layers, "at": at}, extra
+
+
+def valid_layout(layout, length: int) -> bool:
+    if not isinstance(layout, dict) or not isinstance(layout.get("layers"), int) or layout["layers"] <= 0:
+        return False
+    at = layout.get("at")
+    return isinstance(at, list) and all(
+        isinstance(m, list) and len(m) == 3 and isinstance(m[0], int) and 0 < m[0] <= length and isinstance(m[2], list)
+        for m in at
+    )
+
+
+def from_layout(tokens: list[int], layout: dict, extra: list) -> Checkpoints:
+    """Checkpoints rebuilt from a file's layout and extra layers (ValueError if they disagree)."""
+
+    def item(entry):
+        if entry is None:
+            return None
+        if isinstance(entry, list):
+            return tuple(item(sub) for sub in entry)
+        if not isinstance(entry, int) or not 0 <= entry < len(extra):
+            raise ValueError("a checkpoint names a layer the file does not hold")
+        return extra[entry]
+
+    out = Checkpoints(list(tokens))
+    for position, boundary, items in layout["at"]:
+        if len(items) != layout["layers"]:
+            raise ValueError("a checkpoint with another number of layers")
+        out.add(position, [item(e) for e in items], bool(boundary))
+    return out
