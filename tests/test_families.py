@@ -225,3 +225,65 @@ def test_checkpoint_bytes_count_against_the_cache_bound_and_leave_with_their_ent
     assert after["checkpoint_bytes"] == sum(e.checkpoints.nbytes for e in runner.prefix_cache.entries())
     _, cached = _run(runner, prompts[-1], 2)  # the newest stayed, resumable
     assert cached == len(prompts[-1]) - 1
+
+
+# -- through `mlxgw up` and real HTTP -------------------------------------------------------------
+SERVED = ["qwen3_5", "gemma3_text", "lfm2"]  # nested args; sliding window; short convolutions
+
+
+@pytest.fixture(scope="module")
+def families_gateway(home, family_dirs):
+    from helpers import start_gateway
+
+    broken = home / "models" / "fam-broken"
+    broken.mkdir(exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "model.safetensors"):
+        (broken / name).write_bytes((family_dirs["llama"] / name).read_bytes())
+    (broken / "config.json").write_text(json.dumps({"model_type": "no_such_architecture", "vocab_size": 8}))
+    models = [{"name": f"fam-{f}", "preload": True, "max_num_seqs": 4, "cache_memory_mb": 64} for f in SERVED]
+    config = {"manager": {"auto_discover": False}, "models": [*models, {"name": "fam-broken", "max_num_seqs": 4}]}
+    gw = start_gateway(home, config, "families-gateway")
+    yield gw
+    gw.stop()
+
+
+def _worker_cache(gw, name: str) -> dict:
+    workers = [w for w in gw.model_status(name)["workers"] if w["state"] == "ready"]
+    return (workers[0].get("stats") or {}).get("cache") or {}
+
+
+@pytest.mark.parametrize("family", SERVED)
+def test_a_served_family_reuses_the_shared_system_prompt_over_http(family, families_gateway):
+    from helpers import openai_client, wait_for
+
+    client = openai_client(families_gateway)
+    system = {"role": "system", "content": SYSTEM}
+
+    def ask(question: str):
+        return client.chat.completions.create(
+            model=f"fam-{family}",
+            messages=[system, {"role": "user", "content": question}],
+            max_tokens=4,
+            temperature=0,
+        )
+
+    first, repeat, other = ask("Where is the scheduler?"), ask("Where is the scheduler?"), ask("Who owns it?")
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert repeat.choices[0].message.content == first.choices[0].message.content
+    assert repeat.usage.prompt_tokens_details.cached_tokens == repeat.usage.prompt_tokens - 1
+    assert other.usage.prompt_tokens_details.cached_tokens >= 40  # the system prompt's boundary
+    wait_for(lambda: _worker_cache(families_gateway, f"fam-{family}").get("checkpoint_hits", 0) >= 2, 15)
+    cache = _worker_cache(families_gateway, f"fam-{family}")
+    assert cache["reused_tokens"] >= repeat.usage.prompt_tokens_details.cached_tokens and cache["checkpoints"] > 0
+
+
+def test_a_model_that_cannot_load_fails_once_with_its_reason(families_gateway):
+    from helpers import http, wait_for
+
+    request = {"model": "fam-broken", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    code, _, body = http(f"{families_gateway.url}/v1/chat/completions", "POST", request)
+    assert code == 503 and "no_such_architecture" in json.dumps(body)
+    wait_for(lambda: families_gateway.model_status("fam-broken")["state"] == "failed", 30)
+    status = families_gateway.model_status("fam-broken")
+    assert status["loads"] == 1 and status["restarts"] == 0
+    assert "cannot load" in status["last_error"] and "no_such_architecture" in status["last_error"]
