@@ -91,6 +91,8 @@ def build_runner(entry: ModelEntry, model_path: Path):
         allow_request_chat_template=entry.allow_request_chat_template,
         prefix_store=store_for(entry.name, model_path, entry.prefix_cache_disk_mb),
         speculative=entry.speculative,
+        kv_bits=entry.kv_bits,
+        kv_group_size=entry.kv_group_size,
     )
 
 
@@ -114,7 +116,8 @@ def resolve_max_num_seqs(entry: ModelEntry, model_path: Path) -> tuple[ModelEntr
     if entry.kind not in CHAT_KINDS or entry.engine != "mlx":  # no KV rows to size: the minimum
         choice = choose_max_num_seqs(entry.max_num_seqs, Path("/nonexistent"), 0)
     else:
-        choice = choose_max_num_seqs(entry.max_num_seqs, model_path, total_memory_bytes())
+        ram = total_memory_bytes()
+        choice = choose_max_num_seqs(entry.max_num_seqs, model_path, ram, entry.kv_bits, entry.kv_group_size)
     return dataclasses.replace(entry, max_num_seqs=choice.value), choice
 
 

@@ -133,6 +133,8 @@ class MLXRunner(ChatTextRunner):
         loader=None,  # (path, return_config=True) -> (model, tokenizer, config); default mlx_lm.load
         prefix_store=None,
         speculative: SpeculativeConfig | None = None,
+        kv_bits: int | None = None,
+        kv_group_size: int = 64,
     ):
         import mlx.core as mx
         from mlx_lm import load
@@ -160,8 +162,15 @@ class MLXRunner(ChatTextRunner):
         # The prefix cache's disk copy (worker/prefix_store.py), or None: main.serve restores
         # it before the first request and saves it when the worker stops gracefully.
         self.prefix_store = prefix_store
-        if prefix_store is not None:
-            prefix_store.layer_classes = [type(c).__name__ for c in make_prompt_cache(self.model)]
+        self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
+        if prefix_store is not None:  # what a stored entry's layers must be (quantized ones with kv_bits)
+            prefix_store.layer_classes = [type(c).__name__ for c in self._fresh_cache()]
+        from .capacity import activation_dtype_bytes, kv_bytes_per_token
+
+        # Memory per token of a plain-attention layer stack, as /v1/status reports it.
+        self.kv_bytes_per_token = kv_bytes_per_token(
+            config, activation_dtype_bytes(model_path, config), kv_bits, kv_group_size
+        )
         from .draft_model import load_drafter
         from .speculative import Speculator
 
@@ -211,6 +220,8 @@ class MLXRunner(ChatTextRunner):
         if guard is not None:
             sampler = guard_sampler(sampler, guard)
         cache, cached = self.prefix_cache.longest_match(prompt)
+        if cache is None and self.kv_bits is not None:
+            cache = self._fresh_cache()
         segments, boundaries = self._segments(prompt, cached)
         (uid,) = self.generator.insert_segments(
             [segments],
@@ -231,6 +242,17 @@ class MLXRunner(ChatTextRunner):
         if keep_prompt:
             self._keep_prompt.add(uid)
         return uid, cached
+
+    def _fresh_cache(self) -> list:
+        """A new sequence's cache: the model's own, its KV layers quantized with kv_bits
+        (worker/quantized_kv.py: they stay quantized through batching, the prefix cache and
+        speculation)."""
+        from mlx_lm.models.cache import make_prompt_cache
+
+        from .quantized_kv import quantize_layers
+
+        cache = make_prompt_cache(self.model)
+        return cache if self.kv_bits is None else quantize_layers(cache, self.kv_group_size, self.kv_bits)
 
     def _segments(self, prompt: list[int], cached: int) -> tuple[list[list[int]], set[int]]:
         """The uncached prompt, cut where the generator must stop to take a checkpoint, and
@@ -357,6 +379,8 @@ class MLXRunner(ChatTextRunner):
             "mlx_peak_bytes": int(mx.get_peak_memory()),
             "mlx_cache_bytes": int(mx.get_cache_memory()),
             "kv_bytes": int(self.generator.prompt_cache_nbytes),
+            "kv_bits": self.kv_bits,
+            "kv_bytes_per_token": self.kv_bytes_per_token,
             "speculative": self.speculator.stats(),
         }
 

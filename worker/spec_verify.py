@@ -37,6 +37,9 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, BatchRotatingKVCache, CacheList, dynamic_roll
 
+from .quantized_kv import BatchQuantizedKVCache
+
+CUTTABLE = (BatchKVCache, BatchQuantizedKVCache)  # cut back per row
 RESTORABLE = (BatchRotatingKVCache, ArraysCache)  # snapshotted and replayed, not cut
 
 
@@ -50,12 +53,12 @@ def _leaves(caches: list) -> list:
 def rollback_supported(caches: list) -> bool:
     """Whether a speculative step can be undone on these batch caches: KV layers are cut per
     row; rotating windows and recurrent states are restored and the kept tokens replayed."""
-    return bool(caches) and all(type(c) is BatchKVCache or type(c) in RESTORABLE for c in _leaves(caches))
+    return bool(caches) and all(type(c) in CUTTABLE or type(c) in RESTORABLE for c in _leaves(caches))
 
 
 def needs_replay(caches: list) -> bool:
     """Whether undoing a rejected draft replays the kept tokens (some layer cannot be cut)."""
-    return any(type(c) is not BatchKVCache for c in _leaves(caches))
+    return any(type(c) not in CUTTABLE for c in _leaves(caches))
 
 
 def _copy(value):
@@ -68,13 +71,13 @@ def _copy(value):
 
 def snapshot_states(caches: list) -> list[tuple]:
     """The attributes of every non-KV layer, as they are before a speculative pass."""
-    return [(c, {k: _copy(v) for k, v in vars(c).items()}) for c in _leaves(caches) if type(c) is not BatchKVCache]
+    return [(c, {k: _copy(v) for k, v in vars(c).items()}) for c in _leaves(caches) if type(c) not in CUTTABLE]
 
 
 def replay_rows(batch, inputs: mx.array, width: int, kept: int, saved: list[tuple]) -> None:
     """Undo a pass of `width` tokens on every layer, then feed every row's first `kept`."""
     for c in _leaves(batch.prompt_cache):
-        if type(c) is BatchKVCache:
+        if type(c) in CUTTABLE:
             c.trim(width)
     for c, attrs in saved:
         vars(c).update(attrs)
@@ -84,6 +87,10 @@ def replay_rows(batch, inputs: mx.array, width: int, kept: int, saved: list[tupl
 
 def _state_arrays(cache) -> list:
     return [a for a in (cache.state if isinstance(cache.state, (list, tuple)) else []) if isinstance(a, mx.array)]
+
+
+def _parts(buf) -> tuple:
+    return buf if isinstance(buf, tuple) else (buf,)
 
 
 def rollback_rows(caches: list, width: int, kept: list[int]) -> None:
@@ -99,7 +106,8 @@ def rollback_rows(caches: list, width: int, kept: list[int]) -> None:
     grow = mx.array(shifts)
     for c in caches:
         end = c._idx
-        for buf in (c.keys, c.values):
+        # A quantized layer holds each of keys and values as three arrays: roll each.
+        for buf in (*_parts(c.keys), *_parts(c.values)):
             buf[rows, :, :end, :] = dynamic_roll(buf[rows, :, :end, :], row_shifts, axis=2)
         c.left_padding = c.left_padding + grow
         c.offset = c.offset - grow

@@ -331,8 +331,11 @@ def _spread_logits(model, config: dict) -> None:
     mx.eval(model.parameters())
 
 
-def build_family_model(family: str, dest: Path, tokenizer_source: Path, seed: int = 0) -> Path:
-    """Write a tiny random `family` model into dest (SmolLM2's tokenizer files)."""
+def build_family_model(
+    family: str, dest: Path, tokenizer_source: Path, seed: int = 0, overrides: dict | None = None
+) -> Path:
+    """Write a tiny random `family` model into dest (SmolLM2's tokenizer files); overrides:
+    config keys to change (e.g. a head size quantized KV can group)."""
     import mlx.core as mx
     from mlx_lm.utils import _get_classes, save_config, save_model
 
@@ -345,6 +348,7 @@ def build_family_model(family: str, dest: Path, tokenizer_source: Path, seed: in
         shutil.copy(tokenizer_source / name, tmp / name)
     source = json.loads((tokenizer_source / "config.json").read_text())
     config = family_config(family, source["vocab_size"], source.get("eos_token_id"), source.get("bos_token_id"))
+    config.update(overrides or {})
     mx.random.seed(seed)
     model_cls, args_cls = _get_classes(config)
     model = model_cls(args_cls.from_dict(config))
