@@ -287,3 +287,24 @@ def test_a_model_that_cannot_load_fails_once_with_its_reason(families_gateway):
     status = families_gateway.model_status("fam-broken")
     assert status["loads"] == 1 and status["restarts"] == 0
     assert "cannot load" in status["last_error"] and "no_such_architecture" in status["last_error"]
+
+
+def test_folders_mlx_lm_loads_serve_a_gemma3_multimodal_folder_and_a_quantized_qwen3_5(home, smollm2_dir):
+    """Nested text_config args with weights under language_model, and a 4-bit folder of a
+    nested-args family: both load, generate mlx-lm's tokens and reuse a repeat."""
+    from helpers.family_models import build_gemma3_multimodal_folder, build_quantized_family_model
+
+    folders = [
+        build_gemma3_multimodal_folder(home / "models" / "fam-gemma3-vl", smollm2_dir),
+        build_quantized_family_model("qwen3_5", home / "models" / "fam-qwen3_5-4bit", smollm2_dir),
+    ]
+    for folder in folders:
+        runner = _hybrid_runner(folder)
+        assert runner.vocab_size == 49152
+        prompt = _chat(runner.tokenizer, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi"}])
+        out, _ = _run(runner, prompt)
+        assert_greedy_equal(
+            runner.model, prompt, _reference(runner.model, runner.tokenizer, prompt, TOKENS), out, folder.name
+        )
+        again, cached = _run(runner, prompt)
+        assert again == out and cached == len(prompt) - 1

@@ -4,8 +4,9 @@ mlx-lm's model classes do not agree on where their hyper-parameters live: most k
 `args.vocab_size`, Qwen3.5 / Qwen3.5-MoE and the multimodal Gemma 3/4 folders nest the text
 model's arguments in `text_config` (a dict or a dataclass), and some have no vocabulary size
 attribute at all. The logits' width is what native code must be told (logit_bias ids,
-top_k), so it is taken from the first source that has it: the args, the nested text args,
-the input embedding's rows, the output head's rows, and last the tokenizer."""
+top_k), so it is taken from the first source that has it: the output head's rows, the
+token embedding's rows (a tied head), the args or their nested text args, and last the
+tokenizer. Quantized layers keep one row per token too (their packing is along columns)."""
 
 from __future__ import annotations
 
@@ -35,31 +36,31 @@ def _nested_args(model) -> list[Any]:
     return [a for a in out if a is not None]
 
 
-def _embedding_rows(model) -> int | None:
-    """Rows of the token embedding (the input vocabulary), preferring `embed_tokens`: Gemma 4
-    also has per-layer embeddings of another vocabulary."""
+def _head_rows(model) -> int | None:
+    """Rows of the output head, else of the token embedding (a tied head). Only modules named
+    as such count: Gemma 4 also has per-layer embeddings of another vocabulary."""
     candidates = []
     for name, module in model.named_modules():
         weight = getattr(module, "weight", None)
         if weight is None or weight.ndim != 2:
             continue
         leaf = name.rsplit(".", 1)[-1]
-        if leaf in ("embed_tokens", "wte", "tok_embeddings", "embeddings", "embedding"):
+        if leaf == "lm_head":
             candidates.append((0, weight.shape[0]))
-        elif leaf == "lm_head":
+        elif leaf in ("embed_tokens", "wte", "tok_embeddings", "embeddings", "embedding"):
             candidates.append((1, weight.shape[0]))
     return min(candidates)[1] if candidates else None
 
 
 def vocab_size(model, tokenizer) -> int:
     """The width of the model's logits."""
+    rows = _head_rows(model)
+    if rows:
+        return int(rows)
     for args in _nested_args(model):
         value = _field(args, "vocab_size")
         if isinstance(value, int) and value > 0:
             return value
-    rows = _embedding_rows(model)
-    if rows:
-        return int(rows)
     size = getattr(tokenizer, "vocab_size", None) or (len(tokenizer) if hasattr(tokenizer, "__len__") else None)
     if size:
         return int(size)

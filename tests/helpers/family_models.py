@@ -358,3 +358,53 @@ def build_family_model(
     save_config(config, tmp / "config.json")
     tmp.rename(dest)
     return dest
+
+
+def build_gemma3_multimodal_folder(dest: Path, tokenizer_source: Path, seed: int = 0) -> Path:
+    """A Gemma 3 folder as mlx-community ships the multimodal models: model_type gemma3,
+    the text model's args under text_config, weights under language_model (mlx-lm drops the
+    vision tower and serves the text model)."""
+    text = family_config("gemma3_text", 0, None, None)
+    source = json.loads((tokenizer_source / "config.json").read_text())
+    text.pop("vocab_size")
+    config = {
+        "model_type": "gemma3",
+        "vocab_size": source["vocab_size"],
+        "eos_token_id": source.get("eos_token_id"),
+        "text_config": {k: v for k, v in text.items() if k not in ("eos_token_id", "bos_token_id")},
+    }
+    return _write(dest, tokenizer_source, config, seed)
+
+
+def build_quantized_family_model(family: str, dest: Path, tokenizer_source: Path, bits: int = 4) -> Path:
+    """A family model quantized as mlx-lm's convert does (a `quantization` config)."""
+    source = json.loads((tokenizer_source / "config.json").read_text())
+    config = family_config(family, source["vocab_size"], source.get("eos_token_id"), source.get("bos_token_id"))
+    config["quantization"] = {"group_size": 32, "bits": bits}
+    return _write(dest, tokenizer_source, config, 0)
+
+
+def _write(dest: Path, tokenizer_source: Path, config: dict, seed: int) -> Path:
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx_lm.utils import _get_classes, save_config, save_model
+
+    if (dest / "config.json").exists():
+        return dest
+    tmp = dest.with_name(dest.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(tokenizer_source / name, tmp / name)
+    mx.random.seed(seed)
+    model_cls, args_cls = _get_classes(config)
+    model = model_cls(args_cls.from_dict(config))
+    mx.eval(model.parameters())
+    _spread_logits(model, config)
+    if "quantization" in config:
+        q = config["quantization"]
+        nn.quantize(model, group_size=q["group_size"], bits=q["bits"])
+    save_model(tmp, model)
+    save_config(config, tmp / "config.json")
+    tmp.rename(dest)
+    return dest
