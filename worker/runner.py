@@ -368,8 +368,12 @@ class MLXRunner(ChatTextRunner):
         self._bound_cache()
 
     def _bound_cache(self) -> None:
-        # Live sequences' KV counts against the same budget as the stored prefixes.
-        self.prefix_cache.trim_to(self.cache_bytes - self.generator.prompt_cache_nbytes)
+        # Live sequences' KV (and the checkpoints they took so far) counts against the same
+        # budget as the stored prefixes.
+        self.prefix_cache.trim_to(self.cache_bytes - self.generator.prompt_cache_nbytes - self._live_checkpoint_bytes())
+
+    def _live_checkpoint_bytes(self) -> int:
+        return sum(c.nbytes for c in self._checkpoints.values())
 
     # -- introspection -------------------------------------------------------------------
     def stats(self) -> dict:
@@ -379,6 +383,7 @@ class MLXRunner(ChatTextRunner):
             "mlx_peak_bytes": int(mx.get_peak_memory()),
             "mlx_cache_bytes": int(mx.get_cache_memory()),
             "kv_bytes": int(self.generator.prompt_cache_nbytes),
+            "live_checkpoint_bytes": self._live_checkpoint_bytes(),
             "kv_bits": self.kv_bits,
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "speculative": self.speculator.stats(),
