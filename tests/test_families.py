@@ -152,8 +152,10 @@ def test_family_has_parity_alone_batched_speculating_and_from_its_prefix_cache(f
     # the model is likely to produce, so prompt lookup drafts (accepted or not).
     echoed = [p + r + p for p, r in zip(prompts, refs)]
     long_refs = [_reference(model, tok, p, 2 * TOKENS) for p in echoed]
-    for p, r in zip(echoed, long_refs):  # alone: every step can verify the row's draft
+    for p, r in zip(echoed, long_refs):  # alone (every step can verify the row's draft) until one did
         assert_greedy_equal(model, p, r, generate_together(spec, [(p, 2 * TOKENS)])[0], "speculating alone")
+        if spec.stats()["speculative"]["speculative_steps"]:
+            break
     for p, r, o in zip(echoed, long_refs, generate_together(spec, [(p, 2 * TOKENS) for p in echoed])):
         assert_greedy_equal(model, p, r, o, "speculating, four rows")
     speculated = spec.stats()["speculative"]
