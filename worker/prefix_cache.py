@@ -77,7 +77,7 @@ class PrefixCache:
         if self._checkpoints:
             found = self._checkpoint_match(prompt)
             if found is not None:
-                return self._credit(prompt, *found)
+                return self._credit(prompt, *found)  # (cache, covered, the entry that served)
         cache, rest = self._lru.fetch_nearest_cache(self._key, prompt)
         if cache is None:
             return None, 0
@@ -91,14 +91,14 @@ class PrefixCache:
             return None, 0
         return self._credit(prompt, cache, covered)
 
-    def _credit(self, prompt: list[int], cache: list, covered: int) -> tuple[list, int]:
+    def _credit(self, prompt: list[int], cache: list, covered: int, source: list[int] | None = None):
         self.stats.hits += 1
         self.stats.reused_tokens += covered
         if covered >= ENTRY_HIT_MIN_TOKENS:
-            self._record_hit(prompt)
+            self._record_hit(prompt, source)
         return cache, covered
 
-    def _checkpoint_match(self, prompt: list[int]) -> tuple[list, int] | None:
+    def _checkpoint_match(self, prompt: list[int]) -> tuple[list, int, list[int]] | None:
         """The deepest resumable position for a prompt among the entries it shares a prefix
         with: a stored prefix of it (its end), or a checkpoint of an entry at or before the
         shared prefix. None when nothing beats what the plain lookup finds."""
@@ -117,10 +117,10 @@ class PrefixCache:
         position, tokens, mark = best
         entry = self._lru._trie.get(self._key, tokens)
         if mark is None:  # a stored prefix: its whole cache, as mlx-lm's lookup gives it
-            return copy.deepcopy(entry.prompt_cache), position
+            return copy.deepcopy(entry.prompt_cache), position, tokens
         snap = self._checkpoints[entry_key(tokens)].states[mark]
         self.checkpoint_hits += 1
-        return sc.restore(snap, entry.prompt_cache, len(tokens), position), position
+        return sc.restore(snap, entry.prompt_cache, len(tokens), position), position, tokens
 
     def insert(
         self,
@@ -191,10 +191,11 @@ class PrefixCache:
         found = self._lru._trie.search(self._key, tokens)
         return found.exact if found.exact is not None else found.shorter
 
-    def _record_hit(self, prompt: list[int]) -> None:
-        """Credit the entry fetch_nearest_cache served (the same choice, made again)."""
+    def _record_hit(self, prompt: list[int], source: list[int] | None = None) -> None:
+        """Credit the entry that served: `source`, else the one fetch_nearest_cache served
+        (the same choice, made again)."""
         found = self._lru._trie.search(self._key, prompt)
-        source = found.exact
+        source = source if source is not None else found.exact
         if source is None:
             shorter = len(found.shorter) if found.shorter is not None else 0
             if found.longer is not None and found.common_prefix > shorter:
