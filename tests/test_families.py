@@ -16,7 +16,7 @@ import os
 
 import mlx.core as mx
 import pytest
-from helpers.family_models import FAMILIES, NON_TRIMMABLE, build_family_model
+from helpers.family_models import FAMILIES, NON_TRIMMABLE, WIDE_HEADS, build_family_model
 from helpers.runner_jobs import GREEDY, generate_together
 
 from mlxgw.shared.config import SpeculativeConfig
@@ -243,6 +243,9 @@ def families_gateway(home, family_dirs):
         (broken / name).write_bytes((family_dirs["llama"] / name).read_bytes())
     (broken / "config.json").write_text(json.dumps({"model_type": "no_such_architecture", "vocab_size": 8}))
     models = [{"name": f"fam-{f}", "preload": True, "max_num_seqs": 4, "cache_memory_mb": 64} for f in SERVED]
+    # kv_bits from models.yaml (64-wide heads: quantization groups of 32 fit them).
+    build_family_model("llama", home / "models" / "fam-kv8", home / "models" / "fam-llama", overrides=WIDE_HEADS)
+    models.append({"name": "fam-kv8", "source": "fam-kv8", "kv_bits": 8, "kv_group_size": 32, "max_num_seqs": 4})
     config = {"manager": {"auto_discover": False}, "models": [*models, {"name": "fam-broken", "max_num_seqs": 4}]}
     gw = start_gateway(home, config, "families-gateway")
     yield gw
@@ -277,6 +280,27 @@ def test_a_served_family_reuses_the_shared_system_prompt_over_http(family, famil
     wait_for(lambda: _worker_cache(families_gateway, f"fam-{family}").get("checkpoint_hits", 0) >= 2, 15)
     cache = _worker_cache(families_gateway, f"fam-{family}")
     assert cache["reused_tokens"] >= repeat.usage.prompt_tokens_details.cached_tokens and cache["checkpoints"] > 0
+
+
+def test_kv_bits_from_models_yaml_quantizes_the_served_models_kv(families_gateway):
+    from helpers import openai_client, wait_for
+
+    client = openai_client(families_gateway)
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Where is the scheduler?"}]
+    answers = [
+        client.chat.completions.create(model="fam-kv8", messages=messages, max_tokens=4, temperature=0)
+        for _ in range(2)
+    ]
+    assert answers[1].choices[0].message.content == answers[0].choices[0].message.content
+    assert answers[1].usage.prompt_tokens_details.cached_tokens == answers[1].usage.prompt_tokens - 1
+
+    def stats() -> dict:
+        workers = [w for w in families_gateway.model_status("fam-kv8")["workers"] if w["state"] == "ready"]
+        return workers[0].get("stats") or {} if workers else {}
+
+    wait_for(lambda: "kv_bits" in stats(), 15)
+    # 2 layers x 1 KV head x 64 x 2 x (1 + 2 x 4 / 32) bytes: 8-bit KV of a float32 model.
+    assert stats()["kv_bits"] == 8 and stats()["kv_bytes_per_token"] == 320
 
 
 def test_a_model_that_cannot_load_fails_once_with_its_reason(families_gateway):

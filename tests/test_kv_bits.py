@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
-from helpers.family_models import build_family_model
+from helpers.family_models import WIDE_HEADS, build_family_model
 from helpers.runner_jobs import GREEDY, generate_together
 
 from mlxgw.shared.config import SpeculativeConfig
-
-WIDE_HEADS = {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64}
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,8 @@ import json
 import shutil
 from pathlib import Path
 
+# A llama with 64-wide heads: quantized KV (kv_bits) needs heads its groups (32+) divide.
+WIDE_HEADS = {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64}
 WINDOW = 16  # sliding window of the sliding-window families: short prompts already wrap it
 LOGIT_SPREAD = 6.0  # std of the scaled output logits (random init gives ~1: nearly flat)
 
