@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import logging
 import time
 from array import array
 from collections.abc import Iterator
@@ -21,6 +22,8 @@ from dataclasses import dataclass
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
 
 from . import state_checkpoints as sc
+
+log = logging.getLogger("mlxgw.worker.prefix_cache")
 
 # A lookup counts as a hit of the entry it came from (for keeping entries on disk) only when
 # it reused this many tokens: prompts that share just a template's first tokens do not.
@@ -75,7 +78,11 @@ class PrefixCache:
         self.stats.lookups += 1
         self.stats.prompt_tokens += len(prompt)
         if self._checkpoints:
-            found = self._checkpoint_match(prompt)
+            try:
+                found = self._checkpoint_match(prompt)
+            except Exception:  # a bad checkpoint costs this lookup its reuse, nothing more
+                log.exception("prefix cache: checkpoint lookup failed; prefilling in full")
+                found = None
             if found is not None:
                 return self._credit(prompt, *found)  # (cache, covered, the entry that served)
         cache, rest = self._lru.fetch_nearest_cache(self._key, prompt)

@@ -264,19 +264,6 @@ class MLXRunner(ChatTextRunner):
         positions = sc.checkpoint_positions(prompt, cached, boundaries, interval)
         return sc.segments(prompt, cached, positions), set(boundaries)
 
-    def _take_checkpoints(self, prompt_responses) -> None:
-        """After a prefill step: checkpoint each row that stopped at a segment's end."""
-        batch = self.generator._prompt_batch
-        for r in prompt_responses:
-            if not r.end_of_segment or r.end_of_prompt or r.uid not in self._checkpoints:
-                continue
-            row = batch.uids.index(r.uid) if r.uid in batch.uids else None
-            if row is None:
-                continue
-            marks = self._checkpoints[r.uid]
-            position = len(batch.tokens[row])
-            marks.add(position, sc.row_snapshot(batch.prompt_cache, row), position in self._boundaries.get(r.uid, ()))
-
     def prompt_scorer(self, prompt: list[int], top: int):
         """A PromptScorer of this model for one request's prompt logprobs (worker/prompt_logprobs.py)."""
         from .prompt_logprobs import PromptScorer
@@ -300,7 +287,7 @@ class MLXRunner(ChatTextRunner):
             done, total = r.progress if isinstance(r.progress, tuple) else (0, 0)
             out.prefill.append((r.uid, done, total))
         if self._checkpoints:
-            self._take_checkpoints(prompt_responses)
+            sc.take_checkpoints(self.generator._prompt_batch, prompt_responses, self._checkpoints, self._boundaries)
         self._keep_prompts(gen_responses)
         logprobs = self._logprob_entries(gen_responses)
         for r in gen_responses:

@@ -22,10 +22,13 @@ of the layer's cache."""
 from __future__ import annotations
 
 import copy
+import logging
 from dataclasses import dataclass, field
 
 import mlx.core as mx
 from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache
+
+log = logging.getLogger("mlxgw.worker.state_checkpoints")
 
 TRIMMABLE = (KVCache, QuantizedKVCache)
 # Positions kept per entry: message boundaries first, then the deepest grid positions.
@@ -182,6 +185,22 @@ def row_snapshot(batch_cache: list, row: int) -> list:
     snap = [layer(c) for c in batch_cache]
     mx.eval([_arrays(s) for s in snap])
     return snap
+
+
+def take_checkpoints(batch, prompt_responses, checkpoints: dict, boundaries: dict) -> None:
+    """After a prefill step of a PromptProcessingBatch: checkpoint each row that stopped at
+    the end of a segment (uid -> Checkpoints in `checkpoints`, message boundaries by uid)."""
+    for r in prompt_responses:
+        if not r.end_of_segment or r.end_of_prompt or r.uid not in checkpoints or r.uid not in batch.uids:
+            continue
+        row = batch.uids.index(r.uid)
+        position = len(batch.tokens[row])
+        try:
+            snap = row_snapshot(batch.prompt_cache, row)
+        except Exception:  # a checkpoint only saves time later: never fail the step for one
+            log.exception("state checkpoint at %d skipped", position)
+            continue
+        checkpoints[r.uid].add(position, snap, position in boundaries.get(r.uid, ()))
 
 
 # Tokens that open a message in the chat templates of the families served: a checkpoint just
