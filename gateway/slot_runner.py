@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 from mlxgw.shared.config import Registry
 from mlxgw.shared.errors import ErrorCode, ServiceError
+from mlxgw.shared.protocol import EXIT_UNSERVABLE
 
 from .broker import Broker
 from .lifecycle import ModelSlot, Pulse, SlotState
@@ -90,6 +91,9 @@ class SlotRunner:
             while True:
                 code = await self._run_worker(slot)
                 if code is None or slot.stopping or slot.retired or self.closing:
+                    return
+                if code == EXIT_UNSERVABLE:  # the model itself cannot load: restarts would fail alike
+                    again = await self._failed(slot, unservable=True)
                     return
                 delay = self._crashed(slot, code)
                 if delay is None:
@@ -197,15 +201,19 @@ class SlotRunner:
         slot.restarts += 1
         return delay
 
-    async def _failed(self, slot: ModelSlot) -> bool:
-        """A crash loop: refuse requests for a long backoff (doubling per loop), then try
-        again; `mlxgw reload` ends the wait early. True when it should load again now."""
+    async def _failed(self, slot: ModelSlot, unservable: bool = False) -> bool:
+        """A crash loop, or a model that cannot load (unservable: its worker said why, once):
+        refuse requests for a long backoff (doubling per loop), then try again; `mlxgw
+        reload` ends the wait early. True when it should load again now."""
         slot.crashes.loops += 1
         wait = min(self.registry.manager.failed_retry_s * 2 ** (slot.crashes.loops - 1), FAILED_RETRY_MAX_S)
         slot.failed_until = time.monotonic() + wait
-        slot.last_error = (
-            f"crash loop: {len(slot.crashes.times)} exits in {slot.crashes.window_s:g} s; last: {slot.last_error}"
-        )
+        if unservable:
+            slot.last_error = f"cannot load: {slot.last_error or 'the worker gave no reason'}"
+        else:
+            slot.last_error = (
+                f"crash loop: {len(slot.crashes.times)} exits in {slot.crashes.window_s:g} s; last: {slot.last_error}"
+            )
         slot.load_error = ServiceError(ErrorCode.MODEL_UNAVAILABLE, f"model {slot.name} failed: {slot.last_error}")
         slot.failed_attempt = slot.attempts
         log.error("%s: %s; next try in %g s", slot.name, slot.last_error, wait)

@@ -103,6 +103,8 @@ class ModelEntry:
     prefill_step_size: int = 512
     cache_memory_mb: int | None = None  # prefix cache bound; None: a share of RAM
     prefix_cache_disk_mb: int = 1024  # hottest prefixes kept on disk across unloads; 0: off
+    kv_bits: Literal[4, 8] | None = None  # quantized KV cache (worker/quantized_kv.py); None: the model's dtype
+    kv_group_size: Literal[32, 64, 128] = 64  # elements per quantization scale and bias
     use_openblas: bool = True  # Linux CPU only, see shared/platform.py
     defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)

@@ -26,6 +26,10 @@ PROTOCOL_VERSION = 1
 HELLO = "hello"  # worker_id, model, kind, pid, secret?  (re-sent when the gateway asks)
 READY = "ready"  # model loaded: info = {context_length, max_num_seqs, max_queue, ...}
 LOAD_FAILED = "load_failed"  # error = {code, message}
+# A worker's exit status when its model cannot be loaded at all (a config it cannot build, a
+# missing field, an unknown architecture): the gateway marks the model failed at once rather
+# than restarting into the same error (sysexits' EX_CONFIG).
+EXIT_UNSERVABLE = 78
 EVENTS = "events"  # items = [[rid, event], ...]
 REPLY = "reply"  # cid, ok, result | error
 BYE = "bye"

@@ -45,8 +45,11 @@ def default_max_num_seqs(kv_bytes_per_token: int, kv_budget_bytes: int, typical_
     return max(MIN_SEQS, min(MAX_SEQS, kv_budget_bytes // per_row))
 
 
-def kv_bytes_per_token(config: dict, dtype_bytes: int) -> int | None:
-    """Keys + values of one token across the layers (None: the config does not say)."""
+def kv_bytes_per_token(
+    config: dict, dtype_bytes: int, kv_bits: int | None = None, kv_group_size: int = 64
+) -> int | None:
+    """Keys + values of one token across the layers (None: the config does not say). With
+    kv_bits, each element takes kv_bits/8 bytes plus a scale and a bias per group."""
     text = {**config, **(config.get("text_config") or {})}
     layers, heads = text.get("num_hidden_layers"), text.get("num_attention_heads")
     if not layers or not heads:
@@ -55,7 +58,10 @@ def kv_bytes_per_token(config: dict, dtype_bytes: int) -> int | None:
     head_dim = text.get("head_dim") or (text.get("hidden_size") or 0) // heads
     if not head_dim:
         return None
-    return int(layers) * int(kv_heads) * int(head_dim) * 2 * dtype_bytes
+    elements = int(layers) * int(kv_heads) * int(head_dim) * 2
+    if kv_bits is None:
+        return elements * dtype_bytes
+    return int(elements * (kv_bits / 8 + 2 * dtype_bytes / kv_group_size))
 
 
 def activation_dtype_bytes(model_path: Path, config: dict) -> int:
@@ -84,17 +90,27 @@ def _safetensors_dtypes(file: Path) -> list[str]:
     return [v.get("dtype") for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)]
 
 
-def choose_max_num_seqs(configured: int | None, model_path: Path, total_ram_bytes: int) -> SeqsChoice:
-    """models.yaml's value when set, else the formula over the model folder's config."""
+def choose_max_num_seqs(
+    configured: int | None,
+    model_path: Path,
+    total_ram_bytes: int,
+    kv_bits: int | None = None,
+    kv_group_size: int = 64,
+) -> SeqsChoice:
+    """models.yaml's value when set, else the formula over the model folder's config (with
+    the quantized KV's smaller footprint when kv_bits is set)."""
     if configured is not None:
         return SeqsChoice(configured, "models.yaml")
     try:
         config = json.loads((model_path / "config.json").read_text())
     except (OSError, ValueError):
         config = {}
-    per_token = kv_bytes_per_token(config, activation_dtype_bytes(model_path, config)) if config else None
+    dtype_bytes = activation_dtype_bytes(model_path, config)
+    per_token = kv_bytes_per_token(config, dtype_bytes, kv_bits, kv_group_size) if config else None
     if per_token is None:
         return SeqsChoice(MIN_SEQS, "kv formula (model config has no attention shape: minimum)")
-    context = min(TYPICAL_CONTEXT, int(config.get("max_position_embeddings") or TYPICAL_CONTEXT))
+    text = config.get("text_config") or {}
+    model_context = config.get("max_position_embeddings") or text.get("max_position_embeddings")
+    context = min(TYPICAL_CONTEXT, int(model_context or TYPICAL_CONTEXT))
     budget = int(total_ram_bytes * KV_SHARE_OF_RAM)
     return SeqsChoice(default_max_num_seqs(per_token, budget, context), "kv formula", per_token, budget, context)

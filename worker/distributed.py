@@ -154,14 +154,15 @@ class ShardedRunner(MLXRunner):
         self.forced_cached: int | None = None
         self.param_bytes = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
         self.prefix_cache = _ExactPrefixCache(self.prefix_cache.max_bytes, self)
-        plain_insert = self.generator.insert
+        # BatchGenerator.insert goes through insert_segments (positionally), as MLXRunner does.
+        plain_insert = self.generator.insert_segments
 
-        def insert(prompts, samplers=None, **kw):
+        def insert_segments(segments, max_tokens=None, caches=None, all_tokens=None, samplers=None, *rest, **kw):
             if self.sync_next and samplers:
                 samplers = [_synced(s, group) for s in samplers]
-            return plain_insert(prompts, samplers=samplers, **kw)
+            return plain_insert(segments, max_tokens, caches, all_tokens, samplers, *rest, **kw)
 
-        self.generator.insert = insert
+        self.generator.insert_segments = insert_segments
 
 
 def _synced(sampler, group):

@@ -19,6 +19,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 from mlxgw.shared.config import ConfigError, SpeculativeConfig
 
+from . import model_info
 from .speculative import DraftRequest
 
 PREFILL_CHUNK = 512  # context tokens fed to the draft per forward pass when it catches up
@@ -145,7 +146,7 @@ def load_drafter(
             f"speculative.draft_model {config.draft_model!r} does not share the model's tokenizer "
             f"vocabulary ({len(draft_vocab)} tokens vs {len(target_vocab)}): a draft must use the same tokenizer"
         )
-    draft_size = _output_size(model)
+    draft_size = model_info.vocab_size(model, tokenizer)
     if draft_size < len(target_vocab):
         raise ConfigError(
             f"speculative.draft_model {config.draft_model!r} has a vocabulary of {draft_size} tokens, "
@@ -167,11 +168,3 @@ def _draft_path(config: SpeculativeConfig, target_path: Path) -> Path:
 
 def _vocabulary(tokenizer) -> dict[str, int]:
     return dict(tokenizer.get_vocab())
-
-
-def _output_size(model) -> int:
-    args = getattr(model, "args", None)
-    size = getattr(args, "vocab_size", None)
-    if size is None:  # no config field: ask the model
-        size = model(mx.array([[0]])).shape[-1]
-    return int(size)

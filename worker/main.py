@@ -91,7 +91,18 @@ def build_runner(entry: ModelEntry, model_path: Path):
         allow_request_chat_template=entry.allow_request_chat_template,
         prefix_store=store_for(entry.name, model_path, entry.prefix_cache_disk_mb),
         speculative=entry.speculative,
+        kv_bits=entry.kv_bits,
+        kv_group_size=entry.kv_group_size,
     )
+
+
+def unservable(error: Exception) -> bool:
+    """Whether a load failure is the model's own (restarting would fail the same way), not
+    a passing condition such as memory."""
+    from .model_info import UnservableModel
+
+    deterministic = (UnservableModel, ValueError, KeyError, AttributeError, TypeError, NotImplementedError, ImportError)
+    return isinstance(error, (*deterministic, FileNotFoundError))
 
 
 def prefix_cache_bytes(entry: ModelEntry) -> int:
@@ -105,7 +116,8 @@ def resolve_max_num_seqs(entry: ModelEntry, model_path: Path) -> tuple[ModelEntr
     if entry.kind not in CHAT_KINDS or entry.engine != "mlx":  # no KV rows to size: the minimum
         choice = choose_max_num_seqs(entry.max_num_seqs, Path("/nonexistent"), 0)
     else:
-        choice = choose_max_num_seqs(entry.max_num_seqs, model_path, total_memory_bytes())
+        ram = total_memory_bytes()
+        choice = choose_max_num_seqs(entry.max_num_seqs, model_path, ram, entry.kv_bits, entry.kv_group_size)
     return dataclasses.replace(entry, max_num_seqs=choice.value), choice
 
 
@@ -177,7 +189,7 @@ def serve(
         )
         time.sleep(0.5)  # let the link flush
         link.close()
-        return 3
+        return p.EXIT_UNSERVABLE if unservable(e) else 3
     info = {
         "context_length": runner.context_length,
         "max_num_seqs": entry.max_num_seqs,

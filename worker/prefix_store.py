@@ -7,7 +7,10 @@ system prompt is warm again after the model was evicted.
 
 - Format: one safetensors file per entry, written by mlx-lm's `save_prompt_cache` (the KV
   state of every layer, the cache classes and their meta state), with our metadata: the
-  format, the model's fingerprint and the entry's token ids. `index.json` holds what changes
+  format, the model's fingerprint and the entry's token ids. An entry of a family with
+  recurrent or sliding-window layers also carries its state checkpoints: their layers follow
+  the model's layers in the same file, and `checkpoints` (JSON) says which position each
+  belongs to (worker/state_checkpoints.py). `index.json` holds what changes
   between saves (hits, last use), so an entry already on disk is not written again.
 - Fingerprint (`model_fingerprint`): sha256 over config.json's bytes, the name, size and
   mtime of every weight file, and the mlx-lm version. Cheap (no weight bytes are read) and
@@ -33,6 +36,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import state_checkpoints as sc
 from .prefix_cache import CachedEntry, EntryUse, PrefixCache, entry_key
 
 log = logging.getLogger("mlxgw.worker.prefix_store")
@@ -77,6 +81,7 @@ class OnDisk:
     tokens: list[int]
     use: EntryUse
     nbytes: int
+    checkpoints: dict | None = None  # their layout in the file (state_checkpoints.to_layout)
 
 
 class PrefixStore:
@@ -114,8 +119,8 @@ class PrefixStore:
             else:
                 report["skipped"] += 1
         # Oldest first, so the in-memory LRU order matches the entries' recency.
-        for s, kv in sorted(restored, key=lambda r: hotness(r[0].use)):
-            cache.insert(s.tokens, kv, use=s.use)
+        for s, (kv, marks) in sorted(restored, key=lambda r: hotness(r[0].use)):
+            cache.insert(s.tokens, kv, use=s.use, checkpoints=marks)
             self._restored.add(s.path.name)
             report["restored_entries"] += 1
             report["restored_tokens"] += len(s.tokens)
@@ -154,7 +159,7 @@ class PrefixStore:
                 path.unlink(missing_ok=True)
                 continue
             use = _use(index.get(path.name), meta["saved_at"])
-            found.append(OnDisk(path, meta["tokens"], use, nbytes))
+            found.append(OnDisk(path, meta["tokens"], use, nbytes, meta.get("checkpoints")))
         if refused:
             report["refused"] = refused
             log.warning(
@@ -179,16 +184,23 @@ class PrefixStore:
             raise ValueError("no token list")
         if entry_key(tokens) + ".safetensors" != path.name:
             raise ValueError("tokens do not match the file name")
-        meta = {**meta, "tokens": tokens, "saved_at": float(meta.get("saved_at", 0))}
+        marks = json.loads(meta.get("checkpoints", "null"))
+        if marks is not None and not sc.valid_layout(marks, len(tokens)):
+            raise ValueError("malformed checkpoints")
+        meta = {**meta, "tokens": tokens, "saved_at": float(meta.get("saved_at", 0)), "checkpoints": marks}
         return meta, sum(a.nbytes for a in arrays.values())
 
-    def _read(self, s: OnDisk) -> list | None:
-        """The entry's KV, read into memory now (a bad read fails here, not in a batch step)."""
+    def _read(self, s: OnDisk) -> tuple[list, sc.Checkpoints | None] | None:
+        """The entry's KV and checkpoints, read into memory now (a bad read fails here, not
+        in a batch step)."""
         import mlx.core as mx
         from mlx_lm.models.cache import load_prompt_cache
 
         try:
             kv = load_prompt_cache(str(s.path))
+            layers = s.checkpoints["layers"] if s.checkpoints else len(kv)
+            kv, extra = kv[:layers], kv[layers:]
+            marks = sc.from_layout(s.tokens, s.checkpoints, extra) if s.checkpoints else None
             classes = [type(layer).__name__ for layer in kv]
             if self.layer_classes is not None and classes != self.layer_classes:
                 raise ValueError(f"{len(kv)} cache layers that do not match the model's {len(self.layer_classes)}")
@@ -196,7 +208,9 @@ class PrefixStore:
                 if getattr(layer, "offset", len(s.tokens)) != len(s.tokens):
                     raise ValueError(f"a layer holds {layer.offset} positions for {len(s.tokens)} tokens")
             mx.eval([layer.state for layer in kv])
-            return kv
+            if marks is not None:
+                mx.eval([layer.state for layer in extra])
+            return kv, marks
         except Exception as e:  # any fault in one file costs that entry only
             self._discard(s.path, f"unusable ({e})")
             return None
@@ -268,10 +282,15 @@ class PrefixStore:
             "tokens": json.dumps(e.tokens, separators=(",", ":")),
             "saved_at": repr(time.time()),
         }
+        layers = list(e.cache)
+        if e.checkpoints is not None and e.checkpoints.states:
+            layout, extra = sc.to_layout(e.checkpoints, len(layers))
+            meta["checkpoints"] = json.dumps(layout, separators=(",", ":"))
+            layers += extra
         # mx.save_safetensors appends ".safetensors" to a name without it: give it one.
         temp = self.dir / f"{TEMP_PREFIX}{path.stem}-{os.getpid()}.safetensors"
         try:
-            save_prompt_cache(str(temp), e.cache, meta)
+            save_prompt_cache(str(temp), layers, meta)
             _fsync(temp)
             os.chmod(temp, 0o600)  # prompts are users' data
             os.replace(temp, path)

@@ -16,7 +16,12 @@ from mlxgw.shared.config import SpeculativeConfig
 from mlxgw.shared.errors import invalid
 from mlxgw.shared.protocol import GenerateRequest, SamplingParams
 
+from . import state_checkpoints as sc
 from .chat_text import ChatText
+
+# Prefill positions between state checkpoints (plus message boundaries and the last token);
+# long prompts space them wider so an entry keeps at most about MAX_CHECKPOINTS of them.
+CHECKPOINT_INTERVAL = 512
 
 
 @dataclass
@@ -130,6 +135,8 @@ class MLXRunner(ChatTextRunner):
         loader=None,  # (path, return_config=True) -> (model, tokenizer, config); default mlx_lm.load
         prefix_store=None,
         speculative: SpeculativeConfig | None = None,
+        kv_bits: int | None = None,
+        kv_group_size: int = 64,
     ):
         import mlx.core as mx
         from mlx_lm import load
@@ -139,8 +146,11 @@ class MLXRunner(ChatTextRunner):
         from .prefix_cache import PrefixCache
 
         self._mx = mx
+        from . import model_info
+
         self.model, self.tokenizer, config = (loader or load)(str(model_path), return_config=True)
-        model_context = int(config.get("max_position_embeddings") or 4096)
+        model_info.check_servable(self.model)
+        model_context = model_info.context_length(config)
         self.context_length = min(context_length or model_context, model_context)
         # mlx-lm's BatchGenerator, sampling and penalising the whole batch in one call per step.
         self.generator = VectorBatchGenerator(
@@ -154,21 +164,34 @@ class MLXRunner(ChatTextRunner):
         # The prefix cache's disk copy (worker/prefix_store.py), or None: main.serve restores
         # it before the first request and saves it when the worker stops gracefully.
         self.prefix_store = prefix_store
-        if prefix_store is not None:
-            prefix_store.layer_classes = [type(c).__name__ for c in make_prompt_cache(self.model)]
+        self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
+        if prefix_store is not None:  # what a stored entry's layers must be (quantized ones with kv_bits)
+            prefix_store.layer_classes = [type(c).__name__ for c in self._fresh_cache()]
+        from .capacity import activation_dtype_bytes, kv_bytes_per_token
+
+        # Memory per token of a plain-attention layer stack, as /v1/status reports it.
+        self.kv_bytes_per_token = kv_bytes_per_token(
+            config, activation_dtype_bytes(model_path, config), kv_bits, kv_group_size
+        )
         from .draft_model import load_drafter
         from .speculative import Speculator
 
         speculative = speculative or SpeculativeConfig()
-        vocab_size = self.model.args.vocab_size if hasattr(self.model, "args") else self.tokenizer.vocab_size
+        vocab_size = model_info.vocab_size(self.model, self.tokenizer)
         drafter = load_drafter(speculative, model_path, self.tokenizer, vocab_size)  # mode draft only
         self.speculator = Speculator(speculative, drafter=drafter)
         self.speculator.attach(self.generator)
         self._covered: dict[int, int] = {}  # uid -> prompt tokens its cache lookup covered
+        # Families with recurrent or sliding-window layers keep state checkpoints while
+        # prefilling (worker/state_checkpoints.py): uid -> those taken so far.
+        self._checkpointing = sc.needs_checkpoints(make_prompt_cache(self.model))
+        self._turn_openers = sc.turn_opener_ids(self.tokenizer)
+        self._checkpoints: dict[int, sc.Checkpoints] = {}
+        self._boundaries: dict[int, set[int]] = {}  # uid -> its prompt's message boundaries
         self._logprobs: dict[int, int] = {}  # uid -> alternatives per token, for those that ask
         self._keep_prompt: set[int] = set()  # uids whose prompt KV is stored once prefilled
         self.cache_bytes = cache_bytes
-        self.vocab_size = self.model.args.vocab_size if hasattr(self.model, "args") else self.tokenizer.vocab_size
+        self.vocab_size = vocab_size
         from .logprobs import TokenBytes
 
         self.token_bytes = TokenBytes(self.tokenizer)
@@ -199,8 +222,11 @@ class MLXRunner(ChatTextRunner):
         if guard is not None:
             sampler = guard_sampler(sampler, guard)
         cache, cached = self.prefix_cache.longest_match(prompt)
-        (uid,) = self.generator.insert(
-            [prompt[cached:]],
+        if cache is None and self.kv_bits is not None:
+            cache = self._fresh_cache()
+        segments, boundaries = self._segments(prompt, cached)
+        (uid,) = self.generator.insert_segments(
+            [segments],
             max_tokens=[max_tokens],
             caches=[cache] if cache is not None else None,
             all_tokens=[prompt[:cached]],
@@ -208,6 +234,9 @@ class MLXRunner(ChatTextRunner):
             logits_processors=[processors],
         )
         self._covered[uid] = cached
+        if self._checkpointing:
+            self._checkpoints[uid] = sc.Checkpoints(list(prompt))
+            self._boundaries[uid] = boundaries
         # Drafts are verified against the argmax: only for greedy rows with nothing reshaping it.
         self.speculator.admit(uid, sampling.temperature <= 0 and not processors and logprobs is None)
         if logprobs is not None:
@@ -215,6 +244,27 @@ class MLXRunner(ChatTextRunner):
         if keep_prompt:
             self._keep_prompt.add(uid)
         return uid, cached
+
+    def _fresh_cache(self) -> list:
+        """A new sequence's cache: the model's own, its KV layers quantized with kv_bits
+        (worker/quantized_kv.py: they stay quantized through batching, the prefix cache and
+        speculation)."""
+        from mlx_lm.models.cache import make_prompt_cache
+
+        from .quantized_kv import quantize_layers
+
+        cache = make_prompt_cache(self.model)
+        return cache if self.kv_bits is None else quantize_layers(cache, self.kv_group_size, self.kv_bits)
+
+    def _segments(self, prompt: list[int], cached: int) -> tuple[list[list[int]], set[int]]:
+        """The uncached prompt, cut where the generator must stop to take a checkpoint, and
+        the message boundaries among the cuts."""
+        if not self._checkpointing:
+            return [prompt[cached:]], set()
+        boundaries = sc.message_boundaries(prompt, self._turn_openers)
+        interval = max(CHECKPOINT_INTERVAL, len(prompt) // sc.MAX_CHECKPOINTS)
+        positions = sc.checkpoint_positions(prompt, cached, boundaries, interval)
+        return sc.segments(prompt, cached, positions), set(boundaries)
 
     def prompt_scorer(self, prompt: list[int], top: int):
         """A PromptScorer of this model for one request's prompt logprobs (worker/prompt_logprobs.py)."""
@@ -238,15 +288,19 @@ class MLXRunner(ChatTextRunner):
         for r in prompt_responses:
             done, total = r.progress if isinstance(r.progress, tuple) else (0, 0)
             out.prefill.append((r.uid, done, total))
+        if self._checkpoints:
+            sc.take_checkpoints(self.generator._prompt_batch, prompt_responses, self._checkpoints, self._boundaries)
         self._keep_prompts(gen_responses)
         logprobs = self._logprob_entries(gen_responses)
         for r in gen_responses:
             if r.finish_reason is not None:
                 self._covered.pop(r.uid, None)
                 self._logprobs.pop(r.uid, None)
+                self._boundaries.pop(r.uid, None)
+                marks = self._checkpoints.pop(r.uid, None)
                 if r.prompt_cache is not None:
                     # The finished sequence's KV (prompt + answer) seeds the next turn's prompt.
-                    self._keep_kv(r.all_tokens, r.prompt_cache)
+                    self._keep_kv(r.all_tokens, r.prompt_cache, marks)
             out.tokens.append(TokenOut(r.uid, int(r.token), r.finish_reason, logprobs.get(r.uid)))
         return out
 
@@ -269,7 +323,7 @@ class MLXRunner(ChatTextRunner):
                 if r.prompt_cache is None:  # still running: copy its row out of the batch
                     extracted = self.generator.extract_cache([r.uid]).get(r.uid)
                     if extracted:
-                        self._keep_kv(list(extracted[1]), extracted[0])
+                        self._keep_kv(list(extracted[1]), extracted[0], self._checkpoints.get(r.uid))
 
     def remove(self, uids: list[int]) -> None:
         """Drop sequences that end early (cancelled, timed out, client gone, stop string).
@@ -285,22 +339,30 @@ class MLXRunner(ChatTextRunner):
             self._logprobs.pop(uid, None)
             self._keep_prompt.discard(uid)
             covered = self._covered.pop(uid, 0)
+            self._boundaries.pop(uid, None)
+            marks = self._checkpoints.pop(uid, None)
             cache, tokens = removed.get(uid, (None, None))
             if cache and tokens and len(tokens) > covered:
-                self._keep_kv(tokens, cache)
+                self._keep_kv(tokens, cache, marks)
 
-    def _keep_kv(self, tokens: list[int], cache: list) -> None:
+    def _keep_kv(self, tokens: list[int], cache: list, checkpoints: sc.Checkpoints | None = None) -> None:
         # The KV extracted from the batch is a lazy slice whose graph still references the
         # whole batch's buffers (every row, the full allocation). Unevaluated, a cached entry
         # kept all of that alive while counting only its own slice: a worker reached 14 GB
         # with a cache that reported 2 GB. Evaluating makes it the compact copy it claims to be.
         self._mx.eval([c.state for c in cache])
-        self.prefix_cache.insert(list(tokens), cache)
+        if checkpoints is not None:  # those of a prompt the tokens begin with
+            checkpoints = checkpoints.for_entry(list(tokens))
+        self.prefix_cache.insert(list(tokens), cache, checkpoints=checkpoints)
         self._bound_cache()
 
     def _bound_cache(self) -> None:
-        # Live sequences' KV counts against the same budget as the stored prefixes.
-        self.prefix_cache.trim_to(self.cache_bytes - self.generator.prompt_cache_nbytes)
+        # Live sequences' KV (and the checkpoints they took so far) counts against the same
+        # budget as the stored prefixes.
+        self.prefix_cache.trim_to(self.cache_bytes - self.generator.prompt_cache_nbytes - self._live_checkpoint_bytes())
+
+    def _live_checkpoint_bytes(self) -> int:
+        return sum(c.nbytes for c in self._checkpoints.values())
 
     # -- introspection -------------------------------------------------------------------
     def stats(self) -> dict:
@@ -310,6 +372,9 @@ class MLXRunner(ChatTextRunner):
             "mlx_peak_bytes": int(mx.get_peak_memory()),
             "mlx_cache_bytes": int(mx.get_cache_memory()),
             "kv_bytes": int(self.generator.prompt_cache_nbytes),
+            "live_checkpoint_bytes": self._live_checkpoint_bytes(),
+            "kv_bits": self.kv_bits,
+            "kv_bytes_per_token": self.kv_bytes_per_token,
             "speculative": self.speculator.stats(),
         }
 

@@ -18,19 +18,79 @@ pass of W tokens row b keeps k_b = 1 + accepted_b of them. There is no per-row e
   (left_padding += s_b, offset -= s_b), so the mask hides them and RoPE positions stay right.
 When every row keeps the same count (a single request always does) the trim alone is exact
 and nothing moves. The roll copies the shifted rows' KV once, about the bytes one attention
-pass reads for them: the cost the acceptance policy weighs (worker/speculative.py)."""
+pass reads for them: the cost the acceptance policy weighs (worker/speculative.py).
+
+Layers that cannot be cut back (a sliding window's BatchRotatingKVCache, a recurrent
+ArraysCache, a CacheList holding one) are snapshotted before the pass. When a row rejects
+part of its draft, every layer goes back to its state before the pass (KV layers trimmed by
+the pass's width, the others restored from the snapshot) and the tokens every row kept are
+fed again in one pass, so the state holds exactly the accepted tokens. Every row keeps the
+same count there (the fewest any row kept; a row's accepted tokens past it are simply
+drafted again later): a right-padded replay would need each recurrent layer to honour the
+padding, and some of mlx-lm's do not (nemotron_h's SSM ignores the lengths). Fully
+accepted steps need no second pass."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, dynamic_roll
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, BatchRotatingKVCache, CacheList, dynamic_roll
+
+from .quantized_kv import BatchQuantizedKVCache
+
+CUTTABLE = (BatchKVCache, BatchQuantizedKVCache)  # cut back per row
+RESTORABLE = (BatchRotatingKVCache, ArraysCache)  # snapshotted and replayed, not cut
+
+
+def _leaves(caches: list) -> list:
+    out = []
+    for c in caches:
+        out.extend(_leaves(list(c.caches)) if isinstance(c, CacheList) else [c])
+    return out
 
 
 def rollback_supported(caches: list) -> bool:
-    """Only plain batch KV caches can be cut per row (rotating windows and SSM states cannot)."""
-    return bool(caches) and all(type(c) is BatchKVCache for c in caches)
+    """Whether a speculative step can be undone on these batch caches: KV layers are cut per
+    row; rotating windows and recurrent states are restored and the kept tokens replayed."""
+    return bool(caches) and all(type(c) in CUTTABLE or type(c) in RESTORABLE for c in _leaves(caches))
+
+
+def needs_replay(caches: list) -> bool:
+    """Whether undoing a rejected draft replays the kept tokens (some layer cannot be cut)."""
+    return any(type(c) not in CUTTABLE for c in _leaves(caches))
+
+
+def _copy(value):
+    if isinstance(value, mx.array):
+        return mx.array(value)  # a new array object: in-place updates of the live one miss it
+    if isinstance(value, list):
+        return [_copy(v) for v in value]
+    return value
+
+
+def snapshot_states(caches: list) -> list[tuple]:
+    """The attributes of every non-KV layer, as they are before a speculative pass."""
+    return [(c, {k: _copy(v) for k, v in vars(c).items()}) for c in _leaves(caches) if type(c) not in CUTTABLE]
+
+
+def replay_rows(batch, inputs: mx.array, width: int, kept: int, saved: list[tuple]) -> None:
+    """Undo a pass of `width` tokens on every layer, then feed every row's first `kept`."""
+    for c in _leaves(batch.prompt_cache):
+        if type(c) in CUTTABLE:
+            c.trim(width)
+    for c, attrs in saved:
+        vars(c).update(attrs)
+    batch.model(inputs[:, :kept], cache=batch.prompt_cache)
+    mx.eval([a for c in _leaves(batch.prompt_cache) for a in _state_arrays(c)])
+
+
+def _state_arrays(cache) -> list:
+    return [a for a in (cache.state if isinstance(cache.state, (list, tuple)) else []) if isinstance(a, mx.array)]
+
+
+def _parts(buf) -> tuple:
+    return buf if isinstance(buf, tuple) else (buf,)
 
 
 def rollback_rows(caches: list, width: int, kept: list[int]) -> None:
@@ -46,7 +106,8 @@ def rollback_rows(caches: list, width: int, kept: list[int]) -> None:
     grow = mx.array(shifts)
     for c in caches:
         end = c._idx
-        for buf in (c.keys, c.values):
+        # A quantized layer holds each of keys and values as three arrays: roll each.
+        for buf in (*_parts(c.keys), *_parts(c.values)):
             buf[rows, :, :end, :] = dynamic_roll(buf[rows, :, :end, :], row_shifts, axis=2)
         c.left_padding = c.left_padding + grow
         c.offset = c.offset - grow
@@ -105,6 +166,7 @@ def verify_step(batch, pending: list[int], drafts: list[list[int]]) -> tuple[lis
     width = 1 + max(len(d) for d in drafts)
     rows = [[x] + d + [0] * (width - 1 - len(d)) for x, d in zip(pending, drafts)]
     inputs = mx.array(rows, dtype=batch._next_tokens.dtype)
+    saved = snapshot_states(batch.prompt_cache) if needs_replay(batch.prompt_cache) else None
     logits = batch.model(inputs, cache=batch.prompt_cache)
     sampled, first_logprobs, token_context = _first_position(batch, inputs[:, 0], logits[:, 0, :])
     # Greedy choices the way the greedy sampler makes them: argmax of the log-probabilities.
@@ -113,7 +175,13 @@ def verify_step(batch, pending: list[int], drafts: list[list[int]]) -> tuple[lis
     mx.eval(sampled, greedy, token_context)
     sampled_l, greedy_l = sampled.tolist(), greedy.tolist()
     accepted = [_accepted(d, g) for d, g in zip(drafts, greedy_l)]
-    rollback_rows(batch.prompt_cache, width, [1 + a for a in accepted])
+    if saved is None:
+        rollback_rows(batch.prompt_cache, width, [1 + a for a in accepted])
+    else:
+        uniform = 1 + min(accepted)
+        accepted = [uniform - 1] * len(accepted)
+        if uniform < width:
+            replay_rows(batch, inputs, width, uniform, saved)
 
     emitted_lp = batch._next_logprobs  # the log-probabilities each pending token was chosen from
     next_tokens, next_logprobs = [], []

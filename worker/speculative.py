@@ -29,7 +29,7 @@ from typing import Protocol
 
 from mlxgw.shared.config import SpeculativeConfig
 
-from .spec_verify import Verified, rollback_supported, verify_step
+from .spec_verify import Verified, needs_replay, rollback_supported, verify_step
 
 PROBE_EVERY = 32  # a plain step this often while speculating, to keep its cost current
 MIN_SAMPLES = 8  # steps of each kind before the comparison is trusted
@@ -178,7 +178,9 @@ class Speculator:
         pending = batch._next_tokens.tolist()  # waits for a plain step still computing
         self._close_plain(time.perf_counter())
         drafts = self._drafts(batch, pending)
-        if not any(drafts):
+        # Where a rejection replays (recurrent or sliding-window layers), every row keeps as
+        # many tokens as the row that kept fewest: a row without a draft would waste the pass.
+        if not any(drafts) or (not all(drafts) and needs_replay(batch.prompt_cache)):
             return self._plain(batch, plain_next)
         states = [self.rows.get(uid) for uid in batch.uids]  # before finished rows leave the batch
         started = time.perf_counter()
