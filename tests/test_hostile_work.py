@@ -15,7 +15,7 @@ import time
 import psutil
 import pytest
 import yaml
-from helpers import NO_EOS, audio_bombs, http, openai_client
+from helpers import NO_EOS, REPO, audio_bombs, http, openai_client
 from helpers.hostile_work import (
     MCP_SERVERS,
     MODELS,
@@ -43,13 +43,20 @@ def gw(home, tiny_dir):
 # -- 1. bounded, stoppable work --------------------------------------------------------------------
 
 
-def test_six_bomb_pdfs_leave_admin_routes_and_a_large_chat_answering_and_sigterm_stops_the_gateway(home):
+def test_six_bomb_pdfs_leave_admin_routes_a_large_chat_and_a_transcription_answering_and_sigterm_stops(
+    home, whisper_tiny_dir
+):
     """On main: the 400 came at 60 s while pypdf ran on for hours in six executor threads;
     GET /v1/keys, GET /v1/usage and a 300 KB chat timed out at 60 s; SIGTERM did not stop
     the gateway. Now the bombs are refused within their budget and nothing waits on them."""
-    ears = next(m for m in MODELS if m["name"] == "ears")
-    gw = keyed_gateway(home, "pdf-flood", [MODELS[0], ears])
+    whisper = {"name": "whisper-tiny-en", "kind": "audio", "preload": True}
+    gw = keyed_gateway(home, "pdf-flood", [MODELS[0], whisper])
+    clip = (REPO / "tests" / "data" / "audio" / "fox.wav").read_bytes()
     try:
+        # A transcription's normal time on this host (the second one: the first warms the model).
+        post_audio(gw, clip, {"model": "whisper-tiny-en"})
+        status, payload, normal = post_audio(gw, clip, {"model": "whisper-tiny-en"})
+        assert status == 200 and "fox" in payload["text"].lower(), payload
         body = bomb_message(pdf_bomb())
         answers: list[tuple[int, float]] = []
 
@@ -67,10 +74,12 @@ def test_six_bomb_pdfs_leave_admin_routes_and_a_large_chat_answering_and_sigterm
             "usage": timed(lambda: http(gw.url + "/v1/usage", headers=auth("admin"), timeout=30)),
             "chat": timed(lambda: http(gw.url + "/v1/chat/completions", "POST", big_chat, auth("user"), timeout=30)),
         }
-        # A 1-s clip is decoded (in the audio pool) and then finds no worker: its answer comes
-        # in its normal time, not after the PDFs (on main: 45-60 s).
-        status, payload, took = post_audio(gw, audio_bombs.wav(16_000, 16_000), {"model": "ears"})
-        assert status == 503 and took < 5, (status, payload, took)
+        # The clip is decoded in the audio pool and transcribed by the real worker while the
+        # bombs are read: about its normal time, not after the PDFs (on main: 45-60 s). The
+        # bombs' children share the two cores with it until they are stopped, hence the slack.
+        status, payload, took = post_audio(gw, clip, {"model": "whisper-tiny-en"})
+        assert status == 200 and "fox" in payload["text"].lower(), payload
+        assert took < 3 * normal + 10, (took, normal)
         for name, ((status, _, payload), took) in probes.items():
             assert status == 200, (name, payload)
             assert took < 5, (name, took)
