@@ -14,6 +14,9 @@ keys:
     expires: "2027-01-01T00:00:00Z"
     created: "2026-11-29T10:00:00Z"
     admin: false                # admin keys may cancel anyone's request and clear caches
+    weight: 1                   # fair share of a busy worker's rows against other keys (default 1)
+    min_priority: 0             # the most urgent `priority` it may ask (-100..100; default 0:
+                                # none below 0); a request asking for more is clamped to it
 """
 
 from __future__ import annotations
@@ -57,6 +60,17 @@ class ApiKey:
     tpd: int | None = None  # tokens per UTC day (usage ledger)
     tpmo: int | None = None  # tokens per UTC month (usage ledger)
     aspm: int | None = None  # seconds of uploaded audio per window (speech to text)
+    weight: float = 1.0  # its share of a busy worker against other keys (worker/fair_share.py)
+    min_priority: int = 0  # the most urgent priority it may ask; lower asks are clamped to it
+
+    @property
+    def tenant(self) -> str:
+        """Who the worker shares rows between: a stable hash of the key's hash, never its name."""
+        return hashlib.sha256(b"mlxgw-tenant:" + self.sha256.encode()).hexdigest()[:16]
+
+    def granted_priority(self, requested: int) -> int:
+        """The priority a request runs at: what it asked, but never more urgent than granted."""
+        return max(requested, self.min_priority)
 
     def allows(self, *model_names: str) -> bool:
         if not self.models:
@@ -100,7 +114,21 @@ _FIELDS = {
     "tpd",
     "tpmo",
     "aspm",
+    "weight",
+    "min_priority",
 }
+
+
+def check_weight(value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.01 <= value <= 100:
+        raise ValueError("'weight' must be a number from 0.01 to 100")
+    return float(value)
+
+
+def check_min_priority(value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not -100 <= value <= 100:
+        raise ValueError("'min_priority' must be an integer from -100 to 100")
+    return value
 
 
 def parse_keys(data, source: str) -> tuple[list[ApiKey], float]:
@@ -135,6 +163,13 @@ def parse_keys(data, source: str) -> tuple[list[ApiKey], float]:
         admin = raw.get("admin", False)
         if not isinstance(admin, bool):
             raise KeysFileError(f"{where} ({name}): 'admin' must be true or false")
+        try:
+            share = {
+                "weight": check_weight(raw.get("weight", 1.0)),
+                "min_priority": check_min_priority(raw.get("min_priority", 0)),
+            }
+        except ValueError as e:
+            raise KeysFileError(f"{where} ({name}): {e}") from None
         keys.append(
             ApiKey(
                 name=name,
@@ -144,6 +179,7 @@ def parse_keys(data, source: str) -> tuple[list[ApiKey], float]:
                 created=raw.get("created"),
                 admin=admin,
                 **limits,
+                **share,
             )
         )
     return keys, float(window)
