@@ -11,6 +11,7 @@ from aiohttp import web
 from mlxgw.shared.config import CHAT_KINDS
 from mlxgw.shared.errors import ErrorCode, ServiceError
 
+from .batch_runner import batch_owner
 from .keys import ApiKey, KeyStore
 from .limits import RateLimiter
 from .state import KEYS, LIMITER, MANAGER, SETTINGS
@@ -21,6 +22,7 @@ PUBLIC_PATHS = {"/health"}
 # at its concurrency cap must still be able to cancel its own request.
 UNMETERED_PREFIXES = (
     *("/v1/requests/", "/v1/cache", "/v1/status", "/v1/models", "/v1/keys", "/v1/usage"),
+    *("/v1/files", "/v1/batches"),  # batch jobs: their requests are metered one by one as they run
     *("/api/tags", "/api/ps", "/api/version"),  # Ollama clients poll these
 )
 
@@ -79,9 +81,12 @@ async def auth_middleware(request: web.Request, handler):
         return await handler(request)
     if request.path in ADMIN_PATHS:
         return await _admin_route(request, handler, store)
+    from_batch, owner = batch_owner(request)
+    if from_batch:
+        request["background"] = True  # a batch job's request: background priority, ledger api batch:*
     if store is None:
         return await handler(request)
-    key = request["key"] = authenticate(request, store)
+    key = request["key"] = batch_key(store, owner) if from_batch else authenticate(request, store)
     if request.path.startswith(UNMETERED_PREFIXES):
         return await handler(request)
     limiter: RateLimiter = request.app[LIMITER]
@@ -94,6 +99,17 @@ async def auth_middleware(request: web.Request, handler):
         # finished, failed, or was cut by the client or a crash.
         gen = request.get("generation")
         limiter.finish(key, gen.usage.total_tokens if gen is not None else 0, request.get("tpm_reserved", 0))
+
+
+def batch_key(store: KeyStore, owner: str | None) -> ApiKey:
+    """The key that owns a batch request: it must still exist and be valid when it runs."""
+    store.refresh()
+    key = next((k for k in store.keys if k.name == owner), None)
+    if key is None:
+        raise ServiceError(ErrorCode.AUTHENTICATION, f"the batch's API key {owner!r} was revoked")
+    if key.expired():
+        raise ServiceError(ErrorCode.AUTHENTICATION, f"API key '{key.name}' has expired")
+    return key
 
 
 def reserve_tokens(request: web.Request, slot, max_tokens: int | None) -> None:

@@ -83,7 +83,16 @@ API_NAMES = {
     "/v1/messages/count_tokens": "count_tokens",
     "/v1/responses": "responses",
 }
-_NOT_USAGE_PREFIXES = ("/v1/keys", "/v1/models/", "/v1/requests/", "/v1/cache", "/v1/usage", "/ui")
+_NOT_USAGE_PREFIXES = (
+    "/v1/keys",
+    "/v1/models/",
+    "/v1/requests/",
+    "/v1/cache",
+    "/v1/usage",
+    "/ui",
+    "/v1/files",
+    "/v1/batches",
+)
 
 
 def connect(path: Path) -> sqlite3.Connection:
@@ -291,7 +300,7 @@ def usage_row(request: web.Request, status: int, duration: float) -> tuple | Non
         request.get("rid"),
         key.name if key is not None else "-",
         request.get("model") or "-",
-        _api_name(path),
+        ("batch:" if request.get("background") else "") + _api_name(path),  # batch jobs' requests
         status,
         outcome,
         prompt,
