@@ -173,8 +173,9 @@ class BatchStore:
         return self._batch_object(rows[0]) if rows else None
 
     def list_batches(self, owner: str | None, everyone: bool = False) -> list[dict]:
-        if everyone:
-            rows = self._q("SELECT * FROM batches ORDER BY created_at DESC, id DESC")
+        if everyone:  # the console, for admins: with each batch's owner
+            rows = self._q("SELECT * FROM batches ORDER BY created_at DESC, id DESC LIMIT 200")
+            return [{**self._batch_object(r), "owner": r["owner"]} for r in rows]
         else:
             rows = self._q("SELECT * FROM batches WHERE owner IS ? ORDER BY created_at DESC, id DESC", (owner,))
         return [self._batch_object(r) for r in rows]
@@ -294,14 +295,26 @@ class BatchStore:
             ]
         )
 
-    def summary(self) -> list[dict]:
-        """Per owner: batches by status and requests answered (the console, `mlxgw usage`)."""
-        rows = self._q(
-            "SELECT b.owner AS owner, b.status AS status, COUNT(DISTINCT b.id) AS batches,"
-            " SUM(l.state = 'done') AS completed, SUM(l.state = 'failed') AS failed, COUNT(l.idx) AS total"
-            " FROM batches b LEFT JOIN batch_lines l ON l.batch_id = b.id GROUP BY b.owner, b.status"
-        )
-        return [dict(r) for r in rows]
+
+SUMMARY_SQL = (
+    "SELECT b.owner AS owner, b.status AS status, COUNT(DISTINCT b.id) AS batches,"
+    " SUM(l.state = 'done') AS completed, SUM(l.state = 'failed') AS failed, COUNT(l.idx) AS total"
+    " FROM batches b LEFT JOIN batch_lines l ON l.batch_id = b.id GROUP BY b.owner, b.status ORDER BY b.owner"
+)
+
+
+def summary_of(path: Path) -> list[dict]:
+    """Per key and status: batches and their requests (`mlxgw usage`, gateway running or not)."""
+    if not path.exists():
+        return []
+    db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    db.row_factory = sqlite3.Row
+    try:
+        return [dict(r) for r in db.execute(SUMMARY_SQL)]
+    except sqlite3.Error:
+        return []
+    finally:
+        db.close()
 
 
 def _file_object(row: sqlite3.Row) -> dict:

@@ -121,6 +121,22 @@ def usage(since, by, fmt, db) -> None:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
     click.echo(render(rows, fmt))
+    if fmt == "table":
+        _echo_batches(db.parent / "batches.db")
+
+
+def _echo_batches(path: Path) -> None:
+    """Batch jobs per key and status (their requests are in the rows above as batch:<api>)."""
+    from mlxgw.gateway.batch_store import summary_of
+
+    rows = summary_of(path)
+    if rows:
+        click.echo("\nbatch jobs (all time):")
+        for r in rows:
+            click.echo(
+                f"  {r['owner'] or '-'}\t{r['status']}\t{r['batches']} batches\t"
+                f"{r['completed'] or 0} done, {r['failed'] or 0} failed of {r['total'] or 0} requests"
+            )
 
 
 @click.group()

@@ -16,10 +16,11 @@ import openai
 import psutil
 import pytest
 import yaml
-from helpers import NO_EOS, start_gateway
+from helpers import NO_EOS, http, start_gateway
+from helpers.mlxgw_cli import mlxgw
 from mlxgw.gateway.keys import hash_key
 
-KEYS = {"alice": "mlxgw-batch-alice-0123456789", "bob": "mlxgw-batch-bob-0123456789"}
+KEYS = {"alice": "mlxgw-batch-alice-0123456789", "bob": "mlxgw-batch-bob-0123456789", "ops": "mlxgw-batch-ops-0123"}
 BATCH_CONFIG = {
     "manager": {"auto_discover": False},
     "models": [
@@ -31,7 +32,8 @@ BATCH_CONFIG = {
 
 def _keys_file(home) -> str:
     path = home / "batch-keys.yaml"
-    path.write_text(yaml.safe_dump({"keys": [{"name": n, "sha256": hash_key(k)} for n, k in KEYS.items()]}))
+    entries = [{"name": n, "sha256": hash_key(k), "admin": n == "ops"} for n, k in KEYS.items()]
+    path.write_text(yaml.safe_dump({"keys": entries}))
     return str(path)
 
 
@@ -112,6 +114,11 @@ def test_a_batch_runs_through_the_sdk_with_output_and_error_files(batch_gateway)
     with pytest.raises(openai.NotFoundError):
         bob.files.content(done.output_file_id)
     assert batch.id not in [b.id for b in bob.batches.list()]
+    # The console's view (admins only) lists every key's batches with their owner.
+    everyone = f"{batch_gateway.url}/v1/batches?all=true"
+    assert http(everyone, headers={"Authorization": f"Bearer {KEYS['bob']}"})[0] == 403
+    listed = http(everyone, headers={"Authorization": f"Bearer {KEYS['ops']}"})[2]["data"]
+    assert {"id": batch.id, "owner": "alice"}.items() <= next(b for b in listed if b["id"] == batch.id).items()
     # The ledger records each request of the batch, for its key, as batch:<api>.
     db = sqlite3.connect(batch_gateway.log_path.parent / "usage.db")
     deadline = time.monotonic() + 10
@@ -121,6 +128,9 @@ def test_a_batch_runs_through_the_sdk_with_output_and_error_files(batch_gateway)
             break
         time.sleep(0.3)
     assert len(rows) == 7 and set(rows) == {("alice", "batch:chat")}
+    home = batch_gateway.log_path.parent
+    out = mlxgw("usage", "--by", "api", home=home)
+    assert "batch:chat" in out.stdout and "batch jobs" in out.stdout and "alice" in out.stdout
 
 
 def test_a_bad_input_file_fails_the_batch_with_line_numbers(batch_gateway):

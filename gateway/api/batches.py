@@ -9,7 +9,7 @@ import asyncio
 import json
 
 from aiohttp import web
-from mlxgw.shared.errors import invalid
+from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
 
 from ..batch_runner import BATCH_STORE
 from . import validate as v
@@ -98,7 +98,11 @@ async def list_batches(request: web.Request) -> web.Response:
     except ValueError:
         raise invalid("'limit' must be an integer", "limit") from None
     limit = min(100, max(1, limit))
-    data = await asyncio.to_thread(request.app[BATCH_STORE].list_batches, owner_of(request))
+    everyone = request.query.get("all") == "true"  # mlxgw's extension, for the console
+    key = request.get("key")
+    if everyone and key is not None and not key.admin:
+        raise ServiceError(ErrorCode.PERMISSION, "listing every key's batches needs an admin key")
+    data = await asyncio.to_thread(request.app[BATCH_STORE].list_batches, owner_of(request), everyone)
     after = request.query.get("after")
     if after:
         ids = [b["id"] for b in data]

@@ -12,6 +12,7 @@ async function refreshKeys() {
   renderUsage(today.data, week.data);
   renderModelUsage(models.data);
   renderKeys(keys);
+  refreshBatches().catch(() => null); // batches.js
 }
 
 function renderUsage(today, week) {
