@@ -227,3 +227,39 @@ def _wait(predicate, timeout: float = 30) -> None:
     while not predicate():
         assert time.monotonic() < deadline, "condition not met in time"
         time.sleep(0.05)
+
+
+def test_service_tier_flex_runs_after_interactive_requests(fair_gateway):
+    """A flex request queued first still runs after an interactive one queued later."""
+    order: list[str] = []
+    blocker = _client(fair_gateway, "bob").chat.completions.create(
+        model="tiny-one",
+        messages=[{"role": "user", "content": "block"}],
+        max_tokens=400,
+        stream=True,
+        extra_body={"logit_bias": NO_EOS},
+    )
+    next(iter(blocker))
+
+    def send(name: str, tier: str | None) -> None:
+        extra = {"service_tier": tier} if tier else {}
+        _client(fair_gateway, "bob").chat.completions.create(
+            model="tiny-one", messages=[{"role": "user", "content": name}], max_tokens=2, extra_body=extra
+        )
+        order.append(name)
+
+    flex = threading.Thread(target=send, args=("flex", "flex"))
+    flex.start()
+    _wait(lambda: _waiting(fair_gateway, "tiny-one") == 1)
+    chat = threading.Thread(target=send, args=("chat", None))
+    chat.start()
+    _wait(lambda: _waiting(fair_gateway, "tiny-one") == 2)
+    blocker.close()
+    flex.join(60)
+    chat.join(60)
+    assert order == ["chat", "flex"]
+    with pytest.raises(openai.BadRequestError) as refused:
+        _client(fair_gateway, "bob").chat.completions.create(
+            model="tiny-one", messages=[{"role": "user", "content": "x"}], max_tokens=2, service_tier="bogus"
+        )
+    assert "service_tier" in str(refused.value)
