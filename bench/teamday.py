@@ -38,8 +38,6 @@ import yaml
 from .flood import free_port
 from .loadgen import WORDS, one_request
 
-NO_EOS = {"0": -100, "2": -100}  # SmolLM2-vocabulary models: answers run to max_tokens
-
 
 @dataclass
 class UserStats:
@@ -208,8 +206,7 @@ async def batch_job(url: str, stats: UserStats, n: int, max_tokens: int) -> dict
                 "model": "chat",
                 "messages": [{"role": "user", "content": words(rng, 12)}],
                 "max_tokens": max_tokens,
-            }
-            | {"logit_bias": NO_EOS},
+            },
         }
         for i in range(n)
     ]
@@ -229,7 +226,7 @@ async def batch_job(url: str, stats: UserStats, n: int, max_tokens: int) -> dict
                 batch = await r.json()
             if batch["status"] in ("completed", "failed", "cancelled", "expired"):
                 break
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.2)
     counts = batch.get("request_counts", {})
     stats.ok, stats.errors = counts.get("completed", 0), counts.get("failed", 0)
     return {"status": batch.get("status"), "seconds": round(time.perf_counter() - started, 1), **counts}
@@ -253,6 +250,40 @@ async def flood_vs_one(url: str, seconds: float, flood: int, max_tokens: int) ->
         "a_with_b_tok_s": round(a.tokens / seconds, 1),
         "a_ratio": _ratio(a.tokens / seconds, a_alone.tokens / (seconds / 2)),
         "lost": a.errors + b.errors + a_alone.errors + b_alone.errors,
+    }
+
+
+async def batch_vs_direct(url: str, n: int, max_tokens: int, seconds: float) -> dict:
+    """The same n requests sent directly (4 at a time, as the batch runner does) and as a
+    batch on the idle machine; then a chat user's TTFT alone and beside a running batch."""
+    rng = random.Random(3)
+    prompts = [[{"role": "user", "content": words(rng, 12)}] for _ in range(n)]
+    direct = UserStats("batch", "direct")
+    started = time.perf_counter()
+    async with session_for("batch") as session:
+        queue = list(prompts)
+
+        async def worker() -> None:
+            while queue:
+                direct.add(await chat(session, url, queue.pop(), max_tokens))
+
+        await asyncio.gather(*(worker() for _ in range(4)))
+    direct_s = time.perf_counter() - started
+    as_batch = await batch_job(url, UserStats("batch", "batch"), n, max_tokens)
+    alone = UserStats("chat0", "chat")
+    await one_at_a_time(url, alone, time.perf_counter() + seconds / 2, max_tokens, think_s=0.5)
+    beside = UserStats("chat0", "chat")
+    job = asyncio.create_task(batch_job(url, UserStats("batch", "batch"), 4 * n, max_tokens))
+    await one_at_a_time(url, beside, time.perf_counter() + seconds / 2, max_tokens, think_s=0.5)
+    job.cancel()
+    return {
+        "direct_s": round(direct_s, 1),
+        "batch_s": as_batch["seconds"],
+        "batch_vs_direct": _ratio(direct_s, as_batch["seconds"]),
+        "chat_ttft_p50_alone_s": pct(alone.ttfts, 50),
+        "chat_ttft_p50_beside_batch_s": pct(beside.ttfts, 50),
+        "chat_ttft_p99_beside_batch_s": pct(beside.ttfts, 99),
+        "lost": direct.errors + alone.errors + beside.errors,
     }
 
 
@@ -349,6 +380,10 @@ def main(argv: list[str] | None = None) -> None:
             print(f"[{mode}] team day: Jain {day['jain_interactive']}, batch {day['batch']}, lost {day['lost']}")
             print(table(day["rows"]), flush=True)
             results[mode] = {"flood_vs_one": fvo, "team_day": day, "load_average_after": os.getloadavg()}
+            if mode == "fair" and args.batch_n:
+                bvd = asyncio.run(batch_vs_direct(url, args.batch_n, args.max_tokens, args.seconds))
+                print(f"[{mode}] batch vs direct: {json.dumps(bvd)}  load {os.getloadavg()}", flush=True)
+                results[mode]["batch_vs_direct"] = bvd
         finally:
             proc.terminate()
             proc.wait(60)

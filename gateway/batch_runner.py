@@ -29,9 +29,11 @@ log = logging.getLogger("mlxgw.batches")
 BATCH_STORE = web.AppKey("batch_store", BatchStore)
 BATCH_TOKEN = web.AppKey("batch_token", str)
 SELF_URL = web.AppKey("self_url", dict)  # {"url": ...} once the gateway listens (server.py)
+BATCH_WAKE = web.AppKey("batch_wake", asyncio.Event)  # set by POST /v1/batches: start it now
 TOKEN_HEADER, OWNER_HEADER = "x-mlxgw-batch-token", "x-mlxgw-batch-owner"
 BATCH_CONCURRENCY = 4  # requests of one batch in flight at once
 TICK_S = 0.5
+PURGE_S = 600.0  # how often files past their retention are deleted
 RETRY_S = (0.5, 30.0)  # the wait after a load refusal: Retry-After, within these bounds
 REQUEST_TIMEOUT_S = 3600.0
 LEASE_STALE_S = 30.0  # another live gateway on this home that renewed its claim since holds it
@@ -52,15 +54,19 @@ class BatchRunner:
         self.store: BatchStore = app[BATCH_STORE]
         self._tasks: dict[str, asyncio.Task] = {}
         self._session: aiohttp.ClientSession | None = None
+        self._purged_at = -PURGE_S
 
     async def run(self) -> None:
         while SELF_URL not in self.app or "url" not in self.app[SELF_URL]:
             await asyncio.sleep(TICK_S)
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S))
         try:
+            wake = self.app[BATCH_WAKE]
             while True:
                 await self._tick()
-                await asyncio.sleep(TICK_S)
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(wake.wait(), TICK_S)
+                wake.clear()
         finally:
             for task in self._tasks.values():
                 task.cancel()
@@ -68,7 +74,9 @@ class BatchRunner:
             await self._session.close()
 
     async def _tick(self) -> None:
-        await asyncio.to_thread(self.store.purge_expired)
+        if time.monotonic() - self._purged_at > PURGE_S:
+            self._purged_at = time.monotonic()
+            await asyncio.to_thread(self.store.purge_expired)
         for row in await asyncio.to_thread(self.store.active):
             if row["id"] not in self._tasks and await asyncio.to_thread(
                 self.store.claim, row["id"], os.getpid(), LEASE_STALE_S
@@ -171,6 +179,7 @@ def install(app: web.Application) -> None:
     app[BATCH_STORE] = BatchStore()
     app[BATCH_TOKEN] = secrets.token_urlsafe(32)
     app[SELF_URL] = {}
+    app[BATCH_WAKE] = asyncio.Event()
     app.cleanup_ctx.append(_lifecycle)
 
 

@@ -263,3 +263,21 @@ def test_service_tier_flex_runs_after_interactive_requests(fair_gateway):
             model="tiny-one", messages=[{"role": "user", "content": "x"}], max_tokens=2, service_tier="bogus"
         )
     assert "service_tier" in str(refused.value)
+
+
+def test_weight_and_min_priority_are_checked_key_fields(tmp_path):
+    from mlxgw.gateway.key_admin import KeyEditError, create_key, update_key
+    from mlxgw.gateway.keys import KeyStore
+
+    path = tmp_path / "keys.yaml"
+    _, entry = create_key(path, "oncall", {"weight": 2, "min_priority": -20})
+    assert (entry["weight"], entry["min_priority"]) == (2.0, -20)
+    assert update_key(path, "oncall", {"weight": None})["weight"] == 1.0  # null: back to the default
+    for bad in ({"weight": 0}, {"weight": "heavy"}, {"min_priority": -101}, {"min_priority": 1.5}):
+        with pytest.raises(KeyEditError):
+            update_key(path, "oncall", bad)
+    store = KeyStore(path)
+    store.refresh()
+    (key,) = store.keys
+    assert key.granted_priority(-100) == -20 and key.granted_priority(5) == 5
+    assert len(key.tenant) == 16 and "oncall" not in key.tenant and key.sha256 not in key.tenant

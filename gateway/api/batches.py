@@ -11,7 +11,7 @@ import json
 from aiohttp import web
 from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
 
-from ..batch_runner import BATCH_STORE
+from ..batch_runner import BATCH_STORE, BATCH_WAKE
 from . import validate as v
 from .body import read_json
 from .files import not_found, owner_of
@@ -88,6 +88,7 @@ async def create_batch(request: web.Request) -> web.Response:
     text = await asyncio.to_thread(store.file_path(file_id).read_text, "utf-8", "replace")
     lines, errors = await asyncio.to_thread(parse_lines, text, endpoint)
     batch = await asyncio.to_thread(store.create_batch, owner, endpoint, file_id, lines, errors, metadata)
+    request.app[BATCH_WAKE].set()
     return web.json_response(batch)
 
 
