@@ -254,7 +254,7 @@ async def flood_vs_one(url: str, seconds: float, flood: int, max_tokens: int) ->
 
 
 async def batch_vs_direct(url: str, n: int, max_tokens: int, seconds: float) -> dict:
-    """The same n requests sent directly (4 at a time, as the batch runner does) and as a
+    """The same n requests sent directly (8 at a time, as the batch runner does) and as a
     batch on the idle machine; then a chat user's TTFT alone and beside a running batch."""
     rng = random.Random(3)
     prompts = [[{"role": "user", "content": words(rng, 12)}] for _ in range(n)]
@@ -267,7 +267,7 @@ async def batch_vs_direct(url: str, n: int, max_tokens: int, seconds: float) -> 
             while queue:
                 direct.add(await chat(session, url, queue.pop(), max_tokens))
 
-        await asyncio.gather(*(worker() for _ in range(4)))
+        await asyncio.gather(*(worker() for _ in range(8)))
     direct_s = time.perf_counter() - started
     as_batch = await batch_job(url, UserStats("batch", "batch"), n, max_tokens)
     alone = UserStats("chat0", "chat")
@@ -362,7 +362,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--think-s", type=float, default=2.0)
     ap.add_argument("--system-words", type=int, default=400)
     ap.add_argument("--batch-n", type=int, default=24)
-    ap.add_argument("--modes", default="fair,fifo")
+    ap.add_argument("--modes", default="fair,fifo", help="fair, fifo (fair share off), batch (only batch vs direct)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     users = ["alice", "bob", "flooder", "batch", "embedder"]
@@ -370,10 +370,16 @@ def main(argv: list[str] | None = None) -> None:
     results = {"load_average": os.getloadavg(), "args": {k: str(v) for k, v in vars(args).items()}}
     for mode in args.modes.split(","):
         home = Path(tempfile.mkdtemp(prefix=f"teamday-{mode}-"))
+        fair = mode != "fifo"
         url, proc = start_gateway(
-            home, args.models_dir.resolve(), args.model, users, mode == "fair", args.max_num_seqs, args.embed_model
+            home, args.models_dir.resolve(), args.model, users, fair, args.max_num_seqs, args.embed_model
         )
         try:
+            if mode == "batch":  # only the batch measurement
+                bvd = asyncio.run(batch_vs_direct(url, args.batch_n, args.max_tokens, args.seconds))
+                print(f"[{mode}] batch vs direct: {json.dumps(bvd)}  load {os.getloadavg()}", flush=True)
+                results[mode] = {"batch_vs_direct": bvd}
+                continue
             fvo = asyncio.run(flood_vs_one(url, args.seconds, args.flood, args.max_tokens))
             print(f"[{mode}] flood vs one: {json.dumps(fvo)}  load {os.getloadavg()}", flush=True)
             day = asyncio.run(team_day(url, args.seconds, args))

@@ -31,12 +31,15 @@ BATCH_TOKEN = web.AppKey("batch_token", str)
 SELF_URL = web.AppKey("self_url", dict)  # {"url": ...} once the gateway listens (server.py)
 BATCH_WAKE = web.AppKey("batch_wake", asyncio.Event)  # set by POST /v1/batches: start it now
 TOKEN_HEADER, OWNER_HEADER = "x-mlxgw-batch-token", "x-mlxgw-batch-owner"
-BATCH_CONCURRENCY = 4  # requests of one batch in flight at once
+# Requests of one batch in flight at once: they run at background priority, so interactive
+# requests still go first in the worker; this only bounds the batch's share of its queue.
+BATCH_CONCURRENCY = 8
 TICK_S = 0.5
 PURGE_S = 600.0  # how often files past their retention are deleted
 RETRY_S = (0.5, 30.0)  # the wait after a load refusal: Retry-After, within these bounds
 REQUEST_TIMEOUT_S = 3600.0
 LEASE_STALE_S = 30.0  # another live gateway on this home that renewed its claim since holds it
+LEASE_S = 5.0  # how often a running batch's claim is renewed
 
 
 def batch_owner(request: web.Request) -> tuple[bool, str | None]:
@@ -55,6 +58,7 @@ class BatchRunner:
         self._tasks: dict[str, asyncio.Task] = {}
         self._session: aiohttp.ClientSession | None = None
         self._purged_at = -PURGE_S
+        self._claimed: dict[str, float] = {}  # batch id -> when this process last renewed its claim
 
     async def run(self) -> None:
         while SELF_URL not in self.app or "url" not in self.app[SELF_URL]:
@@ -119,8 +123,10 @@ class BatchRunner:
     async def _stopping(self, batch_id: str) -> bool:
         """Cancelled, past its completion window, or claimed by another gateway (no new
         request starts then); renews this gateway's claim."""
-        if not await asyncio.to_thread(self.store.claim, batch_id, os.getpid(), LEASE_STALE_S):
-            return True
+        if time.monotonic() - self._claimed.get(batch_id, -LEASE_S) > LEASE_S:
+            if not await asyncio.to_thread(self.store.claim, batch_id, os.getpid(), LEASE_STALE_S):
+                return True
+            self._claimed[batch_id] = time.monotonic()
         rows = await asyncio.to_thread(
             self.store._q, "SELECT status, expires_at FROM batches WHERE id = ?", (batch_id,)
         )

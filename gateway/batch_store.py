@@ -81,6 +81,9 @@ class BatchStore:
         self._db = sqlite3.connect(self.root / "batches.db", check_same_thread=False, isolation_level=None)
         self._db.row_factory = sqlite3.Row
         self._db.execute("PRAGMA journal_mode=WAL")
+        # A commit survives the gateway's crash (kill -9) without an fsync each; a power cut
+        # may lose the last results, which are then sent again.
+        self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(SCHEMA)
         self._lock = threading.Lock()
 

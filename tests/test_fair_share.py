@@ -96,7 +96,8 @@ def test_weights_share_rows_in_proportion():
 
 
 def test_background_rows_yield_to_an_interactive_request():
-    sched = Scheduler(NullRunner(), max_num_seqs=2, max_queue=64, fair=FairQueue(enabled=True, starve_s=0))
+    # No starvation bound to wait out: background work yields at once.
+    sched = Scheduler(NullRunner(), max_num_seqs=2, max_queue=64, fair=FairQueue(enabled=True, starve_s=1000))
     for i in range(2):
         sched.submit(_req(f"bg{i}", "A", priority=p.BACKGROUND_PRIORITY))
     sched.step()

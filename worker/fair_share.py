@@ -8,8 +8,9 @@ request gets its turn ahead of another key's 32nd; within a tenant, first come f
 With one tenant waiting, it may take every row: an idle machine is never held back.
 
 Admission order alone leaves a late key waiting until a row ends. `victim` names a running
-row to preempt when a waiting request has been starved beyond `starve_s`: a background row
-for an interactive waiter, or a row of the tenant most over its share. The scheduler pauses
+row to preempt: a background row as soon as an interactive request waits, or, once a waiting
+request has been starved beyond `starve_s`, a row of the tenant most over its share. The
+scheduler pauses
 that row (its KV goes to the prefix cache) and re-queues it to resume where it stopped.
 
 `MLXGW_FAIR_SHARE=off` in the gateway's environment turns tenants off (one FIFO by
@@ -114,15 +115,16 @@ class FairQueue:
         """A running row to pause for the request that would be admitted next, when that
         request has waited beyond the bound and a row is held beyond its tenant's share."""
         waiter = self.peek(rows)
-        if waiter is None or now - waiter.since < self.starve_s:
+        if waiter is None:
             return None
+        starved = now - waiter.since >= self.starve_s
         running = _running_per_tenant(rows)
         waiter_share = (running[waiter.tenant] + 1) / waiter.weight
 
         def over(row: Row) -> bool:
             if row.priority >= BACKGROUND_PRIORITY > waiter.priority:
-                return True  # background work always yields to an interactive request
-            if not self.enabled or row.tenant == waiter.tenant or row.priority < waiter.priority:
+                return True  # background work yields to an interactive request at once
+            if not starved or not self.enabled or row.tenant == waiter.tenant or row.priority < waiter.priority:
                 return False
             return running[row.tenant] / row.weight > waiter_share
 
