@@ -344,7 +344,7 @@ class Scheduler:
         events: list[Event] = []
         for uid, done, total in out.prefill:
             seq = self._by_uid.get(uid)
-            if seq is not None and done < total:
+            if seq is not None and done < total and not seq.tokens:  # a resumed row's client saw its prompt done
                 seq.phase = "prefill"
                 seq.prefilled = done
                 events.append((seq.req.rid, p.Progress(done, total, seq.cached_tokens or None).to_wire()))
@@ -439,9 +439,20 @@ class Scheduler:
 
     def _rows(self) -> list[Row]:
         return [
-            Row(s.req.rid, s.req.tenant or "", clean_weight(s.req.weight), s.req.priority, s.generated, s.preemptible())
+            Row(
+                s.req.rid,
+                s.req.tenant or "",
+                clean_weight(s.req.weight),
+                s.req.priority,
+                s.generated,
+                self._pausable(s),
+            )
             for s in self._by_uid.values()
         ]
+
+    def _pausable(self, seq: Sequence) -> bool:
+        rid = seq.req.rid  # choices share one prompt's KV: none of them is paused
+        return seq.preemptible() and not self.choices.is_leader(rid) and not self.choices.is_follower(rid)
 
     def _preempt_for_starved(self) -> list[Event]:
         """Pause one running row when the request next in line has waited beyond the bound
