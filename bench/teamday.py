@@ -335,6 +335,7 @@ async def team_day(url: str, seconds: float, args) -> dict:
         "rows": rows,
         "idle_ttft_s": idle,
         "jain_interactive": jain(served),
+        "jain_ttft_p50": jain([1 / r["ttft_p50_s"] for r in interactive if r["ttft_p50_s"]]),
         "batch": batch_result,
         "lost": sum(r["errors"] for r in rows),
     }
@@ -383,7 +384,10 @@ def main(argv: list[str] | None = None) -> None:
             fvo = asyncio.run(flood_vs_one(url, args.seconds, args.flood, args.max_tokens))
             print(f"[{mode}] flood vs one: {json.dumps(fvo)}  load {os.getloadavg()}", flush=True)
             day = asyncio.run(team_day(url, args.seconds, args))
-            print(f"[{mode}] team day: Jain {day['jain_interactive']}, batch {day['batch']}, lost {day['lost']}")
+            print(
+                f"[{mode}] team day: Jain {day['jain_interactive']} (vs idle), {day['jain_ttft_p50']} (1/TTFT p50),"
+                f" batch {day['batch']}, lost {day['lost']}"
+            )
             print(table(day["rows"]), flush=True)
             results[mode] = {"flood_vs_one": fvo, "team_day": day, "load_average_after": os.getloadavg()}
             if mode == "fair" and args.batch_n:
