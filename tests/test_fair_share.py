@@ -205,7 +205,7 @@ def test_a_key_asking_for_a_priority_it_was_not_granted_is_clamped(fair_gateway)
     blocker = _client(fair_gateway, "alice").chat.completions.create(
         model="tiny-one",
         messages=[{"role": "user", "content": "block"}],
-        max_tokens=400,
+        max_tokens=30000,  # runs until closed below
         stream=True,
         extra_body={"logit_bias": NO_EOS},
     )
@@ -245,7 +245,7 @@ def test_service_tier_flex_runs_after_interactive_requests(fair_gateway):
     blocker = _client(fair_gateway, "bob").chat.completions.create(
         model="tiny-one",
         messages=[{"role": "user", "content": "block"}],
-        max_tokens=400,
+        max_tokens=30000,  # runs until closed below
         stream=True,
         extra_body={"logit_bias": NO_EOS},
     )
