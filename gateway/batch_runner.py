@@ -59,6 +59,7 @@ class BatchRunner:
         self._session: aiohttp.ClientSession | None = None
         self._purged_at = -PURGE_S
         self._claimed: dict[str, float] = {}  # batch id -> when this process last renewed its claim
+        self._lost: set[str] = set()
 
     async def run(self) -> None:
         while SELF_URL not in self.app or "url" not in self.app[SELF_URL]:
@@ -87,7 +88,11 @@ class BatchRunner:
             ):
                 task = asyncio.create_task(self._run_batch(row["id"], row["owner"], row["endpoint"]))
                 self._tasks[row["id"]] = task
-                task.add_done_callback(lambda _t, bid=row["id"]: self._tasks.pop(bid, None))
+                task.add_done_callback(lambda _t, bid=row["id"]: self._forget(bid))
+
+    def _forget(self, batch_id: str) -> None:
+        self._tasks.pop(batch_id, None)
+        self._claimed.pop(batch_id, None)
 
     async def _run_batch(self, batch_id: str, owner: str | None, endpoint: str) -> None:
         store = self.store
@@ -100,6 +105,9 @@ class BatchRunner:
                 queue.put_nowait(line)
             workers = [self._drain(batch_id, owner, endpoint, queue) for _ in range(BATCH_CONCURRENCY)]
             await asyncio.gather(*workers)
+            if batch_id in self._lost:
+                self._lost.discard(batch_id)
+                return
             status = await asyncio.to_thread(store.status, batch_id)
             final = {"cancelling": "cancelled", "expiring": "expired"}.get(status or "", "completed")
             await asyncio.to_thread(store.finalize, batch_id, final)
@@ -125,6 +133,7 @@ class BatchRunner:
         request starts then); renews this gateway's claim."""
         if time.monotonic() - self._claimed.get(batch_id, -LEASE_S) > LEASE_S:
             if not await asyncio.to_thread(self.store.claim, batch_id, os.getpid(), LEASE_STALE_S):
+                self._lost.add(batch_id)  # another gateway runs it now: it finalizes it too
                 return True
             self._claimed[batch_id] = time.monotonic()
         rows = await asyncio.to_thread(

@@ -198,3 +198,25 @@ def test_a_batch_survives_a_gateway_kill_and_no_request_is_answered_twice(home, 
     finally:
         gw2.stop()
     assert os.path.exists(home2 / "files")
+
+
+def test_one_gateway_process_runs_a_batch_until_it_dies(tmp_path):
+    """Two gateways on one MLXGW_HOME: the batch's claim keeps it with one live process."""
+    from mlxgw.gateway.batch_store import BatchStore
+
+    store = BatchStore(tmp_path)
+    batch = store.create_batch(None, "/v1/chat/completions", "file-x", [("a", {"model": "m"})], [], None)
+    me, dead = os.getpid(), _dead_pid()
+    assert store.claim(batch["id"], dead, stale_s=30)
+    assert store.claim(batch["id"], me, stale_s=30), "a dead holder's claim is taken over"
+    assert not store.claim(batch["id"], os.getppid(), stale_s=30), "a live holder keeps it"
+    assert store.claim(batch["id"], os.getppid(), stale_s=0), "unless it stopped renewing"
+    store.close()
+
+
+def _dead_pid() -> int:
+    import subprocess
+
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
