@@ -109,7 +109,7 @@ def start_gateway(home: Path, models_dir: Path, model: str, users: list[str], fa
     (home / "keys.yaml").write_text(yaml.safe_dump({"window_seconds": 60, "keys": entries}))
     models = [{"name": "chat", "source": model, "preload": True, "max_num_seqs": seqs, "max_queue": 256}]
     if embed:
-        models.append({"name": "embed", "source": embed, "preload": True})
+        models.append({"name": "embed", "source": embed, "kind": "embedding", "preload": True})
     (home / "teamday.yaml").write_text(yaml.safe_dump({"manager": {"auto_discover": False}, "models": models}))
     port = free_port()
     env = dict(os.environ, MLXGW_HOME=str(home), PYTHONUNBUFFERED="1", MLXGW_FAIR_SHARE="on" if fair else "off")
@@ -192,6 +192,7 @@ async def embedder(url: str, stats: UserStats, until: float) -> None:
                     stats.refused += 1
                 else:
                     stats.errors += 1
+                    await asyncio.sleep(0.5)  # a broken setup must not spin
 
 
 async def batch_job(url: str, stats: UserStats, n: int, max_tokens: int) -> dict:
@@ -320,11 +321,11 @@ async def team_day(url: str, seconds: float, args) -> dict:
             tasks.append(flooder(url, u, args.flood, until, args.max_tokens))
         elif u.kind == "embed":
             tasks.append(embedder(url, u, until))
-    batch = asyncio.create_task(
-        batch_job(url, users[-1 if not args.embed_model else -2], args.batch_n, args.max_tokens)
-    )
-    await asyncio.gather(*tasks)
-    batch_result = await batch
+    batch_user = next(u for u in users if u.kind == "batch")
+    if args.batch_n:
+        tasks.append(batch_job(url, batch_user, args.batch_n, args.max_tokens))
+    results = await asyncio.gather(*tasks)
+    batch_result = results[-1] if args.batch_n else None
     wall = time.perf_counter() - min(u.started for u in users)
     rows = [u.row(wall, idle.get(u.kind)) for u in users]
     interactive = [r for r in rows if r["kind"] in ("agent", "chat")]
