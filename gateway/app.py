@@ -18,6 +18,8 @@ from .api import (
     admin,
     anthropic,
     audio,
+    batches,
+    files,
     ollama,
     ollama_models,
     openai_chat,
@@ -33,6 +35,7 @@ from .api.body import body_too_large
 from .api.errors import error_response
 from .api.routes import lookup, route_of
 from .auth import auth_middleware
+from .batch_runner import install as install_batches
 from .broker import Broker
 from .console import routes as console_routes
 from .edge import EDGE_STATS, EdgeStats, edge_middleware
@@ -144,6 +147,7 @@ def make_app(
     app.cleanup_ctx.append(lifecycle)
     app.cleanup_ctx.append(throughput_lifecycle)
     app.cleanup_ctx.append(mcp_lifecycle)  # connects in the background: never delays start-up
+    install_batches(app)  # the batch runner: after the workers' lifecycle, so it stops first
     app[responses_output.STORE] = OrderedDict()
     for table in route_tables():
         app.add_routes(table)
@@ -164,5 +168,5 @@ def unlisted_routes(app: web.Application) -> list[tuple[str, str]]:
 def route_tables() -> list:
     """Every route table the app serves (tests walk them to reach every route)."""
     modules = (openai_chat, openai_completions, openai_embeddings, rerank, audio, anthropic, responses, system)
-    modules += (observe, ollama, ollama_models, tokenize, admin, mcp_routes)
+    modules += (observe, ollama, ollama_models, tokenize, admin, mcp_routes, files, batches)
     return [m.routes for m in modules] + [console_routes]

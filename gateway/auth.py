@@ -13,6 +13,7 @@ from mlxgw.shared.config import CHAT_KINDS
 from mlxgw.shared.errors import ErrorCode, ServiceError
 
 from .api.routes import ROUTE_FOR_KIND, Access, route_of
+from .batch_runner import batch_owner
 from .keys import ApiKey, KeyStore
 from .limits import RateLimiter
 from .state import KEYS, LIMITER, MANAGER, SETTINGS
@@ -66,9 +67,12 @@ async def auth_middleware(request: web.Request, handler):
         return await handler(request)
     if route.access is Access.OBSERVER:
         return await _admin_route(request, handler, store)
+    from_batch, owner = batch_owner(request)
+    if from_batch:
+        request["background"] = True  # a batch job's request: background priority, ledger api batch:*
     if store is None:
         return await handler(request)
-    key = request["key"] = authenticate(request, store)
+    key = request["key"] = batch_key(store, owner) if from_batch else authenticate(request, store)
     if route.access is Access.ADMIN and not key.admin:
         raise ServiceError(ErrorCode.PERMISSION, f"{request.method} {request.path} needs an admin key")
     if not route.metered:
@@ -83,6 +87,17 @@ async def auth_middleware(request: web.Request, handler):
         # finished, failed, or was cut by the client or a crash.
         gen = request.get("generation")
         limiter.finish(key, gen.usage.total_tokens if gen is not None else 0, request.get("tpm_reserved", 0))
+
+
+def batch_key(store: KeyStore, owner: str | None) -> ApiKey:
+    """The key that owns a batch request: it must still exist and be valid when it runs."""
+    store.refresh()
+    key = next((k for k in store.keys if k.name == owner), None)
+    if key is None:
+        raise ServiceError(ErrorCode.AUTHENTICATION, f"the batch's API key {owner!r} was revoked")
+    if key.expired():
+        raise ServiceError(ErrorCode.AUTHENTICATION, f"API key '{key.name}' has expired")
+    return key
 
 
 def reserve_tokens(request: web.Request, slot, max_tokens: int | None) -> None:

@@ -27,15 +27,25 @@ def _keys_path(path: Path | None) -> Path:
 @click.option("--tpmo", type=int, default=None, help="token budget per UTC month, counted by the usage ledger")
 @click.option("--aspm", type=int, default=None, help="seconds of audio transcribed per minute (per window)")
 @click.option("--max-concurrent", type=int, default=None)
+@click.option("--weight", type=float, default=None, help="fair share of a busy worker against other keys (default 1)")
+@click.option(
+    "--min-priority",
+    type=int,
+    default=None,
+    help="most urgent priority it may ask, -100..100 (default 0: none below 0)",
+)
 @click.option("--models", default="", help="comma-separated model names or globs (default: all)")
 @click.option("--expires", default=None, help="ISO time, e.g. 2027-01-01T00:00:00Z")
 @click.option("--admin", is_flag=True, help="may manage keys and models, see usage, cancel anyone's request")
 @click.option("--file", "path", type=click.Path(path_type=Path), default=None)
-def create_key(name, rpm, tpm, tpd, tpmo, aspm, max_concurrent, models, expires, admin, path) -> None:
+def create_key(
+    name, rpm, tpm, tpd, tpmo, aspm, max_concurrent, weight, min_priority, models, expires, admin, path
+) -> None:
     from mlxgw.gateway.key_admin import KeyEditError, create_key
 
     path = _keys_path(path)
     limits = {"rpm": rpm, "tpm": tpm, "tpd": tpd, "tpmo": tpmo, "aspm": aspm, "max_concurrent": max_concurrent}
+    limits |= {"weight": weight, "min_priority": min_priority}
     changes = {f: v for f, v in limits.items() if v is not None}
     if models:
         changes["models"] = models
@@ -60,7 +70,9 @@ def list_keys(path) -> None:
     data = load_file(_keys_path(path))
     for k in data.get("keys") or []:
         limits = ", ".join(
-            f"{f}={k[f]}" for f in ("rpm", "tpm", "tpd", "tpmo", "aspm", "max_concurrent") if k.get(f) is not None
+            f"{f}={k[f]}"
+            for f in ("rpm", "tpm", "tpd", "tpmo", "aspm", "max_concurrent", "weight", "min_priority")
+            if k.get(f) is not None
         )
         admin = "\tadmin" if k.get("admin") else ""
         click.echo(
@@ -109,6 +121,22 @@ def usage(since, by, fmt, db) -> None:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
     click.echo(render(rows, fmt))
+    if fmt == "table":
+        _echo_batches(db.parent / "batches.db")
+
+
+def _echo_batches(path: Path) -> None:
+    """Batch jobs per key and status (their requests are in the rows above as batch:<api>)."""
+    from mlxgw.gateway.batch_store import summary_of
+
+    rows = summary_of(path)
+    if rows:
+        click.echo("\nbatch jobs (all time):")
+        for r in rows:
+            click.echo(
+                f"  {r['owner'] or '-'}\t{r['status']}\t{r['batches']} batches\t"
+                f"{r['completed'] or 0} done, {r['failed'] or 0} failed of {r['total'] or 0} requests"
+            )
 
 
 @click.group()

@@ -10,10 +10,11 @@ import datetime as dt
 import re
 from pathlib import Path
 
-from .keys import KeysFileError, hash_key, locked_file, new_key
+from .keys import KeysFileError, check_min_priority, check_weight, hash_key, locked_file, new_key
 
 LIMIT_FIELDS = ("rpm", "tpm", "tpd", "tpmo", "aspm", "max_concurrent")
-EDITABLE_FIELDS = (*LIMIT_FIELDS, "models", "expires", "admin")
+SHARE_FIELDS = ("weight", "min_priority")  # fair share and granted priority (None: the defaults)
+EDITABLE_FIELDS = (*LIMIT_FIELDS, *SHARE_FIELDS, "models", "expires", "admin")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,63}$")
 
 
@@ -32,6 +33,11 @@ def _check_value(field: str, value):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise KeyEditError("invalid", f"'{field}' must be a non-negative integer or null")
         return value
+    if field in SHARE_FIELDS:
+        try:
+            return check_weight(value) if field == "weight" else check_min_priority(value)
+        except ValueError as e:
+            raise KeyEditError("invalid", str(e)) from None
     if field == "models":
         if isinstance(value, str):
             value = [m.strip() for m in value.split(",") if m.strip()]
@@ -66,6 +72,8 @@ def public_entry(entry: dict) -> dict:
     out = {"name": entry["name"], "admin": bool(entry.get("admin", False))}
     for field in (*LIMIT_FIELDS, "models", "expires", "created"):
         out[field] = entry.get(field)
+    for field, default in (("weight", 1.0), ("min_priority", 0)):
+        out[field] = entry.get(field, default)
     return out
 
 

@@ -16,6 +16,9 @@ keys:
     admin: false                # admin keys may cancel anyone's request and clear caches
     residency: false            # may its Ollama keep_alive load, pin or unload models (admins may)
     mcp: [files]                # MCP servers it may use (default: those with allowed_tools)
+    weight: 1                   # fair share of a busy worker's rows against other keys (default 1)
+    min_priority: 0             # the most urgent `priority` it may ask (-100..100; default 0:
+                                # none below 0); a request asking for more is clamped to it
 """
 
 from __future__ import annotations
@@ -61,6 +64,17 @@ class ApiKey:
     aspm: int | None = None  # seconds of uploaded audio per window (speech to text)
     residency: bool = False  # Ollama keep_alive may keep or unload models for everyone
     mcp: tuple[str, ...] | None = None  # MCP server labels/globs; None: gateway/mcp/access.py's default
+    weight: float = 1.0  # its share of a busy worker against other keys (worker/fair_share.py)
+    min_priority: int = 0  # the most urgent priority it may ask; lower asks are clamped to it
+
+    @property
+    def tenant(self) -> str:
+        """Who the worker shares rows between: a stable hash of the key's hash, never its name."""
+        return hashlib.sha256(b"mlxgw-tenant:" + self.sha256.encode()).hexdigest()[:16]
+
+    def granted_priority(self, requested: int) -> int:
+        """The priority a request runs at: what it asked, but never more urgent than granted."""
+        return max(requested, self.min_priority)
 
     def allows(self, *model_names: str) -> bool:
         if not self.models:
@@ -106,7 +120,21 @@ _FIELDS = {
     "aspm",
     "residency",
     "mcp",
+    "weight",
+    "min_priority",
 }
+
+
+def check_weight(value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.01 <= value <= 100:
+        raise ValueError("'weight' must be a number from 0.01 to 100")
+    return float(value)
+
+
+def check_min_priority(value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not -100 <= value <= 100:
+        raise ValueError("'min_priority' must be an integer from -100 to 100")
+    return value
 
 
 def parse_keys(data, source: str) -> tuple[list[ApiKey], float]:
@@ -149,6 +177,13 @@ def parse_keys(data, source: str) -> tuple[list[ApiKey], float]:
             mcp = [mcp]
         if mcp is not None and (not isinstance(mcp, list) or not all(isinstance(m, str) and m for m in mcp)):
             raise KeysFileError(f"{where} ({name}): 'mcp' must be a list of MCP server labels or globs")
+        try:
+            share = {
+                "weight": check_weight(raw.get("weight", 1.0)),
+                "min_priority": check_min_priority(raw.get("min_priority", 0)),
+            }
+        except ValueError as e:
+            raise KeysFileError(f"{where} ({name}): {e}") from None
         keys.append(
             ApiKey(
                 name=name,
@@ -160,6 +195,7 @@ def parse_keys(data, source: str) -> tuple[list[ApiKey], float]:
                 residency=residency,
                 mcp=tuple(mcp) if mcp is not None else None,
                 **limits,
+                **share,
             )
         )
     return keys, float(window)

@@ -285,7 +285,7 @@ def usage_row(request: web.Request, status: int, duration: float) -> tuple | Non
         request.get("rid"),
         key.name if key is not None else "-",
         request.get("model") or "-",
-        api,
+        ("batch:" if request.get("background") else "") + api,  # batch jobs' requests
         status,
         outcome,
         prompt,

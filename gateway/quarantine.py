@@ -18,7 +18,7 @@ log = logging.getLogger("mlxgw.quarantine")
 
 QUARANTINE_CRASHES = 2
 MAX_TRACKED = 4096  # fingerprints remembered per gateway (oldest forgotten first)
-UNFINGERPRINTED = ("rid", "timeout_s", "priority")
+UNFINGERPRINTED = ("rid", "timeout_s", "priority", "tenant", "weight")  # who sent it is not what crashes
 
 
 def fingerprint(wire: dict) -> str:

@@ -72,6 +72,10 @@ async def serve(
         log.error("cannot listen on %s:%d: %s", host, port, e.strerror)
         await runner.cleanup()
         raise SystemExit(2) from None
+    from .batch_runner import SELF_URL
+
+    loopback = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+    app[SELF_URL]["url"] = f"http://{'[' + loopback + ']' if ':' in loopback else loopback}:{port}"  # batch runner
     stop = asyncio.Event()
     reloads: set[asyncio.Task] = set()  # owned: awaited before the workers stop
 

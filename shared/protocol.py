@@ -207,6 +207,10 @@ class GenerateRequest:
     stop: list[str] = field(default_factory=list)
     stream_interval: int = 1  # tokens per delta event
     priority: int = 0  # lower runs first; FCFS within a priority
+    # Fair share (worker/fair_share.py): who sent it, as a stable hash of the API key (never
+    # its name), and the key's weight; requests of one tenant share that tenant's turn.
+    tenant: str | None = None
+    weight: float = 1.0
     # Two bounds: queue + prefill until the first token, then generation from the first token.
     # Long agent prompts on a slow host can take minutes to prefill; that must not eat the
     # time the answer has.
@@ -314,6 +318,10 @@ class SpeechRequest:
     def from_wire(cls, wire: dict) -> SpeechRequest:
         return _from_wire(cls, wire)
 
+
+# Priority of background work (service_tier "flex", batch jobs): after every interactive
+# request (whose priorities are -100..100), and the first to be preempted.
+BACKGROUND_PRIORITY = 1000
 
 # What the gateway submits to a worker: one of these per request.
 WorkerRequest = GenerateRequest | EmbedRequest | TranscribeRequest | SpeechRequest

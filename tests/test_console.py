@@ -214,6 +214,36 @@ def test_console_creates_and_revokes_a_key(console_gateway, browser):
     assert http(f"{console_gateway.url}/v1/chat/completions", "POST", body, auth)[0] == 401
 
 
+def test_console_lists_every_keys_batch_jobs(console_gateway, browser):
+    """Issue 28: a batch made by a non-admin key shows in the admin's console with its owner."""
+    import io
+
+    import openai
+    from selenium.webdriver.common.by import By
+
+    erin = openai.OpenAI(base_url=f"{console_gateway.url}/v1", api_key=USER, max_retries=0)
+    line = {"custom_id": "c1", "method": "POST", "url": "/v1/chat/completions"}
+    line["body"] = {"model": "echo", "messages": [{"role": "user", "content": "hi"}]}
+    upload = io.BytesIO((json.dumps(line) + "\n").encode())
+    upload.name = "in.jsonl"
+    batch = erin.batches.create(
+        input_file_id=erin.files.create(file=upload, purpose="batch").id,
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+    )
+    driver = browser
+    sign_in(driver, console_gateway)
+    driver.find_element(By.CSS_SELECTOR, ".tab-button[data-tab='keys']").click()
+    wait_until(
+        driver,
+        lambda d: any(
+            "erin" in row.text and batch.id[:12] in row.text
+            for row in d.find_elements(By.CSS_SELECTOR, "#batches-table tbody tr")
+        ),
+        what="erin's batch in the batch table",
+    )
+
+
 def test_a_non_admin_key_cannot_sign_in(console_gateway, browser):
     from selenium.webdriver.common.by import By
 

@@ -4,7 +4,9 @@
   tokenizing, constraint) off the engine thread when a Preprocessor is given;
 - bounded waiting queue (`max_queue`): past it a request is refused as overloaded;
 - at most `max_num_seqs` sequences run; new ones are admitted at step boundaries, by
-  (priority, arrival): first come, first served within a priority;
+  priority class, then fair share between tenants (API keys), then arrival
+  (worker/fair_share.py); a request starved beyond a bound preempts a row held beyond its
+  tenant's share (paused with its KV in the prefix cache, resumed where it stopped);
 - each step reads at most `prefill_budget` prompt tokens (padding included) across the rows
   still prefilling, and admits new prompts only while that budget is shared fairly
   (worker/prefill_plan.py): decoding rows never wait for more than one decode step plus one
@@ -18,7 +20,6 @@
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import logging
 import time
@@ -30,6 +31,7 @@ from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
 
 from .budget import ThinkingBudget, check_budget
 from .choices import MAX_CHOICES, ChoiceGroups
+from .fair_share import FairQueue, Row, Waiting, clean_weight
 from .interfaces import TextRunner
 from .isolation import SequenceGuard, as_service_error
 from .output_parser import OutputParser, Parsed
@@ -82,6 +84,22 @@ class Sequence:
     unsent_logprobs: list[dict] = field(default_factory=list)
     sent_delta: bool = False  # the first delta carries cached_tokens
     scorer: object | None = None  # a PromptScorer until its prompt logprobs are computed
+    arrival: int = 0  # its place in the queue (kept when a preempted row re-queues)
+    tokens: list[int] = field(default_factory=list)  # generated so far: a resumed row's prompt grows by them
+    paused: int = 0  # times preempted
+
+    def preemptible(self) -> bool:
+        """Rows that can resume exactly from prompt + generated tokens: no grammar or
+        per-token state outside the tokens, no sibling choices, no images to re-encode."""
+        req = self.req
+        return (
+            self.constraint is None
+            and req.logprobs is None
+            and req.n == 1
+            and not req.images
+            and self.scorer is None
+            and self.paused < 3
+        )
 
     def usage(self) -> p.Usage:
         return p.Usage(len(self.prompt), self.generated, self.cached_tokens)
@@ -111,6 +129,7 @@ class Scheduler:
         capacity: dict | None = None,
         idle_budget_factor: int = IDLE_BUDGET_FACTOR,
         pace: PrefillPace | None = None,
+        fair: FairQueue | None = None,
     ):
         """preprocessor: prepares requests on its own thread; None prepares them in submit
         (in-process tests and benchmarks). prefill_budget: prompt tokens per step across
@@ -118,7 +137,8 @@ class Scheduler:
         step); used only with runners that take a chunk size (set_prefill_chunk).
         capacity: how max_num_seqs was chosen (worker/capacity.py), for stats.
         pace: how fast this host reads prompts, which caps a step's budget so that no step
-        runs long enough to look hung (worker/prefill_plan.py)."""
+        runs long enough to look hung (worker/prefill_plan.py).
+        fair: the waiting queue and its policy (worker/fair_share.py; tests set its bound)."""
         self.runner = runner
         self.max_num_seqs = max_num_seqs
         self.prefill_budget = prefill_budget if hasattr(runner, "set_prefill_chunk") else None
@@ -133,7 +153,7 @@ class Scheduler:
         self._intake: dict[str, _Intake] = {}
         self._seqs: dict[str, Sequence] = {}
         self._by_uid: dict[int, Sequence] = {}
-        self._waiting: list[tuple[int, int, str]] = []
+        self._waiting = fair if fair is not None else FairQueue()
         self._arrivals = itertools.count()
         self.generated_tokens = 0  # lifetime counter, for tokens/s in stats
         self.prefilled_tokens = 0  # prompt tokens computed (not served by the prefix cache)
@@ -270,7 +290,8 @@ class Scheduler:
             seq.phase = "scoring"
             self._scoring.append(req.rid)
         self._seqs[req.rid] = seq
-        heapq.heappush(self._waiting, (req.priority, intake.arrival, req.rid))
+        seq.arrival = intake.arrival
+        self._queue(seq)
         accepted = p.Accepted(prompt_tokens=len(seq.prompt), max_tokens=seq.max_tokens, queued=self.waiting)
         return [(req.rid, accepted.to_wire())]
 
@@ -323,7 +344,7 @@ class Scheduler:
         events: list[Event] = []
         for uid, done, total in out.prefill:
             seq = self._by_uid.get(uid)
-            if seq is not None and done < total:
+            if seq is not None and done < total and not seq.tokens:  # a resumed row's client saw its prompt done
                 seq.phase = "prefill"
                 seq.prefilled = done
                 events.append((seq.req.rid, p.Progress(done, total, seq.cached_tokens or None).to_wire()))
@@ -357,11 +378,14 @@ class Scheduler:
         admission (a vision model's images its vision tower cannot take, or any exception)
         ends with an error; the runner has not taken it, so the others are unaffected."""
         events: list[Event] = []
-        deferred = []
+        deferred: list[Waiting] = []
         self._budget = self._step_budget()
+        events += self._preempt_for_starved()
         while self._waiting and len(self._by_uid) < self.max_num_seqs:
-            entry = heapq.heappop(self._waiting)
-            rid = entry[2]
+            entry = self._waiting.pop(self._rows())
+            if entry is None:
+                break
+            rid = entry.rid
             seq = self._seqs.get(rid)
             if seq is None or seq.uid is not None:
                 continue  # cancelled while queued
@@ -376,21 +400,82 @@ class Scheduler:
                 deferred.append(entry)  # this step's prompt budget is taken: next step
                 break
             try:
-                seq.uid, seq.cached_tokens = self.runner.insert(
-                    seq.prompt, seq.max_tokens, seq.req.sampling, seq.constraint, guard=seq.guard, **self._extra(seq)
-                )
-                self.prefilled_tokens += len(seq.prompt) - seq.cached_tokens
-                seq.to_prefill = max(0, len(seq.prompt) - seq.cached_tokens - 1)
+                self._insert(seq)
             except Exception as e:
                 if not isinstance(e, ServiceError):
                     log.error("admitting %s failed: %r", rid, e, exc_info=e)
                 events.append(self._end(seq, p.error_event(as_service_error(e, "admitting it"))))
                 continue
-            seq.phase = "prefill"
+            seq.phase = "prefill" if not seq.tokens else "decode"
             self._by_uid[seq.uid] = seq
         for entry in deferred:
-            heapq.heappush(self._waiting, entry)
+            self._waiting.push(entry)
         return events
+
+    def _insert(self, seq: Sequence) -> None:
+        """Into the runner; a resumed row continues from its prompt + generated tokens (their
+        KV is in the prefix cache since its pause), for the tokens it has left."""
+        prompt = seq.prompt + seq.tokens
+        uid, cached = self.runner.insert(
+            prompt,
+            seq.max_tokens - seq.generated,
+            seq.req.sampling,
+            seq.constraint,
+            guard=seq.guard,
+            **self._extra(seq),
+        )
+        seq.uid = uid
+        if not seq.tokens:
+            seq.cached_tokens = cached  # usage reports the first admission's cache hit
+        self.prefilled_tokens += len(prompt) - cached
+        seq.to_prefill = max(0, len(prompt) - cached - 1)
+
+    def _queue(self, seq: Sequence) -> None:
+        req = seq.req
+        tenant = req.tenant if isinstance(req.tenant, str) else ""
+        self._waiting.push(
+            Waiting(req.priority, seq.arrival, req.rid, tenant, clean_weight(req.weight), time.monotonic())
+        )
+
+    def _rows(self) -> list[Row]:
+        return [
+            Row(
+                s.req.rid,
+                s.req.tenant or "",
+                clean_weight(s.req.weight),
+                s.req.priority,
+                s.generated,
+                self._pausable(s),
+            )
+            for s in self._by_uid.values()
+        ]
+
+    def _pausable(self, seq: Sequence) -> bool:
+        rid = seq.req.rid  # choices share one prompt's KV: none of them is paused
+        return seq.preemptible() and not self.choices.is_leader(rid) and not self.choices.is_follower(rid)
+
+    def _preempt_for_starved(self) -> list[Event]:
+        """Pause one running row when the request next in line has waited beyond the bound
+        and a row is held beyond its tenant's share (worker/fair_share.py). The paused row's
+        KV goes to the prefix cache (runner.remove) and it re-queues at its old place; the
+        output it has sent stays sent, and it resumes with the next token."""
+        if len(self._by_uid) < self.max_num_seqs or not self._waiting:
+            return []
+        rid = self._waiting.victim(self._rows(), time.monotonic())
+        seq = self._seqs.get(rid or "")
+        if seq is None or seq.uid is None:
+            return []
+        uid = seq.uid
+        try:
+            self.runner.remove([uid])
+        except Exception as e:  # the runner no longer holds it: end it rather than resume blind
+            log.warning("pausing %s failed: %r", seq.req.rid, e)
+            return [self._end(seq, p.error_event(as_service_error(e, "pausing it")), remove=False)]
+        del self._by_uid[uid]
+        seq.uid, seq.paused, seq.phase, seq.to_prefill = None, seq.paused + 1, "queued", 0
+        self._queue(seq)
+        log.info("paused %s (tenant share) after %d tokens", seq.req.rid, seq.generated)
+        return []
 
     def _score(self) -> list[Event]:
         """One chunk of prompt scoring per step, for the oldest request that asked for prompt
@@ -472,6 +557,7 @@ class Scheduler:
             text = seq.text.finish()
         else:
             seq.generated += 1
+            seq.tokens.append(token)
             self.generated_tokens += 1
             if logprobs is not None:  # the end-of-sequence token above is not part of the answer
                 seq.unsent_logprobs.append(logprobs)
@@ -545,6 +631,8 @@ class Scheduler:
             "prefill_budget": self.prefill_budget,
             "prefill_step_budget": self._budget if self.prefill_budget is not None else None,
             "prefill_tokens_per_s": round(self.pace.tokens_per_s, 1) if self.pace.tokens_per_s else None,
+            "fair_share": self._waiting.enabled,
+            "preemptions": self._waiting.preemptions,
         }
 
     @property

@@ -12,7 +12,7 @@ NaN and Infinity fail every range."""
 from __future__ import annotations
 
 import re
-from typing import Annotated, ClassVar
+from typing import Annotated, ClassVar, Literal
 
 import msgspec
 from mlxgw.shared.errors import invalid
@@ -42,6 +42,9 @@ class CommonFields(msgspec.Struct):
     logit_bias: Annotated[dict[TokenId, Bias], M(max_length=1024)] | None = None
     stream: bool | None = None
     priority: Annotated[int, M(ge=-100, le=100)] | None = None
+    # OpenAI's tiers ("flex": background priority, after every interactive request) and
+    # Anthropic's ("standard_only"); the others run as interactive requests.
+    service_tier: Literal["auto", "default", "flex", "priority", "scale", "standard_only"] | None = None
     stream_interval: Annotated[int, M(ge=1, le=1024)] | None = None
     reasoning_budget: Annotated[int, M(ge=0, le=INT32_MAX)] | None = None
 

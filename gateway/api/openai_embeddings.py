@@ -58,7 +58,7 @@ async def embeddings(request: web.Request) -> web.Response:
         inputs=inputs,
         dimensions=v.integer(body, "dimensions", lo=1),
         timeout_s=request.app[SETTINGS].request_timeout_s,
-        priority=v.integer(body, "priority", lo=-100, hi=100, default=0),
+        priority=t.granted_priority(request, v.integer(body, "priority", lo=-100, hi=100, default=0)),
     )
     async with t.generation(request, slot, req) as gen:
         done = await gen.finish_event()

@@ -101,6 +101,13 @@ ROUTES: tuple[Route, ...] = (
     Route(("POST",), "/v1/models/{name}/load", access=Access.ADMIN, **_CONTROL),
     Route(("POST",), "/v1/models/{name}/unload", access=Access.ADMIN, **_CONTROL),
     Route(("POST",), "/v1/models/{name}/pin", access=Access.ADMIN, **_CONTROL),
+    # the Batch and Files API: the jobs' requests are metered one by one as the runner sends them
+    Route(("GET", "POST"), "/v1/files", metered=False),
+    Route(("GET", "DELETE"), "/v1/files/{file_id}", metered=False),
+    Route(("GET",), "/v1/files/{file_id}/content", metered=False),
+    Route(("GET", "POST"), "/v1/batches", metered=False),
+    Route(("GET",), "/v1/batches/{batch_id}", metered=False),
+    Route(("POST",), "/v1/batches/{batch_id}/cancel", metered=False),
     # MCP servers run by the gateway
     Route(("GET",), "/v1/mcp/servers"),
     Route(("GET",), "/v1/mcp/tools"),

@@ -53,6 +53,7 @@ class ParsedRequest:
     api_max_tokens: int | None = None  # the API's own default (legacy Completions: 16)
     stop: list[str] = field(default_factory=list)
     priority: int = 0
+    service_tier: str | None = None  # "flex": background priority
     stream_interval: int | None = None
     # Content a text-only model cannot take, replaced by a placeholder (x-mlxgw-omitted-content).
     omitted: list[str] = field(default_factory=list)
@@ -71,6 +72,7 @@ def parse_common(body: dict, kind: type[CommonFields]) -> dict:
         max_tokens=f.requested_max_tokens(),
         stop=f.stop_list(),
         priority=f.priority or 0,
+        service_tier=f.service_tier,
         stream_interval=f.stream_interval,
         reasoning_budget=f.reasoning_budget,
     )
@@ -110,6 +112,7 @@ async def build_request(request: web.Request, slot, parsed: ParsedRequest) -> p.
         max_tokens = min(max_tokens, settings.max_tokens_cap)
     # A default the client did not ask for is clamped to the context, never refused.
     policy = entry.max_tokens_policy if parsed.max_tokens is not None else "clamp"
+    key = request.get("key")
     messages, images = parsed.messages, None
     if messages is not None:
         messages, images = await collect_images(messages, image_limits(request, slot))
@@ -125,7 +128,9 @@ async def build_request(request: web.Request, slot, parsed: ParsedRequest) -> p.
         max_tokens_policy=policy,
         stop=parsed.stop,
         stream_interval=first_set(parsed.stream_interval, entry.stream_interval),
-        priority=parsed.priority,
+        priority=granted_priority(request, parsed.priority, parsed.service_tier),
+        tenant=key.tenant if key is not None else None,
+        weight=key.weight if key is not None else 1.0,
         timeout_s=settings.request_timeout_s,
         prefill_timeout_s=settings.prefill_timeout_s,
         constraint=parsed.constraint,
@@ -135,6 +140,16 @@ async def build_request(request: web.Request, slot, parsed: ParsedRequest) -> p.
         prompt_logprobs=parsed.prompt_logprobs,
         n=parsed.n,
     )
+
+
+def granted_priority(request: web.Request, requested: int, service_tier: str | None = None) -> int:
+    """The priority a request runs at: background for service_tier "flex" and batch jobs
+    (gateway/batch_runner.py marks its requests), else what it asked, clamped to what its
+    key was granted (keys.yaml min_priority, default 0; without keys, as asked)."""
+    if service_tier == "flex" or request.get("background"):
+        return p.BACKGROUND_PRIORITY
+    key = request.get("key")
+    return key.granted_priority(requested) if key is not None else requested
 
 
 def model_max_new_tokens(entry, models_dir: Path) -> int | None:

@@ -16,6 +16,7 @@ FILES = {
     "index.html": "text/html",
     "console.js": "text/javascript",
     "keys.js": "text/javascript",
+    "batches.js": "text/javascript",
     "playground.js": "text/javascript",
     "console.css": "text/css",
     "favicon.svg": "image/svg+xml",

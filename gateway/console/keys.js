@@ -12,6 +12,7 @@ async function refreshKeys() {
   renderUsage(today.data, week.data);
   renderModelUsage(models.data);
   renderKeys(keys);
+  refreshBatches().catch(() => null); // batches.js
 }
 
 function renderUsage(today, week) {
@@ -58,6 +59,8 @@ function limitsText(k) {
   if (k.aspm != null) parts.push(`${fmtNum(k.aspm)} audio s/min`);
   if (k.max_concurrent != null) parts.push(`${k.max_concurrent} at once`);
   if (k.expires) parts.push(`expires ${k.expires.slice(0, 10)}`);
+  if (k.weight != null && k.weight !== 1) parts.push(`weight ${k.weight}`); // fair share (issue 28)
+  if (k.min_priority) parts.push(`priority from ${k.min_priority}`);
   return parts.join(" · ") || "none";
 }
 

@@ -1,0 +1,144 @@
+"""Who runs next: the admission policy of a generating worker (the scheduler executes it).
+
+Requests wait per tenant (a stable hash of the API key the gateway passes, never its name).
+A free decode row goes to the most urgent priority class first (interactive -100..100, then
+background: service_tier "flex" and batch jobs); within a class, to the tenant holding the
+fewest running rows per unit of its weight (keys.yaml `weight`, default 1), so a key with one
+request gets its turn ahead of another key's 32nd; within a tenant, first come first served.
+With one tenant waiting, it may take every row: an idle machine is never held back.
+
+Admission order alone leaves a late key waiting until a row ends. `victim` names a running
+row to preempt: a background row as soon as an interactive request waits, or, once a waiting
+request has been starved beyond `starve_s`, a row of the tenant most over its share. The
+scheduler pauses
+that row (its KV goes to the prefix cache) and re-queues it to resume where it stopped.
+
+`MLXGW_FAIR_SHARE=off` in the gateway's environment turns tenants off (one FIFO by
+(priority, arrival), as before) for A/B measurements."""
+
+from __future__ import annotations
+
+import heapq
+import math
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+
+from mlxgw.shared.protocol import BACKGROUND_PRIORITY
+
+STARVE_S = 0.25  # a waiting request older than this may preempt a row over its share
+MIN_WEIGHT, MAX_WEIGHT = 0.01, 100.0
+
+
+def enabled_by_env() -> bool:
+    return os.environ.get("MLXGW_FAIR_SHARE", "on").strip().lower() not in ("off", "0", "false", "no")
+
+
+def clean_weight(weight: object) -> float:
+    """A weight the policy can divide by: finite, within [MIN_WEIGHT, MAX_WEIGHT], else 1."""
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight <= 0:
+        return 1.0
+    return min(MAX_WEIGHT, max(MIN_WEIGHT, float(weight)))
+
+
+@dataclass(order=True)
+class Waiting:
+    """One queued request, ordered within its tenant by (priority, arrival)."""
+
+    priority: int
+    arrival: int
+    rid: str = field(compare=False)
+    tenant: str = field(compare=False, default="")
+    weight: float = field(compare=False, default=1.0)
+    since: float = field(compare=False, default=0.0)  # when it (re)joined the queue
+
+
+@dataclass
+class Row:
+    """What the policy needs to know of a running row to pick a preemption victim."""
+
+    rid: str
+    tenant: str
+    weight: float
+    priority: int
+    generated: int
+    preemptible: bool
+
+
+class FairQueue:
+    """The waiting requests of one worker, per tenant."""
+
+    def __init__(self, enabled: bool | None = None, starve_s: float = STARVE_S):
+        self.enabled = enabled_by_env() if enabled is None else enabled
+        self.starve_s = starve_s
+        self._tenants: dict[str, list[Waiting]] = {}
+        self.preemptions = 0  # lifetime, for stats
+
+    def __len__(self) -> int:
+        return sum(len(q) for q in self._tenants.values())
+
+    def __bool__(self) -> bool:
+        return any(self._tenants.values())
+
+    def push(self, entry: Waiting) -> None:
+        if not self.enabled:
+            entry.tenant, entry.weight = "", 1.0
+        heapq.heappush(self._tenants.setdefault(entry.tenant, []), entry)
+
+    def pop(self, rows: list[Row]) -> Waiting | None:
+        """The next request to admit given the rows running now, taken off the queue."""
+        tenant = self._next_tenant(rows)
+        if tenant is None:
+            return None
+        queue = self._tenants[tenant]
+        entry = heapq.heappop(queue)
+        if not queue:
+            del self._tenants[tenant]
+        return entry
+
+    def peek(self, rows: list[Row]) -> Waiting | None:
+        tenant = self._next_tenant(rows)
+        return self._tenants[tenant][0] if tenant is not None else None
+
+    def _next_tenant(self, rows: list[Row]) -> str | None:
+        heads = {t: q[0] for t, q in self._tenants.items() if q}
+        if not heads:
+            return None
+        best = min(h.priority for h in heads.values())
+        running = _running_per_tenant(rows)
+        return min(
+            (t for t, h in heads.items() if h.priority == best),
+            key=lambda t: ((running[t] + 1) / heads[t].weight, heads[t].arrival),
+        )
+
+    def victim(self, rows: list[Row], now: float) -> str | None:
+        """A running row to pause for the request that would be admitted next, when that
+        request has waited beyond the bound and a row is held beyond its tenant's share."""
+        waiter = self.peek(rows)
+        if waiter is None:
+            return None
+        starved = now - waiter.since >= self.starve_s
+        running = _running_per_tenant(rows)
+        waiter_share = (running[waiter.tenant] + 1) / waiter.weight
+
+        def over(row: Row) -> bool:
+            if row.priority >= BACKGROUND_PRIORITY > waiter.priority:
+                return True  # background work yields to an interactive request at once
+            if not starved or not self.enabled or row.tenant == waiter.tenant or row.priority < waiter.priority:
+                return False
+            return running[row.tenant] / row.weight > waiter_share
+
+        candidates = [r for r in rows if r.preemptible and over(r)]
+        if not candidates:
+            return None
+        # Background first, then the tenant furthest over its share, then the row that has
+        # produced least (it loses least by a pause).
+        pick = max(
+            candidates, key=lambda r: (r.priority >= BACKGROUND_PRIORITY, running[r.tenant] / r.weight, -r.generated)
+        )
+        self.preemptions += 1
+        return pick.rid
+
+
+def _running_per_tenant(rows: list[Row]) -> Counter[str]:
+    return Counter(r.tenant for r in rows)
