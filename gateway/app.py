@@ -114,7 +114,12 @@ def make_app(
     )
     m = registry.manager
     broker = Broker(
-        endpoint, heartbeat_s=m.heartbeat_s, liveness=m.liveness, secret=secret, extra_endpoints=extra_endpoints
+        endpoint,
+        heartbeat_s=m.heartbeat_s,
+        liveness=m.liveness,
+        hang_timeout_s=m.hang_timeout_s,
+        secret=secret,
+        extra_endpoints=extra_endpoints,
     )
     manager = ModelManager(registry, broker)
     app[SETTINGS] = settings

@@ -466,9 +466,10 @@ class Broker:
         self._stalled = all_silent
         for conn in conns:
             silent_s = now - conn.last_heard
-            why = live.verdict(silent_s, conn.step_busy_s, self._process_state(conn, silent_s), self.limits, all_silent)
+            process = self._process_state(conn, silent_s)
+            why = live.verdict(silent_s, conn.step_busy_s, process, self.limits, all_silent)
             if why is not None:
-                self.drop(conn, f"worker {why}")
+                self.drop(conn, f"worker {why}", kind=live.loss_kind(process, conn.step_busy_s, self.limits))
 
     def _process_state(self, conn: WorkerConn, silent_s: float) -> live.ProcessState:
         if conn.local_pid is None:
@@ -477,9 +478,16 @@ class Broker:
             return live.ProcessState.RUNNING  # heard from recently: no need to look
         return live.probe(conn.local_pid)
 
-    def drop(self, conn: WorkerConn, reason: str, notify: bool = True, planned: bool = False) -> list[str]:
+    def drop(
+        self,
+        conn: WorkerConn,
+        reason: str,
+        notify: bool = True,
+        planned: bool = False,
+        kind: live.LossKind = live.LossKind.OTHER,
+    ) -> list[str]:
         """Forget a worker: every request in flight on it ends with a worker_lost error.
-        Returns the fingerprints of those requests."""
+        Returns the fingerprints of those requests. kind: why, for the fault counters."""
         if self.conns.get(conn.identity) is not conn:
             return []
         del self.conns[conn.identity]
@@ -496,5 +504,5 @@ class Broker:
         conn.streams.clear()
         conn.state = ConnState.LOST
         if notify:
-            self.events.put_nowait(WorkerLost(conn, reason, tuple(fps)))
+            self.events.put_nowait(WorkerLost(conn, reason, tuple(fps), kind.value))
         return fps

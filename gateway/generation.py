@@ -123,8 +123,9 @@ class Generation:
 
     async def __aenter__(self) -> Generation:
         conn = await self.manager.acquire(self.slot, self._load_tick, self.keepalive_s)
-        self.stream = await self.broker.submit(conn, self.req, self.owner)
         try:
+            # inside: a refusal here (the quarantine's 400) is logged with its real outcome
+            self.stream = await self.broker.submit(conn, self.req, self.owner)
             first = await self._next(None)
             if first.get("e") != p.EV_ACCEPTED:
                 raise_for(first)

@@ -234,6 +234,8 @@ def test_a_request_in_flight_at_two_crashes_is_refused_with_a_400_naming_it(cras
     status = gw.status()
     (entry,) = status["quarantined_requests"]
     assert entry["fingerprint"] in str(info.value) and entry["model"] == "victim"
+    refusal = next(line for line in gw.log().splitlines() if "request_id=poison-2 " in line)
+    assert "status=400" in refusal and "outcome=error:invalid_request" in refusal  # logged as what it was
     out = openai_client(gw).chat.completions.create(
         model="victim", messages=[{"role": "user", "content": "Innocent request 0."}], max_tokens=2
     )

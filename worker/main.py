@@ -110,10 +110,15 @@ def resolve_max_num_seqs(entry: ModelEntry, model_path: Path) -> tuple[ModelEntr
 
 
 def build_scheduler(
-    entry: ModelEntry, runner, preprocessor: Preprocessor | None = None, seqs: SeqsChoice | None = None
+    entry: ModelEntry,
+    runner,
+    preprocessor: Preprocessor | None = None,
+    seqs: SeqsChoice | None = None,
+    hang_timeout_s: float | None = None,
 ):
     """The policy over the runner: input batching for encoders, sequences for the rest.
-    preprocessor: where requests are templated and tokenized (off the engine thread)."""
+    preprocessor: where requests are templated and tokenized (off the engine thread).
+    hang_timeout_s: the gateway's watchdog bound, which paces prefill steps."""
     if entry.kind in ENCODER_KINDS:
         from .embedding.scheduler import EmbedScheduler
 
@@ -132,6 +137,7 @@ def build_scheduler(
         from .audio.speech import SpeechScheduler
 
         return SpeechScheduler(runner, max_queue=entry.max_queue)
+    from .prefill_plan import PrefillPace
     from .scheduler import Scheduler
 
     return Scheduler(
@@ -142,6 +148,7 @@ def build_scheduler(
         preprocessor=preprocessor,
         prefill_budget=entry.prefill_step_size,
         capacity=seqs.as_dict() if seqs else None,
+        pace=PrefillPace.for_hang_timeout(hang_timeout_s),
     )
 
 
@@ -154,6 +161,7 @@ def serve(
     heartbeat_s: float = 1.0,
     liveness: int = 5,
     orphan_after: float | None = 15.0,
+    hang_timeout_s: float | None = None,
 ) -> int:
     hello = {
         "worker_id": worker_id or uuid.uuid4().hex,
@@ -194,7 +202,11 @@ def serve(
     # holds the next request back at most its time budget.
     preprocessor = Preprocessor(threads=1)
     link.busy_probes.append(preprocessor.busy_s)  # the watchdog covers preparation too
-    engine = Engine(link, runner, build_scheduler(entry, runner, preprocessor, seqs))
+    if entry.distributed is None and entry.engine == "mlx" and hasattr(runner, "generator"):
+        from .step_progress import install
+
+        install(runner.model, link.mark_progress)  # a long prefill step is slow, not hung
+    engine = Engine(link, runner, build_scheduler(entry, runner, preprocessor, seqs, hang_timeout_s))
     signal.signal(signal.SIGTERM, lambda *_: setattr(engine, "draining", True))
     # After READY (readiness is not delayed); requests that arrive meanwhile wait in the link.
     restore_into(runner)
@@ -216,6 +228,7 @@ def run_worker(
     heartbeat: float,
     liveness: int,
     orphan_after: float,
+    hang_timeout: float | None = None,
 ) -> None:
     logging.basicConfig(
         level=logging.INFO, stream=sys.stderr, format=f"%(asctime)s worker[{model}] %(levelname)s %(message)s"
@@ -242,5 +255,6 @@ def run_worker(
             heartbeat_s=heartbeat,
             liveness=liveness,
             orphan_after=orphan_after or None,
+            hang_timeout_s=hang_timeout,
         )
     )
