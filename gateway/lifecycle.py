@@ -103,6 +103,7 @@ class ModelSlot:
     restarts: int = 0
     crash_count: int = 0  # exits nobody asked for, watchdog kills not included
     watchdog_kills: int = 0  # workers killed for no progress or silence (never a request's fault)
+    decode_tokens_per_s: float | None = None  # one stream's decode rate, smoothed (generation.py)
     kill_reason: str | None = None  # set when the watchdog kills this slot's worker
     lost_fingerprints: tuple[str, ...] = ()  # requests in flight when its process was seen gone
     loads: int = 0

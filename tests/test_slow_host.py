@@ -99,8 +99,12 @@ def test_prefill_reports_progress_per_layer_group_and_decode_runs_untouched(tiny
     tokens = mx.array([[5, 17, 300, 42, 8, 99, 1000, 7]])
     expected = model(tokens, cache=make_prompt_cache(model))
     marks: list[float] = []
-    per_pass = install(model, lambda: marks.append(time.monotonic()))
+    progress = install(model, lambda: marks.append(time.monotonic()), long_step_s=1.0)
+    per_pass = progress.marks
     assert per_pass == len(model.layers)  # two layers: one group each
+    model(tokens, cache=make_prompt_cache(model))
+    assert marks == []  # steps are short: no marks, no extra synchronisation
+    progress.note_step(1.5)  # a long step: marks on
     got = model(tokens, cache=make_prompt_cache(model))
     assert len(marks) == per_pass
     assert mx.allclose(got, expected).item()

@@ -28,6 +28,8 @@ log = logging.getLogger("mlxgw.worker")
 
 # Default prefix-cache bound when the entry sets none: a share of RAM.
 DEFAULT_CACHE_SHARE = 0.10
+# Layer progress marks turn on once a step takes this fraction of the hang bound (5 s of 120 s).
+LONG_STEP_DIVISOR = 24
 
 
 def build_runner(entry: ModelEntry, model_path: Path):
@@ -205,8 +207,13 @@ def serve(
     if entry.distributed is None and entry.engine == "mlx" and hasattr(runner, "generator"):
         from .step_progress import install
 
-        install(runner.model, link.mark_progress)  # a long prefill step is slow, not hung
+        # a long prefill step is slow, not hung: its layer groups mark progress once steps are long
+        long_step_s = (hang_timeout_s or 120.0) / LONG_STEP_DIVISOR
+        layer_progress = install(runner.model, link.mark_progress, long_step_s)
+    else:
+        layer_progress = None
     engine = Engine(link, runner, build_scheduler(entry, runner, preprocessor, seqs, hang_timeout_s))
+    engine.layer_progress = layer_progress
     signal.signal(signal.SIGTERM, lambda *_: setattr(engine, "draining", True))
     # After READY (readiness is not delayed); requests that arrive meanwhile wait in the link.
     restore_into(runner)

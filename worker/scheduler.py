@@ -513,13 +513,39 @@ class Scheduler:
     def _expire(self, now: float) -> list[Event]:
         events = []
         for seq in [s for s in self._seqs.values() if s.deadline and now >= s.deadline]:
+            if seq.generated > 0:  # a time limit ends the answer, not the request
+                events.append(self._finish_at_time_limit(seq))
+                continue
             if seq.first_token_at is None:
-                why = f"no first token within {_prefill_bound(seq.req):g} s (queue and prompt processing)"
+                bound = prefill_bound_for(seq, self.pace.tokens_per_s)
+                if now < seq.arrived + bound:
+                    continue  # a long prompt on this host: its bound scales with it
+                why = f"no first token within {bound:g} s (queue and prompt processing)"
             else:
                 why = f"the answer took over {seq.req.timeout_s:g} s ({seq.generated} tokens generated)"
             err = ServiceError(ErrorCode.TIMEOUT, f"request timed out: {why}")
             events.append(self._end(seq, p.error_event(err, seq.usage())))
         return events
+
+    def _finish_at_time_limit(self, seq: Sequence) -> Event:
+        """The answer's time bound ran out after tokens were generated: they are the answer,
+        finished with reason length (the client's usual "cut short"), marked time_limited."""
+        text = seq.text.finish()
+        parser = seq.parser
+        if text:
+            seq.unsent.extend(parser.feed(text) if parser else Parsed(text=text))
+        if parser:
+            seq.unsent.extend(parser.finish())
+        log.info(
+            "%s: answer time limit of %g s reached after %d tokens; finished with them",
+            seq.req.rid,
+            seq.req.timeout_s,
+            seq.generated,
+        )
+        end = p.Finish(
+            "length", seq.usage(), logprobs=self._take_logprobs(seq), time_limited=True, **_parts(seq.unsent)
+        )
+        return self._end(seq, end.to_wire())
 
     def _end(self, seq: Sequence, event: dict, remove: bool = True) -> Event:
         self._seqs.pop(seq.req.rid, None)
@@ -587,6 +613,19 @@ class Scheduler:
 
 def _prefill_bound(req: p.GenerateRequest) -> float | None:
     return req.prefill_timeout_s or req.timeout_s
+
+
+PREFILL_TIME_SLACK = 2.0  # a prompt gets twice what this host's measured rate says it needs
+
+
+def prefill_bound_for(seq: Sequence, tokens_per_s: float | None) -> float:
+    """Queue + prompt processing bound: the configured one as a floor, or, for a prompt this
+    host reads slower than that, twice the time its measured prefill rate needs (a stuck
+    worker is the watchdog's: it makes no progress)."""
+    floor = _prefill_bound(seq.req) or 0.0
+    if not tokens_per_s:
+        return floor
+    return max(floor, PREFILL_TIME_SLACK * len(seq.prompt) / tokens_per_s)
 
 
 def _first_deadline(req: p.GenerateRequest, arrived: float) -> float | None:

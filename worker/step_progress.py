@@ -10,8 +10,10 @@ then hung only when one group of layers stops finishing, which no slowness expla
 How: each decoder layer's class is swapped for a subclass whose __call__ evaluates its
 output after every `group`-th layer. Parameters, names and attributes stay those of the
 layer (nothing is wrapped), and one-token decode calls pass straight through, so the
-decode step keeps mlx-lm's asynchronous pipelining. Evaluating a prefill chunk in a few
-pieces costs a few synchronisations per step, nothing per token.
+decode step keeps mlx-lm's asynchronous pipelining. Evaluating a prefill chunk in pieces
+costs a few synchronisations per step: measured, that doubled a test's time with a tiny
+model's millisecond steps, so the marks are on only while steps are long enough for the
+watchdog to care (`LayerProgress.note_step`): on a fast host they cost nothing.
 
 MLXGW_TEST_SLOW_PREFILL_MS (tests only): each prompt token read costs that many more
 milliseconds, spread over the layer groups, as on a host made slow on purpose."""
@@ -47,36 +49,52 @@ def _tokens_in(args: tuple) -> int:
     return 0
 
 
-def install(model, on_progress: Callable[[], None]) -> int:
-    """Make `model`'s prefill report progress per layer group; returns the marks per pass
-    (0 when the model's layers cannot be found: step-level progress still holds)."""
+class LayerProgress:
+    """The switch and the threshold of one model's layer marks."""
+
+    def __init__(self, marks: int, long_step_s: float):
+        self.marks = marks  # progress marks per forward pass (0: the layers were not found)
+        self.long_step_s = long_step_s  # a step this long turns the marks on for the next ones
+        self.enabled = False
+
+    def note_step(self, seconds: float) -> None:
+        """The engine's last step took `seconds`: marks on while steps are long."""
+        self.enabled = self.marks > 0 and seconds >= self.long_step_s
+
+
+def install(model, on_progress: Callable[[], None], long_step_s: float = 5.0) -> LayerProgress:
+    """Make `model`'s prefill report progress per layer group once steps take long_step_s
+    (no layer list found: step-level progress still holds)."""
     layers = _layers(model)
     if layers is None:
         log.info("no decoder layer list found: progress is reported per step only")
-        return 0
+        return LayerProgress(0, long_step_s)
     group = max(1, len(layers) // GROUPS_PER_PASS)
     marks = [i for i in range(len(layers)) if (i + 1) % group == 0 or i == len(layers) - 1]
     slow_ms = float(os.environ.get(SLOW_ENV) or 0)
+    progress = LayerProgress(len(marks), long_step_s)
     classes: dict[type, type] = {}
     for i in marks:
         layer = layers[i]
         base = type(layer)
         if base not in classes:
-            classes[base] = _marking_class(base, on_progress, slow_ms / len(marks))
+            classes[base] = _marking_class(base, on_progress, slow_ms / len(marks), progress)
         layer.__class__ = classes[base]
-    return len(marks)
+    return progress
 
 
-def _marking_class(base: type, on_progress: Callable[[], None], slow_ms: float) -> type:
+def _marking_class(base: type, on_progress: Callable[[], None], slow_ms: float, progress: LayerProgress) -> type:
     def __call__(self, *args, **kwargs):
         out = base.__call__(self, *args, **kwargs)
         tokens = _tokens_in(args)
         if tokens < MIN_TOKENS:
             return out
+        if slow_ms:  # the test's slow host: every prompt token costs time, marks or not
+            time.sleep(tokens * slow_ms / 1000)
+        if not progress.enabled:
+            return out
         if isinstance(out, mx.array):
             mx.eval(out)
-        if slow_ms:
-            time.sleep(tokens * slow_ms / 1000)
         on_progress()
         return out
 
