@@ -226,6 +226,28 @@ def serve(
     return 0
 
 
+class _DropTokenLengthWarning(logging.Filter):
+    """transformers warns "Token indices sequence length is longer than the specified maximum"
+    whenever a prompt is tokenized past the tokenizer's model_max_length: a line untied to any
+    request, about a limit the worker checks itself (a clear 400 naming the lengths)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Token indices sequence length" not in record.getMessage()
+
+
+def quiet_library_warnings() -> None:
+    drop = _DropTokenLengthWarning()
+    for name in ("transformers", "transformers.tokenization_utils_base", "transformers.tokenization_utils_fast"):
+        logging.getLogger(name).addFilter(drop)
+    try:  # transformers' own handler, where its records end up
+        from transformers.utils import logging as hf_logging
+
+        for handler in hf_logging.get_logger().handlers:
+            handler.addFilter(drop)
+    except Exception:  # no transformers, or another version's layout: the logger filters stay
+        pass
+
+
 def run_worker(
     connect: str,
     model: str,
@@ -240,6 +262,7 @@ def run_worker(
     logging.basicConfig(
         level=logging.INFO, stream=sys.stderr, format=f"%(asctime)s worker[{model}] %(levelname)s %(message)s"
     )
+    quiet_library_warnings()
     entry_data = {**json.loads(entry_json), "name": model}
     entry = from_mapping(ModelEntry, entry_data, f"worker {model}")
     from mlxgw.shared.paths import models_dir

@@ -7,6 +7,7 @@ import time
 from datetime import datetime, timezone
 
 from aiohttp import web
+from mlxgw.shared.config import CHAT_KINDS
 from mlxgw.shared.errors import ErrorCode, ServiceError, redact_paths
 
 from ..mcp.hub import MCP
@@ -67,11 +68,19 @@ def _unservable(manager) -> list[dict]:
 @routes.get("/v1/models")
 async def list_models(request: web.Request) -> web.Response:
     anthropic = _is_anthropic(request)
-    data = [_model(request, s, anthropic) for s in request.app[MANAGER].slots.values()]
+    slots = list(request.app[MANAGER].slots.values())
+    # ?kind=chat (or embedding, rerank, audio, speech, vision): for a UI that lists only the
+    # models it can use (Open WebUI offers every listed model as a chat model).
+    kinds = {k for k in request.query.get("kind", "").split(",") if k}
+    if kinds:
+        wanted = kinds | (set(CHAT_KINDS) if "chat" in kinds else set())
+        slots = [s for s in slots if s.entry.kind in wanted]
+    data = [_model(request, s, anthropic) for s in slots]
     if anthropic:
         first, last = (data[0]["id"], data[-1]["id"]) if data else (None, None)
         return web.json_response({"data": data, "has_more": False, "first_id": first, "last_id": last})
-    return web.json_response({"object": "list", "data": data + _unservable(request.app[MANAGER])})
+    unservable = [] if kinds else _unservable(request.app[MANAGER])
+    return web.json_response({"object": "list", "data": data + unservable})
 
 
 @routes.get("/v1/models/{model_id:.+}")
