@@ -109,7 +109,7 @@ class OutputParser:
         elif self.mode == "tool":
             self._emit_call(rest, out, final=True)
         elif self.mode == "fence":  # the model stopped inside its fence
-            self._emit_fence(rest, out)
+            self._emit_fence(rest, out, closed=False)
         elif self.mode == "code":
             out.text += rest
         else:
@@ -220,11 +220,11 @@ class OutputParser:
         self._buf = buf[len(buf) - hold :]
         return False
 
-    def _emit_fence(self, body: str, out: Parsed) -> None:
+    def _emit_fence(self, body: str, out: Parsed, closed: bool = True) -> None:
         try:
             calls = loose_tool_calls(body, self.tools)
         except (ValueError, TypeError):  # not a call of an offered tool: the model's own text
-            out.text += FENCE + body + FENCE
+            out.text += FENCE + body + (FENCE if closed else "")
             return
         self._append_calls(calls, out)
 
