@@ -128,6 +128,7 @@ class Broker:
         self.dropped_messages = 0
         self.host_stalls = 0
         self._local: dict[str, int] = {}  # worker_id -> pid, for processes the manager spawned
+        self._exited_fps: dict[str, list[str]] = {}  # worker_id -> in flight when seen gone
         # Workers that said goodbye (or whose process has exited): a later hello from one of
         # them is a worker on its way out answering our "who are you?", not a new worker.
         self._departed: OrderedDict[str, None] = OrderedDict()
@@ -204,7 +205,7 @@ class Broker:
         still had in flight are returned (the manager decides whether that was a crash)."""
         self._local.pop(worker_id, None)
         self._depart(worker_id)
-        fps: list[str] = []
+        fps: list[str] = self._exited_fps.pop(worker_id, [])  # seen gone by the liveness check first
         for conn in [c for c in self.conns.values() if c.worker_id == worker_id and not c.remote]:
             fps += self.drop(conn, reason, notify=False, planned=planned)
         return fps
@@ -499,6 +500,9 @@ class Broker:
             ErrorCode.WORKER_LOST, f"the worker serving {conn.model} stopped ({reason}); retry the request"
         )
         fps = [s.fingerprint for s in conn.streams.values()]
+        if kind is live.LossKind.EXITED and conn.worker_id in self._local:
+            # a crash of a local process: its exit code decides whether these were to blame
+            self._exited_fps.setdefault(conn.worker_id, []).extend(fps)
         for stream in conn.streams.values():
             stream.push(p.error_event(err))
         conn.streams.clear()

@@ -105,7 +105,6 @@ class ModelSlot:
     watchdog_kills: int = 0  # workers killed for no progress or silence (never a request's fault)
     decode_tokens_per_s: float | None = None  # one stream's decode rate, smoothed (generation.py)
     kill_reason: str | None = None  # set when the watchdog kills this slot's worker
-    lost_fingerprints: tuple[str, ...] = ()  # requests in flight when its process was seen gone
     loads: int = 0
     unloads: int = 0
     last_used: float = field(default_factory=time.monotonic)

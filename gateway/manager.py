@@ -286,10 +286,8 @@ class ModelManager(SlotRunner):
         slot.last_error = event.reason
         proc = slot.process
         ours = proc is not None and proc.worker_id == event.conn.worker_id
-        if event.kind == "exited" and ours:
-            # A crash: whether its requests are to blame depends on how it exited, which the
-            # lifecycle learns from the exit code (slot_runner._count_exit).
-            slot.lost_fingerprints = event.fingerprints
+        # An exit's requests in flight are judged by its exit code (broker.release_local
+        # returns them to the lifecycle); watchdog kills and silence never blame them.
         if ours and proc.running:
             if event.kind in ("no_progress", "silent"):
                 slot.kill_reason = event.reason  # the watchdog's kill, not a crash

@@ -141,7 +141,7 @@ class SlotRunner:
             return self._not_started(slot, e.message, e.retry_after)
         m = self.registry.manager
         slot.loads += 1
-        slot.kill_reason, slot.lost_fingerprints = None, ()
+        slot.kill_reason = None
         proc = await self.spawner(
             self.broker.endpoint,
             slot.entry,
@@ -163,8 +163,6 @@ class SlotRunner:
                 await proc.wait()
         planned = slot.stopping or slot.retired or self.closing
         fps = self.broker.release_local(proc.worker_id, f"process exited with code {code}", planned=planned)
-        fps = fps or list(slot.lost_fingerprints)
-        slot.lost_fingerprints = ()
         slot.process = None
         slot.admitted = False
         if planned:
