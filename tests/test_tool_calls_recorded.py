@@ -93,7 +93,7 @@ def test_smollm2_on_the_recorded_write_tool_through_the_gateway(real_gateway):
         model="smollm2-135m",
         messages=[{"role": "user", "content": rec["task"]}],
         tools=rec["tools"],
-        max_tokens=40,
+        max_tokens=24,
         temperature=0,
     )
     choice = out.choices[0]
