@@ -85,18 +85,13 @@ def test_the_prefill_bound_grows_with_the_prompt_on_a_slow_host(runner):
 
 def test_the_prefill_bound_is_the_floor_or_twice_what_the_measured_rate_needs():
     """The scaling follows the prompt, not the wait: a short prompt keeps the floor."""
-    from mlxgw.worker.prefill_plan import PrefillPace
-    from mlxgw.worker.scheduler import prefill_bound_for
-
-    class Seq:
-        req = GenerateRequest(rid="q", prompt_tokens=[1] * 40, prefill_timeout_s=2)
-        prompt = [1] * 40
+    from mlxgw.worker.prefill_plan import PrefillPace, prefill_bound
 
     pace = PrefillPace()
     pace.observe(100, 1.0)  # 100 tokens/s
-    assert prefill_bound_for(Seq, pace.tokens_per_s) == 2  # the floor
-    Seq.prompt = [1] * 1000
-    assert prefill_bound_for(Seq, pace.tokens_per_s) == 20  # twice the 10 s it needs
+    assert prefill_bound(40, 2, pace.tokens_per_s) == 2  # the floor
+    assert prefill_bound(1000, 2, pace.tokens_per_s) == 20  # twice the 10 s it needs
+    assert prefill_bound(1000, 2, None) == 2  # nothing measured: the floor
 
 
 def test_a_request_without_max_tokens_is_capped_by_the_decode_rate():

@@ -107,3 +107,16 @@ def admit_count(prefilling: list[int], waiting: list[int], budget: int) -> int:
         plan.append(need)
         admitted += 1
     return admitted
+
+
+PREFILL_TIME_SLACK = 2.0  # a prompt gets twice what this host's measured rate says it needs
+
+
+def prefill_bound(prompt_tokens: int, floor_s: float | None, tokens_per_s: float | None) -> float:
+    """Queue + prompt processing bound: the configured one as a floor, or, for a prompt this
+    host reads slower than that, twice the time its measured prefill rate needs (a stuck
+    worker is the watchdog's business: it makes no progress)."""
+    floor = floor_s or 0.0
+    if not tokens_per_s:
+        return floor
+    return max(floor, PREFILL_TIME_SLACK * prompt_tokens / tokens_per_s)

@@ -33,7 +33,7 @@ from .choices import MAX_CHOICES, ChoiceGroups
 from .interfaces import TextRunner
 from .isolation import SequenceGuard, as_service_error
 from .output_parser import OutputParser, Parsed
-from .prefill_plan import PrefillPace, admit_count, chunk_for
+from .prefill_plan import PrefillPace, admit_count, chunk_for, prefill_bound
 from .preprocess import Preprocessor
 from .request_checks import check_generate
 
@@ -517,7 +517,7 @@ class Scheduler:
                 events.append(self._finish_at_time_limit(seq))
                 continue
             if seq.first_token_at is None:
-                bound = prefill_bound_for(seq, self.pace.tokens_per_s)
+                bound = prefill_bound(len(seq.prompt), _prefill_bound(seq.req), self.pace.tokens_per_s)
                 if now < seq.arrived + bound:
                     continue  # a long prompt on this host: its bound scales with it
                 why = f"no first token within {bound:g} s (queue and prompt processing)"
@@ -613,19 +613,6 @@ class Scheduler:
 
 def _prefill_bound(req: p.GenerateRequest) -> float | None:
     return req.prefill_timeout_s or req.timeout_s
-
-
-PREFILL_TIME_SLACK = 2.0  # a prompt gets twice what this host's measured rate says it needs
-
-
-def prefill_bound_for(seq: Sequence, tokens_per_s: float | None) -> float:
-    """Queue + prompt processing bound: the configured one as a floor, or, for a prompt this
-    host reads slower than that, twice the time its measured prefill rate needs (a stuck
-    worker is the watchdog's: it makes no progress)."""
-    floor = _prefill_bound(seq.req) or 0.0
-    if not tokens_per_s:
-        return floor
-    return max(floor, PREFILL_TIME_SLACK * len(seq.prompt) / tokens_per_s)
 
 
 def _first_deadline(req: p.GenerateRequest, arrived: float) -> float | None:
