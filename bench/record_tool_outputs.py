@@ -11,7 +11,7 @@ import sys
 import time
 
 sys.path.insert(0, ".")
-from mlx_lm import load, generate
+from mlx_lm import generate, load
 from mlxgw.worker.tool_formats import generic_chat_messages
 
 cc = json.load(open("tests/fixtures/claude_code_request.json"))
