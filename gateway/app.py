@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import re
 import secrets
 from collections import OrderedDict
@@ -91,7 +92,8 @@ async def error_middleware(request: web.Request, handler):
 
 def default_endpoint(run_dir: Path) -> str:
     run_dir.mkdir(parents=True, exist_ok=True)
-    return f"ipc://{run_dir / f'gateway-{secrets.token_hex(4)}.sock'}"
+    # The owner's pid in the name: another gateway on the same MLXGW_HOME never takes it for stale.
+    return f"ipc://{run_dir / f'gateway-{os.getpid()}-{secrets.token_hex(4)}.sock'}"
 
 
 def make_app(
@@ -118,7 +120,12 @@ def make_app(
     )
     m = registry.manager
     broker = Broker(
-        endpoint, heartbeat_s=m.heartbeat_s, liveness=m.liveness, secret=secret, extra_endpoints=extra_endpoints
+        endpoint,
+        heartbeat_s=m.heartbeat_s,
+        liveness=m.liveness,
+        hang_timeout_s=m.hang_timeout_s,
+        secret=secret,
+        extra_endpoints=extra_endpoints,
     )
     manager = ModelManager(registry, broker)
     app[SETTINGS] = settings

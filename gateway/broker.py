@@ -128,6 +128,7 @@ class Broker:
         self.dropped_messages = 0
         self.host_stalls = 0
         self._local: dict[str, int] = {}  # worker_id -> pid, for processes the manager spawned
+        self._exited_fps: dict[str, list[str]] = {}  # worker_id -> in flight when seen gone
         # Workers that said goodbye (or whose process has exited): a later hello from one of
         # them is a worker on its way out answering our "who are you?", not a new worker.
         self._departed: OrderedDict[str, None] = OrderedDict()
@@ -205,7 +206,7 @@ class Broker:
         still had in flight are returned (the manager decides whether that was a crash)."""
         self._local.pop(worker_id, None)
         self._depart(worker_id)
-        fps: list[str] = []
+        fps: list[str] = self._exited_fps.pop(worker_id, [])  # seen gone by the liveness check first
         for conn in [c for c in self.conns.values() if c.worker_id == worker_id and not c.remote]:
             fps += self.drop(conn, reason, notify=False, planned=planned)
         return fps
@@ -469,9 +470,10 @@ class Broker:
         self._stalled = all_silent
         for conn in conns:
             silent_s = now - conn.last_heard
-            why = live.verdict(silent_s, conn.step_busy_s, self._process_state(conn, silent_s), self.limits, all_silent)
+            process = self._process_state(conn, silent_s)
+            why = live.verdict(silent_s, conn.step_busy_s, process, self.limits, all_silent)
             if why is not None:
-                self.drop(conn, f"worker {why}")
+                self.drop(conn, f"worker {why}", kind=live.loss_kind(process, conn.step_busy_s, self.limits))
 
     def _process_state(self, conn: WorkerConn, silent_s: float) -> live.ProcessState:
         if conn.local_pid is None:
@@ -480,9 +482,16 @@ class Broker:
             return live.ProcessState.RUNNING  # heard from recently: no need to look
         return live.probe(conn.local_pid)
 
-    def drop(self, conn: WorkerConn, reason: str, notify: bool = True, planned: bool = False) -> list[str]:
+    def drop(
+        self,
+        conn: WorkerConn,
+        reason: str,
+        notify: bool = True,
+        planned: bool = False,
+        kind: live.LossKind = live.LossKind.OTHER,
+    ) -> list[str]:
         """Forget a worker: every request in flight on it ends with a worker_lost error.
-        Returns the fingerprints of those requests."""
+        Returns the fingerprints of those requests. kind: why, for the fault counters."""
         if self.conns.get(conn.identity) is not conn:
             return []
         del self.conns[conn.identity]
@@ -494,6 +503,9 @@ class Broker:
             ErrorCode.WORKER_LOST, f"the worker serving {conn.model} stopped ({reason}); retry the request"
         )
         fps = [s.fingerprint for s in conn.streams.values()]
+        if kind is live.LossKind.EXITED and conn.worker_id in self._local:
+            # a crash of a local process: its exit code decides whether these were to blame
+            self._exited_fps.setdefault(conn.worker_id, []).extend(fps)
         for stream in conn.streams.values():
             stream.push(p.error_event(err))
         conn.streams.clear()
@@ -503,5 +515,5 @@ class Broker:
                 fut.set_result({"ok": False, "error": err.to_wire()})
         conn.state = ConnState.LOST
         if notify:
-            self.events.put_nowait(WorkerLost(conn, reason, tuple(fps)))
+            self.events.put_nowait(WorkerLost(conn, reason, tuple(fps), kind.value))
         return fps

@@ -75,6 +75,13 @@ from mlxgw.shared.resources import default_config
     help="fetch http(s) image URLs for vision models (public addresses only) [gateway.allow_image_urls: off]",
 )
 @click.option("--max-image-mb", type=float, default=None, help="largest accepted image [gateway.max_image_mb: 8]")
+@click.option(
+    "--echo",
+    "echo_model",
+    is_flag=True,
+    default=False,
+    help="also serve `echo`, a model that repeats the last message instantly (tool calls too): for trying clients",
+)
 def up(config_path: Path | None, worker_listen: tuple[str, ...], keys_path: Path | None, **flags) -> None:
     """Start the gateway and the workers of the models in the registry."""
     import os
@@ -101,11 +108,29 @@ def up(config_path: Path | None, worker_listen: tuple[str, ...], keys_path: Path
     if keys_path is not None and not keys_path.exists():
         click.echo(f"error: keys file {keys_path} does not exist (create keys with `mlxgw keys create`)", err=True)
         sys.exit(2)
+    if flags.pop("echo_model", False):
+        registry = with_echo_model(registry)
     gw = gateway_config(registry.gateway, flags)
     if gw.host not in ("127.0.0.1", "localhost", "::1") and keys_path is None:
         click.echo(f"warning: listening on {gw.host} without API keys: anyone who can reach it can use it", err=True)
     settings = gateway_settings(gw, keys_path=keys_path, metrics_token=flags.get("metrics_token"))
     run(registry, settings, gw.host, gw.port, config_path=config_path, extra_endpoints=worker_listen, secret=secret)
+
+
+ECHO_MODEL = "echo"
+
+
+def with_echo_model(registry):
+    """The registry plus the echo engine under the name `echo` (no weights, no load time):
+    point a client at model `echo` to try its requests, tool loops included."""
+    import dataclasses
+
+    from mlxgw.shared.config import ModelEntry
+
+    if any(m.name == ECHO_MODEL for m in registry.models):
+        return registry
+    echo = ModelEntry(name=ECHO_MODEL, engine="echo", preload=True)
+    return dataclasses.replace(registry, models=[*registry.models, echo])
 
 
 # `mlxgw up` flag -> gateway: field it overrides

@@ -26,6 +26,7 @@ LOAD_KEEPALIVE_AFTER_S = 20.0
 # Gateway-side safety margin over the worker's own timeout: if the worker says nothing at
 # all for this long past the deadline, the request ends with an error anyway.
 DEADLINE_SLACK_S = 30.0
+RATE_SAMPLE_MIN_TOKENS = 8  # a shorter answer says little about the decode rate
 
 
 @dataclass
@@ -115,7 +116,9 @@ class Generation:
         # token the queue + prefill bound, then the generation bound from the first token.
         self._timeout_s = getattr(req, "timeout_s", None) or 300
         first = getattr(req, "prefill_timeout_s", None) or self._timeout_s
+        self._first_bound_s = first
         self._deadline = self.started + first + DEADLINE_SLACK_S
+        self.time_limited = False  # the answer was cut by its time bound (finish reason length)
 
     async def _load_tick(self) -> None:
         if self.on_wait is not None and time.monotonic() - self.started >= LOAD_KEEPALIVE_AFTER_S:
@@ -123,8 +126,9 @@ class Generation:
 
     async def __aenter__(self) -> Generation:
         conn = await self.manager.acquire(self.slot, self._load_tick, self.keepalive_s)
-        self.stream = await self.broker.submit(conn, self.req, self.owner)
         try:
+            # inside: a refusal here (the quarantine's 400) is logged with its real outcome
+            self.stream = await self.broker.submit(conn, self.req, self.owner)
             first = await self._next(None)
             if first.get("e") != p.EV_ACCEPTED:
                 raise_for(first)
@@ -154,6 +158,19 @@ class Generation:
             except ServiceError:
                 pass  # the worker is gone; nothing left to cancel
         self.slot.last_used = time.monotonic()
+        self._note_decode_rate()
+
+    def _note_decode_rate(self) -> None:
+        """One stream's tokens per second after its first, smoothed over requests: what a
+        request without max_tokens is capped by (api/translate.rate_cap)."""
+        n = self.usage.completion_tokens
+        if self.first_token_at is None or n < RATE_SAMPLE_MIN_TOKENS:
+            return
+        seconds = time.monotonic() - self.first_token_at
+        if seconds <= 0:
+            return
+        rate, old = (n - 1) / seconds, self.slot.decode_tokens_per_s
+        self.slot.decode_tokens_per_s = rate if old is None else 0.7 * old + 0.3 * rate
 
     async def _next(self, timeout: float | None) -> dict:
         stream = self.stream
@@ -188,11 +205,16 @@ class Generation:
             self._mark_tokens(int(event.get("n", 0)))
         elif kind == p.EV_PROMPT_LOGPROBS:
             self.prompt_logprobs = list(event.get("entries") or [])
+        elif kind == p.EV_PROGRESS and self.first_token_at is None:
+            # The worker's prefill bound scales with the prompt and its host's measured rate
+            # (worker/scheduler.prefill_bound_for); this backstop only catches a silent worker.
+            self._deadline = max(self._deadline, time.monotonic() + self._first_bound_s + DEADLINE_SLACK_S)
         if kind in (p.EV_DELTA, p.EV_PROGRESS) and "cached" in event:
             # the first delta, or prefill progress: a stream cut before its finish still logs its cache hit
             self.usage.cached_tokens = p.Usage.from_wire({"cached_tokens": event["cached"]}).cached_tokens
         if kind in (p.EV_FINISH, p.EV_ERROR):
             self.outcome = event.get("reason") if kind == p.EV_FINISH else f"error:{event.get('code')}"
+            self.time_limited = bool(event.get("time_limited"))
             self.usage = p.Usage.from_wire(event["usage"]) if "usage" in event else self.usage
             if self.first_token_at is None and event.get("text"):
                 self.first_token_at = time.monotonic()

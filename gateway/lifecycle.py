@@ -101,6 +101,10 @@ class ModelSlot:
     failed_until: float = 0.0
     retry_now: bool = False  # `mlxgw reload` asks a failed slot to try again
     restarts: int = 0
+    crash_count: int = 0  # exits nobody asked for, watchdog kills not included
+    watchdog_kills: int = 0  # workers killed for no progress or silence (never a request's fault)
+    decode_tokens_per_s: float | None = None  # one stream's decode rate, smoothed (generation.py)
+    kill_reason: str | None = None  # set when the watchdog kills this slot's worker
     loads: int = 0
     unloads: int = 0
     last_used: float = field(default_factory=time.monotonic)

@@ -5,8 +5,14 @@ SIGSTOP of the gateway) every heartbeat is late, and killing workers then ends r
 that would have finished. So:
 - a gateway that missed its own ticks blames nobody (its clock jumped, not the workers');
 - a local worker is judged by its own process: stopped (SIGSTOP, a debugger) or gone is
-  dead; running but silent is dead only once its engine watchdog said it was stuck in one
-  step, or after a hard bound;
+  dead; running but silent is dead only once its engine watchdog said it made no progress
+  for the hang bound, or after a hard bound;
+- a busy worker is hung when it makes no progress, not when a step is long: the worker's
+  heartbeats carry the seconds since its last progress (a finished step, or a layer group
+  of a prefill step: worker/step_progress.py), so a slow host is never a hang;
+- what killed a worker is kept apart (`LossKind`): its process exiting is a crash, and only
+  a crash can make a request poison (gateway/quarantine.py); a kill for no progress or for
+  silence is the watchdog's, counted apart and never blamed on the requests in flight;
 - when every worker goes silent at once, that is logged as a host stall and they get
   time, up to the same hard bound; a remote worker (no process to look at) is otherwise
   dead after `liveness` missed heartbeats."""
@@ -17,6 +23,22 @@ from dataclasses import dataclass
 from enum import Enum
 
 import psutil
+
+
+class LossKind(str, Enum):
+    EXITED = "exited"  # the process ended by itself: a crash (its exit code says which kind)
+    NO_PROGRESS = "no_progress"  # the watchdog: busy past the hang bound without progress
+    SILENT = "silent"  # the watchdog: no heartbeats (stopped, or a remote worker unreachable)
+    OTHER = "other"  # planned, or a protocol-level goodbye
+
+
+def loss_kind(process: ProcessState, step_busy_s: float, limits: Limits) -> LossKind:
+    """Which of the verdict's reasons applied (verdict's own order)."""
+    if process is ProcessState.GONE:
+        return LossKind.EXITED
+    if step_busy_s > limits.hang_timeout_s:
+        return LossKind.NO_PROGRESS
+    return LossKind.SILENT
 
 
 class ProcessState(str, Enum):
@@ -45,7 +67,7 @@ def probe(pid: int | None) -> ProcessState:
 @dataclass(frozen=True)
 class Limits:
     window_s: float  # heartbeat_s * liveness
-    hang_timeout_s: float  # one engine step longer than this is a hang (the worker's watchdog)
+    hang_timeout_s: float  # busy this long without progress is a hang (the worker's watchdog)
 
     @property
     def hard_silence_s(self) -> float:
@@ -63,7 +85,7 @@ def verdict(silent_s: float, step_busy_s: float, process: ProcessState, limits: 
     if process is ProcessState.GONE:
         return "its process has exited"
     if step_busy_s > limits.hang_timeout_s:
-        return f"hung in one engine step for {step_busy_s:.0f} s"
+        return f"made no progress for {step_busy_s:.0f} s (hang watchdog)"
     if silent_s <= limits.window_s:
         return None
     if process is ProcessState.STOPPED:
@@ -72,7 +94,9 @@ def verdict(silent_s: float, step_busy_s: float, process: ProcessState, limits: 
         return f"silent for {silent_s:.1f} s"
     if process is ProcessState.RUNNING:
         if step_busy_s + silent_s > limits.hang_timeout_s:
-            return f"silent for {silent_s:.1f} s after its engine watchdog reported a step of {step_busy_s:.0f} s"
+            return (
+                f"silent for {silent_s:.1f} s after its engine watchdog reported {step_busy_s:.0f} s without progress"
+            )
         return None  # alive as a process: slow, not dead
     if host_stall:
         return None

@@ -299,10 +299,13 @@ class ModelManager(SlotRunner):
         if slot.stopping or slot.retired:
             return  # leaving because we asked it to: not an error
         slot.last_error = event.reason
-        if event.fingerprints:
-            self.broker.quarantine.record_crash(slot.name, list(event.fingerprints))
         proc = slot.process
-        if proc is not None and proc.worker_id == event.conn.worker_id and proc.running:
+        ours = proc is not None and proc.worker_id == event.conn.worker_id
+        # An exit's requests in flight are judged by its exit code (broker.release_local
+        # returns them to the lifecycle); watchdog kills and silence never blame them.
+        if ours and proc.running:
+            if event.kind in ("no_progress", "silent"):
+                slot.kill_reason = event.reason  # the watchdog's kill, not a crash
             proc.signal(signal.SIGKILL)  # silent or hung: make sure it is gone; the lifecycle sees it exit
         elif event.conn.remote and not self.broker.ready_workers(slot.name) and slot.process is None:
             self._set(slot, SlotState.UNLOADED)  # its last remote worker left
@@ -383,6 +386,8 @@ class ModelManager(SlotRunner):
             "loads": slot.loads,
             "unloads": slot.unloads,
             "restarts": slot.restarts,
+            "crashes": slot.crash_count,
+            "watchdog_kills": slot.watchdog_kills,
             "load_seconds": slot.load_seconds,
             "in_flight": in_flight,
             "idle_s": round(time.monotonic() - slot.last_used, 1) if in_flight == 0 else 0.0,

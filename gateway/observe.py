@@ -88,6 +88,7 @@ def _log(request: web.Request, route: str, statuses: tuple, key: str, model: str
             completion_tokens=u.completion_tokens,
             cached_tokens=u.cached_tokens,
             outcome=gen.outcome,
+            time_limited=True if getattr(gen, "time_limited", False) else None,  # cut by request_timeout_s
             ttft_s=round(gen.first_token_at - gen.started, 4) if gen.first_token_at else None,
         )
         if settings.log_prompts:

@@ -75,12 +75,23 @@ def _stale_socket(path: Path) -> bool:
     return False
 
 
+def _owner_alive(sock: Path) -> bool:
+    """Whether the socket's name (gateway-PID-HEX.sock) names a running gateway: several
+    gateways may share one MLXGW_HOME, and one busy or paused must keep its socket."""
+    parts = sock.stem.split("-")
+    if len(parts) < 3 or not parts[1].isdigit():
+        return False  # an older name: only the connect test decides
+    pid = int(parts[1])
+    return pid == os.getpid() or is_gateway(pid)
+
+
 def clean_stale_run_files(run_dir: Path | None = None) -> list[Path]:
-    """Remove ipc sockets nobody listens on and pid files of processes that are gone."""
+    """Remove ipc sockets nobody listens on and pid files of processes that are gone;
+    another running gateway's files are never touched."""
     run_dir = run_dir or paths.run_dir()
     removed: list[Path] = []
     for sock in run_dir.glob("gateway-*.sock"):
-        if _stale_socket(sock):
+        if not _owner_alive(sock) and _stale_socket(sock):
             sock.unlink(missing_ok=True)
             removed.append(sock)
     for pidf in run_dir.glob("gateway-*.pid"):

@@ -20,6 +20,7 @@ from .app import default_endpoint, make_app
 from .edge import EdgeRunner, edge_limits
 from .logcap import install_log_limits
 from .runfiles import PortBusy, check_port, clean_stale_run_files, remove_pid_file, write_pid_file
+from .lifecycle import SlotState
 from .state import MANAGER, GatewaySettings
 
 log = logging.getLogger("mlxgw.gateway")
@@ -91,15 +92,47 @@ async def serve(
     if host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("listening on %s: reachable from other machines", host)
     pid_path = write_pid_file(port)
+    announcer = asyncio.create_task(announce_ready(app[MANAGER], f"http://{host}:{port}"))
     try:
-        await app[MANAGER].wait_preloaded()
-        print(f"mlxgw ready on http://{host}:{port}", flush=True)
         await stop.wait()
+        announcer.cancel()
         log.info("shutting down")
         await asyncio.gather(*reloads, return_exceptions=True)
         await runner.cleanup()
     finally:
         remove_pid_file(pid_path)
+
+
+def _preloaded(manager) -> list:
+    return [s for s in manager.slots.values() if s.entry.preload and not s.entry.remote_only]
+
+
+async def announce_ready(manager, url: str) -> None:
+    """A line per preloaded model when it is ready (or failed), and the ready line once they
+    all are; past the load timeout, "ready; loading N models" and the rest as they come."""
+    deadline = asyncio.get_running_loop().time() + manager.registry.manager.load_timeout_s
+    told: set[str] = set()
+    ready_said = False
+    while True:
+        for slot in _preloaded(manager):
+            if slot.name in told:
+                continue
+            if slot.state is SlotState.READY:
+                took = f" in {slot.load_seconds:.1f} s" if slot.load_seconds is not None else ""
+                print(f"mlxgw: model {slot.name} ready{took}", flush=True)
+                told.add(slot.name)
+            elif slot.state is SlotState.FAILED or slot.load_error is not None:
+                print(f"mlxgw: model {slot.name} failed to load: {slot.last_error or slot.load_error}", flush=True)
+                told.add(slot.name)
+        loading = [s.name for s in _preloaded(manager) if s.name not in told]
+        left = deadline - asyncio.get_running_loop().time()
+        if not ready_said and (not loading or left <= 0):
+            note = f"; loading {len(loading)} models ({', '.join(loading)})" if loading else ""
+            print(f"mlxgw ready on {url}{note}", flush=True)
+            ready_said = True
+        if not loading:
+            return
+        await manager.changed.wait(left if left > 0 else None)
 
 
 def run(registry: Registry, settings: GatewaySettings, host: str, port: int, **kwargs) -> None:

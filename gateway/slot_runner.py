@@ -23,6 +23,22 @@ from .lifecycle import ModelSlot, Pulse, SlotState
 from .rank_group import sharding_refusal
 from .residency import Occupant, Residency
 
+# Exits a request in flight may have caused: native faults, and SIGKILL that the gateway did
+# not send (the kernel's out-of-memory killer); a Python-level failure of the batched step
+# exits non-zero. SIGTERM/SIGINT from someone else, or a clean exit, blame nobody.
+REQUEST_FAULT_SIGNALS = frozenset(
+    {signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT, signal.SIGKILL}
+)
+
+
+def request_may_have_caused(code: int | None) -> bool:
+    if code is None or code == 0:
+        return False
+    if code < 0:
+        return -code in REQUEST_FAULT_SIGNALS
+    return True
+
+
 log = logging.getLogger("mlxgw.manager")
 
 STOP_GRACE_S = 30.0
@@ -129,8 +145,14 @@ class SlotRunner:
             return self._not_started(slot, e.message, e.retry_after)
         m = self.registry.manager
         slot.loads += 1
+        slot.kill_reason = None
         proc = await self.spawner(
-            self.broker.endpoint, slot.entry, path, heartbeat_s=m.heartbeat_s, liveness=m.liveness
+            self.broker.endpoint,
+            slot.entry,
+            path,
+            heartbeat_s=m.heartbeat_s,
+            liveness=m.liveness,
+            hang_timeout_s=m.hang_timeout_s,
         )
         slot.process = proc
         self.broker.expect_local(proc.worker_id, proc.pid)
@@ -149,7 +171,7 @@ class SlotRunner:
         slot.admitted = False
         if planned:
             slot.unloads += 1
-        elif fps:
+        elif fps and slot.kill_reason is None and request_may_have_caused(code):
             self.broker.quarantine.record_crash(slot.name, fps)
         return code
 
@@ -186,18 +208,33 @@ class SlotRunner:
                 await self.changed.wait(remaining)
 
     def _crashed(self, slot: ModelSlot, code: int) -> float | None:
-        """Count an exit nobody asked for; the backoff before the restart, None for a loop."""
+        """Count an exit nobody asked for (a crash, or the watchdog's kill: counted apart);
+        the backoff before the restart, None for a loop."""
         now = time.monotonic()
         if slot.ready_since is not None and now - slot.ready_since > slot.crashes.window_s:
             slot.crashes.loops = 0  # it had been healthy for a while
         slot.ready_since = None
-        n = slot.crashes.record(now)
+        n = slot.crashes.record(now)  # either way a restart: the backoff bounds how often
+        killed, slot.kill_reason = slot.kill_reason, None
+        if killed is None:
+            slot.crash_count += 1
+        else:
+            slot.watchdog_kills += 1
         if slot.state is not SlotState.LOADING or not slot.last_error:
             slot.last_error = f"worker exited with code {code}"
         if slot.crashes.looping:
             return None
         delay = slot.crashes.backoff_s()
-        log.warning("worker for %s exited (code %s, crash %d); restarting in %g s", slot.name, code, n, delay)
+        if killed is not None:
+            log.warning(
+                "worker for %s killed by the watchdog (%s; watchdog kill %d, not a crash); restarting in %g s",
+                slot.name,
+                killed,
+                slot.watchdog_kills,
+                delay,
+            )
+        else:
+            log.warning("worker for %s exited (code %s, crash %d); restarting in %g s", slot.name, code, n, delay)
         slot.restarts += 1
         return delay
 

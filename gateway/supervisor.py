@@ -59,8 +59,9 @@ async def spawn_worker(
     *,
     heartbeat_s: float,
     liveness: int,
+    hang_timeout_s: float = 120.0,
 ) -> WorkerProcess | RankGroup:
-    flags = ["--heartbeat", str(heartbeat_s), "--liveness", str(liveness)]
+    flags = ["--heartbeat", str(heartbeat_s), "--liveness", str(liveness), "--hang-timeout", str(hang_timeout_s)]
     if entry.distributed is not None:  # a sharded model: its ranks, as one handle
         return await spawn_group(endpoint, entry, model_path, flags)
     worker_id = uuid.uuid4().hex

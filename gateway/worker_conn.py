@@ -131,6 +131,7 @@ class WorkerLost:
     conn: WorkerConn
     reason: str
     fingerprints: tuple[str, ...]  # of the requests it had in flight
+    kind: str = "other"  # liveness.LossKind: only an exit can be a request's fault
 
 
 @dataclass(frozen=True)

@@ -146,6 +146,8 @@ class ManagerConfig:
     discover_paths: list[str] | None = None
     heartbeat_s: float = 1.0
     liveness: int = 5  # missed heartbeats before a worker is declared dead
+    # A worker busy this long without progress (a step, or a layer group of a prefill) is hung.
+    hang_timeout_s: float = 120
     load_timeout_s: float = 300
     failed_retry_s: float = 300  # a crash-looping model is tried again after this (doubling)
     usage_ledger: bool = True  # record every API request in $MLXGW_HOME/usage.db (gateway/ledger.py)
@@ -223,7 +225,7 @@ def _at_least(where: str, obj: Any, minimum: float, names: tuple[str, ...], stri
 
 
 def _check_manager(m: ManagerConfig, where: str) -> None:
-    _at_least(where, m, 0, ("heartbeat_s", "load_timeout_s", "failed_retry_s"), strict=True)
+    _at_least(where, m, 0, ("heartbeat_s", "load_timeout_s", "failed_retry_s", "hang_timeout_s"), strict=True)
     _at_least(where, m, 0, ("idle_unload_s", "wait_timeout_s", "usage_retention_days"))
     _at_least(where, m, 1, ("liveness", "max_loaded_models"))
     try:

@@ -444,6 +444,9 @@ class Finish:
     duration: float | None = None
     audio: bytes | None = None
     sample_rate: int | None = None
+    # reason "length" because the answer's time bound ran out (not max_tokens): the text so
+    # far is the answer, cut (gateway.request_timeout_s)
+    time_limited: bool | None = None
 
     def to_wire(self) -> dict:
         return _wire(EV_FINISH, self)

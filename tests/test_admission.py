@@ -23,10 +23,16 @@ def runner(tiny_dir):
 
 
 def _scheduler(runner, budget: int | None = BUDGET):
+    from mlxgw.worker.prefill_plan import PrefillPace
     from mlxgw.worker.scheduler import Scheduler
 
     runner.cache_clear()
-    return Scheduler(runner, max_num_seqs=8, max_queue=16, prefill_budget=budget)
+    runner.set_prefill_chunk(BUDGET)  # as built: a test before may have left another chunk
+    # A host whose prefill rate is measured and fast: admission alone decides (a fresh worker's
+    # first step is bounded instead: tests/test_prefill_pace.py).
+    pace = PrefillPace()
+    pace.observe(1_000_000, 1.0)
+    return Scheduler(runner, max_num_seqs=8, max_queue=16, prefill_budget=budget, pace=pace)
 
 
 def _submit(sched, rid: str, length: int, max_tokens: int) -> None:

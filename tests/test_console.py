@@ -317,3 +317,24 @@ def test_console_keeps_updating_while_the_gateway_is_under_load(console_gateway,
         stop.set()
         loader.join(300)
     assert outcome["done"] >= 256 and outcome["failed"] == 0
+
+
+def test_with_keys_off_on_loopback_the_console_opens_without_a_sign_in(tiny_gateway, browser):
+    """The quick start runs without keys: the console must not show a sign-in nothing can pass."""
+    from selenium.webdriver.common.by import By
+
+    driver = browser
+    driver.get(f"{tiny_gateway.url}/ui")
+    wait_until(driver, lambda d: d.find_element(By.ID, "app").is_displayed(), what="the console, no sign-in")
+    assert not driver.find_element(By.ID, "login").is_displayed()
+    wait_until(driver, lambda d: d.find_elements(By.CSS_SELECTOR, "tr[data-model='tiny']"), what="the models table")
+
+
+def test_with_keys_on_the_sign_in_says_how_to_create_an_admin_key(console_gateway, browser):
+    from selenium.webdriver.common.by import By
+
+    driver = browser
+    driver.get(f"{console_gateway.url}/ui")
+    wait_until(driver, lambda d: d.find_element(By.ID, "login-key").is_displayed(), what="the sign-in form")
+    assert "mlxgw keys create NAME --admin" in driver.find_element(By.ID, "login").text
+    assert driver.find_element(By.ID, "login-error").text == ""  # nothing was typed: nothing refused

@@ -111,7 +111,7 @@ class FakeSpawner:
         self.most_alive: dict[str, int] = {}  # per model: the most processes alive at once
         self.most_alive_total = 0
 
-    async def __call__(self, endpoint, entry, path, *, heartbeat_s, liveness) -> FakeProcess:
+    async def __call__(self, endpoint, entry, path, *, heartbeat_s, liveness, **_) -> FakeProcess:
         behaviours = self.script.get(entry.name) or []
         proc = FakeProcess(self, entry.name, behaviours.pop(0) if behaviours else "ready")
         self.spawned.append(proc)

@@ -12,7 +12,7 @@ import time
 
 import pytest
 from mlxgw.shared.protocol import GenerateRequest, SamplingParams
-from mlxgw.worker.prefill_plan import MIN_PACED_BUDGET, PrefillPace
+from mlxgw.worker.prefill_plan import FIRST_STEP_BUDGET, MIN_PACED_BUDGET, PrefillPace
 
 BUDGET = 128
 SECONDS_PER_TOKEN = 0.002  # a host that reads at most 500 prompt tokens a second
@@ -67,7 +67,7 @@ def test_a_slow_host_reads_a_long_prompt_in_steps_that_fit_the_step_time(runner)
     max_step_s = 0.1  # at 500 tokens/s: at most 50 tokens a step
     reads = _read_a_long_prompt(runner, PrefillPace(max_step_s=max_step_s))
     cap = max(MIN_PACED_BUDGET, int(max_step_s / SECONDS_PER_TOKEN))
-    assert reads[0] > cap  # the first step, unmeasured, reads the idle burst
+    assert reads[0] == FIRST_STEP_BUDGET  # the first step, unmeasured, is bounded from the start
     assert max(reads[1:]) <= cap, reads
     assert sum(reads) == 12 * BUDGET - 1
 
@@ -101,7 +101,7 @@ def test_while_a_row_decodes_a_prefill_step_keeps_to_the_shorter_bound(runner):
 
 def test_the_pace_follows_a_slowdown_at_once_and_recovers_over_steps():
     pace = PrefillPace(max_step_s=10)
-    assert pace.cap(8192) == 8192  # nothing measured yet
+    assert pace.cap(8192) == FIRST_STEP_BUDGET  # nothing measured yet: a conservative first step
     pace.observe(2048, 1.0)
     assert pace.cap(8192) == 8192  # 20,480 tokens in 10 s
     pace.observe(100, 10.0)  # a stalled step: 10 tokens/s
@@ -112,6 +112,12 @@ def test_the_pace_follows_a_slowdown_at_once_and_recovers_over_steps():
     assert pace.cap(8192) == 2550
     pace.observe(1, 1000.0)
     assert pace.cap(8192) == MIN_PACED_BUDGET
+
+
+def test_the_step_bounds_follow_a_shorter_watchdog():
+    assert PrefillPace.for_hang_timeout(120) == PrefillPace()
+    short = PrefillPace.for_hang_timeout(6)
+    assert short.max_step_s == 0.5 and short.max_step_decoding_s == 0.5
 
 
 def test_rows_that_decode_get_the_shorter_step():

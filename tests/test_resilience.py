@@ -122,11 +122,12 @@ def test_timeout_and_clean_shutdown_leave_no_orphans(home, tiny_dir):
     try:
         client = openai_client(gw)
         started = time.monotonic()
-        with pytest.raises(openai.APIError, match="timed out"):
-            for _ in client.chat.completions.create(
-                model="tiny", messages=MSGS, max_tokens=LONG, stream=True, extra_body={"logit_bias": NO_EOS}
-            ):
-                pass
+        finish = None  # the time limit ends the answer with what it generated (issue 25)
+        for chunk in client.chat.completions.create(
+            model="tiny", messages=MSGS, max_tokens=LONG, stream=True, extra_body={"logit_bias": NO_EOS}
+        ):
+            finish = (chunk.choices[0].finish_reason if chunk.choices else None) or finish
+        assert finish == "length"
         assert time.monotonic() - started < 30
         workers = gw.descendants()
         assert workers, "the gateway should have worker processes"
@@ -234,6 +235,8 @@ def test_a_request_in_flight_at_two_crashes_is_refused_with_a_400_naming_it(cras
     status = gw.status()
     (entry,) = status["quarantined_requests"]
     assert entry["fingerprint"] in str(info.value) and entry["model"] == "victim"
+    refusal = next(line for line in gw.log().splitlines() if "request_id=poison-2 " in line)
+    assert "status=400" in refusal and "outcome=error:invalid_request" in refusal  # logged as what it was
     out = openai_client(gw).chat.completions.create(
         model="victim", messages=[{"role": "user", "content": "Innocent request 0."}], max_tokens=2
     )

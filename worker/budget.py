@@ -39,7 +39,10 @@ def check_budget(prompt_len: int, req_max_tokens: int | None, context: int, poli
         raise ServiceError(
             "context_length_exceeded",
             f"This model's maximum context length is {context} tokens, but the prompt has "
-            f"{prompt_len} tokens. Shorten the prompt.",
+            f"{prompt_len} tokens. Shorten the prompt, or use a model with a longer context: agent clients "
+            "send 6-10k tokens before the first question (Qwen Code 9.5k), which the agent model "
+            "qwen2.5-coder-0.5b (32,768 tokens; `make run-agents`, docs/agents.md) reads; a client's own "
+            "setting that shrinks its prompt (fewer tools or MCP servers) helps too.",
             param="messages",
             details={"prompt_tokens": prompt_len, "context_length": context},
         )

@@ -27,12 +27,19 @@ from .file_limits import tolerate_a_low_file_limit
     help="exit if the gateway is silent this long (0: reconnect forever, for remote workers)",
 )
 @click.option(
+    "--hang-timeout",
+    type=float,
+    default=120.0,
+    show_default=True,
+    help="the gateway's watchdog bound (seconds without progress); prefill steps are paced to a twelfth of it",
+)
+@click.option(
     "--rank",
     type=int,
     default=None,
     help="join a sharded model's group as this rank (> 0), on a host named in its distributed.hosts",
 )
-def worker(connect, model, model_path, entry, worker_id, heartbeat, liveness, orphan_after, rank) -> None:
+def worker(connect, model, model_path, entry, worker_id, heartbeat, liveness, orphan_after, hang_timeout, rank) -> None:
     """Serve one model through a gateway (started by the gateway, or by hand on a remote host).
 
     A remote worker needs MLXGW_SECRET in its environment, equal to the gateway's. A rank of
@@ -48,7 +55,7 @@ def worker(connect, model, model_path, entry, worker_id, heartbeat, liveness, or
     elif connect is None and not os.environ.get("MLX_RANK"):
         raise click.UsageError("--connect is required (except for the ranks of a sharded model)")
 
-    run_worker(connect, model, model_path, entry, worker_id, heartbeat, liveness, orphan_after)
+    run_worker(connect, model, model_path, entry, worker_id, heartbeat, liveness, orphan_after, hang_timeout)
 
 
 @click.group()

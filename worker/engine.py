@@ -44,6 +44,7 @@ class Engine:
         self._last_generated = 0
         self.steps = 0
         self._calls: list[tuple[object, Future]] = []  # (cid, result) of calls on the preparation thread
+        self.layer_progress = None  # step_progress.LayerProgress: told how long each step took
 
     def run(self) -> None:
         while not self.link.gateway_gone.is_set():
@@ -79,6 +80,7 @@ class Engine:
         self._send(self.scheduler.poll_prepared())
 
     def _step(self) -> None:
+        started = time.monotonic()
         try:
             events = self.scheduler.step()
         except Exception as e:
@@ -90,6 +92,8 @@ class Engine:
             self.link.flush()  # the link gathers events until the next poll, which will not come
             raise
         self.steps += 1
+        if self.layer_progress is not None:
+            self.layer_progress.note_step(time.monotonic() - started)
         self._send(events)
 
     def _handle(self, msg: dict) -> None:

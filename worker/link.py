@@ -4,8 +4,10 @@ The engine thread may spend seconds inside one MLX call (a model load, a prefill
 heartbeats must keep flowing meanwhile, so this thread owns the DEALER socket and talks
 to the engine over an inproc PAIR (one socket per thread, as ZeroMQ wants). Hangs are
 still visible: every heartbeat carries how long the engine has been inside its current
-step, and the gateway declares a worker hung past its limit. A frozen process (SIGSTOP,
-deadlock holding the GIL) stops heartbeating altogether and is declared dead.
+step without progress (a step's own progress marks, such as a prefill's layer groups, reset
+that clock: worker/step_progress.py), and the gateway declares a worker hung past its limit.
+A frozen process (SIGSTOP, deadlock holding the GIL) stops heartbeating altogether and is
+declared dead.
 
 If the gateway goes silent, the link reconnects with exponential backoff (Paranoid
 Pirate); a locally spawned worker instead exits after `orphan_after` seconds, so no
@@ -53,6 +55,7 @@ class WorkerLink:
         self.stats: dict = {}
         self.state = "loading"
         self.step_started: float | None = None  # set by the engine around each step
+        self.progress_at: float = 0.0  # the last progress mark inside the current step
         # Other phases the watchdog covers (request preparation): each returns seconds busy.
         self.busy_probes: list[Callable[[], float]] = []
         # While loading: how far the load has got (LoadProgress.snapshot), sent in heartbeats.
@@ -77,6 +80,10 @@ class WorkerLink:
             return
         self.flush()
         self._engine_side.send(p.encode(msg_type, **fields))
+
+    def mark_progress(self) -> None:
+        """The engine got further inside its current step (any thread may call it)."""
+        self.progress_at = time.monotonic()
 
     def flush(self) -> None:
         """Send the gathered events now, as one frame."""
@@ -119,7 +126,9 @@ class WorkerLink:
 
     def _heartbeat(self) -> bytes:
         started = self.step_started
-        busy = max([time.monotonic() - started if started else 0.0] + [probe() for probe in self.busy_probes])
+        # Seconds without progress: since the step began, or since its last progress mark.
+        stuck = time.monotonic() - max(started, self.progress_at) if started else 0.0
+        busy = max([stuck] + [probe() for probe in self.busy_probes])
         stats = self.stats
         probe = self.load_probe
         if self.state == "loading" and probe is not None:

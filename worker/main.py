@@ -28,6 +28,8 @@ log = logging.getLogger("mlxgw.worker")
 
 # Default prefix-cache bound when the entry sets none: a share of RAM.
 DEFAULT_CACHE_SHARE = 0.10
+# Layer progress marks turn on once a step takes this fraction of the hang bound (5 s of 120 s).
+LONG_STEP_DIVISOR = 24
 
 
 def build_runner(entry: ModelEntry, model_path: Path):
@@ -122,10 +124,15 @@ def resolve_max_num_seqs(entry: ModelEntry, model_path: Path) -> tuple[ModelEntr
 
 
 def build_scheduler(
-    entry: ModelEntry, runner, preprocessor: Preprocessor | None = None, seqs: SeqsChoice | None = None
+    entry: ModelEntry,
+    runner,
+    preprocessor: Preprocessor | None = None,
+    seqs: SeqsChoice | None = None,
+    hang_timeout_s: float | None = None,
 ):
     """The policy over the runner: input batching for encoders, sequences for the rest.
-    preprocessor: where requests are templated and tokenized (off the engine thread)."""
+    preprocessor: where requests are templated and tokenized (off the engine thread).
+    hang_timeout_s: the gateway's watchdog bound, which paces prefill steps."""
     if entry.kind in ENCODER_KINDS:
         from .embedding.scheduler import EmbedScheduler
 
@@ -144,6 +151,7 @@ def build_scheduler(
         from .audio.speech import SpeechScheduler
 
         return SpeechScheduler(runner, max_queue=entry.max_queue)
+    from .prefill_plan import PrefillPace
     from .scheduler import Scheduler
 
     return Scheduler(
@@ -154,6 +162,7 @@ def build_scheduler(
         preprocessor=preprocessor,
         prefill_budget=entry.prefill_step_size,
         capacity=seqs.as_dict() if seqs else None,
+        pace=PrefillPace.for_hang_timeout(hang_timeout_s),
     )
 
 
@@ -166,6 +175,7 @@ def serve(
     heartbeat_s: float = 1.0,
     liveness: int = 5,
     orphan_after: float | None = 15.0,
+    hang_timeout_s: float | None = None,
 ) -> int:
     hello = {
         "worker_id": worker_id or uuid.uuid4().hex,
@@ -206,7 +216,16 @@ def serve(
     # holds the next request back at most its time budget.
     preprocessor = Preprocessor(threads=1)
     link.busy_probes.append(preprocessor.busy_s)  # the watchdog covers preparation too
-    engine = Engine(link, runner, build_scheduler(entry, runner, preprocessor, seqs))
+    if entry.distributed is None and entry.engine == "mlx" and hasattr(runner, "generator"):
+        from .step_progress import install
+
+        # a long prefill step is slow, not hung: its layer groups mark progress once steps are long
+        long_step_s = (hang_timeout_s or 120.0) / LONG_STEP_DIVISOR
+        layer_progress = install(runner.model, link.mark_progress, long_step_s)
+    else:
+        layer_progress = None
+    engine = Engine(link, runner, build_scheduler(entry, runner, preprocessor, seqs, hang_timeout_s))
+    engine.layer_progress = layer_progress
     signal.signal(signal.SIGTERM, lambda *_: setattr(engine, "draining", True))
     # After READY (readiness is not delayed); requests that arrive meanwhile wait in the link.
     restore_into(runner)
@@ -219,6 +238,28 @@ def serve(
     return 0
 
 
+class _DropTokenLengthWarning(logging.Filter):
+    """transformers warns "Token indices sequence length is longer than the specified maximum"
+    whenever a prompt is tokenized past the tokenizer's model_max_length: a line untied to any
+    request, about a limit the worker checks itself (a clear 400 naming the lengths)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Token indices sequence length" not in record.getMessage()
+
+
+def quiet_library_warnings() -> None:
+    drop = _DropTokenLengthWarning()
+    for name in ("transformers", "transformers.tokenization_utils_base", "transformers.tokenization_utils_fast"):
+        logging.getLogger(name).addFilter(drop)
+    try:  # transformers' own handler, where its records end up
+        from transformers.utils import logging as hf_logging
+
+        for handler in hf_logging.get_logger().handlers:
+            handler.addFilter(drop)
+    except Exception:  # no transformers, or another version's layout: the logger filters stay
+        pass
+
+
 def run_worker(
     connect: str,
     model: str,
@@ -228,10 +269,12 @@ def run_worker(
     heartbeat: float,
     liveness: int,
     orphan_after: float,
+    hang_timeout: float | None = None,
 ) -> None:
     logging.basicConfig(
         level=logging.INFO, stream=sys.stderr, format=f"%(asctime)s worker[{model}] %(levelname)s %(message)s"
     )
+    quiet_library_warnings()
     entry_data = {**json.loads(entry_json), "name": model}
     entry = from_mapping(ModelEntry, entry_data, f"worker {model}")
     from mlxgw.shared.paths import models_dir
@@ -254,5 +297,6 @@ def run_worker(
             heartbeat_s=heartbeat,
             liveness=liveness,
             orphan_after=orphan_after or None,
+            hang_timeout_s=hang_timeout,
         )
     )

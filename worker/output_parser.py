@@ -5,14 +5,24 @@ templates open the tag themselves, so generation starts inside it). Tool-calling
 emit markup (`<tool_call>{json}</tool_call>`, `[TOOL_CALLS]...`) that must never reach a
 client as text: it becomes structured tool calls, parsed by mlx-lm's per-family parsers.
 Tags can be split across tokens, so a possible tag prefix is held back, as with stop
-strings."""
+strings.
+
+Small models often call tools outside their family's markup: a Markdown fence
+(```json {...}```), a bare JSON answer, a list of calls. When tools are offered, a fence is
+held until it closes and an answer that starts like a JSON call is held to its end; either
+becomes tool calls only if every name is an offered tool (worker/tool_formats.py
+loose_tool_calls), else it is text as written. A fence of another language (```python)
+streams as text at once."""
 
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from .tool_formats import CALL_FENCE_INFOS, FENCE, all_offered, could_start_bare_call, loose_tool_calls
 
 ToolParse = Callable[[str, list | None], dict | list]
 
@@ -75,6 +85,8 @@ class OutputParser:
         self._calls = 0
         self._after_reasoning = False
         self._at_start = True  # nothing emitted yet: bare tool-call starts still possible
+        self._loose = False  # the call in progress is a loose one (bare JSON outside the markup)
+        self._catch_loose = bool(tool and tools)  # fenced / bare calls of offered tools
 
     @property
     def saw_tool_calls(self) -> bool:
@@ -96,6 +108,10 @@ class OutputParser:
             out.reasoning += rest
         elif self.mode == "tool":
             self._emit_call(rest, out, final=True)
+        elif self.mode == "fence":  # the model stopped inside its fence
+            self._emit_fence(rest, out, closed=False)
+        elif self.mode == "code":
+            out.text += rest
         else:
             out.text += rest
         return out
@@ -107,24 +123,26 @@ class OutputParser:
             if self._after_reasoning:
                 buf = self._buf = buf.lstrip("\n")
                 self._after_reasoning = not buf
-            if self._at_start and self.tool and self.tool.bare_starts:
-                head = buf.lstrip()
-                if any(head.startswith(b) for b in self.tool.bare_starts):
-                    self.mode, self._buf, self._bare = "tool", head, True
-                    return True
-                if head and any(b.startswith(head) for b in self.tool.bare_starts):
-                    return False  # could still become a bare call: hold it
+            if self._at_start and self.tool and (self.tool.bare_starts or self._catch_loose):
+                held = self._bare_start(buf.lstrip())
+                if held is not None:
+                    return held
             tags = []
             if self.think:
                 tags.append(self.think[0])
             if self.tool:
                 tags += [self.tool.start, *self.tool.wrappers]
+            if self._catch_loose:
+                tags.append(FENCE)
             found = [(buf.find(t), t) for t in tags if buf.find(t) >= 0]
             if found:
                 i, tag = min(found)
                 out.text += buf[:i]
                 self._buf = buf[i + len(tag) :]
                 if self.tool and tag in self.tool.wrappers:
+                    return True
+                if tag == FENCE:
+                    self.mode = "fence"
                     return True
                 self.mode = "reasoning" if self.think and tag == self.think[0] else "tool"
                 return True
@@ -134,6 +152,8 @@ class OutputParser:
             if out.text.strip():
                 self._at_start = False
             return False
+        if self.mode in ("fence", "code"):
+            return self._fence_step(buf, out)
         if self.mode == "reasoning":
             end = self.think[1]
             i = buf.find(end)
@@ -157,18 +177,78 @@ class OutputParser:
                 return True
         return False
 
+    def _bare_start(self, head: str) -> bool | None:
+        """At the answer's start: take a bare call (True), hold what may become one (False),
+        or None when it cannot be one."""
+        if any(head.startswith(b) for b in self.tool.bare_starts):
+            self.mode, self._buf, self._bare = "tool", head, True
+            return True
+        is_loose, may_be_loose = could_start_bare_call(head) if self._catch_loose else (False, False)
+        if is_loose:
+            self.mode, self._buf, self._bare, self._loose = "tool", head, True, True
+            return True
+        if head and (may_be_loose or any(b.startswith(head) for b in self.tool.bare_starts)):
+            return False  # could still become a bare call: hold it
+        return None
+
+    def _fence_step(self, buf: str, out: Parsed) -> bool:
+        """Inside a fence: a call-like one ("fence") is held until it closes, then parsed;
+        another language's ("code") streams as text up to its closing fence."""
+        if self.mode == "fence":
+            info = re.match(r"[A-Za-z0-9_]*", buf).group(0)
+            if len(info) == len(buf) and len(buf) <= 32:
+                return False  # the info word may go on: wait for the character after it
+            if info.lower() not in CALL_FENCE_INFOS:  # another language's code block
+                self.mode, self._buf = "code", ""
+                out.text += FENCE + buf
+                return False
+            i = buf.find(FENCE, len(info))
+            if i < 0:
+                return False
+            self._emit_fence(buf[:i], out)
+            self._buf = buf[i + len(FENCE) :]
+            self.mode = "text"
+            return True
+        i = buf.find(FENCE)
+        if i >= 0:
+            out.text += buf[: i + len(FENCE)]
+            self._buf = buf[i + len(FENCE) :]
+            self.mode = "text"
+            return True
+        hold = _held_prefix(buf, [FENCE])
+        out.text += buf[: len(buf) - hold]
+        self._buf = buf[len(buf) - hold :]
+        return False
+
+    def _emit_fence(self, body: str, out: Parsed, closed: bool = True) -> None:
+        try:
+            calls = loose_tool_calls(body, self.tools)
+        except (ValueError, TypeError):  # not a call of an offered tool: the model's own text
+            out.text += FENCE + body + (FENCE if closed else "")
+            return
+        self._append_calls(calls, out)
+
     def _emit_call(self, body: str, out: Parsed, final: bool) -> None:
         start = "" if self._bare else self.tool.start
         parse = self.tool.bare_parse if self._bare and self.tool.bare_parse else self.tool.parse
+        if self._loose:
+            parse = loose_tool_calls
+        self._loose = False
         try:
             parsed = parse(body, self.tools)
+            calls = parsed if isinstance(parsed, list) else [parsed]
+            if self._bare and self.tools and not all_offered(calls, self.tools):
+                raise ValueError("a bare answer is a call only if it names an offered tool")
         except Exception:  # a parser raises anything on malformed markup; keep the model's words
             out.text += start + body + (self.tool.end if not final else "")
             return
-        for call in parsed if isinstance(parsed, list) else [parsed]:
-            if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-                out.text += start + body
-                return
+        if any(not isinstance(c, dict) or not isinstance(c.get("name"), str) for c in calls):
+            out.text += start + body
+            return
+        self._append_calls(calls, out)
+
+    def _append_calls(self, calls: list[dict], out: Parsed) -> None:
+        for call in calls:
             args = call.get("arguments", call.get("parameters", {}))
             out.tool_calls.append(
                 {

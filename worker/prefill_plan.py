@@ -23,6 +23,12 @@ MAX_PREFILL_STEP_S, or in MAX_STEP_WHILE_DECODING_S while other rows decode (eac
 tokens waits for the step: a 512-token budget was 40 s per token for them on that host), so
 a step stays short wherever it runs; on a fast host the cap is far above the budget and
 changes nothing.
+
+The first step of a fresh worker has no measured rate, and on that same host its 512-token
+step of a 0.5B model ran past 120 s: so it is bounded from the start (FIRST_STEP_BUDGET
+tokens, a few seconds even there), and the steps after it are paced by the rate it measured.
+The step bounds follow the watchdog's (`for_hang_timeout`): a gateway configured with a
+short hang timeout gets proportionally shorter steps.
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ MIN_SHARE_DIVISOR = 4  # a long prompt keeps at least budget / 4 tokens per step
 MAX_PREFILL_STEP_S = 10.0  # a twelfth of the gateway's hang bound (120 s)
 MAX_STEP_WHILE_DECODING_S = 2.0  # a decoding row's token waits at most this for a prefill chunk
 MIN_PACED_BUDGET = 32  # below this a step's fixed cost dominates its prompt reading
+FIRST_STEP_BUDGET = 64  # prompt tokens of the first step, before any rate is measured
+HANG_TO_STEP = 12  # a paced step aims at this fraction of the watchdog's bound
 
 
 @dataclass
@@ -54,12 +62,20 @@ class PrefillPace:
         # a busier host) shrinks the next one at once; recovery takes a step or two
         self.tokens_per_s = rate if self.tokens_per_s is None else min(rate, (rate + self.tokens_per_s) / 2)
 
+    @classmethod
+    def for_hang_timeout(cls, hang_timeout_s: float | None) -> PrefillPace:
+        """Step bounds a twelfth of the watchdog's (the defaults for its default 120 s)."""
+        if not hang_timeout_s or hang_timeout_s <= 0:
+            return cls()
+        step = min(MAX_PREFILL_STEP_S, hang_timeout_s / HANG_TO_STEP)
+        return cls(max_step_s=step, max_step_decoding_s=min(MAX_STEP_WHILE_DECODING_S, step))
+
     def cap(self, budget: int, decoding: bool = False) -> int:
-        """This step's budget: `budget` unless this host is too slow for it (the first step
-        of a worker is not capped: at the 4 x 512 idle burst it takes 60 s at 30 tokens/s).
+        """This step's budget: `budget` unless this host is too slow for it; before any rate
+        is measured (a fresh worker's first prefill), FIRST_STEP_BUDGET at most.
         decoding: other rows are generating and wait for this step."""
         if self.tokens_per_s is None:
-            return budget
+            return min(budget, FIRST_STEP_BUDGET)
         seconds = self.max_step_decoding_s if decoding else self.max_step_s
         return min(budget, max(MIN_PACED_BUDGET, int(self.tokens_per_s * seconds)))
 
@@ -91,3 +107,16 @@ def admit_count(prefilling: list[int], waiting: list[int], budget: int) -> int:
         plan.append(need)
         admitted += 1
     return admitted
+
+
+PREFILL_TIME_SLACK = 2.0  # a prompt gets twice what this host's measured rate says it needs
+
+
+def prefill_bound(prompt_tokens: int, floor_s: float | None, tokens_per_s: float | None) -> float:
+    """Queue + prompt processing bound: the configured one as a floor, or, for a prompt this
+    host reads slower than that, twice the time its measured prefill rate needs (a stuck
+    worker is the watchdog's business: it makes no progress)."""
+    floor = floor_s or 0.0
+    if not tokens_per_s:
+        return floor
+    return max(floor, PREFILL_TIME_SLACK * prompt_tokens / tokens_per_s)

@@ -35,7 +35,7 @@ from .fair_share import FairQueue, Row, Waiting, clean_weight
 from .interfaces import TextRunner
 from .isolation import SequenceGuard, as_service_error
 from .output_parser import OutputParser, Parsed
-from .prefill_plan import PrefillPace, admit_count, chunk_for
+from .prefill_plan import PrefillPace, admit_count, chunk_for, prefill_bound
 from .preprocess import Preprocessor
 from .request_checks import check_generate
 
@@ -599,13 +599,39 @@ class Scheduler:
     def _expire(self, now: float) -> list[Event]:
         events = []
         for seq in [s for s in self._seqs.values() if s.deadline and now >= s.deadline]:
+            if seq.generated > 0:  # a time limit ends the answer, not the request
+                events.append(self._finish_at_time_limit(seq))
+                continue
             if seq.first_token_at is None:
-                why = f"no first token within {_prefill_bound(seq.req):g} s (queue and prompt processing)"
+                bound = prefill_bound(len(seq.prompt), _prefill_bound(seq.req), self.pace.tokens_per_s)
+                if now < seq.arrived + bound:
+                    continue  # a long prompt on this host: its bound scales with it
+                why = f"no first token within {bound:g} s (queue and prompt processing)"
             else:
                 why = f"the answer took over {seq.req.timeout_s:g} s ({seq.generated} tokens generated)"
             err = ServiceError(ErrorCode.TIMEOUT, f"request timed out: {why}")
             events.append(self._end(seq, p.error_event(err, seq.usage())))
         return events
+
+    def _finish_at_time_limit(self, seq: Sequence) -> Event:
+        """The answer's time bound ran out after tokens were generated: they are the answer,
+        finished with reason length (the client's usual "cut short"), marked time_limited."""
+        text = seq.text.finish()
+        parser = seq.parser
+        if text:
+            seq.unsent.extend(parser.feed(text) if parser else Parsed(text=text))
+        if parser:
+            seq.unsent.extend(parser.finish())
+        log.info(
+            "%s: answer time limit of %g s reached after %d tokens; finished with them",
+            seq.req.rid,
+            seq.req.timeout_s,
+            seq.generated,
+        )
+        end = p.Finish(
+            "length", seq.usage(), logprobs=self._take_logprobs(seq), time_limited=True, **_parts(seq.unsent)
+        )
+        return self._end(seq, end.to_wire())
 
     def _end(self, seq: Sequence, event: dict, remove: bool = True) -> Event:
         self._seqs.pop(seq.req.rid, None)

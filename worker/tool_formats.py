@@ -237,3 +237,62 @@ def offered_tool_call(text: str, tools=None):
     if not tools:
         raise ValueError("no tools offered")
     return _generic_parse(text, tools)
+
+
+# -- the calls small models write outside their family's markup --
+#
+# Measured with Qwen2.5-Coder-0.5B and SmolLM2: a call inside a Markdown fence
+# (```json / ```tool_call), a bare JSON object or a list of them, sometimes in OpenAI's own
+# shape ({"type": "function", "function": {...}}). They are calls only when every name is an
+# offered tool: JSON that merely mentions a tool, or that a user asked for, stays text.
+
+FENCE = "```"
+CALL_FENCE_INFOS = frozenset({"", "json", "json5", "tool_call", "tool_calls", "tool_code", "tool", "function_call"})
+LOOSE_BARE_STARTS = ('{"name":', '[{"name":', '{"type":"function"', '[{"type":"function"', '{"function":')
+
+
+def _loose_call(obj) -> dict:
+    if isinstance(obj, dict) and isinstance(obj.get("function"), dict):
+        obj = obj["function"]  # OpenAI's shape, imitated
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        raise ValueError("not a tool call")
+    return {"name": obj["name"], "arguments": obj.get("arguments", obj.get("parameters", obj.get("args", {})))}
+
+
+def loose_tool_calls(body: str, tools) -> list[dict]:
+    """The calls in a fence's body (its info line dropped) or a bare JSON answer, each naming
+    an offered tool; raises ValueError otherwise."""
+    text = body.strip()
+    if text.startswith(FENCE):
+        text = text[len(FENCE) :]
+        if text.endswith(FENCE):
+            text = text[: -len(FENCE)]
+    info = re.match(r"\s*([A-Za-z0-9_]+)", text)
+    if info and info.group(1).lower() in CALL_FENCE_INFOS:
+        text = text[info.end() :]
+    for tag in (GENERIC_START, GENERIC_END):
+        text = text.replace(tag, "")
+    obj = json.loads(text.strip())
+    calls = [_loose_call(c) for c in (obj if isinstance(obj, list) else [obj])]
+    if not calls or not all_offered(calls, tools):
+        raise ValueError("not a call of an offered tool")
+    for call in calls:
+        if isinstance(call["arguments"], str):
+            call["arguments"] = json.loads(call["arguments"] or "{}")
+        if not isinstance(call["arguments"], dict):
+            raise ValueError("tool arguments must be an object")
+    return calls
+
+
+def all_offered(calls: list, tools) -> bool:
+    known = {_tool_name(t) for t in tools or []}
+    return bool(known) and all(isinstance(c, dict) and c.get("name") in known for c in calls)
+
+
+def could_start_bare_call(head: str) -> tuple[bool, bool]:
+    """(is a bare call's start, may still become one) for an answer's first characters,
+    whitespace inside the JSON ignored."""
+    compact = "".join(head.split())[:24]
+    if any(compact.startswith(s) for s in LOOSE_BARE_STARTS):
+        return True, True
+    return False, bool(compact) and any(s.startswith(compact) for s in LOOSE_BARE_STARTS)

@@ -7,6 +7,7 @@ import time
 from datetime import datetime, timezone
 
 from aiohttp import web
+from mlxgw.shared.config import CHAT_KINDS
 from mlxgw.shared.errors import ErrorCode, ServiceError, redact_paths
 
 from ..mcp.hub import MCP
@@ -69,12 +70,20 @@ def _unservable(manager) -> list[dict]:
 @routes.get("/v1/models")
 async def list_models(request: web.Request) -> web.Response:
     anthropic = _is_anthropic(request)
-    data = [_model(request, s, anthropic) for s in request.app[MANAGER].slots.values() if may_use(request, s)]
+    slots = [s for s in request.app[MANAGER].slots.values() if may_use(request, s)]
+    # ?kind=chat (or embedding, rerank, audio, speech, vision): for a UI that lists only the
+    # models it can use (Open WebUI offers every listed model as a chat model).
+    kinds = {k for k in request.query.get("kind", "").split(",") if k}
+    if kinds:
+        wanted = kinds | (set(CHAT_KINDS) if "chat" in kinds else set())
+        slots = [s for s in slots if s.entry.kind in wanted]
+    data = [_model(request, s, anthropic) for s in slots]
     if anthropic:
         first, last = (data[0]["id"], data[-1]["id"]) if data else (None, None)
         return web.json_response({"data": data, "has_more": False, "first_id": first, "last_id": last})
     key = request.get("key")
-    unservable = _unservable(request.app[MANAGER]) if key is None or key.admin else []  # folders: the operator's
+    operator = key is None or key.admin  # unservable folders are the operator's to see
+    unservable = _unservable(request.app[MANAGER]) if operator and not kinds else []
     return web.json_response({"object": "list", "data": data + unservable})
 
 

@@ -34,6 +34,12 @@ from .stream import EmitterFactory, run_stream
 # one: clients that send none (Open WebUI, curl) would otherwise generate up to the whole
 # context.
 DEFAULT_MAX_TOKENS = 4096
+# A request without max_tokens, on a host whose measured decode rate cannot produce the
+# default within the answer's time bound, gets what that rate produces in RATE_CAP_SHARE of
+# it (never fewer than RATE_CAP_FLOOR tokens): it ends with finish_reason "length" on its own
+# instead of at the time limit.
+RATE_CAP_SHARE = 0.9
+RATE_CAP_FLOOR = 256
 
 
 @dataclass
@@ -98,6 +104,13 @@ def _sampling_params(s: CommonFields, slot) -> p.SamplingParams:
     )
 
 
+def rate_cap(tokens_per_s: float | None, answer_timeout_s: float | None) -> int | None:
+    """The max_tokens this host's decode rate produces within the answer timeout."""
+    if not tokens_per_s or not answer_timeout_s:
+        return None
+    return max(RATE_CAP_FLOOR, int(tokens_per_s * answer_timeout_s * RATE_CAP_SHARE))
+
+
 async def build_request(request: web.Request, slot, parsed: ParsedRequest) -> p.GenerateRequest:
     """The internal request: model defaults, the max_tokens default and cap, images out of
     the messages, timeouts. The one place these rules live."""
@@ -110,6 +123,8 @@ async def build_request(request: web.Request, slot, parsed: ParsedRequest) -> p.
     max_tokens = first_set(max_tokens, model_max_new_tokens(entry, models_dir), DEFAULT_MAX_TOKENS)
     if settings.max_tokens_cap is not None:
         max_tokens = min(max_tokens, settings.max_tokens_cap)
+    if parsed.max_tokens is None:
+        max_tokens = min(max_tokens, rate_cap(slot.decode_tokens_per_s, settings.request_timeout_s) or max_tokens)
     # A default the client did not ask for is clamped to the context, never refused.
     policy = entry.max_tokens_policy if parsed.max_tokens is not None else "clamp"
     key = request.get("key")

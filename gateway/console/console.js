@@ -7,6 +7,7 @@ const POLL_MS = { status: 2000, requests: 2000, throughput: 10000, keys: 10000 }
 const $ = (id) => document.getElementById(id);
 const state = {
   key: sessionStorage.getItem(KEY_STORAGE),
+  open: false, // a gateway without API keys, on loopback: no sign-in at all
   tab: "overview",
   status: null,
   throughput: { models: {}, window_s: 3600 },
@@ -63,7 +64,7 @@ async function api(path, { method = "GET", body, signal, timeoutMs = 15000 } = {
   const ctrl = new AbortController();
   const timer = setTimeout(() => ctrl.abort(), timeoutMs);
   if (signal) signal.addEventListener("abort", () => ctrl.abort());
-  const headers = { Authorization: `Bearer ${state.key}` };
+  const headers = state.key ? { Authorization: `Bearer ${state.key}` } : {};
   if (body !== undefined) headers["Content-Type"] = "application/json";
   try {
     const resp = await fetch(path, {
@@ -72,7 +73,7 @@ async function api(path, { method = "GET", body, signal, timeoutMs = 15000 } = {
     const data = await resp.json().catch(() => ({}));
     if (!resp.ok) {
       const msg = (data.error && (data.error.message || data.error)) || `HTTP ${resp.status}`;
-      if (resp.status === 401) signOut("That key is not valid (any more).");
+      if (resp.status === 401 && state.key) signOut("That key is not valid (any more).");
       throw new ApiError(resp.status, String(msg));
     }
     return data;
@@ -90,7 +91,7 @@ function setConn(ok, text) {
 // still out and while the tab is hidden.
 function poll(name, fn) {
   const run = async () => {
-    if (state.busy.has(name) || document.hidden || !state.key) return;
+    if (state.busy.has(name) || document.hidden || !(state.key || state.open)) return;
     state.busy.add(name);
     try { await fn(); } catch (e) { if (name === "status") setConn(false, "unreachable"); }
     finally { state.busy.delete(name); }
@@ -406,6 +407,8 @@ document.addEventListener("DOMContentLoaded", () => {
   if (state.key) {
     signIn(state.key).then(startApp, (e) => signOut(e.message));
   } else {
-    $("login").hidden = false;
+    // Keys off (the quick start): the admin API answers without a key on loopback, and the
+    // console opens at once; keys on: the sign-in, which says how to get an admin key.
+    signIn("").then(() => { state.open = true; startApp(); }, () => signOut());
   }
 });
