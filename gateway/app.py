@@ -10,6 +10,7 @@ from collections import OrderedDict
 from pathlib import Path
 
 from aiohttp import web
+
 from mlxgw.shared import paths
 from mlxgw.shared.config import Registry
 from mlxgw.shared.errors import ErrorCode, ServiceError

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hmac
 
 from aiohttp import web
+
 from mlxgw.shared.config import CHAT_KINDS
 from mlxgw.shared.errors import ErrorCode, ServiceError
 

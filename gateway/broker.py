@@ -22,6 +22,7 @@ from collections import OrderedDict
 
 import zmq
 import zmq.asyncio
+
 from mlxgw.shared import protocol as p
 from mlxgw.shared.errors import ErrorCode, ServiceError
 

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from aiohttp import web
+
 from mlxgw.shared.errors import ErrorCode, ServiceError
 
 from .keys import ApiKey

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import click
+
 from mlxgw.shared.cli_table import print_table
 from mlxgw.shared.config import ConfigError, load_registry, with_discovered_models
 from mlxgw.shared.resources import default_config

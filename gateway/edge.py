@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from aiohttp import web
 from aiohttp.http_exceptions import LineTooLong
 from aiohttp.web_protocol import RequestHandler
+
 from mlxgw.shared.errors import ErrorCode, ServiceError
 
 from .api.errors import error_response, family_of

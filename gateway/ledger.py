@@ -22,6 +22,7 @@ from collections import deque
 from pathlib import Path
 
 from aiohttp import web
+
 from mlxgw.shared import protocol as p
 
 from .api.routes import route_of

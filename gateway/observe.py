@@ -8,8 +8,9 @@ import logging
 import time
 
 from aiohttp import web
-from mlxgw.shared.errors import HTTP_STATUS, ErrorCode, ServiceError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from mlxgw.shared.errors import HTTP_STATUS, ErrorCode, ServiceError
 
 from .api.routes import route_of
 from .edge import make_room

@@ -12,6 +12,7 @@ import logging
 from collections import OrderedDict
 
 import msgpack
+
 from mlxgw.shared.errors import ErrorCode, ServiceError
 
 log = logging.getLogger("mlxgw.quarantine")

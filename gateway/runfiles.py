@@ -11,6 +11,7 @@ import socket
 from pathlib import Path
 
 import psutil
+
 from mlxgw.shared import paths
 
 log = logging.getLogger("mlxgw.gateway")

@@ -13,14 +13,15 @@ import sys
 from pathlib import Path
 
 from aiohttp import web
+
 from mlxgw.shared import paths
 from mlxgw.shared.config import ConfigError, Registry, load_registry, with_discovered_models
 
 from .app import default_endpoint, make_app
 from .edge import EdgeRunner, edge_limits
+from .lifecycle import SlotState
 from .logcap import install_log_limits
 from .runfiles import PortBusy, check_port, clean_stale_run_files, remove_pid_file, write_pid_file
-from .lifecycle import SlotState
 from .state import MANAGER, GatewaySettings
 
 log = logging.getLogger("mlxgw.gateway")

@@ -13,6 +13,7 @@ import asyncio
 import json
 
 from aiohttp import web
+
 from mlxgw.shared.errors import ErrorCode, ServiceError
 
 

@@ -11,6 +11,7 @@ from enum import Enum
 
 import msgpack
 import zmq.asyncio
+
 from mlxgw.shared import protocol as p
 
 from .quarantine import fingerprint

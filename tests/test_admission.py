@@ -8,6 +8,7 @@ seconds, so they hold on a loaded machine."""
 from __future__ import annotations
 
 import pytest
+
 from mlxgw.shared.protocol import GenerateRequest, SamplingParams
 from mlxgw.worker.prefill_plan import admit_count, chunk_for
 

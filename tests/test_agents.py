@@ -21,6 +21,7 @@ import yaml
 from helpers import openai_client
 from helpers.gateway import REPO, start_gateway
 from helpers.recording_proxy import RecordingProxy
+
 from mlxgw.shared.config import parse_registry
 
 AGENTS_BIN = REPO / ".cache" / "npm-agents" / "node_modules" / ".bin"

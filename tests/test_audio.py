@@ -133,6 +133,7 @@ def test_import_writes_an_audio_model_folder(whisper_tiny_dir):
 
 def test_conversion_refuses_a_missing_or_misshapen_tensor():
     import mlx.core as mx
+
     from mlxgw.worker.audio.convert import ConversionError, convert
     from mlxgw.worker.audio.ct2 import read_model_files
     from mlxgw.worker.audio.importer import whisper_source
@@ -181,6 +182,7 @@ def test_decoder_steps_give_the_logits_of_a_prefill_of_the_same_tokens(whisper_r
     logits a prefill of their whole sequence gives."""
     import mlx.core as mx
     import numpy as np
+
     from mlxgw.worker.audio.model import merge_caches
 
     r, tok = whisper_runner, whisper_runner.tokens
@@ -502,6 +504,7 @@ AUDIO_KEYS = {"ivy": "mlxgw-ivy-key-0123456789", "jay": "mlxgw-jay-key-012345678
 def keyed_gw(home, whisper_tiny_dir):
     """A gateway with keys: ivy may transcribe 6 s of audio per minute, jay 2 s, kim anything."""
     import yaml
+
     from mlxgw.gateway.keys import hash_key
 
     keys_path = home / "audio-keys.yaml"

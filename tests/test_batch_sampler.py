@@ -8,6 +8,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
+
 from mlxgw.shared.protocol import SamplingParams
 from mlxgw.worker.batch_sampler import PenaltyPlan, SamplePlan, apply_penalties, filter_rows, sample_rows
 from mlxgw.worker.sampling import RowPenalties, RowSampling, _filters
@@ -262,6 +263,7 @@ def test_the_batched_step_equals_mlx_lms_per_row_step(tiny_runner):
 
 def test_smollm2_greedy_rows_in_a_sampled_batch_equal_stream_generate(smollm2_dir):
     from mlx_lm import stream_generate
+
     from mlxgw.worker.runner import MLXRunner
 
     runner = MLXRunner(smollm2_dir, context_length=None, max_num_seqs=4, prefill_step_size=64, cache_bytes=0)

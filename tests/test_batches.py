@@ -18,6 +18,7 @@ import pytest
 import yaml
 from helpers import NO_EOS, http, start_gateway
 from helpers.mlxgw_cli import mlxgw
+
 from mlxgw.gateway.keys import hash_key
 
 KEYS = {"alice": "mlxgw-batch-alice-0123456789", "bob": "mlxgw-batch-bob-0123456789", "ops": "mlxgw-batch-ops-0123"}

@@ -7,6 +7,7 @@ import logging
 
 import pytest
 import yaml
+
 from mlxgw.gateway.cli import gateway_config, gateway_settings
 from mlxgw.shared.config import ConfigError, load_registry, parse_registry
 from mlxgw.shared.resources import default_config

@@ -14,6 +14,7 @@ import psutil
 import pytest
 import yaml
 from helpers import REPO, http, start_gateway
+
 from mlxgw.gateway.keys import hash_key
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -280,8 +281,9 @@ def test_console_keeps_updating_while_the_gateway_is_under_load(console_gateway,
     import asyncio
     import threading
 
-    from mlxgw.bench.loadgen import run_level, varied_prompts
     from selenium.webdriver.common.by import By
+
+    from mlxgw.bench.loadgen import run_level, varied_prompts
 
     gw = console_gateway
     driver = browser

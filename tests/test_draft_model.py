@@ -11,6 +11,7 @@ import mlx.core as mx
 import pytest
 from helpers import openai_client, wait_for
 from helpers.runner_jobs import generate_together, speculative_runner
+
 from mlxgw.shared.config import ConfigError, SpeculativeConfig, parse_registry
 from mlxgw.worker.draft_model import DraftModelDrafter
 from mlxgw.worker.runner import MLXRunner

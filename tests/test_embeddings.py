@@ -332,6 +332,7 @@ def test_rerank_refuses_chat_models(gw):
 def test_fast_gelu_matches_the_exact_one():
     import mlx.core as mx
     import mlx.nn as nn
+
     from mlxgw.worker.embedding.bert import erf, gelu
 
     x = mx.concatenate([mx.linspace(-10, 10, 20001), mx.random.normal((10000,)) * 3])
@@ -385,8 +386,9 @@ def test_xlm_roberta_encoder_matches_mlx_embeddings(tmp_path, minilm_dir):
     """XLM-RoBERTa (multilingual E5, BGE-M3) on the built-in encoder: its RoBERTa position
     ids, under padding, against mlx-embeddings' independent implementation, same weights."""
     pytest.importorskip("mlx_embeddings", reason="needs the embeddings extra")
-    from mlxgw.worker.embedding.encoder import MlxEmbeddingsEncoder, TextEncoder
     from tiny_model import build_tiny_encoder
+
+    from mlxgw.worker.embedding.encoder import MlxEmbeddingsEncoder, TextEncoder
 
     folder = build_tiny_encoder(tmp_path / "xlmr", minilm_dir, model_type="xlm-roberta", cross_encoder=False)
     ours, theirs = TextEncoder(folder), MlxEmbeddingsEncoder(folder)
@@ -398,8 +400,9 @@ def test_xlm_roberta_encoder_matches_mlx_embeddings(tmp_path, minilm_dir):
 
 
 def test_xlm_roberta_cross_encoder_scores_pairs_independently_of_the_batch(tmp_path, minilm_dir):
-    from mlxgw.worker.embedding.encoder import TextEncoder
     from tiny_model import build_tiny_encoder
+
+    from mlxgw.worker.embedding.encoder import TextEncoder
 
     folder = build_tiny_encoder(tmp_path / "xlmr-rerank", minilm_dir, model_type="xlm-roberta")
     enc = TextEncoder(folder)

@@ -12,6 +12,7 @@ import openai
 import pytest
 import yaml
 from helpers import NO_EOS, http, start_gateway
+
 from mlxgw.gateway.keys import hash_key
 from mlxgw.shared import protocol as p
 from mlxgw.worker.fair_share import FairQueue

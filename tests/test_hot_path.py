@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import aiohttp
 import pytest
 from helpers import http, start_gateway
+
 from mlxgw.gateway.api.openai_chat import ChatChunks
 from mlxgw.gateway.metrics import ITL_BUCKETS, GapHistogram
 from mlxgw.gateway.quarantine import fingerprint
@@ -132,6 +133,7 @@ def test_a_request_goes_to_the_wire_as_asdict_would_send_it():
 
 async def test_events_written_after_a_release_are_held_until_the_next_one():
     from aiohttp import web
+
     from mlxgw.gateway.sse import SSEWriter
 
     checked = asyncio.Event()

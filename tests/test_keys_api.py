@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import yaml
 from helpers import LONG, NO_EOS, REPO, http, start_gateway
+
 from mlxgw.gateway.keys import hash_key
 
 ROOT = "mlxgw-keysapi-root-0123456789"

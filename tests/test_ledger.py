@@ -16,6 +16,7 @@ import time
 import pytest
 import yaml
 from helpers import REPO, http, start_gateway
+
 from mlxgw.gateway.keys import hash_key
 from mlxgw.gateway.ledger import FLUSH_S, Ledger, connect
 

@@ -11,6 +11,7 @@ import signal
 import uuid
 
 import pytest
+
 from mlxgw.gateway.broker import Broker, ConnState, WorkerConn, WorkerLost, WorkerReady
 from mlxgw.gateway.lifecycle import SlotState
 from mlxgw.gateway.manager import ModelManager

@@ -21,6 +21,7 @@ import psutil
 import pytest
 import yaml
 from helpers import REPO, free_port, http, start_gateway, wait_for
+
 from mlxgw.gateway.keys import hash_key
 from mlxgw.shared.config import ConfigError, parse_registry
 

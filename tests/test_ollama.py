@@ -16,6 +16,7 @@ import psutil
 import pytest
 import yaml
 from helpers import http, start_gateway, wait_for
+
 from mlxgw.gateway.keys import hash_key
 
 KEY = "sk-ollama-test-key"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from mlxgw.worker.output_parser import OutputParser, tool_syntax
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 
 import pytest
+
 from mlxgw.shared.protocol import GenerateRequest, SamplingParams
 from mlxgw.worker.prefill_plan import FIRST_STEP_BUDGET, MIN_PACED_BUDGET, PrefillPace
 

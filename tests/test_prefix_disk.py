@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from helpers import NO_EOS, http, openai_client, start_gateway, wait_for
 from helpers.gateway import GatewayProcess
+
 from mlxgw.shared.config import ConfigError, parse_registry
 from mlxgw.shared.protocol import SamplingParams
 

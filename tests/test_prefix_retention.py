@@ -10,6 +10,7 @@ import time
 import pytest
 from helpers import NO_EOS, openai_client
 from helpers.gateway import GatewayProcess
+
 from mlxgw.shared.protocol import SamplingParams
 
 STEP = 32  # prefill chunk: small, so a few steps leave a prefill half done

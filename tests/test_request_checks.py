@@ -10,6 +10,7 @@ import mlx.core as mx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from mlxgw.shared.errors import ServiceError
 from mlxgw.shared.protocol import SamplingParams
 from mlxgw.worker.request_checks import MAX_LOGIT_BIAS, SEED_RANGE, check_sampling

@@ -17,6 +17,7 @@ import pytest
 import yaml
 from helpers import NO_EOS, REPO, free_port, http, openai_client, start_gateway, wait_for
 from helpers.mlxgw_cli import mlxgw
+
 from mlxgw.gateway.residency import PROCESS_OVERHEAD_BYTES, WEIGHTS_FACTOR
 
 MSGS = [{"role": "user", "content": "Say something."}]

@@ -164,6 +164,7 @@ def test_codex_code_mode_prompt_with_its_tools_fits_the_quick_start_context(smol
     compact tool listing (8,470) would not fit the 8,192-token context, so the minimal one
     (names and argument types) is used and the request is served."""
     from mlx_lm.utils import load_tokenizer
+
     from mlxgw.gateway.api.content import ContentPolicy
     from mlxgw.gateway.api.responses import parse
     from mlxgw.gateway.api.responses_tools import parse_tools

@@ -12,6 +12,7 @@ import pytest
 import yaml
 from aiohttp import web
 from helpers import http, start_gateway
+
 from mlxgw.gateway.api.routes import ROUTE_FOR_KIND, ROUTES, Access, Family, family_of, lookup
 from mlxgw.gateway.app import route_tables, unlisted_routes
 from mlxgw.gateway.keys import hash_key

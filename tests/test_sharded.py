@@ -16,6 +16,7 @@ import psutil
 import pytest
 from helpers import NO_EOS, openai_client, start_gateway, wait_for
 from helpers.http import http
+
 from mlxgw.shared.config import ConfigError, parse_registry
 
 PROMPTS = ["Tell me about the sea.", "List three colours.", "What is two plus two?"]

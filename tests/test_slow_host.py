@@ -93,6 +93,7 @@ def test_prefill_reports_progress_per_layer_group_and_decode_runs_untouched(tiny
     progress; a one-token decode pass marks none; the outputs are the same numbers."""
     from mlx_lm import load
     from mlx_lm.models.cache import make_prompt_cache
+
     from mlxgw.worker.step_progress import install
 
     model, _ = load(str(tiny_dir))

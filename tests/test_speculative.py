@@ -9,6 +9,7 @@ import pytest
 from helpers import openai_client, wait_for
 from helpers.runner_jobs import GREEDY, generate_together, speculative_runner
 from mlx_lm.models.cache import BatchKVCache
+
 from mlxgw.shared import protocol as p
 from mlxgw.shared.config import ConfigError, SpeculativeConfig, parse_registry
 from mlxgw.shared.protocol import SamplingParams

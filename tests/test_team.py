@@ -19,8 +19,9 @@ import pytest
 import yaml
 from helpers import NO_EOS, TINY_CONFIG, http, openai_client, start_gateway, wait_for
 from helpers.mlxgw_cli import mlxgw
-from mlxgw.gateway.keys import hash_key
 from prometheus_client.parser import text_string_to_metric_families
+
+from mlxgw.gateway.keys import hash_key
 
 WINDOW = 3  # seconds: the keys file's rate-limit window, short so tests can watch it recover
 KEYS = {

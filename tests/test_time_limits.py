@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 
 import pytest
+
 from mlxgw.gateway.api.translate import RATE_CAP_FLOOR, rate_cap
 from mlxgw.shared.protocol import GenerateRequest, SamplingParams
 

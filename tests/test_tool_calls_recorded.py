@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from mlxgw.worker.output_parser import OutputParser, tool_syntax
 
 FIXTURE = Path(__file__).parent / "fixtures" / "tool_call_outputs.json"

@@ -288,6 +288,7 @@ def test_text_models_refuse_images_in_both_apis(gw):
 async def test_url_fetching_refuses_non_public_addresses(aiohttp_server):
     """In-process, against a real HTTP server on 127.0.0.1 that would serve the image."""
     from aiohttp import web
+
     from mlxgw.gateway.api.images import ImageLimits, PublicOnlyResolver, collect_images, from_url
     from mlxgw.shared.errors import ServiceError
 

@@ -32,6 +32,7 @@ def gw(home, tiny_dir):
     tokenizer_config["chat_template"] = LOOP_TEMPLATE
     (evil / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
     from helpers.gguf_models import write_twice
+
     from mlxgw.worker.gguf import import_gguf
 
     # A GGUF whose tokenizer.chat_template holds the same loop, imported as `mlxgw models import` does.
@@ -273,6 +274,7 @@ def test_a_multi_megabyte_prompt_does_not_stall_running_streams(gw):
 def test_a_worker_of_another_protocol_version_is_refused_with_one_clear_error(gw):
     import msgpack
     import zmq
+
     from mlxgw.shared import protocol as p
 
     endpoint = next(line.split("endpoint ")[1] for line in gw.log().splitlines() if "endpoint " in line)

@@ -11,6 +11,7 @@ import psutil
 import pytest
 import zmq
 from helpers import free_port, http, start_gateway
+
 from mlxgw.shared import protocol as p
 
 SECRET = "correct-horse-battery-staple-2"

@@ -73,6 +73,7 @@ def build_tiny_encoder(
     real WordPiece tokenizer: exercises reranking and the architectures without a real model."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
+
     from mlxgw.worker.embedding import bert
 
     dest.mkdir(parents=True, exist_ok=True)

@@ -6,6 +6,7 @@ import os
 import sys
 
 import click
+
 from mlxgw.shared.cli_table import print_table
 
 from .file_limits import tolerate_a_low_file_limit

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+
 from mlxgw.shared.config import ConfigError, SpeculativeConfig
 
 from . import model_info

@@ -13,6 +13,7 @@ import time
 from concurrent.futures import Future
 
 import psutil
+
 from mlxgw.shared import protocol as p
 from mlxgw.shared.errors import ErrorCode, ServiceError
 

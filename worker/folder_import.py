@@ -16,8 +16,8 @@ from pathlib import Path
 
 from mlxgw.shared import model_store
 
-from .import_result import ImportError_, ImportResult
 from .import_progress import ImportProgress, NoProgress
+from .import_result import ImportError_, ImportResult
 
 # Files a serving copy does not need.
 SKIP = {".gitattributes", "README.md", "mlxgw.json"}

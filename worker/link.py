@@ -24,6 +24,7 @@ import uuid
 from collections.abc import Callable
 
 import zmq
+
 from mlxgw.shared import protocol as p
 
 log = logging.getLogger("mlxgw.worker.link")

@@ -24,6 +24,7 @@ from typing import Any
 import mlx.core as mx
 import msgpack
 import numpy as np
+
 from mlxgw.shared.protocol import SamplingParams
 
 log = logging.getLogger("mlxgw.worker.lockstep")

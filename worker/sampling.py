@@ -18,6 +18,7 @@ from mlx_lm.sample_utils import (
     make_logits_processors,
     make_sampler,
 )
+
 from mlxgw.shared.protocol import SamplingParams
 
 from .isolation import SequenceGuard

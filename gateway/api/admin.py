@@ -13,6 +13,7 @@ import dataclasses
 import time
 
 from aiohttp import web
+
 from mlxgw.shared.errors import ErrorCode, ServiceError
 
 from ..key_admin import KeyEditError, create_key, list_entries, revoke_key, update_key

@@ -11,6 +11,7 @@ import json
 import secrets
 
 from aiohttp import web
+
 from mlxgw.shared import protocol as p
 from mlxgw.shared.errors import ServiceError, invalid
 

@@ -9,6 +9,7 @@ import asyncio
 import json
 
 from aiohttp import web
+
 from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
 
 from ..batch_runner import BATCH_STORE, BATCH_WAKE

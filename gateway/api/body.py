@@ -14,6 +14,7 @@ import re
 from typing import Any
 
 from aiohttp import web
+
 from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
 
 from ..state import SETTINGS

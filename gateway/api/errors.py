@@ -6,6 +6,7 @@ import json
 import math
 
 from aiohttp import web
+
 from mlxgw.shared.errors import ErrorCode, ServiceError
 
 from .routes import family_of

@@ -15,6 +15,7 @@ import re
 from typing import Annotated, ClassVar, Literal
 
 import msgspec
+
 from mlxgw.shared.errors import invalid
 
 from .validate import INT32_MAX

@@ -8,6 +8,7 @@ import asyncio
 import os
 
 from aiohttp import web
+
 from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
 
 from ..batch_runner import BATCH_STORE

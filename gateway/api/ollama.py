@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 
 from aiohttp import web
+
 from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
 
 from ..generation import Generation, Outcome

@@ -11,6 +11,7 @@ from datetime import datetime, timezone
 from typing import Annotated
 
 from aiohttp import web
+
 from mlxgw.shared.config import CHAT_KINDS
 from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
 

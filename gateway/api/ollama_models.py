@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from aiohttp import web
+
 from mlxgw.shared import protocol as p
 from mlxgw.shared.errors import invalid
 

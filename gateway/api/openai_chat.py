@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from aiohttp import web
+
 from mlxgw.shared.errors import invalid
 
 from ..generation import Generation, Outcome

@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 
 from aiohttp import web
+
 from mlxgw.shared.errors import invalid
 
 from ..generation import Generation, Outcome

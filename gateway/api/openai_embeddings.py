@@ -10,6 +10,7 @@ import array
 import base64
 
 from aiohttp import web
+
 from mlxgw.shared import protocol as p
 from mlxgw.shared.errors import invalid
 

@@ -7,6 +7,7 @@ both the documents are batched in the worker like embedding inputs."""
 from __future__ import annotations
 
 from aiohttp import web
+
 from mlxgw.shared import protocol as p
 from mlxgw.shared.config import ENCODER_KINDS
 from mlxgw.shared.errors import invalid

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 
 from aiohttp import web
+
 from mlxgw.shared.errors import invalid
 
 from ..mcp import drive as mcp_drive

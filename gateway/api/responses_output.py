@@ -9,6 +9,7 @@ from collections.abc import Set
 from dataclasses import dataclass, field
 
 from aiohttp import web
+
 from mlxgw.shared.errors import ServiceError
 
 from ..generation import Generation, Outcome

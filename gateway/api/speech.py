@@ -11,6 +11,7 @@ import io
 
 import numpy as np
 from aiohttp import web
+
 from mlxgw.shared import protocol as p
 from mlxgw.shared.errors import invalid
 

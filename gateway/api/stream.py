@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from aiohttp import web
+
 from mlxgw.shared import protocol as p
 from mlxgw.shared.errors import ErrorCode, ServiceError
 

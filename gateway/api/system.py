@@ -7,11 +7,12 @@ import time
 from datetime import datetime, timezone
 
 from aiohttp import web
+
 from mlxgw.shared.config import CHAT_KINDS
 from mlxgw.shared.errors import ErrorCode, ServiceError, redact_paths
 
-from ..mcp.hub import MCP
 from ..auth import may_use, presented_key
+from ..mcp.hub import MCP
 from ..state import BROKER, KEYS, MANAGER
 from .admin import require_admin
 from .errors import error_response

@@ -8,6 +8,7 @@ prompt_tokens that request reports). /detokenize turns `tokens` back into text."
 from __future__ import annotations
 
 from aiohttp import web
+
 from mlxgw.shared.errors import invalid
 
 from ..state import MANAGER, SETTINGS

@@ -15,6 +15,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from aiohttp import web
+
 from mlxgw.shared import protocol as p
 from mlxgw.shared.config import CHAT_KINDS
 from mlxgw.shared.errors import invalid

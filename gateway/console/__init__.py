@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from aiohttp import web
+
 from mlxgw.shared.errors import ErrorCode, ServiceError
 
 STATIC = Path(__file__).parent

@@ -15,6 +15,7 @@ from __future__ import annotations
 import fnmatch
 
 from aiohttp import web
+
 from mlxgw.shared.errors import ErrorCode, ServiceError
 
 from .server import McpServer

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from aiohttp import web
+
 from mlxgw.shared import protocol as p
 from mlxgw.shared.errors import ErrorCode, ServiceError
 

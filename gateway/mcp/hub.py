@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 
 from aiohttp import web
+
 from mlxgw.shared.errors import ErrorCode, ServiceError
 from mlxgw.shared.mcp_config import McpConfig
 

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 
 from aiohttp import web
+
 from mlxgw.shared import protocol as p
 from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
 

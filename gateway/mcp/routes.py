@@ -4,6 +4,7 @@ it runs a tool with no model and no request in between)."""
 from __future__ import annotations
 
 from aiohttp import web
+
 from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
 
 from ..api import validate as v

@@ -314,7 +314,6 @@ def _spread_logits(model, config: dict) -> None:
     """Scale the output head (or the tied embedding) so the logits' std is LOGIT_SPREAD."""
     import mlx.core as mx
     from mlx.utils import tree_flatten, tree_unflatten
-
     from mlx_lm.models.cache import make_prompt_cache
 
     probe = mx.array([[1, 2, 3, 4, 5, 6, 7, 8]])

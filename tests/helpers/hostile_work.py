@@ -10,6 +10,7 @@ from pathlib import Path
 
 import psutil
 import yaml
+
 from mlxgw.gateway.keys import hash_key
 
 from .gateway import start_gateway

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
+
 from mlxgw.shared import protocol as p
 from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
 from mlxgw.shared import model_store
 from mlxgw.shared import protocol as p
 from mlxgw.shared.errors import ErrorCode, ServiceError

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+
 from mlxgw.shared.errors import invalid
 
 SUPPORTED = ("bert", "roberta", "xlm-roberta")

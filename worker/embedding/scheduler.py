@@ -15,6 +15,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
+
 from mlxgw.shared import protocol as p
 from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
 

@@ -14,6 +14,7 @@ import mlx.core as mx
 from mlx import nn
 from mlx.utils import tree_flatten
 from mlx_lm.utils import _get_classes, get_total_parameters, quantize_model, save_config, save_model
+
 from mlxgw.shared import model_store
 from mlxgw.shared.platform import default_import_dtype
 
