@@ -201,6 +201,37 @@ def test_a_batch_survives_a_gateway_kill_and_no_request_is_answered_twice(home, 
     assert os.path.exists(home2 / "files")
 
 
+def test_a_graceful_restart_mid_batch_sends_no_request_twice(home, tiny_dir):
+    """SIGTERM (what `mlxgw restart`, launchd and systemd send) mid-batch: the requests in
+    flight finish and are recorded before the gateway exits, so the next gateway sends only
+    the ones never sent, and every request of the batch ran exactly once. (Only a kill -9
+    can lose an answer in flight, which the next gateway then sends again: the test above.)"""
+    own, keys = _own_home(home, "batch-graceful"), _keys_file(home)
+    gw = start_gateway(own, BATCH_CONFIG, "batch-graceful-1", extra_args=("--keys", keys))
+    try:
+        alice = _client(gw, "alice")
+        lines = [_chat_line(f"g{i}", "go", model="tiny-bg", max_tokens=30, logit_bias=NO_EOS) for i in range(16)]
+        batch = alice.batches.create(
+            input_file_id=alice.files.create(file=_jsonl(lines), purpose="batch").id,
+            endpoint="/v1/chat/completions",
+            completion_window="24h",
+        )
+        _wait(lambda: alice.batches.retrieve(batch.id).request_counts.completed >= 2)
+    finally:
+        gw.stop()  # SIGTERM, then the graceful drain
+    first = {i for i in range(16) if f"{batch.id}-{i}-" in gw.log()}
+    gw2 = start_gateway(own, BATCH_CONFIG, "batch-graceful-2", extra_args=("--keys", keys))
+    try:
+        done = _wait_done(_client(gw2, "alice"), batch.id, timeout=120)
+        assert done.status == "completed" and done.request_counts.completed == 16
+        out = _output(_client(gw2, "alice"), done.output_file_id)
+        assert sorted(x["custom_id"] for x in out) == sorted(f"g{i}" for i in range(16)), "each request once"
+        second = {i for i in range(16) if f"{batch.id}-{i}-" in gw2.log()}
+        assert first and second and not first & second, (first, second)
+    finally:
+        gw2.stop()
+
+
 def test_one_gateway_process_runs_a_batch_until_it_dies(tmp_path):
     """Two gateways on one MLXGW_HOME: the batch's claim keeps it with one live process."""
     from mlxgw.gateway.batch_store import BatchStore
