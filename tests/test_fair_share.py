@@ -203,14 +203,7 @@ def test_a_key_asking_for_a_priority_it_was_not_granted_is_clamped(fair_gateway)
     """Both from one key (one tenant): the second asks priority -50 to jump the first, and is
     clamped to the key's min_priority (default 0), so it runs second."""
     order: list[str] = []
-    blocker = _client(fair_gateway, "alice").chat.completions.create(
-        model="tiny-one",
-        messages=[{"role": "user", "content": "block"}],
-        max_tokens=30000,  # runs until closed below
-        stream=True,
-        extra_body={"logit_bias": NO_EOS},
-    )
-    next(iter(blocker))
+    blocker = _blocking_stream(fair_gateway, "alice")
 
     def send(name: str, priority: int) -> None:
         _client(fair_gateway, "alice").chat.completions.create(
@@ -233,6 +226,19 @@ def test_a_key_asking_for_a_priority_it_was_not_granted_is_clamped(fair_gateway)
     assert order == ["first", "second"]
 
 
+def _blocking_stream(gw, key: str):
+    """A stream holding tiny-one's only row until it is closed (its first chunk has come)."""
+    stream = _client(gw, key).chat.completions.create(
+        model="tiny-one",
+        messages=[{"role": "user", "content": "block"}],
+        max_tokens=30000,
+        stream=True,
+        extra_body={"logit_bias": NO_EOS},
+    )
+    next(iter(stream))
+    return stream
+
+
 def _wait(predicate, timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -243,14 +249,7 @@ def _wait(predicate, timeout: float = 30) -> None:
 def test_service_tier_flex_runs_after_interactive_requests(fair_gateway):
     """A flex request queued first still runs after an interactive one queued later."""
     order: list[str] = []
-    blocker = _client(fair_gateway, "bob").chat.completions.create(
-        model="tiny-one",
-        messages=[{"role": "user", "content": "block"}],
-        max_tokens=30000,  # runs until closed below
-        stream=True,
-        extra_body={"logit_bias": NO_EOS},
-    )
-    next(iter(blocker))
+    blocker = _blocking_stream(fair_gateway, "bob")
 
     def send(name: str, tier: str | None) -> None:
         extra = {"service_tier": tier} if tier else {}
