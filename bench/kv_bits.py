@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -70,8 +71,7 @@ def measured_bytes_per_token(url: str, variant: str, words: int) -> float | None
     with urllib.request.urlopen(req, timeout=600) as r:
         tokens = json.loads(r.read())["usage"]["prompt_tokens"]
     stats = _get(f"{url}/cache/stats?model={variant}")
-    entries = stats.get("models", [stats])  # one model's figures, whichever way they are wrapped
-    nbytes = sum(_find(e, "bytes") or 0 for e in entries) if isinstance(entries, list) else _find(stats, "bytes")
+    nbytes = _find(stats.get("models", {}).get(variant), "bytes")  # {"models": {name: [per worker]}}
     return round(nbytes / tokens, 1) if nbytes and tokens else None
 
 
@@ -155,6 +155,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     method = bench_method.from_args(args)
+    # A timeout's SIGTERM must still stop the servers this bench started (the finally below).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     model_dir = args.model_dir.expanduser().resolve()
     with tempfile.TemporaryDirectory(prefix="mlxgw-kvbits-") as tmp, open(Path(tmp) / "gateway.log", "wb") as log:
         url, proc = start_gateway(model_dir, Path(tmp), args.concurrency, log)

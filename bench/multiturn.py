@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import subprocess
 import sys
 import tempfile
@@ -33,7 +34,7 @@ from pathlib import Path
 
 from . import method as bench_method
 from .method import Method
-from .peers import start_mlx_lm, start_mlxgw, start_vllm_mlx, wait_ready, warm_up
+from .peers import start_mlx_lm, start_mlxgw, start_vllm_mlx, wait_ready
 from .stats import paired_ratios, summarize
 
 QUESTIONS = ["What does the scheduler do?", "And the prefix cache?", "Who reviews changes?", "Summarise it."]
@@ -102,6 +103,16 @@ def conversation(url: str, model: str, system: str, api: str, max_tokens: int) -
         ttfts.append(round(first, 3) if first is not None else None)
         texts.append(text)
     return {"ttft_s": ttfts, "texts": texts}
+
+
+def warm_up(url: str, model: str, api: str) -> None:
+    """One short request in the API the run uses (a base model has no chat template), so that
+    no server's first conversation pays its lazy setup."""
+    body = {"model": model, "max_tokens": 4, "temperature": 0.0, "stream": True}
+    if api == "chat":
+        stream_first_token(url, "chat/completions", {**body, "messages": [{"role": "user", "content": "hi"}]})
+    else:
+        stream_first_token(url, "completions", {**body, "prompt": "User: hi\nAssistant:"})
 
 
 def warm_of(run: dict) -> float | None:
@@ -175,6 +186,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     method = bench_method.from_args(args)
+    # A timeout's SIGTERM must still stop the servers this bench started (the finally below).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     model_dir = args.model_dir.expanduser().resolve()
     from transformers import AutoTokenizer
 
@@ -185,7 +198,7 @@ def main(argv: list[str] | None = None) -> None:
             servers = start_servers(model_dir, Path(tmp), args, log)
             for label, url, proc, model in servers:
                 wait_ready(url, proc)
-                warm_up(url, model)
+                warm_up(url, model, args.api)
                 print(f"{label} ready at {url}", flush=True)
             runs = measure(servers, tokenizer, args, method)
         except Exception:
