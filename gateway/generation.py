@@ -73,6 +73,14 @@ class BlankTextFilter:
         return {**event, "text": text}
 
 
+# A worker refuses new requests once it drains; a request that raced the drain tries again.
+DRAINING_RETRIES = 2
+
+
+def _refused_while_draining(event: dict) -> bool:
+    return event.get("e") == p.EV_ERROR and event.get("code") == ErrorCode.MODEL_UNAVAILABLE.value
+
+
 def raise_for(event: dict) -> None:
     """Turn a terminal error (or a cancellation) into the ServiceError the API renders."""
     if event.get("e") == p.EV_ERROR:
@@ -125,12 +133,19 @@ class Generation:
             await self.on_wait()
 
     async def __aenter__(self) -> Generation:
-        conn = await self.manager.acquire(self.slot, self._load_tick, self.keepalive_s)
         try:
-            # inside: a refusal here (the quarantine's 400) is logged with its real outcome
-            self.stream = await self.broker.submit(conn, self.req, self.owner)
-            first = await self._next(None)
-            if first.get("e") != p.EV_ACCEPTED:
+            for tries_left in range(DRAINING_RETRIES, -1, -1):
+                conn = await self.manager.acquire(self.slot, self._load_tick, self.keepalive_s)
+                # inside: a refusal here (the quarantine's 400) is logged with its real outcome
+                self.stream = await self.broker.submit(conn, self.req, self.owner)
+                first = await self._next(None)
+                if first.get("e") == p.EV_ACCEPTED:
+                    break
+                if tries_left and _refused_while_draining(first):
+                    # It reached a worker in the instant a reload or unload began to drain it:
+                    # nothing ran, so wait for the model's current slot like any other request.
+                    self.slot = self.manager.slots.get(self.slot.name, self.slot)
+                    continue
                 raise_for(first)
                 raise ServiceError(ErrorCode.INTERNAL, f"unexpected first event {first.get('e')!r}")
         except BaseException as e:

@@ -130,13 +130,16 @@ def test_hung_worker_is_detected_restarted_and_others_are_untouched(residency_ga
     assert residency_gateway.worker_pid("steady") == steady_pid
 
 
-def test_crash_loop_marks_the_model_failed(residency_gateway):
+def test_a_folder_that_cannot_load_marks_the_model_failed_with_its_reason(residency_gateway):
+    """A folder without weights is not a crash loop: the worker says it cannot load and the
+    model is failed at the first try, with the reason (issue 24); crash loops: test below."""
     with pytest.raises(openai.APIStatusError) as info:
         greedy(residency_gateway, "broken")
     assert info.value.status_code == 503
     wait_for(lambda: residency_gateway.model_status("broken")["state"] == "failed", 60)
     models = {m.id: m for m in openai_client(residency_gateway).models.list().data}
-    assert models["broken"].state == "failed" and "crash loop" in models["broken"].last_error
+    assert models["broken"].state == "failed", models["broken"]
+    assert "cannot load" in models["broken"].last_error and "safetensors" in models["broken"].last_error
     with pytest.raises(openai.APIStatusError, match="failed") as info:
         greedy(residency_gateway, "broken")
     assert info.value.status_code == 503

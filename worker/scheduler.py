@@ -415,7 +415,8 @@ class Scheduler:
     def _insert(self, seq: Sequence) -> None:
         """Into the runner; a resumed row continues from its prompt + generated tokens (their
         KV is in the prefix cache since its pause), for the tokens it has left."""
-        prompt = seq.prompt + seq.tokens
+        # A fresh row passes its prompt object itself: a vision prompt carries its pixels on it.
+        prompt = seq.prompt + seq.tokens if seq.tokens else seq.prompt
         uid, cached = self.runner.insert(
             prompt,
             seq.max_tokens - seq.generated,
