@@ -133,27 +133,27 @@ class Generation:
             await self.on_wait()
 
     async def __aenter__(self) -> Generation:
-        try:
-            for tries_left in range(DRAINING_RETRIES, -1, -1):
-                conn = await self.manager.acquire(self.slot, self._load_tick, self.keepalive_s)
+        for tries_left in range(DRAINING_RETRIES, -1, -1):
+            conn = await self.manager.acquire(self.slot, self._load_tick, self.keepalive_s)
+            try:
                 # inside: a refusal here (the quarantine's 400) is logged with its real outcome
                 self.stream = await self.broker.submit(conn, self.req, self.owner)
                 first = await self._next(None)
-                if first.get("e") == p.EV_ACCEPTED:
-                    break
-                if tries_left and _refused_while_draining(first):
-                    # It reached a worker in the instant a reload or unload began to drain it:
-                    # nothing ran, so wait for the model's current slot like any other request.
-                    self.slot = self.manager.slots.get(self.slot.name, self.slot)
-                    continue
-                raise_for(first)
-                raise ServiceError(ErrorCode.INTERNAL, f"unexpected first event {first.get('e')!r}")
-        except BaseException as e:
-            # `async with` runs no __aexit__ when __aenter__ raises: a client that leaves
-            # before the worker accepted (or a timeout here) must still cancel the request,
-            # or the worker would generate for nobody until max_tokens.
-            await self.__aexit__(type(e), e, e.__traceback__)
-            raise
+                retry = tries_left > 0 and _refused_while_draining(first)
+                if first.get("e") != p.EV_ACCEPTED and not retry:
+                    raise_for(first)
+                    raise ServiceError(ErrorCode.INTERNAL, f"unexpected first event {first.get('e')!r}")
+            except BaseException as e:
+                # `async with` runs no __aexit__ when __aenter__ raises: a client that leaves
+                # before the worker accepted (or a timeout here) must still cancel the request,
+                # or the worker would generate for nobody until max_tokens.
+                await self.__aexit__(type(e), e, e.__traceback__)
+                raise
+            if not retry:
+                break
+            # It reached a worker in the instant a reload or unload began to drain it: nothing
+            # ran, so wait for the model's current slot like any other request.
+            self.slot = self.manager.slots.get(self.slot.name, self.slot)
         self.accepted = first
         self.usage.prompt_tokens = int(first.get("prompt_tokens", 0))
         return self
