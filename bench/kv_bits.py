@@ -28,7 +28,7 @@ from pathlib import Path
 from . import method as bench_method
 from .loadgen import run_level, varied_prompts
 from .method import Method
-from .peers import free_port, wait_ready, warm_up
+from .peers import free_port, show_log_tail, stop_servers, wait_ready, warm_up
 from .spec_matrix import clear_cache
 from .stats import paired_ratios, summarize
 
@@ -171,15 +171,10 @@ def main(argv: list[str] | None = None) -> None:
             with method.busy_loops():
                 runs = sweep(url, args, method)
         except Exception:
-            log.flush()
-            sys.stderr.write((Path(tmp) / "gateway.log").read_text(errors="replace")[-4000:])
+            show_log_tail(log, Path(tmp) / "gateway.log")
             raise
         finally:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_servers([proc])
     md = table(runs, memory, method)
     head = f"({method.header()}; c={args.concurrency}, {args.requests} requests, greedy, {args.max_tokens} tokens)"
     md = f"{head}\n\n{md}\n\n" + "\n".join(x.line() for x in method.logs)

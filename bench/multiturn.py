@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,7 +33,7 @@ from pathlib import Path
 
 from . import method as bench_method
 from .method import Method
-from .peers import start_mlx_lm, start_mlxgw, start_vllm_mlx, wait_ready
+from .peers import show_log_tail, start_mlx_lm, start_mlxgw, start_vllm_mlx, stop_servers, wait_ready
 from .stats import paired_ratios, summarize
 
 QUESTIONS = ["What does the scheduler do?", "And the prefix cache?", "Who reviews changes?", "Summarise it."]
@@ -159,16 +158,6 @@ def start_servers(model_dir: Path, home: Path, args, log) -> list[tuple]:
     return servers
 
 
-def stop(servers: list[tuple]) -> None:
-    for _, _, proc, _ in servers:
-        proc.terminate()
-    for _, _, proc, _ in servers:
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model_dir", type=Path)
@@ -202,11 +191,10 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"{label} ready at {url}", flush=True)
             runs = measure(servers, tokenizer, args, method)
         except Exception:
-            log.flush()
-            sys.stderr.write((Path(tmp) / "servers.log").read_text(errors="replace")[-4000:])
+            show_log_tail(log, Path(tmp) / "servers.log")
             raise
         finally:
-            stop(servers)
+            stop_servers([proc for _, _, proc, _ in servers])
     md = markdown(runs, method, args.goal)
     head = f"({method.header()}; {args.api}, ~{args.system_tokens}-token system prompt with 4 tools, greedy, "
     md = head + f"{args.max_tokens} tokens a turn)\n\n{md}\n\n" + "\n".join(x.line() for x in method.logs)

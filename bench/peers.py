@@ -90,6 +90,23 @@ def start_mlx_lm(model_dir: Path, log) -> tuple[str, subprocess.Popen, str]:
     return f"http://127.0.0.1:{port}/v1", proc, str(model_dir)
 
 
+def stop_servers(procs) -> None:
+    """Every server a bench started: SIGTERM to all, then kill -9 whichever is not gone in 30 s."""
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def show_log_tail(log, path: Path) -> None:
+    """A bench that failed prints the end of its servers' log (written to `log`) on stderr."""
+    log.flush()
+    sys.stderr.write(path.read_text(errors="replace")[-4000:])
+
+
 def start_vllm_mlx(python: str, model_dir: Path, log) -> tuple[str, subprocess.Popen, str]:
     port = free_port()
     exe = str(Path(python).parent / "vllm-mlx")
@@ -230,17 +247,10 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"{label} ready at {url}", flush=True)
             status = measure(servers, model_dir, args, method)
         except Exception:
-            log.flush()
-            sys.stderr.write((Path(tmp) / "servers.log").read_text(errors="replace")[-4000:])
+            show_log_tail(log, Path(tmp) / "servers.log")
             raise
         finally:
-            for proc in procs:
-                proc.terminate()
-            for proc in procs:
-                try:
-                    proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+            stop_servers(procs)
     sys.exit(status)
 
 

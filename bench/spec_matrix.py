@@ -36,7 +36,7 @@ from pathlib import Path
 from . import method as bench_method
 from .loadgen import run_level, varied_prompts
 from .method import Method
-from .peers import free_port, wait_ready, warm_up
+from .peers import free_port, show_log_tail, stop_servers, wait_ready, warm_up
 from .stats import paired_ratios, percentile, summarize
 
 VARIANTS = ("spec-off", "spec-on")
@@ -252,15 +252,10 @@ def main(argv: list[str] | None = None) -> None:
             print(md)
             stats = speculative_stats(url)
         except Exception:
-            log.flush()
-            sys.stderr.write((Path(tmp) / "gateway.log").read_text(errors="replace")[-4000:])
+            show_log_tail(log, Path(tmp) / "gateway.log")
             raise
         finally:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_servers([proc])
     status = method.finish()
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
