@@ -110,6 +110,10 @@ class ModelEntry:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     tool_parser: str | None = None
     reasoning_parser: str | None = None
+    # Constrain a tool call's name to the offered tools once the model opens a call
+    # (worker/tool_name_guard.py): for small models that invent names. Such rows do not
+    # speculate and are not preempted.
+    tool_name_guard: bool = False
     # A request may replace the chat template (chat_template_kwargs.chat_template): off by
     # default, a template is a program (it still renders sandboxed and budgeted when on).
     allow_request_chat_template: bool = False

@@ -51,6 +51,7 @@ class ChatText:
         reasoning_parser: str | None = None,
         allow_request_chat_template: bool = False,
         context_length: int | None = None,
+        tool_name_guard: bool = False,
     ):
         """tokenizer: mlx-lm's TokenizerWrapper; vocab_size: the model's logits width."""
         self.tokenizer = tokenizer
@@ -59,6 +60,7 @@ class ChatText:
         self.reasoning_parser = reasoning_parser
         self.allow_request_chat_template = allow_request_chat_template
         self.context_length = context_length
+        self.tool_name_guard = tool_name_guard
         self._constraints = None
         templates.install()
 
@@ -137,19 +139,26 @@ class ChatText:
         return OutputParser(think=think, in_reasoning=in_reasoning, tool=tool, tools=req.tools)
 
     def make_constraint(self, req: GenerateRequest):
+        """The request's grammar (a 400 for a bad one), else the tool-name guard when the
+        model has it on and tools are offered, else None."""
         if req.constraint is None:
+            if self.tool_name_guard and req.tools:
+                return self._constraint_factory().tool_name_guard(req.tools)
             return None
+        from .output_parser import tool_syntax
+
+        syntax = tool_syntax(self.tool_parser, self.tokenizer)
+        markup = (syntax.start, syntax.end or "") if syntax and syntax.end else None
+        return self._constraint_factory().processor(req.constraint, markup)
+
+    def _constraint_factory(self):
         if self._constraints is None:
             from .constraints import ConstraintFactory
 
             self._constraints = ConstraintFactory(
                 self.tokenizer._tokenizer, self.vocab_size, sorted(self.tokenizer.eos_token_ids)
             )
-        from .output_parser import tool_syntax
-
-        syntax = tool_syntax(self.tool_parser, self.tokenizer)
-        markup = (syntax.start, syntax.end or "") if syntax and syntax.end else None
-        return self._constraints.processor(req.constraint, markup)
+        return self._constraints
 
     def encode_text(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)

@@ -107,10 +107,27 @@ class ConstraintFactory:
             if state["started"]:
                 matcher.consume_token(int(tokens[-1].item()))
             state["started"] = True
-            llnp.fill_next_token_bitmask(matcher, bitmask, 0)
-            allowed = np.unpackbits(bitmask.view(np.uint8), bitorder="little")[:vocab].astype(bool)
-            if len(allowed) < logits.shape[-1]:
-                allowed = np.concatenate([allowed, np.zeros(logits.shape[-1] - len(allowed), dtype=bool)])
-            return mx.where(mx.array(allowed), logits, -float("inf"))
+            return mask_logits(matcher, bitmask, vocab, logits)
 
         return constrain
+
+    def tool_name_guard(self, tools: list | None):
+        """A ToolNameGuard for the offered tools (worker/tool_name_guard.py), or None."""
+        from .tool_name_guard import ToolNameGuard, offered_names
+
+        names = offered_names(tools)
+        if not names:
+            return None
+        return ToolNameGuard(self._tokenizer(), self._hf.decode, names, self.vocab_size)
+
+
+def mask_logits(matcher, bitmask, vocab: int, logits: mx.array) -> mx.array:
+    """logits with every token the matcher does not allow next set to -inf (bitmask: a
+    one-row llguidance bitmask to fill)."""
+    import llguidance.numpy as llnp
+
+    llnp.fill_next_token_bitmask(matcher, bitmask, 0)
+    allowed = np.unpackbits(bitmask.view(np.uint8), bitorder="little")[:vocab].astype(bool)
+    if len(allowed) < logits.shape[-1]:
+        allowed = np.concatenate([allowed, np.zeros(logits.shape[-1] - len(allowed), dtype=bool)])
+    return mx.where(mx.array(allowed), logits, -float("inf"))

@@ -210,6 +210,7 @@ def runner_kwargs(entry: ModelEntry, cache_bytes: int) -> dict:
         "tool_parser": entry.tool_parser,
         "reasoning_parser": entry.reasoning_parser,
         "allow_request_chat_template": entry.allow_request_chat_template,
+        "tool_name_guard": entry.tool_name_guard,
         # Speculation pauses and resumes on measured step times, which differ between ranks:
         # ranks would take different steps and leave lockstep. Sharded models never speculate.
         "speculative": SpeculativeConfig(mode="off"),

@@ -137,6 +137,7 @@ class MLXRunner(ChatTextRunner):
         speculative: SpeculativeConfig | None = None,
         kv_bits: int | None = None,
         kv_group_size: int = 64,
+        tool_name_guard: bool = False,
     ):
         import mlx.core as mx
         from mlx_lm import load
@@ -202,6 +203,7 @@ class MLXRunner(ChatTextRunner):
             reasoning_parser=reasoning_parser,
             allow_request_chat_template=allow_request_chat_template,
             context_length=self.context_length,
+            tool_name_guard=tool_name_guard,
         )
 
     # -- execution ----------------------------------------------------------------------

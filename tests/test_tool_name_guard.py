@@ -1,0 +1,127 @@
+"""The tool-name guard (worker/tool_name_guard.py) with the real SmolLM2 tokenizer and the
+real llguidance matcher: once a call's name opens, only offered names can be written; prose
+and JSON elsewhere are left alone; the model's own choice among offered names is kept."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from mlxgw.shared.protocol import GenerateRequest
+
+TOOLS = [
+    {"type": "function", "function": {"name": "Write", "parameters": {"type": "object"}}},
+    {"type": "function", "function": {"name": "Bash", "parameters": {"type": "object"}}},
+    {"name": "exec_command", "parameters": {"type": "object"}},  # the flat (Responses) shape
+]
+
+
+@pytest.fixture(scope="module")
+def text(smollm2_dir):
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    from mlxgw.worker.chat_text import ChatText
+
+    tokenizer = load_tokenizer(smollm2_dir)
+    return ChatText(tokenizer, tokenizer.vocab_size, tool_name_guard=True)
+
+
+def request(**kw) -> GenerateRequest:
+    return GenerateRequest(rid="r", messages=[{"role": "user", "content": "hi"}], **kw)
+
+
+def decode_greedy(text, guard, answer_so_far: str, prefer: str, steps: int = 12) -> str:
+    """Feed answer_so_far token by token, then decode greedily from logits that prefer the
+    tokens of `prefer`, through the guard; return what was written after answer_so_far."""
+    tok = text.tokenizer
+    vocab = text.vocab_size
+    fed = tok.encode(answer_so_far, add_special_tokens=False)
+    wanted = tok.encode(prefer, add_special_tokens=False)
+    tokens = [tok.bos_token_id or 0]
+    for t in fed:  # the answer so far: the guard sees each token one step after it is sampled
+        guard(mx.array(tokens), mx.zeros((1, vocab)))
+        tokens.append(t)
+    out = []
+    for i in range(steps):
+        logits = mx.zeros((1, vocab))
+        if i < len(wanted):
+            logits[0, wanted[i]] = 50.0  # what the model "wants" to write
+        masked = guard(mx.array(tokens), logits)
+        token = int(mx.argmax(masked, axis=-1).item())
+        tokens.append(token)
+        out.append(token)
+    return tok.decode(out)
+
+
+@pytest.mark.parametrize(
+    "opening",
+    [
+        '{"name": "',  # a bare JSON answer
+        'I will write the file.\n```json\n{"name": "',  # a fenced call after some prose
+        '<tool_call>\n{"name": "',  # the model's own markup
+        '{"type": "function", "function": {"name": "',  # OpenAI's shape
+    ],
+)
+def test_an_invented_name_becomes_an_offered_one(text, opening):
+    guard = text.make_constraint(request(tools=TOOLS))
+    assert guard is not None
+    written = decode_greedy(text, guard, opening, prefer="create hello.py")
+    assert any(written.startswith(name + '"') for name in ("Write", "Bash", "exec_command")), written
+    assert guard.guided == 1
+
+
+def test_a_right_name_is_kept_and_decoding_is_free_afterwards(text):
+    guard = text.make_constraint(request(tools=TOOLS))
+    written = decode_greedy(text, guard, '{"name": "', prefer='Bash", "arguments": {}}')
+    assert written.startswith('Bash"'), written
+    assert '"arguments"' in written  # after the name the model writes what it wants
+
+
+def test_the_next_call_of_a_list_is_guided_too(text):
+    guard = text.make_constraint(request(tools=TOOLS))
+    prefer = 'Bash", "arguments": {}}, {"name": "create'
+    written = decode_greedy(text, guard, '[{"name": "', prefer=prefer, steps=24)
+    # (the guard ends the name at its quote, so these fixed logits lose the comma of '",')
+    assert written.startswith('Bash"') and '}, {"name": "' in written, written
+    second = written.split('{"name": "')[1]
+    assert any(second.startswith(n + '"') for n in ("Write", "Bash", "exec_command")), written
+    assert guard.guided == 2
+
+
+def test_a_partly_written_name_is_completed_among_the_names_it_can_still_be(text):
+    guard = text.make_constraint(request(tools=TOOLS))
+    written = decode_greedy(text, guard, '{"name": "exec', prefer="_shell")
+    assert written.startswith('_command"'), written
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        'The user record is {"name": "',  # JSON inside prose: not a call
+        "Sure! Here is a haiku",
+        '```python\nprint({"name": "',  # a code fence of another language
+        'Two users: [{"name": "Ann"}, {"name": "',  # a list of records, not of calls
+    ],
+)
+def test_text_that_is_not_a_call_is_left_alone(text, answer):
+    guard = text.make_constraint(request(tools=TOOLS))
+    written = decode_greedy(text, guard, answer, prefer="Alice")
+    assert written.startswith("Alice"), written
+    assert guard.guided == 0
+
+
+def test_off_by_default_and_without_tools(text, smollm2_dir):
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    from mlxgw.worker.chat_text import ChatText
+
+    assert text.make_constraint(request()) is None  # no tools offered
+    tokenizer = load_tokenizer(smollm2_dir)
+    assert ChatText(tokenizer, tokenizer.vocab_size).make_constraint(request(tools=TOOLS)) is None
+
+
+def test_models_yaml_field_reaches_the_runner():
+    from mlxgw.shared.config import ModelEntry
+
+    assert ModelEntry(name="m").tool_name_guard is False
+    assert ModelEntry(name="m", tool_name_guard=True).tool_name_guard is True

@@ -1,0 +1,108 @@
+"""Tool names a small model cannot get wrong: a lazy constraint on the name of a call.
+
+Small models often write the right call shape with a made-up name (Qwen2.5-Coder-0.5B on
+Claude Code's tools: ```` ```json {"name": "create hello.py", ...} ````), which then stays
+text, and the agent's work is not done. llama.cpp's answer is a lazy grammar: decoding is
+free until a trigger appears, then constrained. Here the trigger is the opening of a call
+object (`{"name": "` where a call can start: the start of the answer, after the model's own
+tool markup, at the top of a Markdown fence, or OpenAI's `{"type": "function", "function":
+{"name": "`), and the constraint lasts only for the name: it must be one of the offered
+tools', then the closing quote, and decoding is free again. Arguments are not constrained
+(the output parser reads them, and a wrong argument is the tool's to report).
+
+The guard is a logits processor with per-sequence state, so such rows do not speculate and
+are not preempted (like any constraint): it is a per-model choice (`tool_name_guard: true`
+in models.yaml), on in config/agents.yaml."""
+
+from __future__ import annotations
+
+import re
+
+import mlx.core as mx
+
+from .constraints import mask_logits
+
+# Where a call object can open, up to the start of its name (possibly partly written: a
+# token may carry the quote and the name's first letters).
+_OPENER = r"(?:<tool_call>|```[A-Za-z_]*[ \t]*\n|\[)?\s*"
+_NAME_KEY = r"\{\s*(?:\"type\"\s*:\s*\"function\"\s*,\s*\"function\"\s*:\s*\{\s*)?\"name\"\s*:\s*\"([^\"\\\n]{0,64})$"
+AT_ANSWER_START = re.compile(r"\A\s*" + _OPENER + _NAME_KEY)
+AFTER_MARKUP = re.compile(r"(?:<tool_call>|(?:^|\n)```(?:json|tool_call|tool|)[ \t]*\n)\s*" + _NAME_KEY)
+NEXT_IN_LIST = re.compile(r"\}\s*,\s*" + _NAME_KEY)  # the next call of a list, once one was guided
+TAIL_CHARS = 256  # how much of the answer's end the trigger is looked for in
+
+
+def rust_regex_escape(text: str) -> str:
+    """Escape for llguidance's (Rust) regex syntax: every ASCII punctuation character."""
+    return "".join("\\" + c if c.isascii() and not c.isalnum() and c != "_" else c for c in text)
+
+
+class ToolNameGuard:
+    """Logits processor: free decoding, except that a call's name must be an offered one.
+
+    Called once per step with the sequence's tokens (the last one is the token sampled at
+    the previous step) and the next token's logits."""
+
+    def __init__(self, ll_tokenizer, decode, names: list[str], vocab_size: int):
+        self._ll = ll_tokenizer
+        self._decode = decode  # token ids -> text
+        self.names = sorted({n for n in names if isinstance(n, str) and n})
+        self._vocab = vocab_size
+        self._text = ""  # the answer so far
+        self._matcher = None  # set while a name is being written
+        self._started = False
+        self.guided = 0  # names constrained (for tests and stats)
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        if self._started:
+            token = int(tokens[-1].item())
+            if self._matcher is not None:
+                self._matcher.consume_token(token)
+                if self._matcher.is_accepting() or self._matcher.is_error():
+                    self._matcher = None  # the name and its quote are written: free again
+            self._text += self._decode([token])
+        self._started = True
+        if self._matcher is None and self.names:
+            self._matcher = self._trigger()
+        if self._matcher is None:
+            return logits
+        return self._mask(logits)
+
+    def _trigger(self):
+        """A matcher for the rest of the name when a call's name has just opened, else None."""
+        text = self._text
+        found = AT_ANSWER_START.search(text) if len(text) <= TAIL_CHARS else None
+        found = found or AFTER_MARKUP.search(text[-TAIL_CHARS:])
+        if found is None and self.guided:
+            found = NEXT_IN_LIST.search(text[-TAIL_CHARS:])
+        if found is None:
+            return None
+        written = found.group(1)
+        rests = [n[len(written) :] for n in self.names if n.startswith(written)]
+        if not rests:
+            return None  # a name no tool has: nothing to steer (the parser keeps it as text)
+        import llguidance
+
+        pattern = "(" + "|".join(rust_regex_escape(r) for r in rests) + ')"'
+        matcher = llguidance.LLMatcher(self._ll, llguidance.LLMatcher.grammar_from_regex(pattern))
+        if matcher.is_error():
+            return None
+        self.guided += 1
+        return matcher
+
+    def _mask(self, logits: mx.array) -> mx.array:
+        import llguidance.numpy as llnp
+
+        bitmask = llnp.allocate_token_bitmask(1, self._ll.vocab_size)
+        return mask_logits(self._matcher, bitmask, self._vocab, logits)
+
+
+def offered_names(tools: list | None) -> list[str]:
+    """The names of the offered tools, in OpenAI's or the flat shape."""
+    names = []
+    for tool in tools or []:
+        if isinstance(tool, dict):
+            spec = tool.get("function", tool)
+            if isinstance(spec, dict) and isinstance(spec.get("name"), str):
+                names.append(spec["name"])
+    return names
