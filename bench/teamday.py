@@ -136,8 +136,13 @@ def words(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n))
 
 
+# The served model's name: "chat" on mlxgw, the model folder on a peer (set per mode by main).
+SERVED = {"model": "chat"}
+
+
 async def chat(session, url: str, messages: list[dict], max_tokens: int):
-    return await one_request(session, url, "chat", messages, max_tokens=max_tokens, temperature=0.7, stream=True)
+    model = SERVED["model"]
+    return await one_request(session, url, model, messages, max_tokens=max_tokens, temperature=0.7, stream=True)
 
 
 # -- users ---------------------------------------------------------------------------------------
@@ -322,7 +327,9 @@ async def team_day(url: str, seconds: float, args) -> dict:
         elif u.kind == "embed":
             tasks.append(embedder(url, u, until))
     batch_user = next(u for u in users if u.kind == "batch")
-    if args.batch_n:
+    if not args.batch_n:
+        users.remove(batch_user)
+    else:
         tasks.append(batch_job(url, batch_user, args.batch_n, args.max_tokens))
     results = await asyncio.gather(*tasks)
     batch_result = results[-1] if args.batch_n else None
@@ -349,6 +356,25 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+PEERS = ("mlx_lm", "vllm")
+
+
+def start_peer(mode: str, home: Path, args) -> tuple[str, subprocess.Popen]:
+    """mlx_lm.server or vllm-mlx on the same model folder, each with its own defaults."""
+    from .peers import start_mlx_lm, start_vllm_mlx, wait_ready, warm_up
+
+    model_dir = (args.models_dir / args.model).resolve()
+    log = open(home / f"{mode}.log", "w")
+    if mode == "mlx_lm":
+        url, proc, model = start_mlx_lm(model_dir, log)
+    else:
+        url, proc, model = start_vllm_mlx(args.vllm_python, model_dir, log)
+    wait_ready(url, proc)
+    warm_up(url, model)
+    SERVED["model"] = model
+    return url, proc
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models-dir", type=Path, required=True)
@@ -364,7 +390,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--think-s", type=float, default=2.0)
     ap.add_argument("--system-words", type=int, default=400)
     ap.add_argument("--batch-n", type=int, default=24)
-    ap.add_argument("--modes", default="fair,fifo", help="fair, fifo (fair share off), batch (only batch vs direct)")
+    ap.add_argument(
+        "--modes",
+        default="fair,fifo",
+        help="fair, fifo (fair share off), batch (only batch vs direct), mlx_lm and vllm (the peers: the chat, "
+        "agent and flooding users; they have no keys, fair share, batch or embedding API)",
+    )
+    ap.add_argument("--vllm-python", default="/work/peers/vllm/bin/python", help="the vllm-mlx venv's python")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     users = ["alice", "bob", "flooder", "batch", "embedder"]
@@ -372,10 +404,16 @@ def main(argv: list[str] | None = None) -> None:
     results = {"load_average": os.getloadavg(), "args": {k: str(v) for k, v in vars(args).items()}}
     for mode in args.modes.split(","):
         home = Path(tempfile.mkdtemp(prefix=f"teamday-{mode}-"))
-        fair = mode != "fifo"
-        url, proc = start_gateway(
-            home, args.models_dir.resolve(), args.model, users, fair, args.max_num_seqs, args.embed_model
-        )
+        if mode in PEERS:
+            url, proc = start_peer(mode, home, args)
+            run_args = argparse.Namespace(**{**vars(args), "batch_n": 0, "embed_model": None})
+        else:
+            SERVED["model"] = "chat"
+            fair = mode != "fifo"
+            url, proc = start_gateway(
+                home, args.models_dir.resolve(), args.model, users, fair, args.max_num_seqs, args.embed_model
+            )
+            run_args = args
         try:
             if mode == "batch":  # only the batch measurement
                 bvd = asyncio.run(batch_vs_direct(url, args.batch_n, args.max_tokens, args.seconds))
@@ -384,7 +422,7 @@ def main(argv: list[str] | None = None) -> None:
                 continue
             fvo = asyncio.run(flood_vs_one(url, args.seconds, args.flood, args.max_tokens))
             print(f"[{mode}] flood vs one: {json.dumps(fvo)}  load {os.getloadavg()}", flush=True)
-            day = asyncio.run(team_day(url, args.seconds, args))
+            day = asyncio.run(team_day(url, args.seconds, run_args))
             print(
                 f"[{mode}] team day: Jain {day['jain_interactive']} (vs idle), {day['jain_ttft_p50']} (1/TTFT p50),"
                 f" batch {day['batch']}, lost {day['lost']}"
