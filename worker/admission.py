@@ -7,7 +7,8 @@
   paused with its KV in the prefix cache (runner.remove) and re-queued at its old place; the
   output it has sent stays sent, and it resumes with the next token;
 - each step reads at most a budget of prompt tokens across the rows still prefilling, and
-  admits new prompts only while that budget is shared fairly (worker/prefill_plan.py);
+  admits new prompts only while that budget is shared fairly between rows
+  (worker/prefill_plan.py) and between tenants (FairQueue.may_start_prefill);
 - a request with prompt logprobs waits until they are computed; sibling choices (n > 1) wait
   until choice 0 decodes (its prompt KV is then in the prefix cache).
 Admission never ends a request itself: what the runner refuses comes back to the scheduler
@@ -64,7 +65,8 @@ class Admission:
         self.prefill.start_step(self.running.values())
         refused += self._preempt_for_starved(seqs)
         while self.waiting and len(self.running) < self.max_num_seqs:
-            entry = self.waiting.pop(self._rows())
+            rows = self._rows()
+            entry = self.waiting.pop(rows)
             if entry is None:
                 break
             seq = seqs.get(entry.rid)
@@ -76,6 +78,9 @@ class Admission:
             leader = seqs.get(self.choices.is_follower(entry.rid) or "")
             if leader is not None and leader.phase != Phase.DECODE:
                 deferred.append(entry)  # choice 0's prompt KV is not in the prefix cache yet
+                continue
+            if self.prefill.enabled and not seq.tokens and not self.waiting.may_start_prefill(entry, rows):
+                deferred.append(entry)  # its key has its share of the prompt budget: another key's first
                 continue
             if not self.prefill.fits(self.running.values(), seq):
                 deferred.append(entry)  # this step's prompt budget is taken: next step
@@ -114,7 +119,8 @@ class Admission:
         def row(s: Sequence) -> Row:
             rid = s.req.rid  # choices share one prompt's KV: none of them is paused
             pausable = s.preemptible() and not self.choices.is_leader(rid) and not self.choices.is_follower(rid)
-            return Row(rid, s.req.tenant or "", clean_weight(s.req.weight), s.req.priority, s.generated, pausable)
+            weight = clean_weight(s.req.weight)
+            return Row(rid, s.req.tenant or "", weight, s.req.priority, s.generated, pausable, s.to_prefill > 0)
 
         return [row(s) for s in self.running.values()]
 
