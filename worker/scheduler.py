@@ -76,7 +76,6 @@ class Scheduler:
         self.admission = Admission(
             runner, max_num_seqs, self.prefill, fair if fair is not None else FairQueue(), self.choices
         )
-        self._by_uid = self.admission.running  # the runner's rows: admission adds them, _end drops them
         self._preparing = Preparing(runner, policy, preprocessor)
         self._seqs: dict[str, Sequence] = {}  # every live sequence (queued or running), by request id
         self.generated_tokens = 0  # lifetime counter, for tokens/s in stats
@@ -112,7 +111,7 @@ class Scheduler:
             if req.rid in self._seqs or req.rid in self._preparing:
                 raise invalid(f"duplicate request id {req.rid}")
             # Requests that free running slots will take at the next step are not waiting.
-            free_slots = max(0, self.max_num_seqs - len(self._by_uid))
+            free_slots = max(0, self.max_num_seqs - len(self.admission.running))
             if self.waiting >= self.max_queue + free_slots:
                 raise ServiceError(
                     ErrorCode.OVERLOADED,
@@ -175,25 +174,25 @@ class Scheduler:
         events += self._expire(time.monotonic())
         events += self._score()
         events += self._admit()
-        if not self._by_uid:
+        if not self.admission.running:
             return events
-        reading = self.prefill.share(self._by_uid.values(), self.runner)
+        reading = self.prefill.share(self.admission.running.values(), self.runner)
         started = time.monotonic()
         out = self.runner.step()
         self.prefill.pace.observe(reading, time.monotonic() - started)
-        self.prefill.count(self._by_uid.values())
+        self.prefill.count(self.admission.running.values())
         events += self._end_faulted()
         return events + self._on_step_tokens(out)
 
     def _on_step_tokens(self, out: StepOutput) -> list[Event]:
         events: list[Event] = []
         for uid, done, total in out.prefill:
-            seq = self._by_uid.get(uid)
+            seq = self.admission.running.get(uid)
             progress = on_progress(seq, done, total) if seq is not None else None
             if progress is not None:
                 events.append((seq.req.rid, progress))
         for t in out.tokens:
-            seq = self._by_uid.get(t.uid)
+            seq = self.admission.running.get(t.uid)
             if seq is None:
                 continue
             try:
@@ -218,7 +217,7 @@ class Scheduler:
     def _end_faulted(self) -> list[Event]:
         """Sequences whose sampler or logits processors raised during the step."""
         events = []
-        for seq in [s for s in self._by_uid.values() if s.guard.error is not None]:
+        for seq in [s for s in self.admission.running.values() if s.guard.error is not None]:
             err = as_service_error(seq.guard.error, "sampling")
             events.append(self._end(seq, p.error_event(err, seq.usage())))
         return events
@@ -256,7 +255,7 @@ class Scheduler:
                     self.runner.remove([seq.uid])
                 except Exception as e:  # already gone from the runner: nothing left to free
                     log.warning("removing %s from the runner failed: %r", seq.req.rid, e)
-            if not self._by_uid:
+            if not self.admission.running:
                 self.runner.release_idle_memory()  # the last running sequence ended
         self.finished += 1
         return (seq.req.rid, event)
@@ -276,11 +275,11 @@ class Scheduler:
 
     @property
     def running(self) -> int:
-        return len(self._by_uid)
+        return len(self.admission.running)
 
     @property
     def waiting(self) -> int:
-        return len(self._seqs) - len(self._by_uid) + len(self._preparing)
+        return len(self._seqs) - len(self.admission.running) + len(self._preparing)
 
     def requests(self) -> list[dict]:
         now = time.monotonic()
