@@ -92,7 +92,7 @@ def test_long_prompts_arriving_while_rows_decode_read_at_most_the_budget_per_ste
 def test_a_burst_at_an_idle_model_starts_in_one_larger_step(runner):
     """No row is decoding, so nobody waits on the prefill but the burst itself: one step
     reads up to IDLE_BUDGET_FACTOR budgets and starts 8 of these prompts, not 2."""
-    from mlxgw.worker.scheduler import IDLE_BUDGET_FACTOR
+    from mlxgw.worker.prefill_plan import IDLE_BUDGET_FACTOR
 
     sched = _scheduler(runner)
     for i in range(12):

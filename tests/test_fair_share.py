@@ -134,6 +134,78 @@ FAIR_CONFIG = {
 }
 
 
+def test_prompt_reading_rows_are_shared_by_weight_and_a_key_alone_takes_them_all():
+    from mlxgw.worker.fair_share import Row, Waiting
+
+    def reading(tenant: str, weight: float = 1.0) -> Row:
+        return Row(f"{tenant}-row", tenant, weight, 0, 0, True, prefilling=True)
+
+    queue = FairQueue(enabled=True)
+    a = Waiting(0, 10, "a-next", "A", 3.0)
+    assert queue.may_start_prefill(a, [reading("A", 3.0)] * 5)  # nobody else has a prompt to read
+    queue.push(Waiting(0, 11, "b-next", "B", 1.0))
+    assert queue.may_start_prefill(a, [reading("A", 3.0)] * 2)  # 3 of 3 is within 3/4 of 3 rows
+    assert not queue.may_start_prefill(a, [reading("A", 3.0)] * 3)  # 4 of 4 is not: B reads one
+    b = Waiting(0, 11, "b-next", "B", 1.0)
+    assert queue.may_start_prefill(b, [reading("A", 3.0)] * 3)  # each key may always read one
+    batch = FairQueue(enabled=True)
+    batch.push(Waiting(p.BACKGROUND_PRIORITY, 12, "c", "C"))  # background does not hold back interactive
+    assert batch.may_start_prefill(a, [reading("A", 3.0)] * 4)
+    assert FairQueue(enabled=False).may_start_prefill(a, [reading("B")] * 4)  # fairness off: FIFO
+
+
+def _prefill_race(runner, fair: bool) -> list[str]:
+    """Key B holds three decode rows; then key A sends four long prompts and B one, A's
+    first. The real Scheduler over the real MLXRunner (tiny model), with a 128-token prompt
+    budget: the order in which the five prompts get their first token."""
+    from mlxgw.worker.prefill_plan import PrefillPace
+
+    pace = PrefillPace()
+    pace.observe(1_000_000, 1.0)  # a measured, fast host: the budget alone decides
+    queue = FairQueue(enabled=fair, starve_s=60)  # no preemption: admission only
+    sched = Scheduler(runner, max_num_seqs=16, max_queue=32, prefill_budget=128, pace=pace, fair=queue)
+    greedy = p.SamplingParams(temperature=0, logit_bias={0: -100, 2: -100})  # no end-of-sequence
+
+    def submit(rid: str, tenant: str, length: int, max_tokens: int) -> None:
+        tokens = [100 + (hash(rid) + i) % 5000 for i in range(length)]
+        req = p.GenerateRequest(rid=rid, prompt_tokens=tokens, max_tokens=max_tokens, sampling=greedy, tenant=tenant)
+        ((_, ev),) = sched.submit(req)
+        assert ev["e"] == "accepted", ev
+
+    for i in range(3):
+        submit(f"b-chat{i}", "B", 8, 400)
+    for _ in range(3):
+        sched.step()
+    for i in range(4):
+        submit(f"a{i}", "A", 600, 1)
+    submit("b-long", "B", 600, 1)
+    texts: dict[str, str] = {}
+    ends: dict[str, dict] = {}
+    first: list[str] = []
+    for _ in range(200):
+        _collect(sched.step(), texts, ends, first)
+        if all(rid in ends for rid in ("a0", "a1", "a2", "a3", "b-long")):
+            break
+    for rid in ("a0", "a1", "a2", "a3", "b-long"):
+        assert ends[rid]["e"] == p.EV_FINISH and ends[rid]["usage"]["completion_tokens"] == 1, rid
+    for i in range(3):
+        sched.cancel(f"b-chat{i}")  # frees their rows in the runner for the next race
+    assert not sched.has_work()
+    return [rid for rid in first if not rid.startswith("b-chat")]
+
+
+def test_a_key_does_not_take_the_whole_prompt_budget_while_another_keys_prompt_waits(tiny_dir):
+    """Key A holds fewer rows, so its four prompts come first in the row order; the prompt
+    budget is shared apart from that: B's prompt is read beside A's first ones, not after
+    all four (FIFO by rows: last)."""
+    from mlxgw.worker.runner import MLXRunner
+
+    runner = MLXRunner(tiny_dir, context_length=None, max_num_seqs=16, prefill_step_size=128, cache_bytes=0)
+    order = _prefill_race(runner, fair=True)
+    assert order.index("b-long") <= 1, order  # read together with A's first
+    assert _prefill_race(runner, fair=False)[-1] == "b-long"  # without tenants: behind all of A's
+
+
 @pytest.fixture(scope="module")
 def fair_gateway(home, tiny_dir):
     keys_path = home / "fair-keys.yaml"

@@ -7,6 +7,10 @@ fewest running rows per unit of its weight (keys.yaml `weight`, default 1), so a
 request gets its turn ahead of another key's 32nd; within a tenant, first come first served.
 With one tenant waiting, it may take every row: an idle machine is never held back.
 
+The prompt budget is shared the same way (`may_start_prefill`): while another key has a
+prompt to read, a key starts prompt-reading rows only within its weighted share of them, so
+a key holding fewer decode rows does not take the whole prompt budget from one holding more.
+
 Admission order alone leaves a late key waiting until a row ends. `victim` names a running
 row to preempt: a background row as soon as an interactive request waits, or, once a waiting
 request has been starved beyond `starve_s`, a row of the tenant most over its share. The
@@ -63,6 +67,7 @@ class Row:
     priority: int
     generated: int
     preemptible: bool
+    prefilling: bool = False  # still reading its prompt (it takes a share of the prompt budget)
 
 
 class FairQueue:
@@ -138,6 +143,29 @@ class FairQueue:
         )
         self.preemptions += 1
         return pick.rid
+
+    def may_start_prefill(self, entry: Waiting, rows: list[Row]) -> bool:
+        """Whether entry's tenant may start one more prompt-reading row. The prompt budget
+        of a step is split evenly between the rows reading prompts, so rows are its shares:
+        while another tenant has a prompt to read (waiting, or being read) in the same or
+        a more urgent priority class, a tenant starts a row only within its weighted share
+        of the rows reading prompts (rounded up: each tenant may always read one). Alone,
+        a tenant may take every row."""
+        if not self.enabled:
+            return True
+        weights = {entry.tenant: entry.weight}
+        for tenant, queue in self._tenants.items():
+            if queue and queue[0].priority <= entry.priority:
+                weights.setdefault(tenant, queue[0].weight)
+        reading = [r for r in rows if r.prefilling]
+        for row in reading:
+            if row.priority <= entry.priority:
+                weights.setdefault(row.tenant, row.weight)
+        if len(weights) == 1:
+            return True
+        share = (len(reading) + 1) * entry.weight / sum(weights.values())
+        mine = sum(1 for r in reading if r.tenant == entry.tenant)
+        return mine + 1 <= math.ceil(share - 1e-9)
 
 
 def _running_per_tenant(rows: list[Row]) -> Counter[str]:

@@ -1,16 +1,41 @@
-"""The small interfaces the engine loop is written against.
+"""The small interfaces the engine loop is written against: the one runner contract.
 
 A worker serves one model with one runner (execution) and one scheduler (policy):
 - TextRunner: text generation (the MLX runner, the vision runner, the null and echo engines);
 - EmbeddingRunner: embedding and cross-encoder models (the encoders);
 - Scheduler: sequences over a TextRunner, or input batches over an EmbeddingRunner.
-The engine only needs ModelRunner and Scheduler; each scheduler needs its runner kind."""
+The engine only needs ModelRunner and Scheduler; each scheduler needs its runner kind.
+
+TextRunner is a Protocol with defaults: a runner either subclasses it (and inherits the
+defaults of what it does not do: no constraints, no parser, no chunked prefill) or matches
+it structurally (worker/lockstep.py wraps another runner). What a runner can do beyond the
+basics is said by its `supports_*` flags, never probed for."""
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Protocol
+from abc import abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
+from mlxgw.shared.errors import invalid
 from mlxgw.shared.protocol import Event, GenerateRequest, SamplingParams
+
+if TYPE_CHECKING:
+    from .prompt_logprobs import PromptScorer
+
+
+@dataclass
+class TokenOut:
+    uid: int
+    token: int
+    finish: str | None  # "stop" (end-of-sequence token) or "length"
+    logprobs: dict | None = None  # for sequences inserted with logprobs (worker/logprobs.py)
+
+
+@dataclass
+class StepOutput:
+    tokens: list[TokenOut] = field(default_factory=list)
+    prefill: list[tuple[int, int, int]] = field(default_factory=list)  # uid, done, total
 
 
 class ModelRunner(Protocol):
@@ -27,23 +52,72 @@ class ModelRunner(Protocol):
 
 class TextRunner(ModelRunner, Protocol):
     context_length: int
-    vocab_size: int | None  # None: no native code behind token ids (null and echo engines)
+    vocab_size: int | None = None  # the logits' width; None where no native code sees token ids
+    # Whether insert() takes logprobs= and keep_prompt= (per-token logprobs, n > 1 choices).
+    supports_choices: bool = False
+    # Whether prompt_scorer() works (prompt logprobs: an extra forward pass over a prompt).
+    supports_prompt_logprobs: bool = False
+    # Whether set_prefill_chunk() is obeyed (the scheduler then shares a per-step prompt budget).
+    supports_prefill_chunk: bool = False
 
-    def encode_text(self, text: str) -> list[int]: ...
+    @abstractmethod
+    def encode(self, req: GenerateRequest) -> list[int]: ...
 
+    @abstractmethod
     def new_detokenizer(self) -> Any: ...
 
-    def make_constraint(self, req: GenerateRequest) -> Any: ...
-
-    def make_parser(self, req: GenerateRequest, prompt: list[int]) -> Any: ...
-
+    @abstractmethod
     def insert(
         self, prompt: list[int], max_tokens: int, sampling: SamplingParams, constraint=None, guard=None
-    ) -> tuple[int, int]: ...
+    ) -> tuple[int, int]:
+        """Queue a prompt for execution; return (uid, prompt tokens served from the cache).
+        guard (a SequenceGuard) wraps the sequence's samplers and logits processors, so an
+        exception in them ends this sequence only. Runners with supports_choices also take
+        logprobs (None, or how many alternatives per token) and keep_prompt (store the
+        prompt's KV in the prefix cache as soon as it is prefilled, for sibling choices)."""
 
-    def step(self) -> Any: ...  # runner.StepOutput
+    @abstractmethod
+    def step(self) -> StepOutput: ...
 
+    @abstractmethod
     def remove(self, uids: list[int]) -> None: ...
+
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of a piece of text, without special tokens."""
+        return list(text.encode())
+
+    def make_constraint(self, req: GenerateRequest) -> Any:
+        """A logits processor enforcing req.constraint (raises a 400 for a bad one), or None."""
+        if req.constraint is not None:
+            # name the field that asked for it: a forced tool call is tool_choice's doing
+            param = "tool_choice" if req.constraint.get("type") == "tool_call" else "response_format"
+            raise invalid("constrained decoding is not available for this engine", param)
+        return None
+
+    def make_parser(self, req: GenerateRequest, prompt: list[int]) -> Any:
+        """An OutputParser when the model reasons or the request offers tools, else None."""
+        return None
+
+    def prompt_scorer(self, prompt: list[int], top: int) -> PromptScorer:
+        """A PromptScorer for one request's prompt logprobs (supports_prompt_logprobs)."""
+        raise invalid("this model's engine does not support prompt logprobs (echo with logprobs)", "echo")
+
+    def set_prefill_chunk(self, tokens: int) -> None:
+        """Prompt tokens each prefilling row reads in the next step (supports_prefill_chunk)."""
+        return None
+
+    def release_idle_memory(self) -> None:
+        """Nothing runs any more: give back what is only kept for speed."""
+        return None
+
+    def stats(self) -> dict:
+        return {}
+
+    def cache_stats(self) -> dict:
+        return {}
+
+    def cache_clear(self) -> None:
+        return None
 
 
 class EmbeddingRunner(ModelRunner, Protocol):

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from mlxgw.shared.protocol import GenerateRequest, SamplingParams
 
-from .runner import Runner, StepOutput, TokenOut
+from .interfaces import StepOutput, TextRunner, TokenOut
 
 _WORDS = ["lorem", "ipsum", "dolor", "sit", "amet", "consectetur", "adipiscing", "elit"]
 
@@ -34,7 +34,7 @@ class _Seq:
     next_token: int
 
 
-class NullRunner(Runner):
+class NullRunner(TextRunner):
     def __init__(self, context_length: int | None = None):
         # Tests only (tests/test_load_progress.py): a load that takes this long, so its
         # progress can be watched; unset everywhere else.

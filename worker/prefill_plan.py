@@ -33,7 +33,13 @@ short hang timeout gets proportionally shorter steps.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .interfaces import TextRunner
+    from .sequence import Sequence
 
 MIN_SHARE_DIVISOR = 4  # a long prompt keeps at least budget / 4 tokens per step
 MAX_PREFILL_STEP_S = 10.0  # a twelfth of the gateway's hang bound (120 s)
@@ -41,6 +47,7 @@ MAX_STEP_WHILE_DECODING_S = 2.0  # a decoding row's token waits at most this for
 MIN_PACED_BUDGET = 32  # below this a step's fixed cost dominates its prompt reading
 FIRST_STEP_BUDGET = 64  # prompt tokens of the first step, before any rate is measured
 HANG_TO_STEP = 12  # a paced step aims at this fraction of the watchdog's bound
+IDLE_BUDGET_FACTOR = 4  # prompt budget of a step when no row is decoding (nobody waits on it)
 
 
 @dataclass
@@ -120,3 +127,58 @@ def prefill_bound(prompt_tokens: int, floor_s: float | None, tokens_per_s: float
     if not tokens_per_s:
         return floor
     return max(floor, PREFILL_TIME_SLACK * prompt_tokens / tokens_per_s)
+
+
+@dataclass
+class PrefillBudget:
+    """One worker's per-step prompt budget over its running rows (the scheduler asks it).
+
+    per_step: prompt tokens per step across the prefilling rows; None when the runner does
+    not take a chunk size (every admitted prompt then reads the runner's own chunk per step,
+    and nothing here limits admission)."""
+
+    per_step: int | None
+    pace: PrefillPace = field(default_factory=PrefillPace)
+    idle_factor: int = IDLE_BUDGET_FACTOR
+    step_budget: int = 0  # this step's budget (start_step)
+    chunk: int = 0  # prompt tokens per prefilling row in this step
+
+    @property
+    def enabled(self) -> bool:
+        return self.per_step is not None
+
+    def start_step(self, rows: Iterable[Sequence]) -> None:
+        """This step's budget. It protects rows that are decoding; with none (a burst
+        arriving at an idle model), the prompts only wait for each other, and one larger
+        step starts them all sooner than several small ones would."""
+        budget = self.per_step or 0
+        decoding = any(s.to_prefill == 0 for s in rows)
+        self.step_budget = self.pace.cap(budget if decoding else budget * self.idle_factor, decoding)
+
+    def fits(self, rows: Iterable[Sequence], seq: Sequence) -> bool:
+        """Whether seq may start this step. Its cached prefix is not known before the runner
+        looks it up, so the whole prompt counts (a cache hit then leaves room for more)."""
+        if self.per_step is None:
+            return True
+        return admit_count(_left(rows), [len(seq.prompt) - 1], self.step_budget) == 1
+
+    def share(self, rows: Iterable[Sequence], runner: TextRunner) -> int:
+        """Share this step's budget among the rows still reading their prompts; returns the
+        prompt tokens this step reads (what the pace is measured on)."""
+        if self.per_step is None:
+            return 0
+        left = _left(rows)
+        self.chunk = chunk_for(len(left), self.step_budget)
+        runner.set_prefill_chunk(self.chunk)
+        return sum(min(n, self.chunk) for n in left)
+
+    def count(self, rows: Iterable[Sequence]) -> None:
+        """The runner read min(left, chunk) prompt tokens of every prefilling row."""
+        if self.per_step is None:
+            return
+        for seq in rows:
+            seq.to_prefill -= min(seq.to_prefill, self.chunk)
+
+
+def _left(rows: Iterable[Sequence]) -> list[int]:
+    return [s.to_prefill for s in rows if s.to_prefill > 0]

@@ -10,8 +10,8 @@ system prompt is warm again after the model was evicted.
   format, the model's fingerprint and the entry's token ids. An entry of a family with
   recurrent or sliding-window layers also carries its state checkpoints: their layers follow
   the model's layers in the same file, and `checkpoints` (JSON) says which position each
-  belongs to (worker/state_checkpoints.py). `index.json` holds what changes
-  between saves (hits, last use), so an entry already on disk is not written again.
+  belongs to (worker/state_checkpoints.py). `index.json` holds what changes between saves
+  (hits, last use), so an entry already on disk is not written again.
 - Fingerprint (`model_fingerprint`): sha256 over config.json's bytes, the name, size and
   mtime of every weight file, and the mlx-lm version. Cheap (no weight bytes are read) and
   on the safe side: a changed, re-imported or even copied model gets a new one. Entries
@@ -140,31 +140,28 @@ class PrefixStore:
     def _scan(self, report: dict) -> list[OnDisk]:
         """Every readable entry with this model's fingerprint; the others are deleted."""
         index = self._read_index()
-        found, refused = [], 0
+        found = []
         for path in sorted(self.dir.iterdir()):
             if not ENTRY_FILE.match(path.name):
                 continue
-            if not _regular_file(path):  # a FIFO would block the restoring worker until it is killed
-                self._discard(path, "not a regular file")
-                report["skipped"] += 1
-                continue
             try:
+                if not _regular_file(path):  # a FIFO would block the restoring worker until it is killed
+                    raise ValueError("not a regular file")
                 meta, nbytes = self._header(path)
             except Exception as e:  # whatever is wrong with one file costs that file only
-                self._discard(path, f"unreadable ({e})")
+                self._discard(path, f"unusable ({e})")
                 report["skipped"] += 1
                 continue
             if meta.get("fingerprint") != self.fingerprint:
-                refused += 1
+                report["refused"] += 1
                 path.unlink(missing_ok=True)
                 continue
             use = _use(index.get(path.name), meta["saved_at"])
             found.append(OnDisk(path, meta["tokens"], use, nbytes, meta.get("checkpoints")))
-        if refused:
-            report["refused"] = refused
+        if report["refused"]:
             log.warning(
                 "prefix cache: %d entries in %s were written for a different version of the model; deleted",
-                refused,
+                report["refused"],
                 self.dir,
             )
         return found
@@ -249,8 +246,7 @@ class PrefixStore:
             if ENTRY_FILE.match(path.name) and path.name not in kept:
                 path.unlink(missing_ok=True)
         report = {"saved_entries": len(kept), "written_entries": written, "saved_bytes": total}
-        report["save_s"] = round(time.monotonic() - started, 3)
-        cache.disk = {**(cache.disk or {}), **report}
+        self._report(cache, report, started, "save_s")
         log.info(
             "prefix cache: kept %d entries (%.1f MB, %d newly written) in %s, %.2f s",
             len(kept),
@@ -340,8 +336,9 @@ class PrefixStore:
         log.warning("prefix cache: skipped %s: %s", path.name, why)
         path.unlink(missing_ok=True)
 
-    def _report(self, cache: PrefixCache, report: dict, started: float) -> dict:
-        report["restore_s"] = round(time.monotonic() - started, 3)
+    def _report(self, cache: PrefixCache, report: dict, started: float, took: str = "restore_s") -> dict:
+        """report, with the seconds it took under `took`, into the cache's stats (/v1/status)."""
+        report[took] = round(time.monotonic() - started, 3)
         cache.disk = {**(cache.disk or {}), **report}
         return report
 
@@ -386,20 +383,18 @@ def store_for(model_name: str, model_path: Path, max_mb: int) -> PrefixStore | N
 
 def restore_into(runner) -> None:
     """Fill a runner's prefix cache from its store (runners without one: nothing)."""
-    store = getattr(runner, "prefix_store", None)
-    if store is None:
-        return
+    store: PrefixStore | None = getattr(runner, "prefix_store", None)
     try:
-        store.restore(runner.prefix_cache)
+        if store is not None:
+            store.restore(runner.prefix_cache)
     except Exception:  # the store is an optimisation: a failure here must not stop serving
         log.exception("prefix cache: restore failed; starting cold")
 
 
 def save_from(runner) -> None:
-    store = getattr(runner, "prefix_store", None)
-    if store is None:
-        return
+    store: PrefixStore | None = getattr(runner, "prefix_store", None)
     try:
-        store.save(runner.prefix_cache)
+        if store is not None:
+            store.save(runner.prefix_cache)
     except Exception:  # as above: the stop goes on, the next start is cold
         log.exception("prefix cache: save failed")

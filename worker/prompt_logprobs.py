@@ -3,11 +3,12 @@ prompt token, given the tokens before it.
 
 The batch's prefill keeps only the last position's logits, so a request that asks gets one
 extra forward pass over its prompt, of its own, with a fresh KV cache: in chunks of at most
-CHUNK_TOKENS tokens, one chunk per engine step (worker/scheduler.py), so the rows decoding
-meanwhile wait at most one chunk per step, and the logits held at once are bounded by
-CHUNK_TOKENS x vocabulary whatever the prompt's length. Requests that do not ask pay nothing.
-Once scored, the pass's KV (every prompt token but the last) goes to the prefix cache, so the
-request's own prefill then reads one token: the prompt is computed once, not twice.
+CHUNK_TOKENS tokens, one chunk per engine step (worker/sequence_output.py:PromptScoring), so
+the rows decoding meanwhile wait at most one chunk per step, and the logits held at once are
+bounded by CHUNK_TOKENS x vocabulary whatever the prompt's length. Requests that do not ask
+pay nothing. Once scored, the pass's KV (every prompt token but the last) goes to the prefix
+cache, so the request's own prefill then reads one token: the prompt is computed once, not
+twice.
 
 Values are the raw model's log-softmax (penalties, biases and grammars shape what is
 generated, not the prompt), as OpenAI and vLLM report prompt logprobs. The first prompt

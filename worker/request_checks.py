@@ -11,7 +11,9 @@ Choices (see README, "Reliability"):
   to 0 (off), not refused;
 - a seed may be any integer (OpenAI's API accepts negatives): it is mapped into the RNG's
   64-bit range (seed mod 2^64), so equal seeds still give equal tokens;
-- logit_bias holds at most MAX_LOGIT_BIAS entries, each id in [0, vocabulary)."""
+- logit_bias holds at most MAX_LOGIT_BIAS entries, each id in [0, vocabulary);
+- n (choices), top_logprobs and prompt logprobs are refused by engines that cannot give them
+  (`check_choices`, before a request with choices is split into its sequences)."""
 
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ import math
 
 from mlxgw.shared.errors import invalid
 from mlxgw.shared.protocol import GenerateRequest, SamplingParams
+
+from .choices import MAX_CHOICES
 
 MAX_LOGIT_BIAS = 1024  # entries; OpenAI documents 300, clients send a handful
 SEED_RANGE = 1 << 64  # mx.random.key takes an unsigned 64-bit seed
@@ -103,3 +107,19 @@ def check_generate(req: GenerateRequest, vocab_size: int | None) -> GenerateRequ
     if not isinstance(req.stop, list) or any(not isinstance(s, str) for s in req.stop):
         raise invalid("'stop' must be a list of strings", "stop")
     return dataclasses.replace(req, sampling=check_sampling(req.sampling, vocab_size))
+
+
+def check_choices(req: GenerateRequest, supports_choices: bool, supports_prompt_logprobs: bool) -> None:
+    """n, top_logprobs and prompt logprobs: in range, and only where the engine gives them."""
+    if not isinstance(req.n, int) or not 1 <= req.n <= MAX_CHOICES:
+        raise invalid(f"'n' must be between 1 and {MAX_CHOICES}", "n")
+    if req.logprobs is not None and not 0 <= req.logprobs <= 20:
+        raise invalid("'top_logprobs' must be between 0 and 20", "top_logprobs")
+    if (req.n > 1 or req.logprobs is not None) and not supports_choices:
+        param = "n" if req.n > 1 else "logprobs"
+        raise invalid(f"this model's engine does not support '{param}'", param)
+    if req.prompt_logprobs is not None:
+        if not isinstance(req.prompt_logprobs, int) or not 0 <= req.prompt_logprobs <= 20:
+            raise invalid("'logprobs' must be between 0 and 20", "logprobs")
+        if not supports_prompt_logprobs:
+            raise invalid("this model's engine does not support prompt logprobs (echo with logprobs)", "echo")

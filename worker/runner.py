@@ -1,101 +1,29 @@
 """Model runners: what turns admitted prompts into tokens, one engine step at a time.
 
-The scheduler owns policy (who runs, when, cancellation); a runner owns execution. The MLX
-runner drives mlx-lm's BatchGenerator, which interleaves one decode step of the running
-batch with one prefill chunk (`prefill_step_size` tokens) of arriving prompts, so a long
-prompt never freezes the streams already decoding."""
+The scheduler owns policy (who runs, when, cancellation); a runner owns execution, under the
+contract in worker/interfaces.py (TextRunner). The MLX runner drives mlx-lm's BatchGenerator,
+which interleaves one decode step of the running batch with one prefill chunk
+(`prefill_step_size` tokens) of arriving prompts, so a long prompt never freezes the streams
+already decoding."""
 
 from __future__ import annotations
 
 import gc
-from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from mlxgw.shared.config import SpeculativeConfig
-from mlxgw.shared.errors import invalid
 from mlxgw.shared.protocol import GenerateRequest, SamplingParams
 
 from . import state_checkpoints as sc
 from .chat_text import ChatText
+from .interfaces import StepOutput, TextRunner, TokenOut
 
 # Prefill positions between state checkpoints (plus message boundaries and the last token);
 # long prompts space them wider so an entry keeps at most about MAX_CHECKPOINTS of them.
 CHECKPOINT_INTERVAL = 512
 
 
-@dataclass
-class TokenOut:
-    uid: int
-    token: int
-    finish: str | None  # "stop" (end-of-sequence token) or "length"
-    logprobs: dict | None = None  # for sequences inserted with logprobs (worker/logprobs.py)
-
-
-@dataclass
-class StepOutput:
-    tokens: list[TokenOut] = field(default_factory=list)
-    prefill: list[tuple[int, int, int]] = field(default_factory=list)  # uid, done, total
-
-
-class Runner(ABC):
-    context_length: int
-    vocab_size: int | None = None  # the logits' width; None where no native code sees token ids
-
-    @abstractmethod
-    def encode(self, req: GenerateRequest) -> list[int]: ...
-
-    @abstractmethod
-    def new_detokenizer(self): ...
-
-    # Whether insert() takes logprobs= and keep_prompt= (per-token logprobs, n > 1 choices).
-    supports_choices: bool = False
-    # Whether prompt_scorer() exists (prompt logprobs: an extra forward pass over a prompt).
-    supports_prompt_logprobs: bool = False
-
-    @abstractmethod
-    def insert(
-        self, prompt: list[int], max_tokens: int, sampling: SamplingParams, constraint=None, guard=None
-    ) -> tuple[int, int]:
-        """Queue a prompt for execution; return (uid, prompt tokens served from the cache).
-        guard (a SequenceGuard) wraps the sequence's samplers and logits processors, so an
-        exception in them ends this sequence only. Runners with supports_choices also take
-        logprobs (None, or how many alternatives per token) and keep_prompt (store the
-        prompt's KV in the prefix cache as soon as it is prefilled, for sibling choices)."""
-
-    def encode_text(self, text: str) -> list[int]:
-        """Token ids of a piece of text, without special tokens."""
-        return list(text.encode())
-
-    def make_constraint(self, req: GenerateRequest):
-        """A logits processor enforcing req.constraint (raises a 400 for a bad one), or None."""
-        if req.constraint is not None:
-            # name the field that asked for it: a forced tool call is tool_choice's doing
-            param = "tool_choice" if req.constraint.get("type") == "tool_call" else "response_format"
-            raise invalid("constrained decoding is not available for this engine", param)
-        return None
-
-    @abstractmethod
-    def step(self) -> StepOutput: ...
-
-    @abstractmethod
-    def remove(self, uids: list[int]) -> None: ...
-
-    def make_parser(self, req: GenerateRequest, prompt: list[int]):
-        """An OutputParser when the model reasons or the request offers tools, else None."""
-        return None
-
-    def stats(self) -> dict:
-        return {}
-
-    def cache_stats(self) -> dict:
-        return {}
-
-    def cache_clear(self) -> None:
-        return None
-
-
-class ChatTextRunner(Runner):
+class ChatTextRunner(TextRunner):
     """A runner whose text side is a ChatText (self.text, set by the subclass): prompts,
     detokenizing, output parsing and constraints are delegated to it."""
 
@@ -120,6 +48,7 @@ class ChatTextRunner(Runner):
 class MLXRunner(ChatTextRunner):
     supports_choices = True
     supports_prompt_logprobs = True
+    supports_prefill_chunk = True
 
     def __init__(
         self,

@@ -19,7 +19,8 @@ from mlxgw.shared.errors import invalid
 from mlxgw.shared.protocol import GenerateRequest, SamplingParams
 
 from .chat_text import ChatText
-from .runner import ChatTextRunner, StepOutput, TokenOut
+from .interfaces import StepOutput, TokenOut
+from .runner import ChatTextRunner
 
 # Larger images are refused before decoding (a small file can decode to gigapixels).
 MAX_IMAGE_PIXELS = 40_000_000
