@@ -106,13 +106,19 @@ def command(
     raise SystemExit(f"unknown client {client!r}")
 
 
-def ledger_rows(home: Path, since: float, until: float) -> list[tuple]:
+# The API each client speaks: the ledger rows of a run are that API's, in the run's window
+# (another client on the same gateway then cannot be counted as this one's).
+CLIENT_API = {"claude": "messages", "codex": "responses", "opencode": "chat"}
+
+
+def ledger_rows(home: Path, api: str, since: float, until: float) -> list[tuple]:
     db = home / "usage.db"
     if not db.exists():
         return []
     with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as con:
         return con.execute(
-            "SELECT outcome, prompt_tokens FROM requests WHERE ts >= ? AND ts <= ? ORDER BY ts", (since, until)
+            "SELECT outcome, prompt_tokens FROM requests WHERE api = ? AND ts >= ? AND ts <= ? ORDER BY ts",
+            (api, since, until),
         ).fetchall()
 
 
@@ -151,7 +157,7 @@ def run_once(client: str, n: int, args) -> Run:
             rc, out, err = 124, (e.stdout or b"").decode(errors="replace"), (e.stderr or b"").decode(errors="replace")
         ended = time.time()
         time.sleep(1.5)  # the ledger commits finished requests within a second
-        rows = ledger_rows(Path(args.home).expanduser(), started, ended + 1)
+        rows = ledger_rows(Path(args.home).expanduser(), CLIENT_API[client], started, ended + 1)
         run = Run(client, n, rc, round(ended - started, 1), finished(client, rc, out), tail=(out + err)[-400:])
         run.requests = len(rows)
         run.outcomes = [str(o) for o, _ in rows]

@@ -143,13 +143,22 @@ class ChatText:
         model has it on and tools are offered, else None."""
         if req.constraint is None:
             if self.tool_name_guard and req.tools:
-                return self._constraint_factory().tool_name_guard(req.tools)
+                return self._tool_name_guard(req.tools)
             return None
         from .output_parser import tool_syntax
 
         syntax = tool_syntax(self.tool_parser, self.tokenizer)
         markup = (syntax.start, syntax.end or "") if syntax and syntax.end else None
         return self._constraint_factory().processor(req.constraint, markup)
+
+    def _tool_name_guard(self, tools: list):
+        from .tool_name_guard import ToolNameGuard, offered_names
+
+        names = offered_names(tools)
+        if not names:
+            return None
+        factory = self._constraint_factory()
+        return ToolNameGuard(factory.ll_tokenizer(), self.tokenizer._tokenizer.decode, names, self.vocab_size)
 
     def _constraint_factory(self):
         if self._constraints is None:

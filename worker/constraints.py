@@ -111,14 +111,9 @@ class ConstraintFactory:
 
         return constrain
 
-    def tool_name_guard(self, tools: list | None):
-        """A ToolNameGuard for the offered tools (worker/tool_name_guard.py), or None."""
-        from .tool_name_guard import ToolNameGuard, offered_names
-
-        names = offered_names(tools)
-        if not names:
-            return None
-        return ToolNameGuard(self._tokenizer(), self._hf.decode, names, self.vocab_size)
+    def ll_tokenizer(self):
+        """llguidance's view of the tokenizer (built once, on first use)."""
+        return self._tokenizer()
 
 
 def mask_logits(matcher, bitmask, vocab: int, logits: mx.array) -> mx.array:
