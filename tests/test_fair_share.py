@@ -113,6 +113,26 @@ def test_background_rows_yield_to_an_interactive_request():
     assert all(ends[r]["usage"]["completion_tokens"] == 40 for r in ("bg0", "bg1"))
 
 
+def test_a_key_with_no_row_running_preempts_at_once_and_one_with_a_row_waits_out_the_bound():
+    # A long starvation bound: only a key with nothing running may skip it.
+    sched = Scheduler(NullRunner(), max_num_seqs=2, max_queue=64, fair=FairQueue(enabled=True, starve_s=1000))
+    for i in range(4):
+        sched.submit(_req(f"a{i}", "A"))
+    sched.step()
+    sched.submit(_req("b0", "B", max_tokens=5))
+    texts: dict[str, str] = {}
+    ends: dict[str, dict] = {}
+    first: list[str] = []
+    _collect(sched.step(), texts, ends, first)
+    assert "b0" in first and sched.counters()["preemptions"] == 1, "B's first request starts on the next step"
+    sched.submit(_req("b1", "B", max_tokens=5))  # B now holds a row: its second request waits its turn
+    _collect(sched.step(), texts, ends, first)
+    assert "b1" not in first and sched.counters()["preemptions"] == 1
+    _, rest, _ = _run(sched)
+    ends.update(rest)
+    assert all(ends[f"a{i}"]["usage"]["completion_tokens"] == 40 for i in range(4)), "nothing lost by the pause"
+
+
 def test_fairness_off_is_first_come_first_served():
     sched = Scheduler(NullRunner(), max_num_seqs=4, max_queue=64, fair=FairQueue(enabled=False, starve_s=0))
     for i in range(8):
