@@ -368,7 +368,7 @@ async def test_two_requests_with_the_same_client_id_are_routed_apart(world):
     second = await broker.submit(conn, p.GenerateRequest(rid="same", prompt="two"), owner="bob")
     assert first.rid != second.rid and conn.load == 2
     broker._on_events(conn, [[second.rid, {"e": p.EV_FINISH, "reason": "stop", "text": "2"}]])
-    assert (await second.next(1))["text"] == "2" and not first.done
+    assert (await second.next(1)).text == "2" and not first.done
     assert broker.find_stream("same", lambda s: s.owner == "alice") is first
     assert broker.find_stream("same", lambda s: s.owner == "carol") is None
 

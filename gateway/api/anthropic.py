@@ -209,11 +209,11 @@ class MessageEvents(Emitter):
         await self._start({**block, "input": {}})
         await self._delta({"type": "input_json_delta", "partial_json": json.dumps(block["input"])})
 
-    async def finished(self, event: dict) -> None:
+    async def finished(self, event: p.Finish) -> None:
         if self.index < 0:
             await self.text("")  # every message has at least one content block
         await self._close()
-        stop_reason, stop_sequence = _stop(event.get("reason", "stop"), event.get("stop"))
+        stop_reason, stop_sequence = _stop(event.reason, event.stop)
         delta = {"stop_reason": stop_reason, "stop_sequence": stop_sequence}
         await self._event("message_delta", delta=delta, usage=_usage(self.gen.usage))
         await self._event("message_stop")

@@ -12,6 +12,7 @@ import json
 
 from aiohttp import web
 
+from mlxgw.shared import protocol as p
 from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
 
 from ..generation import Generation, Outcome
@@ -238,8 +239,8 @@ class OllamaLines(Emitter):
     async def tool_call(self, call: dict) -> None:
         await self._line(_piece(self.shape, calls=[call]))
 
-    async def finished(self, event: dict) -> None:
-        last = {"done_reason": oc.done_reason(event.get("reason")), **oc.timings(self.gen, self.gen.usage)}
+    async def finished(self, event: p.Finish) -> None:
+        last = {"done_reason": oc.done_reason(event.reason), **oc.timings(self.gen, self.gen.usage)}
         await self.sse.data(
             {"model": self.gen.slot.name, "created_at": oc.created_at(), **_piece(self.shape), "done": True, **last}
         )

@@ -122,8 +122,8 @@ class OpenAIChunks(Emitter):
     def finish_choice(self, reason: str | None) -> dict:
         raise NotImplementedError
 
-    async def finished(self, event: dict) -> None:
-        for end in event.get("choices") or [{"index": 0, "reason": event.get("reason", "stop")}]:
+    async def finished(self, event: p.Finish) -> None:
+        for end in event.ends():
             self.choice = end["index"]
             await self.sse.data(self.chunk(self.finish_choice(end["reason"])))
         if self.include_usage:

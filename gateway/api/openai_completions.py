@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from mlxgw.shared import protocol as p
 from mlxgw.shared.errors import invalid
 
 from ..generation import Generation, Outcome
@@ -197,6 +198,6 @@ class CompletionChunks(oc.OpenAIChunks):
         await self._echo_with_logprobs()
         await self.sse.data(self.chunk({"text": text, "finish_reason": None}))
 
-    async def finished(self, event: dict) -> None:
+    async def finished(self, event: p.Finish) -> None:
         await self._echo_with_logprobs()
         await super().finished(event)
