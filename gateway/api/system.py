@@ -85,7 +85,7 @@ async def list_models(request: web.Request) -> web.Response:
         return web.json_response({"data": data, "has_more": False, "first_id": first, "last_id": last})
     key = request.get("key")
     operator = key is None or key.admin  # unservable folders are the operator's to see
-    unservable = _unservable(request.app[MANAGER]) if operator and not kinds else []
+    unservable = _unservable(request.app[MANAGER]) if operator and not asked else []
     return web.json_response({"object": "list", "data": data + unservable})
 
 
