@@ -72,7 +72,11 @@ class ParsedRequest:
 def parse_common(body: dict, kind: type[CommonFields]) -> dict:
     """The ParsedRequest fields every generating API reads the same way (mlxgw extensions
     included: seed, min_p, penalties, logit_bias, priority, stream_interval), decoded once."""
-    f = decode_fields(body, kind)
+    return common_fields(decode_fields(body, kind))
+
+
+def common_fields(f: CommonFields) -> dict:
+    """The ParsedRequest fields of an API's decoded struct that every API reads the same way."""
     return dict(
         sampling=f,
         stream=bool(f.stream),
