@@ -57,7 +57,9 @@ class Phase(WireEnum):
     QUEUED = "queued"
     SCORING = "scoring"  # prompt logprobs being computed
     PREFILL = "prefill"
-    DECODE = "decode"
+    DECODE = "decode"  # generating (a speech-to-text worker: decoding audio windows)
+    ENCODE = "encode"  # embedding and rerank workers
+    SPEAK = "speak"  # text-to-speech workers
 
 
 # The names the worker (and older code) uses: the members themselves, defined once above.
