@@ -16,6 +16,7 @@ from mlxgw.shared import protocol as p
 from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
 
 from ..generation import Generation, Outcome
+from ..lifecycle import SlotState
 from ..sse import NDJSONWriter
 from ..state import MANAGER
 from . import ollama_common as oc
@@ -136,7 +137,7 @@ async def _load_or_unload(request: web.Request, slot, keep_alive: float | None, 
                 "other keys' keep_alive is ignored",
                 param="keep_alive",
             )
-        if slot.process is not None and slot.state == "ready":
+        if slot.process is not None and slot.state is SlotState.READY:
             await manager.unload(slot, "keep_alive 0")
         reason = "unload"
     else:

@@ -16,6 +16,7 @@ from mlxgw.shared.config import CHAT_KINDS, ModelKind
 from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
 
 from ..auth import resolve_model
+from ..lifecycle import SlotState
 from ..state import MANAGER
 from . import translate as t
 from . import validate as v
@@ -183,5 +184,5 @@ async def unload_when_idle(manager, slot) -> None:
     deadline = time.monotonic() + UNLOAD_WAIT_S
     while manager.in_flight(slot) and time.monotonic() < deadline:
         await asyncio.sleep(0.1)
-    if manager.in_flight(slot) == 0 and slot.process is not None and slot.state == "ready":
+    if manager.in_flight(slot) == 0 and slot.process is not None and slot.state is SlotState.READY:
         await manager.unload(slot, "keep_alive 0")
