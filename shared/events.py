@@ -125,7 +125,7 @@ def _fields_from_wire(cls, wire: dict, defaults: dict, typed: tuple[str, ...] = 
     return data
 
 
-@dataclass
+@dataclass(slots=True)
 class Accepted:
     """The request is admitted to the worker's queue (the first event of every request)."""
 
@@ -142,7 +142,7 @@ class Accepted:
         return cls(**_fields_from_wire(cls, wire, {"prompt_tokens": 0, "max_tokens": 0, "queued": 0}))
 
 
-@dataclass
+@dataclass(slots=True)
 class Progress:
     """Prefill progress of a long prompt (the gateway sends keep-alives meanwhile)."""
 
@@ -159,7 +159,7 @@ class Progress:
         return cls(**_fields_from_wire(cls, wire, {"done": 0, "total": 0}))
 
 
-@dataclass
+@dataclass(slots=True)
 class Delta:
     """New output of a running request."""
 
@@ -181,14 +181,10 @@ class Delta:
 
     @classmethod
     def from_wire(cls, wire: dict) -> Delta:
-        # The hot path (one per step and stream): text and n are checked inline.
-        text, n = wire.get("text"), wire.get("n")
-        if len(wire) == 3 and type(text) is str and type(n) is int:
-            return cls(text, n)
         return cls(**_fields_from_wire(cls, wire, {"text": "", "n": 0}))
 
 
-@dataclass
+@dataclass(slots=True)
 class PromptLogprobs:
     """The prompt's log-probabilities (the request asked: prompt_logprobs), once, before
     the first output: one entry per prompt token in Delta's entry shape, except the first
@@ -206,7 +202,7 @@ class PromptLogprobs:
         return cls(**_fields_from_wire(cls, wire, {"entries": []}))
 
 
-@dataclass
+@dataclass(slots=True)
 class Finish:
     """The request is over: the last output, why it stopped, and its usage.
     Embeddings carry vectors (float32 little-endian, row-major) and dim; rerank carries scores;
@@ -267,7 +263,7 @@ def _choice_end(end: dict) -> dict:
     return {"index": int(end["index"]), "reason": FinishReason(end["reason"]), "stop": end.get("stop")}
 
 
-@dataclass
+@dataclass(slots=True)
 class Error:
     """The request is over with an error: code, message, and the usage so far when known."""
 
@@ -301,5 +297,11 @@ _DECODERS = {cls.KIND.value: cls.from_wire for cls in (Accepted, Progress, Delta
 
 def event_from_wire(wire: dict) -> AnyEvent | None:
     """One event map as its dataclass; None for a kind this version does not know."""
-    decode = _DECODERS.get(wire.get("e"))  # type: ignore[arg-type]
+    kind = wire.get("e")
+    if kind == "delta":  # the hot path (one per engine step and stream): no lookups, no checks per field
+        text, n = wire.get("text"), wire.get("n")
+        if len(wire) == 3 and type(text) is str and type(n) is int:
+            return Delta(text, n)
+        return Delta.from_wire(wire)
+    decode = _DECODERS.get(kind)  # type: ignore[arg-type]
     return decode(wire) if decode is not None else None
