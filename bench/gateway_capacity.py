@@ -315,6 +315,7 @@ async def measure(args: argparse.Namespace, servers: list[Server]) -> dict:
                     # server CPU (all its processes) per request and per streamed token
                     "cpu_us_per_req": round(cpu * 1e6 / max(tally.requests, 1), 1),
                     "cpu_us_per_tok": round(cpu * 1e6 / max(tally.tokens, 1), 2),
+                    "load_1m": round(os.getloadavg()[0], 2),  # the machine's, at the end of the run
                 }
                 rows.append(row)
                 print(json.dumps(row), flush=True)
@@ -342,6 +343,11 @@ def summarize(rows: list[dict], labels: list[str]) -> dict:
                 summary[name][f"ratios_per_round{suffix}"] = [
                     round(a / b, 3) for a, b in zip(per[label], per["bare"]) if b
                 ]
+        if "before" in per:  # this tree against the earlier one, round by round (> 1: this one is better)
+            now, then = per["mlxgw"], per["before"]
+            better = (then, now) if metric.startswith("cpu") else (now, then)
+            summary[name]["now_vs_before"] = ratio(*better)
+            summary[name]["now_vs_before_per_round"] = [round(a / b, 3) for a, b in zip(*better) if b]
     return summary
 
 

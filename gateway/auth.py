@@ -10,7 +10,7 @@ import hmac
 
 from aiohttp import web
 
-from mlxgw.shared.config import CHAT_KINDS
+from mlxgw.shared.config import CHAT_KINDS, ModelKind
 from mlxgw.shared.errors import ErrorCode, ServiceError
 
 from .api.routes import ROUTE_FOR_KIND, Access, route_of
@@ -133,7 +133,7 @@ def may_use(request: web.Request, slot) -> bool:
     return key is None or key.allows(slot.name, *slot.entry.aliases)
 
 
-def resolve_model(request: web.Request, requested: str, kinds: tuple[str, ...] = CHAT_KINDS):
+def resolve_model(request: web.Request, requested: str, kinds: tuple[ModelKind, ...] = CHAT_KINDS):
     """The model slot for a requested name, if the caller's key may use it and the model is
     of a kind this route serves."""
     slot = request.app[MANAGER].resolve(requested)

@@ -383,17 +383,23 @@ class Broker:
 
     def _on_events(self, conn: WorkerConn, raw_items) -> None:
         items, bad = wc.event_items(raw_items)
-        if bad:
-            self._reject("events", "dropped %d malformed events from worker %s", bad, conn.worker_id)
-        for rid, event in items:
+        unknown = 0
+        for rid, wire in items:
             stream = conn.streams.get(rid)
             if stream is None:
                 continue  # request already ended gateway-side (client gone)
+            # Decoded once, here: everything after the broker reads the event's attributes.
+            event = p.event_from_wire(wire)
+            if event is None:
+                unknown += 1
+                continue
             stream.push(event)
             if stream.done:
                 del conn.streams[rid]
                 if not conn.streams:
                     self.events.put_nowait(WorkerIdle(conn))
+        if bad or unknown:
+            self._reject("events", "dropped %d malformed events from worker %s", bad + unknown, conn.worker_id)
 
     async def _on_hello(self, sock: zmq.asyncio.Socket, remote: bool, identity: bytes, msg: dict) -> None:
         if self.secret and not hmac.compare_digest(str(msg.get("secret", "")).encode(), self.secret.encode()):
@@ -508,7 +514,7 @@ class Broker:
             # a crash of a local process: its exit code decides whether these were to blame
             self._exited_fps.setdefault(conn.worker_id, []).extend(fps)
         for stream in conn.streams.values():
-            stream.push(p.error_event(err))
+            stream.push(p.Error(err))
         conn.streams.clear()
         for cid in [c for c, on in self._call_conns.items() if on is conn]:  # calls may wait long (tokenize)
             fut = self._replies.get(cid)
@@ -516,5 +522,5 @@ class Broker:
                 fut.set_result({"ok": False, "error": err.to_wire()})
         conn.state = ConnState.LOST
         if notify:
-            self.events.put_nowait(WorkerLost(conn, reason, tuple(fps), kind.value))
+            self.events.put_nowait(WorkerLost(conn, reason, tuple(fps), kind))
         return fps

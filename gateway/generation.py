@@ -7,6 +7,7 @@ KV at the next engine step."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -32,7 +33,7 @@ RATE_SAMPLE_MIN_TOKENS = 8  # a shorter answer says little about the decode rate
 @dataclass
 class Outcome:
     text: str
-    finish_reason: str  # "stop" | "length" | "tool_calls"
+    finish_reason: p.FinishReason
     stop: str | None
     usage: p.Usage
     reasoning: str = ""
@@ -54,11 +55,11 @@ class BlankTextFilter:
         self.in_text = False  # text that is not blank has been sent since the last tool call
         self.any_calls = False
 
-    def filter(self, event: dict) -> dict:
-        calls = event.get("tool_calls")
+    def filter(self, event: p.Delta | p.Finish) -> p.Delta | p.Finish:
+        calls = event.tool_calls
         if self.in_text and not calls:
             return event  # text after text (nothing is held then): the common case, unchanged
-        text = event.get("text") or ""
+        text = event.text or ""
         if text and not self.in_text:
             if text.isspace():
                 self.held, text = self.held + text, ""
@@ -66,26 +67,27 @@ class BlankTextFilter:
                 self.held, text, self.in_text = "", self.held + text, True
         if calls:
             self.held, self.in_text, self.any_calls = "", False, True
-        elif event.get("e") == p.EV_FINISH and self.held and not self.any_calls:
+        elif type(event) is p.Finish and self.held and not self.any_calls:
             self.held, text = "", self.held + text
-        if text == (event.get("text") or ""):
+        if text == (event.text or ""):
             return event
-        return {**event, "text": text}
+        return dataclasses.replace(event, text=text)
 
 
 # A worker refuses new requests once it drains; a request that raced the drain tries again.
 DRAINING_RETRIES = 2
 
 
-def _refused_while_draining(event: dict) -> bool:
-    return event.get("e") == p.EV_ERROR and event.get("code") == ErrorCode.MODEL_UNAVAILABLE.value
+def _refused_while_draining(event: p.AnyEvent) -> bool:
+    return type(event) is p.Error and event.error.code is ErrorCode.MODEL_UNAVAILABLE
 
 
-def raise_for(event: dict) -> None:
+def raise_for(event: p.AnyEvent) -> None:
     """Turn a terminal error (or a cancellation) into the ServiceError the API renders."""
-    if event.get("e") == p.EV_ERROR:
-        raise ServiceError.from_wire(event)
-    if event.get("e") == p.EV_FINISH and event.get("reason") == "cancelled":
+    if type(event) is p.Error:
+        # a copy: one lost worker's error event object ends all of its streams at once
+        raise event.error.copy()
+    if type(event) is p.Finish and event.reason is p.FinishReason.CANCELLED:
         raise ServiceError(ErrorCode.CANCELLED, "the request was cancelled")
 
 
@@ -110,7 +112,7 @@ class Generation:
         self.slot = slot
         self.req = req
         self.stream: RequestStream | None = None
-        self.accepted: dict = {}
+        self.accepted: p.Accepted | None = None
         self.started = time.monotonic()
         self.first_token_at: float | None = None
         self.outcome: str | None = None  # finish reason, or error:CODE
@@ -140,9 +142,9 @@ class Generation:
                 self.stream = await self.broker.submit(conn, self.req, self.owner)
                 first = await self._next(None)
                 retry = tries_left > 0 and _refused_while_draining(first)
-                if first.get("e") != p.EV_ACCEPTED and not retry:
+                if type(first) is not p.Accepted and not retry:
                     raise_for(first)
-                    raise ServiceError(ErrorCode.INTERNAL, f"unexpected first event {first.get('e')!r}")
+                    raise ServiceError(ErrorCode.INTERNAL, f"unexpected first event {first.KIND.value!r}")
             except BaseException as e:
                 # `async with` runs no __aexit__ when __aenter__ raises: a client that leaves
                 # before the worker accepted (or a timeout here) must still cancel the request,
@@ -155,7 +157,7 @@ class Generation:
             # ran, so wait for the model's current slot like any other request.
             self.slot = self.manager.slots.get(self.slot.name, self.slot)
         self.accepted = first
-        self.usage.prompt_tokens = int(first.get("prompt_tokens", 0))
+        self.usage.prompt_tokens = first.prompt_tokens
         return self
 
     async def __aexit__(self, exc_type, exc, tb) -> None:
@@ -187,7 +189,7 @@ class Generation:
         rate, old = (n - 1) / seconds, self.slot.decode_tokens_per_s
         self.slot.decode_tokens_per_s = rate if old is None else 0.7 * old + 0.3 * rate
 
-    async def _next(self, timeout: float | None) -> dict:
+    async def _next(self, timeout: float | None) -> p.AnyEvent:
         stream = self.stream
         if stream.ready():  # the hot path: a step's events are already here
             return stream.take()
@@ -213,29 +215,32 @@ class Generation:
             self.token_gaps.add(gap, n_total - before)
         self._last_delta = (now, n_total)
 
-    def _note(self, event: dict) -> str | None:
-        """The bookkeeping of every event from the worker (token times, outcome, usage); its kind."""
-        kind = event.get("e")
-        if kind == p.EV_DELTA:
-            self._mark_tokens(int(event.get("n", 0)))
-        elif kind == p.EV_PROMPT_LOGPROBS:
-            self.prompt_logprobs = list(event.get("entries") or [])
-        elif kind == p.EV_PROGRESS and self.first_token_at is None:
+    def _note(self, event: p.AnyEvent) -> type[p.AnyEvent]:
+        """The bookkeeping of every event from the worker (token times, outcome, usage); its class."""
+        kind = type(event)
+        if kind is p.Delta:
+            self._mark_tokens(event.n)
+        elif kind is p.PromptLogprobs:
+            self.prompt_logprobs = list(event.entries)
+        elif kind is p.Progress and self.first_token_at is None:
             # The worker's prefill bound scales with the prompt and its host's measured rate
             # (worker/scheduler.prefill_bound_for); this backstop only catches a silent worker.
             self._deadline = max(self._deadline, time.monotonic() + self._first_bound_s + DEADLINE_SLACK_S)
-        if kind in (p.EV_DELTA, p.EV_PROGRESS) and "cached" in event:
+        if (kind is p.Delta or kind is p.Progress) and event.cached is not None:
             # the first delta, or prefill progress: a stream cut before its finish still logs its cache hit
-            self.usage.cached_tokens = p.Usage.from_wire({"cached_tokens": event["cached"]}).cached_tokens
-        if kind in (p.EV_FINISH, p.EV_ERROR):
-            self.outcome = event.get("reason") if kind == p.EV_FINISH else f"error:{event.get('code')}"
-            self.time_limited = bool(event.get("time_limited"))
-            self.usage = p.Usage.from_wire(event["usage"]) if "usage" in event else self.usage
-            if self.first_token_at is None and event.get("text"):
+            self.usage.cached_tokens = event.cached
+        elif kind is p.Finish:
+            self.outcome = event.reason.value
+            self.time_limited = bool(event.time_limited)
+            self.usage = event.usage or self.usage
+            if self.first_token_at is None and event.text:
                 self.first_token_at = time.monotonic()
+        elif kind is p.Error:
+            self.outcome = f"error:{event.error.code.value}"
+            self.usage = event.usage or self.usage
         return kind
 
-    async def events(self) -> AsyncIterator[dict | None]:
+    async def events(self) -> AsyncIterator[p.AnyEvent | None]:
         """Delta, progress, finish and error events; None when nothing came for keepalive_s.
         Ends after the terminal event."""
         while True:
@@ -246,10 +251,10 @@ class Generation:
                 continue
             kind = self._note(event)
             yield event
-            if kind in (p.EV_FINISH, p.EV_ERROR):
+            if kind is p.Finish or kind is p.Error:
                 return
 
-    async def content(self, on_idle: Callable[[], Awaitable[None]] | None = None) -> AsyncIterator[dict]:
+    async def content(self, on_idle: Callable[[], Awaitable[None]] | None = None) -> AsyncIterator[p.Delta | p.Finish]:
         """Delta and finish events only, whitespace between tool calls left out (see
         BlankTextFilter). on_idle runs on keep-alive ticks and prefill progress (streams send
         a comment or ping); an error or a cancellation raises ServiceError. (The loop of
@@ -261,25 +266,25 @@ class Generation:
             except asyncio.TimeoutError:
                 event = None
             kind = self._note(event) if event is not None else None
-            if kind is None or kind == p.EV_PROGRESS:
+            if kind is None or kind is p.Progress:
                 if on_idle is not None:
                     await on_idle()
                 continue
-            if kind != p.EV_DELTA:
-                raise_for(event)
-            if kind in (p.EV_DELTA, p.EV_FINISH):
-                index = event.get("index") or 0
+            if kind is not p.Delta:
+                raise_for(event)  # an error raises; a cancellation too
+            if kind is p.Delta or kind is p.Finish:
+                index = event.index or 0
                 blank = blanks.get(index)
                 if blank is None:
                     blank = blanks[index] = BlankTextFilter()
                 yield blank.filter(event)
-            if kind in (p.EV_FINISH, p.EV_ERROR):
+            if kind is p.Finish:
                 return
 
-    async def finish_event(self) -> dict:
+    async def finish_event(self) -> p.Finish:
         """The terminal event of a request that streams nothing (embeddings, reranking)."""
         async for event in self.content():
-            if event["e"] == p.EV_FINISH:
+            if type(event) is p.Finish:
                 return event
         raise ServiceError(ErrorCode.INTERNAL, "the request ended without a finish event")
 
@@ -287,20 +292,18 @@ class Generation:
         """The whole output; with n > 1 choices, choice 0's with all of them in `choices`."""
         parts: dict[int, dict] = {}
         async for event in self.content():
-            part = parts.setdefault(event.get("index") or 0, {"text": [], "reasoning": [], "calls": [], "lp": []})
-            part["text"].append(event.get("text") or "")
-            part["reasoning"].append(event.get("reasoning") or "")
-            part["calls"].extend(event.get("tool_calls") or [])
-            part["lp"].extend(event.get("logprobs") or [])
-            if event["e"] == p.EV_FINISH:
+            part = parts.setdefault(event.index or 0, {"text": [], "reasoning": [], "calls": [], "lp": []})
+            part["text"].append(event.text or "")
+            part["reasoning"].append(event.reasoning or "")
+            part["calls"].extend(event.tool_calls or [])
+            part["lp"].extend(event.logprobs or [])
+            if type(event) is p.Finish:
                 return self._outcome(parts, event)
         raise ServiceError(ErrorCode.INTERNAL, "generation ended without a finish event")
 
-    def _outcome(self, parts: dict[int, dict], finish: dict) -> Outcome:
-        one = {"index": 0, "reason": finish.get("reason", "stop"), "stop": finish.get("stop")}
-        ends = finish.get("choices") or [one]
+    def _outcome(self, parts: dict[int, dict], finish: p.Finish) -> Outcome:
         outcomes = []
-        for end in ends:
+        for end in finish.ends():
             part = parts.get(end["index"]) or {"text": [], "reasoning": [], "calls": [], "lp": []}
             text, reasoning, calls = "".join(part["text"]), "".join(part["reasoning"]), part["calls"]
             reason, stop, lp = end["reason"], end.get("stop"), part["lp"]

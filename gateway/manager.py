@@ -22,6 +22,7 @@ from typing import Any
 from mlxgw.shared.config import Registry
 from mlxgw.shared.errors import ErrorCode, ServiceError
 
+from . import liveness as live
 from .broker import Broker
 from .lifecycle import ModelSlot, Pulse, SlotState
 from .residency import TICK_S, Occupant, Residency
@@ -304,7 +305,7 @@ class ModelManager(SlotRunner):
         # An exit's requests in flight are judged by its exit code (broker.release_local
         # returns them to the lifecycle); watchdog kills and silence never blame them.
         if ours and proc.running:
-            if event.kind in ("no_progress", "silent"):
+            if event.kind in (live.LossKind.NO_PROGRESS, live.LossKind.SILENT):
                 slot.kill_reason = event.reason  # the watchdog's kill, not a crash
             proc.signal(signal.SIGKILL)  # silent or hung: make sure it is gone; the lifecycle sees it exit
         elif event.conn.remote and not self.broker.ready_workers(slot.name) and slot.process is None:

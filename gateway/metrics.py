@@ -13,6 +13,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
+from .lifecycle import SlotState
+
 if TYPE_CHECKING:
     from .edge import EdgeStats
     from .generation import Generation
@@ -91,7 +93,7 @@ class _ManagerCollector:
             for c in m.conns(slot):
                 rss.add_metric([slot.name, c.worker_id[:12]], c.stats.get("rss_bytes", 0))
                 mlx.add_metric([slot.name, c.worker_id[:12]], c.stats.get("mlx_active_bytes", 0))
-            loaded.add_metric([slot.name], 1 if slot.state == "ready" else 0)
+            loaded.add_metric([slot.name], 1 if slot.state is SlotState.READY else 0)
             loads.add_metric([slot.name], slot.loads)
             unloads.add_metric([slot.name], slot.unloads)
             restarts.add_metric([slot.name], slot.restarts)

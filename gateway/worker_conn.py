@@ -7,26 +7,23 @@ import asyncio
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from enum import Enum
 
 import msgpack
 import zmq.asyncio
 
 from mlxgw.shared import protocol as p
 
+from .liveness import LossKind
 from .quarantine import fingerprint
 
-TERMINAL = (p.EV_FINISH, p.EV_ERROR)
 
+class ConnState(p.WireEnum):
+    """A worker link's state, as /v1/status reports it."""
 
-class ConnState(str, Enum):
     LOADING = "loading"
     READY = "ready"
     DRAINING = "draining"
     LOST = "lost"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 class RequestStream:
@@ -52,7 +49,7 @@ class RequestStream:
         self.done = False
         # One reader (the request's Generation): a deque and one waiter future cost less per
         # token than an asyncio.Queue.
-        self._events: deque[dict] = deque()
+        self._events: deque[p.AnyEvent] = deque()
         self._waiter: asyncio.Future | None = None
 
     @property
@@ -62,10 +59,10 @@ class RequestStream:
             self._fingerprint = fingerprint(wire)
         return self._fingerprint
 
-    def push(self, event: dict) -> None:
+    def push(self, event: p.AnyEvent) -> None:
         if self.done:
             return
-        if event.get("e") in TERMINAL:
+        if isinstance(event, p.TERMINAL_EVENTS):
             self.done = True
         self._events.append(event)
         waiter = self._waiter
@@ -76,11 +73,11 @@ class RequestStream:
         """An event is waiting: take() returns it."""
         return bool(self._events)
 
-    def take(self) -> dict:
+    def take(self) -> p.AnyEvent:
         """The next event, which ready() said is here."""
         return self._events.popleft()
 
-    async def next(self, timeout: float | None = None) -> dict:
+    async def next(self, timeout: float | None = None) -> p.AnyEvent:
         # The hot path (a step's events already here) costs no task, future or timer.
         if self._events:
             return self._events.popleft()
@@ -132,7 +129,7 @@ class WorkerLost:
     conn: WorkerConn
     reason: str
     fingerprints: tuple[str, ...]  # of the requests it had in flight
-    kind: str = "other"  # liveness.LossKind: only an exit can be a request's fault
+    kind: LossKind = LossKind.OTHER  # only an exit can be a request's fault
 
 
 @dataclass(frozen=True)

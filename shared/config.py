@@ -16,12 +16,26 @@ from typing import Any, Literal
 import yaml
 
 from . import discovery, model_store
+from .events import WireEnum
 from .mcp_config import McpConfig, parse_mcp
 from .schema import ConfigError, from_mapping
 
 log = logging.getLogger("mlxgw.config")
 
-Kind = Literal["chat", "embedding", "rerank", "vision", "audio", "speech"]
+
+class ModelKind(WireEnum):
+    """What a model entry serves (`kind:` in models.yaml, `/v1/models?kind=`), and so which
+    APIs route to it and which worker class runs it."""
+
+    CHAT = "chat"
+    EMBEDDING = "embedding"
+    RERANK = "rerank"
+    VISION = "vision"
+    AUDIO = "audio"  # speech to text
+    SPEECH = "speech"  # text to speech
+
+
+Kind = ModelKind  # the older name
 Engine = Literal["mlx", "null", "echo", "mlx-embeddings"]
 MaxTokensPolicy = Literal["clamp", "reject"]
 Contention = Literal["wait", "fail"]
@@ -29,9 +43,9 @@ LogFormat = Literal["text", "json"]
 Strategy = Literal["pipeline", "tensor"]
 DistributedBackend = Literal["ring", "jaccl", "mpi"]
 MAX_RANKS = 16
-KINDS: tuple[str, ...] = typing.get_args(Kind)
-ENCODER_KINDS = ("embedding", "rerank")  # served by /v1/embeddings and /v1/rerank
-CHAT_KINDS = ("chat", "vision")  # served by the generating APIs
+KINDS: tuple[str, ...] = tuple(k.value for k in ModelKind)
+ENCODER_KINDS = (ModelKind.EMBEDDING, ModelKind.RERANK)  # served by /v1/embeddings and /v1/rerank
+CHAT_KINDS = (ModelKind.CHAT, ModelKind.VISION)  # served by the generating APIs
 ENGINES: tuple[str, ...] = typing.get_args(Engine)
 
 
@@ -86,7 +100,7 @@ class SpeculativeConfig:
 class ModelEntry:
     name: str
     source: str | None = None  # folder name in the models dir, or a path; default: name
-    kind: Kind = "chat"
+    kind: ModelKind = ModelKind.CHAT
     engine: Engine = "mlx"  # "null": tokens without a model (capacity tests); "echo": repeats the last message
     aliases: list[str] = field(default_factory=list)  # exact names or glob patterns
     preload: bool = False
@@ -269,9 +283,9 @@ def _check_entry(e: ModelEntry, where: str) -> None:
         raise bad("max_batch_tokens", f"must be at least 512, got {e.max_batch_tokens}")
     if e.kind in ENCODER_KINDS and e.engine not in ("mlx", "mlx-embeddings"):
         raise bad("engine", f"{e.kind} models run on the mlx or mlx-embeddings engine")
-    if e.kind in ("audio", "speech") and e.engine != "mlx":
+    if e.kind in (ModelKind.AUDIO, ModelKind.SPEECH) and e.engine != "mlx":
         raise bad("engine", f"{e.kind} models run on the default engine (mlx)")
-    if e.engine == "mlx-embeddings" and e.kind != "embedding":
+    if e.engine == "mlx-embeddings" and e.kind != ModelKind.EMBEDDING:
         raise bad("engine", "mlx-embeddings serves kind: embedding models only")
     sp = e.speculative
     if not 1 <= sp.max_draft <= 16:
@@ -325,7 +339,7 @@ def _check_distributed(e: ModelEntry, where: str) -> None:
     def bad(field_name: str, why: str) -> ConfigError:
         return ConfigError(f"{where}: field 'distributed.{field_name}': {why}")
 
-    if e.kind != "chat" or e.engine != "mlx" or e.remote_only:
+    if e.kind != ModelKind.CHAT or e.engine != "mlx" or e.remote_only:
         raise ConfigError(
             f"{where}: field 'distributed': only chat models on the mlx engine, spawned here, can be sharded"
         )
@@ -424,20 +438,23 @@ def load_registry(path: Path) -> Registry:
     return parse_registry(data, Path(path))
 
 
+def _kind(found: str) -> ModelKind:
+    """A discovered model's kind; one this version does not know is served as chat."""
+    return ModelKind(found) if found in KINDS else ModelKind.CHAT
+
+
 def with_discovered_models(registry: Registry) -> Registry:
     """Add imported models that models.yaml does not list (manager.auto_discover)."""
     if not registry.manager.auto_discover:
         return registry
     listed = {e.name for e in registry.models}
     extra = [
-        ModelEntry(name=m.name, kind=m.kind if m.kind in KINDS else "chat")
+        ModelEntry(name=m.name, kind=_kind(m.kind))
         for m in model_store.list_models(registry.models_dir)
         if m.name not in listed
     ]
     found = discovery.found_models(registry.manager.discover_paths, listed | {e.name for e in extra})
     extra += [  # the servable ones, served in place
-        ModelEntry(name=m.name, source=str(m.path), kind=m.kind if m.kind in KINDS else "chat")
-        for m in found
-        if m.error is None
+        ModelEntry(name=m.name, source=str(m.path), kind=_kind(m.kind)) for m in found if m.error is None
     ]
     return dataclasses.replace(registry, models=registry.models + extra, discovered=found)

@@ -92,6 +92,12 @@ class ServiceError(Exception):
             wire["details"] = self.details
         return wire
 
+    def copy(self) -> ServiceError:
+        """The same error as a new exception (one error value may be raised in many tasks)."""
+        return ServiceError(
+            self.code, self.message, param=self.param, retry_after=self.retry_after, details=self.details
+        )
+
     @classmethod
     def from_wire(cls, wire: dict) -> ServiceError:
         try:

@@ -12,13 +12,37 @@ every running request, instead of one message per token.
 from __future__ import annotations
 
 import functools
-from dataclasses import asdict, dataclass, field, fields
-from types import UnionType
-from typing import Any, ClassVar, Union, get_args, get_origin, get_type_hints
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import msgpack
 
-from .errors import ServiceError
+# The events and wire enums live in events.py; every name is re-exported here, so that
+# `protocol` stays the one module both sides import for the wire.
+from .events import (  # noqa: F401
+    EV_ACCEPTED,
+    EV_DELTA,
+    EV_ERROR,
+    EV_FINISH,
+    EV_PROGRESS,
+    EV_PROMPT_LOGPROBS,
+    TERMINAL_EVENTS,
+    Accepted,
+    AnyEvent,
+    Delta,
+    Error,
+    EventKind,
+    Finish,
+    FinishReason,
+    Phase,
+    Progress,
+    PromptLogprobs,
+    Usage,
+    WireEnum,
+    error_event,
+    event_from_wire,
+)
+from .wire_types import _conforms, _field_names, _type_hints
 
 PROTOCOL_VERSION = 1
 
@@ -49,13 +73,7 @@ HEARTBEAT = "heartbeat"  # worker's carries stats
 WORKER_TYPES = {HELLO, READY, LOAD_FAILED, EVENTS, REPLY, BYE, HEARTBEAT}
 GATEWAY_TYPES = {WELCOME, GENERATE, EMBED, TRANSCRIBE, SPEAK, CANCEL, CALL, SHUTDOWN, RECONNECT, HEARTBEAT}
 
-# Event kinds inside EVENTS (each built by its dataclass below, never by hand).
-EV_ACCEPTED = "accepted"
-EV_PROGRESS = "progress"
-EV_DELTA = "delta"
-EV_PROMPT_LOGPROBS = "prompt_logprobs"
-EV_FINISH = "finish"
-EV_ERROR = "error"
+# Event kinds inside EVENTS: EventKind (shared/events.py), each built by its dataclass.
 
 
 class ProtocolError(ValueError):
@@ -102,57 +120,6 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     # token id -> additive bias; msgpack keeps int keys (strict_map_key=False above).
     logit_bias: dict[int, float] | None = None
-
-
-_SCALARS = {int: (int,), float: (int, float), str: (str,), bool: (bool,), bytes: (bytes,), dict: (dict,)}
-
-
-@functools.cache
-def _shape(tp: object) -> tuple:
-    return get_origin(tp), get_args(tp)
-
-
-# Item types whose exact Python type msgpack decodes to: a list of exactly these conforms
-# without a call per item (a long prompt_tokens list has thousands).
-_EXACT_ITEMS = {int: int, str: str, bytes: bytes, dict: dict}
-
-
-def _conforms(value: object, tp: object) -> bool:
-    """Whether a decoded wire value has the declared type (ints, floats, strings, bools, bytes,
-    dicts, lists of those, optionals). bool is not an int here."""
-    origin, args = _shape(tp)
-    if origin in (Union, UnionType):
-        if value is None:  # most optional fields of a request are unset
-            return type(None) in args
-        return any(_conforms(value, arg) for arg in args)
-    if tp is type(None):
-        return value is None
-    if origin is list:
-        (item,) = args or (object,)
-        if not isinstance(value, list):
-            return False
-        exact = _EXACT_ITEMS.get(item)
-        if exact is not None and set(map(type, value)) <= {exact}:
-            return True
-        return all(_conforms(v, item) for v in value)
-    if origin is dict:
-        key, item = args or (object, object)
-        return isinstance(value, dict) and all(_conforms(k, key) and _conforms(v, item) for k, v in value.items())
-    if tp is object or tp is Any:
-        return True
-    if tp in (int, float) and isinstance(value, bool):
-        return False
-    return isinstance(value, _SCALARS.get(tp, (tp,)))  # type: ignore[arg-type]
-
-
-@functools.cache
-def _type_hints(cls) -> dict:
-    return get_type_hints(cls)  # resolving string annotations costs more than a request's decoding
-
-
-@functools.cache
-def _field_names(cls) -> tuple[str, ...]:
-    return tuple(f.name for f in fields(cls))
 
 
 @functools.cache
@@ -264,16 +231,6 @@ class EmbedRequest:
         return _from_wire(cls, wire)
 
 
-# -- events (worker -> gateway, inside EVENTS as [request id, event map]) -----------------
-
-
-def _int(value: object) -> int:
-    try:
-        return int(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        return 0
-
-
 @dataclass
 class TranscribeRequest:
     """Speech to text: decoded audio (the gateway decodes uploads) and Whisper's options.
@@ -325,150 +282,6 @@ BACKGROUND_PRIORITY = 1000
 
 # What the gateway submits to a worker: one of these per request.
 WorkerRequest = GenerateRequest | EmbedRequest | TranscribeRequest | SpeechRequest
-
-
-@dataclass
-class Usage:
-    """Token counts of one request: built by the worker, read by the gateway, one type."""
-
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-
-    @property
-    def total_tokens(self) -> int:
-        return self.prompt_tokens + self.completion_tokens
-
-    def to_wire(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_wire(cls, wire: object) -> Usage:
-        """Tolerant: a missing or malformed count reads as 0 (a worker bug must not 500 a reply)."""
-        if not isinstance(wire, dict):
-            return cls()
-        return cls(*(_int(wire.get(f.name, 0)) for f in fields(cls)))
-
-
-def _wire(kind: str, event: object, omit_none: bool = True) -> dict:
-    out: dict = {"e": kind}
-    for name in _field_names(type(event)):
-        value = getattr(event, name)
-        if isinstance(value, Usage):
-            value = value.to_wire()
-        if value is not None or not omit_none:
-            out[name] = value
-    return out
-
-
-@dataclass
-class Accepted:
-    """The request is admitted to the worker's queue (the first event of every request)."""
-
-    prompt_tokens: int
-    max_tokens: int  # after clamping to the context (0 for embeddings)
-    queued: int  # requests waiting ahead, this one included
-
-    def to_wire(self) -> dict:
-        return _wire(EV_ACCEPTED, self)
-
-
-@dataclass
-class Progress:
-    """Prefill progress of a long prompt (the gateway sends keep-alives meanwhile)."""
-
-    done: int
-    total: int
-    cached: int | None = None  # prompt tokens served by the prefix cache (for the access log of a cut stream)
-
-    def to_wire(self) -> dict:
-        return _wire(EV_PROGRESS, self)
-
-
-@dataclass
-class Delta:
-    """New output of a running request."""
-
-    text: str
-    n: int  # completion tokens so far
-    reasoning: str | None = None
-    tool_calls: list[dict] | None = None
-    # One entry per generated token when the request asked for logprobs:
-    # {token, bytes, logprob, top_logprobs: [{token, bytes, logprob}]} (OpenAI Chat's shape).
-    logprobs: list[dict] | None = None
-    index: int | None = None  # the choice this output belongs to (n > 1); None: choice 0
-    # Prompt tokens served by the prefix cache, on a request's first delta: a stream cut
-    # before its finish event is still logged and billed with them.
-    cached: int | None = None
-
-    def to_wire(self) -> dict:
-        return _wire(EV_DELTA, self)
-
-
-@dataclass
-class PromptLogprobs:
-    """The prompt's log-probabilities (the request asked: prompt_logprobs), once, before
-    the first output: one entry per prompt token in Delta's entry shape, except the first
-    token's, which has nothing before it: {token, bytes, logprob: None, top_logprobs: None}.
-    Values are the raw model's log-softmax (no penalties or biases apply to a prompt)."""
-
-    entries: list[dict]
-
-    def to_wire(self) -> dict:
-        return _wire(EV_PROMPT_LOGPROBS, self)
-
-
-@dataclass
-class Finish:
-    """The request is over: the last output, why it stopped, and its usage.
-    Embeddings carry vectors (float32 little-endian, row-major) and dim; rerank carries scores;
-    transcriptions carry segments (words when asked), language and duration; speech carries
-    audio (int16 mono PCM) and sample_rate."""
-
-    reason: str  # stop | length | tool_calls | cancelled
-    usage: Usage
-    text: str | None = None
-    reasoning: str | None = None
-    tool_calls: list[dict] | None = None
-    stop: str | None = None  # the stop string that ended the text
-    vectors: bytes | None = None
-    dim: int | None = None
-    scores: list[float] | None = None
-    logprobs: list[dict] | None = None  # entries of the last tokens, as in Delta
-    # n > 1: every choice's end, [{index, reason, stop}]; reason/stop above are choice 0's.
-    # A choice's last output comes before, as a Delta with its index.
-    choices: list[dict] | None = None
-    segments: list[dict] | None = None
-    words: list[dict] | None = None
-    language: str | None = None
-    duration: float | None = None
-    audio: bytes | None = None
-    sample_rate: int | None = None
-    # reason "length" because the answer's time bound ran out (not max_tokens): the text so
-    # far is the answer, cut (gateway.request_timeout_s)
-    time_limited: bool | None = None
-
-    def to_wire(self) -> dict:
-        return _wire(EV_FINISH, self)
-
-
-@dataclass
-class Error:
-    """The request is over with an error: code, message, and the usage so far when known."""
-
-    error: ServiceError
-    usage: Usage | None = None
-
-    def to_wire(self) -> dict:
-        wire = {"e": EV_ERROR, **self.error.to_wire()}
-        if self.usage is not None:
-            wire["usage"] = self.usage.to_wire()
-        return wire
-
-
-def error_event(error: ServiceError, usage: Usage | None = None) -> dict:
-    """The wire map of an error event: the one way to end a request with an error."""
-    return Error(error, usage).to_wire()
 
 
 Event = tuple[str, dict]  # (request id, wire event)

@@ -6,6 +6,7 @@ section) both build on it; it imports neither."""
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
 import math
 import types
@@ -43,6 +44,11 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if value not in allowed or isinstance(value, bool):
             raise ConfigError(f"{where}: must be one of {', '.join(map(str, allowed))}, got {value!r}")
         return value
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):  # str enums (ModelKind): as a Literal of their values
+        allowed = tuple(m.value for m in tp)
+        if value not in allowed or isinstance(value, bool):
+            raise ConfigError(f"{where}: must be one of {', '.join(map(str, allowed))}, got {value!r}")
+        return tp(value)
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
         if value is None and type(None) in args:

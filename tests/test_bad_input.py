@@ -72,6 +72,23 @@ CASES = [
         "max_tokens",
     ),
     ("n above the limit", CHAT, {"model": "tiny", "messages": MSGS, "n": 17}, 400, "invalid_request", "at most 16"),
+    # the one-pass parse (issue 27): msgspec's refusals in the words of every other field check
+    (
+        "n below the limit",
+        CHAT,
+        {"model": "tiny", "messages": MSGS, "n": 0},
+        400,
+        "invalid_request",
+        "'n' must be at least 1, got 0",
+    ),
+    (
+        "logprobs not a boolean",
+        CHAT,
+        {"model": "tiny", "messages": MSGS, "logprobs": "yes"},
+        400,
+        "invalid_request",
+        "'logprobs' must be true or false, got str",
+    ),
     ("stop of wrong type", CHAT, {"model": "tiny", "messages": MSGS, "stop": 12}, 400, "invalid_request", "stop"),
     (
         "bad logit_bias",

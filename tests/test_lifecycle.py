@@ -368,9 +368,23 @@ async def test_two_requests_with_the_same_client_id_are_routed_apart(world):
     second = await broker.submit(conn, p.GenerateRequest(rid="same", prompt="two"), owner="bob")
     assert first.rid != second.rid and conn.load == 2
     broker._on_events(conn, [[second.rid, {"e": p.EV_FINISH, "reason": "stop", "text": "2"}]])
-    assert (await second.next(1))["text"] == "2" and not first.done
+    assert (await second.next(1)).text == "2" and not first.done
     assert broker.find_stream("same", lambda s: s.owner == "alice") is first
     assert broker.find_stream("same", lambda s: s.owner == "carol") is None
+
+
+async def test_the_broker_hands_each_request_typed_events_and_drops_unknown_kinds(world):
+    manager, broker, _ = await world()
+    conn = await manager.acquire(manager.slots["a"])
+    stream = await broker.submit(conn, p.GenerateRequest(rid="typed", prompt="hi"))
+    dropped = broker.dropped_messages
+    delta, unknown = {"e": p.EV_DELTA, "text": "a", "n": 1}, {"e": "telepathy"}
+    finish = {"e": p.EV_FINISH, "reason": "length", "usage": {"completion_tokens": 1}}
+    broker._on_events(conn, [[stream.rid, delta], [stream.rid, unknown], [stream.rid, finish]])
+    assert await stream.next(1) == p.Delta("a", 1)
+    end = await stream.next(1)
+    assert end == p.Finish(p.FinishReason.LENGTH, p.Usage(0, 1)) and stream.done and not stream.ready()
+    assert broker.dropped_messages == dropped + 1
 
 
 async def test_close_stops_every_worker_and_awaits_every_task(world):

@@ -22,7 +22,7 @@ from . import validate as v
 from .anthropic_errors import anthropic_error_body
 from .anthropic_input import convert_messages, read_documents
 from .content import ContentPolicy
-from .fields import AnthropicFields
+from .fields import AnthropicFields, decode_fields
 from .stream import Emitter
 
 routes = web.RouteTableDef()
@@ -30,8 +30,7 @@ routes = web.RouteTableDef()
 STOP_REASONS = {"length": "max_tokens", "stop": "end_turn", "tool_calls": "tool_use"}
 
 
-def _tools(body: dict) -> list[dict] | None:
-    raw = body.get("tools")
+def _tools(raw: object) -> list[dict] | None:
     if raw is None:
         return None
     if not isinstance(raw, list):
@@ -44,13 +43,11 @@ def _tools(body: dict) -> list[dict] | None:
     ] or None
 
 
-def _constraint(body: dict, tools: list[dict] | None) -> dict | None:
-    choice = body.get("tool_choice")
+def _constraint(choice: object, config: object, tools: list[dict] | None) -> dict | None:
     kind = choice.get("type") if isinstance(choice, dict) else None
     forced = None
     if kind in ("any", "tool"):
         forced = t.forced_tool(tools, choice.get("name") if kind == "tool" else None)
-    config = body.get("output_config")
     fmt = config.get("format") if isinstance(config, dict) else None
     output = None
     if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
@@ -58,9 +55,8 @@ def _constraint(body: dict, tools: list[dict] | None) -> dict | None:
     return t.one_constraint(output, forced, "output_config.format and a forced tool_choice")
 
 
-def _thinking(body: dict) -> tuple[dict | None, int | None]:
+def _thinking(thinking: object) -> tuple[dict | None, int | None]:
     """Template switch and reasoning budget from `thinking`."""
-    thinking = body.get("thinking")
     if not isinstance(thinking, dict) or thinking.get("type") not in ("enabled", "disabled", "adaptive"):
         return None, None
     # Qwen3-style templates switch reasoning with enable_thinking; others ignore it.
@@ -69,24 +65,25 @@ def _thinking(body: dict) -> tuple[dict | None, int | None]:
     return kwargs, budget
 
 
-def _choice_disables_tools(body: dict) -> bool:
-    choice = body.get("tool_choice")
+def _choice_disables_tools(choice: object) -> bool:
     return isinstance(choice, dict) and choice.get("type") == "none"
 
 
 def parse(body: dict, policy: ContentPolicy) -> t.ParsedRequest:
-    """Validate an Anthropic request into the API-neutral parsed request."""
+    """Validate an Anthropic request into the API-neutral parsed request: the body decoded
+    once (fields.AnthropicFields), then each field that needs more checked once."""
     if body.get("max_tokens") is None:
         raise invalid("max_tokens: Field required", "max_tokens")
-    tools = None if _choice_disables_tools(body) else _tools(body)
-    template_kwargs, budget = _thinking(body)
-    common = t.parse_common(body, AnthropicFields)
+    f = decode_fields(body, AnthropicFields)
+    tools = None if _choice_disables_tools(f.tool_choice) else _tools(f.tools)
+    template_kwargs, budget = _thinking(f.thinking)
+    common = t.common_fields(f)
     if budget is not None:
         common["reasoning_budget"] = budget
     return t.ParsedRequest(
         messages=convert_messages(body, policy),
         tools=tools,
-        constraint=_constraint(body, tools),
+        constraint=_constraint(f.tool_choice, f.output_config, tools),
         chat_template_kwargs=template_kwargs,
         omitted=policy.omitted,
         **common,
@@ -209,11 +206,11 @@ class MessageEvents(Emitter):
         await self._start({**block, "input": {}})
         await self._delta({"type": "input_json_delta", "partial_json": json.dumps(block["input"])})
 
-    async def finished(self, event: dict) -> None:
+    async def finished(self, event: p.Finish) -> None:
         if self.index < 0:
             await self.text("")  # every message has at least one content block
         await self._close()
-        stop_reason, stop_sequence = _stop(event.get("reason", "stop"), event.get("stop"))
+        stop_reason, stop_sequence = _stop(event.reason, event.stop)
         delta = {"stop_reason": stop_reason, "stop_sequence": stop_sequence}
         await self._event("message_delta", delta=delta, usage=_usage(self.gen.usage))
         await self._event("message_stop")

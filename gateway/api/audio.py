@@ -13,6 +13,7 @@ import math
 from aiohttp import web
 
 from mlxgw.shared import protocol as p
+from mlxgw.shared.config import ModelKind
 from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
 
 from ..auth import charge_audio_seconds, resolve_model
@@ -121,7 +122,7 @@ async def _handle(request: web.Request, task: str) -> web.StreamResponse:
     model = _one(text, "model")
     if not model:
         raise invalid("'model' is required", "model")
-    slot = resolve_model(request, model, ("audio",))
+    slot = resolve_model(request, model, (ModelKind.AUDIO,))
     if data is None:
         raise invalid("'file' is required: the audio file to transcribe, as a multipart file field", "file")
     fmt = _one(text, "response_format") or "json"
@@ -170,11 +171,11 @@ async def _stream_response(request: web.Request, gen) -> web.StreamResponse:
     try:
         async with gen:
             async for ev in gen.content(on_idle=sse.comment):
-                delta = ev.get("text") or ""
+                delta = ev.text or ""
                 if delta:
                     parts.append(delta)
                     await sse.data({"type": "transcript.text.delta", "delta": delta, "logprobs": None})
-                if ev["e"] == p.EV_FINISH:
+                if type(ev) is p.Finish:
                     u = gen.usage
                     usage = {
                         "type": "tokens",

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 
+from mlxgw.shared import protocol as p
+
 # Whisper's language codes -> the names OpenAI's verbose_json reports.
 LANGUAGE_NAMES = {
     "en": "english", "zh": "chinese", "de": "german", "es": "spanish", "ru": "russian", "ko": "korean",
@@ -40,7 +42,7 @@ def vtt(segments: list[dict]) -> str:
     return "WEBVTT\n\n" + "\n".join(blocks)
 
 
-def verbose(task: str, done: dict, text: str) -> dict:
+def verbose(task: str, done: p.Finish, text: str) -> dict:
     segments = [
         {
             "id": s["id"],
@@ -54,31 +56,31 @@ def verbose(task: str, done: dict, text: str) -> dict:
             "compression_ratio": s["compression_ratio"],
             "no_speech_prob": s["no_speech_prob"],
         }
-        for s in done["segments"]
+        for s in done.segments or ()
     ]
-    language = done.get("language") or "en"
-    words = {"words": done["words"]} if "words" in done else {}
+    language = done.language or "en"
+    words = {"words": done.words} if done.words is not None else {}
     return {
         "task": task,
         "language": "english" if task == "translate" else LANGUAGE_NAMES.get(language, language),
-        "duration": done["duration"],
+        "duration": done.duration,
         "text": text,
         "segments": segments,
         **words,
-        "usage": {"type": "duration", "seconds": math.ceil(done["duration"])},
+        "usage": {"type": "duration", "seconds": math.ceil(done.duration)},
     }
 
 
-def render(fmt: str, task: str, done: dict) -> tuple[str, str]:
+def render(fmt: str, task: str, done: p.Finish) -> tuple[str, str]:
     """(body, content type) of a finished transcription."""
-    text = "".join(s["text"] for s in done["segments"]).strip()
+    text = "".join(s["text"] for s in done.segments or ()).strip()
     if fmt == "text":
         return text + "\n", "text/plain"
     if fmt == "srt":
-        return srt(done["segments"]), "text/plain"
+        return srt(done.segments or []), "text/plain"
     if fmt == "vtt":
-        return vtt(done["segments"]), "text/vtt"
+        return vtt(done.segments or []), "text/vtt"
     if fmt == "verbose_json":
         return json.dumps(verbose(task, done, text), ensure_ascii=False), "application/json"
-    usage = {"type": "duration", "seconds": math.ceil(done["duration"])}
+    usage = {"type": "duration", "seconds": math.ceil(done.duration)}
     return json.dumps({"text": text, "usage": usage}, ensure_ascii=False), "application/json"

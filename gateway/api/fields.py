@@ -1,18 +1,21 @@
-"""The scalar fields of every generating API, declared once with their ranges and decoded in
-one pass by msgspec. Measured on a chat request's common fields (shared 2-core host, us per
-request): msgspec decode ~2, pydantic v2 with the same constraints ~8.5, the old
-field-by-field checks ~15; this module's whole path (decode, logit_bias ids, stop list)
-~8.
+"""The fields of every generating API, declared once with their ranges and decoded in one
+pass by msgspec: for Chat Completions and Completions the whole body (the fields whose
+shapes need their own messages, like `messages` and `tools`, are taken as sent and checked
+by the API's parse from the decoded struct, so each field is read once). Measured on a chat
+request's common fields (shared 2-core host, us per request): msgspec decode ~2, pydantic
+v2 with the same constraints ~8.5, the old field-by-field checks ~15; this module's whole
+path (decode, logit_bias ids, stop list) ~8.
 
-Each API's struct differs only in the names it gives max_tokens and stop and in its
-temperature range; every other field (the mlxgw extensions included) is the same
-everywhere. A failure is a 400 that names the field (`param`) in the called API's shape;
-NaN and Infinity fail every range."""
+Each API's struct differs only in the names it gives max_tokens and stop, in its
+temperature range and in its own fields; every other field (the mlxgw extensions included)
+is the same everywhere. A failure is a 400 that names the field (`param`) in the called
+API's shape, in the words of validate.py's checks; NaN and Infinity fail every range."""
 
 from __future__ import annotations
 
+import math
 import re
-from typing import Annotated, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 
@@ -65,42 +68,112 @@ class CommonFields(msgspec.Struct):
         return [stop] if isinstance(stop, str) else list(stop or [])
 
 
+MAX_CHOICES = 16  # n per request; each choice is a sequence in the batch
+Choices = Annotated[int, M(ge=1, le=MAX_CHOICES)]
+
+
 class ChatFields(CommonFields):
+    """A Chat Completions body, every field it reads."""
+
     MAX_TOKENS = ("max_completion_tokens", "max_tokens")
     max_completion_tokens: Tokens | None = None
     max_tokens: Tokens | None = None
     stop: Stop = None
+    n: Choices | None = None
+    best_of: Annotated[int, M(ge=1, le=INT32_MAX)] | None = None  # taken only where it ranks nothing
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, M(ge=0, le=20)] | None = None
+    stream_options: dict | None = None
+    chat_template_kwargs: dict | None = None
+    response_format: dict | None = None
+    tools: list | None = None
+    # As sent: their checks give messages a user can act on (openai_chat.parse).
+    messages: Any = None
+    tool_choice: Any = None
 
 
 class CompletionFields(CommonFields):
+    """A (legacy) Completions body, every field it reads."""
+
     MAX_TOKENS = ("max_tokens",)
     max_tokens: Tokens | None = None
     stop: Stop = None
+    n: Choices | None = None
+    best_of: Choices | None = None
+    logprobs: Annotated[int, M(ge=0, le=5)] | None = None  # OpenAI's limit for this API
+    echo: bool | None = None
+    stream_options: dict | None = None
+    prompt: Any = None  # a string or token ids, one or a list of one (openai_completions._prompt)
+    suffix: Any = None
 
 
 class AnthropicFields(CommonFields):
+    """An Anthropic Messages body: the fields it reads at its top level (messages and system
+    are converted by anthropic_input.convert_messages, documents read before)."""
+
     MAX_TOKENS, STOP = ("max_tokens",), "stop_sequences"
     temperature: Annotated[float, M(ge=0, le=1)] | None = None  # Anthropic's range
     max_tokens: Tokens | None = None
     stop_sequences: Stop = None
+    # As sent: their checks give Anthropic's own messages (anthropic.parse).
+    tools: Any = None
+    tool_choice: Any = None
+    thinking: Any = None
+    output_config: Any = None
 
 
 class ResponsesFields(CommonFields):
+    """A Responses body, every field it reads."""
+
     MAX_TOKENS = ("max_output_tokens",)
     max_output_tokens: Tokens | None = None
     stop: Stop = None  # an mlxgw extension here
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    text: dict | None = None
+    include: list | None = None
+    top_logprobs: Annotated[int, M(ge=0, le=20)] | None = None
+    # As sent: their checks give messages a user can act on (responses.parse, responses_tools).
+    input: Any = None
+    tools: Any = None
+    tool_choice: Any = None
 
 
 def decode_fields(body: dict, kind: type[CommonFields]) -> CommonFields:
-    """The API's scalar fields, checked; unknown fields are ignored."""
+    """The API's fields, checked; unknown fields are ignored."""
     try:
         return msgspec.convert(body, kind)
     except msgspec.ValidationError as e:
-        # msgspec says "of length <= 1024"; users read "at most 1024 entries" faster.
-        message = re.sub(r"of length <= (\d+)", r"of at most \1 entries", str(e))
-        path = message.rpartition("`$.")[2]
-        param = path.split("[", 1)[0].split(".", 1)[0].rstrip("`") or None
-        raise invalid(f"invalid '{param}': {message}" if param else message, param) from None
+        raise _refusal(str(e), body) from None
+
+
+# msgspec's names of JSON types, as a user reads them
+_WHAT = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string"}
+_WHAT |= {"object": "an object", "array": "a list"}
+_TYPE = re.compile(r"^Expected `([\w |]+)`, got `(\w+)` - at `\$\.(\w+)`$")
+_BOUND = re.compile(r"^Expected `(int|float)` (<=|>=) (\S+) - at `\$\.(\w+)`$")
+
+
+def _refusal(message: str, body: dict):
+    """A 400 naming the field, in the words the field checks use everywhere ("'n' must be
+    at most 16, got 17"); msgspec's own words where the problem is nested."""
+    typed, bound = _TYPE.match(message), _BOUND.match(message)
+    wanted = [t for t in typed[1].split(" | ") if t != "null"] if typed else []
+    if wanted and all(t in _WHAT for t in wanted):
+        name = typed[3]
+        what = " or ".join(_WHAT[t] for t in wanted)
+        return invalid(f"'{name}' must be {what}, got {type(body.get(name)).__name__}", name)
+    if bound:
+        name, value = bound[4], body.get(bound[4])
+        if isinstance(value, float) and not math.isfinite(value):
+            return invalid(f"'{name}' must be a finite number, got {value}", name)
+        side = "at most" if bound[2] == "<=" else "at least"
+        return invalid(f"'{name}' must be {side} {bound[3]}, got {value}", name)
+    # msgspec says "of length <= 1024"; users read "at most 1024 entries" faster.
+    message = re.sub(r"of length <= (\d+)", r"of at most \1 entries", message)
+    path = message.rpartition("`$.")[2]
+    param = path.split("[", 1)[0].split(".", 1)[0].rstrip("`") or None
+    return invalid(f"invalid '{param}': {message}" if param else message, param)
 
 
 def logit_bias(fields: CommonFields) -> dict[int, float] | None:

@@ -12,9 +12,11 @@ import json
 
 from aiohttp import web
 
+from mlxgw.shared import protocol as p
 from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
 
 from ..generation import Generation, Outcome
+from ..lifecycle import SlotState
 from ..sse import NDJSONWriter
 from ..state import MANAGER
 from . import ollama_common as oc
@@ -135,7 +137,7 @@ async def _load_or_unload(request: web.Request, slot, keep_alive: float | None, 
                 "other keys' keep_alive is ignored",
                 param="keep_alive",
             )
-        if slot.process is not None and slot.state == "ready":
+        if slot.process is not None and slot.state is SlotState.READY:
             await manager.unload(slot, "keep_alive 0")
         reason = "unload"
     else:
@@ -238,8 +240,8 @@ class OllamaLines(Emitter):
     async def tool_call(self, call: dict) -> None:
         await self._line(_piece(self.shape, calls=[call]))
 
-    async def finished(self, event: dict) -> None:
-        last = {"done_reason": oc.done_reason(event.get("reason")), **oc.timings(self.gen, self.gen.usage)}
+    async def finished(self, event: p.Finish) -> None:
+        last = {"done_reason": oc.done_reason(event.reason), **oc.timings(self.gen, self.gen.usage)}
         await self.sse.data(
             {"model": self.gen.slot.name, "created_at": oc.created_at(), **_piece(self.shape), "done": True, **last}
         )

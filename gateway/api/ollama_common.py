@@ -12,10 +12,11 @@ from typing import Annotated
 
 from aiohttp import web
 
-from mlxgw.shared.config import CHAT_KINDS
+from mlxgw.shared.config import CHAT_KINDS, ModelKind
 from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
 
 from ..auth import resolve_model
+from ..lifecycle import SlotState
 from ..state import MANAGER
 from . import translate as t
 from . import validate as v
@@ -105,7 +106,7 @@ def think_kwargs(body: dict) -> dict | None:
     raise invalid('\'think\' must be true, false, "low", "medium" or "high"', "think")
 
 
-def resolve(request: web.Request, name: str, kinds: tuple[str, ...] = CHAT_KINDS):
+def resolve(request: web.Request, name: str, kinds: tuple[ModelKind, ...] = CHAT_KINDS):
     """The model slot; Ollama clients name models with a tag, so "name:latest" is "name"."""
     try:
         return resolve_model(request, name, kinds)
@@ -115,7 +116,7 @@ def resolve(request: web.Request, name: str, kinds: tuple[str, ...] = CHAT_KINDS
         return resolve_model(request, name.removesuffix(":latest"), kinds)
 
 
-async def open_request(request: web.Request, kinds: tuple[str, ...] = CHAT_KINDS) -> tuple[dict, object]:
+async def open_request(request: web.Request, kinds: tuple[ModelKind, ...] = CHAT_KINDS) -> tuple[dict, object]:
     body = v.require_object(await read_json(request))
     name = v.string(body, "model") or v.string(body, "name")  # "name": Ollama's older spelling
     if not name:
@@ -183,5 +184,5 @@ async def unload_when_idle(manager, slot) -> None:
     deadline = time.monotonic() + UNLOAD_WAIT_S
     while manager.in_flight(slot) and time.monotonic() < deadline:
         await asyncio.sleep(0.1)
-    if manager.in_flight(slot) == 0 and slot.process is not None and slot.state == "ready":
+    if manager.in_flight(slot) == 0 and slot.process is not None and slot.state is SlotState.READY:
         await manager.unload(slot, "keep_alive 0")

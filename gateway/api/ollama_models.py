@@ -16,6 +16,7 @@ from pathlib import Path
 from aiohttp import web
 
 from mlxgw.shared import protocol as p
+from mlxgw.shared.config import CHAT_KINDS, ENCODER_KINDS, ModelKind
 from mlxgw.shared.errors import invalid
 
 from ..auth import may_use
@@ -108,18 +109,18 @@ async def ps(request: web.Request) -> web.Response:
 
 def _capabilities(slot) -> list[str]:
     e = slot.entry
-    if e.kind in ("embedding", "rerank"):
+    if e.kind in ENCODER_KINDS:
         return ["embedding"]
     caps = ["completion"]
     caps += ["tools"] if e.tool_parser else []
-    caps += ["vision"] if e.kind == "vision" else []
+    caps += ["vision"] if e.kind == ModelKind.VISION else []
     caps += ["thinking"] if e.reasoning_parser else []
     return caps
 
 
 @routes.post("/api/show")
 async def show(request: web.Request) -> web.Response:
-    body, slot = await oc.open_request(request, kinds=("chat", "vision", "embedding", "rerank"))
+    body, slot = await oc.open_request(request, kinds=(*CHAT_KINDS, *ENCODER_KINDS))
     path = _model_dir(request, slot)
     config = _read_json(path / "config.json")
     template = _read_json(path / "tokenizer_config.json").get("chat_template")
@@ -168,7 +169,7 @@ async def _embed(request: web.Request, slot, body: dict, inputs: list[str]) -> t
     )
     async with t.generation(request, slot, req) as gen:
         done = await gen.finish_event()
-    blob, dim = done["vectors"], int(done["dim"])
+    blob, dim = done.vectors, int(done.dim)
     row = dim * 4
     vectors = [array.array("f", blob[i * row : (i + 1) * row]).tolist() for i in range(len(inputs))]
     return vectors, oc.timings(gen, gen.usage)
@@ -176,7 +177,7 @@ async def _embed(request: web.Request, slot, body: dict, inputs: list[str]) -> t
 
 @routes.post("/api/embed")
 async def embed(request: web.Request) -> web.Response:
-    body, slot = await oc.open_request(request, kinds=("embedding",))
+    body, slot = await oc.open_request(request, kinds=(ModelKind.EMBEDDING,))
     keep_alive = oc.parse_duration(body.get("keep_alive"))
     inputs = _inputs(body.get("input"), "input")
     try:
@@ -190,7 +191,7 @@ async def embed(request: web.Request) -> web.Response:
 @routes.post("/api/embeddings")
 async def embeddings(request: web.Request) -> web.Response:
     """The older single-prompt form: {"model", "prompt"} -> {"embedding": [...]}."""
-    body, slot = await oc.open_request(request, kinds=("embedding",))
+    body, slot = await oc.open_request(request, kinds=(ModelKind.EMBEDDING,))
     keep_alive = oc.parse_duration(body.get("keep_alive"))
     inputs = _inputs(body.get("prompt"), "prompt")
     try:

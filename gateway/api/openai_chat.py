@@ -14,8 +14,7 @@ from ..mcp import loop as mcp
 from ..mcp.shapes import chat_hooks
 from . import openai_common as oc
 from . import translate as t
-from . import validate as v
-from .fields import ChatFields
+from .fields import ChatFields, decode_fields
 from .images import ImageLimits, from_openai_part, join_content
 
 routes = web.RouteTableDef()
@@ -112,41 +111,48 @@ def output_format_constraint(fmt: dict | None, name: str, schema_where: str, par
     raise invalid(f"{name} type {fmt['type']!r} is not supported (text, json_object, json_schema)", param)
 
 
-def _tools(body: dict) -> list | None:
-    tools = body.get("tools")
-    if tools is not None and not isinstance(tools, list):
-        raise invalid("'tools' must be a list", "tools")
-    return None if body.get("tool_choice") == "none" else tools
-
-
-def parse(body: dict, images: ImageLimits | None) -> t.ParsedRequest:
-    fmt = v.mapping(body, "response_format")
+def _response_format(fmt: dict | None) -> dict | None:
     if fmt and fmt.get("type") == "json_schema":  # Chat nests the schema one level deeper
         spec = fmt.get("json_schema")
-        fmt = {"type": "json_schema", "schema": spec.get("schema") if isinstance(spec, dict) else None}
-    tools = _tools(body)
+        return {"type": "json_schema", "schema": spec.get("schema") if isinstance(spec, dict) else None}
+    return fmt
+
+
+def parse(body: dict, images: ImageLimits | None) -> tuple[t.ParsedRequest, bool]:
+    """The request, and whether a stream ends with a usage chunk. One pass: the body is
+    decoded once (fields.ChatFields: every field's type and range), then each field that
+    needs more than that is checked once, from the decoded struct."""
+    f = decode_fields(body, ChatFields)
+    if f.messages is None:
+        raise invalid("missing required parameter: 'messages'", "messages")
+    tools = None if f.tool_choice == "none" else f.tools
     constraint = t.one_constraint(
-        output_format_constraint(fmt, "response_format", "response_format.json_schema.schema", "response_format"),
-        tool_choice_constraint(body.get("tool_choice"), tools),
+        output_format_constraint(
+            _response_format(f.response_format),
+            "response_format",
+            "response_format.json_schema.schema",
+            "response_format",
+        ),
+        tool_choice_constraint(f.tool_choice, tools),
         "response_format and a forced tool_choice",
     )
-    return t.ParsedRequest(
-        messages=parse_messages(v.required(body, "messages"), images),
+    parsed = t.ParsedRequest(
+        messages=parse_messages(f.messages, images),
         tools=tools,
         constraint=constraint,
-        chat_template_kwargs=v.mapping(body, "chat_template_kwargs"),
-        n=oc.choices_count(body),
-        logprobs=oc.chat_logprobs(body),
-        **t.parse_common(body, ChatFields),
+        chat_template_kwargs=f.chat_template_kwargs,
+        n=oc.choices_count(f.n, f.best_of),
+        logprobs=oc.chat_logprobs(f.logprobs, f.top_logprobs),
+        **t.common_fields(f),
     )
+    return parsed, oc.include_usage(f.stream_options, f.stream)
 
 
 @routes.post("/v1/chat/completions")
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     body, slot = await t.open_request(request)
     body, mcp_loop = mcp.from_request(request, slot, body)  # MCP tools run by the gateway (gateway/mcp/)
-    parsed = parse(body, t.image_limits(request, slot))
-    usage = oc.include_usage(body)
+    parsed, usage = parse(body, t.image_limits(request, slot))
     if mcp_loop is not None:
         emitter = lambda sse, gen: ChatChunks(sse, gen, usage)  # noqa: E731
         return await mcp_drive.respond(request, slot, parsed, mcp_loop, chat_hooks(), emitter, _render)

@@ -13,7 +13,6 @@ from mlxgw.shared.errors import ServiceError, invalid
 
 from ..generation import Generation, Outcome
 from ..sse import SSEWriter
-from . import validate as v
 from .errors import openai_error_body
 from .stream import Emitter
 
@@ -26,19 +25,16 @@ def now() -> int:
     return int(time.time())
 
 
-def include_usage(body: dict) -> bool:
-    opts = v.mapping(body, "stream_options") or {}
-    return bool(opts.get("include_usage")) and v.boolean(body, "stream")
+def include_usage(stream_options: dict | None, stream: bool | None) -> bool:
+    """A final usage chunk (stream_options.include_usage), for a stream only."""
+    return bool((stream_options or {}).get("include_usage")) and bool(stream)
 
 
-MAX_CHOICES = 16  # n per request; each choice is a sequence in the batch
-
-
-def choices_count(body: dict) -> int:
-    """n (1-16), for Chat Completions: it has no best_of, which is taken only where it ranks
-    nothing (1 or n). Completions ranks best_of candidates (openai_completions._choices)."""
-    n = v.integer(body, "n", lo=1, hi=MAX_CHOICES, default=1)
-    best_of = v.integer(body, "best_of", lo=1)
+def choices_count(n: int | None, best_of: int | None) -> int:
+    """n (1-16, ranges checked by fields.ChatFields), for Chat Completions: it has no
+    best_of, which is taken only where it ranks nothing (1 or n). Completions ranks best_of
+    candidates (openai_completions._choices)."""
+    n = n or 1
     if best_of not in (None, 1, n):
         raise invalid(
             f"best_of > n is not supported (choices are not ranked); send best_of={n} or leave it out", "best_of"
@@ -46,10 +42,8 @@ def choices_count(body: dict) -> int:
     return n
 
 
-def chat_logprobs(body: dict) -> int | None:
+def chat_logprobs(wanted: bool | None, top: int | None) -> int | None:
     """Chat's logprobs (bool) and top_logprobs (0-20): alternatives per token, or None."""
-    wanted = v.boolean(body, "logprobs")
-    top = v.integer(body, "top_logprobs", lo=0, hi=20)
     if top and not wanted:  # top_logprobs: 0 alone is harmless (some clients always send it)
         raise invalid("top_logprobs requires logprobs to be true", "top_logprobs")
     return (top or 0) if wanted else None
@@ -122,8 +116,8 @@ class OpenAIChunks(Emitter):
     def finish_choice(self, reason: str | None) -> dict:
         raise NotImplementedError
 
-    async def finished(self, event: dict) -> None:
-        for end in event.get("choices") or [{"index": 0, "reason": event.get("reason", "stop")}]:
+    async def finished(self, event: p.Finish) -> None:
+        for end in event.ends():
             self.choice = end["index"]
             await self.sse.data(self.chunk(self.finish_choice(end["reason"])))
         if self.include_usage:

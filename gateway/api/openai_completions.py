@@ -8,18 +8,17 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from mlxgw.shared import protocol as p
 from mlxgw.shared.errors import invalid
 
 from ..generation import Generation, Outcome
 from . import openai_common as oc
 from . import translate as t
-from . import validate as v
-from .fields import CompletionFields
+from .fields import CompletionFields, decode_fields
 
 routes = web.RouteTableDef()
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this API
-MAX_LOGPROBS = 5  # OpenAI's limit for this API
 
 
 def legacy_logprobs(entries: list[dict], offset: int = 0) -> dict:
@@ -55,11 +54,13 @@ class Options:
     logprobs: int | None = None  # as the client asked (best_of asks the worker for them anyway)
     n: int = 1
     best_of: int = 1
+    include_usage: bool = False  # a stream ends with a usage chunk
 
 
-def _prompt(body: dict) -> tuple[str | None, list[int] | None]:
+def _prompt(prompt: object) -> tuple[str | None, list[int] | None]:
     """A string, a one-element list of strings, a token list, or a one-element list of those."""
-    prompt = v.required(body, "prompt")
+    if prompt is None:
+        raise invalid("missing required parameter: 'prompt'", "prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if isinstance(prompt, str):
@@ -71,27 +72,29 @@ def _prompt(body: dict) -> tuple[str | None, list[int] | None]:
     raise invalid("'prompt' must be a string or a list of token ids", "prompt")
 
 
-def _choices(body: dict) -> tuple[int, int]:
-    """n and best_of (n <= best_of <= 16): best_of candidates are generated, the n with the
-    highest logprob per token returned. OpenAI cannot stream that, nor can this."""
-    n = v.integer(body, "n", lo=1, hi=oc.MAX_CHOICES, default=1)
-    best_of = v.integer(body, "best_of", lo=1, hi=oc.MAX_CHOICES)
-    best_of = n if best_of is None else best_of
+def _choices(f: CompletionFields) -> tuple[int, int]:
+    """n and best_of (n <= best_of <= 16, ranges checked by fields.CompletionFields):
+    best_of candidates are generated, the n with the highest logprob per token returned.
+    OpenAI cannot stream that, nor can this."""
+    n = f.n or 1
+    best_of = n if f.best_of is None else f.best_of
     if best_of < n:
         raise invalid(f"best_of ({best_of}) must be at least n ({n})", "best_of")
-    if best_of > n and v.boolean(body, "stream"):
+    if best_of > n and f.stream:
         raise invalid("best_of > n cannot be streamed (the best are known only at the end)", "best_of")
     return n, best_of
 
 
 def parse(body: dict) -> tuple[t.ParsedRequest, Options]:
-    """The parsed request (what the worker generates), and what this API does around it."""
-    text, tokens = _prompt(body)
-    n, best_of = _choices(body)
-    logprobs = v.integer(body, "logprobs", lo=0, hi=MAX_LOGPROBS)
-    if body.get("suffix"):
+    """The parsed request (what the worker generates), and what this API does around it.
+    One pass: the body decoded once (fields.CompletionFields), then the checks across fields."""
+    f = decode_fields(body, CompletionFields)
+    text, tokens = _prompt(f.prompt)
+    n, best_of = _choices(f)
+    logprobs = f.logprobs
+    if f.suffix:
         raise invalid("suffix (fill-in-the-middle) is not supported", "suffix")
-    echo = v.boolean(body, "echo")
+    echo = bool(f.echo)
     if echo and text is None:
         raise invalid("echo needs a text prompt", "echo")
     parsed = t.ParsedRequest(
@@ -102,9 +105,10 @@ def parse(body: dict) -> tuple[t.ParsedRequest, Options]:
         # Ranking best_of candidates needs their token logprobs, asked or not.
         logprobs=logprobs if logprobs is not None or best_of == n else 0,
         prompt_logprobs=logprobs if echo else None,
-        **t.parse_common(body, CompletionFields),
+        **t.common_fields(f),
     )
-    return parsed, Options(text if echo else "", logprobs, n, best_of)
+    usage = oc.include_usage(f.stream_options, f.stream)
+    return parsed, Options(text if echo else "", logprobs, n, best_of, usage)
 
 
 def mean_logprob(o: Outcome) -> float:
@@ -128,7 +132,7 @@ def best_choices(out: Outcome, n: int) -> Outcome:
 async def completions(request: web.Request) -> web.StreamResponse:
     body, slot = await t.open_request(request)
     parsed, opts = parse(body)
-    usage = oc.include_usage(body)
+    usage = opts.include_usage
 
     def render(gen: Generation, out: Outcome) -> dict:
         if opts.best_of > opts.n:
@@ -197,6 +201,6 @@ class CompletionChunks(oc.OpenAIChunks):
         await self._echo_with_logprobs()
         await self.sse.data(self.chunk({"text": text, "finish_reason": None}))
 
-    async def finished(self, event: dict) -> None:
+    async def finished(self, event: p.Finish) -> None:
         await self._echo_with_logprobs()
         await super().finished(event)

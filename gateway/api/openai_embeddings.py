@@ -12,6 +12,7 @@ import base64
 from aiohttp import web
 
 from mlxgw.shared import protocol as p
+from mlxgw.shared.config import ModelKind
 from mlxgw.shared.errors import invalid
 
 from ..state import SETTINGS
@@ -49,7 +50,7 @@ def parse_inputs(body: dict) -> list:
 
 @routes.post("/v1/embeddings")
 async def embeddings(request: web.Request) -> web.Response:
-    body, slot = await t.open_request(request, ("embedding",))
+    body, slot = await t.open_request(request, (ModelKind.EMBEDDING,))
     inputs = parse_inputs(body)
     fmt = v.string(body, "encoding_format", default="float")
     if fmt not in ("float", "base64"):
@@ -63,7 +64,7 @@ async def embeddings(request: web.Request) -> web.Response:
     )
     async with t.generation(request, slot, req) as gen:
         done = await gen.finish_event()
-    blob, dim = done["vectors"], int(done["dim"])
+    blob, dim = done.vectors, int(done.dim)
     row = dim * 4
     data = []
     for i in range(len(inputs)):

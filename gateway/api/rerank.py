@@ -52,7 +52,7 @@ async def rerank(request: web.Request) -> web.Response:
     )
     async with t.generation(request, slot, req) as gen:
         done = await gen.finish_event()
-    ranked = sorted(enumerate(done["scores"]), key=lambda x: -x[1])[:top_n]
+    ranked = sorted(enumerate(done.scores), key=lambda x: -x[1])[:top_n]
     results = []
     for index, score in ranked:
         item = {"index": index, "relevance_score": score}

@@ -21,9 +21,8 @@ from ..mcp import drive as mcp_drive
 from ..mcp import loop as mcp
 from ..mcp.shapes import responses_hooks
 from . import translate as t
-from . import validate as v
 from .content import ContentPolicy, b64decode, data_url, read_pdfs, text_file, titled
-from .fields import ResponsesFields
+from .fields import ResponsesFields, decode_fields
 from .images import from_openai_part, join_content
 from .openai_chat import output_format_constraint, template_arguments, tool_choice_constraint
 from .responses_output import STORE, ResponseEvents, render
@@ -146,11 +145,11 @@ def _tool_choice(choice, tools: ResponsesTools):
     return {"type": "function", "function": {"name": name}}
 
 
-def _constraint(body: dict, tools: ResponsesTools | None) -> dict | None:
-    fmt = (v.mapping(body, "text") or {}).get("format")
+def _constraint(f: ResponsesFields, tools: ResponsesTools | None) -> dict | None:
+    fmt = (f.text or {}).get("format")
     if fmt is not None and not isinstance(fmt, dict):
         raise invalid('text.format must be an object such as {"type": "json_schema", ...}', "text")
-    choice = _tool_choice(body.get("tool_choice"), tools or ResponsesTools())
+    choice = _tool_choice(f.tool_choice, tools or ResponsesTools())
     return t.one_constraint(
         output_format_constraint(fmt, "text.format", "text.format.schema", "text"),
         tool_choice_constraint(choice, tools.for_constraint() if tools else None),
@@ -161,26 +160,33 @@ def _constraint(body: dict, tools: ResponsesTools | None) -> dict | None:
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
 
-def _logprobs(body: dict) -> int | None:
+def _logprobs(f: ResponsesFields) -> int | None:
     """include: ["message.output_text.logprobs"] (or top_logprobs) asks for logprobs."""
-    include = body.get("include") or []
-    if not isinstance(include, list):
-        raise invalid("'include' must be a list", "include")
-    top = v.integer(body, "top_logprobs", lo=0, hi=20)
+    include, top = f.include or [], f.top_logprobs
     return (top or 0) if LOGPROBS_INCLUDE in include or top is not None else None
 
 
-def parse(body: dict, history: list[dict], policy: ContentPolicy, tools: ResponsesTools) -> t.ParsedRequest:
-    messages = history + items_to_messages(v.required(body, "input"), policy)
-    instructions = v.string(body, "instructions")
-    offered = None if body.get("tool_choice") == "none" or not tools.tools else tools
+def parse(
+    body: dict,
+    history: list[dict],
+    policy: ContentPolicy,
+    tools: ResponsesTools,
+    f: ResponsesFields | None = None,
+) -> t.ParsedRequest:
+    """The request, in one pass over `f`: the body decoded once (fields.ResponsesFields; the
+    handler decodes it first, for the fields it reads before), then each field checked once."""
+    f = f or decode_fields(body, ResponsesFields)
+    if f.input is None:
+        raise invalid("missing required parameter: 'input'", "input")
+    messages = history + items_to_messages(f.input, policy)
+    offered = None if f.tool_choice == "none" or not tools.tools else tools
     return t.ParsedRequest(
-        messages=([{"role": "system", "content": instructions}] if instructions else []) + messages,
+        messages=([{"role": "system", "content": f.instructions}] if f.instructions else []) + messages,
         tools=offered.tools if offered else None,
-        constraint=_constraint(body, offered),
+        constraint=_constraint(f, offered),
         omitted=policy.omitted,
-        logprobs=_logprobs(body),
-        **t.parse_common(body, ResponsesFields),
+        logprobs=_logprobs(f),
+        **t.common_fields(f),
     )
 
 
@@ -190,17 +196,18 @@ async def responses(request: web.Request) -> web.StreamResponse:
     sent = body  # the body as sent: echoed in the response object, MCP tools included
     body, mcp_loop = mcp.from_request(request, slot, body)  # MCP tools run by the gateway (gateway/mcp/)
     history: list[dict] = []
-    previous = v.string(body, "previous_response_id")
+    f = decode_fields(body, ResponsesFields)
+    previous = f.previous_response_id
     if previous:
         if previous not in request.app[STORE]:
             raise invalid(f"Previous response with id '{previous}' not found.", "previous_response_id")
         history = list(request.app[STORE][previous])
     policy = ContentPolicy(t.image_limits(request, slot))
-    await read_pdfs(_pdf_parts(body.get("input")), policy, "input")
-    tools = parse_tools(body.get("tools"), body.get("input"))
-    parsed = parse(body, history, policy, tools)
+    await read_pdfs(_pdf_parts(f.input), policy, "input")
+    tools = parse_tools(f.tools, f.input)
+    parsed = parse(body, history, policy, tools, f)
     # The stored history keeps the images (a follow-up turn sends them again), not the instructions.
-    stored = parsed.messages[1:] if v.string(body, "instructions") else parsed.messages
+    stored = parsed.messages[1:] if f.instructions else parsed.messages
     headers = {"x-mlxgw-ignored-tools": ",".join(tools.ignored)} if tools.ignored else {}
     emitter = lambda sse, gen: ResponseEvents(sse, gen, request, sent, stored, tools.custom)  # noqa: E731
     renderer = lambda gen, out: render(request, sent, gen, out, stored, tools.custom)  # noqa: E731

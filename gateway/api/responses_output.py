@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from mlxgw.shared import protocol as p
 from mlxgw.shared.errors import ServiceError
 
 from ..generation import Generation, Outcome
@@ -250,12 +251,12 @@ class ResponseEvents(Emitter):
         item.update({field: value, "status": "completed"})
         await self.emit("response.output_item.done", output_index=idx, item=item)
 
-    async def finished(self, event: dict) -> None:
+    async def finished(self, event: p.Finish) -> None:
         if not self.builder.output:
             await self.text("")
         await self._close_reasoning()
         await self._close_message()
-        final = self.builder.finish(event.get("reason", "stop"), "".join(self.texts), self.calls)
+        final = self.builder.finish(event.reason, "".join(self.texts), self.calls)
         await self.emit(f"response.{final['status']}", response=final)
 
     def error_body(self, err: ServiceError) -> dict:

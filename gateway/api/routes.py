@@ -20,6 +20,8 @@ from enum import Enum
 
 from aiohttp import web
 
+from mlxgw.shared.config import ModelKind
+
 
 class Family(str, Enum):
     """The error shape of an API (gateway/api/errors.py renders each)."""
@@ -48,7 +50,7 @@ class Route:
     capped: bool = True  # under the concurrent-request ceiling (429 past it)
     metered: bool = True  # counts against its key's rate and concurrency limits
     usage: str | None = None  # its API's name in the usage ledger; None: not recorded there
-    serves_kinds: tuple[str, ...] = ()  # model kinds this is *the* route for (named in errors)
+    serves_kinds: tuple[ModelKind, ...] = ()  # model kinds this is *the* route for (named in errors)
 
 
 # Control routes: a key at its concurrency cap must still be able to see models, cancel its
@@ -59,17 +61,17 @@ _ANTHROPIC = Family.ANTHROPIC
 
 ROUTES: tuple[Route, ...] = (
     # generation and encoders: usage rows, capped, metered
-    Route(("POST",), "/v1/chat/completions", usage="chat", serves_kinds=("chat", "vision")),
+    Route(("POST",), "/v1/chat/completions", usage="chat", serves_kinds=(ModelKind.CHAT, ModelKind.VISION)),
     Route(("POST",), "/v1/completions", usage="completions"),
     Route(("POST",), "/v1/responses", usage="responses"),
     Route(("POST",), "/v1/messages", _ANTHROPIC, usage="messages"),
     Route(("POST",), "/v1/messages/count_tokens", _ANTHROPIC, usage="count_tokens"),
-    Route(("POST",), "/v1/embeddings", usage="embeddings", serves_kinds=("embedding",)),
-    Route(("POST",), "/v1/rerank", usage="rerank", serves_kinds=("rerank",)),
+    Route(("POST",), "/v1/embeddings", usage="embeddings", serves_kinds=(ModelKind.EMBEDDING,)),
+    Route(("POST",), "/v1/rerank", usage="rerank", serves_kinds=(ModelKind.RERANK,)),
     Route(("POST",), "/v2/rerank", usage="/v2/rerank"),
-    Route(("POST",), "/v1/audio/transcriptions", usage="/v1/audio/transcriptions", serves_kinds=("audio",)),
+    Route(("POST",), "/v1/audio/transcriptions", usage="/v1/audio/transcriptions", serves_kinds=(ModelKind.AUDIO,)),
     Route(("POST",), "/v1/audio/translations", usage="/v1/audio/translations"),
-    Route(("POST",), "/v1/audio/speech", usage="/v1/audio/speech", serves_kinds=("speech",)),
+    Route(("POST",), "/v1/audio/speech", usage="/v1/audio/speech", serves_kinds=(ModelKind.SPEECH,)),
     Route(("POST",), "/tokenize", usage="/tokenize"),
     Route(("POST",), "/detokenize", usage="/detokenize"),
     # the Ollama API
@@ -122,7 +124,7 @@ ROUTES: tuple[Route, ...] = (
 _FAMILY_PREFIXES = (("/api/", Family.OLLAMA), ("/v1/messages", Family.ANTHROPIC))
 
 _BY_METHOD_PATH: dict[tuple[str, str], Route] = {(m, r.path): r for r in ROUTES for m in r.methods}
-ROUTE_FOR_KIND: dict[str, str] = {kind: r.path for r in ROUTES for kind in r.serves_kinds}
+ROUTE_FOR_KIND: dict[ModelKind, str] = {kind: r.path for r in ROUTES for kind in r.serves_kinds}
 _REQUEST_KEY = "route_policy"
 
 

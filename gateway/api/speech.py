@@ -13,6 +13,7 @@ import numpy as np
 from aiohttp import web
 
 from mlxgw.shared import protocol as p
+from mlxgw.shared.config import ModelKind
 from mlxgw.shared.errors import invalid
 
 from ..auth import resolve_model
@@ -59,7 +60,7 @@ def encode(pcm: bytes, rate: int, fmt: str) -> bytes:
 async def create_speech(request: web.Request) -> web.Response:
     body = v.require_object(await read_json(request))
     model = v.string(body, "model", required_=True)
-    slot = resolve_model(request, model, ("speech",))
+    slot = resolve_model(request, model, (ModelKind.SPEECH,))
     text = v.string(body, "input", required_=True)
     if not text.strip():
         raise invalid("'input' must not be empty", "input")
@@ -77,5 +78,5 @@ async def create_speech(request: web.Request) -> web.Response:
     )
     async with generation(request, slot, req) as gen:
         done = await gen.finish_event()
-    audio = await THREAD_POOLS["speech"].run(encode, done["audio"], int(done["sample_rate"]), fmt)
+    audio = await THREAD_POOLS["speech"].run(encode, done.audio, int(done.sample_rate), fmt)
     return web.Response(body=audio, content_type=FORMATS[fmt][3])

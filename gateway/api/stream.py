@@ -53,7 +53,7 @@ class Emitter:
     async def logprobs(self, entries: list[dict]) -> None:
         pass
 
-    async def finished(self, event: dict) -> None:
+    async def finished(self, event: p.Finish) -> None:
         pass
 
     async def idle(self) -> None:
@@ -86,20 +86,20 @@ async def run_stream(
             gen.before_wait = sse.release
             finished = False
             async for ev in gen.content(on_idle=out.idle):
-                out.choice = ev.get("index") or 0
-                entries = ev.get("logprobs")
-                if ev.get("reasoning"):
-                    await out.reasoning(ev["reasoning"])
-                if ev.get("text") and entries:
-                    await out.text_with_logprobs(ev["text"], entries)
+                out.choice = ev.index or 0
+                entries = ev.logprobs
+                if ev.reasoning:
+                    await out.reasoning(ev.reasoning)
+                if ev.text and entries:
+                    await out.text_with_logprobs(ev.text, entries)
                     entries = None
-                elif ev.get("text"):
-                    await out.text(ev["text"])
-                for call in ev.get("tool_calls") or []:
+                elif ev.text:
+                    await out.text(ev.text)
+                for call in ev.tool_calls or ():
                     await out.tool_call(call)
                 if entries:
                     await out.logprobs(entries)
-                if ev["e"] == p.EV_FINISH:
+                if type(ev) is p.Finish:
                     finished = True
                     await out.finished(ev)
             if not finished:

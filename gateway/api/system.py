@@ -8,7 +8,7 @@ from datetime import datetime, timezone
 
 from aiohttp import web
 
-from mlxgw.shared.config import CHAT_KINDS
+from mlxgw.shared.config import CHAT_KINDS, KINDS, ModelKind
 from mlxgw.shared.errors import ErrorCode, ServiceError, redact_paths
 
 from ..auth import may_use, presented_key
@@ -74,9 +74,10 @@ async def list_models(request: web.Request) -> web.Response:
     slots = [s for s in request.app[MANAGER].slots.values() if may_use(request, s)]
     # ?kind=chat (or embedding, rerank, audio, speech, vision): for a UI that lists only the
     # models it can use (Open WebUI offers every listed model as a chat model).
-    kinds = {k for k in request.query.get("kind", "").split(",") if k}
-    if kinds:
-        wanted = kinds | (set(CHAT_KINDS) if "chat" in kinds else set())
+    asked = [k for k in request.query.get("kind", "").split(",") if k]
+    if asked:  # a kind this version does not know lists nothing
+        kinds = {ModelKind(k) for k in asked if k in KINDS}
+        wanted = kinds | (set(CHAT_KINDS) if ModelKind.CHAT in kinds else set())
         slots = [s for s in slots if s.entry.kind in wanted]
     data = [_model(request, s, anthropic) for s in slots]
     if anthropic:
@@ -84,7 +85,7 @@ async def list_models(request: web.Request) -> web.Response:
         return web.json_response({"data": data, "has_more": False, "first_id": first, "last_id": last})
     key = request.get("key")
     operator = key is None or key.admin  # unservable folders are the operator's to see
-    unservable = _unservable(request.app[MANAGER]) if operator and not kinds else []
+    unservable = _unservable(request.app[MANAGER]) if operator and not asked else []
     return web.json_response({"object": "list", "data": data + unservable})
 
 

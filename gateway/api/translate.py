@@ -17,7 +17,7 @@ from pathlib import Path
 from aiohttp import web
 
 from mlxgw.shared import protocol as p
-from mlxgw.shared.config import CHAT_KINDS
+from mlxgw.shared.config import CHAT_KINDS, ModelKind
 from mlxgw.shared.errors import invalid
 
 from ..auth import reserve_tokens, resolve_model
@@ -72,7 +72,11 @@ class ParsedRequest:
 def parse_common(body: dict, kind: type[CommonFields]) -> dict:
     """The ParsedRequest fields every generating API reads the same way (mlxgw extensions
     included: seed, min_p, penalties, logit_bias, priority, stream_interval), decoded once."""
-    f = decode_fields(body, kind)
+    return common_fields(decode_fields(body, kind))
+
+
+def common_fields(f: CommonFields) -> dict:
+    """The ParsedRequest fields of an API's decoded struct that every API reads the same way."""
     return dict(
         sampling=f,
         stream=bool(f.stream),
@@ -190,10 +194,10 @@ def _max_new_tokens(path: Path, stamp: int) -> int | None:
 
 def image_limits(request: web.Request, slot) -> ImageLimits | None:
     """The image limits when the model takes images, else None."""
-    return request.app[SETTINGS].images if slot.entry.kind == "vision" else None
+    return request.app[SETTINGS].images if slot.entry.kind == ModelKind.VISION else None
 
 
-async def open_request(request: web.Request, kinds: tuple[str, ...] = CHAT_KINDS) -> tuple[dict, object]:
+async def open_request(request: web.Request, kinds: tuple[ModelKind, ...] = CHAT_KINDS) -> tuple[dict, object]:
     """The handler preamble of every API: the JSON body and the model slot it names."""
     body = v.require_object(await read_json(request))
     model = v.string(body, "model", required_=True)

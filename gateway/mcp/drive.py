@@ -93,7 +93,7 @@ class _Turn:
     mcp_calls: list[dict] = field(default_factory=list)
     client_calls: int = 0
     texts: list[str] = field(default_factory=list)
-    finish: dict | None = None
+    finish: p.Finish | None = None
 
 
 class _McpStream:
@@ -155,14 +155,14 @@ class _McpStream:
             out.builder.gen = gen
         return out
 
-    async def _show(self, ev: dict, turn: _Turn, offering: bool) -> None:
+    async def _show(self, ev: p.Delta | p.Finish, turn: _Turn, offering: bool) -> None:
         out = self.out
-        if ev.get("reasoning"):
-            await out.reasoning(ev["reasoning"])
-        if ev.get("text"):
-            turn.texts.append(ev["text"])
-            await out.text(ev["text"])
-        for call in ev.get("tool_calls") or []:
+        if ev.reasoning:
+            await out.reasoning(ev.reasoning)
+        if ev.text:
+            turn.texts.append(ev.text)
+            await out.text(ev.text)
+        for call in ev.tool_calls or ():
             call = {**call, "index": call.get("index", 0) + self.shown, "id": call.get("id") or new_call_id()}
             if offering and self.loop.is_mcp(call):
                 turn.mcp_calls.append(call)
@@ -170,5 +170,5 @@ class _McpStream:
             else:
                 turn.client_calls += 1
                 await out.tool_call(call)
-        if ev["e"] == p.EV_FINISH:
+        if type(ev) is p.Finish:
             turn.finish = ev

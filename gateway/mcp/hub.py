@@ -11,7 +11,7 @@ from aiohttp import web
 from mlxgw.shared.errors import ErrorCode, ServiceError
 from mlxgw.shared.mcp_config import McpConfig
 
-from .server import McpServer, ToolResult
+from .server import McpServer, McpState, ToolResult
 
 
 class McpHub:
@@ -30,7 +30,7 @@ class McpHub:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await asyncio.wait_for(task, 10)
         for s in self.servers.values():
-            s.state, s.session = "closed", None
+            s.state, s.session = McpState.CLOSED, None
 
     def server(self, label: str, param: str = "tools") -> McpServer:
         """The server a request names; an unknown label is the request's fault (400)."""

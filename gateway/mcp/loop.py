@@ -26,7 +26,7 @@ from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
 from ..api import translate as t
 from . import access
 from .hub import MCP
-from .server import McpServer
+from .server import McpServer, McpState
 
 
 @dataclass
@@ -103,9 +103,9 @@ class ToolLoop:
             if not specs and not access.may_use(request, server):
                 continue  # a model's default server this key may not use: the model serves without it
             access.check(request, server, label, "tools")
-            if server.state != "ready" and not specs:
+            if server.state is not McpState.READY and not specs:
                 continue  # a model's default server that is down: the model still serves without it
-            if server.state != "ready":
+            if server.state is not McpState.READY:
                 raise ServiceError(
                     ErrorCode.MODEL_UNAVAILABLE,
                     f"MCP server '{label}' is {server.state}: {server.last_error or 'not connected yet'}",

@@ -12,6 +12,7 @@ from ..api.body import read_json
 from ..state import KEYS
 from . import access
 from .hub import MCP
+from .server import McpState
 
 routes = web.RouteTableDef()
 
@@ -54,7 +55,7 @@ async def execute(request: web.Request) -> web.Response:
     if not isinstance(arguments, dict):
         raise invalid("'arguments' must be an object", "arguments")
     server = request.app[MCP].server(label, "server_label")
-    if server.state == "ready" and server.tool(name) is None:
+    if server.state is McpState.READY and server.tool(name) is None:
         raise invalid(f"tool '{name}' is not allowed on MCP server '{label}'", "name")
     result = await server.call(name, arguments)
     if result.status in FAILED:  # the status tells the truth; a tool's own error is still a 200

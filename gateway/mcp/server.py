@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from mlxgw.shared.errors import redact_paths
+from mlxgw.shared.events import WireEnum
 from mlxgw.shared.mcp_config import McpServerConfig
 
 from .stderr_log import throttled_stderr
@@ -22,6 +23,15 @@ log = logging.getLogger("mlxgw.mcp")
 BACKOFF_FIRST_S = 1.0
 BACKOFF_MAX_S = 30.0
 PING_EVERY_S = 5.0  # how soon a dead server is noticed
+
+
+class McpState(WireEnum):
+    """An MCP server link's state, as /v1/status and errors name it."""
+
+    CONNECTING = "connecting"
+    READY = "ready"
+    FAILED = "failed"
+    CLOSED = "closed"
 
 
 @dataclass
@@ -50,7 +60,7 @@ def _content_text(result) -> str:
 class McpServer:
     def __init__(self, cfg: McpServerConfig):
         self.cfg = cfg
-        self.state = "connecting"  # connecting | ready | failed | closed
+        self.state = McpState.CONNECTING
         self.last_error: str | None = None
         self.tools: list = []  # mcp.types.Tool, allow-listed
         self.session = None  # mcp.ClientSession while ready
@@ -113,7 +123,7 @@ class McpServer:
                 raise
             except BaseException as err:  # noqa: BLE001 - anyio raises exception groups
                 self.last_error = _describe(err)
-            self.session, self.tools, self.state = None, [], "failed"
+            self.session, self.tools, self.state = None, [], McpState.FAILED
             log.warning("MCP server %r unavailable (%s); retrying in %.0f s", self.label, self.last_error, backoff)
             await asyncio.sleep(backoff)
             backoff = BACKOFF_FIRST_S if self.connected_at and time.time() - self.connected_at > 60 else backoff
@@ -122,13 +132,13 @@ class McpServer:
     async def _hold_session(self) -> None:
         from mcp import ClientSession
 
-        self.state = "connecting"
+        self.state = McpState.CONNECTING
         async with self._streams() as (read, write), ClientSession(read, write) as session:
             await asyncio.wait_for(session.initialize(), self.cfg.connect_timeout_s)
             listed = await asyncio.wait_for(session.list_tools(), self.cfg.connect_timeout_s)
             self.tools = [t for t in listed.tools if self.cfg.allows(t.name)]
             self.generation += 1
-            self.session, self.state, self.connected_at = session, "ready", time.time()
+            self.session, self.state, self.connected_at = session, McpState.READY, time.time()
             self.last_error = None
             log.info("MCP server %r ready: %d tools", self.label, len(self.tools))
             self._broken.clear()
@@ -165,7 +175,7 @@ class McpServer:
     async def _reconnected(self, deadline: float) -> bool:
         """Wait for a session that no call has seen fail."""
         while time.monotonic() < deadline:
-            if self.state == "ready" and self.session is not None and self.generation not in self._dead:
+            if self.state is McpState.READY and self.session is not None and self.generation not in self._dead:
                 return True
             await asyncio.sleep(0.05)
         return False
@@ -180,7 +190,7 @@ class McpServer:
 
     async def _call_on_session(self, name: str, arguments: dict, timeout: float) -> ToolResult:
         session = self.session
-        if session is None or self.state != "ready":
+        if session is None or self.state is not McpState.READY:
             why = f"MCP server '{self.label}' is {self.state}: {self.last_error or 'not connected'}"
             return ToolResult("", why, "unavailable")
         if self.tool(name) is None:
