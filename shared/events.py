@@ -60,6 +60,7 @@ class Phase(WireEnum):
     DECODE = "decode"  # generating (a speech-to-text worker: decoding audio windows)
     ENCODE = "encode"  # embedding and rerank workers
     SPEAK = "speak"  # text-to-speech workers
+    DONE = "done"  # its last event is made (gone from the status the same step)
 
 
 # The names the worker (and older code) uses: the members themselves, defined once above.

@@ -18,6 +18,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from mlxgw.shared import protocol as p
+from mlxgw.shared.events import FinishReason
 
 MAX_CHOICES = 16
 SEP = "#"
@@ -130,7 +131,7 @@ class ChoiceGroups:
         if last:
             delta = p.Delta(n=sum(group.tokens), index=index, **{"text": "", **last})
             out.append((group.rid, delta.to_wire()))
-        group.ends[index] = {"index": index, "reason": ev.get("reason", "stop"), "stop": ev.get("stop")}
+        group.ends[index] = {"index": index, "reason": ev.get("reason", FinishReason.STOP), "stop": ev.get("stop")}
         if len(group.ends) == group.n:
             first = group.ends[0]
             ends = [group.ends[i] for i in range(group.n)]

@@ -13,7 +13,7 @@ import uuid
 from pathlib import Path
 
 from mlxgw.shared import protocol as p
-from mlxgw.shared.config import CHAT_KINDS, ENCODER_KINDS, ModelEntry, from_mapping
+from mlxgw.shared.config import CHAT_KINDS, ENCODER_KINDS, ModelEntry, ModelKind, from_mapping
 from mlxgw.shared.errors import ErrorCode, ServiceError
 from mlxgw.shared.platform import total_memory_bytes
 
@@ -38,7 +38,7 @@ def build_runner(entry: ModelEntry, model_path: Path):
 
         encoder_cls = MlxEmbeddingsEncoder if entry.engine == "mlx-embeddings" else TextEncoder
         encoder = encoder_cls(model_path, max_length=entry.context_length, truncate=entry.truncate)
-        if encoder.cross_encoder != (entry.kind == "rerank"):
+        if encoder.cross_encoder != (entry.kind == ModelKind.RERANK):
             found = (
                 "a cross-encoder (set kind: rerank)"
                 if encoder.cross_encoder
@@ -46,15 +46,15 @@ def build_runner(entry: ModelEntry, model_path: Path):
             )
             raise ValueError(f"{model_path.name} is {found}")
         return encoder
-    if entry.kind == "audio":
+    if entry.kind == ModelKind.AUDIO:
         from .audio.runner import WhisperRunner
 
         return WhisperRunner(model_path)
-    if entry.kind == "speech":
+    if entry.kind == ModelKind.SPEECH:
         from .audio.speech import PiperRunner
 
         return PiperRunner(model_path)
-    if entry.kind == "vision" and entry.engine == "mlx":
+    if entry.kind == ModelKind.VISION and entry.engine == "mlx":
         from .vision_runner import VisionRunner
 
         return VisionRunner(
@@ -144,11 +144,11 @@ def build_scheduler(
             max_queue=entry.max_queue,
             preprocessor=preprocessor,
         )
-    if entry.kind == "audio":
+    if entry.kind == ModelKind.AUDIO:
         from .audio.scheduler import AudioScheduler
 
         return AudioScheduler(runner, max_rows=entry.max_num_seqs, max_queue=entry.max_queue)
-    if entry.kind == "speech":
+    if entry.kind == ModelKind.SPEECH:
         from .audio.speech import SpeechScheduler
 
         return SpeechScheduler(runner, max_queue=entry.max_queue)

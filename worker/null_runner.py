@@ -9,6 +9,7 @@ import os
 import time
 from dataclasses import dataclass
 
+from mlxgw.shared.events import FinishReason
 from mlxgw.shared.protocol import GenerateRequest, SamplingParams
 
 from .interfaces import StepOutput, TextRunner, TokenOut
@@ -66,7 +67,7 @@ class NullRunner(TextRunner):
         out = StepOutput()
         for seq in list(self._seqs.values()):
             seq.remaining -= 1
-            finish = "length" if seq.remaining <= 0 else None
+            finish = FinishReason.LENGTH if seq.remaining <= 0 else None
             out.tokens.append(TokenOut(seq.uid, seq.next_token, finish))
             seq.next_token += 1
             if finish:
@@ -139,11 +140,11 @@ class EchoRunner(NullRunner):
         for seq in list(self._seqs.values()):
             script = self._scripts[seq.uid]
             if not script:  # the whole message was said: end of sequence
-                out.tokens.append(TokenOut(seq.uid, 0, "stop"))
+                out.tokens.append(TokenOut(seq.uid, 0, FinishReason.STOP))
                 self.remove([seq.uid])
                 continue
             seq.remaining -= 1
-            finish = "length" if seq.remaining <= 0 else None
+            finish = FinishReason.LENGTH if seq.remaining <= 0 else None
             out.tokens.append(TokenOut(seq.uid, script.pop(0), finish))
             if finish:
                 self.remove([seq.uid])

@@ -23,6 +23,7 @@ import time
 
 from mlxgw.shared import protocol as p
 from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
+from mlxgw.shared.events import FinishReason
 
 from .admission import Admission
 from .choices import ChoiceGroups
@@ -148,11 +149,11 @@ class Scheduler:
     def _cancel_one(self, rid: str) -> list[Event]:
         if self._preparing.cancel(rid):
             self.finished += 1
-            return [(rid, p.Finish("cancelled", p.Usage(), text="").to_wire())]
+            return [(rid, p.Finish(FinishReason.CANCELLED, p.Usage(), text="").to_wire())]
         seq = self._seqs.get(rid)
         if seq is None:
             return []
-        return [self._end(seq, p.Finish("cancelled", seq.usage(), text="").to_wire())]
+        return [self._end(seq, p.Finish(FinishReason.CANCELLED, seq.usage(), text="").to_wire())]
 
     # -- the step loop ---------------------------------------------------------------------
     def has_work(self) -> bool:
@@ -208,7 +209,7 @@ class Scheduler:
         counted = seq.generated
         event, ended = on_token(seq, token, finish, logprobs)
         self.generated_tokens += seq.generated - counted
-        if ended and finish != "stop" and seq.text.stopped:
+        if ended and finish != FinishReason.STOP and seq.text.stopped:
             self.runner.remove([seq.uid])  # a stop string ended it: the runner's row still runs
         if event is None:
             return []

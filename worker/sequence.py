@@ -14,12 +14,12 @@ one. A phase is what /v1/status lists per request, so its string values are part
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from mlxgw.shared import protocol as p
 from mlxgw.shared.errors import ServiceError, invalid
+from mlxgw.shared.events import Phase  # re-exported: the worker's phases are the wire's
 
 from .budget import ThinkingBudget, check_budget
 from .isolation import SequenceGuard
@@ -31,15 +31,6 @@ if TYPE_CHECKING:
     from .textstream import TextStream
 
 MAX_PAUSES = 3  # a row preempted this often runs to its end (it would otherwise never finish)
-
-
-class Phase(str, enum.Enum):
-    PREPARING = "preparing"  # templated and tokenized off the engine thread (an Intake)
-    QUEUED = "queued"  # waiting for a row (new, or paused by fair share)
-    SCORING = "scoring"  # its prompt logprobs are computed first
-    PREFILL = "prefill"  # admitted: the runner reads its prompt
-    DECODE = "decode"  # generating
-    DONE = "done"  # its last event is made
 
 
 @dataclass

@@ -22,6 +22,7 @@ from collections import deque
 
 from mlxgw.shared import protocol as p
 from mlxgw.shared.errors import ErrorCode, ServiceError
+from mlxgw.shared.events import FinishReason
 
 from .output_parser import Parsed
 from .prefill_plan import prefill_bound
@@ -52,8 +53,8 @@ def on_token(seq: Sequence, token: int, finish: str | None, logprobs: dict | Non
             seq.unsent_logprobs.append(logprobs)
         text = seq.text.push(token)
         if seq.text.stopped:
-            finish = "stop"
-        elif finish == "length":
+            finish = FinishReason.STOP
+        elif finish == FinishReason.LENGTH:
             text += seq.text.finish()
     _feed(seq, text)
     seq.unsent_tokens += 1
@@ -102,7 +103,9 @@ def finish_at_time_limit(seq: Sequence) -> dict:
         seq.generated,
     )
     seq.phase = Phase.DONE
-    end = p.Finish("length", seq.usage(), logprobs=take_logprobs(seq), time_limited=True, **parts(seq.unsent))
+    end = p.Finish(
+        FinishReason.LENGTH, seq.usage(), logprobs=take_logprobs(seq), time_limited=True, **parts(seq.unsent)
+    )
     return end.to_wire()
 
 
@@ -123,8 +126,8 @@ def _finish(seq: Sequence, finish: str) -> dict:
     parser = seq.parser
     if parser:
         seq.unsent.extend(parser.finish())
-        if parser.saw_tool_calls and finish == "stop":
-            finish = "tool_calls"
+        if parser.saw_tool_calls and finish == FinishReason.STOP:
+            finish = FinishReason.TOOL_CALLS
     seq.phase = Phase.DONE
     end = p.Finish(finish, seq.usage(), stop=seq.text.stop_match, logprobs=take_logprobs(seq), **parts(seq.unsent))
     return end.to_wire()

@@ -37,6 +37,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, BatchRotatingKVCache, CacheList, dynamic_roll
 
+from mlxgw.shared.events import FinishReason
+
 from .quantized_kv import BatchQuantizedKVCache
 
 CUTTABLE = (BatchKVCache, BatchQuantizedKVCache)  # cut back per row
@@ -214,9 +216,9 @@ def _responses(batch, pending, drafts, accepted, emitted_lp, all_logprobs) -> li
         for j, token in enumerate(emitted):
             batch._num_tokens[b] += 1
             if batch._num_tokens[b] >= batch.max_tokens[b]:
-                finish = "length"
+                finish = FinishReason.LENGTH
             if batch._matchers[b].advance(token):
-                finish = "stop"
+                finish = FinishReason.STOP
             logprobs = emitted_lp[b] if j == 0 else all_logprobs[b, j - 1]
             ended = finish is not None
             responses.append(

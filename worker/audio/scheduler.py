@@ -22,6 +22,7 @@ import numpy as np
 
 from mlxgw.shared import protocol as p
 from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
+from mlxgw.shared.events import FinishReason, Phase
 
 from ..jobs import JobTable
 from .decoding import FALLBACK_TEMPERATURES, RowRules, choose, compression_ratio, needs_fallback, split_segments
@@ -132,7 +133,7 @@ class AudioScheduler(JobTable):
         job = self._jobs.get(rid)
         if job is None:
             return []
-        return [self._end(job, p.Finish("cancelled", self._usage(job)).to_wire())]
+        return [self._end(job, p.Finish(FinishReason.CANCELLED, self._usage(job)).to_wire())]
 
     # -- the step loop ---------------------------------------------------------------------
     def counters(self) -> dict:
@@ -297,7 +298,7 @@ class AudioScheduler(JobTable):
             s["id"] = i
         words = [word for w in job.windows for word in w.result.get("words", [])] if job.req.word_timestamps else None
         return p.Finish(
-            "stop",
+            FinishReason.STOP,
             self._usage(job),
             text=tail,
             segments=segments,
@@ -315,7 +316,7 @@ class AudioScheduler(JobTable):
         return [
             {
                 "id": j.req.rid,
-                "phase": "decode" if j.started else "queued",
+                "phase": (Phase.DECODE if j.started else Phase.QUEUED).value,
                 "windows": len(j.windows),
                 "windows_done": sum(1 for w in j.windows if w.result is not None),
                 "completion_tokens": j.tokens,

@@ -19,6 +19,7 @@ import numpy as np
 from mlxgw.shared import model_store
 from mlxgw.shared import protocol as p
 from mlxgw.shared.errors import ErrorCode, ServiceError
+from mlxgw.shared.events import FinishReason, Phase
 
 from ..gguf.importer import ImportError_, ImportResult
 from ..jobs import JobTable
@@ -125,7 +126,7 @@ class SpeechScheduler(JobTable):
 
     def cancel(self, rid: str) -> list[Event]:
         job = self._jobs.pop(rid, None)
-        return [(rid, p.Finish("cancelled", self._usage(job)).to_wire())] if job else []
+        return [(rid, p.Finish(FinishReason.CANCELLED, self._usage(job)).to_wire())] if job else []
 
     def counters(self) -> dict:
         return {"generated_tokens": self.generated_tokens}
@@ -139,7 +140,9 @@ class SpeechScheduler(JobTable):
         job.audio.append(self.runner.synthesize(job.pieces.popleft(), job.req.speed))
         if not job.pieces:
             pcm = np.concatenate(job.audio).astype("<i2")
-            done = p.Finish("stop", self._usage(job), audio=pcm.tobytes(), sample_rate=self.runner.sample_rate)
+            done = p.Finish(
+                FinishReason.STOP, self._usage(job), audio=pcm.tobytes(), sample_rate=self.runner.sample_rate
+            )
             events.append(self._end(job, done.to_wire()))
         return events
 
@@ -150,6 +153,10 @@ class SpeechScheduler(JobTable):
     def requests(self) -> list[dict]:
         now = time.monotonic()
         return [
-            {"id": j.req.rid, "phase": "speak" if j.started else "queued", "age_s": round(now - j.arrived, 3)}
+            {
+                "id": j.req.rid,
+                "phase": (Phase.SPEAK if j.started else Phase.QUEUED).value,
+                "age_s": round(now - j.arrived, 3),
+            }
             for j in self._jobs.values()
         ]

@@ -18,6 +18,7 @@ import numpy as np
 
 from mlxgw.shared import protocol as p
 from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
+from mlxgw.shared.events import FinishReason, Phase
 
 from ..interfaces import EmbeddingRunner
 from ..isolation import as_service_error
@@ -139,11 +140,11 @@ class EmbedScheduler(JobTable):
             if self.preprocessor is not None:
                 self.preprocessor.discard(rid)
             self.finished += 1
-            return [(rid, p.Finish("cancelled", p.Usage()).to_wire())]
+            return [(rid, p.Finish(FinishReason.CANCELLED, p.Usage()).to_wire())]
         job = self._jobs.get(rid)
         if job is None:
             return []
-        return [self._end(job, p.Finish("cancelled", self._usage(job)).to_wire())]
+        return [self._end(job, p.Finish(FinishReason.CANCELLED, self._usage(job)).to_wire())]
 
     # -- the step loop ---------------------------------------------------------------------
     def step(self) -> list[Event]:
@@ -212,13 +213,13 @@ class EmbedScheduler(JobTable):
         usage = self._usage(job)
         if job.req.query is None:
             vectors = b"".join(v.tobytes() for v in job.results)
-            return p.Finish("stop", usage, vectors=vectors, dim=int(job.results[0].shape[0])).to_wire()
+            return p.Finish(FinishReason.STOP, usage, vectors=vectors, dim=int(job.results[0].shape[0])).to_wire()
         if self.encoder.cross_encoder:
-            return p.Finish("stop", usage, scores=job.results).to_wire()
+            return p.Finish(FinishReason.STOP, usage, scores=job.results).to_wire()
         query, docs = job.results[0], np.stack(job.results[1:])
         norms = np.linalg.norm(docs, axis=1) * max(float(np.linalg.norm(query)), 1e-12)
         scores = [float(s) for s in (docs @ query) / np.maximum(norms, 1e-12)]
-        return p.Finish("stop", usage, scores=scores).to_wire()
+        return p.Finish(FinishReason.STOP, usage, scores=scores).to_wire()
 
     @staticmethod
     def _usage(job: Job) -> p.Usage:
@@ -237,7 +238,7 @@ class EmbedScheduler(JobTable):
         return [
             {
                 "id": j.req.rid,
-                "phase": "encode" if j.started else "queued",
+                "phase": (Phase.ENCODE if j.started else Phase.QUEUED).value,
                 "prompt_tokens": j.tokens,
                 "inputs": len(j.inputs),
                 "inputs_done": len(j.inputs) - j.remaining,
