@@ -138,7 +138,8 @@ def test_a_long_prefill_reports_its_progress_in_status(answer_bound_gw):
 
 def test_the_answer_time_limit_returns_the_answer_in_every_api_shape(answer_bound_gw):
     """At the 3-s answer bound each API gets the text generated so far, cut as by max_tokens:
-    OpenAI finish_reason length, Anthropic stop_reason max_tokens, Responses incomplete."""
+    OpenAI finish_reason length, Responses incomplete; Anthropic's turn ends (end_turn: a
+    max_tokens stop makes Claude Code ask for more, see gateway/api/anthropic.py _stop)."""
     import anthropic
 
     gw = answer_bound_gw
@@ -153,6 +154,9 @@ def test_the_answer_time_limit_returns_the_answer_in_every_api_shape(answer_boun
         client = anthropic.Anthropic(base_url=gw.url, api_key="unused", max_retries=0, timeout=60)
         out = client.messages.create(model="chunky", messages=MSGS, **ask)
         results["anthropic"] = (out.stop_reason, out.usage.output_tokens, out.content[0].text)
+        with client.messages.stream(model="chunky", messages=MSGS, **ask) as stream:
+            final = stream.get_final_message()
+        results["anthropic-stream"] = (final.stop_reason, final.usage.output_tokens, final.content[0].text)
 
     def responses() -> None:
         out = openai_client(gw, timeout=60).responses.create(
@@ -167,7 +171,8 @@ def test_the_answer_time_limit_returns_the_answer_in_every_api_shape(answer_boun
         t.join(90)
     assert {k: v[0] for k, v in results.items()} == {
         "chat": "length",
-        "anthropic": "max_tokens",
+        "anthropic": "end_turn",
+        "anthropic-stream": "end_turn",
         "responses": "incomplete",
     }, results
     for _, tokens, text in results.values():

@@ -112,7 +112,14 @@ def _usage(u: p.Usage) -> dict:
     }
 
 
-def _stop(reason: str, stop: str | None) -> tuple[str, str | None]:
+def _stop(reason: str, stop: str | None, time_limited: bool = False) -> tuple[str, str | None]:
+    """The stop_reason of a finish. An answer cut by the server's answer time limit ends its
+    turn: Claude Code reads `max_tokens` as its own budget running out and asks the model to
+    go on (3 times, each a new time limit, then it fails with "exceeded the 128000 output
+    token maximum"), which turned one slow answer into 20 minutes and an error on a slow
+    host. The log and the ledger record the cut (`outcome=length time_limited=True`)."""
+    if time_limited:
+        return "end_turn", None
     if reason == "stop" and stop:
         return "stop_sequence", stop
     return STOP_REASONS.get(reason, "end_turn"), None
@@ -138,7 +145,7 @@ def _render(gen: Generation, out: Outcome) -> dict:
     if out.text or not out.tool_calls:
         content.append({"type": "text", "text": out.text})
     content += [_tool_use(c) for c in out.tool_calls]
-    return _message(gen, content, *_stop(out.finish_reason, out.stop))
+    return _message(gen, content, *_stop(out.finish_reason, out.stop, gen.time_limited))
 
 
 def _tool_use(call: dict) -> dict:
@@ -210,7 +217,7 @@ class MessageEvents(Emitter):
         if self.index < 0:
             await self.text("")  # every message has at least one content block
         await self._close()
-        stop_reason, stop_sequence = _stop(event.reason, event.stop)
+        stop_reason, stop_sequence = _stop(event.reason, event.stop, bool(event.time_limited))
         delta = {"stop_reason": stop_reason, "stop_sequence": stop_sequence}
         await self._event("message_delta", delta=delta, usage=_usage(self.gen.usage))
         await self._event("message_stop")
