@@ -18,10 +18,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sqlite3
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -141,32 +141,38 @@ def file_ok(work: Path) -> bool:
     return done.returncode == 0 and "hi" in done.stdout.lower()
 
 
+def fresh(folder: Path) -> Path:
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    return folder
+
+
 def run_once(client: str, n: int, args) -> Run:
-    with tempfile.TemporaryDirectory(prefix=f"agent-{client}-") as tmp:
-        work, home = Path(tmp) / "project", Path(tmp) / "home"
-        work.mkdir()
-        home.mkdir()
-        cmd, env, stdin = command(client, args.url, work, home, PROMPTS[args.task], args.model)
-        started = time.time()
-        try:
-            done = subprocess.run(
-                cmd, cwd=work, env=env, input=stdin, capture_output=True, text=True, timeout=args.timeout
-            )
-            rc, out, err = done.returncode, done.stdout, done.stderr
-        except subprocess.TimeoutExpired as e:
-            rc, out, err = 124, (e.stdout or b"").decode(errors="replace"), (e.stderr or b"").decode(errors="replace")
-        ended = time.time()
-        time.sleep(1.5)  # the ledger commits finished requests within a second
-        rows = ledger_rows(Path(args.home).expanduser(), CLIENT_API[client], started, ended + 1)
-        run = Run(client, n, rc, round(ended - started, 1), finished(client, rc, out), tail=(out + err)[-400:])
-        run.requests = len(rows)
-        run.outcomes = [str(o) for o, _ in rows]
-        run.prompt_tokens = [int(t or 0) for _, t in rows]
-        run.tool_called = any(o in ("tool_calls", "tool_use") for o in run.outcomes)
-        if args.task == "hello":
-            run.file_ok = file_ok(work)
-            run.finished = run.finished and run.file_ok
-        return run
+    # One project folder per client, emptied before each run, as a user who runs the client
+    # again in the same project: Claude Code and Codex write the working directory into their
+    # system prompts, so a new folder each run would also be a new prompt from ~800 tokens on.
+    # The client's home (sessions, settings) is fresh each run.
+    root = args.workdir / client
+    work, home = fresh(root / "project"), fresh(root / "home")
+    cmd, env, stdin = command(client, args.url, work, home, PROMPTS[args.task], args.model)
+    started = time.time()
+    try:
+        done = subprocess.run(cmd, cwd=work, env=env, input=stdin, capture_output=True, text=True, timeout=args.timeout)
+        rc, out, err = done.returncode, done.stdout, done.stderr
+    except subprocess.TimeoutExpired as e:
+        rc, out, err = 124, (e.stdout or b"").decode(errors="replace"), (e.stderr or b"").decode(errors="replace")
+    ended = time.time()
+    time.sleep(1.5)  # the ledger commits finished requests within a second
+    rows = ledger_rows(Path(args.home).expanduser(), CLIENT_API[client], started, ended + 1)
+    run = Run(client, n, rc, round(ended - started, 1), finished(client, rc, out), tail=(out + err)[-400:])
+    run.requests = len(rows)
+    run.outcomes = [str(o) for o, _ in rows]
+    run.prompt_tokens = [int(t or 0) for _, t in rows]
+    run.tool_called = any(o in ("tool_calls", "tool_use") for o in run.outcomes)
+    if args.task == "hello":
+        run.file_ok = file_ok(work)
+        run.finished = run.finished and run.file_ok
+    return run
 
 
 def table(runs: list[Run]) -> str:
@@ -196,6 +202,7 @@ def main() -> None:
     ap.add_argument("--task", choices=sorted(PROMPTS), default="hi")
     ap.add_argument("--model", default="smollm2-135m", help="the model opencode is configured with")
     ap.add_argument("--timeout", type=float, default=3600)
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/mlxgw-agent-runs"), help="the clients' project folders")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     runs = []
