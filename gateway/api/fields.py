@@ -9,7 +9,7 @@ path (decode, logit_bias ids, stop list) ~8.
 Each API's struct differs only in the names it gives max_tokens and stop, in its
 temperature range and in its own fields; every other field (the mlxgw extensions included)
 is the same everywhere. A failure is a 400 that names the field (`param`) in the called
-API's shape, in the words of validate.py's checks; NaN and Infinity fail every range."""
+API's shape, in the words the field checks have always used; NaN and Infinity fail every range."""
 
 from __future__ import annotations
 
