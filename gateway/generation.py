@@ -224,7 +224,7 @@ class Generation:
             self.prompt_logprobs = list(event.entries)
         elif kind is p.Progress and self.first_token_at is None:
             # The worker's prefill bound scales with the prompt and its host's measured rate
-            # (worker/scheduler.prefill_bound_for); this backstop only catches a silent worker.
+            # (worker/prefill_plan.prefill_bound); this backstop only catches a silent worker.
             self._deadline = max(self._deadline, time.monotonic() + self._first_bound_s + DEADLINE_SLACK_S)
         if (kind is p.Delta or kind is p.Progress) and event.cached is not None:
             # the first delta, or prefill progress: a stream cut before its finish still logs its cache hit

@@ -484,6 +484,11 @@ def test_speech_pcm_is_raw_24khz_samples(gw):
         ({"model": "piper-joe", "input": "hi", "response_format": "ogg"}, "response_format"),
         ({"model": "piper-joe", "input": "hi", "speed": 9}, "speed"),
         ({"model": "whisper-tiny-en", "input": "hi"}, "model"),
+        ({"model": "piper-joe", "input": "hi", "speed": "fast"}, "speed"),
+        ({"model": "piper-joe", "input": 5}, "input"),
+        ({"model": "piper-joe"}, "input"),
+        ({"input": "hi"}, "model"),
+        ({"model": "piper-joe", "input": "hi", "voice": 1}, "voice"),
     ],
 )
 def test_bad_speech_request_is_a_400(gw, body, param):

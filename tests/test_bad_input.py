@@ -173,6 +173,17 @@ def test_bad_request_gets_a_clear_error(tiny_gateway, name, path, body, status, 
     assert headers["content-type"].startswith("application/json")
 
 
+@pytest.mark.parametrize(
+    ("budget", "needle"),
+    [(-1, "'budget_tokens' must be at least 0, got -1"), ("10", "'budget_tokens' must be an integer")],
+)
+def test_anthropic_thinking_budget_is_checked_in_anthropics_shape(tiny_gateway, budget, needle):
+    thinking = {"type": "enabled", "budget_tokens": budget}
+    body = {"model": "tiny", "max_tokens": 2, "messages": MSGS, "thinking": thinking}
+    status, _, payload = http(tiny_gateway.url + "/v1/messages", "POST", body)
+    assert status == 400 and needle in assert_error_shape(payload, "anthropic", status), payload
+
+
 def test_context_error_names_both_numbers(tiny_gateway, smollm2_tokenizer):
     prompt = "word " * 200
     _, _, payload = http(tiny_gateway.url + COMPLETIONS, "POST", {"model": "tiny-short", "prompt": prompt})

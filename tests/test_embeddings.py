@@ -159,6 +159,10 @@ def test_truncating_model_cuts_like_sentence_transformers(gw):
         ({"input": "a", "dimensions": 0}, "dimensions"),
         ({"input": "a", "dimensions": 385}, "dimensions"),
         ({"input": "a", "dimensions": "64"}, "dimensions"),
+        ({"input": "a", "encoding_format": 5}, "encoding_format"),
+        ({"input": "a", "priority": 101}, "priority"),
+        ({"input": "a", "priority": "high"}, "priority"),
+        ({"input": None}, "input"),
     ],
 )
 def test_bad_input_is_a_400_and_the_worker_lives(gw, body, param):
@@ -317,6 +321,10 @@ def test_rerank_with_a_cross_encoder(gw):
         ({"query": "q", "documents": []}, "documents"),
         ({"query": "q", "documents": ["a", 3]}, "documents"),
         ({"query": "q", "documents": ["a"], "top_n": 0}, "top_n"),
+        ({"query": "q", "documents": ["a"], "top_n": "2"}, "top_n"),
+        ({"query": 5, "documents": ["a"]}, "query"),
+        ({"query": "q", "documents": ["a"], "return_documents": "no"}, "return_documents"),
+        ({"model": None, "query": "q", "documents": ["a"]}, "model"),
     ],
 )
 def test_rerank_bad_input(gw, body, param):

@@ -277,6 +277,14 @@ BAD = [
     ({"tools": {"x": 1}}, 400, "tools"),
     ({"messages": [{"role": "user", "content": "x", "images": ["not base64!"]}]}, 400, "images"),
     ({"model": "no-such-model"}, 404, "no-such-model"),
+    # Bad types anywhere in the decoded body (ollama_fields): a 400 naming the field, never a 500.
+    ({"options": {"top_k": "x"}}, 400, "top_k"),
+    ({"options": {"repeat_penalty": "x"}}, 400, "repeat_penalty"),
+    ({"options": {"num_ctx": True}}, 400, "num_ctx"),
+    ({"options": {"seed": 1.5}}, 400, "seed"),
+    ({"options": {"logit_bias": []}}, 400, "logit_bias"),
+    ({"model": 5}, 400, "model"),
+    ({"template": "{{ .Prompt }}"}, 400, "template"),
 ]
 
 
@@ -324,6 +332,36 @@ def test_generate_streams_thinking_separately(client):
 def test_bad_input_on_every_route_is_an_ollama_error(gw, path, body, status):
     got, _, answer = post(gw, path, body)
     assert got == status and set(answer) == {"error"} and answer["error"]
+
+
+STRUCT_REFUSALS = [
+    ("/api/generate", {"model": "tiny", "prompt": 5}, "'prompt' must be a string, got int"),
+    ("/api/generate", {"model": "tiny", "prompt": "x", "raw": "yes"}, "'raw' must be true or false, got str"),
+    ("/api/generate", {"model": "tiny", "system": ["s"]}, "'system' must be a string, got list"),
+    ("/api/generate", {"model": "tiny", "options": {"repeat_penalty": 11}}, "'repeat_penalty' must be at most 10"),
+    ("/api/chat", {"model": "tiny", "options": {"top_k": "x"}}, "'top_k' must be an integer, got str"),
+    ("/api/chat", {"messages": []}, "missing required parameter: 'model'"),
+    ("/api/show", {"name": 5}, "'name' must be a string, got int"),
+    ("/api/embed", {"model": "minilm-l6", "input": "x", "dimensions": 0}, "'dimensions' must be at least 1, got 0"),
+    ("/api/embed", {"model": "minilm-l6", "input": "x", "truncate": "no"}, "'truncate' must be true or false, got str"),
+    ("/api/embeddings", {"model": "minilm-l6", "prompt": "x", "options": []}, "'options' must be an object, got list"),
+]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "message"), STRUCT_REFUSALS, ids=[f"{r[0]} {list(r[1])[-1]}" for r in STRUCT_REFUSALS]
+)
+def test_a_bad_type_is_a_400_naming_the_field_in_ollamas_shape(gw, path, body, message):
+    got, _, answer = post(gw, path, {"stream": False, **body})
+    assert got == 400 and set(answer) == {"error"} and message in answer["error"], answer
+
+
+def test_repeat_penalty_is_read_as_repetition_penalty():
+    from mlxgw.gateway.api.fields import decode_fields
+    from mlxgw.gateway.api.ollama_fields import OllamaOptions
+
+    assert decode_fields({"repeat_penalty": 1.3}, OllamaOptions).repetition_penalty == 1.3
+    assert decode_fields({"repetition_penalty": 1.2}, OllamaOptions).repetition_penalty == 1.2
 
 
 def test_bad_embed_input_is_a_400(gw):

@@ -70,6 +70,11 @@ BAD = [
     ("/detokenize", {"model": "tiny", "tokens": [1, -2]}, 400, "tokens"),
     ("/detokenize", {"model": "tiny", "tokens": ["a"]}, 400, "tokens"),
     ("/detokenize", {"model": "tiny", "tokens": [10**9]}, 400, "tokens"),
+    ("/detokenize", {"model": "tiny", "tokens": None}, 400, "tokens"),
+    ("/tokenize", {"model": "tiny", "messages": MESSAGES, "tools": {"x": 1}}, 400, "tools"),
+    ("/tokenize", {"model": "tiny", "messages": MESSAGES, "chat_template_kwargs": []}, 400, "chat_template_kwargs"),
+    ("/tokenize", {"model": 5, "prompt": "a"}, 400, "model"),
+    ("/tokenize", {"prompt": "a"}, 400, "model"),
 ]
 
 

@@ -59,6 +59,9 @@ class TextRunner(ModelRunner, Protocol):
     supports_prompt_logprobs: bool = False
     # Whether set_prefill_chunk() is obeyed (the scheduler then shares a per-step prompt budget).
     supports_prefill_chunk: bool = False
+    # Whether `model` is an in-process MLX model whose decoder layers step_progress can mark
+    # (a long prefill step then shows the watchdog progress; worker/main.py installs it).
+    supports_layer_progress: bool = False
 
     @abstractmethod
     def encode(self, req: GenerateRequest) -> list[int]: ...

@@ -217,7 +217,7 @@ def serve(
     # holds the next request back at most its time budget.
     preprocessor = Preprocessor(threads=1)
     link.busy_probes.append(preprocessor.busy_s)  # the watchdog covers preparation too
-    if entry.distributed is None and entry.engine == "mlx" and hasattr(runner, "generator"):
+    if entry.distributed is None and entry.kind in CHAT_KINDS and runner.supports_layer_progress:
         from .step_progress import install
 
         # a long prefill step is slow, not hung: its layer groups mark progress once steps are long

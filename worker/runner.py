@@ -49,6 +49,7 @@ class MLXRunner(ChatTextRunner):
     supports_choices = True
     supports_prompt_logprobs = True
     supports_prefill_chunk = True
+    supports_layer_progress = True
 
     def __init__(
         self,

@@ -49,6 +49,8 @@ def decode_image(data: bytes, index: int):
 
 
 class VisionRunner(ChatTextRunner):
+    supports_layer_progress = True
+
     def __init__(
         self,
         model_path: Path,

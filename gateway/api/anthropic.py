@@ -18,11 +18,10 @@ from mlxgw.shared.errors import ServiceError, invalid
 from ..generation import Generation, Outcome
 from ..state import MANAGER, SETTINGS
 from . import translate as t
-from . import validate as v
 from .anthropic_errors import anthropic_error_body
 from .anthropic_input import convert_messages, read_documents
 from .content import ContentPolicy
-from .fields import AnthropicFields, decode_fields
+from .fields import AnthropicFields, ThinkingFields, decode_fields
 from .stream import Emitter
 
 routes = web.RouteTableDef()
@@ -61,7 +60,7 @@ def _thinking(thinking: object) -> tuple[dict | None, int | None]:
         return None, None
     # Qwen3-style templates switch reasoning with enable_thinking; others ignore it.
     kwargs = {"enable_thinking": thinking["type"] != "disabled"}
-    budget = v.integer(thinking, "budget_tokens", lo=0) if thinking["type"] == "enabled" else None
+    budget = decode_fields(thinking, ThinkingFields).budget_tokens if thinking["type"] == "enabled" else None
     return kwargs, budget
 
 

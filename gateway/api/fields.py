@@ -9,7 +9,7 @@ path (decode, logit_bias ids, stop list) ~8.
 Each API's struct differs only in the names it gives max_tokens and stop, in its
 temperature range and in its own fields; every other field (the mlxgw extensions included)
 is the same everywhere. A failure is a 400 that names the field (`param`) in the called
-API's shape, in the words of validate.py's checks; NaN and Infinity fail every range."""
+API's shape, in the words the field checks have always used; NaN and Infinity fail every range."""
 
 from __future__ import annotations
 
@@ -21,8 +21,7 @@ import msgspec
 
 from mlxgw.shared.errors import invalid
 
-from .validate import INT32_MAX
-
+INT32_MAX = 2**31 - 1
 SEED_MAX = 2**63 - 1  # any int64; the worker maps it onto its generator's range (seed mod 2^64)
 
 M = msgspec.Meta
@@ -122,6 +121,13 @@ class AnthropicFields(CommonFields):
     output_config: Any = None
 
 
+class ThinkingFields(msgspec.Struct):
+    """Anthropic's `thinking` object, decoded when it is one (anthropic._thinking)."""
+
+    type: Any = None
+    budget_tokens: Annotated[int, M(ge=0, le=INT32_MAX)] | None = None
+
+
 class ResponsesFields(CommonFields):
     """A Responses body, every field it reads."""
 
@@ -139,7 +145,13 @@ class ResponsesFields(CommonFields):
     tool_choice: Any = None
 
 
-def decode_fields(body: dict, kind: type[CommonFields]) -> CommonFields:
+class ModelField(msgspec.Struct):
+    """The field every handler reads before its API's parse: the model it names (open_request)."""
+
+    model: str | None = None
+
+
+def decode_fields(body: dict, kind: type[msgspec.Struct]) -> msgspec.Struct:
     """The API's fields, checked; unknown fields are ignored."""
     try:
         return msgspec.convert(body, kind)
@@ -151,12 +163,16 @@ def decode_fields(body: dict, kind: type[CommonFields]) -> CommonFields:
 _WHAT = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string"}
 _WHAT |= {"object": "an object", "array": "a list"}
 _TYPE = re.compile(r"^Expected `([\w |]+)`, got `(\w+)` - at `\$\.(\w+)`$")
+_MISSING = re.compile(r"^Object missing required field `(\w+)`$")
 _BOUND = re.compile(r"^Expected `(int|float)` (<=|>=) (\S+) - at `\$\.(\w+)`$")
 
 
 def _refusal(message: str, body: dict):
     """A 400 naming the field, in the words the field checks use everywhere ("'n' must be
     at most 16, got 17"); msgspec's own words where the problem is nested."""
+    missing = _MISSING.match(message)
+    if missing:
+        return invalid(f"missing required parameter: '{missing[1]}'", missing[1])
     typed, bound = _TYPE.match(message), _BOUND.match(message)
     wanted = [t for t in typed[1].split(" | ") if t != "null"] if typed else []
     if wanted and all(t in _WHAT for t in wanted):

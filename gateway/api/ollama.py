@@ -21,8 +21,8 @@ from ..sse import NDJSONWriter
 from ..state import MANAGER
 from . import ollama_common as oc
 from . import translate as t
-from . import validate as v
 from .images import ImageLimits, from_bare_base64, join_content
+from .ollama_fields import OllamaChatBody, OllamaGenerateBody, OllamaGenerating
 from .stream import Emitter
 
 routes = web.RouteTableDef()
@@ -91,39 +91,36 @@ def parse_tools(raw) -> list[dict] | None:
     return tools or None
 
 
-def _parsed(body: dict, messages=None, prompt=None, tools=None) -> t.ParsedRequest:
+def _parsed(f: OllamaGenerating, messages=None, prompt=None, tools=None) -> t.ParsedRequest:
+    if f.template:  # a Go template is not run here, and not silently ignored
+        raise invalid("'template' is not supported by this server", "template")
     return t.ParsedRequest(
         messages=messages,
         prompt=prompt,
         tools=tools,
-        constraint=oc.format_constraint(body.get("format")),
-        chat_template_kwargs=oc.think_kwargs(body),
-        **oc.parse_options(body),
+        constraint=oc.format_constraint(f.format),
+        chat_template_kwargs=oc.think_kwargs(f.think),
+        **oc.parse_options(f, stream=f.streams()),
     )
 
 
-def parse_chat(body: dict, limits: ImageLimits | None) -> t.ParsedRequest:
-    if body.get("template"):  # as /api/generate: a Go template is not run here, and not silently ignored
-        raise invalid("'template' is not supported by this server", "template")
-    messages = parse_messages(body.get("messages") or [], limits)
-    return _parsed(body, messages=messages, tools=parse_tools(body.get("tools")))
+def parse_chat(f: OllamaChatBody, limits: ImageLimits | None) -> t.ParsedRequest:
+    messages = parse_messages(f.messages or [], limits)
+    return _parsed(f, messages=messages, tools=parse_tools(f.tools))
 
 
-def parse_generate(body: dict, limits: ImageLimits | None) -> t.ParsedRequest:
+def parse_generate(f: OllamaGenerateBody, limits: ImageLimits | None) -> t.ParsedRequest:
     """A prompt through the chat template (with `system`), or as it is with `raw`."""
-    for unsupported in ("suffix", "template"):
-        if body.get(unsupported):
-            raise invalid(f"'{unsupported}' is not supported by this server", unsupported)
-    prompt = v.string(body, "prompt") or ""
-    system = v.string(body, "system")
-    images = _images(body.get("images"), "request", limits)
-    if v.boolean(body, "raw"):
-        if images or system:
+    if f.suffix:
+        raise invalid("'suffix' is not supported by this server", "suffix")
+    images = _images(f.images, "request", limits)
+    if f.raw:
+        if images or f.system:
             raise invalid("'raw' prompts take no 'images' or 'system'", "raw")
-        return _parsed(body, prompt=prompt)
-    messages = [{"role": "system", "content": system}] if system else []
-    messages.append({"role": "user", "content": join_content([*images, prompt])})
-    return _parsed(body, messages=messages)
+        return _parsed(f, prompt=f.prompt or "")
+    messages = [{"role": "system", "content": f.system}] if f.system else []
+    messages.append({"role": "user", "content": join_content([*images, f.prompt or ""])})
+    return _parsed(f, messages=messages)
 
 
 async def _load_or_unload(request: web.Request, slot, keep_alive: float | None, shape: str) -> web.Response:
@@ -150,11 +147,11 @@ async def _load_or_unload(request: web.Request, slot, keep_alive: float | None, 
 
 
 async def _run(request: web.Request, shape: str) -> web.StreamResponse:
-    body, slot = await oc.open_request(request)
-    keep_alive = oc.parse_duration(body.get("keep_alive"))
+    f, slot = await oc.open_request(request, OllamaChatBody if shape == "chat" else OllamaGenerateBody)
+    keep_alive = oc.parse_duration(f.keep_alive)
     limits = t.image_limits(request, slot)
-    parsed = parse_chat(body, limits) if shape == "chat" else parse_generate(body, limits)
-    if (shape == "chat" and not parsed.messages) or (shape == "generate" and _no_input(body)):
+    parsed = parse_chat(f, limits) if shape == "chat" else parse_generate(f, limits)
+    if (shape == "chat" and not parsed.messages) or (shape == "generate" and _no_input(f)):
         return await _load_or_unload(request, slot, keep_alive, shape)
     try:
         return await t.respond(
@@ -164,8 +161,8 @@ async def _run(request: web.Request, shape: str) -> web.StreamResponse:
         oc.apply_keep_alive(request, slot, keep_alive)
 
 
-def _no_input(body: dict) -> bool:
-    return not body.get("prompt") and not body.get("images") and not body.get("system")
+def _no_input(f: OllamaGenerateBody) -> bool:
+    return not f.prompt and not f.images and not f.system
 
 
 @routes.post("/api/chat")

@@ -8,7 +8,7 @@ import math
 import re
 import time
 from datetime import datetime, timezone
-from typing import Annotated
+from typing import TypeVar
 
 from aiohttp import web
 
@@ -21,39 +21,20 @@ from ..state import MANAGER
 from . import translate as t
 from . import validate as v
 from .body import read_json
-from .fields import CommonFields, M, Stop
-from .validate import INT32_MAX
+from .fields import decode_fields
+from .ollama_fields import OllamaBody, OllamaOptions
 
-# Ollama's own spelling of the options that mlxgw names differently.
-_OPTION_NAMES = {"repeat_penalty": "repetition_penalty"}
+B = TypeVar("B", bound=OllamaBody)
+
 # Go's time.ParseDuration units, which Ollama's keep_alive strings use.
 _UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 _DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|μs|ms|s|m|h)")
 
 
-class OllamaOptions(CommonFields):
-    """`options`: the sampling fields every API shares, plus Ollama's own."""
-
-    MAX_TOKENS = ("num_predict",)
-    num_predict: Annotated[int, M(ge=-2, le=INT32_MAX)] | None = None  # -1, -2: no limit of its own
-    num_ctx: Annotated[int, M(ge=1, le=INT32_MAX)] | None = None
-    stop: Stop = None
-
-    def requested_max_tokens(self) -> int | None:
-        return self.num_predict if self.num_predict and self.num_predict > 0 else None
-
-
-def stream_flag(body: dict) -> bool:
-    """Ollama streams unless told not to: `stream` defaults to true."""
-    return v.boolean(body, "stream", default=True)
-
-
-def parse_options(body: dict) -> dict:
+def parse_options(f: OllamaBody, stream: bool = False) -> dict:
     """The ParsedRequest fields from `options` (and `stream`), checked with the shared ranges."""
-    options = v.mapping(body, "options") or {}
-    fields = {_OPTION_NAMES.get(k, k): val for k, val in options.items()}
-    fields["stream"] = stream_flag(body)
-    common = t.parse_common(fields, OllamaOptions)
+    common = t.parse_common(f.options or {}, OllamaOptions)
+    common["stream"] = stream
     if common["sampling"].num_predict == 0:
         raise invalid("'num_predict' must be a positive number of tokens, or -1 for no limit", "num_predict")
     return common
@@ -94,9 +75,8 @@ def format_constraint(fmt) -> dict | None:
     raise invalid("'format' must be \"json\" or a JSON schema object", "format")
 
 
-def think_kwargs(body: dict) -> dict | None:
+def think_kwargs(think) -> dict | None:
     """`think`: true/false, or an effort ("low", "medium", "high"), as the chat template's switch."""
-    think = body.get("think")
     if think is None:
         return None
     if isinstance(think, bool):
@@ -116,12 +96,15 @@ def resolve(request: web.Request, name: str, kinds: tuple[ModelKind, ...] = CHAT
         return resolve_model(request, name.removesuffix(":latest"), kinds)
 
 
-async def open_request(request: web.Request, kinds: tuple[ModelKind, ...] = CHAT_KINDS) -> tuple[dict, object]:
-    body = v.require_object(await read_json(request))
-    name = v.string(body, "model") or v.string(body, "name")  # "name": Ollama's older spelling
+async def open_request(
+    request: web.Request, kind: type[B], kinds: tuple[ModelKind, ...] = CHAT_KINDS
+) -> tuple[B, object]:
+    """The body decoded once into its route's struct, and the model slot it names."""
+    f = decode_fields(v.require_object(await read_json(request)), kind)
+    name = f.model_name()
     if not name:
         raise invalid("missing required parameter: 'model'", "model")
-    return body, resolve(request, name, kinds)
+    return f, resolve(request, name, kinds)
 
 
 def created_at(at: float | None = None) -> str:

@@ -23,7 +23,7 @@ from ..auth import may_use
 from ..state import MANAGER, SETTINGS
 from . import ollama_common as oc
 from . import translate as t
-from . import validate as v
+from .ollama_fields import OllamaBody, OllamaEmbedBody
 
 routes = web.RouteTableDef()
 
@@ -120,7 +120,7 @@ def _capabilities(slot) -> list[str]:
 
 @routes.post("/api/show")
 async def show(request: web.Request) -> web.Response:
-    body, slot = await oc.open_request(request, kinds=(*CHAT_KINDS, *ENCODER_KINDS))
+    _, slot = await oc.open_request(request, OllamaBody, kinds=(*CHAT_KINDS, *ENCODER_KINDS))
     path = _model_dir(request, slot)
     config = _read_json(path / "config.json")
     template = _read_json(path / "tokenizer_config.json").get("chat_template")
@@ -158,13 +158,12 @@ def _inputs(raw, name: str) -> list[str]:
     raise invalid(f"'{name}' must be a non-empty string or a list of non-empty strings", name)
 
 
-async def _embed(request: web.Request, slot, body: dict, inputs: list[str]) -> tuple[list[list[float]], dict]:
-    oc.parse_options(body)  # checked like every API's options, though an encoder samples nothing
-    v.boolean(body, "truncate")  # the model's entry decides (truncate: in models.yaml)
+async def _embed(request: web.Request, slot, f: OllamaEmbedBody, inputs: list[str]) -> tuple[list[list[float]], dict]:
+    oc.parse_options(f)  # checked like every API's options, though an encoder samples nothing
     req = p.EmbedRequest(
         rid=request["rid"],
         inputs=inputs,
-        dimensions=v.integer(body, "dimensions", lo=1),
+        dimensions=f.dimensions,
         timeout_s=request.app[SETTINGS].request_timeout_s,
     )
     async with t.generation(request, slot, req) as gen:
@@ -177,11 +176,11 @@ async def _embed(request: web.Request, slot, body: dict, inputs: list[str]) -> t
 
 @routes.post("/api/embed")
 async def embed(request: web.Request) -> web.Response:
-    body, slot = await oc.open_request(request, kinds=(ModelKind.EMBEDDING,))
-    keep_alive = oc.parse_duration(body.get("keep_alive"))
-    inputs = _inputs(body.get("input"), "input")
+    f, slot = await oc.open_request(request, OllamaEmbedBody, kinds=(ModelKind.EMBEDDING,))
+    keep_alive = oc.parse_duration(f.keep_alive)
+    inputs = _inputs(f.input, "input")
     try:
-        vectors, timing = await _embed(request, slot, body, inputs)
+        vectors, timing = await _embed(request, slot, f, inputs)
     finally:
         oc.apply_keep_alive(request, slot, keep_alive)
     counters = {k: timing[k] for k in ("total_duration", "load_duration", "prompt_eval_count")}
@@ -191,11 +190,11 @@ async def embed(request: web.Request) -> web.Response:
 @routes.post("/api/embeddings")
 async def embeddings(request: web.Request) -> web.Response:
     """The older single-prompt form: {"model", "prompt"} -> {"embedding": [...]}."""
-    body, slot = await oc.open_request(request, kinds=(ModelKind.EMBEDDING,))
-    keep_alive = oc.parse_duration(body.get("keep_alive"))
-    inputs = _inputs(body.get("prompt"), "prompt")
+    f, slot = await oc.open_request(request, OllamaEmbedBody, kinds=(ModelKind.EMBEDDING,))
+    keep_alive = oc.parse_duration(f.keep_alive)
+    inputs = _inputs(f.prompt, "prompt")
     try:
-        vectors, _ = await _embed(request, slot, body, inputs)
+        vectors, _ = await _embed(request, slot, f, inputs)
     finally:
         oc.apply_keep_alive(request, slot, keep_alive)
     return web.json_response({"embedding": vectors[0]})

@@ -17,7 +17,7 @@ from mlxgw.shared.errors import invalid
 
 from ..state import SETTINGS
 from . import translate as t
-from . import validate as v
+from .aux_fields import EmbeddingsFields, required
 
 routes = web.RouteTableDef()
 
@@ -28,9 +28,9 @@ def _is_tokens(x) -> bool:
     return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 
 
-def parse_inputs(body: dict) -> list:
+def parse_inputs(raw) -> list:
     """A string, a list of strings, a token array, or a list of token arrays."""
-    raw = v.required(body, "input")
+    required(raw, "input")
     if isinstance(raw, str) or _is_tokens(raw):
         inputs = [raw]
     elif isinstance(raw, list) and raw and all(isinstance(x, str) or _is_tokens(x) for x in raw):
@@ -50,17 +50,17 @@ def parse_inputs(body: dict) -> list:
 
 @routes.post("/v1/embeddings")
 async def embeddings(request: web.Request) -> web.Response:
-    body, slot = await t.open_request(request, (ModelKind.EMBEDDING,))
-    inputs = parse_inputs(body)
-    fmt = v.string(body, "encoding_format", default="float")
+    f, slot = await t.open_fields(request, EmbeddingsFields, (ModelKind.EMBEDDING,))
+    inputs = parse_inputs(f.input)
+    fmt = "float" if f.encoding_format is None else f.encoding_format
     if fmt not in ("float", "base64"):
         raise invalid("'encoding_format' must be 'float' or 'base64'", "encoding_format")
     req = p.EmbedRequest(
         rid=request["rid"],
         inputs=inputs,
-        dimensions=v.integer(body, "dimensions", lo=1),
+        dimensions=f.dimensions,
         timeout_s=request.app[SETTINGS].request_timeout_s,
-        priority=t.granted_priority(request, v.integer(body, "priority", lo=-100, hi=100, default=0)),
+        priority=t.granted_priority(request, f.priority or 0),
     )
     async with t.generation(request, slot, req) as gen:
         done = await gen.finish_event()

@@ -14,16 +14,16 @@ from mlxgw.shared.errors import invalid
 
 from ..state import SETTINGS
 from . import translate as t
-from . import validate as v
+from .aux_fields import RerankFields, required
 
 routes = web.RouteTableDef()
 
 MAX_DOCUMENTS = 1000
 
 
-def parse_documents(body: dict) -> list[str]:
+def parse_documents(raw) -> list[str]:
     """Strings, or objects with a 'text' field (Jina and Cohere v1 accept both)."""
-    raw = v.required(body, "documents")
+    required(raw, "documents")
     if not isinstance(raw, list) or not raw:
         raise invalid("'documents' must be a non-empty list", "documents")
     if len(raw) > MAX_DOCUMENTS:
@@ -40,13 +40,13 @@ def parse_documents(body: dict) -> list[str]:
 @routes.post("/v1/rerank")
 @routes.post("/v2/rerank")
 async def rerank(request: web.Request) -> web.Response:
-    body, slot = await t.open_request(request, ENCODER_KINDS)
-    query = v.string(body, "query", required_=True)
+    f, slot = await t.open_fields(request, RerankFields, ENCODER_KINDS)
+    query = required(f.query, "query")
     if not query:
         raise invalid("'query' must not be empty", "query")
-    docs = parse_documents(body)
-    top_n = v.integer(body, "top_n", lo=1, default=len(docs))
-    return_documents = v.boolean(body, "return_documents", default=True)
+    docs = parse_documents(f.documents)
+    top_n = len(docs) if f.top_n is None else f.top_n
+    return_documents = f.return_documents is not False
     req = p.EmbedRequest(
         rid=request["rid"], inputs=docs, query=query, timeout_s=request.app[SETTINGS].request_timeout_s
     )

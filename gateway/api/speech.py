@@ -20,7 +20,9 @@ from ..auth import resolve_model
 from ..state import SETTINGS
 from ..work_pools import THREAD_POOLS
 from . import validate as v
+from .aux_fields import SpeechFields, required
 from .body import read_json
+from .fields import decode_fields
 from .translate import generation
 
 MAX_INPUT_CHARS = 4096
@@ -58,22 +60,21 @@ def encode(pcm: bytes, rate: int, fmt: str) -> bytes:
 
 
 async def create_speech(request: web.Request) -> web.Response:
-    body = v.require_object(await read_json(request))
-    model = v.string(body, "model", required_=True)
-    slot = resolve_model(request, model, (ModelKind.SPEECH,))
-    text = v.string(body, "input", required_=True)
+    f = decode_fields(v.require_object(await read_json(request)), SpeechFields)
+    slot = resolve_model(request, required(f.model, "model"), (ModelKind.SPEECH,))
+    text = required(f.input, "input")
     if not text.strip():
         raise invalid("'input' must not be empty", "input")
     if len(text) > MAX_INPUT_CHARS:
         raise invalid(f"'input' is longer than {MAX_INPUT_CHARS} characters", "input")
-    fmt = v.string(body, "response_format", default="mp3")
+    fmt = "mp3" if f.response_format is None else f.response_format
     if fmt not in FORMATS:
         raise invalid(f"'response_format' must be one of {', '.join(FORMATS)}", "response_format")
     req = p.SpeechRequest(
         rid=request["rid"],
         input=text,
-        voice=v.string(body, "voice"),
-        speed=v.number(body, "speed", 0.25, 4.0, default=1.0),
+        voice=f.voice,
+        speed=1.0 if f.speed is None else f.speed,
         timeout_s=request.app[SETTINGS].request_timeout_s,
     )
     async with generation(request, slot, req) as gen:

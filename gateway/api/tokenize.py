@@ -13,7 +13,8 @@ from mlxgw.shared.errors import invalid
 
 from ..state import MANAGER, SETTINGS
 from . import translate as t
-from . import validate as v
+from .aux_fields import DetokenizeFields, TokenizeFields, required
+from .fields import INT32_MAX
 from .images import collect_images
 from .openai_chat import parse_messages
 
@@ -22,28 +23,25 @@ routes = web.RouteTableDef()
 MAX_TOKENS_IN = 1_000_000  # ids per /detokenize request
 
 
-def _tokenize_args(body: dict, images) -> dict:
+def _tokenize_args(f: TokenizeFields, images) -> dict:
     """The worker's tokenize arguments: a prompt, or chat messages (images still inline)."""
-    has_prompt, has_messages = body.get("prompt") is not None, body.get("messages") is not None
+    has_prompt, has_messages = f.prompt is not None, f.messages is not None
     if has_prompt == has_messages:
         raise invalid("send exactly one of 'prompt' or 'messages'", "prompt")
     if has_prompt:
-        return {"prompt": v.string(body, "prompt"), "add_special_tokens": v.boolean(body, "add_special_tokens", True)}
-    tools = body.get("tools")
-    if tools is not None and not isinstance(tools, list):
-        raise invalid("'tools' must be a list", "tools")
+        return {"prompt": f.prompt, "add_special_tokens": f.add_special_tokens is not False}
     return {
-        "messages": parse_messages(body["messages"], images),
-        "tools": tools or None,
-        "chat_template_kwargs": v.mapping(body, "chat_template_kwargs"),
+        "messages": parse_messages(f.messages, images),
+        "tools": f.tools or None,
+        "chat_template_kwargs": f.chat_template_kwargs,
     }
 
 
 @routes.post("/tokenize")
 async def tokenize(request: web.Request) -> web.Response:
-    body, slot = await t.open_request(request)
+    f, slot = await t.open_fields(request, TokenizeFields)
     limits = t.image_limits(request, slot)
-    args = _tokenize_args(body, limits)
+    args = _tokenize_args(f, limits)
     if "messages" in args:
         args["messages"], images = await collect_images(args["messages"], limits)
         if images:
@@ -65,12 +63,12 @@ async def tokenize(request: web.Request) -> web.Response:
 
 @routes.post("/detokenize")
 async def detokenize(request: web.Request) -> web.Response:
-    body, slot = await t.open_request(request)
-    tokens = v.required(body, "tokens")
+    f, slot = await t.open_fields(request, DetokenizeFields)
+    tokens = required(f.tokens, "tokens")
     if (
         not isinstance(tokens, list)
         or len(tokens) > MAX_TOKENS_IN
-        or not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= v.INT32_MAX for x in tokens)
+        or not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= INT32_MAX for x in tokens)
     ):
         raise invalid(f"'tokens' must be a list of at most {MAX_TOKENS_IN} token ids (integers >= 0)", "tokens")
     manager = request.app[MANAGER]

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
+from typing import TypeVar
 
 from aiohttp import web
 
@@ -26,7 +27,7 @@ from ..sse import SSEWriter
 from ..state import MANAGER, SETTINGS
 from . import validate as v
 from .body import read_json
-from .fields import CommonFields, decode_fields, logit_bias
+from .fields import CommonFields, ModelField, decode_fields, logit_bias
 from .images import ImageLimits, collect_images
 from .stream import EmitterFactory, run_stream
 
@@ -41,6 +42,8 @@ DEFAULT_MAX_TOKENS = 4096
 # instead of at the time limit.
 RATE_CAP_SHARE = 0.9
 RATE_CAP_FLOOR = 256
+
+F = TypeVar("F", bound=ModelField)
 
 
 @dataclass
@@ -198,10 +201,25 @@ def image_limits(request: web.Request, slot) -> ImageLimits | None:
 
 
 async def open_request(request: web.Request, kinds: tuple[ModelKind, ...] = CHAT_KINDS) -> tuple[dict, object]:
-    """The handler preamble of every API: the JSON body and the model slot it names."""
+    """The handler preamble of the generating APIs: the JSON body (which their parse decodes
+    into the API's struct) and the model slot it names."""
     body = v.require_object(await read_json(request))
-    model = v.string(body, "model", required_=True)
-    return body, resolve_model(request, model, kinds)
+    return body, _slot(request, decode_fields(body, ModelField), kinds)
+
+
+async def open_fields(
+    request: web.Request, kind: type[F], kinds: tuple[ModelKind, ...] = CHAT_KINDS
+) -> tuple[F, object]:
+    """The handler preamble of a route whose struct declares all it reads, `model` included:
+    the body decoded once, and the model slot it names."""
+    fields = decode_fields(v.require_object(await read_json(request)), kind)
+    return fields, _slot(request, fields, kinds)
+
+
+def _slot(request: web.Request, fields: ModelField, kinds: tuple[ModelKind, ...]):
+    if fields.model is None:
+        raise invalid("missing required parameter: 'model'", "model")
+    return resolve_model(request, fields.model, kinds)
 
 
 def generation(request: web.Request, slot, req: p.WorkerRequest) -> Generation:
