@@ -96,17 +96,25 @@ def test_weights_share_rows_in_proportion():
     assert sorted(running) == ["h", "h", "h", "l"]
 
 
-def test_background_rows_yield_to_an_interactive_request():
-    # No starvation bound to wait out: background work yields at once.
+def _two_busy_rows_then(early: list[p.GenerateRequest], late: p.GenerateRequest):
+    """Two rows busy with `early` (a long starvation bound), then `late` arrives: the
+    scheduler and what the step after its arrival streamed (texts, ends, first tokens)."""
     sched = Scheduler(NullRunner(), max_num_seqs=2, max_queue=64, fair=FairQueue(enabled=True, starve_s=1000))
-    for i in range(2):
-        sched.submit(_req(f"bg{i}", "A", priority=p.BACKGROUND_PRIORITY))
+    for req in early:
+        sched.submit(req)
     sched.step()
-    sched.submit(_req("chat", "A", max_tokens=5))
+    sched.submit(late)
     texts: dict[str, str] = {}
     ends: dict[str, dict] = {}
     first: list[str] = []
     _collect(sched.step(), texts, ends, first)
+    return sched, texts, ends, first
+
+
+def test_background_rows_yield_to_an_interactive_request():
+    # No starvation bound to wait out: background work yields at once.
+    background = [_req(f"bg{i}", "A", priority=p.BACKGROUND_PRIORITY) for i in range(2)]
+    sched, texts, ends, first = _two_busy_rows_then(background, _req("chat", "A", max_tokens=5))
     assert "chat" in first and sched.counters()["preemptions"] == 1, "the next step starts the interactive request"
     _, rest, _ = _run(sched)
     ends.update(rest)
@@ -115,15 +123,8 @@ def test_background_rows_yield_to_an_interactive_request():
 
 def test_a_key_with_no_row_running_preempts_at_once_and_one_with_a_row_waits_out_the_bound():
     # A long starvation bound: only a key with nothing running may skip it.
-    sched = Scheduler(NullRunner(), max_num_seqs=2, max_queue=64, fair=FairQueue(enabled=True, starve_s=1000))
-    for i in range(4):
-        sched.submit(_req(f"a{i}", "A"))
-    sched.step()
-    sched.submit(_req("b0", "B", max_tokens=5))
-    texts: dict[str, str] = {}
-    ends: dict[str, dict] = {}
-    first: list[str] = []
-    _collect(sched.step(), texts, ends, first)
+    flood = [_req(f"a{i}", "A") for i in range(4)]
+    sched, texts, ends, first = _two_busy_rows_then(flood, _req("b0", "B", max_tokens=5))
     assert "b0" in first and sched.counters()["preemptions"] == 1, "B's first request starts on the next step"
     sched.submit(_req("b1", "B", max_tokens=5))  # B now holds a row: its second request waits its turn
     _collect(sched.step(), texts, ends, first)
