@@ -137,14 +137,16 @@ def test_a_long_prefill_reports_its_progress_in_status(answer_bound_gw):
 
 
 def test_the_answer_time_limit_returns_the_answer_in_every_api_shape(answer_bound_gw):
-    """At the 3-s answer bound each API gets the text generated so far, cut as by max_tokens:
-    OpenAI finish_reason length, Responses incomplete; Anthropic's turn ends (end_turn: a
-    max_tokens stop makes Claude Code ask for more, see gateway/api/anthropic.py _stop)."""
+    """At the 3-s answer bound each API gets the text generated so far: Chat Completions
+    finish_reason length; the agents' APIs end the turn (Anthropic end_turn, Responses
+    completed), since Claude Code takes max_tokens as a cue to ask for more and Codex takes
+    incomplete for an error (gateway/api/anthropic.py _stop, responses_output.py finish)."""
     import anthropic
 
     gw = answer_bound_gw
     results: dict = {}
     ask = {"max_tokens": 30000, "extra_body": {"logit_bias": NO_EOS}}
+    ask_body = {"extra_body": ask["extra_body"]}
 
     def chat() -> None:
         out = openai_client(gw, timeout=60).chat.completions.create(model="chunky", messages=MSGS, **ask)
@@ -160,9 +162,14 @@ def test_the_answer_time_limit_returns_the_answer_in_every_api_shape(answer_boun
 
     def responses() -> None:
         out = openai_client(gw, timeout=60).responses.create(
-            model="chunky", input="Write a very long story.", max_output_tokens=30000, extra_body=ask["extra_body"]
+            model="chunky", input="Write a very long story.", max_output_tokens=30000, **ask_body
         )
         results["responses"] = (out.status, out.usage.output_tokens, out.output_text)
+        stream = openai_client(gw, timeout=60).responses.create(
+            model="chunky", input="Write a very long story.", max_output_tokens=30000, stream=True, **ask_body
+        )
+        final = [e.response for e in stream if e.type.startswith("response.") and hasattr(e, "response")][-1]
+        results["responses-stream"] = (final.status, final.usage.output_tokens, final.output_text)
 
     threads = [threading.Thread(target=fn) for fn in (chat, messages, responses)]
     for t in threads:
@@ -173,7 +180,8 @@ def test_the_answer_time_limit_returns_the_answer_in_every_api_shape(answer_boun
         "chat": "length",
         "anthropic": "end_turn",
         "anthropic-stream": "end_turn",
-        "responses": "incomplete",
+        "responses": "completed",
+        "responses-stream": "completed",
     }, results
     for _, tokens, text in results.values():
         assert tokens > 0 and text

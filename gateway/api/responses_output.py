@@ -97,7 +97,11 @@ class ResponseBuilder:
             store[self.id] = [*self.history, turn]
             while len(store) > STORE_LIMIT:
                 store.popitem(last=False)
-        incomplete = "max_output_tokens" if reason == "length" else None
+        # An answer cut by the server's answer time limit is a completed turn: Codex reads
+        # `incomplete` as an error ("Incomplete response returned, reason: max_output_tokens",
+        # exit 1) and the answer is lost to it. The log and ledger record the cut.
+        cut_by_budget = reason == "length" and not self.gen.time_limited
+        incomplete = "max_output_tokens" if cut_by_budget else None
         return self.snapshot("incomplete" if incomplete else "completed", incomplete)
 
 
