@@ -31,23 +31,22 @@ def request(**kw) -> GenerateRequest:
 
 
 def decode_greedy(text, guard, answer_so_far: str, prefer: str, steps: int = 12) -> str:
-    """Feed answer_so_far token by token, then decode greedily from logits that prefer the
-    tokens of `prefer`, through the guard; return what was written after answer_so_far."""
+    """Feed answer_so_far token by token, then decode greedily through the guard from logits
+    that favour whatever continues `prefer` from the text written so far (a model that
+    "wants" to write prefer); return what was written after answer_so_far."""
     tok = text.tokenizer
     vocab = text.vocab_size
-    fed = tok.encode(answer_so_far, add_special_tokens=False)
-    wanted = tok.encode(prefer, add_special_tokens=False)
     tokens = [tok.bos_token_id or 0]
-    for t in fed:  # the answer so far: the guard sees each token one step after it is sampled
-        guard(mx.array(tokens), mx.zeros((1, vocab)))
+    for t in tok.encode(answer_so_far, add_special_tokens=False):
+        guard(mx.array(tokens), mx.zeros((1, vocab)))  # each token is seen one step after it is sampled
         tokens.append(t)
-    out = []
-    for i in range(steps):
+    out: list[int] = []
+    for _ in range(steps):
         logits = mx.zeros((1, vocab))
-        if i < len(wanted):
-            logits[0, wanted[i]] = 50.0  # what the model "wants" to write
-        masked = guard(mx.array(tokens), logits)
-        token = int(mx.argmax(masked, axis=-1).item())
+        written = tok.decode(out)
+        if prefer.startswith(written) and len(prefer) > len(written):
+            logits[0, tok.encode(prefer[len(written) :], add_special_tokens=False)[0]] = 50.0
+        token = int(mx.argmax(guard(mx.array(tokens), logits), axis=-1).item())
         tokens.append(token)
         out.append(token)
     return tok.decode(out)
@@ -81,11 +80,32 @@ def test_the_next_call_of_a_list_is_guided_too(text):
     guard = text.make_constraint(request(tools=TOOLS))
     prefer = 'Bash", "arguments": {}}, {"name": "create'
     written = decode_greedy(text, guard, '[{"name": "', prefer=prefer, steps=24)
-    # (the guard ends the name at its quote, so these fixed logits lose the comma of '",')
-    assert written.startswith('Bash"') and '}, {"name": "' in written, written
+    assert written.startswith('Bash", "arguments": {}}, {"name": "'), written
     second = written.split('{"name": "')[1]
     assert any(second.startswith(n + '"') for n in ("Write", "Bash", "exec_command")), written
     assert guard.guided == 2
+
+
+AGENT = {
+    "type": "function",
+    "function": {
+        "name": "Agent",
+        "parameters": {
+            "type": "object",
+            "properties": {"description": {"type": "string"}, "prompt": {"type": "string"}},
+            "required": ["description", "prompt"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def test_the_arguments_must_hold_what_the_tool_requires(text):
+    guard = text.make_constraint(request(tools=[AGENT, *TOOLS]))
+    # Qwen's real call on Claude Code's tools, which Claude Code refused: no description
+    written = decode_greedy(text, guard, '{"name": "', prefer='Agent", "arguments": {"prompt": "hi"}}', steps=40)
+    # the model's own next tokens would close the object without it; the schema does not let them
+    assert written.startswith('Agent", "arguments": {') and '"description": "' in written, written
 
 
 def test_a_partly_written_name_is_completed_among_the_names_it_can_still_be(text):

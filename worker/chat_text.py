@@ -152,13 +152,13 @@ class ChatText:
         return self._constraint_factory().processor(req.constraint, markup)
 
     def _tool_name_guard(self, tools: list):
-        from .tool_name_guard import ToolNameGuard, offered_names
+        from .tool_name_guard import ToolNameGuard, offered_tools
 
-        names = offered_names(tools)
-        if not names:
+        offered = offered_tools(tools)
+        if not offered:
             return None
         factory = self._constraint_factory()
-        return ToolNameGuard(factory.ll_tokenizer(), self.tokenizer._tokenizer.decode, names, self.vocab_size)
+        return ToolNameGuard(factory.ll_tokenizer(), self.tokenizer._tokenizer.decode, offered, self.vocab_size)
 
     def _constraint_factory(self):
         if self._constraints is None:

@@ -7,8 +7,8 @@ free until a trigger appears, then constrained. Here the trigger is the opening 
 object (`{"name": "` where a call can start: the start of the answer, after the model's own
 tool markup, at the top of a Markdown fence, or OpenAI's `{"type": "function", "function":
 {"name": "`), and the constraint lasts only for the name: it must be one of the offered
-tools', then the closing quote, and decoding is free again. Arguments are not constrained
-(the output parser reads them, and a wrong argument is the tool's to report).
+tools', followed by `"arguments"` valid against that tool's schema (required fields, types,
+enums), and decoding is free again after the call object closes.
 
 The guard is a logits processor with per-sequence state, so such rows do not speculate and
 are not preempted (like any constraint): it is a per-model choice (`tool_name_guard: true`
@@ -16,6 +16,7 @@ in models.yaml), on in config/agents.yaml."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import mlx.core as mx
@@ -43,10 +44,12 @@ class ToolNameGuard:
     Called once per step with the sequence's tokens (the last one is the token sampled at
     the previous step) and the next token's logits."""
 
-    def __init__(self, ll_tokenizer, decode, names: list[str], vocab_size: int):
+    def __init__(self, ll_tokenizer, decode, tools: list[tuple[str, dict]], vocab_size: int):
+        """tools: (name, JSON schema of its arguments) for each offered tool."""
         self._ll = ll_tokenizer
         self._decode = decode  # token ids -> text
-        self.names = sorted({n for n in names if isinstance(n, str) and n})
+        self._schemas = [(n, s) for n, s in tools if isinstance(n, str) and n]
+        self.names = sorted({n for n, _ in self._schemas})
         self._vocab = vocab_size
         self._text = ""  # the answer so far
         self._matcher = None  # set while a name is being written
@@ -83,12 +86,38 @@ class ToolNameGuard:
             return None  # a name no tool has: nothing to steer (the parser keeps it as text)
         import llguidance
 
-        pattern = "(" + "|".join(rust_regex_escape(r) for r in rests) + ')"'
-        matcher = llguidance.LLMatcher(self._ll, llguidance.LLMatcher.grammar_from_regex(pattern))
-        if matcher.is_error():
-            return None
+        matcher = self._call_matcher(written)
+        if matcher is None:  # a schema llguidance cannot take: the name alone
+            pattern = "(" + "|".join(rust_regex_escape(r) for r in rests) + ')"'
+            matcher = llguidance.LLMatcher(self._ll, llguidance.LLMatcher.grammar_from_regex(pattern))
+            if matcher.is_error():
+                return None
         self.guided += 1
         return matcher
+
+    def _call_matcher(self, written: str):
+        """The rest of the call after the part of its name already written: an offered name,
+        then `"arguments"` valid against that tool's schema, then the object's end. A call
+        that names the right tool with its required arguments missing is an error the client
+        hands back to the model (Qwen's Claude Code call of `Agent` without `description`)."""
+        import llguidance
+
+        from .constraints import COMPACT_JSON
+
+        rules, alternatives = [], []
+        for i, (name, schema) in enumerate(self._schemas):
+            if not name.startswith(written):
+                continue
+            head = json.dumps(name[len(written) :] + '", "arguments": ')
+            alternatives.append(f"c{i}")
+            rules.append(f'c{i}: {head} a{i} "}}"')
+            rules.append(f"a{i}: %json {json.dumps({**schema, 'x-guidance': COMPACT_JSON})}")
+        grammar = "start: " + " | ".join(alternatives) + "\n" + "\n".join(rules) + "\n"
+        try:
+            matcher = llguidance.LLMatcher(self._ll, llguidance.LLMatcher.grammar_from_lark(grammar))
+        except (ValueError, RuntimeError):
+            return None
+        return None if matcher.is_error() else matcher
 
     def _mask(self, logits: mx.array) -> mx.array:
         import llguidance.numpy as llnp
@@ -97,12 +126,13 @@ class ToolNameGuard:
         return mask_logits(self._matcher, bitmask, self._vocab, logits)
 
 
-def offered_names(tools: list | None) -> list[str]:
-    """The names of the offered tools, in OpenAI's or the flat shape."""
-    names = []
+def offered_tools(tools: list | None) -> list[tuple[str, dict]]:
+    """(name, arguments schema) of the offered tools, in OpenAI's or the flat shape."""
+    offered = []
     for tool in tools or []:
         if isinstance(tool, dict):
             spec = tool.get("function", tool)
             if isinstance(spec, dict) and isinstance(spec.get("name"), str):
-                names.append(spec["name"])
-    return names
+                schema = spec.get("parameters")
+                offered.append((spec["name"], schema if isinstance(schema, dict) else {"type": "object"}))
+    return offered
