@@ -1,4 +1,4 @@
-"""Tool names a small model cannot get wrong: a lazy constraint on the name of a call.
+"""Tool calls a small model cannot get wrong: a lazy constraint on a call once it opens.
 
 Small models often write the right call shape with a made-up name (Qwen2.5-Coder-0.5B on
 Claude Code's tools: ```` ```json {"name": "create hello.py", ...} ````), which then stays
@@ -6,9 +6,9 @@ text, and the agent's work is not done. llama.cpp's answer is a lazy grammar: de
 free until a trigger appears, then constrained. Here the trigger is the opening of a call
 object (`{"name": "` where a call can start: the start of the answer, after the model's own
 tool markup, at the top of a Markdown fence, or OpenAI's `{"type": "function", "function":
-{"name": "`), and the constraint lasts only for the name: it must be one of the offered
-tools', followed by `"arguments"` valid against that tool's schema (required fields, types,
-enums), and decoding is free again after the call object closes.
+{"name": "`), and the constraint lasts until the call object closes: the name must be one of
+the offered tools', followed by `"arguments"` valid against that tool's schema (required
+fields, types, enums); then decoding is free again.
 
 The guard is a logits processor with per-sequence state, so such rows do not speculate and
 are not preempted (like any constraint): it is a per-model choice (`tool_name_guard: true`
@@ -21,7 +21,7 @@ import re
 
 import mlx.core as mx
 
-from .constraints import mask_logits
+from .constraints import COMPACT_JSON, mask_logits
 
 # Where a call object can open, up to the start of its name (possibly partly written: a
 # token may carry the quote and the name's first letters).
@@ -39,7 +39,8 @@ def rust_regex_escape(text: str) -> str:
 
 
 class ToolNameGuard:
-    """Logits processor: free decoding, except that a call's name must be an offered one.
+    """Logits processor: free decoding, except inside a call, which must be to an offered
+    tool with arguments valid for it.
 
     Called once per step with the sequence's tokens (the last one is the token sampled at
     the previous step) and the next token's logits."""
@@ -52,7 +53,8 @@ class ToolNameGuard:
         self.names = sorted({n for n, _ in self._schemas})
         self._vocab = vocab_size
         self._text = ""  # the answer so far
-        self._matcher = None  # set while a name is being written
+        self._matcher = None  # set while a call is being written
+        self._bitmask = None  # llguidance's one-row mask, allocated on the first guided step
         self._started = False
         self.guided = 0  # names constrained (for tests and stats)
 
@@ -62,7 +64,7 @@ class ToolNameGuard:
             if self._matcher is not None:
                 self._matcher.consume_token(token)
                 if self._matcher.is_accepting() or self._matcher.is_error():
-                    self._matcher = None  # the name and its quote are written: free again
+                    self._matcher = None  # the call object is written: free again
             self._text += self._decode([token])
         self._started = True
         if self._matcher is None and self.names:
@@ -72,7 +74,7 @@ class ToolNameGuard:
         return self._mask(logits)
 
     def _trigger(self):
-        """A matcher for the rest of the name when a call's name has just opened, else None."""
+        """A matcher for the rest of the call when a call's name has just opened, else None."""
         text = self._text
         found = AT_ANSWER_START.search(text) if len(text) <= TAIL_CHARS else None
         found = found or AFTER_MARKUP.search(text[-TAIL_CHARS:])
@@ -102,8 +104,6 @@ class ToolNameGuard:
         hands back to the model (Qwen's Claude Code call of `Agent` without `description`)."""
         import llguidance
 
-        from .constraints import COMPACT_JSON
-
         rules, alternatives = [], []
         for i, (name, schema) in enumerate(self._schemas):
             if not name.startswith(written):
@@ -120,10 +120,11 @@ class ToolNameGuard:
         return None if matcher.is_error() else matcher
 
     def _mask(self, logits: mx.array) -> mx.array:
-        import llguidance.numpy as llnp
+        if self._bitmask is None:
+            import llguidance.numpy as llnp
 
-        bitmask = llnp.allocate_token_bitmask(1, self._ll.vocab_size)
-        return mask_logits(self._matcher, bitmask, self._vocab, logits)
+            self._bitmask = llnp.allocate_token_bitmask(1, self._ll.vocab_size)
+        return mask_logits(self._matcher, self._bitmask, self._vocab, logits)
 
 
 def offered_tools(tools: list | None) -> list[tuple[str, dict]]:
