@@ -30,6 +30,7 @@ BATCH_STORE = web.AppKey("batch_store", BatchStore)
 BATCH_TOKEN = web.AppKey("batch_token", str)
 SELF_URL = web.AppKey("self_url", dict)  # {"url": ...} once the gateway listens (server.py)
 BATCH_WAKE = web.AppKey("batch_wake", asyncio.Event)  # set by POST /v1/batches: start it now
+BATCH_RUNNER = web.AppKey("batch_runner", object)  # the running BatchRunner (quiesce_batches)
 TOKEN_HEADER, OWNER_HEADER = "x-mlxgw-batch-token", "x-mlxgw-batch-owner"
 # Requests of one batch in flight at once: they run at background priority, so interactive
 # requests still go first in the worker; this only bounds the batch's share of its queue.
@@ -60,6 +61,16 @@ class BatchRunner:
         self._purged_at = -PURGE_S
         self._claimed: dict[str, float] = {}  # batch id -> when this process last renewed its claim
         self._lost: set[str] = set()
+        self._closing = False  # a graceful stop: no new request starts, none is finalized
+
+    async def quiesce(self, timeout: float) -> None:
+        """A graceful stop, before the server stops listening: no batch starts another request,
+        and the requests in flight finish and are recorded, so the next gateway sends only the
+        ones never sent. Past the timeout the rest are cancelled (and sent again next start)."""
+        self._closing = True
+        self.app[BATCH_WAKE].set()
+        if self._tasks:
+            await asyncio.wait(list(self._tasks.values()), timeout=timeout)
 
     async def run(self) -> None:
         while SELF_URL not in self.app or "url" not in self.app[SELF_URL]:
@@ -68,7 +79,8 @@ class BatchRunner:
         try:
             wake = self.app[BATCH_WAKE]
             while True:
-                await self._tick()
+                if not self._closing:  # closing: the batches in flight finish; none starts
+                    await self._tick()
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(wake.wait(), TICK_S)
                 wake.clear()
@@ -105,6 +117,8 @@ class BatchRunner:
                 queue.put_nowait(line)
             workers = [self._drain(batch_id, owner, endpoint, queue) for _ in range(BATCH_CONCURRENCY)]
             await asyncio.gather(*workers)
+            if self._closing:
+                return  # the gateway stops: the batch resumes at the next start
             if batch_id in self._lost:
                 self._lost.discard(batch_id)
                 return
@@ -129,8 +143,10 @@ class BatchRunner:
             await asyncio.to_thread(self.store.record, batch_id, idx, ok, result)
 
     async def _stopping(self, batch_id: str) -> bool:
-        """Cancelled, past its completion window, or claimed by another gateway (no new
-        request starts then); renews this gateway's claim."""
+        """Cancelled, past its completion window, claimed by another gateway, or this gateway
+        stops (no new request starts then); renews this gateway's claim."""
+        if self._closing:
+            return True
         if time.monotonic() - self._claimed.get(batch_id, -LEASE_S) > LEASE_S:
             if not await asyncio.to_thread(self.store.claim, batch_id, os.getpid(), LEASE_STALE_S):
                 self._lost.add(batch_id)  # another gateway runs it now: it finalizes it too
@@ -198,8 +214,16 @@ def install(app: web.Application) -> None:
     app.cleanup_ctx.append(_lifecycle)
 
 
+async def quiesce_batches(app: web.Application, timeout: float) -> None:
+    """serve() calls this on SIGTERM/SIGINT while the gateway still listens (BatchRunner.quiesce)."""
+    runner = app.get(BATCH_RUNNER)
+    if isinstance(runner, BatchRunner):
+        await runner.quiesce(timeout)
+
+
 async def _lifecycle(app: web.Application):
-    task = asyncio.create_task(BatchRunner(app).run())
+    app[BATCH_RUNNER] = runner = BatchRunner(app)
+    task = asyncio.create_task(runner.run())
     yield
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):

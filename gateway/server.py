@@ -24,6 +24,9 @@ from .logcap import install_log_limits
 from .runfiles import PortBusy, check_port, clean_stale_run_files, remove_pid_file, write_pid_file
 from .state import MANAGER, GatewaySettings
 
+# How long a graceful stop waits for the requests in flight (aiohttp's own default).
+SHUTDOWN_TIMEOUT_S = 60.0
+
 log = logging.getLogger("mlxgw.gateway")
 
 
@@ -65,7 +68,7 @@ async def serve(
         settings.max_connections, settings.header_timeout_s, settings.idle_timeout_s, settings.body_timeout_s
     )
     # Cancel a handler when its client disconnects: a gone client frees its sequence.
-    runner = EdgeRunner(app, limits, handler_cancellation=True, access_log=None)
+    runner = EdgeRunner(app, limits, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_address=True)
     try:
@@ -74,7 +77,7 @@ async def serve(
         log.error("cannot listen on %s:%d: %s", host, port, e.strerror)
         await runner.cleanup()
         raise SystemExit(2) from None
-    from .batch_runner import SELF_URL
+    from .batch_runner import SELF_URL, quiesce_batches
 
     loopback = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
     app[SELF_URL]["url"] = f"http://{'[' + loopback + ']' if ':' in loopback else loopback}:{port}"  # batch runner
@@ -99,6 +102,9 @@ async def serve(
         announcer.cancel()
         log.info("shutting down")
         await asyncio.gather(*reloads, return_exceptions=True)
+        # Batch requests in flight finish and are recorded while the gateway still listens:
+        # the same bound as aiohttp gives the interactive handlers in runner.cleanup().
+        await quiesce_batches(app, SHUTDOWN_TIMEOUT_S)
         await runner.cleanup()
     finally:
         remove_pid_file(pid_path)

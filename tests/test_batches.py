@@ -220,6 +220,8 @@ def test_a_graceful_restart_mid_batch_sends_no_request_twice(home, tiny_dir):
     finally:
         gw.stop()  # SIGTERM, then the graceful drain
     first = {i for i in range(16) if f"{batch.id}-{i}-" in gw.log()}
+    cut = [ln for ln in gw.log().splitlines() if f"request_id={batch.id}-" in ln and "status=200" not in ln]
+    assert not cut, f"the stop cut batch requests in flight instead of letting them finish: {cut}"
     gw2 = start_gateway(own, BATCH_CONFIG, "batch-graceful-2", extra_args=("--keys", keys))
     try:
         done = _wait_done(_client(gw2, "alice"), batch.id, timeout=120)
