@@ -390,3 +390,44 @@ def test_a_new_billing_line_does_not_miss_the_prefix_cache(tiny_gateway):
     c.messages.create(model="tiny", max_tokens=1, system=_system_with_billing_line("11111"), messages=MSGS)
     again = c.messages.create(model="tiny", max_tokens=1, system=_system_with_billing_line("99999"), messages=MSGS)
     assert again.usage.cache_read_input_tokens >= again.usage.input_tokens - 1
+
+
+WRITE_TOOL = {
+    "name": "Write",
+    "description": "Writes a file.",
+    "input_schema": {"type": "object", "properties": {"file_path": {"type": "string"}}, "required": ["file_path"]},
+}
+# What Claude Code 2.1 sends first: a deferred placeholder ("never call this tool") that a small
+# model called when it was shown.
+PLACEHOLDER = {
+    "name": "DeferredToolPlaceholder",
+    "description": "Reserved placeholder that keeps deferred tool loading active; never call this tool.",
+    "input_schema": {"type": "object", "properties": {}},
+    "defer_loading": True,
+}
+
+
+def test_a_deferred_tool_is_not_shown_to_the_model_until_a_tool_search_loads_it(tiny_gateway):
+    def count(tools, messages=MSGS) -> int:
+        body = {"model": "tiny", "messages": messages, "tools": tools}  # tools in its generic system turn
+        status, _, r = http(f"{tiny_gateway.url}/v1/messages/count_tokens", method="POST", body=body)
+        assert status == 200, r
+        return r["input_tokens"]
+
+    plain = count([WRITE_TOOL])
+    assert count([PLACEHOLDER, WRITE_TOOL]) == plain, "a deferred tool reached the prompt"
+    assert count([{**PLACEHOLDER, "defer_loading": False}, WRITE_TOOL]) > plain  # one not deferred is shown
+    searched = MSGS + [
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "s1", "name": "tool_search", "input": {}}]},
+        {
+            "role": "user",
+            "content": [
+                {
+                    "type": "tool_result",
+                    "tool_use_id": "s1",
+                    "content": [{"type": "tool_reference", "tool_name": "DeferredToolPlaceholder"}],
+                }
+            ],
+        },
+    ]
+    assert count([PLACEHOLDER, WRITE_TOOL], searched) > count([WRITE_TOOL], searched), "a loaded tool is shown"

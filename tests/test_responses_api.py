@@ -190,3 +190,29 @@ def test_whitespace_between_tool_calls_is_no_message_item(tiny_gateway):
     events = list(client.responses.create(model="echo", input=f"{CALL}\n{CALL}\n", tools=TOOLS, stream=True))
     added = [e.item.type for e in events if e.type == "response.output_item.added"]
     assert added == ["function_call", "function_call"]
+
+
+def test_a_deferred_function_is_not_shown_to_the_model_until_a_tool_search_output_names_it(tiny_gateway):
+    """OpenAI's tool search: a function with defer_loading is left out of the prompt until a
+    tool_search_output item loads it (the same rule as Anthropic's, translate.is_deferred)."""
+    write = {"type": "function", "name": "write", "parameters": {"type": "object", "properties": {}}}
+    later = {**write, "name": "deploy", "description": "Deploys the service.", "defer_loading": True}
+
+    def prompt_tokens(tools, items="Hi") -> int:
+        r = openai_client(tiny_gateway).responses.create(model="tiny", input=items, tools=tools, max_output_tokens=1)
+        return r.usage.input_tokens
+
+    plain = prompt_tokens([write])
+    assert prompt_tokens([write, later]) == plain, "a deferred function reached the prompt"
+    assert prompt_tokens([write, {**later, "defer_loading": False}]) > plain
+    loaded = [
+        {"role": "user", "content": "Hi"},
+        {
+            "type": "tool_search_output",
+            "call_id": "ts1",
+            "status": "completed",
+            "execution": "client",
+            "tools": [later],
+        },
+    ]
+    assert prompt_tokens([write, later], loaded) > prompt_tokens([write], loaded), "a loaded function is shown"

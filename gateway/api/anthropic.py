@@ -29,16 +29,17 @@ routes = web.RouteTableDef()
 STOP_REASONS = {"length": "max_tokens", "stop": "end_turn", "tool_calls": "tool_use"}
 
 
-def _tools(raw: object) -> list[dict] | None:
+def _tools(raw: object, messages: object) -> list[dict] | None:
     if raw is None:
         return None
     if not isinstance(raw, list):
         raise invalid("tools: Input should be a valid list", "tools")
+    loaded = t.loaded_tool_names(messages)
     # Server tools (web_search, bash_20250124, ...) have no input_schema: nothing to call here.
     return [
         t.function_tool(x["name"], x.get("description"), x.get("input_schema"))
         for x in raw
-        if isinstance(x, dict) and x.get("name") and x.get("type") in (None, "custom")
+        if isinstance(x, dict) and x.get("name") and x.get("type") in (None, "custom") and not t.is_deferred(x, loaded)
     ] or None
 
 
@@ -74,7 +75,7 @@ def parse(body: dict, policy: ContentPolicy) -> t.ParsedRequest:
     if body.get("max_tokens") is None:
         raise invalid("max_tokens: Field required", "max_tokens")
     f = decode_fields(body, AnthropicFields)
-    tools = None if _choice_disables_tools(f.tool_choice) else _tools(f.tools)
+    tools = None if _choice_disables_tools(f.tool_choice) else _tools(f.tools, body.get("messages"))
     template_kwargs, budget = _thinking(f.thinking)
     common = t.common_fields(f)
     if budget is not None:

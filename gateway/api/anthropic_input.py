@@ -73,6 +73,9 @@ def _piece(block, where: str, policy: ContentPolicy, in_tool_result: bool = Fals
         return _image(block, where, policy, in_tool_result)
     if kind == "document":
         return _document(block, where, policy)
+    if kind == "tool_reference" and isinstance(block.get("tool_name"), str):
+        # A client-side tool search's result: the tool is offered from here on (translate.is_deferred).
+        return f"Tool loaded: {block['tool_name']}"
     if kind == "search_result":
         return titled(_text_of(block.get("content"), f"{where}.content", policy), block.get("title"))
     if kind is None:

@@ -13,7 +13,8 @@ Every form a client sends is offered to the model:
   developer-role item `{"type": "additional_tools", "role": "developer", "tools": [...]}`
   whose tools have the same shapes as `tools`).
 Hosted tools this server cannot run (web_search, file_search, ...) are left out and named in
-the x-mlxgw-ignored-tools header."""
+the x-mlxgw-ignored-tools header. A tool marked `defer_loading` is left out until a
+`tool_search_output` item names it (translate.is_deferred)."""
 
 from __future__ import annotations
 
@@ -35,10 +36,13 @@ class ResponsesTools:
     custom: set[str] = field(default_factory=set)  # exposed names of custom tools
     # A custom tool's input schema with its format enforced, for forced calls.
     enforced: dict[str, dict] = field(default_factory=dict)
+    loaded: set[str] = field(default_factory=set)  # deferred tools a tool search loaded
 
     def add(self, tool, namespace: str | None = None) -> None:
         if not isinstance(tool, dict):
             raise invalid("each tool must be an object", "tools")
+        if t.is_deferred(tool, self.loaded):
+            return  # not in the model's context until a tool search loads it
         kind = tool.get("type", "function" if namespace else None)
         name = tool.get("name")
         if kind in ("function", "custom") and (not isinstance(name, str) or not name):
@@ -98,7 +102,7 @@ def _schema(param: dict) -> dict:
 
 def parse_tools(raw, items) -> ResponsesTools:
     """`tools`, plus the tools of every `additional_tools` input item."""
-    out = ResponsesTools()
+    out = ResponsesTools(loaded=t.loaded_tool_names(items))
     if raw is not None and not isinstance(raw, list):
         raise invalid("'tools' must be a list", "tools")
     for tool in raw or []:

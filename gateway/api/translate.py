@@ -262,6 +262,35 @@ def omitted_header(parsed: ParsedRequest) -> dict[str, str]:
 # -- tools and constraints, in every API's own spelling ---------------------------------------
 
 
+def loaded_tool_names(conversation: object) -> set[str]:
+    """Deferred tools a tool search already loaded: the names in `tool_reference` blocks
+    (Anthropic) and in `tool_search_output` items' tools (OpenAI Responses)."""
+    found: set[str] = set()
+
+    def walk(node: object) -> None:
+        if isinstance(node, list):
+            for item in node:
+                walk(item)
+        elif isinstance(node, dict):
+            kind = node.get("type")
+            if kind == "tool_reference" and isinstance(node.get("tool_name"), str):
+                found.add(node["tool_name"])
+            elif kind == "tool_search_output" and isinstance(node.get("tools"), list):
+                found.update(x["name"] for x in node["tools"] if isinstance(x, dict) and isinstance(x.get("name"), str))
+            if isinstance(node.get("content"), list):
+                walk(node["content"])
+
+    walk(conversation)
+    return found
+
+
+def is_deferred(tool: object, loaded: set[str]) -> bool:
+    """A tool marked `defer_loading` (Anthropic's and OpenAI's tool search) is not in the
+    model's context until a search loads it: shown earlier, a small model calls it (Claude
+    Code offers `DeferredToolPlaceholder`, "never call this tool", first)."""
+    return isinstance(tool, dict) and tool.get("defer_loading") is True and tool.get("name") not in loaded
+
+
 def function_tool(name, description, parameters) -> dict:
     """A tool as the chat template takes it."""
     if not isinstance(name, str) or not name:
