@@ -86,6 +86,25 @@ def test_the_next_call_of_a_list_is_guided_too(text):
     assert guard.guided == 2
 
 
+@pytest.mark.parametrize(
+    "opening, closed",
+    [
+        ('```json\n{"name": "', "{}}\n```"),
+        ('<tool_call>\n{"name": "', "{}}\n</tool_call>"),
+        ('{"type": "function", "function": {"name": "', "{}}}"),
+        ('{"name": "', "{}}"),
+    ],
+)
+def test_a_call_ends_with_the_markup_it_opened_with(text, opening, closed):
+    """Qwen2.5-Coder-0.5B on Claude Code: a valid call object, then `\n</tools>"` before the
+    fence closed, so the block was no JSON and stayed text. The guard holds until the markup
+    closes; then decoding is free again."""
+    guard = text.make_constraint(request(tools=TOOLS))
+    written = decode_greedy(text, guard, opening, prefer='Bash", "arguments": {}}\n</tools>"\n}', steps=24)
+    assert written.startswith('Bash", "arguments": ' + closed), written
+    assert guard._matcher is None, "the constraint outlived the call"
+
+
 AGENT = {
     "type": "function",
     "function": {

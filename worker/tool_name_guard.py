@@ -88,7 +88,7 @@ class ToolNameGuard:
             return None  # a name no tool has: nothing to steer (the parser keeps it as text)
         import llguidance
 
-        matcher = self._call_matcher(written)
+        matcher = self._call_matcher(written, _closing(found.group(0)))
         if matcher is None:  # a schema llguidance cannot take: the name alone
             pattern = "(" + "|".join(rust_regex_escape(r) for r in rests) + ')"'
             matcher = llguidance.LLMatcher(self._ll, llguidance.LLMatcher.grammar_from_regex(pattern))
@@ -97,11 +97,12 @@ class ToolNameGuard:
         self.guided += 1
         return matcher
 
-    def _call_matcher(self, written: str):
+    def _call_matcher(self, written: str, closing: str):
         """The rest of the call after the part of its name already written: an offered name,
-        then `"arguments"` valid against that tool's schema, then the object's end. A call
-        that names the right tool with its required arguments missing is an error the client
-        hands back to the model (Qwen's Claude Code call of `Agent` without `description`)."""
+        then `"arguments"` valid against that tool's schema, then the object's end and the
+        markup that closes it (closing). A call that names the right tool with its required
+        arguments missing is an error the client hands back to the model (Qwen's Claude Code
+        call of `Agent` without `description`)."""
         import llguidance
 
         rules, alternatives = [], []
@@ -110,7 +111,7 @@ class ToolNameGuard:
                 continue
             head = json.dumps(name[len(written) :] + '", "arguments": ')
             alternatives.append(f"c{i}")
-            rules.append(f'c{i}: {head} a{i} "}}"')
+            rules.append(f"c{i}: {head} a{i} {json.dumps('}' + closing)}")
             rules.append(f"a{i}: %json {json.dumps({**schema, 'x-guidance': COMPACT_JSON})}")
         grammar = "start: " + " | ".join(alternatives) + "\n" + "\n".join(rules) + "\n"
         try:
@@ -125,6 +126,19 @@ class ToolNameGuard:
 
             self._bitmask = llnp.allocate_token_bitmask(1, self._ll.vocab_size)
         return mask_logits(self._matcher, self._bitmask, self._vocab, logits)
+
+
+def _closing(opening: str) -> str:
+    """What must follow a call object's own `}` for the call to be complete, given how it
+    opened: the outer `}` of OpenAI's nested shape, then the fence's or the tag's end. Left
+    free, Qwen2.5-Coder-0.5B went on after a valid call object (`\n</tools>"\n}` before the
+    fence closed), and the whole block, no longer JSON, stayed text."""
+    closing = "}" if '"function"' in opening else ""
+    if "<tool_call>" in opening:
+        closing += "\n</tool_call>"
+    elif "```" in opening:
+        closing += "\n```"
+    return closing
 
 
 def offered_tools(tools: list | None) -> list[tuple[str, dict]]:
