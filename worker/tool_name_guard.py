@@ -21,7 +21,7 @@ import re
 
 import mlx.core as mx
 
-from .constraints import COMPACT_JSON, mask_logits
+from .constraints import mask_logits
 
 # Where a call object can open, up to the start of its name (possibly partly written: a
 # token may carry the quote and the name's first letters).
@@ -31,6 +31,11 @@ AT_ANSWER_START = re.compile(r"\A\s*" + _OPENER + _NAME_KEY)
 AFTER_MARKUP = re.compile(r"(?:<tool_call>|(?:^|\n)```(?:json|tool_call|tool|)[ \t]*\n)\s*" + _NAME_KEY)
 NEXT_IN_LIST = re.compile(r"\}\s*,\s*" + _NAME_KEY)  # the next call of a list, once one was guided
 TAIL_CHARS = 256  # how much of the answer's end the trigger is looked for in
+# The call as the model likes to lay it out (Qwen2.5-Coder writes it pretty-printed), with
+# whitespace bounded so it cannot run on forever: forced into compact JSON, the model lost its
+# way inside the arguments and copied its prompt into them (Claude Code's Write `content`).
+BOUNDED_JSON = {"whitespace_pattern": r"[\n ]{0,16}", "item_separator": ",", "key_separator": ":"}
+WS_RULES = "ws: WS?\nWS: /[ \\n]{1,16}/\n"
 
 
 def rust_regex_escape(text: str) -> str:
@@ -97,7 +102,7 @@ class ToolNameGuard:
         self.guided += 1
         return matcher
 
-    def _call_matcher(self, written: str, closing: str):
+    def _call_matcher(self, written: str, closing: list[str]):
         """The rest of the call after the part of its name already written: an offered name,
         then `"arguments"` valid against that tool's schema, then the object's end and the
         markup that closes it (closing). A call that names the right tool with its required
@@ -106,14 +111,15 @@ class ToolNameGuard:
         import llguidance
 
         rules, alternatives = [], []
+        close = " ".join(f"ws {json.dumps(c)}" if c == "}" else json.dumps(c) for c in ["}", *closing])
         for i, (name, schema) in enumerate(self._schemas):
             if not name.startswith(written):
                 continue
-            head = json.dumps(name[len(written) :] + '", "arguments": ')
+            head = json.dumps(name[len(written) :] + '"') + ' ws "," ws "\\"arguments\\"" ws ":" ws'
             alternatives.append(f"c{i}")
-            rules.append(f"c{i}: {head} a{i} {json.dumps('}' + closing)}")
-            rules.append(f"a{i}: %json {json.dumps({**schema, 'x-guidance': COMPACT_JSON})}")
-        grammar = "start: " + " | ".join(alternatives) + "\n" + "\n".join(rules) + "\n"
+            rules.append(f"c{i}: {head} a{i} {close}")
+            rules.append(f"a{i}: %json {json.dumps({**schema, 'x-guidance': BOUNDED_JSON})}")
+        grammar = "start: " + " | ".join(alternatives) + "\n" + "\n".join(rules) + "\n" + WS_RULES
         try:
             matcher = llguidance.LLMatcher(self._ll, llguidance.LLMatcher.grammar_from_lark(grammar))
         except (ValueError, RuntimeError):
@@ -128,16 +134,16 @@ class ToolNameGuard:
         return mask_logits(self._matcher, self._bitmask, self._vocab, logits)
 
 
-def _closing(opening: str) -> str:
+def _closing(opening: str) -> list[str]:
     """What must follow a call object's own `}` for the call to be complete, given how it
     opened: the outer `}` of OpenAI's nested shape, then the fence's or the tag's end. Left
-    free, Qwen2.5-Coder-0.5B went on after a valid call object (`\n</tools>"\n}` before the
+    free, Qwen2.5-Coder-0.5B went on after a valid call object (`\\n</tools>"\\n}` before the
     fence closed), and the whole block, no longer JSON, stayed text."""
-    closing = "}" if '"function"' in opening else ""
+    closing = ["}"] if '"function"' in opening else []
     if "<tool_call>" in opening:
-        closing += "\n</tool_call>"
+        closing.append("\n</tool_call>")
     elif "```" in opening:
-        closing += "\n```"
+        closing.append("\n```")
     return closing
 
 
