@@ -63,7 +63,7 @@ def cli(name: str) -> str:
 
 
 def command(
-    client: str, url: str, work: Path, home: Path, prompt: str, model: str
+    client: str, url: str, work: Path, home: Path, prompt: str, model: str, max_turns: int | None = None
 ) -> tuple[list[str], dict, str | None]:
     """The command, its environment and its stdin for one client (a fresh home each run)."""
     env = {"PATH": os.environ["PATH"], "HOME": str(home)}
@@ -77,7 +77,9 @@ def command(
             "CLAUDE_STREAM_IDLE_TIMEOUT_MS": IDLE_MS,
             "API_TIMEOUT_MS": IDLE_MS,
         }
-        return [cli("claude"), "-p", prompt, "--output-format", "json", "--permission-mode", "acceptEdits"], env, None
+        turns = ["--max-turns", str(max_turns)] if max_turns else []
+        flags = ["--output-format", "json", "--permission-mode", "acceptEdits", *turns]
+        return [cli("claude"), "-p", prompt, *flags], env, None
     if client == "codex":
         codex_home = home / ".codex"
         codex_home.mkdir()
@@ -154,7 +156,7 @@ def run_once(client: str, n: int, args) -> Run:
     # The client's home (sessions, settings) is fresh each run.
     root = args.workdir / client
     work, home = fresh(root / "project"), fresh(root / "home")
-    cmd, env, stdin = command(client, args.url, work, home, PROMPTS[args.task], args.model)
+    cmd, env, stdin = command(client, args.url, work, home, PROMPTS[args.task], args.model, args.max_turns)
     started = time.time()
     try:
         done = subprocess.run(cmd, cwd=work, env=env, input=stdin, capture_output=True, text=True, timeout=args.timeout)
@@ -202,6 +204,11 @@ def main() -> None:
     ap.add_argument("--task", choices=sorted(PROMPTS), default="hi")
     ap.add_argument("--model", default="smollm2-135m", help="the model opencode is configured with")
     ap.add_argument("--timeout", type=float, default=3600)
+    ap.add_argument(
+        "--max-turns",
+        type=int,
+        help="claude -p --max-turns: Qwen2.5-Coder-0.5B writes the file, then calls Write again each turn",
+    )
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/mlxgw-agent-runs"), help="the clients' project folders")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
