@@ -78,8 +78,8 @@ class BatchRunner:
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S))
         try:
             wake = self.app[BATCH_WAKE]
-            while True:
-                if not self._closing:  # closing: the batches in flight finish; none starts
+            while not (self._closing and not self._tasks):  # closing: those in flight finish first
+                if not self._closing:
                     await self._tick()
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(wake.wait(), TICK_S)

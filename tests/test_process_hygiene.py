@@ -8,6 +8,7 @@ import signal
 import socket
 import time
 
+import psutil
 import pytest
 from helpers import start_gateway
 from helpers.mlxgw_cli import mlxgw
@@ -74,3 +75,17 @@ def test_reload_says_clearly_that_no_gateway_runs_after_one_was_killed(home):
     assert result.returncode == 2
     assert f"no mlxgw gateway is running on port {gw.port}" in result.stderr
     assert "stale pid file" in result.stderr and not pid_file.exists()
+
+
+def test_sigterm_stops_an_idle_gateway_and_its_workers_at_once(home):
+    """What `mlxgw restart`, launchd and systemd send. A graceful stop that lost its own
+    cancellation (the batch runner's loop) once left the gateway running after its log said
+    "shutting down", and a restarted one beside it."""
+    gw = start_gateway(home, NULL_CONFIG, "sigterm-gateway")
+    time.sleep(1.5)  # the batch runner has started its loop
+    workers = gw.descendants()
+    started = time.monotonic()
+    assert gw.stop(signal.SIGTERM, timeout=20) == 0, "the gateway did not exit on SIGTERM"
+    assert time.monotonic() - started < 20
+    alive = [pid for pid in workers if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
+    assert not alive, f"workers left running: {alive}"
