@@ -263,17 +263,15 @@ def test_system_turns_inside_messages_are_rendered_in_place_also_in_count_tokens
     assert counted.input_tokens == msg.usage.input_tokens == len(expected)
 
 
-def test_a_system_turn_before_the_first_reply_moves_ahead_of_the_user_turn(tiny_gateway, smollm2_tokenizer):
+def test_a_system_turn_before_the_first_reply_joins_the_system_prompt(tiny_gateway, smollm2_tokenizer):
     """Claude Code 2.1's environment block comes as a system turn after the first user message;
-    rendered last before the reply, a small model copied it into its answer. It stays a turn of
-    its own, so the system prompt before it stays one cached prefix across projects."""
+    rendered last before the reply, a small model copied it into its answer."""
     env = {"role": "system", "content": [{"type": "text", "text": "# Environment\nWorking directory: /tmp/p"}]}
     turns = [{"role": "user", "content": "Create hello.py."}, env]
     counted = client(tiny_gateway).messages.count_tokens(model="tiny", system="Be kind.", messages=turns)
     expected = smollm2_tokenizer.apply_chat_template(
         [
-            {"role": "system", "content": "Be kind."},
-            {"role": "system", "content": "# Environment\nWorking directory: /tmp/p"},
+            {"role": "system", "content": "Be kind.\n\n# Environment\nWorking directory: /tmp/p"},
             {"role": "user", "content": "Create hello.py."},
         ],
         add_generation_prompt=True,

@@ -1,9 +1,9 @@
 """Anthropic Messages requests as internal chat messages.
 
 Every shape current Claude Code sends is accepted: `system` turns inside `messages` (those
-before the first assistant turn move ahead of the user turns there, later ones stay in
-place; a model whose chat template takes system turns only first gets them all merged into
-the leading system prompt, see shared/chat.py), tool results with text, images and
+before the first assistant turn join the leading system prompt, later ones stay in place;
+a model whose chat template takes system turns only first gets them all merged into the
+leading system prompt, see shared/chat.py), tool results with text, images and
 documents, `document` blocks (plain text, or PDF read to text),
 `thinking` and `redacted_thinking` blocks sent back (accepted, not rendered: they are the
 model's own earlier reasoning), `cache_control` on any block (ignored: the prefix cache
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import re
 
-from mlxgw.shared.chat import opening_system_turns_first
+from mlxgw.shared.chat import merge_opening_system_turns
 from mlxgw.shared.errors import invalid
 
 from .content import ContentPolicy, b64decode, blocks_of, read_pdfs, text_file, titled
@@ -175,4 +175,4 @@ def convert_messages(body: dict, policy: ContentPolicy) -> list[dict]:
         if not isinstance(m, dict):
             raise invalid(f"messages.{i}: Input should be a valid dictionary")
         messages.extend(_convert_message(m, i, policy))
-    return opening_system_turns_first(messages)
+    return merge_opening_system_turns(messages)
