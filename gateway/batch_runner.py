@@ -30,7 +30,6 @@ BATCH_STORE = web.AppKey("batch_store", BatchStore)
 BATCH_TOKEN = web.AppKey("batch_token", str)
 SELF_URL = web.AppKey("self_url", dict)  # {"url": ...} once the gateway listens (server.py)
 BATCH_WAKE = web.AppKey("batch_wake", asyncio.Event)  # set by POST /v1/batches: start it now
-BATCH_RUNNER = web.AppKey("batch_runner", object)  # the running BatchRunner (quiesce_batches)
 TOKEN_HEADER, OWNER_HEADER = "x-mlxgw-batch-token", "x-mlxgw-batch-owner"
 # Requests of one batch in flight at once: they run at background priority, so interactive
 # requests still go first in the worker; this only bounds the batch's share of its queue.
@@ -214,11 +213,13 @@ def install(app: web.Application) -> None:
     app.cleanup_ctx.append(_lifecycle)
 
 
+BATCH_RUNNER = web.AppKey("batch_runner", BatchRunner)  # set by _lifecycle, for quiesce_batches
+
+
 async def quiesce_batches(app: web.Application, timeout: float) -> None:
     """serve() calls this on SIGTERM/SIGINT while the gateway still listens (BatchRunner.quiesce)."""
-    runner = app.get(BATCH_RUNNER)
-    if isinstance(runner, BatchRunner):
-        await runner.quiesce(timeout)
+    if BATCH_RUNNER in app:
+        await app[BATCH_RUNNER].quiesce(timeout)
 
 
 async def _lifecycle(app: web.Application):
