@@ -179,7 +179,9 @@ def test_a_multi_megabyte_tokenize_does_not_stall_a_stream_on_the_model(gw):
     assert status == 200 and payload["count"] > 500_000, payload
     during = [b - a for a, b in zip(times, times[1:]) if a >= started and b <= started + took]
     assert during, "the stream ended before the tokenize did; lengthen it"
-    assert max(during) < max(2.0, took / 4), (max(during), took)
+    # Run on the engine thread the stall is the whole tokenize (1.6 s of 1.8 here, 2.4 of 2.6 in
+    # CI); off it the longest gap was 0.16 s of 2.7. A 2-s floor once let the first case pass.
+    assert max(during) < max(0.75, took / 4), (max(during), took)
 
 
 def test_count_tokens_answers_like_a_chat_prompt(gw):

@@ -19,6 +19,7 @@ from mlxgw.shared.errors import ErrorCode, ServiceError
 
 from .interfaces import ModelRunner, Scheduler
 from .link import WorkerLink
+from .preprocess import Preprocessor
 
 log = logging.getLogger("mlxgw.worker")
 
@@ -35,8 +36,10 @@ SERVES = {p.EMBED: "embeddings or reranking", p.TRANSCRIBE: "speech to text", p.
 
 
 class Engine:
-    def __init__(self, link: WorkerLink, runner: ModelRunner, scheduler: Scheduler):
+    def __init__(self, link: WorkerLink, runner: ModelRunner, scheduler: Scheduler, preprocessor: Preprocessor):
+        """preprocessor: the preparation thread, where worker calls (tokenize) run too."""
         self.link = link
+        self.preprocessor = preprocessor
         self.runner = runner
         self.scheduler = scheduler
         self.draining = False
@@ -147,11 +150,11 @@ class Engine:
             elif op in ("tokenize", "detokenize"):
                 args = dict(msg.get("args") or {})
                 job = (lambda: self._tokenize(args)) if op == "tokenize" else (lambda: self._detokenize(args))
-                preprocessor = getattr(self.scheduler, "preprocessor", None)
-                if preprocessor is not None:  # off the engine thread, as a chat request's prompt (issue 26)
-                    self._calls.append((cid, preprocessor.call(job)))
-                    return
-                result = job()
+                # Off the engine thread, as a chat request's prompt (issue 26). It was looked up on
+                # the scheduler once; when that moved into its intake, every tokenize quietly ran
+                # here and stalled the streams for as long as it took.
+                self._calls.append((cid, self.preprocessor.call(job)))
+                return
             elif op == "status":
                 result = self.stats()
             else:

@@ -225,7 +225,7 @@ def serve(
         layer_progress = install(runner.model, link.mark_progress, long_step_s)
     else:
         layer_progress = None
-    engine = Engine(link, runner, build_scheduler(entry, runner, preprocessor, seqs, hang_timeout_s))
+    engine = Engine(link, runner, build_scheduler(entry, runner, preprocessor, seqs, hang_timeout_s), preprocessor)
     engine.layer_progress = layer_progress
     signal.signal(signal.SIGTERM, lambda *_: setattr(engine, "draining", True))
     # After READY (readiness is not delayed); requests that arrive meanwhile wait in the link.
