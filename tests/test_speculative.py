@@ -165,3 +165,31 @@ def test_speculation_is_configured_per_model():
     assert reg.models[0].speculative == SpeculativeConfig(mode="off", max_draft=4)
     with pytest.raises(ConfigError, match="max_draft"):
         parse_registry({"models": [{"name": "a", "speculative": {"max_draft": 0}}]})
+
+
+def test_both_kinds_of_step_are_timed_until_the_next_step_starts():
+    """mlx-lm reads a prompt chunk after each decode step: a speculative step timed around its
+    verification alone, against plain steps timed until the next one, made plain look dearer
+    while prompts were read (speculation cost 15% at c = 8 on the agent workload)."""
+    from mlxgw.worker.speculative import MIN_SAMPLES, Speculator
+
+    spec = Speculator(SpeculativeConfig())
+    for i in range(MIN_SAMPLES):
+        spec._open = (spec.plain_cost, 8, 10.0 * i, 8)  # 8 tokens in 1 s, prompt chunk included
+        spec._close_step(10.0 * i + 1.0)
+        spec._open = (spec.spec_cost, 8, 10.0 * i + 2.0, 12)  # 12 tokens in 2 s, chunk included
+        spec._close_step(10.0 * i + 4.0)
+    assert spec.plain_cost[8].per_token() == pytest.approx(1 / 8)
+    assert spec.counters.pauses == 1  # 1/6 s per token against 1/8: speculation loses, pauses
+    assert 8 not in spec.spec_cost  # judged afresh when it is tried again
+
+
+def test_a_step_that_spans_an_idle_gap_is_not_a_cost_sample():
+    from mlxgw.worker.speculative import MIN_SAMPLES, CostMeter
+
+    meter = CostMeter()
+    for _ in range(MIN_SAMPLES):
+        meter.add(0.1, 8)
+    before = meter.per_token()
+    meter.add(30.0, 8)  # the batch emptied after this step; the next one came 30 s later
+    assert meter.per_token() == before

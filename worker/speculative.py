@@ -18,7 +18,13 @@ worker/spec_verify.py).
   shrinks to what was accepted otherwise) and a row whose drafts keep missing backs off.
 - Per model: the time per emitted token of speculative steps is compared with that of
   plain steps at the same batch size (plain steps keep being sampled as probes); when
-  speculation loses it pauses for a while (a doubling cooldown), then is tried again.
+  speculation loses it pauses for a while (a doubling cooldown), then is tried again. Both
+  kinds are timed the same way, from a step's start to the next one's: mlx-lm's
+  BatchGenerator reads a prompt chunk after each decode step, and a plain step timed that
+  way while a speculative one was timed around its verification alone made plain steps look
+  dearer whenever prompts were being read, so speculation kept going while it lost (0.85x
+  on the agent workload at c = 8 before, 1.05x after, bench/README.md). A step that spans an
+  idle gap is not a sample.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ PROBE_EVERY = 32  # a plain step this often while speculating, to keep its cost 
 MIN_SAMPLES = 8  # steps of each kind before the comparison is trusted
 COOLDOWN_STEPS = (64, 2048)  # first and longest pause after speculation lost
 EMA = 0.9  # weight of the past in the cost averages
+GAP = 10.0  # a step timed at over GAP x its kind's average spanned an idle gap: not a sample
 MAX_BACKOFF = 16  # steps a row waits before drafting again after repeated misses
 
 
@@ -115,6 +122,8 @@ class CostMeter:
     samples: int = 0
 
     def add(self, seconds: float, tokens: int) -> None:
+        if self.samples >= MIN_SAMPLES and seconds > GAP * self.seconds / (1 - EMA**self.samples):
+            return  # the batch went idle (or only read prompts) after this step (the EMA starts at 0)
         self.seconds = EMA * self.seconds + (1 - EMA) * seconds
         self.tokens = EMA * self.tokens + (1 - EMA) * tokens
         self.samples += 1
@@ -144,7 +153,7 @@ class Speculator:
     steps: int = 0
     paused_until: int = 0
     cooldown: int = COOLDOWN_STEPS[0]
-    _open: tuple | None = None  # (batch size, started) of a plain step still computing
+    _open: tuple | None = None  # (meters, batch size, started, tokens) of the step before this one
 
     def __post_init__(self) -> None:
         if self.drafter is None and self.config.mode == "prompt_lookup":
@@ -176,7 +185,7 @@ class Speculator:
         if not self._worth_trying(batch):
             return self._plain(batch, plain_next)
         pending = batch._next_tokens.tolist()  # waits for a plain step still computing
-        self._close_plain(time.perf_counter())
+        self._close_step(time.perf_counter())
         drafts = self._drafts(batch, pending)
         # Where a rejection replays (recurrent or sliding-window layers), every row keeps as
         # many tokens as the row that kept fewest: a row without a draft would waste the pass.
@@ -185,7 +194,8 @@ class Speculator:
         states = [self.rows.get(uid) for uid in batch.uids]  # before finished rows leave the batch
         started = time.perf_counter()
         responses, verified = verify_step(batch, pending, drafts)
-        self._record(len(drafts), verified, time.perf_counter() - started)
+        self._record(verified)
+        self._open = (self.spec_cost, len(drafts), started, verified.emitted)  # closed at the next step
         self._adapt(states, drafts, verified)
         return responses
 
@@ -200,19 +210,24 @@ class Speculator:
         return self.steps % (PROBE_EVERY if known else PROBE_EVERY // 8) == 0
 
     def _plain(self, batch, plain_next) -> list:
-        self._close_plain(time.perf_counter())
+        self._close_step(time.perf_counter())
         size, started = len(batch.uids), time.perf_counter()
         responses = plain_next()
         self.counters.plain_steps += 1
-        self._open = (size, started)
+        self._open = (self.plain_cost, size, started, size)
         return responses
 
-    def _close_plain(self, now: float) -> None:
-        """A plain step's cost is known once its (asynchronously computed) tokens are."""
-        if self._open is not None:
-            size, started = self._open
-            self.plain_cost.setdefault(size, CostMeter()).add(now - started, size)
-            self._open = None
+    def _close_step(self, now: float) -> None:
+        """The step before this one cost the time since it started: a plain step's tokens are
+        computed asynchronously, and whatever the generator did after either kind (a prompt
+        chunk) is counted alike. A speculative step's cost is then compared with plain's."""
+        if self._open is None:
+            return
+        meters, size, started, tokens = self._open
+        self._open = None
+        meters.setdefault(size, CostMeter()).add(now - started, tokens)
+        if meters is self.spec_cost:
+            self._judge(size)
 
     def _drafts(self, batch, pending: list[int]) -> list[list[int]]:
         """Every row's draft for this step (empty for rows that do not speculate now)."""
@@ -241,15 +256,16 @@ class Speculator:
             return None
         return DraftRequest(uid, batch.tokens[i] + [pending], min(state.draft_len, room))
 
-    def _record(self, size: int, verified: Verified, seconds: float) -> None:
+    def _record(self, verified: Verified) -> None:
         c = self.counters
         c.speculative_steps += 1
         c.drafted += sum(verified.drafted)
         c.accepted += sum(verified.accepted)
         c.emitted_in_speculative_steps += verified.emitted
-        meter = self.spec_cost.setdefault(size, CostMeter())
-        meter.add(seconds, verified.emitted)
-        spec, plain = meter.per_token(), self.plain_cost.get(size, CostMeter()).per_token()
+
+    def _judge(self, size: int) -> None:
+        spec = self.spec_cost.get(size, CostMeter()).per_token()
+        plain = self.plain_cost.get(size, CostMeter()).per_token()
         if spec is not None and plain is not None:
             if spec > plain:
                 self._pause(size)
