@@ -37,7 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .stats import median, summarize
-from .step_mlxgw import PIECES, MlxgwLoop, SamplerView, make_request
+from .step_mlxgw import PATHS, PIECES, MlxgwLoop, SamplerView, make_request
 from .step_timers import Timers, install_timers
 
 HOST = ("detokenize", "parse", "events", "encode", "host")
@@ -205,8 +205,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--engines",
         default="mlxgw,mlx_lm",
-        help="comma-separated: mlxgw (its batch-wide sampler), mlxgw-per-row (its per-row path), mlx_lm "
-        "(mlx_lm.server's loop)",
+        help="comma-separated: mlxgw (its batch-wide sampler), mlxgw-per-row (its per-row path), "
+        "mlxgw-normalise-all (log-softmax of every row, as before 2026-12-02), mlx_lm (mlx_lm.server's loop)",
     )
     ap.add_argument("--block", type=int, default=10, help="steps per turn when alternating engines")
     ap.add_argument(
@@ -221,7 +221,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     args.stop = args.stop if args.stop is not None else ["<<never-matches>>"]
     args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
-    unknown = set(args.engines) - {"mlxgw", "mlxgw-per-row", "mlx_lm"}
+    unknown = set(args.engines) - {*PATHS, "mlx_lm"}
     if unknown:
         ap.error(f"unknown engine(s): {', '.join(sorted(unknown))}")
     return args
@@ -239,10 +239,10 @@ def make_loops(names: list[str], runner, timed_model, batch: int, args, timers: 
         if name == "mlx_lm":
             loops.append(MlxLmLoop(timed_model, runner.tokenizer, batch, args, timers, prompts))
         elif mlxgw is None:
-            mlxgw = MlxgwLoop(runner, batch, args, timers, prompts, vectorized=name == "mlxgw")
+            mlxgw = MlxgwLoop(runner, batch, args, timers, prompts, path=name)
             loops.append(mlxgw)
         else:
-            loops.append(SamplerView(mlxgw, vectorized=name == "mlxgw"))
+            loops.append(SamplerView(mlxgw, path=name))
     return loops
 
 

@@ -25,14 +25,23 @@ def make_request(
     )
 
 
+# mlxgw's step paths, by engine name: (batch-wide sampler, log-softmax of every row)
+PATHS = {"mlxgw": (True, False), "mlxgw-per-row": (False, False), "mlxgw-normalise-all": (True, True)}
+LABELS = {"mlxgw": "mlxgw", "mlxgw-per-row": "mlxgw per-row sampler", "mlxgw-normalise-all": "mlxgw, every row normalised"}
+
+
+def enter_path(runner, path: str) -> None:
+    runner.generator.vectorized, runner.generator.normalise_every_row = PATHS[path]
+
+
 class MlxgwLoop:
     """Keeps `batch` rows decoding in mlxgw's Scheduler: a row that finishes is replaced."""
 
-    def __init__(self, runner, batch: int, args, timers: Timers, prompts: list[list[dict]], vectorized: bool):
+    def __init__(self, runner, batch: int, args, timers: Timers, prompts: list[list[dict]], path: str):
         from mlxgw.worker.scheduler import Scheduler
 
-        self.runner, self.batch, self.args, self.vectorized = runner, batch, args, vectorized
-        self.name = "mlxgw" if vectorized else "mlxgw per-row sampler"
+        self.runner, self.batch, self.args, self.path = runner, batch, args, path
+        self.name = LABELS[path]
         self.scheduler = Scheduler(runner, max_num_seqs=batch, max_queue=4 * batch)
         runner.generator.completion_batch_size = batch
         runner.generator.prefill_batch_size = batch
@@ -44,7 +53,7 @@ class MlxgwLoop:
         self.live: set[str] = set()
 
     def enter(self) -> None:
-        self.runner.generator.vectorized = self.vectorized
+        enter_path(self.runner, self.path)
 
     def top_up(self) -> None:
         from mlxgw.shared import protocol as p
@@ -95,20 +104,20 @@ class MlxgwLoop:
         for rid in list(self.live):
             self.scheduler.cancel(rid)
         self.live.clear()
-        self.runner.generator.vectorized = True
+        enter_path(self.runner, "mlxgw")
 
 
 class SamplerView:
     """mlxgw's other sampler path on the same Scheduler and batch: two Schedulers on one
     runner would share its generator (and so each other's rows), so the paths take turns
-    on one workload, switching runner.generator.vectorized."""
+    on one workload, switching the generator's path."""
 
-    def __init__(self, loop: MlxgwLoop, vectorized: bool):
-        self.loop, self.vectorized = loop, vectorized
-        self.name = "mlxgw" if vectorized else "mlxgw per-row sampler"
+    def __init__(self, loop: MlxgwLoop, path: str):
+        self.loop, self.path = loop, path
+        self.name = LABELS[path]
 
     def enter(self) -> None:
-        self.loop.runner.generator.vectorized = self.vectorized
+        enter_path(self.loop.runner, self.path)
 
     def step(self) -> tuple[float, bool]:
         return self.loop.step()

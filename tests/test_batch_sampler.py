@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from mlxgw.shared.protocol import SamplingParams
-from mlxgw.worker.batch_sampler import PenaltyPlan, SamplePlan, apply_penalties, filter_rows, sample_rows
+from mlxgw.worker.batch_sampler import PenaltyPlan, SamplePlan, apply_penalties, filter_rows, sample_rows, scores
 from mlxgw.worker.sampling import RowPenalties, RowSampling, _filters
 
 VOCAB = 1000
@@ -43,6 +43,24 @@ def test_filters_give_each_row_exactly_its_per_row_masks():
         for f in _filters(MIXED[i]):
             expected = f(expected)
         assert np.array_equal(np.array(filtered[j : j + 1]), np.array(expected)), MIXED[i]
+
+
+def test_only_rows_that_report_logprobs_or_are_seeded_are_normalised():
+    """The full-vocabulary log-softmax is paid for the rows whose values are read (a row
+    reporting logprobs) or must be bit-identical in any batch (a seeded row); the others keep
+    their logits, which sample the same distribution and give the same argmax."""
+    params = [SamplingParams(temperature=0.7), SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, seed=3)]
+    rows = [RowSampling(p) for p in params] + [RowSampling(SamplingParams(temperature=0.7))]
+    rows[3].wants_logprobs = True
+    logits = mx.random.normal((4, VOCAB), key=mx.random.key(1)) * 4 + 3
+    got = scores(logits, SamplePlan.build(tuple(rows)))
+    normalised = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    for row, expected in ((0, logits), (1, logits), (2, normalised), (3, normalised)):
+        assert mx.array_equal(got[row], expected[row]).item(), row
+    plain = tuple(RowSampling(p) for p in params[:2])
+    assert SamplePlan.build(plain).normalised is None
+    every = tuple(RowSampling(SamplingParams(temperature=0.7, seed=s)) for s in range(4))
+    assert mx.array_equal(scores(logits, SamplePlan.build(every)), normalised).item()
 
 
 def test_filtering_leaves_the_logprobs_it_was_given_unchanged():

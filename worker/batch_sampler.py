@@ -83,6 +83,9 @@ class SamplePlan:
     top_k: list[tuple[int, mx.array | None]]
     unseeded: int
     seeded: list[RowSampling]
+    # Batch rows normalised into log-probabilities (rows that report them, seeded rows);
+    # None when there are none, `everything` when all are.
+    normalised: mx.array | None | object
 
     @classmethod
     def build(cls, rows: tuple) -> SamplePlan:
@@ -90,6 +93,7 @@ class SamplePlan:
         seeded = [i for i, r in enumerate(rows) if r.seeded]
         greedy = [i for i, r in enumerate(rows) if r.greedy]
         drawn = unseeded + seeded
+        exact = [i for i, r in enumerate(rows) if r.exact]
         params = [rows[i].params for i in drawn]
         n = len(drawn)
         top_p = [j for j, p in enumerate(params) if 0 < p.top_p < 1.0]
@@ -109,7 +113,35 @@ class SamplePlan:
             top_k=[(k, _subset([j for j, p in enumerate(params) if p.top_k == k], n)) for k in ks],
             unseeded=len(unseeded),
             seeded=[rows[i] for i in seeded],
+            normalised=_normalised(exact, len(rows)),
         )
+
+
+EVERY_ROW = object()
+
+
+def _normalised(exact: list[int], n: int):
+    if not exact:
+        return None
+    index = _subset(exact, n)
+    return EVERY_ROW if index is None else index
+
+
+def log_softmax(x: mx.array) -> mx.array:
+    return x - mx.logsumexp(x, axis=-1, keepdims=True)
+
+
+def scores(logits: mx.array, plan: SamplePlan) -> mx.array:
+    """What the step samples from and hands back per row: the log-probabilities for the rows
+    that need their exact values, the logits themselves for the rest. Both give the same
+    distribution at any temperature and the same argmax (log-softmax shifts a row by a
+    constant), and on a CPU the normalisation is a full-vocabulary exp that cost 10.4 of a
+    157-ms step at batch 16 (measured; bench/README.md), for values nobody reads."""
+    if plan.normalised is None:
+        return logits
+    if plan.normalised is EVERY_ROW:
+        return log_softmax(logits)
+    return _on_rows(logits, plan.normalised, log_softmax)
 
 
 def _min_p(x: mx.array, log_min_p: mx.array) -> mx.array:
@@ -249,6 +281,7 @@ class VectorGenerationBatch(GenerationBatch):
     """mlx-lm's generation batch with the per-row work of `_step` done batch-wide."""
 
     vectorized = True  # False: mlx-lm's own step (the per-row reference; for benchmarks)
+    normalise_every_row = False  # True: log-softmax every row, as mlx-lm does (for benchmarks)
     _sample_plan: SamplePlan | None = None
     _penalty_plan: PenaltyPlan | None = None
 
@@ -268,8 +301,9 @@ class VectorGenerationBatch(GenerationBatch):
 
         logits = self.model(inputs[:, None], cache=self.prompt_cache)[:, -1, :]
         logits, token_context = self.process(logits, inputs)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        self._next_tokens = self.sample(logprobs, rows)
+        plan = self.plan(rows)
+        logprobs = log_softmax(logits) if self.normalise_every_row else scores(logits, plan)
+        self._next_tokens = self.sample(logprobs, rows, plan)
         self._next_logprobs = list(logprobs)
         # Step t+1 computes while the host reads step t's tokens (as mlx-lm's own step).
         mx.async_eval(self._next_tokens, self._next_logprobs, token_context)
@@ -280,12 +314,15 @@ class VectorGenerationBatch(GenerationBatch):
             sti.append(ti)
         return inputs, self._current_logprobs
 
-    def sample(self, logprobs: mx.array, rows: tuple) -> mx.array:
+    def plan(self, rows: tuple) -> SamplePlan:
+        plan = self._sample_plan
+        if plan is None or not _same(plan.rows, rows):
+            plan = self._sample_plan = SamplePlan.build(rows)
+        return plan
+
+    def sample(self, logprobs: mx.array, rows: tuple, plan: SamplePlan | None = None) -> mx.array:
         try:
-            plan = self._sample_plan
-            if plan is None or not _same(plan.rows, rows):
-                plan = self._sample_plan = SamplePlan.build(rows)
-            return sample_rows(logprobs, plan)
+            return sample_rows(logprobs, plan or self.plan(rows))
         except Exception:  # values MLX refuses: row by row, so only the faulty row's guard trips
             heal_random_state()
             self._sample_plan = None
@@ -356,3 +393,11 @@ class VectorBatchGenerator(BatchGenerator):
     @vectorized.setter
     def vectorized(self, on: bool) -> None:
         self._generation_batch.vectorized = on
+
+    @property
+    def normalise_every_row(self) -> bool:
+        return self._generation_batch.normalise_every_row
+
+    @normalise_every_row.setter
+    def normalise_every_row(self, on: bool) -> None:
+        self._generation_batch.normalise_every_row = on

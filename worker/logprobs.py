@@ -1,10 +1,11 @@
 """Per-token log-probabilities, for the sequences that ask for them.
 
-mlx-lm's GenerationBatch already normalises each row's logits (after the sequence's logits
-processors: repetition/presence/frequency penalties, logit_bias, constraint masks) into
-log-probabilities before sampling; the sampler then applies temperature and top-p/top-k/
-min-p. Those per-row vectors come back in every Response. So a sequence that asks costs one
-gather and one top-k over its own row; a sequence that does not ask costs nothing.
+The decode step normalises the processed logits (after the sequence's logits processors:
+repetition/presence/frequency penalties, logit_bias, constraint masks) into log-probabilities
+for the rows that ask (worker/batch_sampler.py: `scores`; mlx-lm's own step normalises every
+row); the sampler then applies temperature and top-p/top-k/min-p. Those per-row vectors come
+back in every Response. So a sequence that asks costs one log-softmax, one gather and one
+top-k over its own row; a sequence that does not ask costs nothing.
 
 Values are therefore the log-softmax of the processed logits at temperature 1 (temperature
 and the truncating filters are not applied, as in vLLM's default): at temperature 0 the

@@ -150,7 +150,7 @@ class MLXRunner(ChatTextRunner):
         from .sampling import build_sampler, guard_sampler, guarded_processors
 
         processors = guarded_processors(sampling, constraint, guard)
-        sampler = build_sampler(sampling)
+        sampler = build_sampler(sampling, wants_logprobs=logprobs is not None)
         if guard is not None:
             sampler = guard_sampler(sampler, guard)
         cache, cached = self.prefix_cache.longest_match(prompt)

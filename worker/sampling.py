@@ -57,9 +57,17 @@ class RowSampling:
         self.greedy = p.temperature <= 0
         self.seeded = not self.greedy and p.seed is not None
         self.key = mx.random.key(p.seed) if self.seeded else None
+        # Whether the batched step must hand this row exact log-probabilities: a row that
+        # reports them (the runner sets it), or a seeded one (its draws must be bit-identical
+        # in any batch). Other rows sample from the raw logits, the same distribution.
+        self.wants_logprobs = False
         self._filters = _filters(p)
         sampler = make_sampler(temp=max(p.temperature, 0.0), top_p=p.top_p, min_p=p.min_p, top_k=p.top_k)
         self._unseeded = None if self.seeded else sampler
+
+    @property
+    def exact(self) -> bool:
+        return self.seeded or self.wants_logprobs
 
     def next_key(self) -> mx.array:
         """The subkey of this step's draw; the row's key moves on."""
@@ -125,8 +133,10 @@ class RowPenalties:
             return logits
 
 
-def build_sampler(p: SamplingParams) -> Sampler:
-    return RowSampling(p)
+def build_sampler(p: SamplingParams, wants_logprobs: bool = False) -> Sampler:
+    sampler = RowSampling(p)
+    sampler.wants_logprobs = wants_logprobs
+    return sampler
 
 
 def build_logits_processors(p: SamplingParams) -> list:

@@ -39,6 +39,7 @@ from mlx_lm.models.cache import ArraysCache, BatchKVCache, BatchRotatingKVCache,
 
 from mlxgw.shared.events import FinishReason
 
+from .batch_sampler import scores
 from .quantized_kv import BatchQuantizedKVCache
 
 CUTTABLE = (BatchKVCache, BatchQuantizedKVCache)  # cut back per row
@@ -131,8 +132,10 @@ def _first_position(batch, inputs: mx.array, logits: mx.array) -> tuple[mx.array
     row-by-row fallbacks for a faulty row; mlx-lm's own batch, row by row."""
     if getattr(batch, "batch_wide", lambda: False)():
         logits, token_context = batch.process(logits, inputs)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        return batch.sample(logprobs, tuple(batch.samplers)), logprobs, token_context
+        rows = tuple(batch.samplers)
+        plan = batch.plan(rows)
+        logprobs = scores(logits, plan)
+        return batch.sample(logprobs, rows, plan), logprobs, token_context
     token_context = []
     if any(batch.logits_processors):
         processed = []
@@ -171,8 +174,10 @@ def verify_step(batch, pending: list[int], drafts: list[list[int]]) -> tuple[lis
     saved = snapshot_states(batch.prompt_cache) if needs_replay(batch.prompt_cache) else None
     logits = batch.model(inputs, cache=batch.prompt_cache)
     sampled, first_logprobs, token_context = _first_position(batch, inputs[:, 0], logits[:, 0, :])
-    # Greedy choices the way the greedy sampler makes them: argmax of the log-probabilities.
-    all_logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    # Greedy choices the way the batched step makes them: the argmax of the logits (a drafting
+    # row never reports log-probabilities, so its accepted tokens' values are not normalised:
+    # that would be a full-vocabulary exp at every drafted position).
+    all_logprobs = logits
     greedy = mx.argmax(all_logprobs, axis=-1)
     mx.eval(sampled, greedy, token_context)
     sampled_l, greedy_l = sampled.tolist(), greedy.tolist()
