@@ -27,7 +27,11 @@ def make_request(
 
 # mlxgw's step paths, by engine name: (batch-wide sampler, log-softmax of every row)
 PATHS = {"mlxgw": (True, False), "mlxgw-per-row": (False, False), "mlxgw-normalise-all": (True, True)}
-LABELS = {"mlxgw": "mlxgw", "mlxgw-per-row": "mlxgw per-row sampler", "mlxgw-normalise-all": "mlxgw, every row normalised"}
+LABELS = {
+    "mlxgw": "mlxgw",
+    "mlxgw-per-row": "mlxgw per-row sampler",
+    "mlxgw-normalise-all": "mlxgw, every row normalised",
+}
 
 
 def enter_path(runner, path: str) -> None:
