@@ -35,7 +35,7 @@ LABELS = {
 
 
 def enter_path(runner, path: str) -> None:
-    runner.generator.vectorized, runner.generator.normalise_every_row = PATHS[path]
+    runner.generator.vectorized, runner.generator._generation_batch.normalise_every_row = PATHS[path]
 
 
 class MlxgwLoop:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 IS_MACOS = sys.platform == "darwin"
@@ -25,6 +27,32 @@ def openblas_path() -> str | None:
         if Path(candidate).exists():
             return candidate
     return None
+
+
+@dataclass(frozen=True)
+class BlasThreads:
+    """Get and set the CPU BLAS's thread count at run time (process-wide)."""
+
+    get: Callable[[], int]
+    set: Callable[[int], None]
+
+
+def blas_threads() -> BlasThreads | None:
+    """The thread control of an OpenBLAS loaded in this process (Linux, preloaded by
+    worker_environment), or None: on macOS the matmuls run on Metal, and Accelerate has no
+    such call; a GPU build's matmuls do not use the CPU BLAS (the caller checks the device)."""
+    if not IS_LINUX:
+        return None
+    import ctypes
+
+    try:
+        lib = ctypes.CDLL(None)  # the global namespace, where LD_PRELOAD put OpenBLAS
+        get, set_ = lib.openblas_get_num_threads, lib.openblas_set_num_threads
+    except (OSError, AttributeError):
+        return None
+    get.restype, get.argtypes = ctypes.c_int, []
+    set_.restype, set_.argtypes = None, [ctypes.c_int]
+    return BlasThreads(get=get, set=set_)
 
 
 def worker_environment(base: dict[str, str] | None = None, *, use_openblas: bool = True) -> dict:

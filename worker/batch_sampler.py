@@ -135,8 +135,8 @@ def scores(logits: mx.array, plan: SamplePlan) -> mx.array:
     """What the step samples from and hands back per row: the log-probabilities for the rows
     that need their exact values, the logits themselves for the rest. Both give the same
     distribution at any temperature and the same argmax (log-softmax shifts a row by a
-    constant), and on a CPU the normalisation is a full-vocabulary exp that cost 10.4 of a
-    157-ms step at batch 16 (measured; bench/README.md), for values nobody reads."""
+    constant), and on a CPU the normalisation is a full-vocabulary exp that cost 12.4 ms of a
+    216-ms step at batch 16 (bench/README.md, "step against its floor"), for values nobody reads."""
     if plan.normalised is None:
         return logits
     if plan.normalised is EVERY_ROW:
@@ -393,11 +393,3 @@ class VectorBatchGenerator(BatchGenerator):
     @vectorized.setter
     def vectorized(self, on: bool) -> None:
         self._generation_batch.vectorized = on
-
-    @property
-    def normalise_every_row(self) -> bool:
-        return self._generation_batch.normalise_every_row
-
-    @normalise_every_row.setter
-    def normalise_every_row(self, on: bool) -> None:
-        self._generation_batch.normalise_every_row = on

@@ -92,6 +92,10 @@ class MLXRunner(ChatTextRunner):
             prefill_step_size=prefill_step_size,
         )
         self.prefix_cache = PrefixCache(cache_bytes)
+        from .blas_threads import policy_for
+
+        # The CPU BLAS's thread count per kind of step, measured (worker/blas_threads.py).
+        self.blas = policy_for(mx, self.generator)
         # The prefix cache's disk copy (worker/prefix_store.py), or None: main.serve restores
         # it before the first request and saves it when the worker stops gracefully.
         self.prefix_store = prefix_store
@@ -215,7 +219,12 @@ class MLXRunner(ChatTextRunner):
         self._mx.clear_cache()
 
     def step(self) -> StepOutput:
-        prompt_responses, gen_responses = self.generator.next()
+        gen = self.generator
+        if self.blas is not None:
+            self.blas.start(len(gen._generation_batch), bool(gen._unprocessed_sequences or len(gen._prompt_batch)))
+        prompt_responses, gen_responses = gen.next()
+        if self.blas is not None and not (len(gen._generation_batch) or gen._unprocessed_sequences):
+            self.blas.idle()
         out = StepOutput()
         for r in prompt_responses:
             done, total = r.progress if isinstance(r.progress, tuple) else (0, 0)
@@ -308,6 +317,7 @@ class MLXRunner(ChatTextRunner):
             "kv_bits": self.kv_bits,
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "speculative": self.speculator.stats(),
+            "blas_threads": None if self.blas is None else self.blas.summary(),
         }
 
     def cache_stats(self) -> dict:

@@ -1,0 +1,143 @@
+"""The CPU BLAS's thread count per kind of step (worker/blas_threads.py): the choice follows
+the measured step times, trials of the other count get rarer the dearer it is, a changed
+count never changes a token, and the control reaches the OpenBLAS the worker preloads."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mlxgw.shared.platform import openblas_path
+from mlxgw.worker.blas_threads import FIRST_INTERVAL, MAX_INTERVAL, SAMPLES, TRIAL_STEPS, BlasThreadPolicy, KindChoice
+
+
+def run_kind(choice: KindChoice, cost: dict[int, float], steps: int) -> list[int]:
+    """Steps of one kind whose time depends only on the thread count; the counts used."""
+    used, previous = [], None
+    for _ in range(steps):
+        count = choice.choose()
+        choice.record(count, cost[count], after_change=previous is not None and count != previous)
+        used.append(count)
+        previous = count
+    return used
+
+
+def test_a_quiet_host_keeps_every_thread_and_trials_one_rarely():
+    choice = KindChoice((1, 2))
+    used = run_kind(choice, {1: 0.129, 2: 0.096}, 1000)
+    assert choice.current == 2
+    assert used.count(1) <= 2 * (TRIAL_STEPS + 1) + (1000 // MAX_INTERVAL + 1) * (TRIAL_STEPS + 1)
+    assert choice.interval == MAX_INTERVAL
+
+
+def test_a_busy_host_moves_to_one_thread_and_trials_the_dear_count_rarely():
+    choice = KindChoice((1, 2))
+    used = run_kind(choice, {1: 0.253, 2: 0.871}, 300)
+    first_one = used.index(1)
+    assert first_one == SAMPLES  # the count in use is measured, then the other is tried
+    assert choice.current == 1
+    # 3.4x dearer: the first interval is already 16 * 2 * 3.4 steps, not 16
+    assert choice.interval > 4 * FIRST_INTERVAL
+    assert used[first_one + TRIAL_STEPS + 1 :].count(2) <= 2 * (TRIAL_STEPS + 1)
+
+
+def test_a_host_that_gets_busy_then_quiet_is_followed():
+    choice = KindChoice((1, 2))
+    run_kind(choice, {1: 0.129, 2: 0.096}, 100)
+    assert choice.current == 2
+    # the count in use gets dear: its own samples show it, and the next trial finds the other
+    run_kind(choice, {1: 0.253, 2: 0.871}, MAX_INTERVAL + 2 * (TRIAL_STEPS + 1))
+    assert choice.current == 1
+    run_kind(choice, {1: 0.129, 2: 0.096}, 2 * MAX_INTERVAL + 2 * (TRIAL_STEPS + 1))
+    assert choice.current == 2
+
+
+def test_a_step_that_spanned_an_idle_wait_is_not_a_sample():
+    choice = KindChoice((1, 2))
+    run_kind(choice, {1: 0.2, 2: 0.1}, 20)
+    before = list(choice.times[2])
+    choice.record(2, 60.0, after_change=False)
+    assert list(choice.times[2]) == before
+
+
+class Control:
+    """OpenBLAS's process-wide count, as a value (the decision logic's unit test)."""
+
+    def __init__(self, n: int):
+        self.n, self.calls = n, []
+
+    def get(self) -> int:
+        return self.n
+
+    def set(self, n: int) -> None:
+        self.calls.append(n)
+        self.n = n
+
+
+def test_the_policy_changes_the_count_only_between_steps_after_synchronising():
+    control, synced = Control(2), []
+    policy = BlasThreadPolicy(control, lambda: synced.append(control.n))
+    for _ in range(SAMPLES + TRIAL_STEPS + 2):
+        policy.start(decode_rows=1, reads_prompt=False)
+    assert control.calls[0] == 1 and synced[0] == 2  # synchronised while still at 2
+    policy.start(decode_rows=0, reads_prompt=False)  # nothing runs: no step, no sample
+    assert policy._open is None
+    assert (
+        policy.kind(3, False) == (4, False)
+        and policy.kind(16, True) == (16, True)
+        and policy.kind(1, False) == (1, False)
+    )
+
+
+def test_a_single_thread_blas_has_no_policy():
+    assert not BlasThreadPolicy(Control(1), lambda: None).active
+
+
+@pytest.mark.skipif(openblas_path() is None, reason="needs the Linux OpenBLAS the worker preloads")
+def test_the_count_reaches_the_preloaded_openblas_and_changes_no_token(smollm2_dir):
+    """In a process with the worker's environment: the control sets OpenBLAS's count, and
+    greedy tokens at batch 1 and 3 are the same whatever the count."""
+    from mlxgw.shared.platform import worker_environment
+
+    script = f"""
+import pathlib
+from mlxgw.shared.platform import blas_threads
+from mlxgw.shared.protocol import SamplingParams
+from mlxgw.worker.runner import MLXRunner
+
+control = blas_threads()
+assert control is not None
+most = control.get()
+control.set(1); assert control.get() == 1
+control.set(most)
+
+def decode(rows, threads):
+    r = MLXRunner(pathlib.Path({str(smollm2_dir)!r}), context_length=None, max_num_seqs=4, prefill_step_size=64,
+                  cache_bytes=0)
+    r.blas = None  # this test sets the count itself
+    control.set(threads)
+    greedy = SamplingParams(temperature=0.0)
+    uids = [r.insert(list(range(100 + 7 * i, 160 + 7 * i)), 24, greedy)[0] for i in range(rows)]
+    got = {{u: [] for u in uids}}
+    while any(len(v) < 24 for v in got.values()):
+        for t in r.step().tokens:
+            got[t.uid].append(t.token)
+    return [got[u][:24] for u in uids]
+
+for rows in (1, 3):
+    assert decode(rows, 1) == decode(rows, max(2, most)), rows
+print("ok")
+"""
+    env = worker_environment()
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
+def test_the_policy_is_off_where_asked():
+    env = {**os.environ, "MLXGW_ADAPTIVE_BLAS": "0"}
+    code = "import mlx.core as mx; from mlxgw.worker.blas_threads import policy_for; print(policy_for(mx, None))"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "None", out.stderr[-2000:]

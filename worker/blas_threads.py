@@ -1,0 +1,175 @@
+"""How many threads the CPU BLAS uses for each kind of step, chosen by measuring both.
+
+On MLX's CPU backend every matmul of the forward is an OpenBLAS call, and OpenBLAS splits
+each call over its threads and joins them at the end. On a quiet host that is faster. On a
+host whose cores are taken by other work, each call waits for its slowest thread to be
+scheduled, hundreds of times per forward. Measured on the 2-core machine (SmolLM2-135M
+float32, one decode forward; `bench/README.md`, "busy host"):
+
+| | quiet, 2 threads | quiet, 1 | 2 busy loops, 2 threads | 2 busy loops, 1 |
+|---|---|---|---|---|
+| batch 1 | 96 ms | 129 ms | 871 ms | 253 ms |
+| batch 8 | 132 ms | 177 ms | 216 ms | 329 ms |
+
+So the right count depends on the host's load and on the step's shape, and neither is known
+in advance: a step's kind (its decode rows, to a power of two, and whether it reads a prompt)
+keeps the last few start-to-start times of each count, takes the faster one, and tries the
+other again now and then (every 16 steps of that kind at first, backing off to every 256
+while the choice holds, back to 16 when it flips), so a host that gets busy or quiet is
+followed within a few dozen steps. The count changes only between steps, with the step's
+stream synchronised first: OpenBLAS's count is process-wide, and no call may be running
+when it changes.
+
+Where the count cannot be set (Metal or CUDA, where matmuls do not run on the CPU BLAS;
+macOS's Accelerate) the policy is off: `shared/platform.py` says which.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from mlxgw.shared.platform import BlasThreads, blas_threads
+
+SAMPLES = 3  # start-to-start times kept per count and kind of step (their median decides)
+TRIAL_STEPS = 3  # consecutive steps a count is tried for, so its median is fresh
+FIRST_INTERVAL = 16  # steps of a kind between trials of the other count, at first
+MAX_INTERVAL = 256
+GAP = 10.0  # a step 10x its count's median spanned an idle wait: not a sample
+
+
+def _median(values) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
+
+
+@dataclass
+class KindChoice:
+    """The thread counts' recent step times for one kind of step, and which one is used.
+
+    The count in use is measured at every step of the kind; another count is tried for
+    TRIAL_STEPS steps in a row once the one in use has its samples, and then every
+    `interval` steps. The step right after a change is not a sample: it paid for the
+    synchronisation and for waking the BLAS threads."""
+
+    counts: tuple[int, ...]
+    times: dict[int, deque] = field(default_factory=dict)
+    current: int = 0
+    trial: int | None = None  # the count being tried
+    trial_left: int = 0
+    since_trial: int = 0
+    interval: int = FIRST_INTERVAL
+
+    def __post_init__(self) -> None:
+        self.times = {n: deque(maxlen=SAMPLES) for n in self.counts}
+        self.current = max(self.counts)
+
+    def _measured(self, count: int) -> bool:
+        return len(self.times[count]) >= SAMPLES
+
+    def choose(self) -> int:
+        if self.trial is None and self._measured(self.current):
+            untried = [n for n in self.counts if n != self.current and not self._measured(n)]
+            if untried or self.since_trial >= self.interval:
+                others = untried or [n for n in self.counts if n != self.current]
+                self.trial, self.trial_left, self.since_trial = others[0], TRIAL_STEPS, 0
+        return self.current if self.trial is None else self.trial
+
+    def record(self, count: int, seconds: float, after_change: bool) -> None:
+        if after_change:
+            return
+        samples = self.times[count]
+        if len(samples) >= SAMPLES and seconds > GAP * _median(samples):
+            return
+        samples.append(seconds)
+        if self.trial != count:
+            self.since_trial += 1
+            return
+        self.trial_left -= 1
+        if self.trial_left <= 0:
+            self.trial = None
+            self._decide()
+
+    def _decide(self) -> None:
+        best = min((n for n in self.counts if self._measured(n)), key=lambda n: _median(self.times[n]))
+        if best == self.current:
+            # the dearer the other count, the rarer its trials: a trial of a count 4x slower
+            # costs 12 steps' worth of time
+            others = [_median(self.times[n]) for n in self.counts if n != best and self._measured(n)]
+            ratio = max(others, default=1.0) / max(_median(self.times[best]), 1e-9)
+            self.interval = min(MAX_INTERVAL, int(self.interval * 2 * max(1.0, ratio)))
+        else:
+            self.current, self.interval = best, FIRST_INTERVAL
+
+
+class BlasThreadPolicy:
+    """Per step: `start(kind)` before it, `idle()` when the batch runs dry after it."""
+
+    def __init__(self, control: BlasThreads, synchronize):
+        self.control = control
+        self.synchronize = synchronize  # waits for the step's stream: nothing of BLAS runs
+        self.most = control.get()
+        self.counts = (1, self.most) if self.most > 1 else (self.most,)
+        self.kinds: dict[tuple[int, bool], KindChoice] = {}
+        self.threads = self.most
+        self._open: tuple[KindChoice, int, float, bool] | None = None
+        self.switches = 0
+
+    @property
+    def active(self) -> bool:
+        return len(self.counts) > 1
+
+    @staticmethod
+    def kind(decode_rows: int, reads_prompt: bool) -> tuple[int, bool]:
+        return (1 << max(0, decode_rows - 1).bit_length() if decode_rows else 0, reads_prompt)
+
+    def start(self, decode_rows: int, reads_prompt: bool) -> None:
+        """Before a step with `decode_rows` rows generating, reading a prompt or not."""
+        now = time.perf_counter()
+        self._close(now)
+        if not decode_rows and not reads_prompt:
+            return  # nothing runs
+        key = self.kind(decode_rows, reads_prompt)
+        choice = self.kinds.get(key)
+        if choice is None:
+            choice = self.kinds[key] = KindChoice(self.counts)
+        count = choice.choose()
+        changed = count != self.threads
+        if changed:
+            self.synchronize()
+            self.control.set(count)
+            self.threads, self.switches = count, self.switches + 1
+            now = time.perf_counter()
+        self._open = (choice, count, now, changed)
+
+    def idle(self) -> None:
+        """The batch has nothing left: the step that just ran ends now, not at the next one."""
+        self._close(time.perf_counter())
+
+    def _close(self, now: float) -> None:
+        if self._open is not None:
+            choice, count, started, changed = self._open
+            choice.record(count, now - started, changed)
+            self._open = None
+
+    def summary(self) -> dict:
+        """What /v1/status shows: the count in use per kind of step."""
+        return {
+            "threads": self.threads,
+            "switches": self.switches,
+            "by_kind": {f"{rows}{'+prompt' if prompt else ''}": c.current for (rows, prompt), c in self.kinds.items()},
+        }
+
+
+def policy_for(mx, generator) -> BlasThreadPolicy | None:
+    """The policy for a worker whose model runs on the CPU with a settable BLAS; None
+    elsewhere, or with MLXGW_ADAPTIVE_BLAS=0 (the BLAS's own count, as before)."""
+    if os.environ.get("MLXGW_ADAPTIVE_BLAS", "1") == "0" or mx.default_device().type != mx.cpu:
+        return None
+    control = blas_threads()
+    if control is None:
+        return None
+    policy = BlasThreadPolicy(control, lambda: mx.synchronize(generator._stream))
+    return policy if policy.active else None
