@@ -193,3 +193,39 @@ def test_a_step_that_spans_an_idle_gap_is_not_a_cost_sample():
     before = meter.per_token()
     meter.add(30.0, 8)  # the batch emptied after this step; the next one came 30 s later
     assert meter.per_token() == before
+
+
+def test_a_clear_loss_pauses_after_two_steps_of_each_kind():
+    """At c = 32 a verification of 32 rows x 9 positions costs several decode steps and emits
+    little more: waiting for MIN_SAMPLES speculative steps at every batch size kept it going
+    for a whole wave (0.45x). Two of each now settle a loss of more than EARLY_LOSS."""
+    from mlxgw.worker.speculative import EARLY_SAMPLES, Speculator
+
+    spec = Speculator(SpeculativeConfig())
+    for i in range(EARLY_SAMPLES):
+        spec._open = (spec.plain_cost, 32, 10.0 * i, 32)  # 32 tokens in 1 s
+        spec._close_step(10.0 * i + 1.0)
+        spec._open = (spec.spec_cost, 32, 10.0 * i + 2.0, 40)  # 40 tokens in 3 s: 2.4x dearer
+        spec._close_step(10.0 * i + 5.0)
+    assert spec.counters.pauses == 1
+    # a small loss is left to the full comparison
+    small = Speculator(SpeculativeConfig())
+    for i in range(EARLY_SAMPLES):
+        small._open = (small.plain_cost, 32, 10.0 * i, 32)
+        small._close_step(10.0 * i + 1.0)
+        small._open = (small.spec_cost, 32, 10.0 * i + 2.0, 40)  # 40 tokens in 1.5 s: 1.2x dearer
+        small._close_step(10.0 * i + 3.5)
+    assert small.counters.pauses == 0
+
+
+def test_batch_sizes_share_cost_meters_by_powers_of_two_and_start_plain():
+    from mlxgw.worker.speculative import EARLY_SAMPLES, Speculator, size_bucket
+
+    assert [size_bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 17, 32, 33)] == [1, 2, 4, 4, 8, 8, 16, 32, 32, 64]
+    spec = Speculator(SpeculativeConfig())
+    assert all(spec._probe_due(32) for _ in range(3))  # nothing known at 32: plain steps first
+    for i in range(EARLY_SAMPLES):
+        spec._open = (spec.plain_cost, 32, 10.0 * i, 32)
+        spec._close_step(10.0 * i + 1.0)
+    spec.steps = 1
+    assert not spec._probe_due(32)

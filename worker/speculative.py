@@ -24,7 +24,8 @@ worker/spec_verify.py).
   way while a speculative one was timed around its verification alone made plain steps look
   dearer whenever prompts were being read, so speculation kept going while it lost (0.85x
   on the agent workload at c = 8 before, 1.05x after, bench/README.md). A step that spans an
-  idle gap is not a sample.
+  idle gap is not a sample. Sizes share meters by powers of two, a size's first steps are
+  plain, and a speculative token 1.5x dearer than a plain one pauses after two steps of each.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ from .spec_verify import Verified, needs_replay, rollback_supported, verify_step
 
 PROBE_EVERY = 32  # a plain step this often while speculating, to keep its cost current
 MIN_SAMPLES = 8  # steps of each kind before the comparison is trusted
+EARLY_SAMPLES = 2  # steps of each kind after which a clear loss already pauses
+EARLY_LOSS = 1.5  # a speculative token dearer than this x a plain one is a clear loss
 COOLDOWN_STEPS = (64, 2048)  # first and longest pause after speculation lost
 EMA = 0.9  # weight of the past in the cost averages
 GAP = 10.0  # a step timed at over GAP x its kind's average spanned an idle gap: not a sample
@@ -128,8 +131,15 @@ class CostMeter:
         self.tokens = EMA * self.tokens + (1 - EMA) * tokens
         self.samples += 1
 
-    def per_token(self) -> float | None:
-        return self.seconds / self.tokens if self.samples >= MIN_SAMPLES and self.tokens > 0 else None
+    def per_token(self, min_samples: int = MIN_SAMPLES) -> float | None:
+        return self.seconds / self.tokens if self.samples >= min_samples and self.tokens > 0 else None
+
+
+def size_bucket(rows: int) -> int:
+    """Batch sizes share cost meters by powers of two: at c = 32 the batch passes through
+    every size as rows finish and arrive, and a meter per size needing MIN_SAMPLES steps of
+    each kind kept speculation in its learning phase for a whole wave (0.45x at c = 32)."""
+    return 1 << max(0, rows - 1).bit_length()
 
 
 @dataclass
@@ -195,26 +205,29 @@ class Speculator:
         started = time.perf_counter()
         responses, verified = verify_step(batch, pending, drafts)
         self._record(verified)
-        self._open = (self.spec_cost, len(drafts), started, verified.emitted)  # closed at the next step
+        self._open = (self.spec_cost, size_bucket(len(drafts)), started, verified.emitted)  # closed at the next step
         self._adapt(states, drafts, verified)
         return responses
 
     def _worth_trying(self, batch) -> bool:
-        if not self.rows or self.steps < self.paused_until or self._probe_due(len(batch.uids)):
+        if not self.rows or self.steps < self.paused_until or self._probe_due(size_bucket(len(batch.uids))):
             return False
         return any(uid in self.rows for uid in batch.uids) and rollback_supported(batch.prompt_cache)
 
     def _probe_due(self, size: int) -> bool:
-        """A plain step now, to measure what speculation competes with (often until known)."""
-        known = self.plain_cost.get(size, CostMeter()).samples >= MIN_SAMPLES
-        return self.steps % (PROBE_EVERY if known else PROBE_EVERY // 8) == 0
+        """A plain step now, to measure what speculation competes with: always until a
+        size's plain cost has its first samples, often until it is known, then now and then."""
+        samples = self.plain_cost.get(size, CostMeter()).samples
+        if samples < EARLY_SAMPLES:
+            return True
+        return self.steps % (PROBE_EVERY if samples >= MIN_SAMPLES else PROBE_EVERY // 8) == 0
 
     def _plain(self, batch, plain_next) -> list:
         self._close_step(time.perf_counter())
-        size, started = len(batch.uids), time.perf_counter()
+        rows, started = len(batch.uids), time.perf_counter()
         responses = plain_next()
         self.counters.plain_steps += 1
-        self._open = (self.plain_cost, size, started, size)
+        self._open = (self.plain_cost, size_bucket(rows), started, rows)
         return responses
 
     def _close_step(self, now: float) -> None:
@@ -264,8 +277,12 @@ class Speculator:
         c.emitted_in_speculative_steps += verified.emitted
 
     def _judge(self, size: int) -> None:
-        spec = self.spec_cost.get(size, CostMeter()).per_token()
-        plain = self.plain_cost.get(size, CostMeter()).per_token()
+        spec_meter, plain_meter = self.spec_cost.get(size, CostMeter()), self.plain_cost.get(size, CostMeter())
+        early_spec, early_plain = spec_meter.per_token(EARLY_SAMPLES), plain_meter.per_token(EARLY_SAMPLES)
+        if early_spec is not None and early_plain is not None and early_spec > EARLY_LOSS * early_plain:
+            self._pause(size)  # a clear loss after two steps: not six more of it
+            return
+        spec, plain = spec_meter.per_token(), plain_meter.per_token()
         if spec is not None and plain is not None:
             if spec > plain:
                 self._pause(size)
