@@ -25,7 +25,7 @@ worker/spec_verify.py).
   dearer whenever prompts were being read, so speculation kept going while it lost (0.85x
   on the agent workload at c = 8 before, 1.05x after, bench/README.md). A step that spans an
   idle gap is not a sample. Sizes share meters by powers of two, a size's first steps are
-  plain, and a speculative token 1.5x dearer than a plain one pauses after two steps of each.
+  plain, and a speculative token 1.2x dearer than a plain one pauses after two steps of each.
 """
 
 from __future__ import annotations
@@ -39,9 +39,10 @@ from mlxgw.shared.config import SpeculativeConfig
 from .spec_verify import Verified, needs_replay, rollback_supported, verify_step
 
 PROBE_EVERY = 32  # a plain step this often while speculating, to keep its cost current
+LEARNING_PROBE_EVERY = 2  # and every other step until a size's plain cost is known
 MIN_SAMPLES = 8  # steps of each kind before the comparison is trusted
 EARLY_SAMPLES = 2  # steps of each kind after which a clear loss already pauses
-EARLY_LOSS = 1.5  # a speculative token dearer than this x a plain one is a clear loss
+EARLY_LOSS = 1.2  # a speculative token dearer than this x a plain one is a clear loss
 COOLDOWN_STEPS = (64, 2048)  # first and longest pause after speculation lost
 EMA = 0.9  # weight of the past in the cost averages
 GAP = 10.0  # a step timed at over GAP x its kind's average spanned an idle gap: not a sample
@@ -220,7 +221,7 @@ class Speculator:
         samples = self.plain_cost.get(size, CostMeter()).samples
         if samples < EARLY_SAMPLES:
             return True
-        return self.steps % (PROBE_EVERY if samples >= MIN_SAMPLES else PROBE_EVERY // 8) == 0
+        return self.steps % (PROBE_EVERY if samples >= MIN_SAMPLES else LEARNING_PROBE_EVERY) == 0
 
     def _plain(self, batch, plain_next) -> list:
         self._close_step(time.perf_counter())
