@@ -218,14 +218,17 @@ def test_a_clear_loss_pauses_after_two_steps_of_each_kind():
     assert small.counters.pauses == 0
 
 
-def test_batch_sizes_share_cost_meters_by_powers_of_two_and_start_plain():
-    from mlxgw.worker.speculative import EARLY_SAMPLES, Speculator, size_bucket
+def test_batch_sizes_share_cost_meters_by_powers_of_two_and_probe_every_other_step_while_learning():
+    from mlxgw.worker.speculative import MIN_SAMPLES, PROBE_EVERY, Speculator, size_bucket
 
     assert [size_bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 17, 32, 33)] == [1, 2, 4, 4, 8, 8, 16, 32, 32, 64]
     spec = Speculator(SpeculativeConfig())
-    assert all(spec._probe_due(32) for _ in range(3))  # nothing known at 32: plain steps first
-    for i in range(EARLY_SAMPLES):
+    due = []
+    for step in range(1, 9):
+        spec.steps = step
+        due.append(spec._probe_due(32))
+    assert due == [False, True] * 4  # nothing known at 32: every other step is plain
+    for i in range(MIN_SAMPLES):
         spec._open = (spec.plain_cost, 32, 10.0 * i, 32)
         spec._close_step(10.0 * i + 1.0)
-    spec.steps = 1
-    assert not spec._probe_due(32)
+    assert sum(spec._probe_due(32) for spec.steps in range(1, PROBE_EVERY + 1)) == 1

@@ -24,8 +24,9 @@ worker/spec_verify.py).
   way while a speculative one was timed around its verification alone made plain steps look
   dearer whenever prompts were being read, so speculation kept going while it lost (0.85x
   on the agent workload at c = 8 before, 1.05x after, bench/README.md). A step that spans an
-  idle gap is not a sample. Sizes share meters by powers of two, a size's first steps are
-  plain, and a speculative token 1.2x dearer than a plain one pauses after two steps of each.
+  idle gap is not a sample. Sizes share meters by powers of two, every other step is plain
+  until a size's plain cost is known, and a speculative token 1.2x dearer than a plain one
+  pauses after two steps of each.
 """
 
 from __future__ import annotations
@@ -216,11 +217,9 @@ class Speculator:
         return any(uid in self.rows for uid in batch.uids) and rollback_supported(batch.prompt_cache)
 
     def _probe_due(self, size: int) -> bool:
-        """A plain step now, to measure what speculation competes with: always until a
-        size's plain cost has its first samples, often until it is known, then now and then."""
+        """A plain step now, to measure what speculation competes with: every other step
+        until a size's plain cost is known, then now and then."""
         samples = self.plain_cost.get(size, CostMeter()).samples
-        if samples < EARLY_SAMPLES:
-            return True
         return self.steps % (PROBE_EVERY if samples >= MIN_SAMPLES else LEARNING_PROBE_EVERY) == 0
 
     def _plain(self, batch, plain_next) -> list:
