@@ -20,7 +20,9 @@ GREEDY = SamplingParams(temperature=0, logit_bias={0: -100, 2: -100})  # no end-
 def runner(tiny_dir):
     from mlxgw.worker.runner import MLXRunner
 
-    return MLXRunner(tiny_dir, context_length=None, max_num_seqs=8, prefill_step_size=BUDGET, cache_bytes=0)
+    # The folder as text, as bench/admission.py and bench/speculative.py pass it (a str once
+    # broke the KV-size probe, which globbed it as a Path).
+    return MLXRunner(str(tiny_dir), context_length=None, max_num_seqs=8, prefill_step_size=BUDGET, cache_bytes=0)
 
 
 def _scheduler(runner, budget: int | None = BUDGET):
@@ -167,3 +169,20 @@ def test_a_configured_max_num_seqs_wins_over_the_formula(tiny_dir):
     assert choose_max_num_seqs(3, tiny_dir, 1 << 40).value == 3
     chosen = choose_max_num_seqs(None, tiny_dir, 1 << 30)
     assert chosen.source == "kv formula" and chosen.kv_bytes_per_token == 2 * 2 * 16 * 2 * 4
+
+
+def test_the_admission_bench_runs_its_variants_on_a_real_runner(tiny_dir):
+    """bench/admission.py drives the real Scheduler and, for comparison, mlx-lm's own
+    BatchGenerator on the same model; both had gone unrun in CI once (a str folder broke the
+    runner), so one burst and one closed loop of each run here, tiny and short."""
+    from mlxgw.bench.admission import VARIANTS, run_variant
+    from mlxgw.bench.loadgen import varied_prompts
+    from mlxgw.worker.runner import MLXRunner
+
+    runner = MLXRunner(str(tiny_dir), context_length=None, max_num_seqs=4, prefill_step_size=64, cache_bytes=0)
+    prompts = varied_prompts(3, 12, seed=1)
+    for name in ("budget+idle", "budget+idle (BLAS fixed)", "mlx-lm's BatchGenerator"):
+        for clients in (3, 2):  # a burst, then a closed loop of 2 clients over 3 requests
+            row = run_variant(runner, VARIANTS[name], prompts, clients, 4)
+            assert row["requests"] == 3 and row["failed"] == 0, (name, row)
+            assert row["tok_s"] > 0 and row["ttft_p50_s"] is not None, (name, row)

@@ -53,7 +53,7 @@ class MLXRunner(ChatTextRunner):
 
     def __init__(
         self,
-        model_path: Path,
+        model_path: Path | str,
         *,
         context_length: int | None,
         max_num_seqs: int,
@@ -79,6 +79,7 @@ class MLXRunner(ChatTextRunner):
         self._mx = mx
         from . import model_info
 
+        model_path = Path(model_path)  # the benches pass a folder as text
         self.model, self.tokenizer, config = (loader or load)(str(model_path), return_config=True)
         model_info.check_servable(self.model)
         model_context = model_info.context_length(config)
