@@ -9,7 +9,11 @@ than --max-spread); the summary shows each TTFT p50 as the median with every rou
   prompts per step in chunks of 2,048 tokens (`--prompt-concurrency 8`, `--prefill-step-size
   2048`, its defaults);
 - budget: mlxgw's per-step prompt budget (512 tokens, worker/prefill_plan.py) always;
-- budget+idle: the same, and four budgets per step while no row is decoding (the default).
+- budget+idle: the same, and four budgets per step while no row is decoding (the default);
+- budget+idle (BLAS fixed): the default with the BLAS thread policy off (worker/blas_threads.py);
+- mlx-lm's BatchGenerator: no mlxgw runner at all, mlx-lm's own generator on the same model
+  object, driven as mlx_lm.server drives it (8 prompts a step, 2,048-token chunks, one sampler
+  per request). Against "mlx_lm.server's" this separates the runner's cost from the policy's.
 Two loads: a burst (c requests at once) and a closed loop (c clients, 2c requests). TTFT is
 from submission to the first token on the engine thread: the gateway and HTTP are not in it,
 so this isolates the policy (bench/run.py measures through `mlxgw up`)."""
@@ -28,10 +32,82 @@ VARIANTS = {
     "mlx_lm.server's": {"budget": None, "prefill_batch": 8, "step": 2048, "idle": 1},
     "budget": {"budget": 512, "prefill_batch": None, "step": 512, "idle": 1},
     "budget+idle": {"budget": 512, "prefill_batch": None, "step": 512, "idle": 4},
+    "budget+idle (BLAS fixed)": {"budget": 512, "prefill_batch": None, "step": 512, "idle": 4, "blas": False},
+    "mlx-lm's BatchGenerator": {"bare": True, "prefill_batch": 8, "step": 2048},
 }
+DEFAULT_VARIANTS = ["mlx_lm.server's", "budget", "budget+idle"]
+
+
+def run_bare(runner, variant: dict, prompts: list, clients: int, max_tokens: int) -> dict:
+    """mlx-lm's BatchGenerator on the runner's model, as mlx_lm.server drives it: TTFT from
+    insertion to a row's first generated token."""
+    from mlx_lm.generate import BatchGenerator
+    from mlx_lm.sample_utils import make_sampler
+
+    tok = runner.tokenizer
+    gen = BatchGenerator(
+        runner.model,
+        stop_tokens=[[t] for t in sorted(tok.eos_token_ids)],
+        completion_batch_size=runner.generator.completion_batch_size,
+        prefill_batch_size=variant["prefill_batch"],
+        prefill_step_size=variant["step"],
+    )
+    queue = [tok.apply_chat_template(m, add_generation_prompt=True) for m in prompts]
+    sent, first, last, gaps, tokens, done = {}, {}, {}, [], 0, 0
+    started = time.perf_counter()
+
+    def submit() -> None:
+        (uid,) = gen.insert([queue.pop(0)], max_tokens=[max_tokens], samplers=[make_sampler(temp=0.7)])
+        sent[uid] = time.perf_counter()
+
+    for _ in range(min(clients, len(queue))):
+        submit()
+    while done < len(prompts):
+        _, generated = gen.next()
+        now = time.perf_counter()
+        for r in generated:
+            tokens += 1
+            if r.uid not in first:
+                first[r.uid] = now - sent[r.uid]
+            else:
+                gaps.append(now - last[r.uid])
+            last[r.uid] = now
+            if r.finish_reason is not None:
+                done += 1
+                if queue:
+                    submit()
+    gen.close()
+    wall = time.perf_counter() - started
+    return _row(len(prompts), 0, tokens, wall, list(first.values()), gaps)
+
+
+def _row(requests: int, failed: int, tokens: int, wall: float, ttfts: list, gaps: list) -> dict:
+    return {
+        "requests": requests,
+        "failed": failed,
+        "tok_s": round(tokens / wall, 2),
+        "ttft_p50_s": round(percentile(ttfts, 50), 3),
+        "ttft_p90_s": round(percentile(ttfts, 90), 3),
+        "itl_p50_s": round(percentile(gaps, 50), 3) if gaps else None,
+        "itl_max_s": round(max(gaps), 3) if gaps else None,
+        "wall_s": round(wall, 2),
+    }
 
 
 def run_variant(runner, variant: dict, prompts: list, clients: int, max_tokens: int) -> dict:
+    policy = runner.blas
+    if policy is not None and (variant.get("bare") or not variant.get("blas", True)):
+        policy.control.set(policy.most)  # a fixed count: OpenBLAS's own (all cores)
+        runner.blas = None
+    try:
+        if variant.get("bare"):
+            return run_bare(runner, variant, prompts, clients, max_tokens)
+        return _run_scheduled(runner, variant, prompts, clients, max_tokens)
+    finally:
+        runner.blas = policy
+
+
+def _run_scheduled(runner, variant: dict, prompts: list, clients: int, max_tokens: int) -> dict:
     from mlxgw.shared.protocol import GenerateRequest, SamplingParams
     from mlxgw.worker.scheduler import Scheduler
 
@@ -76,17 +152,8 @@ def run_variant(runner, variant: dict, prompts: list, clients: int, max_tokens: 
                 if queue:
                     submit()
     wall = time.perf_counter() - started
-    ttfts = list(first.values())
-    return {
-        "requests": len(prompts),
-        "failed": sum(1 for e in ends.values() if e["e"] != "finish"),
-        "tok_s": round(tokens / wall, 2),
-        "ttft_p50_s": round(percentile(ttfts, 50), 3),
-        "ttft_p90_s": round(percentile(ttfts, 90), 3),
-        "itl_p50_s": round(percentile(gaps, 50), 3) if gaps else None,
-        "itl_max_s": round(max(gaps), 3) if gaps else None,
-        "wall_s": round(wall, 2),
-    }
+    failed = sum(1 for e in ends.values() if e["e"] != "finish")
+    return _row(len(prompts), failed, tokens, wall, list(first.values()), gaps)
 
 
 def main() -> None:
@@ -99,6 +166,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--prompt-words", type=int, default=40)
     ap.add_argument("--loads", default="burst,closed")
+    ap.add_argument(
+        "--variants", default=",".join(DEFAULT_VARIANTS), help=f"comma-separated, of: {'; '.join(VARIANTS)}"
+    )
     ap.add_argument("--out", default=None)
     bench_method.add_arguments(ap)
     args = ap.parse_args()
@@ -112,7 +182,7 @@ def main() -> None:
     run_variant(runner, VARIANTS["budget"], varied_prompts(4, args.prompt_words, seed=7), 4, 4)  # warm-up
     rows = []
     with method.busy_loops():
-        for rnd, names in method.each_round(list(VARIANTS)):
+        for rnd, names in method.each_round([v.strip() for v in args.variants.split(",")]):
             for c in levels:
                 for load in args.loads.split(","):
                     rows += _level(runner, rnd, c, load, names, args)
