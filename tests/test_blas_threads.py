@@ -92,6 +92,19 @@ def test_the_policy_changes_the_count_only_between_steps_after_synchronising():
     )
 
 
+def test_a_pinned_step_runs_at_every_thread_and_is_not_a_sample():
+    control = Control(2)
+    policy = BlasThreadPolicy(control, lambda: None)
+    for _ in range(SAMPLES + 1):
+        policy.start(decode_rows=1, reads_prompt=False)  # measured at 2, then 1 is tried
+    assert control.n == 1
+    samples = {n: list(t) for n, t in policy.kinds[(1, False)].times.items()}
+    policy.start(decode_rows=1, reads_prompt=False, pinned=True)  # a seeded row joined
+    assert control.n == 2 and policy._open is None
+    policy.start(decode_rows=1, reads_prompt=False, pinned=True)
+    assert {n: list(t) for n, t in policy.kinds[(1, False)].times.items()} == samples
+
+
 def test_a_single_thread_blas_has_no_policy():
     assert not BlasThreadPolicy(Control(1), lambda: None).active
 

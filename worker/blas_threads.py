@@ -125,12 +125,22 @@ class BlasThreadPolicy:
     def kind(decode_rows: int, reads_prompt: bool) -> tuple[int, bool]:
         return (1 << max(0, decode_rows - 1).bit_length() if decode_rows else 0, reads_prompt)
 
-    def start(self, decode_rows: int, reads_prompt: bool) -> None:
-        """Before a step with `decode_rows` rows generating, reading a prompt or not."""
+    def start(self, decode_rows: int, reads_prompt: bool, pinned: bool = False) -> None:
+        """Before a step with `decode_rows` rows generating, reading a prompt or not.
+        pinned: a row needs the same rounding as it would get alone (a seeded draw), so the
+        step runs at every thread, as a worker without this policy would, and is no sample:
+        OpenBLAS's result differs in its last bits between counts, which moved a seeded
+        row's sample at temperature 1 to the neighbouring token (tests/test_batch_sampler.py)."""
         now = time.perf_counter()
         self._close(now)
         if not decode_rows and not reads_prompt:
             return  # nothing runs
+        if pinned:
+            if self.threads != self.most:
+                self.synchronize()
+                self.control.set(self.most)
+                self.threads, self.switches = self.most, self.switches + 1
+            return
         key = self.kind(decode_rows, reads_prompt)
         choice = self.kinds.get(key)
         if choice is None:

@@ -126,6 +126,9 @@ class MLXRunner(ChatTextRunner):
         self._boundaries: dict[int, set[int]] = {}  # uid -> its prompt's message boundaries
         self._logprobs: dict[int, int] = {}  # uid -> alternatives per token, for those that ask
         self._keep_prompt: set[int] = set()  # uids whose prompt KV is stored once prefilled
+        # uids with a seed: while any is in the batch the BLAS keeps one thread count, since a
+        # different count rounds the logits differently and can move a seeded draw
+        self._seeded: set[int] = set()
         self.cache_bytes = cache_bytes
         self.vocab_size = vocab_size
         from .logprobs import TokenBytes
@@ -180,6 +183,8 @@ class MLXRunner(ChatTextRunner):
             self._logprobs[uid] = logprobs
         if keep_prompt:
             self._keep_prompt.add(uid)
+        if sampling.seed is not None:
+            self._seeded.add(uid)
         return uid, cached
 
     def _fresh_cache(self) -> list:
@@ -222,7 +227,11 @@ class MLXRunner(ChatTextRunner):
     def step(self) -> StepOutput:
         gen = self.generator
         if self.blas is not None:
-            self.blas.start(len(gen._generation_batch), bool(gen._unprocessed_sequences or len(gen._prompt_batch)))
+            self.blas.start(
+                len(gen._generation_batch),
+                bool(gen._unprocessed_sequences or len(gen._prompt_batch)),
+                pinned=bool(self._seeded),
+            )
         prompt_responses, gen_responses = gen.next()
         if self.blas is not None and not (len(gen._generation_batch) or gen._unprocessed_sequences):
             self.blas.idle()
@@ -238,6 +247,7 @@ class MLXRunner(ChatTextRunner):
             if r.finish_reason is not None:
                 self._covered.pop(r.uid, None)
                 self._logprobs.pop(r.uid, None)
+                self._seeded.discard(r.uid)
                 self._boundaries.pop(r.uid, None)
                 marks = self._checkpoints.pop(r.uid, None)
                 if r.prompt_cache is not None:
@@ -279,6 +289,7 @@ class MLXRunner(ChatTextRunner):
         removed = self.generator.remove(uids, return_prompt_caches=True)
         for uid in uids:
             self._logprobs.pop(uid, None)
+            self._seeded.discard(uid)
             self._keep_prompt.discard(uid)
             covered = self._covered.pop(uid, 0)
             self._boundaries.pop(uid, None)
