@@ -136,23 +136,24 @@ class BlasThreadPolicy:
         if not decode_rows and not reads_prompt:
             return  # nothing runs
         if pinned:
-            if self.threads != self.most:
-                self.synchronize()
-                self.control.set(self.most)
-                self.threads, self.switches = self.most, self.switches + 1
+            self._use(self.most)
             return
         key = self.kind(decode_rows, reads_prompt)
         choice = self.kinds.get(key)
         if choice is None:
             choice = self.kinds[key] = KindChoice(self.counts)
         count = choice.choose()
-        changed = count != self.threads
-        if changed:
-            self.synchronize()
-            self.control.set(count)
-            self.threads, self.switches = count, self.switches + 1
-            now = time.perf_counter()
-        self._open = (choice, count, now, changed)
+        changed = self._use(count)
+        self._open = (choice, count, time.perf_counter() if changed else now, changed)
+
+    def _use(self, count: int) -> bool:
+        """The count for the next step, set with the stream synchronised; whether it changed."""
+        if count == self.threads:
+            return False
+        self.synchronize()
+        self.control.set(count)
+        self.threads, self.switches = count, self.switches + 1
+        return True
 
     def idle(self) -> None:
         """The batch has nothing left: the step that just ran ends now, not at the next one."""
