@@ -2,7 +2,8 @@
 
     python -m mlxgw.bench.step_breakdown [MODEL_DIR] --batches 1,8,16 --steps 40 --out step.json
 
-Two engines on the same model object (one set of weights) in one process, taking turns in
+Two engines on the same weights in one process (mlx_lm's loop on the model as mlx-lm loads
+it, mlxgw's on the worker's, whose output head is stored transposed), taking turns in
 blocks of --block steps at every batch size, so a change in the machine's load falls on both:
 - mlxgw: the real worker Scheduler + MLXRunner (its batch-wide sampler; `--sampler both`
   also runs its per-row path), plus the msgpack encoding of each step's events;
@@ -210,7 +211,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--engines",
         default="mlxgw,mlx_lm",
         help="comma-separated: mlxgw (its batch-wide sampler), mlxgw-per-row (its per-row path), "
-        "mlxgw-normalise-all (log-softmax of every row, as before 2026-12-02), mlx_lm (mlx_lm.server's loop)",
+        "mlxgw-normalise-all (log-softmax of every row, as before 2026-12-02), mlxgw-mlx-attention (mlx-lm's "
+        "attention instead of worker/cpu_attention.py, as before 2026-12-02), mlx_lm (mlx_lm.server's loop)",
     )
     ap.add_argument("--block", type=int, default=10, help="steps per turn when alternating engines")
     ap.add_argument(
@@ -231,7 +233,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def make_loops(names: list[str], runner, timed_model, batch: int, args, timers: Timers) -> list:
+def make_loops(names: list[str], runner, peer_model, batch: int, args, timers: Timers) -> list:
     """The engines to alternate at one batch size; mlxgw's sampler paths share one Scheduler."""
     from .loadgen import varied_prompts
     from .step_mlx_lm import MlxLmLoop
@@ -241,7 +243,7 @@ def make_loops(names: list[str], runner, timed_model, batch: int, args, timers: 
     mlxgw: MlxgwLoop | None = None
     for name in names:
         if name == "mlx_lm":
-            loops.append(MlxLmLoop(timed_model, runner.tokenizer, batch, args, timers, prompts))
+            loops.append(MlxLmLoop(peer_model, runner.tokenizer, batch, args, timers, prompts))
         elif mlxgw is None:
             mlxgw = MlxgwLoop(runner, batch, args, timers, prompts, path=name)
             loops.append(mlxgw)
@@ -275,11 +277,18 @@ def main(argv: list[str] | None = None) -> None:
     load_start = load_average()
     runner = load_runner(model_dir, max(batches))
     timers = Timers()
-    timed_model = install_timers(timers, runner, mx)
+    install_timers(timers, runner, mx)
+    # mlx_lm.server's loop gets the model as mlx-lm loads it: the worker stores its output
+    # head transposed (worker/output_head.py), a layout of its own. Same weights, same BLAS.
+    from mlx_lm import load
+
+    from .step_timers import TimedModel
+
+    peer_model = TimedModel(load(str(model_dir))[0], timers, mx) if "mlx_lm" in args.engines else None
     floors = Floors.measure(runner.model, mx, args.gemm_repeats, args.peak_batch)
     rows = []
     for batch in batches:
-        loops = make_loops(args.engines, runner, timed_model, batch, args, timers)
+        loops = make_loops(args.engines, runner, peer_model, batch, args, timers)
         try:
             measured = measure_batch(loops, args, timers)
         finally:

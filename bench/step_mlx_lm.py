@@ -65,7 +65,11 @@ class MlxLmLoop:
         self.live: dict[int, dict] = {}
 
     def enter(self) -> None:
-        """Nothing to switch: this loop has its own generator."""
+        """This loop has its own generator; its model calls get mlx-lm's own attention, as
+        in mlx_lm.server (the worker's CPU attention is routed in process-wide)."""
+        from mlxgw.worker.cpu_attention import settings
+
+        settings.enabled = False
 
     def top_up(self) -> None:
         while len(self.live) < self.batch:

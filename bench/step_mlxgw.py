@@ -25,17 +25,27 @@ def make_request(
     )
 
 
-# mlxgw's step paths, by engine name: (batch-wide sampler, log-softmax of every row)
-PATHS = {"mlxgw": (True, False), "mlxgw-per-row": (False, False), "mlxgw-normalise-all": (True, True)}
+# mlxgw's step paths, by engine name: (batch-wide sampler, log-softmax of every row, the
+# worker's CPU attention (worker/cpu_attention.py) rather than mlx-lm's)
+PATHS = {
+    "mlxgw": (True, False, True),
+    "mlxgw-per-row": (False, False, True),
+    "mlxgw-normalise-all": (True, True, True),
+    "mlxgw-mlx-attention": (True, False, False),
+}
 LABELS = {
     "mlxgw": "mlxgw",
     "mlxgw-per-row": "mlxgw per-row sampler",
     "mlxgw-normalise-all": "mlxgw, every row normalised",
+    "mlxgw-mlx-attention": "mlxgw, mlx-lm's attention",
 }
 
 
 def enter_path(runner, path: str) -> None:
-    runner.generator.vectorized, runner.generator._generation_batch.normalise_every_row = PATHS[path]
+    from mlxgw.worker.cpu_attention import settings
+
+    vectorized, normalise_all, settings.enabled = PATHS[path]
+    runner.generator.vectorized, runner.generator._generation_batch.normalise_every_row = vectorized, normalise_all
 
 
 class MlxgwLoop:

@@ -51,7 +51,7 @@ class TimedModel:
 
 def install_timers(timers: Timers, runner, mx) -> TimedModel:
     """Wrap the pieces of mlxgw's step (once per process); everything else runs as shipped.
-    Returns the timed model, which the mlx_lm loop then calls too."""
+    Returns the timed model of mlxgw's runner."""
     from mlxgw.shared import protocol as p
     from mlxgw.worker import output_parser, sampling, textstream
     from mlxgw.worker.batch_sampler import VectorGenerationBatch

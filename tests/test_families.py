@@ -20,6 +20,7 @@ from helpers.family_models import FAMILIES, NON_TRIMMABLE, WIDE_HEADS, build_fam
 from helpers.runner_jobs import GREEDY, generate_together
 
 from mlxgw.shared.config import SpeculativeConfig
+from mlxgw.worker.cpu_attention import bypassed
 
 TOKENS = 8
 SYSTEM = "You are a careful assistant for a team of engineers. Answer briefly and cite the file. " * 2
@@ -27,18 +28,21 @@ ORDERED_FAMILIES = list(FAMILIES)
 
 
 def _reference(model, tokenizer, prompt: list[int], max_tokens: int) -> list[int]:
-    """mlx-lm alone: stream_generate, greedy."""
+    """mlx-lm alone: stream_generate, greedy, with mlx-lm's own attention (the worker routes
+    its model modules through worker/cpu_attention.py, process-wide)."""
     from mlx_lm import stream_generate
     from mlx_lm.sample_utils import make_sampler
 
-    steps = stream_generate(model, tokenizer, mx.array(prompt), max_tokens=max_tokens, sampler=make_sampler(0.0))
-    return [r.token for r in steps]
+    with bypassed():
+        steps = stream_generate(model, tokenizer, mx.array(prompt), max_tokens=max_tokens, sampler=make_sampler(0.0))
+        return [r.token for r in steps]
 
 
 def _is_tie(model, context: list[int], a: int, b: int) -> bool:
     from mlx_lm.models.cache import make_prompt_cache
 
-    logits = model(mx.array([context]), cache=make_prompt_cache(model))[0, -1].astype(mx.float32)
+    with bypassed():
+        logits = model(mx.array([context]), cache=make_prompt_cache(model))[0, -1].astype(mx.float32)
     return float(logits[a]) == float(logits[b])
 
 

@@ -36,6 +36,10 @@ def _nested_args(model) -> list[Any]:
     return [a for a in out if a is not None]
 
 
+# What families name their token embedding (a tied head is one of these).
+TOKEN_EMBEDDINGS = ("embed_tokens", "wte", "tok_embeddings", "embeddings", "embedding")
+
+
 def _head_rows(model) -> int | None:
     """Rows of the output head, else of the token embedding (a tied head). Only modules named
     as such count: Gemma 4 also has per-layer embeddings of another vocabulary."""
@@ -47,7 +51,7 @@ def _head_rows(model) -> int | None:
         leaf = name.rsplit(".", 1)[-1]
         if leaf == "lm_head":
             candidates.append((0, weight.shape[0]))
-        elif leaf in ("embed_tokens", "wte", "tok_embeddings", "embeddings", "embedding"):
+        elif leaf in TOKEN_EMBEDDINGS:
             candidates.append((1, weight.shape[0]))
     return min(candidates)[1] if candidates else None
 

@@ -117,6 +117,14 @@ class MLXRunner(ChatTextRunner):
         drafter = load_drafter(speculative, model_path, self.tokenizer, vocab_size)  # mode draft only
         self.speculator = Speculator(speculative, drafter=drafter)
         self.speculator.attach(self.generator)
+        from . import cpu_attention
+        from .output_head import transpose_head
+
+        # CPU device only: attention with a base-2 softmax and long rows over two cores, and
+        # the output head's weight stored for the faster GEMM (worker/cpu_attention.py,
+        # worker/output_head.py). After both models loaded: their modules are routed.
+        self.cpu_attention = cpu_attention if cpu_attention.install() else None
+        self.transposed_head = transpose_head(self.model)
         self._covered: dict[int, int] = {}  # uid -> prompt tokens its cache lookup covered
         # Families with recurrent or sliding-window layers keep state checkpoints while
         # prefilling (worker/state_checkpoints.py): uid -> those taken so far.
@@ -232,6 +240,9 @@ class MLXRunner(ChatTextRunner):
                 bool(gen._unprocessed_sequences or len(gen._prompt_batch)),
                 pinned=bool(self._seeded),
             )
+        if self.cpu_attention is not None and self.blas is not None:
+            # a second stream is one more thread: not while the BLAS policy finds one faster
+            self.cpu_attention.settings.parallel = self.blas.threads > 1
         prompt_responses, gen_responses = gen.next()
         if self.blas is not None and not (len(gen._generation_batch) or gen._unprocessed_sequences):
             self.blas.idle()
