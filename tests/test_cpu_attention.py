@@ -132,3 +132,20 @@ def test_model_modules_are_routed_and_a_model_gives_the_same_greedy_tokens(tiny_
         theirs = model(prompt, cache=make_prompt_cache(model))
     assert mx.abs(ours - theirs).max().item() < 1e-3
     assert mx.array_equal(ours.argmax(-1), theirs.argmax(-1))
+
+
+def test_the_cpu_forward_bench_runs_every_table(tiny_dir):
+    """bench/cpu_forward.py (the figures in bench/README.md) on the tiny model, one round."""
+    from mlx_lm import load
+
+    from mlxgw.bench import cpu_forward
+
+    model, _ = load(str(tiny_dir))
+    rows = cpu_forward.attention_rounds(mx, (4, 2, 16), rounds=2, repeats=1)
+    rows += cpu_forward.head_rounds(mx, model, rounds=1, repeats=1)
+    rows += cpu_forward.prefill_rounds(mx, model, tokens=64, rounds=1)
+    assert [r["what"] for r in rows].count("attention") == len(cpu_forward.DECODE) + 1
+    assert {r["what"] for r in rows} == {"attention", "head", "prefill", "decode step"}
+    assert all(r["mlxgw"]["median"] > 0 and r["mlx_lm"]["median"] > 0 for r in rows)
+    assert "| attention |" in cpu_forward.markdown(rows)
+    assert cpu_attention.settings.enabled
