@@ -102,6 +102,11 @@ def test_what_it_does_not_handle_goes_to_mlx_lm_unchanged():
         cpu_attention.attention(q, k, v, None, 0.125, None, sinks=sinks),
         cpu_attention._original(q, k, v, cache=None, scale=0.125, mask=None, sinks=sinks),
     )
+    # a mask kind it does not know is mlx-lm's to accept or refuse, as it would be without it
+    with pytest.raises(Exception) as theirs:
+        cpu_attention._original(q, k, v, cache=None, scale=0.125, mask="sliding")
+    with pytest.raises(type(theirs.value)):
+        cpu_attention.attention(q, k, v, None, 0.125, "sliding")
     half = [a.astype(mx.float16) for a in (q, k, v)]
     assert mx.array_equal(
         cpu_attention.attention(*half, None, 0.125, None),

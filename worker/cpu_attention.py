@@ -80,10 +80,11 @@ def _causal(L: int, T: int) -> mx.array:
 
 
 def _fold_mask(mask, L: int, T: int, rep: int):
-    """A mask for scores laid out as (B, KV heads, rep * L, T)."""
+    """A mask for scores laid out as (B, KV heads, rep * L, T); NotImplemented where only
+    mlx-lm's function knows what to do with it."""
     if isinstance(mask, str):
-        if mask != "causal":
-            raise ValueError(f"unknown attention mask {mask!r}")
+        if mask != "causal":  # a kind of mask this does not know: mlx-lm's function decides
+            return NotImplemented
         if L == 1:
             return None
         mask = _causal(L, T)
