@@ -22,19 +22,21 @@ import json
 import time
 from pathlib import Path
 
-from .stats import paired_ratios, summarize
+from .method import rotated
+from .stats import median, paired_ratios, summarize
 
 DECODE = [(1, 80), (1, 4000), (8, 1000), (16, 100), (16, 500)]
 PREFILL_CHUNK = (1, 512, 2048)  # batch, chunk rows, cached positions
 
 
 def _time(fn, mx, repeats: int) -> float:
-    best = []
+    """Seconds per call: the median of `repeats` evaluated calls."""
+    seconds = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         mx.eval(fn())
-        best.append(time.perf_counter() - t0)
-    return sorted(best)[len(best) // 2]
+        seconds.append(time.perf_counter() - t0)
+    return median(seconds)
 
 
 def _attention_inputs(mx, B: int, L: int, T: int, heads: tuple[int, int, int]):
@@ -54,9 +56,8 @@ def _attention_inputs(mx, B: int, L: int, T: int, heads: tuple[int, int, int]):
 def _alternate(variants: dict, mx, rounds: int, repeats: int) -> dict[str, list[float]]:
     """ms per call of each variant per round (the median of `repeats`), the order rotated."""
     times: dict[str, list[float]] = {name: [] for name in variants}
-    names = list(variants)
     for rnd in range(rounds):
-        for name in names[rnd % len(names) :] + names[: rnd % len(names)]:
+        for name in rotated(list(variants), rnd):
             times[name].append(_time(variants[name], mx, repeats) * 1e3)
     return times
 
@@ -108,8 +109,7 @@ def prefill_rounds(mx, model, tokens: int, rounds: int) -> list[dict]:
     prefill = {"mlx-lm": [], "mlxgw": []}
     decode = {"mlx-lm": [], "mlxgw": []}
     for rnd in range(rounds):
-        order = ["mlx-lm", "mlxgw"] if rnd % 2 == 0 else ["mlxgw", "mlx-lm"]
-        for name in order:
+        for name in rotated(["mlx-lm", "mlxgw"], rnd):
             ca.settings.enabled = name == "mlxgw"
             cache = make_prompt_cache(model)
             t0 = time.perf_counter()
@@ -124,7 +124,7 @@ def prefill_rounds(mx, model, tokens: int, rounds: int) -> list[dict]:
                 mx.eval(out)
                 steps.append(time.perf_counter() - t0)
                 y = out.argmax(-1)
-            decode[name].append(sorted(steps)[5] * 1e3)
+            decode[name].append(median(steps) * 1e3)
     ca.settings.enabled = True
     return [
         {"what": "prefill", "tokens": tokens, "unit": "s", **_summary(prefill)},
