@@ -7,10 +7,15 @@ rounds by default, load per round, `--busy N`, exit 3 when a TTFT's rounds disag
 than --max-spread); the summary shows each TTFT p50 as the median with every round:
 - mlx_lm.server's: every request goes to the BatchGenerator at once, which reads up to 8
   prompts per step in chunks of 2,048 tokens (`--prompt-concurrency 8`, `--prefill-step-size
-  2048`, its defaults);
+  2048`, its defaults), in mlx-lm's step order (a prompt's first token two steps after its
+  last chunk: worker/batch_generator.py);
 - budget: mlxgw's per-step prompt budget (512 tokens, worker/prefill_plan.py) always;
-- budget+idle: the same, and four budgets per step while no row is decoding (the default);
-- budget+idle (BLAS fixed): the default with the BLAS thread policy off (worker/blas_threads.py);
+- budget+idle: the same, and four budgets per step while no row is decoding, new prompts
+  admitted by those four budgets too (the default until 2026-12-02);
+- budget+idle (BLAS fixed): that with the BLAS thread policy off (worker/blas_threads.py);
+- before: budget+idle in mlx-lm's step order (mlxgw's engine until 2026-12-02);
+- default: four budgets read per idle step, new prompts admitted by one budget, first tokens
+  in the step that reads the prompt's last chunk (mlxgw's engine now);
 - mlx-lm's BatchGenerator: no mlxgw runner at all, mlx-lm's own generator on the same model
   object, driven as mlx_lm.server drives it (8 prompts a step, 2,048-token chunks, one sampler
   per request). Against "mlx_lm.server's" this separates the runner's cost from the policy's.
@@ -29,13 +34,22 @@ from .loadgen import varied_prompts
 from .stats import percentile, summarize
 
 VARIANTS = {
-    "mlx_lm.server's": {"budget": None, "prefill_batch": 8, "step": 2048, "idle": 1},
+    "mlx_lm.server's": {"budget": None, "prefill_batch": 8, "step": 2048, "idle": 1, "mlx_lm_order": True},
     "budget": {"budget": 512, "prefill_batch": None, "step": 512, "idle": 1},
-    "budget+idle": {"budget": 512, "prefill_batch": None, "step": 512, "idle": 4},
-    "budget+idle (BLAS fixed)": {"budget": 512, "prefill_batch": None, "step": 512, "idle": 4, "blas": False},
+    "budget+idle": {"budget": 512, "prefill_batch": None, "step": 512, "idle": 4, "idle_admit": 4},
+    "budget+idle (BLAS fixed)": {
+        "budget": 512,
+        "prefill_batch": None,
+        "step": 512,
+        "idle": 4,
+        "idle_admit": 4,
+        "blas": False,
+    },
+    "before": {"budget": 512, "prefill_batch": None, "step": 512, "idle": 4, "idle_admit": 4, "mlx_lm_order": True},
+    "default": {"budget": 512, "prefill_batch": None, "step": 512, "idle": 4},
     "mlx-lm's BatchGenerator": {"bare": True, "prefill_batch": 8, "step": 2048},
 }
-DEFAULT_VARIANTS = ["mlx_lm.server's", "budget", "budget+idle"]
+DEFAULT_VARIANTS = ["mlx_lm.server's", "before", "default"]
 
 
 def run_bare(runner, variant: dict, prompts: list, clients: int, max_tokens: int) -> dict:
@@ -115,6 +129,7 @@ def _run_scheduled(runner, variant: dict, prompts: list, clients: int, max_token
     gen = runner.generator
     gen.prefill_batch_size = variant["prefill_batch"] or gen.completion_batch_size
     gen.prefill_step_size = variant["step"]
+    gen.reads_first = not variant.get("mlx_lm_order", False)
     sched = Scheduler(
         runner,
         max_num_seqs=gen.completion_batch_size,
@@ -122,6 +137,7 @@ def _run_scheduled(runner, variant: dict, prompts: list, clients: int, max_token
         prefill_budget=variant["budget"],
         idle_budget_factor=variant["idle"],
     )
+    sched.prefill.idle_admit_factor = variant.get("idle_admit", 1)
     queue, sent, first, ends = list(enumerate(prompts)), {}, {}, {}
     gaps: list[float] = []
     last: dict[str, float] = {}

@@ -91,18 +91,28 @@ def test_long_prompts_arriving_while_rows_decode_read_at_most_the_budget_per_ste
         sched.step()
 
 
-def test_a_burst_at_an_idle_model_starts_in_one_larger_step(runner):
-    """No row is decoding, so nobody waits on the prefill but the burst itself: one step
-    reads up to IDLE_BUDGET_FACTOR budgets and starts 8 of these prompts, not 2."""
+def test_a_burst_at_an_idle_model_starts_a_budget_at_a_time_with_first_tokens_at_once(runner):
+    """No row is decoding: a step may read IDLE_BUDGET_FACTOR budgets, but new prompts are
+    admitted one budget at a time, and those read in a step have their first token at its
+    end, so the first group of a burst decodes while the next is read (one larger step gave
+    every prompt of the burst the last one's wait)."""
     from mlxgw.worker.prefill_plan import IDLE_BUDGET_FACTOR
 
     sched = _scheduler(runner)
     for i in range(12):
-        _submit(sched, f"burst{i}", 60, 2)
+        _submit(sched, f"burst{i}", 60, 4)
+    group = admit_count([], [59] * 12, BUDGET)
+    assert group == 4  # 4 x 32-token shares of a 128 budget: a 5th would cut them below a quarter
     before = _prompt_tokens_read(runner)
     sched.step()
     assert _prompt_tokens_read(runner) - before <= IDLE_BUDGET_FACTOR * BUDGET
-    assert sched.running == (IDLE_BUDGET_FACTOR * BUDGET) // 59 == 8
+    assert sched.running == group
+    decoding = {r["id"] for r in sched.requests() if r["ttft_s"] is not None}
+    assert len(decoding) == group  # their whole prompts were read in this step
+    sched.step()  # the next group starts reading while the first decodes
+    assert sched.running == 2 * group
+    sched.step()
+    assert len({r["id"] for r in sched.requests() if r["ttft_s"] is not None}) >= 2 * group
     while sched.has_work():
         sched.step()
 

@@ -37,7 +37,7 @@ import operator
 from dataclasses import dataclass
 
 import mlx.core as mx
-from mlx_lm.generate import BatchGenerator, GenerationBatch
+from mlx_lm.generate import GenerationBatch
 from mlx_lm.sample_utils import apply_top_k, apply_top_p
 
 from .isolation import heal_random_state
@@ -376,20 +376,3 @@ class VectorGenerationBatch(GenerationBatch):
         if plan is None or not _same(plan.rows, key) or plan.batch_rows != batch_rows:
             plan = self._penalty_plan = PenaltyPlan.build(key, batch_rows, len(self.uids))
         return plan
-
-
-class VectorBatchGenerator(BatchGenerator):
-    """mlx-lm's BatchGenerator whose decode batch is a VectorGenerationBatch. (The batch it
-    creates once here lives as long as the generator; mlx-lm extends and filters it.)"""
-
-    def __init__(self, model, **kwargs):
-        super().__init__(model, **kwargs)
-        self._generation_batch = VectorGenerationBatch.empty(self.model, self.sampler)
-
-    @property
-    def vectorized(self) -> bool:
-        return self._generation_batch.vectorized
-
-    @vectorized.setter
-    def vectorized(self, on: bool) -> None:
-        self._generation_batch.vectorized = on

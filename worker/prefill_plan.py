@@ -13,7 +13,11 @@ step, whatever arrives; the same budget decides how many new prompts start:
   prompts in one step), a long prompt reading its thousands of tokens still lets up to three
   short ones in beside it at the next step (it slows down, they do not wait for it), and no
   row is ever sliced so thin that nobody finishes;
-- when nothing is prefilling, the first waiting prompt is always admitted (progress).
+- when nothing is prefilling, the first waiting prompt is always admitted (progress);
+- while no row is decoding, the rows being read share IDLE_BUDGET_FACTOR budgets a step
+  (nobody waits on them but each other), but new prompts are still admitted by one budget:
+  a prompt's first token comes at the end of the step that reads its last chunk, so a
+  burst started a budget at a time has its first group decoding while the next is read.
 
 On a slow or loaded host the same token budget can take minutes: a 2,048-token step of an
 idle model's burst took over 120 s on a shared 2-core CPU, and the gateway's watchdog
@@ -140,27 +144,35 @@ class PrefillBudget:
     per_step: int | None
     pace: PrefillPace = field(default_factory=PrefillPace)
     idle_factor: int = IDLE_BUDGET_FACTOR
-    step_budget: int = 0  # this step's budget (start_step)
+    step_budget: int = 0  # prompt tokens this step reads (start_step)
     chunk: int = 0  # prompt tokens per prefilling row in this step
+    idle_admit_factor: int = 1  # budgets new prompts are admitted by while no row decodes
+    admit_budget: int = 0  # prompt tokens this step admits new prompts by (start_step)
 
     @property
     def enabled(self) -> bool:
         return self.per_step is not None
 
     def start_step(self, rows: Iterable[Sequence]) -> None:
-        """This step's budget. It protects rows that are decoding; with none (a burst
-        arriving at an idle model), the prompts only wait for each other, and one larger
-        step starts them all sooner than several small ones would."""
+        """This step's budgets. The budget protects rows that are decoding. With none, the
+        prompts being read only wait for each other, so they read `idle_factor` budgets a
+        step (fewer, larger chunks); but new prompts are still admitted one budget at a
+        time, because a prompt's first token comes at the end of the step that reads its
+        last chunk (worker/batch_generator.py): a burst admitted a budget at a time gets its
+        first tokens group by group, where one step reading the whole burst gave every
+        prompt in it the last one's wait."""
         budget = self.per_step or 0
         decoding = any(s.to_prefill == 0 for s in rows)
         self.step_budget = self.pace.cap(budget if decoding else budget * self.idle_factor, decoding)
+        admit = budget if decoding else budget * min(self.idle_admit_factor, self.idle_factor)
+        self.admit_budget = min(self.step_budget, self.pace.cap(admit, decoding))
 
     def fits(self, rows: Iterable[Sequence], seq: Sequence) -> bool:
         """Whether seq may start this step. Its cached prefix is not known before the runner
         looks it up, so the whole prompt counts (a cache hit then leaves room for more)."""
         if self.per_step is None:
             return True
-        return admit_count(_left(rows), [len(seq.prompt) - 1], self.step_budget) == 1
+        return admit_count(_left(rows), [len(seq.prompt) - 1], self.admit_budget) == 1
 
     def share(self, rows: Iterable[Sequence], runner: TextRunner) -> int:
         """Share this step's budget among the rows still reading their prompts; returns the

@@ -4,7 +4,8 @@ The scheduler owns policy (who runs, when, cancellation); a runner owns executio
 contract in worker/interfaces.py (TextRunner). The MLX runner drives mlx-lm's BatchGenerator,
 which interleaves one decode step of the running batch with one prefill chunk
 (`prefill_step_size` tokens) of arriving prompts, so a long prompt never freezes the streams
-already decoding."""
+already decoding; a prompt's first token comes out in the step that reads its last chunk
+(worker/batch_generator.py)."""
 
 from __future__ import annotations
 
@@ -73,7 +74,7 @@ class MLXRunner(ChatTextRunner):
         from mlx_lm import load
         from mlx_lm.models.cache import make_prompt_cache
 
-        from .batch_sampler import VectorBatchGenerator
+        from .batch_generator import VectorBatchGenerator
         from .prefix_cache import PrefixCache
 
         self._mx = mx
@@ -131,6 +132,8 @@ class MLXRunner(ChatTextRunner):
         self._checkpointing = sc.needs_checkpoints(make_prompt_cache(self.model))
         self._turn_openers = sc.turn_opener_ids(self.tokenizer)
         self._checkpoints: dict[int, sc.Checkpoints] = {}
+        if self._checkpointing:  # at a segment's end, before a finished prompt leaves its batch
+            self.generator.after_prompt_chunk = self._take_checkpoints
         self._boundaries: dict[int, set[int]] = {}  # uid -> its prompt's message boundaries
         self._logprobs: dict[int, int] = {}  # uid -> alternatives per token, for those that ask
         self._keep_prompt: set[int] = set()  # uids whose prompt KV is stored once prefilled
@@ -250,8 +253,6 @@ class MLXRunner(ChatTextRunner):
         for r in prompt_responses:
             done, total = r.progress if isinstance(r.progress, tuple) else (0, 0)
             out.prefill.append((r.uid, done, total))
-        if self._checkpoints:
-            sc.take_checkpoints(self.generator._prompt_batch, prompt_responses, self._checkpoints, self._boundaries)
         self._keep_prompts(gen_responses)
         logprobs = self._logprob_entries(gen_responses)
         for r in gen_responses:
@@ -266,6 +267,10 @@ class MLXRunner(ChatTextRunner):
                     self._keep_kv(r.all_tokens, r.prompt_cache, marks)
             out.tokens.append(TokenOut(r.uid, int(r.token), r.finish_reason, logprobs.get(r.uid)))
         return out
+
+    def _take_checkpoints(self, prompt_batch, responses) -> None:
+        if self._checkpoints:
+            sc.take_checkpoints(prompt_batch, responses, self._checkpoints, self._boundaries)
 
     def _logprob_entries(self, responses) -> dict[int, dict]:
         """Logprob entries for the sequences that asked; the others are not touched."""

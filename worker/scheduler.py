@@ -7,7 +7,9 @@
   boundaries by priority, fair share between tenants and arrival, with preemption of a row
   held beyond its tenant's share, and each step's prompt reading bounded by a budget
   (worker/prefill_plan.py): decoding rows never wait for more than one decode step plus one
-  budget of prefill; with no row decoding, a step may read IDLE_BUDGET_FACTOR budgets;
+  budget of prefill; with no row decoding, a step may read IDLE_BUDGET_FACTOR budgets, but
+  admits new prompts one budget at a time (their first tokens come with the step that reads
+  them, worker/batch_generator.py);
 - each step's tokens become Delta / Finish events (worker/sequence_output.py);
 - a request ends exactly once: finish (stop / length / cancelled) or error (timeout, ...);
   cancelled and timed-out sequences leave the runner, and so free their KV, at once;
