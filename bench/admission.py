@@ -47,6 +47,10 @@ VARIANTS = {
     },
     "before": {"budget": 512, "prefill_batch": None, "step": 512, "idle": 4, "idle_admit": 4, "mlx_lm_order": True},
     "default": {"budget": 512, "prefill_batch": None, "step": 512, "idle": 4},
+    # tuning candidates for the default: an idle step admits two budgets; a step beside
+    # decoding rows bounded at 2 s (the default before 2026-12-03) instead of 4
+    "default; idle admits 2": {"budget": 512, "prefill_batch": None, "step": 512, "idle": 4, "idle_admit": 2},
+    "default; 2 s decoding": {"budget": 512, "prefill_batch": None, "step": 512, "idle": 4, "pace_decoding_s": 2},
     "mlx-lm's BatchGenerator": {"bare": True, "prefill_batch": 8, "step": 2048},
 }
 DEFAULT_VARIANTS = ["mlx_lm.server's", "before", "default"]
@@ -138,6 +142,8 @@ def _run_scheduled(runner, variant: dict, prompts: list, clients: int, max_token
         idle_budget_factor=variant["idle"],
     )
     sched.prefill.idle_admit_factor = variant.get("idle_admit", 1)
+    if "pace_decoding_s" in variant:
+        sched.prefill.pace.max_step_decoding_s = variant["pace_decoding_s"]
     queue, sent, first, ends = list(enumerate(prompts)), {}, {}, {}
     gaps: list[float] = []
     last: dict[str, float] = {}

@@ -26,7 +26,11 @@ how fast this host reads prompt tokens and caps each step's budget at what it re
 MAX_PREFILL_STEP_S, or in MAX_STEP_WHILE_DECODING_S while other rows decode (each of their
 tokens waits for the step: a 512-token budget was 40 s per token for them on that host), so
 a step stays short wherever it runs; on a fast host the cap is far above the budget and
-changes nothing.
+changes nothing. The bound beside decoding rows is 4 s, not 2: the measured rate counts the
+decode in the step's time, so at 2 s the cap bit below the budget on a 2-core host and the
+prompts arriving during a closed loop's decoding were read in more, smaller chunks (c = 16
+in-process, bench/admission.py: TTFT p50 2.0 s at 4 s against 3.2 s at 2 s, tok/s equal, the
+largest token gap 1.8-2.1 s at either).
 
 The first step of a fresh worker has no measured rate, and on that same host its 512-token
 step of a 0.5B model ran past 120 s: so it is bounded from the start (FIRST_STEP_BUDGET
@@ -47,7 +51,7 @@ if TYPE_CHECKING:
 
 MIN_SHARE_DIVISOR = 4  # a long prompt keeps at least budget / 4 tokens per step
 MAX_PREFILL_STEP_S = 10.0  # a twelfth of the gateway's hang bound (120 s)
-MAX_STEP_WHILE_DECODING_S = 2.0  # a decoding row's token waits at most this for a prefill chunk
+MAX_STEP_WHILE_DECODING_S = 4.0  # a decoding row's token waits at most this for a prefill chunk
 MIN_PACED_BUDGET = 32  # below this a step's fixed cost dominates its prompt reading
 FIRST_STEP_BUDGET = 64  # prompt tokens of the first step, before any rate is measured
 HANG_TO_STEP = 12  # a paced step aims at this fraction of the watchdog's bound
