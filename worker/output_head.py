@@ -13,18 +13,36 @@ embedding used as the output projection) keeps one (hidden x vocabulary) array a
 input rows up as columns, a strided gather of a few hundred values per token. Both modules
 still answer `.weight` (a transposed view), which some families read directly.
 
+Which layout is faster depends on the host, not only on the shapes: on the machine of those
+figures the transposed copy won at every batch, on another machine of the same kind (an AMD
+EPYC with twice the memory bandwidth, 2026-12-03) it lost at every batch, 1.72x the time at
+batch 1 and 1.60x at 16, and the fixed choice made mlxgw's decode step 1.1-1.2x
+mlx_lm.server's there. So the worker measures both layouts when it loads the model (a few
+products at batch 1 and 8, alternated, medians; under a second for SmolLM2) and keeps the
+transposed one only where it is clearly faster.
+
 Only float32 weights on the CPU device (where matmuls are OpenBLAS calls); quantized and
 half-precision heads, and any other device, are left as they are. MLXGW_TRANSPOSED_HEAD=0
-turns it off."""
+turns it off, =1 transposes without measuring (comparisons, tests)."""
 
 from __future__ import annotations
 
+import logging
 import os
+import statistics
+import time
+from collections.abc import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from .model_info import TOKEN_EMBEDDINGS
+
+log = logging.getLogger("mlxgw.worker.output_head")
+
+MEASURE_BATCHES = (1, 8)  # decode batches the layouts are timed at
+MEASURE_REPEATS = 5  # products of each layout per batch, alternated (after one warm-up each)
+KEEP_IF_BELOW = 0.95  # the transposed layout is kept where it takes under this share of the time
 
 
 class TransposedHead(nn.Module):
@@ -68,11 +86,42 @@ def _float32_cpu(module: nn.Module) -> bool:
     return module.weight.dtype == mx.float32 and mx.default_device().type == mx.cpu
 
 
-def transpose_head(model: nn.Module) -> str | None:
+def measure_layouts(weight: mx.array, weight_t: mx.array) -> float:
+    """Time of `x @ weight_t` over that of `x @ weight.T` on this host, summed over
+    MEASURE_BATCHES (medians of alternated products)."""
+    plain_s = transposed_s = 0.0
+    for batch in MEASURE_BATCHES:
+        x = mx.random.normal((batch, weight.shape[1]), dtype=weight.dtype)
+        mx.eval(x)
+        times: dict[bool, list[float]] = {False: [], True: []}
+        for repeat in range(MEASURE_REPEATS + 1):
+            for transposed in (repeat % 2 == 0, repeat % 2 == 1):  # the order alternated
+                started = time.perf_counter()
+                mx.eval(x @ weight_t if transposed else x @ weight.T)
+                if repeat:  # the first of each is a warm-up
+                    times[transposed].append(time.perf_counter() - started)
+        plain_s += statistics.median(times[False])
+        transposed_s += statistics.median(times[True])
+    return transposed_s / plain_s
+
+
+def _faster_transposed(weight: mx.array, weight_t: mx.array) -> bool:
+    ratio = measure_layouts(weight, weight_t)
+    keep = ratio < KEEP_IF_BELOW
+    log.info("output head: the transposed layout takes %.2fx the time here: %s", ratio, "kept" if keep else "not used")
+    return keep
+
+
+def transpose_head(model: nn.Module, choose: Callable[[mx.array, mx.array], bool] | None = None) -> str | None:
     """Replace the model's output head (an `lm_head` Linear, or the embedding it ties to) by
-    its transposed form; the path of what was replaced, or None."""
-    if os.environ.get("MLXGW_TRANSPOSED_HEAD", "1") == "0":
+    its transposed form where that is faster on this host; the path of what was replaced, or
+    None. choose(weight, weight_t) decides (default: measured, or always with
+    MLXGW_TRANSPOSED_HEAD=1)."""
+    setting = os.environ.get("MLXGW_TRANSPOSED_HEAD", "auto")
+    if setting == "0":
         return None
+    if choose is None:
+        choose = (lambda weight, weight_t: True) if setting == "1" else _faster_transposed
     modules = dict(model.named_modules())
     heads = [name for name, m in modules.items() if name.split(".")[-1] == "lm_head"]
     if heads:
@@ -90,5 +139,7 @@ def transpose_head(model: nn.Module) -> str | None:
     parent = modules[parent_name] if parent_name else model
     replacement = kind(modules[name])
     mx.eval(replacement.parameters())
+    if not choose(modules[name].weight, replacement.weight_t):
+        return None
     setattr(parent, leaf, replacement)
     return name
