@@ -49,8 +49,10 @@ EMA = 0.9  # weight of the past in the cost averages
 GAP = 10.0  # a step timed at over GAP x its kind's average spanned an idle gap: not a sample
 MAX_BACKOFF = 16  # steps a row waits before drafting again after repeated misses
 # Drafted positions one verification may carry across the batch: a row drafts at most
-# VERIFY_DRAFT_POSITIONS // rows tokens (at least 1). At c = 16, 16 rows x 8 drafts made a
-# 144-token forward, which on a CPU cost about what the accepted tokens saved (0.93x, issue 29).
+# VERIFY_DRAFT_POSITIONS // rows tokens (at least 1). It caps the worst verification (32 rows
+# x 9 positions was a 288-token forward); it did not make c = 16 pay (0.91x): a verification
+# is as wide as its longest draft and on a CPU costs about that many plain steps at batch 16
+# (bench/verify_width.py; bench/README.md, "Speculation at c = 16 and 32").
 VERIFY_DRAFT_POSITIONS = 64
 
 
