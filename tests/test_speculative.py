@@ -16,7 +16,7 @@ from mlxgw.shared.protocol import SamplingParams
 from mlxgw.worker.runner import MLXRunner
 from mlxgw.worker.scheduler import Scheduler
 from mlxgw.worker.spec_verify import rollback_rows
-from mlxgw.worker.speculative import NgramIndex
+from mlxgw.worker.speculative import NgramIndex, OpenStep
 
 COPY_TEXT = "def add(a, b):\n    return a + b\n\n" * 6
 
@@ -87,6 +87,31 @@ def test_a_max_tokens_end_inside_an_accepted_draft_emits_no_extra_token(tiny_run
     full = generate_together(tiny_runners["off"], [(prompt, 40, GREEDY)])[0]
     for n in (2, 5, 9, 14):
         assert generate_together(tiny_runners["prompt_lookup"], [(prompt, n, GREEDY)])[0] == full[:n]
+
+
+def test_a_verification_that_would_not_pay_is_declined_and_taken_whole_now_and_then(tiny_dir, monkeypatch):
+    """On a host where a verified position costs seconds, steps with drafts in hand decode
+    plainly (declined); after EXPLORE_AFTER declines in a row one verification is taken anyway,
+    so a cost learned from a noisy step can be learned again. The tokens are the same."""
+    from mlxgw.worker import speculative
+    from mlxgw.worker.spec_cost import MIN_SAMPLES, CostMeter, WidthCost
+
+    monkeypatch.setattr(speculative, "EXPLORE_AFTER", 4)
+    runner = speculative_runner(tiny_dir, SpeculativeConfig(mode="prompt_lookup"))
+    spec = runner.speculator
+    for size in (1, 2):
+        spec.plain_cost[size] = CostMeter()
+        for _ in range(MIN_SAMPLES):
+            spec.plain_cost[size].add(0.01, size)
+        spec.width_cost[size] = WidthCost()
+        spec.width_cost[size].add(1, 10.0)  # ten seconds a position
+    prompt = _copy_prompt(runner)
+    jobs = [(prompt, 40, GREEDY), (prompt, 40, GREEDY)]
+    assert generate_together(runner, jobs) == generate_together(
+        speculative_runner(tiny_dir, SpeculativeConfig(mode="off")), jobs
+    )
+    c = spec.counters
+    assert c.declined >= 8 and 1 <= c.speculative_steps <= c.declined // 4 + 1, c
 
 
 def _text_until_finish(runner: MLXRunner, req: p.GenerateRequest) -> tuple[str, dict]:
@@ -183,13 +208,14 @@ def test_both_kinds_of_step_are_timed_until_the_next_step_starts():
     """mlx-lm reads a prompt chunk after each decode step: a speculative step timed around its
     verification alone, against plain steps timed until the next one, made plain look dearer
     while prompts were read (speculation cost 15% at c = 8 on the agent workload)."""
-    from mlxgw.worker.speculative import MIN_SAMPLES, Speculator
+    from mlxgw.worker.spec_cost import MIN_SAMPLES
+    from mlxgw.worker.speculative import Speculator
 
     spec = Speculator(SpeculativeConfig())
     for i in range(MIN_SAMPLES):
-        spec._open = (spec.plain_cost, 8, 10.0 * i, 8)  # 8 tokens in 1 s, prompt chunk included
+        spec._open = OpenStep(spec.plain_cost, 8, 10.0 * i, 8)  # 8 tokens in 1 s, prompt chunk included
         spec._close_step(10.0 * i + 1.0)
-        spec._open = (spec.spec_cost, 8, 10.0 * i + 2.0, 12)  # 12 tokens in 1.6 s, chunk included
+        spec._open = OpenStep(spec.spec_cost, 8, 10.0 * i + 2.0, 12)  # 12 tokens in 1.6 s, chunk included
         spec._close_step(10.0 * i + 3.6)
     assert spec.plain_cost[8].per_token() == pytest.approx(1 / 8)
     assert spec.counters.pauses == 1  # 0.133 s per token against 0.125: speculation loses, pauses
@@ -197,7 +223,7 @@ def test_both_kinds_of_step_are_timed_until_the_next_step_starts():
 
 
 def test_a_step_that_spans_an_idle_gap_is_not_a_cost_sample():
-    from mlxgw.worker.speculative import MIN_SAMPLES, CostMeter
+    from mlxgw.worker.spec_cost import MIN_SAMPLES, CostMeter
 
     meter = CostMeter()
     for _ in range(MIN_SAMPLES):
@@ -216,22 +242,23 @@ def test_a_clear_loss_pauses_after_two_steps_of_each_kind():
 
     spec = Speculator(SpeculativeConfig())
     for i in range(EARLY_SAMPLES):
-        spec._open = (spec.plain_cost, 32, 10.0 * i, 32)  # 32 tokens in 1 s
+        spec._open = OpenStep(spec.plain_cost, 32, 10.0 * i, 32)  # 32 tokens in 1 s
         spec._close_step(10.0 * i + 1.0)
-        spec._open = (spec.spec_cost, 32, 10.0 * i + 2.0, 40)  # 40 tokens in 3 s: 2.4x dearer
+        spec._open = OpenStep(spec.spec_cost, 32, 10.0 * i + 2.0, 40)  # 40 tokens in 3 s: 2.4x dearer
         spec._close_step(10.0 * i + 5.0)
     assert spec.counters.pauses == 1
     small = Speculator(SpeculativeConfig())
     for i in range(EARLY_SAMPLES):
-        small._open = (small.plain_cost, 32, 10.0 * i, 32)
+        small._open = OpenStep(small.plain_cost, 32, 10.0 * i, 32)
         small._close_step(10.0 * i + 1.0)
-        small._open = (small.spec_cost, 32, 10.0 * i + 2.0, 40)  # 40 tokens in 1.25 s: equal
+        small._open = OpenStep(small.spec_cost, 32, 10.0 * i + 2.0, 40)  # 40 tokens in 1.25 s: equal
         small._close_step(10.0 * i + 3.25)
     assert small.counters.pauses == 0
 
 
 def test_batch_sizes_share_cost_meters_by_powers_of_two_and_probe_every_other_step_while_learning():
-    from mlxgw.worker.speculative import MIN_SAMPLES, PROBE_EVERY, Speculator, size_bucket
+    from mlxgw.worker.spec_cost import MIN_SAMPLES, size_bucket
+    from mlxgw.worker.speculative import PROBE_EVERY, Speculator
 
     assert [size_bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 17, 32, 33)] == [1, 2, 4, 4, 8, 8, 16, 32, 32, 64]
     spec = Speculator(SpeculativeConfig())
@@ -241,6 +268,6 @@ def test_batch_sizes_share_cost_meters_by_powers_of_two_and_probe_every_other_st
         due.append(spec._probe_due(32))
     assert due == [False, True] * 4  # nothing known at 32: every other step is plain
     for i in range(MIN_SAMPLES):
-        spec._open = (spec.plain_cost, 32, 10.0 * i, 32)
+        spec._open = OpenStep(spec.plain_cost, 32, 10.0 * i, 32)
         spec._close_step(10.0 * i + 1.0)
     assert sum(spec._probe_due(32) for spec.steps in range(1, PROBE_EVERY + 1)) == 1
