@@ -13,9 +13,11 @@ from mlxgw.worker.spec_cost import (
     ACCEPTANCE_PRIOR,
     WIDTH_MARGIN,
     Acceptance,
+    Calibration,
     WidthCost,
     choose_width,
     expected_tokens,
+    slope_near,
 )
 from mlxgw.worker.speculative import EARLY_SAMPLES, OpenStep, RowState, Speculator
 
@@ -48,9 +50,21 @@ def test_where_positions_are_free_drafts_are_verified_whole():
     assert choose_width([3, 7, 0], [0.3, 0.3, 0.5], 0.05, 0.0, uniform=False) == 8
 
 
-def test_without_a_plain_cost_the_full_width_is_tried_and_without_a_slope_positions_are_free():
-    assert choose_width([2, 6], [0.1, 0.1], None, None, uniform=False) == 7  # still learning
-    assert choose_width([2, 6], [0.5, 0.5], 0.1, None, uniform=False) == 7
+def test_until_the_costs_are_known_the_cheapest_verification_measures_them():
+    assert choose_width([2, 6], [0.1, 0.1], None, None, uniform=False) == 2
+    assert choose_width([2, 6], [0.5, 0.5], 0.1, None, uniform=False) == 2
+    assert choose_width([0, 0], [0.5, 0.5], None, None, uniform=False) == 1  # nothing to verify
+
+
+def test_what_verifications_delivered_against_the_model_scales_its_promises():
+    copying = [4] * 16, [0.95] * 16, STEP_16, SLOPE_16
+    assert choose_width(*copying, uniform=False, calibration=1.0) == 5
+    assert choose_width(*copying, uniform=False, calibration=0.3) == 1  # they emitted 30% of what was expected
+    calibration = Calibration()
+    assert calibration.ratio() == 1.0
+    for _ in range(40):
+        calibration.add(expected=30.0, emitted=9.0)
+    assert calibration.ratio() == pytest.approx(0.3, abs=0.01)
 
 
 def test_where_every_row_keeps_the_same_count_a_position_counts_only_if_all_rows_accept_it():
@@ -70,6 +84,17 @@ def test_the_slope_is_fitted_through_the_origin_from_the_steps_excess_time():
     quick = WidthCost()
     quick.add(16, -0.01)  # a verification faster than the plain average (noise): positions are free
     assert quick.per_position() == 0.0
+
+
+def test_a_new_batch_size_borrows_the_nearest_measured_slope():
+    costs = {1: WidthCost(), 16: WidthCost(), 4: WidthCost()}  # 4 has no sample yet
+    costs[1].add(4, 4 * 0.0077)
+    costs[16].add(64, 64 * 0.0035)
+    assert slope_near({}, 8) is None
+    assert slope_near(costs, 16) == pytest.approx(0.0035)
+    assert slope_near(costs, 32) == pytest.approx(0.0035)
+    assert slope_near(costs, 2) == pytest.approx(0.0077)
+    assert slope_near(costs, 4) == pytest.approx(0.0077)  # as near to 1 as to 16: the smaller
 
 
 def test_acceptance_starts_at_its_prior_learns_and_fades_back():
@@ -96,9 +121,9 @@ def test_the_speculator_chooses_the_width_from_its_meters_and_each_rows_acceptan
     assert spec.width_cost[16].per_position() == pytest.approx(SLOPE_16)
     few = [4] * 4 + [0] * 12  # draft lengths
     states = [RowState(8) for _ in few]
-    assert spec._width(few, states, uniform=False) == 1
+    assert spec._width(few, spec._rates(states), uniform=False) == 1
     copying = [RowState(8) for _ in range(16)]
     for state in copying:
         state.acceptance.add(40, 40)  # rows that have copied 40 tokens without a miss
-    assert spec._width([4] * 16, copying, uniform=False) == 5
+    assert spec._width([4] * 16, spec._rates(copying), uniform=False) == 5
     assert WIDTH_MARGIN > 1

@@ -28,9 +28,10 @@ worker/spec_verify.py).
   until a size's plain cost is known, and a speculative token 1.2x dearer than a plain one
   pauses after two steps of each.
 - Per step: how wide the verification is, if there is one (worker/spec_cost.py). The
-  drafts in hand, each row's acceptance so far and the measured cost of a verified position
-  at this batch size give the expected tokens per second of every width; the step verifies
-  at the best one only if it beats a plain step by a margin. A CPU pays for every position
+  drafts in hand, each row's acceptance so far (scaled by what verifications delivered
+  against such estimates) and the measured cost of a verified position at this batch size
+  give the expected tokens per second of every width; the step verifies at the best one
+  only if it beats a plain step by a margin. A CPU pays for every position
   of the rows x width rectangle, so at c = 16 a few rows' short drafts no longer make every
   row pay a wide pass (0.91x before); where positions are nearly free (a GPU at small
   batches) the learned slope is near zero and drafts are verified whole.
@@ -44,7 +45,18 @@ from typing import NamedTuple, Protocol
 
 from mlxgw.shared.config import SpeculativeConfig
 
-from .spec_cost import MIN_SAMPLES, ROW_PRIOR, Acceptance, CostMeter, WidthCost, choose_width, size_bucket
+from .spec_cost import (
+    MIN_SAMPLES,
+    ROW_PRIOR,
+    Acceptance,
+    Calibration,
+    CostMeter,
+    WidthCost,
+    choose_width,
+    expected_tokens,
+    size_bucket,
+    slope_near,
+)
 from .spec_verify import Verified, needs_replay, rollback_supported, verify_step
 
 PROBE_EVERY = 32  # a plain step this often while speculating, to keep its cost current
@@ -52,9 +64,9 @@ LEARNING_PROBE_EVERY = 2  # and every other step until a size's plain cost is kn
 EARLY_SAMPLES = 2  # steps of each kind after which a clear loss already pauses
 EARLY_LOSS = 1.2  # a speculative token dearer than this x a plain one is a clear loss
 COOLDOWN_STEPS = (64, 2048)  # first and longest pause after speculation lost
-# After this many declined steps in a row at a batch size, one verification is taken whole
-# anyway: a slope or acceptance learned from a noisy step would otherwise never be corrected
-# (at most one step in EXPLORE_AFTER, ~2.5x a plain one at batch 16 on a CPU: under 1.2%).
+# After this many declined steps in a row at a batch size, one verification of width 2 is
+# taken anyway: a slope, acceptance or calibration learned from noisy steps would otherwise
+# never be corrected (one step in EXPLORE_AFTER, 1.4x a plain one at batch 16 on a CPU).
 EXPLORE_AFTER = 128
 MAX_BACKOFF = 16  # steps a row waits before drafting again after repeated misses
 # Drafted positions one verification may carry across the batch: a row drafts at most
@@ -167,6 +179,7 @@ class Speculator:
     width_cost: dict[int, WidthCost] = field(default_factory=dict)  # by batch size
     acceptance: Acceptance = field(default_factory=Acceptance)  # every row's drafts, decayed by step
     declined_in_a_row: dict[int, int] = field(default_factory=dict)  # by batch size
+    calibration: Calibration = field(default_factory=Calibration)
     steps: int = 0
     paused_until: int = 0
     cooldown: int = COOLDOWN_STEPS[0]
@@ -206,7 +219,8 @@ class Speculator:
         uniform = needs_replay(batch.prompt_cache)
         size = size_bucket(len(states))
         exploring = self.declined_in_a_row.get(size, 0) >= EXPLORE_AFTER
-        if not exploring and self._width([self._asks(s, len(states)) for s in states], states, uniform) == 1:
+        rates = self._rates(states)
+        if not exploring and self._width([self._asks(s, len(states)) for s in states], rates, uniform) == 1:
             return self._decline(batch, plain_next, size)  # not even drafts as long as asked would pay
         pending = batch._next_tokens.tolist()  # waits for a plain step still computing
         self._close_step(time.perf_counter())
@@ -215,7 +229,7 @@ class Speculator:
         # many tokens as the row that kept fewest: a row without a draft would waste the pass.
         if not any(drafts) or (not all(drafts) and uniform):
             return self._plain(batch, plain_next)
-        width = 1 + max(map(len, drafts)) if exploring else self._width([len(d) for d in drafts], states, uniform)
+        width = 2 if exploring else self._width([len(d) for d in drafts], rates, uniform)
         if width == 1:
             return self._decline(batch, plain_next, size)
         self.declined_in_a_row[size] = 0
@@ -223,7 +237,9 @@ class Speculator:
         started = time.perf_counter()
         responses, verified = verify_step(batch, pending, drafts)
         self._record(verified)
-        rows = len(drafts)  # closed at the next step:
+        rows = len(drafts)
+        expected = expected_tokens([len(d) for d in drafts], rates, width, uniform)
+        self.calibration.add(expected - rows, verified.emitted - rows)  # closed at the next step:
         self._open = OpenStep(self.spec_cost, size_bucket(rows), started, verified.emitted, rows, rows * (width - 1))
         self._adapt(states, drafts, verified)
         return responses
@@ -233,16 +249,19 @@ class Speculator:
         self.declined_in_a_row[size] = self.declined_in_a_row.get(size, 0) + 1
         return self._plain(batch, plain_next)
 
-    def _width(self, lengths: list[int], states: list[RowState | None], uniform: bool) -> int:
+    def _rates(self, states: list[RowState | None]) -> list[float]:
+        """Each row's chance of a drafted token holding up, its own history weighed against all rows'."""
+        overall = self.acceptance.rate()
+        return [s.acceptance.rate(overall, ROW_PRIOR) if s else overall for s in states]
+
+    def _width(self, lengths: list[int], rates: list[float], uniform: bool) -> int:
         """The verification's width for drafts of these lengths: what they are expected to
         emit per second at this batch's measured cost of a position, against a plain step."""
         size = size_bucket(len(lengths))
         plain = self.plain_cost.get(size, CostMeter()).per_token(EARLY_SAMPLES)
-        slope = self.width_cost[size].per_position() if size in self.width_cost else None
-        overall = self.acceptance.rate()
-        rates = [s.acceptance.rate(overall, ROW_PRIOR) if s else overall for s in states]
         step_seconds = plain * len(lengths) if plain is not None else None
-        return choose_width(lengths, rates, step_seconds, slope, uniform)
+        slope = slope_near(self.width_cost, size)
+        return choose_width(lengths, rates, step_seconds, slope, uniform, self.calibration.ratio())
 
     @staticmethod
     def _asks(state: RowState | None, rows: int) -> int:
@@ -378,4 +397,6 @@ class Speculator:
             ),
             "pauses": c.pauses,
             "declined_steps": c.declined,
+            "calibration": round(self.calibration.ratio(), 3),
+            "largest_verification": c.largest_verification,
         }
