@@ -87,6 +87,11 @@ class SpeculativeConfig:
     max_ngram: int = 3  # the longest suffix looked up in the context (prompt_lookup)
     min_ngram: int = 1  # the shortest
     draft_model: str | None = None  # mode draft: folder name in the models dir, or a path
+    # Speculate only while the batch has at most this many rows (vLLM's
+    # speculative_disable_by_batch_size). Default: 8 on the CPU device, where a verification
+    # pays for every position of its rows x width rectangle and lost at 16 rows
+    # (bench/README.md); unbounded on a GPU, where the cost policy alone decides.
+    max_rows: int | None = None
 
     def draft_model_path(self, models_dir: Path) -> Path | None:
         """Resolved like a model's source: an absolute path as is, else a models-dir folder."""
@@ -290,6 +295,8 @@ def _check_entry(e: ModelEntry, where: str) -> None:
     sp = e.speculative
     if not 1 <= sp.max_draft <= 16:
         raise bad("speculative.max_draft", f"must be between 1 and 16, got {sp.max_draft}")
+    if sp.max_rows is not None and sp.max_rows < 1:
+        raise bad("speculative.max_rows", f"must be at least 1, got {sp.max_rows}")
     if not 1 <= sp.min_ngram <= sp.max_ngram <= 8:
         raise bad("speculative", "needs 1 <= min_ngram <= max_ngram <= 8")
     if sp.mode == "draft" and not sp.draft_model:

@@ -14,6 +14,7 @@ from mlxgw.worker.spec_cost import (
     WIDTH_MARGIN,
     Acceptance,
     Calibration,
+    HitRate,
     WidthCost,
     choose_width,
     expected_tokens,
@@ -84,6 +85,20 @@ def test_the_slope_is_fitted_through_the_origin_from_the_steps_excess_time():
     quick = WidthCost()
     quick.add(16, -0.01)  # a verification faster than the plain average (noise): positions are free
     assert quick.per_position() == 0.0
+
+
+def test_drafts_not_yet_made_count_as_often_as_the_drafter_finds_them():
+    """Asking drains mlx-lm's one-step-ahead pipeline even when nothing is found, so the
+    question before asking is whether drafts found this often would pay."""
+    assert expected_tokens([4, 4], [0.5, 0.5], 2, uniform=False, found=[0.2, 1.0]) == pytest.approx(2 + 0.1 + 0.5)
+    assert expected_tokens([4, 4], [0.5, 0.5], 2, uniform=True, found=[0.2, 1.0]) == pytest.approx(2 * (1 + 0.2 * 0.25))
+    rarely = [0.1] * 16  # distinct prompts at c = 16: few rows find a draft
+    assert choose_width([4] * 16, [0.9] * 16, STEP_16, SLOPE_16, uniform=False, found=rarely) == 1
+    found = HitRate()
+    assert found.rate() == 0.5
+    for hit in [False] * 9 + [True]:
+        found.add(hit)
+    assert found.rate() == pytest.approx((1 + 1) / (10 + 2))
 
 
 def test_a_new_batch_size_borrows_the_nearest_measured_slope():

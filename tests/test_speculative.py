@@ -114,6 +114,19 @@ def test_a_verification_that_would_not_pay_is_declined_and_taken_whole_now_and_t
     assert c.declined >= 8 and 1 <= c.speculative_steps <= c.declined // 4 + 1, c
 
 
+def test_a_batch_larger_than_max_rows_does_not_speculate(tiny_dir, tiny_runners):
+    """Above max_rows (default 8 on the CPU device) nothing is drafted or verified: the rows x
+    width rectangle lost 9-13% at 16 rows through the server whatever the width policy."""
+    from mlxgw.worker.speculative import CPU_MAX_ROWS, Speculator
+
+    assert Speculator(SpeculativeConfig()).max_rows == CPU_MAX_ROWS  # the tests run on the CPU device
+    capped = speculative_runner(tiny_dir, SpeculativeConfig(mode="prompt_lookup", max_rows=2))
+    prompt = _copy_prompt(capped)
+    jobs = [(prompt, 16, GREEDY)] * 3
+    assert generate_together(capped, jobs) == generate_together(tiny_runners["off"], jobs)
+    assert capped.speculator.counters.asked_steps == 0 and capped.speculator.counters.speculative_steps == 0
+
+
 def _text_until_finish(runner: MLXRunner, req: p.GenerateRequest) -> tuple[str, dict]:
     sched = Scheduler(runner, max_num_seqs=4, max_queue=4)
     events = sched.submit(req)

@@ -94,6 +94,27 @@ def slope_near(costs: dict[int, WidthCost], size: int) -> float | None:
 
 
 @dataclass
+class HitRate:
+    """How often the drafter finds a draft when asked, decayed step by step. Asking costs
+    even when nothing is found: the pending tokens are read back, which waits for the
+    forward mlx-lm started ahead and drains its pipeline for a step."""
+
+    hits: float = 0.0
+    tries: float = 0.0
+
+    def add(self, hit: bool) -> None:
+        self.hits += hit
+        self.tries += 1
+
+    def decay(self) -> None:
+        self.hits *= ACCEPTANCE_DECAY
+        self.tries *= ACCEPTANCE_DECAY
+
+    def rate(self, prior_rate: float = ACCEPTANCE_PRIOR[0], prior: float = ACCEPTANCE_PRIOR[1]) -> float:
+        return (self.hits + prior * prior_rate) / (self.tries + prior)
+
+
+@dataclass
 class Acceptance:
     """Accepted positions and rejections (drafts not accepted whole), decayed step by step."""
 
@@ -131,15 +152,22 @@ class Calibration:
         return self.emitted / self.expected if self.expected > 0 else 1.0
 
 
-def expected_tokens(drafts: list[int], rates: list[float], width: int, uniform: bool) -> float:
+def expected_tokens(
+    drafts: list[int], rates: list[float], width: int, uniform: bool, found: list[float] | None = None
+) -> float:
     """Tokens a verification of this width is expected to emit: every row its first position
-    plus, per drafted position j within the width, the chance the draft holds up to j. Where
-    every row keeps the same count (replayed families), a position counts for every row only
-    if all rows accept it."""
+    plus, per drafted position j within the width, the chance the draft holds up to j (times
+    the chance the drafter finds one at all, for drafts not yet made). Where every row keeps
+    the same count (replayed families), a position counts for every row only if all rows
+    accept it."""
+    found = found or [1.0] * len(drafts)
     if uniform:
+        everyone = 1.0
+        for f in found:
+            everyone *= f
         kept = sum(_all_accept(drafts, rates, j) for j in range(1, width))
-        return len(drafts) * (1 + kept)
-    return sum(1 + sum(q**j for j in range(1, min(d, width - 1) + 1)) for d, q in zip(drafts, rates))
+        return len(drafts) * (1 + everyone * kept)
+    return sum(1 + f * sum(q**j for j in range(1, min(d, width - 1) + 1)) for d, q, f in zip(drafts, rates, found))
 
 
 def _all_accept(drafts: list[int], rates: list[float], j: int) -> float:
@@ -156,6 +184,7 @@ def choose_width(
     per_position: float | None,
     uniform: bool,
     calibration: float = 1.0,
+    found: list[float] | None = None,
 ) -> int:
     """The verification width (1 = a plain step) with the most expected tokens per second,
     the tokens beyond one per row scaled by what verifications have delivered against such
@@ -169,7 +198,7 @@ def choose_width(
     rows = len(drafts)
     best, best_rate = 1, WIDTH_MARGIN * rows / step_seconds
     for width in range(2, longest + 2):
-        tokens = rows + calibration * (expected_tokens(drafts, rates, width, uniform) - rows)
+        tokens = rows + calibration * (expected_tokens(drafts, rates, width, uniform, found) - rows)
         rate = tokens / (step_seconds + per_position * rows * (width - 1))
         if rate > best_rate:
             best, best_rate = width, rate

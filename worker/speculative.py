@@ -51,6 +51,7 @@ from .spec_cost import (
     Acceptance,
     Calibration,
     CostMeter,
+    HitRate,
     WidthCost,
     choose_width,
     expected_tokens,
@@ -74,6 +75,18 @@ MAX_BACKOFF = 16  # steps a row waits before drafting again after repeated misse
 # x 9 positions was a 288-token forward). Whether a narrower verification, or none, pays is
 # choose_width's question (worker/spec_cost.py).
 VERIFY_DRAFT_POSITIONS = 64
+# On the CPU device nothing speculates in a batch of more than this many rows unless the
+# model's speculative.max_rows says otherwise: at 16 rows it lost 9-13% through the server
+# with every policy tried (bench/README.md, "Speculation at c = 16 and 32"), at 8 and below
+# its paired medians were >= 1.0.
+CPU_MAX_ROWS = 8
+
+
+def default_max_rows() -> int | None:
+    """SpeculativeConfig.max_rows when unset: CPU_MAX_ROWS on the CPU device, else none."""
+    import mlx.core as mx
+
+    return CPU_MAX_ROWS if mx.default_device().type == mx.cpu else None
 
 
 class NgramIndex:
@@ -143,6 +156,7 @@ class RowState:
     misses: int = 0
     skip: int = 0  # steps left before this row drafts again
     acceptance: Acceptance = field(default_factory=Acceptance)
+    found: HitRate = field(default_factory=HitRate)
 
 
 class OpenStep(NamedTuple):
@@ -165,7 +179,8 @@ class Counters:
     emitted_in_speculative_steps: int = 0
     pauses: int = 0
     largest_verification: int = 0  # drafted positions of the largest verification so far
-    declined: int = 0  # steps with drafts in hand that no verification width was expected to pay for
+    declined: int = 0  # steps where no verification width was expected to pay for the drafts
+    asked_steps: int = 0  # steps that asked the drafter (each drains mlx-lm's one-step-ahead pipeline)
 
 
 @dataclass
@@ -180,14 +195,18 @@ class Speculator:
     acceptance: Acceptance = field(default_factory=Acceptance)  # every row's drafts, decayed by step
     declined_in_a_row: dict[int, int] = field(default_factory=dict)  # by batch size
     calibration: Calibration = field(default_factory=Calibration)
+    found: HitRate = field(default_factory=HitRate)  # every row's asks, decayed by step
     steps: int = 0
     paused_until: int = 0
     cooldown: int = COOLDOWN_STEPS[0]
     _open: OpenStep | None = None  # the step before this one
 
+    max_rows: int | None = None  # the batch size above which nothing speculates
+
     def __post_init__(self) -> None:
         if self.drafter is None and self.config.mode == "prompt_lookup":
             self.drafter = PromptLookupDrafter(self.config.min_ngram, self.config.max_ngram)
+        self.max_rows = self.config.max_rows or default_max_rows()
 
     @property
     def enabled(self) -> bool:
@@ -209,6 +228,7 @@ class Speculator:
     def next(self, batch, plain_next) -> list:
         self.steps += 1
         self.acceptance.decay()
+        self.found.decay()
         if len(self.rows) > 4 * max(1, len(batch.uids)):
             self._forget_gone(batch)
         if self.drafter is not None:  # a draft model's per-row KV is freed as soon as its row ends
@@ -220,8 +240,11 @@ class Speculator:
         size = size_bucket(len(states))
         exploring = self.declined_in_a_row.get(size, 0) >= EXPLORE_AFTER
         rates = self._rates(states)
-        if not exploring and self._width([self._asks(s, len(states)) for s in states], rates, uniform) == 1:
-            return self._decline(batch, plain_next, size)  # not even drafts as long as asked would pay
+        asks = [self._asks(s, len(states)) for s in states]
+        if not exploring and self._width(asks, rates, uniform, self._finds(states)) == 1:
+            return self._decline(batch, plain_next, size)  # drafts as long as asked, as often as found, would not pay
+        if exploring:
+            self.declined_in_a_row[size] = 0  # whether or not anything is found: one try
         pending = batch._next_tokens.tolist()  # waits for a plain step still computing
         self._close_step(time.perf_counter())
         drafts = self._drafts(batch, pending)
@@ -254,14 +277,19 @@ class Speculator:
         overall = self.acceptance.rate()
         return [s.acceptance.rate(overall, ROW_PRIOR) if s else overall for s in states]
 
-    def _width(self, lengths: list[int], rates: list[float], uniform: bool) -> int:
+    def _finds(self, states: list[RowState | None]) -> list[float]:
+        """Each row's chance of the drafter finding a draft when asked."""
+        overall = self.found.rate()
+        return [s.found.rate(overall, ROW_PRIOR) if s else overall for s in states]
+
+    def _width(self, lengths: list[int], rates: list[float], uniform: bool, found: list[float] | None = None) -> int:
         """The verification's width for drafts of these lengths: what they are expected to
         emit per second at this batch's measured cost of a position, against a plain step."""
         size = size_bucket(len(lengths))
         plain = self.plain_cost.get(size, CostMeter()).per_token(EARLY_SAMPLES)
         step_seconds = plain * len(lengths) if plain is not None else None
         slope = slope_near(self.width_cost, size)
-        return choose_width(lengths, rates, step_seconds, slope, uniform, self.calibration.ratio())
+        return choose_width(lengths, rates, step_seconds, slope, uniform, self.calibration.ratio(), found)
 
     @staticmethod
     def _asks(state: RowState | None, rows: int) -> int:
@@ -271,6 +299,8 @@ class Speculator:
         return min(state.draft_len, max(1, VERIFY_DRAFT_POSITIONS // rows))
 
     def _worth_trying(self, batch) -> bool:
+        if self.max_rows is not None and len(batch.uids) > self.max_rows:
+            return False
         if not self.rows or self.steps < self.paused_until or self._probe_due(size_bucket(len(batch.uids))):
             return False
         return any(uid in self.rows for uid in batch.uids) and rollback_supported(batch.prompt_cache)
@@ -315,8 +345,12 @@ class Speculator:
                 asked.append(i)
                 requests.append(request)
         if requests:
+            self.counters.asked_steps += 1
             for i, draft in zip(asked, self.drafter.propose(requests)):
                 drafts[i] = draft
+                self.found.add(bool(draft))
+                if (state := self.rows.get(batch.uids[i])) is not None:
+                    state.found.add(bool(draft))
         return drafts
 
     def _request(self, batch, i: int, pending: int) -> DraftRequest | None:
@@ -397,6 +431,7 @@ class Speculator:
             ),
             "pauses": c.pauses,
             "declined_steps": c.declined,
+            "asked_steps": c.asked_steps,
             "calibration": round(self.calibration.ratio(), 3),
             "largest_verification": c.largest_verification,
         }
