@@ -16,7 +16,7 @@ from mlxgw.shared.protocol import SamplingParams
 from mlxgw.worker.runner import MLXRunner
 from mlxgw.worker.scheduler import Scheduler
 from mlxgw.worker.spec_verify import rollback_rows
-from mlxgw.worker.speculative import NgramIndex, OpenStep
+from mlxgw.worker.speculative import NgramIndex
 
 COPY_TEXT = "def add(a, b):\n    return a + b\n\n" * 6
 
@@ -89,34 +89,9 @@ def test_a_max_tokens_end_inside_an_accepted_draft_emits_no_extra_token(tiny_run
         assert generate_together(tiny_runners["prompt_lookup"], [(prompt, n, GREEDY)])[0] == full[:n]
 
 
-def test_a_verification_that_would_not_pay_is_declined_and_taken_whole_now_and_then(tiny_dir, monkeypatch):
-    """On a host where a verified position costs seconds, steps with drafts in hand decode
-    plainly (declined); after EXPLORE_AFTER declines in a row one verification is taken anyway,
-    so a cost learned from a noisy step can be learned again. The tokens are the same."""
-    from mlxgw.worker import speculative
-    from mlxgw.worker.spec_cost import MIN_SAMPLES, CostMeter, WidthCost
-
-    monkeypatch.setattr(speculative, "EXPLORE_AFTER", 4)
-    runner = speculative_runner(tiny_dir, SpeculativeConfig(mode="prompt_lookup"))
-    spec = runner.speculator
-    for size in (1, 2):
-        spec.plain_cost[size] = CostMeter()
-        for _ in range(MIN_SAMPLES):
-            spec.plain_cost[size].add(0.01, size)
-        spec.width_cost[size] = WidthCost()
-        spec.width_cost[size].add(1, 10.0)  # ten seconds a position
-    prompt = _copy_prompt(runner)
-    jobs = [(prompt, 40, GREEDY), (prompt, 40, GREEDY)]
-    assert generate_together(runner, jobs) == generate_together(
-        speculative_runner(tiny_dir, SpeculativeConfig(mode="off")), jobs
-    )
-    c = spec.counters
-    assert c.declined >= 8 and 1 <= c.speculative_steps <= c.declined // 4 + 1, c
-
-
 def test_a_batch_larger_than_max_rows_does_not_speculate(tiny_dir, tiny_runners):
-    """Above max_rows (default 8 on the CPU device) nothing is drafted or verified: the rows x
-    width rectangle lost 9-13% at 16 rows through the server whatever the width policy."""
+    """Above max_rows (default 8 on the CPU device) nothing is drafted or verified: at 16
+    rows speculation lost 7-13% through the server whatever the policy (issue 29)."""
     from mlxgw.worker.speculative import CPU_MAX_ROWS, Speculator
 
     assert Speculator(SpeculativeConfig()).max_rows == CPU_MAX_ROWS  # the tests run on the CPU device
@@ -124,7 +99,10 @@ def test_a_batch_larger_than_max_rows_does_not_speculate(tiny_dir, tiny_runners)
     prompt = _copy_prompt(capped)
     jobs = [(prompt, 16, GREEDY)] * 3
     assert generate_together(capped, jobs) == generate_together(tiny_runners["off"], jobs)
-    assert capped.speculator.counters.asked_steps == 0 and capped.speculator.counters.speculative_steps == 0
+    assert capped.speculator.counters.drafted == 0 and capped.speculator.counters.speculative_steps == 0
+    two = speculative_runner(tiny_dir, SpeculativeConfig(mode="prompt_lookup", max_rows=2))
+    assert generate_together(two, jobs[:2]) == generate_together(tiny_runners["off"], jobs[:2])
+    assert two.speculator.counters.speculative_steps > 0  # two rows: at the cap, it speculates
 
 
 def _text_until_finish(runner: MLXRunner, req: p.GenerateRequest) -> tuple[str, dict]:
@@ -221,14 +199,13 @@ def test_both_kinds_of_step_are_timed_until_the_next_step_starts():
     """mlx-lm reads a prompt chunk after each decode step: a speculative step timed around its
     verification alone, against plain steps timed until the next one, made plain look dearer
     while prompts were read (speculation cost 15% at c = 8 on the agent workload)."""
-    from mlxgw.worker.spec_cost import MIN_SAMPLES
-    from mlxgw.worker.speculative import Speculator
+    from mlxgw.worker.speculative import MIN_SAMPLES, Speculator
 
     spec = Speculator(SpeculativeConfig())
     for i in range(MIN_SAMPLES):
-        spec._open = OpenStep(spec.plain_cost, 8, 10.0 * i, 8)  # 8 tokens in 1 s, prompt chunk included
+        spec._open = (spec.plain_cost, 8, 10.0 * i, 8)  # 8 tokens in 1 s, prompt chunk included
         spec._close_step(10.0 * i + 1.0)
-        spec._open = OpenStep(spec.spec_cost, 8, 10.0 * i + 2.0, 12)  # 12 tokens in 1.6 s, chunk included
+        spec._open = (spec.spec_cost, 8, 10.0 * i + 2.0, 12)  # 12 tokens in 1.6 s, chunk included
         spec._close_step(10.0 * i + 3.6)
     assert spec.plain_cost[8].per_token() == pytest.approx(1 / 8)
     assert spec.counters.pauses == 1  # 0.133 s per token against 0.125: speculation loses, pauses
@@ -236,7 +213,7 @@ def test_both_kinds_of_step_are_timed_until_the_next_step_starts():
 
 
 def test_a_step_that_spans_an_idle_gap_is_not_a_cost_sample():
-    from mlxgw.worker.spec_cost import MIN_SAMPLES, CostMeter
+    from mlxgw.worker.speculative import MIN_SAMPLES, CostMeter
 
     meter = CostMeter()
     for _ in range(MIN_SAMPLES):
@@ -255,23 +232,22 @@ def test_a_clear_loss_pauses_after_two_steps_of_each_kind():
 
     spec = Speculator(SpeculativeConfig())
     for i in range(EARLY_SAMPLES):
-        spec._open = OpenStep(spec.plain_cost, 32, 10.0 * i, 32)  # 32 tokens in 1 s
+        spec._open = (spec.plain_cost, 32, 10.0 * i, 32)  # 32 tokens in 1 s
         spec._close_step(10.0 * i + 1.0)
-        spec._open = OpenStep(spec.spec_cost, 32, 10.0 * i + 2.0, 40)  # 40 tokens in 3 s: 2.4x dearer
+        spec._open = (spec.spec_cost, 32, 10.0 * i + 2.0, 40)  # 40 tokens in 3 s: 2.4x dearer
         spec._close_step(10.0 * i + 5.0)
     assert spec.counters.pauses == 1
     small = Speculator(SpeculativeConfig())
     for i in range(EARLY_SAMPLES):
-        small._open = OpenStep(small.plain_cost, 32, 10.0 * i, 32)
+        small._open = (small.plain_cost, 32, 10.0 * i, 32)
         small._close_step(10.0 * i + 1.0)
-        small._open = OpenStep(small.spec_cost, 32, 10.0 * i + 2.0, 40)  # 40 tokens in 1.25 s: equal
+        small._open = (small.spec_cost, 32, 10.0 * i + 2.0, 40)  # 40 tokens in 1.25 s: equal
         small._close_step(10.0 * i + 3.25)
     assert small.counters.pauses == 0
 
 
 def test_batch_sizes_share_cost_meters_by_powers_of_two_and_probe_every_other_step_while_learning():
-    from mlxgw.worker.spec_cost import MIN_SAMPLES, size_bucket
-    from mlxgw.worker.speculative import PROBE_EVERY, Speculator
+    from mlxgw.worker.speculative import MIN_SAMPLES, PROBE_EVERY, Speculator, size_bucket
 
     assert [size_bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 17, 32, 33)] == [1, 2, 4, 4, 8, 8, 16, 32, 32, 64]
     spec = Speculator(SpeculativeConfig())
@@ -281,6 +257,6 @@ def test_batch_sizes_share_cost_meters_by_powers_of_two_and_probe_every_other_st
         due.append(spec._probe_due(32))
     assert due == [False, True] * 4  # nothing known at 32: every other step is plain
     for i in range(MIN_SAMPLES):
-        spec._open = OpenStep(spec.plain_cost, 32, 10.0 * i, 32)
+        spec._open = (spec.plain_cost, 32, 10.0 * i, 32)
         spec._close_step(10.0 * i + 1.0)
     assert sum(spec._probe_due(32) for spec.steps in range(1, PROBE_EVERY + 1)) == 1

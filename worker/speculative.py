@@ -27,58 +27,40 @@ worker/spec_verify.py).
   idle gap is not a sample. Sizes share meters by powers of two, every other step is plain
   until a size's plain cost is known, and a speculative token 1.2x dearer than a plain one
   pauses after two steps of each.
-- Per step: how wide the verification is, if there is one (worker/spec_cost.py). The
-  drafts in hand, each row's acceptance so far (scaled by what verifications delivered
-  against such estimates) and the measured cost of a verified position at this batch size
-  give the expected tokens per second of every width; the step verifies at the best one
-  only if it beats a plain step by a margin. A CPU pays for every position
-  of the rows x width rectangle, so at c = 16 a few rows' short drafts no longer make every
-  row pay a wide pass (0.91x before); where positions are nearly free (a GPU at small
-  batches) the learned slope is near zero and drafts are verified whole.
+- Per batch size: on the CPU device nothing speculates in a batch of more than
+  CPU_MAX_ROWS rows (speculative.max_rows overrides it, on any device).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
 from mlxgw.shared.config import SpeculativeConfig
 
-from .spec_cost import (
-    MIN_SAMPLES,
-    ROW_PRIOR,
-    Acceptance,
-    Calibration,
-    CostMeter,
-    HitRate,
-    WidthCost,
-    choose_width,
-    expected_tokens,
-    size_bucket,
-    slope_near,
-)
 from .spec_verify import Verified, needs_replay, rollback_supported, verify_step
 
 PROBE_EVERY = 32  # a plain step this often while speculating, to keep its cost current
 LEARNING_PROBE_EVERY = 2  # and every other step until a size's plain cost is known
+MIN_SAMPLES = 8  # steps of each kind before the comparison is trusted
 EARLY_SAMPLES = 2  # steps of each kind after which a clear loss already pauses
 EARLY_LOSS = 1.2  # a speculative token dearer than this x a plain one is a clear loss
 COOLDOWN_STEPS = (64, 2048)  # first and longest pause after speculation lost
-# After this many declined steps in a row at a batch size, one verification of width 2 is
-# taken anyway: a slope, acceptance or calibration learned from noisy steps would otherwise
-# never be corrected (one step in EXPLORE_AFTER, 1.4x a plain one at batch 16 on a CPU).
-EXPLORE_AFTER = 128
+EMA = 0.9  # weight of the past in the cost averages
+GAP = 10.0  # a step timed at over GAP x its kind's average spanned an idle gap: not a sample
 MAX_BACKOFF = 16  # steps a row waits before drafting again after repeated misses
 # Drafted positions one verification may carry across the batch: a row drafts at most
 # VERIFY_DRAFT_POSITIONS // rows tokens (at least 1). It caps the worst verification (32 rows
-# x 9 positions was a 288-token forward). Whether a narrower verification, or none, pays is
-# choose_width's question (worker/spec_cost.py).
+# x 9 positions was a 288-token forward); it did not make c = 16 pay (0.91x): a verification
+# is as wide as its longest draft and on a CPU costs about that many plain steps at batch 16
+# (bench/verify_width.py; bench/README.md, "Speculation at c = 16 and 32").
 VERIFY_DRAFT_POSITIONS = 64
 # On the CPU device nothing speculates in a batch of more than this many rows unless the
-# model's speculative.max_rows says otherwise: at 16 rows it lost 9-13% through the server
-# with every policy tried (bench/README.md, "Speculation at c = 16 and 32"), at 8 and below
-# its paired medians were >= 1.0.
+# model's speculative.max_rows says otherwise (vLLM's speculative_disable_by_batch_size). At
+# 16 rows speculation lost 7-13% through the server with this policy and with a policy that
+# chose each verification's width by measured cost (bench/README.md, "Speculation above 8
+# rows"); at 8 and below its paired medians were >= 1.0. A GPU has no default cap.
 CPU_MAX_ROWS = 8
 
 
@@ -155,19 +137,32 @@ class RowState:
     draft_len: int
     misses: int = 0
     skip: int = 0  # steps left before this row drafts again
-    acceptance: Acceptance = field(default_factory=Acceptance)
-    found: HitRate = field(default_factory=HitRate)
 
 
-class OpenStep(NamedTuple):
-    """A step whose cost is known once the next one starts."""
+@dataclass
+class CostMeter:
+    """Seconds and emitted tokens, exponentially averaged, for one kind of step."""
 
-    meters: dict  # plain_cost or spec_cost
-    size: int  # its batch-size bucket
-    started: float
-    tokens: int  # emitted
-    rows: int = 0  # a verification's rows and positions beyond each row's first
-    extra_positions: int = 0
+    seconds: float = 0.0
+    tokens: float = 0.0
+    samples: int = 0
+
+    def add(self, seconds: float, tokens: int) -> None:
+        if self.samples >= MIN_SAMPLES and seconds > GAP * self.seconds / (1 - EMA**self.samples):
+            return  # the batch went idle (or only read prompts) after this step (the EMA starts at 0)
+        self.seconds = EMA * self.seconds + (1 - EMA) * seconds
+        self.tokens = EMA * self.tokens + (1 - EMA) * tokens
+        self.samples += 1
+
+    def per_token(self, min_samples: int = MIN_SAMPLES) -> float | None:
+        return self.seconds / self.tokens if self.samples >= min_samples and self.tokens > 0 else None
+
+
+def size_bucket(rows: int) -> int:
+    """Batch sizes share cost meters by powers of two: at c = 32 the batch passes through
+    every size as rows finish and arrive, and a meter per size needing MIN_SAMPLES steps of
+    each kind kept speculation in its learning phase for a whole wave (0.45x at c = 32)."""
+    return 1 << max(0, rows - 1).bit_length()
 
 
 @dataclass
@@ -179,8 +174,6 @@ class Counters:
     emitted_in_speculative_steps: int = 0
     pauses: int = 0
     largest_verification: int = 0  # drafted positions of the largest verification so far
-    declined: int = 0  # steps where no verification width was expected to pay for the drafts
-    asked_steps: int = 0  # steps that asked the drafter (each drains mlx-lm's one-step-ahead pipeline)
 
 
 @dataclass
@@ -191,15 +184,10 @@ class Speculator:
     counters: Counters = field(default_factory=Counters)
     plain_cost: dict[int, CostMeter] = field(default_factory=dict)  # by batch size
     spec_cost: dict[int, CostMeter] = field(default_factory=dict)
-    width_cost: dict[int, WidthCost] = field(default_factory=dict)  # by batch size
-    acceptance: Acceptance = field(default_factory=Acceptance)  # every row's drafts, decayed by step
-    declined_in_a_row: dict[int, int] = field(default_factory=dict)  # by batch size
-    calibration: Calibration = field(default_factory=Calibration)
-    found: HitRate = field(default_factory=HitRate)  # every row's asks, decayed by step
     steps: int = 0
     paused_until: int = 0
     cooldown: int = COOLDOWN_STEPS[0]
-    _open: OpenStep | None = None  # the step before this one
+    _open: tuple | None = None  # (meters, batch size, started, tokens) of the step before this one
 
     max_rows: int | None = None  # the batch size above which nothing speculates
 
@@ -227,76 +215,26 @@ class Speculator:
     # -- the step ---------------------------------------------------------------------------
     def next(self, batch, plain_next) -> list:
         self.steps += 1
-        self.acceptance.decay()
-        self.found.decay()
         if len(self.rows) > 4 * max(1, len(batch.uids)):
             self._forget_gone(batch)
         if self.drafter is not None:  # a draft model's per-row KV is freed as soon as its row ends
             self.drafter.retain(set(batch.uids))
         if not self._worth_trying(batch):
             return self._plain(batch, plain_next)
-        states = [self.rows.get(uid) for uid in batch.uids]  # before finished rows leave the batch
-        uniform = needs_replay(batch.prompt_cache)
-        size = size_bucket(len(states))
-        exploring = self.declined_in_a_row.get(size, 0) >= EXPLORE_AFTER
-        rates = self._rates(states)
-        asks = [self._asks(s, len(states)) for s in states]
-        if not exploring and self._width(asks, rates, uniform, self._finds(states)) == 1:
-            return self._decline(batch, plain_next, size)  # drafts as long as asked, as often as found, would not pay
-        if exploring:
-            self.declined_in_a_row[size] = 0  # whether or not anything is found: one try
         pending = batch._next_tokens.tolist()  # waits for a plain step still computing
         self._close_step(time.perf_counter())
         drafts = self._drafts(batch, pending)
         # Where a rejection replays (recurrent or sliding-window layers), every row keeps as
         # many tokens as the row that kept fewest: a row without a draft would waste the pass.
-        if not any(drafts) or (not all(drafts) and uniform):
+        if not any(drafts) or (not all(drafts) and needs_replay(batch.prompt_cache)):
             return self._plain(batch, plain_next)
-        width = 2 if exploring else self._width([len(d) for d in drafts], rates, uniform)
-        if width == 1:
-            return self._decline(batch, plain_next, size)
-        self.declined_in_a_row[size] = 0
-        drafts = [d[: width - 1] for d in drafts]
+        states = [self.rows.get(uid) for uid in batch.uids]  # before finished rows leave the batch
         started = time.perf_counter()
         responses, verified = verify_step(batch, pending, drafts)
         self._record(verified)
-        rows = len(drafts)
-        expected = expected_tokens([len(d) for d in drafts], rates, width, uniform)
-        self.calibration.add(expected - rows, verified.emitted - rows)  # closed at the next step:
-        self._open = OpenStep(self.spec_cost, size_bucket(rows), started, verified.emitted, rows, rows * (width - 1))
+        self._open = (self.spec_cost, size_bucket(len(drafts)), started, verified.emitted)  # closed at the next step
         self._adapt(states, drafts, verified)
         return responses
-
-    def _decline(self, batch, plain_next, size: int) -> list:
-        self.counters.declined += 1
-        self.declined_in_a_row[size] = self.declined_in_a_row.get(size, 0) + 1
-        return self._plain(batch, plain_next)
-
-    def _rates(self, states: list[RowState | None]) -> list[float]:
-        """Each row's chance of a drafted token holding up, its own history weighed against all rows'."""
-        overall = self.acceptance.rate()
-        return [s.acceptance.rate(overall, ROW_PRIOR) if s else overall for s in states]
-
-    def _finds(self, states: list[RowState | None]) -> list[float]:
-        """Each row's chance of the drafter finding a draft when asked."""
-        overall = self.found.rate()
-        return [s.found.rate(overall, ROW_PRIOR) if s else overall for s in states]
-
-    def _width(self, lengths: list[int], rates: list[float], uniform: bool, found: list[float] | None = None) -> int:
-        """The verification's width for drafts of these lengths: what they are expected to
-        emit per second at this batch's measured cost of a position, against a plain step."""
-        size = size_bucket(len(lengths))
-        plain = self.plain_cost.get(size, CostMeter()).per_token(EARLY_SAMPLES)
-        step_seconds = plain * len(lengths) if plain is not None else None
-        slope = slope_near(self.width_cost, size)
-        return choose_width(lengths, rates, step_seconds, slope, uniform, self.calibration.ratio(), found)
-
-    @staticmethod
-    def _asks(state: RowState | None, rows: int) -> int:
-        """The most a row would draft this step (the drafter may find fewer)."""
-        if state is None or state.skip:
-            return 0
-        return min(state.draft_len, max(1, VERIFY_DRAFT_POSITIONS // rows))
 
     def _worth_trying(self, batch) -> bool:
         if self.max_rows is not None and len(batch.uids) > self.max_rows:
@@ -316,7 +254,7 @@ class Speculator:
         rows, started = len(batch.uids), time.perf_counter()
         responses = plain_next()
         self.counters.plain_steps += 1
-        self._open = OpenStep(self.plain_cost, size_bucket(rows), started, rows)
+        self._open = (self.plain_cost, size_bucket(rows), started, rows)
         return responses
 
     def _close_step(self, now: float) -> None:
@@ -325,15 +263,11 @@ class Speculator:
         chunk) is counted alike. A speculative step's cost is then compared with plain's."""
         if self._open is None:
             return
-        step, self._open = self._open, None
-        seconds = now - step.started
-        counted = step.meters.setdefault(step.size, CostMeter()).add(seconds, step.tokens)
-        if step.meters is self.spec_cost and counted:
-            plain = self.plain_cost.get(step.size, CostMeter()).per_token(EARLY_SAMPLES)
-            if plain is not None and step.extra_positions:
-                excess = seconds - plain * step.rows
-                self.width_cost.setdefault(step.size, WidthCost()).add(step.extra_positions, excess)
-            self._judge(step.size)
+        meters, size, started, tokens = self._open
+        self._open = None
+        meters.setdefault(size, CostMeter()).add(now - started, tokens)
+        if meters is self.spec_cost:
+            self._judge(size)
 
     def _drafts(self, batch, pending: list[int]) -> list[list[int]]:
         """Every row's draft for this step (empty for rows that do not speculate now)."""
@@ -345,12 +279,8 @@ class Speculator:
                 asked.append(i)
                 requests.append(request)
         if requests:
-            self.counters.asked_steps += 1
             for i, draft in zip(asked, self.drafter.propose(requests)):
                 drafts[i] = draft
-                self.found.add(bool(draft))
-                if (state := self.rows.get(batch.uids[i])) is not None:
-                    state.found.add(bool(draft))
         return drafts
 
     def _request(self, batch, i: int, pending: int) -> DraftRequest | None:
@@ -364,7 +294,8 @@ class Speculator:
         room = batch.max_tokens[i] - batch._num_tokens[i] - 1  # never draft past max_tokens
         if room <= 0:
             return None
-        return DraftRequest(uid, batch.tokens[i] + [pending], min(self._asks(state, len(batch.uids)), room))
+        share = max(1, VERIFY_DRAFT_POSITIONS // len(batch.uids))
+        return DraftRequest(uid, batch.tokens[i] + [pending], min(state.draft_len, room, share))
 
     def _record(self, verified: Verified) -> None:
         c = self.counters
@@ -398,8 +329,6 @@ class Speculator:
         for draft, accepted, state in zip(drafts, verified.accepted, states):
             if not draft or state is None:
                 continue
-            self.acceptance.add(accepted, len(draft))
-            state.acceptance.add(accepted, len(draft))
             if accepted == len(draft):
                 state.draft_len = min(self.config.max_draft, state.draft_len + 2)
             else:
@@ -430,8 +359,4 @@ class Speculator:
                 round(c.emitted_in_speculative_steps / c.speculative_steps, 3) if c.speculative_steps else None
             ),
             "pauses": c.pauses,
-            "declined_steps": c.declined,
-            "asked_steps": c.asked_steps,
-            "calibration": round(self.calibration.ratio(), 3),
-            "largest_verification": c.largest_verification,
         }
