@@ -57,11 +57,12 @@ MAX_BACKOFF = 16  # steps a row waits before drafting again after repeated misse
 # (bench/verify_width.py; bench/README.md, "Speculation at c = 16 and 32").
 VERIFY_DRAFT_POSITIONS = 64
 # On the CPU device nothing speculates in a batch of more than this many rows unless the
-# model's speculative.max_rows says otherwise (vLLM's speculative_disable_by_batch_size). At
-# 16 rows speculation lost 7-13% through the server with this policy and with a policy that
-# chose each verification's width by measured cost (bench/README.md, "Speculation above 8
-# rows"); at 8 and below its paired medians were >= 1.0. A GPU has no default cap.
-CPU_MAX_ROWS = 8
+# model's speculative.max_rows says otherwise (vLLM's speculative_disable_by_batch_size).
+# Through the server, paired with speculation off (bench/README.md, "Speculation above 4
+# rows"): 1.15-1.33x at c = 1, 0.91-0.94x at c = 8 on chat prompts, 0.87-0.93x at c = 16 with
+# this policy and with one that chose each verification's width by measured cost. A GPU has
+# no default cap.
+CPU_MAX_ROWS = 4
 
 
 def default_max_rows() -> int | None:
