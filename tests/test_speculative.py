@@ -193,6 +193,8 @@ def test_speculation_is_configured_per_model():
     assert reg.models[0].speculative == SpeculativeConfig(mode="off", max_draft=4)
     with pytest.raises(ConfigError, match="max_draft"):
         parse_registry({"models": [{"name": "a", "speculative": {"max_draft": 0}}]})
+    with pytest.raises(ConfigError, match="max_rows"):
+        parse_registry({"models": [{"name": "a", "speculative": {"max_rows": 0}}]})
 
 
 def test_both_kinds_of_step_are_timed_until_the_next_step_starts():

@@ -189,8 +189,7 @@ class Speculator:
     paused_until: int = 0
     cooldown: int = COOLDOWN_STEPS[0]
     _open: tuple | None = None  # (meters, batch size, started, tokens) of the step before this one
-
-    max_rows: int | None = None  # the batch size above which nothing speculates
+    max_rows: int | None = field(init=False, default=None)  # from the config or the device: above it, no speculation
 
     def __post_init__(self) -> None:
         if self.drafter is None and self.config.mode == "prompt_lookup":
