@@ -20,6 +20,14 @@ _OPENBLAS_CANDIDATES = (
 )
 
 
+def on_cpu_device() -> bool:
+    """Whether MLX computes on the CPU here (Linux's mlx[cpu]; not Metal or CUDA): the CPU's
+    own attention, BLAS threads, sampling slices and speculation cap apply only then."""
+    import mlx.core as mx
+
+    return mx.default_device().type == mx.cpu
+
+
 def openblas_path() -> str | None:
     if not IS_LINUX:
         return None

@@ -40,6 +40,8 @@ import mlx.core as mx
 from mlx_lm.generate import GenerationBatch
 from mlx_lm.sample_utils import apply_top_k, apply_top_p
 
+from mlxgw.shared.platform import on_cpu_device
+
 from .isolation import heal_random_state
 from .sampling import PENALTY_CONTEXT, REPETITION_CONTEXT, RowPenalties, RowSampling
 
@@ -172,7 +174,7 @@ CPU_CALL_BYTES = 512 * 1024
 
 
 def _rows_per_call(x: mx.array) -> int:
-    if mx.default_device().type == mx.gpu:
+    if not on_cpu_device():
         return x.shape[0]
     return max(1, CPU_CALL_BYTES // (x.shape[-1] * x.dtype.size))
 

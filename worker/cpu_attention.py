@@ -31,6 +31,8 @@ from contextlib import contextmanager
 
 import mlx.core as mx
 
+from mlxgw.shared.platform import on_cpu_device
+
 LOG2E = 1.0 / math.log(2.0)
 # Scores (rows x keys, over the batch and heads) from which two streams pay for their join:
 # at batch 16 x 9 heads, 100 keys (14k) one stream was faster (0.95 against 1.9 ms), 500 keys
@@ -107,7 +109,7 @@ def attention(queries, keys, values, cache, scale, mask, sinks=None):
         or hasattr(cache, "bits")
         or queries.dtype != mx.float32
         or keys.dtype != mx.float32
-        or mx.default_device().type != mx.cpu
+        or not on_cpu_device()
     ):
         return _original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
     B, Hq, L, D = queries.shape
@@ -143,7 +145,7 @@ def _two_halves(q, keys, values, mask, T: int):
 def install() -> bool:
     """Route mlx-lm's model modules (those imported so far) through `attention`; whether on."""
     global _original
-    if os.environ.get("MLXGW_CPU_ATTENTION", "1") == "0" or mx.default_device().type != mx.cpu:
+    if os.environ.get("MLXGW_CPU_ATTENTION", "1") == "0" or not on_cpu_device():
         return False
     from mlx_lm.models import base
 

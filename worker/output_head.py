@@ -36,6 +36,8 @@ from collections.abc import Callable
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlxgw.shared.platform import on_cpu_device
+
 from .model_info import TOKEN_EMBEDDINGS
 
 log = logging.getLogger("mlxgw.worker.output_head")
@@ -83,7 +85,7 @@ class TransposedEmbedding(nn.Module):
 
 
 def _float32_cpu(module: nn.Module) -> bool:
-    return module.weight.dtype == mx.float32 and mx.default_device().type == mx.cpu
+    return module.weight.dtype == mx.float32 and on_cpu_device()
 
 
 def measure_layouts(weight: mx.array, weight_t: mx.array) -> float:

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from mlxgw.shared.config import SpeculativeConfig
+from mlxgw.shared.platform import on_cpu_device
 
 from .spec_verify import Verified, needs_replay, rollback_supported, verify_step
 
@@ -67,9 +68,7 @@ CPU_MAX_ROWS = 4
 
 def default_max_rows() -> int | None:
     """SpeculativeConfig.max_rows when unset: CPU_MAX_ROWS on the CPU device, else none."""
-    import mlx.core as mx
-
-    return CPU_MAX_ROWS if mx.default_device().type == mx.cpu else None
+    return CPU_MAX_ROWS if on_cpu_device() else None
 
 
 class NgramIndex:

@@ -17,6 +17,8 @@ import mlx.core as mx
 import numpy as np
 from mlx import nn
 
+from mlxgw.shared.platform import on_cpu_device
+
 try:  # numpy has no erf; scipy (installed with mlx-audio) has a vectorised one
     from scipy.special import erf
 except ImportError:  # then the encoder's GELU stays in MLX
@@ -77,7 +79,7 @@ class MultiHeadAttention(nn.Module):
         the scores take a trip through numpy there. Elsewhere (Metal) MLX's fused attention."""
         q, k, v = (self.split_heads(p(x)) for p in (self.query, self.key, self.value))
         scale = (q.shape[-1]) ** -0.5
-        if mx.default_device() != mx.cpu:
+        if not on_cpu_device():
             return self.merge_heads(mx.fast.scaled_dot_product_attention(q, k, v, scale=scale))
         out = []
         for i in range(q.shape[0]):  # one window's scores (54 MB for tiny) stay in cache; 8 did not
@@ -137,7 +139,7 @@ class ResidualAttentionBlock(nn.Module):
 
     def mlp_long(self, x: mx.array) -> mx.array:
         """The encoder's MLP (1500 positions x 1536): on the CPU its GELU runs in numpy."""
-        if mx.default_device() != mx.cpu or erf is None:
+        if not on_cpu_device() or erf is None:
             return self.mlp(x)
         h = self.mlp1(self.mlp_ln(x))
         return self.mlp2(in_numpy(h, _gelu_rows).astype(x.dtype))
