@@ -70,14 +70,17 @@ def workload_prompts(name: str, n: int, seed: int, tokenizer, code_tokens: int) 
     raise ValueError(f"unknown workload {name!r}: distinct, fixed or agent")
 
 
-def start_gateway(model_dir: Path, home: Path, rows: int, max_draft: int, log) -> tuple[str, subprocess.Popen]:
+def start_gateway(model_dir: Path, home: Path, rows: int, args, log) -> tuple[str, subprocess.Popen]:
     port = free_port()
     common = {"source": str(model_dir), "preload": True, "max_num_seqs": rows}
+    spec = {"mode": "prompt_lookup", "max_draft": args.max_draft}
+    if args.max_rows:
+        spec["max_rows"] = args.max_rows
     config = {
         "manager": {"auto_discover": False, "max_loaded_models": 2},
         "models": [
             {"name": "spec-off", **common, "speculative": {"mode": "off"}},
-            {"name": "spec-on", **common, "speculative": {"mode": "prompt_lookup", "max_draft": max_draft}},
+            {"name": "spec-on", **common, "speculative": spec},
         ],
     }
     (home / "models.yaml").write_text(json.dumps(config))
@@ -196,17 +199,23 @@ def acceptance(before: tuple[int, int], after: tuple[int, int]) -> float | None:
     return round((after[1] - before[1]) / drafted, 3) if drafted > 0 else None
 
 
-def speculative_stats(url: str) -> dict:
-    """The spec-on worker's speculative counters, when /v1/status reports them."""
+def worker_stats(url: str, name: str, key: str) -> list:
+    """One entry of each of a variant's workers' /v1/status stats; [] when not reported."""
     try:
         with urllib.request.urlopen(f"{url.removesuffix('/v1')}/v1/status", timeout=10) as r:
             status = json.loads(r.read())
     except (OSError, ValueError):
-        return {}
+        return []
     for model in status.get("models", []):
-        if model.get("name") == "spec-on":
-            return {"workers": [(w.get("stats") or {}).get("speculative") for w in model.get("workers", [])]}
-    return {}
+        if model.get("name") == name:
+            return [(w.get("stats") or {}).get(key) for w in model.get("workers", [])]
+    return []
+
+
+def speculative_stats(url: str) -> dict:
+    """The spec-on worker's speculative counters, when /v1/status reports them."""
+    workers = worker_stats(url, "spec-on", "speculative")
+    return {"workers": workers} if workers else {}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -218,6 +227,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--code-tokens", type=int, default=2000, help="code per agent request")
     ap.add_argument("--max-draft", type=int, default=8)
+    ap.add_argument("--max-rows", type=int, default=0, help="spec-on's speculative.max_rows (default: the device's)")
     ap.add_argument("--max-num-seqs", type=int, default=0, help="rows per variant (default: the largest c)")
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--out", type=Path, default=None, help="write OUT.json and OUT.md")
@@ -238,7 +248,7 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     with tempfile.TemporaryDirectory(prefix="mlxgw-spec-") as tmp, open(Path(tmp) / "gateway.log", "wb") as log:
         rows = args.max_num_seqs or max(args.concurrency)
-        url, proc = start_gateway(model_dir, Path(tmp), rows, args.max_draft, log)
+        url, proc = start_gateway(model_dir, Path(tmp), rows, args, log)
         try:
             wait_ready(url, proc)
             for variant in VARIANTS:
@@ -251,6 +261,8 @@ def main(argv: list[str] | None = None) -> None:
             )
             print(md)
             stats = speculative_stats(url)
+            # the BLAS thread counts each variant settled on (worker/blas_threads.py)
+            blas = {v: worker_stats(url, v, "blas_threads") for v in VARIANTS}
         except Exception:
             show_log_tail(log, Path(tmp) / "gateway.log")
             raise
@@ -261,6 +273,7 @@ def main(argv: list[str] | None = None) -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         report = {"config": {k: str(v) for k, v in vars(args).items()}, "method": method.as_dict(), "rows": summary}
         report["speculative_stats"] = stats
+        report["blas_threads"] = blas
         report["runs"] = [{k: v for k, v in r.items() if k != "texts"} for r in runs]
         args.out.with_suffix(".json").write_text(json.dumps(report, indent=2))
         args.out.with_suffix(".md").write_text(md + "\n")

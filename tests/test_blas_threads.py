@@ -105,6 +105,30 @@ def test_a_pinned_step_runs_at_every_thread_and_is_not_a_sample():
     assert {n: list(t) for n, t in policy.kinds[(1, False)].times.items()} == samples
 
 
+def test_samples_are_per_position_and_a_verification_is_none(monkeypatch):
+    """A step's time counts per position it fed: one thread, 1.3x slower per position, tried
+    on steps that read shorter prompt chunks, is still found slower. A speculative
+    verification (its width decides its time) is no sample."""
+    from mlxgw.worker import blas_threads
+
+    control, clock = Control(2), [0.0]
+    monkeypatch.setattr(blas_threads.time, "perf_counter", lambda: clock[0])
+    policy = BlasThreadPolicy(control, lambda: None)
+    for i in range(4 * (SAMPLES + TRIAL_STEPS + 2)):
+        policy.start(decode_rows=16, reads_prompt=True)
+        positions = 16 + (200 if control.n == 2 else 40)  # the trials happen to read short chunks
+        clock[0] += positions * (0.001 if control.n == 2 else 0.0013)
+        policy.done(positions)
+    choice = policy.kinds[(16, True)]
+    assert choice.current == 2 and all(len(t) == SAMPLES for t in choice.times.values())
+    kept = {n: list(t) for n, t in choice.times.items()}
+    policy.start(decode_rows=16, reads_prompt=True)
+    clock[0] += 5.0  # a wide verification
+    policy.done(16 * 9, sample=False)
+    policy.start(decode_rows=16, reads_prompt=True)
+    assert {n: list(t) for n, t in choice.times.items()} == kept
+
+
 def test_a_single_thread_blas_has_no_policy():
     assert not BlasThreadPolicy(Control(1), lambda: None).active
 

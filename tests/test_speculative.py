@@ -262,3 +262,23 @@ def test_batch_sizes_share_cost_meters_by_powers_of_two_and_probe_every_other_st
         spec._open = (spec.plain_cost, 32, 10.0 * i, 32)
         spec._close_step(10.0 * i + 1.0)
     assert sum(spec._probe_due(32) for spec.steps in range(1, PROBE_EVERY + 1)) == 1
+
+
+def test_the_step_trace_records_every_step_and_its_verifications(tiny_dir, tmp_path, monkeypatch):
+    """MLXGW_STEP_TRACE (worker/step_trace.py) writes one line per step, and bench/step_trace.py
+    accounts for every generated token, with the verifications apart from plain steps."""
+    from mlxgw.bench.step_trace import load, report
+
+    monkeypatch.setenv("MLXGW_STEP_TRACE", str(tmp_path))
+    traced = speculative_runner(tiny_dir, SpeculativeConfig(mode="prompt_lookup"))
+    prompt = _copy_prompt(traced)
+    out = generate_together(traced, [(prompt, 30, GREEDY), (prompt[:-3], 20, GREEDY)])
+    (path,) = tmp_path.glob("*.jsonl")
+    header, steps = load(path)
+    assert header["speculative"] == "prompt_lookup"
+    assert sum(s["emitted"] for s in steps) == sum(len(o) for o in out) == 50
+    assert sum(s["read"] for s in steps) >= len(prompt) - 1
+    assert sum(s["spec"] for s in steps) == traced.speculator.counters.speculative_steps > 0
+    assert all(s["width"] is None or s["held"] <= s["rows_after"] * s["width"] for s in steps)
+    rows, md = report(tmp_path)
+    assert len(rows) == 1 and rows[0]["tokens"] == 50 and rows[0]["spec_steps"] > 0 and "prompt_lookup" in md

@@ -16,7 +16,17 @@ in advance: a step's kind (its decode rows, to a power of two, and whether it re
 keeps the last few start-to-start times of each count, takes the faster one, and tries the
 other again now and then (every 16 steps of that kind at first, backing off to every 256
 while the choice holds, back to 16 when it flips), so a host that gets busy or quiet is
-followed within a few dozen steps. The count changes only between steps, with the step's
+followed within a few dozen steps.
+
+A sample is a step's time per position it fed (its decode rows plus the prompt tokens it
+read), and a speculative verification is no sample. Raw step times were compared before:
+steps of one kind read prompt chunks of different lengths and verified drafts of different
+widths, so three samples of each count were often decided by which steps they happened to
+be, not by the count. Traced through the server on a quiet host (MLXGW_STEP_TRACE,
+bench/step_trace.py; bench/README.md, "The BLAS policy's samples"), where one thread is
+slower at every kind of step, steps ran at one thread for 2.1% of the busy time beyond
+two threads' rate with speculation off and 3.6% with it on, and prompts were read at one
+thread in 44 of 74 prompt-reading steps. The count changes only between steps, with the step's
 stream synchronised first: OpenBLAS's count is process-wide, and no call may be running
 when it changes.
 
@@ -31,7 +41,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from mlxgw.shared.platform import BlasThreads, blas_threads
+from mlxgw.shared.platform import BlasThreads, blas_threads, on_cpu_device
 
 SAMPLES = 3  # start-to-start times kept per count and kind of step (their median decides)
 TRIAL_STEPS = 3  # consecutive steps a count is tried for, so its median is fresh
@@ -105,7 +115,8 @@ class KindChoice:
 
 
 class BlasThreadPolicy:
-    """Per step: `start(kind)` before it, `idle()` when the batch runs dry after it."""
+    """Per step: `start(kind)` before it, `done(positions)` after it, `idle()` when the batch
+    runs dry after it."""
 
     def __init__(self, control: BlasThreads, synchronize):
         self.control = control
@@ -114,7 +125,7 @@ class BlasThreadPolicy:
         self.counts = (1, self.most) if self.most > 1 else (self.most,)
         self.kinds: dict[tuple[int, bool], KindChoice] = {}
         self.threads = self.most
-        self._open: tuple[KindChoice, int, float, bool] | None = None
+        self._open: list | None = None  # [choice, count, started, changed, positions] of the running step
         self.switches = 0
 
     @property
@@ -144,7 +155,17 @@ class BlasThreadPolicy:
             choice = self.kinds[key] = KindChoice(self.counts)
         count = choice.choose()
         changed = self._use(count)
-        self._open = (choice, count, time.perf_counter() if changed else now, changed)
+        self._open = [choice, count, time.perf_counter() if changed else now, changed, 1]
+
+    def done(self, positions: int, sample: bool = True) -> None:
+        """The step fed `positions` tokens through the model (decode rows plus prompt tokens
+        read); sample=False: it is no sample of its kind (a speculative verification: its
+        width, not the thread count, decides its time)."""
+        if self._open is not None:
+            if sample:
+                self._open[4] = max(1, positions)
+            else:
+                self._open = None
 
     def _use(self, count: int) -> bool:
         """The count for the next step, set with the stream synchronised; whether it changed."""
@@ -161,8 +182,8 @@ class BlasThreadPolicy:
 
     def _close(self, now: float) -> None:
         if self._open is not None:
-            choice, count, started, changed = self._open
-            choice.record(count, now - started, changed)
+            choice, count, started, changed, positions = self._open
+            choice.record(count, (now - started) / positions, changed)
             self._open = None
 
     def summary(self) -> dict:
@@ -177,7 +198,7 @@ class BlasThreadPolicy:
 def policy_for(mx, generator) -> BlasThreadPolicy | None:
     """The policy for a worker whose model runs on the CPU with a settable BLAS; None
     elsewhere, or with MLXGW_ADAPTIVE_BLAS=0 (the BLAS's own count, as before)."""
-    if os.environ.get("MLXGW_ADAPTIVE_BLAS", "1") == "0" or mx.default_device().type != mx.cpu:
+    if os.environ.get("MLXGW_ADAPTIVE_BLAS", "1") == "0" or not on_cpu_device():
         return None
     control = blas_threads()
     if control is None:

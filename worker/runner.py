@@ -10,6 +10,7 @@ already decoding; a prompt's first token comes out in the step that reads its la
 from __future__ import annotations
 
 import gc
+import time
 from pathlib import Path
 
 from mlxgw.shared.config import SpeculativeConfig
@@ -118,6 +119,10 @@ class MLXRunner(ChatTextRunner):
         drafter = load_drafter(speculative, model_path, self.tokenizer, vocab_size)  # mode draft only
         self.speculator = Speculator(speculative, drafter=drafter)
         self.speculator.attach(self.generator)
+        from .step_trace import StepTrace
+
+        # MLXGW_STEP_TRACE: one line per step, for diagnosis (worker/step_trace.py)
+        self.trace = StepTrace.from_env({"model": str(model_path), "speculative": speculative.mode})
         from . import cpu_attention
         from .output_head import transpose_head
 
@@ -246,7 +251,16 @@ class MLXRunner(ChatTextRunner):
         if self.cpu_attention is not None and self.blas is not None:
             # a second stream is one more thread: not while the BLAS policy finds one faster
             self.cpu_attention.settings.parallel = self.blas.threads > 1
+        counters = self.speculator.counters
+        started, verified, read = time.monotonic(), counters.speculative_steps, gen._counters.prompt_tokens
+        rows = len(gen._generation_batch)
         prompt_responses, gen_responses = gen.next()
+        speculative, read = counters.speculative_steps > verified, gen._counters.prompt_tokens - read
+        if self.blas is not None:
+            self.blas.done(rows + read, sample=not speculative)
+        if self.trace is not None:
+            threads = None if self.blas is None else self.blas.threads
+            self.trace.record(gen, started, rows, len(gen_responses), read, speculative, threads)
         if self.blas is not None and not (len(gen._generation_batch) or gen._unprocessed_sequences):
             self.blas.idle()
         out = StepOutput()
