@@ -48,6 +48,11 @@ TRIAL_STEPS = 3  # consecutive steps a count is tried for, so its median is fres
 FIRST_INTERVAL = 16  # steps of a kind between trials of the other count, at first
 MAX_INTERVAL = 256
 GAP = 10.0  # a step 10x its count's median spanned an idle wait: not a sample
+# Another count replaces the one in use only when its median is this much lower: where the two
+# are within a few percent of each other (a quiet host at 1-4 rows) a median of three samples
+# flipped between them on noise, and each flip ran a kind of step at the other count for up to
+# an interval (a quiet host's traces: 180 of 899 batch-1 steps at one thread, 7% slower there).
+SWITCH_MARGIN = 0.05
 
 
 def _median(values) -> float:
@@ -104,6 +109,8 @@ class KindChoice:
 
     def _decide(self) -> None:
         best = min((n for n in self.counts if self._measured(n)), key=lambda n: _median(self.times[n]))
+        if _median(self.times[best]) > (1 - SWITCH_MARGIN) * _median(self.times[self.current]):
+            best = self.current  # not clearly faster: keep the count in use
         if best == self.current:
             # the dearer the other count, the rarer its trials: a trial of a count 4x slower
             # costs 12 steps' worth of time
