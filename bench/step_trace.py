@@ -10,7 +10,14 @@ where the batch drains (a step after which no row is decoding). Per worker and l
 the decode steps' cost per generated token, plain and speculative apart, by batch size (a
 power of two, as the speculator buckets them), the steps that also read a prompt kept apart
 (their cost is mostly the prompt's); the wall time the verifications took beyond what plain
-steps would have taken for the same tokens; and the attention's padding share."""
+steps would have taken for the same tokens; and the attention's padding share. Then two
+tables over every level:
+- verifications against plain decode steps by batch size (the speculating workers' steps
+  that read no prompt): the cost per generated token of each, and the tokens a row gained
+  per verification (bench/README.md, "Speculation's cost at 8-16 rows");
+- the BLAS thread counts (worker/blas_threads.py) per worker: the steps run at fewer than the
+  most threads, and the time they took beyond the other count's rate per position fed, for
+  the same kind of step (decode rows to a power of two, reading a prompt or not)."""
 
 from __future__ import annotations
 
@@ -112,13 +119,76 @@ def report(folder: Path) -> tuple[list[dict], str]:
     return rows, "\n".join(lines)
 
 
+def _workers(folder: Path) -> list[tuple[str, list[dict]]]:
+    out = []
+    for path in sorted(folder.glob("*.jsonl")):
+        header, steps = load(path)
+        levels(steps)  # sets each step's cost
+        out.append((f"{path.stem} ({header.get('speculative', '?')})", [s for s in steps if "cost" in s]))
+    return out
+
+
+def verification_table(workers: list[tuple[str, list[dict]]]) -> str:
+    lines = [
+        "| rows | plain steps | plain ms/token | verifications | verifying ms/token | verifying / plain | "
+        "tokens per row per verification |",
+        "|" + "---|" * 7,
+    ]
+    steps = [s for name, w in workers if "(off)" not in name for s in w if s["emitted"] and not s["read"]]
+    for size in sorted({bucket(s["rows"]) for s in steps}):
+        plain = [s for s in steps if not s["spec"] and bucket(s["rows"]) == size]
+        spec = [s for s in steps if s["spec"] and bucket(s["rows"]) == size]
+        p, v = per_token(plain), per_token(spec)
+        gained = sum(s["emitted"] for s in spec) / sum(s["rows"] for s in spec) if spec else None
+        ratio = f"{v / p:.2f}" if p and v else ""
+        lines.append(
+            f"| {size} | {len(plain)} | {_ms(p) or ''} | {len(spec)} | {_ms(v) or ''} | {ratio} | "
+            f"{'' if gained is None else f'{gained:.2f}'} |"
+        )
+    return "\n".join(lines)
+
+
+def threads_table(workers: list[tuple[str, list[dict]]]) -> str:
+    lines = [
+        "| worker | steps | at fewer threads | prompt-reading steps at fewer threads | busy s | "
+        "beyond the other count's rate s |",
+        "|" + "---|" * 6,
+    ]
+    for name, steps in workers:
+        active = [s for s in steps if (s["rows"] or s["read"]) and s.get("threads")]
+        if not active:
+            continue
+        most = max(s["threads"] for s in active)
+        kinds: dict[tuple, list[dict]] = {}
+        for s in active:
+            if not s["spec"]:
+                kinds.setdefault((bucket(s["rows"]) if s["rows"] else 0, s["read"] > 0), []).append(s)
+        beyond = 0.0
+        for kind_steps in kinds.values():
+            full = [s for s in kind_steps if s["threads"] == most]
+            fewer = [s for s in kind_steps if s["threads"] != most]
+            if full and fewer:
+                rate = sum(s["cost"] for s in full) / sum(s["rows"] + s["read"] for s in full)
+                beyond += sum(s["cost"] - rate * (s["rows"] + s["read"]) for s in fewer)
+        busy = sum(s["cost"] for s in active)
+        fewer_steps = sum(s["threads"] != most for s in active)
+        prompts = [s for s in active if s["read"]]
+        lines.append(
+            f"| {name} | {len(active)} | {fewer_steps} ({fewer_steps / len(active):.1%}) | "
+            f"{sum(s['threads'] != most for s in prompts)} of {len(prompts)} | {busy:.1f} | "
+            f"{beyond:.1f} ({beyond / busy:.1%}) |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("folder", type=Path)
     ap.add_argument("--out", type=Path, default=None, help="write OUT.json")
     args = ap.parse_args(argv)
     rows, md = report(args.folder)
-    print(md)
+    workers = _workers(args.folder)
+    print(md, verification_table(workers), threads_table(workers), sep="\n\n")
     if args.out:
         args.out.write_text(json.dumps(rows, indent=2))
 

@@ -11,7 +11,15 @@ import sys
 import pytest
 
 from mlxgw.shared.platform import openblas_path
-from mlxgw.worker.blas_threads import FIRST_INTERVAL, MAX_INTERVAL, SAMPLES, TRIAL_STEPS, BlasThreadPolicy, KindChoice
+from mlxgw.worker.blas_threads import (
+    CAP,
+    FIRST_INTERVAL,
+    MAX_INTERVAL,
+    SAMPLES,
+    TRIAL_STEPS,
+    BlasThreadPolicy,
+    KindChoice,
+)
 
 
 def run_kind(choice: KindChoice, cost: dict[int, float], steps: int) -> list[int]:
@@ -73,12 +81,30 @@ def test_counts_within_the_margin_do_not_flip_on_noise():
     assert used.count(1) <= 2 * (TRIAL_STEPS + 1) + (1000 // MAX_INTERVAL + 1) * (TRIAL_STEPS + 1)
 
 
-def test_a_step_that_spanned_an_idle_wait_is_not_a_sample():
+def test_a_step_that_spanned_an_idle_wait_is_not_a_sample_and_a_long_one_counts_capped():
     choice = KindChoice((1, 2))
     run_kind(choice, {1: 0.2, 2: 0.1}, 20)
     before = list(choice.times[2])
-    choice.record(2, 60.0, after_change=False)
+    choice.record(2, 60.0, after_change=False)  # 600x: a wait with nothing to do
     assert list(choice.times[2]) == before
+    choice.record(2, 4.0, after_change=False)  # 40x: a step that waited for a core counts, capped
+    assert choice.times[2][-1] == pytest.approx(CAP * 0.1)
+
+
+def test_a_busy_host_whose_two_thread_steps_stall_now_and_then_moves_to_one_thread():
+    """Traced on a busy host at 8 rows: two threads' steps took 170-250 ms or 3.5-4 s, one
+    thread's 220-380 ms. The median of three, with the stalls dropped as idle waits, kept two
+    threads; their mean is what the host pays."""
+    choice = KindChoice((1, 2))
+    stalls = iter([0.2, 3.8, 0.19, 0.21, 3.6, 0.2, 3.9, 0.18, 3.7] * 100)
+    used, previous = [], None
+    for _ in range(300):
+        count = choice.choose()
+        cost = next(stalls) if count == 2 else 0.3
+        choice.record(count, cost, after_change=previous is not None and count != previous)
+        used.append(count)
+        previous = count
+    assert choice.current == 1 and used[-100:].count(2) <= 2 * (TRIAL_STEPS + 1)
 
 
 class Control:

@@ -264,10 +264,10 @@ def test_batch_sizes_share_cost_meters_by_powers_of_two_and_probe_every_other_st
     assert sum(spec._probe_due(32) for spec.steps in range(1, PROBE_EVERY + 1)) == 1
 
 
-def test_the_step_trace_records_every_step_and_its_verifications(tiny_dir, tmp_path, monkeypatch):
+def test_the_step_trace_records_every_step_and_its_verifications(tiny_dir, tmp_path, monkeypatch, capsys):
     """MLXGW_STEP_TRACE (worker/step_trace.py) writes one line per step, and bench/step_trace.py
     accounts for every generated token, with the verifications apart from plain steps."""
-    from mlxgw.bench.step_trace import load, report
+    from mlxgw.bench.step_trace import load, main, report
 
     monkeypatch.setenv("MLXGW_STEP_TRACE", str(tmp_path))
     traced = speculative_runner(tiny_dir, SpeculativeConfig(mode="prompt_lookup"))
@@ -282,3 +282,7 @@ def test_the_step_trace_records_every_step_and_its_verifications(tiny_dir, tmp_p
     assert all(s["width"] is None or s["held"] <= s["rows_after"] * s["width"] for s in steps)
     rows, md = report(tmp_path)
     assert len(rows) == 1 and rows[0]["tokens"] == 50 and rows[0]["spec_steps"] > 0 and "prompt_lookup" in md
+    capsys.readouterr()
+    main([str(tmp_path)])
+    printed = capsys.readouterr().out
+    assert "verifying / plain" in printed and "| 2 |" in printed  # two rows decoded, some steps verified

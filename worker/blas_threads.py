@@ -43,13 +43,20 @@ from dataclasses import dataclass, field
 
 from mlxgw.shared.platform import BlasThreads, blas_threads, on_cpu_device
 
-SAMPLES = 3  # start-to-start times kept per count and kind of step (their median decides)
-TRIAL_STEPS = 3  # consecutive steps a count is tried for, so its median is fresh
+SAMPLES = 3  # start-to-start times kept per count and kind of step (their mean decides)
+TRIAL_STEPS = 3  # consecutive steps a count is tried for, so its samples are fresh
 FIRST_INTERVAL = 16  # steps of a kind between trials of the other count, at first
 MAX_INTERVAL = 256
-GAP = 10.0  # a step 10x its count's median spanned an idle wait: not a sample
-# Another count replaces the one in use only when its median is this much lower: where the two
-# are within a few percent of each other (a quiet host at 1-4 rows) a median of three samples
+# A count's cost is the mean of its recent samples, not their median: on a busy host two
+# threads' steps are bimodal (at 8 rows, 170-250 ms when both threads got a core, 3.5-4 s
+# when one waited), and the median of three, with every 4 s step dropped as an "idle wait"
+# at 10x the median, kept two threads at 300 ms a position where one thread took 34 (traced,
+# bench/README.md, "The BLAS policy on a busy host"). A long sample counts, capped at CAP x
+# the median; only one past IDLE_GAP x the median is taken for a wait with nothing to do.
+CAP = 10.0
+IDLE_GAP = 100.0
+# Another count replaces the one in use only when its mean is this much lower: where the two
+# are within a few percent of each other (a quiet host at 1-4 rows) three samples
 # flipped between them on noise, and each flip ran a kind of step at the other count for up to
 # an interval (a quiet host's traces: 180 of 899 batch-1 steps at one thread, 7% slower there).
 SWITCH_MARGIN = 0.05
@@ -58,6 +65,10 @@ SWITCH_MARGIN = 0.05
 def _median(values) -> float:
     ordered = sorted(values)
     return ordered[len(ordered) // 2]
+
+
+def _mean(values) -> float:
+    return sum(values) / len(values)
 
 
 @dataclass
@@ -96,8 +107,11 @@ class KindChoice:
         if after_change:
             return
         samples = self.times[count]
-        if len(samples) >= SAMPLES and seconds > GAP * _median(samples):
-            return
+        if len(samples) >= SAMPLES:
+            typical = _median(samples)
+            if seconds > IDLE_GAP * typical:
+                return
+            seconds = min(seconds, CAP * typical)
         samples.append(seconds)
         if self.trial != count:
             self.since_trial += 1
@@ -108,14 +122,14 @@ class KindChoice:
             self._decide()
 
     def _decide(self) -> None:
-        best = min((n for n in self.counts if self._measured(n)), key=lambda n: _median(self.times[n]))
-        if _median(self.times[best]) > (1 - SWITCH_MARGIN) * _median(self.times[self.current]):
+        best = min((n for n in self.counts if self._measured(n)), key=lambda n: _mean(self.times[n]))
+        if _mean(self.times[best]) > (1 - SWITCH_MARGIN) * _mean(self.times[self.current]):
             best = self.current  # not clearly faster: keep the count in use
         if best == self.current:
             # the dearer the other count, the rarer its trials: a trial of a count 4x slower
             # costs 12 steps' worth of time
-            others = [_median(self.times[n]) for n in self.counts if n != best and self._measured(n)]
-            ratio = max(others, default=1.0) / max(_median(self.times[best]), 1e-9)
+            others = [_mean(self.times[n]) for n in self.counts if n != best and self._measured(n)]
+            ratio = max(others, default=1.0) / max(_mean(self.times[best]), 1e-9)
             self.interval = min(MAX_INTERVAL, int(self.interval * 2 * max(1.0, ratio)))
         else:
             self.current, self.interval = best, FIRST_INTERVAL
