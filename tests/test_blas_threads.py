@@ -63,6 +63,17 @@ def test_a_host_that_gets_busy_then_quiet_is_followed():
     assert choice.current == 2
 
 
+def test_a_host_that_gets_busy_after_a_quiet_start_is_followed_at_once():
+    """Settled on two threads with its trials far apart, the host gets busy: the count in use
+    now costs far more than one thread did when last tried, so that is tried within a few
+    steps, not an interval later."""
+    choice = KindChoice((1, 2))
+    run_kind(choice, {1: 0.129, 2: 0.096}, 300)
+    assert choice.current == 2 and choice.interval >= 4 * FIRST_INTERVAL
+    used = run_kind(choice, {1: 0.150, 2: 0.800}, SAMPLES + TRIAL_STEPS + 2)
+    assert choice.current == 1 and used[-1] == 1
+
+
 def test_counts_within_the_margin_do_not_flip_on_noise():
     """Two counts a few percent apart, each step off by up to +-4%: the count in use stays,
     where a bare comparison of medians flipped on the noise."""

@@ -18,17 +18,16 @@ other again now and then (every 16 steps of that kind at first, backing off to e
 while the choice holds, back to 16 when it flips), so a host that gets busy or quiet is
 followed within a few dozen steps.
 
-A sample is a step's time per position it fed (its decode rows plus the prompt tokens it
-read), and a speculative verification is no sample. Raw step times were compared before:
-steps of one kind read prompt chunks of different lengths and verified drafts of different
-widths, so three samples of each count were often decided by which steps they happened to
-be, not by the count. Traced through the server on a quiet host (MLXGW_STEP_TRACE,
-bench/step_trace.py; bench/README.md, "The BLAS policy's samples"), where one thread is
-slower at every kind of step, steps ran at one thread for 2.1% of the busy time beyond
-two threads' rate with speculation off and 3.6% with it on, and prompts were read at one
-thread in 44 of 74 prompt-reading steps. The count changes only between steps, with the step's
-stream synchronised first: OpenBLAS's count is process-wide, and no call may be running
-when it changes.
+The count changes only between steps, with the step's stream synchronised first: OpenBLAS's
+count is process-wide, and no call may be running when it changes.
+
+What a count costs is the mean of its last few samples (a busy host's stalls are what it
+pays; see CAP), and a sample is a step's time per position it fed (its decode rows plus the
+prompt tokens it read); a speculative verification is no sample. Raw step times were
+compared before: steps of one kind read prompt chunks of different lengths and verified
+drafts of different widths, so three samples of each count were decided by which steps they
+happened to be as much as by the count (traced through the server, MLXGW_STEP_TRACE and
+bench/step_trace.py; bench/README.md, "The BLAS policy's samples").
 
 Where the count cannot be set (Metal or CUDA, where matmuls do not run on the CPU BLAS;
 macOS's Accelerate) the policy is off: `shared/platform.py` says which.
@@ -60,6 +59,7 @@ IDLE_GAP = 100.0
 # flipped between them on noise, and each flip ran a kind of step at the other count for up to
 # an interval (a quiet host's traces: 180 of 899 batch-1 steps at one thread, 7% slower there).
 SWITCH_MARGIN = 0.05
+OUTDATED = 1.25  # the count in use costing this x another's last measure brings a trial forward
 
 
 def _median(values) -> float:
@@ -98,10 +98,20 @@ class KindChoice:
     def choose(self) -> int:
         if self.trial is None and self._measured(self.current):
             untried = [n for n in self.counts if n != self.current and not self._measured(n)]
-            if untried or self.since_trial >= self.interval:
+            if untried or self.since_trial >= self.interval or self._outdated():
                 others = untried or [n for n in self.counts if n != self.current]
                 self.trial, self.trial_left, self.since_trial = others[0], TRIAL_STEPS, 0
         return self.current if self.trial is None else self.trial
+
+    def _outdated(self) -> bool:
+        """The count in use now costs OUTDATED x what another cost when last tried: the choice
+        no longer rests on what was measured, so that count is tried again now, not an
+        interval later (a host that got busy after a quiet start ran 74 steps at two threads
+        and 800 ms each, where one thread took 150, waiting for its next trial)."""
+        now = _mean(self.times[self.current])
+        return any(
+            n != self.current and self._measured(n) and now > OUTDATED * _mean(self.times[n]) for n in self.counts
+        )
 
     def record(self, count: int, seconds: float, after_change: bool) -> None:
         if after_change:

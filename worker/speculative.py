@@ -61,8 +61,11 @@ VERIFY_DRAFT_POSITIONS = 64
 # model's speculative.max_rows says otherwise (vLLM's speculative_disable_by_batch_size).
 # Through the server, paired with speculation off (bench/README.md, "Speculation above 4
 # rows"): 1.15-1.33x at c = 1, 0.91-0.94x at c = 8 on chat prompts, 0.87-0.93x at c = 16 with
-# this policy and with one that chose each verification's width by measured cost. A GPU has
-# no default cap.
+# this policy and with one that chose each verification's width by measured cost. Why, traced
+# per step through the server (MLXGW_STEP_TRACE, bench/step_trace.py): on a CPU a
+# verification costs about as much as the positions it feeds, 1.7-2.9x a plain step's price
+# per token at 8-16 rows against 0.6-0.8x at 1 row, and chat drafts gain 1.4 tokens a row.
+# A GPU has no default cap.
 CPU_MAX_ROWS = 4
 
 
