@@ -94,17 +94,24 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(1000 * seconds, 2)
 
 
-def report(folder: Path) -> tuple[list[dict], str]:
+def _workers(folder: Path) -> list[tuple[str, list[dict], list[list[dict]]]]:
+    """Each trace of the folder, read once: (its worker's name, its steps, their levels)."""
+    out = []
+    for path in sorted(folder.glob("*.jsonl")):
+        header, steps = load(path)
+        out.append((f"{path.stem} ({header.get('speculative', '?')})", steps, levels(steps)))
+    return out
+
+
+def report(folder: Path, workers: list | None = None) -> tuple[list[dict], str]:
     rows, lines = [], []
     lines.append(
         "| worker | level | tok/s | steps (verifications) | verifications' share of wall | their cost beyond plain s | "
         "padding | decode ms/token plain / verifying, by batch size |"
     )
     lines.append("|" + "---|" * 8)
-    for path in sorted(folder.glob("*.jsonl")):
-        header, steps = load(path)
-        name = f"{path.stem} ({header.get('speculative', '?')})"
-        for i, level in enumerate(levels(steps), 1):
+    for name, _, worker_levels in _workers(folder) if workers is None else workers:
+        for i, level in enumerate(worker_levels, 1):
             s = summarize_level(level)
             rows.append({"worker": name, "level": i, **s})
             sizes = "; ".join(
@@ -119,22 +126,13 @@ def report(folder: Path) -> tuple[list[dict], str]:
     return rows, "\n".join(lines)
 
 
-def _workers(folder: Path) -> list[tuple[str, list[dict]]]:
-    out = []
-    for path in sorted(folder.glob("*.jsonl")):
-        header, steps = load(path)
-        levels(steps)  # sets each step's cost
-        out.append((f"{path.stem} ({header.get('speculative', '?')})", [s for s in steps if "cost" in s]))
-    return out
-
-
-def verification_table(workers: list[tuple[str, list[dict]]]) -> str:
+def verification_table(workers: list) -> str:
     lines = [
         "| rows | plain steps | plain ms/token | verifications | verifying ms/token | verifying / plain | "
         "tokens per row per verification |",
         "|" + "---|" * 7,
     ]
-    steps = [s for name, w in workers if "(off)" not in name for s in w if s["emitted"] and not s["read"]]
+    steps = [s for name, w, _ in workers if "(off)" not in name for s in w if s["emitted"] and not s["read"]]
     for size in sorted({bucket(s["rows"]) for s in steps}):
         plain = [s for s in steps if not s["spec"] and bucket(s["rows"]) == size]
         spec = [s for s in steps if s["spec"] and bucket(s["rows"]) == size]
@@ -148,13 +146,13 @@ def verification_table(workers: list[tuple[str, list[dict]]]) -> str:
     return "\n".join(lines)
 
 
-def threads_table(workers: list[tuple[str, list[dict]]]) -> str:
+def threads_table(workers: list) -> str:
     lines = [
         "| worker | steps | at fewer threads | prompt-reading steps at fewer threads | busy s | "
         "beyond the other count's rate s |",
         "|" + "---|" * 6,
     ]
-    for name, steps in workers:
+    for name, steps, _ in workers:
         active = [s for s in steps if (s["rows"] or s["read"]) and s.get("threads")]
         if not active:
             continue
@@ -186,8 +184,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("folder", type=Path)
     ap.add_argument("--out", type=Path, default=None, help="write OUT.json")
     args = ap.parse_args(argv)
-    rows, md = report(args.folder)
     workers = _workers(args.folder)
+    rows, md = report(args.folder, workers)
     print(md, verification_table(workers), threads_table(workers), sep="\n\n")
     if args.out:
         args.out.write_text(json.dumps(rows, indent=2))
