@@ -286,3 +286,13 @@ def test_the_step_trace_records_every_step_and_its_verifications(tiny_dir, tmp_p
     main([str(tmp_path)])
     printed = capsys.readouterr().out
     assert "verifying / plain" in printed and "| 2 |" in printed  # two rows decoded, some steps verified
+
+
+def test_a_step_trace_folder_that_cannot_be_written_does_not_stop_the_model(tmp_path, monkeypatch, caplog):
+    from mlxgw.worker.step_trace import StepTrace
+
+    monkeypatch.setenv("MLXGW_STEP_TRACE", str(tmp_path / "missing" / "folder"))
+    assert StepTrace.from_env({"model": "m"}) is None
+    assert "no step trace" in caplog.text
+    monkeypatch.setenv("MLXGW_STEP_TRACE", str(tmp_path))
+    assert StepTrace.from_env({"model": "m"}) is not None

@@ -14,10 +14,12 @@ summarises a folder of traces."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 
 ENV = "MLXGW_STEP_TRACE"
+log = logging.getLogger("mlxgw.worker")
 
 
 class StepTrace:
@@ -28,8 +30,16 @@ class StepTrace:
 
     @classmethod
     def from_env(cls, header: dict) -> StepTrace | None:
+        """The trace MLXGW_STEP_TRACE asks for; None when unset, or when its folder cannot be
+        written (a diagnosis setting must not stop a model from loading: it is logged)."""
         folder = os.environ.get(ENV)
-        return cls(folder, header) if folder else None
+        if not folder:
+            return None
+        try:
+            return cls(folder, header)
+        except OSError as e:
+            log.warning("%s=%s: no step trace (%s)", ENV, folder, e)
+            return None
 
     def record(self, gen, started: float, rows: int, emitted: int, read: int, speculative: bool, threads) -> None:
         """After one step that decoded `rows` rows: `emitted` tokens generated, `read` prompt
