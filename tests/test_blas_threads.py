@@ -12,6 +12,7 @@ import pytest
 
 from mlxgw.shared.platform import openblas_path
 from mlxgw.worker.blas_threads import (
+    BUSY_RATIO,
     CAP,
     FIRST_INTERVAL,
     MAX_INTERVAL,
@@ -182,6 +183,50 @@ def test_samples_are_per_position_and_a_verification_is_none(monkeypatch):
     policy.done(16 * 9, sample=False)
     policy.start(decode_rows=16, reads_prompt=True)
     assert {n: list(t) for n, t in choice.times.items()} == kept
+
+
+def run_policy(policy: BlasThreadPolicy, control, clock: list, kind: tuple[int, bool], cost: dict, steps: int):
+    """Steps of one kind through the policy, each taking cost[count] per position; the counts used."""
+    used = []
+    for _ in range(steps):
+        rows, prompt = kind
+        policy.start(decode_rows=rows, reads_prompt=prompt)
+        used.append(control.n)
+        clock[0] += cost[control.n] * rows
+        policy.done(rows)
+    return used
+
+
+def test_a_busy_hosts_verdict_is_followed_by_kinds_that_have_not_learned_alone(monkeypatch):
+    """Traced with two busy loops at c = 32: every kind of step learned alone, starting at two
+    threads for three samples, and a burst met a dozen kinds (a new kind's two-thread steps
+    3.5-17 s, one thread's 0.2-2). Once one kind finds one thread far cheaper, a kind seen for
+    the first time runs at one thread and tries two threads only once the host's verdict is
+    gone; on a quiet host (1.3x apart) every kind still learns alone."""
+    from mlxgw.worker import blas_threads
+
+    control, clock = Control(2), [0.0]
+    monkeypatch.setattr(blas_threads.time, "perf_counter", lambda: clock[0])
+    policy = BlasThreadPolicy(control, lambda: None)
+    busy, quiet = {1: 0.25, 2: 3.8}, {1: 0.129, 2: 0.096}
+    run_policy(policy, control, clock, (1, False), busy, SAMPLES + TRIAL_STEPS + 3)
+    assert policy.host == 1 and policy.summary()["host"] == 1
+    for kind in [(16, True), (32, False), (8, True)]:
+        assert set(run_policy(policy, control, clock, kind, busy, 3 * (SAMPLES + TRIAL_STEPS))) == {1}, kind
+    # the host gets quiet: the kind that measured both finds it at its next trial, and the
+    # verdict no longer holds, so the others learn alone again from their own samples
+    steps = 0
+    while policy.host is not None and steps < 2 * MAX_INTERVAL:
+        run_policy(policy, control, clock, (1, False), quiet, 1)
+        steps += 1
+    assert policy.host is None
+    used = run_policy(policy, control, clock, (16, True), quiet, SAMPLES + 2 * TRIAL_STEPS + 2)
+    assert 2 in used and policy.kinds[(16, True)].current == 2
+    # a quiet verdict is no host verdict: a new kind starts at every thread and tries one
+    fresh = BlasThreadPolicy(Control(2), lambda: None)
+    run_policy(fresh, fresh.control, clock, (1, False), quiet, SAMPLES + TRIAL_STEPS + 3)
+    assert fresh.kinds[(1, False)].current == 2 and fresh.host is None and quiet[1] / quiet[2] < BUSY_RATIO
+    assert run_policy(fresh, fresh.control, clock, (8, False), quiet, 1) == [2]
 
 
 def test_a_single_thread_blas_has_no_policy():

@@ -4,7 +4,7 @@ On MLX's CPU backend every matmul of the forward is an OpenBLAS call, and OpenBL
 each call over its threads and joins them at the end. On a quiet host that is faster. On a
 host whose cores are taken by other work, each call waits for its slowest thread to be
 scheduled, hundreds of times per forward. Measured on the 2-core machine (SmolLM2-135M
-float32, one decode forward; `bench/README.md`, "busy host"):
+float32, one decode forward; `bench/HISTORY.md`, "busy host"):
 
 | | quiet, 2 threads | quiet, 1 | 2 busy loops, 2 threads | 2 busy loops, 1 |
 |---|---|---|---|---|
@@ -18,6 +18,10 @@ other again now and then (every 16 steps of that kind at first, backing off to e
 while the choice holds, back to 16 when it flips), so a host that gets busy or quiet is
 followed within a few dozen steps.
 
+A busy host is a property of the host, not of a kind of step: once a kind has measured one
+count BUSY_RATIO times cheaper than the other, a kind that has not yet measured both follows
+that verdict with no trial of its own (see BUSY_RATIO).
+
 The count changes only between steps, with the step's stream synchronised first: OpenBLAS's
 count is process-wide, and no call may be running when it changes.
 
@@ -27,7 +31,7 @@ prompt tokens it read); a speculative verification is no sample. Raw step times 
 compared before: steps of one kind read prompt chunks of different lengths and verified
 drafts of different widths, so three samples of each count were decided by which steps they
 happened to be as much as by the count (traced through the server, MLXGW_STEP_TRACE and
-bench/step_trace.py; bench/README.md, "The BLAS policy's samples").
+bench/step_trace.py; bench/HISTORY.md, "The BLAS policy's samples").
 
 Where the count cannot be set (Metal or CUDA, where matmuls do not run on the CPU BLAS;
 macOS's Accelerate) the policy is off: `shared/platform.py` says which.
@@ -50,7 +54,7 @@ MAX_INTERVAL = 256
 # threads' steps are bimodal (at 8 rows, 170-250 ms when both threads got a core, 3.5-4 s
 # when one waited), and the median of three, with every 4 s step dropped as an "idle wait"
 # at 10x the median, kept two threads at 300 ms a position where one thread took 34 (traced,
-# bench/README.md, "The BLAS policy on a busy host"). A long sample counts, capped at CAP x
+# bench/HISTORY.md, "The BLAS policy on a busy host"). A long sample counts, capped at CAP x
 # the median; only one past IDLE_GAP x the median is taken for a wait with nothing to do.
 CAP = 10.0
 IDLE_GAP = 100.0
@@ -60,6 +64,15 @@ IDLE_GAP = 100.0
 # an interval (a quiet host's traces: 180 of 899 batch-1 steps at one thread, 7% slower there).
 SWITCH_MARGIN = 0.05
 OUTDATED = 1.25  # the count in use costing this x another's last measure brings a trial forward
+# A kind's verdict this lopsided (the other count this x dearer) is the host's: every kind
+# that has not measured both counts yet follows it instead of learning alone. Learning alone
+# cost a busy host most of a burst: each kind of step (rows to a power of two, reading a
+# prompt or not) started at two threads and kept them for three samples, and a burst of 32
+# short requests met a dozen kinds, each new one's two-thread steps taking 3.5-17 s where one
+# thread took 0.2-2 (traced, `--busy 2`, c = 32; bench/HISTORY.md, "The BLAS policy's
+# verdict is the host's"). On a quiet host the counts differ by 1.3-1.4x, under this ratio,
+# so every kind still learns its own count there.
+BUSY_RATIO = 2.0
 
 
 def _median(values) -> float:
@@ -87,6 +100,7 @@ class KindChoice:
     trial_left: int = 0
     since_trial: int = 0
     interval: int = FIRST_INTERVAL
+    verdict: tuple[int, float] | None = None  # the last decision: (count, the other's cost / its)
 
     def __post_init__(self) -> None:
         self.times = {n: deque(maxlen=SAMPLES) for n in self.counts}
@@ -95,7 +109,13 @@ class KindChoice:
     def _measured(self, count: int) -> bool:
         return len(self.times[count]) >= SAMPLES
 
-    def choose(self) -> int:
+    def choose(self, host: int | None = None) -> int:
+        """The count for the next step of this kind. host: the count the host's last
+        lopsided verdict chose (BUSY_RATIO); followed, with no trial, until this kind has
+        measured every count itself."""
+        if host is not None and not all(self._measured(n) for n in self.counts):
+            self.current, self.trial = host, None
+            return host
         if self.trial is None and self._measured(self.current):
             untried = [n for n in self.counts if n != self.current and not self._measured(n)]
             if untried or self.since_trial >= self.interval or self._outdated():
@@ -135,11 +155,12 @@ class KindChoice:
         best = min((n for n in self.counts if self._measured(n)), key=lambda n: _mean(self.times[n]))
         if _mean(self.times[best]) > (1 - SWITCH_MARGIN) * _mean(self.times[self.current]):
             best = self.current  # not clearly faster: keep the count in use
+        others = [_mean(self.times[n]) for n in self.counts if n != best and self._measured(n)]
+        ratio = max(others, default=1.0) / max(_mean(self.times[best]), 1e-9)
+        self.verdict = (best, ratio)
         if best == self.current:
             # the dearer the other count, the rarer its trials: a trial of a count 4x slower
             # costs 12 steps' worth of time
-            others = [_mean(self.times[n]) for n in self.counts if n != best and self._measured(n)]
-            ratio = max(others, default=1.0) / max(_mean(self.times[best]), 1e-9)
             self.interval = min(MAX_INTERVAL, int(self.interval * 2 * max(1.0, ratio)))
         else:
             self.current, self.interval = best, FIRST_INTERVAL
@@ -156,6 +177,7 @@ class BlasThreadPolicy:
         self.counts = (1, self.most) if self.most > 1 else (self.most,)
         self.kinds: dict[tuple[int, bool], KindChoice] = {}
         self.threads = self.most
+        self.host: int | None = None  # the count of the last lopsided verdict of any kind (BUSY_RATIO)
         self._open: list | None = None  # [choice, count, started, changed, positions] of the running step
         self.switches = 0
 
@@ -184,7 +206,7 @@ class BlasThreadPolicy:
         choice = self.kinds.get(key)
         if choice is None:
             choice = self.kinds[key] = KindChoice(self.counts)
-        count = choice.choose()
+        count = choice.choose(self.host)
         changed = self._use(count)
         self._open = [choice, count, time.perf_counter() if changed else now, changed, 1]
 
@@ -216,12 +238,16 @@ class BlasThreadPolicy:
             choice, count, started, changed, positions = self._open
             choice.record(count, (now - started) / positions, changed)
             self._open = None
+            if choice.verdict is not None:  # it just decided: is the host lopsided?
+                best, ratio = choice.verdict
+                self.host, choice.verdict = (best if ratio >= BUSY_RATIO else None), None
 
     def summary(self) -> dict:
         """What /v1/status shows: the count in use per kind of step."""
         return {
             "threads": self.threads,
             "switches": self.switches,
+            "host": self.host,
             "by_kind": {f"{rows}{'+prompt' if prompt else ''}": c.current for (rows, prompt), c in self.kinds.items()},
         }
 
