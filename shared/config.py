@@ -88,9 +88,9 @@ class SpeculativeConfig:
     min_ngram: int = 1  # the shortest
     draft_model: str | None = None  # mode draft: folder name in the models dir, or a path
     # Speculate only while the batch has at most this many rows (vLLM's
-    # speculative_disable_by_batch_size). Default: 4 on the CPU device, where a verification
-    # pays for every position of its rows x width rectangle and lost at 8 and 16 rows
-    # (bench/README.md, "Speculation above 4 rows"); unbounded on a GPU.
+    # speculative_disable_by_batch_size). Default: 2 on the CPU device, where a verification
+    # pays for every position of its rows x width rectangle, gained nothing at 4 rows and lost
+    # at 8 and 16 (worker/speculative.py, CPU_MAX_ROWS); unbounded on a GPU.
     max_rows: int | None = None
 
     def draft_model_path(self, models_dir: Path) -> Path | None:

@@ -23,7 +23,7 @@ worker/spec_verify.py).
   BatchGenerator reads a prompt chunk after each decode step, and a plain step timed that
   way while a speculative one was timed around its verification alone made plain steps look
   dearer whenever prompts were being read, so speculation kept going while it lost (0.85x
-  on the agent workload at c = 8 before, 1.05x after, bench/README.md). A step that spans an
+  on the agent workload at c = 8 before, 1.05x after, bench/HISTORY.md). A step that spans an
   idle gap is not a sample. Sizes share meters by powers of two, every other step is plain
   until a size's plain cost is known, and a speculative token 1.2x dearer than a plain one
   pauses after two steps of each.
@@ -55,18 +55,19 @@ MAX_BACKOFF = 16  # steps a row waits before drafting again after repeated misse
 # VERIFY_DRAFT_POSITIONS // rows tokens (at least 1). It caps the worst verification (32 rows
 # x 9 positions was a 288-token forward); it did not make c = 16 pay (0.91x): a verification
 # is as wide as its longest draft and on a CPU costs about that many plain steps at batch 16
-# (bench/verify_width.py; bench/README.md, "Speculation at c = 16 and 32").
+# (bench/verify_width.py; bench/HISTORY.md, "Speculation at c = 16 and 32").
 VERIFY_DRAFT_POSITIONS = 64
 # On the CPU device nothing speculates in a batch of more than this many rows unless the
 # model's speculative.max_rows says otherwise (vLLM's speculative_disable_by_batch_size).
-# Through the server, paired with speculation off (bench/README.md, "Speculation above 4
-# rows"): 1.15-1.33x at c = 1, 0.91-0.94x at c = 8 on chat prompts, 0.87-0.93x at c = 16 with
-# this policy and with one that chose each verification's width by measured cost. Why, traced
-# per step through the server (MLXGW_STEP_TRACE, bench/step_trace.py): on a CPU a
-# verification costs about as much as the positions it feeds, 1.7-2.9x a plain step's price
-# per token at 8-16 rows against 0.6-0.8x at 1 row, and chat drafts gain 1.4 tokens a row.
-# A GPU has no default cap.
-CPU_MAX_ROWS = 4
+# Traced per step through the server (MLXGW_STEP_TRACE, bench/step_trace.py): on a CPU a
+# verification costs about as much as the positions it feeds. Per token against a plain step
+# of the same rows it cost 0.3-0.8x at 1 row, 0.64x at 2 (code edits, 3.3 tokens a row per
+# verification), 0.96-1.38x at 4 (chat 1.8 tokens a row, code edits 1.5: with 4 rows some row
+# has a draft almost every step, so the batch verifies while most rows gain one token) and
+# 1.7-2.9x at 8-16. On / off through the server: 1.15-2.10x at c = 1, 1.27x on code edits at
+# c = 2, and nothing gained at c = 4 in any workload (medians 0.89-1.01, code edits of 512
+# tokens 0.95x): bench/README.md, "Speculation on against off". A GPU has no default cap.
+CPU_MAX_ROWS = 2
 
 
 def default_max_rows() -> int | None:
