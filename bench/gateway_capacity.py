@@ -365,7 +365,7 @@ def main() -> None:
         "--before",
         default=None,
         help="also run an earlier mlxgw, labelled `before`: a PYTHONPATH where `mlxgw` is that version "
-        "(see bench/README.md)",
+        '(see bench/HISTORY.md, "Gateway hot path")',
     )
     ap.add_argument("--out", type=Path, default=None, help="write the rows and summary as JSON here")
     args = ap.parse_args()

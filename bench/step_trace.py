@@ -14,7 +14,7 @@ steps would have taken for the same tokens; and the attention's padding share. T
 tables over every level:
 - verifications against plain decode steps by batch size (the speculating workers' steps
   that read no prompt): the cost per generated token of each, and the tokens a row gained
-  per verification (bench/README.md, "Speculation's cost at 8-16 rows");
+  per verification (bench/HISTORY.md, "Speculation's cost at 8-16 rows");
 - the BLAS thread counts (worker/blas_threads.py) per worker: the steps run at fewer than the
   most threads, and the time they took beyond the other count's rate per position fed, for
   the same kind of step (decode rows to a power of two, reading a prompt or not)."""
