@@ -187,9 +187,8 @@ def test_samples_are_per_position_and_a_verification_is_none(monkeypatch):
 
 def run_policy(policy: BlasThreadPolicy, control, clock: list, kind: tuple[int, bool], cost: dict, steps: int):
     """Steps of one kind through the policy, each taking cost[count] per position; the counts used."""
-    used = []
+    used, (rows, prompt) = [], kind
     for _ in range(steps):
-        rows, prompt = kind
         policy.start(decode_rows=rows, reads_prompt=prompt)
         used.append(control.n)
         clock[0] += cost[control.n] * rows

@@ -100,7 +100,6 @@ class KindChoice:
     trial_left: int = 0
     since_trial: int = 0
     interval: int = FIRST_INTERVAL
-    verdict: tuple[int, float] | None = None  # the last decision: (count, the other's cost / its)
 
     def __post_init__(self) -> None:
         self.times = {n: deque(maxlen=SAMPLES) for n in self.counts}
@@ -133,37 +132,40 @@ class KindChoice:
             n != self.current and self._measured(n) and now > OUTDATED * _mean(self.times[n]) for n in self.counts
         )
 
-    def record(self, count: int, seconds: float, after_change: bool) -> None:
+    def record(self, count: int, seconds: float, after_change: bool) -> tuple[int, float] | None:
+        """A step's sample; when it ended a trial, the decision: (the count chosen, how many
+        times dearer the other count was)."""
         if after_change:
-            return
+            return None
         samples = self.times[count]
         if len(samples) >= SAMPLES:
             typical = _median(samples)
             if seconds > IDLE_GAP * typical:
-                return
+                return None
             seconds = min(seconds, CAP * typical)
         samples.append(seconds)
         if self.trial != count:
             self.since_trial += 1
-            return
+            return None
         self.trial_left -= 1
-        if self.trial_left <= 0:
-            self.trial = None
-            self._decide()
+        if self.trial_left > 0:
+            return None
+        self.trial = None
+        return self._decide()
 
-    def _decide(self) -> None:
+    def _decide(self) -> tuple[int, float]:
         best = min((n for n in self.counts if self._measured(n)), key=lambda n: _mean(self.times[n]))
         if _mean(self.times[best]) > (1 - SWITCH_MARGIN) * _mean(self.times[self.current]):
             best = self.current  # not clearly faster: keep the count in use
         others = [_mean(self.times[n]) for n in self.counts if n != best and self._measured(n)]
         ratio = max(others, default=1.0) / max(_mean(self.times[best]), 1e-9)
-        self.verdict = (best, ratio)
         if best == self.current:
             # the dearer the other count, the rarer its trials: a trial of a count 4x slower
             # costs 12 steps' worth of time
             self.interval = min(MAX_INTERVAL, int(self.interval * 2 * max(1.0, ratio)))
         else:
             self.current, self.interval = best, FIRST_INTERVAL
+        return best, ratio
 
 
 class BlasThreadPolicy:
@@ -236,11 +238,11 @@ class BlasThreadPolicy:
     def _close(self, now: float) -> None:
         if self._open is not None:
             choice, count, started, changed, positions = self._open
-            choice.record(count, (now - started) / positions, changed)
             self._open = None
-            if choice.verdict is not None:  # it just decided: is the host lopsided?
-                best, ratio = choice.verdict
-                self.host, choice.verdict = (best if ratio >= BUSY_RATIO else None), None
+            verdict = choice.record(count, (now - started) / positions, changed)
+            if verdict is not None:  # the kind just decided: is the host lopsided?
+                best, ratio = verdict
+                self.host = best if ratio >= BUSY_RATIO else None
 
     def summary(self) -> dict:
         """What /v1/status shows: the count in use per kind of step."""

@@ -6,10 +6,9 @@ step: when it started and how long `BatchGenerator.next()` took (monotonic secon
 rows it decoded and those decoding after it, the tokens it generated and the prompt tokens
 it read, whether it ran a speculative verification, the decode batch's attention width (its
 KV write index) against the tokens its rows hold (the rest is padding), and the BLAS threads
-it ran on. It reads
-only Python-side state (no MLX array is evaluated), so tracing does not change the
-pipelining it measures. Off (the default), nothing is recorded. bench/step_trace.py
-summarises a folder of traces."""
+it ran on. It reads only Python-side state (no MLX array is evaluated), so tracing does not
+change the pipelining it measures. Off (the default), nothing is recorded.
+bench/step_trace.py summarises a folder of traces."""
 
 from __future__ import annotations
 
