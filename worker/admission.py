@@ -27,6 +27,7 @@ from .fair_share import FairQueue, Row, Waiting, clean_weight
 from .interfaces import TextRunner
 from .isolation import as_service_error
 from .prefill_plan import PrefillBudget
+from .prefix_inflight import reading_same_prefix, worth_keeping
 from .sequence import Phase, Sequence
 
 log = logging.getLogger("mlxgw.worker")
@@ -45,6 +46,9 @@ class Admission:
         self.choices = choices
         self.running: dict[int, Sequence] = {}  # the runner's rows, by uid
         self.prefilled_tokens = 0  # prompt tokens computed (not served by the prefix cache)
+        # One prefill per prefix in flight (worker/prefix_inflight.py), where the runner can
+        # keep a prompt's KV at its first token.
+        self.keeps_prompts = bool(getattr(runner, "supports_choices", False))
 
     def queue(self, seq: Sequence) -> None:
         req = seq.req
@@ -79,6 +83,9 @@ class Admission:
             if leader is not None and leader.phase != Phase.DECODE:
                 deferred.append(entry)  # choice 0's prompt KV is not in the prefix cache yet
                 continue
+            if self.keeps_prompts and reading_same_prefix(seq, self.running.values()) is not None:
+                deferred.append(entry)  # another row reads its prefix now: reuse it once published
+                continue
             if self.prefill.enabled and not seq.tokens and not self.waiting.may_start_prefill(entry, rows):
                 deferred.append(entry)  # its key has its share of the prompt budget: another key's first
                 continue
@@ -102,8 +109,8 @@ class Admission:
         prompt = seq.prompt + seq.tokens if seq.tokens else seq.prompt
         # Options only runners with supports_choices take (checked at submit).
         extra: dict = {} if seq.req.logprobs is None else {"logprobs": seq.req.logprobs}
-        if self.choices.is_leader(seq.req.rid):
-            extra["keep_prompt"] = True
+        if self.choices.is_leader(seq.req.rid) or (self.keeps_prompts and worth_keeping(prompt)):
+            extra["keep_prompt"] = True  # its prompt KV goes to the prefix cache at its first token
         uid, cached = self.runner.insert(
             prompt, seq.max_tokens - seq.generated, seq.req.sampling, seq.constraint, guard=seq.guard, **extra
         )

@@ -74,6 +74,13 @@ class PrefixCache:
         self.checkpoint_hits = 0  # lookups served from a checkpoint (not a plain KV cut)
         self._hybrid = False  # some layer cannot be cut back: reuse needs a checkpoint
 
+    def describe(self, model_cache: list) -> None:
+        """The model's cache layers (empty): what blocks read back from disk are assembled
+        into before any sequence was stored in this worker."""
+        if self.tree.templates is None:
+            self.tree.templates = [kb.template_of(layer) for layer in model_cache]
+            self._hybrid = sc.needs_checkpoints(model_cache)
+
     # -- lookup --------------------------------------------------------------------------------
     def longest_match(self, prompt: list[int]) -> tuple[list | None, int]:
         """Return (a private copy of the cached KV, number of prompt tokens it covers).
@@ -163,9 +170,7 @@ class PrefixCache:
         if not tokens or not cache:
             return
         tree = self.tree
-        if tree.templates is None:
-            tree.templates = [kb.template_of(layer) for layer in cache]
-            self._hybrid = sc.needs_checkpoints(cache)
+        self.describe(cache)
         length = min(len(tokens), _offset(cache, len(tokens)))
         marks = dict(checkpoints.states) if checkpoints is not None else {}
         boundaries = checkpoints.priority if checkpoints is not None else set()

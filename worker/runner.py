@@ -103,6 +103,7 @@ class MLXRunner(ChatTextRunner):
         # it before the first request and saves it when the worker stops gracefully.
         self.prefix_store = prefix_store
         self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
+        self.prefix_cache.describe(self._fresh_cache())  # what its blocks assemble into
         if prefix_store is not None:  # what a stored entry's layers must be (quantized ones with kv_bits)
             prefix_store.layer_classes = [type(c).__name__ for c in self._fresh_cache()]
         from .capacity import activation_dtype_bytes, kv_bytes_per_token
