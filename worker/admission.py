@@ -109,7 +109,7 @@ class Admission:
         prompt = seq.prompt + seq.tokens if seq.tokens else seq.prompt
         # Options only runners with supports_choices take (checked at submit).
         extra: dict = {} if seq.req.logprobs is None else {"logprobs": seq.req.logprobs}
-        if self.choices.is_leader(seq.req.rid) or (self.keeps_prompts and worth_keeping(prompt)):
+        if self.choices.is_leader(seq.req.rid) or (self.keeps_prompts and not seq.tokens and worth_keeping(prompt)):
             extra["keep_prompt"] = True  # its prompt KV goes to the prefix cache at its first token
         uid, cached = self.runner.insert(
             prompt, seq.max_tokens - seq.generated, seq.req.sampling, seq.constraint, guard=seq.guard, **extra

@@ -202,13 +202,14 @@ class PrefixCache:
             return found
         end = start + len(segment)
         block = kb.Block(key, parent, segment, start, [kb.cut_layer(layer, start, end) for layer in cache])
-        if len(segment) == kb.BLOCK_TOKENS:  # shorter tails it extends leave; their state stays here
-            for old in [c for c in siblings.values() if len(c.tokens) < len(segment) and not c.children]:
-                if segment[: len(old.tokens)] == old.tokens and not old.pins:
-                    block.checkpoints.update(old.checkpoints)
-                    block.boundaries |= old.boundaries
-                    block.hits = max(block.hits, old.hits)
-                    self.tree.remove(old)
+        # Shorter tails it extends (a sequence's last block, before its next turn) leave;
+        # their checkpoints and hits stay with it.
+        for old in [c for c in siblings.values() if len(c.tokens) < len(segment) and not c.children]:
+            if segment[: len(old.tokens)] == old.tokens and not old.pins:
+                block.checkpoints.update(old.checkpoints)
+                block.boundaries |= old.boundaries
+                block.hits = max(block.hits, old.hits)
+                self.tree.remove(old)
         self.tree.add(block)
         fresh.append(block)
         return block

@@ -238,7 +238,7 @@ class PrefixStore:
                 continue
             else:
                 size = self._write(path, c.entry)
-                written += 1
+                c.entry, written = None, written + 1  # its assembled KV copy is freed now
             if total + size > self.max_bytes:
                 continue  # removed below with the others
             total += size
