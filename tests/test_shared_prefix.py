@@ -146,3 +146,42 @@ def test_a_hybrid_family_resumes_from_disk_with_its_checkpoints(family, tmp_path
     assert runner.prefix_cache.nbytes == 0
     again, cached = _run(runner, prompt)
     assert cached == len(prompt) - 1 and again == expected
+
+
+@pytest.fixture(scope="module")
+def tiered_gateway(home, tiny_dir):
+    from helpers import start_gateway
+
+    # 1 MB of memory holds about one 1,000-token session of the tiny model (512 bytes a token).
+    model = {"name": "tiny-tiered", "source": "tiny", "preload": True, "max_num_seqs": 4, "cache_memory_mb": 1}
+    gw = start_gateway(
+        home, {"manager": {"auto_discover": False}, "models": [{**model, "prefix_cache_disk_mb": 64}]}, "tiered"
+    )
+    yield gw
+    gw.stop()
+
+
+def test_through_the_api_a_session_evicted_by_four_others_resumes_from_disk(tiered_gateway):
+    from helpers import wait_for
+
+    client = openai_client(tiered_gateway)
+
+    def ask(salt: str):
+        system = " ".join(f"{salt}{i % 89}" for i in range(450))
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": "go on"}]
+        return client.chat.completions.create(model="tiny-tiered", messages=messages, max_tokens=2, temperature=0)
+
+    first = ask("alpha")
+    for k in range(4):
+        ask(f"beta{k}-")
+    again = ask("alpha")
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached >= 0.9 * again.usage.prompt_tokens, f"{cached} of {again.usage.prompt_tokens} cached"
+    assert again.choices[0].message.content == first.choices[0].message.content
+
+    def tier() -> dict:
+        workers = [w for w in tiered_gateway.model_status("tiny-tiered")["workers"] if w["state"] == "ready"]
+        return ((workers[0].get("stats") or {}).get("cache") or {}).get("disk_tier") or {} if workers else {}
+
+    wait_for(lambda: tier().get("read", 0) > 0, 15)
+    assert tier()["written"] > 0

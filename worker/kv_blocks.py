@@ -26,7 +26,7 @@ from mlx_lm.models.cache import CacheList
 
 from . import state_checkpoints as sc
 
-BLOCK_TOKENS = 64  # fine enough that sessions diverging mid-block duplicate little
+BLOCK_TOKENS = 32  # sessions diverging mid-block duplicate at most this many tokens each
 
 
 def chain_key(parent: bytes, tokens) -> bytes:
