@@ -164,7 +164,22 @@ def build_scheduler(
         prefill_budget=entry.prefill_step_size,
         capacity=seqs.as_dict() if seqs else None,
         pace=PrefillPace.for_hang_timeout(hang_timeout_s),
+        kv=kv_budget_for(entry, runner),
     )
+
+
+def kv_budget_for(entry: ModelEntry, runner):
+    """The KV budget rows are admitted within, measured now that the weights are loaded
+    (worker/kv_budget.py); None where rows are admitted by count (other engines, and sharded
+    models, whose ranks must keep identical prefix caches)."""
+    from .kv_budget import KVBudget, measure_budget
+
+    profile = runner.kv_profile() if entry.distributed is None else None
+    if profile is None:
+        return None
+    budget = KVBudget(profile, measure_budget(entry.kv_memory_mb, total_memory_bytes()))
+    log.info("KV budget %d MiB (%s); %s", budget.budget_bytes >> 20, budget.measured.source, profile.as_dict())
+    return budget
 
 
 def serve(

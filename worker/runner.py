@@ -240,6 +240,18 @@ class MLXRunner(ChatTextRunner):
         pool saves allocations; idle, it is memory no counter shows but RSS."""
         self._mx.clear_cache()
 
+    def kv_profile(self):
+        """Each layer's KV per row, measured on a fresh cache (worker/kv_budget.py)."""
+        from .kv_budget import probe
+
+        return probe(self.model, self._fresh_cache())
+
+    def limit_prefix_cache(self, max_bytes: int) -> None:
+        # Not remembered: a finishing row's KV enters the cache while its reservation still
+        # counts, and replaces that row's memory; the scheduler applies the new limit as soon
+        # as the row is released.
+        self._bound_cache(max_bytes)
+
     def step(self) -> StepOutput:
         gen = self.generator
         if self.blas is not None:
@@ -339,10 +351,13 @@ class MLXRunner(ChatTextRunner):
         self.prefix_cache.insert(list(tokens), cache, checkpoints=checkpoints)
         self._bound_cache()
 
-    def _bound_cache(self) -> None:
+    def _bound_cache(self, room: int | None = None) -> None:
         # Live sequences' KV (and the checkpoints they took so far) counts against the same
-        # budget as the stored prefixes.
-        self.prefix_cache.trim_to(self.cache_bytes - self.generator.prompt_cache_nbytes - self._live_checkpoint_bytes())
+        # budget as the stored prefixes; room: what the admitted rows' reservations leave of
+        # the KV budget (limit_prefix_cache).
+        checkpoints = self._live_checkpoint_bytes()
+        bound = self.cache_bytes - self.generator.prompt_cache_nbytes - checkpoints
+        self.prefix_cache.trim_to(bound if room is None else min(bound, room - checkpoints))
 
     def _live_checkpoint_bytes(self) -> int:
         return sum(c.nbytes for c in self._checkpoints.values())
