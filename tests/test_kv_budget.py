@@ -61,6 +61,27 @@ def test_a_request_that_fits_alone_only_with_fewer_tokens_is_cut_under_clamp_and
     assert too_long.value.param == "messages"
 
 
+def test_the_budget_is_the_setting_else_the_least_of_ram_and_the_process_limits_room():
+    import subprocess
+    import sys
+
+    from mlxgw.worker.kv_budget import measure_budget
+
+    assert measure_budget(300, 1 << 40).bytes == 300 << 20
+    assert measure_budget(None, 8 << 30).source in ("RAM", "cgroup")
+    code = "from mlxgw.worker.kv_budget import measure_budget as m; b = m(None, 1 << 40); print(b.source, b.bytes)"
+    limit = 3 << 30
+
+    def limited() -> None:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, preexec_fn=limited, check=True)
+    source, measured = out.stdout.split()
+    assert source == "RLIMIT_AS" and 0 < int(measured) < limit // 2, out.stdout  # half of what is left
+
+
 # -- the arithmetic against real batches, per family -------------------------------------
 FAMILY_KINDS = {
     "llama": {GROWS},

@@ -165,7 +165,8 @@ def _rlimit_headroom() -> dict[str, int]:
 
 
 def _cgroup_headroom() -> dict[str, int]:
-    """memory.max - memory.current of this process's cgroup (v2), or v1's limit - usage."""
+    """memory.max - memory.current of this process's cgroup (v2), or v1's limit - usage; in
+    a container whose cgroup path is not mounted as such, the mount's root is its own."""
     try:
         lines = Path("/proc/self/cgroup").read_text().splitlines()
     except OSError:
@@ -175,18 +176,19 @@ def _cgroup_headroom() -> dict[str, int]:
         if len(parts) != 3:
             continue
         if parts[0] == "0" and parts[1] == "":
-            base, files = Path("/sys/fs/cgroup") / parts[2].lstrip("/"), ("memory.max", "memory.current")
+            root, files = Path("/sys/fs/cgroup"), ("memory.max", "memory.current")
         elif "memory" in parts[1].split(","):
-            base = Path("/sys/fs/cgroup/memory") / parts[2].lstrip("/")
-            files = ("memory.limit_in_bytes", "memory.usage_in_bytes")
+            root, files = Path("/sys/fs/cgroup/memory"), ("memory.limit_in_bytes", "memory.usage_in_bytes")
         else:
             continue
-        try:
-            limit, used = ((base / f).read_text().strip() for f in files)
-            if limit != "max" and int(limit) < 1 << 60:
+        for base in (root / parts[2].lstrip("/"), root):
+            try:
+                limit, used = ((base / f).read_text().strip() for f in files)
+            except OSError:
+                continue
+            if limit.isdigit() and used.isdigit() and int(limit) < 1 << 60:
                 return {"cgroup": max(0, int(limit) - int(used))}
-        except (OSError, ValueError):
-            continue
+            break
     return {}
 
 

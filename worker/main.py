@@ -28,6 +28,8 @@ log = logging.getLogger("mlxgw.worker")
 
 # Default prefix-cache bound when the entry sets none: a share of RAM.
 DEFAULT_CACHE_SHARE = 0.10
+# A KV budget that holds fewer tokens for one request than this (or the context) is logged.
+SHORT_KV_BUDGET_TOKENS = 4096
 # Layer progress marks turn on once a step takes this fraction of the hang bound (5 s of 120 s).
 LONG_STEP_DIVISOR = 24
 
@@ -179,6 +181,12 @@ def kv_budget_for(entry: ModelEntry, runner):
         return None
     budget = KVBudget(profile, measure_budget(entry.kv_memory_mb, total_memory_bytes()))
     log.info("KV budget %d MiB (%s); %s", budget.budget_bytes >> 20, budget.measured.source, profile.as_dict())
+    if budget.tokens_alone() < min(runner.context_length, SHORT_KV_BUDGET_TOKENS):
+        log.warning(
+            "the KV budget holds at most %d tokens for one request (prompt + max_tokens): longer ones "
+            "are refused; give the worker more memory or set kv_memory_mb",
+            budget.tokens_alone(),
+        )
     return budget
 
 
