@@ -176,7 +176,11 @@ def kv_budget_for(entry: ModelEntry, runner):
     models, whose ranks must keep identical prefix caches)."""
     from .kv_budget import KVBudget, measure_budget
 
-    profile = runner.kv_profile() if entry.distributed is None else None
+    try:
+        profile = runner.kv_profile() if entry.distributed is None else None
+    except Exception as e:  # a family whose forward the probe cannot drive: count rows as before
+        log.warning("measuring the KV per token failed (%r): rows are admitted by count only", e, exc_info=e)
+        return None
     if profile is None:
         return None
     budget = KVBudget(profile, measure_budget(entry.kv_memory_mb, total_memory_bytes()))
