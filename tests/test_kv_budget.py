@@ -233,3 +233,22 @@ def test_the_prefix_cache_is_evicted_to_make_room_for_a_row(tiny_runner):
     assert kv["prefix_cache_bytes"] == tiny_runner.prefix_cache.nbytes
     last, _ = _run_to_end(sched)
     assert last["a"]["e"] == last["b"]["e"] == "finish"
+
+
+def test_a_cut_to_make_room_keeps_the_prefix_the_admitted_row_reuses(tiny_runner):
+    sched, budget = _scheduler(tiny_runner, rows_that_fit=1, reach=700)
+    first = _request("turn1", 500, 4)
+    sched.submit(first)
+    _run_to_end(sched)
+    assert tiny_runner.prefix_cache.nbytes > 0
+    # The next turn: the same prompt and more; alone it leaves the cache no room at all.
+    follow = GenerateRequest(
+        rid="turn2", prompt_tokens=first.prompt_tokens + list(range(700, 760)), max_tokens=100, sampling=GREEDY
+    )
+    sched.submit(follow)
+    sched.step()
+    (row,) = [r for r in sched.requests() if r["id"] == "turn2"]
+    assert row["cached_tokens"] >= 500, row  # looked up before the cut
+    kv = sched.counters()["kv"]
+    assert tiny_runner.prefix_cache.nbytes <= kv["budget_bytes"] - kv["reserved_bytes"]
+    _run_to_end(sched)

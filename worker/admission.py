@@ -76,23 +76,18 @@ class Admission:
         rows = list(self.running.values()) + ([extra] if extra is not None else [])
         return self.kv.bytes_for([reach(s) for s in rows]) if self.kv is not None else 0
 
-    def _bound_prefix_cache(self, reserved: int | None = None) -> None:
+    def _bound_prefix_cache(self) -> None:
         """The prefix cache may hold what the rows' reservations leave of the budget."""
         if self.kv is not None:
-            room = self.kv.budget_bytes - (self.reserved() if reserved is None else reserved)
-            self.runner.limit_prefix_cache(max(0, room))
+            self.runner.limit_prefix_cache(max(0, self.kv.budget_bytes - self.reserved()))
 
     def _fits(self, seq: Sequence) -> bool:
         """Whether seq's row fits the KV budget beside the running rows (the prefix cache is
-        cut to make room first); else it waits."""
+        evictable: it gives way once the row is in, _insert); else it waits."""
         if self.kv is None:
             return True
-        need = self.reserved(seq)
-        self.kv.waiting_for_memory = need > self.kv.budget_bytes
-        if self.kv.waiting_for_memory:
-            return False
-        self._bound_prefix_cache(need)
-        return True
+        self.kv.waiting_for_memory = self.reserved(seq) > self.kv.budget_bytes
+        return not self.kv.waiting_for_memory
 
     def admit(self, seqs: dict[str, Sequence]) -> list[Refused]:
         """Start waiting sequences (seqs: every live one, by request id) while there is room."""
@@ -155,6 +150,9 @@ class Admission:
         seq.to_prefill = max(0, len(prompt) - cached - 1)
         seq.phase = Phase.PREFILL if not seq.tokens else Phase.DECODE
         self.running[uid] = seq
+        # After the lookup, so that a cut to make room never evicts the prefix this row reuses
+        # (its copy is inside its own reservation).
+        self._bound_prefix_cache()
 
     def _rows(self) -> list[Row]:
         def row(s: Sequence) -> Row:
