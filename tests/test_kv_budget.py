@@ -252,3 +252,13 @@ def test_a_cut_to_make_room_keeps_the_prefix_the_admitted_row_reuses(tiny_runner
     kv = sched.counters()["kv"]
     assert tiny_runner.prefix_cache.nbytes <= kv["budget_bytes"] - kv["reserved_bytes"]
     _run_to_end(sched)
+
+
+def test_a_draft_models_kv_is_reserved_with_the_targets(tiny_dir):
+    from helpers.runner_jobs import speculative_runner
+
+    from mlxgw.shared.config import SpeculativeConfig
+
+    plain = speculative_runner(tiny_dir, SpeculativeConfig(mode="off")).kv_profile()
+    drafted = speculative_runner(tiny_dir, SpeculativeConfig(mode="draft", draft_model=str(tiny_dir))).kv_profile()
+    assert drafted.bytes_per_token() == 2 * plain.bytes_per_token()  # the model is its own draft

@@ -11,7 +11,7 @@ lays it out in a batch:
   length.
 The bytes per token of each layer are measured once, from a fresh cache after one forward
 pass of the loaded model (`probe`), so kv_bits and every family's own head shapes are what
-they really are.
+they really are; a draft model's per-row KV (speculative mode draft) is added to the target's.
 
 The budget covers the reserved rows and the prefix cache together: the cache is evicted to
 what the rows leave (it never holds a row back), a row that does not fit beside the others

@@ -241,10 +241,17 @@ class MLXRunner(ChatTextRunner):
         self._mx.clear_cache()
 
     def kv_profile(self):
-        """Each layer's KV per row, measured on a fresh cache (worker/kv_budget.py)."""
-        from .kv_budget import probe
+        """Each layer's KV per row, measured on a fresh cache (worker/kv_budget.py); with a
+        draft model, its per-row KV too."""
+        from mlx_lm.models.cache import make_prompt_cache
 
-        return probe(self.model, self._fresh_cache())
+        from .kv_budget import KVProfile, probe
+
+        profile = probe(self.model, self._fresh_cache())
+        draft = getattr(self.speculator.drafter, "model", None)  # only a DraftModelDrafter has one
+        if draft is None:
+            return profile
+        return KVProfile(profile.layers + probe(draft, make_prompt_cache(draft)).layers)
 
     def limit_prefix_cache(self, max_bytes: int) -> None:
         # Not remembered: a finishing row's KV enters the cache while its reservation still
