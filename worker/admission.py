@@ -12,9 +12,10 @@
 - a request with prompt logprobs waits until they are computed; sibling choices (n > 1) wait
   until choice 0 decodes (its prompt KV is then in the prefix cache);
 - with a KV budget (worker/kv_budget.py), a row is admitted only while the KV every admitted
-  row may grow to fits it: the prefix cache is first cut to what the rows leave, and a row
-  that still does not fit waits at the head of the queue (those behind it wait too, so a
-  long prompt is not starved by short ones) until rows end or are paused.
+  row may grow to fits it; the prefix cache gives way (cut to what the rows leave, once the
+  new row has looked up its prefix), and a row that does not fit waits at the head of the
+  queue (those behind it wait too, so a long prompt is not starved by short ones) until
+  rows end or are paused.
 Admission never ends a request itself: what the runner refuses comes back to the scheduler
 as (sequence, error event), and the other rows are unaffected."""
 
