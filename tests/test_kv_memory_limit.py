@@ -84,3 +84,13 @@ def test_long_and_concurrent_prompts_are_queued_or_refused_and_the_worker_lives(
     assert kv["source"] == "RLIMIT_AS", kv  # measured from the limit, not RAM
     assert kv["bytes_per_token"] == MIB_PER_TOKEN << 20
     assert kv["reserved_bytes"] <= kv["budget_bytes"] and kv["refused"] == 1, kv
+
+
+def test_anthropic_clients_read_a_prompt_too_long_for_memory_as_prompt_is_too_long(gateway):
+    """Claude Code compacts its conversation when it reads "prompt is too long"."""
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=gateway.url, api_key="unused", max_retries=0)
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        client.messages.create(model="kv-heavy", max_tokens=16, messages=[{"role": "user", "content": "the " * 1200}])
+    assert "prompt is too long" in str(refused.value), refused.value
