@@ -121,6 +121,8 @@ class ModelEntry:
     stream_interval: int = 1
     prefill_step_size: int = 512
     cache_memory_mb: int | None = None  # prefix cache bound; None: a share of RAM
+    # KV of admitted rows + prefix cache (worker/kv_budget.py); None: measured at load
+    kv_memory_mb: int | None = None
     prefix_cache_disk_mb: int = 1024  # hottest prefixes kept on disk across unloads; 0: off
     kv_bits: Literal[4, 8] | None = None  # quantized KV cache (worker/quantized_kv.py); None: the model's dtype
     kv_group_size: Literal[32, 64, 128] = 64  # elements per quantization scale and bias
@@ -277,7 +279,7 @@ def _check_entry(e: ModelEntry, where: str) -> None:
     except model_store.InvalidModelName as err:
         raise bad("name", str(err)) from None
     _at_least(where, e, 0, ("idle_unload_s",))
-    _at_least(where, e, 1, ("cache_memory_mb",))
+    _at_least(where, e, 1, ("cache_memory_mb", "kv_memory_mb"))
     _check_source_and_aliases(e, bad)
     _check_defaults(e.defaults, f"{where}: field 'defaults'")
     _at_least(where, e, 0, ("prefix_cache_disk_mb",))

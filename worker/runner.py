@@ -240,6 +240,25 @@ class MLXRunner(ChatTextRunner):
         pool saves allocations; idle, it is memory no counter shows but RSS."""
         self._mx.clear_cache()
 
+    def kv_profile(self):
+        """Each layer's KV per row, measured on a fresh cache (worker/kv_budget.py); with a
+        draft model, its per-row KV too."""
+        from mlx_lm.models.cache import make_prompt_cache
+
+        from .kv_budget import KVProfile, probe
+
+        profile = probe(self.model, self._fresh_cache())
+        draft = getattr(self.speculator.drafter, "model", None)  # only a DraftModelDrafter has one
+        if draft is None:
+            return profile
+        return KVProfile(profile.layers + probe(draft, make_prompt_cache(draft)).layers)
+
+    def limit_prefix_cache(self, max_bytes: int) -> None:
+        # Not remembered: a finishing row's KV enters the cache while its reservation still
+        # counts, and replaces that row's memory; the scheduler applies the new limit as soon
+        # as the row is released.
+        self._bound_cache(max_bytes)
+
     def step(self) -> StepOutput:
         gen = self.generator
         if self.blas is not None:
@@ -339,10 +358,13 @@ class MLXRunner(ChatTextRunner):
         self.prefix_cache.insert(list(tokens), cache, checkpoints=checkpoints)
         self._bound_cache()
 
-    def _bound_cache(self) -> None:
+    def _bound_cache(self, room: int | None = None) -> None:
         # Live sequences' KV (and the checkpoints they took so far) counts against the same
-        # budget as the stored prefixes.
-        self.prefix_cache.trim_to(self.cache_bytes - self.generator.prompt_cache_nbytes - self._live_checkpoint_bytes())
+        # budget as the stored prefixes; room: what the admitted rows' reservations leave of
+        # the KV budget (limit_prefix_cache).
+        checkpoints = self._live_checkpoint_bytes()
+        bound = self.cache_bytes - self.generator.prompt_cache_nbytes - checkpoints
+        self.prefix_cache.trim_to(bound if room is None else min(bound, room - checkpoints))
 
     def _live_checkpoint_bytes(self) -> int:
         return sum(c.nbytes for c in self._checkpoints.values())
