@@ -218,6 +218,16 @@ def test_infill_answers_in_llama_cpp_shape(gw, fim_prompts):
     assert warm["content"] == ""  # llama.vscode's cache warming: the prompt read, nothing returned
 
 
+def test_the_next_keystroke_reads_the_file_context_from_the_prefix_cache(gw):
+    """PSM with the other files first: a keystroke's prompt shares everything up to the
+    cursor with the last one's, which the worker kept."""
+    extra = [{"filename": "util.py", "text": "".join(f"def f{i}(x):\n    return x + {i}\n" for i in range(20))}]
+    body = {"model": "tiny-fim", "input_extra": extra, "input_suffix": "\n", "n_predict": 1}
+    http(f"{gw.url}/infill", "POST", {**body, "input_prefix": "value = f3("})
+    out = http(f"{gw.url}/infill", "POST", {**body, "input_prefix": "value = f3(4"})[2]
+    assert out["tokens_cached"] >= out["tokens_evaluated"] - 8, out
+
+
 @pytest.mark.parametrize(
     "extra,status",
     [
