@@ -163,6 +163,12 @@ def test_fim_default_max_tokens_comes_from_the_model_entry(gw, fim_prompts):
     assert out["usage"]["completion_tokens"] == 5 and out["choices"][0]["finish_reason"] == "length"
 
 
+def test_llama_cpp_completion_takes_a_plain_prompt(gw):
+    status, _, out = http(f"{gw.url}/completion", "POST", {"prompt": "x = ", "n_predict": 2, "temperature": 0})
+    assert status == 200 and out["stop"] is True and out["model"] == "tiny-fim", out
+    assert out["tokens_predicted"] <= 2 and isinstance(out["content"], str)
+
+
 @pytest.mark.parametrize(
     "path,body",
     [

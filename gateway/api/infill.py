@@ -106,17 +106,21 @@ class MiddleCut:
             self.line_start = newline + 1
 
 
-def _default_fim_model(request: web.Request) -> str:
-    """llama.cpp serves one model; here a request without `model` goes to the first FIM one."""
-    for slot in request.app[MANAGER].slots.values():
-        if slot.entry.kind in CHAT_KINDS and may_use(request, slot) and fim_format(request, slot) is not None:
+def _default_model(request: web.Request, fim: bool) -> str:
+    """llama.cpp serves one model; here a request without `model` goes to the first model
+    that can fill in the middle (for /completion, else the first chat model)."""
+    chat = [s for s in request.app[MANAGER].slots.values() if s.entry.kind in CHAT_KINDS and may_use(request, s)]
+    for slot in chat:
+        if fim_format(request, slot) is not None:
             return slot.name
+    if chat and not fim:
+        return chat[0].name
     raise invalid("no model here can fill in the middle; name one with 'model'", "model")
 
 
 async def _open(request: web.Request, fim: bool) -> tuple[LlamaCppFields, object]:
     f = decode_fields(v.require_object(await read_json(request)), LlamaCppFields)
-    return f, resolve_model(request, f.model or _default_fim_model(request), CHAT_KINDS)
+    return f, resolve_model(request, f.model or _default_model(request, fim), CHAT_KINDS)
 
 
 def _parse(f: LlamaCppFields, fim: bool) -> t.ParsedRequest:

@@ -107,6 +107,8 @@ def parse(body: dict) -> tuple[t.ParsedRequest, Options]:
     logprobs = f.logprobs
     fim = _fim(f.suffix, text, tokens)
     echo = bool(f.echo)
+    if echo and fim is not None:
+        raise invalid("echo cannot be combined with suffix (the prompt is split around the middle)", "echo")
     if echo and text is None:
         raise invalid("echo needs a text prompt", "echo")
     parsed = t.ParsedRequest(
