@@ -156,6 +156,18 @@ def test_completions_suffix_fills_the_middle_with_the_fim_prompt(gw, fim_prompts
     assert body["usage"]["prompt_tokens"] == len(expected)  # the worker saw the control-free encoding
 
 
+def test_the_openai_sdk_streams_a_middle(gw, fim_prompts):
+    from helpers import openai_client
+
+    stream = openai_client(gw).completions.create(
+        model="tiny-fim", prompt="x = ", suffix="\n", max_tokens=4, temperature=0, stream=True,
+        extra_body={"logit_bias": no_stops(fim_prompts)},
+    )  # fmt: skip
+    chunks = list(stream)
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert "".join(c.choices[0].text for c in chunks)  # some middle, streamed
+
+
 def test_fim_default_max_tokens_comes_from_the_model_entry(gw, fim_prompts):
     body = {"model": "tiny-fim-spm", "prompt": "x", "suffix": "y", "logit_bias": no_stops(fim_prompts)}
     status, _, out = http(f"{gw.url}/v1/completions", "POST", body)
@@ -184,12 +196,11 @@ def test_a_model_without_fim_tokens_refuses_with_the_reason(gw, path, body):
 
 
 def test_ollama_generate_suffix_and_show_offer_server_side_fim(gw):
-    status, _, out = http(
-        f"{gw.url}/api/generate",
-        "POST",
-        {"model": "tiny-fim", "prompt": "x = ", "suffix": "\n", "stream": False, "options": {"num_predict": 2}},
-    )
-    assert status == 200 and out["done"] is True, out
+    import ollama
+
+    client = ollama.Client(host=gw.url, timeout=120)
+    out = client.generate(model="tiny-fim", prompt="x = ", suffix="\n", options={"num_predict": 2})
+    assert out.done is True and out.prompt_eval_count > 3
     show = http(f"{gw.url}/api/show", "POST", {"name": "tiny-fim"})[2]
     assert ".Suffix" in show["template"] and "insert" in show["capabilities"]
     assert show["model_info"]["general.architecture"] == "llama"
