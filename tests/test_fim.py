@@ -11,6 +11,7 @@ import json
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 from helpers import http, start_gateway, wait_for
@@ -156,6 +157,14 @@ def test_completions_suffix_fills_the_middle_with_the_fim_prompt(gw, fim_prompts
     assert body["usage"]["prompt_tokens"] == len(expected)  # the worker saw the control-free encoding
 
 
+def test_a_file_separator_ends_the_middle(gw, fim_prompts):
+    """The model starting the next file (<|file_sep|>) ends the answer, as its EOS would."""
+    bias = {str(fim_prompts.ids.file_sep): 100}
+    body = {"model": "tiny-fim", "prompt": "x", "suffix": "y", "max_tokens": 8, "logit_bias": bias}
+    out = http(f"{gw.url}/v1/completions", "POST", body)[2]
+    assert out["choices"][0]["finish_reason"] == "stop" and out["usage"]["completion_tokens"] == 0, out
+
+
 def test_the_openai_sdk_streams_a_middle(gw, fim_prompts):
     from helpers import openai_client
 
@@ -284,7 +293,43 @@ def test_a_new_keystroke_supersedes_the_older_request_for_the_same_file(gw, fim_
     wait_for(lambda: _running(gw) == 0, timeout=30)
 
 
+CLIENT_REQUESTS = json.loads((Path(__file__).parent / "fixtures" / "fim_client_requests.json").read_text())
+
+
+@pytest.mark.parametrize("client", [k for k in CLIENT_REQUESTS if not k.startswith("_")])
+def test_editor_clients_request_shapes_are_served(gw, client, fim_prompts):
+    case = CLIENT_REQUESTS[client]
+    body = {**case["body"], "model": "tiny-fim"}
+    if case["path"] == "/infill":
+        status, _, out = http(f"{gw.url}/infill", "POST", body)
+        assert status == 200 and out["stop"] is True, out
+        if body["n_predict"] == 0:
+            assert out["content"] == ""
+        return
+    if case["path"] == "/v1/completions":
+        body["stream_options"] = {"include_usage": True}  # for the prompt count below
+    text = _raw(f"{gw.url}{case['path']}", body)
+    lines = [
+        json.loads(x[6:] if x.startswith("data: ") else x)
+        for x in text.splitlines()
+        if x.strip() and x != "data: [DONE]"
+    ]
+    assert lines and all("error" not in x for x in lines), text[:500]
+    if case["path"] == "/v1/completions":
+        # A prompt the client built with the FIM tokens: they are read as the controls they are.
+        usage = next(x["usage"] for x in reversed(lines) if x.get("usage"))
+        assert usage["prompt_tokens"] == 3 + len(fim_prompts._encode_plain("def area(width, height):\n    ")) + len(
+            fim_prompts._encode_plain("\n\nprint(area(2, 3))\n")
+        ), usage
+
+
 # -- helpers --------------------------------------------------------------------------------------
+
+
+def _raw(url: str, body: dict) -> str:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return r.read().decode()
 
 
 def _running(gw) -> int:
