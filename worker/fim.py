@@ -36,6 +36,10 @@ class FimIds:
 
 
 class FimPrompts:
+    """One model's FIM prompt builder: its format, control ids and the stops they imply."""
+
+    unavailable: str = "its tokenizer has no fill-in-the-middle tokens"  # why encode() refuses
+
     def __init__(self, tokenizer, config=None):
         """tokenizer: mlx-lm's TokenizerWrapper; config: the entry's FimConfig or None."""
         self._hf = tokenizer._tokenizer
@@ -63,8 +67,6 @@ class FimPrompts:
 
         self.ids = FimIds(vocab[fmt.prefix], vocab[fmt.suffix], get(fmt.middle), get(fmt.repo_name), get(fmt.file_sep))
         self.stop_ids = {vocab[t] for t in fmt.controls() if t in vocab}
-
-    unavailable: str = "its tokenizer has no fill-in-the-middle tokens"
 
     def _encode_plain(self, text: str) -> list[int]:
         """Token ids of client text with special-token matching off."""
