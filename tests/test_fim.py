@@ -134,6 +134,8 @@ def test_middle_cut_follows_llama_cpp_n_indent_and_time_limit():
     cut = MiddleCut(n_indent=4)
     assert cut.feed("x = 1\n    y = 2\n") == "x = 1\n    y = 2\n" and not cut.stopped
     assert cut.feed("  z") == "  " and cut.stopped  # a line indented less than 4 ends the middle
+    blank = MiddleCut(n_indent=4)
+    assert blank.feed("a\n\n") == "a\n\n" and blank.feed("b") == "" and blank.stopped  # past an empty line too
     late = MiddleCut(t_max_predict_ms=1)
     late.feed("a")
     time.sleep(0.01)

@@ -100,8 +100,8 @@ class MiddleCut:
                 if pos < len(self.text) and self.text[pos] != "\n" and pos - self.line_start < self.n_indent:
                     self.text, self.stopped = self.text[:pos], True
                     return
-            newline = self.text.find("\n", self.line_start + 1 if self.line_start >= 0 else 0)
-            if newline < 0 or newline + 1 == self.line_start:
+            newline = self.text.find("\n", max(self.line_start, 0))  # the end of the newest line
+            if newline < 0:
                 return
             self.line_start = newline + 1
 
