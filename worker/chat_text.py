@@ -7,12 +7,16 @@ kind of mlx-lm tokenizer; neither inherits the other."""
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from mlxgw.shared.chat import has_late_system_turn, merge_system_turns
 from mlxgw.shared.errors import invalid
 from mlxgw.shared.protocol import GenerateRequest
 
 from . import templates
+
+if TYPE_CHECKING:
+    from .fim import FimPrompts
 
 # apply_chat_template's own parameters: a request's template kwargs must not set them.
 RESERVED_TEMPLATE_KWARGS = frozenset(
@@ -174,7 +178,8 @@ class ChatText:
             )
         return self._constraints
 
-    def fim_prompts(self):
+    def fim_prompts(self) -> FimPrompts:
+        """The model's FIM prompt builder, made on first use where the runner gave none."""
         if self._fim is None:
             from .fim import FimPrompts
 
