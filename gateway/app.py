@@ -22,6 +22,7 @@ from .api import (
     audio,
     batches,
     files,
+    infill,
     ollama,
     ollama_models,
     openai_chat,
@@ -176,5 +177,5 @@ def unlisted_routes(app: web.Application) -> list[tuple[str, str]]:
 def route_tables() -> list:
     """Every route table the app serves (tests walk them to reach every route)."""
     modules = (openai_chat, openai_completions, openai_embeddings, rerank, audio, anthropic, responses, system)
-    modules += (observe, ollama, ollama_models, tokenize, admin, mcp_routes, files, batches)
+    modules += (observe, ollama, ollama_models, tokenize, admin, mcp_routes, files, batches, infill)
     return [m.routes for m in modules] + [console_routes]

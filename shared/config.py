@@ -102,6 +102,23 @@ class SpeculativeConfig:
 
 
 @dataclass
+class FimConfig:
+    """Fill-in-the-middle (`fim:`; shared/fim.py). Unset token fields come from the format
+    found in the model's vocabulary; naming prefix and suffix defines one for a model
+    without a known format; enabled: false refuses FIM even where tokens exist."""
+
+    enabled: bool = True
+    prefix: str | None = None  # control tokens, spelled as in the tokenizer
+    suffix: str | None = None
+    middle: str | None = None
+    order: Literal["psm", "spm"] | None = None  # prefix-suffix-middle or suffix-first
+    repo_name: str | None = None  # repository-level context (input_extra)
+    file_sep: str | None = None
+    stop: list[str] = field(default_factory=list)  # more tokens that end a middle
+    max_tokens: int = 128  # a FIM request's max_tokens when it sends none
+
+
+@dataclass
 class ModelEntry:
     name: str
     source: str | None = None  # folder name in the models dir, or a path; default: name
@@ -144,6 +161,7 @@ class ModelEntry:
     max_batch_tokens: int = 8192  # padded tokens per forward pass
     mcp_servers: list[str] = field(default_factory=list)  # MCP servers offered by default (shared/mcp_config.py)
     distributed: DistributedConfig | None = None  # shard the model over several ranks
+    fim: FimConfig | None = None  # fill-in-the-middle overrides; None: as the tokenizer says
 
     def model_path(self, models_dir: Path) -> Path:
         source = self.source or self.name
@@ -309,6 +327,8 @@ def _check_entry(e: ModelEntry, where: str) -> None:
         raise bad("context_length", f"must be at least 16, got {e.context_length}")
     if e.distributed is not None:
         _check_distributed(e, where)
+    if e.fim is not None and e.fim.max_tokens < 1:
+        raise bad("fim.max_tokens", f"must be at least 1, got {e.fim.max_tokens}")
 
 
 # The ranges the APIs accept in a request (gateway/api/fields.py): a default outside them

@@ -201,6 +201,11 @@ class GenerateRequest:
     prompt_logprobs: int | None = None
     # Choices sampled from one prompt (prefilled once); choice i samples with seed + i.
     n: int = 1
+    # Fill-in-the-middle (worker/fim.py): {"prefix", "suffix", "middle" (text after the middle
+    # token, llama.cpp's `prompt`), "extra" ([[filename, text], ...]: other files as context),
+    # "filename", "repo"}; set, the worker builds the prompt with the model's FIM tokens and
+    # `prompt` is unused.
+    fim: dict | None = None
 
     def to_wire(self) -> dict:
         return _plain(self)

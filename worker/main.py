@@ -98,6 +98,7 @@ def build_runner(entry: ModelEntry, model_path: Path):
         kv_bits=entry.kv_bits,
         kv_group_size=entry.kv_group_size,
         tool_name_guard=entry.tool_name_guard,
+        fim=entry.fim,
     )
 
 

@@ -70,6 +70,7 @@ class MLXRunner(ChatTextRunner):
         kv_bits: int | None = None,
         kv_group_size: int = 64,
         tool_name_guard: bool = False,
+        fim=None,  # the entry's FimConfig (shared/config.py), or None: as the tokenizer says
     ):
         import mlx.core as mx
         from mlx_lm import load
@@ -86,10 +87,16 @@ class MLXRunner(ChatTextRunner):
         model_info.check_servable(self.model)
         model_context = model_info.context_length(config)
         self.context_length = min(context_length or model_context, model_context)
+        from .fim import FimPrompts
+
+        # A code model's FIM controls (file separator, pad, ...) end an answer like its EOS:
+        # one of them in the output is the model starting another file or hole.
+        self.fim = FimPrompts(self.tokenizer, fim)
+        stops = sorted(set(self.tokenizer.eos_token_ids) | self.fim.stop_ids)
         # mlx-lm's BatchGenerator, sampling and penalising the whole batch in one call per step.
         self.generator = VectorBatchGenerator(
             self.model,
-            stop_tokens=[[t] for t in sorted(self.tokenizer.eos_token_ids)],
+            stop_tokens=[[t] for t in stops],
             completion_batch_size=max_num_seqs,
             prefill_batch_size=max_num_seqs,
             prefill_step_size=prefill_step_size,
@@ -158,6 +165,7 @@ class MLXRunner(ChatTextRunner):
             allow_request_chat_template=allow_request_chat_template,
             context_length=self.context_length,
             tool_name_guard=tool_name_guard,
+            fim=self.fim,
         )
 
     # -- execution ----------------------------------------------------------------------

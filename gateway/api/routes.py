@@ -74,6 +74,9 @@ ROUTES: tuple[Route, ...] = (
     Route(("POST",), "/v1/audio/speech", usage="/v1/audio/speech", serves_kinds=(ModelKind.SPEECH,)),
     Route(("POST",), "/tokenize", usage="/tokenize"),
     Route(("POST",), "/detokenize", usage="/detokenize"),
+    # llama.cpp's server API for editors (llama.vscode, llama.vim): fill in the middle, plain prompt
+    Route(("POST",), "/infill", usage="/infill"),
+    Route(("POST",), "/completion", usage="/completion"),
     # the Ollama API
     Route(("POST",), "/api/chat", _OLLAMA, usage="/api/chat"),
     Route(("POST",), "/api/generate", _OLLAMA, usage="/api/generate"),

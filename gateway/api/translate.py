@@ -28,6 +28,7 @@ from ..state import MANAGER, SETTINGS
 from . import validate as v
 from .body import read_json
 from .fields import CommonFields, ModelField, decode_fields, logit_bias
+from .fim_support import fim_max_tokens
 from .images import ImageLimits, collect_images
 from .stream import EmitterFactory, run_stream
 
@@ -70,6 +71,7 @@ class ParsedRequest:
     logprobs: int | None = None  # alternatives per token's logprob entry; None: no logprobs
     prompt_logprobs: int | None = None  # the same for the prompt's tokens (Completions' echo)
     n: int = 1  # choices from the one prompt
+    fim: dict | None = None  # fill in the middle (fim_support.fim_map); prompt is then unused
 
 
 def parse_common(body: dict, kind: type[CommonFields]) -> dict:
@@ -124,8 +126,10 @@ async def build_request(request: web.Request, slot, parsed: ParsedRequest) -> p.
     the messages, timeouts. The one place these rules live."""
     settings = request.app[SETTINGS]
     entry = slot.entry
+    # A completion at the cursor is a few lines: its own default before the model's chat one.
+    fim_default = fim_max_tokens(slot) if parsed.fim is not None else None
     max_tokens = first_set(
-        parsed.max_tokens, entry.defaults.max_tokens, settings.max_tokens_default, parsed.api_max_tokens
+        parsed.max_tokens, fim_default, entry.defaults.max_tokens, settings.max_tokens_default, parsed.api_max_tokens
     )
     models_dir = request.app[MANAGER].registry.models_dir
     max_tokens = first_set(max_tokens, model_max_new_tokens(entry, models_dir), DEFAULT_MAX_TOKENS)
@@ -162,6 +166,7 @@ async def build_request(request: web.Request, slot, parsed: ParsedRequest) -> p.
         logprobs=parsed.logprobs,
         prompt_logprobs=parsed.prompt_logprobs,
         n=parsed.n,
+        fim=parsed.fim,
     )
 
 
