@@ -107,9 +107,10 @@ class Broker(WorkerRegistry):
         self._tasks.append(asyncio.create_task(self._heartbeat_loop(), name="broker-heartbeat"))
 
     async def close(self) -> None:
-        for t in self._tasks:
+        tasks = [*self._tasks, *self._lingering]
+        for t in tasks:
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         left = sum(c.load for c in self.conns.values())
         if left:
             log.error("%d requests were still in flight at shutdown; ending them with an error", left)
@@ -300,7 +301,7 @@ class Broker(WorkerRegistry):
             self.drop(conn, "model load failed", notify=False)
         elif kind == p.BYE:
             self._depart(conn.worker_id)
-            self.drop(conn, "worker exited", planned=conn.state is ConnState.DRAINING)
+            self.drop(conn, "worker exited", planned=conn.state is ConnState.DRAINING, graceful=True)
 
     def _on_events(self, conn: WorkerConn, raw_items) -> None:
         items, bad = wc.event_items(raw_items)

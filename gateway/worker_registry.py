@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import OrderedDict
 
 from mlxgw.shared import protocol as p
@@ -21,6 +22,10 @@ from .quarantine import Quarantine
 from .worker_conn import ConnState, WorkerConn, WorkerEvent, WorkerIdle, WorkerLost
 
 log = logging.getLogger("mlxgw.broker")
+
+# How long the frames a drained worker sent before exiting are waited for (they are already
+# on this host; only a busy event loop delays reading them).
+EXITED_READ_S = 2.0
 
 
 class WorkerRegistry:
@@ -38,6 +43,10 @@ class WorkerRegistry:
         # them is a worker on its way out answering our "who are you?", not a new worker.
         self._departed: OrderedDict[str, None] = OrderedDict()
         self._stalled = False
+        self._lingering: set[asyncio.Task] = set()  # exited workers whose last frames are being read
+        # Local workers asked to stop: one that says HELLO only now (a reload came while it
+        # started) is draining from its first frame, and never routed to.
+        self._draining: set[str] = set()
 
     def _fail_calls(self, conn: WorkerConn, err: ServiceError) -> None:
         """Answer the calls waiting on a lost worker (the Broker owns them)."""
@@ -65,6 +74,7 @@ class WorkerRegistry:
 
     def drain_local(self, worker_id: str) -> None:
         """Route nothing new to the worker (it was asked to stop)."""
+        self._draining.add(worker_id)
         for conn in self.conns.values():
             if conn.worker_id == worker_id and conn.state is not ConnState.LOST:
                 conn.state = ConnState.DRAINING
@@ -73,11 +83,27 @@ class WorkerRegistry:
         """The process has exited: forget its connection. The fingerprints of the requests it
         still had in flight are returned (the manager decides whether that was a crash)."""
         self._local.pop(worker_id, None)
+        self._draining.discard(worker_id)
         self._depart(worker_id)
         fps: list[str] = self._exited_fps.pop(worker_id, [])  # seen gone by the liveness check first
         for conn in [c for c in self.conns.values() if c.worker_id == worker_id and not c.remote]:
+            if planned and conn.streams:
+                # A drained worker answered everything before it exited, but on a busy host
+                # its last frames (the finishes, then BYE) may still wait unread in the
+                # socket when its exit is seen: read them before ending what is left.
+                conn.state = ConnState.DRAINING
+                task = asyncio.get_running_loop().create_task(self._drop_once_read(conn, reason))
+                self._lingering.add(task)
+                task.add_done_callback(self._lingering.discard)
+                continue
             fps += self.drop(conn, reason, notify=False, planned=planned)
         return fps
+
+    async def _drop_once_read(self, conn: WorkerConn, reason: str) -> None:
+        deadline = time.monotonic() + EXITED_READ_S
+        while conn.streams and self.conns.get(conn.identity) is conn and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        self.drop(conn, reason, notify=False, planned=True)
 
     def _depart(self, worker_id: str) -> None:
         self._departed[worker_id] = None
@@ -105,6 +131,8 @@ class WorkerRegistry:
                 stream.conn = conn
             if old.state is ConnState.DRAINING:
                 conn.state = ConnState.DRAINING
+        if conn.worker_id in self._draining and not conn.remote:
+            conn.state = ConnState.DRAINING
         self.conns[conn.identity] = conn
         return lost
 
@@ -175,13 +203,16 @@ class WorkerRegistry:
         notify: bool = True,
         planned: bool = False,
         kind: live.LossKind = live.LossKind.OTHER,
+        graceful: bool | None = None,
     ) -> list[str]:
         """Forget a worker: every request in flight on it ends with a worker_lost error.
         Returns the fingerprints of those requests. kind: why, for the fault counters.
-        A planned departure (reload, unload) ends the requests it never took in (no event
-        came for them: the frame reached a worker that had stopped reading) with a
+        A graceful departure (planned: reload, unload; or a worker's BYE, which it sends
+        only after answering every request it read) ends the requests it never took in (no
+        event came for them: the frame reached a worker that had stopped reading) with a
         retryable model_unavailable instead: nothing ran, so the request waits for the
         model's next worker like any other (gateway/generation.py retries it)."""
+        graceful = planned if graceful is None else graceful
         if self.conns.get(conn.identity) is not conn:
             return []
         del self.conns[conn.identity]
@@ -201,7 +232,7 @@ class WorkerRegistry:
             # a crash of a local process: its exit code decides whether these were to blame
             self._exited_fps.setdefault(conn.worker_id, []).extend(fps)
         for stream in conn.streams.values():
-            stream.push(p.Error(not_taken if planned and not stream.heard else err))
+            stream.push(p.Error(not_taken if graceful and not stream.heard else err))
         conn.streams.clear()
         self._fail_calls(conn, err)
         conn.state = ConnState.LOST

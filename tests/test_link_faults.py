@@ -200,3 +200,40 @@ async def test_an_idle_worker_that_heartbeats_without_progress_is_kept(broker):
     await asyncio.sleep(2)  # past the hang bound, with nothing in flight
     assert any(c.worker_id == w.worker_id for c in broker.conns.values())
     w.close()
+
+
+async def test_a_drained_workers_last_frames_are_read_though_its_exit_is_seen_first(broker):
+    """Issue 40 finding 15, the other half: a drained worker sends its finishes and BYE, then
+    exits; on a busy host the lifecycle saw the exit while those frames still waited unread,
+    and the requests that had been answered ended as worker_lost (502)."""
+    w = await _worker(broker)
+    broker.drain_local(w.worker_id)
+    stream, rid = await _submit(broker, w)
+    # No await below yields to the broker's receive loop: the frames are sent but unread
+    # when the exit is reported, which is the race, every time.
+    await w.events(0, [rid, ACCEPTED], [rid, _finish()])
+    await w.sock.send(p.encode(p.BYE))
+    broker.release_local(w.worker_id, "process exited with code 0", planned=True)
+    assert type(await stream.next(5)) is p.Accepted
+    assert type(await stream.next(5)) is p.Finish
+    assert broker.in_flight("m") == 0
+    w.close()
+
+
+async def test_a_worker_asked_to_stop_before_its_hello_is_never_routed_to(broker):
+    """A reload that comes while a model's worker is starting drains it before it has said
+    HELLO; its READY must not make it a worker that new requests go to."""
+    worker_id = uuid.uuid4().hex
+    broker.drain_local(worker_id)
+    w = await _worker(broker, worker_id)
+    assert broker.ready_workers("m") == [] and broker.least_loaded("m") is None
+    w.close()
+
+
+async def test_a_worker_that_leaves_unasked_retries_the_requests_it_never_read(broker):
+    w = await _worker(broker)
+    stream, _ = await _submit(broker, w)
+    await w.sock.send(p.encode(p.BYE))  # a remote worker's operator stopped it: it read nothing more
+    event = await stream.next(5)
+    assert type(event) is p.Error and event.error.code is ErrorCode.MODEL_UNAVAILABLE, event
+    w.close()
