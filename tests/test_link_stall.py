@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
 import threading
 import time
 import urllib.request
 
 from helpers import start_gateway, wait_for
+
+from mlxgw.worker.link import WorkerLink
 
 STALL_S = 10.0
 STREAMS = 4
@@ -107,3 +110,22 @@ def test_a_stopped_gateway_loses_no_event_and_leaks_no_request(home):
     finally:
         gw.proc.send_signal(signal.SIGCONT)
         gw.stop()
+
+
+def test_a_worker_counts_no_silence_while_its_gateway_is_stopped():
+    """A local worker leaves after --orphan-after seconds of silence only while its gateway
+    could have answered: a gateway stopped for longer (SIGSTOP, a debugger) is waited for."""
+    stand_in = subprocess.Popen(["sleep", "60"])
+    link = WorkerLink("ipc:///nonexistent", {"worker_id": "w", "model": "m"}, orphan_after=1.0)
+    link._parent = stand_in.pid  # the process this worker takes for its gateway
+    try:
+        assert not link._gateway_stopped()
+        stand_in.send_signal(signal.SIGSTOP)
+        assert wait_for(link._gateway_stopped, timeout=5)
+        stand_in.send_signal(signal.SIGCONT)
+        assert wait_for(lambda: not link._gateway_stopped(), timeout=5)
+    finally:
+        stand_in.kill()
+        stand_in.wait()
+        link._engine_side.close(0)
+        link._io_side.close(0)

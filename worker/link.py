@@ -62,7 +62,7 @@ class WorkerLink:
         self.gateway_gone = threading.Event()
         self.stats: dict = {}
         self.state = "loading"
-        self.step_started: float | None = None  # set by the engine around each step
+        self._step_started: float | None = None  # set by the engine around each step
         self.progress_at: float = 0.0  # the last progress mark inside the current step
         # Other phases the watchdog covers (request preparation): each returns seconds busy.
         self.busy_probes: list[Callable[[], float]] = []
@@ -79,9 +79,10 @@ class WorkerLink:
         self._next_seq = 0
         self._pipe_seqs: queue.SimpleQueue[int | None] = queue.SimpleQueue()
         self._socket_seq = 0  # the sequence number the next EVENTS frame on the socket has
-        # Progress the gateway can see in heartbeats: event frames sent and progress marks
-        # inside long steps. A worker whose count stands still with requests in flight
-        # makes no progress on them (gateway/liveness.py), however often it heartbeats.
+        # Progress the gateway can see in heartbeats: engine phases finished (a step, a
+        # message handled), event frames sent and progress marks inside long steps. A worker
+        # whose count stands still with requests in flight makes no progress on them
+        # (gateway/liveness.py), however often it heartbeats.
         self.progress = 0
         self._parent = os.getppid()
         self._thread = threading.Thread(target=self._run, name="worker-link", daemon=True)
@@ -102,6 +103,17 @@ class WorkerLink:
             return
         self._pipe_seqs.put(None)
         self._engine_side.send(p.encode(msg_type, **fields))
+
+    @property
+    def step_started(self) -> float | None:
+        """When the engine's current phase began (None between phases)."""
+        return self._step_started
+
+    @step_started.setter
+    def step_started(self, value: float | None) -> None:
+        if value is None and self._step_started is not None:
+            self.progress += 1  # a phase finished: a step without events (a long audio batch) counts too
+        self._step_started = value
 
     def mark_progress(self) -> None:
         """The engine got further inside its current step (any thread may call it)."""
