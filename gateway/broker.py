@@ -3,10 +3,11 @@
 One ROUTER socket for local workers (ipc), and one for remote workers when the gateway
 listens for them (tcp, with a maximum message size so that nobody can send gigabytes
 before authenticating). Workers connect DEALERs and announce the model they serve. The
-broker keeps a connection record per worker, heartbeats every one, judges liveness
-(gateway/liveness.py), routes requests under ids it generates itself, and fans the batched
-events back out to per-request streams. A worker lost with requests in flight ends each of
-them with an explicit error event: streams end exactly once, never by hanging.
+broker heartbeats every worker, routes requests under ids it generates itself, and fans the
+batched events back out to per-request streams; its records of the workers (connections,
+local processes, liveness judgement, ending a lost worker's requests) are its base class,
+gateway/worker_registry.py. A worker lost with requests in flight ends each of them with
+an explicit error event: streams end exactly once, never by hanging and never with a hole.
 
 What the model manager needs to hear (a worker ready, failed to load, lost, idle) is put
 on `events`, a queue the manager consumes: the broker holds no reference to the manager."""
