@@ -243,7 +243,9 @@ class WorkerLink:
                 silent_for, warned = 0.0, False
                 continue
             waited = now - before
-            if silent_for + waited > self.heartbeat_s and self.orphan_after is not None and self._gateway_stopped():
+            if waited > max(2 * self.heartbeat_s, 1.0):
+                waited = 0.0  # this process did not run (a host asleep, SIGSTOP): not the gateway's silence
+            elif silent_for + waited > self.heartbeat_s and self.orphan_after is not None and self._gateway_stopped():
                 waited = 0.0  # a stopped gateway is paused, not absent: wait for it
             silent_for += waited
             if silent_for <= self.heartbeat_s * self.liveness:
