@@ -8,8 +8,10 @@ missing, or never ended, and in_flight stayed above 0 for good."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -25,9 +27,13 @@ STREAMS = 4
 # echo engine says it back byte by byte), each stream's its own.
 TEXTS = [" ".join(f"s{i}w{n:05d}" for n in range(1_600)) for i in range(STREAMS)]
 
+# The stream whose client leaves during the stall: about half a minute of echo on its own, so
+# only a delivered cancel lets in_flight return to 0 within the wait below.
+LEAVER_CHARS = 1_500_000
+
 CONFIG = {
     "manager": {"auto_discover": False},
-    "models": [{"name": "echo", "engine": "echo", "preload": True, "context_length": 1_000_000}],
+    "models": [{"name": "echo", "engine": "echo", "preload": True, "context_length": 4_000_000}],
 }
 
 
@@ -81,6 +87,19 @@ class Stream(threading.Thread):
         return "".join(self.received)
 
 
+def _open_and_leave(port: int, text: str) -> http.client.HTTPConnection:
+    """A stream of a text that would take minutes, read until its first content: the test
+    then hangs up while the gateway is stopped, and only a delivered cancel ends it soon."""
+    messages = [{"role": "user", "content": text}]
+    body = {"model": "echo", "stream": True, "max_tokens": len(text) + 8, "messages": messages}
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("POST", "/v1/chat/completions", json.dumps(body), {"content-type": "application/json"})
+    response = conn.getresponse()
+    while b'"content"' not in response.fp.readline():
+        pass
+    return conn
+
+
 def _in_flight(gw) -> int:
     return next(m for m in gw.status()["models"] if m["name"] == "echo")["in_flight"]
 
@@ -94,8 +113,11 @@ def test_a_stopped_gateway_loses_no_event_and_leaks_no_request(home):
             s.start()
         for s in streams:
             assert s.started.wait(60), "no stream started"
+        leaver = _open_and_leave(gw.port, "x" * LEAVER_CHARS)
         gw.proc.send_signal(signal.SIGSTOP)
         cut = [len(s.content) for s in streams]
+        leaver.sock.shutdown(socket.SHUT_RDWR)  # the client leaves while the gateway is stopped
+        leaver.close()
         time.sleep(STALL_S)
         gw.proc.send_signal(signal.SIGCONT)
         for s in streams:
@@ -104,7 +126,7 @@ def test_a_stopped_gateway_loses_no_event_and_leaks_no_request(home):
         for s, text in zip(streams, TEXTS):
             assert s.error is None, s.error
             assert s.done and s.content == text, (len(s.content), len(text))
-        wait_for(lambda: _in_flight(gw) == 0, timeout=10)
+        wait_for(lambda: _in_flight(gw) == 0, timeout=8)  # the leaver's cancel reached the worker
         assert gw.worker_pid("echo") == worker  # the stall blamed no worker, and none dropped its state
         assert "reconnecting" not in gw.log()
     finally:
