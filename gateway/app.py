@@ -23,6 +23,7 @@ from .api import (
     batches,
     files,
     ollama,
+    ollama_manage,
     ollama_models,
     openai_chat,
     openai_completions,
@@ -176,5 +177,5 @@ def unlisted_routes(app: web.Application) -> list[tuple[str, str]]:
 def route_tables() -> list:
     """Every route table the app serves (tests walk them to reach every route)."""
     modules = (openai_chat, openai_completions, openai_embeddings, rerank, audio, anthropic, responses, system)
-    modules += (observe, ollama, ollama_models, tokenize, admin, mcp_routes, files, batches)
+    modules += (observe, ollama, ollama_models, ollama_manage, tokenize, admin, mcp_routes, files, batches)
     return [m.routes for m in modules] + [console_routes]

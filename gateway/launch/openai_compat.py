@@ -72,10 +72,10 @@ def qwen(facts: ServerFacts, args: list[str]) -> Plan:
     edit = ConfigEdit(Path.home() / ".qwen" / "settings.json", "json", settings)
     notes = []
     if facts.context_length < 10_000:
-        notes.append(f"Qwen Code's first request is ~9,700 tokens: over this model's {facts.context_length}; try --bare")
-    return Plan(
-        "qwen", "qwen", args, env, edits=[edit], install="npm install -g @qwen-code/qwen-code", notes=notes
-    )
+        notes.append(
+            f"Qwen Code's first request is ~9,700 tokens, over this model's {facts.context_length}: try --bare"
+        )
+    return Plan("qwen", "qwen", args, env, edits=[edit], install="npm install -g @qwen-code/qwen-code", notes=notes)
 
 
 def crush(facts: ServerFacts, args: list[str]) -> Plan:
@@ -96,7 +96,12 @@ def crush(facts: ServerFacts, args: list[str]) -> Plan:
     edit = ConfigEdit(_config_home() / "crush" / "crush.json", "json", updates)
     env = {**_key_env(facts), "CRUSH_DISABLE_METRICS": "1", "DO_NOT_TRACK": "1"}
     return Plan(
-        "crush", "crush", args, env, edits=[edit], install="npm install -g @charmland/crush",
+        "crush",
+        "crush",
+        args,
+        env,
+        edits=[edit],
+        install="npm install -g @charmland/crush",
         notes=["Crush's configuration follows its documentation; not run against mlxgw here"],
     )
 
@@ -112,7 +117,10 @@ def goose(facts: ServerFacts, args: list[str]) -> Plan:
         "DO_NOT_TRACK": "1",
     }
     return Plan(
-        "goose", "goose", args, env,
+        "goose",
+        "goose",
+        args,
+        env,
         install="curl -fsSL https://github.com/block/goose/releases/latest/download/download_cli.sh | bash",
         notes=["goose's configuration follows its documentation; not run against mlxgw here"],
     )
@@ -138,8 +146,11 @@ def continue_cli(facts: ServerFacts, args: list[str]) -> Plan:
     }
     path = _own_dir() / "continue.yaml"
     return Plan(
-        "continue", "cn", ["--config", str(path), *args],
-        edits=[ConfigEdit(path, "yaml", config, replace=True)], install="npm install -g @continuedev/cli",
+        "continue",
+        "cn",
+        ["--config", str(path), *args],
+        edits=[ConfigEdit(path, "yaml", config, replace=True)],
+        install="npm install -g @continuedev/cli",
     )
 
 

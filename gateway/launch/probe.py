@@ -127,7 +127,7 @@ def _create_key(keys_file: Path, name: str, stored: Path) -> str:
 def pick_model(url: str, key: str | None, wanted: str | None, client_names: tuple[str, ...]) -> str:
     """--model (resolved through the alias table), else what the client's own default names
     reach (claude-*, gpt-* aliases), else the first chat model."""
-    for name in ([wanted] if wanted else list(client_names)):
+    for name in [wanted] if wanted else list(client_names):
         status, body = http_json(f"{url}/v1/models/{name}", key)
         if status == 200 and body.get("kind") in ("chat", "vision", None):
             return body["id"]
