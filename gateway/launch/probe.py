@@ -16,6 +16,7 @@ from mlxgw.shared import paths
 from .core import DEFAULT_CONTEXT, LaunchError, ServerFacts
 
 DEFAULT_PORT = 8000
+NEW_KEY = "<new key>"  # --print: the key a launch would create
 TIMEOUT_S = 10
 
 
@@ -101,7 +102,7 @@ def pick_key(url: str, given: str | None, *, create: bool) -> tuple[str | None, 
         )
     name = f"launch-{getpass.getuser()}"
     if not create:
-        return "<new key>", name, f"would create key {name!r} in {keys_file} and store it in {stored}"
+        return NEW_KEY, name, f"would create key {name!r} in {keys_file} and store it in {stored}"
     return _create_key(keys_file, name, stored), name, f"created key {name!r}; stored in {stored}"
 
 
@@ -171,7 +172,9 @@ def gather(
     base = (url or local_url()).rstrip("/")
     check_up(base)
     key, key_name, note = pick_key(base, key or os.environ.get("MLXGW_API_KEY") or None, create=create_key)
-    probe_key = key if key != "<new key>" else None
-    served = pick_model(base, probe_key, model, client_names)
-    context, rate = model_context(base, probe_key, served)
+    if key == NEW_KEY:  # --print before the first launch: without a key the server tells nothing
+        note += "; the model and its context are asked of the server once the key exists"
+        return ServerFacts(base, model or client_names[0], DEFAULT_CONTEXT, None, key, key_name), note
+    served = pick_model(base, key, model, client_names)
+    context, rate = model_context(base, key, served)
     return ServerFacts(base, served, context, rate, key, key_name), note
