@@ -15,6 +15,7 @@ import time
 import ollama
 import pytest
 import yaml
+from helpers.fake_hub import FakeHub, FakeRepo
 from helpers.gateway import start_gateway
 from helpers.http import http
 
@@ -27,7 +28,8 @@ LOOPING_TEMPLATE = "{% for a in range(100000) %}{% for b in range(100000) %}x{% 
 
 
 @pytest.fixture(scope="module")
-def setup(home, tiny_dir, tmp_path_factory):
+def setup(tiny_dir, tmp_path_factory):
+    # A home of its own: pulled models land in its models directory, not the session's.
     root = tmp_path_factory.mktemp("manage")
     allowed = root / "allowed"
     allowed.mkdir()
@@ -37,17 +39,23 @@ def setup(home, tiny_dir, tmp_path_factory):
     admin, _ = create_key(keys, "admin", {"admin": True})
     user, _ = create_key(keys, "user", {})
     config = {
-        "manager": {"auto_discover": False, "models_dir": str(root / "models"), "allowed_import_paths": [str(allowed)]},
+        "manager": {"auto_discover": False, "allowed_import_paths": [str(allowed)]},
         "models": [{"name": "echo-agent", "engine": "echo", "preload": True}],
     }
-    saved = os.environ.get("HF_ENDPOINT")
-    os.environ["HF_ENDPOINT"] = "http://127.0.0.1:9"  # the hub is unreachable: pulls fail offline
+    names = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+    hub = FakeHub(repos={"org/tiny-mlx": FakeRepo([("1" * 40, {n: (tiny_dir / n).read_bytes() for n in names})])})
+    hub.start()
+    hub_env = {"HF_ENDPOINT": hub.url, "HF_HOME": str(root / "hf"), "HF_HUB_DISABLE_TELEMETRY": "1", "HF_TOKEN": ""}
+    saved = {k: os.environ.get(k) for k in hub_env}
+    os.environ.update(hub_env)
     try:
-        gw = start_gateway(home, config, "manage-gateway", extra_args=("--keys", str(keys)))
+        gw = start_gateway(root, config, "manage-gateway", extra_args=("--keys", str(keys)))
     finally:
-        os.environ.pop("HF_ENDPOINT") if saved is None else os.environ.__setitem__("HF_ENDPOINT", saved)
-    yield {"gw": gw, "admin": admin, "user": user, "allowed": allowed, "outside": tiny_dir}
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    yield {"gw": gw, "admin": admin, "user": user, "allowed": allowed, "root": root, "hub": hub}
     gw.stop()
+    hub.stop()
 
 
 def client(setup, key: str = "admin") -> ollama.Client:
@@ -216,7 +224,19 @@ def test_an_ordinary_key_is_refused_in_ollamas_shape(setup, method, path, body):
     assert entry(setup, "echo-agent") is not None and entry(setup, "mine") is None
 
 
+def test_pull_streams_progress_and_serves_the_model(setup):
+    admin = client(setup)
+    statuses = [part.status for part in admin.pull("hf.co/org/tiny-mlx", stream=True)]
+    assert statuses[0] == "pulling org/tiny-mlx" and statuses[-1] == "success", statuses
+    folder = setup["root"] / "models" / "tiny-mlx"
+    assert entry(setup, "tiny-mlx") == {"name": "tiny-mlx"} and (folder / "config.json").exists()
+    assert "tiny-mlx" in [m.model for m in admin.list().models]
+    assert admin.delete("tiny-mlx").status == "success"
+    assert not folder.exists() and entry(setup, "tiny-mlx") is None  # the entry and its folder
+
+
 def test_pull_with_the_hub_unreachable_is_a_clear_error(setup):
+    setup["hub"].stop()  # nothing answers at HF_ENDPOINT any more
     admin = client(setup)
     with pytest.raises(ollama.ResponseError) as err:
         admin.pull("hf.co/some-org/some-model", stream=False)

@@ -109,10 +109,15 @@ async def _run_cli(args: list[str], on_line) -> tuple[int, str]:
             await proc.wait()
 
 
-def _ensure_listed(name: str):
+def _ensure_listed(request: web.Request, name: str):
+    """An entry for a pulled model. `mlxgw models pull` writes to $MLXGW_HOME/models; a
+    registry with another models_dir gets the folder's path as the entry's source."""
+    pulled = model_store.models_dir() / name
+    same_dir = request.app[MANAGER].registry.models_dir.resolve() == model_store.models_dir().resolve()
+
     def change(data: dict) -> None:
         if listed_entry(data, name) is None:
-            data["models"].append({"name": name})
+            data["models"].append({"name": name} if same_dir else {"name": name, "source": str(pulled)})
 
     return change
 
@@ -142,7 +147,7 @@ async def pull(request: web.Request) -> web.StreamResponse:
 
     code, message = await _run_cli(["models", "pull", repo, "--name", name], progress)
     if code == 0:
-        await edit_registry(request.app, _ensure_listed(name))
+        await edit_registry(request.app, _ensure_listed(request, name))
     if response is None:
         if code != 0:
             return web.json_response({"error": f"pull {repo}: {message}"}, status=502)
@@ -154,12 +159,13 @@ async def pull(request: web.Request) -> web.StreamResponse:
 
 # -- delete ---------------------------------------------------------------------------------------
 def _own_folder(request: web.Request, source: str) -> Path | None:
-    """A model folder in the models directory named by a models.yaml source (None: elsewhere)."""
-    models_dir = request.app[MANAGER].registry.models_dir.resolve()
-    if Path(source).is_absolute():
-        return None
-    folder = (models_dir / source).resolve()
-    return folder if folder.parent == models_dir and folder.is_dir() else None
+    """The model folder a models.yaml source names when it is one of mlxgw's own (directly in
+    the registry's models directory or the one `mlxgw models pull` writes to); None otherwise."""
+    registry_dir = request.app[MANAGER].registry.models_dir.resolve()
+    path = Path(source)
+    folder = path.resolve() if path.is_absolute() else (registry_dir / source).resolve()
+    own = folder.parent in (registry_dir, model_store.models_dir().resolve())
+    return folder if own and folder.is_dir() else None
 
 
 @routes.delete("/api/delete")
