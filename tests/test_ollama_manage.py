@@ -10,13 +10,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 import time
 
 import ollama
 import pytest
 import yaml
 from helpers.fake_hub import FakeHub, FakeRepo
-from helpers.gateway import start_gateway
+from helpers.gateway import REPO, start_gateway
 from helpers.http import http
 
 from mlxgw.gateway.api.translate import with_entry_preamble
@@ -233,6 +234,36 @@ def test_pull_streams_progress_and_serves_the_model(setup):
     assert "tiny-mlx" in [m.model for m in admin.list().models]
     assert admin.delete("tiny-mlx").status == "success"
     assert not folder.exists() and entry(setup, "tiny-mlx") is None  # the entry and its folder
+
+
+OLLAMA_JS = REPO / ".cache" / "npm-agents-launch" / "node_modules"
+JS_CALLS = """
+const { Ollama } = require('ollama');
+const o = new Ollama({ host: process.env.HOST, headers: { Authorization: 'Bearer ' + process.env.KEY } });
+const refused = (p) => p.then(() => 'accepted', (e) => ({ error: e.error, status: e.status_code }));
+(async () => {
+  const out = {};
+  out.copy = await o.copy({ source: 'echo-agent', destination: 'js-copy' });
+  out.create = await o.create({ model: 'js-made', from: 'js-copy', system: 'Be brief.', stream: false });
+  out.delete = await o.delete({ model: 'js-copy' });
+  out.name = await refused(o.create({ model: '../x', from: 'echo-agent', stream: false }));
+  out.pull = await refused(o.pull({ model: 'org/no-such-repo', stream: false }));
+  console.log(JSON.stringify(out));
+})().catch((e) => { console.error(e); process.exit(1); });
+"""
+
+
+def test_the_ollama_js_client(setup):
+    if not (OLLAMA_JS / "ollama").is_dir():
+        pytest.skip(f"ollama-js is not installed: `make agents` installs it from npm into {OLLAMA_JS.parent}")
+    env = dict(os.environ, NODE_PATH=str(OLLAMA_JS), HOST=setup["gw"].url, KEY=setup["admin"])
+    done = subprocess.run(["node", "-e", JS_CALLS], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = json.loads(done.stdout)
+    assert out["copy"] == {"status": "success"} and out["delete"] == {"status": "success"}
+    assert out["create"]["status"] == "success" and entry(setup, "js-made")["system"] == "Be brief."
+    assert out["name"]["status"] == 400 and "invalid model name" in out["name"]["error"]
+    assert out["pull"]["status"] == 502 and "org/no-such-repo" in out["pull"]["error"]
 
 
 def test_pull_with_the_hub_unreachable_is_a_clear_error(setup):
