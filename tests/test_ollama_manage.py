@@ -152,6 +152,21 @@ def test_create_from_a_folder_in_the_allowed_folders_and_a_looping_template(setu
     assert status == 200  # the other models are unaffected
 
 
+def test_a_broken_gguf_in_the_allowed_folders_is_a_clear_error(setup):
+    (setup["allowed"] / "broken.gguf").write_bytes(b"GGUF but not really")
+    body = {"model": "broken", "from": str(setup["allowed"] / "broken.gguf"), "stream": False}
+    status, out = call(setup, "POST", "/api/create", body)
+    assert status == 400 and "importing the GGUF failed" in out["error"], out
+    assert entry(setup, "broken") is None
+
+
+def test_create_replaces_its_own_entry(setup):
+    admin = client(setup)
+    admin.create(model="echo-again", from_="echo-agent", parameters={"temperature": 0.5}, stream=False)
+    admin.create(model="echo-again", from_="echo-again", parameters={"top_p": 0.9}, stream=False)
+    assert entry(setup, "echo-again")["defaults"] == {"temperature": 0.5, "top_p": 0.9}
+
+
 @pytest.mark.parametrize(
     "base",
     [
@@ -247,7 +262,7 @@ const refused = (p) => p.then(() => 'accepted', (e) => ({ error: e.error, status
   out.create = await o.create({ model: 'js-made', from: 'js-copy', system: 'Be brief.', stream: false });
   out.delete = await o.delete({ model: 'js-copy' });
   out.name = await refused(o.create({ model: '../x', from: 'echo-agent', stream: false }));
-  out.pull = await refused(o.pull({ model: 'org/no-such-repo', stream: false }));
+  out.pull = await refused(o.pull({ model: '../../etc', stream: false }));
   console.log(JSON.stringify(out));
 })().catch((e) => { console.error(e); process.exit(1); });
 """
@@ -263,7 +278,7 @@ def test_the_ollama_js_client(setup):
     assert out["copy"] == {"status": "success"} and out["delete"] == {"status": "success"}
     assert out["create"]["status"] == "success" and entry(setup, "js-made")["system"] == "Be brief."
     assert out["name"]["status"] == 400 and "invalid model name" in out["name"]["error"]
-    assert out["pull"]["status"] == 502 and "org/no-such-repo" in out["pull"]["error"]
+    assert out["pull"]["status"] == 400 and "Hugging Face repository" in out["pull"]["error"]
 
 
 def test_pull_with_the_hub_unreachable_is_a_clear_error(setup):

@@ -272,9 +272,11 @@ def _is_path(base: str) -> bool:
     return base.startswith(("/", "./", "../", "~")) or base.endswith(".gguf")
 
 
-async def _base_entry(request: web.Request, spec: CreateSpec, data_for_copy) -> dict:
+async def _path_entry(request: web.Request, spec: CreateSpec) -> dict | None:
+    """The entry for a FROM path (a GGUF file imported into the models directory first);
+    None when FROM names a served model."""
     if not _is_path(spec.base):
-        return data_for_copy(spec.base)
+        return None
     path = confined_path(request, spec.base)
     if path.is_dir() and (path / "config.json").is_file():
         return {"name": spec.name, "source": str(path)}
@@ -313,23 +315,17 @@ async def create(request: web.Request) -> web.StreamResponse:
     request["model"] = name
     spec = parse_create(body, name)
     registry_file(request.app)
-    snapshot: dict = {}
-
-    def copy_of(base: str) -> dict:
-        return _entry_like(request, snapshot, base, name)
+    from_path = await _path_entry(request, spec)
 
     def change(data: dict) -> None:
         existing = listed_entry(data, name)
         if existing is None and request.app[MANAGER].registry.entry(name) is not None:
             raise invalid(f"a model or alias named '{name}' exists outside models.yaml; pick another name", "model")
+        base = from_path if from_path is not None else _entry_like(request, data, spec.base, name)
         if existing is not None:
             data["models"].remove(existing)
-        data["models"].append(_apply_spec(planned, spec))
+        data["models"].append(_apply_spec(copy.deepcopy(base), spec))
 
-    import yaml
-
-    snapshot.update(yaml.safe_load(registry_file(request.app).read_text()) or {})
-    planned = await _base_entry(request, spec, copy_of)
     await edit_registry(request.app, change)
     lines = [{"status": "reading model metadata"}, {"status": "writing manifest"}, {"status": "success"}]
     if body.get("stream") is False:
