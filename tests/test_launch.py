@@ -22,6 +22,7 @@ import yaml
 from helpers.gateway import REPO, start_gateway
 
 from mlxgw.gateway.key_admin import create_key
+from mlxgw.gateway.launch.core import DELETE, ConfigEdit, planned_text
 
 BINS = [
     REPO / ".cache" / name / "node_modules" / ".bin" for name in ("npm-agents", "npm-agents-extra", "npm-agents-launch")
@@ -199,6 +200,13 @@ def test_codex_profile_leaves_the_users_config_alone(echo_gateway, user_home, tm
     assert layer["model_provider"] == "mlxgw" and layer["model_providers"]["mlxgw"]["wire_api"] == "responses"
     assert list(codex_home.glob("mlxgw.config.toml.bak-*"))
     assert json.loads(done.stdout.strip().splitlines()[-1])["argv"] == ["--profile", "mlxgw", "exec", "hi"]
+
+
+def test_codex_env_key_leaves_the_layer_when_keys_go_off(tmp_path):
+    layer = tmp_path / "mlxgw.config.toml"
+    layer.write_text('# mine\n[model_providers.mlxgw]\nenv_key = "MLXGW_API_KEY"\nname = "mlxgw"\n')
+    _, new = planned_text(ConfigEdit(layer, "toml", {"model_providers": {"mlxgw": {"env_key": DELETE}}}))
+    assert "env_key" not in new and "# mine" in new and 'name = "mlxgw"' in new
 
 
 def test_a_broken_config_file_is_never_overwritten(echo_gateway, user_home, tmp_path):
