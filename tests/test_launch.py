@@ -25,7 +25,11 @@ from mlxgw.gateway.key_admin import create_key
 from mlxgw.gateway.launch.core import DELETE, ConfigEdit, planned_text
 
 BINS = [
-    REPO / ".cache" / name / "node_modules" / ".bin" for name in ("npm-agents", "npm-agents-extra", "npm-agents-launch")
+    *(
+        REPO / ".cache" / name / "node_modules" / ".bin"
+        for name in ("npm-agents", "npm-agents-extra", "npm-agents-launch")
+    ),
+    REPO / ".cache" / "aider-venv" / "bin",
 ]
 CLI_TIMEOUT = 120
 CLIENTS = ["claude", "codex", "opencode", "qwen", "aider", "continue", "crush", "goose"]
@@ -104,7 +108,7 @@ def installed(name: str) -> Path:
     for folder in BINS:
         if (folder / name).exists():
             return folder / name
-    pytest.skip(f"{name} is not installed: `make agents` installs it from npm under {REPO / '.cache'}")
+    pytest.skip(f"{name} is not installed: `make agents` installs it (npm, or pip for aider) under {REPO / '.cache'}")
 
 
 # -- --print for every client --------------------------------------------------------------------
@@ -328,3 +332,12 @@ def test_continue_cli_launched_writes_a_file(echo_gateway, user_home):
     done = launch(user_home, echo_gateway.url, "continue", "--", "--auto", "-p", prompt)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert target.read_text() == 'print("hi")\n'
+
+
+def test_aider_launched_writes_a_file(echo_gateway, user_home):
+    installed("aider")
+    # the echo model repeats the request: a whole-file edit in aider's format
+    listing = 'hello.py\n```python\nprint("hi")\n```'
+    done = launch(user_home, echo_gateway.url, "aider", "--", "--no-git", "--yes-always", "--message", listing)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert (user_home / "project" / "hello.py").read_text() == 'print("hi")\n'
