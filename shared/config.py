@@ -119,6 +119,14 @@ class FimConfig:
 
 
 @dataclass
+class PresetMessage:
+    """A turn put before every conversation with the model (Ollama's Modelfile MESSAGE)."""
+
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+@dataclass
 class ModelEntry:
     name: str
     source: str | None = None  # folder name in the models dir, or a path; default: name
@@ -162,6 +170,13 @@ class ModelEntry:
     mcp_servers: list[str] = field(default_factory=list)  # MCP servers offered by default (shared/mcp_config.py)
     distributed: DistributedConfig | None = None  # shard the model over several ranks
     fim: FimConfig | None = None  # fill-in-the-middle overrides; None: as the tokenizer says
+    # Set by Ollama's /api/create from a Modelfile: a system prompt for requests that bring
+    # none (SYSTEM), turns put before every conversation (MESSAGE), and a Jinja chat template
+    # (TEMPLATE, sent as the request's template: it needs allow_request_chat_template and
+    # renders in the worker's budgeted sandbox like any template).
+    system: str | None = None
+    messages: list[PresetMessage] = field(default_factory=list)
+    chat_template: str | None = None
 
     def model_path(self, models_dir: Path) -> Path:
         source = self.source or self.name
@@ -195,6 +210,9 @@ class ManagerConfig:
     failed_retry_s: float = 300  # a crash-looping model is tried again after this (doubling)
     usage_ledger: bool = True  # record every API request in $MLXGW_HOME/usage.db (gateway/ledger.py)
     usage_retention_days: float = 90  # ledger rows older than this are deleted; 0: keep forever
+    # Folders Ollama's /api/create may take a `FROM` path from (the models directory always);
+    # a request can name nothing outside them.
+    allowed_import_paths: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -142,14 +142,18 @@ async def build_request(request: web.Request, slot, parsed: ParsedRequest) -> p.
     key = request.get("key")
     messages, images = parsed.messages, None
     if messages is not None:
+        messages = with_entry_preamble(entry, messages)
         messages, images = await collect_images(messages, image_limits(request, slot))
+    template_kwargs = parsed.chat_template_kwargs
+    if entry.chat_template and not (template_kwargs or {}).get("chat_template"):
+        template_kwargs = {**(template_kwargs or {}), "chat_template": entry.chat_template}
     return p.GenerateRequest(
         rid=request["rid"],
         messages=messages,
         prompt=parsed.prompt,
         prompt_tokens=parsed.prompt_tokens,
         tools=parsed.tools or None,
-        chat_template_kwargs=parsed.chat_template_kwargs,
+        chat_template_kwargs=template_kwargs,
         sampling=_sampling_params(parsed.sampling, slot),
         max_tokens=max_tokens,
         max_tokens_policy=policy,
@@ -168,6 +172,19 @@ async def build_request(request: web.Request, slot, parsed: ParsedRequest) -> p.
         n=parsed.n,
         fim=parsed.fim,
     )
+
+
+def with_entry_preamble(entry, messages: list[dict]) -> list[dict]:
+    """The entry's Modelfile turns (MESSAGE) after the request's leading system turns, and its
+    SYSTEM first when the request brings no system turn of its own."""
+    if not entry.system and not entry.messages:
+        return messages
+    lead = 0
+    while lead < len(messages) and messages[lead].get("role") in ("system", "developer"):
+        lead += 1
+    head = [{"role": "system", "content": entry.system}] if entry.system and lead == 0 else []
+    preset = [{"role": m.role, "content": m.content} for m in entry.messages]
+    return head + messages[:lead] + preset + messages[lead:]
 
 
 def granted_priority(request: web.Request, requested: int, service_tier: str | None = None) -> int:
