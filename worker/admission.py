@@ -33,7 +33,7 @@ from .interfaces import TextRunner
 from .isolation import as_service_error
 from .kv_budget import KVBudget
 from .prefill_plan import PrefillBudget
-from .prefix_inflight import reading_same_prefix, worth_keeping
+from .prefix_inflight import SharedPrefill
 from .sequence import Phase, Sequence
 
 log = logging.getLogger("mlxgw.worker")
@@ -61,8 +61,8 @@ class Admission:
         self.running: dict[int, Sequence] = {}  # the runner's rows, by uid
         self.prefilled_tokens = 0  # prompt tokens computed (not served by the prefix cache)
         # One prefill per prefix in flight (worker/prefix_inflight.py), where the runner can
-        # keep a prompt's KV at its first token.
-        self.keeps_prompts = bool(getattr(runner, "supports_choices", False))
+        # publish a running row's prompt KV at its first token (not a lockstep group's).
+        self.shared_prefill = SharedPrefill(runner) if hasattr(type(runner), "publish_prompt") else None
 
     def queue(self, seq: Sequence) -> None:
         req = seq.req
@@ -75,6 +75,8 @@ class Admission:
         """seq no longer runs (ended, or its row was taken from the runner)."""
         if seq.uid is not None and self.running.pop(seq.uid, None) is not None:
             self._bound_prefix_cache()
+        if self.shared_prefill is not None:
+            self.shared_prefill.release(seq)
 
     def reserved(self, extra: Sequence | None = None) -> int:
         """KV bytes the running rows (and extra) may grow to."""
@@ -115,7 +117,7 @@ class Admission:
             if leader is not None and leader.phase != Phase.DECODE:
                 deferred.append(entry)  # choice 0's prompt KV is not in the prefix cache yet
                 continue
-            if self.keeps_prompts and reading_same_prefix(seq, self.running.values()) is not None:
+            if self.shared_prefill is not None and self.shared_prefill.waits(seq, self.running.values()):
                 deferred.append(entry)  # another row reads its prefix now: reuse it once published
                 continue
             if self.prefill.enabled and not seq.tokens and not self.waiting.may_start_prefill(entry, rows):
@@ -146,8 +148,8 @@ class Admission:
         prompt = seq.prompt + seq.tokens if seq.tokens else seq.prompt
         # Options only runners with supports_choices take (checked at submit).
         extra: dict = {} if seq.req.logprobs is None else {"logprobs": seq.req.logprobs}
-        if self.choices.is_leader(seq.req.rid) or (self.keeps_prompts and not seq.tokens and worth_keeping(prompt)):
-            extra["keep_prompt"] = True  # its prompt KV goes to the prefix cache at its first token
+        if self.choices.is_leader(seq.req.rid):
+            extra["keep_prompt"] = True
         uid, cached = self.runner.insert(
             prompt, seq.max_tokens - seq.generated, seq.req.sampling, seq.constraint, guard=seq.guard, **extra
         )

@@ -2,11 +2,11 @@
 
 Agents of one team start together with the same system prompt and tools: admitted at once,
 each row would read that prefix itself, and the prefix cache would only help the next
-wave. Instead a waiting prompt that shares a long prefix with a row still reading it (past
-what that row took from the cache) waits for that row's first token: by then its prompt's
-KV is published to the block store (runners that support it keep a long prompt's KV at its
-first token, as for sibling choices), and the waiting prompt reads only what it adds. A resend
-of the same prompt while the first copy is prefilling waits the same way."""
+wave. Instead, a waiting prompt that shares a long prefix with a row still reading it (past
+what that row took from the cache) asks that row to publish its prompt's KV to the block
+store at its first token (as choice 0 does for its sibling choices) and waits for it; then it
+reads only what it adds. A resend of a prompt whose first copy is still prefilling waits the
+same way. Rows nobody waits on publish nothing early: no memory beyond the KV budget's."""
 
 from __future__ import annotations
 
@@ -45,3 +45,24 @@ def reading_same_prefix(seq: Sequence, running: Iterable[Sequence]) -> Sequence 
         if shared_prefix(seq.prompt, other.prompt) - other.cached_tokens >= MIN_SHARED_TOKENS:
             return other
     return None
+
+
+class SharedPrefill:
+    """Admission's side: which rows were asked to publish their prompt, by request id."""
+
+    def __init__(self, runner) -> None:
+        self.runner = runner  # with publish_prompt(uid): keep that row's prompt KV at its first token
+        self.publishing: set[str] = set()
+
+    def waits(self, seq: Sequence, running: Iterable[Sequence]) -> bool:
+        """Whether seq should wait for a row reading its prefix now (asked to publish it)."""
+        leader = reading_same_prefix(seq, running)
+        if leader is None or leader.uid is None:
+            return False
+        if leader.req.rid not in self.publishing:
+            self.runner.publish_prompt(leader.uid)
+            self.publishing.add(leader.req.rid)
+        return True
+
+    def release(self, seq: Sequence) -> None:
+        self.publishing.discard(seq.req.rid)

@@ -89,8 +89,8 @@ class PrefixStore:
         self.dir = directory
         self.fingerprint = fingerprint
         self.max_bytes = max_bytes
-        # The model's cache classes, one per layer (set by the runner): a file that disagrees
-        # is corrupt, and must be refused here rather than fail a batch step later.
+        # The model's cache classes, one per layer (from the cache, at restore): a file that
+        # disagrees is corrupt, and must be refused here rather than fail a batch step later.
         self.layer_classes: list[str] | None = None
         self._restored: set[str] = set()  # entry files loaded by this worker
 
@@ -100,6 +100,8 @@ class PrefixStore:
         started = time.monotonic()
         if cache.disk_tier is None:  # the live tier: blocks evicted from memory (worker/block_disk.py)
             cache.disk_tier = BlockDisk(self.dir / "blocks", self.fingerprint, self.max_bytes)
+        if self.layer_classes is None and cache.tree.templates is not None:
+            self.layer_classes = [type(layer).__name__ for layer in cache.tree.templates]
         report = {"restored_entries": 0, "restored_tokens": 0, "restored_bytes": 0, "refused": 0, "skipped": 0}
         if not self.dir.is_dir():
             return self._report(cache, report, started)
@@ -190,8 +192,7 @@ class PrefixStore:
         return meta, sum(a.nbytes for a in arrays.values())
 
     def _read(self, s: OnDisk) -> tuple[list, sc.Checkpoints | None] | None:
-        """The entry's KV and checkpoints, read into memory now (a bad read fails here, not
-        in a batch step)."""
+        """The entry's KV and checkpoints, read now (a bad read fails here, not in a step)."""
         import mlx.core as mx
         from mlx_lm.models.cache import load_prompt_cache
 
@@ -367,8 +368,7 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def store_for(model_name: str, model_path: Path, max_mb: int) -> PrefixStore | None:
-    """The model's store under $MLXGW_HOME, or None when off (0 MB) or the model unreadable."""
+def store_for(model_name: str, model_path: Path, max_mb: int) -> PrefixStore | None:  # None: off, or unreadable
     if max_mb <= 0:
         return None
     from mlxgw.shared.paths import home
