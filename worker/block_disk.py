@@ -33,7 +33,7 @@ from . import state_checkpoints as sc
 log = logging.getLogger("mlxgw.worker.block_disk")
 
 FORMAT = "mlxgw-prefix-block/1"
-SCAN_BUDGET_S = 5.0  # headers read at start at most this long; the rest are left alone
+SCAN_BUDGET_S = 5.0  # headers read at start at most this long; the files left are deleted
 TEMP_PREFIX = "tmp-"
 SUFFIX = ".safetensors"
 
@@ -198,7 +198,11 @@ class BlockDisk:
             if path.name.startswith(TEMP_PREFIX):  # left by a killed write
                 path.unlink(missing_ok=True)
                 continue
-            if not path.name.endswith(SUFFIX) or time.monotonic() - started > SCAN_BUDGET_S:
+            if not path.name.endswith(SUFFIX):
+                continue
+            if time.monotonic() - started > SCAN_BUDGET_S:  # unindexed, it would escape the bound
+                path.unlink(missing_ok=True)
+                self.counts["deleted"] += 1
                 continue
             try:
                 _, meta = mx.load(str(path), return_metadata=True)
