@@ -1,0 +1,82 @@
+"""The files behind the Files and Batch APIs on disk: private (0600 files in a 0700 folder,
+since they hold prompts and answers), written without a whole file in memory, and a line read
+back by its offset when its request is sent."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Iterable
+from pathlib import Path
+
+FILE_RETENTION_S = float(os.environ.get("MLXGW_FILES_RETENTION_DAYS") or 30) * 86400
+# Per key: what its files and its batches' results may hold on disk together, and how many files.
+MAX_STORED_BYTES = int(os.environ.get("MLXGW_FILES_MAX_MB_PER_KEY") or 2048) * 1024 * 1024
+MAX_FILES = int(os.environ.get("MLXGW_FILES_MAX_PER_KEY") or 100)
+_WRITE_CHUNK = 1 << 20
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}{secrets.token_hex(12)}"
+
+
+def private_dir(path: Path) -> None:
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(path, 0o700)
+
+
+def private_file(path: Path, create: bool) -> None:
+    """0600 for a file that exists (one made before this release was 0644), created empty
+    with that mode when `create`."""
+    if create and not path.exists():
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))
+    if path.exists():
+        os.chmod(path, 0o600)
+
+
+def open_private(path: Path):
+    """A new file opened for writing, 0600 from its first byte."""
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb")
+
+
+def write_results(path: Path, lines: Iterable[str]) -> int:
+    """The result lines, one JSON object a line, written through a temporary file (a reader
+    sees no half file), buffered a megabyte at a time; the bytes written."""
+    tmp = path.with_suffix(".tmp")
+    size = 0
+    try:
+        with open_private(tmp) as f:
+            buffered: list[bytes] = []
+            pending = 0
+            for line in lines:
+                data = line.encode() + b"\n"
+                buffered.append(data)
+                pending += len(data)
+                if pending >= _WRITE_CHUNK:
+                    f.write(b"".join(buffered))
+                    size, buffered, pending = size + pending, [], 0
+            f.write(b"".join(buffered))
+            size += pending
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return size
+
+
+def read_line(path: Path, offset: int, length: int) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return f.read(length)
+
+
+def sweep_partial(files_dir: Path) -> int:
+    """Uploads and outputs a killed gateway left half written (*.part, *.tmp)."""
+    swept = 0
+    for pattern in ("*.part", "*.tmp"):
+        for path in files_dir.glob(pattern):
+            path.unlink(missing_ok=True)
+            swept += 1
+    return swept
