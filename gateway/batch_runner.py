@@ -51,7 +51,7 @@ PAGE = 64  # requests read from the store at a time
 TICK_S = 0.5
 PURGE_S = 600.0  # how often files past their retention are deleted
 RETRY_S = (0.5, 30.0)  # the wait after a load refusal: Retry-After, within these bounds
-DISK_RETRY_S = 5.0  # a full disk: how often a paused batch tries to record again
+DISK_RETRY_S = 2.0  # a full disk: how often a paused batch tries to record again
 REQUEST_TIMEOUT_S = 3600.0
 LEASE_STALE_S = 30.0  # another live gateway on this home that renewed its claim since holds it
 LEASE_S = 5.0  # how often a running batch's claim is renewed
@@ -177,10 +177,10 @@ class BatchRunner:
             line = await run.next_line(self.store)
             if line is None:
                 return
-            async with self._slots:
-                if await self._stopping(run):
-                    return
-                ok, result = await self._call(run, line)
+            answer = await self._call(run, line)
+            if answer is None:
+                return
+            ok, result = answer
             size = await self._record(run, line["idx"], ok, result)
             if size is None:
                 return  # the gateway stops while the disk is full: sent again next start
@@ -227,34 +227,54 @@ class BatchRunner:
             await _store_call(self.store.set_status, batch_id, "expiring")
         return rows[0]["status"] != "in_progress"
 
-    async def _call(self, run: _Run, line: dict) -> tuple[bool, dict]:
-        """One request, retried while it is refused for load; the output or error line."""
-        assert self._session is not None
+    async def _call(self, run: _Run, line: dict) -> tuple[bool, dict] | None:
+        """One request, retried while it is refused for load; the output or error line (None:
+        the batch stopped before it was answered, so it stays to send)."""
         idx, custom_id = line["idx"], line["custom_id"]
         rid = f"{run.batch_id}-{idx}-{secrets.token_hex(3)}"  # per try: a worker may still hold an older one
         headers = {TOKEN_HEADER: self.app[BATCH_TOKEN], "x-request-id": rid, "content-type": "application/json"}
         if run.owner:
             headers[OWNER_HEADER] = run.owner
-        try:
-            raw = await THREAD_POOLS["batch_io"].run(read_line, run.input_path, line["offset"], line["length"])
-            body = {**await THREAD_POOLS["batch"].run(request_body, raw), "stream": False}
-        except Exception as e:  # the input file was damaged on disk since it was checked
-            return False, _line(custom_id, 400, rid, {"error": {"message": f"line {line['line']}: {e}"}})
         wait = RETRY_S[0]
         while True:
-            try:
-                async with self._session.post(
-                    self.app[SELF_URL]["url"] + run.endpoint, json=body, headers=headers
-                ) as r:
-                    status, payload = r.status, await _json_or_text(r)
-                    retry_after = r.headers.get("retry-after")
-            except aiohttp.ClientError as e:
-                status, payload, retry_after = 503, {"error": {"message": str(e)}}, None
-            if status not in (429, 503) or _never_admitted(payload) or await self._stopping(run):
+            # A slot per try, and the body read from the input file inside it: a request waiting
+            # out a refusal holds neither, so at most BACKGROUND_IN_FLIGHT bodies are in memory.
+            async with self._slots:
+                try:
+                    raw = await THREAD_POOLS["batch_io"].run(read_line, run.input_path, line["offset"], line["length"])
+                    # Parsed on the I/O pool, not the creation pool: a burst of creations
+                    # refused there (429) must not fail a running batch's line.
+                    body = {**await THREAD_POOLS["batch_io"].run(request_body, raw), "stream": False}
+                except (OSError, ValueError, KeyError, TypeError) as e:  # the input changed on disk
+                    return False, _line(custom_id, 400, rid, {"error": {"message": f"line {line['line']}: {e}"}})
+                status, payload, retry_after = await self._post(run, body, headers)
+                del body, raw
+            if status == 401 and not self.owner_exists(run.owner):  # revoked while it ran: stop now
+                self._stopped.setdefault(run.batch_id, _Stop("key_revoked", "the batch's API key was revoked"))
+            if status not in (429, 503) or _never_admitted(payload):
                 break
-            await asyncio.sleep(_retry_wait(retry_after, wait))
+            if await self._stopping(run) or not await self._wait_unless_stopped(run, _retry_wait(retry_after, wait)):
+                return None  # refused for load and then stopped: never answered, so not recorded
             wait = min(RETRY_S[1], wait * 2)
         return status < 400, _line(custom_id, status, rid, payload)
+
+    async def _post(self, run: _Run, body: dict, headers: dict) -> tuple[int, object, str | None]:
+        assert self._session is not None
+        try:
+            async with self._session.post(self.app[SELF_URL]["url"] + run.endpoint, json=body, headers=headers) as r:
+                return r.status, await _json_or_text(r), r.headers.get("retry-after")
+        except aiohttp.ClientError as e:
+            return 503, {"error": {"message": str(e)}}, None
+
+    async def _wait_unless_stopped(self, run: _Run, seconds: float) -> bool:
+        """Wait before a retry, a second at a time, so a cancel is not kept waiting behind a
+        long Retry-After (a spent daily budget says midnight); False when the batch stops."""
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            await asyncio.sleep(min(1.0, left))
+            if await self._stopping(run):
+                return False
+        return True
 
 
 class _Run:

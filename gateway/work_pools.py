@@ -99,11 +99,12 @@ THREAD_POOLS: dict[str, BoundedPool] = {
     "json": BoundedPool("json", threads=max(1, _CORES // 2), max_waiting=64),
     "audio": BoundedPool("audio", threads=max(1, _CORES // 2), max_waiting=32),
     "speech": BoundedPool("speech", threads=max(1, _CORES // 2), max_waiting=32),
-    # Batch input files, checked line by line as a batch is created, and each request's line
-    # parsed again as it is sent: one thread, so batch work never holds more than one core.
+    # Batch input files, checked line by line as a batch is created: one thread, so creations
+    # never hold more than one core, and a burst of them waits here or gets a 429.
     "batch": BoundedPool("batch", threads=1, max_waiting=16),
-    # The Files and Batch APIs' SQLite and file reads and writes: off the default executor,
-    # which the admin routes and the usage ledger keep.
+    # The Files and Batch APIs' SQLite and file reads and writes, and each batch request's
+    # line parsed as it is sent (at most BACKGROUND_IN_FLIGHT at once): off the default
+    # executor, which the admin routes and the usage ledger keep.
     "batch_io": BoundedPool("batch_io", threads=2, max_waiting=256),
 }
 
