@@ -4,8 +4,11 @@ back by its offset when its request is sent."""
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
+import sqlite3
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -72,11 +75,51 @@ def read_line(path: Path, offset: int, length: int) -> bytes:
         return f.read(length)
 
 
-def sweep_partial(files_dir: Path) -> int:
-    """Uploads and outputs a killed gateway left half written (*.part, *.tmp)."""
-    swept = 0
+def sweep_partial(files_dir: Path, older_than_s: float = 3600.0) -> int:
+    """Uploads and outputs a killed gateway left half written (*.part, *.tmp); only old ones,
+    since another gateway on this home may be writing one now."""
+    swept, cutoff = 0, time.time() - older_than_s
     for pattern in ("*.part", "*.tmp"):
         for path in files_dir.glob(pattern):
-            path.unlink(missing_ok=True)
-            swept += 1
+            try:
+                if path.stat().st_mtime < cutoff:
+                    path.unlink()
+                    swept += 1
+            except OSError:
+                continue
     return swept
+
+
+def is_storage_error(e: BaseException) -> bool:
+    """A full disk, a quota or a file-size limit, from a file write or from SQLite."""
+    if isinstance(e, OSError):
+        return e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # EFBIG: RLIMIT_FSIZE
+    if isinstance(e, sqlite3.DatabaseError):
+        text = str(e).lower()
+        return "full" in text or "disk i/o" in text
+    return False
+
+
+def file_object(row) -> dict:
+    """A files row in the API's shape."""
+    return {
+        "id": row["id"],
+        "object": "file",
+        "bytes": row["bytes"],
+        "created_at": row["created_at"],
+        "expires_at": row["expires_at"],
+        "filename": row["filename"],
+        "purpose": row["purpose"],
+        "status": "processed",
+        "status_details": None,
+    }
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

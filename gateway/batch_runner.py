@@ -27,10 +27,10 @@ import time
 import aiohttp
 from aiohttp import web
 
-from .batch_files import MAX_STORED_BYTES, new_id, read_line, sweep_partial
+from .batch_files import MAX_STORED_BYTES, is_storage_error, new_id, read_line, sweep_partial
 from .batch_input import request_body
 from .batch_output import finalize
-from .batch_store import BatchStore, is_storage_error
+from .batch_store import BatchStore
 from .state import KEYS
 from .work_pools import THREAD_POOLS
 
@@ -333,6 +333,8 @@ def _retry_wait(retry_after: str | None, fallback: float) -> float:
 def install(app: web.Application) -> None:
     """In make_app: the store, the secret the runner's requests carry, the runner's task."""
     app[BATCH_STORE] = store = BatchStore()
+    keys = app.get(KEYS)
+    store.adopt_names({k.name: k.tenant for k in keys.keys} if keys is not None else {})
     swept = sweep_partial(store.files_dir)
     if swept:
         log.info("removed %d partial files a stopped gateway left in %s", swept, store.files_dir)

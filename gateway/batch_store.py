@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import sqlite3
 import threading
 import time
@@ -28,7 +27,7 @@ from pathlib import Path
 
 from mlxgw.shared import paths
 
-from .batch_files import FILE_RETENTION_S, private_dir, private_file
+from .batch_files import FILE_RETENTION_S, file_object, pid_alive, private_dir, private_file
 
 TERMINAL = ("completed", "failed", "cancelled", "expired")
 ACTIVE = ("validating", "in_progress", "cancelling", "expiring")
@@ -82,16 +81,6 @@ CREATE TABLE IF NOT EXISTS batch_requests (
 ADDED_COLUMNS = ("owner_name TEXT", "total_n INTEGER", "completed_n INTEGER", "failed_n INTEGER")
 
 
-def is_storage_error(e: BaseException) -> bool:
-    """A full disk, a quota or a file-size limit, from a file write or from SQLite."""
-    if isinstance(e, OSError):
-        return e.errno in (28, 122, 27)  # ENOSPC, EDQUOT, EFBIG (RLIMIT_FSIZE)
-    if isinstance(e, sqlite3.OperationalError | sqlite3.DatabaseError):
-        text = str(e).lower()
-        return "full" in text or "disk i/o" in text
-    return False
-
-
 class BatchStore:
     def __init__(self, root: Path | None = None):
         self.root = root or paths.home()
@@ -122,9 +111,32 @@ class BatchStore:
                 (int(time.time()), json.dumps([_error("upgraded", "mlxgw was upgraded; create the batch again")]))
                 + ACTIVE,
             )
+            self._db.execute(
+                "UPDATE batches SET"
+                " total_n = (SELECT COUNT(*) FROM batch_lines l WHERE l.batch_id = batches.id),"
+                " completed_n = (SELECT COUNT(*) FROM batch_lines l WHERE l.batch_id = batches.id AND state = 'done'),"
+                " failed_n = (SELECT COUNT(*) FROM batch_lines l WHERE l.batch_id = batches.id AND state = 'failed')"
+            )
             self._db.execute("DROP TABLE batch_lines")
-        # Requests of a batch whose creation never finished (the gateway died mid-way).
-        self._db.execute("DELETE FROM batch_requests WHERE batch_id NOT IN (SELECT id FROM batches)")
+        # Creations a killed gateway left midway (another gateway on this home may be creating
+        # one right now: only those older than any creation takes).
+        stale = "SELECT id FROM batches WHERE status = 'creating' AND created_at < ?"
+        cutoff = (int(time.time()) - 3600,)
+        self._db.execute(f"DELETE FROM batch_requests WHERE batch_id IN ({stale})", cutoff)
+        self._db.execute(f"DELETE FROM batches WHERE id IN ({stale})", cutoff)
+
+    def adopt_names(self, tenants: dict[str, str]) -> None:
+        """Once, on the first start of this release: files and batches an older one stored
+        under a key's name pass to the key of that name now (by its identity from then on)."""
+        with self._lock:
+            if self._db.execute("PRAGMA user_version").fetchone()[0] >= 2:
+                return
+            self._db.execute("BEGIN IMMEDIATE")
+            for name, tenant in tenants.items():
+                self._db.execute("UPDATE files SET owner = ? WHERE owner = ?", (tenant, name))
+                self._db.execute("UPDATE batches SET owner = ?, owner_name = ? WHERE owner = ?", (tenant, name, name))
+            self._db.execute("PRAGMA user_version = 2")
+            self._db.execute("COMMIT")
 
     def close(self) -> None:
         with self._lock:
@@ -160,13 +172,13 @@ class BatchStore:
 
     def get_file(self, file_id: str, owner: str | None) -> dict | None:
         rows = self._q("SELECT * FROM files WHERE id = ? AND owner IS ?", (file_id, owner))
-        return _file_object(rows[0]) if rows else None
+        return file_object(rows[0]) if rows else None
 
     def list_files(self, owner: str | None, purpose: str | None = None) -> list[dict]:
         sql, args = "SELECT * FROM files WHERE owner IS ?", [owner]
         if purpose:
             sql, args = sql + " AND purpose = ?", [*args, purpose]
-        return [_file_object(r) for r in self._q(sql + " ORDER BY created_at DESC, id", tuple(args))]
+        return [file_object(r) for r in self._q(sql + " ORDER BY created_at DESC, id", tuple(args))]
 
     def usage_of(self, owner: str | None) -> tuple[int, int]:
         """(files, bytes) the owner stores, the results of its running batches included."""
@@ -202,12 +214,13 @@ class BatchStore:
 
     # -- batches ---------------------------------------------------------------------------
     def active_count(self, owner: str | None) -> int:
-        rows = self._q(f"SELECT COUNT(*) AS n FROM batches WHERE owner IS ? AND status IN {ACTIVE}", (owner,))
+        rows = self._q(
+            f"SELECT COUNT(*) AS n FROM batches WHERE owner IS ? AND status IN {(*ACTIVE, 'creating')}", (owner,)
+        )
         return rows[0]["n"]
 
     def add_requests(self, batch_id: str, rows: list[tuple[int, str, int, int, int]]) -> None:
-        """A chunk of a new batch's requests: (idx, custom_id, line, offset, length). The batch
-        row comes last (create_batch), so a creation cut short leaves nothing to run."""
+        """A chunk of a new batch's requests: (idx, custom_id, line, offset, length)."""
         self._tx(
             [
                 ("INSERT INTO batch_requests VALUES (?, ?, ?, ?, ?, ?, 'pending', NULL)", (batch_id, *row))
@@ -215,31 +228,45 @@ class BatchStore:
             ]
         )
 
-    def drop_requests(self, batch_id: str) -> None:
-        self._tx([("DELETE FROM batch_requests WHERE batch_id = ?", (batch_id,))])
-
-    def create_batch(self, batch_id: str, owner, owner_name, endpoint, input_file_id, errors: list, meta, total: int):
-        """The batch row over the requests add_requests stored, or failed with the validation
-        errors (its requests then dropped)."""
+    def begin_batch(self, batch_id: str, owner, owner_name, endpoint: str, input_file_id: str, meta) -> None:
+        """A batch being created: its row first, status `creating` (shown as validating, not
+        run), then its requests (add_requests), then end_creation."""
         now = int(time.time())
-        status = "failed" if errors else "validating"
-        if errors:
-            self.drop_requests(batch_id)
         self._tx(
             [
                 (
                     "INSERT INTO batches (id, owner, owner_name, endpoint, input_file_id, completion_window, status,"
-                    " errors, metadata, created_at, failed_at, expires_at, total_n)"
-                    " VALUES (?, ?, ?, ?, ?, '24h', ?, ?, ?, ?, ?, ?, ?)",
-                    (
-                        *(batch_id, owner, owner_name, endpoint, input_file_id, status),
-                        *(json.dumps(errors) if errors else None, json.dumps(meta) if meta else None),
-                        *(now, now if errors else None, now + 86400, 0 if errors else None),
-                    ),
+                    " metadata, created_at, expires_at) VALUES (?, ?, ?, ?, ?, '24h', 'creating', ?, ?, ?)",
+                    (batch_id, owner, owner_name, endpoint, input_file_id, json.dumps(meta) if meta else None)
+                    + (now, now + 86400),
                 )
             ]
         )
+
+    def end_creation(self, batch_id: str, owner, errors: list) -> dict | None:
+        """Ready to run, or failed with the validation errors (its requests dropped)."""
+        if errors:
+            self._tx(
+                [
+                    ("DELETE FROM batch_requests WHERE batch_id = ?", (batch_id,)),
+                    (
+                        "UPDATE batches SET status = 'failed', errors = ?, failed_at = ?, total_n = 0 WHERE id = ?",
+                        (json.dumps(errors), int(time.time()), batch_id),
+                    ),
+                ]
+            )
+        else:
+            self.set_status(batch_id, "validating")
         return self.get_batch(batch_id, owner)
+
+    def abandon(self, batch_id: str) -> None:
+        """A creation that failed midway (a full disk, the file gone): nothing of it stays."""
+        self._tx(
+            [
+                ("DELETE FROM batch_requests WHERE batch_id = ?", (batch_id,)),
+                ("DELETE FROM batches WHERE id = ? AND status = 'creating'", (batch_id,)),
+            ]
+        )
 
     def get_batch(self, batch_id: str, owner: str | None) -> dict | None:
         rows = self._q("SELECT * FROM batches WHERE id = ? AND owner IS ?", (batch_id, owner))
@@ -271,6 +298,7 @@ class BatchStore:
         obj = {k: row[k] for k in row.keys() if k not in hidden and not k.endswith("_n")}
         obj.update(
             object="batch",
+            status="validating" if row["status"] == "creating" else row["status"],
             errors={"object": "list", "data": errors} if errors else None,
             metadata=json.loads(row["metadata"]) if row["metadata"] else None,
             request_counts=self._counts(row),
@@ -294,7 +322,7 @@ class BatchStore:
             if row is None:
                 return False
             holder = row["runner_pid"]
-            if holder not in (None, pid) and now - (row["lease_at"] or 0) < stale_s and _alive(holder):
+            if holder not in (None, pid) and now - (row["lease_at"] or 0) < stale_s and pid_alive(holder):
                 return False
             cur = self._db.execute(
                 "UPDATE batches SET runner_pid = ?, lease_at = ? WHERE id = ? AND runner_pid IS ?",
@@ -372,27 +400,3 @@ def summary_of(path: Path) -> list[dict]:
 
 def _error(code: str, message: str, line: int | None = None) -> dict:
     return {"code": code, "message": message, "param": None, "line": line}
-
-
-def _file_object(row: sqlite3.Row) -> dict:
-    return {
-        "id": row["id"],
-        "object": "file",
-        "bytes": row["bytes"],
-        "created_at": row["created_at"],
-        "expires_at": row["expires_at"],
-        "filename": row["filename"],
-        "purpose": row["purpose"],
-        "status": "processed",
-        "status_details": None,
-    }
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

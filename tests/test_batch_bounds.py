@@ -24,7 +24,7 @@ import psutil
 import pytest
 import requests
 import yaml
-from helpers import start_gateway
+from helpers import NO_EOS, start_gateway
 
 from mlxgw.gateway.keys import hash_key
 
@@ -46,6 +46,9 @@ CONFIG = {
     "models": [
         {"name": "echo", "engine": "echo", "preload": True, "max_num_seqs": 8, "context_length": 200_000},
         {"name": "echo-q", "engine": "echo", "preload": True, "max_num_seqs": 1, "max_queue": 6},
+        # Real tokens (the echo engine's prompt is always as long as its answer): loaded by the
+        # budget test only.
+        {"name": "tiny-b", "source": "tiny", "max_num_seqs": 8},
     ],
 }
 
@@ -58,8 +61,9 @@ def _write_keys(path, keys: dict[str, str]) -> None:
 
 
 @pytest.fixture(scope="module")
-def bounds(tmp_path_factory):
+def bounds(tmp_path_factory, home, tiny_dir):
     own = tmp_path_factory.mktemp("bounds-home")
+    (own / "models").symlink_to(home / "models")
     keys_path = own / "keys.yaml"
     _write_keys(keys_path, KEYS)
     stale = own / ".keys.yaml.abc123.tmp"  # what a key edit killed mid-write leaves
@@ -193,14 +197,18 @@ def test_n_counts_against_the_keys_concurrency(bounds):
 
 def test_a_daily_budget_holds_for_a_keys_batches(bounds):
     budget = _client(bounds, "budget")
-    batch = _create(budget, [_line(f"b{i}", "z" * 40, max_tokens=40) for i in range(20)])  # up to 1,600 tokens
-    time.sleep(4)
+    lines = [_line(f"b{i}", "hi", model="tiny-b", max_tokens=40, logit_bias=NO_EOS) for i in range(20)]
+    batch = _create(budget, lines)  # some 1,400 tokens
+    _wait(budget, batch.id, until=lambda b: b.request_counts.completed >= 1, timeout=120)
+    time.sleep(3)
     budget.batches.cancel(batch.id)
     done = _wait(budget, batch.id)
     used = sum(x["response"]["body"]["usage"]["total_tokens"] for x in _output(budget, done.output_file_id))
-    # Past the budget by at most what its requests in flight (4 for all batches) hold beyond
-    # their max_tokens: their prompts (40 tokens each here). Before issue 40: 1,600.
-    assert used <= 300 + 4 * 80, f"a 300-token-a-day key used {used} tokens through a batch"
+    prompt = _output(budget, done.output_file_id)[0]["response"]["body"]["usage"]["prompt_tokens"]
+    # Past the budget by at most the prompts of its requests in flight (4 for all batches)
+    # and the part of the last one's max_tokens that was not left. Before issue 40: 8 at a
+    # time, each admitted while the budget was not yet spent.
+    assert used <= 300 + 4 * prompt + 40, f"a 300-token-a-day key used {used} tokens through a batch"
 
 
 def test_a_line_that_can_never_be_admitted_goes_to_the_error_file(bounds):

@@ -14,10 +14,9 @@ from aiohttp import web
 
 from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
 
-from ..batch_files import new_id
+from ..batch_files import is_storage_error, new_id
 from ..batch_input import check_input
 from ..batch_runner import BATCH_STORE, BATCH_WAKE
-from ..batch_store import is_storage_error
 from ..work_pools import THREAD_POOLS
 from . import validate as v
 from .body import read_json
@@ -66,29 +65,20 @@ async def create_batch(request: web.Request) -> web.Response:
             retry_after=30,
         )
     batch_id = new_id("batch_")
+    await store_call(store.begin_batch, batch_id, owner, owner_name_of(request), endpoint, file_id, metadata)
     try:
         check = await THREAD_POOLS["batch"].run(
             check_input, store, batch_id, store.file_path(file_id), endpoint, request.client_max_size
         )
-    except Exception as e:
+    except BaseException as e:
         with contextlib.suppress(Exception):
-            await store_call(store.drop_requests, batch_id)
+            await store_call(store.abandon, batch_id)
         if isinstance(e, FileNotFoundError):  # its content is gone (deleted meanwhile)
             raise not_found("file content", file_id) from None
         if is_storage_error(e):
             raise no_room() from None
         raise
-    batch = await store_call(
-        store.create_batch,
-        batch_id,
-        owner,
-        owner_name_of(request),
-        endpoint,
-        file_id,
-        check.errors,
-        metadata,
-        check.total,
-    )
+    batch = await store_call(store.end_creation, batch_id, owner, check.errors)
     request.app[BATCH_WAKE].set()
     return web.json_response(batch)
 

@@ -13,9 +13,9 @@ from aiohttp import web
 
 from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
 
-from ..batch_files import MAX_FILES, MAX_STORED_BYTES, new_id, open_private
+from ..batch_files import MAX_FILES, MAX_STORED_BYTES, is_storage_error, new_id, open_private
 from ..batch_runner import BATCH_STORE
-from ..batch_store import BatchStore, is_storage_error
+from ..batch_store import BatchStore
 from ..work_pools import THREAD_POOLS
 
 routes = web.RouteTableDef()
