@@ -293,19 +293,33 @@ def test_files_and_batches_belong_to_the_key_not_its_name(bounds):
         _write_keys(bounds.keys_path, KEYS)
 
 
-def test_a_full_disk_pauses_a_batch_and_an_upload_is_a_507(tmp_path):
-    """RLIMIT_FSIZE set on the running gateway (psutil's prlimit): every file it writes past
-    the limit fails with EFBIG, as on a full disk, and works again once the limit is raised."""
+@pytest.fixture(scope="module")
+def small_gw(tmp_path_factory):
+    """A gateway of its own: a fresh database for the file-size limit, and 1 MB per key."""
+    own = tmp_path_factory.mktemp("bounds-small")
     config = {"manager": {"auto_discover": False}, "models": [{"name": "echo", "engine": "echo", "preload": True}]}
-    keys_path = tmp_path / "keys.yaml"
-    _write_keys(keys_path, {"alice": KEYS["alice"]})
-    gw = start_gateway(tmp_path, config, "bounds-disk", extra_args=("--keys", str(keys_path)))
-    proc = psutil.Process(gw.proc.pid)
+    keys_path = own / "keys.yaml"
+    _write_keys(keys_path, {"alice": KEYS["alice"], "bob": KEYS["bob"]})
+    os.environ["MLXGW_FILES_MAX_MB_PER_KEY"] = "1"
+    try:
+        gw = start_gateway(own, config, "bounds-small", extra_args=("--keys", str(keys_path)))
+    finally:
+        del os.environ["MLXGW_FILES_MAX_MB_PER_KEY"]
+    gw.home = own
+    yield gw
+    gw.stop()
+
+
+def test_a_full_disk_pauses_a_batch_and_an_upload_is_a_507(small_gw):
+    """RLIMIT_FSIZE set on the running gateway (psutil's prlimit): every file it writes past
+    the limit fails with EFBIG, as on a full disk, and works again once the limit is raised.
+    (First on its gateway: the limit is set just above the files there.)"""
+    gw, proc = small_gw, psutil.Process(small_gw.proc.pid)
     try:
         alice = _client(gw, "alice")
         lines = [_line(f"f{i}", "v" * 4000) for i in range(60)]  # 60 answers of 4 KB: past the limit
         file = alice.files.create(file=_jsonl(lines), purpose="batch")
-        sizes = [p.stat().st_size for p in tmp_path.rglob("*") if p.is_file()]
+        sizes = [p.stat().st_size for p in gw.home.rglob("*") if p.is_file()]
         proc.rlimit(resource.RLIMIT_FSIZE, (max(sizes) + 64 * 1024, resource.RLIM_INFINITY))
         r = requests.post(
             f"{gw.url}/v1/files",
@@ -315,7 +329,7 @@ def test_a_full_disk_pauses_a_batch_and_an_upload_is_a_507(tmp_path):
         )
         assert r.status_code == 507, r.text
         batch = alice.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h")
-        time.sleep(6)
+        time.sleep(4)
         paused = alice.batches.retrieve(batch.id)
         assert paused.status == "in_progress" and paused.request_counts.completed < 60, paused
         proc.rlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
@@ -323,4 +337,18 @@ def test_a_full_disk_pauses_a_batch_and_an_upload_is_a_507(tmp_path):
         assert done.status == "completed" and done.request_counts.completed == 60, done
         assert len(_output(alice, done.output_file_id)) == 60
     finally:
-        gw.stop()
+        proc.rlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+
+
+def test_a_keys_stored_bytes_are_capped_and_a_batch_past_them_ends_with_its_answers(small_gw):
+    bob = _client(small_gw, "bob")
+    file = bob.files.create(file=_jsonl([_line(f"s{i}", "a" * 4000) for i in range(200)]), purpose="batch")  # 0.8 MB
+    with pytest.raises(openai.APIStatusError) as refused:
+        bob.files.create(file=_jsonl([_line("t", "b" * 1_000_000)]), purpose="batch")
+    assert refused.value.status_code == 413 and "1 MB" in str(refused.value)
+    done = _wait(
+        bob, bob.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h").id
+    )
+    assert done.status == "failed" and done.errors.data[0].code == "quota_exceeded", done
+    answered = _output(bob, done.output_file_id)
+    assert 20 < len(answered) < 200 and len(answered) == done.request_counts.completed
