@@ -376,16 +376,17 @@ class BatchStore:
         return len(text)
 
 
+_LIVE = "(SELECT COUNT(*) FROM batch_requests r WHERE r.batch_id = b.id{})"  # a running batch's rows
+_DONE, _FAILED = _LIVE.format(" AND r.state = 'done'"), _LIVE.format(" AND r.state = 'failed'")
 SUMMARY_SQL = (
     "SELECT COALESCE(owner_name, owner) AS owner, status, COUNT(*) AS batches,"
-    " SUM(COALESCE(completed_n, 0)) AS completed, SUM(COALESCE(failed_n, 0)) AS failed,"
-    " SUM(COALESCE(total_n, 0)) AS total FROM batches GROUP BY 1, status ORDER BY 1"
+    f" SUM(COALESCE(completed_n, {_DONE})) AS completed, SUM(COALESCE(failed_n, {_FAILED})) AS failed,"
+    f" SUM(COALESCE(total_n, {_LIVE.format('')})) AS total FROM batches b GROUP BY 1, status ORDER BY 1"
 )
 
 
 def summary_of(path: Path) -> list[dict]:
-    """Per key and status: batches and their requests (`mlxgw usage`, gateway running or not;
-    the requests of batches still running are counted when they end)."""
+    """Per key and status: batches and their requests (`mlxgw usage`, gateway running or not)."""
     if not path.exists():
         return []
     db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
