@@ -27,6 +27,8 @@ import time
 import aiohttp
 from aiohttp import web
 
+from mlxgw.shared.errors import ErrorCode, ServiceError
+
 from .batch_files import MAX_STORED_BYTES, is_storage_error, new_id, read_line, sweep_partial
 from .batch_input import request_body
 from .batch_output import finalize
@@ -66,8 +68,16 @@ def batch_owner(request: web.Request) -> tuple[bool, str | None]:
     return True, request.headers.get(OWNER_HEADER) or None
 
 
-def _store_call(fn, *args):
-    return THREAD_POOLS["batch_io"].run(fn, *args)
+async def _store_call(fn, *args):
+    """A store call on the batch I/O pool, waiting for a place when clients' calls fill it
+    (a busy pool must not fail a batch)."""
+    while True:
+        try:
+            return await THREAD_POOLS["batch_io"].run(fn, *args)
+        except ServiceError as e:
+            if e.code is not ErrorCode.OVERLOADED:
+                raise
+        await asyncio.sleep(0.2)
 
 
 class _Stop(Exception):
@@ -241,10 +251,10 @@ class BatchRunner:
             # out a refusal holds neither, so at most BACKGROUND_IN_FLIGHT bodies are in memory.
             async with self._slots:
                 try:
-                    raw = await THREAD_POOLS["batch_io"].run(read_line, run.input_path, line["offset"], line["length"])
+                    raw = await _store_call(read_line, run.input_path, line["offset"], line["length"])
                     # Parsed on the I/O pool, not the creation pool: a burst of creations
                     # refused there (429) must not fail a running batch's line.
-                    body = {**await THREAD_POOLS["batch_io"].run(request_body, raw), "stream": False}
+                    body = {**await _store_call(request_body, raw), "stream": False}
                 except (OSError, ValueError, KeyError, TypeError) as e:  # the input changed on disk
                     return False, _line(custom_id, 400, rid, {"error": {"message": f"line {line['line']}: {e}"}})
                 status, payload, retry_after = await self._post(run, body, headers)
