@@ -86,6 +86,7 @@ class _Stop(Exception):
     def __init__(self, code: str, message: str):
         super().__init__(message)
         self.code, self.message = code, message
+        self.recorded = False  # on the batch's errors already
 
 
 class BatchRunner:
@@ -165,11 +166,14 @@ class BatchRunner:
                 return
             status = await _store_call(store.status, batch_id)
             final = {"cancelling": "cancelled", "expiring": "expired"}.get(status or "", "completed")
-            stop = self._stopped.pop(batch_id, None)
+            stop = self._stopped.get(batch_id)  # kept until the end is written: a retry stops too
             if stop is not None:
-                await _store_call(store.add_error, batch_id, stop.code, stop.message)
+                if not stop.recorded:
+                    await _store_call(store.add_error, batch_id, stop.code, stop.message)
+                    stop.recorded = True
                 final = "failed"
             await _store_call(finalize, store, batch_id, final)
+            self._stopped.pop(batch_id, None)
             log.info("batch %s %s", batch_id, final)
         except asyncio.CancelledError:
             raise  # the gateway stops: the batch resumes at the next start
