@@ -28,7 +28,7 @@ class InputCheck:
     total: int = 0
     errors: list[dict] = field(default_factory=list)
     _seen: set[bytes] = field(default_factory=set)  # custom_id digests: 16 bytes each, not the ids
-    _rows: list[tuple[int, str, int, int, int]] = field(default_factory=list)
+    _rows: list[tuple[int, str, int, int, int, str | None]] = field(default_factory=list)
 
     def error(self, message: str, line: int | None, code: str = "invalid_request") -> None:
         if len(self.errors) < MAX_ERRORS:
@@ -93,7 +93,9 @@ def _check_line(check: InputCheck, raw: bytes, number: int, offset: int, endpoin
     if digest in check._seen:
         return check.error(f"line {number}: 'custom_id' {custom_id!r} is used by an earlier line", number)
     check._seen.add(digest)
-    check._rows.append((check.total - 1, custom_id, number, offset, len(raw)))
+    model = line["body"].get("model")
+    model = model[:256] if isinstance(model, str) else None
+    check._rows.append((check.total - 1, custom_id, number, offset, len(raw), model))
 
 
 def _line_problem(line, endpoint: str) -> str | None:

@@ -1,18 +1,15 @@
 """Runs batch jobs in the background: each request is sent to this gateway itself over
 loopback HTTP, so it takes the same path as an interactive one (translation, the owner's
-key, its rate limits and token budgets, the usage ledger), marked as batch work by a
-per-process secret header: it then runs at background priority (after every interactive
-request in a worker, and preempted first), and the ledger records its API as batch:<api>.
+key, its limits and budgets, the usage ledger), marked as batch work by a per-process secret
+header: it then runs at background priority and the ledger records its API as batch:<api>.
 
 Bounds (issue 40, docs/operations.md "Batch and file bounds"): at most BACKGROUND_IN_FLIGHT
-requests of all batches together are in flight, so batch work holds at most that many of a
-model's queue places however many batches run; a batch reads its requests a page at a time
-from the input file; a refusal for load (429, 503) waits and retries the same request, since
-nothing was answered, but a refusal that can never pass (max_tokens above the key's limits)
-is the request's answer and goes to the error file. A full disk pauses the batch (its answer
-is kept and recorded once there is room) instead of failing it. Each result is recorded as it
-arrives (batch_store.record), so a batch interrupted by a restart resumes with the requests
-that have no result yet."""
+requests of all batches together are in flight, and at most a quarter of a model's queue
+places; a batch reads its requests a page at a time from the input file; a refusal for load
+(429, 503) waits and is retried, but one that can never pass (max_tokens above the key's
+limits) is the request's answer, in the error file. A full disk pauses the batch instead of
+failing it. Each result is recorded as it arrives (batch_store.record), so a batch
+interrupted by a restart resumes with the requests that have no result yet."""
 
 from __future__ import annotations
 
@@ -33,7 +30,7 @@ from .batch_files import MAX_STORED_BYTES, is_storage_error, new_id, read_line, 
 from .batch_input import request_body
 from .batch_output import finalize
 from .batch_store import BatchStore
-from .state import KEYS
+from .state import KEYS, MANAGER
 from .work_pools import THREAD_POOLS
 
 log = logging.getLogger("mlxgw.batches")
@@ -101,6 +98,7 @@ class BatchRunner:
         self._stopped: dict[str, _Stop] = {}
         self._not_before: dict[str, float] = {}  # batch id -> when to try a failed finalize again
         self._slots = asyncio.Semaphore(BACKGROUND_IN_FLIGHT)
+        self._per_model: dict[str, tuple[int, asyncio.Semaphore]] = {}  # model -> (places, slots)
         self._closing = False  # a graceful stop: no new request starts, none is finalized
         self.owner_exists = lambda owner: True  # set by install when the gateway has keys
 
@@ -251,9 +249,10 @@ class BatchRunner:
             headers[OWNER_HEADER] = run.owner
         wait = RETRY_S[0]
         while True:
-            # A slot per try, and the body read from the input file inside it: a request waiting
-            # out a refusal holds neither, so at most BACKGROUND_IN_FLIGHT bodies are in memory.
-            async with self._slots:
+            # A slot per try (its model's, then all batches'), and the body read from the input
+            # file inside it: a request waiting out a refusal holds none, so at most
+            # BACKGROUND_IN_FLIGHT bodies are in memory.
+            async with self._model_slots(line["model"]), self._slots:
                 try:
                     raw = await _store_call(read_line, run.input_path, line["offset"], line["length"])
                     # Parsed on the I/O pool, not the creation pool: a burst of creations
@@ -271,6 +270,19 @@ class BatchRunner:
                 return None  # refused for load and then stopped: never answered, so not recorded
             wait = min(RETRY_S[1], wait * 2)
         return status < 400, _line(custom_id, status, rid, payload)
+
+    def _model_slots(self, model: str | None) -> asyncio.Semaphore | contextlib.nullcontext:
+        """Batch requests in flight to one model: at most a quarter of its queue places
+        (max_queue), so a model with a short queue keeps most of it for interactive requests."""
+        try:
+            slot = self.app[MANAGER].resolve(model or "")
+        except ServiceError:
+            return contextlib.nullcontext()  # an unknown model: refused at once, holds no place
+        places = max(1, min(BACKGROUND_IN_FLIGHT, slot.entry.max_queue // 4))
+        held = self._per_model.get(slot.name)
+        if held is None or held[0] != places:  # a reload may change max_queue
+            held = self._per_model[slot.name] = (places, asyncio.Semaphore(places))
+        return held[1]
 
     async def _post(self, run: _Run, body: dict, headers: dict) -> tuple[int, object, str | None]:
         assert self._session is not None

@@ -72,6 +72,7 @@ CREATE TABLE IF NOT EXISTS batch_requests (
     line INTEGER NOT NULL,           -- its line number in the input file (errors name it)
     offset INTEGER NOT NULL,         -- where its line starts in the input file
     length INTEGER NOT NULL,
+    model TEXT,                      -- its body's model: batch work is bounded per model too
     state TEXT NOT NULL,             -- pending | done | failed
     result TEXT,                     -- the output or error line (JSON), with the state
     PRIMARY KEY (batch_id, idx)
@@ -219,11 +220,11 @@ class BatchStore:
         )
         return rows[0]["n"]
 
-    def add_requests(self, batch_id: str, rows: list[tuple[int, str, int, int, int]]) -> None:
-        """A chunk of a new batch's requests: (idx, custom_id, line, offset, length)."""
+    def add_requests(self, batch_id: str, rows: list[tuple[int, str, int, int, int, str | None]]) -> None:
+        """A chunk of a new batch's requests: (idx, custom_id, line, offset, length, model)."""
         self._tx(
             [
-                ("INSERT INTO batch_requests VALUES (?, ?, ?, ?, ?, ?, 'pending', NULL)", (batch_id, *row))
+                ("INSERT INTO batch_requests VALUES (?, ?, ?, ?, ?, ?, ?, 'pending', NULL)", (batch_id, *row))
                 for row in rows
             ]
         )
@@ -356,7 +357,7 @@ class BatchStore:
     def pending_after(self, batch_id: str, after_idx: int, limit: int) -> list[sqlite3.Row]:
         """The next page of requests without a result: a run holds one page, never the batch."""
         return self._q(
-            "SELECT idx, custom_id, line, offset, length FROM batch_requests"
+            "SELECT idx, custom_id, line, offset, length, model FROM batch_requests"
             " WHERE batch_id = ? AND state = 'pending' AND idx > ? ORDER BY idx LIMIT ?",
             (batch_id, after_idx, limit),
         )

@@ -45,7 +45,8 @@ CONFIG = {
     "gateway": {"max_body_bytes": MAX_BODY},
     "models": [
         {"name": "echo", "engine": "echo", "preload": True, "max_num_seqs": 8, "context_length": 200_000},
-        {"name": "echo-q", "engine": "echo", "preload": True, "max_num_seqs": 1, "max_queue": 6},
+        # A short queue: 4 batch requests in flight would fill it; a quarter of it is 1.
+        {"name": "echo-q", "engine": "echo", "preload": True, "max_num_seqs": 1, "max_queue": 3},
         # Real tokens (the echo engine's prompt is always as long as its answer): loaded by the
         # budget test only.
         {"name": "tiny-b", "source": "tiny", "max_num_seqs": 8},

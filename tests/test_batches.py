@@ -239,7 +239,7 @@ def test_one_gateway_process_runs_a_batch_until_it_dies(tmp_path):
 
     store = BatchStore(tmp_path)
     store.begin_batch("batch_x", None, None, "/v1/chat/completions", "file-x", None)
-    store.add_requests("batch_x", [(0, "a", 1, 0, 10)])
+    store.add_requests("batch_x", [(0, "a", 1, 0, 10, "m")])
     batch = store.end_creation("batch_x", None, [])
     me, dead = os.getpid(), _dead_pid()
     assert store.claim(batch["id"], dead, stale_s=30)
