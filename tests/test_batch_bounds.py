@@ -207,6 +207,7 @@ def test_a_daily_budget_holds_for_a_keys_batches(bounds):
     done = _wait(budget, batch.id)
     used = sum(x["response"]["body"]["usage"]["total_tokens"] for x in _output(budget, done.output_file_id))
     prompt = _output(budget, done.output_file_id)[0]["response"]["body"]["usage"]["prompt_tokens"]
+    print(f"a 300-token-a-day key used {used} tokens through a batch of up to {20 * (prompt + 40)}")
     # Past the budget by at most the prompts of its requests in flight (4 for all batches)
     # and the part of the last one's max_tokens that was not left. Before issue 40: 8 at a
     # time, each admitted while the budget was not yet spent.
