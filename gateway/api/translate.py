@@ -248,7 +248,7 @@ def generation(request: web.Request, slot, req: p.WorkerRequest) -> Generation:
     """The request's generation, also recorded on the request for limits, metrics and logs."""
     key = request.get("key")
     if isinstance(req, p.GenerateRequest):  # embeddings are charged their input only
-        reserve_tokens(request, slot, req.max_tokens * req.n if req.max_tokens is not None else None)
+        reserve_tokens(request, slot, req.max_tokens * req.n if req.max_tokens is not None else None, req.n)
     gen = Generation(
         request.app[MANAGER], slot, req, request.app[SETTINGS].keepalive_s, owner=key.name if key else None
     )
