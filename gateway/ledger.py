@@ -119,7 +119,8 @@ class _Writer(threading.Thread):
                 pass
         finally:
             if self._unwritten:
-                log.error("usage ledger: %d rows never written (the disk stayed full to shutdown)", len(self._unwritten))
+                lost = len(self._unwritten)
+                log.error("usage ledger: %d rows never written (the disk stayed full to shutdown)", lost)
             conn.close()
             self.cpu_s = time.thread_time()
 
