@@ -201,6 +201,9 @@ class GenerateRequest:
     prompt_logprobs: int | None = None
     # Choices sampled from one prompt (prefilled once); choice i samples with seed + i.
     n: int = 1
+    # A LoRA adapter of the worker's model (models.yaml `adapters`), by its name; None: the
+    # base model. A worker of an older version ignores the field.
+    adapter: str | None = None
 
     def to_wire(self) -> dict:
         return _plain(self)
