@@ -17,6 +17,7 @@ from mlxgw.shared.errors import ErrorCode, ServiceError
 
 from . import observe
 from .api import (
+    adapters,
     admin,
     anthropic,
     audio,
@@ -176,5 +177,5 @@ def unlisted_routes(app: web.Application) -> list[tuple[str, str]]:
 def route_tables() -> list:
     """Every route table the app serves (tests walk them to reach every route)."""
     modules = (openai_chat, openai_completions, openai_embeddings, rerank, audio, anthropic, responses, system)
-    modules += (observe, ollama, ollama_models, tokenize, admin, mcp_routes, files, batches)
+    modules += (observe, ollama, ollama_models, tokenize, admin, adapters, mcp_routes, files, batches)
     return [m.routes for m in modules] + [console_routes]

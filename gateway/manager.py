@@ -22,6 +22,7 @@ from typing import Any
 from mlxgw.shared.config import Registry
 from mlxgw.shared.errors import ErrorCode, ServiceError
 
+from . import adapters
 from . import liveness as live
 from .broker import Broker
 from .lifecycle import ModelSlot, Pulse, SlotState
@@ -203,6 +204,9 @@ class ModelManager(SlotRunner):
         added, removed, changed = [], [], []
         for name, slot in list(self.slots.items()):
             entry = next((e for e in registry.models if e.name == name), None)
+            if entry is not None and adapters.only_adapters_changed(slot.entry, entry):
+                slot.entry = entry  # LoRA adapters added or removed: the worker takes them as it runs
+                self._own(adapters.push(self, slot))
             if entry == slot.entry:
                 if slot.state is SlotState.FAILED:
                     slot.retry_now = True

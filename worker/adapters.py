@@ -253,13 +253,21 @@ class AdapterBank:
         return [t + shift for t in tokens]
 
     # -- the registry -------------------------------------------------------------------------
-    def set_sources(self, sources: dict[str, str]) -> dict:
+    def set_sources(self, sources: dict[str, str], check: str | None = None) -> dict:
         """A new list of servable adapters (hot add and remove): adapters no longer listed, or
-        listed with another folder, leave once no running row uses them."""
-        self.sources = dict(sources)
+        listed with another folder, leave once no running row uses them. check: an adapter
+        to load now; when it cannot be, the list stays as it was and the error is raised."""
+        previous, self.sources = self.sources, dict(sources)
+        if check is not None:
+            try:
+                self.acquire(check)
+            except Exception:
+                self.sources = previous
+                raise
         for adapter in list(self.resident.values()):
             if not adapter.users and self.sources.get(adapter.name) != adapter.path:
                 self._unload(adapter)
+        self._evict()
         return self.stats()
 
     def _load(self, name: str) -> LoadedAdapter:

@@ -175,7 +175,8 @@ class Engine:
             raise ServiceError(ErrorCode.INVALID_REQUEST, "this model's engine does not serve LoRA adapters")
         if not isinstance(sources, dict) or not all(isinstance(v, str) for v in sources.values()):
             raise ServiceError(ErrorCode.INVALID_REQUEST, "adapters: expected a map of name to folder")
-        return bank.set_sources(sources)
+        check = args.get("check") if isinstance(args, dict) else None
+        return bank.set_sources(sources, check if isinstance(check, str) else None)
 
     def _tokenize(self, args: dict) -> dict:
         # add_special_tokens=False: the prompt's own tokens (chat templates place theirs).

@@ -11,6 +11,7 @@ from aiohttp import web
 from mlxgw.shared.config import CHAT_KINDS, KINDS, ModelKind
 from mlxgw.shared.errors import ErrorCode, ServiceError, redact_paths
 
+from .. import adapters
 from ..auth import may_use, presented_key
 from ..mcp.hub import MCP
 from ..state import BROKER, KEYS, MANAGER
@@ -42,6 +43,16 @@ def _model(request: web.Request, slot, anthropic: bool) -> dict:
         "last_error": redact_paths(d["last_error"]) if d["last_error"] else None,
         "source": found.source if found else "mlxgw",  # hf-cache, lmstudio, or models.yaml/models dir
     }
+
+
+def _adapter_model(request: web.Request, slot, adapter, anthropic: bool) -> dict:
+    """An adapter as a model of its own; `parent` and `root` name its base (as vLLM lists LoRA
+    modules), and `<base>:<adapter>` is the other name it answers to."""
+    base = _model(request, slot, anthropic)
+    if anthropic:
+        return {**base, "id": adapter.name, "display_name": adapter.name}
+    other = adapters.names(slot, adapter)[1]
+    return {**base, "id": adapter.name, "aliases": [other], "parent": slot.name, "root": slot.name, "source": "adapter"}
 
 
 def _discovered(manager) -> dict:
@@ -80,6 +91,11 @@ async def list_models(request: web.Request) -> web.Response:
         wanted = kinds | (set(CHAT_KINDS) if ModelKind.CHAT in kinds else set())
         slots = [s for s in slots if s.entry.kind in wanted]
     data = [_model(request, s, anthropic) for s in slots]
+    data += [  # LoRA adapters, each called by its name and listed with its base model
+        _adapter_model(request, s, a, anthropic)
+        for s, a in adapters.listed(request.app[MANAGER], request.get("key"))
+        if not asked or s.entry.kind in wanted
+    ]
     if anthropic:
         first, last = (data[0]["id"], data[-1]["id"]) if data else (None, None)
         return web.json_response({"data": data, "has_more": False, "first_id": first, "last_id": last})
@@ -95,6 +111,11 @@ async def retrieve_model(request: web.Request) -> web.Response:
     anthropic = _is_anthropic(request)
     requested = request.match_info["model_id"]
     try:
+        found = adapters.find(request.app[MANAGER], requested)
+        if found is not None:
+            if not adapters.allowed(request.get("key"), *found):
+                raise ServiceError(ErrorCode.PERMISSION, f"API key '{request['key'].name}' may not use '{requested}'")
+            return web.json_response(_adapter_model(request, *found, anthropic))
         slot = request.app[MANAGER].resolve(requested)
         key = request.get("key")
         # as for requests: the model the name resolves to decides (its name or an alias)

@@ -1,0 +1,134 @@
+"""Admin routes for LoRA adapters (issue 44): add one to a model, or remove one, while its
+worker runs. The change is written to models.yaml (when the gateway runs from one) and
+applied as a reload is: the running worker takes the new list without a restart
+(gateway/adapters.py). An adapter added to a running model is loaded by its worker first,
+so a folder that is not an adapter of this model is refused here, with the reason, and
+nothing changes.
+
+The folder path comes from an admin key, as models.yaml's paths come from the operator."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import yaml
+from aiohttp import web
+
+from mlxgw.shared import model_store
+from mlxgw.shared.config import AdapterEntry, ConfigError, ModelKind, Registry, parse_registry, with_discovered_models
+from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
+
+from .. import adapters
+from ..state import MANAGER
+from .admin import _json_object, require_admin
+
+routes = web.RouteTableDef()
+
+
+def check_folder(folder: Path) -> None:
+    """What the gateway can check without loading weights: an mlx_lm.lora output folder
+    with a LoRA config."""
+    config_path = folder / "adapter_config.json"
+    if not folder.is_absolute():
+        raise invalid(f"'path' must be an absolute folder, got {str(folder)!r}", "path")
+    if not config_path.is_file() or not (folder / "adapters.safetensors").is_file():
+        needs = "adapter_config.json and adapters.safetensors"
+        raise invalid(f"{folder} is not an mlx_lm.lora output folder (it needs {needs})", "path")
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+        kind = config.get("fine_tune_type", "lora")
+        float(config["lora_parameters"]["scale"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise invalid(f"{config_path} has no readable lora_parameters.scale ({type(e).__name__})", "path") from None
+    if kind != "lora":
+        raise invalid(f"fine_tune_type {kind!r}: only LoRA adapters are served (fuse it with mlx_lm.fuse)", "path")
+
+
+def _edited(data: dict, base: str, edit) -> dict:
+    """models.yaml's mapping with one model's adapters list edited."""
+    for raw in data.get("models") or []:
+        if isinstance(raw, dict) and raw.get("name") == base:
+            raw["adapters"] = edit(list(raw.get("adapters") or []))
+            return data
+    raise invalid(f"model '{base}' is not listed in models.yaml; list it there to give it adapters", "model")
+
+
+def _write_registry(path: Path, base: str, edit) -> Registry:
+    """Edit models.yaml (atomically), returning the registry it now holds."""
+    data = yaml.safe_load(path.read_text()) or {}
+    data = _edited(data, base, edit)
+    try:
+        registry = parse_registry(data, path)
+    except ConfigError as e:
+        raise invalid(str(e), "name") from None
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(yaml.safe_dump(data, sort_keys=False))
+    os.replace(tmp, path)
+    return with_discovered_models(registry)
+
+
+async def _apply(request: web.Request, base: str, edit) -> None:
+    manager = request.app[MANAGER]
+    path = manager.registry.path
+    if path is not None:
+        registry = await asyncio.to_thread(_write_registry, path, base, edit)
+    else:  # a gateway without a registry file: in memory only
+
+        def edited(e):
+            listed = edit([dataclasses.asdict(a) for a in e.adapters])
+            return dataclasses.replace(e, adapters=[AdapterEntry(**a) for a in listed])
+
+        models = [edited(e) if e.name == base else e for e in manager.registry.models]
+        registry = dataclasses.replace(manager.registry, models=models)
+    await manager.reload(registry)
+
+
+@routes.post("/v1/adapters")
+async def add_adapter(request: web.Request) -> web.Response:
+    """{"model": base, "name": adapter name, "path": its mlx_lm.lora folder}."""
+    require_admin(request)
+    body = await _json_object(request)
+    base, name, raw_path = body.get("model"), body.get("name"), body.get("path")
+    for field, value in (("model", base), ("name", name), ("path", raw_path)):
+        if not isinstance(value, str) or not value:
+            raise invalid(f"'{field}' must be a non-empty string", field)
+    manager = request.app[MANAGER]
+    slot = manager.slots.get(base)
+    if slot is None:
+        raise ServiceError(ErrorCode.MODEL_NOT_FOUND, f"The model '{base}' does not exist.", param="model")
+    if slot.entry.kind != ModelKind.CHAT or slot.entry.engine != "mlx" or slot.entry.distributed is not None:
+        raise invalid(f"model '{base}' does not take adapters (chat models on the mlx engine only)", "model")
+    try:
+        model_store.validate_model_name(name)
+    except model_store.InvalidModelName as e:
+        raise invalid(str(e), "name") from None
+    if manager.registry.entry(name) is not None or manager.registry.adapter(name) is not None:
+        raise invalid(f"'{name}' already names a model or an adapter", "name")
+    folder = Path(raw_path).expanduser()
+    await asyncio.to_thread(check_folder, folder)
+    added = AdapterEntry(name=name, path=str(folder))
+    # A running worker loads it first: weights that do not fit this model are refused here.
+    await adapters.push(manager, slot, dataclasses.replace(slot.entry, adapters=[*slot.entry.adapters, added]), name)
+    await _apply(request, base, lambda listed: [*listed, {"name": name, "path": str(folder)}])
+    return web.json_response({"object": "adapter", "id": name, "parent": base, "path": str(folder)}, status=201)
+
+
+@routes.delete("/v1/adapters/{name}")
+async def remove_adapter(request: web.Request) -> web.Response:
+    """Rows using it finish with it; new requests naming it get a 404."""
+    require_admin(request)
+    name = request.match_info["name"]
+    found = adapters.find(request.app[MANAGER], name)
+    if found is None:
+        raise ServiceError(ErrorCode.MODEL_NOT_FOUND, f"The adapter '{name}' does not exist.", param="name")
+    slot, adapter = found
+
+    def without(listed: list) -> list:
+        return [a for a in listed if not isinstance(a, dict) or a.get("name") != adapter.name]
+
+    await _apply(request, slot.name, without)
+    return web.json_response({"object": "adapter", "id": adapter.name, "deleted": True})
