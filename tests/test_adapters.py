@@ -2,21 +2,23 @@
 
 Adapters are written in the test in mlx_lm.lora's exact output format, their low-rank
 weights random and non-zero (tests/helpers/lora_adapters.py), on tiny random models of the
-family matrix (tests/helpers/family_models.py): a plain llama, an MoE (qwen3_moe), a hybrid
-with gated DeltaNet layers (qwen3_5) and a sliding-window family (gemma3_text). Every row's
+family matrix (tests/helpers/family_models.py): a plain llama (and a 4-bit one), an MoE
+(qwen3_moe), a hybrid with gated DeltaNet layers (qwen3_5) and a sliding-window family
+(gemma3_text). Every row's
 greedy tokens must equal `mlx_lm.load(base, adapter_path=A)` generating alone, in mixed
 batches, in-process through the worker's real runner and through `mlxgw up` over HTTP."""
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import functools
 import shutil
 
 import mlx.core as mx
 import pytest
 import yaml
 from helpers import http, start_gateway
-from helpers.family_models import build_family_model
+from helpers.family_models import build_family_model, build_quantized_family_model
 from helpers.lora_adapters import write_lora_adapter
 
 from mlxgw.gateway.keys import hash_key
@@ -30,7 +32,7 @@ GREEDY = SamplingParams(temperature=0.0)
 # The MoE family's experts are SwitchLinear layers, which are not served with LoRA yet:
 # its adapters target attention and the router, as `lora_parameters.keys` lets mlx_lm.lora.
 MOE_KEYS = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate"]
-FAMILIES = {"llama": None, "qwen3_moe": MOE_KEYS, "qwen3_5": None, "gemma3_text": None}
+FAMILIES = {"llama": None, "qwen3_moe": MOE_KEYS, "qwen3_5": None, "gemma3_text": None, "llama-4bit": None}
 
 
 @pytest.fixture(scope="module")
@@ -38,19 +40,29 @@ def models(home, smollm2_dir):
     root = home / "models"
     out = {}
     for family, keys in FAMILIES.items():
-        base = build_family_model(family, root / f"lora-{family}", smollm2_dir)
+        if family == "llama-4bit":  # quantized base layers (QuantizedLinear), as mlx-lm's convert writes them
+            base = build_quantized_family_model("llama", root / f"lora-{family}", smollm2_dir)
+        else:
+            base = build_family_model(family, root / f"lora-{family}", smollm2_dir)
         a = write_lora_adapter(base, home / "adapters" / f"{family}-a", seed=1, keys=keys)
         b = write_lora_adapter(base, home / "adapters" / f"{family}-b", seed=2, keys=keys, rank=8, scale=2.0)
         out[family] = (base, a, b)
     return out
 
 
+@functools.cache
+def _loaded(base, adapter):
+    from mlx_lm import load
+
+    return load(str(base), adapter_path=str(adapter) if adapter else None)
+
+
 def reference(base, adapter, prompt: list[int], max_tokens: int = TOKENS) -> list[int]:
     """mlx-lm alone: load(base, adapter_path=...), stream_generate, greedy."""
-    from mlx_lm import load, stream_generate
+    from mlx_lm import stream_generate
     from mlx_lm.sample_utils import make_sampler
 
-    model, tokenizer = load(str(base), adapter_path=str(adapter) if adapter else None)
+    model, tokenizer = _loaded(base, adapter)
     with bypassed():  # mlx-lm's own attention (the worker routes its modules process-wide)
         steps = stream_generate(model, tokenizer, mx.array(prompt), max_tokens=max_tokens, sampler=make_sampler(0.0))
         return [r.token for r in steps]
@@ -241,6 +253,16 @@ def test_mixed_requests_over_http_each_match_mlx_lm_alone_and_the_ledger_names_t
         assert out["model"] in (name, "support-bot")
     usage = call(gateway, "GET", "/v1/usage?by=model")[2]["data"]
     assert {"support-bot", "reviewer", "lora-base"} <= {row.get("model") for row in usage}
+
+
+def test_every_choice_of_a_request_runs_under_its_adapter(gateway, models):
+    base, a, _ = models["llama"]
+    prompt = [7, 7, 8, 9, 11, 13]
+    body = {"model": "support-bot", "prompt": prompt, "max_tokens": TOKENS, "temperature": 0, "n": 2}
+    status, _, out = call(gateway, "POST", "/v1/completions", body=body)
+    assert status == 200, out
+    expected = _decode(base, reference(base, a, prompt))
+    assert [c["text"].lstrip() for c in out["choices"]] == [expected.lstrip()] * 2
 
 
 def test_a_key_restricted_to_one_adapter_reaches_only_that_adapter(gateway):
