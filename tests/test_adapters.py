@@ -29,10 +29,9 @@ from mlxgw.worker.cpu_attention import bypassed
 
 TOKENS = 8
 GREEDY = SamplingParams(temperature=0.0)
-# The MoE family's experts are SwitchLinear layers, which are not served with LoRA yet:
-# its adapters target attention and the router, as `lora_parameters.keys` lets mlx_lm.lora.
-MOE_KEYS = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate"]
-FAMILIES = {"llama": None, "qwen3_moe": MOE_KEYS, "qwen3_5": None, "gemma3_text": None, "llama-4bit": None}
+# Adapters target what mlx_lm.lora targets by default (every linear layer of every block,
+# an MoE's experts and router included), except where a family's keys are given here.
+FAMILIES = {"llama": None, "qwen3_moe": None, "qwen3_5": None, "gemma3_text": None, "llama-4bit": None}
 
 
 @pytest.fixture(scope="module")

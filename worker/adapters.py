@@ -7,7 +7,8 @@ base product runs once for the whole batch, and each adapter present in the batc
 low-rank product `scale * (x @ A) @ B` to its own rows only (rows are grouped by adapter
 with a mask; rows without an adapter get exactly the base output). That is the arithmetic
 of mlx-lm's LoRALinear per row, so a row's greedy output equals `mlx_lm.load(base,
-adapter_path=...)` generating alone.
+adapter_path=...)` generating alone. The experts of an MoE block get the same per row
+(worker/adapter_experts.py).
 
 Which rows a forward runs is set by the batch generator around each forward
 (`VectorBatchGenerator.route_rows` -> `AdapterBank.rows`), prefill and decode (speculative
@@ -34,6 +35,8 @@ from mlx.utils import tree_unflatten
 
 from mlxgw.shared.errors import invalid
 
+from .adapter_experts import MultiLoRASwitchLinear, expert_dims, fits, route_block
+
 log = logging.getLogger("mlxgw.worker.adapters")
 
 WEIGHTS_FILE = "adapters.safetensors"
@@ -54,9 +57,11 @@ class RowRouting:
     def __init__(self) -> None:
         self.indices: mx.array | None = None
         self.active: tuple[int, ...] = ()
+        # Inside an MoE block: each expert pick's slot (worker/adapter_experts.py).
+        self.token_slots: mx.array | None = None
 
 
-class _LoraTable:
+class LoraTable:
     """slot -> (lora_a, lora_b, scale) of one layer. A plain object, so that nn.Module keeps
     it out of the model's parameter tree (adapters come and go; the model's weights do not)."""
 
@@ -68,11 +73,11 @@ class MultiLoRALinear(nn.Module):
     """A linear layer (plain or quantized) plus the low-rank deltas of the resident adapters
     that target it, each applied to its own rows of the batch."""
 
-    def __init__(self, base: nn.Module, routing: RowRouting):
+    def __init__(self, base: nn.Module, routing: RowRouting, table: LoraTable):
         super().__init__()
         self.base = base
         self.routing = routing
-        self.table = _LoraTable()
+        self.table = table
 
     def __call__(self, x: mx.array) -> mx.array:
         y = self.base(x)
@@ -137,13 +142,20 @@ def read_adapter(name: str, folder: Path, modules: dict[str, nn.Module]) -> tupl
     layers = {}
     for path, pair in pairs.items():
         module = modules.get(path)
-        base = module.base if isinstance(module, MultiLoRALinear) else module
+        base = module.base if isinstance(module, (MultiLoRALinear, MultiLoRASwitchLinear)) else module
+        a, b = pair.get("lora_a"), pair.get("lora_b")
+        if a is None or b is None:
+            raise refused(name, f"{path}: lora_a and lora_b do not form a low-rank pair")
+        if base is not None and (experts := expert_dims(base)) is not None:  # an MoE block's experts
+            if not fits(a, b, experts):
+                raise refused(name, f"{path}: shapes {tuple(a.shape)} x {tuple(b.shape)} do not fit its experts")
+            layers[path] = (a, b)
+            continue
         dims = linear_dims(base) if base is not None else None
         if dims is None:
             what = "no such layer" if base is None else f"a {type(base).__name__}, not a linear layer"
             raise refused(name, f"{path} is {what} in this model (trained for another model?)")
-        a, b = pair.get("lora_a"), pair.get("lora_b")
-        if a is None or b is None or a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0]:
+        if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0]:
             raise refused(name, f"{path}: lora_a and lora_b do not form a low-rank pair")
         if a.shape[0] != dims[0] or b.shape[1] != dims[1]:
             raise refused(
@@ -184,7 +196,7 @@ class AdapterBank:
         self.resident: OrderedDict[str, LoadedAdapter] = OrderedDict()  # least recently used first
         self.by_uid: dict[int, LoadedAdapter] = {}
         self._noted: OrderedDict[str, str] = OrderedDict()  # request id -> adapter name
-        self._wrapped: dict[str, MultiLoRALinear] = {}
+        self._wrapped: dict[str, MultiLoRALinear | MultiLoRASwitchLinear] = {}
         self._next_slot = 0
         self.loads = 0
         self.evictions = 0
@@ -279,8 +291,12 @@ class AdapterBank:
         scale, layers = read_adapter(name, folder, modules)
         mx.eval([w for pair in layers.values() for w in pair])
         slot, self._next_slot = self._next_slot, self._next_slot + 1
-        for layer_path, (a, b) in layers.items():
-            self._wrap(layer_path, modules).table.by_slot[slot] = (a, b, scale)
+        try:
+            wrapped = [self._wrap(layer_path, modules) for layer_path in layers]
+        except TypeError as e:  # an MoE block kind whose experts are not served
+            raise refused(name, str(e)) from None
+        for wrapper, (a, b) in zip(wrapped, layers.values()):
+            wrapper.table.by_slot[slot] = (a, b, scale)
         nbytes = sum(w.nbytes for pair in layers.values() for w in pair)
         adapter = LoadedAdapter(name, path, slot, scale, layers, nbytes, cache_tag(name, folder / WEIGHTS_FILE))
         self.resident[name] = adapter
@@ -288,11 +304,15 @@ class AdapterBank:
         log.info("adapter %s loaded: %d layers, %.1f MB", name, len(layers), nbytes / 2**20)
         return adapter
 
-    def _wrap(self, path: str, modules: dict[str, nn.Module]) -> MultiLoRALinear:
+    def _wrap(self, path: str, modules: dict[str, nn.Module]) -> MultiLoRALinear | MultiLoRASwitchLinear:
         module = modules[path]
-        if isinstance(module, MultiLoRALinear):
+        if isinstance(module, (MultiLoRALinear, MultiLoRASwitchLinear)):
             return module
-        wrapper = MultiLoRALinear(module, self.routing)
+        if expert_dims(module) is not None:
+            route_block(modules[path.rpartition(".")[0]], self.routing)  # TypeError: a block kind not served
+            wrapper = MultiLoRASwitchLinear(module, self.routing, LoraTable())
+        else:
+            wrapper = MultiLoRALinear(module, self.routing, LoraTable())
         self.model.update_modules(tree_unflatten([(path, wrapper)]))  # as mlx-lm places its LoRA layers
         self._wrapped[path] = modules[path] = wrapper
         return wrapper

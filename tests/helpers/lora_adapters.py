@@ -19,7 +19,7 @@ def write_lora_adapter(
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm import load
-    from mlx_lm.tuner.lora import LoRALinear
+    from mlx_lm.tuner.lora import LoRALinear, LoRASwitchLinear
     from mlx_lm.tuner.utils import linear_to_lora_layers
 
     if (dest / "adapters.safetensors").exists():
@@ -33,7 +33,7 @@ def write_lora_adapter(
     mx.random.seed(seed)
     linear_to_lora_layers(model, num_layers, params)
     for _, module in model.named_modules():
-        if isinstance(module, LoRALinear):  # trained LoRA has a non-zero B (it starts at zero)
+        if isinstance(module, (LoRALinear, LoRASwitchLinear)):  # trained LoRA has a non-zero B (it starts at zero)
             module.lora_b = 0.5 * mx.random.normal(module.lora_b.shape)
     dest.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(dest / "adapters.safetensors"), dict(tree_flatten(model.trainable_parameters())))
