@@ -289,6 +289,8 @@ class ModelManager(SlotRunner):
         slot.ready_since = time.monotonic()
         slot.load_seconds = conn.info.get("load_seconds", slot.load_seconds)
         self._check_context(slot, conn)
+        if slot.entry.adapters:  # adapters added while it loaded from an older entry
+            self._own(adapters.push(self, slot))
         if slot.state in (SlotState.LOADING, SlotState.RESTARTING, SlotState.UNLOADED):
             self._set(slot, SlotState.READY)
 

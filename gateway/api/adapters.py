@@ -113,7 +113,11 @@ async def add_adapter(request: web.Request) -> web.Response:
     added = AdapterEntry(name=name, path=str(folder))
     # A running worker loads it first: weights that do not fit this model are refused here.
     await adapters.push(manager, slot, dataclasses.replace(slot.entry, adapters=[*slot.entry.adapters, added]), name)
-    await _apply(request, base, lambda listed: [*listed, {"name": name, "path": str(folder)}])
+    try:
+        await _apply(request, base, lambda listed: [*listed, {"name": name, "path": str(folder)}])
+    except BaseException:
+        await adapters.push(manager, slot)  # the registry did not change: neither do the workers
+        raise
     return web.json_response({"object": "adapter", "id": name, "parent": base, "path": str(folder)}, status=201)
 
 
