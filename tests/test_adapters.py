@@ -147,7 +147,7 @@ def test_a_corrupt_or_mismatched_adapter_is_refused_with_the_reason_and_the_base
     reasons = {
         "corrupt": "adapters.safetensors is unreadable",
         "dora": "only LoRA adapters are served",
-        "empty": "is not an mlx_lm.lora output folder",
+        "empty": "is not an adapter folder",
         "other-family": "in this model (trained for another model?)",
     }
     for name, reason in reasons.items():
@@ -159,6 +159,38 @@ def test_a_corrupt_or_mismatched_adapter_is_refused_with_the_reason_and_the_base
     assert got[0][0] == reference(base, None, prompt) and got[1][0] == reference(base, a, prompt)
     with pytest.raises(ServiceError, match="not configured on this model"):
         runner.adapters.note("r1", "nobody")
+
+
+def peft_copy(mlx_folder, dest, **config):
+    """An mlx_lm.lora adapter in Hugging Face PEFT's layout: `base_model.model.<layer>.lora_A.weight`
+    (rank x input) and lora_B (output x rank), lora_alpha / r for the scale. (No PEFT here to
+    export one: this is PEFT's documented layout, written from the mlx-lm adapter.)"""
+    import json
+
+    weights = mx.load(str(mlx_folder / "adapters.safetensors"))
+    mlx_config = json.loads((mlx_folder / "adapter_config.json").read_text())["lora_parameters"]
+    peft = {}
+    for key, value in weights.items():
+        layer, _, leaf = key.rpartition(".")
+        peft[f"base_model.model.{layer}.lora_{'A' if leaf == 'lora_a' else 'B'}.weight"] = mx.contiguous(value.T)
+    dest.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(dest / "adapter_model.safetensors"), peft)
+    rank = mlx_config["rank"]
+    body = {"peft_type": "LORA", "r": rank, "lora_alpha": mlx_config["scale"] * rank, "bias": "none", **config}
+    (dest / "adapter_config.json").write_text(json.dumps(body))
+    return dest
+
+
+def test_a_peft_lora_folder_serves_as_the_same_adapter_and_a_dora_one_is_refused(home, models):
+    base, a, _ = models["llama"]
+    peft = peft_copy(a, home / "adapters" / "peft-a")
+    dora = peft_copy(a, home / "adapters" / "peft-dora", use_dora=True)
+    runner = make_runner(base, {"peft": peft, "dora": dora}, speculative=SpeculativeConfig(mode="off"))
+    prompt = runner.tokenizer.encode("the quick brown fox " * 4)
+    ((got, _),) = run_together(runner, [(prompt, "peft")])
+    assert got == reference(base, a, prompt)
+    with pytest.raises(ServiceError, match="DoRA adapters are not served"):
+        runner.insert(prompt, TOKENS, GREEDY, adapter="dora")
 
 
 def test_resident_adapters_are_bounded_but_rows_in_use_keep_theirs(models):

@@ -21,7 +21,6 @@ one adapter is never served to another adapter or to the base."""
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -36,11 +35,10 @@ from mlx.utils import tree_unflatten
 from mlxgw.shared.errors import invalid
 
 from .adapter_experts import MultiLoRASwitchLinear, expert_dims, fits, route_block
+from .adapter_formats import read_pairs, weights_file
 
 log = logging.getLogger("mlxgw.worker.adapters")
 
-WEIGHTS_FILE = "adapters.safetensors"
-CONFIG_FILE = "adapter_config.json"
 NO_ADAPTER = -1
 # An adapter row's prefix-cache tokens are shifted by its tag << TAG_SHIFT: token ids are far
 # below 2**32, tags are 1..2**31-1, so every adapter's keys (and the base's) are disjoint and
@@ -113,32 +111,14 @@ def refused(name: str, why: str):
 
 
 def read_adapter(name: str, folder: Path, modules: dict[str, nn.Module]) -> tuple[float, dict[str, tuple]]:
-    """An adapter folder's scale and its (lora_a, lora_b) per layer path, checked against the
-    model's layers; a 400 saying what is wrong for a folder that is not one, a fine-tune that
-    is not LoRA, or weights that do not fit this model."""
-    config_path, weights_path = folder / CONFIG_FILE, folder / WEIGHTS_FILE
-    if not config_path.is_file() or not weights_path.is_file():
-        raise refused(name, f"{folder} is not an mlx_lm.lora output folder (it needs {CONFIG_FILE} and {WEIGHTS_FILE})")
+    """An adapter folder's scale and its (lora_a, lora_b) per layer path (mlx_lm.lora's or
+    PEFT's layout: worker/adapter_formats.py), checked against the model's layers; a 400 saying
+    what is wrong for a folder that is not one, a fine-tune that is not LoRA, or weights that
+    do not fit this model."""
     try:
-        config = json.loads(config_path.read_text(encoding="utf-8"))
-        kind = config.get("fine_tune_type", "lora")
-        scale = float(config["lora_parameters"]["scale"])
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise refused(name, f"{CONFIG_FILE} has no readable lora_parameters.scale ({type(e).__name__}: {e})") from None
-    if kind != "lora":
-        raise refused(name, f"fine_tune_type {kind!r}: only LoRA adapters are served (fuse it with mlx_lm.fuse)")
-    try:
-        weights = mx.load(str(weights_path))
-    except Exception as e:  # safetensors' reader raises several kinds for a damaged file
-        raise refused(name, f"{WEIGHTS_FILE} is unreadable ({e})") from None
-    pairs: dict[str, dict[str, mx.array]] = {}
-    for key, value in weights.items():
-        path, _, leaf = key.rpartition(".")
-        if leaf not in ("lora_a", "lora_b"):
-            raise refused(name, f"tensor {key!r} is not a LoRA weight (DoRA and embedding adapters are not served)")
-        pairs.setdefault(path, {})[leaf] = value
-    if not pairs:
-        raise refused(name, f"{WEIGHTS_FILE} holds no LoRA weights")
+        scale, pairs = read_pairs(folder)
+    except ValueError as e:
+        raise refused(name, str(e)) from None
     layers = {}
     for path, pair in pairs.items():
         module = modules.get(path)
@@ -298,7 +278,7 @@ class AdapterBank:
         for wrapper, (a, b) in zip(wrapped, layers.values()):
             wrapper.table.by_slot[slot] = (a, b, scale)
         nbytes = sum(w.nbytes for pair in layers.values() for w in pair)
-        adapter = LoadedAdapter(name, path, slot, scale, layers, nbytes, cache_tag(name, folder / WEIGHTS_FILE))
+        adapter = LoadedAdapter(name, path, slot, scale, layers, nbytes, cache_tag(name, weights_file(folder)))
         self.resident[name] = adapter
         self.loads += 1
         log.info("adapter %s loaded: %d layers, %.1f MB", name, len(layers), nbytes / 2**20)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import os
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import yaml
 from aiohttp import web
 
 from mlxgw.shared import model_store
+from mlxgw.shared.adapter_folder import read_config, scale_of
 from mlxgw.shared.config import AdapterEntry, ConfigError, ModelKind, Registry, parse_registry, with_discovered_models
 from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
 
@@ -30,22 +30,14 @@ routes = web.RouteTableDef()
 
 
 def check_folder(folder: Path) -> None:
-    """What the gateway can check without loading weights: an mlx_lm.lora output folder
-    with a LoRA config."""
-    config_path = folder / "adapter_config.json"
+    """What the gateway can check without loading weights: an adapter folder (mlx_lm.lora's
+    or PEFT's) with a LoRA config."""
     if not folder.is_absolute():
         raise invalid(f"'path' must be an absolute folder, got {str(folder)!r}", "path")
-    if not config_path.is_file() or not (folder / "adapters.safetensors").is_file():
-        needs = "adapter_config.json and adapters.safetensors"
-        raise invalid(f"{folder} is not an mlx_lm.lora output folder (it needs {needs})", "path")
     try:
-        config = json.loads(config_path.read_text(encoding="utf-8"))
-        kind = config.get("fine_tune_type", "lora")
-        float(config["lora_parameters"]["scale"])
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise invalid(f"{config_path} has no readable lora_parameters.scale ({type(e).__name__})", "path") from None
-    if kind != "lora":
-        raise invalid(f"fine_tune_type {kind!r}: only LoRA adapters are served (fuse it with mlx_lm.fuse)", "path")
+        scale_of(*read_config(folder))
+    except ValueError as e:
+        raise invalid(str(e), "path") from None
 
 
 def _edited(data: dict, base: str, edit) -> dict:

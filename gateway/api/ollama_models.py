@@ -16,6 +16,7 @@ from pathlib import Path
 from aiohttp import web
 
 from mlxgw.shared import protocol as p
+from mlxgw.shared.adapter_folder import weights_file
 from mlxgw.shared.config import CHAT_KINDS, ENCODER_KINDS, ModelKind
 from mlxgw.shared.errors import invalid
 
@@ -83,7 +84,7 @@ def _adapter_listing(request: web.Request, slot, adapter) -> dict:
     """A LoRA adapter as Ollama lists a model derived from another: its base as parent_model."""
     base = _listing(request, slot)
     try:
-        st = (adapter.folder() / "adapters.safetensors").stat()
+        st = weights_file(adapter.folder()).stat()
         size, modified = st.st_size, st.st_mtime
     except OSError:  # a folder that is gone: listed still, its requests say why
         size, modified = 0, time.time()
