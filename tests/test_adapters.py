@@ -332,3 +332,61 @@ def _decode(base, tokens: list[int]) -> str:
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     return load_tokenizer(base).decode(tokens)
+
+
+# -- the real default model, with an adapter trained by mlx_lm.lora itself ---------------------------
+
+
+@pytest.mark.slow
+def test_an_adapter_trained_by_mlx_lm_lora_serves_on_the_real_model(home, smollm2_dir, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from helpers import openai_client, run_reference
+
+    from mlxgw.shared.platform import worker_environment
+
+    data = tmp_path / "data"
+    data.mkdir()
+    rows = [{"text": f"Ticket {i}: the printer on floor {i % 5} jammed. Fix: restart the spooler."} for i in range(16)]
+    (data / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (data / "valid.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:2]))
+    adapter = tmp_path / "tickets"
+    train = [sys.executable, "-m", "mlx_lm", "lora", "--model", str(smollm2_dir), "--train", "--data", str(data)]
+    train += ["--iters", "4", "--batch-size", "2", "--num-layers", "4", "--learning-rate", "1e-3"]
+    train += ["--adapter-path", str(adapter), "--max-seq-length", "64", "--val-batches", "1"]
+    out = subprocess.run(train, env=worker_environment(), capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    config = {
+        "manager": {"auto_discover": False},
+        "models": [
+            {
+                "name": "smollm2-lora",
+                "source": str(smollm2_dir),
+                "preload": True,
+                "max_num_seqs": 4,
+                "adapters": [{"name": "tickets", "path": str(adapter)}],
+            }
+        ],
+    }
+    gw = start_gateway(home, config, "adapters-real")
+    try:
+        client = openai_client(gw)
+        messages = [{"role": "user", "content": "Ticket 7: the printer on floor 2"}]
+        answers = {
+            name: client.chat.completions.create(model=name, messages=messages, temperature=0, max_tokens=24)
+            .choices[0]
+            .message.content
+            for name in ("tickets", "smollm2-lora")
+        }
+    finally:
+        gw.stop()
+    reference = run_reference(f"""
+from mlx_lm import load, generate
+model, tok = load({str(smollm2_dir)!r}, adapter_path={str(adapter)!r})
+prompt = tok.apply_chat_template({messages!r}, add_generation_prompt=True)
+print(generate(model, tok, prompt, max_tokens=24), end="")
+""")
+    assert answers["tickets"] == reference
+    assert answers["smollm2-lora"] != reference  # the trained adapter changed the answer
