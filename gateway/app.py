@@ -23,7 +23,9 @@ from .api import (
     audio,
     batches,
     files,
+    infill,
     ollama,
+    ollama_manage,
     ollama_models,
     openai_chat,
     openai_completions,
@@ -177,5 +179,17 @@ def unlisted_routes(app: web.Application) -> list[tuple[str, str]]:
 def route_tables() -> list:
     """Every route table the app serves (tests walk them to reach every route)."""
     modules = (openai_chat, openai_completions, openai_embeddings, rerank, audio, anthropic, responses, system)
-    modules += (observe, ollama, ollama_models, tokenize, admin, adapters, mcp_routes, files, batches)
+    modules += (
+        observe,
+        ollama,
+        ollama_models,
+        ollama_manage,
+        tokenize,
+        admin,
+        adapters,
+        mcp_routes,
+        files,
+        batches,
+        infill,
+    )
     return [m.routes for m in modules] + [console_routes]

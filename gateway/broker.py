@@ -3,10 +3,11 @@
 One ROUTER socket for local workers (ipc), and one for remote workers when the gateway
 listens for them (tcp, with a maximum message size so that nobody can send gigabytes
 before authenticating). Workers connect DEALERs and announce the model they serve. The
-broker keeps a connection record per worker, heartbeats every one, judges liveness
-(gateway/liveness.py), routes requests under ids it generates itself, and fans the batched
-events back out to per-request streams. A worker lost with requests in flight ends each of
-them with an explicit error event: streams end exactly once, never by hanging.
+broker heartbeats every worker, routes requests under ids it generates itself, and fans the
+batched events back out to per-request streams; its records of the workers (connections,
+local processes, liveness judgement, ending a lost worker's requests) are its base class,
+gateway/worker_registry.py. A worker lost with requests in flight ends each of them with
+an explicit error event: streams end exactly once, never by hanging and never with a hole.
 
 What the model manager needs to hear (a worker ready, failed to load, lost, idle) is put
 on `events`, a queue the manager consumes: the broker holds no reference to the manager."""
@@ -18,7 +19,6 @@ import hmac
 import itertools
 import logging
 import time
-from collections import OrderedDict
 
 import zmq
 import zmq.asyncio
@@ -28,7 +28,8 @@ from mlxgw.shared.errors import ErrorCode, ServiceError
 
 from . import liveness as live
 from . import wire_checks as wc
-from .quarantine import Quarantine, fingerprint
+from .broker_wire import MAX_WIRE_DEPTH, REMOTE_MAX_MESSAGE_BYTES, RateLimitedLog, encoding_error, nested_deeper_than
+from .quarantine import fingerprint
 from .worker_conn import (
     ConnState,
     RequestStream,
@@ -40,6 +41,7 @@ from .worker_conn import (
     WorkerLost,
     WorkerReady,
 )
+from .worker_registry import WorkerRegistry
 
 __all__ = [
     "Broker",
@@ -56,56 +58,10 @@ __all__ = [
 
 log = logging.getLogger("mlxgw.broker")
 
-# Largest message a remote worker may send (embedding batches are the big ones).
-REMOTE_MAX_MESSAGE_BYTES = 64 << 20
-LOG_EVERY_S = 10.0  # rejected frames: one log line per kind per interval, with a count
-# Containers inside containers in one request (HTTP bodies already stop at 64: api/body.py).
-MAX_WIRE_DEPTH = 256
 
+class Broker(WorkerRegistry):
+    """Routing and the sockets; what it knows about each worker is WorkerRegistry's."""
 
-class _RateLimitedLog:
-    """At most one line per kind every LOG_EVERY_S, saying how many were suppressed."""
-
-    def __init__(self) -> None:
-        self._last: dict[str, float] = {}
-        self._suppressed: dict[str, int] = {}
-
-    def warning(self, kind: str, message: str, *args) -> None:
-        now = time.monotonic()
-        if now - self._last.get(kind, -LOG_EVERY_S) < LOG_EVERY_S:
-            self._suppressed[kind] = self._suppressed.get(kind, 0) + 1
-            return
-        self._last[kind] = now
-        skipped = self._suppressed.pop(kind, 0)
-        suffix = f" (and {skipped} more like it in the last {LOG_EVERY_S:g} s)" if skipped else ""
-        log.warning(message + suffix, *args)
-
-
-def _nested_deeper_than(value, limit: int) -> bool:
-    """Iteratively, so that the check itself cannot hit the recursion limit."""
-    stack = [(value, 0)]
-    while stack:
-        item, depth = stack.pop()
-        children = item.values() if isinstance(item, dict) else item
-        if depth >= limit:
-            return True
-        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list, tuple)))
-    return False
-
-
-def _encoding_error(e: Exception) -> ServiceError:
-    if isinstance(e, UnicodeError):
-        why = "it holds text that is not valid Unicode (an unpaired surrogate)"
-    elif isinstance(e, OverflowError):
-        why = "it holds an integer outside the 64-bit range"
-    elif "recursion" in str(e) or isinstance(e, RecursionError):
-        why = "it is nested too deeply"
-    else:
-        why = "it holds a value that cannot be sent to the model worker"
-    return ServiceError(ErrorCode.INVALID_REQUEST, f"the request cannot be processed: {why}")
-
-
-class Broker:
     def __init__(
         self,
         endpoint: str,
@@ -120,26 +76,16 @@ class Broker:
         self.endpoint = endpoint
         self.extra_endpoints = extra_endpoints  # e.g. tcp:// for remote workers
         self.heartbeat_s = heartbeat_s
-        self.limits = live.Limits(heartbeat_s * liveness, hang_timeout_s)
+        super().__init__(live.Limits(heartbeat_s * liveness, hang_timeout_s))
         self.secret = secret
         self.remote_max_message_bytes = remote_max_message_bytes
-        self.conns: dict[bytes, WorkerConn] = {}
-        self.events: asyncio.Queue[WorkerEvent] = asyncio.Queue()
-        self.quarantine = Quarantine()
         self.dropped_messages = 0
-        self.host_stalls = 0
-        self._local: dict[str, int] = {}  # worker_id -> pid, for processes the manager spawned
-        self._exited_fps: dict[str, list[str]] = {}  # worker_id -> in flight when seen gone
-        # Workers that said goodbye (or whose process has exited): a later hello from one of
-        # them is a worker on its way out answering our "who are you?", not a new worker.
-        self._departed: OrderedDict[str, None] = OrderedDict()
         self._replies: dict[int, asyncio.Future] = {}
         self._call_conns: dict[int, WorkerConn] = {}  # the worker each pending call went to
         self._cids = itertools.count(1)
         self._rids = itertools.count(1)
         self._tasks: list[asyncio.Task] = []
-        self._rejects = _RateLimitedLog()
-        self._stalled = False
+        self._rejects = RateLimitedLog()
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.remote_sock = self.ctx.socket(zmq.ROUTER) if extra_endpoints else None
@@ -162,9 +108,10 @@ class Broker:
         self._tasks.append(asyncio.create_task(self._heartbeat_loop(), name="broker-heartbeat"))
 
     async def close(self) -> None:
-        for t in self._tasks:
+        tasks = [*self._tasks, *self._lingering]
+        for t in tasks:
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         left = sum(c.load for c in self.conns.values())
         if left:
             log.error("%d requests were still in flight at shutdown; ending them with an error", left)
@@ -175,43 +122,6 @@ class Broker:
                 sock.close(linger=0)
         self.ctx.term()
 
-    # -- what the manager uses ---------------------------------------------------------------
-    def workers(self, model: str) -> list[WorkerConn]:
-        return [c for c in self.conns.values() if c.model == model]
-
-    def ready_workers(self, model: str) -> list[WorkerConn]:
-        return [c for c in self.workers(model) if c.state is ConnState.READY and c.reachable]
-
-    def least_loaded(self, model: str) -> WorkerConn | None:
-        ready = self.ready_workers(model)
-        return min(ready, key=lambda c: c.load) if ready else None
-
-    def in_flight(self, model: str) -> int:
-        return sum(c.load for c in self.workers(model))
-
-    def expect_local(self, worker_id: str, pid: int) -> None:
-        """A process the manager spawned: its liveness may be judged by its process state."""
-        self._local[worker_id] = pid
-        for conn in self.conns.values():
-            if conn.worker_id == worker_id and not conn.remote:
-                conn.local_pid = pid
-
-    def drain_local(self, worker_id: str) -> None:
-        """Route nothing new to the worker (it was asked to stop)."""
-        for conn in self.conns.values():
-            if conn.worker_id == worker_id and conn.state is not ConnState.LOST:
-                conn.state = ConnState.DRAINING
-
-    def release_local(self, worker_id: str, reason: str, planned: bool) -> list[str]:
-        """The process has exited: forget its connection. The fingerprints of the requests it
-        still had in flight are returned (the manager decides whether that was a crash)."""
-        self._local.pop(worker_id, None)
-        self._depart(worker_id)
-        fps: list[str] = self._exited_fps.pop(worker_id, [])  # seen gone by the liveness check first
-        for conn in [c for c in self.conns.values() if c.worker_id == worker_id and not c.remote]:
-            fps += self.drop(conn, reason, notify=False, planned=planned)
-        return fps
-
     # -- routing ------------------------------------------------------------------------------
     async def submit(self, conn: WorkerConn, req: p.WorkerRequest, owner: str | None = None) -> RequestStream:
         """Send a request under a fresh routing id. Encoding and the quarantine check happen
@@ -221,16 +131,18 @@ class Broker:
         try:
             wire = req.to_wire()
             wire["rid"] = rid
-            if _nested_deeper_than(wire, MAX_WIRE_DEPTH):
+            if nested_deeper_than(wire, MAX_WIRE_DEPTH):
                 raise RecursionError("the request is nested too deeply")
             frame = p.encode(req.WIRE_TYPE, request=wire)
         except (ValueError, TypeError, OverflowError, RecursionError) as e:
-            raise _encoding_error(e) from None
+            raise encoding_error(e) from None
         fp = None  # computed when a crash needs it (RequestStream.fingerprint), or now to check it
         if self.quarantine.watching(conn.model):
             fp = fingerprint(wire)
             self.quarantine.check(conn.model, fp)
         stream = RequestStream(rid, label, conn, owner, fp, frame)
+        if not conn.streams:
+            conn.progress_at = time.monotonic()  # no progress is owed before there is work
         conn.streams[rid] = stream
         try:
             await self._send(conn, frame)
@@ -242,7 +154,16 @@ class Broker:
     async def cancel(self, stream: RequestStream) -> None:
         if stream.done:
             return
+        stream.cancelled = True  # a cancel that finds no peer goes again when the worker is back
         await self._send(stream.conn, p.encode(p.CANCEL, rids=[stream.rid]))
+
+    async def _cancel_rids(self, conn: WorkerConn, rids: list[str]) -> None:
+        """Stop the worker generating for requests the gateway has already ended."""
+        if rids:
+            try:
+                await self._send(conn, p.encode(p.CANCEL, rids=rids))
+            except ServiceError:
+                pass  # not reachable now; liveness decides what it is
 
     def find_stream(self, rid: str, allowed=None) -> RequestStream | None:
         """The stream with this routing id or client-visible id that `allowed` (a predicate on
@@ -352,12 +273,19 @@ class Broker:
         if not conn.reachable:
             conn.reachable = True
             self.events.put_nowait(WorkerBack(conn))
+            await self._cancel_rids(conn, [rid for rid, s in conn.streams.items() if s.cancelled])
         if kind == p.HEARTBEAT:
             if "stats" in msg:
                 conn.stats = wc.clean_stats(msg.get("stats"))
             conn.step_busy_s = wc.clean_busy(msg.get("step_busy_s"))
+            progress = msg.get("progress")
+            if isinstance(progress, int) and not isinstance(progress, bool) and progress != conn.progress:
+                conn.progress, conn.progress_at = progress, conn.last_heard
         elif kind == p.EVENTS:
+            conn.progress_at = conn.last_heard
+            lost = self._check_seq(conn, msg.get("seq"))
             self._on_events(conn, msg.get("items"))
+            await self._cancel_rids(conn, lost)
         elif kind == p.READY:
             if conn.state is ConnState.LOADING:
                 conn.state = ConnState.READY
@@ -374,12 +302,7 @@ class Broker:
             self.drop(conn, "model load failed", notify=False)
         elif kind == p.BYE:
             self._depart(conn.worker_id)
-            self.drop(conn, "worker exited", planned=conn.state is ConnState.DRAINING)
-
-    def _depart(self, worker_id: str) -> None:
-        self._departed[worker_id] = None
-        while len(self._departed) > 4096:
-            self._departed.popitem(last=False)
+            self.drop(conn, "worker exited", planned=conn.state is ConnState.DRAINING, graceful=True)
 
     def _on_events(self, conn: WorkerConn, raw_items) -> None:
         items, bad = wc.event_items(raw_items)
@@ -427,20 +350,12 @@ class Broker:
             sock=sock,
             local_pid=None if remote else self._local.get(worker_id),
         )
-        # The same worker under a new identity has reconnected (it thought we were gone):
-        # it keeps its requests in flight, and nothing is dropped.
-        for old in [c for c in self.conns.values() if c.worker_id == conn.worker_id and c.remote == remote]:
-            del self.conns[old.identity]
-            conn.streams.update(old.streams)
-            for stream in conn.streams.values():
-                stream.conn = conn
-            if old.state is ConnState.DRAINING:
-                conn.state = ConnState.DRAINING
-        self.conns[identity] = conn
+        lost = self._register(conn, msg.get("seq"))
         await self._reply(sock, identity, p.encode(p.WELCOME))
         log.info("worker %s for %s connected (%s)", conn.worker_id, conn.model, conn.state)
         if conn.state is ConnState.READY:
             self.events.put_nowait(WorkerReady(conn))
+        await self._cancel_rids(conn, lost)  # cancels the old identity may have missed
 
     # -- liveness ------------------------------------------------------------------------------
     async def _heartbeat_loop(self) -> None:
@@ -457,8 +372,7 @@ class Broker:
                     "workers get a fresh liveness window instead of blame",
                     lag,
                 )
-                for conn in self.conns.values():
-                    conn.last_heard = max(conn.last_heard, now)
+                self._forgive_stall(now)
             else:
                 self._judge(now)
             for conn in list(self.conns.values()):
@@ -467,60 +381,8 @@ class Broker:
                 except zmq.ZMQError:
                     conn.reachable = False  # reconnecting, or gone: liveness decides which
 
-    def _judge(self, now: float) -> None:
-        conns = list(self.conns.values())
-        silent = [c for c in conns if now - c.last_heard > self.limits.window_s]
-        all_silent = len(conns) >= 2 and len(silent) == len(conns)
-        if all_silent and not self._stalled:
-            self.host_stalls += 1
-            log.warning("all %d workers are silent at once: a host stall, not %d crashes", len(conns), len(conns))
-        self._stalled = all_silent
-        for conn in conns:
-            silent_s = now - conn.last_heard
-            process = self._process_state(conn, silent_s)
-            why = live.verdict(silent_s, conn.step_busy_s, process, self.limits, all_silent)
-            if why is not None:
-                self.drop(conn, f"worker {why}", kind=live.loss_kind(process, conn.step_busy_s, self.limits))
-
-    def _process_state(self, conn: WorkerConn, silent_s: float) -> live.ProcessState:
-        if conn.local_pid is None:
-            return live.ProcessState.UNKNOWN
-        if silent_s <= self.limits.window_s:
-            return live.ProcessState.RUNNING  # heard from recently: no need to look
-        return live.probe(conn.local_pid)
-
-    def drop(
-        self,
-        conn: WorkerConn,
-        reason: str,
-        notify: bool = True,
-        planned: bool = False,
-        kind: live.LossKind = live.LossKind.OTHER,
-    ) -> list[str]:
-        """Forget a worker: every request in flight on it ends with a worker_lost error.
-        Returns the fingerprints of those requests. kind: why, for the fault counters."""
-        if self.conns.get(conn.identity) is not conn:
-            return []
-        del self.conns[conn.identity]
-        if planned:
-            log.info("worker %s for %s left: %s", conn.worker_id, conn.model, reason)
-        else:
-            log.warning("lost worker %s for %s: %s", conn.worker_id, conn.model, reason)
-        err = ServiceError(
-            ErrorCode.WORKER_LOST, f"the worker serving {conn.model} stopped ({reason}); retry the request"
-        )
-        fps = [s.fingerprint for s in conn.streams.values()]
-        if kind is live.LossKind.EXITED and conn.worker_id in self._local:
-            # a crash of a local process: its exit code decides whether these were to blame
-            self._exited_fps.setdefault(conn.worker_id, []).extend(fps)
-        for stream in conn.streams.values():
-            stream.push(p.Error(err))
-        conn.streams.clear()
+    def _fail_calls(self, conn: WorkerConn, err: ServiceError) -> None:
         for cid in [c for c, on in self._call_conns.items() if on is conn]:  # calls may wait long (tokenize)
             fut = self._replies.get(cid)
             if fut is not None and not fut.done():
                 fut.set_result({"ok": False, "error": err.to_wire()})
-        conn.state = ConnState.LOST
-        if notify:
-            self.events.put_nowait(WorkerLost(conn, reason, tuple(fps), kind))
-        return fps

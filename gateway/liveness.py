@@ -15,7 +15,15 @@ that would have finished. So:
   silence is the watchdog's, counted apart and never blamed on the requests in flight;
 - when every worker goes silent at once, that is logged as a host stall and they get
   time, up to the same hard bound; a remote worker (no process to look at) is otherwise
-  dead after `liveness` missed heartbeats."""
+  dead after `liveness` missed heartbeats;
+- heartbeats prove that a worker's link thread runs, not that its requests get anywhere: a
+  worker with requests in flight whose progress count (heartbeats carry it; it moves with
+  every event frame and every progress mark of a long step) stands still for the hang
+  bound is hung, however regularly it heartbeats (gateway/worker_registry.py). Workers
+  that do not report the count are judged as before;
+- the other side of the link follows the same rule: a worker never gives up a stalled
+  gateway before this hard bound, and keeps every frame for it meanwhile
+  (worker/link.py)."""
 
 from __future__ import annotations
 

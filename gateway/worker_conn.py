@@ -47,6 +47,8 @@ class RequestStream:
         self._fingerprint = fp
         self._frame = frame
         self.done = False
+        self.heard = False  # the worker sent an event for it: it was taken in
+        self.cancelled = False  # the gateway asked the worker to stop it (sent again after a reconnect)
         # One reader (the request's Generation): a deque and one waiter future cost less per
         # token than an asyncio.Queue.
         self._events: deque[p.AnyEvent] = deque()
@@ -62,6 +64,7 @@ class RequestStream:
     def push(self, event: p.AnyEvent) -> None:
         if self.done:
             return
+        self.heard = True
         if isinstance(event, p.TERMINAL_EVENTS):
             self.done = True
         self._events.append(event)
@@ -107,6 +110,13 @@ class WorkerConn:
     remote: bool = False
     sock: zmq.asyncio.Socket | None = None
     reachable: bool = True  # False after a send found no peer (it may be reconnecting)
+    # The sequence number the next EVENTS frame must carry (None: the worker does not number
+    # them, or none came yet): a jump means frames were lost between worker and gateway.
+    next_seq: int | None = None
+    # The worker's progress count from its heartbeats (None: a worker that does not report
+    # it), and when it last moved, an EVENTS frame came, or its first request went out.
+    progress: int | None = None
+    progress_at: float = field(default_factory=time.monotonic)
 
     @property
     def load(self) -> int:

@@ -115,6 +115,31 @@ class AdapterEntry:
 
 
 @dataclass
+class FimConfig:
+    """Fill-in-the-middle (`fim:`; shared/fim.py). Unset token fields come from the format
+    found in the model's vocabulary; naming prefix and suffix defines one for a model
+    without a known format; enabled: false refuses FIM even where tokens exist."""
+
+    enabled: bool = True
+    prefix: str | None = None  # control tokens, spelled as in the tokenizer
+    suffix: str | None = None
+    middle: str | None = None
+    order: Literal["psm", "spm"] | None = None  # prefix-suffix-middle or suffix-first
+    repo_name: str | None = None  # repository-level context (input_extra)
+    file_sep: str | None = None
+    stop: list[str] = field(default_factory=list)  # more tokens that end a middle
+    max_tokens: int = 128  # a FIM request's max_tokens when it sends none
+
+
+@dataclass
+class PresetMessage:
+    """A turn put before every conversation with the model (Ollama's Modelfile MESSAGE)."""
+
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+@dataclass
 class ModelEntry:
     name: str
     source: str | None = None  # folder name in the models dir, or a path; default: name
@@ -134,6 +159,8 @@ class ModelEntry:
     stream_interval: int = 1
     prefill_step_size: int = 512
     cache_memory_mb: int | None = None  # prefix cache bound; None: a share of RAM
+    # KV of admitted rows + prefix cache (worker/kv_budget.py); None: measured at load
+    kv_memory_mb: int | None = None
     prefix_cache_disk_mb: int = 1024  # hottest prefixes kept on disk across unloads; 0: off
     kv_bits: Literal[4, 8] | None = None  # quantized KV cache (worker/quantized_kv.py); None: the model's dtype
     kv_group_size: Literal[32, 64, 128] = 64  # elements per quantization scale and bias
@@ -157,6 +184,14 @@ class ModelEntry:
     distributed: DistributedConfig | None = None  # shard the model over several ranks
     adapters: list[AdapterEntry] = field(default_factory=list)  # LoRA adapters on this model
     resident_adapters: int = 8  # adapters kept loaded on the worker at once (LRU; rows in use never leave)
+    fim: FimConfig | None = None  # fill-in-the-middle overrides; None: as the tokenizer says
+    # Set by Ollama's /api/create from a Modelfile: a system prompt for requests that bring
+    # none (SYSTEM), turns put before every conversation (MESSAGE), and a Jinja chat template
+    # (TEMPLATE, sent as the request's template: it needs allow_request_chat_template and
+    # renders in the worker's budgeted sandbox like any template).
+    system: str | None = None
+    messages: list[PresetMessage] = field(default_factory=list)
+    chat_template: str | None = None
 
     def model_path(self, models_dir: Path) -> Path:
         source = self.source or self.name
@@ -190,6 +225,9 @@ class ManagerConfig:
     failed_retry_s: float = 300  # a crash-looping model is tried again after this (doubling)
     usage_ledger: bool = True  # record every API request in $MLXGW_HOME/usage.db (gateway/ledger.py)
     usage_retention_days: float = 90  # ledger rows older than this are deleted; 0: keep forever
+    # Folders Ollama's /api/create may take a `FROM` path from (the models directory always);
+    # a request can name nothing outside them.
+    allowed_import_paths: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -302,7 +340,7 @@ def _check_entry(e: ModelEntry, where: str) -> None:
     except model_store.InvalidModelName as err:
         raise bad("name", str(err)) from None
     _at_least(where, e, 0, ("idle_unload_s",))
-    _at_least(where, e, 1, ("cache_memory_mb",))
+    _at_least(where, e, 1, ("cache_memory_mb", "kv_memory_mb"))
     _check_source_and_aliases(e, bad)
     _check_defaults(e.defaults, f"{where}: field 'defaults'")
     _at_least(where, e, 0, ("prefix_cache_disk_mb",))
@@ -332,6 +370,8 @@ def _check_entry(e: ModelEntry, where: str) -> None:
         raise bad("context_length", f"must be at least 16, got {e.context_length}")
     if e.distributed is not None:
         _check_distributed(e, where)
+    if e.fim is not None and e.fim.max_tokens < 1:
+        raise bad("fim.max_tokens", f"must be at least 1, got {e.fim.max_tokens}")
     _check_adapters(e, bad)
 
 

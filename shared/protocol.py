@@ -47,14 +47,16 @@ from .wire_types import _conforms, _field_names, _type_hints
 PROTOCOL_VERSION = 1
 
 # worker -> gateway
-HELLO = "hello"  # worker_id, model, kind, pid, secret?  (re-sent when the gateway asks)
+# worker_id, model, kind, pid, secret?, seq? (the number of the next EVENTS frame on this
+# socket: a gateway that expected a lower one knows frames were lost)  (re-sent when asked)
+HELLO = "hello"
 READY = "ready"  # model loaded: info = {context_length, max_num_seqs, max_queue, ...}
 LOAD_FAILED = "load_failed"  # error = {code, message}
 # A worker's exit status when its model cannot be loaded at all (a config it cannot build, a
 # missing field, an unknown architecture): the gateway marks the model failed at once rather
 # than restarting into the same error (sysexits' EX_CONFIG).
 EXIT_UNSERVABLE = 78
-EVENTS = "events"  # items = [[rid, event], ...]
+EVENTS = "events"  # items = [[rid, event], ...], seq? (numbered per worker link, from 0)
 REPLY = "reply"  # cid, ok, result | error
 BYE = "bye"
 # gateway -> worker
@@ -68,7 +70,9 @@ CALL = "call"  # cid, op, args  (tokenize, cache_stats, cache_clear, status)
 SHUTDOWN = "shutdown"  # drain: bool
 RECONNECT = "reconnect"  # "who are you?": the gateway lost track of this worker
 # both
-HEARTBEAT = "heartbeat"  # worker's carries stats
+# A worker's carries stats, step_busy_s and progress? (a count that moves while its requests
+# get anywhere: gateway/liveness.py bounds a worker that heartbeats without progress)
+HEARTBEAT = "heartbeat"
 
 WORKER_TYPES = {HELLO, READY, LOAD_FAILED, EVENTS, REPLY, BYE, HEARTBEAT}
 GATEWAY_TYPES = {WELCOME, GENERATE, EMBED, TRANSCRIBE, SPEAK, CANCEL, CALL, SHUTDOWN, RECONNECT, HEARTBEAT}
@@ -204,6 +208,11 @@ class GenerateRequest:
     # A LoRA adapter of the worker's model (models.yaml `adapters`), by its name; None: the
     # base model. A worker of an older version ignores the field.
     adapter: str | None = None
+    # Fill-in-the-middle (worker/fim.py): {"prefix", "suffix", "middle" (text after the middle
+    # token, llama.cpp's `prompt`), "extra" ([[filename, text], ...]: other files as context),
+    # "filename", "repo"}; set, the worker builds the prompt with the model's FIM tokens and
+    # `prompt` is unused.
+    fim: dict | None = None
 
     def to_wire(self) -> dict:
         return _plain(self)

@@ -163,14 +163,18 @@ def test_kv_bytes_per_token_is_layers_kv_heads_head_dim_keys_and_values_and_dtyp
     assert kv_bytes_per_token({"d_model": 384}, 4) is None
 
 
-def test_max_num_seqs_is_the_kv_budget_over_a_typical_rows_kv_clamped():
+def test_max_num_seqs_is_the_kv_budget_over_a_typical_rows_kv_capped_and_never_raised():
     from mlxgw.worker.capacity import default_max_num_seqs
 
     gib = 1 << 30
     # SmolLM2-135M float32 on 24 GiB: an eighth of RAM over 2,048 tokens x 45 KiB
     assert default_max_num_seqs(46_080, 24 * gib // 8, 2048) == 34
     assert default_max_num_seqs(46_080, 64 * gib // 8, 2048) == 64  # ceiling
-    assert default_max_num_seqs(8 * 131_072, 16 * gib // 8, 2048) == 8  # a large model: the floor
+    # Issue 40's model, 0.5 MiB per token: 3 rows on 24 GiB, where a floor of 8 once admitted
+    # 8 and four 3,000-token prompts killed the worker; memory decides, never a floor.
+    assert default_max_num_seqs(32 * 16 * 128 * 2 * 4, 24 * gib // 8, 2048) == 3
+    assert default_max_num_seqs(8 * 131_072, 16 * gib // 8, 2048) == 1  # a row's KV is the whole share
+    assert default_max_num_seqs(8 * 131_072, 1 * gib // 8, 2048) == 1  # the least is one row
 
 
 def test_a_configured_max_num_seqs_wins_over_the_formula(tiny_dir):

@@ -58,16 +58,21 @@ def _resolve(module: str, is_package: bool, node: ast.ImportFrom) -> str:
     return ".".join(base + ([node.module] if node.module else []))
 
 
-def imports_of(module: str) -> set[str]:
-    """The modules (ours and third-party, by full name) that `module` imports."""
-    path = MODULES[module]
-    tree = ast.parse(path.read_text(), str(path))
+def imports_of(module: str, source: str | None = None, is_package: bool | None = None) -> set[str]:
+    """The modules (ours and third-party, by full name) that `module` imports; `source` reads
+    planted code instead of the file, so the rules below can be shown to fail."""
+    path = MODULES.get(module)
+    if source is None:
+        source = path.read_text()
+    if is_package is None:
+        is_package = path is not None and path.name == "__init__.py"
+    tree = ast.parse(source, str(path or module))
     out: set[str] = set()
     for node in _import_nodes(tree):
         if isinstance(node, ast.Import):
             out.update(alias.name for alias in node.names)
             continue
-        target = _resolve(module, path.name == "__init__.py", node)
+        target = _resolve(module, is_package, node)
         for alias in node.names:  # `from pkg import sub` imports the submodule pkg.sub
             sub = f"{target}.{alias.name}"
             out.add(sub if sub in MODULES else target)
@@ -81,8 +86,15 @@ def _part(module: str) -> str:
     return module.split(".")[1] if module.startswith("mlxgw.") and module.count(".") else ""
 
 
-def _offenders(part: str, forbidden) -> list[str]:
-    return sorted(f"{m} imports {i}" for m in GRAPH if _part(m) == part for i in GRAPH[m] if forbidden(i))
+def _offenders(part: str, forbidden, graph: dict[str, set[str]] | None = None) -> list[str]:
+    graph = GRAPH if graph is None else graph
+    return sorted(f"{m} imports {i}" for m in graph if _part(m) == part for i in graph[m] if forbidden(i))
+
+
+def _is_bare(name: str) -> bool:
+    """`import shared.paths` from the repository root loads a second copy of the module beside
+    `mlxgw.shared.paths` and breaks in a wheel, where only the `mlxgw` package exists."""
+    return name.split(".")[0] in PARTS
 
 
 def _is_mlx(name: str) -> bool:
@@ -95,16 +107,45 @@ def test_the_graph_sees_the_whole_tree():
     assert "mlxgw.gateway.api.routes" in GRAPH["mlxgw.gateway.auth"]  # a relative one too
 
 
+RULES = {
+    "gateway": lambda i: i.startswith(("mlxgw.worker", "worker.")) or _is_mlx(i),
+    "shared": lambda i: i.startswith(("mlxgw.gateway", "mlxgw.worker", "gateway.", "worker.")),
+    "worker": lambda i: i.startswith(("mlxgw.gateway", "gateway.")),
+}
+
+
 def test_the_gateway_imports_no_worker_and_no_mlx():
-    assert _offenders("gateway", lambda i: i.startswith("mlxgw.worker") or _is_mlx(i)) == []
+    assert _offenders("gateway", RULES["gateway"]) == []
 
 
 def test_shared_imports_neither_the_gateway_nor_the_worker():
-    assert _offenders("shared", lambda i: i.startswith(("mlxgw.gateway", "mlxgw.worker"))) == []
+    assert _offenders("shared", RULES["shared"]) == []
 
 
 def test_the_worker_imports_no_gateway():
-    assert _offenders("worker", lambda i: i.startswith("mlxgw.gateway")) == []
+    assert _offenders("worker", RULES["worker"]) == []
+
+
+def test_no_module_imports_a_top_folder_by_its_bare_name():
+    assert [o for part in PARTS for o in _offenders(part, _is_bare)] == []
+
+
+PLANTED = {
+    "gateway": ["from mlxgw.worker import engine", "from worker import engine", "import mlx.core as mx",
+                "from ..worker import engine"],
+    "shared": ["import gateway.state", "from mlxgw.gateway import state", "from ..worker.engine import run"],
+    "worker": ["from gateway.api import errors", "from mlxgw.gateway import broker"],
+}
+
+
+@pytest.mark.parametrize("part,line", [(p, line) for p, lines in PLANTED.items() for line in lines])
+def test_each_rule_fails_on_a_planted_violation(part, line):
+    """The rules run on real edits: each planted import, placed in a real module of that part,
+    is reported (by the floor rule or, for a bare name, the bare-import rule)."""
+    module = next(m for m in MODULES if _part(m) == part and m.count(".") == 2 and MODULES[m].name != "__init__.py")
+    planted = {module: imports_of(module, MODULES[module].read_text() + "\n" + line + "\n")}
+    found = _offenders(part, RULES[part], planted) + _offenders(part, _is_bare, planted)
+    assert found, f"{line!r} in {module} was not reported"
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:

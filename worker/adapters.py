@@ -196,8 +196,11 @@ class AdapterBank:
         while len(self._noted) > MAX_NOTED_REQUESTS:
             self._noted.popitem(last=False)
 
-    def noted(self, rid: str | None) -> str | None:
-        return self._noted.get(rid) if rid is not None else None
+    def for_row(self, name: str | None, guard: object = None) -> LoadedAdapter | None:
+        """A new row's adapter: the one named, else the one its request named at preparation
+        (found by the request id its guard carries); loaded now if it is not resident."""
+        name = name or self._noted.get(getattr(guard, "rid", None) or "")
+        return self.acquire(name) if name is not None else None
 
     def acquire(self, name: str) -> LoadedAdapter:
         """The adapter, loaded now if it is not resident (engine thread, at admission)."""

@@ -10,7 +10,12 @@
   admits new prompts only while that budget is shared fairly between rows
   (worker/prefill_plan.py) and between tenants (FairQueue.may_start_prefill);
 - a request with prompt logprobs waits until they are computed; sibling choices (n > 1) wait
-  until choice 0 decodes (its prompt KV is then in the prefix cache).
+  until choice 0 decodes (its prompt KV is then in the prefix cache);
+- with a KV budget (worker/kv_budget.py), a row is admitted only while the KV every admitted
+  row may grow to fits it; the prefix cache gives way (cut to what the rows leave, once the
+  new row has looked up its prefix), and a row that does not fit waits at the head of the
+  queue (those behind it wait too, so a long prompt is not starved by short ones) until
+  rows end or are paused.
 Admission never ends a request itself: what the runner refuses comes back to the scheduler
 as (sequence, error event), and the other rows are unaffected."""
 
@@ -26,6 +31,7 @@ from .choices import ChoiceGroups
 from .fair_share import FairQueue, Row, Waiting, clean_weight
 from .interfaces import TextRunner
 from .isolation import as_service_error
+from .kv_budget import KVBudget
 from .prefill_plan import PrefillBudget
 from .sequence import Phase, Sequence
 
@@ -36,9 +42,17 @@ Refused = tuple[Sequence, dict]  # a sequence to end, with its error event
 
 class Admission:
     def __init__(
-        self, runner: TextRunner, max_num_seqs: int, prefill: PrefillBudget, fair: FairQueue, choices: ChoiceGroups
+        self,
+        runner: TextRunner,
+        max_num_seqs: int,
+        prefill: PrefillBudget,
+        fair: FairQueue,
+        choices: ChoiceGroups,
+        kv: KVBudget | None = None,
     ):
+        """kv: the KV budget rows are admitted within (None: by count alone)."""
         self.runner = runner
+        self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.prefill = prefill
         self.waiting = fair
@@ -55,8 +69,26 @@ class Admission:
 
     def release(self, seq: Sequence) -> None:
         """seq no longer runs (ended, or its row was taken from the runner)."""
-        if seq.uid is not None:
-            self.running.pop(seq.uid, None)
+        if seq.uid is not None and self.running.pop(seq.uid, None) is not None:
+            self._bound_prefix_cache()
+
+    def reserved(self, extra: Sequence | None = None) -> int:
+        """KV bytes the running rows (and extra) may grow to."""
+        rows = list(self.running.values()) + ([extra] if extra is not None else [])
+        return self.kv.bytes_for([reach(s) for s in rows]) if self.kv is not None else 0
+
+    def _bound_prefix_cache(self) -> None:
+        """The prefix cache may hold what the rows' reservations leave of the budget."""
+        if self.kv is not None:
+            self.runner.limit_prefix_cache(max(0, self.kv.budget_bytes - self.reserved()))
+
+    def _fits(self, seq: Sequence) -> bool:
+        """Whether seq's row fits the KV budget beside the running rows (the prefix cache is
+        evictable: it gives way once the row is in, _insert); else it waits."""
+        if self.kv is None:
+            return True
+        self.kv.waiting_for_memory = self.reserved(seq) > self.kv.budget_bytes
+        return not self.kv.waiting_for_memory
 
     def admit(self, seqs: dict[str, Sequence]) -> list[Refused]:
         """Start waiting sequences (seqs: every live one, by request id) while there is room."""
@@ -85,6 +117,9 @@ class Admission:
             if not self.prefill.fits(self.running.values(), seq):
                 deferred.append(entry)  # this step's prompt budget is taken: next step
                 break
+            if not self._fits(seq):
+                deferred.append(entry)  # its KV does not fit beside the running rows: it waits
+                break
             try:
                 self._insert(seq)
             except Exception as e:  # a vision model's images its tower cannot take, or any fault
@@ -93,6 +128,8 @@ class Admission:
                 refused.append((seq, p.error_event(as_service_error(e, "admitting it"))))
         for entry in deferred:
             self.waiting.push(entry)
+        if self.kv is not None and not self.waiting:
+            self.kv.waiting_for_memory = False
         return refused
 
     def _insert(self, seq: Sequence) -> None:
@@ -114,6 +151,9 @@ class Admission:
         seq.to_prefill = max(0, len(prompt) - cached - 1)
         seq.phase = Phase.PREFILL if not seq.tokens else Phase.DECODE
         self.running[uid] = seq
+        # After the lookup, so that a cut to make room never evicts the prefix this row reuses
+        # (its copy is inside its own reservation).
+        self._bound_prefix_cache()
 
     def _rows(self) -> list[Row]:
         def row(s: Sequence) -> Row:
@@ -127,7 +167,8 @@ class Admission:
     def _preempt_for_starved(self, seqs: dict[str, Sequence]) -> list[Refused]:
         """Pause one running row when the request next in line has waited beyond the bound
         and a row is held beyond its tenant's share (FairQueue.victim)."""
-        if len(self.running) < self.max_num_seqs or not self.waiting:
+        full = len(self.running) >= self.max_num_seqs or (self.kv is not None and self.kv.waiting_for_memory)
+        if not full or not self.waiting:
             return []
         seq = seqs.get(self.waiting.victim(self._rows(), time.monotonic()) or "")
         if seq is None or seq.uid is None:
@@ -138,6 +179,7 @@ class Admission:
             log.warning("pausing %s failed: %r", seq.req.rid, e)
             return [(seq, p.error_event(as_service_error(e, "pausing it")))]
         del self.running[seq.uid]
+        self._bound_prefix_cache()
         seq.uid, seq.paused, seq.phase, seq.to_prefill = None, seq.paused + 1, Phase.QUEUED, 0
         self.queue(seq)
         log.info("paused %s (tenant share) after %d tokens", seq.req.rid, seq.generated)
@@ -153,4 +195,17 @@ class Admission:
             "prefill_tokens_per_s": round(budget.pace.tokens_per_s, 1) if budget.pace.tokens_per_s else None,
             "fair_share": self.waiting.enabled,
             "preemptions": self.waiting.preemptions,
+            "kv": self.kv_counters(),
         }
+
+    def kv_counters(self) -> dict | None:
+        """The KV budget, what the rows reserve and what is free, for /v1/status."""
+        if self.kv is None:
+            return None
+        cache = self.runner.cache_stats().get("bytes", 0)
+        return self.kv.counters([reach(s) for s in self.running.values()], cache)
+
+
+def reach(seq: Sequence) -> int:
+    """The tokens a row may hold: its prompt and every token it may generate."""
+    return len(seq.prompt) + seq.max_tokens

@@ -1,6 +1,6 @@
 """How many sequences a model decodes together when models.yaml does not say (max_num_seqs).
 
-    max_num_seqs = clamp(KV_SHARE_OF_RAM x RAM // (kv_bytes_per_token x TYPICAL_CONTEXT), 8, 64)
+    max_num_seqs = clamp(KV_SHARE_OF_RAM x RAM // (kv_bytes_per_token x TYPICAL_CONTEXT), 1, 64)
     kv_bytes_per_token = layers x kv_heads x head_dim x 2 (keys and values) x dtype bytes
 
 A fixed 8 left throughput flat from 8 concurrent requests on (mlx_lm.server decodes 32 rows)
@@ -9,7 +9,11 @@ on every machine; compute only makes rows slower, not impossible. TYPICAL_CONTEX
 prompt + answer a row holds on average (a chat turn with some history; agents' 8k prompts
 are mostly served from the prefix cache, which has its own bound, cache_memory_mb).
 Example: SmolLM2-135M in float32 (30 x 3 x 64 x 2 x 4 = 45 KiB per token, 90 MiB per row)
-on a 24 GiB machine: 3 GiB / 90 MiB = 34 rows."""
+on a 24 GiB machine: 3 GiB / 90 MiB = 34 rows. This is a cap on the batch's width, not the
+memory bound: rows are admitted by the KV they may reach within the budget the worker
+measures (worker/kv_budget.py). The formula is not raised to MIN_SEQS where it says fewer
+(a model with 0.5 MiB per token once got 8 rows where memory held 3); MIN_SEQS is only the
+value when the config has no attention shape."""
 
 from __future__ import annotations
 
@@ -40,9 +44,9 @@ class SeqsChoice:
 
 
 def default_max_num_seqs(kv_bytes_per_token: int, kv_budget_bytes: int, typical_context: int) -> int:
-    """The formula above, clamped to [MIN_SEQS, MAX_SEQS]."""
+    """The formula above, clamped to [1, MAX_SEQS]."""
     per_row = max(1, kv_bytes_per_token * max(1, typical_context))
-    return max(MIN_SEQS, min(MAX_SEQS, kv_budget_bytes // per_row))
+    return max(1, min(MAX_SEQS, kv_budget_bytes // per_row))
 
 
 def kv_bytes_per_token(

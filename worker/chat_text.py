@@ -7,12 +7,16 @@ kind of mlx-lm tokenizer; neither inherits the other."""
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from mlxgw.shared.chat import has_late_system_turn, merge_system_turns
 from mlxgw.shared.errors import invalid
 from mlxgw.shared.protocol import GenerateRequest
 
 from . import templates
+
+if TYPE_CHECKING:
+    from .fim import FimPrompts
 
 # apply_chat_template's own parameters: a request's template kwargs must not set them.
 RESERVED_TEMPLATE_KWARGS = frozenset(
@@ -52,8 +56,10 @@ class ChatText:
         allow_request_chat_template: bool = False,
         context_length: int | None = None,
         tool_name_guard: bool = False,
+        fim=None,
     ):
-        """tokenizer: mlx-lm's TokenizerWrapper; vocab_size: the model's logits width."""
+        """tokenizer: mlx-lm's TokenizerWrapper; vocab_size: the model's logits width;
+        fim: the model's FimPrompts (worker/fim.py), or None to find its format here."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.tool_parser = tool_parser
@@ -62,6 +68,7 @@ class ChatText:
         self.context_length = context_length
         self.tool_name_guard = tool_name_guard
         self._constraints = None
+        self._fim = fim
         templates.install()
 
     def encode(self, req: GenerateRequest) -> list[int]:
@@ -70,6 +77,8 @@ class ChatText:
             if any(not isinstance(t, int) or t < 0 or t >= vocab for t in req.prompt_tokens):
                 raise invalid(f"prompt token ids must be integers in [0, {vocab})", "prompt")
             return list(req.prompt_tokens)
+        if req.fim is not None:
+            return self.fim_prompts().encode(req.fim, self.context_length, req.max_tokens)
         if req.messages is not None:
             return self.apply_template(req)
         return self.tokenizer.encode(req.prompt or "")
@@ -168,6 +177,14 @@ class ChatText:
                 self.tokenizer._tokenizer, self.vocab_size, sorted(self.tokenizer.eos_token_ids)
             )
         return self._constraints
+
+    def fim_prompts(self) -> FimPrompts:
+        """The model's FIM prompt builder, made on first use where the runner gave none."""
+        if self._fim is None:
+            from .fim import FimPrompts
+
+            self._fim = FimPrompts(self.tokenizer)
+        return self._fim
 
     def encode_text(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)

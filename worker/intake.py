@@ -3,7 +3,9 @@
 Preparation (template, tokens, grammar: sequence.prepare) runs on the Preprocessor's thread
 when there is one (a worker), else at submit (in-process tests and benchmarks). A request
 being prepared is listed in /v1/status as "preparing" and can be cancelled; whatever its
-preparation raises ends that request only, as a 4xx when it is the request's fault."""
+preparation raises ends that request only, as a 4xx when it is the request's fault. A
+prepared request whose prompt + max_tokens cannot fit the KV budget even alone ends here
+too (worker/kv_budget.py), or has its max_tokens cut under max_tokens_policy clamp."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from mlxgw.shared.errors import ServiceError
 
 from .interfaces import TextRunner
 from .isolation import as_service_error
+from .kv_budget import KVBudget
 from .preprocess import Preprocessor
 from .sequence import Intake, Prepared, Sequence, prepare
 from .textstream import TextStream
@@ -28,10 +31,11 @@ Ready = tuple[Intake, Prepared | None, BaseException | None]  # prepared, or wha
 class Preparing:
     """The requests being prepared, in arrival order."""
 
-    def __init__(self, runner: TextRunner, policy: str, preprocessor: Preprocessor | None):
+    def __init__(self, runner: TextRunner, policy: str, preprocessor: Preprocessor | None, kv: KVBudget | None = None):
         self.runner = runner
         self.policy = policy  # max_tokens past the context: worker/budget.py
         self.preprocessor = preprocessor
+        self.kv = kv
         self._intake: dict[str, Intake] = {}
         self._arrivals = itertools.count()
 
@@ -83,6 +87,12 @@ class Preparing:
             if not isinstance(error, ServiceError):
                 log.error("preparing %s failed: %r", req.rid, error, exc_info=error)
             return p.error_event(as_service_error(error, "preparing its prompt"))
+        if self.kv is not None:
+            try:
+                policy = req.max_tokens_policy or self.policy
+                prepared.max_tokens = self.kv.check_alone(len(prepared.prompt), prepared.max_tokens, policy)
+            except ServiceError as e:
+                return p.error_event(e)
         try:
             seq = Sequence.start(intake, prepared, TextStream(self.runner.new_detokenizer(), req.stop))
         except Exception as e:

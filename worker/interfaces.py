@@ -21,6 +21,7 @@ from mlxgw.shared.errors import invalid
 from mlxgw.shared.protocol import Event, GenerateRequest, SamplingParams
 
 if TYPE_CHECKING:
+    from .kv_budget import KVProfile
     from .prompt_logprobs import PromptScorer
 
 
@@ -111,6 +112,15 @@ class TextRunner(ModelRunner, Protocol):
 
     def release_idle_memory(self) -> None:
         """Nothing runs any more: give back what is only kept for speed."""
+        return None
+
+    def kv_profile(self) -> KVProfile | None:
+        """What a row's KV costs per layer (worker/kv_budget.py); None: rows are admitted by count."""
+        return None
+
+    def limit_prefix_cache(self, max_bytes: int) -> None:
+        """Evict prefix-cache entries until it holds at most max_bytes (what the admitted rows
+        leave of the KV budget), and keep it there until told otherwise."""
         return None
 
     def stats(self) -> dict:

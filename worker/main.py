@@ -28,6 +28,8 @@ log = logging.getLogger("mlxgw.worker")
 
 # Default prefix-cache bound when the entry sets none: a share of RAM.
 DEFAULT_CACHE_SHARE = 0.10
+# A KV budget that holds fewer tokens for one request than this (or the context) is logged.
+SHORT_KV_BUDGET_TOKENS = 4096
 # Layer progress marks turn on once a step takes this fraction of the hang bound (5 s of 120 s).
 LONG_STEP_DIVISOR = 24
 
@@ -98,6 +100,7 @@ def build_runner(entry: ModelEntry, model_path: Path):
         tool_name_guard=entry.tool_name_guard,
         adapters={a.name: str(a.folder()) for a in entry.adapters},
         resident_adapters=entry.resident_adapters,
+        fim=entry.fim,
     )
 
 
@@ -166,7 +169,32 @@ def build_scheduler(
         prefill_budget=entry.prefill_step_size,
         capacity=seqs.as_dict() if seqs else None,
         pace=PrefillPace.for_hang_timeout(hang_timeout_s),
+        kv=kv_budget_for(entry, runner),
     )
+
+
+def kv_budget_for(entry: ModelEntry, runner):
+    """The KV budget rows are admitted within, measured now that the weights are loaded
+    (worker/kv_budget.py); None where rows are admitted by count (other engines, and sharded
+    models, whose ranks must keep identical prefix caches)."""
+    from .kv_budget import KVBudget, measure_budget
+
+    try:
+        profile = runner.kv_profile() if entry.distributed is None else None
+    except Exception as e:  # a family whose forward the probe cannot drive: count rows as before
+        log.warning("measuring the KV per token failed (%r): rows are admitted by count only", e, exc_info=e)
+        return None
+    if profile is None:
+        return None
+    budget = KVBudget(profile, measure_budget(entry.kv_memory_mb, total_memory_bytes()))
+    log.info("KV budget %d MiB (%s); %s", budget.budget_bytes >> 20, budget.measured.source, profile.as_dict())
+    if budget.tokens_alone() < min(runner.context_length, SHORT_KV_BUDGET_TOKENS):
+        log.warning(
+            "the KV budget holds at most %d tokens for one request (prompt + max_tokens): longer ones "
+            "are refused; give the worker more memory or set kv_memory_mb",
+            budget.tokens_alone(),
+        )
+    return budget
 
 
 def serve(

@@ -9,6 +9,7 @@ import os
 import time
 from dataclasses import dataclass
 
+from mlxgw.shared.errors import invalid
 from mlxgw.shared.events import FinishReason
 from mlxgw.shared.protocol import GenerateRequest, SamplingParams
 
@@ -45,6 +46,7 @@ class NullRunner(TextRunner):
         self._uid = 0
 
     def encode(self, req: GenerateRequest) -> list[int]:
+        _refuse_fim(req)
         if req.prompt_tokens is not None:
             return list(req.prompt_tokens)
         if req.messages is not None:
@@ -110,6 +112,7 @@ class EchoRunner(NullRunner):
         self._scripts: dict[int, list[int]] = {}
 
     def encode(self, req: GenerateRequest) -> list[int]:
+        _refuse_fim(req)
         if req.messages:
             # The last turn to answer: a system turn after it (Claude Code sends one) instructs.
             turns = [m for m in req.messages if m.get("role") != "system"] or req.messages
@@ -154,3 +157,8 @@ class EchoRunner(NullRunner):
         super().remove(uids)
         for uid in uids:
             self._scripts.pop(uid, None)
+
+
+def _refuse_fim(req: GenerateRequest) -> None:
+    if req.fim is not None:
+        raise invalid("this engine has no tokenizer to fill in the middle with; send no 'suffix'", "suffix")

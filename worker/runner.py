@@ -72,6 +72,7 @@ class MLXRunner(ChatTextRunner):
         tool_name_guard: bool = False,
         adapters: dict[str, str] | None = None,  # LoRA adapters: name -> mlx_lm.lora folder
         resident_adapters: int = 8,
+        fim=None,  # the entry's FimConfig (shared/config.py), or None: as the tokenizer says
     ):
         import mlx.core as mx
         from mlx_lm import load
@@ -88,10 +89,16 @@ class MLXRunner(ChatTextRunner):
         model_info.check_servable(self.model)
         model_context = model_info.context_length(config)
         self.context_length = min(context_length or model_context, model_context)
+        from .fim import FimPrompts
+
+        # A code model's FIM controls (file separator, pad, ...) end an answer like its EOS:
+        # one of them in the output is the model starting another file or hole.
+        self.fim = FimPrompts(self.tokenizer, fim)
+        stops = sorted(set(self.tokenizer.eos_token_ids) | self.fim.stop_ids)
         # mlx-lm's BatchGenerator, sampling and penalising the whole batch in one call per step.
         self.generator = VectorBatchGenerator(
             self.model,
-            stop_tokens=[[t] for t in sorted(self.tokenizer.eos_token_ids)],
+            stop_tokens=[[t] for t in stops],
             completion_batch_size=max_num_seqs,
             prefill_batch_size=max_num_seqs,
             prefill_step_size=prefill_step_size,
@@ -165,6 +172,7 @@ class MLXRunner(ChatTextRunner):
             allow_request_chat_template=allow_request_chat_template,
             context_length=self.context_length,
             tool_name_guard=tool_name_guard,
+            fim=self.fim,
         )
 
     def encode(self, req: GenerateRequest) -> list[int]:
@@ -193,8 +201,7 @@ class MLXRunner(ChatTextRunner):
         sampler = build_sampler(sampling, wants_logprobs=logprobs is not None)
         if guard is not None:
             sampler = guard_sampler(sampler, guard)
-        adapter = adapter or self.adapters.noted(getattr(guard, "rid", None))
-        lora = self.adapters.acquire(adapter) if adapter is not None else None
+        lora = self.adapters.for_row(adapter, guard)
         cache, cached = self.prefix_cache.longest_match(self.adapters.cache_tokens(prompt, lora))
         if cache is None and self.kv_bits is not None:
             cache = self._fresh_cache()
@@ -258,6 +265,25 @@ class MLXRunner(ChatTextRunner):
         """Nothing runs: hand MLX's pool of freed buffers back to the system. While busy the
         pool saves allocations; idle, it is memory no counter shows but RSS."""
         self._mx.clear_cache()
+
+    def kv_profile(self):
+        """Each layer's KV per row, measured on a fresh cache (worker/kv_budget.py); with a
+        draft model, its per-row KV too."""
+        from mlx_lm.models.cache import make_prompt_cache
+
+        from .kv_budget import KVProfile, probe
+
+        profile = probe(self.model, self._fresh_cache())
+        draft = getattr(self.speculator.drafter, "model", None)  # only a DraftModelDrafter has one
+        if draft is None:
+            return profile
+        return KVProfile(profile.layers + probe(draft, make_prompt_cache(draft)).layers)
+
+    def limit_prefix_cache(self, max_bytes: int) -> None:
+        # Not remembered: a finishing row's KV enters the cache while its reservation still
+        # counts, and replaces that row's memory; the scheduler applies the new limit as soon
+        # as the row is released.
+        self._bound_cache(max_bytes)
 
     def step(self) -> StepOutput:
         gen = self.generator
@@ -358,16 +384,19 @@ class MLXRunner(ChatTextRunner):
         # with a cache that reported 2 GB. Evaluating makes it the compact copy it claims to be.
         self._mx.eval([c.state for c in cache])
         # An adapter row's KV is keyed apart from the base's and other adapters' (worker/adapters.py).
-        tokens = self.adapters.cache_tokens(tokens, self.adapters.by_uid.get(uid) if uid is not None else None)
+        tokens = self.adapters.cache_tokens(tokens, self.adapters.by_uid.get(uid))
         if checkpoints is not None:  # those of a prompt the tokens begin with
             checkpoints = checkpoints.for_entry(tokens)
         self.prefix_cache.insert(tokens, cache, checkpoints=checkpoints)
         self._bound_cache()
 
-    def _bound_cache(self) -> None:
+    def _bound_cache(self, room: int | None = None) -> None:
         # Live sequences' KV (and the checkpoints they took so far) counts against the same
-        # budget as the stored prefixes.
-        self.prefix_cache.trim_to(self.cache_bytes - self.generator.prompt_cache_nbytes - self._live_checkpoint_bytes())
+        # budget as the stored prefixes; room: what the admitted rows' reservations leave of
+        # the KV budget (limit_prefix_cache).
+        checkpoints = self._live_checkpoint_bytes()
+        bound = self.cache_bytes - self.generator.prompt_cache_nbytes - checkpoints
+        self.prefix_cache.trim_to(bound if room is None else min(bound, room - checkpoints))
 
     def _live_checkpoint_bytes(self) -> int:
         return sum(c.nbytes for c in self._checkpoints.values())

@@ -3,6 +3,8 @@
 - a request is checked against the model (worker/request_checks.py), then prepared (chat
   template, tokenizing, constraint) off the engine thread (worker/intake.py);
 - bounded waiting queue (`max_queue`): past it a request is refused as overloaded;
+- a request that cannot fit the KV budget even alone is refused (or its max_tokens cut) when
+  prepared; the rest are admitted within it (worker/kv_budget.py);
 - who runs next is worker/admission.py's: at most `max_num_seqs` rows, admitted at step
   boundaries by priority, fair share between tenants and arrival, with preemption of a row
   held beyond its tenant's share, and each step's prompt reading bounded by a budget
@@ -33,6 +35,7 @@ from .fair_share import FairQueue
 from .intake import Preparing, Ready
 from .interfaces import StepOutput, TextRunner
 from .isolation import as_service_error
+from .kv_budget import KVBudget
 from .prefill_plan import IDLE_BUDGET_FACTOR, PrefillBudget, PrefillPace
 from .preprocess import Preprocessor
 from .request_checks import check_choices, check_generate
@@ -60,6 +63,7 @@ class Scheduler:
         idle_budget_factor: int = IDLE_BUDGET_FACTOR,
         pace: PrefillPace | None = None,
         fair: FairQueue | None = None,
+        kv: KVBudget | None = None,
     ):
         """preprocessor: prepares requests on its own thread; None prepares them in submit
         (in-process tests and benchmarks). prefill_budget: prompt tokens per step across
@@ -68,7 +72,8 @@ class Scheduler:
         capacity: how max_num_seqs was chosen (worker/capacity.py), for stats.
         pace: how fast this host reads prompts, which caps a step's budget so that no step
         runs long enough to look hung (worker/prefill_plan.py).
-        fair: the waiting queue and its policy (worker/fair_share.py; tests set its bound)."""
+        fair: the waiting queue and its policy (worker/fair_share.py; tests set its bound).
+        kv: the KV budget rows are admitted within (worker/kv_budget.py); None: by count."""
         self.runner = runner
         self.max_num_seqs = max_num_seqs
         per_step = prefill_budget if runner.supports_prefill_chunk else None
@@ -76,10 +81,12 @@ class Scheduler:
         self.capacity = capacity or {"value": max_num_seqs, "source": "caller"}
         self.max_queue = max_queue
         self.choices = ChoiceGroups()
+        if kv is not None:  # a window layer holds the chunk a step reads past its window
+            kv.chunk = (prefill_budget or 0) * idle_budget_factor
         self.admission = Admission(
-            runner, max_num_seqs, self.prefill, fair if fair is not None else FairQueue(), self.choices
+            runner, max_num_seqs, self.prefill, fair if fair is not None else FairQueue(), self.choices, kv
         )
-        self._preparing = Preparing(runner, policy, preprocessor)
+        self._preparing = Preparing(runner, policy, preprocessor, kv)
         self._seqs: dict[str, Sequence] = {}  # every live sequence (queued or running), by request id
         self.generated_tokens = 0  # lifetime counter, for tokens/s in stats
         self._scoring = PromptScoring()

@@ -21,6 +21,7 @@ from ..sse import NDJSONWriter
 from ..state import MANAGER
 from . import ollama_common as oc
 from . import translate as t
+from .fim_support import file_identity, fim_map, superseding
 from .images import ImageLimits, from_bare_base64, join_content
 from .ollama_fields import OllamaChatBody, OllamaGenerateBody, OllamaGenerating
 from .stream import Emitter
@@ -91,13 +92,14 @@ def parse_tools(raw) -> list[dict] | None:
     return tools or None
 
 
-def _parsed(f: OllamaGenerating, messages=None, prompt=None, tools=None) -> t.ParsedRequest:
+def _parsed(f: OllamaGenerating, messages=None, prompt=None, tools=None, fim=None) -> t.ParsedRequest:
     if f.template:  # a Go template is not run here, and not silently ignored
         raise invalid("'template' is not supported by this server", "template")
     return t.ParsedRequest(
         messages=messages,
         prompt=prompt,
         tools=tools,
+        fim=fim,
         constraint=oc.format_constraint(f.format),
         chat_template_kwargs=oc.think_kwargs(f.think),
         **oc.parse_options(f, stream=f.streams()),
@@ -110,9 +112,14 @@ def parse_chat(f: OllamaChatBody, limits: ImageLimits | None) -> t.ParsedRequest
 
 
 def parse_generate(f: OllamaGenerateBody, limits: ImageLimits | None) -> t.ParsedRequest:
-    """A prompt through the chat template (with `system`), or as it is with `raw`."""
+    """A prompt through the chat template (with `system`), or as it is with `raw`; with a
+    `suffix`, the code around the cursor, filled in the middle (Ollama's `insert`)."""
     if f.suffix:
-        raise invalid("'suffix' is not supported by this server", "suffix")
+        if not isinstance(f.suffix, str):
+            raise invalid("'suffix' must be a string", "suffix")
+        if f.images:
+            raise invalid("'suffix' (fill in the middle) takes no 'images'", "images")
+        return _parsed(f, fim=fim_map(f.prompt or "", f.suffix))
     images = _images(f.images, "request", limits)
     if f.raw:
         if images or f.system:
@@ -153,16 +160,22 @@ async def _run(request: web.Request, shape: str) -> web.StreamResponse:
     parsed = parse_chat(f, limits) if shape == "chat" else parse_generate(f, limits)
     if (shape == "chat" and not parsed.messages) or (shape == "generate" and _no_input(f)):
         return await _load_or_unload(request, slot, keep_alive, shape)
+    fim = parsed.fim
+    release = (
+        superseding(request.app).claim(request, slot.name, file_identity(fim["prefix"], fim["suffix"])) if fim else None
+    )
     try:
         return await t.respond(
             request, slot, parsed, lambda sse, gen: OllamaLines(sse, gen, shape), _renderer(shape), writer=NDJSONWriter
         )
     finally:
+        if release is not None:
+            release()
         oc.apply_keep_alive(request, slot, keep_alive)
 
 
 def _no_input(f: OllamaGenerateBody) -> bool:
-    return not f.prompt and not f.images and not f.system
+    return not f.prompt and not f.images and not f.system and not f.suffix
 
 
 @routes.post("/api/chat")

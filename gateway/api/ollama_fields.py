@@ -70,7 +70,7 @@ class OllamaGenerateBody(OllamaGenerating):
     system: str | None = None
     raw: bool | None = None
     images: Any = None  # bare base64 strings (ollama._images)
-    suffix: Any = None  # refused when set
+    suffix: Any = None  # the code after the cursor: fill in the middle (ollama.parse_generate)
 
 
 class OllamaEmbedBody(OllamaBody):

@@ -19,12 +19,14 @@ from mlxgw.shared import protocol as p
 from mlxgw.shared.adapter_folder import weights_file
 from mlxgw.shared.config import CHAT_KINDS, ENCODER_KINDS, ModelKind
 from mlxgw.shared.errors import invalid
+from mlxgw.shared.fim import FimFormat
 
 from .. import adapters
 from ..auth import may_use
 from ..state import MANAGER, SETTINGS
 from . import ollama_common as oc
 from . import translate as t
+from .fim_support import capabilities, fim_format
 from .ollama_fields import OllamaBody, OllamaEmbedBody
 
 routes = web.RouteTableDef()
@@ -130,15 +132,35 @@ async def ps(request: web.Request) -> web.Response:
     return web.json_response({"models": running})
 
 
-def _capabilities(slot) -> list[str]:
-    e = slot.entry
-    if e.kind in ENCODER_KINDS:
-        return ["embedding"]
-    caps = ["completion"]
-    caps += ["tools"] if e.tool_parser else []
-    caps += ["vision"] if e.kind == ModelKind.VISION else []
-    caps += ["thinking"] if e.reasoning_parser else []
-    return caps
+def _template(chat_template: object, fim: FimFormat | None) -> str:
+    """A FIM model's template is Ollama's Go template with `.Suffix` (Continue's Ollama
+    provider offers server-side FIM only when it finds `.Suffix` in it); another model's is
+    its chat template, for clients that show it."""
+    if fim is None:
+        return chat_template if isinstance(chat_template, str) else ""
+    if fim.order == "spm":
+        hole = f"{fim.suffix}{{{{ .Suffix }}}}{fim.prefix}{{{{ .Prompt }}}}{fim.middle or ''}"
+    else:
+        hole = f"{fim.prefix}{{{{ .Prompt }}}}{fim.suffix}{{{{ .Suffix }}}}{fim.middle or ''}"
+    return f"{{{{- if .Suffix }}}}{hole}{{{{- else }}}}{{{{ .Prompt }}}}{{{{- end }}}}"
+
+
+def _model_info(family: str, config: dict, context: int | None) -> dict:
+    """Ollama's model_info keys, from config.json."""
+    info: dict = {"general.architecture": family}
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    for key, name in (
+        ("context_length", None),
+        ("embedding_length", "hidden_size"),
+        ("block_count", "num_hidden_layers"),
+        ("attention.head_count", "num_attention_heads"),
+        ("attention.head_count_kv", "num_key_value_heads"),
+        ("vocab_size", "vocab_size"),
+    ):
+        value = context if name is None else text.get(name)
+        if isinstance(value, int) and not isinstance(value, bool):
+            info[f"{family}.{key}"] = value
+    return info
 
 
 @routes.post("/api/show")
@@ -148,18 +170,19 @@ async def show(request: web.Request) -> web.Response:
     config = _read_json(path / "config.json")
     template = _read_json(path / "tokenizer_config.json").get("chat_template")
     details = _details(config, slot)
-    info = {"general.architecture": details["family"]}
     context = slot.entry.context_length or config.get("max_position_embeddings")
-    if context:
-        info[f"{details['family']}.context_length"] = context
+    info = _model_info(details["family"], config, context)
+    fim = fim_format(request, slot)
+    # Ollama's Modelfile parameter lines; Continue parses each as `key value`.
+    parameters = f"num_ctx {context}" if isinstance(context, int) else ""
     return web.json_response(
         {
             "modelfile": "",
-            "parameters": "",
-            "template": template if isinstance(template, str) else "",
+            "parameters": parameters,
+            "template": _template(template, fim),
             "details": details,
             "model_info": info,
-            "capabilities": _capabilities(slot),
+            "capabilities": capabilities(slot, fim),
             "modified_at": _listing(request, slot)["modified_at"],
         }
     )

@@ -15,6 +15,7 @@ from ..generation import Generation, Outcome
 from . import openai_common as oc
 from . import translate as t
 from .fields import CompletionFields, decode_fields
+from .fim_support import file_identity, fim_map, superseding
 
 routes = web.RouteTableDef()
 
@@ -85,6 +86,18 @@ def _choices(f: CompletionFields) -> tuple[int, int]:
     return n, best_of
 
 
+def _fim(suffix: object, text: str | None, tokens: list[int] | None) -> dict | None:
+    """`suffix` set (a string, even empty: the cursor at the end of the file): the prompt is
+    the code before the cursor and the model fills in the middle (worker/fim.py)."""
+    if suffix is None:
+        return None
+    if not isinstance(suffix, str):
+        raise invalid("'suffix' must be a string", "suffix")
+    if text is None:
+        raise invalid("'suffix' needs a text prompt (the code before the cursor), not token ids", "suffix")
+    return fim_map(text, suffix)
+
+
 def parse(body: dict) -> tuple[t.ParsedRequest, Options]:
     """The parsed request (what the worker generates), and what this API does around it.
     One pass: the body decoded once (fields.CompletionFields), then the checks across fields."""
@@ -92,14 +105,16 @@ def parse(body: dict) -> tuple[t.ParsedRequest, Options]:
     text, tokens = _prompt(f.prompt)
     n, best_of = _choices(f)
     logprobs = f.logprobs
-    if f.suffix:
-        raise invalid("suffix (fill-in-the-middle) is not supported", "suffix")
+    fim = _fim(f.suffix, text, tokens)
     echo = bool(f.echo)
+    if echo and fim is not None:
+        raise invalid("echo cannot be combined with suffix (the prompt is split around the middle)", "echo")
     if echo and text is None:
         raise invalid("echo needs a text prompt", "echo")
     parsed = t.ParsedRequest(
-        prompt=text,
+        prompt=None if fim else text,
         prompt_tokens=tokens,
+        fim=fim,
         api_max_tokens=DEFAULT_MAX_TOKENS,
         n=best_of,
         # Ranking best_of candidates needs their token logprobs, asked or not.
@@ -132,6 +147,18 @@ def best_choices(out: Outcome, n: int) -> Outcome:
 async def completions(request: web.Request) -> web.StreamResponse:
     body, slot = await t.open_request(request)
     parsed, opts = parse(body)
+    if parsed.fim is None:
+        return await _complete(request, slot, parsed, opts)
+    release = superseding(request.app).claim(
+        request, slot.name, file_identity(parsed.fim["prefix"], parsed.fim["suffix"])
+    )
+    try:
+        return await _complete(request, slot, parsed, opts)
+    finally:
+        release()
+
+
+async def _complete(request: web.Request, slot, parsed: t.ParsedRequest, opts: Options) -> web.StreamResponse:
     usage = opts.include_usage
 
     def render(gen: Generation, out: Outcome) -> dict:

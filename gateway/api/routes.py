@@ -74,6 +74,9 @@ ROUTES: tuple[Route, ...] = (
     Route(("POST",), "/v1/audio/speech", usage="/v1/audio/speech", serves_kinds=(ModelKind.SPEECH,)),
     Route(("POST",), "/tokenize", usage="/tokenize"),
     Route(("POST",), "/detokenize", usage="/detokenize"),
+    # llama.cpp's server API for editors (llama.vscode, llama.vim): fill in the middle, plain prompt
+    Route(("POST",), "/infill", usage="/infill"),
+    Route(("POST",), "/completion", usage="/completion"),
     # the Ollama API
     Route(("POST",), "/api/chat", _OLLAMA, usage="/api/chat"),
     Route(("POST",), "/api/generate", _OLLAMA, usage="/api/generate"),
@@ -83,6 +86,11 @@ ROUTES: tuple[Route, ...] = (
     Route(("GET",), "/api/tags", _OLLAMA, metered=False),  # Ollama clients poll these
     Route(("GET",), "/api/ps", _OLLAMA, metered=False),
     Route(("GET",), "/api/version", _OLLAMA, metered=False),
+    # Ollama's model management (gateway/api/ollama_manage.py): the operator's, recorded
+    Route(("POST",), "/api/pull", _OLLAMA, access=Access.ADMIN, metered=False, usage="/api/pull"),
+    Route(("DELETE",), "/api/delete", _OLLAMA, access=Access.ADMIN, metered=False, usage="/api/delete"),
+    Route(("POST",), "/api/copy", _OLLAMA, access=Access.ADMIN, metered=False, usage="/api/copy"),
+    Route(("POST",), "/api/create", _OLLAMA, access=Access.ADMIN, metered=False, usage="/api/create"),
     # models, requests, caches
     Route(("GET",), "/"),  # Claude Code checks the server is there
     Route(("GET",), "/v1/models", **_CONTROL),

@@ -17,6 +17,7 @@ from ..mcp.hub import MCP
 from ..state import BROKER, KEYS, MANAGER
 from .admin import require_admin
 from .errors import error_response
+from .fim_support import capabilities, fim_format
 
 routes = web.RouteTableDef()
 STARTED = time.time()
@@ -42,6 +43,8 @@ def _model(request: web.Request, slot, anthropic: bool) -> dict:
         **{k: d[k] for k in ("kind", "state", "loaded", "aliases")},
         "last_error": redact_paths(d["last_error"]) if d["last_error"] else None,
         "source": found.source if found else "mlxgw",  # hf-cache, lmstudio, or models.yaml/models dir
+        # Ollama's names: completion, tools, insert (fill in the middle), vision, embedding, ...
+        "capabilities": capabilities(slot, fim_format(request, slot)),
     }
 
 

@@ -28,6 +28,7 @@ from ..state import MANAGER, SETTINGS
 from . import validate as v
 from .body import read_json
 from .fields import CommonFields, ModelField, decode_fields, logit_bias
+from .fim_support import fim_max_tokens
 from .images import ImageLimits, collect_images
 from .stream import EmitterFactory, run_stream
 
@@ -70,6 +71,7 @@ class ParsedRequest:
     logprobs: int | None = None  # alternatives per token's logprob entry; None: no logprobs
     prompt_logprobs: int | None = None  # the same for the prompt's tokens (Completions' echo)
     n: int = 1  # choices from the one prompt
+    fim: dict | None = None  # fill in the middle (fim_support.fim_map); prompt is then unused
 
 
 def parse_common(body: dict, kind: type[CommonFields]) -> dict:
@@ -124,8 +126,10 @@ async def build_request(request: web.Request, slot, parsed: ParsedRequest) -> p.
     the messages, timeouts. The one place these rules live."""
     settings = request.app[SETTINGS]
     entry = slot.entry
+    # A completion at the cursor is a few lines: its own default before the model's chat one.
+    fim_default = fim_max_tokens(slot) if parsed.fim is not None else None
     max_tokens = first_set(
-        parsed.max_tokens, entry.defaults.max_tokens, settings.max_tokens_default, parsed.api_max_tokens
+        parsed.max_tokens, fim_default, entry.defaults.max_tokens, settings.max_tokens_default, parsed.api_max_tokens
     )
     models_dir = request.app[MANAGER].registry.models_dir
     max_tokens = first_set(max_tokens, model_max_new_tokens(entry, models_dir), DEFAULT_MAX_TOKENS)
@@ -138,14 +142,18 @@ async def build_request(request: web.Request, slot, parsed: ParsedRequest) -> p.
     key = request.get("key")
     messages, images = parsed.messages, None
     if messages is not None:
+        messages = with_entry_preamble(entry, messages)
         messages, images = await collect_images(messages, image_limits(request, slot))
+    template_kwargs = parsed.chat_template_kwargs
+    if entry.chat_template and not (template_kwargs or {}).get("chat_template"):
+        template_kwargs = {**(template_kwargs or {}), "chat_template": entry.chat_template}
     return p.GenerateRequest(
         rid=request["rid"],
         messages=messages,
         prompt=parsed.prompt,
         prompt_tokens=parsed.prompt_tokens,
         tools=parsed.tools or None,
-        chat_template_kwargs=parsed.chat_template_kwargs,
+        chat_template_kwargs=template_kwargs,
         sampling=_sampling_params(parsed.sampling, slot),
         max_tokens=max_tokens,
         max_tokens_policy=policy,
@@ -163,7 +171,21 @@ async def build_request(request: web.Request, slot, parsed: ParsedRequest) -> p.
         prompt_logprobs=parsed.prompt_logprobs,
         n=parsed.n,
         adapter=request.get("adapter"),
+        fim=parsed.fim,
     )
+
+
+def with_entry_preamble(entry, messages: list[dict]) -> list[dict]:
+    """The entry's Modelfile turns (MESSAGE) after the request's leading system turns, and its
+    SYSTEM first when the request brings no system turn of its own."""
+    if not entry.system and not entry.messages:
+        return messages
+    lead = 0
+    while lead < len(messages) and messages[lead].get("role") in ("system", "developer"):
+        lead += 1
+    head = [{"role": "system", "content": entry.system}] if entry.system and lead == 0 else []
+    preset = [{"role": m.role, "content": m.content} for m in entry.messages]
+    return head + messages[:lead] + preset + messages[lead:]
 
 
 def granted_priority(request: web.Request, requested: int, service_tier: str | None = None) -> int:

@@ -71,8 +71,10 @@ def start_gateway(
     timeout: float = 240,
     extra_args: tuple[str, ...] = (),
     max_files: int | None = None,
+    address_space: int | None = None,
 ) -> GatewayProcess:
-    """`mlxgw up` on a free port, ready; max_files sets its descriptor limit (soft and hard)."""
+    """`mlxgw up` on a free port, ready; max_files sets its descriptor limit (soft and hard),
+    address_space its RLIMIT_AS in bytes (its workers inherit both)."""
     config_path = home / f"{name}.yaml"
     config_path.write_text(yaml.safe_dump(config))
     port = free_port()
@@ -94,7 +96,7 @@ def start_gateway(
         env=env,
         stdout=open(log_path, "w"),
         stderr=subprocess.STDOUT,
-        preexec_fn=None if max_files is None else lambda: _limit_files(max_files),
+        preexec_fn=None if max_files is None and address_space is None else lambda: _limit(max_files, address_space),
     )
     gw = GatewayProcess(proc, port, log_path, config_path)
     deadline = time.monotonic() + timeout
@@ -108,10 +110,13 @@ def start_gateway(
     raise AssertionError(f"gateway not ready after {timeout} s:\n{gw.log()}")
 
 
-def _limit_files(n: int) -> None:
+def _limit(files: int | None, address_space: int | None) -> None:
     import resource
 
-    resource.setrlimit(resource.RLIMIT_NOFILE, (n, n))
+    if files is not None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (files, files))
+    if address_space is not None:
+        resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))
 
 
 TINY_CONFIG = {

@@ -1,0 +1,295 @@
+"""Admission by memory: what a row's KV may grow to, and the budget rows are admitted within.
+
+A row reserves the KV it may reach (prompt + max_tokens), per kind of layer cache, as mlx-lm
+lays it out in a batch:
+- full attention (KVCache, kv_bits' quantized KVCache): grows with every token; the batch is
+  one left-padded rectangle, so every row takes the longest row's length, in steps of 256
+  tokens (mlx-lm allocates KV that way);
+- sliding-window (RotatingKVCache, ChunkedKVCache): at most its window plus the prompt chunk
+  a step reads past it;
+- recurrent (ArraysCache: Mamba, gated DeltaNet, short convolutions): the same bytes at any
+  length.
+The bytes per token of each layer are measured once, from a fresh cache after one forward
+pass of the loaded model (`probe`), so kv_bits and every family's own head shapes are what
+they really are; a draft model's per-row KV (speculative mode draft) is added to the target's.
+
+The budget covers the reserved rows and the prefix cache together: the cache is evicted to
+what the rows leave (it never holds a row back), a row that does not fit beside the others
+waits in the queue, and only a request that cannot fit even alone is refused (or its
+max_tokens cut, under max_tokens_policy clamp), with the numbers. The budget is measured at
+load: a share of RAM, and a share of what the process's limits (RLIMIT_AS, RLIMIT_DATA, a
+cgroup's memory.max, Metal's working set) leave after the weights; models.yaml's
+kv_memory_mb sets it outright."""
+
+from __future__ import annotations
+
+import resource
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mlxgw.shared.errors import ErrorCode, ServiceError
+
+GROWS, WINDOW, FIXED = "grows", "window", "fixed"
+ALLOC_STEP = 256  # tokens: mlx-lm's KVCache and BatchKVCache grow their buffers in steps of this
+DRAFT_SLACK = 16  # tokens a speculative verification may hold past a row's last one
+RAM_SHARE = 0.25  # live rows + prefix cache: the rows' eighth and the cache's tenth of RAM, rounded up
+# Of what a process limit leaves after loading, KV may take half: a step's activations
+# (attention scores, logits), MLX's buffer pool and new threads' allocator arenas need the rest.
+HEADROOM_SHARE = 0.5
+MB = 1 << 20
+
+
+def _round_up(tokens: int, step: int = ALLOC_STEP) -> int:
+    return -(-max(0, tokens) // step) * step
+
+
+@dataclass(frozen=True)
+class LayerKV:
+    """One layer cache's footprint per row: bytes per token held (grows, window), the tokens
+    a window holds at most, or a constant (fixed)."""
+
+    kind: str
+    bytes_per_token: int = 0
+    window: int = 0
+    fixed_bytes: int = 0
+
+
+@dataclass
+class KVProfile:
+    layers: list[LayerKV]
+
+    def rows_bytes(self, reaches: list[int], chunk: int = 0) -> int:
+        """Bytes of a batch whose rows may reach these lengths (tokens); chunk: prompt tokens
+        a step may read at once (a window layer holds them past its window)."""
+        if not reaches:
+            return 0
+        rows, longest = len(reaches), _round_up(max(reaches) + DRAFT_SLACK)
+        total = 0
+        for layer in self.layers:
+            if layer.kind == GROWS:
+                total += rows * longest * layer.bytes_per_token
+            elif layer.kind == WINDOW:
+                total += rows * min(longest, _round_up(layer.window + chunk)) * layer.bytes_per_token
+            else:
+                total += rows * layer.fixed_bytes
+        return total
+
+    @property
+    def grows(self) -> bool:
+        return any(layer.kind == GROWS for layer in self.layers)
+
+    def bytes_per_token(self) -> int:
+        """Of the layers that grow with every token (what a long context costs)."""
+        return sum(layer.bytes_per_token for layer in self.layers if layer.kind == GROWS)
+
+    def as_dict(self) -> dict:
+        kinds: dict[str, int] = {}
+        for layer in self.layers:
+            kinds[layer.kind] = kinds.get(layer.kind, 0) + 1
+        return {
+            "layers": kinds,
+            "bytes_per_token": self.bytes_per_token(),
+            "window_bytes_per_token": sum(la.bytes_per_token for la in self.layers if la.kind == WINDOW),
+            "fixed_bytes_per_row": sum(la.fixed_bytes for la in self.layers if la.kind == FIXED),
+        }
+
+
+def _nbytes(x) -> int:
+    if x is None:
+        return 0
+    if isinstance(x, (list, tuple)):
+        return sum(_nbytes(y) for y in x)
+    return int(x.nbytes)
+
+
+def _tokens_held(keys) -> int:
+    """Token slots of a cache's key buffer (a quantized one is a tuple of arrays)."""
+    first = keys[0] if isinstance(keys, (list, tuple)) else keys
+    return int(first.shape[-2])
+
+
+def describe_layer(cache) -> list[LayerKV]:
+    """The footprint of one layer cache of a fresh cache after a forward pass."""
+    if hasattr(cache, "caches"):  # CacheList: several caches in one layer
+        return [layer for inner in cache.caches for layer in describe_layer(inner)]
+    keys = getattr(cache, "keys", None)
+    if keys is not None:
+        per_token = -(-(_nbytes(keys) + _nbytes(getattr(cache, "values", None))) // max(1, _tokens_held(keys)))
+        window = getattr(cache, "max_size", None) or getattr(cache, "chunk_size", None)
+        if window:
+            return [LayerKV(WINDOW, per_token, window=int(window))]
+        return [LayerKV(GROWS, per_token)]
+    if hasattr(cache, "cache"):  # ArraysCache: recurrent state, the same at any length
+        return [LayerKV(FIXED, fixed_bytes=_nbytes([a for a in cache.cache if a is not None]))]
+    return [LayerKV(FIXED, fixed_bytes=int(getattr(cache, "nbytes", 0) or 0))]
+
+
+def probe(model, fresh_cache: list) -> KVProfile:
+    """Measure each layer's footprint: one forward pass of two tokens into a fresh cache."""
+    import mlx.core as mx
+
+    model(mx.array([[0, 0]]), cache=fresh_cache)
+    mx.eval([c.state for c in fresh_cache])
+    return KVProfile([layer for c in fresh_cache for layer in describe_layer(c)])
+
+
+# -- the budget ------------------------------------------------------------------------------
+@dataclass
+class Measured:
+    bytes: int
+    source: str
+    candidates: dict[str, int] = field(default_factory=dict)
+
+
+def _status_kb(field_name: str) -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field_name + ":"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _rlimit_headroom() -> dict[str, int]:
+    out: dict[str, int] = {}
+    for name, status in (("RLIMIT_AS", "VmSize"), ("RLIMIT_DATA", "VmData")):
+        limit = getattr(resource, name, None)
+        if limit is None:
+            continue
+        soft, _ = resource.getrlimit(limit)
+        used = _status_kb(status)
+        if soft != resource.RLIM_INFINITY and used is not None:
+            out[name] = max(0, soft - used)
+    return out
+
+
+def _cgroup_headroom() -> dict[str, int]:
+    """memory.max - memory.current of this process's cgroup (v2), or v1's limit - usage; in
+    a container whose cgroup path is not mounted as such, the mount's root is its own."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return {}
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        if parts[0] == "0" and parts[1] == "":
+            root, files = Path("/sys/fs/cgroup"), ("memory.max", "memory.current")
+        elif "memory" in parts[1].split(","):
+            root, files = Path("/sys/fs/cgroup/memory"), ("memory.limit_in_bytes", "memory.usage_in_bytes")
+        else:
+            continue
+        for base in (root / parts[2].lstrip("/"), root):
+            try:
+                limit, used = ((base / f).read_text().strip() for f in files)
+            except OSError:
+                continue
+            if limit.isdigit() and used.isdigit() and int(limit) < 1 << 60:
+                return {"cgroup": max(0, int(limit) - int(used))}
+            break
+    return {}
+
+
+def _metal_headroom() -> dict[str, int]:
+    try:
+        import mlx.core as mx
+
+        info = mx.device_info()
+        working_set = int(info.get("max_recommended_working_set_size") or 0)
+        return {"metal working set": max(0, working_set - int(mx.get_active_memory()))} if working_set else {}
+    except Exception:  # no Metal, or another MLX's API: RAM and the process limits decide
+        return {}
+
+
+def measure_budget(configured_mb: int | None, total_ram_bytes: int) -> Measured:
+    """The KV budget: models.yaml's kv_memory_mb, else the smallest of RAM_SHARE of RAM and
+    HEADROOM_SHARE of what each process limit leaves now (call it after loading the weights)."""
+    if configured_mb is not None:
+        return Measured(configured_mb * MB, "models.yaml kv_memory_mb")
+    candidates = {"RAM": int(total_ram_bytes * RAM_SHARE)} if total_ram_bytes else {}
+    for name, room in {**_rlimit_headroom(), **_cgroup_headroom(), **_metal_headroom()}.items():
+        candidates[name] = int(room * HEADROOM_SHARE)
+    if not candidates:
+        return Measured(0, "unknown")
+    source = min(candidates, key=lambda k: candidates[k])
+    return Measured(candidates[source], source, candidates)
+
+
+# -- the ledger admission keeps --------------------------------------------------------------
+@dataclass
+class KVBudget:
+    """The rows' reservations against the measured budget."""
+
+    profile: KVProfile
+    measured: Measured
+    chunk: int = 0  # the most prompt tokens one row reads in a step
+    refused: int = 0  # requests that could not fit even alone
+    clamped: int = 0  # requests whose max_tokens was cut to what fits alone
+    waiting_for_memory: bool = False  # the next waiting row did not fit at the last admission
+    _alone: int | None = None
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.measured.bytes
+
+    def bytes_for(self, reaches: list[int]) -> int:
+        return self.profile.rows_bytes(reaches, self.chunk)
+
+    def tokens_alone(self) -> int:
+        """The longest row (prompt + answer, tokens) that fits the budget alone."""
+        if self._alone is None:
+            lo, hi = 0, 1 << 24 if self.profile.grows else 1 << 30
+            if not self.profile.grows:  # windows and state: any length fits, or none does
+                lo = hi if self.bytes_for([hi]) <= self.budget_bytes else 0
+            while lo < hi:  # the largest reach whose rows_bytes fits
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if self.bytes_for([mid]) <= self.budget_bytes else (lo, mid - 1)
+            self._alone = lo
+        return self._alone
+
+    def check_alone(self, prompt_tokens: int, max_tokens: int, policy: str) -> int:
+        """The max_tokens a row may keep (cut to fit alone under policy clamp), or a 400 that
+        names the tokens asked, the bytes they need and the budget."""
+        need = self.bytes_for([prompt_tokens + max_tokens])
+        if need <= self.budget_bytes:
+            return max_tokens
+        alone = self.tokens_alone()
+        if policy != "reject" and prompt_tokens < alone:
+            self.clamped += 1
+            return alone - prompt_tokens
+        self.refused += 1
+        asked = "the prompt" if prompt_tokens >= alone else "the prompt and max_tokens"
+        raise ServiceError(
+            ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+            f"This request needs more memory than this model's KV budget: {prompt_tokens} prompt tokens + "
+            f"max_tokens {max_tokens} need {need // MB} MiB of KV cache, and the budget is "
+            f"{self.budget_bytes // MB} MiB ({self.measured.source}), which holds at most {alone} tokens "
+            f"for one request. Shorten {asked}, or raise kv_memory_mb in models.yaml if the machine has the memory.",
+            param="messages" if prompt_tokens >= alone else "max_tokens",
+            details={
+                "prompt_tokens": prompt_tokens,
+                "max_tokens": max_tokens,
+                "context_length": alone,
+                "kv_bytes_needed": need,
+                "kv_budget_bytes": self.budget_bytes,
+            },
+        )
+
+    def counters(self, reaches: list[int], cache_bytes: int) -> dict:
+        reserved = self.bytes_for(reaches)
+        return {
+            "budget_bytes": self.budget_bytes,
+            "reserved_bytes": reserved,
+            "free_bytes": max(0, self.budget_bytes - reserved),
+            "prefix_cache_bytes": cache_bytes,
+            "rows": len(reaches),
+            "tokens_alone": self.tokens_alone(),
+            "waiting_for_memory": self.waiting_for_memory,
+            "refused": self.refused,
+            "clamped": self.clamped,
+            "source": self.measured.source,
+            "measured": dict(self.measured.candidates),
+            **self.profile.as_dict(),
+        }
