@@ -27,9 +27,10 @@ def find(manager, requested: str) -> tuple[object, AdapterEntry] | None:
     return (slot, found[1]) if slot is not None else None
 
 
-def names(slot, adapter: AdapterEntry) -> tuple[str, str]:
-    """The names an adapter answers to; a key's model patterns are matched against them."""
-    return adapter.name, f"{slot.name}:{adapter.name}"
+def names(slot, adapter: AdapterEntry) -> tuple[str, ...]:
+    """The names an adapter answers to (its name first); a key's model patterns are matched
+    against them."""
+    return adapter.name, f"{slot.name}:{adapter.name}", *adapter.aliases
 
 
 def allowed(key, slot, adapter: AdapterEntry) -> bool:

@@ -109,6 +109,7 @@ class AdapterEntry:
 
     name: str
     path: str
+    aliases: list[str] = field(default_factory=list)  # other exact names it answers to
 
     def folder(self) -> Path:
         return Path(self.path).expanduser()
@@ -294,7 +295,7 @@ class Registry:
         base, sep, short = name.rpartition(":")
         for e in self.models:
             for a in e.adapters:
-                if (not sep and a.name == name) or (sep and a.name == short and e.matches(base)):
+                if name == a.name or name in a.aliases or (sep and a.name == short and e.matches(base)):
                     return e, a
         return None
 
@@ -388,6 +389,8 @@ def _check_adapters(e: ModelEntry, bad) -> None:
             raise bad("adapters", f"{a.name!r}: {err}") from None
         if a.name in seen:
             raise bad("adapters", f"duplicate adapter name {a.name!r}")
+        if any(not isinstance(alias, str) or not alias.strip() or ":" in alias for alias in a.aliases):
+            raise bad("adapters", f"{a.name!r}: an alias is a non-empty exact name without ':'")
         if not a.path.strip() or not a.folder().is_absolute():
             raise bad("adapters", f"{a.name!r}: path must be an absolute folder (or start with ~), got {a.path!r}")
         seen.add(a.name)
@@ -505,9 +508,10 @@ def _check_adapter_names(models: list[ModelEntry], src: str) -> None:
     taken = {e.name for e in models} | {a for e in models for a in e.aliases}
     for e in models:
         for a in e.adapters:
-            if a.name in taken:
-                raise ConfigError(f"{src}: model {e.name}: adapter {a.name!r}: the name is already a model or alias")
-            taken.add(a.name)
+            for name in (a.name, *a.aliases):
+                if name in taken:
+                    raise ConfigError(f"{src}: model {e.name}: adapter {a.name!r}: {name!r} already names something")
+                taken.add(name)
 
 
 def _split_moved(manager: Any, gateway: Any, src: str) -> tuple[Any, Any]:

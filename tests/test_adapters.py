@@ -204,6 +204,33 @@ def test_resident_adapters_are_bounded_but_rows_in_use_keep_theirs(models):
     assert stats["resident"] == ["A"] and stats["evictions"] >= 1
 
 
+@pytest.mark.parametrize(
+    "models_yaml, why",
+    [
+        ([{"name": "m", "adapters": [{"name": "x", "path": "rel/dir"}]}], "path must be an absolute folder"),
+        ([{"name": "m", "adapters": [{"name": "m2", "path": "/a"}]}, {"name": "m2"}], "'m2' already names something"),
+        ([{"name": "m", "kind": "embedding", "adapters": [{"name": "x", "path": "/a"}]}], "only chat models"),
+        ([{"name": "m", "adapters": [{"name": "x", "path": "/a", "aliases": ["m:x"]}]}], "without ':'"),
+    ],
+)
+def test_models_yaml_refuses_an_adapter_it_could_not_serve_or_name(models_yaml, why):
+    from mlxgw.shared.config import ConfigError, parse_registry
+
+    with pytest.raises(ConfigError, match=why):
+        parse_registry({"models": models_yaml})
+
+
+def test_an_adapter_is_found_by_its_name_an_alias_or_base_colon_name():
+    from mlxgw.shared.config import parse_registry
+
+    adapters = [{"name": "bot", "path": "/a", "aliases": ["helpdesk"]}]
+    registry = parse_registry({"models": [{"name": "base", "aliases": ["b-*"], "adapters": adapters}]})
+    for name in ("bot", "helpdesk", "base:bot", "b-1:bot"):
+        entry, adapter = registry.adapter(name)
+        assert (entry.name, adapter.name) == ("base", "bot")
+    assert registry.adapter("base") is None and registry.adapter("other:bot") is None
+
+
 # -- through `mlxgw up` -------------------------------------------------------------------------
 
 KEYS = {"ops": "sk-adapters-ops", "bot": "sk-adapters-bot"}
@@ -220,7 +247,10 @@ def gateway(home, models):
                 "source": base.name,
                 "preload": True,
                 "max_num_seqs": 8,
-                "adapters": [{"name": "support-bot", "path": str(a)}, {"name": "reviewer", "path": str(b)}],
+                "adapters": [
+                    {"name": "support-bot", "path": str(a), "aliases": ["helpdesk"]},
+                    {"name": "reviewer", "path": str(b)},
+                ],
             }
         ],
     }
@@ -261,7 +291,7 @@ def test_adapters_are_listed_as_models_with_their_base(gateway):
     assert status == 200
     by_id = {m["id"]: m for m in listed["data"]}
     assert by_id["support-bot"]["parent"] == by_id["support-bot"]["root"] == "lora-base"
-    assert by_id["support-bot"]["aliases"] == ["lora-base:support-bot"]
+    assert by_id["support-bot"]["aliases"] == ["lora-base:support-bot", "helpdesk"]
     assert by_id["reviewer"]["parent"] == "lora-base"
     assert call(gateway, "GET", "/v1/models/lora-base:reviewer")[2]["id"] == "reviewer"
     tags = {m["name"]: m for m in call(gateway, "GET", "/api/tags")[2]["models"]}
@@ -300,6 +330,7 @@ def test_a_key_restricted_to_one_adapter_reaches_only_that_adapter(gateway):
     prompt = [1, 2, 3, 4]
     assert complete(gateway, "support-bot", prompt, key="bot")[0] == 200
     assert complete(gateway, "lora-base:support-bot", prompt, key="bot")[0] == 200
+    assert complete(gateway, "helpdesk", prompt, key="bot")[0] == 200  # an alias of the adapter
     assert complete(gateway, "reviewer", prompt, key="bot")[0] == 403
     assert complete(gateway, "lora-base", prompt, key="bot")[0] == 403
     listed = [m["id"] for m in call(gateway, "GET", "/v1/models", key="bot")[2]["data"]]

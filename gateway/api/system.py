@@ -50,12 +50,12 @@ def _model(request: web.Request, slot, anthropic: bool) -> dict:
 
 def _adapter_model(request: web.Request, slot, adapter, anthropic: bool) -> dict:
     """An adapter as a model of its own; `parent` and `root` name its base (as vLLM lists LoRA
-    modules), and `<base>:<adapter>` is the other name it answers to."""
+    modules); its aliases list `<base>:<adapter>` and the aliases models.yaml gives it."""
     base = _model(request, slot, anthropic)
     if anthropic:
         return {**base, "id": adapter.name, "display_name": adapter.name}
-    other = adapters.names(slot, adapter)[1]
-    return {**base, "id": adapter.name, "aliases": [other], "parent": slot.name, "root": slot.name, "source": "adapter"}
+    others = list(adapters.names(slot, adapter)[1:])
+    return {**base, "id": adapter.name, "aliases": others, "parent": slot.name, "root": slot.name, "source": "adapter"}
 
 
 def _discovered(manager) -> dict:
