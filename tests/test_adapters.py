@@ -17,7 +17,7 @@ import shutil
 import mlx.core as mx
 import pytest
 import yaml
-from helpers import http, start_gateway
+from helpers import NO_EOS, http, start_gateway, wait_for
 from helpers.family_models import build_family_model, build_quantized_family_model
 from helpers.lora_adapters import write_lora_adapter
 
@@ -357,6 +357,28 @@ def test_adapters_are_added_and_removed_while_the_worker_keeps_running(gateway, 
     assert complete(gateway, "c", prompt)[0] == 404
     assert complete(gateway, "support-bot", prompt)[0] == 200
     assert worker_pid(gateway) == pid  # the same worker throughout
+
+
+def adapter_stats(gw) -> dict:
+    models = call(gw, "GET", "/v1/status")[2]["models"]
+    (worker,) = next(m for m in models if m["name"] == "lora-base")["workers"]
+    return worker["stats"].get("adapters") or {}
+
+
+def test_an_adapter_removed_under_load_finishes_its_running_rows_then_leaves(gateway, models, home):
+    base, _, _ = models["llama"]
+    folder = write_lora_adapter(base, home / "adapters" / "llama-d", seed=4)
+    body = {"model": "lora-base", "name": "d", "path": str(folder)}
+    assert call(gateway, "POST", "/v1/adapters", body=body)[0] == 201
+    long = {"model": "d", "prompt": [5, 6, 7, 8], "max_tokens": 400, "temperature": 0, "logit_bias": NO_EOS}
+    with cf.ThreadPoolExecutor(1) as pool:
+        running = pool.submit(call, gateway, "POST", "/v1/completions", "ops", long)
+        wait_for(lambda: adapter_stats(gateway).get("rows", 0) >= 1, timeout=60, interval=0.05)
+        assert call(gateway, "DELETE", "/v1/adapters/d")[0] == 200
+        assert complete(gateway, "d", [1, 2])[0] == 404  # new requests: gone at once
+        status, _, out = running.result()
+    assert status == 200 and out["choices"][0]["finish_reason"] == "length", out  # the running row kept it
+    wait_for(lambda: "d" not in adapter_stats(gateway).get("resident", ["d"]), timeout=30)
 
 
 def _decode(base, tokens: list[int]) -> str:
