@@ -1,9 +1,9 @@
 """Admin routes for LoRA adapters (issue 44): add one to a model, or remove one, while its
-worker runs. The change is written to models.yaml (when the gateway runs from one) and
-applied as a reload is: the running worker takes the new list without a restart
-(gateway/adapters.py). An adapter added to a running model is loaded by its worker first,
-so a folder that is not an adapter of this model is refused here, with the reason, and
-nothing changes.
+worker runs. The change is written to models.yaml (gateway/registry_edit.py: the gateway
+must run from the operator's own file) and applied as a reload is: the running worker
+takes the new list without a restart (gateway/adapters.py). An adapter added to a running
+model is loaded by its worker first, so a folder that is not an adapter of this model is
+refused here, with the reason, and nothing changes.
 
 The folder path comes from an admin key, as models.yaml's paths come from the operator."""
 
@@ -11,18 +11,18 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import os
+from collections.abc import Callable
 from pathlib import Path
 
-import yaml
 from aiohttp import web
 
 from mlxgw.shared import model_store
 from mlxgw.shared.adapter_folder import read_config, scale_of
-from mlxgw.shared.config import AdapterEntry, ConfigError, ModelKind, Registry, parse_registry, with_discovered_models
+from mlxgw.shared.config import AdapterEntry, ModelKind
 from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
 
 from .. import adapters
+from ..registry_edit import edit_registry, listed_entry, registry_file
 from ..state import MANAGER
 from .admin import _json_object, require_admin
 
@@ -40,43 +40,17 @@ def check_folder(folder: Path) -> None:
         raise invalid(str(e), "path") from None
 
 
-def _edited(data: dict, base: str, edit) -> dict:
-    """models.yaml's mapping with one model's adapters list edited."""
-    for raw in data.get("models") or []:
-        if isinstance(raw, dict) and raw.get("name") == base:
-            raw["adapters"] = edit(list(raw.get("adapters") or []))
-            return data
-    raise invalid(f"model '{base}' is not listed in models.yaml; list it there to give it adapters", "model")
+def _apply(request: web.Request, base: str, edit: Callable[[list], list]):
+    """Edit the model's adapters list in models.yaml (gateway/registry_edit.py: checked,
+    backed up, then reloaded, which hands the running workers the new list)."""
 
+    def change(data: dict) -> None:
+        entry = listed_entry(data, base)
+        if entry is None:
+            raise invalid(f"model '{base}' is not listed in models.yaml; list it there to give it adapters", "model")
+        entry["adapters"] = edit(list(entry.get("adapters") or []))
 
-def _write_registry(path: Path, base: str, edit) -> Registry:
-    """Edit models.yaml (atomically), returning the registry it now holds."""
-    data = yaml.safe_load(path.read_text()) or {}
-    data = _edited(data, base, edit)
-    try:
-        registry = parse_registry(data, path)
-    except ConfigError as e:
-        raise invalid(str(e), "name") from None
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(yaml.safe_dump(data, sort_keys=False))
-    os.replace(tmp, path)
-    return with_discovered_models(registry)
-
-
-async def _apply(request: web.Request, base: str, edit) -> None:
-    manager = request.app[MANAGER]
-    path = manager.registry.path
-    if path is not None:
-        registry = await asyncio.to_thread(_write_registry, path, base, edit)
-    else:  # a gateway without a registry file: in memory only
-
-        def edited(e):
-            listed = edit([dataclasses.asdict(a) for a in e.adapters])
-            return dataclasses.replace(e, adapters=[AdapterEntry(**a) for a in listed])
-
-        models = [edited(e) if e.name == base else e for e in manager.registry.models]
-        registry = dataclasses.replace(manager.registry, models=models)
-    await manager.reload(registry)
+    return edit_registry(request.app, change)
 
 
 @routes.post("/v1/adapters")
@@ -100,6 +74,7 @@ async def add_adapter(request: web.Request) -> web.Response:
         raise invalid(str(e), "name") from None
     if manager.registry.entry(name) is not None or manager.registry.adapter(name) is not None:
         raise invalid(f"'{name}' already names a model or an adapter", "name")
+    registry_file(request.app)  # a gateway whose models.yaml cannot be edited changes nothing
     folder = Path(raw_path).expanduser()
     await asyncio.to_thread(check_folder, folder)
     added = AdapterEntry(name=name, path=str(folder))
@@ -122,6 +97,7 @@ async def remove_adapter(request: web.Request) -> web.Response:
     if found is None:
         raise ServiceError(ErrorCode.MODEL_NOT_FOUND, f"The adapter '{name}' does not exist.", param="name")
     slot, adapter = found
+    registry_file(request.app)
 
     def without(listed: list) -> list:
         return [a for a in listed if not isinstance(a, dict) or a.get("name") != adapter.name]
