@@ -108,8 +108,9 @@ def test_rows_of_a_mixed_batch_each_match_mlx_lm_alone_with_their_adapter(family
     assert runner.adapters.stats()["resident"] == ["A", "B"] or set(runner.adapters.stats()["resident"]) == {"A", "B"}
 
 
-def test_a_prefix_computed_under_one_adapter_is_never_served_to_another_or_the_base(models):
-    base, a, b = models["llama"]
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])  # trimmable KV; recurrent state from checkpoints
+def test_a_prefix_computed_under_one_adapter_is_never_served_to_another_or_the_base(family, models):
+    base, a, b = models[family]
     runner = make_runner(base, {"A": a, "B": b}, speculative=SpeculativeConfig(mode="off"))
     prompt = runner.tokenizer.encode("a shared system prompt that every request repeats " * 3)
     ((first, cached),) = run_together(runner, [(prompt, "A")])
