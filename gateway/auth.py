@@ -13,6 +13,7 @@ from aiohttp import web
 from mlxgw.shared.config import CHAT_KINDS, ModelKind
 from mlxgw.shared.errors import ErrorCode, ServiceError
 
+from . import adapters
 from .api.routes import ROUTE_FOR_KIND, Access, route_of
 from .batch_runner import batch_owner
 from .keys import ApiKey, KeyStore
@@ -164,11 +165,15 @@ def may_use(request: web.Request, slot) -> bool:
 def resolve_model(request: web.Request, requested: str, kinds: tuple[ModelKind, ...] = CHAT_KINDS):
     """The model slot for a requested name, if the caller's key may use it and the model is
     of a kind this route serves."""
-    slot = request.app[MANAGER].resolve(requested)
+    manager = request.app[MANAGER]
+    # A LoRA adapter is called like a model and runs on its base's worker (gateway/adapters.py).
+    found = adapters.find(manager, requested)
+    slot, adapter = found if found is not None else (manager.resolve(requested), None)
     key = request.get("key")
     # The model it resolves to decides, by its name or one of its aliases: a key limited to
     # "smollm2-*" must not reach another model by asking for a name one of its globs matches.
-    if key is not None and not key.allows(slot.name, *slot.entry.aliases):
+    names = adapters.names(slot, adapter) if adapter is not None else (slot.name, *slot.entry.aliases)
+    if key is not None and not key.allows(*names):
         raise ServiceError(ErrorCode.PERMISSION, f"API key '{key.name}' may not use model '{requested}'", param="model")
     kind = slot.entry.kind
     if kind not in kinds:
@@ -178,5 +183,6 @@ def resolve_model(request: web.Request, requested: str, kinds: tuple[ModelKind, 
             f"use {ROUTE_FOR_KIND.get(kind, 'another route')}",
             param="model",
         )
-    request["model"] = slot.name
+    request["model"] = slot.name if adapter is None else adapter.name  # usage and the ledger name the adapter
+    request["adapter"] = adapter.name if adapter is not None else None
     return slot

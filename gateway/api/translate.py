@@ -170,6 +170,7 @@ async def build_request(request: web.Request, slot, parsed: ParsedRequest) -> p.
         logprobs=parsed.logprobs,
         prompt_logprobs=parsed.prompt_logprobs,
         n=parsed.n,
+        adapter=request.get("adapter"),
         fim=parsed.fim,
     )
 
