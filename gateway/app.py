@@ -17,6 +17,7 @@ from mlxgw.shared.errors import ErrorCode, ServiceError
 
 from . import observe
 from .api import (
+    adapters,
     admin,
     anthropic,
     audio,
@@ -178,5 +179,17 @@ def unlisted_routes(app: web.Application) -> list[tuple[str, str]]:
 def route_tables() -> list:
     """Every route table the app serves (tests walk them to reach every route)."""
     modules = (openai_chat, openai_completions, openai_embeddings, rerank, audio, anthropic, responses, system)
-    modules += (observe, ollama, ollama_models, ollama_manage, tokenize, admin, mcp_routes, files, batches, infill)
+    modules += (
+        observe,
+        ollama,
+        ollama_models,
+        ollama_manage,
+        tokenize,
+        admin,
+        adapters,
+        mcp_routes,
+        files,
+        batches,
+        infill,
+    )
     return [m.routes for m in modules] + [console_routes]

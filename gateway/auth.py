@@ -13,9 +13,11 @@ from aiohttp import web
 from mlxgw.shared.config import CHAT_KINDS, ModelKind
 from mlxgw.shared.errors import ErrorCode, ServiceError
 
+from . import adapters
 from .api.routes import ROUTE_FOR_KIND, Access, route_of
 from .batch_runner import batch_owner
 from .keys import ApiKey, KeyStore
+from .ledger import LEDGER
 from .limits import RateLimiter
 from .state import KEYS, LIMITER, MANAGER, SETTINGS
 
@@ -87,35 +89,62 @@ async def auth_middleware(request: web.Request, handler):
         # Settled here, after the whole response (a stream included) is over, whether it
         # finished, failed, or was cut by the client or a crash.
         gen = request.get("generation")
-        limiter.finish(key, gen.usage.total_tokens if gen is not None else 0, request.get("tpm_reserved", 0))
+        limiter.finish(
+            key,
+            gen.usage.total_tokens if gen is not None else 0,
+            request.get("tpm_reserved", 0),
+            rows=request.get("extra_rows", 0),
+        )
+        _settle_budgets(request, key, gen)
+
+
+def _settle_budgets(request: web.Request, key: ApiKey, gen) -> None:
+    """Release the request's share of its key's daily and monthly budgets and count what it
+    used (budgets.TokenBudgets.settle); only for routes the ledger records, whose row the
+    budgets then do not count twice."""
+    ledger = request.app.get(LEDGER)
+    if ledger is None or route_of(request).usage is None or (key.tpd is None and key.tpmo is None):
+        return
+    used = gen.usage.prompt_tokens + gen.usage.completion_tokens if gen is not None else 0
+    ledger.budgets.settle(key.name, request.get("budget_reserved", 0), used)
 
 
 def batch_key(store: KeyStore, owner: str | None) -> ApiKey:
-    """The key that owns a batch request: it must still exist and be valid when it runs."""
+    """The key that owns a batch request, by its identity (ApiKey.tenant), never its name: it
+    must still exist and be valid when it runs."""
     store.refresh()
-    key = next((k for k in store.keys if k.name == owner), None)
+    key = next((k for k in store.keys if k.tenant == owner), None)
     if key is None:
-        raise ServiceError(ErrorCode.AUTHENTICATION, f"the batch's API key {owner!r} was revoked")
+        raise ServiceError(ErrorCode.AUTHENTICATION, "the batch's API key was revoked")
     if key.expired():
         raise ServiceError(ErrorCode.AUTHENTICATION, f"API key '{key.name}' has expired")
     return key
 
 
-def reserve_tokens(request: web.Request, slot, max_tokens: int | None) -> None:
+def reserve_tokens(request: web.Request, slot, max_tokens: int | None, n: int = 1) -> None:
     """At admission, set aside the most tokens the request may use (its max_tokens, else
-    the model's context) from its key's token budget; settled when the request ends."""
+    the model's context) from its key's token budgets (tpm, tpd, tpmo), and count its n
+    choices against its concurrency (they run as n rows); settled when the request ends."""
     key = request.get("key")
-    if key is None or key.tpm is None or "ratelimit_headers" not in request:
+    if key is None or "ratelimit_headers" not in request:
+        return
+    store: KeyStore = request.app[KEYS]
+    if n > 1:
+        request["extra_rows"] = request.get("extra_rows", 0) + request.app[LIMITER].add_rows(key, n - 1)
+    ledger = request.app.get(LEDGER)
+    budgets = ledger.budgets if ledger is not None and route_of(request).usage is not None else None
+    if key.tpm is None and (budgets is None or (key.tpd is None and key.tpmo is None)):
         return
     if max_tokens is None:
         max_tokens = slot.entry.context_length or next(
             (c.info.get("context_length") for c in request.app[MANAGER].conns(slot) if c.info.get("context_length")),
             None,
         )
-    store: KeyStore = request.app[KEYS]
     request["tpm_reserved"] = request.get("tpm_reserved", 0) + request.app[LIMITER].reserve(
         key, store.window_s, int(max_tokens or 0)
     )
+    if budgets is not None:
+        request["budget_reserved"] = request.get("budget_reserved", 0) + budgets.reserve(key, int(max_tokens or 0))
 
 
 def charge_audio_seconds(request: web.Request, seconds: float) -> None:
@@ -136,11 +165,15 @@ def may_use(request: web.Request, slot) -> bool:
 def resolve_model(request: web.Request, requested: str, kinds: tuple[ModelKind, ...] = CHAT_KINDS):
     """The model slot for a requested name, if the caller's key may use it and the model is
     of a kind this route serves."""
-    slot = request.app[MANAGER].resolve(requested)
+    manager = request.app[MANAGER]
+    # A LoRA adapter is called like a model and runs on its base's worker (gateway/adapters.py).
+    found = adapters.find(manager, requested)
+    slot, adapter = found if found is not None else (manager.resolve(requested), None)
     key = request.get("key")
     # The model it resolves to decides, by its name or one of its aliases: a key limited to
     # "smollm2-*" must not reach another model by asking for a name one of its globs matches.
-    if key is not None and not key.allows(slot.name, *slot.entry.aliases):
+    names = adapters.names(slot, adapter) if adapter is not None else (slot.name, *slot.entry.aliases)
+    if key is not None and not key.allows(*names):
         raise ServiceError(ErrorCode.PERMISSION, f"API key '{key.name}' may not use model '{requested}'", param="model")
     kind = slot.entry.kind
     if kind not in kinds:
@@ -150,5 +183,6 @@ def resolve_model(request: web.Request, requested: str, kinds: tuple[ModelKind, 
             f"use {ROUTE_FOR_KIND.get(kind, 'another route')}",
             param="model",
         )
-    request["model"] = slot.name
+    request["model"] = slot.name if adapter is None else adapter.name  # usage and the ledger name the adapter
+    request["adapter"] = adapter.name if adapter is not None else None
     return slot

@@ -3,8 +3,14 @@ registry of each key's requests in flight.
 
 The budgets count what the usage ledger records (prompt + completion tokens of finished
 requests), seeded from the ledger's SQLite file at start, so a restart forgets nothing. As
-with `tpm`, a request is admitted while the key is under its budget when it starts; the one
-after the budget is spent gets a 429 with Retry-After set to the next UTC midnight (or month)."""
+with `tpm`, a request is admitted while its key is under its budget (past it: a 429 with
+Retry-After at the next UTC midnight or month), and it sets aside what it may generate (its
+max_tokens times n, at most what is left): while requests in flight have set aside all that is
+left, the next waits (a 429 to retry in a second). A request's tokens count the moment it ends
+(settle), before the ledger's row for it arrives. So many requests at once, a batch's
+included, cannot each pass the budget: a key goes past it by at most the prompts of its
+requests in flight and the one request admitted last (issue 40: 300 tokens a day had run
+48,024)."""
 
 from __future__ import annotations
 
@@ -45,6 +51,8 @@ class TokenBudgets:
     month: dict[str, int] = field(default_factory=dict)
     _day_of: float = 0.0
     _month_of: float = 0.0
+    reserved: dict[str, int] = field(default_factory=dict)  # key name -> tokens set aside in flight
+    _settled: dict[str, int] = field(default_factory=dict)  # counted by settle, the ledger's add to come
 
     def _roll(self, now: float) -> None:
         today, this_month = day_start(now), month_start(now)
@@ -59,6 +67,11 @@ class TokenBudgets:
         self.month.update(month_totals)
 
     def add(self, key: str, tokens: int, ts: float) -> None:
+        """The ledger's row of a finished request; what settle counted already is not again."""
+        early = min(tokens, self._settled.get(key, 0))
+        if early:
+            self._settled[key] -= early
+            tokens -= early
         if tokens <= 0:
             return
         self._roll(ts)
@@ -87,6 +100,37 @@ class TokenBudgets:
                 f"monthly token budget reached for key '{key.name}': {key.tpmo} tokens per UTC month",
                 retry_after=next_month_start(now) - now,
             )
+
+    def reserve(self, key: ApiKey, tokens: int) -> int:
+        """Set aside up to `tokens` (a request's max_tokens) of what is left of the key's daily
+        and monthly budgets, or raise a 429 when requests in flight have set all of it aside;
+        what was set aside (0 without budgets), released by settle."""
+        if (key.tpd is None and key.tpmo is None) or tokens <= 0:
+            return 0
+        now = time.time()
+        day_used, month_used = self.used(key.name, now)
+        held = self.reserved.get(key.name, 0)
+        for limit, used, per in ((key.tpd, day_used, "UTC day"), (key.tpmo, month_used, "UTC month")):
+            if limit is None:
+                continue
+            if used < limit <= used + held:
+                raise ServiceError(
+                    ErrorCode.RATE_LIMITED,
+                    f"token budget of key '{key.name}' set aside: {limit} tokens per {per}, {used} used and "
+                    f"the other {limit - used} set aside by its requests in flight; retry when one ends",
+                    retry_after=1.0,
+                )
+            tokens = min(tokens, max(0, limit - used - held))
+        self.reserved[key.name] = held + tokens
+        return tokens
+
+    def settle(self, name: str, reserved: int, used: int) -> None:
+        """A request ended: release what it set aside and count what it used now."""
+        if reserved:
+            self.reserved[name] = max(0, self.reserved.get(name, 0) - reserved)
+        if used > 0:
+            self.add(name, used, time.time())
+            self._settled[name] = self._settled.get(name, 0) + used
 
     def headers(self, key: ApiKey) -> dict[str, str]:
         out: dict[str, str] = {}

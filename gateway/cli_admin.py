@@ -127,7 +127,7 @@ def usage(since, by, fmt, db) -> None:
 
 def _echo_batches(path: Path) -> None:
     """Batch jobs per key and status (their requests are in the rows above as batch:<api>)."""
-    from mlxgw.gateway.batch_store import summary_of
+    from mlxgw.gateway.batch_schema import summary_of
 
     rows = summary_of(path)
     if rows:

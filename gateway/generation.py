@@ -130,6 +130,11 @@ class Generation:
         self._deadline = self.started + first + DEADLINE_SLACK_S
         self.time_limited = False  # the answer was cut by its time bound (finish reason length)
 
+    @property
+    def model_name(self) -> str:
+        """The model responses name: a LoRA adapter's request names its adapter (issue 44)."""
+        return getattr(self.req, "adapter", None) or self.slot.name
+
     async def _load_tick(self) -> None:
         if self.on_wait is not None and time.monotonic() - self.started >= LOAD_KEEPALIVE_AFTER_S:
             await self.on_wait()

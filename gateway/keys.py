@@ -32,6 +32,7 @@ import logging
 import os
 import secrets
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -210,6 +211,11 @@ class KeyStore:
     window_s: float = 60.0
     _mtime: tuple | None = None
 
+    def __post_init__(self) -> None:
+        swept = sweep_stale_temp(Path(self.path))
+        if swept:
+            log.info("removed %d temporary keys files that interrupted edits left", swept)
+
     def refresh(self, force: bool = False) -> None:
         try:
             st = os.stat(self.path)
@@ -247,6 +253,24 @@ def load_file(path: Path) -> dict:
     data = yaml.safe_load(path.read_text()) or {}
     parse_keys(data, str(path))  # validate before editing
     return data
+
+
+STALE_TEMP_S = 60.0  # a temporary keys file this old belongs to no edit still running
+
+
+def sweep_stale_temp(path: Path, now: float | None = None) -> int:
+    """The `.NAME.*.tmp` files save_file leaves when it is killed between creating and
+    renaming one (kill -9 during a key edit); a live edit's file is seconds old."""
+    swept = 0
+    cutoff = (now or time.time()) - STALE_TEMP_S
+    for tmp in path.parent.glob(f".{path.name}.*.tmp"):
+        try:
+            if tmp.stat().st_mtime < cutoff:
+                tmp.unlink()
+                swept += 1
+        except OSError:
+            continue  # gone meanwhile, or not ours to remove
+    return swept
 
 
 def save_file(path: Path, data: dict) -> None:

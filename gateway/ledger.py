@@ -34,6 +34,9 @@ FLUSH_S = 1.0  # the crash window: rows are committed at least this often
 MAX_QUEUED = 100_000  # rows waiting for the writer; past this they are counted and dropped
 RETENTION_CHECK_S = 3600.0
 GATHER_NAP_S = 0.05  # while gathering a batch: how late a flush() request may be seen
+# Rows a commit could not write (a full disk, a locked file) are kept and retried this often,
+# up to MAX_QUEUED of them: a disk that fills for a while loses no row of the ledger.
+RETRY_S = 2.0
 _NOTHING = object()  # a nap that found no row
 RECENT = 200  # finished requests kept in memory for the console
 
@@ -104,8 +107,10 @@ class _Writer(threading.Thread):
         self.retention_days = retention_days
         self.rows: queue.Queue = queue.Queue(MAX_QUEUED)
         self.written = 0
+        self.dropped = 0  # rows held past MAX_QUEUED while commits kept failing
         self.cpu_s = 0.0  # the thread's CPU time, reported when it stops
         self._next_prune = 0.0
+        self._unwritten: list[tuple] = []  # rows whose commit failed, retried first
 
     def run(self) -> None:
         conn = connect(self.path)
@@ -113,6 +118,9 @@ class _Writer(threading.Thread):
             while self._cycle(conn):
                 pass
         finally:
+            if self._unwritten:
+                lost = len(self._unwritten)
+                log.error("usage ledger: %d rows never written (the disk stayed full to shutdown)", lost)
             conn.close()
             self.cpu_s = time.thread_time()
 
@@ -123,8 +131,9 @@ class _Writer(threading.Thread):
         every row the loop puts."""
         self._maybe_prune(conn)
         try:
-            item = self.rows.get(timeout=RETENTION_CHECK_S)
+            item = self.rows.get(timeout=RETRY_S if self._unwritten else RETENTION_CHECK_S)
         except queue.Empty:
+            self._commit(conn, [])  # retry what a failed commit left
             return True
         batch, waiters, stop = [], [], False
         deadline = time.monotonic() + FLUSH_S
@@ -156,15 +165,26 @@ class _Writer(threading.Thread):
         return not stop
 
     def _commit(self, conn: sqlite3.Connection, batch: list[tuple]) -> None:
+        batch = self._unwritten + batch
         if not batch:
             return
         try:
             with conn:
                 conn.execute("BEGIN")
                 conn.executemany(_INSERT, batch)
-            self.written += len(batch)
         except sqlite3.Error as e:
-            log.error("usage ledger: could not write %d rows: %s", len(batch), e)
+            if not self._unwritten:
+                log.error("usage ledger: could not write %d rows (kept, retried every %gs): %s", len(batch), RETRY_S, e)
+            overflow = max(0, len(batch) - MAX_QUEUED)
+            if overflow:
+                self.dropped += overflow
+                log.error("usage ledger: %d rows dropped: commits keep failing (%s)", overflow, e)
+            self._unwritten = batch[overflow:]
+            return
+        if self._unwritten:
+            log.info("usage ledger: wrote %d rows held since a failed commit", len(self._unwritten))
+        self._unwritten = []
+        self.written += len(batch)
 
     def _maybe_prune(self, conn: sqlite3.Connection) -> None:
         now = time.time()

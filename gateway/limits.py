@@ -90,6 +90,30 @@ class RateLimiter:
         u.reserved += tokens
         return tokens
 
+    def add_rows(self, key: ApiKey, extra: int) -> int:
+        """A request asking for `n` choices runs as n rows: count the n - 1 beyond the one
+        start() counted against the key's max_concurrent, or raise a 429 (param n when it
+        could never fit). Returns what was added, released by finish(rows=...)."""
+        if key.max_concurrent is None or extra <= 0:
+            return 0
+        if extra + 1 > key.max_concurrent:
+            raise ServiceError(
+                ErrorCode.RATE_LIMITED,
+                f"n = {extra + 1} runs {extra + 1} requests at once, more than the {key.max_concurrent} "
+                f"concurrent requests of key '{key.name}'; lower n",
+                param="n",
+            )
+        u = self._usage.setdefault(key.name, _Usage())
+        if u.concurrent + extra > key.max_concurrent:
+            raise ServiceError(
+                ErrorCode.RATE_LIMITED,
+                f"too many concurrent requests for key '{key.name}' (limit {key.max_concurrent}; "
+                f"{u.concurrent} running, n = {extra + 1} needs {extra + 1})",
+                retry_after=1.0,
+            )
+        u.concurrent += extra
+        return extra
+
     def charge_audio(self, key: ApiKey, window: float, seconds: float) -> None:
         """Count an upload's decoded duration against the key's audio seconds per window
         (`aspm`), or raise a 429: known before the model sees the audio, so it is a hard limit."""
@@ -115,10 +139,11 @@ class RateLimiter:
         u.audio.append((now, seconds))
         u.audio_sum += seconds
 
-    def finish(self, key: ApiKey, tokens: int, reserved: int = 0) -> None:
-        """Settle one request: release its reservation and charge what it really used."""
+    def finish(self, key: ApiKey, tokens: int, reserved: int = 0, rows: int = 0) -> None:
+        """Settle one request: release its reservation (and the extra rows of its n) and
+        charge what it really used."""
         u = self._usage.setdefault(key.name, _Usage())
-        u.concurrent = max(0, u.concurrent - 1)
+        u.concurrent = max(0, u.concurrent - 1 - rows)
         u.reserved = max(0, u.reserved - reserved)
         if tokens > 0:
             u.tokens.append((time.monotonic(), tokens))

@@ -22,6 +22,7 @@ from typing import Any
 from mlxgw.shared.config import Registry
 from mlxgw.shared.errors import ErrorCode, ServiceError
 
+from . import adapters
 from . import liveness as live
 from .broker import Broker
 from .lifecycle import ModelSlot, Pulse, SlotState
@@ -203,6 +204,9 @@ class ModelManager(SlotRunner):
         added, removed, changed = [], [], []
         for name, slot in list(self.slots.items()):
             entry = next((e for e in registry.models if e.name == name), None)
+            if entry is not None and adapters.only_adapters_changed(slot.entry, entry):
+                slot.entry = entry  # LoRA adapters added or removed: the worker takes them as it runs
+                self._own(adapters.push(self, slot))
             if entry == slot.entry:
                 if slot.state is SlotState.FAILED:
                     slot.retry_now = True
@@ -285,6 +289,8 @@ class ModelManager(SlotRunner):
         slot.ready_since = time.monotonic()
         slot.load_seconds = conn.info.get("load_seconds", slot.load_seconds)
         self._check_context(slot, conn)
+        if slot.entry.adapters:  # adapters added while it loaded from an older entry
+            self._own(adapters.push(self, slot))
         if slot.state in (SlotState.LOADING, SlotState.RESTARTING, SlotState.UNLOADED):
             self._set(slot, SlotState.READY)
 

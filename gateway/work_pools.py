@@ -6,7 +6,8 @@ ledger flush, large JSON bodies and audio decoding waited behind them. So each k
 work gets its own small pool here, and the default executor is left to the admin routes and
 the ledger:
 
-- `THREAD_POOLS[kind].run(fn, ...)`: a few daemon threads per kind (json, audio, speech) and a
+- `THREAD_POOLS[kind].run(fn, ...)`: a few daemon threads per kind (json, audio, speech, batch
+  input, batch storage) and a
   bounded wait list; past it the caller gets a 429 to retry, never an unbounded queue. The
   work itself must be bounded by its caller (a body size, a measured audio length): a thread
   cannot be stopped, only kept from starving others. Daemon threads never hold up shutdown.
@@ -98,6 +99,13 @@ THREAD_POOLS: dict[str, BoundedPool] = {
     "json": BoundedPool("json", threads=max(1, _CORES // 2), max_waiting=64),
     "audio": BoundedPool("audio", threads=max(1, _CORES // 2), max_waiting=32),
     "speech": BoundedPool("speech", threads=max(1, _CORES // 2), max_waiting=32),
+    # Batch input files, checked line by line as a batch is created: one thread, so creations
+    # never hold more than one core, and a burst of them waits here or gets a 429.
+    "batch": BoundedPool("batch", threads=1, max_waiting=16),
+    # The Files and Batch APIs' SQLite and file reads and writes, and each batch request's
+    # line parsed as it is sent (at most BACKGROUND_IN_FLIGHT at once): off the default
+    # executor, which the admin routes and the usage ledger keep.
+    "batch_io": BoundedPool("batch_io", threads=2, max_waiting=256),
 }
 
 

@@ -102,6 +102,20 @@ class SpeculativeConfig:
 
 
 @dataclass
+class AdapterEntry:
+    """A LoRA adapter served on its model's worker (worker/adapters.py): an `mlx_lm.lora`
+    output folder (adapters.safetensors + adapter_config.json). Requests name it as a model:
+    `name`, or `<base>:<name>`."""
+
+    name: str
+    path: str
+    aliases: list[str] = field(default_factory=list)  # other exact names it answers to
+
+    def folder(self) -> Path:
+        return Path(self.path).expanduser()
+
+
+@dataclass
 class FimConfig:
     """Fill-in-the-middle (`fim:`; shared/fim.py). Unset token fields come from the format
     found in the model's vocabulary; naming prefix and suffix defines one for a model
@@ -169,6 +183,8 @@ class ModelEntry:
     max_batch_tokens: int = 8192  # padded tokens per forward pass
     mcp_servers: list[str] = field(default_factory=list)  # MCP servers offered by default (shared/mcp_config.py)
     distributed: DistributedConfig | None = None  # shard the model over several ranks
+    adapters: list[AdapterEntry] = field(default_factory=list)  # LoRA adapters on this model
+    resident_adapters: int = 8  # adapters kept loaded on the worker at once (LRU; rows in use never leave)
     fim: FimConfig | None = None  # fill-in-the-middle overrides; None: as the tokenizer says
     # Set by Ollama's /api/create from a Modelfile: a system prompt for requests that bring
     # none (SYSTEM), turns put before every conversation (MESSAGE), and a Jinja chat template
@@ -273,6 +289,16 @@ class Registry:
                 return e
         return None
 
+    def adapter(self, name: str) -> tuple[ModelEntry, AdapterEntry] | None:
+        """The LoRA adapter a requested model name addresses, `adapter` or `<base>:<adapter>`
+        (SGLang's spelling; the base by its name or an alias), with its model's entry."""
+        base, sep, short = name.rpartition(":")
+        for e in self.models:
+            for a in e.adapters:
+                if name == a.name or name in a.aliases or (sep and a.name == short and e.matches(base)):
+                    return e, a
+        return None
+
 
 def _at_least(where: str, obj: Any, minimum: float, names: tuple[str, ...], strict: bool = False) -> None:
     """Range checks: each named field (when set) must be >= minimum (> when strict)."""
@@ -347,6 +373,27 @@ def _check_entry(e: ModelEntry, where: str) -> None:
         _check_distributed(e, where)
     if e.fim is not None and e.fim.max_tokens < 1:
         raise bad("fim.max_tokens", f"must be at least 1, got {e.fim.max_tokens}")
+    _check_adapters(e, bad)
+
+
+def _check_adapters(e: ModelEntry, bad) -> None:
+    if e.adapters and (e.kind != ModelKind.CHAT or e.engine != "mlx" or e.distributed is not None):
+        raise bad("adapters", "only chat models on the mlx engine, not sharded, take LoRA adapters")
+    if e.resident_adapters < 1:
+        raise bad("resident_adapters", f"must be at least 1, got {e.resident_adapters}")
+    seen: set[str] = set()
+    for a in e.adapters:
+        try:
+            model_store.validate_model_name(a.name)
+        except model_store.InvalidModelName as err:
+            raise bad("adapters", f"{a.name!r}: {err}") from None
+        if a.name in seen:
+            raise bad("adapters", f"duplicate adapter name {a.name!r}")
+        if any(not isinstance(alias, str) or not alias.strip() or ":" in alias for alias in a.aliases):
+            raise bad("adapters", f"{a.name!r}: an alias is a non-empty exact name without ':'")
+        if not a.path.strip() or not a.folder().is_absolute():
+            raise bad("adapters", f"{a.name!r}: path must be an absolute folder (or start with ~), got {a.path!r}")
+        seen.add(a.name)
 
 
 # The ranges the APIs accept in a request (gateway/api/fields.py): a default outside them
@@ -452,7 +499,19 @@ def parse_registry(data: Any, path: Path | None = None) -> Registry:
         for label in entry.mcp_servers:
             if mcp.server(label) is None:
                 raise ConfigError(f"{where}: field 'mcp_servers': no MCP server labelled {label!r} in mcp.servers")
+    _check_adapter_names(models, src)
     return Registry(manager=manager, models=models, path=path, gateway=gateway, mcp=mcp)
+
+
+def _check_adapter_names(models: list[ModelEntry], src: str) -> None:
+    """Adapters are called by name like models: a name must address one thing."""
+    taken = {e.name for e in models} | {a for e in models for a in e.aliases}
+    for e in models:
+        for a in e.adapters:
+            for name in (a.name, *a.aliases):
+                if name in taken:
+                    raise ConfigError(f"{src}: model {e.name}: adapter {a.name!r}: {name!r} already names something")
+                taken.add(name)
 
 
 def _split_moved(manager: Any, gateway: Any, src: str) -> tuple[Any, Any]:

@@ -33,6 +33,7 @@ class ErrorCode(str, Enum):
     WORKER_LOST = "worker_lost"
     TIMEOUT = "timeout"
     CANCELLED = "cancelled"
+    INSUFFICIENT_STORAGE = "insufficient_storage"  # the disk (or a file-size limit) is full
     INTERNAL = "internal_error"
 
 
@@ -52,6 +53,7 @@ HTTP_STATUS = {
     ErrorCode.WORKER_LOST: 502,
     ErrorCode.TIMEOUT: 504,
     ErrorCode.CANCELLED: 499,
+    ErrorCode.INSUFFICIENT_STORAGE: 507,
     ErrorCode.INTERNAL: 500,
 }
 

@@ -205,6 +205,9 @@ class GenerateRequest:
     prompt_logprobs: int | None = None
     # Choices sampled from one prompt (prefilled once); choice i samples with seed + i.
     n: int = 1
+    # A LoRA adapter of the worker's model (models.yaml `adapters`), by its name; None: the
+    # base model. A worker of an older version ignores the field.
+    adapter: str | None = None
     # Fill-in-the-middle (worker/fim.py): {"prefix", "suffix", "middle" (text after the middle
     # token, llama.cpp's `prompt`), "extra" ([[filename, text], ...]: other files as context),
     # "filename", "repo"}; set, the worker builds the prompt with the model's FIM tokens and

@@ -184,9 +184,8 @@ def test_a_batch_survives_a_gateway_kill_and_no_request_is_answered_twice(home, 
         except psutil.NoSuchProcess:
             pass
     db = sqlite3.connect(home2 / "batches.db")
-    answered = {
-        r[0] for r in db.execute("SELECT idx FROM batch_lines WHERE batch_id = ? AND state != 'pending'", (batch.id,))
-    }
+    sql = "SELECT idx FROM batch_requests WHERE batch_id = ? AND state != 'pending'"
+    answered = {r[0] for r in db.execute(sql, (batch.id,))}
     assert 4 <= len(answered) < 24, "the kill came mid-batch"
     gw2 = start_gateway(home2, BATCH_CONFIG, "batch-restart-2", extra_args=("--keys", keys))
     try:
@@ -239,7 +238,9 @@ def test_one_gateway_process_runs_a_batch_until_it_dies(tmp_path):
     from mlxgw.gateway.batch_store import BatchStore
 
     store = BatchStore(tmp_path)
-    batch = store.create_batch(None, "/v1/chat/completions", "file-x", [("a", {"model": "m"})], [], None)
+    store.begin_batch("batch_x", None, None, "/v1/chat/completions", "file-x", None)
+    store.add_requests("batch_x", [(0, "a", 1, 0, 10, "m")])
+    batch = store.end_creation("batch_x", None, [])
     me, dead = os.getpid(), _dead_pid()
     assert store.claim(batch["id"], dead, stale_s=30)
     assert store.claim(batch["id"], me, stale_s=30), "a dead holder's claim is taken over"

@@ -301,3 +301,32 @@ def test_embedding_requests_record_their_inputs(tmp_path, minilm_dir):
         assert [r["api"] for r in api_usage(gw, since="1h", by="api")] == ["embeddings"]
     finally:
         gw.stop()
+
+
+def test_a_full_disk_loses_no_row_once_space_returns(tmp_path, ledger_home):
+    """RLIMIT_FSIZE on the running gateway (psutil's prlimit) fails every file write past one
+    byte with EFBIG, as a full disk does: the ledger's commits fail, its rows are kept and
+    written once the limit is lifted (they used to be dropped with an error line)."""
+    import resource
+
+    import psutil
+
+    (tmp_path / "keys.yaml").write_text((ledger_home / "keys.yaml").read_text())
+    gw = start(tmp_path, "ledger-full-disk")
+    proc = psutil.Process(gw.proc.pid)
+    try:
+        assert chat(gw, "alice")[0] == 200
+        before = by_key(api_usage(gw, since="all"))["alice"]["requests"]  # flushed: the file exists
+        proc.rlimit(resource.RLIMIT_FSIZE, (1, resource.RLIM_INFINITY))
+        for _ in range(20):
+            assert chat(gw, "alice")[0] == 200
+        time.sleep(FLUSH_S * 2)  # at least one commit fails meanwhile
+        proc.rlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+        deadline = time.monotonic() + 15
+        while (got := by_key(api_usage(gw, since="all"))["alice"]["requests"]) < before + 20:
+            assert time.monotonic() < deadline, f"{got - before} of 20 rows written after the disk came back"
+            time.sleep(0.5)
+        assert got == before + 20
+    finally:
+        proc.rlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+        gw.stop()

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, PromptProcessingBatch
@@ -39,7 +40,11 @@ class VectorBatchGenerator(BatchGenerator):
     whose step reads prompts before it decodes."""
 
     after_prompt_chunk: Callable | None = None
-    reads_first = True  # False: mlx-lm's own order (the control, for bench/admission.py)
+    # Set around every forward of this step's order with the uids of the rows it runs, in
+    # batch order: the per-row LoRA adapters (worker/adapters.py) select their rows from it.
+    route_rows: Callable[[list[int]], AbstractContextManager] | None = None
+    # False: mlx-lm's own order (the control, for bench/admission.py), where LoRA rows are not routed
+    reads_first = True
 
     def __init__(self, model, **kwargs):
         super().__init__(model, **kwargs)
@@ -80,7 +85,8 @@ class VectorBatchGenerator(BatchGenerator):
         generation_responses = []
         if len(self._generation_batch) > 0:
             tic = time.perf_counter()
-            generation_responses = self._generation_batch.next()
+            with self._rows(self._generation_batch.uids):
+                generation_responses = self._generation_batch.next()
             self._counters.decode_time += time.perf_counter() - tic
             self._counters.generation_tokens += len(generation_responses)
             self._counters.generation_steps += 1
@@ -98,7 +104,8 @@ class VectorBatchGenerator(BatchGenerator):
         totals = [self._currently_processing[i][2] for i in ready]
         keep = set(range(len(self._currently_processing))) - set(ready)
         self._currently_processing = [s for i, s in enumerate(self._currently_processing) if i in keep]
-        started = self._prompt_batch.split(ready).generate(last_inputs)
+        with self._rows([self._prompt_batch.uids[i] for i in ready]):
+            started = self._prompt_batch.split(ready).generate(last_inputs)
         self._generation_batch.extend(started)
         return [PromptProcessingBatch.Response(uid, (t, t), True, True) for uid, t in zip(started.uids, totals)]
 
@@ -120,6 +127,10 @@ class VectorBatchGenerator(BatchGenerator):
             responses.append(response)
         self._counters.prompt_tokens += sum(len(p) for p in prompts)
         tic = time.perf_counter()
-        self._prompt_batch.prompt(prompts)
+        with self._rows(self._prompt_batch.uids):
+            self._prompt_batch.prompt(prompts)
         self._counters.prompt_time += time.perf_counter() - tic
         return responses
+
+    def _rows(self, uids: list[int]) -> AbstractContextManager:
+        return nullcontext() if self.route_rows is None else self.route_rows(uids)

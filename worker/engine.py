@@ -157,6 +157,8 @@ class Engine:
                 return
             elif op == "status":
                 result = self.stats()
+            elif op == "adapters":  # hot add and remove (gateway/api/adapters.py)
+                result = self._set_adapters(msg.get("args"))
             else:
                 raise ServiceError(ErrorCode.INVALID_REQUEST, f"unknown call {op!r}")
             self.link.send(p.REPLY, cid=cid, ok=True, result=result)
@@ -165,6 +167,16 @@ class Engine:
         except Exception as e:  # as above: answer the call, keep serving
             log.exception("call %s failed", op)
             self.link.send(p.REPLY, cid=cid, ok=False, error=ServiceError(ErrorCode.INTERNAL, str(e)).to_wire())
+
+    def _set_adapters(self, args: object) -> dict:
+        bank = getattr(self.runner, "adapters", None)
+        sources = args.get("adapters") if isinstance(args, dict) else None
+        if bank is None:
+            raise ServiceError(ErrorCode.INVALID_REQUEST, "this model's engine does not serve LoRA adapters")
+        if not isinstance(sources, dict) or not all(isinstance(v, str) for v in sources.values()):
+            raise ServiceError(ErrorCode.INVALID_REQUEST, "adapters: expected a map of name to folder")
+        check = args.get("check") if isinstance(args, dict) else None
+        return bank.set_sources(sources, check if isinstance(check, str) else None)
 
     def _tokenize(self, args: dict) -> dict:
         # add_special_tokens=False: the prompt's own tokens (chat templates place theirs).

@@ -98,6 +98,8 @@ def build_runner(entry: ModelEntry, model_path: Path):
         kv_bits=entry.kv_bits,
         kv_group_size=entry.kv_group_size,
         tool_name_guard=entry.tool_name_guard,
+        adapters={a.name: str(a.folder()) for a in entry.adapters},
+        resident_adapters=entry.resident_adapters,
         fim=entry.fim,
     )
 

@@ -70,6 +70,8 @@ class MLXRunner(ChatTextRunner):
         kv_bits: int | None = None,
         kv_group_size: int = 64,
         tool_name_guard: bool = False,
+        adapters: dict[str, str] | None = None,  # LoRA adapters: name -> mlx_lm.lora folder
+        resident_adapters: int = 8,
         fim=None,  # the entry's FimConfig (shared/config.py), or None: as the tokenizer says
     ):
         import mlx.core as mx
@@ -102,6 +104,11 @@ class MLXRunner(ChatTextRunner):
             prefill_step_size=prefill_step_size,
         )
         self.prefix_cache = PrefixCache(cache_bytes)
+        from .adapters import AdapterBank
+
+        # Per-row LoRA adapters over the one copy of the base weights (worker/adapters.py).
+        self.adapters = AdapterBank(self.model, adapters, resident_adapters)
+        self.generator.route_rows = self.adapters.rows
         from .blas_threads import policy_for
 
         # The CPU BLAS's thread count per kind of step, measured (worker/blas_threads.py).
@@ -167,6 +174,12 @@ class MLXRunner(ChatTextRunner):
             fim=self.fim,
         )
 
+    def encode(self, req: GenerateRequest) -> list[int]:
+        # Every sequence (each choice too) is prepared here, off the engine thread: an unknown
+        # adapter is refused before it queues, a known one is remembered for its admission.
+        self.adapters.note(req.rid, req.adapter, req.prompt_logprobs)
+        return super().encode(req)
+
     # -- execution ----------------------------------------------------------------------
     def insert(
         self,
@@ -177,14 +190,18 @@ class MLXRunner(ChatTextRunner):
         guard=None,
         logprobs: int | None = None,
         keep_prompt: bool = False,
+        adapter: str | None = None,
     ) -> tuple[int, int]:
+        """adapter: a LoRA adapter's name; None: the one its request named at preparation
+        (found by the guard's request id), if any."""
         from .sampling import build_sampler, guard_sampler, guarded_processors
 
         processors = guarded_processors(sampling, constraint, guard)
         sampler = build_sampler(sampling, wants_logprobs=logprobs is not None)
         if guard is not None:
             sampler = guard_sampler(sampler, guard)
-        cache, cached = self.prefix_cache.longest_match(prompt)
+        lora = self.adapters.for_row(adapter, guard)
+        cache, cached = self.prefix_cache.longest_match(self.adapters.cache_tokens(prompt, lora))
         if cache is None and self.kv_bits is not None:
             cache = self._fresh_cache()
         segments, boundaries = self._segments(prompt, cached)
@@ -197,6 +214,7 @@ class MLXRunner(ChatTextRunner):
             logits_processors=[processors],
         )
         self._covered[uid] = cached
+        self.adapters.bind(uid, lora)
         if self._checkpointing:
             self._checkpoints[uid] = sc.Checkpoints(list(prompt))
             self._boundaries[uid] = boundaries
@@ -304,7 +322,8 @@ class MLXRunner(ChatTextRunner):
                 marks = self._checkpoints.pop(r.uid, None)
                 if r.prompt_cache is not None:
                     # The finished sequence's KV (prompt + answer) seeds the next turn's prompt.
-                    self._keep_kv(r.all_tokens, r.prompt_cache, marks)
+                    self._keep_kv(r.all_tokens, r.prompt_cache, marks, uid=r.uid)
+                self.adapters.release(r.uid)
             out.tokens.append(TokenOut(r.uid, int(r.token), r.finish_reason, logprobs.get(r.uid)))
         return out
 
@@ -333,7 +352,7 @@ class MLXRunner(ChatTextRunner):
                 if r.prompt_cache is None:  # still running: copy its row out of the batch
                     extracted = self.generator.extract_cache([r.uid]).get(r.uid)
                     if extracted:
-                        self._keep_kv(list(extracted[1]), extracted[0], self._checkpoints.get(r.uid))
+                        self._keep_kv(list(extracted[1]), extracted[0], self._checkpoints.get(r.uid), uid=r.uid)
 
     def remove(self, uids: list[int]) -> None:
         """Drop sequences that end early (cancelled, timed out, client gone, stop string).
@@ -354,17 +373,22 @@ class MLXRunner(ChatTextRunner):
             marks = self._checkpoints.pop(uid, None)
             cache, tokens = removed.get(uid, (None, None))
             if cache and tokens and len(tokens) > covered:
-                self._keep_kv(tokens, cache, marks)
+                self._keep_kv(tokens, cache, marks, uid=uid)
+            self.adapters.release(uid)
 
-    def _keep_kv(self, tokens: list[int], cache: list, checkpoints: sc.Checkpoints | None = None) -> None:
+    def _keep_kv(
+        self, tokens: list[int], cache: list, checkpoints: sc.Checkpoints | None = None, uid: int | None = None
+    ) -> None:
         # The KV extracted from the batch is a lazy slice whose graph still references the
         # whole batch's buffers (every row, the full allocation). Unevaluated, a cached entry
         # kept all of that alive while counting only its own slice: a worker reached 14 GB
         # with a cache that reported 2 GB. Evaluating makes it the compact copy it claims to be.
         self._mx.eval([c.state for c in cache])
+        # An adapter row's KV is keyed apart from the base's and other adapters' (worker/adapters.py).
+        tokens = self.adapters.cache_tokens(tokens, self.adapters.by_uid.get(uid))
         if checkpoints is not None:  # those of a prompt the tokens begin with
-            checkpoints = checkpoints.for_entry(list(tokens))
-        self.prefix_cache.insert(list(tokens), cache, checkpoints=checkpoints)
+            checkpoints = checkpoints.for_entry(tokens)
+        self.prefix_cache.insert(tokens, cache, checkpoints=checkpoints)
         self._bound_cache()
 
     def _bound_cache(self, room: int | None = None) -> None:
@@ -390,6 +414,7 @@ class MLXRunner(ChatTextRunner):
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "speculative": self.speculator.stats(),
             "blas_threads": None if self.blas is None else self.blas.summary(),
+            "adapters": self.adapters.stats(),
         }
 
     def cache_stats(self) -> dict:

@@ -130,7 +130,7 @@ def _message(gen: Generation, content: list[dict], stop_reason: str | None, stop
         "id": f"msg_{secrets.token_hex(12)}",
         "type": "message",
         "role": "assistant",
-        "model": gen.slot.name,
+        "model": gen.model_name,
         "content": content,
         "stop_reason": stop_reason,
         "stop_sequence": stop_sequence,

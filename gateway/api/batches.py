@@ -1,69 +1,45 @@
 """The OpenAI Batch API: POST /v1/batches, GET /v1/batches, GET /v1/batches/{id},
 POST /v1/batches/{id}/cancel, in the official SDK's shapes. The input file is checked
-when the batch is created (a bad line fails the batch with its line number, as OpenAI's
-validation does); gateway/batch_runner.py runs it at background priority."""
+line by line when the batch is created (gateway/batch_input.py: a bad line fails the batch
+with its line number, as OpenAI's validation does); gateway/batch_runner.py runs it at
+background priority. A key has at most MAX_ACTIVE batches not yet ended, and metadata is
+capped as OpenAI caps it."""
 
 from __future__ import annotations
 
-import asyncio
-import json
+import contextlib
+import os
 
 from aiohttp import web
 
 from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
 
+from ..batch_files import is_storage_error, new_id
+from ..batch_input import check_input
 from ..batch_runner import BATCH_STORE, BATCH_WAKE
+from ..work_pools import THREAD_POOLS
 from . import validate as v
 from .body import read_json
-from .files import not_found, owner_of
+from .files import no_room, not_found, owner_name_of, owner_of, store_call
 
 routes = web.RouteTableDef()
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
-MAX_LINES = 50_000  # requests per batch, as OpenAI
+MAX_ACTIVE = int(os.environ.get("MLXGW_BATCH_MAX_ACTIVE_PER_KEY") or 4)
+METADATA_PAIRS, METADATA_KEY, METADATA_VALUE = 16, 64, 512  # as OpenAI
 
 
-def parse_lines(text: str, endpoint: str) -> tuple[list[tuple[str, dict]], list[dict]]:
-    """(custom_id, body) per request line, and the errors of the lines that are not one."""
-    lines: list[tuple[str, dict]] = []
-    errors: list[dict] = []
-    seen: set[str] = set()
-    for number, raw in enumerate(text.splitlines(), 1):
-        if not raw.strip():
-            continue
-        problem = _line_problem(raw, endpoint, seen)
-        if isinstance(problem, str):
-            errors.append({"code": "invalid_request", "message": problem, "param": None, "line": number})
-        else:
-            lines.append(problem)
-            seen.add(problem[0])
-        if len(lines) > MAX_LINES:
-            errors.append({"code": "too_many_requests", "message": f"over {MAX_LINES} requests", "line": number})
-            break
-    if not lines and not errors:
-        errors.append({"code": "empty_file", "message": "the input file has no requests", "line": None})
-    return lines, errors[:100]
-
-
-def _line_problem(raw: str, endpoint: str, seen: set[str]) -> str | tuple[str, dict]:
-    try:
-        line = json.loads(raw)
-    except ValueError as e:
-        return f"not JSON: {e}"
-    if not isinstance(line, dict):
-        return "each line must be a JSON object with custom_id, method, url and body"
-    custom_id = line.get("custom_id")
-    if not isinstance(custom_id, str) or not custom_id:
-        return "'custom_id' must be a non-empty string"
-    if custom_id in seen:
-        return f"'custom_id' {custom_id!r} is used by an earlier line"
-    if line.get("method", "POST") != "POST":
-        return "'method' must be POST"
-    if line.get("url") != endpoint:
-        return f"'url' must be the batch's endpoint {endpoint}"
-    if not isinstance(line.get("body"), dict):
-        return "'body' must be a JSON object"
-    return custom_id, line["body"]
+def check_metadata(metadata) -> dict | None:
+    if metadata is None:
+        return None
+    if not isinstance(metadata, dict) or len(metadata) > METADATA_PAIRS:
+        raise invalid(f"'metadata' must be an object of up to {METADATA_PAIRS} pairs", "metadata")
+    for k, value in metadata.items():
+        if len(k) > METADATA_KEY:
+            raise invalid(f"'metadata' keys must be at most {METADATA_KEY} characters", "metadata")
+        if not isinstance(value, str) or len(value) > METADATA_VALUE:
+            raise invalid(f"'metadata' values must be strings of at most {METADATA_VALUE} characters", "metadata")
+    return metadata
 
 
 @routes.post("/v1/batches")
@@ -74,21 +50,35 @@ async def create_batch(request: web.Request) -> web.Response:
         raise invalid(f"'endpoint' must be one of {', '.join(ENDPOINTS)}", "endpoint")
     if body.get("completion_window", "24h") != "24h":
         raise invalid("'completion_window' must be '24h'", "completion_window")
-    metadata = body.get("metadata")
-    if metadata is not None and not (
-        isinstance(metadata, dict) and len(metadata) <= 16 and all(isinstance(x, str) for x in metadata.values())
-    ):
-        raise invalid("'metadata' must be an object of up to 16 string values", "metadata")
+    metadata = check_metadata(body.get("metadata"))
     file_id = v.string(body, "input_file_id", required_=True)
     store, owner = request.app[BATCH_STORE], owner_of(request)
-    file = await asyncio.to_thread(store.get_file, file_id, owner)
+    file = await store_call(store.get_file, file_id, owner)
     if file is None:
         raise not_found("file", file_id)
     if file["purpose"] != "batch":
         raise invalid("the input file's purpose must be 'batch'", "input_file_id")
-    text = await asyncio.to_thread(store.file_path(file_id).read_text, "utf-8", "replace")
-    lines, errors = await asyncio.to_thread(parse_lines, text, endpoint)
-    batch = await asyncio.to_thread(store.create_batch, owner, endpoint, file_id, lines, errors, metadata)
+    if await store_call(store.active_count, owner) >= MAX_ACTIVE:
+        raise ServiceError(
+            ErrorCode.RATE_LIMITED,
+            f"this key has {MAX_ACTIVE} batches running, the most it may; wait for one to end or cancel one",
+            retry_after=30,
+        )
+    batch_id = new_id("batch_")
+    await store_call(store.begin_batch, batch_id, owner, owner_name_of(request), endpoint, file_id, metadata)
+    try:
+        check = await THREAD_POOLS["batch"].run(
+            check_input, store, batch_id, store.file_path(file_id), endpoint, request.client_max_size
+        )
+    except BaseException as e:
+        with contextlib.suppress(Exception):
+            await store_call(store.abandon, batch_id)
+        if isinstance(e, FileNotFoundError):  # its content is gone (deleted meanwhile)
+            raise not_found("file content", file_id) from None
+        if is_storage_error(e):
+            raise no_room() from None
+        raise
+    batch = await store_call(store.end_creation, batch_id, owner, check.errors)
     request.app[BATCH_WAKE].set()
     return web.json_response(batch)
 
@@ -104,7 +94,7 @@ async def list_batches(request: web.Request) -> web.Response:
     key = request.get("key")
     if everyone and key is not None and not key.admin:
         raise ServiceError(ErrorCode.PERMISSION, "listing every key's batches needs an admin key")
-    data = await asyncio.to_thread(request.app[BATCH_STORE].list_batches, owner_of(request), everyone)
+    data = await store_call(request.app[BATCH_STORE].list_batches, owner_of(request), everyone)
     after = request.query.get("after")
     if after:
         ids = [b["id"] for b in data]
@@ -124,7 +114,7 @@ async def list_batches(request: web.Request) -> web.Response:
 @routes.get("/v1/batches/{batch_id}")
 async def get_batch(request: web.Request) -> web.Response:
     batch_id = request.match_info["batch_id"]
-    batch = await asyncio.to_thread(request.app[BATCH_STORE].get_batch, batch_id, owner_of(request))
+    batch = await store_call(request.app[BATCH_STORE].get_batch, batch_id, owner_of(request))
     if batch is None:
         raise not_found("batch", batch_id)
     return web.json_response(batch)
@@ -133,7 +123,7 @@ async def get_batch(request: web.Request) -> web.Response:
 @routes.post("/v1/batches/{batch_id}/cancel")
 async def cancel_batch(request: web.Request) -> web.Response:
     batch_id = request.match_info["batch_id"]
-    batch = await asyncio.to_thread(request.app[BATCH_STORE].cancel, batch_id, owner_of(request))
+    batch = await store_call(request.app[BATCH_STORE].cancel, batch_id, owner_of(request))
     if batch is None:
         raise not_found("batch", batch_id)
     return web.json_response(batch)

@@ -21,6 +21,7 @@ _OPENAI_TYPES = {
     ErrorCode.MODEL_UNAVAILABLE: "server_error",
     ErrorCode.WORKER_LOST: "server_error",
     ErrorCode.TIMEOUT: "server_error",
+    ErrorCode.INSUFFICIENT_STORAGE: "server_error",
     ErrorCode.INTERNAL: "server_error",
 }
 

@@ -1,26 +1,38 @@
 """The OpenAI Files API, for batch jobs: POST /v1/files (multipart, purpose "batch", JSONL,
 size-capped while it streams to disk), GET /v1/files, GET/DELETE /v1/files/{id},
-GET /v1/files/{id}/content. A key sees only its own files (another key's id is a 404)."""
+GET /v1/files/{id}/content. A key sees only its own files (another key's id is a 404), owned
+by the key's identity, not its name. An upload is metered like any request (the key's rpm and
+concurrency), holds exactly one `file` part, and fits the key's file count and stored bytes;
+a full disk is a 507, never a 500."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 
 from aiohttp import web
 
 from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
 
+from ..batch_files import MAX_FILES, MAX_STORED_BYTES, is_storage_error, new_id, open_private
 from ..batch_runner import BATCH_STORE
-from ..batch_store import BatchStore, new_id
+from ..batch_store import BatchStore
+from ..work_pools import THREAD_POOLS
 
 routes = web.RouteTableDef()
 
 MAX_FILE_BYTES = int(os.environ.get("MLXGW_MAX_BATCH_FILE_MB") or 64) * 1024 * 1024
 PURPOSES = ("batch",)  # what may be uploaded; outputs are "batch_output"
+MAX_FILENAME = 255
 
 
 def owner_of(request: web.Request) -> str | None:
+    """Who owns what a request stores: its key's identity (a new key under an old key's name
+    is someone else), None without keys."""
+    key = request.get("key")
+    return key.tenant if key is not None else None
+
+
+def owner_name_of(request: web.Request) -> str | None:
     key = request.get("key")
     return key.name if key is not None else None
 
@@ -29,64 +41,112 @@ def _store(request: web.Request) -> BatchStore:
     return request.app[BATCH_STORE]
 
 
+async def store_call(fn, *args):
+    """A store call on the batch I/O pool; a full disk becomes a 507."""
+    try:
+        return await THREAD_POOLS["batch_io"].run(fn, *args)
+    except Exception as e:
+        if is_storage_error(e):
+            raise no_room() from None
+        raise
+
+
+def no_room() -> ServiceError:
+    return ServiceError(ErrorCode.INSUFFICIENT_STORAGE, "the server's disk is full; retry later", retry_after=60)
+
+
 def not_found(what: str, ident: str) -> ServiceError:
     return ServiceError(ErrorCode.NOT_FOUND, f"no {what} with id {ident!r}")
 
 
-async def _save_upload(part, path) -> int:
-    """Stream a multipart part to disk, refusing it past MAX_FILE_BYTES."""
+async def _save_upload(part, path, limit: int, why: str) -> int:
+    """Stream a multipart part to disk (0600), refusing it past `limit` bytes."""
     size = 0
     tmp = path.with_suffix(".part")
+    write = THREAD_POOLS["batch_io"].run
     try:
-        with open(tmp, "wb") as f:
+        f = await write(open_private, tmp)
+        try:
             while chunk := await part.read_chunk(1 << 20):
                 size += len(chunk)
-                if size > MAX_FILE_BYTES:
-                    raise ServiceError(
-                        ErrorCode.BODY_TOO_LARGE,
-                        f"the file is over {MAX_FILE_BYTES // (1024 * 1024)} MB",
-                        param="file",
-                    )
-                await asyncio.to_thread(f.write, chunk)
+                if size > limit:
+                    raise ServiceError(ErrorCode.BODY_TOO_LARGE, why, param="file")
+                await write(f.write, chunk)
+        finally:
+            await write(f.close)
         os.replace(tmp, path)
+    except OSError as e:
+        if is_storage_error(e):
+            raise no_room() from None
+        raise
     finally:
         tmp.unlink(missing_ok=True)
     return size
+
+
+async def _read_small(part, limit: int = 256) -> str:
+    data = b""
+    while chunk := await part.read_chunk(limit + 1):
+        data += chunk
+        if len(data) > limit:
+            raise invalid(f"'{part.name}' is over {limit} bytes", part.name)
+    return data.decode("utf-8", "replace").strip()
+
+
+async def _room(request: web.Request) -> tuple[int, str]:
+    """The bytes this upload may hold (the file size cap within the key's stored bytes), and
+    what to say past them."""
+    files, stored = await store_call(_store(request).usage_of, owner_of(request))
+    if files >= MAX_FILES:
+        raise ServiceError(
+            ErrorCode.RATE_LIMITED, f"this key holds {files} files, the most it may; delete some first", param="file"
+        )
+    left = MAX_STORED_BYTES - stored
+    if left < MAX_FILE_BYTES:
+        return max(0, left), f"the key's files would pass {MAX_STORED_BYTES // (1 << 20)} MB; delete some first"
+    return MAX_FILE_BYTES, f"the file is over {MAX_FILE_BYTES // (1024 * 1024)} MB"
 
 
 @routes.post("/v1/files")
 async def upload(request: web.Request) -> web.Response:
     if not request.content_type.startswith("multipart/"):
         raise invalid("send the file as multipart/form-data with fields 'file' and 'purpose'", "file")
+    limit, why = await _room(request)
     reader = await request.multipart()
     purpose, file_id, filename, size = None, None, None, 0
     store = _store(request)
-    async for part in reader:
-        if part.name == "purpose":
-            purpose = (await part.text()).strip()
-        elif part.name == "file":
-            file_id, filename = new_id("file-"), part.filename or "upload.jsonl"
-            size = await _save_upload(part, store.file_path(file_id))
-    if file_id is None:
-        raise invalid("the 'file' field is missing", "file")
-    if purpose not in PURPOSES:
-        store.file_path(file_id).unlink(missing_ok=True)
-        raise invalid(f"'purpose' must be one of {', '.join(PURPOSES)}", "purpose")
-    obj = await asyncio.to_thread(store.add_file, file_id, owner_of(request), purpose, filename, size)
+    try:
+        async for part in reader:
+            if part.name == "purpose":
+                purpose = await _read_small(part)
+            elif part.name == "file":
+                if file_id is not None:
+                    raise invalid("send one 'file' field per upload", "file")
+                file_id, filename = new_id("file-"), (part.filename or "upload.jsonl")[:MAX_FILENAME]
+                size = await _save_upload(part, store.file_path(file_id), limit, why)
+        if file_id is None:
+            raise invalid("the 'file' field is missing", "file")
+        if purpose not in PURPOSES:
+            raise invalid(f"'purpose' must be one of {', '.join(PURPOSES)}", "purpose")
+        obj = await store_call(store.add_file, file_id, owner_of(request), purpose, filename, size)
+    except BaseException:
+        if file_id is not None:  # nothing registered: nothing may stay on disk
+            store.file_path(file_id).unlink(missing_ok=True)
+        raise
     return web.json_response(obj)
 
 
 @routes.get("/v1/files")
 async def list_files(request: web.Request) -> web.Response:
     purpose = request.query.get("purpose")
-    data = await asyncio.to_thread(_store(request).list_files, owner_of(request), purpose)
+    data = await store_call(_store(request).list_files, owner_of(request), purpose)
     return web.json_response({"object": "list", "data": data, "has_more": False})
 
 
 @routes.get("/v1/files/{file_id}")
 async def get_file(request: web.Request) -> web.Response:
     file_id = request.match_info["file_id"]
-    obj = await asyncio.to_thread(_store(request).get_file, file_id, owner_of(request))
+    obj = await store_call(_store(request).get_file, file_id, owner_of(request))
     if obj is None:
         raise not_found("file", file_id)
     return web.json_response(obj)
@@ -95,7 +155,7 @@ async def get_file(request: web.Request) -> web.Response:
 @routes.delete("/v1/files/{file_id}")
 async def delete_file(request: web.Request) -> web.Response:
     file_id = request.match_info["file_id"]
-    if not await asyncio.to_thread(_store(request).delete_file, file_id, owner_of(request)):
+    if not await store_call(_store(request).delete_file, file_id, owner_of(request)):
         raise not_found("file", file_id)
     return web.json_response({"id": file_id, "object": "file", "deleted": True})
 
@@ -104,7 +164,7 @@ async def delete_file(request: web.Request) -> web.Response:
 async def file_content(request: web.Request) -> web.StreamResponse:
     file_id = request.match_info["file_id"]
     store = _store(request)
-    if await asyncio.to_thread(store.get_file, file_id, owner_of(request)) is None:
+    if await store_call(store.get_file, file_id, owner_of(request)) is None:
         raise not_found("file", file_id)
     path = store.file_path(file_id)
     if not path.exists():

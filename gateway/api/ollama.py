@@ -220,7 +220,7 @@ def _piece(shape: str, text: str = "", thinking: str = "", calls: list[dict] | N
 def _renderer(shape: str):
     def render(gen: Generation, out: Outcome) -> dict:
         return {
-            "model": gen.slot.name,
+            "model": gen.model_name,
             "created_at": oc.created_at(),
             **_piece(shape, out.text, out.reasoning, out.tool_calls),
             "done": True,
@@ -239,7 +239,7 @@ class OllamaLines(Emitter):
         self.shape = shape
 
     async def _line(self, piece: dict, done: bool = False) -> None:
-        await self.sse.data({"model": self.gen.slot.name, "created_at": oc.created_at(), **piece, "done": done})
+        await self.sse.data({"model": self.gen.model_name, "created_at": oc.created_at(), **piece, "done": done})
 
     async def reasoning(self, text: str) -> None:
         await self._line(_piece(self.shape, thinking=text))
@@ -253,7 +253,7 @@ class OllamaLines(Emitter):
     async def finished(self, event: p.Finish) -> None:
         last = {"done_reason": oc.done_reason(event.reason), **oc.timings(self.gen, self.gen.usage)}
         await self.sse.data(
-            {"model": self.gen.slot.name, "created_at": oc.created_at(), **_piece(self.shape), "done": True, **last}
+            {"model": self.gen.model_name, "created_at": oc.created_at(), **_piece(self.shape), "done": True, **last}
         )
 
     def error_body(self, err: ServiceError) -> dict:

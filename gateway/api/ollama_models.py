@@ -16,10 +16,12 @@ from pathlib import Path
 from aiohttp import web
 
 from mlxgw.shared import protocol as p
+from mlxgw.shared.adapter_folder import weights_file
 from mlxgw.shared.config import CHAT_KINDS, ENCODER_KINDS, ModelKind
 from mlxgw.shared.errors import invalid
 from mlxgw.shared.fim import FimFormat
 
+from .. import adapters
 from ..auth import may_use
 from ..state import MANAGER, SETTINGS
 from . import ollama_common as oc
@@ -74,8 +76,29 @@ def _listing(request: web.Request, slot) -> dict:
 
 @routes.get("/api/tags")
 async def tags(request: web.Request) -> web.Response:
-    slots = request.app[MANAGER].slots.values()
-    return web.json_response({"models": [_listing(request, s) for s in slots if may_use(request, s)]})
+    manager = request.app[MANAGER]
+    listing = [_listing(request, s) for s in manager.slots.values() if may_use(request, s)]
+    listing += [_adapter_listing(request, s, a) for s, a in adapters.listed(manager, request.get("key"))]
+    return web.json_response({"models": listing})
+
+
+def _adapter_listing(request: web.Request, slot, adapter) -> dict:
+    """A LoRA adapter as Ollama lists a model derived from another: its base as parent_model."""
+    base = _listing(request, slot)
+    try:
+        st = weights_file(adapter.folder()).stat()
+        size, modified = st.st_size, st.st_mtime
+    except OSError:  # a folder that is gone: listed still, its requests say why
+        size, modified = 0, time.time()
+    return {
+        **base,
+        "name": adapter.name,
+        "model": adapter.name,
+        "modified_at": oc.created_at(modified),
+        "size": size,
+        "digest": hashlib.sha256(adapter.name.encode()).hexdigest(),
+        "details": {**base["details"], "parent_model": slot.name},
+    }
 
 
 def _expires_at(manager, slot) -> str:

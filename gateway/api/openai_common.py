@@ -68,7 +68,7 @@ def completion_body(
         "id": new_id(id_prefix),
         "object": object_name,
         "created": now(),
-        "model": gen.slot.name,
+        "model": gen.model_name,
         "choices": [
             {"index": o.index, "logprobs": None, **choice(o), "finish_reason": o.finish_reason} for o in outcomes
         ],
@@ -106,7 +106,7 @@ class OpenAIChunks(Emitter):
             "id": self.id,
             "object": self.object_name,
             "created": self.created,
-            "model": self.gen.slot.name,
+            "model": self.gen.model_name,
             "choices": [{"index": self.choice, "logprobs": None, **choice}],
         }
         if self.include_usage:

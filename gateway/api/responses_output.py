@@ -60,7 +60,7 @@ class ResponseBuilder:
             "incomplete_details": {"reason": incomplete} if incomplete else None,
             "instructions": b.get("instructions"),
             "max_output_tokens": b.get("max_output_tokens"),
-            "model": self.gen.slot.name,
+            "model": self.gen.model_name,
             "output": self.output,
             "parallel_tool_calls": True,
             "previous_response_id": b.get("previous_response_id"),

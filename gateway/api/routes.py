@@ -111,11 +111,16 @@ ROUTES: tuple[Route, ...] = (
     Route(("POST",), "/v1/models/{name}/load", access=Access.ADMIN, **_CONTROL),
     Route(("POST",), "/v1/models/{name}/unload", access=Access.ADMIN, **_CONTROL),
     Route(("POST",), "/v1/models/{name}/pin", access=Access.ADMIN, **_CONTROL),
-    # the Batch and Files API: the jobs' requests are metered one by one as the runner sends them
-    Route(("GET", "POST"), "/v1/files", metered=False),
+    Route(("POST",), "/v1/adapters", access=Access.ADMIN, **_CONTROL),  # LoRA adapters (gateway/api/adapters.py)
+    Route(("DELETE",), "/v1/adapters/{name}", access=Access.ADMIN, **_CONTROL),
+    # the Batch and Files API: the jobs' requests are metered one by one as the runner sends them;
+    # an upload and a batch's creation are metered as requests too (rpm, concurrency: issue 40)
+    Route(("POST",), "/v1/files"),
+    Route(("GET",), "/v1/files", metered=False),
     Route(("GET", "DELETE"), "/v1/files/{file_id}", metered=False),
     Route(("GET",), "/v1/files/{file_id}/content", metered=False),
-    Route(("GET", "POST"), "/v1/batches", metered=False),
+    Route(("POST",), "/v1/batches"),
+    Route(("GET",), "/v1/batches", metered=False),
     Route(("GET",), "/v1/batches/{batch_id}", metered=False),
     Route(("POST",), "/v1/batches/{batch_id}/cancel", metered=False),
     # MCP servers run by the gateway

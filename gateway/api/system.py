@@ -11,6 +11,7 @@ from aiohttp import web
 from mlxgw.shared.config import CHAT_KINDS, KINDS, ModelKind
 from mlxgw.shared.errors import ErrorCode, ServiceError, redact_paths
 
+from .. import adapters
 from ..auth import may_use, presented_key
 from ..mcp.hub import MCP
 from ..state import BROKER, KEYS, MANAGER
@@ -45,6 +46,16 @@ def _model(request: web.Request, slot, anthropic: bool) -> dict:
         # Ollama's names: completion, tools, insert (fill in the middle), vision, embedding, ...
         "capabilities": capabilities(slot, fim_format(request, slot)),
     }
+
+
+def _adapter_model(request: web.Request, slot, adapter, anthropic: bool) -> dict:
+    """An adapter as a model of its own; `parent` and `root` name its base (as vLLM lists LoRA
+    modules); its aliases list `<base>:<adapter>` and the aliases models.yaml gives it."""
+    base = _model(request, slot, anthropic)
+    if anthropic:
+        return {**base, "id": adapter.name, "display_name": adapter.name}
+    others = list(adapters.names(slot, adapter)[1:])
+    return {**base, "id": adapter.name, "aliases": others, "parent": slot.name, "root": slot.name, "source": "adapter"}
 
 
 def _discovered(manager) -> dict:
@@ -83,6 +94,11 @@ async def list_models(request: web.Request) -> web.Response:
         wanted = kinds | (set(CHAT_KINDS) if ModelKind.CHAT in kinds else set())
         slots = [s for s in slots if s.entry.kind in wanted]
     data = [_model(request, s, anthropic) for s in slots]
+    data += [  # LoRA adapters, each called by its name and listed with its base model
+        _adapter_model(request, s, a, anthropic)
+        for s, a in adapters.listed(request.app[MANAGER], request.get("key"))
+        if not asked or s.entry.kind in wanted
+    ]
     if anthropic:
         first, last = (data[0]["id"], data[-1]["id"]) if data else (None, None)
         return web.json_response({"data": data, "has_more": False, "first_id": first, "last_id": last})
@@ -98,6 +114,11 @@ async def retrieve_model(request: web.Request) -> web.Response:
     anthropic = _is_anthropic(request)
     requested = request.match_info["model_id"]
     try:
+        found = adapters.find(request.app[MANAGER], requested)
+        if found is not None:
+            if not adapters.allowed(request.get("key"), *found):
+                raise ServiceError(ErrorCode.PERMISSION, f"API key '{request['key'].name}' may not use '{requested}'")
+            return web.json_response(_adapter_model(request, *found, anthropic))
         slot = request.app[MANAGER].resolve(requested)
         key = request.get("key")
         # as for requests: the model the name resolves to decides (its name or an alias)

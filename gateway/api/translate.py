@@ -170,6 +170,7 @@ async def build_request(request: web.Request, slot, parsed: ParsedRequest) -> p.
         logprobs=parsed.logprobs,
         prompt_logprobs=parsed.prompt_logprobs,
         n=parsed.n,
+        adapter=request.get("adapter"),
         fim=parsed.fim,
     )
 
@@ -248,7 +249,7 @@ def generation(request: web.Request, slot, req: p.WorkerRequest) -> Generation:
     """The request's generation, also recorded on the request for limits, metrics and logs."""
     key = request.get("key")
     if isinstance(req, p.GenerateRequest):  # embeddings are charged their input only
-        reserve_tokens(request, slot, req.max_tokens * req.n if req.max_tokens is not None else None)
+        reserve_tokens(request, slot, req.max_tokens * req.n if req.max_tokens is not None else None, req.n)
     gen = Generation(
         request.app[MANAGER], slot, req, request.app[SETTINGS].keepalive_s, owner=key.name if key else None
     )
