@@ -185,3 +185,24 @@ def test_through_the_api_a_session_evicted_by_four_others_resumes_from_disk(tier
 
     wait_for(lambda: tier().get("read", 0) > 0, 15)
     assert tier()["written"] > 0
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "gemma3_text"])
+def test_a_hybrid_family_keeps_a_checkpoint_where_a_prompt_left_a_stored_one(family, home, smollm2_dir):
+    """Raw prompts sharing a prefix that ends off every checkpoint: the second reads it in
+    full but keeps a checkpoint at the junction, and the third resumes there."""
+    from helpers.family_models import build_family_model
+
+    model_dir = build_family_model(family, home / "models" / f"fam-{family}", smollm2_dir)
+    runner = _runner(model_dir, 256 << 20)
+    shared = runner.encode_text("a shared preamble of plain words " * 12)
+    prompts = [shared + runner.encode_text(f" then {tail} goes its own way") for tail in ("alpha", "beta", "gamma")]
+    _run(runner, prompts[0])
+    junction = next(i for i, (a, b, c) in enumerate(zip(*prompts)) if len({a, b, c}) > 1)
+    assert junction >= len(shared)
+    _, second = _run(runner, prompts[1])
+    assert second < junction  # nothing stored at the junction yet
+    third, cached = _run(runner, prompts[2])
+    assert cached == junction
+    fresh, _ = _run(_runner(model_dir, 0), prompts[2])
+    assert third == fresh

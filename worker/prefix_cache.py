@@ -73,6 +73,7 @@ class PrefixCache:
         self.disk_tier = None  # worker/block_disk.BlockDisk: where evicted blocks go, when on
         self.checkpoint_hits = 0  # lookups served from a checkpoint (not a plain KV cut)
         self._hybrid = False  # some layer cannot be cut back: reuse needs a checkpoint
+        self._junction: int | None = None  # the last lookup's divergence past its checkpoint
 
     def describe(self, model_cache: list) -> None:
         """The model's cache layers (empty): what blocks read back from disk are assembled
@@ -89,6 +90,7 @@ class PrefixCache:
         produce the first output token's logits."""
         self.stats.lookups += 1
         self.stats.prompt_tokens += len(prompt)
+        self._junction = None
         if self.tree.templates is None and self.disk_tier is None:
             return None, 0
         try:
@@ -122,6 +124,7 @@ class PrefixCache:
             chain, shared = max(options, key=lambda o: o[1])
             covered = min(shared, limit)
             return (chain, covered, None) if covered > 0 else None
+        shared_most = min(max(shared for _, shared in options), limit)
         best: tuple[int, list[kb.Block], kb.Block] | None = None
         for chain, shared in options:
             reach = min(shared, limit)
@@ -129,10 +132,18 @@ class PrefixCache:
                 for p in b.checkpoints:
                     if p <= reach and (best is None or p > best[0]):
                         best = (p, chain, b)
+        if best is None or best[0] < shared_most:
+            self._junction = shared_most if shared_most > 0 else None
         if best is None:
             return None
         position, chain, holder = best
         return chain, position, holder.checkpoints[position]
+
+    def junctions(self) -> list[int]:
+        """Where the last prompt looked up leaves what is stored, past the checkpoint it
+        resumed from (hybrid families): a checkpoint there while reading it lets the next
+        prompt sharing that prefix resume at it (vLLM's and llama.cpp's junctions)."""
+        return [self._junction] if self._junction is not None else []
 
     def checkpoints_of(self, tokens: list[int]) -> sc.Checkpoints | None:
         """The checkpoints stored along a sequence's blocks (None when it is not stored)."""

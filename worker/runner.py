@@ -244,7 +244,8 @@ class MLXRunner(ChatTextRunner):
         the message boundaries among the cuts."""
         if not self._checkpointing:
             return [prompt[cached:]], set()
-        boundaries = sc.message_boundaries(prompt, self._turn_openers)
+        # The junction: where the prompt leaves a stored one, so the next prompt sharing it resumes there.
+        boundaries = sc.message_boundaries(prompt, self._turn_openers) + self.prefix_cache.junctions()
         interval = max(CHECKPOINT_INTERVAL, len(prompt) // sc.MAX_CHECKPOINTS)
         positions = sc.checkpoint_positions(prompt, cached, boundaries, interval)
         return sc.segments(prompt, cached, positions), set(boundaries)
