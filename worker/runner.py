@@ -17,34 +17,9 @@ from mlxgw.shared.config import SpeculativeConfig
 from mlxgw.shared.protocol import GenerateRequest, SamplingParams
 
 from . import state_checkpoints as sc
+from .chat_runner import ChatTextRunner
 from .chat_text import ChatText
-from .interfaces import StepOutput, TextRunner, TokenOut
-
-# Prefill positions between state checkpoints (plus message boundaries and the last token);
-# long prompts space them wider so an entry keeps at most about MAX_CHECKPOINTS of them.
-CHECKPOINT_INTERVAL = 512
-
-
-class ChatTextRunner(TextRunner):
-    """A runner whose text side is a ChatText (self.text, set by the subclass): prompts,
-    detokenizing, output parsing and constraints are delegated to it."""
-
-    text: ChatText
-
-    def encode(self, req: GenerateRequest) -> list[int]:
-        return self.text.encode(req)
-
-    def encode_text(self, text: str) -> list[int]:
-        return self.text.encode_text(text)
-
-    def new_detokenizer(self):
-        return self.text.new_detokenizer()
-
-    def make_parser(self, req: GenerateRequest, prompt: list[int]):
-        return self.text.make_parser(req, prompt)
-
-    def make_constraint(self, req: GenerateRequest):
-        return self.text.make_constraint(req)
+from .interfaces import StepOutput, TokenOut
 
 
 class MLXRunner(ChatTextRunner):
@@ -240,15 +215,10 @@ class MLXRunner(ChatTextRunner):
         return cache if self.kv_bits is None else quantize_layers(cache, self.kv_group_size, self.kv_bits)
 
     def _segments(self, prompt: list[int], cached: int) -> tuple[list[list[int]], set[int]]:
-        """The uncached prompt, cut where the generator must stop to take a checkpoint, and
-        the message boundaries among the cuts."""
         if not self._checkpointing:
             return [prompt[cached:]], set()
-        # The junction: where the prompt leaves a stored one, so the next prompt sharing it resumes there.
-        boundaries = sc.message_boundaries(prompt, self._turn_openers) + self.prefix_cache.junctions()
-        interval = max(CHECKPOINT_INTERVAL, len(prompt) // sc.MAX_CHECKPOINTS)
-        positions = sc.checkpoint_positions(prompt, cached, boundaries, interval)
-        return sc.segments(prompt, cached, positions), set(boundaries)
+        # junctions: where the prompt leaves a stored one (the next prompt sharing it resumes there)
+        return sc.prompt_segments(prompt, cached, self._turn_openers, self.prefix_cache.junctions())
 
     def prompt_scorer(self, prompt: list[int], top: int):
         """A PromptScorer of this model for one request's prompt logprobs (worker/prompt_logprobs.py)."""
@@ -267,17 +237,9 @@ class MLXRunner(ChatTextRunner):
         self._mx.clear_cache()
 
     def kv_profile(self):
-        """Each layer's KV per row, measured on a fresh cache (worker/kv_budget.py); with a
-        draft model, its per-row KV too."""
-        from mlx_lm.models.cache import make_prompt_cache
+        from .kv_budget import runner_profile
 
-        from .kv_budget import KVProfile, probe
-
-        profile = probe(self.model, self._fresh_cache())
-        draft = getattr(self.speculator.drafter, "model", None)  # only a DraftModelDrafter has one
-        if draft is None:
-            return profile
-        return KVProfile(profile.layers + probe(draft, make_prompt_cache(draft)).layers)
+        return runner_profile(self.model, self._fresh_cache(), getattr(self.speculator.drafter, "model", None))
 
     def limit_prefix_cache(self, max_bytes: int) -> None:
         # Not remembered: a finishing row's KV enters the cache while its reservation still

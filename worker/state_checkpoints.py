@@ -281,3 +281,20 @@ def from_layout(tokens: list[int], layout: dict, extra: list) -> Checkpoints:
             raise ValueError("a checkpoint with another number of layers")
         out.add(position, [item(e) for e in items], bool(boundary))
     return out
+
+
+# Prefill positions between state checkpoints (plus message boundaries and the last token);
+# long prompts space them wider so an entry keeps at most about MAX_CHECKPOINTS of them.
+CHECKPOINT_INTERVAL = 512
+
+
+def prompt_segments(
+    prompt: list[int], cached: int, turn_openers, junctions: list[int] = ()
+) -> tuple[list[list[int]], set[int]]:
+    """The uncached prompt, cut where the generator must stop to take a checkpoint, and the
+    message boundaries among the cuts (junctions, where it leaves a stored prompt, count as
+    boundaries: kept first)."""
+    boundaries = message_boundaries(prompt, turn_openers) + list(junctions)
+    interval = max(CHECKPOINT_INTERVAL, len(prompt) // MAX_CHECKPOINTS)
+    positions = checkpoint_positions(prompt, cached, boundaries, interval)
+    return segments(prompt, cached, positions), set(boundaries)

@@ -18,9 +18,9 @@ from pathlib import Path
 from mlxgw.shared.errors import invalid
 from mlxgw.shared.protocol import GenerateRequest, SamplingParams
 
+from .chat_runner import ChatTextRunner
 from .chat_text import ChatText
 from .interfaces import StepOutput, TokenOut
-from .runner import ChatTextRunner
 
 # Larger images are refused before decoding (a small file can decode to gigapixels).
 MAX_IMAGE_PIXELS = 40_000_000

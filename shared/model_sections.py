@@ -1,0 +1,128 @@
+"""The parts of a models.yaml model entry (shared/config.py:ModelEntry): its kind, sampling
+defaults, speculation, sharding, fill-in-the-middle, adapters and preset turns."""
+
+from __future__ import annotations
+
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from .events import WireEnum
+
+
+class ModelKind(WireEnum):
+    """What a model entry serves (`kind:` in models.yaml, `/v1/models?kind=`), and so which
+    APIs route to it and which worker class runs it."""
+
+    CHAT = "chat"
+    EMBEDDING = "embedding"
+    RERANK = "rerank"
+    VISION = "vision"
+    AUDIO = "audio"  # speech to text
+    SPEECH = "speech"  # text to speech
+
+
+Kind = ModelKind  # the older name
+Engine = Literal["mlx", "null", "echo", "mlx-embeddings"]
+MaxTokensPolicy = Literal["clamp", "reject"]
+Contention = Literal["wait", "fail"]
+LogFormat = Literal["text", "json"]
+Strategy = Literal["pipeline", "tensor"]
+DistributedBackend = Literal["ring", "jaccl", "mpi"]
+MAX_RANKS = 16
+KINDS: tuple[str, ...] = tuple(k.value for k in ModelKind)
+ENCODER_KINDS = (ModelKind.EMBEDDING, ModelKind.RERANK)  # served by /v1/embeddings and /v1/rerank
+CHAT_KINDS = (ModelKind.CHAT, ModelKind.VISION)  # served by the generating APIs
+ENGINES: tuple[str, ...] = typing.get_args(Engine)
+
+
+@dataclass
+class SamplingDefaults:
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    max_tokens: int | None = None
+
+
+@dataclass
+class DistributedConfig:
+    """One model sharded over several ranks on MLX's distributed layer (worker/distributed.py).
+
+    hosts: one "host:port" per rank (rank 0 first, the machine running the gateway); empty:
+    every rank on this machine over 127.0.0.1 with free ports. The gateway starts the ranks
+    whose host is this machine; the others run `mlxgw worker --rank N` on their own host."""
+
+    strategy: Strategy = "pipeline"
+    ranks: int = 2
+    hosts: list[str] = field(default_factory=list)
+    backend: DistributedBackend = "ring"
+    # The group must form (every rank connected, weights loaded) within this; a rank whose
+    # peer never starts would otherwise wait in accept() forever.
+    start_timeout_s: float = 300
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding (worker/speculative.py). prompt_lookup: greedy requests verify
+    drafts copied from their own context in the batch's forward pass; draft: drafts decoded
+    greedily by a smaller model sharing the tokenizer (worker/draft_model.py); off: never."""
+
+    mode: Literal["prompt_lookup", "draft", "off"] = "prompt_lookup"
+    max_draft: int = 8  # tokens drafted per row and step, at most
+    max_ngram: int = 3  # the longest suffix looked up in the context (prompt_lookup)
+    min_ngram: int = 1  # the shortest
+    draft_model: str | None = None  # mode draft: folder name in the models dir, or a path
+    # Speculate only while the batch has at most this many rows (vLLM's
+    # speculative_disable_by_batch_size). Default: 2 on the CPU device, where a verification
+    # pays for every position of its rows x width rectangle, gained nothing at 4 rows and lost
+    # at 8 and 16 (worker/speculative.py, CPU_MAX_ROWS); unbounded on a GPU.
+    max_rows: int | None = None
+
+    def draft_model_path(self, models_dir: Path) -> Path | None:
+        """Resolved like a model's source: an absolute path as is, else a models-dir folder."""
+        if self.draft_model is None:
+            return None
+        path = Path(self.draft_model).expanduser()
+        return path if path.is_absolute() else models_dir / self.draft_model
+
+
+@dataclass
+class AdapterEntry:
+    """A LoRA adapter served on its model's worker (worker/adapters.py): an `mlx_lm.lora`
+    output folder (adapters.safetensors + adapter_config.json). Requests name it as a model:
+    `name`, or `<base>:<name>`."""
+
+    name: str
+    path: str
+    aliases: list[str] = field(default_factory=list)  # other exact names it answers to
+
+    def folder(self) -> Path:
+        return Path(self.path).expanduser()
+
+
+@dataclass
+class FimConfig:
+    """Fill-in-the-middle (`fim:`; shared/fim.py). Unset token fields come from the format
+    found in the model's vocabulary; naming prefix and suffix defines one for a model
+    without a known format; enabled: false refuses FIM even where tokens exist."""
+
+    enabled: bool = True
+    prefix: str | None = None  # control tokens, spelled as in the tokenizer
+    suffix: str | None = None
+    middle: str | None = None
+    order: Literal["psm", "spm"] | None = None  # prefix-suffix-middle or suffix-first
+    repo_name: str | None = None  # repository-level context (input_extra)
+    file_sep: str | None = None
+    stop: list[str] = field(default_factory=list)  # more tokens that end a middle
+    max_tokens: int = 128  # a FIM request's max_tokens when it sends none
+
+
+@dataclass
+class PresetMessage:
+    """A turn put before every conversation with the model (Ollama's Modelfile MESSAGE)."""
+
+    role: Literal["system", "user", "assistant"]
+    content: str
