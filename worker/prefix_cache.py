@@ -65,7 +65,7 @@ def entry_key(tokens: list[int]) -> str:
 
 
 class PrefixCache:
-    def __init__(self, max_bytes: int, max_entries: int = 512):
+    def __init__(self, max_bytes: int):
         self.tree = kb.BlockTree()
         self.max_bytes = max_bytes
         self.stats = CacheStats()
