@@ -12,8 +12,8 @@ from the files' headers at start, so blocks written by an earlier worker serve t
   as mlx-lm's save_prompt_cache writes them), and JSON metadata: format, model
   fingerprint, key, parent key, first position, tokens, layouts. A file with another
   fingerprint is deleted when read.
-- Crash safety: written to a temporary name, fsynced, renamed, directory fsynced; a torn or
-  inconsistent file is skipped with one log line and deleted, never a crash."""
+- Crash safety: written to a temporary name, fsynced, renamed; a torn or inconsistent file
+  is skipped with one log line and deleted, never a crash."""
 
 from __future__ import annotations
 
@@ -111,7 +111,8 @@ class BlockDisk:
             os.replace(temp, path)
         finally:
             temp.unlink(missing_ok=True)
-        _fsync(self.dir)
+        # No fsync of the directory per block: a crash may lose a rename (a block to compute
+        # again), never leave a torn file under a block's name; one sync per file is enough.
         return path, path.stat().st_size
 
     # -- read ------------------------------------------------------------------------------------
