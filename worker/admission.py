@@ -33,6 +33,7 @@ from .interfaces import TextRunner
 from .isolation import as_service_error
 from .kv_budget import KVBudget
 from .prefill_plan import PrefillBudget
+from .prefix_inflight import SharedPrefill
 from .sequence import Phase, Sequence
 
 log = logging.getLogger("mlxgw.worker")
@@ -59,6 +60,9 @@ class Admission:
         self.choices = choices
         self.running: dict[int, Sequence] = {}  # the runner's rows, by uid
         self.prefilled_tokens = 0  # prompt tokens computed (not served by the prefix cache)
+        # One prefill per prefix in flight (worker/prefix_inflight.py), where the runner can
+        # publish a running row's prompt KV at its first token (not a lockstep group's).
+        self.shared_prefill = SharedPrefill(runner) if hasattr(type(runner), "publish_prompt") else None
 
     def queue(self, seq: Sequence) -> None:
         req = seq.req
@@ -71,6 +75,8 @@ class Admission:
         """seq no longer runs (ended, or its row was taken from the runner)."""
         if seq.uid is not None and self.running.pop(seq.uid, None) is not None:
             self._bound_prefix_cache()
+        if self.shared_prefill is not None:
+            self.shared_prefill.release(seq)
 
     def reserved(self, extra: Sequence | None = None) -> int:
         """KV bytes the running rows (and extra) may grow to."""
@@ -110,6 +116,9 @@ class Admission:
             leader = seqs.get(self.choices.is_follower(entry.rid) or "")
             if leader is not None and leader.phase != Phase.DECODE:
                 deferred.append(entry)  # choice 0's prompt KV is not in the prefix cache yet
+                continue
+            if self.shared_prefill is not None and self.shared_prefill.waits(seq, self.running.values()):
+                deferred.append(entry)  # another row reads its prefix now: reuse it once published
                 continue
             if self.prefill.enabled and not seq.tokens and not self.waiting.may_start_prefill(entry, rows):
                 deferred.append(entry)  # its key has its share of the prompt budget: another key's first

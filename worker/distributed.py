@@ -154,6 +154,7 @@ class ShardedRunner(MLXRunner):
         self.forced_cached: int | None = None
         self.param_bytes = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
         self.prefix_cache = _ExactPrefixCache(self.prefix_cache.max_bytes, self)
+        self.prefix_cache.describe(self._fresh_cache())  # as MLXRunner's: what its blocks assemble into
         # BatchGenerator.insert goes through insert_segments (positionally), as MLXRunner does.
         plain_insert = self.generator.insert_segments
 

@@ -1,9 +1,8 @@
-"""The prefix cache on disk: the hottest entries' KV survives idle unloads and restarts.
-
-When a worker stops gracefully (idle unload, eviction, reload, gateway shutdown) it writes
-its hottest prefix-cache entries to `$MLXGW_HOME/prefix-cache/<model>/`, and the next
-worker for that model reads them back before serving its first request, so an agent's long
-system prompt is warm again after the model was evicted.
+"""The prefix cache on disk, restart tier: the hottest entries' KV survives idle unloads and
+restarts. A graceful stop writes the hottest entries (a leaf's sequence in the block store)
+to `$MLXGW_HOME/prefix-cache/<model>/`; the next worker reads them back before its first
+request. The live tier (blocks evicted while the worker runs, in `blocks/` below it) is
+worker/block_disk.py, attached to the cache by `restore`, under the same bound.
 
 - Format: one safetensors file per entry, written by mlx-lm's `save_prompt_cache` (the KV
   state of every layer, the cache classes and their meta state), with our metadata: the
@@ -37,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import state_checkpoints as sc
+from .block_disk import BlockDisk
 from .prefix_cache import CachedEntry, EntryUse, PrefixCache, entry_key
 
 log = logging.getLogger("mlxgw.worker.prefix_store")
@@ -89,8 +89,8 @@ class PrefixStore:
         self.dir = directory
         self.fingerprint = fingerprint
         self.max_bytes = max_bytes
-        # The model's cache classes, one per layer (set by the runner): a file that disagrees
-        # is corrupt, and must be refused here rather than fail a batch step later.
+        # The model's cache classes, one per layer (from the cache, at restore): a file that
+        # disagrees is corrupt, and must be refused here rather than fail a batch step later.
         self.layer_classes: list[str] | None = None
         self._restored: set[str] = set()  # entry files loaded by this worker
 
@@ -98,6 +98,10 @@ class PrefixStore:
     def restore(self, cache: PrefixCache, budget_s: float = RESTORE_BUDGET_S) -> dict:
         """Load the hottest stored entries that fit the in-memory cache's bound into it."""
         started = time.monotonic()
+        if cache.disk_tier is None:  # the live tier: blocks evicted from memory (worker/block_disk.py)
+            cache.disk_tier = BlockDisk(self.dir / "blocks", self.fingerprint, self.max_bytes)
+        if self.layer_classes is None and cache.tree.templates is not None:
+            self.layer_classes = [type(layer).__name__ for layer in cache.tree.templates]
         report = {"restored_entries": 0, "restored_tokens": 0, "restored_bytes": 0, "refused": 0, "skipped": 0}
         if not self.dir.is_dir():
             return self._report(cache, report, started)
@@ -188,8 +192,7 @@ class PrefixStore:
         return meta, sum(a.nbytes for a in arrays.values())
 
     def _read(self, s: OnDisk) -> tuple[list, sc.Checkpoints | None] | None:
-        """The entry's KV and checkpoints, read into memory now (a bad read fails here, not
-        in a batch step)."""
+        """The entry's KV and checkpoints, read now (a bad read fails here, not in a step)."""
         import mlx.core as mx
         from mlx_lm.models.cache import load_prompt_cache
 
@@ -236,7 +239,7 @@ class PrefixStore:
                 continue
             else:
                 size = self._write(path, c.entry)
-                written += 1
+                c.entry, written = None, written + 1  # its assembled KV copy is freed now
             if total + size > self.max_bytes:
                 continue  # removed below with the others
             total += size
@@ -343,16 +346,14 @@ class PrefixStore:
         return report
 
 
-def _use(saved, saved_at: float) -> EntryUse:
-    """An entry's history from index.json; the file's own save time when that is missing."""
+def _use(saved, saved_at: float) -> EntryUse:  # from index.json; else the file's own save time
     try:
         return EntryUse(float(saved.get("last_used", saved_at)), int(saved.get("hits", 0)))
     except (AttributeError, TypeError, ValueError):
         return EntryUse(saved_at)
 
 
-def _regular_file(path: Path) -> bool:
-    """A plain file, not a link, FIFO, socket or device: reading one of those can block."""
+def _regular_file(path: Path) -> bool:  # a link, FIFO, socket or device can block a read
     try:
         return stat.S_ISREG(path.lstat().st_mode)
     except OSError:
@@ -367,8 +368,7 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def store_for(model_name: str, model_path: Path, max_mb: int) -> PrefixStore | None:
-    """The model's store under $MLXGW_HOME, or None when off (0 MB) or the model unreadable."""
+def store_for(model_name: str, model_path: Path, max_mb: int) -> PrefixStore | None:  # None: off, or unreadable
     if max_mb <= 0:
         return None
     from mlxgw.shared.paths import home

@@ -92,8 +92,7 @@ class MLXRunner(ChatTextRunner):
         # it before the first request and saves it when the worker stops gracefully.
         self.prefix_store = prefix_store
         self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
-        if prefix_store is not None:  # what a stored entry's layers must be (quantized ones with kv_bits)
-            prefix_store.layer_classes = [type(c).__name__ for c in self._fresh_cache()]
+        self.prefix_cache.describe(self._fresh_cache())  # what its blocks assemble into (kv_bits too)
         from .capacity import activation_dtype_bytes, kv_bytes_per_token
 
         # Memory per token of a plain-attention layer stack, as /v1/status reports it.
@@ -218,7 +217,8 @@ class MLXRunner(ChatTextRunner):
     def _segments(self, prompt: list[int], cached: int) -> tuple[list[list[int]], set[int]]:
         if not self._checkpointing:
             return [prompt[cached:]], set()
-        return sc.prompt_segments(prompt, cached, self._turn_openers)
+        # junctions: where the prompt leaves a stored one (the next prompt sharing it resumes there)
+        return sc.prompt_segments(prompt, cached, self._turn_openers, self.prefix_cache.junctions())
 
     def prompt_scorer(self, prompt: list[int], top: int):
         """A PromptScorer of this model for one request's prompt logprobs (worker/prompt_logprobs.py)."""
@@ -304,9 +304,11 @@ class MLXRunner(ChatTextRunner):
         rows = [(int(r.token), r.logprobs, self._logprobs[r.uid]) for r in asked]
         return {r.uid: e for r, e in zip(asked, entries(rows, self.token_bytes))}
 
+    def publish_prompt(self, uid: int) -> None:  # others wait on its prefix (worker/prefix_inflight.py)
+        self._keep_prompt.add(uid)
+
     def _keep_prompts(self, responses) -> None:
-        """A first choice's prompt KV goes to the prefix cache with its first token, so its
-        sibling choices (admitted after it) prefill only the last prompt token."""
+        """Prompt KV others wait on (sibling choices, a shared prefix) is cached with its first token."""
         for r in responses:
             if r.uid in self._keep_prompt:
                 self._keep_prompt.discard(r.uid)
@@ -353,9 +355,8 @@ class MLXRunner(ChatTextRunner):
         self._bound_cache()
 
     def _bound_cache(self, room: int | None = None) -> None:
-        # Live sequences' KV (and the checkpoints they took so far) counts against the same
-        # budget as the stored prefixes; room: what the admitted rows' reservations leave of
-        # the KV budget (limit_prefix_cache).
+        # Live sequences' KV and checkpoints count against the same budget as the stored prefixes;
+        # room: what the admitted rows' reservations leave of the KV budget (limit_prefix_cache).
         checkpoints = self._live_checkpoint_bytes()
         bound = self.cache_bytes - self.generator.prompt_cache_nbytes - checkpoints
         self.prefix_cache.trim_to(bound if room is None else min(bound, room - checkpoints))

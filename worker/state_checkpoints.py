@@ -288,10 +288,13 @@ def from_layout(tokens: list[int], layout: dict, extra: list) -> Checkpoints:
 CHECKPOINT_INTERVAL = 512
 
 
-def prompt_segments(prompt: list[int], cached: int, turn_openers) -> tuple[list[list[int]], set[int]]:
+def prompt_segments(
+    prompt: list[int], cached: int, turn_openers, junctions: list[int] = ()
+) -> tuple[list[list[int]], set[int]]:
     """The uncached prompt, cut where the generator must stop to take a checkpoint, and the
-    message boundaries among the cuts."""
-    boundaries = message_boundaries(prompt, turn_openers)
+    message boundaries among the cuts (junctions, where it leaves a stored prompt, count as
+    boundaries: kept first)."""
+    boundaries = message_boundaries(prompt, turn_openers) + list(junctions)
     interval = max(CHECKPOINT_INTERVAL, len(prompt) // MAX_CHECKPOINTS)
     positions = checkpoint_positions(prompt, cached, boundaries, interval)
     return segments(prompt, cached, positions), set(boundaries)
