@@ -93,7 +93,7 @@ FAMILY_KINDS = {
 
 @pytest.fixture(scope="module")
 def family_dirs(home, smollm2_dir):
-    return {f: build_family_model(f, home / "models" / f"kv-{f}", smollm2_dir) for f in FAMILY_KINDS}
+    return {f: build_family_model(f, home / "models" / f"kv-budget-{f}", smollm2_dir) for f in FAMILY_KINDS}
 
 
 def _runner(path, kv_bits=None):

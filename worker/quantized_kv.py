@@ -43,6 +43,14 @@ class MergeableQuantizedKVCache(QuantizedKVCache):
     def size(self):
         return self.offset
 
+    @property
+    def nbytes(self):
+        # mlx-lm's QuantizedKVCache.nbytes fails on a fresh cache (keys None); admission asks
+        # the generator's byte count while a row's new cache has not been written yet.
+        if self.keys is None:
+            return 0
+        return sum(x.nbytes for x in (*self.keys, *self.values))
+
 
 class BatchQuantizedKVCache(BatchKVCache):
     def __init__(self, left_padding: list[int], group_size: int = 64, bits: int = 8):
