@@ -89,7 +89,7 @@ def test_streamed_tokens_are_counted_in_the_inter_token_latency_histogram(null_g
 
 @pytest.mark.parametrize("include_usage", [True, False])
 def test_a_chat_chunk_from_the_template_is_byte_for_byte_its_json(include_usage):
-    chunks = ChatChunks(SimpleNamespace(), SimpleNamespace(slot=SimpleNamespace(name='m"odel\\')), include_usage)
+    chunks = ChatChunks(SimpleNamespace(), SimpleNamespace(model_name='m"odel\\'), include_usage)
     for choice in (0, 3):
         chunks.choice = choice
         for text in ("hi", "", 'quote " back \\ slash', "line\nbreak\ttab", "\x00\x1f", "é ✓ \u2028 😀", "\ud83d"):

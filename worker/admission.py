@@ -62,7 +62,7 @@ class Admission:
         self.prefilled_tokens = 0  # prompt tokens computed (not served by the prefix cache)
         # One prefill per prefix in flight (worker/prefix_inflight.py), where the runner can
         # publish a running row's prompt KV at its first token (not a lockstep group's).
-        self.shared_prefill = SharedPrefill(runner) if hasattr(type(runner), "publish_prompt") else None
+        self.shared_prefill = SharedPrefill(runner) if runner.supports_shared_prefill else None
 
     def queue(self, seq: Sequence) -> None:
         req = seq.req

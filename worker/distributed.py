@@ -144,6 +144,7 @@ class ShardedRunner(MLXRunner):
     exactly as many tokens as rank 0's did (forced_cached)."""
 
     supports_prompt_logprobs = False  # an extra forward pass on rank 0 alone would hang the group
+    supports_shared_prefill = False  # an early publish on rank 0 alone would split the ranks' caches
 
     def __init__(self, model_path: Path, group: Any, strategy: str, **kwargs: Any):
         super().__init__(model_path, loader=shard_loader(group, strategy), **kwargs)

@@ -63,6 +63,9 @@ class TextRunner(ModelRunner, Protocol):
     # Whether `model` is an in-process MLX model whose decoder layers step_progress can mark
     # (a long prefill step then shows the watchdog progress; worker/main.py installs it).
     supports_layer_progress: bool = False
+    # Whether publish_prompt(uid) puts a row's prompt KV in the prefix cache at its first token,
+    # so prompts sharing that prefix wait for it instead of reading it again (worker/prefix_inflight.py).
+    supports_shared_prefill: bool = False
 
     @abstractmethod
     def encode(self, req: GenerateRequest) -> list[int]: ...

@@ -27,6 +27,7 @@ class MLXRunner(ChatTextRunner):
     supports_prompt_logprobs = True
     supports_prefill_chunk = True
     supports_layer_progress = True
+    supports_shared_prefill = True
 
     def __init__(
         self,
