@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-from helpers import openai_client
+from helpers import openai_client, start_gateway
 from helpers.runner_jobs import GREEDY, generate_together
 
 SYSTEM_WORDS = 600  # about 1,200 tokens of system prompt
@@ -106,14 +106,31 @@ def test_a_torn_block_file_is_skipped_and_deleted(tiny_dir, tmp_path):
     assert not first_block.exists() and runner.cache_stats()["disk_tier"]["skipped"] == 1
 
 
-def test_concurrent_requests_with_one_fresh_prefix_prefill_it_once(tiny_gateway):
-    client = openai_client(tiny_gateway)
+def test_concurrent_requests_with_one_fresh_prefix_prefill_it_once(home, tiny_dir):
+    """Four requests reach a cold model together (they queue behind its load, so all four
+    are waiting when it is ready): the first reads the prefix, the others wait for its KV.
+    Small prefill chunks keep the first row reading long enough on a fast host; on the
+    shared tiny model, a request arriving after the first had read its prompt found it
+    decoding, not prefilling, and read the prefix again (CI: cached [3, 3, 1740, 1740])."""
+    config = {
+        "manager": {"auto_discover": False},
+        "models": [{"name": "tiny-prefix-once", "source": "tiny", "prefill_step_size": 32, "max_num_seqs": 8}],
+    }
+    gw = start_gateway(home, config, "prefix-once")
+    try:
+        _ask_together(gw)
+    finally:
+        gw.stop()
+
+
+def _ask_together(gw) -> None:
+    client = openai_client(gw)
     system = " ".join(f"team{i % 89}" for i in range(SYSTEM_WORDS))
     usage: list = [None] * 4
 
     def ask(k: int) -> None:
         answer = client.chat.completions.create(
-            model="tiny",
+            model="tiny-prefix-once",
             messages=[{"role": "system", "content": system}, {"role": "user", "content": f"question {k} " * 20}],
             max_tokens=2,
             temperature=0,
