@@ -106,7 +106,7 @@ class BlockDisk:
         temp = self.dir / f"{TEMP_PREFIX}{block.key.hex()}-{os.getpid()}{SUFFIX}"
         try:
             mx.save_safetensors(str(temp), arrays, meta)
-            _fsync(temp)
+            fsync_path(temp)
             os.chmod(temp, 0o600)  # prompts are users' data
             os.replace(temp, path)
         finally:
@@ -280,7 +280,8 @@ def _arrays(snap: list) -> list:
     return [a for item in snap for a in sc._arrays(item)]
 
 
-def _fsync(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """fsync a file or a folder (after a rename, so the new name survives a crash)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import state_checkpoints as sc
-from .block_disk import BlockDisk
+from .block_disk import BlockDisk, fsync_path
 from .prefix_cache import CachedEntry, EntryUse, PrefixCache, entry_key
 
 log = logging.getLogger("mlxgw.worker.prefix_store")
@@ -290,12 +290,12 @@ class PrefixStore:
         temp = self.dir / f"{TEMP_PREFIX}{path.stem}-{os.getpid()}.safetensors"
         try:
             save_prompt_cache(str(temp), layers, meta)
-            _fsync(temp)
+            fsync_path(temp)
             os.chmod(temp, 0o600)  # prompts are users' data
             os.replace(temp, path)
         finally:
             temp.unlink(missing_ok=True)
-        _fsync(self.dir)
+        fsync_path(self.dir)
         return path.stat().st_size
 
     # -- index, clear, housekeeping --------------------------------------------------------------
@@ -320,7 +320,7 @@ class PrefixStore:
         path = self.dir / INDEX
         temp = self.dir / f"{TEMP_PREFIX}{INDEX}-{os.getpid()}"
         temp.write_text(json.dumps({"format": FORMAT, "fingerprint": self.fingerprint, "entries": entries}))
-        _fsync(temp)
+        fsync_path(temp)
         os.replace(temp, path)
 
     def clear(self) -> None:
@@ -358,14 +358,6 @@ def _regular_file(path: Path) -> bool:  # a link, FIFO, socket or device can blo
         return stat.S_ISREG(path.lstat().st_mode)
     except OSError:
         return False
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def store_for(model_name: str, model_path: Path, max_mb: int) -> PrefixStore | None:  # None: off, or unreadable
