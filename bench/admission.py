@@ -8,11 +8,11 @@ than --max-spread); the summary shows each TTFT p50 as the median with every rou
 - mlx_lm.server's: every request goes to the BatchGenerator at once, which reads up to 8
   prompts per step in chunks of 2,048 tokens (`--prompt-concurrency 8`, `--prefill-step-size
   2048`, its defaults), in mlx-lm's step order (a prompt's first token two steps after its
-  last chunk: worker/batch_generator.py);
-- budget: mlxgw's per-step prompt budget (512 tokens, worker/prefill_plan.py) always;
+  last chunk: worker/model/batch_generator.py);
+- budget: mlxgw's per-step prompt budget (512 tokens, worker/schedule/prefill_plan.py) always;
 - budget+idle: the same, and four budgets per step while no row is decoding, new prompts
   admitted by those four budgets too (the default until 2026-12-02);
-- budget+idle (BLAS fixed): that with the BLAS thread policy off (worker/blas_threads.py);
+- budget+idle (BLAS fixed): that with the BLAS thread policy off (worker/model/cpu/blas_threads.py);
 - before: budget+idle in mlx-lm's step order (mlxgw's engine until 2026-12-02);
 - default: four budgets read per idle step, new prompts admitted by one budget, first tokens
   in the step that reads the prompt's last chunk (mlxgw's engine now);
@@ -127,7 +127,7 @@ def run_variant(runner, variant: dict, prompts: list, clients: int, max_tokens: 
 
 def _run_scheduled(runner, variant: dict, prompts: list, clients: int, max_tokens: int) -> dict:
     from mlxgw.shared.protocol import GenerateRequest, SamplingParams
-    from mlxgw.worker.scheduler import Scheduler
+    from mlxgw.worker.schedule.scheduler import Scheduler
 
     runner.cache_clear()  # distinct prompts; no variant is served from another's cache
     gen = runner.generator
@@ -195,7 +195,7 @@ def main() -> None:
     bench_method.add_arguments(ap)
     args = ap.parse_args()
     method = bench_method.from_args(args)
-    from mlxgw.worker.runner import MLXRunner
+    from mlxgw.worker.model.runner import MLXRunner
 
     levels = [int(c) for c in args.concurrency.split(",")]
     runner = MLXRunner(

@@ -33,7 +33,7 @@ CLIPS_DIR = Path(__file__).resolve().parent.parent / "tests" / "data" / "audio"
 
 
 def load_clips(folder: Path) -> list[tuple[str, bytes, str, float]]:
-    from mlxgw.gateway.api.audio_decode import decode_audio
+    from mlxgw.gateway.pipeline.audio_decode import decode_audio
 
     meta = json.loads((folder / "clips.json").read_text())
     out = []

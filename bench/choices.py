@@ -4,7 +4,7 @@ in-process (no HTTP, no IPC, so only the engine's work is timed):
 - a batch of 8 greedy requests, without logprobs and with one of them asking for
   logprobs + 20 alternatives (the other 7 must not pay: same tokens, same time; their mean
   end time is reported beside the batch's). A row with logprobs does not speculate
-  (worker/speculative.py), so with speculation on the batch's wall time is that row's;
+  (worker/model/speculation/speculative.py), so with speculation on the batch's wall time is that row's;
   `--no-speculation` measures the logprobs alone;
 - one request with n=4 against four separate requests with the same prompt (prompt tokens
   computed, and wall time);
@@ -27,7 +27,7 @@ from .stats import mean, median
 
 def _runner(model_dir: str, speculation: bool = True):
     from mlxgw.shared.config import SpeculativeConfig
-    from mlxgw.worker.runner import MLXRunner
+    from mlxgw.worker.model.runner import MLXRunner
 
     return MLXRunner(
         model_dir,
@@ -179,7 +179,7 @@ def main() -> None:
     ap.add_argument("--no-speculation", action="store_true", help="greedy rows do not speculate")
     ap.add_argument("--only", choices=["logprobs", "n_choices", "prompt_logprobs"], help="one figure only")
     args = ap.parse_args()
-    from mlxgw.worker.scheduler import Scheduler
+    from mlxgw.worker.schedule.scheduler import Scheduler
 
     scheduler = Scheduler(_runner(args.model_dir, not args.no_speculation), max_num_seqs=8, max_queue=64)
     figures = {"logprobs": logprobs_cost, "n_choices": choices_cost, "prompt_logprobs": prompt_logprobs_cost}

@@ -4,10 +4,10 @@
 
 - attention: one layer's attention at the model's head shape (SmolLM2-135M: 9 query heads,
   3 KV heads, 64 wide), mlx-lm's `scaled_dot_product_attention` (MLX's CPU fallback) against
-  worker/cpu_attention.py, at decode shapes (batch x cached positions; rows past the first
+  worker/model/cpu/cpu_attention.py, at decode shapes (batch x cached positions; rows past the first
   left-padded by a fifth, as BatchKVCache does) and a prefill chunk;
 - head: the output head's GEMM, `x @ W.T` (mlx-lm's layout) against `x @ Wt`
-  (worker/output_head.py), at batch 1, 8, 16, 32;
+  (worker/model/cpu/output_head.py), at batch 1, 8, 16, 32;
 - prefill: one prompt of --prefill-tokens through the whole model in 512-token chunks, then
   10 decode steps at that context, with mlx-lm's attention and with the worker's (the head
   as the worker stores it in both: this isolates the attention).
@@ -65,7 +65,7 @@ def _alternate(variants: dict, mx, rounds: int, repeats: int) -> dict[str, list[
 def attention_rounds(mx, heads, rounds: int, repeats: int) -> list[dict]:
     from functools import partial
 
-    from mlxgw.worker import cpu_attention as ca
+    from mlxgw.worker.model.cpu import cpu_attention as ca
 
     ca.install()
     rows = []
@@ -84,7 +84,7 @@ def attention_rounds(mx, heads, rounds: int, repeats: int) -> list[dict]:
 def head_rounds(mx, model, rounds: int, repeats: int) -> list[dict]:
     from functools import partial
 
-    from mlxgw.worker.output_head import TOKEN_EMBEDDINGS
+    from mlxgw.worker.model.cpu.output_head import TOKEN_EMBEDDINGS
 
     weights = [m.weight for name, m in model.named_modules() if name.split(".")[-1] in ("lm_head", *TOKEN_EMBEDDINGS)]
     w = weights[0]
@@ -103,7 +103,7 @@ def head_rounds(mx, model, rounds: int, repeats: int) -> list[dict]:
 def prefill_rounds(mx, model, tokens: int, rounds: int) -> list[dict]:
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlxgw.worker import cpu_attention as ca
+    from mlxgw.worker.model.cpu import cpu_attention as ca
 
     prompt = mx.random.randint(0, 1000, (1, tokens), key=mx.random.key(0))
     prefill = {"mlx-lm": [], "mlxgw": []}
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> None:
     import mlx.core as mx
     from mlx_lm import load
 
-    from mlxgw.worker.output_head import transpose_head
+    from mlxgw.worker.model.cpu.output_head import transpose_head
 
     model, _ = load(str(args.model_dir))
     attn = model.model.layers[0].self_attn if hasattr(model, "model") else None

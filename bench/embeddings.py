@@ -90,8 +90,8 @@ def inprocess_runs(model_dir: str, items: list[str]) -> list[dict]:
     from pathlib import Path
 
     from mlxgw.shared.protocol import EmbedRequest
-    from mlxgw.worker.embedding.encoder import TextEncoder
-    from mlxgw.worker.embedding.scheduler import EmbedScheduler
+    from mlxgw.worker.model.encoder.encoder import TextEncoder
+    from mlxgw.worker.schedule.embeddings import EmbedScheduler
 
     enc = TextEncoder(Path(model_dir))
     enc.embed([enc.tokenize(t, i) for i, t in enumerate(items[:4])])  # warm-up

@@ -48,7 +48,7 @@ def call(url: str, key: str, body: dict | None = None, timeout: float = 60) -> t
 
 
 def start(home: Path) -> tuple[subprocess.Popen, int]:
-    from mlxgw.gateway.keys import hash_key
+    from mlxgw.gateway.access.keys import hash_key
 
     keys = [
         {"name": "admin", "sha256": hash_key(ADMIN_KEY), "admin": True},

@@ -13,7 +13,7 @@ import time
 sys.path.insert(0, ".")
 from mlx_lm import generate, load
 
-from mlxgw.worker.tool_formats import generic_chat_messages
+from mlxgw.worker.text.tool_formats import generic_chat_messages
 
 cc = json.load(open("tests/fixtures/claude_code_request.json"))
 cx = json.load(open("tests/fixtures/codex_request.json"))

@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> None:
             )
             print(md)
             stats = speculative_stats(url)
-            # the BLAS thread counts each variant settled on (worker/blas_threads.py)
+            # the BLAS thread counts each variant settled on (worker/model/cpu/blas_threads.py)
             blas = {v: worker_stats(url, v, "blas_threads") for v in VARIANTS}
         except Exception:
             show_log_tail(log, Path(tmp) / "gateway.log")

@@ -51,8 +51,8 @@ def agent_prompt(tokenizer, code_tokens: int) -> list[int]:
 
 
 def _scheduler(model_dir: str, speculative):
-    from mlxgw.worker.runner import MLXRunner
-    from mlxgw.worker.scheduler import Scheduler
+    from mlxgw.worker.model.runner import MLXRunner
+    from mlxgw.worker.schedule.scheduler import Scheduler
 
     # No prefix cache: every round prefills the same way, only decoding differs.
     runner = MLXRunner(

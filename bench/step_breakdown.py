@@ -135,7 +135,7 @@ def _ms(seconds: float | None) -> float | None:
 
 
 def load_runner(model_dir: Path, max_batch: int):
-    from mlxgw.worker.runner import MLXRunner
+    from mlxgw.worker.model.runner import MLXRunner
 
     runner = MLXRunner(model_dir, context_length=None, max_num_seqs=max_batch, prefill_step_size=512, cache_bytes=0)
     # The BLAS thread count is process-wide: mlxgw's policy would leave mlx_lm's turns at
@@ -212,7 +212,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="mlxgw,mlx_lm",
         help="comma-separated: mlxgw (its batch-wide sampler), mlxgw-per-row (its per-row path), "
         "mlxgw-normalise-all (log-softmax of every row, as before 2026-12-02), mlxgw-mlx-attention (mlx-lm's "
-        "attention instead of worker/cpu_attention.py, as before 2026-12-02), mlx_lm (mlx_lm.server's loop)",
+        "attention instead of worker/model/cpu/cpu_attention.py, as before 2026-12-02), mlx_lm (mlx_lm.server's loop)",
     )
     ap.add_argument("--block", type=int, default=10, help="steps per turn when alternating engines")
     ap.add_argument(
@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> None:
     timers = Timers()
     install_timers(timers, runner, mx)
     # mlx_lm.server's loop gets the model as mlx-lm loads it: the worker stores its output
-    # head transposed (worker/output_head.py), a layout of its own. Same weights, same BLAS.
+    # head transposed (worker/model/cpu/output_head.py), a layout of its own. Same weights, same BLAS.
     from mlx_lm import load
 
     from .step_timers import TimedModel

@@ -67,7 +67,7 @@ class MlxLmLoop:
     def enter(self) -> None:
         """This loop has its own generator; its model calls get mlx-lm's own attention, as
         in mlx_lm.server (the worker's CPU attention is routed in process-wide)."""
-        from mlxgw.worker.cpu_attention import settings
+        from mlxgw.worker.model.cpu.cpu_attention import settings
 
         settings.enabled = False
 

@@ -26,7 +26,7 @@ def make_request(
 
 
 # mlxgw's step paths, by engine name: (batch-wide sampler, log-softmax of every row, the
-# worker's CPU attention (worker/cpu_attention.py) rather than mlx-lm's)
+# worker's CPU attention (worker/model/cpu/cpu_attention.py) rather than mlx-lm's)
 PATHS = {
     "mlxgw": (True, False, True),
     "mlxgw-per-row": (False, False, True),
@@ -42,7 +42,7 @@ LABELS = {
 
 
 def enter_path(runner, path: str) -> None:
-    from mlxgw.worker.cpu_attention import settings
+    from mlxgw.worker.model.cpu.cpu_attention import settings
 
     vectorized, normalise_all, settings.enabled = PATHS[path]
     runner.generator.vectorized, runner.generator._generation_batch.normalise_every_row = vectorized, normalise_all
@@ -52,7 +52,7 @@ class MlxgwLoop:
     """Keeps `batch` rows decoding in mlxgw's Scheduler: a row that finishes is replaced."""
 
     def __init__(self, runner, batch: int, args, timers: Timers, prompts: list[list[dict]], path: str):
-        from mlxgw.worker.scheduler import Scheduler
+        from mlxgw.worker.schedule.scheduler import Scheduler
 
         self.runner, self.batch, self.args, self.path = runner, batch, args, path
         self.name = LABELS[path]

@@ -53,8 +53,9 @@ def install_timers(timers: Timers, runner, mx) -> TimedModel:
     """Wrap the pieces of mlxgw's step (once per process); everything else runs as shipped.
     Returns the timed model of mlxgw's runner."""
     from mlxgw.shared import protocol as p
-    from mlxgw.worker import output_parser, sampling, textstream
-    from mlxgw.worker.batch_sampler import VectorGenerationBatch
+    from mlxgw.worker.model import sampling
+    from mlxgw.worker.model.batch_sampler import VectorGenerationBatch
+    from mlxgw.worker.text import output_parser, textstream
 
     timed_model = TimedModel(runner.generator.model, timers, mx)
     # The decode batch holds its own reference, taken when the generator was built.

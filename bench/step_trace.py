@@ -1,4 +1,4 @@
-"""Where a served worker's steps went: a summary of the step traces of worker/step_trace.py.
+"""Where a served worker's steps went: a summary of the step traces of worker/model/step_trace.py.
 
     MLXGW_STEP_TRACE=/tmp/trace python -m mlxgw.bench.spec_matrix ... --max-rows 16
     python -m mlxgw.bench.step_trace /tmp/trace
@@ -15,7 +15,7 @@ tables over every level:
 - verifications against plain decode steps by batch size (the speculating workers' steps
   that read no prompt): the cost per generated token of each, and the tokens a row gained
   per verification (bench/HISTORY.md, "Speculation's cost at 8-16 rows");
-- the BLAS thread counts (worker/blas_threads.py) per worker: the steps run at fewer than the
+- the BLAS thread counts (worker/model/cpu/blas_threads.py) per worker: the steps run at fewer than the
   most threads, and the time they took beyond the other count's rate per position fed, for
   the same kind of step (decode rows to a power of two, reading a prompt or not)."""
 

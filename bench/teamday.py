@@ -100,7 +100,7 @@ def key_of(name: str) -> str:
 
 
 def start_gateway(home: Path, models_dir: Path, model: str, users: list[str], fair: bool, seqs: int, embed: str | None):
-    from mlxgw.gateway.keys import hash_key
+    from mlxgw.gateway.access.keys import hash_key
 
     home.mkdir(parents=True, exist_ok=True)
     if not (home / "models").exists():

@@ -1,7 +1,7 @@
 """What a speculative verification costs against a plain decode step, by batch and width.
 
 A verification is one forward of (rows x width) positions, width = 1 + the longest draft in
-the batch (worker/spec_verify.py): every row pays the widest row's positions. Where a
+the batch (worker/model/speculation/spec_verify.py): every row pays the widest row's positions. Where a
 forward's cost grows with its positions (a CPU at batch 8-16), a verification pays only if
 the batch as a whole emits that many times the tokens of a plain step. This times the
 worker's own model (MLXRunner: its attention and head) on a cache of ~100 positions per
@@ -50,7 +50,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--context", type=int, default=100, help="cached positions per row")
     args = ap.parse_args()
-    from mlxgw.worker.runner import MLXRunner
+    from mlxgw.worker.model.runner import MLXRunner
 
     batches = [int(b) for b in args.batches.split(",")]
     widths = [int(w) for w in args.widths.split(",")]

@@ -11,12 +11,12 @@ from pathlib import Path
 
 from aiohttp import web
 
-from mlxgw.shared import paths
-from mlxgw.shared.config import Registry
-from mlxgw.shared.errors import ErrorCode, ServiceError
-
-from . import observe
-from .api import (
+from mlxgw.gateway import observe
+from mlxgw.gateway.access.auth import auth_middleware
+from mlxgw.gateway.access.keys import KeyStore
+from mlxgw.gateway.access.ledger import LEDGER, Ledger, ledger_lifecycle, usage_middleware
+from mlxgw.gateway.access.limits import RateLimiter
+from mlxgw.gateway.api import (
     adapters,
     admin,
     anthropic,
@@ -36,24 +36,23 @@ from .api import (
     system,
     tokenize,
 )
-from .api.body import body_too_large
-from .api.errors import error_response
-from .api.routes import lookup, route_of
-from .auth import auth_middleware
-from .batch_runner import install as install_batches
-from .broker import Broker
-from .console import routes as console_routes
-from .edge import EDGE_STATS, EdgeStats, edge_middleware
-from .keys import KeyStore
-from .ledger import LEDGER, Ledger, ledger_lifecycle, usage_middleware
-from .limits import RateLimiter
-from .manager import ModelManager
-from .mcp import routes as mcp_routes
-from .mcp.hub import MCP, McpHub, mcp_lifecycle
-from .metrics import Metrics
-from .observe import ACTIVE, add_response_headers, capacity_middleware, cors_middleware, observe_middleware
-from .state import BROKER, KEYS, LIMITER, MANAGER, METRICS, SETTINGS, GatewaySettings
-from .throughput import THROUGHPUT, Throughput, throughput_lifecycle
+from mlxgw.gateway.batches.runner import install as install_batches
+from mlxgw.gateway.console import routes as console_routes
+from mlxgw.gateway.link.broker import Broker
+from mlxgw.gateway.mcp import routes as mcp_routes
+from mlxgw.gateway.mcp.hub import MCP, McpHub, mcp_lifecycle
+from mlxgw.gateway.models.manager import ModelManager
+from mlxgw.gateway.models.metrics import Metrics
+from mlxgw.gateway.models.throughput import THROUGHPUT, Throughput, throughput_lifecycle
+from mlxgw.gateway.observe import ACTIVE, add_response_headers, capacity_middleware, cors_middleware, observe_middleware
+from mlxgw.gateway.pipeline.body import body_too_large
+from mlxgw.gateway.web.edge import EDGE_STATS, EdgeStats, edge_middleware
+from mlxgw.gateway.web.errors import error_response
+from mlxgw.gateway.web.routes import lookup, route_of
+from mlxgw.gateway.web.state import BROKER, KEYS, LIMITER, MANAGER, METRICS, SETTINGS, GatewaySettings
+from mlxgw.shared import paths
+from mlxgw.shared.config import Registry
+from mlxgw.shared.errors import ErrorCode, ServiceError
 
 log = logging.getLogger("mlxgw.gateway")
 
@@ -163,7 +162,7 @@ def make_app(
     for table in route_tables():
         app.add_routes(table)
     for method, path in unlisted_routes(app):
-        log.warning("route %s %s has no entry in gateway/api/routes.py: it gets the default policy", method, path)
+        log.warning("route %s %s has no entry in gateway/web/routes.py: it gets the default policy", method, path)
     return app
 
 

@@ -170,8 +170,8 @@ def gateway_config(config, flags: dict):
 
 
 def gateway_settings(gw, *, keys_path: Path | None = None, metrics_token: str | None = None):
-    from mlxgw.gateway.api.images import ImageLimits
-    from mlxgw.gateway.state import GatewaySettings
+    from mlxgw.gateway.pipeline.images import ImageLimits
+    from mlxgw.gateway.web.state import GatewaySettings
 
     return GatewaySettings(
         request_timeout_s=gw.request_timeout_s,

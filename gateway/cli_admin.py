@@ -41,7 +41,7 @@ def _keys_path(path: Path | None) -> Path:
 def create_key(
     name, rpm, tpm, tpd, tpmo, aspm, max_concurrent, weight, min_priority, models, expires, admin, path
 ) -> None:
-    from mlxgw.gateway.key_admin import KeyEditError, create_key
+    from mlxgw.gateway.access.key_admin import KeyEditError, create_key
 
     path = _keys_path(path)
     limits = {"rpm": rpm, "tpm": tpm, "tpd": tpd, "tpmo": tpmo, "aspm": aspm, "max_concurrent": max_concurrent}
@@ -65,7 +65,7 @@ def create_key(
 @keys.command("list")
 @click.option("--file", "path", type=click.Path(path_type=Path), default=None)
 def list_keys(path) -> None:
-    from mlxgw.gateway.keys import load_file
+    from mlxgw.gateway.access.keys import load_file
 
     data = load_file(_keys_path(path))
     for k in data.get("keys") or []:
@@ -85,7 +85,7 @@ def list_keys(path) -> None:
 @click.argument("name")
 @click.option("--file", "path", type=click.Path(path_type=Path), default=None)
 def revoke_key(name, path) -> None:
-    from mlxgw.gateway.key_admin import KeyEditError, revoke_key
+    from mlxgw.gateway.access.key_admin import KeyEditError, revoke_key
 
     try:
         revoke_key(_keys_path(path), name)
@@ -102,8 +102,8 @@ def revoke_key(name, path) -> None:
 @click.option("--db", type=click.Path(path_type=Path), default=None, help="default: $MLXGW_HOME/usage.db")
 def usage(since, by, fmt, db) -> None:
     """Requests and tokens per key, model, API or day, from the usage ledger (SQLite)."""
-    from mlxgw.gateway.ledger import connect
-    from mlxgw.gateway.usage import UsageQueryError, parse_since, render, totals
+    from mlxgw.gateway.access.ledger import connect
+    from mlxgw.gateway.access.usage import UsageQueryError, parse_since, render, totals
     from mlxgw.shared.paths import home
 
     db = db or home() / "usage.db"
@@ -127,7 +127,7 @@ def usage(since, by, fmt, db) -> None:
 
 def _echo_batches(path: Path) -> None:
     """Batch jobs per key and status (their requests are in the rows above as batch:<api>)."""
-    from mlxgw.gateway.batch_schema import summary_of
+    from mlxgw.gateway.batches.schema import summary_of
 
     rows = summary_of(path)
     if rows:

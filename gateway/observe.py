@@ -10,12 +10,11 @@ import time
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from mlxgw.gateway.access.ledger import record_request
+from mlxgw.gateway.web.edge import make_room
+from mlxgw.gateway.web.routes import route_of
+from mlxgw.gateway.web.state import METRICS, SETTINGS
 from mlxgw.shared.errors import HTTP_STATUS, ErrorCode, ServiceError
-
-from .api.routes import route_of
-from .edge import make_room
-from .ledger import record_request
-from .state import METRICS, SETTINGS
 
 access_log = logging.getLogger("mlxgw.access")
 routes = web.RouteTableDef()

@@ -14,15 +14,14 @@ from pathlib import Path
 
 from aiohttp import web
 
+from mlxgw.gateway.app import default_endpoint, make_app
+from mlxgw.gateway.models.lifecycle import SlotState
+from mlxgw.gateway.runfiles import PortBusy, check_port, clean_stale_run_files, remove_pid_file, write_pid_file
+from mlxgw.gateway.web.edge import EdgeRunner, edge_limits
+from mlxgw.gateway.web.logcap import install_log_limits
+from mlxgw.gateway.web.state import MANAGER, GatewaySettings
 from mlxgw.shared import paths
 from mlxgw.shared.config import ConfigError, Registry, load_registry, with_discovered_models
-
-from .app import default_endpoint, make_app
-from .edge import EdgeRunner, edge_limits
-from .lifecycle import SlotState
-from .logcap import install_log_limits
-from .runfiles import PortBusy, check_port, clean_stale_run_files, remove_pid_file, write_pid_file
-from .state import MANAGER, GatewaySettings
 
 # How long a graceful stop waits for the requests in flight (aiohttp's own default).
 SHUTDOWN_TIMEOUT_S = 60.0
@@ -77,7 +76,7 @@ async def serve(
         log.error("cannot listen on %s:%d: %s", host, port, e.strerror)
         await runner.cleanup()
         raise SystemExit(2) from None
-    from .batch_runner import SELF_URL, quiesce_batches
+    from mlxgw.gateway.batches.runner import SELF_URL, quiesce_batches
 
     loopback = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
     app[SELF_URL]["url"] = f"http://{'[' + loopback + ']' if ':' in loopback else loopback}:{port}"  # batch runner

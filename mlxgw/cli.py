@@ -12,7 +12,7 @@ from mlxgw.bench.cli import bench
 from mlxgw.gateway.cli import reload, status_cmd, up
 from mlxgw.gateway.cli_admin import keys, service, usage
 from mlxgw.gateway.launch.cli import launch
-from mlxgw.worker.cli import models, worker
+from mlxgw.worker.process.cli import models, worker
 
 
 @click.group()

@@ -61,7 +61,7 @@ class ModelEntry:
     remote_only: bool = False  # never spawned here: served by `mlxgw worker --connect` elsewhere
     idle_unload_s: float | None = None  # None: the manager's default; 0: never
     # Sequences decoded together; None: from the model's KV bytes per token and the machine's
-    # RAM (worker/capacity.py), reported in /v1/status.
+    # RAM (worker/model/capacity.py), reported in /v1/status.
     max_num_seqs: int | None = None
     max_queue: int = 64
     context_length: int | None = None  # None: the model's own
@@ -69,10 +69,12 @@ class ModelEntry:
     stream_interval: int = 1
     prefill_step_size: int = 512
     cache_memory_mb: int | None = None  # prefix cache bound; None: a share of RAM
-    # KV of admitted rows + prefix cache (worker/kv_budget.py); None: measured at load
+    # KV of admitted rows + prefix cache (worker/model/kv_budget.py); None: measured at load
     kv_memory_mb: int | None = None
     prefix_cache_disk_mb: int = 1024  # hottest prefixes kept on disk across unloads; 0: off
-    kv_bits: Literal[4, 8] | None = None  # quantized KV cache (worker/quantized_kv.py); None: the model's dtype
+    kv_bits: Literal[4, 8] | None = (
+        None  # quantized KV cache (worker/model/cache/quantized_kv.py); None: the model's dtype
+    )
     kv_group_size: Literal[32, 64, 128] = 64  # elements per quantization scale and bias
     use_openblas: bool = True  # Linux CPU only, see shared/platform.py
     defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
@@ -80,7 +82,7 @@ class ModelEntry:
     tool_parser: str | None = None
     reasoning_parser: str | None = None
     # Constrain a tool call's name to the offered tools once the model opens a call
-    # (worker/tool_name_guard.py): for small models that invent names. Such rows do not
+    # (worker/text/tool_name_guard.py): for small models that invent names. Such rows do not
     # speculate and are not preempted.
     tool_name_guard: bool = False
     # A request may replace the chat template (chat_template_kwargs.chat_template): off by
@@ -133,7 +135,7 @@ class ManagerConfig:
     hang_timeout_s: float = 120
     load_timeout_s: float = 300
     failed_retry_s: float = 300  # a crash-looping model is tried again after this (doubling)
-    usage_ledger: bool = True  # record every API request in $MLXGW_HOME/usage.db (gateway/ledger.py)
+    usage_ledger: bool = True  # record every API request in $MLXGW_HOME/usage.db (gateway/access/ledger.py)
     usage_retention_days: float = 90  # ledger rows older than this are deleted; 0: keep forever
     # Folders Ollama's /api/create may take a `FROM` path from (the models directory always);
     # a request can name nothing outside them.

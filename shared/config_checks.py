@@ -111,7 +111,7 @@ def check_adapters(e: ModelEntry, bad) -> None:
         seen.add(a.name)
 
 
-# The ranges the APIs accept in a request (gateway/api/fields.py): a default outside them
+# The ranges the APIs accept in a request (gateway/pipeline/fields.py): a default outside them
 # would be a value no request could send.
 _DEFAULT_RANGES = {
     "temperature": (0, 2),

@@ -1,7 +1,7 @@
 """Fill-in-the-middle (FIM) formats: the control tokens code models were trained with, and how
 a model's format is found from its own vocabulary (or set in models.yaml, `fim:`).
 
-Both sides use this table: the worker builds prompts from it (worker/fim.py), the gateway
+Both sides use this table: the worker builds prompts from it (worker/text/fim.py), the gateway
 says which models can complete (`/v1/models` capabilities, Ollama's `/api/show`). A format
 is known only when the model's vocabulary holds all three of its prefix, suffix and middle
 tokens (Codestral has no middle token: prefix and suffix), so a chat model whose tokenizer

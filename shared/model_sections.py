@@ -49,7 +49,7 @@ class SamplingDefaults:
 
 @dataclass
 class DistributedConfig:
-    """One model sharded over several ranks on MLX's distributed layer (worker/distributed.py).
+    """One model sharded over several ranks on MLX's distributed layer (worker/process/distributed.py).
 
     hosts: one "host:port" per rank (rank 0 first, the machine running the gateway); empty:
     every rank on this machine over 127.0.0.1 with free ports. The gateway starts the ranks
@@ -66,9 +66,9 @@ class DistributedConfig:
 
 @dataclass
 class SpeculativeConfig:
-    """Speculative decoding (worker/speculative.py). prompt_lookup: greedy requests verify
+    """Speculative decoding (worker/model/speculation/speculative.py). prompt_lookup: greedy requests verify
     drafts copied from their own context in the batch's forward pass; draft: drafts decoded
-    greedily by a smaller model sharing the tokenizer (worker/draft_model.py); off: never."""
+    greedily by a smaller model sharing the tokenizer (worker/model/speculation/draft_model.py); off: never."""
 
     mode: Literal["prompt_lookup", "draft", "off"] = "prompt_lookup"
     max_draft: int = 8  # tokens drafted per row and step, at most
@@ -78,7 +78,7 @@ class SpeculativeConfig:
     # Speculate only while the batch has at most this many rows (vLLM's
     # speculative_disable_by_batch_size). Default: 2 on the CPU device, where a verification
     # pays for every position of its rows x width rectangle, gained nothing at 4 rows and lost
-    # at 8 and 16 (worker/speculative.py, CPU_MAX_ROWS); unbounded on a GPU.
+    # at 8 and 16 (worker/model/speculation/speculative.py, CPU_MAX_ROWS); unbounded on a GPU.
     max_rows: int | None = None
 
     def draft_model_path(self, models_dir: Path) -> Path | None:
@@ -91,7 +91,7 @@ class SpeculativeConfig:
 
 @dataclass
 class AdapterEntry:
-    """A LoRA adapter served on its model's worker (worker/adapters.py): an `mlx_lm.lora`
+    """A LoRA adapter served on its model's worker (worker/model/adapters.py): an `mlx_lm.lora`
     output folder (adapters.safetensors + adapter_config.json). Requests name it as a model:
     `name`, or `<base>:<name>`."""
 

@@ -71,7 +71,7 @@ SHUTDOWN = "shutdown"  # drain: bool
 RECONNECT = "reconnect"  # "who are you?": the gateway lost track of this worker
 # both
 # A worker's carries stats, step_busy_s and progress? (a count that moves while its requests
-# get anywhere: gateway/liveness.py bounds a worker that heartbeats without progress)
+# get anywhere: gateway/link/liveness.py bounds a worker that heartbeats without progress)
 HEARTBEAT = "heartbeat"
 
 WORKER_TYPES = {HELLO, READY, LOAD_FAILED, EVENTS, REPLY, BYE, HEARTBEAT}
@@ -178,7 +178,7 @@ class GenerateRequest:
     stop: list[str] = field(default_factory=list)
     stream_interval: int = 1  # tokens per delta event
     priority: int = 0  # lower runs first; FCFS within a priority
-    # Fair share (worker/fair_share.py): who sent it, as a stable hash of the API key (never
+    # Fair share (worker/schedule/fair_share.py): who sent it, as a stable hash of the API key (never
     # its name), and the key's weight; requests of one tenant share that tenant's turn.
     tenant: str | None = None
     weight: float = 1.0
@@ -208,7 +208,7 @@ class GenerateRequest:
     # A LoRA adapter of the worker's model (models.yaml `adapters`), by its name; None: the
     # base model. A worker of an older version ignores the field.
     adapter: str | None = None
-    # Fill-in-the-middle (worker/fim.py): {"prefix", "suffix", "middle" (text after the middle
+    # Fill-in-the-middle (worker/text/fim.py): {"prefix", "suffix", "middle" (text after the middle
     # token, llama.cpp's `prompt`), "extra" ([[filename, text], ...]: other files as context),
     # "filename", "repo"}; set, the worker builds the prompt with the model's FIM tokens and
     # `prompt` is unused.

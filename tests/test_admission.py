@@ -1,5 +1,5 @@
 """Admission under load: a per-step prompt budget bounds how long decoding rows wait, and a
-short prompt starts beside a long one instead of behind it (worker/prefill_plan.py).
+short prompt starts beside a long one instead of behind it (worker/schedule/prefill_plan.py).
 
 The real Scheduler over the real MLXRunner (mlx-lm BatchGenerator) with the tiny model;
 bounds are counted in prompt tokens read per step (what a step's time is made of), not in
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from mlxgw.shared.protocol import GenerateRequest, SamplingParams
-from mlxgw.worker.prefill_plan import admit_count, chunk_for
+from mlxgw.worker.schedule.prefill_plan import admit_count, chunk_for
 
 BUDGET = 128
 GREEDY = SamplingParams(temperature=0, logit_bias={0: -100, 2: -100})  # no end-of-sequence
@@ -18,7 +18,7 @@ GREEDY = SamplingParams(temperature=0, logit_bias={0: -100, 2: -100})  # no end-
 
 @pytest.fixture(scope="module")
 def runner(tiny_dir):
-    from mlxgw.worker.runner import MLXRunner
+    from mlxgw.worker.model.runner import MLXRunner
 
     # The folder as text, as bench/admission.py and bench/speculative.py pass it (a str once
     # broke the KV-size probe, which globbed it as a Path).
@@ -26,8 +26,8 @@ def runner(tiny_dir):
 
 
 def _scheduler(runner, budget: int | None = BUDGET):
-    from mlxgw.worker.prefill_plan import PrefillPace
-    from mlxgw.worker.scheduler import Scheduler
+    from mlxgw.worker.schedule.prefill_plan import PrefillPace
+    from mlxgw.worker.schedule.scheduler import Scheduler
 
     runner.cache_clear()
     runner.set_prefill_chunk(BUDGET)  # as built: a test before may have left another chunk
@@ -96,7 +96,7 @@ def test_a_burst_at_an_idle_model_starts_a_budget_at_a_time_with_first_tokens_at
     admitted one budget at a time, and those read in a step have their first token at its
     end, so the first group of a burst decodes while the next is read (one larger step gave
     every prompt of the burst the last one's wait)."""
-    from mlxgw.worker.prefill_plan import IDLE_BUDGET_FACTOR
+    from mlxgw.worker.schedule.prefill_plan import IDLE_BUDGET_FACTOR
 
     sched = _scheduler(runner)
     for i in range(12):
@@ -148,12 +148,12 @@ def test_a_short_request_gets_its_first_token_before_a_long_prefill_completes(ru
         sched.step()
 
 
-# -- max_num_seqs when models.yaml leaves it out (worker/capacity.py) ---------------------
+# -- max_num_seqs when models.yaml leaves it out (worker/model/capacity.py) ---------------------
 SMOLLM2 = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64}
 
 
 def test_kv_bytes_per_token_is_layers_kv_heads_head_dim_keys_and_values_and_dtype():
-    from mlxgw.worker.capacity import kv_bytes_per_token
+    from mlxgw.worker.model.capacity import kv_bytes_per_token
 
     assert kv_bytes_per_token(SMOLLM2, 4) == 30 * 3 * 64 * 2 * 4 == 46_080
     # no head_dim: hidden_size / attention heads; no kv heads: as many as attention heads
@@ -164,7 +164,7 @@ def test_kv_bytes_per_token_is_layers_kv_heads_head_dim_keys_and_values_and_dtyp
 
 
 def test_max_num_seqs_is_the_kv_budget_over_a_typical_rows_kv_capped_and_never_raised():
-    from mlxgw.worker.capacity import default_max_num_seqs
+    from mlxgw.worker.model.capacity import default_max_num_seqs
 
     gib = 1 << 30
     # SmolLM2-135M float32 on 24 GiB: an eighth of RAM over 2,048 tokens x 45 KiB
@@ -178,7 +178,7 @@ def test_max_num_seqs_is_the_kv_budget_over_a_typical_rows_kv_capped_and_never_r
 
 
 def test_a_configured_max_num_seqs_wins_over_the_formula(tiny_dir):
-    from mlxgw.worker.capacity import choose_max_num_seqs
+    from mlxgw.worker.model.capacity import choose_max_num_seqs
 
     assert choose_max_num_seqs(3, tiny_dir, 1 << 40).value == 3
     chosen = choose_max_num_seqs(None, tiny_dir, 1 << 30)
@@ -191,7 +191,7 @@ def test_the_admission_bench_runs_its_variants_on_a_real_runner(tiny_dir):
     runner), so one burst and one closed loop of each run here, tiny and short."""
     from mlxgw.bench.admission import VARIANTS, run_variant
     from mlxgw.bench.loadgen import varied_prompts
-    from mlxgw.worker.runner import MLXRunner
+    from mlxgw.worker.model.runner import MLXRunner
 
     runner = MLXRunner(str(tiny_dir), context_length=None, max_num_seqs=4, prefill_step_size=64, cache_bytes=0)
     prompts = varied_prompts(3, 12, seed=1)

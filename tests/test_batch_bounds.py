@@ -26,7 +26,7 @@ import requests
 import yaml
 from helpers import NO_EOS, start_gateway
 
-from mlxgw.gateway.keys import hash_key
+from mlxgw.gateway.access.keys import hash_key
 
 KEYS = {
     "alice": "mlxgw-bounds-alice-0123456789",

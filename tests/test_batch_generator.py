@@ -1,4 +1,4 @@
-"""The engine step's order (worker/batch_generator.py): a prompt's first token comes out in
+"""The engine step's order (worker/model/batch_generator.py): a prompt's first token comes out in
 the step that reads its last chunk, and the order changes no token.
 
 The real MLXRunner on the tiny model; mlx-lm's own order (`reads_first = False`) is the
@@ -16,7 +16,7 @@ GREEDY = SamplingParams(temperature=0, logit_bias={0: -100, 2: -100})  # no end-
 
 @pytest.fixture(scope="module")
 def runner(tiny_dir):
-    from mlxgw.worker.runner import MLXRunner
+    from mlxgw.worker.model.runner import MLXRunner
 
     return MLXRunner(
         tiny_dir,

@@ -19,7 +19,7 @@ import yaml
 from helpers import NO_EOS, http, start_gateway
 from helpers.mlxgw_cli import mlxgw
 
-from mlxgw.gateway.keys import hash_key
+from mlxgw.gateway.access.keys import hash_key
 
 KEYS = {"alice": "mlxgw-batch-alice-0123456789", "bob": "mlxgw-batch-bob-0123456789", "ops": "mlxgw-batch-ops-0123"}
 BATCH_CONFIG = {
@@ -235,7 +235,7 @@ def test_a_graceful_restart_mid_batch_sends_no_request_twice(home, tiny_dir):
 
 def test_one_gateway_process_runs_a_batch_until_it_dies(tmp_path):
     """Two gateways on one MLXGW_HOME: the batch's claim keeps it with one live process."""
-    from mlxgw.gateway.batch_store import BatchStore
+    from mlxgw.gateway.batches.store import BatchStore
 
     store = BatchStore(tmp_path)
     store.begin_batch("batch_x", None, None, "/v1/chat/completions", "file-x", None)

@@ -1,4 +1,4 @@
-"""The CPU BLAS's thread count per kind of step (worker/blas_threads.py): the choice follows
+"""The CPU BLAS's thread count per kind of step (worker/model/cpu/blas_threads.py): the choice follows
 the measured step times, trials of the other count get rarer the dearer it is, a changed
 count never changes a token, and the control reaches the OpenBLAS the worker preloads."""
 
@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from mlxgw.shared.platform import openblas_path
-from mlxgw.worker.blas_threads import (
+from mlxgw.worker.model.cpu.blas_threads import (
     BUSY_RATIO,
     CAP,
     FIRST_INTERVAL,
@@ -165,7 +165,7 @@ def test_samples_are_per_position_and_a_verification_is_none(monkeypatch):
     """A step's time counts per position it fed: one thread, 1.3x slower per position, tried
     on steps that read shorter prompt chunks, is still found slower. A speculative
     verification (its width decides its time) is no sample."""
-    from mlxgw.worker import blas_threads
+    from mlxgw.worker.model.cpu import blas_threads
 
     control, clock = Control(2), [0.0]
     monkeypatch.setattr(blas_threads.time, "perf_counter", lambda: clock[0])
@@ -202,7 +202,7 @@ def test_a_busy_hosts_verdict_is_followed_by_kinds_that_have_not_learned_alone(m
     3.5-17 s, one thread's 0.2-2). Once one kind finds one thread far cheaper, a kind seen for
     the first time runs at one thread and tries two threads only once the host's verdict is
     gone; on a quiet host (1.3x apart) every kind still learns alone."""
-    from mlxgw.worker import blas_threads
+    from mlxgw.worker.model.cpu import blas_threads
 
     control, clock = Control(2), [0.0]
     monkeypatch.setattr(blas_threads.time, "perf_counter", lambda: clock[0])
@@ -242,7 +242,7 @@ def test_the_count_reaches_the_preloaded_openblas_and_changes_no_token(smollm2_d
 import pathlib
 from mlxgw.shared.platform import blas_threads
 from mlxgw.shared.protocol import SamplingParams
-from mlxgw.worker.runner import MLXRunner
+from mlxgw.worker.model.runner import MLXRunner
 
 control = blas_threads()
 assert control is not None
@@ -274,6 +274,8 @@ print("ok")
 
 def test_the_policy_is_off_where_asked():
     env = {**os.environ, "MLXGW_ADAPTIVE_BLAS": "0"}
-    code = "import mlx.core as mx; from mlxgw.worker.blas_threads import policy_for; print(policy_for(mx, None))"
+    code = (
+        "import mlx.core as mx; from mlxgw.worker.model.cpu.blas_threads import policy_for; print(policy_for(mx, None))"
+    )
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "None", out.stderr[-2000:]

@@ -1,4 +1,4 @@
-"""The worker's CPU attention (worker/cpu_attention.py) gives mlx-lm's attention to float32
+"""The worker's CPU attention (worker/model/cpu/cpu_attention.py) gives mlx-lm's attention to float32
 rounding, in every layout and mask mlx-lm's models pass, on one stream and split over two;
 and hands what it does not handle to mlx-lm's own function. The family matrix
 (tests/test_families.py) checks greedy tokens against mlx-lm's attention over every family."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from mlxgw.worker import cpu_attention
+from mlxgw.worker.model.cpu import cpu_attention
 
 TOLERANCE = 2e-5
 

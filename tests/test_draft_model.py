@@ -1,4 +1,4 @@
-"""Speculative decoding with a draft model (worker/draft_model.py): greedy outputs are
+"""Speculative decoding with a draft model (worker/model/speculation/draft_model.py): greedy outputs are
 token-identical to plain decoding whatever the draft proposes, the target as its own draft
 has every draft accepted, and a draft that cannot serve the target is refused at load."""
 
@@ -13,9 +13,9 @@ from helpers import openai_client, wait_for
 from helpers.runner_jobs import generate_together, speculative_runner
 
 from mlxgw.shared.config import ConfigError, SpeculativeConfig, parse_registry
-from mlxgw.worker.draft_model import DraftModelDrafter
-from mlxgw.worker.runner import MLXRunner
-from mlxgw.worker.speculative import DraftRequest
+from mlxgw.worker.model.runner import MLXRunner
+from mlxgw.worker.model.speculation.draft_model import DraftModelDrafter
+from mlxgw.worker.model.speculation.speculative import DraftRequest
 
 COPY_TEXT = "def add(a, b):\n    return a + b\n\n" * 4
 

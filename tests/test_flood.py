@@ -236,7 +236,7 @@ def test_idle_sockets_past_the_descriptor_limit_never_exhaust_it(home):
     """Issue 13: 20,000 idle sockets exhausted the descriptors; /health and chat timed out and
     the log took 314,623 `Too many open files` tracebacks. The connection ceiling is kept below
     the descriptor limit, so a flood past it costs the flood its connections, nobody else."""
-    from mlxgw.gateway.edge import connection_ceiling
+    from mlxgw.gateway.web.edge import connection_ceiling
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < FD_FLOOD + 256:

@@ -31,7 +31,7 @@ def _logits(folder) -> np.ndarray:
 
 
 def _import(source, name, models_dir):
-    from mlxgw.worker.gguf import import_gguf
+    from mlxgw.worker.importers.gguf import import_gguf
 
     return import_gguf(str(source), name, dtype="float32", models_dir=models_dir)
 
@@ -55,7 +55,7 @@ def test_split_gguf_imports_from_its_first_part(tmp_path):
 
 
 def test_split_gguf_with_a_missing_part_is_a_clear_error(tmp_path):
-    from mlxgw.worker.gguf import ImportError_
+    from mlxgw.worker.importers.gguf import ImportError_
 
     write_twice("qwen3", tmp_path, split_max_tensors=8)
     parts = sorted(tmp_path.glob("qwen3-*-of-*.gguf"))
@@ -91,7 +91,7 @@ def test_sentencepiece_space_prefix_is_added_where_the_gguf_says(tmp_path):
 
 
 def test_unsupported_architecture_is_named(tmp_path):
-    from mlxgw.worker.gguf import ImportError_
+    from mlxgw.worker.importers.gguf import ImportError_
 
     _, gguf_file = write_twice("qwen3", tmp_path)
     data = gguf_file.read_bytes().replace(b"qwen3", b"qwenX", 1)
@@ -102,7 +102,7 @@ def test_unsupported_architecture_is_named(tmp_path):
 
 
 def test_mistral3_with_a_temperature_length_mlx_lm_cannot_express_is_refused():
-    from mlxgw.worker.gguf.architectures import UnsupportedModel, _mistral3_config
+    from mlxgw.worker.importers.gguf.architectures import UnsupportedModel, _mistral3_config
 
     md = {
         "mistral3.attention.head_count": 4,
@@ -172,7 +172,7 @@ def test_qwen25_coder_from_six_packages_imports_and_calls_a_tool(qwen_coder):
     prompt = tokenizer.apply_chat_template(messages, tools=WEATHER_TOOLS, add_generation_prompt=True)
     text = generate(model, tokenizer, prompt, max_tokens=40)
     # Read as the worker reads it (this model leaves the <tool_call> tags off).
-    from mlxgw.worker.output_parser import OutputParser, tool_syntax
+    from mlxgw.worker.text.output_parser import OutputParser, tool_syntax
 
     parser = OutputParser(tool=tool_syntax(None, tokenizer), tools=WEATHER_TOOLS)
     out = parser.feed(text)

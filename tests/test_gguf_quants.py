@@ -40,7 +40,7 @@ def _logits(folder) -> np.ndarray:
 
 
 def _import(source, name, models_dir, **options):
-    from mlxgw.worker.gguf import import_gguf
+    from mlxgw.worker.importers.gguf import import_gguf
 
     return import_gguf(str(source), name, dtype="float32", models_dir=models_dir, **options)
 

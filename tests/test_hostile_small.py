@@ -48,8 +48,8 @@ def test_config_refuses_a_negative_usage_retention():
 
 def test_folder_import_refuses_a_hard_link(tmp_path):
     """On main a root-prepared folder with a hard link to /etc/shadow imported it, mode 644."""
-    from mlxgw.worker.folder_import import safe_manifest
-    from mlxgw.worker.gguf.importer import ImportError_
+    from mlxgw.worker.importers.folder_import import safe_manifest
+    from mlxgw.worker.importers.gguf.importer import ImportError_
 
     outside = tmp_path / "secret"
     outside.write_text("root:x:0:0")

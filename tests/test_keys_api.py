@@ -15,7 +15,7 @@ import pytest
 import yaml
 from helpers import LONG, NO_EOS, REPO, http, start_gateway
 
-from mlxgw.gateway.keys import hash_key
+from mlxgw.gateway.access.keys import hash_key
 
 ROOT = "mlxgw-keysapi-root-0123456789"
 USER = "mlxgw-keysapi-user-0123456789"

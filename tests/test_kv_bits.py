@@ -1,4 +1,4 @@
-"""kv_bits: quantized KV under continuous batching (worker/quantized_kv.py).
+"""kv_bits: quantized KV under continuous batching (worker/model/cache/quantized_kv.py).
 
 A tiny random llama with 64-wide heads (quantization groups of 32/64 need it) runs with
 8- and 4-bit KV in the worker's real engine: four rows at once give each row's own tokens,
@@ -21,7 +21,7 @@ def wide_dir(home, smollm2_dir):
 
 
 def _runner(model_dir, bits, speculative="off", cache_bytes=64 << 20):
-    from mlxgw.worker.runner import MLXRunner
+    from mlxgw.worker.model.runner import MLXRunner
 
     return MLXRunner(
         model_dir,
@@ -63,7 +63,7 @@ def test_quantized_kv_batches_caches_and_speculates_with_the_same_tokens(wide_di
 def test_quantized_kv_takes_the_bytes_per_token_the_capacity_formula_counts(wide_dir):
     import json
 
-    from mlxgw.worker.capacity import choose_max_num_seqs, kv_bytes_per_token
+    from mlxgw.worker.model.capacity import choose_max_num_seqs, kv_bytes_per_token
 
     config = json.loads((wide_dir / "config.json").read_text())
     measured = {}
@@ -110,8 +110,8 @@ def test_quantized_kv_agrees_with_mlx_lm_quantized_generation(wide_dir):
 
 
 def test_quantized_entries_go_to_the_disk_tier_and_come_back(wide_dir, tmp_path):
-    from mlxgw.worker.prefix_store import PrefixStore, model_fingerprint
-    from mlxgw.worker.runner import MLXRunner
+    from mlxgw.worker.model.cache.prefix_store import PrefixStore, model_fingerprint
+    from mlxgw.worker.model.runner import MLXRunner
 
     def runner():
         store = PrefixStore(tmp_path / "store", model_fingerprint(wide_dir), 64 << 20)

@@ -1,4 +1,4 @@
-"""Admission by memory (worker/kv_budget.py): what a row reserves, per kind of layer cache,
+"""Admission by memory (worker/model/kv_budget.py): what a row reserves, per kind of layer cache,
 is what mlx-lm's batch really holds; rows are admitted within the budget, wait when they do
 not fit, and only a request that cannot fit alone is refused, with the numbers.
 
@@ -16,7 +16,7 @@ import pytest
 from helpers.family_models import WIDE_HEADS, build_family_model
 
 from mlxgw.shared.protocol import GenerateRequest, SamplingParams
-from mlxgw.worker.kv_budget import ALLOC_STEP, FIXED, GROWS, WINDOW, KVBudget, KVProfile, LayerKV, Measured
+from mlxgw.worker.model.kv_budget import ALLOC_STEP, FIXED, GROWS, WINDOW, KVBudget, KVProfile, LayerKV, Measured
 
 GREEDY = SamplingParams(temperature=0, logit_bias={0: -100, 2: -100})  # no end-of-sequence
 CHUNK = 32  # prefill chunk: several per prompt, as long prompts have
@@ -65,11 +65,13 @@ def test_the_budget_is_the_setting_else_the_least_of_ram_and_the_process_limits_
     import subprocess
     import sys
 
-    from mlxgw.worker.kv_budget import measure_budget
+    from mlxgw.worker.model.kv_budget import measure_budget
 
     assert measure_budget(300, 1 << 40).bytes == 300 << 20
     assert measure_budget(None, 8 << 30).source in ("RAM", "cgroup")
-    code = "from mlxgw.worker.kv_budget import measure_budget as m; b = m(None, 1 << 40); print(b.source, b.bytes)"
+    code = (
+        "from mlxgw.worker.model.kv_budget import measure_budget as m; b = m(None, 1 << 40); print(b.source, b.bytes)"
+    )
     limit = 3 << 30
 
     def limited() -> None:
@@ -97,7 +99,7 @@ def family_dirs(home, smollm2_dir):
 
 
 def _runner(path, kv_bits=None):
-    from mlxgw.worker.runner import MLXRunner
+    from mlxgw.worker.model.runner import MLXRunner
 
     return MLXRunner(path, context_length=None, max_num_seqs=8, prefill_step_size=CHUNK, cache_bytes=0, kv_bits=kv_bits)
 
@@ -129,7 +131,7 @@ def test_a_batch_never_holds_more_than_its_rows_reserved(family, family_dirs):
 def test_quantized_kv_reserves_its_real_bytes(kv_bits, home, smollm2_dir):
     from tiny_model import build_tiny_model
 
-    from mlxgw.worker.capacity import kv_bytes_per_token
+    from mlxgw.worker.model.capacity import kv_bytes_per_token
 
     path = build_tiny_model(home / "models" / "kv-wide", smollm2_dir, overrides=WIDE_HEADS)
     runner = _runner(path, kv_bits)
@@ -144,15 +146,15 @@ def test_quantized_kv_reserves_its_real_bytes(kv_bits, home, smollm2_dir):
 # -- the scheduler within a budget ---------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_runner(tiny_dir):
-    from mlxgw.worker.runner import MLXRunner
+    from mlxgw.worker.model.runner import MLXRunner
 
     return MLXRunner(str(tiny_dir), context_length=None, max_num_seqs=8, prefill_step_size=128, cache_bytes=64 << 20)
 
 
 def _scheduler(runner, rows_that_fit: int, reach: int = 200):
     """A scheduler whose KV budget holds rows_that_fit rows of `reach` tokens."""
-    from mlxgw.worker.prefill_plan import PrefillPace
-    from mlxgw.worker.scheduler import Scheduler
+    from mlxgw.worker.schedule.prefill_plan import PrefillPace
+    from mlxgw.worker.schedule.scheduler import Scheduler
 
     runner.cache_clear()
     profile = runner.kv_profile()

@@ -21,7 +21,7 @@ import tomlkit
 import yaml
 from helpers.gateway import REPO, start_gateway
 
-from mlxgw.gateway.key_admin import create_key
+from mlxgw.gateway.access.key_admin import create_key
 from mlxgw.gateway.launch.core import DELETE, ConfigEdit, planned_text
 
 BINS = [

@@ -102,9 +102,9 @@ def _is_mlx(name: str) -> bool:
 
 
 def test_the_graph_sees_the_whole_tree():
-    assert len(MODULES) > 150 and "mlxgw.gateway.app" in MODULES and "mlxgw.worker.scheduler" in MODULES
-    assert "mlxgw.shared.protocol" in GRAPH["mlxgw.gateway.broker"]  # an absolute import is seen
-    assert "mlxgw.gateway.api.routes" in GRAPH["mlxgw.gateway.auth"]  # a relative one too
+    assert len(MODULES) > 150 and "mlxgw.gateway.app" in MODULES and "mlxgw.worker.schedule.scheduler" in MODULES
+    assert "mlxgw.shared.protocol" in GRAPH["mlxgw.gateway.link.broker"]  # an absolute import is seen
+    assert "mlxgw.gateway.web.routes" in GRAPH["mlxgw.gateway.access.auth"]  # a relative one too
 
 
 RULES = {
@@ -131,8 +131,12 @@ def test_no_module_imports_a_top_folder_by_its_bare_name():
 
 
 PLANTED = {
-    "gateway": ["from mlxgw.worker import engine", "from worker import engine", "import mlx.core as mx",
-                "from ..worker import engine"],
+    "gateway": [
+        "from mlxgw.worker import engine",
+        "from worker import engine",
+        "import mlx.core as mx",
+        "from ..worker import engine",
+    ],
     "shared": ["import gateway.state", "from mlxgw.gateway import state", "from ..worker.engine import run"],
     "worker": ["from gateway.api import errors", "from mlxgw.gateway import broker"],
 }
@@ -146,6 +150,83 @@ def test_each_rule_fails_on_a_planted_violation(part, line):
     planted = {module: imports_of(module, MODULES[module].read_text() + "\n" + line + "\n")}
     found = _offenders(part, RULES[part], planted) + _offenders(part, _is_bare, planted)
     assert found, f"{line!r} in {module} was not reported"
+
+
+# The floors of each part, top to bottom: a module imports its own floor and the floors below
+# it, never one above (imports inside `if TYPE_CHECKING:` never run and are not counted). A
+# part's root modules (the gateway's entry points and its launch/ and console/ folders, the
+# worker's __main__) sit above every floor.
+FLOORS = {
+    "gateway": ("api", "mcp", "batches", "pipeline", "access", "models", "link", "web"),
+    "worker": ("process", "schedule", "importers", "model", "text"),
+}
+
+
+def floor_of(module: str) -> int | None:
+    """The rank of a module's floor in its part (0 = the top), or None outside the floored parts
+    and for the part's package itself (`import mlxgw.gateway` names no floor)."""
+    parts = module.split(".")
+    floors = FLOORS.get(_part(module))
+    if floors is None or len(parts) < 3:
+        return None
+    return floors.index(parts[2]) + 1 if parts[2] in floors else 0
+
+
+def upward_imports(graph: dict[str, set[str]] | None = None) -> list[str]:
+    graph = GRAPH if graph is None else graph
+    out = []
+    for module, deps in graph.items():
+        mine = floor_of(module)
+        if mine is None:
+            continue
+        for dep in deps:
+            theirs = floor_of(dep)
+            if theirs is not None and _part(dep) == _part(module) and theirs < mine:
+                out.append(f"{module} imports {dep}, a floor above it")
+    return sorted(out)
+
+
+def test_every_folder_of_a_floored_part_is_a_known_floor():
+    for part, floors in FLOORS.items():
+        folders = {p.name for p in (ROOT / part).iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+        assert folders - {"launch", "console"} == set(floors), part
+
+
+def test_imports_run_only_down_the_floors():
+    assert upward_imports() == []
+
+
+PLANTED_UPWARD = [
+    ("mlxgw.worker.text.templates", "from mlxgw.worker.model import runner"),
+    ("mlxgw.worker.model.sampling", "from mlxgw.worker.schedule.sequence import Sequence"),
+    ("mlxgw.worker.model.cache.prefix_cache", "from ...process import engine"),
+    ("mlxgw.worker.schedule.scheduler", "import mlxgw.worker.process.main"),
+    ("mlxgw.gateway.web.routes", "from mlxgw.gateway.pipeline import translate"),
+    ("mlxgw.gateway.link.broker", "from ..models.manager import ModelManager"),
+    ("mlxgw.gateway.pipeline.body", "from mlxgw.gateway.api import openai_chat"),
+    ("mlxgw.gateway.models.manager", "from mlxgw.gateway import app"),
+]
+
+
+@pytest.mark.parametrize("module,line", PLANTED_UPWARD)
+def test_an_import_up_a_floor_is_reported(module, line):
+    """The floor rule runs on a real module with one planted import, inside a function too."""
+    for source in (line, "def planted():\n    " + line):
+        planted = {module: imports_of(module, MODULES[module].read_text() + "\n" + source + "\n")}
+        assert upward_imports(planted), f"{line!r} in {module} was not reported"
+
+
+def test_an_import_up_a_floor_for_type_checking_only_is_allowed():
+    module = "mlxgw.gateway.web.state"
+    planted = {
+        module: imports_of(
+            module,
+            "from typing import TYPE_CHECKING\n"
+            "if TYPE_CHECKING:\n"
+            "    from mlxgw.gateway.models.manager import ModelManager\n",
+        )
+    }
+    assert upward_imports(planted) == []
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:

@@ -17,8 +17,8 @@ import pytest
 import yaml
 from helpers import REPO, http, start_gateway
 
-from mlxgw.gateway.keys import hash_key
-from mlxgw.gateway.ledger import FLUSH_S, Ledger, connect
+from mlxgw.gateway.access.keys import hash_key
+from mlxgw.gateway.access.ledger import FLUSH_S, Ledger, connect
 
 KEYS = {
     "alice": "mlxgw-ledger-alice-0123456789",

@@ -12,9 +12,9 @@ import uuid
 
 import pytest
 
-from mlxgw.gateway.broker import Broker, ConnState, WorkerConn, WorkerLost, WorkerReady
-from mlxgw.gateway.lifecycle import SlotState
-from mlxgw.gateway.manager import ModelManager
+from mlxgw.gateway.link.broker import Broker, ConnState, WorkerConn, WorkerLost, WorkerReady
+from mlxgw.gateway.models.lifecycle import SlotState
+from mlxgw.gateway.models.manager import ModelManager
 from mlxgw.shared import protocol as p
 from mlxgw.shared.config import parse_registry
 from mlxgw.shared.errors import ErrorCode, ServiceError

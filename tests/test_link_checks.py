@@ -10,8 +10,8 @@ import subprocess
 import sys
 import time
 
-from mlxgw.gateway import liveness as live
-from mlxgw.gateway import wire_checks as wc
+from mlxgw.gateway.link import liveness as live
+from mlxgw.gateway.link import wire_checks as wc
 
 LIMITS = live.Limits(window_s=5, hang_timeout_s=120)
 

@@ -21,7 +21,7 @@ import pytest_asyncio
 import zmq
 import zmq.asyncio
 
-from mlxgw.gateway.broker import Broker
+from mlxgw.gateway.link.broker import Broker
 from mlxgw.shared import protocol as p
 from mlxgw.shared.errors import ErrorCode
 

@@ -19,7 +19,7 @@ import urllib.request
 
 from helpers import start_gateway, wait_for
 
-from mlxgw.worker.link import WorkerLink
+from mlxgw.worker.process.link import WorkerLink
 
 STALL_S = 10.0
 STREAMS = 4

@@ -124,7 +124,7 @@ def test_completions_logprobs_in_the_legacy_shape(tiny_gateway):
     assert tokens == lp.tokens
 
 
-# Longer than one scoring chunk (worker/prompt_logprobs.py CHUNK_TOKENS = 256): the prompt
+# Longer than one scoring chunk (worker/model/prompt_logprobs.py CHUNK_TOKENS = 256): the prompt
 # is scored in two steps, and must still equal one full-sequence pass.
 ECHO_PROMPT = "The quick brown fox jumps over the lazy dog near the river bank. " * 24
 
@@ -235,9 +235,9 @@ def test_prompt_scoring_takes_one_chunk_per_step_while_other_rows_decode(tiny_di
     decoding gets its token in every one of those steps, and the scoring pass's KV serves
     the request's prefill (the prompt is computed once)."""
     from mlxgw.shared import protocol as p
-    from mlxgw.worker.prompt_logprobs import CHUNK_TOKENS
-    from mlxgw.worker.runner import MLXRunner
-    from mlxgw.worker.scheduler import Scheduler
+    from mlxgw.worker.model.prompt_logprobs import CHUNK_TOKENS
+    from mlxgw.worker.model.runner import MLXRunner
+    from mlxgw.worker.schedule.scheduler import Scheduler
 
     runner = MLXRunner(tiny_dir, context_length=None, max_num_seqs=4, prefill_step_size=128, cache_bytes=1 << 28)
     sched = Scheduler(runner, max_num_seqs=4, max_queue=8)

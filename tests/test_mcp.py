@@ -22,7 +22,7 @@ import pytest
 import yaml
 from helpers import REPO, free_port, http, start_gateway, wait_for
 
-from mlxgw.gateway.keys import hash_key
+from mlxgw.gateway.access.keys import hash_key
 from mlxgw.shared.config import ConfigError, parse_registry
 
 ADMIN = "mlxgw-mcp-admin-0123456789"

@@ -17,7 +17,7 @@ import pytest
 import yaml
 from helpers import http, start_gateway, wait_for
 
-from mlxgw.gateway.keys import hash_key
+from mlxgw.gateway.access.keys import hash_key
 
 KEY = "sk-ollama-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -357,8 +357,8 @@ def test_a_bad_type_is_a_400_naming_the_field_in_ollamas_shape(gw, path, body, m
 
 
 def test_repeat_penalty_is_read_as_repetition_penalty():
-    from mlxgw.gateway.api.fields import decode_fields
     from mlxgw.gateway.api.ollama_fields import OllamaOptions
+    from mlxgw.gateway.pipeline.fields import decode_fields
 
     assert decode_fields({"repeat_penalty": 1.3}, OllamaOptions).repetition_penalty == 1.3
     assert decode_fields({"repetition_penalty": 1.2}, OllamaOptions).repetition_penalty == 1.2

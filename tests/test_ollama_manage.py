@@ -20,8 +20,8 @@ from helpers.fake_hub import FakeHub, FakeRepo
 from helpers.gateway import REPO, start_gateway
 from helpers.http import http
 
-from mlxgw.gateway.api.translate import with_entry_preamble
-from mlxgw.gateway.key_admin import create_key
+from mlxgw.gateway.access.key_admin import create_key
+from mlxgw.gateway.pipeline.translate import with_entry_preamble
 from mlxgw.shared.config import ModelEntry, PresetMessage
 
 # Within Jinja's sandbox range limit (100,000), so the loops really run: 10^10 iterations.

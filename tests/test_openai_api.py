@@ -171,7 +171,7 @@ def test_a_cold_model_refuses_a_too_long_prompt_with_a_400_not_200_and_an_error_
 async def test_load_keepalives_start_only_once_a_load_ran_for_20_s():
     """Keep-alives commit status 200; before 20 s of loading none is sent, so a refusal found
     after a short load is still a plain 4xx."""
-    from mlxgw.gateway.generation import LOAD_KEEPALIVE_AFTER_S, Generation
+    from mlxgw.gateway.models.generation import LOAD_KEEPALIVE_AFTER_S, Generation
     from mlxgw.shared.errors import ErrorCode, ServiceError
     from mlxgw.shared.protocol import GenerateRequest
 

@@ -1,4 +1,4 @@
-"""The output head stored transposed (worker/output_head.py): the same logits, the same
+"""The output head stored transposed (worker/model/cpu/output_head.py): the same logits, the same
 vocabulary size, no more memory, tied and untied heads, left alone where it does not apply
 and where this host runs the checkpoint's layout faster."""
 
@@ -8,8 +8,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from mlxgw.worker import model_info
-from mlxgw.worker.output_head import TransposedEmbedding, TransposedHead, measure_layouts, transpose_head
+from mlxgw.worker.model import model_info
+from mlxgw.worker.model.cpu.output_head import TransposedEmbedding, TransposedHead, measure_layouts, transpose_head
 
 
 def _always(weight, weight_t):

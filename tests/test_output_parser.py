@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from mlxgw.worker.output_parser import OutputParser, tool_syntax
+from mlxgw.worker.text.output_parser import OutputParser, tool_syntax
 
 
 def hermes():

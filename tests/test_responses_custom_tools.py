@@ -165,11 +165,11 @@ def test_codex_code_mode_prompt_with_its_tools_fits_the_quick_start_context(smol
     (names and argument types) is used and the request is served."""
     from mlx_lm.utils import load_tokenizer
 
-    from mlxgw.gateway.api.content import ContentPolicy
     from mlxgw.gateway.api.responses import parse
     from mlxgw.gateway.api.responses_tools import parse_tools
+    from mlxgw.gateway.pipeline.content import ContentPolicy
     from mlxgw.shared.protocol import GenerateRequest
-    from mlxgw.worker.chat_text import ChatText
+    from mlxgw.worker.text.chat_text import ChatText
 
     body = json.loads((FIXTURES / "codex_default_model_request.json").read_text())
     parsed = parse(body, [], ContentPolicy(None), parse_tools(body.get("tools"), body["input"]))

@@ -1,4 +1,4 @@
-"""One route table (gateway/api/routes.py): every route the app serves has exactly one entry,
+"""One route table (gateway/web/routes.py): every route the app serves has exactly one entry,
 the entries agree with the rules for paths no route matches, and the middlewares really
 enforce what each entry says, checked over real HTTP for every route against a gateway
 with keys: no key is a 401, a user key on an admin route a 403, each in the route's API
@@ -13,9 +13,9 @@ import yaml
 from aiohttp import web
 from helpers import http, start_gateway
 
-from mlxgw.gateway.api.routes import ROUTE_FOR_KIND, ROUTES, Access, Family, family_of, lookup
+from mlxgw.gateway.access.keys import hash_key
 from mlxgw.gateway.app import route_tables, unlisted_routes
-from mlxgw.gateway.keys import hash_key
+from mlxgw.gateway.web.routes import ROUTE_FOR_KIND, ROUTES, Access, Family, family_of, lookup
 from mlxgw.shared.config import KINDS
 
 KEYS = {"user": "mlxgw-routes-user-key-0123456789", "root": "mlxgw-routes-admin-key-0123456789"}
@@ -32,13 +32,13 @@ def test_every_app_route_has_an_entry():
     app = web.Application()
     for table in route_tables():
         app.add_routes(table)
-    assert unlisted_routes(app) == [], "add these routes to gateway/api/routes.py"
+    assert unlisted_routes(app) == [], "add these routes to gateway/web/routes.py"
 
 
 def test_every_entry_is_an_app_route():
     served = _app_routes()
     stale = [(m, r.path) for r in ROUTES for m in r.methods if (m, r.path) not in served]
-    assert stale == [], "entries in gateway/api/routes.py with no route behind them"
+    assert stale == [], "entries in gateway/web/routes.py with no route behind them"
 
 
 def test_each_route_is_listed_once():

@@ -146,8 +146,8 @@ def test_a_sequence_the_runner_refuses_at_admission_ends_alone():
     is admitted (as a vision tower refuses images); the other sequences run on."""
     from mlxgw.shared import protocol as p
     from mlxgw.shared.errors import invalid
-    from mlxgw.worker.null_runner import NullRunner
-    from mlxgw.worker.scheduler import Scheduler
+    from mlxgw.worker.model.null_runner import NullRunner
+    from mlxgw.worker.schedule.scheduler import Scheduler
 
     class RefusingRunner(NullRunner):
         def insert(self, prompt, max_tokens, sampling, constraint=None, guard=None):

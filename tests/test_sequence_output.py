@@ -1,5 +1,5 @@
-"""worker/sequence_output.py on its own: token ids in, the protocol's events out, no runner
-and no scheduler. The sequences are the real ones (worker/sequence.py), prepared by the echo
+"""worker/schedule/sequence_output.py on its own: token ids in, the protocol's events out, no runner
+and no scheduler. The sequences are the real ones (worker/schedule/sequence.py), prepared by the echo
 engine's real text side: its byte detokenizer and its output parser (reasoning tags)."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ from __future__ import annotations
 import time
 
 from mlxgw.shared import protocol as p
-from mlxgw.worker.intake import Preparing
-from mlxgw.worker.null_runner import EchoRunner
-from mlxgw.worker.sequence import Phase, Sequence
-from mlxgw.worker.sequence_output import finish_at_time_limit, on_deadline, on_progress, on_token
+from mlxgw.worker.model.null_runner import EchoRunner
+from mlxgw.worker.schedule.intake import Preparing
+from mlxgw.worker.schedule.sequence import Phase, Sequence
+from mlxgw.worker.schedule.sequence_output import finish_at_time_limit, on_deadline, on_progress, on_token
 
 EOS = 0  # the echo engine's end-of-sequence token (the runner says finish "stop" with it)
 

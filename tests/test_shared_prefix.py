@@ -1,6 +1,6 @@
 """A team's sessions on one worker: the shared prefix held once, prefilled once, and kept on
-disk when memory evicts it (worker/kv_blocks.py, worker/prefix_inflight.py,
-worker/block_disk.py; issue 42's three regression checks, on the tiny model: the behaviour
+disk when memory evicts it (worker/model/cache/kv_blocks.py, worker/schedule/prefix_inflight.py,
+worker/model/cache/block_disk.py; issue 42's three regression checks, on the tiny model: the behaviour
 does not depend on the weights)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ OWN_WORDS = 90
 
 
 def _runner(model_dir, cache_bytes: int, prefix_store=None):
-    from mlxgw.worker.runner import MLXRunner
+    from mlxgw.worker.model.runner import MLXRunner
 
     return MLXRunner(
         model_dir,
@@ -49,7 +49,7 @@ def _distinct_tokens(sequences: list[list[int]]) -> int:
 
 
 def test_six_sessions_sharing_a_system_prompt_hold_it_once(tiny_dir):
-    from mlxgw.worker.kv_blocks import piece_arrays
+    from mlxgw.worker.model.cache.kv_blocks import piece_arrays
 
     runner = _runner(tiny_dir, 256 << 20)
     system = _words(runner, "sys", SYSTEM_WORDS)
@@ -67,7 +67,7 @@ def test_six_sessions_sharing_a_system_prompt_hold_it_once(tiny_dir):
 
 
 def test_a_session_evicted_from_memory_comes_back_from_disk_with_the_same_tokens(tiny_dir, tmp_path):
-    from mlxgw.worker.prefix_store import PrefixStore, model_fingerprint
+    from mlxgw.worker.model.cache.prefix_store import PrefixStore, model_fingerprint
 
     store = PrefixStore(tmp_path / "store", model_fingerprint(tiny_dir), 256 << 20)
     probe = _runner(tiny_dir, 256 << 20)
@@ -89,7 +89,7 @@ def test_a_session_evicted_from_memory_comes_back_from_disk_with_the_same_tokens
 
 
 def test_a_torn_block_file_is_skipped_and_deleted(tiny_dir, tmp_path):
-    from mlxgw.worker.prefix_store import PrefixStore, model_fingerprint
+    from mlxgw.worker.model.cache.prefix_store import PrefixStore, model_fingerprint
 
     store = PrefixStore(tmp_path / "store", model_fingerprint(tiny_dir), 256 << 20)
     runner = _runner(tiny_dir, 256 << 20, prefix_store=store)
@@ -151,7 +151,7 @@ def _ask_together(gw) -> None:
 def test_a_hybrid_family_resumes_from_disk_with_its_checkpoints(family, tmp_path, home, smollm2_dir):
     from helpers.family_models import build_family_model
 
-    from mlxgw.worker.prefix_store import PrefixStore, model_fingerprint
+    from mlxgw.worker.model.cache.prefix_store import PrefixStore, model_fingerprint
 
     model_dir = build_family_model(family, home / "models" / f"fam-{family}", smollm2_dir)
     store = PrefixStore(tmp_path / "store", model_fingerprint(model_dir), 256 << 20)

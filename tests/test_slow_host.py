@@ -3,7 +3,7 @@
 On a busy 2-core host a fresh worker's first 512-token prefill step of a 0.5B model ran past
 the 120-s hang watchdog; the worker was killed twice and the user's request was then refused
 as poison. Here the host is made slow on purpose (MLXGW_TEST_SLOW_PREFILL_MS: every prompt
-token read costs milliseconds, inside the model's layers, worker/step_progress.py) and the
+token read costs milliseconds, inside the model's layers, worker/process/step_progress.py) and the
 watchdog is shortened to 2 s: before the fix, the first step (the idle burst, 2,048 tokens)
 took over 4 s and the worker was killed. Real gateway, real worker, real tiny model."""
 
@@ -94,7 +94,7 @@ def test_prefill_reports_progress_per_layer_group_and_decode_runs_untouched(tiny
     from mlx_lm import load
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlxgw.worker.step_progress import install
+    from mlxgw.worker.process.step_progress import install
 
     model, _ = load(str(tiny_dir))
     tokens = mx.array([[5, 17, 300, 42, 8, 99, 1000, 7]])

@@ -1,5 +1,5 @@
-"""Speculative decoding (worker/speculative.py, worker/spec_verify.py): greedy outputs with
-prompt-lookup speculation are token-identical to plain decoding, alone and in a batch, and
+"""Speculative decoding (worker/model/speculation/speculative.py and spec_verify.py): greedy
+outputs with prompt-lookup speculation are token-identical to plain decoding, alone and in a batch, and
 a request that ends inside an accepted draft ends exactly where plain decoding ends it."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from mlx_lm.models.cache import BatchKVCache
 from mlxgw.shared import protocol as p
 from mlxgw.shared.config import ConfigError, SpeculativeConfig, parse_registry
 from mlxgw.shared.protocol import SamplingParams
-from mlxgw.worker.runner import MLXRunner
-from mlxgw.worker.scheduler import Scheduler
-from mlxgw.worker.spec_verify import rollback_rows
-from mlxgw.worker.speculative import NgramIndex
+from mlxgw.worker.model.runner import MLXRunner
+from mlxgw.worker.model.speculation.spec_verify import rollback_rows
+from mlxgw.worker.model.speculation.speculative import NgramIndex
+from mlxgw.worker.schedule.scheduler import Scheduler
 
 COPY_TEXT = "def add(a, b):\n    return a + b\n\n" * 6
 
@@ -93,7 +93,7 @@ def test_a_batch_larger_than_max_rows_does_not_speculate(tiny_dir, tiny_runners)
     """Above max_rows (default 2 on the CPU device) nothing is drafted or verified: at 8-16
     rows speculation lost 6-13% through the server whatever the policy, and at 4 it gained
     nothing (issue 29)."""
-    from mlxgw.worker.speculative import CPU_MAX_ROWS, Speculator
+    from mlxgw.worker.model.speculation.speculative import CPU_MAX_ROWS, Speculator
 
     assert Speculator(SpeculativeConfig()).max_rows == CPU_MAX_ROWS  # the tests run on the CPU device
     capped = speculative_runner(tiny_dir, SpeculativeConfig(mode="prompt_lookup", max_rows=2))
@@ -166,7 +166,7 @@ def test_the_real_model_accepts_drafts_when_copying_its_context_and_stays_identi
     # A verification carries at most VERIFY_DRAFT_POSITIONS drafted positions, a row its share:
     # at c = 16, 16 rows x 8 drafts made a 144-token forward that cost on a CPU what it saved
     # (0.93x, issue 29). Four rows under a bound of 4: one draft each, the same tokens.
-    from mlxgw.worker import speculative
+    from mlxgw.worker.model.speculation import speculative
 
     monkeypatch.setattr(speculative, "VERIFY_DRAFT_POSITIONS", 4)
     # no pause learned yet; four rows speculate only above the CPU's default row cap
@@ -203,7 +203,7 @@ def test_both_kinds_of_step_are_timed_until_the_next_step_starts():
     """mlx-lm reads a prompt chunk after each decode step: a speculative step timed around its
     verification alone, against plain steps timed until the next one, made plain look dearer
     while prompts were read (speculation cost 15% at c = 8 on the agent workload)."""
-    from mlxgw.worker.speculative import MIN_SAMPLES, Speculator
+    from mlxgw.worker.model.speculation.speculative import MIN_SAMPLES, Speculator
 
     spec = Speculator(SpeculativeConfig())
     for i in range(MIN_SAMPLES):
@@ -217,7 +217,7 @@ def test_both_kinds_of_step_are_timed_until_the_next_step_starts():
 
 
 def test_a_step_that_spans_an_idle_gap_is_not_a_cost_sample():
-    from mlxgw.worker.speculative import MIN_SAMPLES, CostMeter
+    from mlxgw.worker.model.speculation.speculative import MIN_SAMPLES, CostMeter
 
     meter = CostMeter()
     for _ in range(MIN_SAMPLES):
@@ -232,7 +232,7 @@ def test_a_clear_loss_pauses_after_two_steps_of_each_kind():
     little more: waiting for MIN_SAMPLES speculative steps at every batch size kept it going
     for a whole wave (0.45x). Two of each now settle a loss of more than EARLY_LOSS;
     a smaller difference is left to the full comparison."""
-    from mlxgw.worker.speculative import EARLY_SAMPLES, Speculator
+    from mlxgw.worker.model.speculation.speculative import EARLY_SAMPLES, Speculator
 
     spec = Speculator(SpeculativeConfig())
     for i in range(EARLY_SAMPLES):
@@ -251,7 +251,7 @@ def test_a_clear_loss_pauses_after_two_steps_of_each_kind():
 
 
 def test_batch_sizes_share_cost_meters_by_powers_of_two_and_probe_every_other_step_while_learning():
-    from mlxgw.worker.speculative import MIN_SAMPLES, PROBE_EVERY, Speculator, size_bucket
+    from mlxgw.worker.model.speculation.speculative import MIN_SAMPLES, PROBE_EVERY, Speculator, size_bucket
 
     assert [size_bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 17, 32, 33)] == [1, 2, 4, 4, 8, 8, 16, 32, 32, 64]
     spec = Speculator(SpeculativeConfig())
@@ -267,7 +267,7 @@ def test_batch_sizes_share_cost_meters_by_powers_of_two_and_probe_every_other_st
 
 
 def test_the_step_trace_records_every_step_and_its_verifications(tiny_dir, tmp_path, monkeypatch, capsys):
-    """MLXGW_STEP_TRACE (worker/step_trace.py) writes one line per step, and bench/step_trace.py
+    """MLXGW_STEP_TRACE (worker/model/step_trace.py) writes one line per step, and bench/step_trace.py
     accounts for every generated token, with the verifications apart from plain steps."""
     from mlxgw.bench.step_trace import load, main, report
 
@@ -291,7 +291,7 @@ def test_the_step_trace_records_every_step_and_its_verifications(tiny_dir, tmp_p
 
 
 def test_a_step_trace_folder_that_cannot_be_written_does_not_stop_the_model(tmp_path, monkeypatch, caplog):
-    from mlxgw.worker.step_trace import StepTrace
+    from mlxgw.worker.model.step_trace import StepTrace
 
     monkeypatch.setenv("MLXGW_STEP_TRACE", str(tmp_path / "missing" / "folder"))
     assert StepTrace.from_env({"model": "m"}) is None

@@ -21,7 +21,7 @@ from helpers import NO_EOS, TINY_CONFIG, http, openai_client, start_gateway, wai
 from helpers.mlxgw_cli import mlxgw
 from prometheus_client.parser import text_string_to_metric_families
 
-from mlxgw.gateway.keys import hash_key
+from mlxgw.gateway.access.keys import hash_key
 
 WINDOW = 3  # seconds: the keys file's rate-limit window, short so tests can watch it recover
 KEYS = {

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from mlxgw.gateway.api.translate import RATE_CAP_FLOOR, rate_cap
+from mlxgw.gateway.pipeline.translate import RATE_CAP_FLOOR, rate_cap
 from mlxgw.shared.protocol import GenerateRequest, SamplingParams
 
 NO_EOS = SamplingParams(temperature=0, logit_bias={0: -100, 2: -100})
@@ -37,7 +37,7 @@ class SlowHost:
 
 @pytest.fixture(scope="module")
 def runner(tiny_dir):
-    from mlxgw.worker.runner import MLXRunner
+    from mlxgw.worker.model.runner import MLXRunner
 
     return MLXRunner(tiny_dir, context_length=None, max_num_seqs=4, prefill_step_size=128, cache_bytes=0)
 
@@ -52,7 +52,7 @@ def _run(sched, req: GenerateRequest, limit_s: float = 60) -> list[dict]:
 
 
 def test_the_answer_time_limit_finishes_with_the_tokens_generated(runner):
-    from mlxgw.worker.scheduler import Scheduler
+    from mlxgw.worker.schedule.scheduler import Scheduler
 
     sched = Scheduler(runner, max_num_seqs=4, max_queue=8)
     req = GenerateRequest(rid="slow-answer", prompt="Once upon a time", max_tokens=100000, sampling=NO_EOS, timeout_s=1)
@@ -69,7 +69,7 @@ def test_the_answer_time_limit_finishes_with_the_tokens_generated(runner):
 def test_the_prefill_bound_grows_with_the_prompt_on_a_slow_host(runner):
     """2,000 prompt tokens at 500 tokens/s take 4 s: past the 1-s floor, within twice the
     measured need; before, the request ended in a 504 with nothing."""
-    from mlxgw.worker.scheduler import Scheduler
+    from mlxgw.worker.schedule.scheduler import Scheduler
 
     runner.cache_clear()
     sched = Scheduler(SlowHost(runner), max_num_seqs=4, max_queue=8, prefill_budget=128)
@@ -86,7 +86,7 @@ def test_the_prefill_bound_grows_with_the_prompt_on_a_slow_host(runner):
 
 def test_the_prefill_bound_is_the_floor_or_twice_what_the_measured_rate_needs():
     """The scaling follows the prompt, not the wait: a short prompt keeps the floor."""
-    from mlxgw.worker.prefill_plan import PrefillPace, prefill_bound
+    from mlxgw.worker.schedule.prefill_plan import PrefillPace, prefill_bound
 
     pace = PrefillPace()
     pace.observe(100, 1.0)  # 100 tokens/s

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from mlxgw.worker.output_parser import OutputParser, tool_syntax
+from mlxgw.worker.text.output_parser import OutputParser, tool_syntax
 
 FIXTURE = Path(__file__).parent / "fixtures" / "tool_call_outputs.json"
 RECORDED = json.loads(FIXTURE.read_text())

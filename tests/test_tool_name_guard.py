@@ -1,4 +1,4 @@
-"""The tool-name guard (worker/tool_name_guard.py) with the real SmolLM2 tokenizer and the
+"""The tool-name guard (worker/text/tool_name_guard.py) with the real SmolLM2 tokenizer and the
 real llguidance matcher: once a call's name opens, only offered names can be written; prose
 and JSON elsewhere are left alone; the model's own choice among offered names is kept."""
 
@@ -22,7 +22,7 @@ TOOLS = [
 def text(smollm2_dir):
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-    from mlxgw.worker.chat_text import ChatText
+    from mlxgw.worker.text.chat_text import ChatText
 
     tokenizer = load_tokenizer(smollm2_dir)
     return ChatText(tokenizer, tokenizer.vocab_size, tool_name_guard=True)
@@ -167,7 +167,7 @@ def test_text_that_is_not_a_call_is_left_alone(text, answer):
 def test_off_by_default_and_without_tools(text, smollm2_dir):
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-    from mlxgw.worker.chat_text import ChatText
+    from mlxgw.worker.text.chat_text import ChatText
 
     assert text.make_constraint(request()) is None  # no tools offered
     tokenizer = load_tokenizer(smollm2_dir)

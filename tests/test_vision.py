@@ -289,7 +289,7 @@ async def test_url_fetching_refuses_non_public_addresses(aiohttp_server):
     """In-process, against a real HTTP server on 127.0.0.1 that would serve the image."""
     from aiohttp import web
 
-    from mlxgw.gateway.api.images import ImageLimits, PublicOnlyResolver, collect_images, from_url
+    from mlxgw.gateway.pipeline.images import ImageLimits, PublicOnlyResolver, collect_images, from_url
     from mlxgw.shared.errors import ServiceError
 
     async def image(request):

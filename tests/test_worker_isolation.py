@@ -19,7 +19,7 @@ CHAT = "/v1/chat/completions"
 MSGS = [{"role": "user", "content": "hi"}]
 VOCAB = 49152  # SmolLM2's, which the tiny model shares
 LOOP_TEMPLATE = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
-TEMPLATE_BUDGET_S = 5.0  # worker/templates.py TIME_BUDGET_S
+TEMPLATE_BUDGET_S = 5.0  # worker/text/templates.py TIME_BUDGET_S
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +33,7 @@ def gw(home, tiny_dir):
     (evil / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
     from helpers.gguf_models import write_twice
 
-    from mlxgw.worker.gguf import import_gguf
+    from mlxgw.worker.importers.gguf import import_gguf
 
     # A GGUF whose tokenizer.chat_template holds the same loop, imported as `mlxgw models import` does.
     _, gguf_file = write_twice("llama", home / "evil-gguf-src", chat_template=LOOP_TEMPLATE)
@@ -309,8 +309,8 @@ def test_a_raising_logits_processor_ends_only_its_own_sequence(tiny_dir):
     """The real MLX runner and BatchGenerator: one sequence's constraint raises on its third
     token; it ends with an internal error, the others finish with every token."""
     from mlxgw.shared.protocol import GenerateRequest, SamplingParams
-    from mlxgw.worker.runner import MLXRunner
-    from mlxgw.worker.scheduler import Scheduler
+    from mlxgw.worker.model.runner import MLXRunner
+    from mlxgw.worker.schedule.scheduler import Scheduler
 
     runner = MLXRunner(tiny_dir, context_length=None, max_num_seqs=4, prefill_step_size=64, cache_bytes=1 << 20)
     calls = {"n": 0}
@@ -338,8 +338,8 @@ def test_a_raising_logits_processor_ends_only_its_own_sequence(tiny_dir):
 
 def test_an_output_parser_that_raises_ends_only_its_own_sequence():
     from mlxgw.shared.protocol import GenerateRequest
-    from mlxgw.worker.null_runner import NullRunner
-    from mlxgw.worker.scheduler import Scheduler
+    from mlxgw.worker.model.null_runner import NullRunner
+    from mlxgw.worker.schedule.scheduler import Scheduler
 
     class Broken:
         think = None

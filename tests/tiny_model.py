@@ -74,7 +74,7 @@ def build_tiny_encoder(
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from mlxgw.worker.embedding import bert
+    from mlxgw.worker.model.encoder import bert
 
     dest.mkdir(parents=True, exist_ok=True)
     shutil.copy(tokenizer_source / "tokenizer.json", dest / "tokenizer.json")

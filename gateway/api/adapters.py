@@ -1,7 +1,7 @@
 """Admin routes for LoRA adapters (issue 44): add one to a model, or remove one, while its
-worker runs. The change is written to models.yaml (gateway/registry_edit.py: the gateway
+worker runs. The change is written to models.yaml (gateway/models/registry_edit.py: the gateway
 must run from the operator's own file) and applied as a reload is: the running worker
-takes the new list without a restart (gateway/adapters.py). An adapter added to a running
+takes the new list without a restart (gateway/models/adapters.py). An adapter added to a running
 model is loaded by its worker first, so a folder that is not an adapter of this model is
 refused here, with the reason, and nothing changes.
 
@@ -16,15 +16,14 @@ from pathlib import Path
 
 from aiohttp import web
 
+from mlxgw.gateway.api.admin import _json_object, require_admin
+from mlxgw.gateway.models import adapters
+from mlxgw.gateway.models.registry_edit import edit_registry, listed_entry, registry_file
+from mlxgw.gateway.web.state import MANAGER
 from mlxgw.shared import model_store
 from mlxgw.shared.adapter_folder import read_config, scale_of
 from mlxgw.shared.config import AdapterEntry, ModelKind
 from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
-
-from .. import adapters
-from ..registry_edit import edit_registry, listed_entry, registry_file
-from ..state import MANAGER
-from .admin import _json_object, require_admin
 
 routes = web.RouteTableDef()
 
@@ -41,7 +40,7 @@ def check_folder(folder: Path) -> None:
 
 
 def _apply(request: web.Request, base: str, edit: Callable[[list], list]):
-    """Edit the model's adapters list in models.yaml (gateway/registry_edit.py: checked,
+    """Edit the model's adapters list in models.yaml (gateway/models/registry_edit.py: checked,
     backed up, then reloaded, which hands the running workers the new list)."""
 
     def change(data: dict) -> None:

@@ -12,17 +12,16 @@ import secrets
 
 from aiohttp import web
 
+from mlxgw.gateway.api.anthropic_input import convert_messages, read_documents
+from mlxgw.gateway.models.generation import Generation, Outcome
+from mlxgw.gateway.pipeline import translate as t
+from mlxgw.gateway.pipeline.content import ContentPolicy
+from mlxgw.gateway.pipeline.fields import AnthropicFields, ThinkingFields, decode_fields
+from mlxgw.gateway.pipeline.stream import Emitter
+from mlxgw.gateway.web.anthropic_errors import anthropic_error_body
+from mlxgw.gateway.web.state import MANAGER, SETTINGS
 from mlxgw.shared import protocol as p
 from mlxgw.shared.errors import ServiceError, invalid
-
-from ..generation import Generation, Outcome
-from ..state import MANAGER, SETTINGS
-from . import translate as t
-from .anthropic_errors import anthropic_error_body
-from .anthropic_input import convert_messages, read_documents
-from .content import ContentPolicy
-from .fields import AnthropicFields, ThinkingFields, decode_fields
-from .stream import Emitter
 
 routes = web.RouteTableDef()
 

@@ -12,19 +12,18 @@ import math
 
 from aiohttp import web
 
+from mlxgw.gateway.access.auth import charge_audio_seconds, resolve_model
+from mlxgw.gateway.api import speech
+from mlxgw.gateway.api.audio_format import render
+from mlxgw.gateway.pipeline.audio_decode import AudioError, decode_audio
+from mlxgw.gateway.pipeline.translate import generation
+from mlxgw.gateway.web.errors import openai_error_body
+from mlxgw.gateway.web.sse import SSEWriter
+from mlxgw.gateway.web.state import SETTINGS
+from mlxgw.gateway.web.work_pools import THREAD_POOLS
 from mlxgw.shared import protocol as p
 from mlxgw.shared.config import ModelKind
 from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
-
-from ..auth import charge_audio_seconds, resolve_model
-from ..sse import SSEWriter
-from ..state import SETTINGS
-from ..work_pools import THREAD_POOLS
-from . import speech
-from .audio_decode import AudioError, decode_audio
-from .audio_format import render
-from .errors import openai_error_body
-from .translate import generation
 
 routes = web.RouteTableDef()
 

@@ -1,7 +1,7 @@
 """The OpenAI Batch API: POST /v1/batches, GET /v1/batches, GET /v1/batches/{id},
 POST /v1/batches/{id}/cancel, in the official SDK's shapes. The input file is checked
-line by line when the batch is created (gateway/batch_input.py: a bad line fails the batch
-with its line number, as OpenAI's validation does); gateway/batch_runner.py runs it at
+line by line when the batch is created (gateway/batches/input.py: a bad line fails the batch
+with its line number, as OpenAI's validation does); gateway/batches/runner.py runs it at
 background priority. A key has at most MAX_ACTIVE batches not yet ended, and metadata is
 capped as OpenAI caps it."""
 
@@ -12,15 +12,14 @@ import os
 
 from aiohttp import web
 
+from mlxgw.gateway.api.files import no_room, not_found, owner_name_of, owner_of, store_call
+from mlxgw.gateway.batches.files import is_storage_error, new_id
+from mlxgw.gateway.batches.input import check_input
+from mlxgw.gateway.batches.runner import BATCH_STORE, BATCH_WAKE
+from mlxgw.gateway.pipeline import validate as v
+from mlxgw.gateway.pipeline.body import read_json
+from mlxgw.gateway.web.work_pools import THREAD_POOLS
 from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
-
-from ..batch_files import is_storage_error, new_id
-from ..batch_input import check_input
-from ..batch_runner import BATCH_STORE, BATCH_WAKE
-from ..work_pools import THREAD_POOLS
-from . import validate as v
-from .body import read_json
-from .files import no_room, not_found, owner_name_of, owner_of, store_call
 
 routes = web.RouteTableDef()
 

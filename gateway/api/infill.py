@@ -19,19 +19,18 @@ from typing import Annotated, Any
 
 from aiohttp import web
 
+from mlxgw.gateway.access.auth import may_use, resolve_model
+from mlxgw.gateway.models.generation import Generation
+from mlxgw.gateway.pipeline import translate as t
+from mlxgw.gateway.pipeline import validate as v
+from mlxgw.gateway.pipeline.body import read_json
+from mlxgw.gateway.pipeline.fields import INT32_MAX, CommonFields, M, Stop, decode_fields
+from mlxgw.gateway.pipeline.fim_support import file_identity, fim_format, fim_map, parse_extra, superseding
+from mlxgw.gateway.web.sse import SSEWriter
+from mlxgw.gateway.web.state import MANAGER, SETTINGS
 from mlxgw.shared import protocol as p
 from mlxgw.shared.config import CHAT_KINDS
 from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
-
-from ..auth import may_use, resolve_model
-from ..generation import Generation
-from ..sse import SSEWriter
-from ..state import MANAGER, SETTINGS
-from . import translate as t
-from . import validate as v
-from .body import read_json
-from .fields import INT32_MAX, CommonFields, M, Stop, decode_fields
-from .fim_support import file_identity, fim_format, fim_map, parse_extra, superseding
 
 routes = web.RouteTableDef()
 Millis = Annotated[int, M(ge=0, le=INT32_MAX)]

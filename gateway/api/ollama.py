@@ -12,19 +12,18 @@ import json
 
 from aiohttp import web
 
+from mlxgw.gateway.api import ollama_common as oc
+from mlxgw.gateway.api.ollama_fields import OllamaChatBody, OllamaGenerateBody, OllamaGenerating
+from mlxgw.gateway.models.generation import Generation, Outcome
+from mlxgw.gateway.models.lifecycle import SlotState
+from mlxgw.gateway.pipeline import translate as t
+from mlxgw.gateway.pipeline.fim_support import file_identity, fim_map, superseding
+from mlxgw.gateway.pipeline.images import ImageLimits, from_bare_base64, join_content
+from mlxgw.gateway.pipeline.stream import Emitter
+from mlxgw.gateway.web.sse import NDJSONWriter
+from mlxgw.gateway.web.state import MANAGER
 from mlxgw.shared import protocol as p
 from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
-
-from ..generation import Generation, Outcome
-from ..lifecycle import SlotState
-from ..sse import NDJSONWriter
-from ..state import MANAGER
-from . import ollama_common as oc
-from . import translate as t
-from .fim_support import file_identity, fim_map, superseding
-from .images import ImageLimits, from_bare_base64, join_content
-from .ollama_fields import OllamaChatBody, OllamaGenerateBody, OllamaGenerating
-from .stream import Emitter
 
 routes = web.RouteTableDef()
 

@@ -12,17 +12,16 @@ from typing import TypeVar
 
 from aiohttp import web
 
+from mlxgw.gateway.access.auth import resolve_model
+from mlxgw.gateway.api.ollama_fields import OllamaBody, OllamaOptions
+from mlxgw.gateway.models.lifecycle import SlotState
+from mlxgw.gateway.pipeline import translate as t
+from mlxgw.gateway.pipeline import validate as v
+from mlxgw.gateway.pipeline.body import read_json
+from mlxgw.gateway.pipeline.fields import decode_fields
+from mlxgw.gateway.web.state import MANAGER
 from mlxgw.shared.config import CHAT_KINDS, ModelKind
 from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
-
-from ..auth import resolve_model
-from ..lifecycle import SlotState
-from ..state import MANAGER
-from . import translate as t
-from . import validate as v
-from .body import read_json
-from .fields import decode_fields
-from .ollama_fields import OllamaBody, OllamaOptions
 
 B = TypeVar("B", bound=OllamaBody)
 

@@ -1,7 +1,7 @@
 """Ollama's model management: POST /api/pull, DELETE /api/delete, POST /api/copy, POST /api/create.
 
-Admin routes (gateway/api/routes.py), recorded in the usage ledger. Each change is written to
-models.yaml with a backup and the registry reloaded (gateway/registry_edit.py). Pulls and
+Admin routes (gateway/web/routes.py), recorded in the usage ledger. Each change is written to
+models.yaml with a backup and the registry reloaded (gateway/models/registry_edit.py). Pulls and
 GGUF imports run `mlxgw models pull/import` as a child process: the same code as the CLI, and
 the gateway never imports worker code. No request names a path outside the models directory
 and `manager.allowed_import_paths`; model names are folder-safe (no `/`, no `..`)."""
@@ -19,14 +19,13 @@ from pathlib import Path
 
 from aiohttp import web
 
+from mlxgw.gateway.api.modelfile import CreateSpec, parse_create
+from mlxgw.gateway.models.registry_edit import edit_registry, listed_entry, registry_file, reload_registry
+from mlxgw.gateway.pipeline import validate as v
+from mlxgw.gateway.pipeline.body import read_json
+from mlxgw.gateway.web.state import MANAGER
 from mlxgw.shared import model_store
 from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
-
-from ..registry_edit import edit_registry, listed_entry, registry_file, reload_registry
-from ..state import MANAGER
-from . import validate as v
-from .body import read_json
-from .modelfile import CreateSpec, parse_create
 
 routes = web.RouteTableDef()
 

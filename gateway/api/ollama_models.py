@@ -15,19 +15,18 @@ from pathlib import Path
 
 from aiohttp import web
 
+from mlxgw.gateway.access.auth import may_use
+from mlxgw.gateway.api import ollama_common as oc
+from mlxgw.gateway.api.ollama_fields import OllamaBody, OllamaEmbedBody
+from mlxgw.gateway.models import adapters
+from mlxgw.gateway.pipeline import translate as t
+from mlxgw.gateway.pipeline.fim_support import capabilities, fim_format
+from mlxgw.gateway.web.state import MANAGER, SETTINGS
 from mlxgw.shared import protocol as p
 from mlxgw.shared.adapter_folder import weights_file
 from mlxgw.shared.config import CHAT_KINDS, ENCODER_KINDS, ModelKind
 from mlxgw.shared.errors import invalid
 from mlxgw.shared.fim import FimFormat
-
-from .. import adapters
-from ..auth import may_use
-from ..state import MANAGER, SETTINGS
-from . import ollama_common as oc
-from . import translate as t
-from .fim_support import capabilities, fim_format
-from .ollama_fields import OllamaBody, OllamaEmbedBody
 
 routes = web.RouteTableDef()
 

@@ -6,16 +6,15 @@ import json
 
 from aiohttp import web
 
+from mlxgw.gateway.api import openai_common as oc
+from mlxgw.gateway.api.mcp_calls import chat_hooks
+from mlxgw.gateway.mcp import drive as mcp_drive
+from mlxgw.gateway.mcp import loop as mcp
+from mlxgw.gateway.models.generation import Generation, Outcome
+from mlxgw.gateway.pipeline import translate as t
+from mlxgw.gateway.pipeline.fields import ChatFields, decode_fields
+from mlxgw.gateway.pipeline.images import ImageLimits, from_openai_part, join_content
 from mlxgw.shared.errors import invalid
-
-from ..generation import Generation, Outcome
-from ..mcp import drive as mcp_drive
-from ..mcp import loop as mcp
-from ..mcp.shapes import chat_hooks
-from . import openai_common as oc
-from . import translate as t
-from .fields import ChatFields, decode_fields
-from .images import ImageLimits, from_openai_part, join_content
 
 routes = web.RouteTableDef()
 

@@ -8,13 +8,12 @@ import time
 from collections.abc import Callable
 from json.encoder import encode_basestring  # what json.dumps(..., ensure_ascii=False) uses for a str
 
+from mlxgw.gateway.models.generation import Generation, Outcome
+from mlxgw.gateway.pipeline.stream import Emitter
+from mlxgw.gateway.web.errors import openai_error_body
+from mlxgw.gateway.web.sse import SSEWriter
 from mlxgw.shared import protocol as p
 from mlxgw.shared.errors import ServiceError, invalid
-
-from ..generation import Generation, Outcome
-from ..sse import SSEWriter
-from .errors import openai_error_body
-from .stream import Emitter
 
 
 def new_id(prefix: str) -> str:

@@ -8,14 +8,13 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from mlxgw.gateway.api import openai_common as oc
+from mlxgw.gateway.models.generation import Generation, Outcome
+from mlxgw.gateway.pipeline import translate as t
+from mlxgw.gateway.pipeline.fields import CompletionFields, decode_fields
+from mlxgw.gateway.pipeline.fim_support import file_identity, fim_map, superseding
 from mlxgw.shared import protocol as p
 from mlxgw.shared.errors import invalid
-
-from ..generation import Generation, Outcome
-from . import openai_common as oc
-from . import translate as t
-from .fields import CompletionFields, decode_fields
-from .fim_support import file_identity, fim_map, superseding
 
 routes = web.RouteTableDef()
 
@@ -88,7 +87,7 @@ def _choices(f: CompletionFields) -> tuple[int, int]:
 
 def _fim(suffix: object, text: str | None, tokens: list[int] | None) -> dict | None:
     """`suffix` set (a string, even empty: the cursor at the end of the file): the prompt is
-    the code before the cursor and the model fills in the middle (worker/fim.py)."""
+    the code before the cursor and the model fills in the middle (worker/text/fim.py)."""
     if suffix is None:
         return None
     if not isinstance(suffix, str):

@@ -11,13 +11,12 @@ import base64
 
 from aiohttp import web
 
+from mlxgw.gateway.pipeline import translate as t
+from mlxgw.gateway.pipeline.aux_fields import EmbeddingsFields, required
+from mlxgw.gateway.web.state import SETTINGS
 from mlxgw.shared import protocol as p
 from mlxgw.shared.config import ModelKind
 from mlxgw.shared.errors import invalid
-
-from ..state import SETTINGS
-from . import translate as t
-from .aux_fields import EmbeddingsFields, required
 
 routes = web.RouteTableDef()
 

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from mlxgw.gateway.pipeline import translate as t
+from mlxgw.gateway.pipeline.aux_fields import RerankFields, required
+from mlxgw.gateway.web.state import SETTINGS
 from mlxgw.shared import protocol as p
 from mlxgw.shared.config import ENCODER_KINDS
 from mlxgw.shared.errors import invalid
-
-from ..state import SETTINGS
-from . import translate as t
-from .aux_fields import RerankFields, required
 
 routes = web.RouteTableDef()
 

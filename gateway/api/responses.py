@@ -15,18 +15,17 @@ import json
 
 from aiohttp import web
 
+from mlxgw.gateway.api.mcp_calls import responses_hooks
+from mlxgw.gateway.api.openai_chat import output_format_constraint, template_arguments, tool_choice_constraint
+from mlxgw.gateway.api.responses_output import STORE, ResponseEvents, render
+from mlxgw.gateway.api.responses_tools import ResponsesTools, custom_arguments, joined_name, parse_tools, split_name
+from mlxgw.gateway.mcp import drive as mcp_drive
+from mlxgw.gateway.mcp import loop as mcp
+from mlxgw.gateway.pipeline import translate as t
+from mlxgw.gateway.pipeline.content import ContentPolicy, b64decode, data_url, read_pdfs, text_file, titled
+from mlxgw.gateway.pipeline.fields import ResponsesFields, decode_fields
+from mlxgw.gateway.pipeline.images import from_openai_part, join_content
 from mlxgw.shared.errors import invalid
-
-from ..mcp import drive as mcp_drive
-from ..mcp import loop as mcp
-from ..mcp.shapes import responses_hooks
-from . import translate as t
-from .content import ContentPolicy, b64decode, data_url, read_pdfs, text_file, titled
-from .fields import ResponsesFields, decode_fields
-from .images import from_openai_part, join_content
-from .openai_chat import output_format_constraint, template_arguments, tool_choice_constraint
-from .responses_output import STORE, ResponseEvents, render
-from .responses_tools import ResponsesTools, custom_arguments, joined_name, parse_tools, split_name
 
 routes = web.RouteTableDef()
 

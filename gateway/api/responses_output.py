@@ -10,14 +10,13 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from mlxgw.gateway.api.responses_tools import custom_input, split_name
+from mlxgw.gateway.models.generation import Generation, Outcome
+from mlxgw.gateway.pipeline.stream import Emitter
+from mlxgw.gateway.web.errors import openai_error_body
+from mlxgw.gateway.web.sse import SSEWriter
 from mlxgw.shared import protocol as p
 from mlxgw.shared.errors import ServiceError
-
-from ..generation import Generation, Outcome
-from ..sse import SSEWriter
-from .errors import openai_error_body
-from .responses_tools import custom_input, split_name
-from .stream import Emitter
 
 STORE = web.AppKey("responses_store", OrderedDict)
 STORE_LIMIT = 1000

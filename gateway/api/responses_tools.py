@@ -21,9 +21,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from mlxgw.gateway.pipeline import translate as t
 from mlxgw.shared.errors import invalid
-
-from . import translate as t
 
 NAMESPACE_SEP = "__"  # namespace tools are exposed to the model as namespace__function
 CUSTOM_INPUT = "input"  # the one string parameter a custom tool is offered with

@@ -12,18 +12,17 @@ import io
 import numpy as np
 from aiohttp import web
 
+from mlxgw.gateway.access.auth import resolve_model
+from mlxgw.gateway.pipeline import validate as v
+from mlxgw.gateway.pipeline.aux_fields import SpeechFields, required
+from mlxgw.gateway.pipeline.body import read_json
+from mlxgw.gateway.pipeline.fields import decode_fields
+from mlxgw.gateway.pipeline.translate import generation
+from mlxgw.gateway.web.state import SETTINGS
+from mlxgw.gateway.web.work_pools import THREAD_POOLS
 from mlxgw.shared import protocol as p
 from mlxgw.shared.config import ModelKind
 from mlxgw.shared.errors import invalid
-
-from ..auth import resolve_model
-from ..state import SETTINGS
-from ..work_pools import THREAD_POOLS
-from . import validate as v
-from .aux_fields import SpeechFields, required
-from .body import read_json
-from .fields import decode_fields
-from .translate import generation
 
 MAX_INPUT_CHARS = 4096
 # response_format -> (container, codec, sample rate or None for the voice's, content type)

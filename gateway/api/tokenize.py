@@ -9,14 +9,13 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from mlxgw.gateway.api.openai_chat import parse_messages
+from mlxgw.gateway.pipeline import translate as t
+from mlxgw.gateway.pipeline.aux_fields import DetokenizeFields, TokenizeFields, required
+from mlxgw.gateway.pipeline.fields import INT32_MAX
+from mlxgw.gateway.pipeline.images import collect_images
+from mlxgw.gateway.web.state import MANAGER, SETTINGS
 from mlxgw.shared.errors import invalid
-
-from ..state import MANAGER, SETTINGS
-from . import translate as t
-from .aux_fields import DetokenizeFields, TokenizeFields, required
-from .fields import INT32_MAX
-from .images import collect_images
-from .openai_chat import parse_messages
 
 routes = web.RouteTableDef()
 

@@ -11,9 +11,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from mlxgw.gateway.launch.core import DEFAULT_CONTEXT, LaunchError, ServerFacts
 from mlxgw.shared import paths
-
-from .core import DEFAULT_CONTEXT, LaunchError, ServerFacts
 
 DEFAULT_PORT = 8000
 NEW_KEY = "<new key>"  # --print: the key a launch would create
@@ -107,7 +106,7 @@ def pick_key(url: str, given: str | None, *, create: bool) -> tuple[str | None, 
 
 
 def _create_key(keys_file: Path, name: str, stored: Path) -> str:
-    from mlxgw.gateway.key_admin import KeyEditError, create_key, revoke_key
+    from mlxgw.gateway.access.key_admin import KeyEditError, create_key, revoke_key
 
     try:
         key, _ = create_key(keys_file, name, {})

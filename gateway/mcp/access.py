@@ -16,9 +16,8 @@ import fnmatch
 
 from aiohttp import web
 
+from mlxgw.gateway.mcp.server import McpServer
 from mlxgw.shared.errors import ErrorCode, ServiceError
-
-from .server import McpServer
 
 
 def may_use(request: web.Request, server: McpServer) -> bool:

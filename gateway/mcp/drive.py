@@ -11,15 +11,14 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from mlxgw.gateway.mcp.loop import McpCall, ToolLoop, new_call_id
+from mlxgw.gateway.models.generation import Generation, Outcome
+from mlxgw.gateway.pipeline import translate as t
+from mlxgw.gateway.pipeline.stream import Emitter, EmitterFactory
+from mlxgw.gateway.web.sse import SSEWriter
+from mlxgw.gateway.web.state import SETTINGS
 from mlxgw.shared import protocol as p
 from mlxgw.shared.errors import ErrorCode, ServiceError
-
-from ..api import translate as t
-from ..api.stream import Emitter, EmitterFactory
-from ..generation import Generation, Outcome
-from ..sse import SSEWriter
-from ..state import SETTINGS
-from .loop import McpCall, ToolLoop, new_call_id
 
 
 @dataclass

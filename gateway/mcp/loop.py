@@ -20,13 +20,12 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from mlxgw.gateway.mcp import access
+from mlxgw.gateway.mcp.hub import MCP
+from mlxgw.gateway.mcp.server import McpServer, McpState
+from mlxgw.gateway.pipeline import translate as t
 from mlxgw.shared import protocol as p
 from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
-
-from ..api import translate as t
-from . import access
-from .hub import MCP
-from .server import McpServer, McpState
 
 
 @dataclass

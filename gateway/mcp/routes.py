@@ -5,14 +5,13 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from mlxgw.gateway.mcp import access
+from mlxgw.gateway.mcp.hub import MCP
+from mlxgw.gateway.mcp.server import McpState
+from mlxgw.gateway.pipeline import validate as v
+from mlxgw.gateway.pipeline.body import read_json
+from mlxgw.gateway.web.state import KEYS
 from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
-
-from ..api import validate as v
-from ..api.body import read_json
-from ..state import KEYS
-from . import access
-from .hub import MCP
-from .server import McpState
 
 routes = web.RouteTableDef()
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import psutil
 import yaml
 
-from mlxgw.gateway.keys import hash_key
+from mlxgw.gateway.access.keys import hash_key
 
 from .gateway import start_gateway
 from .http import http

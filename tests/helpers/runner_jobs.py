@@ -25,7 +25,7 @@ def generate_together(runner, jobs: list[tuple]) -> list[list[int]]:
 
 def speculative_runner(model_dir, speculative):
     """An in-process MLXRunner without a prefix cache, speculating as configured."""
-    from mlxgw.worker.runner import MLXRunner
+    from mlxgw.worker.model.runner import MLXRunner
 
     return MLXRunner(
         model_dir, context_length=None, max_num_seqs=8, prefill_step_size=256, cache_bytes=0, speculative=speculative

@@ -1,0 +1,187 @@
+"""Authentication and per-key limits, as an aiohttp middleware, plus the model check.
+
+Keys are accepted as `Authorization: Bearer KEY` (OpenAI) and `x-api-key: KEY`
+(Anthropic). Keys are never logged: only their names travel further. Who may call a route,
+and whether it counts against its key's limits, is the route's entry in gateway/web/routes.py."""
+
+from __future__ import annotations
+
+import hmac
+
+from aiohttp import web
+
+from mlxgw.gateway.access.batch_caller import batch_owner
+from mlxgw.gateway.access.keys import ApiKey, KeyStore
+from mlxgw.gateway.access.ledger import LEDGER
+from mlxgw.gateway.access.limits import RateLimiter
+from mlxgw.gateway.models import adapters
+from mlxgw.gateway.web.routes import ROUTE_FOR_KIND, Access, route_of
+from mlxgw.gateway.web.state import KEYS, LIMITER, MANAGER, SETTINGS
+from mlxgw.shared.config import CHAT_KINDS, ModelKind
+from mlxgw.shared.errors import ErrorCode, ServiceError
+
+
+def presented_key(request: web.Request) -> str | None:
+    auth = request.headers.get("Authorization", "")
+    if auth[:7].lower() == "bearer " and auth[7:].strip():
+        return auth[7:].strip()
+    return request.headers.get("x-api-key") or None
+
+
+def _metrics_token_ok(request: web.Request) -> bool:
+    token = request.app[SETTINGS].metrics_token
+    given = request.headers.get("Authorization", "")
+    return bool(token) and hmac.compare_digest(given.encode(), f"Bearer {token}".encode())
+
+
+def authenticate(request: web.Request, store: KeyStore) -> ApiKey:
+    given = presented_key(request)
+    if not given:
+        raise ServiceError(
+            ErrorCode.AUTHENTICATION, "missing API key: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'"
+        )
+    key = store.lookup(given)
+    if key is None:
+        raise ServiceError(ErrorCode.AUTHENTICATION, "invalid API key")
+    if key.expired():
+        raise ServiceError(ErrorCode.AUTHENTICATION, f"API key '{key.name}' has expired")
+    return key
+
+
+async def _admin_route(request: web.Request, handler, store: KeyStore | None):
+    if _metrics_token_ok(request):
+        return await handler(request)
+    if store is None:
+        if request.path == "/metrics" and request.app[SETTINGS].metrics_token:
+            raise ServiceError(ErrorCode.AUTHENTICATION, "/metrics needs 'Authorization: Bearer METRICS_TOKEN'")
+        return await handler(request)
+    key = request["key"] = authenticate(request, store)
+    if not key.admin:
+        raise ServiceError(ErrorCode.PERMISSION, f"{request.path} needs an admin key or the metrics token")
+    return await handler(request)
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler):
+    store: KeyStore | None = request.app[KEYS]
+    route = route_of(request)
+    if route.access is Access.PUBLIC or request.method == "OPTIONS":  # OPTIONS: CORS preflights
+        return await handler(request)
+    if route.access is Access.OBSERVER:
+        return await _admin_route(request, handler, store)
+    from_batch, owner = batch_owner(request)
+    if from_batch:
+        request["background"] = True  # a batch job's request: background priority, ledger api batch:*
+    if store is None:
+        return await handler(request)
+    key = request["key"] = batch_key(store, owner) if from_batch else authenticate(request, store)
+    if route.access is Access.ADMIN and not key.admin:
+        raise ServiceError(ErrorCode.PERMISSION, f"{request.method} {request.path} needs an admin key")
+    if not route.metered:
+        return await handler(request)
+    limiter: RateLimiter = request.app[LIMITER]
+    request["ratelimit_headers"] = lambda: limiter.headers(key, store.window_s)
+    limiter.start(key, store.window_s)
+    try:
+        return await handler(request)
+    finally:
+        # Settled here, after the whole response (a stream included) is over, whether it
+        # finished, failed, or was cut by the client or a crash.
+        gen = request.get("generation")
+        limiter.finish(
+            key,
+            gen.usage.total_tokens if gen is not None else 0,
+            request.get("tpm_reserved", 0),
+            rows=request.get("extra_rows", 0),
+        )
+        _settle_budgets(request, key, gen)
+
+
+def _settle_budgets(request: web.Request, key: ApiKey, gen) -> None:
+    """Release the request's share of its key's daily and monthly budgets and count what it
+    used (budgets.TokenBudgets.settle); only for routes the ledger records, whose row the
+    budgets then do not count twice."""
+    ledger = request.app.get(LEDGER)
+    if ledger is None or route_of(request).usage is None or (key.tpd is None and key.tpmo is None):
+        return
+    used = gen.usage.prompt_tokens + gen.usage.completion_tokens if gen is not None else 0
+    ledger.budgets.settle(key.name, request.get("budget_reserved", 0), used)
+
+
+def batch_key(store: KeyStore, owner: str | None) -> ApiKey:
+    """The key that owns a batch request, by its identity (ApiKey.tenant), never its name: it
+    must still exist and be valid when it runs."""
+    store.refresh()
+    key = next((k for k in store.keys if k.tenant == owner), None)
+    if key is None:
+        raise ServiceError(ErrorCode.AUTHENTICATION, "the batch's API key was revoked")
+    if key.expired():
+        raise ServiceError(ErrorCode.AUTHENTICATION, f"API key '{key.name}' has expired")
+    return key
+
+
+def reserve_tokens(request: web.Request, slot, max_tokens: int | None, n: int = 1) -> None:
+    """At admission, set aside the most tokens the request may use (its max_tokens, else
+    the model's context) from its key's token budgets (tpm, tpd, tpmo), and count its n
+    choices against its concurrency (they run as n rows); settled when the request ends."""
+    key = request.get("key")
+    if key is None or "ratelimit_headers" not in request:
+        return
+    store: KeyStore = request.app[KEYS]
+    if n > 1:
+        request["extra_rows"] = request.get("extra_rows", 0) + request.app[LIMITER].add_rows(key, n - 1)
+    ledger = request.app.get(LEDGER)
+    budgets = ledger.budgets if ledger is not None and route_of(request).usage is not None else None
+    if key.tpm is None and (budgets is None or (key.tpd is None and key.tpmo is None)):
+        return
+    if max_tokens is None:
+        max_tokens = slot.entry.context_length or next(
+            (c.info.get("context_length") for c in request.app[MANAGER].conns(slot) if c.info.get("context_length")),
+            None,
+        )
+    request["tpm_reserved"] = request.get("tpm_reserved", 0) + request.app[LIMITER].reserve(
+        key, store.window_s, int(max_tokens or 0)
+    )
+    if budgets is not None:
+        request["budget_reserved"] = request.get("budget_reserved", 0) + budgets.reserve(key, int(max_tokens or 0))
+
+
+def charge_audio_seconds(request: web.Request, seconds: float) -> None:
+    """Count an upload's audio seconds against its key's `aspm` (a 429 past it)."""
+    key = request.get("key")
+    if key is None or "ratelimit_headers" not in request:
+        return
+    request.app[LIMITER].charge_audio(key, request.app[KEYS].window_s, seconds)
+
+
+def may_use(request: web.Request, slot) -> bool:
+    """Whether the caller's key may use this model (by its name or an alias): model lists
+    show a key only these (issue 26)."""
+    key = request.get("key")
+    return key is None or key.allows(slot.name, *slot.entry.aliases)
+
+
+def resolve_model(request: web.Request, requested: str, kinds: tuple[ModelKind, ...] = CHAT_KINDS):
+    """The model slot for a requested name, if the caller's key may use it and the model is
+    of a kind this route serves."""
+    manager = request.app[MANAGER]
+    # A LoRA adapter is called like a model and runs on its base's worker (gateway/models/adapters.py).
+    found = adapters.find(manager, requested)
+    slot, adapter = found if found is not None else (manager.resolve(requested), None)
+    key = request.get("key")
+    # The model it resolves to decides, by its name or one of its aliases: a key limited to
+    # "smollm2-*" must not reach another model by asking for a name one of its globs matches.
+    names = adapters.names(slot, adapter) if adapter is not None else (slot.name, *slot.entry.aliases)
+    if key is not None and not key.allows(*names):
+        raise ServiceError(ErrorCode.PERMISSION, f"API key '{key.name}' may not use model '{requested}'", param="model")
+    kind = slot.entry.kind
+    if kind not in kinds:
+        raise ServiceError(
+            ErrorCode.INVALID_REQUEST,
+            f"model '{requested}' is {'an' if kind[0] in 'ae' else 'a'} {kind} model and is not served here; "
+            f"use {ROUTE_FOR_KIND.get(kind, 'another route')}",
+            param="model",
+        )
+    request["model"] = slot.name if adapter is None else adapter.name  # usage and the ledger name the adapter
+    request["adapter"] = adapter.name if adapter is not None else None
+    return slot

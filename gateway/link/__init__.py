@@ -1,0 +1,2 @@
+"""The gateway's end of the ZeroMQ link: the broker, its worker records, wire checks, liveness,
+quarantine. Imports web."""

@@ -1,0 +1,240 @@
+"""The broker's records of its workers, apart from routing: one connection per worker, the
+local processes the manager spawned (their pids, the ones that have left), liveness
+judgement, and ending every request of a worker that is gone or whose frames were lost.
+
+Streams end exactly once and never with a hole: a worker lost with requests in flight ends
+each with an explicit error; a worker that comes back under a new identity keeps its
+requests only when its HELLO proves that no EVENTS frame went missing (the sequence number
+it announces is the one the gateway expects next), else they end with an error too."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+
+from mlxgw.gateway.link import liveness as live
+from mlxgw.gateway.link.quarantine import Quarantine
+from mlxgw.gateway.link.worker_conn import ConnState, WorkerConn, WorkerEvent, WorkerIdle, WorkerLost
+from mlxgw.shared import protocol as p
+from mlxgw.shared.errors import ErrorCode, ServiceError
+
+log = logging.getLogger("mlxgw.broker")
+
+# How long the frames a drained worker sent before exiting are waited for (they are already
+# on this host; only a busy event loop delays reading them).
+EXITED_READ_S = 2.0
+
+
+class WorkerRegistry:
+    """Base of the Broker: what it knows about each worker, and when a worker is gone."""
+
+    def __init__(self, limits: live.Limits) -> None:
+        self.limits = limits
+        self.conns: dict[bytes, WorkerConn] = {}
+        self.events: asyncio.Queue[WorkerEvent] = asyncio.Queue()
+        self.quarantine = Quarantine()
+        self.host_stalls = 0
+        self._local: dict[str, int] = {}  # worker_id -> pid, for processes the manager spawned
+        self._exited_fps: dict[str, list[str]] = {}  # worker_id -> in flight when seen gone
+        # Workers that said goodbye (or whose process has exited): a later hello from one of
+        # them is a worker on its way out answering our "who are you?", not a new worker.
+        self._departed: OrderedDict[str, None] = OrderedDict()
+        self._stalled = False
+        self._lingering: set[asyncio.Task] = set()  # exited workers whose last frames are being read
+        # Local workers asked to stop: one that says HELLO only now (a reload came while it
+        # started) is draining from its first frame, and never routed to.
+        self._draining: set[str] = set()
+
+    def _fail_calls(self, conn: WorkerConn, err: ServiceError) -> None:
+        """Answer the calls waiting on a lost worker (the Broker owns them)."""
+
+    # -- what the manager uses ---------------------------------------------------------------
+    def workers(self, model: str) -> list[WorkerConn]:
+        return [c for c in self.conns.values() if c.model == model]
+
+    def ready_workers(self, model: str) -> list[WorkerConn]:
+        return [c for c in self.workers(model) if c.state is ConnState.READY and c.reachable]
+
+    def least_loaded(self, model: str) -> WorkerConn | None:
+        ready = self.ready_workers(model)
+        return min(ready, key=lambda c: c.load) if ready else None
+
+    def in_flight(self, model: str) -> int:
+        return sum(c.load for c in self.workers(model))
+
+    def expect_local(self, worker_id: str, pid: int) -> None:
+        """A process the manager spawned: its liveness may be judged by its process state."""
+        self._local[worker_id] = pid
+        for conn in self.conns.values():
+            if conn.worker_id == worker_id and not conn.remote:
+                conn.local_pid = pid
+
+    def drain_local(self, worker_id: str) -> None:
+        """Route nothing new to the worker (it was asked to stop)."""
+        self._draining.add(worker_id)
+        for conn in self.conns.values():
+            if conn.worker_id == worker_id and conn.state is not ConnState.LOST:
+                conn.state = ConnState.DRAINING
+
+    def release_local(self, worker_id: str, reason: str, planned: bool) -> list[str]:
+        """The process has exited: forget its connection. The fingerprints of the requests it
+        still had in flight are returned (the manager decides whether that was a crash)."""
+        self._local.pop(worker_id, None)
+        self._draining.discard(worker_id)
+        self._depart(worker_id)
+        fps: list[str] = self._exited_fps.pop(worker_id, [])  # seen gone by the liveness check first
+        for conn in [c for c in self.conns.values() if c.worker_id == worker_id and not c.remote]:
+            if planned and conn.streams:
+                # A drained worker answered everything before it exited, but on a busy host
+                # its last frames (the finishes, then BYE) may still wait unread in the
+                # socket when its exit is seen: read them before ending what is left.
+                conn.state = ConnState.DRAINING
+                task = asyncio.get_running_loop().create_task(self._drop_once_read(conn, reason))
+                self._lingering.add(task)
+                task.add_done_callback(self._lingering.discard)
+                continue
+            fps += self.drop(conn, reason, notify=False, planned=planned)
+        return fps
+
+    async def _drop_once_read(self, conn: WorkerConn, reason: str) -> None:
+        deadline = time.monotonic() + EXITED_READ_S
+        while conn.streams and self.conns.get(conn.identity) is conn and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        self.drop(conn, reason, notify=False, planned=True)
+
+    def _depart(self, worker_id: str) -> None:
+        self._departed[worker_id] = None
+        while len(self._departed) > 4096:
+            self._departed.popitem(last=False)
+
+    # -- a worker (re)announcing itself ----------------------------------------------------------
+    def _register(self, conn: WorkerConn, hello_seq: object) -> list[str]:
+        """Record a worker that said HELLO. The same worker under a new identity (it replaced
+        its socket) keeps its requests in flight only if no frame was lost on the way: its
+        HELLO names the sequence number of its next EVENTS frame, which must be the one this
+        gateway expects. Returns the routing ids of requests that had to end (to cancel)."""
+        seq = hello_seq if isinstance(hello_seq, int) and not isinstance(hello_seq, bool) else None
+        conn.next_seq = seq
+        lost: list[str] = []
+        for old in [c for c in self.conns.values() if c.worker_id == conn.worker_id and c.remote == conn.remote]:
+            del self.conns[old.identity]
+            intact = seq is not None and seq == (old.next_seq or 0)
+            if not intact and old.streams:
+                why = "it reconnected after losing events of these requests"
+                lost += self._end_streams(old, why)
+            lost += [rid for rid, stream in old.streams.items() if stream.cancelled]  # to cancel again
+            conn.streams.update(old.streams)
+            for stream in conn.streams.values():
+                stream.conn = conn
+            if old.state is ConnState.DRAINING:
+                conn.state = ConnState.DRAINING
+        if conn.worker_id in self._draining and not conn.remote:
+            conn.state = ConnState.DRAINING
+        self.conns[conn.identity] = conn
+        return lost
+
+    def _check_seq(self, conn: WorkerConn, seq: object) -> list[str]:
+        """An EVENTS frame's sequence number: a jump means frames were lost in transit, and
+        every request in flight on the worker may have a hole: they end with an error.
+        Returns their routing ids (to cancel in the worker)."""
+        if not isinstance(seq, int) or isinstance(seq, bool):
+            return []  # a worker that does not number its frames
+        expected, conn.next_seq = conn.next_seq, seq + 1
+        if expected is None or seq == expected:
+            return []
+        return self._end_streams(conn, f"{abs(seq - expected)} of its event frames were lost in transit")
+
+    def _end_streams(self, conn: WorkerConn, why: str) -> list[str]:
+        message = f"the worker serving {conn.model} lost part of this answer ({why}); retry the request"
+        err = ServiceError(ErrorCode.WORKER_LOST, message)
+        rids = list(conn.streams)
+        if rids:
+            log.warning("worker %s for %s: %s; ending %d requests", conn.worker_id, conn.model, why, len(rids))
+        for stream in conn.streams.values():
+            stream.push(p.Error(err))
+        conn.streams.clear()
+        if rids:
+            self.events.put_nowait(WorkerIdle(conn))
+        return rids
+
+    # -- liveness ------------------------------------------------------------------------------
+    def _forgive_stall(self, now: float) -> None:
+        """The gateway itself did not run: every worker gets a fresh window, for silence and
+        for progress alike (their frames wait, unread, in the sockets)."""
+        for conn in self.conns.values():
+            conn.last_heard = max(conn.last_heard, now)
+            conn.progress_at = max(conn.progress_at, now)
+
+    def _judge(self, now: float) -> None:
+        conns = list(self.conns.values())
+        silent = [c for c in conns if now - c.last_heard > self.limits.window_s]
+        all_silent = len(conns) >= 2 and len(silent) == len(conns)
+        if all_silent and not self._stalled:
+            self.host_stalls += 1
+            log.warning("all %d workers are silent at once: a host stall, not %d crashes", len(conns), len(conns))
+        self._stalled = all_silent
+        for conn in conns:
+            silent_s = now - conn.last_heard
+            process = self._process_state(conn, silent_s)
+            why = live.verdict(silent_s, conn.step_busy_s, process, self.limits, all_silent)
+            if why is not None:
+                self.drop(conn, f"worker {why}", kind=live.loss_kind(process, conn.step_busy_s, self.limits))
+                continue
+            # Heartbeats prove the link thread runs, not that the requests get anywhere.
+            stuck_s = now - conn.progress_at if conn.progress is not None and conn.streams else 0.0
+            if stuck_s > self.limits.hang_timeout_s:
+                why = f"made no progress on {conn.load} requests in flight for {stuck_s:.0f} s while heartbeating"
+                self.drop(conn, f"worker {why}", kind=live.LossKind.NO_PROGRESS)
+
+    def _process_state(self, conn: WorkerConn, silent_s: float) -> live.ProcessState:
+        if conn.local_pid is None:
+            return live.ProcessState.UNKNOWN
+        if silent_s <= self.limits.window_s:
+            return live.ProcessState.RUNNING  # heard from recently: no need to look
+        return live.probe(conn.local_pid)
+
+    def drop(
+        self,
+        conn: WorkerConn,
+        reason: str,
+        notify: bool = True,
+        planned: bool = False,
+        kind: live.LossKind = live.LossKind.OTHER,
+        graceful: bool | None = None,
+    ) -> list[str]:
+        """Forget a worker: every request in flight on it ends with a worker_lost error.
+        Returns the fingerprints of those requests. kind: why, for the fault counters.
+        A graceful departure (planned: reload, unload; or a worker's BYE, which it sends
+        only after answering every request it read) ends the requests it never took in (no
+        event came for them: the frame reached a worker that had stopped reading) with a
+        retryable model_unavailable instead: nothing ran, so the request waits for the
+        model's next worker like any other (gateway/models/generation.py retries it)."""
+        graceful = planned if graceful is None else graceful
+        if self.conns.get(conn.identity) is not conn:
+            return []
+        del self.conns[conn.identity]
+        if planned:
+            log.info("worker %s for %s left: %s", conn.worker_id, conn.model, reason)
+        else:
+            log.warning("lost worker %s for %s: %s", conn.worker_id, conn.model, reason)
+        err = ServiceError(
+            ErrorCode.WORKER_LOST, f"the worker serving {conn.model} stopped ({reason}); retry the request"
+        )
+        not_taken = ServiceError(
+            ErrorCode.MODEL_UNAVAILABLE, f"the worker serving {conn.model} left before taking this request in",
+            retry_after=1.0,
+        )  # fmt: skip
+        fps = [s.fingerprint for s in conn.streams.values()]
+        if kind is live.LossKind.EXITED and conn.worker_id in self._local:
+            # a crash of a local process: its exit code decides whether these were to blame
+            self._exited_fps.setdefault(conn.worker_id, []).extend(fps)
+        for stream in conn.streams.values():
+            stream.push(p.Error(not_taken if graceful and not stream.heard else err))
+        conn.streams.clear()
+        self._fail_calls(conn, err)
+        conn.state = ConnState.LOST
+        if notify:
+            self.events.put_nowait(WorkerLost(conn, reason, tuple(fps), kind))
+        return fps

@@ -1,0 +1,164 @@
+"""Prometheus metrics with the official prometheus-client.
+
+Request, latency and token series are counted in the gateway as requests end; model and
+worker series are read from the manager at scrape time. Counters of loads, unloads,
+evictions and restarts live in the gateway too, so a worker restarting loses nothing."""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
+
+from mlxgw.gateway.models.lifecycle import SlotState
+
+if TYPE_CHECKING:
+    from mlxgw.gateway.models.generation import Generation
+    from mlxgw.gateway.models.manager import ModelManager
+    from mlxgw.gateway.web.edge import EdgeStats
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2.5)
+
+
+class GapHistogram:
+    """Inter-token gaps counted into ITL_BUCKETS (Prometheus' `le` buckets) with their sum.
+    A stream adds each gap with one bisect into its own counts, merged into the model's once
+    when the request ends: a prometheus_client Histogram would take a lock and walk the
+    buckets in Python for every token."""
+
+    __slots__ = ("counts", "total")
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(ITL_BUCKETS) + 1)  # the last one: +Inf
+        self.total = 0.0
+
+    def add(self, gap: float, n: int = 1) -> None:
+        self.counts[bisect_left(ITL_BUCKETS, gap)] += n
+        self.total += gap * n
+
+    def merge(self, other: GapHistogram) -> None:
+        for i, n in enumerate(other.counts):
+            self.counts[i] += n
+        self.total += other.total
+
+
+class _GapCollector:
+    """mlxgw_inter_token_latency_seconds, per model, from the merged GapHistograms."""
+
+    def __init__(self) -> None:
+        self.per_model: dict[str, GapHistogram] = {}
+
+    def collect(self):
+        family = HistogramMetricFamily(
+            "mlxgw_inter_token_latency_seconds", "Time between streamed tokens", labels=["model"]
+        )
+        for model, hist in list(self.per_model.items()):
+            cumulative, buckets = 0, []
+            for bound, n in zip((*ITL_BUCKETS, float("inf")), hist.counts):
+                cumulative += n
+                buckets.append((floatToGoString(bound), cumulative))
+            family.add_metric([model], buckets, hist.total)
+        yield family
+
+
+class _ManagerCollector:
+    def __init__(self, manager: ModelManager):
+        self.manager = manager
+
+    def collect(self):
+        m = self.manager
+        running = GaugeMetricFamily("mlxgw_requests_running", "Sequences decoding, per model", labels=["model"])
+        waiting = GaugeMetricFamily("mlxgw_requests_waiting", "Requests queued in workers, per model", labels=["model"])
+        hit_rate = GaugeMetricFamily("mlxgw_prefix_cache_hit_rate", "Prefix-cache lookup hit rate", labels=["model"])
+        cache_bytes = GaugeMetricFamily("mlxgw_prefix_cache_bytes", "Prefix-cache size", labels=["model"])
+        rss = GaugeMetricFamily("mlxgw_worker_memory_bytes", "Worker process RSS", labels=["model", "worker"])
+        mlx = GaugeMetricFamily("mlxgw_worker_mlx_active_bytes", "MLX active memory", labels=["model", "worker"])
+        loaded = GaugeMetricFamily("mlxgw_model_loaded", "1 if a worker serves the model", labels=["model"])
+        loads = CounterMetricFamily("mlxgw_model_loads", "Worker starts", labels=["model"])
+        unloads = CounterMetricFamily("mlxgw_model_unloads", "Workers ended by unload or eviction", labels=["model"])
+        restarts = CounterMetricFamily("mlxgw_worker_restarts", "Worker restarts after a crash", labels=["model"])
+        evictions = CounterMetricFamily("mlxgw_model_evictions", "Models evicted to make room", labels=[])
+        for slot in list(m.slots.values()):
+            stats = [c.stats for c in m.conns(slot)]
+            running.add_metric([slot.name], sum(s.get("running", 0) for s in stats))
+            waiting.add_metric([slot.name], sum(s.get("waiting", 0) for s in stats))
+            lookups = sum((s.get("cache") or {}).get("lookups", 0) for s in stats)
+            hits = sum((s.get("cache") or {}).get("hits", 0) for s in stats)
+            hit_rate.add_metric([slot.name], hits / lookups if lookups else 0.0)
+            cache_bytes.add_metric([slot.name], sum((s.get("cache") or {}).get("bytes", 0) for s in stats))
+            for c in m.conns(slot):
+                rss.add_metric([slot.name, c.worker_id[:12]], c.stats.get("rss_bytes", 0))
+                mlx.add_metric([slot.name, c.worker_id[:12]], c.stats.get("mlx_active_bytes", 0))
+            loaded.add_metric([slot.name], 1 if slot.state is SlotState.READY else 0)
+            loads.add_metric([slot.name], slot.loads)
+            unloads.add_metric([slot.name], slot.unloads)
+            restarts.add_metric([slot.name], slot.restarts)
+        evictions.add_metric([], m.residency.evictions)
+        yield from (running, waiting, hit_rate, cache_bytes, rss, mlx, loaded, loads, unloads, restarts, evictions)
+
+
+class _EdgeCollector:
+    def __init__(self, stats: EdgeStats):
+        self.stats = stats
+
+    def collect(self):
+        s = self.stats
+        yield GaugeMetricFamily("mlxgw_http_connections", "Open HTTP connections", value=s.open)
+        yield GaugeMetricFamily("mlxgw_http_connections_peak", "Most HTTP connections open at once", value=s.peak)
+        closed = CounterMetricFamily(
+            "mlxgw_http_connections_closed", "Connections the server closed, by reason", labels=["reason"]
+        )
+        for reason, n in (("evicted", s.evicted), ("refused", s.refused), ("timeout", s.timed_out)):
+            closed.add_metric([reason], n)
+        yield closed
+
+
+class Metrics:
+    def __init__(self, manager: ModelManager, edge: EdgeStats | None = None):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("mlxgw_requests", "HTTP requests", ["route", "model", "key", "status"], registry=r)
+        self.duration = Histogram(
+            "mlxgw_request_duration_seconds",
+            "End-to-end request latency",
+            ["route", "model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "mlxgw_time_to_first_token_seconds", "Time to first token", ["model"], buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.itl = _GapCollector()
+        r.register(self.itl)
+        self.tokens = Counter("mlxgw_tokens", "Tokens processed", ["model", "key", "kind"], registry=r)
+        self._children: dict[tuple, object] = {}
+        r.register(_ManagerCollector(manager))
+        if edge is not None:
+            r.register(_EdgeCollector(edge))
+
+    def _child(self, metric, *labels: str):
+        """metric.labels(*labels), remembered: prometheus_client validates the labels and
+        takes a lock on every call, and a request's labels are nearly always ones seen before."""
+        key = (id(metric), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
+    def observe(self, route: str, model: str, key: str, status: int, duration: float, gen: Generation | None) -> None:
+        self._child(self.requests, route, model, key, str(status)).inc()
+        self._child(self.duration, route, model).observe(duration)
+        if gen is None:
+            return
+        if gen.first_token_at is not None:
+            self._child(self.ttft, model).observe(gen.first_token_at - gen.started)
+        if any(gen.token_gaps.counts):
+            self.itl.per_model.setdefault(model, GapHistogram()).merge(gen.token_gaps)
+        u = gen.usage
+        for kind, n in (("prompt", u.prompt_tokens), ("cached", u.cached_tokens), ("completion", u.completion_tokens)):
+            if n:
+                self._child(self.tokens, model, key, kind).inc(n)

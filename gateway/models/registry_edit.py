@@ -1,0 +1,101 @@
+"""Changing models.yaml from a running gateway (Ollama's /api/pull, /api/copy, /api/create,
+/api/delete): one edit at a time under a lock, the new file checked by the same parser as
+`mlxgw up` before it is written, the old one kept beside it, then the registry reloaded.
+
+The file is rewritten from its parsed YAML, so its comments are in the backup only."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import datetime as dt
+import fcntl
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import yaml
+from aiohttp import web
+
+from mlxgw.gateway.web.state import MANAGER
+from mlxgw.shared.config import ConfigError, load_registry, parse_registry, with_discovered_models
+from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
+from mlxgw.shared.resources import default_config
+
+_LOCK = asyncio.Lock()  # edits from this gateway, one at a time (the file lock covers other writers)
+
+
+def registry_file(app: web.Application) -> Path:
+    """The models.yaml this gateway runs, if it is the operator's own (the shipped one is
+    part of the installation and is never edited)."""
+    path = app[MANAGER].registry.path
+    if path is None:
+        raise ServiceError(ErrorCode.PERMISSION, "this gateway runs without a models.yaml; models cannot be managed")
+    if Path(path).resolve() == default_config().resolve():
+        raise ServiceError(
+            ErrorCode.PERMISSION,
+            "this gateway runs the shipped models.yaml: start it with `mlxgw up --config YOUR.yaml` to manage models",
+        )
+    return Path(path)
+
+
+def _backup(path: Path) -> Path:
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
+    backup = path.with_name(f"{path.name}.bak-{stamp}")
+    shutil.copy2(path, backup)
+    return backup
+
+
+def _edit_file(path: Path, change: Callable[[dict], None]) -> Path | None:
+    with open(path.with_name(path.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        data = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(data, dict):
+            raise invalid(f"{path.name} is not a mapping; fix it by hand")
+        data.setdefault("models", [])
+        before = copy.deepcopy(data)
+        change(data)
+        if data == before:
+            return None  # nothing to write: the file keeps its comments
+        try:
+            parse_registry(data, path)  # never write a file `mlxgw up` would refuse
+        except ConfigError as e:
+            raise invalid(f"the change would make models.yaml invalid: {e}") from None
+        backup = _backup(path)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(yaml.safe_dump(data, sort_keys=False, allow_unicode=True))
+            os.chmod(tmp, path.stat().st_mode & 0o777)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return backup
+
+
+async def edit_registry(app: web.Application, change: Callable[[dict], None]) -> Path | None:
+    """Apply `change` to the parsed models.yaml, write it (backup kept) and reload the
+    registry; returns the backup's path (None: nothing changed). `change` raises
+    ServiceError to refuse."""
+    path = registry_file(app)
+    async with _LOCK:
+        backup = await asyncio.to_thread(_edit_file, path, change)
+        registry = await asyncio.to_thread(lambda: with_discovered_models(load_registry(path)))
+        await app[MANAGER].reload(registry)
+    return backup
+
+
+async def reload_registry(app: web.Application) -> None:
+    """Re-read models.yaml and the models directory (a model folder appeared or went)."""
+    path = registry_file(app)
+    async with _LOCK:
+        registry = await asyncio.to_thread(lambda: with_discovered_models(load_registry(path)))
+        await app[MANAGER].reload(registry)
+
+
+def listed_entry(data: dict, name: str) -> dict | None:
+    """The models.yaml entry (raw mapping) with this exact name."""
+    return next((m for m in data.get("models") or [] if isinstance(m, dict) and m.get("name") == name), None)

@@ -1,1 +1,0 @@
-"""Embedding and reranking workers: an MLX encoder plus a scheduler that batches inputs."""

@@ -1,0 +1,1 @@
+"""The model floor: runners, batched generation, sampling, KV memory and adapters. Imports text."""

@@ -1,0 +1,325 @@
+"""LoRA adapters on a running model, many in one batch (issue 44).
+
+The base weights are loaded once; adapters (`mlx_lm.lora` output folders) are loaded on a
+row's first use into a bounded resident set (LRU; an adapter a running row uses never
+leaves). Each linear layer an adapter targets is wrapped once by a `MultiLoRALinear`: the
+base product runs once for the whole batch, and each adapter present in the batch adds its
+low-rank product `scale * (x @ A) @ B` to its own rows only (rows are grouped by adapter
+with a mask; rows without an adapter get exactly the base output). That is the arithmetic
+of mlx-lm's LoRALinear per row, so a row's greedy output equals `mlx_lm.load(base,
+adapter_path=...)` generating alone. The experts of an MoE block get the same per row
+(worker/model/adapter_experts.py).
+
+Which rows a forward runs is set by the batch generator around each forward
+(`VectorBatchGenerator.route_rows` -> `AdapterBank.rows`), prefill and decode (speculative
+verification included, which runs inside the decode step).
+
+The prefix cache keeps one token trie per model; an adapter row's KV is stored and looked up
+under its tokens shifted into a range of its own (`cache_tokens`), so a prefix computed under
+one adapter is never served to another adapter or to the base."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_unflatten
+
+from mlxgw.shared.errors import invalid
+from mlxgw.worker.model.adapter_experts import MultiLoRASwitchLinear, expert_dims, fits, route_block
+from mlxgw.worker.model.adapter_formats import read_pairs, weights_file
+
+log = logging.getLogger("mlxgw.worker.model.adapters")
+
+NO_ADAPTER = -1
+# An adapter row's prefix-cache tokens are shifted by its tag << TAG_SHIFT: token ids are far
+# below 2**32, tags are 1..2**31-1, so every adapter's keys (and the base's) are disjoint and
+# still fit the cache's 64-bit keys.
+TAG_SHIFT = 32
+# Request ids whose adapter is remembered from preparation to admission (and re-admission
+# after a pause); the oldest are forgotten past this.
+MAX_NOTED_REQUESTS = 65536
+
+
+class RowRouting:
+    """The adapter slot of each row of the forward being built; None: no row has one."""
+
+    def __init__(self) -> None:
+        self.indices: mx.array | None = None
+        self.active: tuple[int, ...] = ()
+        # Inside an MoE block: each expert pick's slot (worker/model/adapter_experts.py).
+        self.token_slots: mx.array | None = None
+
+
+class LoraTable:
+    """slot -> (lora_a, lora_b, scale) of one layer. A plain object, so that nn.Module keeps
+    it out of the model's parameter tree (adapters come and go; the model's weights do not)."""
+
+    def __init__(self) -> None:
+        self.by_slot: dict[int, tuple[mx.array, mx.array, float]] = {}
+
+
+class MultiLoRALinear(nn.Module):
+    """A linear layer (plain or quantized) plus the low-rank deltas of the resident adapters
+    that target it, each applied to its own rows of the batch."""
+
+    def __init__(self, base: nn.Module, routing: RowRouting, table: LoraTable):
+        super().__init__()
+        self.base = base
+        self.routing = routing
+        self.table = table
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = self.base(x)
+        routing = self.routing
+        if routing.indices is None:
+            return y
+        if x.shape[0] != routing.indices.shape[0]:
+            raise ValueError(f"LoRA routing: {routing.indices.shape[0]} rows set for a batch of {x.shape[0]}")
+        rows = routing.indices.reshape((-1,) + (1,) * (x.ndim - 1))
+        for slot in routing.active:
+            lora = self.table.by_slot.get(slot)
+            if lora is None:  # this adapter does not target this layer
+                continue
+            a, b, scale = lora
+            delta = (scale * ((x @ a) @ b)).astype(x.dtype)  # as mlx-lm's LoRALinear
+            y = y + mx.where(rows == slot, delta, 0)
+        return y
+
+
+def linear_dims(layer: nn.Module) -> tuple[int, int] | None:
+    """(input, output) features of a plain or quantized linear layer; None for other kinds."""
+    if isinstance(layer, nn.QuantizedLinear):
+        out, packed = layer.weight.shape
+        return packed * 32 // layer.bits, out
+    if isinstance(layer, nn.Linear):
+        out, inp = layer.weight.shape
+        return inp, out
+    return None
+
+
+def refused(name: str, why: str):
+    return invalid(f"the adapter '{name}' cannot be served: {why}", "model")
+
+
+def read_adapter(name: str, folder: Path, modules: dict[str, nn.Module]) -> tuple[float, dict[str, tuple]]:
+    """An adapter folder's scale and its (lora_a, lora_b) per layer path (mlx_lm.lora's or
+    PEFT's layout: worker/model/adapter_formats.py), checked against the model's layers; a 400 saying
+    what is wrong for a folder that is not one, a fine-tune that is not LoRA, or weights that
+    do not fit this model."""
+    try:
+        scale, pairs = read_pairs(folder)
+    except ValueError as e:
+        raise refused(name, str(e)) from None
+    layers = {}
+    for path, pair in pairs.items():
+        module = modules.get(path)
+        base = module.base if isinstance(module, (MultiLoRALinear, MultiLoRASwitchLinear)) else module
+        a, b = pair.get("lora_a"), pair.get("lora_b")
+        if a is None or b is None:
+            raise refused(name, f"{path}: lora_a and lora_b do not form a low-rank pair")
+        if base is not None and (experts := expert_dims(base)) is not None:  # an MoE block's experts
+            if not fits(a, b, experts):
+                raise refused(name, f"{path}: shapes {tuple(a.shape)} x {tuple(b.shape)} do not fit its experts")
+            layers[path] = (a, b)
+            continue
+        dims = linear_dims(base) if base is not None else None
+        if dims is None:
+            what = "no such layer" if base is None else f"a {type(base).__name__}, not a linear layer"
+            raise refused(name, f"{path} is {what} in this model (trained for another model?)")
+        if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0]:
+            raise refused(name, f"{path}: lora_a and lora_b do not form a low-rank pair")
+        if a.shape[0] != dims[0] or b.shape[1] != dims[1]:
+            raise refused(
+                name, f"{path}: shapes {tuple(a.shape)} x {tuple(b.shape)} do not fit a {dims[0]} -> {dims[1]} layer"
+            )
+        layers[path] = (a, b)
+    return scale, layers
+
+
+@dataclass
+class LoadedAdapter:
+    name: str
+    path: str
+    slot: int
+    scale: float
+    layers: dict[str, tuple[mx.array, mx.array]]
+    nbytes: int
+    tag: int  # its prefix-cache namespace
+    users: set[int] = field(default_factory=set)  # uids of the rows that use it
+
+
+def cache_tag(name: str, weights: Path) -> int:
+    """A namespace for an adapter's prefix-cache entries: another name, or the same name with
+    other weights (rewritten in place), gets another one."""
+    st = weights.stat()
+    digest = hashlib.blake2b(f"{name}\0{weights.resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode(), digest_size=8)
+    return 1 + int.from_bytes(digest.digest(), "little") % (2**31 - 1)
+
+
+class AdapterBank:
+    """The adapters a worker may serve (name -> folder) and those resident now."""
+
+    def __init__(self, model: nn.Module, sources: dict[str, str] | None = None, max_resident: int = 8):
+        self.model = model
+        self.sources: dict[str, str] = dict(sources or {})
+        self.max_resident = max(1, max_resident)
+        self.routing = RowRouting()
+        self.resident: OrderedDict[str, LoadedAdapter] = OrderedDict()  # least recently used first
+        self.by_uid: dict[int, LoadedAdapter] = {}
+        self._noted: OrderedDict[str, str] = OrderedDict()  # request id -> adapter name
+        self._wrapped: dict[str, MultiLoRALinear | MultiLoRASwitchLinear] = {}
+        self._next_slot = 0
+        self.loads = 0
+        self.evictions = 0
+
+    # -- requests -----------------------------------------------------------------------------
+    def note(self, rid: str, adapter: str | None, prompt_logprobs: int | None = None) -> None:
+        """At preparation (off the engine thread): refuse an unknown adapter, remember a known
+        one for the request's admission."""
+        if adapter is None:
+            return
+        if adapter not in self.sources:
+            raise invalid(f"the adapter '{adapter}' is not configured on this model", "model")
+        if prompt_logprobs is not None:
+            raise invalid("prompt logprobs (echo with logprobs) are not served with an adapter", "logprobs")
+        self._noted[rid] = adapter
+        self._noted.move_to_end(rid)
+        while len(self._noted) > MAX_NOTED_REQUESTS:
+            self._noted.popitem(last=False)
+
+    def for_row(self, name: str | None, guard: object = None) -> LoadedAdapter | None:
+        """A new row's adapter: the one named, else the one its request named at preparation
+        (found by the request id its guard carries); loaded now if it is not resident."""
+        name = name or self._noted.get(getattr(guard, "rid", None) or "")
+        return self.acquire(name) if name is not None else None
+
+    def acquire(self, name: str) -> LoadedAdapter:
+        """The adapter, loaded now if it is not resident (engine thread, at admission)."""
+        adapter = self.resident.get(name)
+        if adapter is None:
+            adapter = self._load(name)
+        self.resident.move_to_end(name)
+        return adapter
+
+    def bind(self, uid: int, adapter: LoadedAdapter | None) -> None:
+        if adapter is None:
+            return
+        adapter.users.add(uid)
+        self.by_uid[uid] = adapter
+        self._evict()
+
+    def release(self, uid: int) -> None:
+        adapter = self.by_uid.pop(uid, None)
+        if adapter is None:
+            return
+        adapter.users.discard(uid)
+        if not adapter.users and self.sources.get(adapter.name) != adapter.path:  # removed or replaced meanwhile
+            self._unload(adapter)
+
+    @contextmanager
+    def rows(self, uids: list[int]) -> Iterator[None]:
+        """The forward built inside runs these rows (batch order): route each to its adapter."""
+        slots = [self.by_uid[u].slot if u in self.by_uid else NO_ADAPTER for u in uids] if self.by_uid else []
+        active = tuple(sorted({s for s in slots if s != NO_ADAPTER}))
+        if not active:
+            yield
+            return
+        self.routing.indices, self.routing.active = mx.array(slots, dtype=mx.int32), active
+        try:
+            yield
+        finally:
+            self.routing.indices, self.routing.active = None, ()
+
+    def cache_tokens(self, tokens: list[int], adapter: LoadedAdapter | None) -> list[int]:
+        """The prefix cache's key for a row's tokens: the tokens themselves for the base,
+        shifted into the adapter's own range for an adapter row."""
+        if adapter is None:
+            return list(tokens)
+        shift = adapter.tag << TAG_SHIFT
+        return [t + shift for t in tokens]
+
+    # -- the registry -------------------------------------------------------------------------
+    def set_sources(self, sources: dict[str, str], check: str | None = None) -> dict:
+        """A new list of servable adapters (hot add and remove): adapters no longer listed, or
+        listed with another folder, leave once no running row uses them. check: an adapter
+        to load now; when it cannot be, the list stays as it was and the error is raised."""
+        previous, self.sources = self.sources, dict(sources)
+        if check is not None:
+            try:
+                self.acquire(check)
+            except Exception:
+                self.sources = previous
+                raise
+        for adapter in list(self.resident.values()):
+            if not adapter.users and self.sources.get(adapter.name) != adapter.path:
+                self._unload(adapter)
+        self._evict()
+        return self.stats()
+
+    def _load(self, name: str) -> LoadedAdapter:
+        path = self.sources.get(name)
+        if path is None:
+            raise invalid(f"the adapter '{name}' is not configured on this model", "model")
+        folder = Path(path)
+        modules = dict(self.model.named_modules())
+        scale, layers = read_adapter(name, folder, modules)
+        mx.eval([w for pair in layers.values() for w in pair])
+        slot, self._next_slot = self._next_slot, self._next_slot + 1
+        try:
+            wrapped = [self._wrap(layer_path, modules) for layer_path in layers]
+        except TypeError as e:  # an MoE block kind whose experts are not served
+            raise refused(name, str(e)) from None
+        for wrapper, (a, b) in zip(wrapped, layers.values()):
+            wrapper.table.by_slot[slot] = (a, b, scale)
+        nbytes = sum(w.nbytes for pair in layers.values() for w in pair)
+        adapter = LoadedAdapter(name, path, slot, scale, layers, nbytes, cache_tag(name, weights_file(folder)))
+        self.resident[name] = adapter
+        self.loads += 1
+        log.info("adapter %s loaded: %d layers, %.1f MB", name, len(layers), nbytes / 2**20)
+        return adapter
+
+    def _wrap(self, path: str, modules: dict[str, nn.Module]) -> MultiLoRALinear | MultiLoRASwitchLinear:
+        module = modules[path]
+        if isinstance(module, (MultiLoRALinear, MultiLoRASwitchLinear)):
+            return module
+        if expert_dims(module) is not None:
+            route_block(modules[path.rpartition(".")[0]], self.routing)  # TypeError: a block kind not served
+            wrapper = MultiLoRASwitchLinear(module, self.routing, LoraTable())
+        else:
+            wrapper = MultiLoRALinear(module, self.routing, LoraTable())
+        self.model.update_modules(tree_unflatten([(path, wrapper)]))  # as mlx-lm places its LoRA layers
+        self._wrapped[path] = modules[path] = wrapper
+        return wrapper
+
+    def _unload(self, adapter: LoadedAdapter) -> None:
+        for layer_path in adapter.layers:
+            self._wrapped[layer_path].table.by_slot.pop(adapter.slot, None)
+        self.resident.pop(adapter.name, None)
+        log.info("adapter %s unloaded", adapter.name)
+
+    def _evict(self) -> None:
+        for adapter in list(self.resident.values()):
+            if len(self.resident) <= self.max_resident:
+                return
+            if not adapter.users:
+                self._unload(adapter)
+                self.evictions += 1
+
+    def stats(self) -> dict:
+        return {
+            "configured": sorted(self.sources),
+            "resident": list(self.resident),
+            "resident_bytes": sum(a.nbytes for a in self.resident.values()),
+            "max_resident": self.max_resident,
+            "loads": self.loads,
+            "evictions": self.evictions,
+            "rows": len(self.by_uid),
+        }

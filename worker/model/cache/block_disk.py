@@ -1,0 +1,289 @@
+"""The live disk tier of the prefix cache: blocks evicted from memory, read back on a hit.
+
+A block the in-memory bound evicts (worker/model/cache/prefix_cache.py) is written here, one safetensors
+file per block, under `$MLXGW_HOME/prefix-cache/<model>/blocks/`; a lookup whose chain of
+block keys reaches a block that is here reads it back into memory before assembling the
+row's cache, so a session evicted by others resumes at disk speed instead of prefilling again.
+The index of what is here (key, parent, tokens, size, last use) is kept in memory and rebuilt
+from the files' headers at start, so blocks written by an earlier worker serve this one.
+
+- Bound: `prefix_cache_disk_mb`; the least recently used blocks are deleted past it.
+- Format: the block's KV pieces by name, its checkpoints' state layers (class and state,
+  as mlx-lm's save_prompt_cache writes them), and JSON metadata: format, model
+  fingerprint, key, parent key, first position, tokens, layouts. A file with another
+  fingerprint is deleted when read.
+- Crash safety: written to a temporary name, fsynced, renamed; a torn or inconsistent file
+  is skipped with one log line and deleted, never a crash."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten, tree_unflatten
+
+from mlxgw.worker.model.cache import kv_blocks as kb
+from mlxgw.worker.model.cache import state_checkpoints as sc
+
+log = logging.getLogger("mlxgw.worker.model.cache.block_disk")
+
+FORMAT = "mlxgw-prefix-block/1"
+SCAN_BUDGET_S = 5.0  # headers read at start at most this long; the files left are deleted
+TEMP_PREFIX = "tmp-"
+SUFFIX = ".safetensors"
+
+
+@dataclass
+class DiskBlock:
+    key: bytes
+    parent: bytes
+    start: int
+    tokens: tuple[int, ...]
+    path: Path
+    nbytes: int
+    used_at: float
+
+
+class BlockDisk:
+    def __init__(self, directory: Path, fingerprint: str, max_bytes: int):
+        self.dir = directory
+        self.fingerprint = fingerprint
+        self.max_bytes = max_bytes
+        self.index: dict[bytes, DiskBlock] = {}
+        self.children: dict[bytes, set[bytes]] = {}  # parent key -> keys here
+        self.nbytes = 0
+        self.counts = {"written": 0, "read": 0, "skipped": 0, "deleted": 0}
+        self._scan()
+
+    # -- write -----------------------------------------------------------------------------------
+    def keep(self, block: kb.Block) -> None:
+        """A block leaving memory: written here unless already here (then only its use)."""
+        held = self.index.get(block.key)
+        if held is not None:
+            held.used_at = max(held.used_at, block.used_at)
+            return
+        if block.nbytes > self.max_bytes:
+            return
+        try:
+            path, size = self._write(block)
+        except Exception:  # the disk tier saves time later; a failed write costs that block only
+            log.exception("prefix cache: writing a block to disk failed")
+            return
+        parent = block.parent.key if block.parent is not None else kb.ROOT
+        self._add(DiskBlock(block.key, parent, block.start, block.tokens, path, size, block.used_at or time.time()))
+        self.counts["written"] += 1
+        self._bound()
+
+    def _write(self, block: kb.Block) -> tuple[Path, int]:
+        arrays: dict[str, mx.array] = {}
+        pieces = [_encode_piece(p, f"p{i}", arrays) for i, p in enumerate(block.pieces)]
+        marks = sc.Checkpoints([], dict(block.checkpoints), set(block.boundaries))
+        layout, extra = sc.to_layout(marks, len(block.pieces))
+        scalars: dict = {}  # a layer's state holds numbers, strings and None besides arrays
+        for j, layer in enumerate(extra):
+            for k, v in tree_flatten(layer.state):
+                (arrays if isinstance(v, mx.array) else scalars)[f"c{j}.{k}"] = v
+        meta = {
+            "format": FORMAT,
+            "fingerprint": self.fingerprint,
+            "key": block.key.hex(),
+            "parent": block.parent.key.hex() if block.parent is not None else "",
+            "start": str(block.start),
+            "tokens": json.dumps(list(block.tokens)),
+            "pieces": json.dumps(pieces),
+            "checkpoints": json.dumps(layout),
+            "classes": json.dumps([type(layer).__name__ for layer in extra]),
+            "scalars": json.dumps(scalars),
+            "used_at": repr(block.used_at),
+        }
+        self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        path = self.dir / f"{block.key.hex()}{SUFFIX}"
+        temp = self.dir / f"{TEMP_PREFIX}{block.key.hex()}-{os.getpid()}{SUFFIX}"
+        try:
+            mx.save_safetensors(str(temp), arrays, meta)
+            fsync_path(temp)
+            os.chmod(temp, 0o600)  # prompts are users' data
+            os.replace(temp, path)
+        finally:
+            temp.unlink(missing_ok=True)
+        # No fsync of the directory per block: a crash may lose a rename (a block to compute
+        # again), never leave a torn file under a block's name; one sync per file is enough.
+        return path, path.stat().st_size
+
+    # -- read ------------------------------------------------------------------------------------
+    def bring_back(self, tree: kb.BlockTree, prompt: list[int]) -> int:
+        """Read into memory the blocks here along a prompt's chain (those memory lacks);
+        returns how many of the prompt's tokens came back."""
+        if not self.index:
+            return 0
+        node, pos, back = None, 0, 0
+        while True:
+            parent = node.key if node is not None else kb.ROOT
+            here = tree.children_of(node)
+            if pos + kb.BLOCK_TOKENS <= len(prompt):
+                key = kb.chain_key(parent, prompt[pos : pos + kb.BLOCK_TOKENS])
+                block = here.get(key)
+                if block is None and key in self.index:
+                    block = self._load(key, node, tree)
+                    back += len(block.tokens) if block is not None else 0
+                if block is not None:
+                    node, pos = block, pos + kb.BLOCK_TOKENS
+                    continue
+            rest = tuple(prompt[pos : pos + kb.BLOCK_TOKENS])
+            in_memory = max((kb.common_prefix(c.tokens, rest) for c in here.values()), default=0)
+            shared, key = max(
+                ((kb.common_prefix(self.index[k].tokens, rest), k) for k in self.children.get(parent, ())),
+                default=(0, b""),
+            )
+            if shared > in_memory and key not in tree.blocks:
+                back += shared if self._load(key, node, tree) is not None else 0
+            return back
+
+    def _load(self, key: bytes, parent: kb.Block | None, tree: kb.BlockTree) -> kb.Block | None:
+        held = self.index[key]
+        try:
+            block = self._read(held, parent)
+        except Exception as e:  # a torn or foreign file costs that block only
+            log.warning("prefix cache: skipped block file %s: %s", held.path.name, e)
+            self.counts["skipped"] += 1
+            self._drop(key)
+            return None
+        tree.add(block)
+        tree.touch(block)
+        held.used_at = block.used_at
+        self.counts["read"] += 1
+        return block
+
+    def _read(self, held: DiskBlock, parent: kb.Block | None) -> kb.Block:
+        import mlx_lm.models.cache as mc
+
+        from mlxgw.worker import quantized_kv  # noqa: F401  (registers the quantized row class for loading)
+
+        arrays, meta = mx.load(str(held.path), return_metadata=True)
+        if meta.get("format") != FORMAT or meta.get("fingerprint") != self.fingerprint:
+            raise ValueError("written for another format or model")
+        if meta.get("key") != held.key.hex() or json.loads(meta["tokens"]) != list(held.tokens):
+            raise ValueError("its key or tokens disagree with its name")
+        pieces = [_decode_piece(p, f"p{i}", arrays) for i, p in enumerate(json.loads(meta["pieces"]))]
+        for p in pieces:
+            for a in kb.piece_arrays(p):
+                if a.shape[-2] != len(held.tokens):
+                    raise ValueError("a layer holds another number of positions")
+        extra, values = [], {**arrays, **json.loads(meta["scalars"])}
+        for j, name in enumerate(json.loads(meta["classes"])):
+            prefix = f"c{j}."
+            state = tree_unflatten([(k[len(prefix) :], v) for k, v in values.items() if k.startswith(prefix)])
+            extra.append(getattr(mc, name).from_state(state))
+        layout = json.loads(meta["checkpoints"])
+        end = held.start + len(held.tokens)
+        if not sc.valid_layout(layout, end):
+            raise ValueError("malformed checkpoints")
+        marks = sc.from_layout([0] * end, layout, extra)
+        states = [a for snap in marks.states.values() for a in _arrays(snap)]
+        mx.eval([a for p in pieces for a in kb.piece_arrays(p)] + states)
+        block = kb.Block(held.key, parent, held.tokens, held.start, pieces, dict(marks.states), set(marks.priority))
+        block.used_at = held.used_at
+        return block
+
+    # -- index -----------------------------------------------------------------------------------
+    def _scan(self) -> None:
+        if not self.dir.is_dir():
+            return
+        started = time.monotonic()
+        for path in sorted(self.dir.iterdir()):
+            if path.name.startswith(TEMP_PREFIX):  # left by a killed write
+                path.unlink(missing_ok=True)
+                continue
+            if not path.name.endswith(SUFFIX):
+                continue
+            if time.monotonic() - started > SCAN_BUDGET_S:  # unindexed, it would escape the bound
+                path.unlink(missing_ok=True)
+                self.counts["deleted"] += 1
+                continue
+            try:
+                _, meta = mx.load(str(path), return_metadata=True)
+                if meta.get("format") != FORMAT or meta.get("fingerprint") != self.fingerprint:
+                    raise ValueError("written for another format or model")
+                key = bytes.fromhex(meta["key"])
+                if path.name != f"{key.hex()}{SUFFIX}":
+                    raise ValueError("its key disagrees with its name")
+                tokens = tuple(int(t) for t in json.loads(meta["tokens"]))
+                held = DiskBlock(
+                    key, bytes.fromhex(meta["parent"]), int(meta["start"]), tokens, path,
+                    path.stat().st_size, float(meta.get("used_at", 0)),
+                )  # fmt: skip
+            except Exception as e:  # whatever is wrong with one file costs that file only
+                log.warning("prefix cache: skipped block file %s: %s", path.name, e)
+                self.counts["skipped"] += 1
+                path.unlink(missing_ok=True)
+                continue
+            self._add(held)
+        self._bound()
+
+    def _add(self, held: DiskBlock) -> None:
+        self.index[held.key] = held
+        self.children.setdefault(held.parent, set()).add(held.key)
+        self.nbytes += held.nbytes
+
+    def _drop(self, key: bytes) -> None:
+        held = self.index.pop(key, None)
+        if held is None:
+            return
+        self.children.get(held.parent, set()).discard(key)
+        self.nbytes -= held.nbytes
+        held.path.unlink(missing_ok=True)
+
+    def _bound(self) -> None:
+        """Least recently used blocks leave until the rest fit. A lookup touches a whole
+        chain, so a parent is never older than its children: leaves go first."""
+        if self.nbytes <= self.max_bytes:
+            return
+        for held in sorted(self.index.values(), key=lambda h: h.used_at):
+            if self.nbytes <= self.max_bytes:
+                break
+            self._drop(held.key)
+            self.counts["deleted"] += 1
+
+    def clear(self) -> None:
+        for key in list(self.index):
+            self._drop(key)
+
+    def snapshot(self) -> dict:
+        return {"blocks": len(self.index), "bytes": self.nbytes, "max_bytes": self.max_bytes, **self.counts}
+
+
+def _encode_piece(piece, name: str, arrays: dict):
+    if piece is None:
+        return None
+    if isinstance(piece, tuple):
+        return [_encode_piece(p, f"{name}.{i}", arrays) for i, p in enumerate(piece)]
+    arrays.update({f"{name}.k{i}": a for i, a in enumerate(piece.keys)})
+    arrays.update({f"{name}.v{i}": a for i, a in enumerate(piece.values)})
+    return {"k": len(piece.keys), "v": len(piece.values)}
+
+
+def _decode_piece(layout, name: str, arrays: dict):
+    if layout is None:
+        return None
+    if isinstance(layout, list):
+        return tuple(_decode_piece(p, f"{name}.{i}", arrays) for i, p in enumerate(layout))
+    keys = tuple(arrays[f"{name}.k{i}"] for i in range(layout["k"]))
+    return kb.KVPiece(keys, tuple(arrays[f"{name}.v{i}"] for i in range(layout["v"])))
+
+
+def _arrays(snap: list) -> list:
+    return [a for item in snap for a in sc._arrays(item)]
+
+
+def fsync_path(path: Path) -> None:
+    """fsync a file or a folder (after a rename, so the new name survives a crash)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,1 @@
+"""Embedding and reranking encoders on MLX (BERT family)."""

@@ -1,0 +1,1 @@
+"""Speculative decoding inside continuous batching: drafting, verification, draft models."""

@@ -1,0 +1,1 @@
+"""Whisper (speech to text) on MLX: the model, its tokenizer, decoding and word timings."""

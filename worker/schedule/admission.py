@@ -1,0 +1,219 @@
+"""Who runs next: the waiting queue, the rows the runner holds, and admission at a step.
+
+- at most `max_num_seqs` sequences run; new ones are admitted at step boundaries, by
+  priority class, then fair share between tenants (API keys), then arrival
+  (worker/schedule/fair_share.py);
+- a request starved beyond a bound preempts a row held beyond its tenant's share: the row is
+  paused with its KV in the prefix cache (runner.remove) and re-queued at its old place; the
+  output it has sent stays sent, and it resumes with the next token;
+- each step reads at most a budget of prompt tokens across the rows still prefilling, and
+  admits new prompts only while that budget is shared fairly between rows
+  (worker/schedule/prefill_plan.py) and between tenants (FairQueue.may_start_prefill);
+- a request with prompt logprobs waits until they are computed; sibling choices (n > 1) wait
+  until choice 0 decodes (its prompt KV is then in the prefix cache);
+- with a KV budget (worker/model/kv_budget.py), a row is admitted only while the KV every admitted
+  row may grow to fits it; the prefix cache gives way (cut to what the rows leave, once the
+  new row has looked up its prefix), and a row that does not fit waits at the head of the
+  queue (those behind it wait too, so a long prompt is not starved by short ones) until
+  rows end or are paused.
+Admission never ends a request itself: what the runner refuses comes back to the scheduler
+as (sequence, error event), and the other rows are unaffected."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from mlxgw.shared import protocol as p
+from mlxgw.shared.errors import ServiceError
+from mlxgw.worker.model.interfaces import TextRunner
+from mlxgw.worker.model.isolation import as_service_error
+from mlxgw.worker.model.kv_budget import KVBudget
+from mlxgw.worker.schedule.choices import ChoiceGroups
+from mlxgw.worker.schedule.fair_share import FairQueue, Row, Waiting, clean_weight
+from mlxgw.worker.schedule.prefill_plan import PrefillBudget
+from mlxgw.worker.schedule.prefix_inflight import SharedPrefill
+from mlxgw.worker.schedule.sequence import Phase, Sequence
+
+log = logging.getLogger("mlxgw.worker")
+
+Refused = tuple[Sequence, dict]  # a sequence to end, with its error event
+
+
+class Admission:
+    def __init__(
+        self,
+        runner: TextRunner,
+        max_num_seqs: int,
+        prefill: PrefillBudget,
+        fair: FairQueue,
+        choices: ChoiceGroups,
+        kv: KVBudget | None = None,
+    ):
+        """kv: the KV budget rows are admitted within (None: by count alone)."""
+        self.runner = runner
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.prefill = prefill
+        self.waiting = fair
+        self.choices = choices
+        self.running: dict[int, Sequence] = {}  # the runner's rows, by uid
+        self.prefilled_tokens = 0  # prompt tokens computed (not served by the prefix cache)
+        # One prefill per prefix in flight (worker/schedule/prefix_inflight.py), where the runner can
+        # publish a running row's prompt KV at its first token (not a lockstep group's).
+        self.shared_prefill = SharedPrefill(runner) if runner.supports_shared_prefill else None
+
+    def queue(self, seq: Sequence) -> None:
+        req = seq.req
+        tenant = req.tenant if isinstance(req.tenant, str) else ""
+        self.waiting.push(
+            Waiting(req.priority, seq.arrival, req.rid, tenant, clean_weight(req.weight), time.monotonic())
+        )
+
+    def release(self, seq: Sequence) -> None:
+        """seq no longer runs (ended, or its row was taken from the runner)."""
+        if seq.uid is not None and self.running.pop(seq.uid, None) is not None:
+            self._bound_prefix_cache()
+        if self.shared_prefill is not None:
+            self.shared_prefill.release(seq)
+
+    def reserved(self, extra: Sequence | None = None) -> int:
+        """KV bytes the running rows (and extra) may grow to."""
+        rows = list(self.running.values()) + ([extra] if extra is not None else [])
+        return self.kv.bytes_for([reach(s) for s in rows]) if self.kv is not None else 0
+
+    def _bound_prefix_cache(self) -> None:
+        """The prefix cache may hold what the rows' reservations leave of the budget."""
+        if self.kv is not None:
+            self.runner.limit_prefix_cache(max(0, self.kv.budget_bytes - self.reserved()))
+
+    def _fits(self, seq: Sequence) -> bool:
+        """Whether seq's row fits the KV budget beside the running rows (the prefix cache is
+        evictable: it gives way once the row is in, _insert); else it waits."""
+        if self.kv is None:
+            return True
+        self.kv.waiting_for_memory = self.reserved(seq) > self.kv.budget_bytes
+        return not self.kv.waiting_for_memory
+
+    def admit(self, seqs: dict[str, Sequence]) -> list[Refused]:
+        """Start waiting sequences (seqs: every live one, by request id) while there is room."""
+        refused: list[Refused] = []
+        deferred: list[Waiting] = []
+        self.prefill.start_step(self.running.values())
+        refused += self._preempt_for_starved(seqs)
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            rows = self._rows()
+            entry = self.waiting.pop(rows)
+            if entry is None:
+                break
+            seq = seqs.get(entry.rid)
+            if seq is None or seq.uid is not None:
+                continue  # cancelled while queued
+            if seq.scorer is not None:
+                deferred.append(entry)  # its prompt logprobs come first
+                continue
+            leader = seqs.get(self.choices.is_follower(entry.rid) or "")
+            if leader is not None and leader.phase != Phase.DECODE:
+                deferred.append(entry)  # choice 0's prompt KV is not in the prefix cache yet
+                continue
+            if self.shared_prefill is not None and self.shared_prefill.waits(seq, self.running.values()):
+                deferred.append(entry)  # another row reads its prefix now: reuse it once published
+                continue
+            if self.prefill.enabled and not seq.tokens and not self.waiting.may_start_prefill(entry, rows):
+                deferred.append(entry)  # its key has its share of the prompt budget: another key's first
+                continue
+            if not self.prefill.fits(self.running.values(), seq):
+                deferred.append(entry)  # this step's prompt budget is taken: next step
+                break
+            if not self._fits(seq):
+                deferred.append(entry)  # its KV does not fit beside the running rows: it waits
+                break
+            try:
+                self._insert(seq)
+            except Exception as e:  # a vision model's images its tower cannot take, or any fault
+                if not isinstance(e, ServiceError):
+                    log.error("admitting %s failed: %r", entry.rid, e, exc_info=e)
+                refused.append((seq, p.error_event(as_service_error(e, "admitting it"))))
+        for entry in deferred:
+            self.waiting.push(entry)
+        if self.kv is not None and not self.waiting:
+            self.kv.waiting_for_memory = False
+        return refused
+
+    def _insert(self, seq: Sequence) -> None:
+        """Into the runner; a resumed row continues from its prompt + generated tokens (their
+        KV is in the prefix cache since its pause), for the tokens it has left."""
+        # A fresh row passes its prompt object itself: a vision prompt carries its pixels on it.
+        prompt = seq.prompt + seq.tokens if seq.tokens else seq.prompt
+        # Options only runners with supports_choices take (checked at submit).
+        extra: dict = {} if seq.req.logprobs is None else {"logprobs": seq.req.logprobs}
+        if self.choices.is_leader(seq.req.rid):
+            extra["keep_prompt"] = True
+        uid, cached = self.runner.insert(
+            prompt, seq.max_tokens - seq.generated, seq.req.sampling, seq.constraint, guard=seq.guard, **extra
+        )
+        seq.uid = uid
+        if not seq.tokens:
+            seq.cached_tokens = cached  # usage reports the first admission's cache hit
+        self.prefilled_tokens += len(prompt) - cached
+        seq.to_prefill = max(0, len(prompt) - cached - 1)
+        seq.phase = Phase.PREFILL if not seq.tokens else Phase.DECODE
+        self.running[uid] = seq
+        # After the lookup, so that a cut to make room never evicts the prefix this row reuses
+        # (its copy is inside its own reservation).
+        self._bound_prefix_cache()
+
+    def _rows(self) -> list[Row]:
+        def row(s: Sequence) -> Row:
+            rid = s.req.rid  # choices share one prompt's KV: none of them is paused
+            pausable = s.preemptible() and not self.choices.is_leader(rid) and not self.choices.is_follower(rid)
+            weight = clean_weight(s.req.weight)
+            return Row(rid, s.req.tenant or "", weight, s.req.priority, s.generated, pausable, s.to_prefill > 0)
+
+        return [row(s) for s in self.running.values()]
+
+    def _preempt_for_starved(self, seqs: dict[str, Sequence]) -> list[Refused]:
+        """Pause one running row when the request next in line has waited beyond the bound
+        and a row is held beyond its tenant's share (FairQueue.victim)."""
+        full = len(self.running) >= self.max_num_seqs or (self.kv is not None and self.kv.waiting_for_memory)
+        if not full or not self.waiting:
+            return []
+        seq = seqs.get(self.waiting.victim(self._rows(), time.monotonic()) or "")
+        if seq is None or seq.uid is None:
+            return []
+        try:
+            self.runner.remove([seq.uid])
+        except Exception as e:  # the runner no longer holds it: end it rather than resume blind
+            log.warning("pausing %s failed: %r", seq.req.rid, e)
+            return [(seq, p.error_event(as_service_error(e, "pausing it")))]
+        del self.running[seq.uid]
+        self._bound_prefix_cache()
+        seq.uid, seq.paused, seq.phase, seq.to_prefill = None, seq.paused + 1, Phase.QUEUED, 0
+        self.queue(seq)
+        log.info("paused %s (tenant share) after %d tokens", seq.req.rid, seq.generated)
+        return []
+
+    def counters(self) -> dict:
+        budget = self.prefill
+        return {
+            "prefilled_tokens": self.prefilled_tokens,
+            "max_num_seqs": self.max_num_seqs,
+            "prefill_budget": budget.per_step,
+            "prefill_step_budget": budget.step_budget if budget.enabled else None,
+            "prefill_tokens_per_s": round(budget.pace.tokens_per_s, 1) if budget.pace.tokens_per_s else None,
+            "fair_share": self.waiting.enabled,
+            "preemptions": self.waiting.preemptions,
+            "kv": self.kv_counters(),
+        }
+
+    def kv_counters(self) -> dict | None:
+        """The KV budget, what the rows reserve and what is free, for /v1/status."""
+        if self.kv is None:
+            return None
+        cache = self.runner.cache_stats().get("bytes", 0)
+        return self.kv.counters([reach(s) for s in self.running.values()], cache)
+
+
+def reach(seq: Sequence) -> int:
+    """The tokens a row may hold: its prompt and every token it may generate."""
+    return len(seq.prompt) + seq.max_tokens

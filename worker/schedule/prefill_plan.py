@@ -1,0 +1,200 @@
+"""How much prompt processing one engine step does: a per-step token budget.
+
+Every step runs one decode step for the rows already generating and one prefill chunk for
+the rows still reading their prompts (mlx-lm's BatchGenerator). The prefilling rows are one
+right-padded batch, so a step costs (rows prefilling) x (the longest chunk) token-passes,
+padding included. Bounding that product by `budget` bounds how long decoding rows wait per
+step, whatever arrives; the same budget decides how many new prompts start:
+
+- each prefilling row gets a chunk of budget // rows tokens (at least 1);
+- a waiting prompt is admitted, first come first served, while every prefilling row (itself
+  included) would still finish its prompt in this step or get at least a quarter of the
+  budget: short prompts arriving together start together (a 512 budget takes six 80-token
+  prompts in one step), a long prompt reading its thousands of tokens still lets up to three
+  short ones in beside it at the next step (it slows down, they do not wait for it), and no
+  row is ever sliced so thin that nobody finishes;
+- when nothing is prefilling, the first waiting prompt is always admitted (progress);
+- while no row is decoding, the rows being read share IDLE_BUDGET_FACTOR budgets a step
+  (nobody waits on them but each other), but new prompts are still admitted by one budget:
+  a prompt's first token comes at the end of the step that reads its last chunk, so a
+  burst started a budget at a time has its first group decoding while the next is read.
+
+On a slow or loaded host the same token budget can take minutes: a 2,048-token step of an
+idle model's burst took over 120 s on a shared 2-core CPU, and the gateway's watchdog
+(one engine step past 120 s is a hang) killed the worker mid-prefill. `PrefillPace` measures
+how fast this host reads prompt tokens and caps each step's budget at what it reads in
+MAX_PREFILL_STEP_S, or in MAX_STEP_WHILE_DECODING_S while other rows decode (each of their
+tokens waits for the step: a 512-token budget was 40 s per token for them on that host), so
+a step stays short wherever it runs; on a fast host the cap is far above the budget and
+changes nothing. The bound beside decoding rows is 4 s, not 2: the measured rate counts the
+decode in the step's time, so at 2 s the cap bit below the budget on a 2-core host and the
+prompts arriving during a closed loop's decoding were read in more, smaller chunks (c = 16
+in-process, bench/admission.py: TTFT p50 2.0 s at 4 s against 3.2 s at 2 s, tok/s equal, the
+largest token gap 1.8-2.1 s at either).
+
+The first step of a fresh worker has no measured rate, and on that same host its 512-token
+step of a 0.5B model ran past 120 s: so it is bounded from the start (FIRST_STEP_BUDGET
+tokens, a few seconds even there), and the steps after it are paced by the rate it measured.
+The step bounds follow the watchdog's (`for_hang_timeout`): a gateway configured with a
+short hang timeout gets proportionally shorter steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mlxgw.worker.model.interfaces import TextRunner
+    from mlxgw.worker.schedule.sequence import Sequence
+
+MIN_SHARE_DIVISOR = 4  # a long prompt keeps at least budget / 4 tokens per step
+MAX_PREFILL_STEP_S = 10.0  # a twelfth of the gateway's hang bound (120 s)
+MAX_STEP_WHILE_DECODING_S = 4.0  # a decoding row's token waits at most this for a prefill chunk
+MIN_PACED_BUDGET = 32  # below this a step's fixed cost dominates its prompt reading
+FIRST_STEP_BUDGET = 64  # prompt tokens of the first step, before any rate is measured
+HANG_TO_STEP = 12  # a paced step aims at this fraction of the watchdog's bound
+IDLE_BUDGET_FACTOR = 4  # prompt budget of a step when no row is decoding (nobody waits on it)
+
+
+@dataclass
+class PrefillPace:
+    """Prompt tokens this host reads per second (smoothed over recent steps), and the
+    budget that keeps a step within `max_step_s`."""
+
+    max_step_s: float = MAX_PREFILL_STEP_S
+    max_step_decoding_s: float = MAX_STEP_WHILE_DECODING_S
+    tokens_per_s: float | None = None  # None until a step has read a prompt
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        """One step read `tokens` prompt tokens in `seconds` (decoding rows included, which
+        errs towards smaller steps)."""
+        if tokens <= 0 or seconds <= 0:
+            return
+        rate = tokens / seconds
+        # the slower of the last two readings leads: a step that got slow (a longer context,
+        # a busier host) shrinks the next one at once; recovery takes a step or two
+        self.tokens_per_s = rate if self.tokens_per_s is None else min(rate, (rate + self.tokens_per_s) / 2)
+
+    @classmethod
+    def for_hang_timeout(cls, hang_timeout_s: float | None) -> PrefillPace:
+        """Step bounds a twelfth of the watchdog's (the defaults for its default 120 s)."""
+        if not hang_timeout_s or hang_timeout_s <= 0:
+            return cls()
+        step = min(MAX_PREFILL_STEP_S, hang_timeout_s / HANG_TO_STEP)
+        return cls(max_step_s=step, max_step_decoding_s=min(MAX_STEP_WHILE_DECODING_S, step))
+
+    def cap(self, budget: int, decoding: bool = False) -> int:
+        """This step's budget: `budget` unless this host is too slow for it; before any rate
+        is measured (a fresh worker's first prefill), FIRST_STEP_BUDGET at most.
+        decoding: other rows are generating and wait for this step."""
+        if self.tokens_per_s is None:
+            return min(budget, FIRST_STEP_BUDGET)
+        seconds = self.max_step_decoding_s if decoding else self.max_step_s
+        return min(budget, max(MIN_PACED_BUDGET, int(self.tokens_per_s * seconds)))
+
+
+def chunk_for(rows: int, budget: int) -> int:
+    return max(1, budget // max(1, rows))
+
+
+def fits(remaining: list[int], budget: int) -> bool:
+    """Whether these prefilling rows (tokens left to read) can share one step's budget."""
+    if len(remaining) <= 1:
+        return True
+    share = chunk_for(len(remaining), budget)
+    floor = max(1, budget // MIN_SHARE_DIVISOR)
+    return all(share >= min(r, floor) for r in remaining)
+
+
+def admit_count(prefilling: list[int], waiting: list[int], budget: int) -> int:
+    """How many of `waiting` (tokens to read, in admission order) start this step, given the
+    rows already prefilling (tokens each has left)."""
+    plan = [r for r in prefilling if r > 0]
+    admitted = 0
+    for need in waiting:
+        if need <= 0:  # served whole from the prefix cache: nothing to read
+            admitted += 1
+            continue
+        if plan and not fits(plan + [need], budget):
+            break
+        plan.append(need)
+        admitted += 1
+    return admitted
+
+
+PREFILL_TIME_SLACK = 2.0  # a prompt gets twice what this host's measured rate says it needs
+
+
+def prefill_bound(prompt_tokens: int, floor_s: float | None, tokens_per_s: float | None) -> float:
+    """Queue + prompt processing bound: the configured one as a floor, or, for a prompt this
+    host reads slower than that, twice the time its measured prefill rate needs (a stuck
+    worker is the watchdog's business: it makes no progress)."""
+    floor = floor_s or 0.0
+    if not tokens_per_s:
+        return floor
+    return max(floor, PREFILL_TIME_SLACK * prompt_tokens / tokens_per_s)
+
+
+@dataclass
+class PrefillBudget:
+    """One worker's per-step prompt budget over its running rows (the scheduler asks it).
+
+    per_step: prompt tokens per step across the prefilling rows; None when the runner does
+    not take a chunk size (every admitted prompt then reads the runner's own chunk per step,
+    and nothing here limits admission)."""
+
+    per_step: int | None
+    pace: PrefillPace = field(default_factory=PrefillPace)
+    idle_factor: int = IDLE_BUDGET_FACTOR
+    step_budget: int = 0  # prompt tokens this step reads (start_step)
+    chunk: int = 0  # prompt tokens per prefilling row in this step
+    idle_admit_factor: int = 1  # budgets new prompts are admitted by while no row decodes
+    admit_budget: int = 0  # prompt tokens this step admits new prompts by (start_step)
+
+    @property
+    def enabled(self) -> bool:
+        return self.per_step is not None
+
+    def start_step(self, rows: Iterable[Sequence]) -> None:
+        """This step's budgets. The budget protects rows that are decoding. With none, the
+        prompts being read only wait for each other, so they read `idle_factor` budgets a
+        step (fewer, larger chunks); but new prompts are still admitted one budget at a
+        time, because a prompt's first token comes at the end of the step that reads its
+        last chunk (worker/model/batch_generator.py): a burst admitted a budget at a time gets its
+        first tokens group by group, where one step reading the whole burst gave every
+        prompt in it the last one's wait."""
+        budget = self.per_step or 0
+        decoding = any(s.to_prefill == 0 for s in rows)
+        self.step_budget = self.pace.cap(budget if decoding else budget * self.idle_factor, decoding)
+        admit = budget if decoding else budget * min(self.idle_admit_factor, self.idle_factor)
+        self.admit_budget = min(self.step_budget, self.pace.cap(admit, decoding))
+
+    def fits(self, rows: Iterable[Sequence], seq: Sequence) -> bool:
+        """Whether seq may start this step. Its cached prefix is not known before the runner
+        looks it up, so the whole prompt counts (a cache hit then leaves room for more)."""
+        if self.per_step is None:
+            return True
+        return admit_count(_left(rows), [len(seq.prompt) - 1], self.admit_budget) == 1
+
+    def share(self, rows: Iterable[Sequence], runner: TextRunner) -> int:
+        """Share this step's budget among the rows still reading their prompts; returns the
+        prompt tokens this step reads (what the pace is measured on)."""
+        if self.per_step is None:
+            return 0
+        left = _left(rows)
+        self.chunk = chunk_for(len(left), self.step_budget)
+        runner.set_prefill_chunk(self.chunk)
+        return sum(min(n, self.chunk) for n in left)
+
+    def count(self, rows: Iterable[Sequence]) -> None:
+        """The runner read min(left, chunk) prompt tokens of every prefilling row."""
+        if self.per_step is None:
+            return
+        for seq in rows:
+            seq.to_prefill -= min(seq.to_prefill, self.chunk)
+
+
+def _left(rows: Iterable[Sequence]) -> list[int]:
+    return [s.to_prefill for s in rows if s.to_prefill > 0]

@@ -1,0 +1,68 @@
+"""One prefill per prefix in flight.
+
+Agents of one team start together with the same system prompt and tools: admitted at once,
+each row would read that prefix itself, and the prefix cache would only help the next
+wave. Instead, a waiting prompt that shares a long prefix with a row still reading it (past
+what that row took from the cache) asks that row to publish its prompt's KV to the block
+store at its first token (as choice 0 does for its sibling choices) and waits for it; then it
+reads only what it adds. A resend of a prompt whose first copy is still prefilling waits the
+same way. Rows nobody waits on publish nothing early: no memory beyond the KV budget's."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from mlxgw.worker.schedule.sequence import Phase, Sequence
+
+# A wait is worth it only for a prefix this long (a few prefill chunks); below it the rows
+# read their prompts side by side as before.
+MIN_SHARED_TOKENS = 256
+
+
+def shared_prefix(a: list[int], b: list[int]) -> int:
+    n, step, i = min(len(a), len(b)), 64, 0
+    while i + step <= n and a[i : i + step] == b[i : i + step]:  # whole slices: compared in C
+        i += step
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def worth_keeping(prompt) -> bool:
+    """Whether a prompt is long enough for others to wait for its KV (keep it at its first token)."""
+    return type(prompt) is list and len(prompt) >= MIN_SHARED_TOKENS
+
+
+def reading_same_prefix(seq: Sequence, running: Iterable[Sequence]) -> Sequence | None:
+    """A running row still prefilling at least MIN_SHARED_TOKENS of seq's prompt that the
+    cache did not give it, or None. Resumed rows (tokens generated) and prompts carrying
+    images do not wait."""
+    if seq.tokens or not worth_keeping(seq.prompt):
+        return None
+    for other in running:
+        if other.phase != Phase.PREFILL or other.tokens or type(other.prompt) is not list:
+            continue
+        if shared_prefix(seq.prompt, other.prompt) - other.cached_tokens >= MIN_SHARED_TOKENS:
+            return other
+    return None
+
+
+class SharedPrefill:
+    """Admission's side: which rows were asked to publish their prompt, by request id."""
+
+    def __init__(self, runner) -> None:
+        self.runner = runner  # with publish_prompt(uid): keep that row's prompt KV at its first token
+        self.publishing: set[str] = set()
+
+    def waits(self, seq: Sequence, running: Iterable[Sequence]) -> bool:
+        """Whether seq should wait for a row reading its prefix now (asked to publish it)."""
+        leader = reading_same_prefix(seq, running)
+        if leader is None or leader.uid is None:
+            return False
+        if leader.req.rid not in self.publishing:
+            self.runner.publish_prompt(leader.uid)
+            self.publishing.add(leader.req.rid)
+        return True
+
+    def release(self, seq: Sequence) -> None:
+        self.publishing.discard(seq.req.rid)
