@@ -37,9 +37,14 @@ def _keys_path(path: Path | None) -> Path:
 @click.option("--models", default="", help="comma-separated model names or globs (default: all)")
 @click.option("--expires", default=None, help="ISO time, e.g. 2027-01-01T00:00:00Z")
 @click.option("--admin", is_flag=True, help="may manage keys and models, see usage, cancel anyone's request")
+@click.option(
+    "--manage-models",
+    is_flag=True,
+    help="may pull, create, copy and delete the models its --models patterns name (Ollama's /api/pull ...)",
+)
 @click.option("--file", "path", type=click.Path(path_type=Path), default=None)
 def create_key(
-    name, rpm, tpm, tpd, tpmo, aspm, max_concurrent, weight, min_priority, models, expires, admin, path
+    name, rpm, tpm, tpd, tpmo, aspm, max_concurrent, weight, min_priority, models, expires, admin, manage_models, path
 ) -> None:
     from mlxgw.gateway.access.key_admin import KeyEditError, create_key
 
@@ -53,6 +58,8 @@ def create_key(
         changes["expires"] = expires
     if admin:
         changes["admin"] = True
+    if manage_models:
+        changes["manage_models"] = True
     try:
         key, _ = create_key(path, name, changes)
     except KeyEditError as e:

@@ -39,6 +39,7 @@ def setup(tiny_dir, tmp_path_factory):
     keys = root / "keys.yaml"
     admin, _ = create_key(keys, "admin", {"admin": True})
     user, _ = create_key(keys, "user", {})
+    manager, _ = create_key(keys, "manager", {"manage_models": True, "models": ["echo-*", "team-*"]})
     config = {
         "manager": {"auto_discover": False, "allowed_import_paths": [str(allowed)]},
         "models": [{"name": "echo-agent", "engine": "echo", "preload": True}],
@@ -54,7 +55,7 @@ def setup(tiny_dir, tmp_path_factory):
     finally:
         for k, v in saved.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
-    yield {"gw": gw, "admin": admin, "user": user, "allowed": allowed, "root": root, "hub": hub}
+    yield {"gw": gw, "admin": admin, "user": user, "manager": manager, "allowed": allowed, "root": root, "hub": hub}
     gw.stop()
     hub.stop()
 
@@ -238,6 +239,23 @@ def test_an_ordinary_key_is_refused_in_ollamas_shape(setup, method, path, body):
     status, out = call(setup, method, path, body, key="user")
     assert status == 403 and set(out) == {"error"} and "admin key" in out["error"]
     assert entry(setup, "echo-agent") is not None and entry(setup, "mine") is None
+
+
+def test_a_key_granted_manage_models_changes_only_the_models_it_names(setup):
+    """`manage_models: true` opens the four routes to a key that is not an admin, for the
+    names its `models` patterns allow: the model copied from as well as the new one."""
+    assert call(setup, "POST", "/api/copy", {"source": "echo-agent", "destination": "team-copy"}, "manager")[0] == 200
+    assert entry(setup, "team-copy") is not None
+    for path, body in [
+        ("/api/copy", {"source": "echo-agent", "destination": "elsewhere"}),
+        ("/api/create", {"model": "team-made", "from": "tiny-outside"}),
+        ("/api/delete", {"model": "not-ours"}),
+    ]:
+        status, out = call(setup, "POST" if path != "/api/delete" else "DELETE", path, body, "manager")
+        assert status == 403 and "may not manage model" in out["error"], (path, out)
+    assert entry(setup, "elsewhere") is None and entry(setup, "team-made") is None
+    assert call(setup, "DELETE", "/api/delete", {"model": "team-copy"}, "manager")[0] == 200
+    assert entry(setup, "team-copy") is None
 
 
 def test_pull_streams_progress_and_serves_the_model(setup):

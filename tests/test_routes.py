@@ -62,7 +62,7 @@ def test_usage_rows_are_api_calls_only():
         if route.usage is not None:
             # POST, and Ollama's DELETE /api/delete (a change the operator's ledger records)
             assert route.methods in (("POST",), ("DELETE",)), route.path
-            assert route.access in (Access.KEY, Access.ADMIN), route.path
+            assert route.access in (Access.KEY, Access.ADMIN, Access.MANAGE), route.path
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +106,7 @@ def test_the_middlewares_enforce_each_entry(keyed_gateway, method, route):
     assert status == 401, (status, out)
     assert "API key" in _error_message(route.family, out)
     status, _, out = http(url, method, body, {"Authorization": f"Bearer {KEYS['user']}"})
-    if route.access in (Access.ADMIN, Access.OBSERVER):
+    if route.access in (Access.ADMIN, Access.OBSERVER, Access.MANAGE):
         assert status == 403, (status, out)
         assert "admin" in _error_message(route.family, out)
     else:

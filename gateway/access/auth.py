@@ -77,6 +77,10 @@ async def auth_middleware(request: web.Request, handler):
     key = request["key"] = batch_key(store, owner) if from_batch else authenticate(request, store)
     if route.access is Access.ADMIN and not key.admin:
         raise ServiceError(ErrorCode.PERMISSION, f"{request.method} {request.path} needs an admin key")
+    if route.access is Access.MANAGE and not (key.admin or key.manage_models):
+        raise ServiceError(
+            ErrorCode.PERMISSION, f"{request.method} {request.path} needs an admin key or one with manage_models"
+        )
     if not route.metered:
         return await handler(request)
     limiter: RateLimiter = request.app[LIMITER]
@@ -159,6 +163,17 @@ def may_use(request: web.Request, slot) -> bool:
     show a key only these (issue 26)."""
     key = request.get("key")
     return key is None or key.allows(slot.name, *slot.entry.aliases)
+
+
+def may_manage(request: web.Request, *names: str) -> None:
+    """A key granted `manage_models` changes only the models its `models` patterns name (the
+    model a copy or create starts from included); an admin key, or no keys at all, any."""
+    key = request.get("key")
+    for name in names:
+        if key is not None and not key.admin and not key.allows(name):
+            raise ServiceError(
+                ErrorCode.PERMISSION, f"API key '{key.name}' may not manage model '{name}'", param="model"
+            )
 
 
 def resolve_model(request: web.Request, requested: str, kinds: tuple[ModelKind, ...] = CHAT_KINDS):

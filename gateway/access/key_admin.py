@@ -14,7 +14,8 @@ from mlxgw.gateway.access.keys import KeysFileError, check_min_priority, check_w
 
 LIMIT_FIELDS = ("rpm", "tpm", "tpd", "tpmo", "aspm", "max_concurrent")
 SHARE_FIELDS = ("weight", "min_priority")  # fair share and granted priority (None: the defaults)
-EDITABLE_FIELDS = (*LIMIT_FIELDS, *SHARE_FIELDS, "models", "expires", "admin")
+GRANT_FIELDS = ("admin", "manage_models")  # true or absent
+EDITABLE_FIELDS = (*LIMIT_FIELDS, *SHARE_FIELDS, "models", "expires", *GRANT_FIELDS)
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,63}$")
 
 
@@ -51,9 +52,9 @@ def _check_value(field: str, value):
             raise KeyEditError("invalid", "'expires' must be an ISO time such as 2027-01-01T00:00:00Z") from None
         parsed = parsed if parsed.tzinfo else parsed.replace(tzinfo=dt.timezone.utc)
         return parsed.astimezone(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-    if field == "admin":
+    if field in GRANT_FIELDS:
         if not isinstance(value, bool):
-            raise KeyEditError("invalid", "'admin' must be true or false")
+            raise KeyEditError("invalid", f"'{field}' must be true or false")
         return value or None
     raise KeyEditError("invalid", f"unknown field {field!r} (known: {', '.join(EDITABLE_FIELDS)})")
 
@@ -69,7 +70,7 @@ def _apply(entry: dict, changes: dict) -> None:
 
 def public_entry(entry: dict) -> dict:
     """What may be shown about a key: everything but its hash."""
-    out = {"name": entry["name"], "admin": bool(entry.get("admin", False))}
+    out = {"name": entry["name"], **{grant: bool(entry.get(grant, False)) for grant in GRANT_FIELDS}}
     for field in (*LIMIT_FIELDS, "models", "expires", "created"):
         out[field] = entry.get(field)
     for field, default in (("weight", 1.0), ("min_priority", 0)):

@@ -15,6 +15,9 @@ keys:
     created: "2026-11-29T10:00:00Z"
     admin: false                # admin keys may cancel anyone's request and clear caches
     residency: false            # may its Ollama keep_alive load, pin or unload models (admins may)
+    manage_models: false        # may it pull, create, copy and delete models (Ollama's /api/pull,
+                                # /api/create, /api/copy, /api/delete; admins may), named by its
+                                # `models` patterns only
     mcp: [files]                # MCP servers it may use (default: those with allowed_tools)
     weight: 1                   # fair share of a busy worker's rows against other keys (default 1)
     min_priority: 0             # the most urgent `priority` it may ask (-100..100; default 0:
@@ -64,6 +67,7 @@ class ApiKey:
     tpmo: int | None = None  # tokens per UTC month (usage ledger)
     aspm: int | None = None  # seconds of uploaded audio per window (speech to text)
     residency: bool = False  # Ollama keep_alive may keep or unload models for everyone
+    manage_models: bool = False  # may change the registry (Ollama's model management), within `models`
     mcp: tuple[str, ...] | None = None  # MCP server labels/globs; None: gateway/mcp/access.py's default
     weight: float = 1.0  # its share of a busy worker against other keys (worker/schedule/fair_share.py)
     min_priority: int = 0  # the most urgent priority it may ask; lower asks are clamped to it
@@ -120,6 +124,7 @@ _FIELDS = {
     "tpmo",
     "aspm",
     "residency",
+    "manage_models",
     "mcp",
     "weight",
     "min_priority",
@@ -170,9 +175,10 @@ def parse_keys(data, source: str) -> tuple[list[ApiKey], float]:
         admin = raw.get("admin", False)
         if not isinstance(admin, bool):
             raise KeysFileError(f"{where} ({name}): 'admin' must be true or false")
-        residency = raw.get("residency", False)
-        if not isinstance(residency, bool):
-            raise KeysFileError(f"{where} ({name}): 'residency' must be true or false")
+        residency, manage_models = raw.get("residency", False), raw.get("manage_models", False)
+        for flag, value in (("residency", residency), ("manage_models", manage_models)):
+            if not isinstance(value, bool):
+                raise KeysFileError(f"{where} ({name}): '{flag}' must be true or false")
         mcp = raw.get("mcp")
         if isinstance(mcp, str):
             mcp = [mcp]
@@ -194,6 +200,7 @@ def parse_keys(data, source: str) -> tuple[list[ApiKey], float]:
                 created=raw.get("created"),
                 admin=admin,
                 residency=residency,
+                manage_models=manage_models,
                 mcp=tuple(mcp) if mcp is not None else None,
                 **limits,
                 **share,

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from mlxgw.gateway.access.auth import may_manage
 from mlxgw.gateway.api.modelfile import CreateSpec, parse_create
 from mlxgw.gateway.models.registry_edit import edit_registry, listed_entry, registry_file, reload_registry
 from mlxgw.gateway.pipeline import validate as v
@@ -127,6 +128,7 @@ async def pull(request: web.Request) -> web.StreamResponse:
     repo = _repo(body)
     name = model_name(repo.split("@")[0].split("/")[-1])
     request["model"] = name
+    may_manage(request, name)
     registry_file(request.app)  # refuse before downloading when models.yaml cannot be changed
     stream = body.get("stream") is not False
     response: web.StreamResponse | None = None
@@ -171,6 +173,7 @@ def _own_folder(request: web.Request, source: str) -> Path | None:
 async def delete(request: web.Request) -> web.Response:
     name = _named(await _body(request))
     request["model"] = name
+    may_manage(request, name)
     registry = request.app[MANAGER].registry
     found = {m.name: m for m in registry.discovered}
     remove: list[Path] = []
@@ -235,6 +238,7 @@ async def copy_model(request: web.Request) -> web.Response:
         raise invalid("missing required parameter: 'source'", "source")
     destination = model_name(body.get("destination"), "destination")
     request["model"] = destination
+    may_manage(request, source.strip(), destination)
 
     def change(data: dict) -> None:
         _refuse_existing(request, data, destination)
@@ -313,6 +317,7 @@ async def create(request: web.Request) -> web.StreamResponse:
     name = _named(body)
     request["model"] = name
     spec = parse_create(body, name)
+    may_manage(request, name, *(() if not spec.base or _is_path(spec.base) else (spec.base.removesuffix(":latest"),)))
     registry_file(request.app)
     from_path = await _path_entry(request, spec)
 

@@ -38,6 +38,7 @@ class Access(str, Enum):
     PUBLIC = "public"  # anyone: liveness checks, the console's static files
     KEY = "key"  # any valid key
     ADMIN = "admin"  # an admin key
+    MANAGE = "manage"  # an admin key or one granted `manage_models` (the registry's model management)
     OBSERVER = "observer"  # an admin key or the metrics token: these show every user's traffic
 
 
@@ -87,10 +88,10 @@ ROUTES: tuple[Route, ...] = (
     Route(("GET",), "/api/ps", _OLLAMA, metered=False),
     Route(("GET",), "/api/version", _OLLAMA, metered=False),
     # Ollama's model management (gateway/api/ollama_manage.py): the operator's, recorded
-    Route(("POST",), "/api/pull", _OLLAMA, access=Access.ADMIN, metered=False, usage="/api/pull"),
-    Route(("DELETE",), "/api/delete", _OLLAMA, access=Access.ADMIN, metered=False, usage="/api/delete"),
-    Route(("POST",), "/api/copy", _OLLAMA, access=Access.ADMIN, metered=False, usage="/api/copy"),
-    Route(("POST",), "/api/create", _OLLAMA, access=Access.ADMIN, metered=False, usage="/api/create"),
+    Route(("POST",), "/api/pull", _OLLAMA, access=Access.MANAGE, metered=False, usage="/api/pull"),
+    Route(("DELETE",), "/api/delete", _OLLAMA, access=Access.MANAGE, metered=False, usage="/api/delete"),
+    Route(("POST",), "/api/copy", _OLLAMA, access=Access.MANAGE, metered=False, usage="/api/copy"),
+    Route(("POST",), "/api/create", _OLLAMA, access=Access.MANAGE, metered=False, usage="/api/create"),
     # models, requests, caches
     Route(("GET",), "/"),  # Claude Code checks the server is there
     Route(("GET",), "/v1/models", **_CONTROL),
