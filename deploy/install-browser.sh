@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The console's browser tests (tests/test_console.py) drive Debian's chromium through its
+# The console's browser tests (tests/e2e/test_console.py) drive Debian's chromium through its
 # chromium-driver: nothing is downloaded at test time. Idempotent; best effort: as root, or
 # with passwordless sudo (CI runners), it installs them with apt-get; otherwise it prints how
 # to, and those tests skip saying why.

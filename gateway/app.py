@@ -167,7 +167,7 @@ def make_app(
 
 
 def unlisted_routes(app: web.Application) -> list[tuple[str, str]]:
-    """App routes with no policy entry (tests/test_routes.py requires none)."""
+    """App routes with no policy entry (tests/e2e/test_routes.py requires none)."""
     return [
         (r.method, r.resource.canonical)
         for r in app.router.routes()

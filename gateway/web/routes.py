@@ -6,7 +6,7 @@ metrics token), whether the concurrent-request ceiling applies to it, whether it
 against its key's rate and concurrency limits, its name in the usage ledger (None: not a
 usage row), and which model kinds it is the route for. The middlewares read their policy
 here (app.error_middleware, auth, ledger, observe.capacity_middleware): a route has no
-policy of its own anywhere else. tests/test_routes.py fails when an app route has no entry,
+policy of its own anywhere else. tests/e2e/test_routes.py fails when an app route has no entry,
 or an entry no route; a request no route matches (a 404, a 405) gets `unlisted`'s policy.
 
 Paths are aiohttp's canonical form (`/v1/models/{name}`: the variable's regex left out);
@@ -134,7 +134,7 @@ ROUTES: tuple[Route, ...] = (
 )
 
 # Paths no route matches answer in the shape of the API their prefix belongs to (an Anthropic
-# client's typo gets an Anthropic error); tests/test_routes.py checks every entry agrees.
+# client's typo gets an Anthropic error); tests/e2e/test_routes.py checks every entry agrees.
 _FAMILY_PREFIXES = (("/api/", Family.OLLAMA), ("/v1/messages", Family.ANTHROPIC))
 
 _BY_METHOD_PATH: dict[tuple[str, str], Route] = {(m, r.path): r for r in ROUTES for m in r.methods}

@@ -15,12 +15,16 @@ from .gateway import (
     wait_for,
 )
 from .http import free_port, http
+from .paths import DATA, FIXTURES, TESTS
 from .reference import run_reference
 
 __all__ = [
+    "DATA",
+    "FIXTURES",
     "LONG",
     "NO_EOS",
     "REPO",
+    "TESTS",
     "TINY_CONFIG",
     "GatewayProcess",
     "async_openai_client",

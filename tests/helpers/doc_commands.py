@@ -1,4 +1,4 @@
-"""The shell blocks of the docs, and how tests/test_docs.py runs or checks each command.
+"""The shell blocks of the docs, and how tests/e2e/test_docs.py runs or checks each command.
 
 A block is a fenced code block in a shell language. The line before its fence may mark it
 `<!-- not-run: why -->` or `<!-- mac-only: why -->`; a marked block is not executed, but

@@ -1,5 +1,5 @@
-"""Shared by the issue-26 tests (test_hostile_work.py): a keyed `mlxgw up` with the models
-and MCP servers they attack, and the requests and checks they make."""
+"""Shared by the capacity-isolation tests (tests/e2e/test_capacity_isolation.py): a keyed
+`mlxgw up` with the models and MCP servers they attack, and the requests and checks they make."""
 
 from __future__ import annotations
 

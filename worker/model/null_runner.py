@@ -37,7 +37,7 @@ class _Seq:
 
 class NullRunner(TextRunner):
     def __init__(self, context_length: int | None = None):
-        # Tests only (tests/test_load_progress.py): a load that takes this long, so its
+        # Tests only (tests/e2e/test_progress.py): a load that takes this long, so its
         # progress can be watched; unset everywhere else.
         time.sleep(float(os.environ.get("MLXGW_TEST_NULL_LOAD_S") or 0))
         self.context_length = context_length or 32768

@@ -196,7 +196,7 @@ class BlasThreadPolicy:
         pinned: a row needs the same rounding as it would get alone (a seeded draw), so the
         step runs at every thread, as a worker without this policy would, and is no sample:
         OpenBLAS's result differs in its last bits between counts, which moved a seeded
-        row's sample at temperature 1 to the neighbouring token (tests/test_batch_sampler.py)."""
+        row's sample at temperature 1 to the neighbouring token (tests/unit/test_batch_sampler.py)."""
         now = time.perf_counter()
         self._close(now)
         if not decode_rows and not reads_prompt:

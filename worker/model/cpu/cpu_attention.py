@@ -15,7 +15,7 @@ So here the scores are scaled by log2(e) with the query (one multiply of the sma
 softmax is `power(2, s - max)`, and rows with many scores are cut in two along the keys, each
 half on its own stream (MLX gives every CPU stream its own thread), the halves joined with
 their maxima and sums as flash-decoding does. Results agree with the fallback to float32
-rounding (tests/test_cpu_attention.py, the family matrix's greedy parity).
+rounding (tests/unit/test_cpu_attention.py, the family matrix's greedy parity).
 
 Installed by the MLX runner on the CPU device only, into mlx-lm's model modules (each calls
 `scaled_dot_product_attention` from `mlx_lm.models.base` by name). What it does not handle it

@@ -1,0 +1,96 @@
+"""`mlxgw bench` smoke test against the null engine: the tool works and reports figures."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from helpers import REPO
+
+
+def test_bench_alternates_servers_over_rounds_and_writes_reports(tiny_gateway, tmp_path):
+    out = tmp_path / "smoke"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from mlxgw.cli import main; main()",
+            "bench",
+            "--url",
+            f"{tiny_gateway.url}/v1",
+            "--model",
+            "null",
+            "--concurrency",
+            "1,4",
+            "--requests",
+            "8",
+            "--max-tokens",
+            "16",
+            "--compare",
+            f"{tiny_gateway.url}/v1",
+            "--compare-label",
+            "again",
+            "--rounds",
+            "2",
+            "--max-spread",
+            "0",  # any difference between rounds is "unstable": the run must say so and exit 3
+            "--out",
+            str(out),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 3, result.stdout + result.stderr
+    assert "this run is not a result" in result.stderr
+    report = json.loads(out.with_suffix(".json").read_text())
+    assert [(r["server"], r["concurrency"]) for r in report["levels"]] == [
+        ("mlxgw", 1),
+        ("again", 1),
+        ("mlxgw", 4),
+        ("again", 4),
+    ]
+    # Two rounds, the second starting with the other server; levels are medians over both.
+    assert [r["server"] for r in report["runs"]] == ["mlxgw", "again"] * 2 + ["again", "mlxgw"] * 2
+    for row in report["levels"]:
+        assert row["rounds"] == 2
+        assert row["completed"] == 16 and row["failed"] == 0
+        assert row["output_tokens"] == 16 * 16
+        assert row["ttft_p50_s"] is not None and row["output_tok_s"] > 0
+        assert len(row["output_tok_s_rounds"]) == 2  # every round kept beside the median
+    assert len(report["ratios"]["again"]) == 2
+    assert [log["order"] for log in report["method"]["round_logs"]] == [["mlxgw", "again"], ["again", "mlxgw"]]
+    md = out.with_suffix(".md").read_text()
+    assert "| server |" in md and "round 2: order again -> mlxgw; load average" in md
+    assert "fewer than 3" in result.stderr  # two rounds verify nothing, and it says so
+    assert "UNSTABLE" in md and report["method"]["unstable"]
+
+
+def test_bench_level_progress_is_plain_lines_off_a_terminal_and_one_redrawn_line_on_one():
+    import io
+
+    from mlxgw.bench.loadgen import RequestResult
+    from mlxgw.bench.progress import LevelProgress
+
+    plain = io.StringIO()
+    progress = LevelProgress("level 1/2 mlxgw c=4", 8, plain)
+    for i in range(8):
+        progress.update(RequestResult(ok=i != 3, status=200, tokens=16))
+    progress.close()
+    lines = plain.getvalue().splitlines()
+    assert lines[0] == "level 1/2 mlxgw c=4: 8 requests"
+    assert [line.split(": ")[1].split(",")[0] for line in lines[1:]] == ["2/8 done", "4/8 done", "6/8 done", "8/8 done"]
+    assert "1 failed" in lines[-1]
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    tty = Terminal()
+    progress = LevelProgress("level 2/2 mlxgw c=8", 3, tty)
+    for _ in range(3):
+        progress.update(RequestResult(ok=True, status=200, tokens=5))
+    progress.close()
+    assert "\n" not in tty.getvalue() and "3/3 done" in tty.getvalue() and "[####" in tty.getvalue()

@@ -1,0 +1,225 @@
+"""A team's sessions on one worker: the shared prefix held once, prefilled once, and kept on
+disk when memory evicts it (worker/model/cache/kv_blocks.py, worker/schedule/prefix_inflight.py,
+worker/model/cache/block_disk.py; three regression checks, on the tiny model: the behaviour
+does not depend on the weights)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from helpers import openai_client, start_gateway
+from helpers.runner_jobs import GREEDY, generate_together
+
+SYSTEM_WORDS = 600  # about 1,200 tokens of system prompt
+OWN_WORDS = 90
+
+
+def _runner(model_dir, cache_bytes: int, prefix_store=None):
+    from mlxgw.worker.model.runner import MLXRunner
+
+    return MLXRunner(
+        model_dir,
+        context_length=None,
+        max_num_seqs=8,
+        prefill_step_size=256,
+        cache_bytes=cache_bytes,
+        prefix_store=prefix_store,
+    )
+
+
+def _words(runner, salt: str, n: int) -> list[int]:
+    return runner.encode_text(" ".join(f"{salt}{i % 89}" for i in range(n)))
+
+
+def _run(runner, prompt: list[int], max_tokens: int = 4) -> tuple[list[int], int]:
+    uid, cached = runner.insert(prompt, max_tokens, GREEDY)
+    out: list[int] = []
+    while True:
+        for t in runner.step().tokens:
+            if t.uid == uid:
+                out.append(t.token)
+                if t.finish is not None:
+                    return out, cached
+
+
+def _distinct_tokens(sequences: list[list[int]]) -> int:
+    """Positions of the trie the sequences form: each shared prefix counted once."""
+    return len({tuple(s[: i + 1]) for s in sequences for i in range(len(s))})
+
+
+def test_six_sessions_sharing_a_system_prompt_hold_it_once(tiny_dir):
+    from mlxgw.worker.model.cache.kv_blocks import piece_arrays
+
+    runner = _runner(tiny_dir, 256 << 20)
+    system = _words(runner, "sys", SYSTEM_WORDS)
+    assert len(system) >= 1100
+    prompts = [system + _words(runner, f"own{k}-", OWN_WORDS) for k in range(6)]
+    for p in prompts:
+        _run(runner, p)
+    stored = [e.tokens for e in runner.prefix_cache.entries()]
+    assert len(stored) == 6
+    block = next(b for b in runner.prefix_cache.tree.blocks.values() if b.full)
+    per_token = sum(a.nbytes for p in block.pieces for a in piece_arrays(p)) / len(block.tokens)
+    distinct = _distinct_tokens(stored)
+    ratio = runner.prefix_cache.nbytes / (distinct * per_token)
+    assert ratio <= 1.2, f"{ratio:.2f}x the KV of the {distinct} distinct tokens"
+
+
+def test_a_session_evicted_from_memory_comes_back_from_disk_with_the_same_tokens(tiny_dir, tmp_path):
+    from mlxgw.worker.model.cache.prefix_store import PrefixStore, model_fingerprint
+
+    store = PrefixStore(tmp_path / "store", model_fingerprint(tiny_dir), 256 << 20)
+    probe = _runner(tiny_dir, 256 << 20)
+    first = _words(probe, "session-a", 500)
+    _run(probe, first)
+    one_session = probe.prefix_cache.nbytes
+    runner = _runner(tiny_dir, int(one_session * 1.5), prefix_store=store)
+    store.restore(runner.prefix_cache)  # attaches the live disk tier
+    expected, cached = _run(runner, first)
+    assert cached == 0
+    for k in range(4):  # four other sessions push it out of memory
+        _run(runner, _words(runner, f"other{k}-", 500))
+    assert not any(e.tokens[:50] == first[:50] for e in runner.prefix_cache.entries()), "still in memory"
+    again, cached = _run(runner, first)
+    assert cached >= 0.9 * len(first), f"{cached} of {len(first)} cached"
+    assert again == expected
+    tier = runner.cache_stats()["disk_tier"]
+    assert tier["read"] > 0 and tier["tokens_brought_back"] >= 0.9 * len(first)
+
+
+def test_a_torn_block_file_is_skipped_and_deleted(tiny_dir, tmp_path):
+    from mlxgw.worker.model.cache.prefix_store import PrefixStore, model_fingerprint
+
+    store = PrefixStore(tmp_path / "store", model_fingerprint(tiny_dir), 256 << 20)
+    runner = _runner(tiny_dir, 256 << 20, prefix_store=store)
+    store.restore(runner.prefix_cache)
+    prompt = _words(runner, "torn", 300)
+    expected, _ = _run(runner, prompt)
+    runner.prefix_cache.trim_to(0)  # everything to disk
+    files = sorted((tmp_path / "store" / "blocks").glob("*.safetensors"))
+    assert files
+    first_block = next(f for f in files if runner.prefix_cache.disk_tier.index[bytes.fromhex(f.stem)].start == 0)
+    first_block.write_bytes(first_block.read_bytes()[:100])  # a write cut by a crash
+    again, cached = _run(runner, prompt)
+    assert cached == 0 and again == expected  # nothing reachable past the torn first block
+    assert not first_block.exists() and runner.cache_stats()["disk_tier"]["skipped"] == 1
+
+
+def test_concurrent_requests_with_one_fresh_prefix_prefill_it_once(home, tiny_dir):
+    """Four requests reach a cold model together (they queue behind its load, so all four
+    are waiting when it is ready): the first reads the prefix, the others wait for its KV.
+    Small prefill chunks keep the first row reading long enough on a fast host; on the
+    shared tiny model, a request arriving after the first had read its prompt found it
+    decoding, not prefilling, and read the prefix again (CI: cached [3, 3, 1740, 1740])."""
+    config = {
+        "manager": {"auto_discover": False},
+        "models": [{"name": "tiny-prefix-once", "source": "tiny", "prefill_step_size": 32, "max_num_seqs": 8}],
+    }
+    gw = start_gateway(home, config, "prefix-once")
+    try:
+        _ask_together(gw)
+    finally:
+        gw.stop()
+
+
+def _ask_together(gw) -> None:
+    client = openai_client(gw)
+    system = " ".join(f"team{i % 89}" for i in range(SYSTEM_WORDS))
+    usage: list = [None] * 4
+
+    def ask(k: int) -> None:
+        answer = client.chat.completions.create(
+            model="tiny-prefix-once",
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": f"question {k} " * 20}],
+            max_tokens=2,
+            temperature=0,
+        )
+        usage[k] = answer.usage
+
+    threads = [threading.Thread(target=ask, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    cached = sorted(u.prompt_tokens_details.cached_tokens for u in usage)
+    assert usage[0].prompt_tokens > 1100
+    assert all(c >= 1000 for c in cached[1:]), f"cached tokens per request: {cached}"
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "gemma3_text", "falcon_h1"])
+def test_a_hybrid_family_resumes_from_disk_with_its_checkpoints(family, tmp_path, home, smollm2_dir):
+    from helpers.family_models import build_family_model
+
+    from mlxgw.worker.model.cache.prefix_store import PrefixStore, model_fingerprint
+
+    model_dir = build_family_model(family, home / "models" / f"fam-{family}", smollm2_dir)
+    store = PrefixStore(tmp_path / "store", model_fingerprint(model_dir), 256 << 20)
+    runner = _runner(model_dir, 256 << 20, prefix_store=store)
+    store.restore(runner.prefix_cache)
+    prompt = runner.encode_text("the quick brown fox jumps over the lazy dog " * 30)
+    (expected,) = generate_together(runner, [(prompt, 4)])
+    runner.prefix_cache.trim_to(0)
+    assert runner.prefix_cache.nbytes == 0
+    again, cached = _run(runner, prompt)
+    assert cached == len(prompt) - 1 and again == expected
+
+
+@pytest.fixture(scope="module")
+def tiered_gateway(home, tiny_dir):
+    from helpers import start_gateway
+
+    # 1 MB of memory holds about one 1,000-token session of the tiny model (512 bytes a token).
+    model = {"name": "tiny-tiered", "source": "tiny", "preload": True, "max_num_seqs": 4, "cache_memory_mb": 1}
+    gw = start_gateway(
+        home, {"manager": {"auto_discover": False}, "models": [{**model, "prefix_cache_disk_mb": 64}]}, "tiered"
+    )
+    yield gw
+    gw.stop()
+
+
+def test_through_the_api_a_session_evicted_by_four_others_resumes_from_disk(tiered_gateway):
+    from helpers import wait_for
+
+    client = openai_client(tiered_gateway)
+
+    def ask(salt: str):
+        system = " ".join(f"{salt}{i % 89}" for i in range(450))
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": "go on"}]
+        return client.chat.completions.create(model="tiny-tiered", messages=messages, max_tokens=2, temperature=0)
+
+    first = ask("alpha")
+    for k in range(4):
+        ask(f"beta{k}-")
+    again = ask("alpha")
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached >= 0.9 * again.usage.prompt_tokens, f"{cached} of {again.usage.prompt_tokens} cached"
+    assert again.choices[0].message.content == first.choices[0].message.content
+
+    def tier() -> dict:
+        workers = [w for w in tiered_gateway.model_status("tiny-tiered")["workers"] if w["state"] == "ready"]
+        return ((workers[0].get("stats") or {}).get("cache") or {}).get("disk_tier") or {} if workers else {}
+
+    wait_for(lambda: tier().get("read", 0) > 0, 15)
+    assert tier()["written"] > 0
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "gemma3_text"])
+def test_a_hybrid_family_keeps_a_checkpoint_where_a_prompt_left_a_stored_one(family, home, smollm2_dir):
+    """Raw prompts sharing a prefix that ends off every checkpoint: the second reads it in
+    full but keeps a checkpoint at the junction, and the third resumes there."""
+    from helpers.family_models import build_family_model
+
+    model_dir = build_family_model(family, home / "models" / f"fam-{family}", smollm2_dir)
+    runner = _runner(model_dir, 256 << 20)
+    shared = runner.encode_text("a shared preamble of plain words " * 12)
+    prompts = [shared + runner.encode_text(f" then {tail} goes its own way") for tail in ("alpha", "beta", "gamma")]
+    _run(runner, prompts[0])
+    junction = next(i for i, (a, b, c) in enumerate(zip(*prompts)) if len({a, b, c}) > 1)
+    assert junction >= len(shared)
+    _, second = _run(runner, prompts[1])
+    assert second < junction  # nothing stored at the junction yet
+    third, cached = _run(runner, prompts[2])
+    assert cached == junction
+    fresh, _ = _run(_runner(model_dir, 0), prompts[2])
+    assert third == fresh

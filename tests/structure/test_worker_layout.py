@@ -1,0 +1,46 @@
+"""The worker stays readable: the scheduler is policy only, no worker module grows
+past the size where it has more than one job. Line counts only: nothing is imported."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from helpers import REPO
+
+WORKER = REPO / "worker"
+SCHEDULER_MAX_LINES = 300
+MODULE_MAX_LINES = 400
+
+
+def _lines(path: Path) -> int:
+    return len(path.read_text().splitlines())
+
+
+def test_the_scheduler_is_at_most_300_lines():
+    assert _lines(WORKER / "schedule" / "scheduler.py") <= SCHEDULER_MAX_LINES
+
+
+def test_no_worker_module_is_over_400_lines():
+    too_long = {str(p.relative_to(WORKER)): n for p in WORKER.rglob("*.py") if (n := _lines(p)) > MODULE_MAX_LINES}
+    assert not too_long, f"split these by responsibility: {too_long}"
+
+
+def test_no_gateway_or_shared_module_is_over_400_lines():
+    root = WORKER.parent
+    too_long = {
+        str(p.relative_to(root)): n
+        for part in ("gateway", "shared")
+        for p in (root / part).rglob("*.py")
+        if (n := _lines(p)) > MODULE_MAX_LINES
+    }
+    assert not too_long, f"split these by responsibility: {too_long}"
+
+
+def test_one_runner_contract():
+    """worker/model/interfaces.py:TextRunner is the runner contract: no second base class, and the
+    scheduler asks the runner's supports_* flags instead of probing for methods."""
+    runner = (WORKER / "model" / "runner.py").read_text()
+    assert "ABC" not in runner and "abstractmethod" not in runner
+    for name in ("scheduler.py", "admission.py", "intake.py", "sequence.py", "sequence_output.py", "prefill_plan.py"):
+        source = (WORKER / "schedule" / name).read_text()
+        assert "hasattr(" not in source and "type: ignore" not in source, name
