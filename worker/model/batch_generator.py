@@ -43,7 +43,7 @@ class VectorBatchGenerator(BatchGenerator):
     # Set around every forward of this step's order with the uids of the rows it runs, in
     # batch order: the per-row LoRA adapters (worker/model/adapters.py) select their rows from it.
     route_rows: Callable[[list[int]], AbstractContextManager] | None = None
-    # False: mlx-lm's own order (the control, for bench/admission.py), where LoRA rows are not routed
+    # False: mlx-lm's own order (the control, for bench/team/admission.py), where LoRA rows are not routed
     reads_first = True
 
     def __init__(self, model, **kwargs):

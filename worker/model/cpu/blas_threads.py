@@ -31,7 +31,7 @@ prompt tokens it read); a speculative verification is no sample. Raw step times 
 compared before: steps of one kind read prompt chunks of different lengths and verified
 drafts of different widths, so three samples of each count were decided by which steps they
 happened to be as much as by the count (traced through the server, MLXGW_STEP_TRACE and
-bench/step_trace.py; bench/HISTORY.md, "The BLAS policy's samples").
+bench/step/trace.py; bench/HISTORY.md, "The BLAS policy's samples").
 
 Where the count cannot be set (Metal or CUDA, where matmuls do not run on the CPU BLAS;
 macOS's Accelerate) the policy is off: `shared/platform.py` says which.

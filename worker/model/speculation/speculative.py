@@ -54,11 +54,11 @@ MAX_BACKOFF = 16  # steps a row waits before drafting again after repeated misse
 # VERIFY_DRAFT_POSITIONS // rows tokens (at least 1). It caps the worst verification (32 rows
 # x 9 positions was a 288-token forward); it did not make c = 16 pay (0.91x): a verification
 # is as wide as its longest draft and on a CPU costs about that many plain steps at batch 16
-# (bench/verify_width.py; bench/HISTORY.md, "Speculation at c = 16 and 32").
+# (bench/speculation/verify_width.py; bench/HISTORY.md, "Speculation at c = 16 and 32").
 VERIFY_DRAFT_POSITIONS = 64
 # On the CPU device nothing speculates in a batch of more than this many rows unless the
 # model's speculative.max_rows says otherwise (vLLM's speculative_disable_by_batch_size).
-# Traced per step through the server (MLXGW_STEP_TRACE, bench/step_trace.py): on a CPU a
+# Traced per step through the server (MLXGW_STEP_TRACE, bench/step/trace.py): on a CPU a
 # verification costs about as much as the positions it feeds. Per token against a plain step
 # of the same rows it cost 0.3-0.8x at 1 row, 0.64x at 2 (code edits, 3.3 tokens a row per
 # verification), 0.96-1.38x at 4 (chat 1.8 tokens a row, code edits 1.5: with 4 rows some row
