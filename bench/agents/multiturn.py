@@ -33,7 +33,15 @@ from pathlib import Path
 
 from mlxgw.bench import method as bench_method
 from mlxgw.bench.method import Method
-from mlxgw.bench.serving.peers import show_log_tail, start_mlx_lm, start_mlxgw, start_vllm_mlx, stop_servers, wait_ready
+from mlxgw.bench.servers import (
+    ServerProcess,
+    registry,
+    show_log_tails,
+    spawn_mlx_lm,
+    spawn_mlxgw,
+    spawn_vllm_mlx,
+    stop_all,
+)
 from mlxgw.bench.stats import paired_ratios, summarize
 
 QUESTIONS = ["What does the scheduler do?", "And the prefix cache?", "Who reviews changes?", "Summarise it."]
@@ -149,13 +157,14 @@ def measure(servers: list[tuple], tokenizer, args, method: Method) -> dict[str, 
     return runs
 
 
-def start_servers(model_dir: Path, home: Path, args, log) -> list[tuple]:
-    servers = [("mlxgw", *start_mlxgw(model_dir, home, None, log))]
+def start_servers(model_dir: Path, home: Path, args, started: list[ServerProcess]) -> None:
+    """mlxgw and the peers asked for, appended to `started` as each starts (so that a failed
+    start still stops the ones before it)."""
+    started.append(spawn_mlxgw(home, registry(model_dir)))
     if not args.no_mlx_lm:
-        servers.append(("mlx_lm.server", *start_mlx_lm(model_dir, log)))
+        started.append(spawn_mlx_lm(model_dir, home))
     if args.vllm_python:
-        servers.append(("vllm-mlx", *start_vllm_mlx(args.vllm_python, model_dir, log)))
-    return servers
+        started.append(spawn_vllm_mlx(args.vllm_python, model_dir, home))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -181,20 +190,21 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    servers: list[tuple] = []
-    with tempfile.TemporaryDirectory(prefix="mlxgw-multiturn-") as tmp, open(Path(tmp) / "servers.log", "wb") as log:
+    started: list[ServerProcess] = []
+    with tempfile.TemporaryDirectory(prefix="mlxgw-multiturn-") as tmp:
         try:
-            servers = start_servers(model_dir, Path(tmp), args, log)
-            for label, url, proc, model in servers:
-                wait_ready(url, proc)
-                warm_up(url, model, args.api)
-                print(f"{label} ready at {url}", flush=True)
+            start_servers(model_dir, Path(tmp), args, started)
+            for server in started:
+                server.wait_ready()
+                warm_up(server.api, server.model, args.api)
+                print(f"{server.label} ready at {server.api}", flush=True)
+            servers = [(s.label, s.api, s, s.model) for s in started]
             runs = measure(servers, tokenizer, args, method)
         except Exception:
-            show_log_tail(log, Path(tmp) / "servers.log")
+            show_log_tails(started)
             raise
         finally:
-            stop_servers([proc for _, _, proc, _ in servers])
+            stop_all(started)
     md = markdown(runs, method, args.goal)
     head = f"({method.header()}; {args.api}, ~{args.system_tokens}-token system prompt with 4 tools, greedy, "
     md = head + f"{args.max_tokens} tokens a turn)\n\n{md}\n\n" + "\n".join(x.line() for x in method.logs)

@@ -13,44 +13,25 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import resource
-import socket
-import subprocess
-import sys
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
+from mlxgw.bench.servers import ServerProcess, start_mlxgw
 from mlxgw.bench.stats import median
 
-CONFIG = "manager: {auto_discover: false}\nmodels: [{name: 'null', engine: 'null', preload: true}]\n"
+CONFIG = {"manager": {"auto_discover": False}, "models": [{"name": "null", "engine": "null", "preload": True}]}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start(home: Path, port: int, max_files: int | None) -> subprocess.Popen:
-    (home / "flood.yaml").write_text(CONFIG)
+def start(home: Path, max_files: int | None) -> ServerProcess:
+    """`mlxgw up` serving the null engine, ready; max_files: its descriptor limit (soft and hard)."""
     limit = None if max_files is None else (lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (max_files,) * 2))
-    proc = subprocess.Popen(
-        [sys.executable, "-c", "from mlxgw.cli import main; main()", "up", "--config", str(home / "flood.yaml")]
-        + ["--port", str(port)],
-        env=dict(os.environ, MLXGW_HOME=str(home), PYTHONUNBUFFERED="1"),
-        stdout=open(home / "gateway.log", "w"),
-        stderr=subprocess.STDOUT,
-        preexec_fn=limit,
-    )
-    deadline = time.monotonic() + 120
-    while "mlxgw ready on" not in (home / "gateway.log").read_text():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit((home / "gateway.log").read_text())
-        time.sleep(0.2)
-    return proc
+    try:
+        return start_mlxgw(home, CONFIG, "gateway", timeout=120, preexec_fn=limit)
+    except RuntimeError as e:
+        raise SystemExit(str(e)) from e
 
 
 async def slow_body(port: int, stop: asyncio.Event) -> None:
@@ -143,13 +124,12 @@ def main() -> None:
     if soft < need:
         resource.setrlimit(resource.RLIMIT_NOFILE, (min(need, hard) if hard != resource.RLIM_INFINITY else need, hard))
     with tempfile.TemporaryDirectory() as tmp:
-        home, port = Path(tmp), free_port()
-        proc = start(home, port, args.max_files)
+        home = Path(tmp)
+        server = start(home, args.max_files)
         try:
-            figures = asyncio.run(flood(port, args.slow_bodies, args.idle, args.seconds))
+            figures = asyncio.run(flood(server.port, args.slow_bodies, args.idle, args.seconds))
         finally:
-            proc.terminate()
-            proc.wait(60)
+            server.stop(timeout=60)
         log = (home / "gateway.log").read_text(errors="replace")
     figures |= {
         "attack": {"slow_bodies": args.slow_bodies, "idle_sockets": args.idle, "gateway_max_files": args.max_files},

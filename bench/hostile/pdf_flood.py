@@ -4,7 +4,7 @@ gateway's SIGTERM take meanwhile.
 
     PYTHONPATH=<checkout> python -m mlxgw.bench.hostile.pdf_flood [--bombs 6] [--probe-timeout 60]
 
-Runs `mlxgw up` from the checkout on PYTHONPATH with an echo model and keys on; every wait is
+Runs `mlxgw up` (bench/servers.py) from the checkout on PYTHONPATH with an echo model and keys on; every wait is
 bounded (probes by --probe-timeout, SIGTERM by --stop-timeout, then kill -9)."""
 
 from __future__ import annotations
@@ -14,9 +14,7 @@ import base64
 import json
 import os
 import signal
-import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -27,6 +25,7 @@ from pathlib import Path
 import yaml
 
 from mlxgw.bench.hostile.pdf_bytes import pdf_bomb
+from mlxgw.bench.servers import ServerProcess, start_mlxgw
 
 ADMIN_KEY = "mlxgw-flood-admin-key-0123456789"
 USER_KEY = "mlxgw-flood-user-key-0123456789"
@@ -47,7 +46,8 @@ def call(url: str, key: str, body: dict | None = None, timeout: float = 60) -> t
         return 0, time.monotonic() - start
 
 
-def start(home: Path) -> tuple[subprocess.Popen, int]:
+def start(home: Path) -> ServerProcess:
+    """`mlxgw up` with an echo model and two keys (an admin's, a user's), ready."""
     from mlxgw.gateway.access.keys import hash_key
 
     keys = [
@@ -59,23 +59,10 @@ def start(home: Path) -> tuple[subprocess.Popen, int]:
         "manager": {"auto_discover": False},
         "models": [{"name": "echo", "engine": "echo", "preload": True, "context_length": 1_000_000}],
     }
-    (home / "models.yaml").write_text(yaml.safe_dump(config))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    args = ["up", "--config", str(home / "models.yaml"), "--port", str(port), "--keys", str(home / "keys.yaml")]
-    proc = subprocess.Popen(
-        [sys.executable, "-c", "from mlxgw.cli import main; main()", *args],
-        env=dict(os.environ, MLXGW_HOME=str(home)),
-        stdout=open(home / "gateway.log", "w"),
-        stderr=subprocess.STDOUT,
-    )
-    deadline = time.monotonic() + 120
-    while "mlxgw ready on" not in (home / "gateway.log").read_text():
-        if time.monotonic() > deadline or proc.poll() is not None:
-            raise SystemExit("gateway did not start:\n" + (home / "gateway.log").read_text())
-        time.sleep(0.2)
-    return proc, port
+    try:
+        return start_mlxgw(home, config, "gateway", timeout=120, extra_args=["--keys", str(home / "keys.yaml")])
+    except RuntimeError as e:
+        raise SystemExit(f"gateway did not start: {e}") from e
 
 
 def flood(bombs: int, probe_timeout: float, stop_timeout: float) -> dict:
@@ -88,8 +75,8 @@ def flood(bombs: int, probe_timeout: float, stop_timeout: float) -> dict:
     }
     big_chat = {"model": "echo", "max_tokens": 4, "messages": [{"role": "user", "content": "word " * 60_000}]}
     with tempfile.TemporaryDirectory() as tmp:
-        proc, port = start(Path(tmp))
-        url = f"http://127.0.0.1:{port}"
+        server = start(Path(tmp))
+        proc, url = server.proc, server.url
         results: dict = {"bombs": []}
         threads = [
             threading.Thread(

@@ -27,163 +27,39 @@ import argparse
 import asyncio
 import json
 import os
-import re
-import signal
-import subprocess
-import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
-import yaml
 
 from mlxgw.bench.method import rotated
+from mlxgw.bench.overhead.drive import MODEL, cpu_seconds, drive, pin
+from mlxgw.bench.servers import ServerProcess, spawn_bare, spawn_mlxgw
 from mlxgw.bench.stats import median
 
-MODEL = "null"
-WORDS = ["lorem", "ipsum", "dolor", "sit", "amet", "consectetur", "adipiscing", "elit"]
-_USAGE_TOKENS = re.compile(rb'"completion_tokens":\s*(\d+)')
+# -- the servers ---------------------------------------------------------------------------------
 
 
-# -- the bare server ----------------------------------------------------------------------------
-
-
-def bare_app():
-    """A plain aiohttp handler with the gateway's output shapes: what mlxgw is measured against."""
-    from aiohttp import web
-
-    async def chat(request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        n = int(body.get("max_tokens") or 16)
-        cid, created = f"chatcmpl-{os.urandom(12).hex()}", int(time.time())
-        usage = {
-            "prompt_tokens": 8,
-            "completion_tokens": n,
-            "total_tokens": 8 + n,
-            "prompt_tokens_details": {"cached_tokens": 0},
-        }
-        if not body.get("stream"):
-            text = "".join(WORDS[(8 + i) % len(WORDS)] + " " for i in range(n))
-            return web.json_response(
-                {
-                    "id": cid,
-                    "object": "chat.completion",
-                    "created": created,
-                    "model": body["model"],
-                    "choices": [
-                        {
-                            "index": 0,
-                            "logprobs": None,
-                            "message": {"role": "assistant", "content": text, "refusal": None},
-                            "finish_reason": "length",
-                        }
-                    ],
-                    "usage": usage,
-                }
-            )
-        resp = web.StreamResponse(
-            headers={"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
-        )
-        await resp.prepare(request)
-
-        def chunk(delta: dict, finish: str | None = None) -> bytes:
-            choice = {"index": 0, "logprobs": None, "delta": delta, "finish_reason": finish}
-            obj = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": body["model"]}
-            text = json.dumps({**obj, "choices": [choice], "usage": None}, separators=(",", ":"))
-            return f"data: {text}\n\n".encode()
-
-        await resp.write(chunk({"role": "assistant", "content": ""}))
-        for i in range(n):
-            await resp.write(chunk({"content": WORDS[(8 + i) % len(WORDS)] + " "}))
-        await resp.write(chunk({}, "length"))
-        obj = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": body["model"]}
-        await resp.write(f"data: {json.dumps({**obj, 'choices': [], 'usage': usage})}\n\n".encode())
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
-        return resp
-
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", chat)
-    return app
-
-
-def serve_bare(port: int) -> None:
-    from aiohttp import web
-
-    web.run_app(bare_app(), host="127.0.0.1", port=port, print=None, access_log=None)
-
-
-# -- the servers as processes ---------------------------------------------------------------------
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class Server:
-    label: str
-    proc: subprocess.Popen | None  # None: a server this run did not start (--url)
-    url: str
-
-    def pids(self) -> list[int]:
-        import psutil
-
-        if self.proc is None:
-            return []
-        try:
-            root = psutil.Process(self.proc.pid)
-            return [root.pid, *(c.pid for c in root.children(recursive=True))]
-        except psutil.NoSuchProcess:
-            return []
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
-def start_bare(log: Path) -> Server:
-    port = free_port()
-    cmd = [sys.executable, "-m", "mlxgw.bench.overhead.capacity", "--serve-bare", str(port)]
-    proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT)
-    return Server("bare", proc, f"http://127.0.0.1:{port}")
-
-
-def start_gateway(home: Path, max_num_seqs: int, label: str = "mlxgw", pythonpath: str | None = None) -> Server:
+def start_gateway(home: Path, max_num_seqs: int, label: str = "mlxgw", pythonpath: str | None = None) -> ServerProcess:
+    """`mlxgw up` serving the null engine; `pythonpath`: another mlxgw (an earlier commit's
+    tree laid out as the mlxgw package)."""
     config = {
         "manager": {"auto_discover": False},
         "models": [{"name": MODEL, "engine": "null", "preload": True, "max_num_seqs": max_num_seqs, "max_queue": 1024}],
     }
-    path = home / "models.yaml"
-    path.write_text(yaml.safe_dump(config))
-    port = free_port()
-    env = dict(os.environ, MLXGW_HOME=str(home), PYTHONUNBUFFERED="1")
-    if pythonpath:  # another mlxgw (an earlier commit's tree laid out as the mlxgw package)
-        env["PYTHONPATH"] = pythonpath
-    cmd = [sys.executable, "-c", "from mlxgw.cli import main; main()", "up", "--config", str(path), "--port", str(port)]
-    log = open(home / f"{label}.log", "w")
-    proc = subprocess.Popen(cmd, env=env, cwd=home, stdout=log, stderr=subprocess.STDOUT)  # cwd: no ./mlxgw
-    return Server(label, proc, f"http://127.0.0.1:{port}")
+    return spawn_mlxgw(home, config, label=label, env={"PYTHONPATH": pythonpath} if pythonpath else None)
 
 
-async def wait_ready(server: Server, timeout: float = 120) -> None:
+async def wait_ready(server: ServerProcess, timeout: float = 120) -> None:
+    """A chat request answered 200 (the bare server has no /v1/models, and mlxgw's null
+    model must answer too)."""
     deadline = time.monotonic() + timeout
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     async with aiohttp.ClientSession() as session:
         while time.monotonic() < deadline:
             if server.proc is not None and server.proc.poll() is not None:
-                raise RuntimeError(f"{server.label} exited with {server.proc.returncode}")
+                raise RuntimeError(f"{server.label} exited with {server.proc.returncode}:\n{server.log()[-3000:]}")
             try:
                 async with session.post(f"{server.url}/v1/chat/completions", json=body) as resp:
                     if resp.status == 200:
@@ -194,84 +70,6 @@ async def wait_ready(server: Server, timeout: float = 120) -> None:
     raise RuntimeError(f"{server.label} not ready after {timeout} s")
 
 
-def cpu_seconds(pids: list[int]) -> float:
-    """User + system CPU time of these processes so far (a busy machine slows a server down,
-    but does not change how much CPU it spends per request)."""
-    import psutil
-
-    total = 0.0
-    for pid in pids:
-        try:
-            t = psutil.Process(pid).cpu_times()
-            total += t.user + t.system
-        except psutil.NoSuchProcess:
-            pass
-    return total
-
-
-def pin(pids: list[int], cpu: int) -> None:
-    for pid in pids:
-        try:
-            os.sched_setaffinity(pid, {cpu})
-        except (ProcessLookupError, PermissionError):
-            pass
-
-
-# -- the client -------------------------------------------------------------------------------------
-
-
-@dataclass
-class Tally:
-    requests: int = 0
-    tokens: int = 0
-    failed: int = 0
-
-
-async def one(session: aiohttp.ClientSession, url: str, body: dict, tally: Tally) -> None:
-    async with session.post(url, json=body) as resp:
-        data = await resp.read()
-    if resp.status != 200:
-        tally.failed += 1
-        return
-    # Cheap on the client (it shares the cores): the usage's count, and for a stream the
-    # content chunks, found without parsing every chunk.
-    usage = _USAGE_TOKENS.search(data)
-    tokens = int(usage.group(1)) if usage else 0
-    if body["stream"]:
-        chunks = data.count(b'"delta":{"content":"')
-        if chunks != tokens or not data.endswith(b"data: [DONE]\n\n"):
-            tally.failed += 1
-            return
-    tally.requests += 1
-    tally.tokens += tokens
-
-
-async def drive(url: str, concurrency: int, seconds: float, max_tokens: int, stream: bool) -> tuple[Tally, float]:
-    """Closed loop: each of `concurrency` clients sends its next request as the last one ends."""
-    tally = Tally()
-    body = {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": "Write a short story about a lantern."}],
-        "max_tokens": max_tokens,
-        "stream": stream,
-    }
-    if stream:
-        body["stream_options"] = {"include_usage": True}
-    connector = aiohttp.TCPConnector(limit=concurrency)
-    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=120)) as session:
-        end = time.perf_counter() + seconds
-        target = f"{url}/v1/chat/completions"
-
-        async def client() -> None:
-            while time.perf_counter() < end:
-                await one(session, target, body, tally)
-
-        started = time.perf_counter()
-        await asyncio.gather(*(client() for _ in range(concurrency)))
-        wall = time.perf_counter() - started
-    return tally, wall
-
-
 # -- the run ----------------------------------------------------------------------------------------
 
 
@@ -279,7 +77,7 @@ def ratio(ours: list[float], theirs: list[float]) -> float:
     return round(median(ours) / median(theirs), 3) if theirs and ours else 0.0
 
 
-async def ready_and_pinned(servers: list[Server], pin_cpus: bool) -> None:
+async def ready_and_pinned(servers: list[ServerProcess], pin_cpus: bool) -> None:
     """Every server answering; with pin_cpus, the servers on CPU 0 and this client on CPU 1
     (so the client's own load does not count against the servers)."""
     for server in servers:
@@ -290,7 +88,7 @@ async def ready_and_pinned(servers: list[Server], pin_cpus: bool) -> None:
         os.sched_setaffinity(0, {1})
 
 
-async def measure(args: argparse.Namespace, servers: list[Server]) -> dict:
+async def measure(args: argparse.Namespace, servers: list[ServerProcess]) -> dict:
     rows: list[dict] = []
     await ready_and_pinned(servers, args.pin)
     for server in servers:  # warm-up: connections, first-request paths
@@ -353,7 +151,6 @@ def summarize(rows: list[dict], labels: list[str]) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--serve-bare", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--seconds", type=float, default=6.0, help="per server, workload and round")
     ap.add_argument("--concurrency", type=int, default=32)
@@ -365,21 +162,18 @@ def main() -> None:
         "--before",
         default=None,
         help="also run an earlier mlxgw, labelled `before`: a PYTHONPATH where `mlxgw` is that version "
-        '(see bench/HISTORY.md, "Gateway hot path")',
+        "(bench/overhead/README.md)",
     )
     ap.add_argument("--out", type=Path, default=None, help="write the rows and summary as JSON here")
     args = ap.parse_args()
-    if args.serve_bare is not None:
-        serve_bare(args.serve_bare)
-        return
     with tempfile.TemporaryDirectory(prefix="mlxgw-capacity-") as tmp:
         home = Path(tmp)
-        bare = start_bare(home / "bare.log")
+        bare = spawn_bare(home)
         seqs = max(64, args.concurrency)
         started = [bare]
         try:
             if args.url:
-                servers = [Server("mlxgw", None, args.url.rstrip("/")), bare]
+                servers = [ServerProcess.running("mlxgw", args.url.rstrip("/")), bare]
             else:
                 (home / "mlxgw").mkdir()
                 servers = [start_gateway(home / "mlxgw", seqs), bare]
@@ -392,7 +186,7 @@ def main() -> None:
         finally:
             for server in started:
                 server.stop()
-    result["settings"] = {k: v for k, v in vars(args).items() if k not in ("serve_bare", "out")}
+    result["settings"] = {k: v for k, v in vars(args).items() if k != "out"}
     result["settings"]["out"] = str(args.out) if args.out else None
     print(json.dumps(result["summary"], indent=1))
     if args.out:

@@ -18,36 +18,28 @@ import asyncio
 import json
 import os
 import sqlite3
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import yaml
-
 from mlxgw.bench.method import rotated
-from mlxgw.bench.overhead.capacity import MODEL, Server, cpu_seconds, drive, free_port, ready_and_pinned
+from mlxgw.bench.overhead.capacity import ready_and_pinned
+from mlxgw.bench.overhead.drive import MODEL, cpu_seconds, drive
+from mlxgw.bench.servers import ServerProcess, spawn_mlxgw
 from mlxgw.bench.stats import median
 
 
-def start(home: Path, ledger: bool) -> Server:
+def start(home: Path, ledger: bool) -> ServerProcess:
     home.mkdir(parents=True, exist_ok=True)
     config = {
         "manager": {"auto_discover": False, "usage_ledger": ledger},
         "models": [{"name": MODEL, "engine": "null", "preload": True, "max_num_seqs": 64, "max_queue": 1024}],
     }
-    path = home / "models.yaml"
-    path.write_text(yaml.safe_dump(config))
-    port = free_port()
-    env = dict(os.environ, MLXGW_HOME=str(home), PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-c", "from mlxgw.cli import main; main()", "up", "--config", str(path), "--port", str(port)]
-    log = open(home / "gateway.log", "w")
-    proc = subprocess.Popen(cmd, env=env, cwd=home, stdout=log, stderr=subprocess.STDOUT)
-    return Server("ledger-on" if ledger else "ledger-off", proc, f"http://127.0.0.1:{port}")
+    return spawn_mlxgw(home, config, label="ledger-on" if ledger else "ledger-off")
 
 
-async def measure(args: argparse.Namespace, servers: list[Server]) -> list[dict]:
+async def measure(args: argparse.Namespace, servers: list[ServerProcess]) -> list[dict]:
     await ready_and_pinned(servers, args.pin)
     for server in servers:  # warm-up: connections, first-request paths
         await drive(server.url, args.concurrency, 1.0, args.tokens, False)

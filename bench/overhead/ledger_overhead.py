@@ -7,7 +7,7 @@ commit those rows to SQLite (work done off the event loop, but on the same CPU).
 
 from __future__ import annotations
 
-import sys
+import argparse
 import tempfile
 import time
 from pathlib import Path
@@ -60,4 +60,6 @@ def main(n: int = 20000, rounds: int = 5) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 20000)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("n", type=int, nargs="?", default=20000, help="requests timed per round")
+    main(ap.parse_args().n)

@@ -19,8 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,7 +30,7 @@ import aiohttp
 from mlxgw.bench import method as bench_method
 from mlxgw.bench.loadgen import one_request, varied_prompts
 from mlxgw.bench.method import Method
-from mlxgw.bench.serving.peers import free_port, show_log_tail, stop_servers, wait_ready, warm_up
+from mlxgw.bench.servers import ServerProcess, show_log_tails, spawn_mlxgw, stop_all, warm_up
 from mlxgw.bench.stats import paired_ratios, percentile, summarize
 
 VARIANTS = ("base", "mixed")
@@ -62,16 +60,11 @@ def write_random_adapter(base: Path, dest: Path, seed: int, rank: int) -> Path:
     return dest
 
 
-def start_gateway(model_dir: Path, home: Path, adapters: list[Path], rows: int, log) -> tuple[str, subprocess.Popen]:
+def start_gateway(model_dir: Path, home: Path, adapters: list[Path], rows: int) -> ServerProcess:
     listed = [{"name": f"bench-lora-{i}", "path": str(p)} for i, p in enumerate(adapters)]
     entry = {"name": BASE, "source": str(model_dir), "preload": True, "max_num_seqs": rows, "adapters": listed}
     config = {"manager": {"auto_discover": False}, "models": [entry]}
-    (home / "models.yaml").write_text(json.dumps(config))
-    port = free_port()
-    env = {**os.environ, "MLXGW_HOME": str(home)}
-    cmd = [sys.executable, "-c", "from mlxgw.cli import main; main()", "up", "--config", str(home / "models.yaml")]
-    proc = subprocess.Popen([*cmd, "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT)
-    return f"http://127.0.0.1:{port}/v1", proc
+    return spawn_mlxgw(home, config)
 
 
 async def mixed_level(url: str, models: list[str], prompts: list[list[dict]], c: int, max_tokens: int):
@@ -150,15 +143,16 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     method = bench_method.from_args(args)
     model_dir = args.model_dir.expanduser().resolve()
-    with tempfile.TemporaryDirectory(prefix="mlxgw-adapters-") as tmp, open(Path(tmp) / "gateway.log", "wb") as log:
+    with tempfile.TemporaryDirectory(prefix="mlxgw-adapters-") as tmp:
         folders = [p.expanduser().resolve() for p in args.adapter_dir] or [
             write_random_adapter(model_dir, Path(tmp) / f"adapter-{i}", i + 1, args.rank) for i in range(args.adapters)
         ]
         names = [f"bench-lora-{i}" for i in range(len(folders))]
-        url, proc = start_gateway(model_dir, Path(tmp), folders, max(args.concurrency), log)
+        server = start_gateway(model_dir, Path(tmp), folders, max(args.concurrency))
+        url = server.api
         runs: list[dict] = []
         try:
-            wait_ready(url, proc)
+            server.wait_ready()
             for name in [BASE, *names]:
                 warm_up(url, name)
             with method.busy_loops():
@@ -172,10 +166,10 @@ def main(argv: list[str] | None = None) -> None:
                             print(f"round {rnd + 1} c={c} {variant}: tok/s {row['tok_s']} failed {row['failed']}")
             rss = worker_rss(url)
         except Exception:
-            show_log_tail(log, Path(tmp) / "gateway.log")
+            show_log_tails([server])
             raise
         finally:
-            stop_servers([proc])
+            stop_all([server])
         adapter_bytes = sum((p / "adapters.safetensors").stat().st_size for p in folders)
     md = f"({method.header()}; greedy, {args.max_tokens} tokens, {len(folders)} adapters)\n\n{table(runs, method)}"
     md += f"\n\nworker RSS after the run: {(rss or 0) / 2**20:.0f} MB; the adapters' own bytes: "

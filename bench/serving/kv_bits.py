@@ -17,9 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import signal
-import subprocess
 import sys
 import tempfile
 import urllib.request
@@ -28,25 +26,20 @@ from pathlib import Path
 from mlxgw.bench import method as bench_method
 from mlxgw.bench.loadgen import run_level, varied_prompts
 from mlxgw.bench.method import Method
-from mlxgw.bench.serving.peers import free_port, show_log_tail, stop_servers, wait_ready, warm_up
+from mlxgw.bench.servers import ServerProcess, show_log_tails, spawn_mlxgw, stop_all, warm_up
 from mlxgw.bench.speculation.matrix import clear_cache
 from mlxgw.bench.stats import paired_ratios, summarize
 
 VARIANTS = {"kv16": None, "kv8": 8, "kv4": 4}
 
 
-def start_gateway(model_dir: Path, home: Path, rows: int, log) -> tuple[str, subprocess.Popen]:
-    port = free_port()
+def start_gateway(model_dir: Path, home: Path, rows: int) -> ServerProcess:
     models = [
         {"name": name, "source": str(model_dir), "preload": True, "max_num_seqs": rows, "kv_bits": bits}
         for name, bits in VARIANTS.items()
     ]
     config = {"manager": {"auto_discover": False, "max_loaded_models": len(models)}, "models": models}
-    (home / "models.yaml").write_text(json.dumps(config))
-    env = {**os.environ, "MLXGW_HOME": str(home)}
-    cmd = [sys.executable, "-c", "from mlxgw.cli import main; main()", "up", "--config", str(home / "models.yaml")]
-    proc = subprocess.Popen([*cmd, "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT)
-    return f"http://127.0.0.1:{port}/v1", proc
+    return spawn_mlxgw(home, config)
 
 
 def _get(url: str) -> dict:
@@ -158,10 +151,11 @@ def main(argv: list[str] | None = None) -> None:
     # A timeout's SIGTERM must still stop the servers this bench started (the finally below).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     model_dir = args.model_dir.expanduser().resolve()
-    with tempfile.TemporaryDirectory(prefix="mlxgw-kvbits-") as tmp, open(Path(tmp) / "gateway.log", "wb") as log:
-        url, proc = start_gateway(model_dir, Path(tmp), args.concurrency, log)
+    with tempfile.TemporaryDirectory(prefix="mlxgw-kvbits-") as tmp:
+        server = start_gateway(model_dir, Path(tmp), args.concurrency)
+        url = server.api
         try:
-            wait_ready(url, proc)
+            server.wait_ready()
             for variant in VARIANTS:
                 warm_up(url, variant)
             memory = {
@@ -171,10 +165,10 @@ def main(argv: list[str] | None = None) -> None:
             with method.busy_loops():
                 runs = sweep(url, args, method)
         except Exception:
-            show_log_tail(log, Path(tmp) / "gateway.log")
+            show_log_tails([server])
             raise
         finally:
-            stop_servers([proc])
+            stop_all([server])
     md = table(runs, memory, method)
     head = f"({method.header()}; c={args.concurrency}, {args.requests} requests, greedy, {args.max_tokens} tokens)"
     md = f"{head}\n\n{md}\n\n" + "\n".join(x.line() for x in method.logs)

@@ -22,12 +22,8 @@ equals mlxgw's.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
-import os
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,91 +33,18 @@ from pathlib import Path
 from mlxgw.bench import method as bench_method
 from mlxgw.bench.method import Method
 from mlxgw.bench.run import BenchConfig, Target, run
+from mlxgw.bench.servers import (
+    ServerProcess,
+    registry,
+    show_log_tails,
+    spawn_mlx_lm,
+    spawn_mlxgw,
+    spawn_vllm_mlx,
+    stop_all,
+    warm_up,
+)
 from mlxgw.bench.speculation.inprocess import agent_messages
 from mlxgw.bench.stats import paired_ratios, summarize
-from mlxgw.shared.platform import worker_environment
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url}: the server exited with {proc.returncode}")
-        with contextlib.suppress(OSError):
-            with urllib.request.urlopen(f"{url}/models", timeout=2) as r:
-                if r.status == 200:
-                    return
-        time.sleep(0.5)
-    raise RuntimeError(f"{url}: not ready after {timeout:.0f} s")
-
-
-def warm_up(url: str, model: str) -> None:
-    """One short request, so that no server's first level pays its lazy setup."""
-    body = json.dumps({"model": model, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
-    req = urllib.request.Request(f"{url}/chat/completions", body.encode(), {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=300) as r:
-        r.read()
-
-
-def start_mlxgw(model_dir: Path, home: Path, max_num_seqs: int | None, log) -> tuple[str, subprocess.Popen, str]:
-    port = free_port()
-    entry = {"name": "bench-model", "source": str(model_dir), "preload": True}
-    if max_num_seqs:
-        entry["max_num_seqs"] = max_num_seqs
-    config = home / "models.yaml"
-    config.write_text(json.dumps({"manager": {"auto_discover": False}, "models": [entry]}))
-    env = {**os.environ, "MLXGW_HOME": str(home)}
-    cmd = [sys.executable, "-c", "from mlxgw.cli import main; main()", "up", "--config", str(config)]
-    proc = subprocess.Popen([*cmd, "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT)
-    return f"http://127.0.0.1:{port}/v1", proc, "bench-model"
-
-
-def start_mlx_lm(model_dir: Path, log) -> tuple[str, subprocess.Popen, str]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "mlx_lm.server", "--model", str(model_dir), "--host", "127.0.0.1"]
-    proc = subprocess.Popen([*cmd, "--port", str(port)], env=worker_environment(), stdout=log, stderr=subprocess.STDOUT)
-    return f"http://127.0.0.1:{port}/v1", proc, str(model_dir)
-
-
-def stop_servers(procs) -> None:
-    """Every server a bench started: SIGTERM to all, then kill -9 whichever is not gone in 30 s."""
-    for proc in procs:
-        proc.terminate()
-    for proc in procs:
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-
-def show_log_tail(log, path: Path) -> None:
-    """A bench that failed prints the end of its servers' log (written to `log`) on stderr."""
-    log.flush()
-    sys.stderr.write(path.read_text(errors="replace")[-4000:])
-
-
-def start_vllm_mlx(python: str, model_dir: Path, log) -> tuple[str, subprocess.Popen, str]:
-    port = free_port()
-    exe = str(Path(python).parent / "vllm-mlx")
-    cmd = [
-        exe,
-        "serve",
-        str(model_dir),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--continuous-batching",
-        "--offline",
-    ]
-    proc = subprocess.Popen(cmd, env=worker_environment(), stdout=log, stderr=subprocess.STDOUT)
-    return f"http://127.0.0.1:{port}/v1", proc, str(model_dir)
 
 
 def agent_request(url: str, model: str, messages: list[dict], max_tokens: int) -> dict:
@@ -155,16 +78,19 @@ def agent_request(url: str, model: str, messages: list[dict], max_tokens: int) -
     }
 
 
-def agent_table(servers: list[tuple], model_dir: Path, method: Method, max_tokens: int, out: Path | None = None) -> str:
+def agent_table(
+    servers: list[ServerProcess], model_dir: Path, method: Method, max_tokens: int, out: Path | None = None
+) -> str:
     """The agent workload on every server, one request each per round, the order rotated
     round by round; every round shown beside the median, ratios paired within rounds."""
     from transformers import AutoTokenizer
 
     messages = agent_messages(AutoTokenizer.from_pretrained(str(model_dir)), 2000)
-    runs: dict[str, list[dict]] = {label: [] for label, *_ in servers}
-    for rnd, order in method.each_round(servers, label=lambda s: s[0]):
-        for label, url, _, model in order:
-            runs[label].append(agent_request(url, model, messages, max_tokens))
+    runs: dict[str, list[dict]] = {server.label: [] for server in servers}
+    for rnd, order in method.each_round(servers, label=lambda s: s.label):
+        for server in order:
+            label = server.label
+            runs[label].append(agent_request(server.api, server.model, messages, max_tokens))
             r = runs[label][-1]
             print(f"agent round {rnd + 1} {label}: TTFT {r['ttft_s']} s, {r['decode_chunks_s']} chunks/s", flush=True)
     table = agent_markdown(runs, method)
@@ -230,33 +156,34 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     method = bench_method.from_args(args)
     model_dir = args.model_dir.expanduser().resolve()
-    procs: list[subprocess.Popen] = []
+    servers: list[ServerProcess] = []
     status = 0
-    with tempfile.TemporaryDirectory(prefix="mlxgw-peers-") as tmp, open(Path(tmp) / "servers.log", "wb") as log:
+    with tempfile.TemporaryDirectory(prefix="mlxgw-peers-") as tmp:
+        home = Path(tmp)
         try:
-            servers = [("mlxgw", *start_mlxgw(model_dir, Path(tmp), args.max_num_seqs, log))]
+            entry = {"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {}
+            servers.append(spawn_mlxgw(home, registry(model_dir, **entry)))
             if not args.no_mlx_lm:
-                servers.append(("mlx_lm.server", *start_mlx_lm(model_dir, log)))
+                servers.append(spawn_mlx_lm(model_dir, home))
             if args.vllm_python:
-                servers.append(("vllm-mlx", *start_vllm_mlx(args.vllm_python, model_dir, log)))
-            procs = [proc for _, _, proc, _ in servers]
-            for label, url, proc, model in servers:
-                wait_ready(url, proc)
-                warm_up(url, model)
-                print(f"{label} ready at {url}", flush=True)
+                servers.append(spawn_vllm_mlx(args.vllm_python, model_dir, home))
+            for server in servers:
+                server.wait_ready()
+                warm_up(server.api, server.model)
+                print(f"{server.label} ready at {server.api}", flush=True)
             status = measure(servers, model_dir, args, method)
         except Exception:
-            show_log_tail(log, Path(tmp) / "servers.log")
+            show_log_tails(servers)
             raise
         finally:
-            stop_servers(procs)
+            stop_all(servers)
     sys.exit(status)
 
 
-def measure(servers: list[tuple], model_dir: Path, args: argparse.Namespace, method: Method) -> int:
+def measure(servers: list[ServerProcess], model_dir: Path, args: argparse.Namespace, method: Method) -> int:
     """The sweep and the agent workload on ready servers, with the busy loops running
     throughout; the exit status (UNSTABLE_EXIT when rounds disagree)."""
-    targets = [Target(label, url, model) for label, url, _, model in servers]
+    targets = [Target(s.label, s.api, s.model) for s in servers]
     cfg = BenchConfig(
         concurrency=[int(c) for c in args.concurrency.split(",")],
         requests=args.requests,

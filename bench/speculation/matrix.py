@@ -25,8 +25,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,7 +34,7 @@ from pathlib import Path
 from mlxgw.bench import method as bench_method
 from mlxgw.bench.loadgen import run_level, varied_prompts
 from mlxgw.bench.method import Method
-from mlxgw.bench.serving.peers import free_port, show_log_tail, stop_servers, wait_ready, warm_up
+from mlxgw.bench.servers import ServerProcess, show_log_tails, spawn_mlxgw, stop_all, warm_up
 from mlxgw.bench.stats import paired_ratios, percentile, summarize
 
 VARIANTS = ("spec-off", "spec-on")
@@ -70,8 +68,7 @@ def workload_prompts(name: str, n: int, seed: int, tokenizer, code_tokens: int) 
     raise ValueError(f"unknown workload {name!r}: distinct, fixed or agent")
 
 
-def start_gateway(model_dir: Path, home: Path, rows: int, args, log) -> tuple[str, subprocess.Popen]:
-    port = free_port()
+def start_gateway(model_dir: Path, home: Path, rows: int, args) -> ServerProcess:
     common = {"source": str(model_dir), "preload": True, "max_num_seqs": rows}
     spec = {"mode": "prompt_lookup", "max_draft": args.max_draft}
     if args.max_rows:
@@ -83,11 +80,7 @@ def start_gateway(model_dir: Path, home: Path, rows: int, args, log) -> tuple[st
             {"name": "spec-on", **common, "speculative": spec},
         ],
     }
-    (home / "models.yaml").write_text(json.dumps(config))
-    env = {**os.environ, "MLXGW_HOME": str(home)}
-    cmd = [sys.executable, "-c", "from mlxgw.cli import main; main()", "up", "--config", str(home / "models.yaml")]
-    proc = subprocess.Popen([*cmd, "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT)
-    return f"http://127.0.0.1:{port}/v1", proc
+    return spawn_mlxgw(home, config)
 
 
 def clear_cache(url: str) -> None:
@@ -246,11 +239,12 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    with tempfile.TemporaryDirectory(prefix="mlxgw-spec-") as tmp, open(Path(tmp) / "gateway.log", "wb") as log:
+    with tempfile.TemporaryDirectory(prefix="mlxgw-spec-") as tmp:
         rows = args.max_num_seqs or max(args.concurrency)
-        url, proc = start_gateway(model_dir, Path(tmp), rows, args, log)
+        server = start_gateway(model_dir, Path(tmp), rows, args)
+        url = server.api
         try:
-            wait_ready(url, proc)
+            server.wait_ready()
             for variant in VARIANTS:
                 warm_up(url, variant)
             with method.busy_loops():
@@ -264,10 +258,10 @@ def main(argv: list[str] | None = None) -> None:
             # the BLAS thread counts each variant settled on (worker/model/cpu/blas_threads.py)
             blas = {v: worker_stats(url, v, "blas_threads") for v in VARIANTS}
         except Exception:
-            show_log_tail(log, Path(tmp) / "gateway.log")
+            show_log_tails([server])
             raise
         finally:
-            stop_servers([proc])
+            stop_all([server])
     status = method.finish()
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -5,6 +5,7 @@ python -m mlxgw.bench.step.dtypes ~/.cache/mlxgw/models/smollm2-135m ~/.cache/ml
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -39,7 +40,9 @@ def main() -> None:
         return
     from mlxgw.shared.platform import openblas_path, worker_environment
 
-    for path in sys.argv[1:]:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("model_dirs", nargs="+", help="model folders, each measured with and without OpenBLAS")
+    for path in ap.parse_args().model_dirs:
         for blas in [True, False] if openblas_path() else [False]:
             env = worker_environment(use_openblas=blas)
             if not blas:

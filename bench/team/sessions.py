@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import subprocess
 import sys
 import tempfile
 import threading
@@ -31,8 +30,15 @@ import time
 import urllib.request
 from pathlib import Path
 
-from mlxgw.bench.serving.peers import free_port, start_mlxgw, start_vllm_mlx, stop_servers, wait_ready, warm_up
-from mlxgw.shared.platform import worker_environment
+from mlxgw.bench.servers import (
+    ServerProcess,
+    registry,
+    spawn_mlx_lm,
+    spawn_mlxgw,
+    spawn_vllm_mlx,
+    stop_all,
+    warm_up,
+)
 
 WORDS = "scheduler cache block prefix worker gateway token batch stream model test commit".split()
 
@@ -169,14 +175,6 @@ def markdown(results: dict[str, list[list[dict]]]) -> str:
     return "\n".join(out)
 
 
-def start_mlx_lm(model_dir: Path, sessions: int, log) -> tuple[str, subprocess.Popen, str]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "mlx_lm.server", "--model", str(model_dir), "--host", "127.0.0.1"]
-    cmd += ["--port", str(port), "--prompt-cache-size", str(max(10, sessions))]
-    proc = subprocess.Popen(cmd, env=worker_environment(), stdout=log, stderr=subprocess.STDOUT)
-    return f"http://127.0.0.1:{port}/v1", proc, str(model_dir)
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model_dir", type=Path, nargs="?", help="a model folder (servers started here)")
@@ -205,27 +203,30 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     results: dict[str, list[list[dict]]] = {}
     raw: dict[str, list[list[dict]]] = {}
-    servers = [("server", args.url, args.model or "default", None)] if args.url else []
-    with tempfile.TemporaryDirectory() as home, open(Path(home) / "servers.log", "w") as log:
-        procs = []
+    servers = [("server", args.url, args.model or "default")] if args.url else []
+    started: list[ServerProcess] = []
+    with tempfile.TemporaryDirectory() as home:
         try:
             if not args.url:
-                url, proc, name = start_mlxgw(args.model_dir, Path(home), max(args.sessions, 8), log)
-                servers.append(("mlxgw", url, name, proc))
-                if args.mlx_lm:
-                    url, proc, name = start_mlx_lm(args.model_dir, args.sessions, log)
-                    servers.append(("mlx_lm.server", url, name, proc))
+                seqs = max(args.sessions, 8)
+                started.append(spawn_mlxgw(Path(home), registry(args.model_dir, max_num_seqs=seqs)))
+                if args.mlx_lm:  # a prompt cache per session, so that no session evicts another's
+                    cache = ["--prompt-cache-size", str(max(10, args.sessions))]
+                    started.append(spawn_mlx_lm(args.model_dir, Path(home), cache))
                 if args.vllm_python:
-                    url, proc, name = start_vllm_mlx(args.vllm_python, args.model_dir, log)
-                    servers.append(("vllm-mlx", url, name, proc))
-            servers = [_ready(s, args, log, procs) for s in servers]
+                    started.append(spawn_vllm_mlx(args.vllm_python, args.model_dir, Path(home)))
+                for server in started:
+                    server.wait_ready()
+                servers += [(s.label, s.api, s.model) for s in started]
+            for _, url, model in servers:
+                warm_up(url, model)
             for r in range(args.rounds):
-                for label, url, model, _ in servers[r % len(servers) :] + servers[: r % len(servers)]:
+                for label, url, model in servers[r % len(servers) :] + servers[: r % len(servers)]:
                     rows = study(url, model, args, args.seed + r)
                     raw.setdefault(label, []).append(rows)
                     results.setdefault(label, []).append(per_turn(rows, args.turns))
         finally:
-            stop_servers(procs)
+            stop_all(started)
     table = markdown(results)
     print(table)
     if args.out:
@@ -235,15 +236,6 @@ def main(argv: list[str] | None = None) -> None:
         args.out.with_suffix(".md").write_text(table + "\n")
     if any(t["lost"] for rounds in results.values() for table_ in rounds for t in table_):
         sys.exit(2)
-
-
-def _ready(server: tuple, args: argparse.Namespace, log, procs: list) -> tuple:
-    label, url, model, proc = server
-    if proc is not None:
-        procs.append(proc)
-        wait_ready(url, proc)
-    warm_up(url, model)
-    return label, url, model, proc
 
 
 if __name__ == "__main__":

@@ -20,222 +20,32 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
-import io
 import json
 import os
 import random
-import subprocess
-import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import aiohttp
 import yaml
 
-from mlxgw.bench.hostile.flood import free_port
-from mlxgw.bench.loadgen import WORDS, one_request
-
-
-@dataclass
-class UserStats:
-    name: str
-    kind: str
-    ttfts: list[float] = field(default_factory=list)
-    tokens: int = 0
-    ok: int = 0
-    refused: int = 0  # 429/503: explicit, nothing lost
-    errors: int = 0  # anything else: lost
-    started: float = field(default_factory=time.perf_counter)
-
-    def add(self, r) -> None:
-        if r.ok:
-            self.ok += 1
-            self.tokens += r.tokens
-            if r.ttft is not None:
-                self.ttft_seen(r.ttft)
-        elif r.status in (429, 503):
-            self.refused += 1
-        else:
-            self.errors += 1
-
-    def ttft_seen(self, ttft: float) -> None:
-        self.ttfts.append(ttft)
-
-    def row(self, seconds: float, idle_ttft: float | None = None) -> dict:
-        return {
-            "user": self.name,
-            "kind": self.kind,
-            "requests": self.ok,
-            "refused": self.refused,
-            "errors": self.errors,
-            "ttft_p50_s": pct(self.ttfts, 50),
-            "ttft_p99_s": pct(self.ttfts, 99),
-            "idle_ttft_s": idle_ttft,
-            "p99_vs_idle": _ratio(pct(self.ttfts, 99), idle_ttft),
-            "tok_s": round(self.tokens / seconds, 1),
-        }
-
-
-def pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return round(ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))], 3)
-
-
-def jain(values: list[float]) -> float | None:
-    """Jain's index: 1 when every user gets the same, 1/n when one gets everything."""
-    values = [v for v in values if v]
-    if not values:
-        return None
-    return round(sum(values) ** 2 / (len(values) * sum(v * v for v in values)), 3)
-
-
-# -- the gateway -------------------------------------------------------------------------------
-def key_of(name: str) -> str:
-    return f"mlxgw-bench-{name}-" + hashlib.sha256(name.encode()).hexdigest()[:16]
-
-
-def start_gateway(home: Path, models_dir: Path, model: str, users: list[str], fair: bool, seqs: int, embed: str | None):
-    from mlxgw.gateway.access.keys import hash_key
-
-    home.mkdir(parents=True, exist_ok=True)
-    if not (home / "models").exists():
-        (home / "models").symlink_to(models_dir)
-    entries = [{"name": u, "sha256": hash_key(key_of(u))} for u in users]
-    (home / "keys.yaml").write_text(yaml.safe_dump({"window_seconds": 60, "keys": entries}))
-    models = [{"name": "chat", "source": model, "preload": True, "max_num_seqs": seqs, "max_queue": 256}]
-    if embed:
-        models.append({"name": "embed", "source": embed, "kind": "embedding", "preload": True})
-    (home / "teamday.yaml").write_text(yaml.safe_dump({"manager": {"auto_discover": False}, "models": models}))
-    port = free_port()
-    env = dict(os.environ, MLXGW_HOME=str(home), PYTHONUNBUFFERED="1", MLXGW_FAIR_SHARE="on" if fair else "off")
-    log = open(home / f"gateway-{'fair' if fair else 'fifo'}.log", "w")
-    cmd = [sys.executable, "-c", "from mlxgw.cli import main; main()", "up", "--config", str(home / "teamday.yaml")]
-    proc = subprocess.Popen(
-        [*cmd, "--port", str(port), "--keys", str(home / "keys.yaml")], env=env, stdout=log, stderr=subprocess.STDOUT
-    )
-    deadline = time.monotonic() + 300
-    while "mlxgw ready on" not in Path(log.name).read_text():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit(Path(log.name).read_text()[-3000:])
-        time.sleep(0.3)
-    return f"http://127.0.0.1:{port}/v1", proc
-
-
-def session_for(user: str) -> aiohttp.ClientSession:
-    return aiohttp.ClientSession(
-        headers={"Authorization": f"Bearer {key_of(user)}"}, timeout=aiohttp.ClientTimeout(total=600)
-    )
-
-
-def words(rng: random.Random, n: int) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(n))
-
-
-# The served model's name: "chat" on mlxgw, the model folder on a peer (set per mode by main).
-SERVED = {"model": "chat"}
-
-
-async def chat(session, url: str, messages: list[dict], max_tokens: int):
-    model = SERVED["model"]
-    return await one_request(session, url, model, messages, max_tokens=max_tokens, temperature=0.7, stream=True)
-
-
-# -- users ---------------------------------------------------------------------------------------
-async def flooder(url: str, stats: UserStats, streams: int, until: float, max_tokens: int) -> None:
-    rng = random.Random(stats.name)
-
-    async def loop(session) -> None:
-        while time.perf_counter() < until:
-            stats.add(await chat(session, url, [{"role": "user", "content": words(rng, 20)}], max_tokens))
-
-    async with session_for(stats.name) as session:
-        await asyncio.gather(*(loop(session) for _ in range(streams)))
-
-
-async def one_at_a_time(url: str, stats: UserStats, until: float, max_tokens: int, think_s: float = 0.0) -> None:
-    rng = random.Random(stats.name)
-    async with session_for(stats.name) as session:
-        while time.perf_counter() < until:
-            stats.add(await chat(session, url, [{"role": "user", "content": words(rng, 12)}], max_tokens))
-            if think_s:
-                await asyncio.sleep(rng.uniform(0.5 * think_s, 1.5 * think_s))
-
-
-async def agent(url: str, stats: UserStats, until: float, system: str, burst: int, max_tokens: int) -> None:
-    """Tool loops: each turn a burst of parallel requests on a long shared system prompt."""
-    rng = random.Random(stats.name)
-    async with session_for(stats.name) as session:
-        while time.perf_counter() < until:
-            history = [{"role": "system", "content": system}, {"role": "user", "content": words(rng, 15)}]
-            for _turn in range(3):
-                results = await asyncio.gather(*(chat(session, url, history, max_tokens) for _ in range(burst)))
-                for r in results:
-                    stats.add(r)
-                history = [*history, {"role": "assistant", "content": "calling a tool"}]
-                history.append({"role": "user", "content": f"tool result: {words(rng, 10)}"})
-                if time.perf_counter() >= until:
-                    break
-
-
-async def embedder(url: str, stats: UserStats, until: float) -> None:
-    rng = random.Random(stats.name)
-    async with session_for(stats.name) as session:
-        while time.perf_counter() < until:
-            body = {"model": "embed", "input": [words(rng, 30) for _ in range(16)]}
-            started = time.perf_counter()
-            async with session.post(f"{url}/embeddings", json=body) as r:
-                await r.read()
-                if r.status == 200:
-                    stats.ok += 1
-                    stats.ttft_seen(time.perf_counter() - started)
-                elif r.status in (429, 503):
-                    stats.refused += 1
-                else:
-                    stats.errors += 1
-                    await asyncio.sleep(0.5)  # a broken setup must not spin
-
-
-async def batch_job(url: str, stats: UserStats, n: int, max_tokens: int) -> dict:
-    """A Files + Batch API job of n chat requests; its wall time and what it answered."""
-    rng = random.Random(stats.name)
-    lines = [
-        {
-            "custom_id": f"job-{i}",
-            "method": "POST",
-            "url": "/v1/chat/completions",
-            "body": {
-                "model": "chat",
-                "messages": [{"role": "user", "content": words(rng, 12)}],
-                "max_tokens": max_tokens,
-            },
-        }
-        for i in range(n)
-    ]
-    started = time.perf_counter()
-    async with session_for(stats.name) as session:
-        form = aiohttp.FormData()
-        form.add_field("purpose", "batch")
-        form.add_field("file", io.BytesIO("".join(json.dumps(x) + "\n" for x in lines).encode()), filename="job.jsonl")
-        async with session.post(f"{url}/files", data=form) as r:
-            file_id = (await r.json())["id"]
-        body = {"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h"}
-        async with session.post(f"{url}/batches", json=body) as r:
-            batch_id = (await r.json())["id"]
-        batch: dict = {}
-        for _ in range(3600):
-            async with session.get(f"{url}/batches/{batch_id}") as r:
-                batch = await r.json()
-            if batch["status"] in ("completed", "failed", "cancelled", "expired"):
-                break
-            await asyncio.sleep(0.2)
-    counts = batch.get("request_counts", {})
-    stats.ok, stats.errors = counts.get("completed", 0), counts.get("failed", 0)
-    return {"status": batch.get("status"), "seconds": round(time.perf_counter() - started, 1), **counts}
+from mlxgw.bench.servers import ServerProcess, spawn_mlx_lm, spawn_vllm_mlx, start_mlxgw, warm_up
+from mlxgw.bench.team.teamday_users import (
+    SERVED,
+    UserStats,
+    agent,
+    batch_job,
+    chat,
+    embedder,
+    flooder,
+    jain,
+    key_of,
+    one_at_a_time,
+    pct,
+    ratio,
+    session_for,
+    words,
+)
 
 
 # -- the measurements --------------------------------------------------------------------------
@@ -251,10 +61,10 @@ async def flood_vs_one(url: str, seconds: float, flood: int, max_tokens: int) ->
         "b_alone_ttft_p50_s": pct(b_alone.ttfts, 50),
         "b_flooded_ttft_p50_s": pct(b.ttfts, 50),
         "b_flooded_ttft_p99_s": pct(b.ttfts, 99),
-        "b_slowdown": _ratio(pct(b.ttfts, 50), pct(b_alone.ttfts, 50)),
+        "b_slowdown": ratio(pct(b.ttfts, 50), pct(b_alone.ttfts, 50)),
         "a_alone_tok_s": round(a_alone.tokens / (seconds / 2), 1),
         "a_with_b_tok_s": round(a.tokens / seconds, 1),
-        "a_ratio": _ratio(a.tokens / seconds, a_alone.tokens / (seconds / 2)),
+        "a_ratio": ratio(a.tokens / seconds, a_alone.tokens / (seconds / 2)),
         "lost": a.errors + b.errors + a_alone.errors + b_alone.errors,
     }
 
@@ -285,16 +95,12 @@ async def batch_vs_direct(url: str, n: int, max_tokens: int, seconds: float) -> 
     return {
         "direct_s": round(direct_s, 1),
         "batch_s": as_batch["seconds"],
-        "batch_vs_direct": _ratio(direct_s, as_batch["seconds"]),
+        "batch_vs_direct": ratio(direct_s, as_batch["seconds"]),
         "chat_ttft_p50_alone_s": pct(alone.ttfts, 50),
         "chat_ttft_p50_beside_batch_s": pct(beside.ttfts, 50),
         "chat_ttft_p99_beside_batch_s": pct(beside.ttfts, 99),
         "lost": direct.errors + alone.errors + beside.errors,
     }
-
-
-def _ratio(x, y) -> float | None:
-    return round(x / y, 2) if x and y else None
 
 
 async def idle_baselines(url: str, system: str, args) -> dict[str, float | None]:
@@ -356,23 +162,47 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def start_gateway(
+    home: Path, models_dir: Path, model: str, users: list[str], fair: bool, seqs: int, embed: str | None
+) -> ServerProcess:
+    """`mlxgw up` with one key per user, the chat model (and the embedding model), fair share
+    on or off, ready."""
+    from mlxgw.gateway.access.keys import hash_key
+
+    home.mkdir(parents=True, exist_ok=True)
+    if not (home / "models").exists():
+        (home / "models").symlink_to(models_dir)
+    entries = [{"name": u, "sha256": hash_key(key_of(u))} for u in users]
+    (home / "keys.yaml").write_text(yaml.safe_dump({"window_seconds": 60, "keys": entries}))
+    models = [{"name": "chat", "source": model, "preload": True, "max_num_seqs": seqs, "max_queue": 256}]
+    if embed:
+        models.append({"name": "embed", "source": embed, "kind": "embedding", "preload": True})
+    config = {"manager": {"auto_discover": False}, "models": models}
+    name = f"gateway-{'fair' if fair else 'fifo'}"
+    env = {"MLXGW_FAIR_SHARE": "on" if fair else "off"}
+    return start_mlxgw(home, config, name, env=env, extra_args=["--keys", str(home / "keys.yaml")])
+
+
 PEERS = ("mlx_lm", "vllm")
 
 
-def start_peer(mode: str, home: Path, args) -> tuple[str, subprocess.Popen]:
-    """mlx_lm.server or vllm-mlx on the same model folder, each with its own defaults."""
-    from mlxgw.bench.serving.peers import start_mlx_lm, start_vllm_mlx, wait_ready, warm_up
-
+def start_peer(mode: str, home: Path, args) -> ServerProcess:
+    """mlx_lm.server or vllm-mlx on the same model folder, each with its own defaults, ready."""
     model_dir = (args.models_dir / args.model).resolve()
-    log = open(home / f"{mode}.log", "w")
     if mode == "mlx_lm":
-        url, proc, model = start_mlx_lm(model_dir, log)
+        server = spawn_mlx_lm(model_dir, home)
+    elif args.vllm_python:
+        server = spawn_vllm_mlx(args.vllm_python, model_dir, home)
     else:
-        url, proc, model = start_vllm_mlx(args.vllm_python, model_dir, log)
-    wait_ready(url, proc)
-    warm_up(url, model)
-    SERVED["model"] = model
-    return url, proc
+        raise SystemExit("--modes vllm needs --vllm-python (the python of a venv with vllm-mlx)")
+    try:
+        server.wait_ready()
+        warm_up(server.api, server.model)
+    except BaseException:
+        server.stop()
+        raise
+    SERVED["model"] = server.model
+    return server
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -396,7 +226,7 @@ def main(argv: list[str] | None = None) -> None:
         help="fair, fifo (fair share off), batch (only batch vs direct), mlx_lm and vllm (the peers: the chat, "
         "agent and flooding users; they have no keys, fair share, batch or embedding API)",
     )
-    ap.add_argument("--vllm-python", default="/work/peers/vllm/bin/python", help="the vllm-mlx venv's python")
+    ap.add_argument("--vllm-python", default=None, help="the python of a venv with vllm-mlx (--modes vllm)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     users = ["alice", "bob", "flooder", "batch", "embedder"]
@@ -405,15 +235,16 @@ def main(argv: list[str] | None = None) -> None:
     for mode in args.modes.split(","):
         home = Path(tempfile.mkdtemp(prefix=f"teamday-{mode}-"))
         if mode in PEERS:
-            url, proc = start_peer(mode, home, args)
+            server = start_peer(mode, home, args)
             run_args = argparse.Namespace(**{**vars(args), "batch_n": 0, "embed_model": None})
         else:
             SERVED["model"] = "chat"
             fair = mode != "fifo"
-            url, proc = start_gateway(
+            server = start_gateway(
                 home, args.models_dir.resolve(), args.model, users, fair, args.max_num_seqs, args.embed_model
             )
             run_args = args
+        url = server.api
         try:
             if mode == "batch":  # only the batch measurement
                 bvd = asyncio.run(batch_vs_direct(url, args.batch_n, args.max_tokens, args.seconds))
@@ -434,8 +265,7 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"[{mode}] batch vs direct: {json.dumps(bvd)}  load {os.getloadavg()}", flush=True)
                 results[mode]["batch_vs_direct"] = bvd
         finally:
-            proc.terminate()
-            proc.wait(60)
+            server.stop(timeout=60)
     if args.out:
         args.out.write_text(json.dumps(results, indent=2))
 
