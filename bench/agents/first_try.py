@@ -22,6 +22,7 @@ import shutil
 import sqlite3
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -209,7 +210,8 @@ def main() -> None:
         type=int,
         help="claude -p --max-turns: Qwen2.5-Coder-0.5B writes the file, then calls Write again each turn",
     )
-    ap.add_argument("--workdir", type=Path, default=Path("/tmp/mlxgw-agent-runs"), help="the clients' project folders")
+    workdir = Path(tempfile.gettempdir()) / "mlxgw-agent-runs"
+    ap.add_argument("--workdir", type=Path, default=workdir, help="the clients' project folders")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     runs = []

@@ -3,7 +3,7 @@ a long system prompt with tool definitions, four turns, greedy, streamed; the ti
 token of every turn.
 
     python -m mlxgw.bench.agents.multiturn ~/.cache/mlxgw/models/gemma3-270m --system-tokens 4000 \\
-        [--vllm-python /work/peers/vllm/bin/python] [--api completions|chat] --rounds 3 [--busy 2]
+        [--vllm-python VLLM_VENV/bin/python] [--api completions|chat] --rounds 3 [--busy 2]
 
 It starts `mlxgw up` (this checkout), `mlx_lm.server` and, with --vllm-python, vllm-mlx
 (bench/serving/peers.py, the same OpenBLAS for all), and runs under bench/method.py: every server once

@@ -3,8 +3,8 @@ tool prompts built from the recorded agent requests, rendered as the worker rend
 (Qwen: its template with tools; SmolLM2: the generic tool instruction). Writes
 tests/fixtures/tool_call_outputs.json (tests/test_tool_calls_recorded.py reads it).
 
-    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 \
-      python bench/agents/record_tool_outputs.py MODELS_DIR   # holding qwen2.5-coder-0.5b and smollm2-135m"""
+    LD_PRELOAD=$(python -c "from mlxgw.shared.platform import openblas_path; print(openblas_path())") \
+      python -m mlxgw.bench.agents.record_tool_outputs MODELS_DIR   # holding qwen2.5-coder-0.5b and smollm2-135m"""
 
 import json
 import sys

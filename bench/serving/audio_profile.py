@@ -3,7 +3,7 @@ model in-process (no gateway), the committed clips one after another, then 8 at 
 the seconds spent in encoder passes, decoder prefills and decoder steps, and the texts (to
 check that a speed-up leaves them unchanged: --save writes them, --compare diffs them).
 
-    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 \\
+    LD_PRELOAD=$(python -c "from mlxgw.shared.platform import openblas_path; print(openblas_path())") \\
         python -m mlxgw.bench.serving.audio_profile ~/.mlxgw/models/whisper-tiny-en [--save a.json] [--compare b.json]
 """
 

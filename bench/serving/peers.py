@@ -10,7 +10,7 @@ beside all servers, exit status 3 when rounds disagree by more than `--max-sprea
 loopback ports; every server and busy loop is stopped at the end.
 
     python -m mlxgw.bench.serving.peers ~/.cache/mlxgw/models/smollm2-135m \\
-        --vllm-python /work/peers/vllm/bin/python --concurrency 1,8,16,32 --rounds 3 [--busy 2]
+        --vllm-python VLLM_VENV/bin/python --concurrency 1,8,16,32 --rounds 3 [--busy 2]
 
 `--agent` also runs bench/speculation/inprocess.py's agent workload through each server's HTTP API
 (a ~2k-token code file and an instruction to return it with a small edit, greedy, 512

@@ -1,7 +1,7 @@
 """Where a served worker's steps went: a summary of the step traces of worker/model/step_trace.py.
 
-    MLXGW_STEP_TRACE=/tmp/trace python -m mlxgw.bench.speculation.matrix ... --max-rows 16
-    python -m mlxgw.bench.step.trace /tmp/trace
+    MLXGW_STEP_TRACE=TRACE_DIR python -m mlxgw.bench.speculation.matrix ... --max-rows 16
+    python -m mlxgw.bench.step.trace TRACE_DIR
 
 Every worker started with MLXGW_STEP_TRACE=FOLDER wrote FOLDER/<pid>.jsonl, one line per
 engine step. A step's cost is the time from its start to the next one's (host work after it
@@ -14,7 +14,7 @@ steps would have taken for the same tokens; and the attention's padding share. T
 tables over every level:
 - verifications against plain decode steps by batch size (the speculating workers' steps
   that read no prompt): the cost per generated token of each, and the tokens a row gained
-  per verification (bench/HISTORY.md, "Speculation's cost at 8-16 rows");
+  per verification (bench/HISTORY.md at 3b9d616, "Speculation's cost at 8-16 rows");
 - the BLAS thread counts (worker/model/cpu/blas_threads.py) per worker: the steps run at fewer than the
   most threads, and the time they took beyond the other count's rate per position fed, for
   the same kind of step (decode rows to a power of two, reading a prompt or not)."""

@@ -7,7 +7,7 @@ next prompt chunk. A prompt whose last chunk is read in step k is therefore move
 k + 1, after that step's decode, and its first token reaches the host at the end of step
 k + 2; step k + 1 also reads the next arriving prompts' chunks, so the first token waits for
 them as well. A burst of 16 prompts split into two groups then gave the first group nothing:
-its first token came after the second group's prefill either way (bench/HISTORY.md, "First
+its first token came after the second group's prefill either way (bench/HISTORY.md at 3b9d616, "First
 tokens in the step that reads the prompt").
 
 Here a step reads the prompt chunk first, moves the rows that reached their last token into
