@@ -1,14 +1,66 @@
-"""`mlxgw bench`: load-test an OpenAI-compatible server, optionally against a second one."""
+"""`mlxgw bench <study> <bench> [ARGS]`: every bench behind one command.
+
+`mlxgw bench load` load-tests an OpenAI-compatible server (optionally against others); the
+studies (bench/studies.py) are groups whose commands run a bench module with the rest of the
+command line, as `python -m mlxgw.bench.<study>.<bench>` would. The old spelling,
+`mlxgw bench --url ... --model ...`, still runs the load test.
+"""
 
 from __future__ import annotations
 
+import runpy
 import sys
 from pathlib import Path
 
 import click
 
+from mlxgw.bench.studies import STUDIES, Study
 
-@click.command()
+PASS_THROUGH = {"ignore_unknown_options": True, "allow_extra_args": True, "help_option_names": []}
+
+
+class BenchGroup(click.Group):
+    """A group that reads `mlxgw bench --url ...` (options first, no command) as
+    `mlxgw bench load --url ...`, the spelling from before the studies."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if args and args[0].startswith("-") and args[0] not in ("--help", "-h"):
+            args = ["load", *args]
+        return super().parse_args(ctx, args)
+
+
+@click.group(cls=BenchGroup, context_settings={"help_option_names": ["-h", "--help"]})
+def bench() -> None:
+    """Benchmarks: `load` for any OpenAI-compatible server, and the studies (each a group of
+    benches; `mlxgw bench STUDY BENCH --help` shows a bench's own options). bench/README.md
+    has the method, each study's README its current figures and their commands."""
+
+
+def run_module(module: str, args: list[str]) -> None:
+    """Run mlxgw.bench.MODULE as `python -m` would, with `args` as its command line."""
+    name = f"mlxgw.bench.{module}"
+    sys.argv = [f"python -m {name}", *args]
+    runpy.run_module(name, run_name="__main__", alter_sys=True)
+
+
+def study_group(study: Study) -> click.Group:
+    group = click.Group(study.name, help=study.summary, short_help=study.summary)
+    for command, (module, line) in study.benches.items():
+
+        @click.pass_context
+        def run(ctx: click.Context, module: str = module) -> None:
+            run_module(module, ctx.args)
+
+        help_text = (
+            f"{line}\n\n`python -m mlxgw.bench.{module}`; its options: `mlxgw bench {study.name} {command} --help`."
+        )
+        group.add_command(
+            click.Command(command, callback=run, help=help_text, short_help=line, context_settings=PASS_THROUGH)
+        )
+    return group
+
+
+@bench.command("load")
 @click.option("--url", default="http://127.0.0.1:8000/v1", show_default=True, help="OpenAI base URL")
 @click.option("--model", required=True)
 @click.option("--label", default="mlxgw", show_default=True)
@@ -42,7 +94,7 @@ import click
     help="prompt seed (default: random per run, so no server answers from an earlier run's cache)",
 )
 @click.option("--out", type=click.Path(path_type=Path), default=None, help="write OUT.json and OUT.md")
-def bench(
+def load(
     url,
     model,
     label,
@@ -103,3 +155,7 @@ def bench(
     if any(r["failed"] for r in report["levels"]):
         sys.exit(1)
     sys.exit(report["exit_status"])
+
+
+for _study in STUDIES:
+    bench.add_command(study_group(_study))

@@ -9,7 +9,7 @@
 - a run whose rounds disagree by more than `--max-spread` ((max - min) / median) is
   flagged: in its table, by a loud line on stderr and by exit status UNSTABLE_EXIT.
 
-Used by bench/run.py (`mlxgw bench`), bench/peers.py and bench/spec_matrix.py."""
+Used by bench/run.py (`mlxgw bench`), bench/serving/peers.py and bench/speculation/matrix.py."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TypeVar
 
-from .stats import Summary
+from mlxgw.bench.stats import Summary
 
 T = TypeVar("T")
 

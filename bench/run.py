@@ -13,11 +13,18 @@ from pathlib import Path
 
 import aiohttp
 
-from .loadgen import one_request, run_level, shared_prefix_prompts, varied_prompts
-from .method import Method
-from .progress import LevelProgress
-from .report import levels_markdown, merge_rounds, paired_ratio_rows, percentile, ratios_markdown, summarize_level
-from .stats import summarize
+from mlxgw.bench.loadgen import one_request, run_level, shared_prefix_prompts, varied_prompts
+from mlxgw.bench.method import Method
+from mlxgw.bench.progress import LevelProgress
+from mlxgw.bench.report import (
+    levels_markdown,
+    merge_rounds,
+    paired_ratio_rows,
+    percentile,
+    ratios_markdown,
+    summarize_level,
+)
+from mlxgw.bench.stats import summarize
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Every summary a bench prints, in one place: percentiles, a true median, a mean with its
 spread, and the spread test that flags a run whose rounds disagree.
 
-Why one module: bench/peers.py's agent table once took `sorted(values)[len(values) // 2]`
+Why one module: bench/serving/peers.py's agent table once took `sorted(values)[len(values) // 2]`
 as its median, which for two rounds is the upper one (7.96 and 16.71 chunks/s were reported
 as 16.7); a copy of a statistic in each bench is a copy of its bugs. Pure Python, no numpy,
 so the gateway-side benches import it too."""

@@ -1,4 +1,5 @@
-"""`mlxgw bench` smoke test against the null engine: the tool works and reports figures."""
+"""`mlxgw bench` smoke test against the null engine: the tool works and reports figures; and
+`mlxgw bench --help` lists every study, each bench a module that exists."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ def test_bench_alternates_servers_over_rounds_and_writes_reports(tiny_gateway, t
             "-c",
             "from mlxgw.cli import main; main()",
             "bench",
+            "load",
             "--url",
             f"{tiny_gateway.url}/v1",
             "--model",
@@ -94,3 +96,31 @@ def test_bench_level_progress_is_plain_lines_off_a_terminal_and_one_redrawn_line
         progress.update(RequestResult(ok=True, status=200, tokens=5))
     progress.close()
     assert "\n" not in tty.getvalue() and "3/3 done" in tty.getvalue() and "[####" in tty.getvalue()
+
+
+def test_bench_help_lists_every_study_and_every_bench_is_a_module():
+    import importlib.util
+
+    from click.testing import CliRunner
+
+    from mlxgw.bench.studies import STUDIES
+    from mlxgw.cli import main
+
+    listed = CliRunner().invoke(main, ["bench", "--help"])
+    assert listed.exit_code == 0, listed.output
+    for study in STUDIES:
+        assert study.name in listed.output
+        group = CliRunner().invoke(main, ["bench", study.name, "--help"])
+        for command, (module, _) in study.benches.items():
+            assert command in group.output, (study.name, command)
+            assert importlib.util.find_spec(f"mlxgw.bench.{module}") is not None, module
+    assert "load" in listed.output
+
+
+def test_bench_with_options_first_is_still_the_load_test():
+    from click.testing import CliRunner
+
+    from mlxgw.cli import main
+
+    result = CliRunner().invoke(main, ["bench", "--model", "m", "--help"])
+    assert result.exit_code == 0 and "Load-test an OpenAI-compatible server" in result.output, result.output

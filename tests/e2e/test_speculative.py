@@ -267,9 +267,9 @@ def test_batch_sizes_share_cost_meters_by_powers_of_two_and_probe_every_other_st
 
 
 def test_the_step_trace_records_every_step_and_its_verifications(tiny_dir, tmp_path, monkeypatch, capsys):
-    """MLXGW_STEP_TRACE (worker/model/step_trace.py) writes one line per step, and bench/step_trace.py
+    """MLXGW_STEP_TRACE (worker/model/step_trace.py) writes one line per step, and bench/step/trace.py
     accounts for every generated token, with the verifications apart from plain steps."""
-    from mlxgw.bench.step_trace import load, main, report
+    from mlxgw.bench.step.trace import load, main, report
 
     monkeypatch.setenv("MLXGW_STEP_TRACE", str(tmp_path))
     traced = speculative_runner(tiny_dir, SpeculativeConfig(mode="prompt_lookup"))

@@ -3,7 +3,7 @@
 tests/fixtures/tool_call_outputs.json holds real greedy answers of Qwen2.5-Coder-0.5B (its own
 hermes-style template with tools) and SmolLM2-135M (the generic tool instruction), to tasks
 offered the tools of the recorded agent requests (Claude Code's Write and Bash, Codex's
-exec_command; bench/record_tool_outputs.py made it). Qwen answers with a call in a
+exec_command; bench/agents/record_tool_outputs.py made it). Qwen answers with a call in a
 ```json fence, which was returned as text before; SmolLM2 answers with prose and Python
 code, which must stay text. Each answer is streamed through the parser of every template
 family in small pieces, as the worker feeds it. The live end-to-end checks (SmolLM2 here,

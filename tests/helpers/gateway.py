@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
-import yaml
 
-from .http import free_port, http
+from mlxgw.bench.servers import spawn_mlxgw
+
+from .http import http
 
 REPO = Path(__file__).resolve().parent.parent.parent
 
@@ -75,30 +74,16 @@ def start_gateway(
 ) -> GatewayProcess:
     """`mlxgw up` on a free port, ready; max_files sets its descriptor limit (soft and hard),
     address_space its RLIMIT_AS in bytes (its workers inherit both)."""
-    config_path = home / f"{name}.yaml"
-    config_path.write_text(yaml.safe_dump(config))
-    port = free_port()
-    log_path = home / f"{name}.log"
-    env = dict(os.environ, MLXGW_HOME=str(home), PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "from mlxgw.cli import main; main()",
-            "up",
-            "--config",
-            str(config_path),
-            "--port",
-            str(port),
-            *extra_args,
-        ],
+    server = spawn_mlxgw(  # bench/servers.py: the benches start their gateways the same way
+        home,
+        config,
+        name,
+        extra_args=extra_args,
         cwd=REPO,
-        env=env,
-        stdout=open(log_path, "w"),
-        stderr=subprocess.STDOUT,
         preexec_fn=None if max_files is None and address_space is None else lambda: _limit(max_files, address_space),
     )
-    gw = GatewayProcess(proc, port, log_path, config_path)
+    proc = server.proc
+    gw = GatewayProcess(proc, server.port, server.log_path, server.extra["config_path"])
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if "mlxgw ready on" in gw.log():

@@ -20,7 +20,7 @@ GREEDY = SamplingParams(temperature=0, logit_bias={0: -100, 2: -100})  # no end-
 def runner(tiny_dir):
     from mlxgw.worker.model.runner import MLXRunner
 
-    # The folder as text, as bench/admission.py and bench/speculative.py pass it (a str once
+    # The folder as text, as bench/team/admission.py and bench/speculation/inprocess.py pass it (a str once
     # broke the KV-size probe, which globbed it as a Path).
     return MLXRunner(str(tiny_dir), context_length=None, max_num_seqs=8, prefill_step_size=BUDGET, cache_bytes=0)
 
@@ -186,11 +186,11 @@ def test_a_configured_max_num_seqs_wins_over_the_formula(tiny_dir):
 
 
 def test_the_admission_bench_runs_its_variants_on_a_real_runner(tiny_dir):
-    """bench/admission.py drives the real Scheduler and, for comparison, mlx-lm's own
+    """bench/team/admission.py drives the real Scheduler and, for comparison, mlx-lm's own
     BatchGenerator on the same model; both had gone unrun in CI once (a str folder broke the
     runner), so one burst and one closed loop of each run here, tiny and short."""
-    from mlxgw.bench.admission import VARIANTS, run_variant
     from mlxgw.bench.loadgen import varied_prompts
+    from mlxgw.bench.team.admission import VARIANTS, run_variant
     from mlxgw.worker.model.runner import MLXRunner
 
     runner = MLXRunner(str(tiny_dir), context_length=None, max_num_seqs=4, prefill_step_size=64, cache_bytes=0)

@@ -4,9 +4,9 @@ same round (pure functions over recorded rounds; the benches themselves need ser
 
 from __future__ import annotations
 
-from mlxgw.bench.kv_bits import table as kv_table
+from mlxgw.bench.agents.multiturn import markdown, system_prompt
 from mlxgw.bench.method import Method
-from mlxgw.bench.multiturn import markdown, system_prompt
+from mlxgw.bench.serving.kv_bits import table as kv_table
 
 
 def test_multiturn_pairs_cold_and_warm_per_round_and_judges_the_goal_on_the_worst_round():

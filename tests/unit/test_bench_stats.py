@@ -9,8 +9,8 @@ import pytest
 
 from mlxgw.bench import method as bench_method
 from mlxgw.bench.method import UNSTABLE_EXIT, Method, busy_loops, rotated, spread_arg
-from mlxgw.bench.peers import agent_markdown
 from mlxgw.bench.report import merge_rounds, paired_ratio_rows
+from mlxgw.bench.serving.peers import agent_markdown
 from mlxgw.bench.stats import median, paired_ratios, percentile, relative_spread, summarize
 
 
@@ -141,7 +141,7 @@ def test_busy_loops_run_for_the_block_and_stop_at_its_end():
 
 
 def test_speculation_table_pairs_rounds_and_catches_a_changed_greedy_text():
-    from mlxgw.bench.spec_matrix import identical, table
+    from mlxgw.bench.speculation.matrix import identical, table
 
     def run(variant: str, rnd: int, tok_s: float, texts: dict) -> dict:
         return {
@@ -174,7 +174,7 @@ def test_padding_share_counts_left_padding_of_the_decode_batch():
     import mlx.core as mx
     from mlx_lm.models.cache import BatchKVCache
 
-    from mlxgw.bench.step_breakdown import padding_share
+    from mlxgw.bench.step.breakdown import padding_share
 
     cache = BatchKVCache(left_padding=[0, 3, 1])
     cache.update_and_fetch(mx.zeros((3, 2, 4, 8)), mx.zeros((3, 2, 4, 8)))

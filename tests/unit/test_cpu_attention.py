@@ -140,10 +140,10 @@ def test_model_modules_are_routed_and_a_model_gives_the_same_greedy_tokens(tiny_
 
 
 def test_the_cpu_forward_bench_runs_every_table(tiny_dir):
-    """bench/cpu_forward.py (the figures in bench/HISTORY.md) on the tiny model, one round."""
+    """bench/step/cpu_forward.py (the figures in bench/step/README.md) on the tiny model, one round."""
     from mlx_lm import load
 
-    from mlxgw.bench import cpu_forward
+    from mlxgw.bench.step import cpu_forward
 
     model, _ = load(str(tiny_dir))
     rows = cpu_forward.attention_rounds(mx, (4, 2, 16), rounds=2, repeats=1)

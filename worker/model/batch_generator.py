@@ -7,7 +7,7 @@ next prompt chunk. A prompt whose last chunk is read in step k is therefore move
 k + 1, after that step's decode, and its first token reaches the host at the end of step
 k + 2; step k + 1 also reads the next arriving prompts' chunks, so the first token waits for
 them as well. A burst of 16 prompts split into two groups then gave the first group nothing:
-its first token came after the second group's prefill either way (bench/HISTORY.md, "First
+its first token came after the second group's prefill either way (bench/HISTORY.md at 3b9d616, "First
 tokens in the step that reads the prompt").
 
 Here a step reads the prompt chunk first, moves the rows that reached their last token into
@@ -43,7 +43,7 @@ class VectorBatchGenerator(BatchGenerator):
     # Set around every forward of this step's order with the uids of the rows it runs, in
     # batch order: the per-row LoRA adapters (worker/model/adapters.py) select their rows from it.
     route_rows: Callable[[list[int]], AbstractContextManager] | None = None
-    # False: mlx-lm's own order (the control, for bench/admission.py), where LoRA rows are not routed
+    # False: mlx-lm's own order (the control, for bench/team/admission.py), where LoRA rows are not routed
     reads_first = True
 
     def __init__(self, model, **kwargs):

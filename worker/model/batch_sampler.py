@@ -137,7 +137,7 @@ def scores(logits: mx.array, plan: SamplePlan) -> mx.array:
     that need their exact values, the logits themselves for the rest. Both give the same
     distribution at any temperature and the same argmax (log-softmax shifts a row by a
     constant), and on a CPU the normalisation is a full-vocabulary exp that cost 12.4 ms of a
-    216-ms step at batch 16 (bench/HISTORY.md, "step against its floor"), for values nobody reads."""
+    216-ms step at batch 16 (bench/HISTORY.md at 3b9d616, "step against its floor"), for values nobody reads."""
     if plan.normalised is None:
         return logits
     if plan.normalised is EVERY_ROW:

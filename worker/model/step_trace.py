@@ -8,7 +8,7 @@ it read, whether it ran a speculative verification, the decode batch's attention
 KV write index) against the tokens its rows hold (the rest is padding), and the BLAS threads
 it ran on. It reads only Python-side state (no MLX array is evaluated), so tracing does not
 change the pipelining it measures. Off (the default), nothing is recorded.
-bench/step_trace.py summarises a folder of traces."""
+bench/step/trace.py summarises a folder of traces."""
 
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ a step stays short wherever it runs; on a fast host the cap is far above the bud
 changes nothing. The bound beside decoding rows is 4 s, not 2: the measured rate counts the
 decode in the step's time, so at 2 s the cap bit below the budget on a 2-core host and the
 prompts arriving during a closed loop's decoding were read in more, smaller chunks (c = 16
-in-process, bench/admission.py: TTFT p50 2.0 s at 4 s against 3.2 s at 2 s, tok/s equal, the
+in-process, bench/team/admission.py: TTFT p50 2.0 s at 4 s against 3.2 s at 2 s, tok/s equal, the
 largest token gap 1.8-2.1 s at either).
 
 The first step of a fresh worker has no measured rate, and on that same host its 512-token

@@ -4,7 +4,7 @@ On MLX's CPU backend every matmul of the forward is an OpenBLAS call, and OpenBL
 each call over its threads and joins them at the end. On a quiet host that is faster. On a
 host whose cores are taken by other work, each call waits for its slowest thread to be
 scheduled, hundreds of times per forward. Measured on the 2-core machine (SmolLM2-135M
-float32, one decode forward; `bench/HISTORY.md`, "busy host"):
+float32, one decode forward; bench/HISTORY.md at 3b9d616, "busy host"):
 
 | | quiet, 2 threads | quiet, 1 | 2 busy loops, 2 threads | 2 busy loops, 1 |
 |---|---|---|---|---|
@@ -31,7 +31,7 @@ prompt tokens it read); a speculative verification is no sample. Raw step times 
 compared before: steps of one kind read prompt chunks of different lengths and verified
 drafts of different widths, so three samples of each count were decided by which steps they
 happened to be as much as by the count (traced through the server, MLXGW_STEP_TRACE and
-bench/step_trace.py; bench/HISTORY.md, "The BLAS policy's samples").
+bench/step/trace.py; bench/HISTORY.md at 3b9d616, "The BLAS policy's samples").
 
 Where the count cannot be set (Metal or CUDA, where matmuls do not run on the CPU BLAS;
 macOS's Accelerate) the policy is off: `shared/platform.py` says which.
@@ -54,7 +54,7 @@ MAX_INTERVAL = 256
 # threads' steps are bimodal (at 8 rows, 170-250 ms when both threads got a core, 3.5-4 s
 # when one waited), and the median of three, with every 4 s step dropped as an "idle wait"
 # at 10x the median, kept two threads at 300 ms a position where one thread took 34 (traced,
-# bench/HISTORY.md, "The BLAS policy on a busy host"). A long sample counts, capped at CAP x
+# bench/HISTORY.md at 3b9d616, "The BLAS policy on a busy host"). A long sample counts, capped at CAP x
 # the median; only one past IDLE_GAP x the median is taken for a wait with nothing to do.
 CAP = 10.0
 IDLE_GAP = 100.0
@@ -69,7 +69,7 @@ OUTDATED = 1.25  # the count in use costing this x another's last measure brings
 # cost a busy host most of a burst: each kind of step (rows to a power of two, reading a
 # prompt or not) started at two threads and kept them for three samples, and a burst of 32
 # short requests met a dozen kinds, each new one's two-thread steps taking 3.5-17 s where one
-# thread took 0.2-2 (traced, `--busy 2`, c = 32; bench/HISTORY.md, "The BLAS policy's
+# thread took 0.2-2 (traced, `--busy 2`, c = 32; bench/HISTORY.md at 3b9d616, "The BLAS policy's
 # verdict is the host's"). On a quiet host the counts differ by 1.3-1.4x, under this ratio,
 # so every kind still learns its own count there.
 BUSY_RATIO = 2.0

@@ -5,7 +5,7 @@ float32, a fifth of the model), read whole for every step. mlx-lm computes it as
 with W as the checkpoint stores it (vocabulary x hidden), and on the CPU backend that is an
 OpenBLAS sgemm with a transposed operand. The same product over a contiguous (hidden x
 vocabulary) copy, `x @ Wt`, measured 0.60x the time at batch 1, 0.75x at 8, 0.63x at 16 and
-0.70x at 32 on the 2-core development machine (bench/HISTORY.md, "The forward itself on the CPU"); the other
+0.70x at 32 on the 2-core development machine (bench/HISTORY.md at 3b9d616, "The forward itself on the CPU"); the other
 projections gained less or lost (a 192 x 576 one was 1.2x slower), so only the head is changed.
 
 The transposed copy replaces the original, so memory stays the same: a tied head (the input

@@ -23,7 +23,7 @@ worker/model/speculation/spec_verify.py).
   BatchGenerator reads a prompt chunk after each decode step, and a plain step timed that
   way while a speculative one was timed around its verification alone made plain steps look
   dearer whenever prompts were being read, so speculation kept going while it lost (0.85x
-  on the agent workload at c = 8 before, 1.05x after, bench/HISTORY.md). A step that spans an
+  on the agent workload at c = 8 before, 1.05x after, bench/HISTORY.md at 3b9d616). A step that spans an
   idle gap is not a sample. Sizes share meters by powers of two, every other step is plain
   until a size's plain cost is known, and a speculative token 1.2x dearer than a plain one
   pauses after two steps of each.
@@ -54,11 +54,11 @@ MAX_BACKOFF = 16  # steps a row waits before drafting again after repeated misse
 # VERIFY_DRAFT_POSITIONS // rows tokens (at least 1). It caps the worst verification (32 rows
 # x 9 positions was a 288-token forward); it did not make c = 16 pay (0.91x): a verification
 # is as wide as its longest draft and on a CPU costs about that many plain steps at batch 16
-# (bench/verify_width.py; bench/HISTORY.md, "Speculation at c = 16 and 32").
+# (bench/speculation/verify_width.py; bench/HISTORY.md at 3b9d616, "Speculation at c = 16 and 32").
 VERIFY_DRAFT_POSITIONS = 64
 # On the CPU device nothing speculates in a batch of more than this many rows unless the
 # model's speculative.max_rows says otherwise (vLLM's speculative_disable_by_batch_size).
-# Traced per step through the server (MLXGW_STEP_TRACE, bench/step_trace.py): on a CPU a
+# Traced per step through the server (MLXGW_STEP_TRACE, bench/step/trace.py): on a CPU a
 # verification costs about as much as the positions it feeds. Per token against a plain step
 # of the same rows it cost 0.3-0.8x at 1 row, 0.64x at 2 (code edits, 3.3 tokens a row per
 # verification), 0.96-1.38x at 4 (chat 1.8 tokens a row, code edits 1.5: with 4 rows some row

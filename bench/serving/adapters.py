@@ -1,0 +1,188 @@
+"""Mixed LoRA-adapter traffic against the base model alone, through the server (issue 44).
+
+    python -m mlxgw.bench.serving.adapters ~/.mlxgw/models/smollm2-135m --adapters 4 \\
+        --concurrency 8,16 --rounds 3 [--adapter-dir DIR ...] [--out bench/out/adapters]
+
+One `mlxgw up` serves the model folder with N LoRA adapters: the --adapter-dir folders
+(mlx_lm.lora outputs), else N written here with mlx-lm's own tuner (every linear layer of
+every block, as mlx_lm.lora trains by default, rank --rank, random non-zero weights). The
+same greedy, streaming chat prompts run as two variants, alternated at every level with the
+order rotated each round (bench/method.py): `base` sends every request to the base model;
+`mixed` sends them round-robin to the base and each adapter, so every batch mixes them.
+Reported per c: tokens/s and TTFT p50 of each variant (median, every round), mixed / base
+paired within rounds (the cost of adapters; the issue's goal: >= 0.8x), and the worker's RSS
+after the run beside the adapters' own bytes. mlx_lm.server's per-request `adapters`
+(the peer's reload path) is not measured here."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import aiohttp
+
+from mlxgw.bench import method as bench_method
+from mlxgw.bench.loadgen import one_request, varied_prompts
+from mlxgw.bench.method import Method
+from mlxgw.bench.servers import ServerProcess, show_log_tails, spawn_mlxgw, stop_all, warm_up
+from mlxgw.bench.stats import paired_ratios, percentile, summarize
+
+VARIANTS = ("base", "mixed")
+BASE = "bench-base"
+
+
+def write_random_adapter(base: Path, dest: Path, seed: int, rank: int) -> Path:
+    """An mlx_lm.lora output folder with random non-zero LoRA weights (default keys)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm import load
+    from mlx_lm.tuner.lora import LoRALinear, LoRASwitchLinear
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    model, _ = load(str(base))
+    model.freeze()
+    params = {"rank": rank, "scale": 4.0, "dropout": 0.0}
+    mx.random.seed(seed)
+    linear_to_lora_layers(model, len(model.layers), params)
+    for _, module in model.named_modules():
+        if isinstance(module, (LoRALinear, LoRASwitchLinear)):
+            module.lora_b = 0.05 * mx.random.normal(module.lora_b.shape)
+    dest.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(dest / "adapters.safetensors"), dict(tree_flatten(model.trainable_parameters())))
+    config = {"fine_tune_type": "lora", "num_layers": len(model.layers), "lora_parameters": params}
+    (dest / "adapter_config.json").write_text(json.dumps(config))
+    return dest
+
+
+def start_gateway(model_dir: Path, home: Path, adapters: list[Path], rows: int) -> ServerProcess:
+    listed = [{"name": f"bench-lora-{i}", "path": str(p)} for i, p in enumerate(adapters)]
+    entry = {"name": BASE, "source": str(model_dir), "preload": True, "max_num_seqs": rows, "adapters": listed}
+    config = {"manager": {"auto_discover": False}, "models": [entry]}
+    return spawn_mlxgw(home, config)
+
+
+async def mixed_level(url: str, models: list[str], prompts: list[list[dict]], c: int, max_tokens: int):
+    """Every prompt once with c clients, prompt i to models[i % len(models)]."""
+    queue: asyncio.Queue = asyncio.Queue()
+    for i, prompt in enumerate(prompts):
+        queue.put_nowait((i, prompt))
+    results = []
+    timeout = aiohttp.ClientTimeout(total=3600)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=2 * c), timeout=timeout) as session:
+
+        async def client() -> None:
+            while not queue.empty():
+                i, prompt = queue.get_nowait()
+                model = models[i % len(models)]
+                kwargs = {"max_tokens": max_tokens, "temperature": 0.0, "stream": True}
+                results.append(await one_request(session, url, model, prompt, **kwargs))
+
+        started = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(c)))
+    return results, time.perf_counter() - started
+
+
+def level(url: str, models: list[str], prompts: list[list[dict]], c: int, max_tokens: int) -> dict:
+    urllib.request.urlopen(urllib.request.Request(f"{url}/cache", method="DELETE"), timeout=60).read()
+    results, wall = asyncio.run(mixed_level(url, models, prompts, c, max_tokens))
+    ok = [r for r in results if r.ok]
+    return {
+        "failed": len(results) - len(ok),
+        "tok_s": round(sum(r.tokens for r in ok) / wall, 3) if wall else None,
+        "ttft_p50_s": percentile([r.ttft for r in ok], 50),
+    }
+
+
+def worker_rss(url: str) -> int | None:
+    with urllib.request.urlopen(f"{url}/status", timeout=30) as r:
+        models = json.loads(r.read())["models"]
+    workers = next(m for m in models if m["name"] == BASE)["workers"]
+    return next((int(w["stats"]["rss_bytes"]) for w in workers if w.get("stats", {}).get("rss_bytes")), None)
+
+
+def table(runs: list[dict], method: Method) -> str:
+    lines = [
+        "| c | base tok/s (rounds) | mixed tok/s (rounds) | mixed / base, paired | TTFT p50 base / mixed s | failed |",
+        "|---|---|---|---|---|---|",
+    ]
+    for c in sorted({r["concurrency"] for r in runs}):
+        of = {v: [r for r in runs if r["concurrency"] == c and r["variant"] == v] for v in VARIANTS}
+        tok = {v: summarize([r["tok_s"] for r in of[v]]) for v in VARIANTS}
+        ratio = summarize(paired_ratios([r["tok_s"] for r in of["mixed"]], [r["tok_s"] for r in of["base"]]))
+        method.check(f"c={c} mixed/base", ratio)
+        ttft = " / ".join(f"{percentile([r['ttft_p50_s'] for r in of[v]], 50) or 0:.2f}" for v in VARIANTS)
+        failed = sum(r["failed"] for r in runs if r["concurrency"] == c)
+        lines.append(f"| {c} | {tok['base'].cell()} | {tok['mixed'].cell()} | {ratio.cell()} | {ttft} | {failed} |")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model_dir", type=Path)
+    ap.add_argument("--adapters", type=int, default=4, help="adapters written here (without --adapter-dir)")
+    ap.add_argument("--adapter-dir", type=Path, action="append", default=[], help="an mlx_lm.lora folder (repeat)")
+    ap.add_argument("--rank", type=int, default=8)
+    ap.add_argument("--concurrency", default="8,16")
+    ap.add_argument("--requests", type=int, default=0, help="per level (default 2 x c, >= 4)")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--prompt-words", type=int, default=40)
+    ap.add_argument("--out", type=Path, default=None, help="write OUT.json and OUT.md")
+    bench_method.add_arguments(ap)
+    args = ap.parse_args(argv)
+    args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    method = bench_method.from_args(args)
+    model_dir = args.model_dir.expanduser().resolve()
+    with tempfile.TemporaryDirectory(prefix="mlxgw-adapters-") as tmp:
+        folders = [p.expanduser().resolve() for p in args.adapter_dir] or [
+            write_random_adapter(model_dir, Path(tmp) / f"adapter-{i}", i + 1, args.rank) for i in range(args.adapters)
+        ]
+        names = [f"bench-lora-{i}" for i in range(len(folders))]
+        server = start_gateway(model_dir, Path(tmp), folders, max(args.concurrency))
+        url = server.api
+        runs: list[dict] = []
+        try:
+            server.wait_ready()
+            for name in [BASE, *names]:
+                warm_up(url, name)
+            with method.busy_loops():
+                for rnd, order in method.each_round(VARIANTS):
+                    for c in args.concurrency:
+                        prompts = varied_prompts(args.requests or max(4, 2 * c), args.prompt_words, seed=c)
+                        for variant in order:
+                            models = [BASE] if variant == "base" else [BASE, *names]
+                            row = level(url, models, prompts, c, args.max_tokens)
+                            runs.append({"round": rnd + 1, "concurrency": c, "variant": variant, **row})
+                            print(f"round {rnd + 1} c={c} {variant}: tok/s {row['tok_s']} failed {row['failed']}")
+            rss = worker_rss(url)
+        except Exception:
+            show_log_tails([server])
+            raise
+        finally:
+            stop_all([server])
+        adapter_bytes = sum((p / "adapters.safetensors").stat().st_size for p in folders)
+    md = f"({method.header()}; greedy, {args.max_tokens} tokens, {len(folders)} adapters)\n\n{table(runs, method)}"
+    md += f"\n\nworker RSS after the run: {(rss or 0) / 2**20:.0f} MB; the adapters' own bytes: "
+    md += f"{adapter_bytes / 2**20:.1f} MB\n\n" + "\n".join(entry.line() for entry in method.logs)
+    print(md)
+    status = method.finish()
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        report = {"method": method.as_dict(), "runs": runs, "rss_bytes": rss, "adapter_bytes": adapter_bytes}
+        args.out.with_suffix(".json").write_text(json.dumps(report, indent=2))
+        args.out.with_suffix(".md").write_text(md + "\n")
+    sys.exit(1 if any(r["failed"] for r in runs) else status)
+
+
+if __name__ == "__main__":
+    main()

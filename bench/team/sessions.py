@@ -1,0 +1,242 @@
+"""A team's agent sessions at once on one server (issue 42): the shared prefix, turn by turn.
+
+N sessions start together. Each is a shared system prompt (the same for every session, as a
+team's coding agents share their client's system prompt and tools), its own repository
+context, then `--turns` user turns of a few sentences, each sent after a think time drawn
+from an exponential distribution, the answers appended to the conversation as an agent
+does. Every request streams; per turn the table shows TTFT p50/p90/p99, decode tokens/s,
+the share of prompt tokens the server reported as cached (`usage.prompt_tokens_details`,
+when it reports it) and requests lost (errors and timeouts: must be 0).
+
+Servers: a running one (`--url`, `--model`), or started here on one model folder with the
+same BLAS: mlxgw (`mlxgw up`), `mlx_lm.server` (`--mlx-lm`, with `--prompt-cache-size` at
+least the number of sessions: its default of 10 entries would thrash) and vllm-mlx
+(`--vllm-python`). `--rounds` rounds, the servers' order rotated every round.
+
+    python -m mlxgw.bench.team.sessions ~/.cache/mlxgw/models/smollm2-135m --sessions 8 \\
+        --turns 4 --mlx-lm --rounds 3 [--out team.json]
+
+Only loopback ports; every server started is stopped at the end."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+from mlxgw.bench.servers import (
+    ServerProcess,
+    registry,
+    spawn_mlx_lm,
+    spawn_mlxgw,
+    spawn_vllm_mlx,
+    stop_all,
+    warm_up,
+)
+
+WORDS = "scheduler cache block prefix worker gateway token batch stream model test commit".split()
+
+
+def text(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(WORDS) + (". " if i % 12 == 11 else "") for i in range(words))
+
+
+def stream_chat(url: str, model: str, messages: list[dict], max_tokens: int, timeout: float) -> dict:
+    """One greedy streaming chat request: TTFT, decode chunks/s, the text and the usage."""
+    body = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    req = urllib.request.Request(
+        f"{url}/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    started = time.perf_counter()
+    first = last = None
+    pieces: list[str] = []
+    usage: dict = {}
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            usage = chunk.get("usage") or usage
+            choices = chunk.get("choices") or []
+            piece = (choices[0].get("delta") or {}).get("content") if choices else None
+            if piece:
+                last = time.perf_counter()
+                first = first or last
+                pieces.append(piece)
+    decode = (len(pieces) - 1) / (last - first) if len(pieces) > 1 and last > first else None
+    details = usage.get("prompt_tokens_details") or {}
+    return {
+        "ttft_s": first - started if first else None,
+        "decode_per_s": decode,
+        "text": "".join(pieces),
+        "prompt_tokens": usage.get("prompt_tokens"),
+        "cached_tokens": details.get("cached_tokens"),
+    }
+
+
+def run_session(
+    k: int, url: str, model: str, args: argparse.Namespace, seed: int, system: str, out: list[dict]
+) -> None:
+    rng = random.Random(seed * 1000 + k)
+    messages = [{"role": "system", "content": system}]
+    context = f"Repository {k}: " + text(rng, args.own_words)
+    for turn in range(args.turns):
+        if turn:
+            time.sleep(rng.expovariate(1 / args.think_s) if args.think_s > 0 else 0)
+        ask = (context + "\n\n" if turn == 0 else "") + text(rng, args.turn_words)
+        messages.append({"role": "user", "content": ask})
+        row = {"session": k, "turn": turn}
+        try:
+            row |= stream_chat(url, model, messages, args.max_tokens, args.timeout_s)
+        except Exception as e:  # a lost request is a result: counted, never a crash of the study
+            row["error"] = f"{type(e).__name__}: {e}"[:200]
+            out.append(row)
+            return
+        messages.append({"role": "assistant", "content": row.pop("text")})
+        out.append(row)
+
+
+def study(url: str, model: str, args: argparse.Namespace, seed: int) -> list[dict]:
+    """Every session at once against one server; one row per request. seed: the round's
+    (every round's prompts are new to every server: no round is a warm repeat of another)."""
+    system = f"You are coding agent {seed} for a team. " + text(random.Random(seed), args.system_words)
+    rows: list[dict] = []
+    threads = [
+        threading.Thread(target=run_session, args=(k, url, model, args, seed, system, rows))
+        for k in range(args.sessions)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return rows
+
+
+def pct(values: list[float], q: float) -> float | None:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))] if values else None
+
+
+def per_turn(rows: list[dict], turns: int) -> list[dict]:
+    table = []
+    for turn in range(turns):
+        done = [r for r in rows if r["turn"] == turn and "error" not in r]
+        ttft = [r["ttft_s"] for r in done if r.get("ttft_s") is not None]
+        prompt = sum(r["prompt_tokens"] or 0 for r in done if r.get("cached_tokens") is not None)
+        cached = sum(r["cached_tokens"] for r in done if r.get("cached_tokens") is not None)
+        decode = [r["decode_per_s"] for r in done if r.get("decode_per_s")]
+        table.append(
+            {
+                "turn": turn + 1,
+                "requests": len(done),
+                "lost": sum(1 for r in rows if r["turn"] == turn and "error" in r),
+                "ttft_p50_s": pct(ttft, 0.5),
+                "ttft_p90_s": pct(ttft, 0.9),
+                "ttft_p99_s": pct(ttft, 0.99),
+                "decode_per_s_p50": pct(decode, 0.5),
+                "cached_share": cached / prompt if prompt else None,
+            }
+        )
+    return table
+
+
+def markdown(results: dict[str, list[list[dict]]]) -> str:
+    out = [
+        "| server | round | turn | requests | lost | TTFT p50 / p90 / p99 (s) | decode/s p50 | cached |",
+        "|---" * 8 + "|",
+    ]
+
+    def num(x, fmt="{:.2f}"):
+        return "-" if x is None else fmt.format(x)
+
+    for server, rounds in results.items():
+        for i, table in enumerate(rounds, 1):
+            for t in table:
+                ttft = " / ".join(num(t[k]) for k in ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s"))
+                cached = num(t["cached_share"], "{:.0%}")
+                out.append(
+                    f"| {server} | {i} | {t['turn']} | {t['requests']} | {t['lost']} | {ttft} "
+                    f"| {num(t['decode_per_s_p50'], '{:.1f}')} | {cached} |"
+                )
+    return "\n".join(out)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model_dir", type=Path, nargs="?", help="a model folder (servers started here)")
+    ap.add_argument("--url", help="a running server's /v1 URL instead")
+    ap.add_argument("--model", default=None, help="the model name at --url")
+    ap.add_argument("--mlx-lm", action="store_true", help="also mlx_lm.server")
+    ap.add_argument("--vllm-python", default=None, help="also vllm-mlx, from this venv's python")
+    ap.add_argument("--sessions", type=int, default=8)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--system-words", type=int, default=2000)
+    ap.add_argument("--own-words", type=int, default=1200)
+    ap.add_argument("--turn-words", type=int, default=100)
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--think-s", type=float, default=5.0, help="mean think time between turns")
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--timeout-s", type=float, default=1800)
+    ap.add_argument("--seed", type=int, default=42)
+    ap.add_argument("--out", type=Path, default=None, help="write OUT.json and OUT.md")
+    args = ap.parse_args(argv)
+    if not args.url and not args.model_dir:
+        ap.error("a model folder or --url")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    results: dict[str, list[list[dict]]] = {}
+    raw: dict[str, list[list[dict]]] = {}
+    servers = [("server", args.url, args.model or "default")] if args.url else []
+    started: list[ServerProcess] = []
+    with tempfile.TemporaryDirectory() as home:
+        try:
+            if not args.url:
+                seqs = max(args.sessions, 8)
+                started.append(spawn_mlxgw(Path(home), registry(args.model_dir, max_num_seqs=seqs)))
+                if args.mlx_lm:  # a prompt cache per session, so that no session evicts another's
+                    cache = ["--prompt-cache-size", str(max(10, args.sessions))]
+                    started.append(spawn_mlx_lm(args.model_dir, Path(home), cache))
+                if args.vllm_python:
+                    started.append(spawn_vllm_mlx(args.vllm_python, args.model_dir, Path(home)))
+                for server in started:
+                    server.wait_ready()
+                servers += [(s.label, s.api, s.model) for s in started]
+            for _, url, model in servers:
+                warm_up(url, model)
+            for r in range(args.rounds):
+                for label, url, model in servers[r % len(servers) :] + servers[: r % len(servers)]:
+                    rows = study(url, model, args, args.seed + r)
+                    raw.setdefault(label, []).append(rows)
+                    results.setdefault(label, []).append(per_turn(rows, args.turns))
+        finally:
+            stop_all(started)
+    table = markdown(results)
+    print(table)
+    if args.out:
+        args.out.with_suffix(".json").write_text(
+            json.dumps({"args": vars(args) | {"out": str(args.out)}, "rows": raw}, default=str)
+        )
+        args.out.with_suffix(".md").write_text(table + "\n")
+    if any(t["lost"] for rounds in results.values() for table_ in rounds for t in table_):
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,185 @@
+"""A typing session against /infill (issue 43): typists edit a 2-4k-token file at a few
+keystrokes per second, each keystroke a streaming FIM request that supersedes the last (the
+client drops it, the server cancels it), beside agent sessions decoding long chat answers.
+
+    python -m mlxgw.bench.team.typing_session --url http://127.0.0.1:8000 --model qwen2.5-coder-0.5b \\
+        --typists 3 --agents 4 --keys-per-s 5 --bursts 6 --rounds 3
+
+A typist types a burst of characters (--burst-chars) at --keys-per-s, then pauses (--pause-s)
+to read the suggestion, as people do. Per round it reports the TTFT p50/p90 of each burst's
+last keystroke (the request that is not superseded), the share of those answered within the
+pause, the decoded tokens no client received (the worker's generated-token counter over the
+round, less what clients were sent: an upper bound on tokens wasted on superseded
+requests), and the share of prompt tokens read from the prefix cache. Compare servers by
+pointing --url at llama.cpp's `llama-server` (same /infill) with the same model in GGUF;
+agent sessions then need its /v1/chat/completions too."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from mlxgw.bench.stats import percentile, summarize
+
+AGENT_PROMPT = "Explain, step by step and at length, how a hash map handles collisions."
+
+
+@dataclass
+class Keystroke:
+    sent: float
+    first_token: float | None = None
+    delivered: int = 0  # tokens the client received (the final event's count)
+    evaluated: int = 0
+    cached: int = 0
+    last_of_burst: bool = False
+
+
+@dataclass
+class RoundResult:
+    keystrokes: list[Keystroke] = field(default_factory=list)
+    generated: int = 0  # the worker's counter over the round
+    agent_tokens: int = 0  # chunks the agent sessions received (one token each)
+
+    def figures(self) -> dict:
+        last = [k for k in self.keystrokes if k.last_of_burst]
+        ttft = [k.first_token - k.sent for k in last if k.first_token is not None]
+        evaluated = sum(k.evaluated for k in self.keystrokes)
+        delivered = sum(k.delivered for k in self.keystrokes)
+        return {
+            "keystrokes": len(self.keystrokes),
+            "ttft_p50_s": percentile(ttft, 50),
+            "ttft_p90_s": percentile(ttft, 90),
+            "answered_share": len(ttft) / len(last) if last else None,
+            "undelivered_tokens": max(self.generated - delivered - self.agent_tokens, 0),
+            "cached_prompt_share": sum(k.cached for k in self.keystrokes) / evaluated if evaluated else None,
+        }
+
+
+def source_file(lines: int, seed: int) -> str:
+    """A Python file of about 12 tokens a line (200-330 lines: 2-4k tokens)."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(lines):
+        if i % 6 == 0:
+            out.append(f"def step_{i}(values, scale={rng.randint(1, 9)}):")
+        else:
+            out.append(f"    values = [v * scale + {rng.randint(0, 99)} for v in values if v > {i}]")
+    return "\n".join(out) + "\n"
+
+
+async def _keystroke(session: aiohttp.ClientSession, url: str, body: dict, key: Keystroke) -> None:
+    """One streaming /infill, read until its last event or until it is cancelled."""
+    async with session.post(f"{url}/infill", json=body) as resp:
+        async for raw in resp.content:
+            line = raw.decode(errors="replace").strip()
+            if not line.startswith("data: "):
+                continue
+            event = json.loads(line[6:])
+            if key.first_token is None and (event.get("content") or event.get("stop")):
+                key.first_token = time.monotonic()
+            if event.get("stop"):
+                key.delivered = event.get("tokens_predicted", 0)
+                key.evaluated = event.get("tokens_evaluated", 0)
+                key.cached = event.get("tokens_cached", 0)
+
+
+async def typist(session, args, seed: int, result: RoundResult) -> None:
+    text = source_file(args.file_lines, seed)
+    rng = random.Random(seed)
+    cursor = rng.randrange(len(text) // 3, 2 * len(text) // 3)
+    cursor = text.index("\n", cursor) + 1
+    prefix, suffix = text[:cursor], text[cursor:]
+    typed = "    values = sorted(values, key=lambda v: -v)\n" * args.bursts
+    position = 0
+    for _ in range(args.bursts):
+        pending: asyncio.Task | None = None
+        for i in range(args.burst_chars):
+            prefix += typed[position]
+            position += 1
+            if pending is not None and not pending.done():
+                pending.cancel()  # the editor drops the older request; the server cancels it too
+            key = Keystroke(time.monotonic(), last_of_burst=i == args.burst_chars - 1)
+            result.keystrokes.append(key)
+            body = {"model": args.model, "input_prefix": prefix, "input_suffix": suffix, "n_predict": args.n_predict,
+                    "stream": True, "t_max_predict_ms": 500, "filename": f"typist_{seed}.py"}  # fmt: skip
+            pending = asyncio.ensure_future(_keystroke(session, args.url, body, key))
+            await asyncio.sleep(1 / args.keys_per_s)
+        try:
+            await asyncio.wait_for(pending, args.pause_s)
+        except (asyncio.TimeoutError, aiohttp.ClientError):
+            pass
+
+
+async def agent(session, args, stop: asyncio.Event, result: RoundResult) -> None:
+    body = {"model": args.model, "messages": [{"role": "user", "content": AGENT_PROMPT}],
+            "max_tokens": args.agent_tokens, "stream": True}  # fmt: skip
+    while not stop.is_set():
+        try:
+            async with session.post(f"{args.url}/v1/chat/completions", json=body) as resp:
+                async for raw in resp.content:
+                    if raw.startswith(b"data: {") and b'"content":"' in raw:
+                        result.agent_tokens += 1
+                    if stop.is_set():
+                        break
+        except aiohttp.ClientError:
+            await asyncio.sleep(0.5)
+
+
+async def generated_tokens(session, url: str, model: str) -> int:
+    async with session.get(f"{url}/v1/status") as resp:
+        status = await resp.json()
+    for m in status.get("models", []):
+        if m.get("name") == model:
+            return sum(w.get("stats", {}).get("generated_tokens", 0) for w in m.get("workers", []))
+    return 0
+
+
+async def one_round(args, index: int) -> RoundResult:
+    result = RoundResult()
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=args.timeout_s)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        before = await generated_tokens(session, args.url, args.model)
+        stop = asyncio.Event()
+        agents = [asyncio.ensure_future(agent(session, args, stop, result)) for _ in range(args.agents)]
+        await asyncio.gather(*(typist(session, args, 1000 * index + t, result) for t in range(args.typists)))
+        stop.set()
+        for task in agents:
+            task.cancel()
+        await asyncio.gather(*agents, return_exceptions=True)
+        result.generated = await generated_tokens(session, args.url, args.model) - before
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--url", default="http://127.0.0.1:8000")
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--typists", type=int, default=3)
+    ap.add_argument("--agents", type=int, default=4)
+    ap.add_argument("--agent-tokens", type=int, default=512)
+    ap.add_argument("--keys-per-s", type=float, default=5.0)
+    ap.add_argument("--burst-chars", type=int, default=8)
+    ap.add_argument("--pause-s", type=float, default=3.0)
+    ap.add_argument("--bursts", type=int, default=6)
+    ap.add_argument("--n-predict", type=int, default=32)
+    ap.add_argument("--file-lines", type=int, default=260)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--timeout-s", type=float, default=120)
+    args = ap.parse_args()
+    rounds = []
+    for index in range(args.rounds):
+        figures = asyncio.run(one_round(args, index)).figures()
+        print(json.dumps({"round": index + 1, **figures}))
+        rounds.append(figures)
+    summary = {key: summarize([r[key] for r in rounds]).cell(3) for key in rounds[0] if key != "keystrokes"}
+    print(json.dumps({"summary": summary}))
+
+
+if __name__ == "__main__":
+    main()
