@@ -162,19 +162,19 @@ def _run_scheduled(runner, variant: dict, prompts: list, clients: int, max_token
     while sched.has_work():
         for rid, ev in sched.step():
             now = time.perf_counter()
-            if ev["e"] in ("delta", "finish"):
+            if ev.KIND in ("delta", "finish"):
                 if rid not in first:
                     first[rid] = now - sent[rid]
                 elif rid in last:
                     gaps.append(now - last[rid])
                 last[rid] = now
-            if ev["e"] in ("finish", "error"):
+            if ev.KIND in ("finish", "error"):
                 ends[rid] = ev
-                tokens += (ev.get("usage") or {}).get("completion_tokens", 0)
+                tokens += ev.usage.completion_tokens if ev.usage else 0
                 if queue:
                     submit()
     wall = time.perf_counter() - started
-    failed = sum(1 for e in ends.values() if e["e"] != "finish")
+    failed = sum(1 for e in ends.values() if e.KIND != "finish")
     return _row(len(prompts), failed, tokens, wall, list(first.values()), gaps)
 
 

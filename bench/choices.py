@@ -51,9 +51,9 @@ def _run(scheduler, reqs, finished_at: dict[str, float] | None = None) -> tuple[
         scheduler.submit(r)
     while pending:
         for rid, ev in scheduler.step():
-            if ev["e"] in (p.EV_FINISH, p.EV_ERROR) and rid in pending:
+            if ev.KIND in (p.EV_FINISH, p.EV_ERROR) and rid in pending:
                 pending.discard(rid)
-                tokens += p.Usage.from_wire(ev.get("usage")).completion_tokens
+                tokens += (ev.usage or p.Usage()).completion_tokens
                 if finished_at is not None:
                     finished_at[rid] = time.perf_counter() - started
     return time.perf_counter() - started, tokens

@@ -77,14 +77,14 @@ def run_once(scheduler, prompt: list[int], max_tokens: int, rid: str) -> dict:
     events, text, first = scheduler.submit(req), "", None
     while True:
         for _, ev in events:
-            if ev["e"] in (p.EV_DELTA, p.EV_FINISH):
+            if ev.KIND in (p.EV_DELTA, p.EV_FINISH):
                 first = first or time.perf_counter()
-                text += ev.get("text") or ""
-            if ev["e"] == p.EV_ERROR:
+                text += ev.text or ""
+            if ev.KIND == p.EV_ERROR:
                 raise RuntimeError(ev)
-            if ev["e"] == p.EV_FINISH:
+            if ev.KIND == p.EV_FINISH:
                 done = time.perf_counter()
-                tokens = p.Usage.from_wire(ev["usage"]).completion_tokens
+                tokens = ev.usage.completion_tokens
                 return {
                     "tokens": tokens,
                     "ttft_s": first - started,

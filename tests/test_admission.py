@@ -42,7 +42,7 @@ def _submit(sched, rid: str, length: int, max_tokens: int) -> None:
     tokens = [100 + (hash(rid) + i) % 5000 for i in range(length)]
     req = GenerateRequest(rid=rid, prompt_tokens=tokens, max_tokens=max_tokens, sampling=GREEDY)
     ((_, ev),) = sched.submit(req)
-    assert ev["e"] == "accepted", ev
+    assert ev.KIND == "accepted", ev
 
 
 def _prompt_tokens_read(runner) -> int:
@@ -138,7 +138,7 @@ def test_a_short_request_gets_its_first_token_before_a_long_prefill_completes(ru
     step = 0
     while len(first) < 2:
         step += 1
-        ended = {rid for rid, ev in sched.step() if ev["e"] in ("finish", "error")}
+        ended = {rid for rid, ev in sched.step() if ev.KIND in ("finish", "error")}
         started = ended | {r["id"] for r in sched.requests() if r["ttft_s"] is not None}
         for rid in started - first.keys():
             first[rid] = step

@@ -49,7 +49,7 @@ def runner(tiny_dir):
 def _submit(sched, rid: str, length: int, max_tokens: int) -> None:
     tokens = [100 + (hash(rid) + i) % 5000 for i in range(length)]
     ((_, ev),) = sched.submit(GenerateRequest(rid=rid, prompt_tokens=tokens, max_tokens=max_tokens, sampling=GREEDY))
-    assert ev["e"] == "accepted", ev
+    assert ev.KIND == "accepted", ev
 
 
 def _read_a_long_prompt(runner, pace: PrefillPace) -> list[int]:
