@@ -195,10 +195,10 @@ def main() -> None:
     bench_method.add_arguments(ap)
     args = ap.parse_args()
     method = bench_method.from_args(args)
-    from mlxgw.worker.model.runner import MLXRunner
+    from mlxgw.worker.process.build_mlx import build_mlx_runner
 
     levels = [int(c) for c in args.concurrency.split(",")]
-    runner = MLXRunner(
+    runner = build_mlx_runner(
         args.model_dir, context_length=None, max_num_seqs=max(levels), prefill_step_size=2048, cache_bytes=0
     )
     run_variant(runner, VARIANTS["budget"], varied_prompts(4, args.prompt_words, seed=7), 4, 4)  # warm-up

@@ -27,9 +27,9 @@ from .stats import mean, median
 
 def _runner(model_dir: str, speculation: bool = True):
     from mlxgw.shared.config import SpeculativeConfig
-    from mlxgw.worker.model.runner import MLXRunner
+    from mlxgw.worker.process.build_mlx import build_mlx_runner
 
-    return MLXRunner(
+    return build_mlx_runner(
         model_dir,
         context_length=None,
         max_num_seqs=8,

@@ -51,11 +51,11 @@ def agent_prompt(tokenizer, code_tokens: int) -> list[int]:
 
 
 def _scheduler(model_dir: str, speculative):
-    from mlxgw.worker.model.runner import MLXRunner
+    from mlxgw.worker.process.build_mlx import build_mlx_runner
     from mlxgw.worker.schedule.scheduler import Scheduler
 
     # No prefix cache: every round prefills the same way, only decoding differs.
-    runner = MLXRunner(
+    runner = build_mlx_runner(
         model_dir,
         context_length=None,
         max_num_seqs=8,

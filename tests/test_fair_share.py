@@ -219,9 +219,9 @@ def test_a_key_does_not_take_the_whole_prompt_budget_while_another_keys_prompt_w
     """Key A holds fewer rows, so its four prompts come first in the row order; the prompt
     budget is shared apart from that: B's prompt is read beside A's first ones, not after
     all four (FIFO by rows: last)."""
-    from mlxgw.worker.model.runner import MLXRunner
+    from mlxgw.worker.process.build_mlx import build_mlx_runner
 
-    runner = MLXRunner(tiny_dir, context_length=None, max_num_seqs=16, prefill_step_size=128, cache_bytes=0)
+    runner = build_mlx_runner(tiny_dir, context_length=None, max_num_seqs=16, prefill_step_size=128, cache_bytes=0)
     order = _prefill_race(runner, fair=True)
     assert order.index("b-long") <= 1, order  # read together with A's first
     assert _prefill_race(runner, fair=False)[-1] == "b-long"  # without tenants: behind all of A's

@@ -99,9 +99,11 @@ def family_dirs(home, smollm2_dir):
 
 
 def _runner(path, kv_bits=None):
-    from mlxgw.worker.model.runner import MLXRunner
+    from mlxgw.worker.process.build_mlx import build_mlx_runner
 
-    return MLXRunner(path, context_length=None, max_num_seqs=8, prefill_step_size=CHUNK, cache_bytes=0, kv_bits=kv_bits)
+    return build_mlx_runner(
+        path, context_length=None, max_num_seqs=8, prefill_step_size=CHUNK, cache_bytes=0, kv_bits=kv_bits
+    )
 
 
 def _peak_batch_bytes(runner, rows) -> int:
@@ -146,9 +148,11 @@ def test_quantized_kv_reserves_its_real_bytes(kv_bits, home, smollm2_dir):
 # -- the scheduler within a budget ---------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_runner(tiny_dir):
-    from mlxgw.worker.model.runner import MLXRunner
+    from mlxgw.worker.process.build_mlx import build_mlx_runner
 
-    return MLXRunner(str(tiny_dir), context_length=None, max_num_seqs=8, prefill_step_size=128, cache_bytes=64 << 20)
+    return build_mlx_runner(
+        str(tiny_dir), context_length=None, max_num_seqs=8, prefill_step_size=128, cache_bytes=64 << 20
+    )
 
 
 def _scheduler(runner, rows_that_fit: int, reach: int = 200):

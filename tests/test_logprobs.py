@@ -236,10 +236,10 @@ def test_prompt_scoring_takes_one_chunk_per_step_while_other_rows_decode(tiny_di
     the request's prefill (the prompt is computed once)."""
     from mlxgw.shared import protocol as p
     from mlxgw.worker.model.prompt_logprobs import CHUNK_TOKENS
-    from mlxgw.worker.model.runner import MLXRunner
+    from mlxgw.worker.process.build_mlx import build_mlx_runner
     from mlxgw.worker.schedule.scheduler import Scheduler
 
-    runner = MLXRunner(tiny_dir, context_length=None, max_num_seqs=4, prefill_step_size=128, cache_bytes=1 << 28)
+    runner = build_mlx_runner(tiny_dir, context_length=None, max_num_seqs=4, prefill_step_size=128, cache_bytes=1 << 28)
     sched = Scheduler(runner, max_num_seqs=4, max_queue=8)
     greedy = p.SamplingParams(temperature=0, logit_bias={0: -100, 2: -100})  # no end-of-sequence
     sched.submit(p.GenerateRequest(rid="decoding", prompt_tokens=[5, 6, 7, 8], max_tokens=60, sampling=greedy))

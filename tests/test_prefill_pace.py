@@ -41,9 +41,9 @@ class SlowHost:
 
 @pytest.fixture(scope="module")
 def runner(tiny_dir):
-    from mlxgw.worker.model.runner import MLXRunner
+    from mlxgw.worker.process.build_mlx import build_mlx_runner
 
-    return MLXRunner(tiny_dir, context_length=None, max_num_seqs=8, prefill_step_size=BUDGET, cache_bytes=0)
+    return build_mlx_runner(tiny_dir, context_length=None, max_num_seqs=8, prefill_step_size=BUDGET, cache_bytes=0)
 
 
 def _submit(sched, rid: str, length: int, max_tokens: int) -> None:

@@ -37,9 +37,9 @@ class SlowHost:
 
 @pytest.fixture(scope="module")
 def runner(tiny_dir):
-    from mlxgw.worker.model.runner import MLXRunner
+    from mlxgw.worker.process.build_mlx import build_mlx_runner
 
-    return MLXRunner(tiny_dir, context_length=None, max_num_seqs=4, prefill_step_size=128, cache_bytes=0)
+    return build_mlx_runner(tiny_dir, context_length=None, max_num_seqs=4, prefill_step_size=128, cache_bytes=0)
 
 
 def _run(sched, req: GenerateRequest, limit_s: float = 60) -> list:

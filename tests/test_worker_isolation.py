@@ -309,10 +309,10 @@ def test_a_raising_logits_processor_ends_only_its_own_sequence(tiny_dir):
     """The real MLX runner and BatchGenerator: one sequence's constraint raises on its third
     token; it ends with an internal error, the others finish with every token."""
     from mlxgw.shared.protocol import GenerateRequest, SamplingParams
-    from mlxgw.worker.model.runner import MLXRunner
+    from mlxgw.worker.process.build_mlx import build_mlx_runner
     from mlxgw.worker.schedule.scheduler import Scheduler
 
-    runner = MLXRunner(tiny_dir, context_length=None, max_num_seqs=4, prefill_step_size=64, cache_bytes=1 << 20)
+    runner = build_mlx_runner(tiny_dir, context_length=None, max_num_seqs=4, prefill_step_size=64, cache_bytes=1 << 20)
     calls = {"n": 0}
 
     def exploding(tokens, logits):
