@@ -75,7 +75,7 @@ class MLXRunner(ChatTextRunner):
         cpu_attention: ModuleType | None = None,
         transposed_head: str | None = None,
         checkpointing: bool = False,
-        turn_openers: frozenset[int] | set[int] = frozenset(),
+        turn_openers: frozenset[int] = frozenset(),
     ):
         """The parts, composed and wired to each other by worker/process/build_mlx.py
         (build_mlx_runner): the generator routes rows through the adapters and speculates
