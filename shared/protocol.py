@@ -296,4 +296,4 @@ BACKGROUND_PRIORITY = 1000
 WorkerRequest = GenerateRequest | EmbedRequest | TranscribeRequest | SpeechRequest
 
 
-Event = tuple[str, dict]  # (request id, wire event)
+Event = tuple[str, AnyEvent]  # (request id, event): the worker's link encodes it (worker/process/link.py)

@@ -47,8 +47,8 @@ def transcribe(runner, pcm: dict[str, bytes], names: list[str]) -> dict[str, dic
     done: dict[str, dict] = {}
     while len(done) < len(names):
         for rid, event in scheduler.step():
-            if "reason" in event or "error" in event:
-                done[rid] = {"segments": [{k: s[k] for k in ("start", "end", "text")} for s in event["segments"]]}
+            if event.KIND in ("finish", "error"):
+                done[rid] = {"segments": [{k: s[k] for k in ("start", "end", "text")} for s in event.segments or []]}
     return done
 
 

@@ -51,11 +51,11 @@ def agent_prompt(tokenizer, code_tokens: int) -> list[int]:
 
 
 def _scheduler(model_dir: str, speculative):
-    from mlxgw.worker.model.runner import MLXRunner
+    from mlxgw.worker.process.build_mlx import build_mlx_runner
     from mlxgw.worker.schedule.scheduler import Scheduler
 
     # No prefix cache: every round prefills the same way, only decoding differs.
-    runner = MLXRunner(
+    runner = build_mlx_runner(
         model_dir,
         context_length=None,
         max_num_seqs=8,
@@ -77,14 +77,14 @@ def run_once(scheduler, prompt: list[int], max_tokens: int, rid: str) -> dict:
     events, text, first = scheduler.submit(req), "", None
     while True:
         for _, ev in events:
-            if ev["e"] in (p.EV_DELTA, p.EV_FINISH):
+            if ev.KIND in (p.EV_DELTA, p.EV_FINISH):
                 first = first or time.perf_counter()
-                text += ev.get("text") or ""
-            if ev["e"] == p.EV_ERROR:
+                text += ev.text or ""
+            if ev.KIND == p.EV_ERROR:
                 raise RuntimeError(ev)
-            if ev["e"] == p.EV_FINISH:
+            if ev.KIND == p.EV_FINISH:
                 done = time.perf_counter()
-                tokens = p.Usage.from_wire(ev["usage"]).completion_tokens
+                tokens = ev.usage.completion_tokens
                 return {
                     "tokens": tokens,
                     "ttft_s": first - started,

@@ -50,11 +50,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--context", type=int, default=100, help="cached positions per row")
     args = ap.parse_args()
-    from mlxgw.worker.model.runner import MLXRunner
+    from mlxgw.worker.process.build_mlx import build_mlx_runner
 
     batches = [int(b) for b in args.batches.split(",")]
     widths = [int(w) for w in args.widths.split(",")]
-    runner = MLXRunner(
+    runner = build_mlx_runner(
         str(args.model_dir), context_length=None, max_num_seqs=max(batches), prefill_step_size=512, cache_bytes=0
     )
     print("| batch | " + " | ".join(f"width {w}" for w in widths) + " |")

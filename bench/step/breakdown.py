@@ -135,9 +135,11 @@ def _ms(seconds: float | None) -> float | None:
 
 
 def load_runner(model_dir: Path, max_batch: int):
-    from mlxgw.worker.model.runner import MLXRunner
+    from mlxgw.worker.process.build_mlx import build_mlx_runner
 
-    runner = MLXRunner(model_dir, context_length=None, max_num_seqs=max_batch, prefill_step_size=512, cache_bytes=0)
+    runner = build_mlx_runner(
+        model_dir, context_length=None, max_num_seqs=max_batch, prefill_step_size=512, cache_bytes=0
+    )
     # The BLAS thread count is process-wide: mlxgw's policy would leave mlx_lm's turns at
     # whatever count it last tried. Both engines run at the BLAS's own count here.
     runner.blas = None

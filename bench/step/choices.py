@@ -27,9 +27,9 @@ from mlxgw.bench.stats import mean, median
 
 def _runner(model_dir: str, speculation: bool = True):
     from mlxgw.shared.config import SpeculativeConfig
-    from mlxgw.worker.model.runner import MLXRunner
+    from mlxgw.worker.process.build_mlx import build_mlx_runner
 
-    return MLXRunner(
+    return build_mlx_runner(
         model_dir,
         context_length=None,
         max_num_seqs=8,
@@ -51,9 +51,9 @@ def _run(scheduler, reqs, finished_at: dict[str, float] | None = None) -> tuple[
         scheduler.submit(r)
     while pending:
         for rid, ev in scheduler.step():
-            if ev["e"] in (p.EV_FINISH, p.EV_ERROR) and rid in pending:
+            if ev.KIND in (p.EV_FINISH, p.EV_ERROR) and rid in pending:
                 pending.discard(rid)
-                tokens += p.Usage.from_wire(ev.get("usage")).completion_tokens
+                tokens += (ev.usage or p.Usage()).completion_tokens
                 if finished_at is not None:
                     finished_at[rid] = time.perf_counter() - started
     return time.perf_counter() - started, tokens

@@ -162,19 +162,19 @@ def _run_scheduled(runner, variant: dict, prompts: list, clients: int, max_token
     while sched.has_work():
         for rid, ev in sched.step():
             now = time.perf_counter()
-            if ev["e"] in ("delta", "finish"):
+            if ev.KIND in ("delta", "finish"):
                 if rid not in first:
                     first[rid] = now - sent[rid]
                 elif rid in last:
                     gaps.append(now - last[rid])
                 last[rid] = now
-            if ev["e"] in ("finish", "error"):
+            if ev.KIND in ("finish", "error"):
                 ends[rid] = ev
-                tokens += (ev.get("usage") or {}).get("completion_tokens", 0)
+                tokens += ev.usage.completion_tokens if ev.usage else 0
                 if queue:
                     submit()
     wall = time.perf_counter() - started
-    failed = sum(1 for e in ends.values() if e["e"] != "finish")
+    failed = sum(1 for e in ends.values() if e.KIND != "finish")
     return _row(len(prompts), failed, tokens, wall, list(first.values()), gaps)
 
 
@@ -195,10 +195,10 @@ def main() -> None:
     bench_method.add_arguments(ap)
     args = ap.parse_args()
     method = bench_method.from_args(args)
-    from mlxgw.worker.model.runner import MLXRunner
+    from mlxgw.worker.process.build_mlx import build_mlx_runner
 
     levels = [int(c) for c in args.concurrency.split(",")]
-    runner = MLXRunner(
+    runner = build_mlx_runner(
         args.model_dir, context_length=None, max_num_seqs=max(levels), prefill_step_size=2048, cache_bytes=0
     )
     run_variant(runner, VARIANTS["budget"], varied_prompts(4, args.prompt_words, seed=7), 4, 4)  # warm-up

@@ -68,10 +68,10 @@ def reference(base, adapter, prompt: list[int], max_tokens: int = TOKENS) -> lis
 
 
 def make_runner(base, adapters: dict, **kwargs):
-    from mlxgw.worker.model.runner import MLXRunner
+    from mlxgw.worker.process.build_mlx import build_mlx_runner
 
     options = dict(context_length=None, max_num_seqs=8, prefill_step_size=16, cache_bytes=64 << 20)
-    return MLXRunner(base, **{**options, **kwargs}, adapters={k: str(v) for k, v in adapters.items()})
+    return build_mlx_runner(base, **{**options, **kwargs}, adapters={k: str(v) for k, v in adapters.items()})
 
 
 def run_together(runner, jobs: list[tuple[list[int], str | None]]) -> list[tuple[list[int], int]]:

@@ -242,7 +242,7 @@ def test_the_count_reaches_the_preloaded_openblas_and_changes_no_token(smollm2_d
 import pathlib
 from mlxgw.shared.platform import blas_threads
 from mlxgw.shared.protocol import SamplingParams
-from mlxgw.worker.model.runner import MLXRunner
+from mlxgw.worker.process.build_mlx import build_mlx_runner
 
 control = blas_threads()
 assert control is not None
@@ -251,7 +251,7 @@ control.set(1); assert control.get() == 1
 control.set(most)
 
 def decode(rows, threads):
-    r = MLXRunner(pathlib.Path({str(smollm2_dir)!r}), context_length=None, max_num_seqs=4, prefill_step_size=64,
+    r = build_mlx_runner(pathlib.Path({str(smollm2_dir)!r}), context_length=None, max_num_seqs=4, prefill_step_size=64,
                   cache_bytes=0)
     r.blas = None  # this test sets the count itself
     control.set(threads)

@@ -34,11 +34,11 @@ def _run(sched: Scheduler, limit: int = 10_000) -> tuple[dict[str, str], dict[st
 
 def _collect(events, texts: dict, ends: dict, first: list) -> None:
     for rid, ev in events:
-        if ev["e"] in (p.EV_DELTA, p.EV_FINISH):
-            if ev.get("text") and rid not in first:
+        if ev.KIND in (p.EV_DELTA, p.EV_FINISH):
+            if ev.text and rid not in first:
                 first.append(rid)
-            texts[rid] = texts.get(rid, "") + (ev.get("text") or "")
-        if ev["e"] in (p.EV_FINISH, p.EV_ERROR):
+            texts[rid] = texts.get(rid, "") + (ev.text or "")
+        if ev.KIND in (p.EV_FINISH, p.EV_ERROR):
             assert rid not in ends, f"{rid} ended twice"
             ends[rid] = ev
 
@@ -74,7 +74,7 @@ def test_a_late_key_preempts_a_flooding_key_and_nothing_is_lost_or_repeated():
     assert first.index("b0") < min(first.index(f"a{i}") for i in range(4, 8))
     expected = _alone(_req("x", "A"))
     for rid in [f"a{i}" for i in range(8)] + ["b0"]:
-        assert ends[rid]["e"] == p.EV_FINISH and ends[rid]["usage"]["completion_tokens"] == 40, rid
+        assert ends[rid].KIND == p.EV_FINISH and ends[rid].usage.completion_tokens == 40, rid
         assert texts[rid] == expected, f"{rid}: the paused row's output must continue exactly"
 
 
@@ -118,7 +118,7 @@ def test_background_rows_yield_to_an_interactive_request():
     assert "chat" in first and sched.counters()["preemptions"] == 1, "the next step starts the interactive request"
     _, rest, _ = _run(sched)
     ends.update(rest)
-    assert all(ends[r]["usage"]["completion_tokens"] == 40 for r in ("bg0", "bg1"))
+    assert all(ends[r].usage.completion_tokens == 40 for r in ("bg0", "bg1"))
 
 
 def test_a_key_with_no_row_running_preempts_at_once_and_one_with_a_row_waits_out_the_bound():
@@ -131,7 +131,7 @@ def test_a_key_with_no_row_running_preempts_at_once_and_one_with_a_row_waits_out
     assert "b1" not in first and sched.counters()["preemptions"] == 1
     _, rest, _ = _run(sched)
     ends.update(rest)
-    assert all(ends[f"a{i}"]["usage"]["completion_tokens"] == 40 for i in range(4)), "nothing lost by the pause"
+    assert all(ends[f"a{i}"].usage.completion_tokens == 40 for i in range(4)), "nothing lost by the pause"
 
 
 def test_fairness_off_is_first_come_first_served():
@@ -191,7 +191,7 @@ def _prefill_race(runner, fair: bool) -> list[str]:
         tokens = [100 + (hash(rid) + i) % 5000 for i in range(length)]
         req = p.GenerateRequest(rid=rid, prompt_tokens=tokens, max_tokens=max_tokens, sampling=greedy, tenant=tenant)
         ((_, ev),) = sched.submit(req)
-        assert ev["e"] == "accepted", ev
+        assert ev.KIND == "accepted", ev
 
     for i in range(3):
         submit(f"b-chat{i}", "B", 8, 400)
@@ -208,7 +208,7 @@ def _prefill_race(runner, fair: bool) -> list[str]:
         if all(rid in ends for rid in ("a0", "a1", "a2", "a3", "b-long")):
             break
     for rid in ("a0", "a1", "a2", "a3", "b-long"):
-        assert ends[rid]["e"] == p.EV_FINISH and ends[rid]["usage"]["completion_tokens"] == 1, rid
+        assert ends[rid].KIND == p.EV_FINISH and ends[rid].usage.completion_tokens == 1, rid
     for i in range(3):
         sched.cancel(f"b-chat{i}")  # frees their rows in the runner for the next race
     assert not sched.has_work()
@@ -219,9 +219,9 @@ def test_a_key_does_not_take_the_whole_prompt_budget_while_another_keys_prompt_w
     """Key A holds fewer rows, so its four prompts come first in the row order; the prompt
     budget is shared apart from that: B's prompt is read beside A's first ones, not after
     all four (FIFO by rows: last)."""
-    from mlxgw.worker.model.runner import MLXRunner
+    from mlxgw.worker.process.build_mlx import build_mlx_runner
 
-    runner = MLXRunner(tiny_dir, context_length=None, max_num_seqs=16, prefill_step_size=128, cache_bytes=0)
+    runner = build_mlx_runner(tiny_dir, context_length=None, max_num_seqs=16, prefill_step_size=128, cache_bytes=0)
     order = _prefill_race(runner, fair=True)
     assert order.index("b-long") <= 1, order  # read together with A's first
     assert _prefill_race(runner, fair=False)[-1] == "b-long"  # without tenants: behind all of A's

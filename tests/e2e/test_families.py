@@ -94,9 +94,9 @@ def _record(row: dict) -> None:
 def test_family_has_parity_alone_batched_speculating_and_from_its_prefix_cache(family, family_dirs):
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlxgw.worker.model.runner import MLXRunner
+    from mlxgw.worker.process.build_mlx import build_mlx_runner
 
-    runner = MLXRunner(
+    runner = build_mlx_runner(
         family_dirs[family],
         context_length=None,
         max_num_seqs=8,
@@ -146,7 +146,7 @@ def test_family_has_parity_alone_batched_speculating_and_from_its_prefix_cache(f
     # Prompt-lookup speculation, four rows: the same tokens as plain greedy decoding. The CPU
     # device does not speculate above 2 rows by default (worker/model/speculation/speculative.py, CPU_MAX_ROWS);
     # a GPU does, so batched verification is checked here with the cap lifted.
-    spec = MLXRunner(
+    spec = build_mlx_runner(
         family_dirs[family],
         context_length=None,
         max_num_seqs=8,
@@ -181,9 +181,9 @@ def test_family_has_parity_alone_batched_speculating_and_from_its_prefix_cache(f
 
 
 def _hybrid_runner(model_dir, cache_bytes: int = 64 << 20, prefix_store=None):
-    from mlxgw.worker.model.runner import MLXRunner
+    from mlxgw.worker.process.build_mlx import build_mlx_runner
 
-    return MLXRunner(
+    return build_mlx_runner(
         model_dir,
         context_length=None,
         max_num_seqs=8,

@@ -236,26 +236,26 @@ def test_prompt_scoring_takes_one_chunk_per_step_while_other_rows_decode(tiny_di
     the request's prefill (the prompt is computed once)."""
     from mlxgw.shared import protocol as p
     from mlxgw.worker.model.prompt_logprobs import CHUNK_TOKENS
-    from mlxgw.worker.model.runner import MLXRunner
+    from mlxgw.worker.process.build_mlx import build_mlx_runner
     from mlxgw.worker.schedule.scheduler import Scheduler
 
-    runner = MLXRunner(tiny_dir, context_length=None, max_num_seqs=4, prefill_step_size=128, cache_bytes=1 << 28)
+    runner = build_mlx_runner(tiny_dir, context_length=None, max_num_seqs=4, prefill_step_size=128, cache_bytes=1 << 28)
     sched = Scheduler(runner, max_num_seqs=4, max_queue=8)
     greedy = p.SamplingParams(temperature=0, logit_bias={0: -100, 2: -100})  # no end-of-sequence
     sched.submit(p.GenerateRequest(rid="decoding", prompt_tokens=[5, 6, 7, 8], max_tokens=60, sampling=greedy))
-    while not any(rid == "decoding" and ev["e"] == "delta" for rid, ev in sched.step()):
+    while not any(rid == "decoding" and ev.KIND == "delta" for rid, ev in sched.step()):
         pass
     prompt = [100 + i % 4000 for i in range(3 * CHUNK_TOKENS + 10)]
     scored = p.GenerateRequest(rid="scored", prompt_tokens=prompt, max_tokens=2, sampling=greedy, prompt_logprobs=3)
     prefilled_before = sched.prefilled_tokens
     ((_, accepted),) = sched.submit(scored)
-    assert accepted["e"] == "accepted"
+    assert accepted.KIND == "accepted"
     steps, entries = 0, None
     while entries is None:
         events = sched.step()
         steps += 1
-        assert any(rid == "decoding" and ev["e"] == "delta" for rid, ev in events), steps
-        entries = next((ev["entries"] for rid, ev in events if ev["e"] == p.EV_PROMPT_LOGPROBS), None)
+        assert any(rid == "decoding" and ev.KIND == "delta" for rid, ev in events), steps
+        entries = next((ev.entries for rid, ev in events if ev.KIND == p.EV_PROMPT_LOGPROBS), None)
     assert steps == -(-(len(prompt) - 1) // CHUNK_TOKENS)  # one chunk per step: 4 steps
     assert len(entries) == len(prompt) and entries[0]["logprob"] is None and entries[0]["top_logprobs"] is None
     assert all(len(e["top_logprobs"]) == 3 for e in entries[1:])

@@ -174,10 +174,10 @@ def test_a_negative_disk_bound_is_a_config_error():
 @pytest.fixture
 def runner_with_store(tiny_dir, tmp_path):
     from mlxgw.worker.model.cache.prefix_store import PrefixStore, model_fingerprint
-    from mlxgw.worker.model.runner import MLXRunner
+    from mlxgw.worker.process.build_mlx import build_mlx_runner
 
     store = PrefixStore(tmp_path / "store", model_fingerprint(tiny_dir), 64 << 20)
-    runner = MLXRunner(
+    runner = build_mlx_runner(
         tiny_dir, context_length=None, max_num_seqs=2, prefill_step_size=256, cache_bytes=64 << 20, prefix_store=store
     )
     for salt in ("one", "two"):

@@ -18,9 +18,9 @@ STEP = 32  # prefill chunk: small, so a few steps leave a prefill half done
 
 @pytest.fixture(scope="module")
 def runner(tiny_dir):
-    from mlxgw.worker.model.runner import MLXRunner
+    from mlxgw.worker.process.build_mlx import build_mlx_runner
 
-    return MLXRunner(tiny_dir, context_length=None, max_num_seqs=4, prefill_step_size=STEP, cache_bytes=64 << 20)
+    return build_mlx_runner(tiny_dir, context_length=None, max_num_seqs=4, prefill_step_size=STEP, cache_bytes=64 << 20)
 
 
 def _prompt(runner, words: int, salt: str) -> list[int]:

@@ -158,11 +158,11 @@ def test_a_sequence_the_runner_refuses_at_admission_ends_alone():
     sched = Scheduler(RefusingRunner(), max_num_seqs=4, max_queue=8)
     for rid, text in (("a", "fine words"), ("b", "refuse"), ("c", "more fine words")):
         ((_, ev),) = sched.submit(p.GenerateRequest(rid=rid, prompt=text, max_tokens=3))
-        assert ev["e"] == p.EV_ACCEPTED
+        assert ev.KIND == p.EV_ACCEPTED
     ends = {}
     while sched.has_work():
         for rid, ev in sched.step():
-            if ev["e"] in (p.EV_FINISH, p.EV_ERROR):
+            if ev.KIND in (p.EV_FINISH, p.EV_ERROR):
                 ends[rid] = ev
-    assert ends["b"]["e"] == p.EV_ERROR and ends["b"]["code"] == "invalid_request"
-    assert ends["a"]["e"] == ends["c"]["e"] == p.EV_FINISH and ends["a"]["usage"]["completion_tokens"] == 3
+    assert ends["b"].KIND == p.EV_ERROR and ends["b"].error.code == "invalid_request"
+    assert ends["a"].KIND == ends["c"].KIND == p.EV_FINISH and ends["a"].usage.completion_tokens == 3

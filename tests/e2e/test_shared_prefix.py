@@ -16,9 +16,9 @@ OWN_WORDS = 90
 
 
 def _runner(model_dir, cache_bytes: int, prefix_store=None):
-    from mlxgw.worker.model.runner import MLXRunner
+    from mlxgw.worker.process.build_mlx import build_mlx_runner
 
-    return MLXRunner(
+    return build_mlx_runner(
         model_dir,
         context_length=None,
         max_num_seqs=8,

@@ -112,11 +112,11 @@ def _text_until_finish(runner: MLXRunner, req: p.GenerateRequest) -> tuple[str, 
     text = ""
     while True:
         for _, ev in events:
-            if ev["e"] in (p.EV_DELTA, p.EV_FINISH):
-                text += ev.get("text") or ""
-            if ev["e"] == p.EV_FINISH:
+            if ev.KIND in (p.EV_DELTA, p.EV_FINISH):
+                text += ev.text or ""
+            if ev.KIND == p.EV_FINISH:
                 return text, ev
-            assert ev["e"] != p.EV_ERROR, ev
+            assert ev.KIND != p.EV_ERROR, ev
         events = sched.step()
 
 
@@ -132,8 +132,8 @@ def test_a_stop_string_inside_an_accepted_draft_ends_where_plain_decoding_ends(t
 
     (plain_text, plain_end), (spec_text, spec_end) = ask(tiny_runners["off"]), ask(tiny_runners["prompt_lookup"])
     assert spec_text == plain_text and stop not in spec_text
-    assert spec_end["reason"] == plain_end["reason"] == "stop"
-    assert spec_end["usage"] == plain_end["usage"]
+    assert spec_end.reason == plain_end.reason == "stop"
+    assert spec_end.usage == plain_end.usage
 
 
 def test_speculation_reports_its_acceptance_rate_in_the_runner_stats(tiny_runners):

@@ -300,7 +300,7 @@ def run_to_end(sched) -> dict:
     ends = {}
     while sched.has_work():
         for rid, ev in sched.step():
-            if ev["e"] in ("finish", "error"):
+            if ev.KIND in ("finish", "error"):
                 ends[rid] = ev
     return ends
 
@@ -309,10 +309,10 @@ def test_a_raising_logits_processor_ends_only_its_own_sequence(tiny_dir):
     """The real MLX runner and BatchGenerator: one sequence's constraint raises on its third
     token; it ends with an internal error, the others finish with every token."""
     from mlxgw.shared.protocol import GenerateRequest, SamplingParams
-    from mlxgw.worker.model.runner import MLXRunner
+    from mlxgw.worker.process.build_mlx import build_mlx_runner
     from mlxgw.worker.schedule.scheduler import Scheduler
 
-    runner = MLXRunner(tiny_dir, context_length=None, max_num_seqs=4, prefill_step_size=64, cache_bytes=1 << 20)
+    runner = build_mlx_runner(tiny_dir, context_length=None, max_num_seqs=4, prefill_step_size=64, cache_bytes=1 << 20)
     calls = {"n": 0}
 
     def exploding(tokens, logits):
@@ -327,12 +327,12 @@ def test_a_raising_logits_processor_ends_only_its_own_sequence(tiny_dir):
     greedy = SamplingParams(temperature=0, logit_bias={0: -100, 2: -100})
     for rid in ("a", "bad", "c"):
         ((_, ev),) = sched.submit(GenerateRequest(rid=rid, prompt="Once upon a time", max_tokens=6, sampling=greedy))
-        assert ev["e"] == "accepted"
+        assert ev.KIND == "accepted"
     ends = run_to_end(sched)
-    assert ends["bad"]["e"] == "error" and ends["bad"]["code"] == "internal_error"
-    assert "constraint bug" in ends["bad"]["message"]
-    assert ends["a"]["e"] == ends["c"]["e"] == "finish"
-    assert ends["a"]["usage"]["completion_tokens"] == ends["c"]["usage"]["completion_tokens"] == 6
+    assert ends["bad"].KIND == "error" and ends["bad"].error.code == "internal_error"
+    assert "constraint bug" in ends["bad"].error.message
+    assert ends["a"].KIND == ends["c"].KIND == "finish"
+    assert ends["a"].usage.completion_tokens == ends["c"].usage.completion_tokens == 6
     assert sched.running == 0 and sched.waiting == 0
 
 
@@ -355,6 +355,6 @@ def test_an_output_parser_that_raises_ends_only_its_own_sequence():
     for rid in ("a", "bad"):
         sched.submit(GenerateRequest(rid=rid, prompt="some words", max_tokens=4))
     ends = run_to_end(sched)
-    assert ends["bad"]["e"] == "error" and "parser bug" in ends["bad"]["message"]
-    assert ends["a"]["e"] == "finish" and ends["a"]["usage"]["completion_tokens"] == 4
+    assert ends["bad"].KIND == "error" and "parser bug" in ends["bad"].error.message
+    assert ends["a"].KIND == "finish" and ends["a"].usage.completion_tokens == 4
     assert sched.running == 0 and sched.waiting == 0

@@ -25,8 +25,8 @@ def generate_together(runner, jobs: list[tuple]) -> list[list[int]]:
 
 def speculative_runner(model_dir, speculative):
     """An in-process MLXRunner without a prefix cache, speculating as configured."""
-    from mlxgw.worker.model.runner import MLXRunner
+    from mlxgw.worker.process.build_mlx import build_mlx_runner
 
-    return MLXRunner(
+    return build_mlx_runner(
         model_dir, context_length=None, max_num_seqs=8, prefill_step_size=256, cache_bytes=0, speculative=speculative
     )

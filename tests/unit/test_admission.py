@@ -18,11 +18,11 @@ GREEDY = SamplingParams(temperature=0, logit_bias={0: -100, 2: -100})  # no end-
 
 @pytest.fixture(scope="module")
 def runner(tiny_dir):
-    from mlxgw.worker.model.runner import MLXRunner
+    from mlxgw.worker.process.build_mlx import build_mlx_runner
 
-    # The folder as text, as bench/team/admission.py and bench/speculation/inprocess.py pass it (a str once
-    # broke the KV-size probe, which globbed it as a Path).
-    return MLXRunner(str(tiny_dir), context_length=None, max_num_seqs=8, prefill_step_size=BUDGET, cache_bytes=0)
+    # The folder as text, as bench/team/admission.py and bench/speculation/inprocess.py pass it
+    # (a str once broke the KV-size probe, which globbed it as a Path).
+    return build_mlx_runner(str(tiny_dir), context_length=None, max_num_seqs=8, prefill_step_size=BUDGET, cache_bytes=0)
 
 
 def _scheduler(runner, budget: int | None = BUDGET):
@@ -42,7 +42,7 @@ def _submit(sched, rid: str, length: int, max_tokens: int) -> None:
     tokens = [100 + (hash(rid) + i) % 5000 for i in range(length)]
     req = GenerateRequest(rid=rid, prompt_tokens=tokens, max_tokens=max_tokens, sampling=GREEDY)
     ((_, ev),) = sched.submit(req)
-    assert ev["e"] == "accepted", ev
+    assert ev.KIND == "accepted", ev
 
 
 def _prompt_tokens_read(runner) -> int:
@@ -138,7 +138,7 @@ def test_a_short_request_gets_its_first_token_before_a_long_prefill_completes(ru
     step = 0
     while len(first) < 2:
         step += 1
-        ended = {rid for rid, ev in sched.step() if ev["e"] in ("finish", "error")}
+        ended = {rid for rid, ev in sched.step() if ev.KIND in ("finish", "error")}
         started = ended | {r["id"] for r in sched.requests() if r["ttft_s"] is not None}
         for rid in started - first.keys():
             first[rid] = step
@@ -191,9 +191,9 @@ def test_the_admission_bench_runs_its_variants_on_a_real_runner(tiny_dir):
     runner), so one burst and one closed loop of each run here, tiny and short."""
     from mlxgw.bench.loadgen import varied_prompts
     from mlxgw.bench.team.admission import VARIANTS, run_variant
-    from mlxgw.worker.model.runner import MLXRunner
+    from mlxgw.worker.process.build_mlx import build_mlx_runner
 
-    runner = MLXRunner(str(tiny_dir), context_length=None, max_num_seqs=4, prefill_step_size=64, cache_bytes=0)
+    runner = build_mlx_runner(str(tiny_dir), context_length=None, max_num_seqs=4, prefill_step_size=64, cache_bytes=0)
     prompts = varied_prompts(3, 12, seed=1)
     for name in ("budget+idle", "budget+idle (BLAS fixed)", "mlx-lm's BatchGenerator"):
         for clients in (3, 2):  # a burst, then a closed loop of 2 clients over 3 requests

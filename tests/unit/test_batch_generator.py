@@ -16,9 +16,9 @@ GREEDY = SamplingParams(temperature=0, logit_bias={0: -100, 2: -100})  # no end-
 
 @pytest.fixture(scope="module")
 def runner(tiny_dir):
-    from mlxgw.worker.model.runner import MLXRunner
+    from mlxgw.worker.process.build_mlx import build_mlx_runner
 
-    return MLXRunner(
+    return build_mlx_runner(
         tiny_dir,
         context_length=None,
         max_num_seqs=8,

@@ -232,9 +232,9 @@ def decode(runner, requests: list[tuple[str, SamplingParams]], max_tokens: int) 
 
 @pytest.fixture(scope="module")
 def tiny_runner(tiny_dir):
-    from mlxgw.worker.model.runner import MLXRunner
+    from mlxgw.worker.process.build_mlx import build_mlx_runner
 
-    return MLXRunner(tiny_dir, context_length=None, max_num_seqs=8, prefill_step_size=64, cache_bytes=0)
+    return build_mlx_runner(tiny_dir, context_length=None, max_num_seqs=8, prefill_step_size=64, cache_bytes=0)
 
 
 def test_greedy_rows_in_a_mixed_batch_equal_mlx_lm_stream_generate(tiny_runner):
@@ -282,9 +282,9 @@ def test_the_batched_step_equals_mlx_lms_per_row_step(tiny_runner):
 def test_smollm2_greedy_rows_in_a_sampled_batch_equal_stream_generate(smollm2_dir):
     from mlx_lm import stream_generate
 
-    from mlxgw.worker.model.runner import MLXRunner
+    from mlxgw.worker.process.build_mlx import build_mlx_runner
 
-    runner = MLXRunner(smollm2_dir, context_length=None, max_num_seqs=4, prefill_step_size=64, cache_bytes=0)
+    runner = build_mlx_runner(smollm2_dir, context_length=None, max_num_seqs=4, prefill_step_size=64, cache_bytes=0)
     greedy = SamplingParams(temperature=0.0)
     requests = [
         (PROMPTS[0], greedy),

@@ -78,3 +78,56 @@ def test_a_model_kind_parses_into_the_enum_and_a_typo_is_refused_as_before(tmp_p
     assert reg.models[0].kind is ModelKind.EMBEDDING
     with pytest.raises(ConfigError, match=f"must be one of {', '.join(KINDS)}, got 'chatt'"):
         parse_registry({"models": [{"name": "c", "kind": "chatt"}]}, tmp_path / "models.yaml")
+
+
+WIRE_EVENTS = [
+    *EVENTS,
+    p.Finish(
+        "stop",
+        p.Usage(3, 2),
+        text="",
+        vectors=b"\x00\x01",
+        dim=1,
+        choices=[{"index": 0, "reason": "stop", "stop": None}],
+    ),
+    p.Error(ServiceError(ErrorCode.TIMEOUT, "too slow", retry_after=2.0), p.Usage(3, 1)),
+    p.Error(ServiceError(ErrorCode.INVALID_REQUEST, "bad", param="n")),
+]
+
+
+@pytest.mark.parametrize("event", WIRE_EVENTS, ids=lambda e: type(e).__name__)
+def test_the_worker_link_encodes_a_typed_event_into_the_frame_its_wire_map_made(event):
+    """Schedulers hand the link dataclasses; the EVENTS frame is byte for byte the one the
+    wire maps built where the events were made gave (the gateway reads the same bytes)."""
+    from mlxgw.worker.process.link import encode_events
+
+    old = p.encode(p.EVENTS, items=[("r1", event.to_wire()), ("r2", p.Delta("x", 1).to_wire())], seq=7)
+    assert encode_events(items=[("r1", event), ("r2", p.Delta("x", 1))], seq=7) == old
+
+
+def test_choices_merge_typed_events_into_the_maps_the_dict_merge_sent():
+    from mlxgw.worker.schedule.choices import ChoiceGroups
+
+    groups = ChoiceGroups()
+    groups.expand(p.GenerateRequest(rid="r", prompt="hi", n=2))
+    events = [
+        ("r#0", p.Accepted(2, 4, 1)),
+        ("r#1", p.Accepted(2, 4, 2)),
+        ("r#1", p.Delta("b", 1)),
+        ("r#0", p.Finish("length", p.Usage(2, 3, 1), text="a")),
+        ("r#1", p.Finish(p.FinishReason.STOP, p.Usage(2, 2, 1), text="", stop="END")),
+    ]
+    merged, cancel = groups.merge(events)
+    assert cancel == [] and all(rid == "r" for rid, _ in merged)
+    assert [ev.to_wire() for _, ev in merged] == [
+        {"e": "accepted", "prompt_tokens": 2, "max_tokens": 4, "queued": 1},
+        {"e": "delta", "text": "b", "n": 1, "index": 1},
+        {"e": "delta", "text": "a", "n": 4, "index": 0},
+        {
+            "e": "finish",
+            "reason": "length",
+            "usage": {"prompt_tokens": 2, "completion_tokens": 5, "cached_tokens": 1},
+            "text": "",
+            "choices": [{"index": 0, "reason": "length", "stop": None}, {"index": 1, "reason": "stop", "stop": "END"}],
+        },
+    ]

@@ -21,9 +21,9 @@ def wide_dir(home, smollm2_dir):
 
 
 def _runner(model_dir, bits, speculative="off", cache_bytes=64 << 20):
-    from mlxgw.worker.model.runner import MLXRunner
+    from mlxgw.worker.process.build_mlx import build_mlx_runner
 
-    return MLXRunner(
+    return build_mlx_runner(
         model_dir,
         context_length=None,
         max_num_seqs=8,
@@ -111,11 +111,11 @@ def test_quantized_kv_agrees_with_mlx_lm_quantized_generation(wide_dir):
 
 def test_quantized_entries_go_to_the_disk_tier_and_come_back(wide_dir, tmp_path):
     from mlxgw.worker.model.cache.prefix_store import PrefixStore, model_fingerprint
-    from mlxgw.worker.model.runner import MLXRunner
+    from mlxgw.worker.process.build_mlx import build_mlx_runner
 
     def runner():
         store = PrefixStore(tmp_path / "store", model_fingerprint(wide_dir), 64 << 20)
-        return MLXRunner(
+        return build_mlx_runner(
             wide_dir,
             context_length=None,
             max_num_seqs=8,

@@ -99,9 +99,11 @@ def family_dirs(home, smollm2_dir):
 
 
 def _runner(path, kv_bits=None):
-    from mlxgw.worker.model.runner import MLXRunner
+    from mlxgw.worker.process.build_mlx import build_mlx_runner
 
-    return MLXRunner(path, context_length=None, max_num_seqs=8, prefill_step_size=CHUNK, cache_bytes=0, kv_bits=kv_bits)
+    return build_mlx_runner(
+        path, context_length=None, max_num_seqs=8, prefill_step_size=CHUNK, cache_bytes=0, kv_bits=kv_bits
+    )
 
 
 def _peak_batch_bytes(runner, rows) -> int:
@@ -146,9 +148,11 @@ def test_quantized_kv_reserves_its_real_bytes(kv_bits, home, smollm2_dir):
 # -- the scheduler within a budget ---------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_runner(tiny_dir):
-    from mlxgw.worker.model.runner import MLXRunner
+    from mlxgw.worker.process.build_mlx import build_mlx_runner
 
-    return MLXRunner(str(tiny_dir), context_length=None, max_num_seqs=8, prefill_step_size=128, cache_bytes=64 << 20)
+    return build_mlx_runner(
+        str(tiny_dir), context_length=None, max_num_seqs=8, prefill_step_size=128, cache_bytes=64 << 20
+    )
 
 
 def _scheduler(runner, rows_that_fit: int, reach: int = 200):
@@ -191,11 +195,11 @@ def test_rows_beyond_the_budget_wait_and_every_one_finishes(tiny_runner):
     sched, budget = _scheduler(tiny_runner, rows_that_fit=2)
     for i in range(5):
         ((_, ev),) = sched.submit(_request(f"r{i}", 150, 40))
-        assert ev["e"] == "accepted", ev
+        assert ev.KIND == "accepted", ev
     last, most = _run_to_end(sched)
     assert most == 2  # memory held two rows at a time (max_num_seqs is 8)
     assert sorted(last) == [f"r{i}" for i in range(5)]
-    assert all(ev["e"] == "finish" for ev in last.values()), last
+    assert all(ev.KIND == "finish" for ev in last.values()), last
     assert not budget.waiting_for_memory and budget.refused == 0
 
 
@@ -203,17 +207,17 @@ def test_a_request_too_big_to_fit_alone_is_refused_with_the_numbers_and_others_r
     sched, budget = _scheduler(tiny_runner, rows_that_fit=1, reach=200)
     alone = budget.tokens_alone()
     ((_, refused),) = sched.submit(_request("huge", alone + 10, 8))
-    assert refused["e"] == "error" and refused["code"] == "context_length_exceeded", refused
-    details = refused["details"]
+    assert refused.KIND == "error" and refused.error.code == "context_length_exceeded", refused
+    details = refused.error.details
     assert details["prompt_tokens"] == alone + 10 and details["kv_budget_bytes"] == budget.budget_bytes
     ((_, accepted),) = sched.submit(_request("asks-too-much", 100, 10_000))  # clamp: cut to fit
-    assert accepted["e"] == "accepted" and accepted["max_tokens"] == alone - 100
+    assert accepted.KIND == "accepted" and accepted.max_tokens == alone - 100
     ((_, rejected),) = sched.submit(_request("rejects", 100, 10_000, policy="reject"))
-    assert rejected["e"] == "error" and rejected["param"] == "max_tokens"
+    assert rejected.KIND == "error" and rejected.error.param == "max_tokens"
     sched.cancel("asks-too-much")
     ((_, ok),) = sched.submit(_request("fits", 100, 8))
     last, _ = _run_to_end(sched)
-    assert last["fits"]["e"] == "finish"
+    assert last["fits"].KIND == "finish"
     assert budget.refused == 2 and budget.clamped == 1
 
 
@@ -234,7 +238,7 @@ def test_the_prefix_cache_is_evicted_to_make_room_for_a_row(tiny_runner):
     assert tiny_runner.prefix_cache.nbytes <= kv["budget_bytes"] - kv["reserved_bytes"]
     assert kv["prefix_cache_bytes"] == tiny_runner.prefix_cache.nbytes
     last, _ = _run_to_end(sched)
-    assert last["a"]["e"] == last["b"]["e"] == "finish"
+    assert last["a"].KIND == last["b"].KIND == "finish"
 
 
 def test_a_cut_to_make_room_keeps_the_prefix_the_admitted_row_reuses(tiny_runner):

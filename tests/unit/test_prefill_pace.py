@@ -41,15 +41,15 @@ class SlowHost:
 
 @pytest.fixture(scope="module")
 def runner(tiny_dir):
-    from mlxgw.worker.model.runner import MLXRunner
+    from mlxgw.worker.process.build_mlx import build_mlx_runner
 
-    return MLXRunner(tiny_dir, context_length=None, max_num_seqs=8, prefill_step_size=BUDGET, cache_bytes=0)
+    return build_mlx_runner(tiny_dir, context_length=None, max_num_seqs=8, prefill_step_size=BUDGET, cache_bytes=0)
 
 
 def _submit(sched, rid: str, length: int, max_tokens: int) -> None:
     tokens = [100 + (hash(rid) + i) % 5000 for i in range(length)]
     ((_, ev),) = sched.submit(GenerateRequest(rid=rid, prompt_tokens=tokens, max_tokens=max_tokens, sampling=GREEDY))
-    assert ev["e"] == "accepted", ev
+    assert ev.KIND == "accepted", ev
 
 
 def _read_a_long_prompt(runner, pace: PrefillPace) -> list[int]:

@@ -36,22 +36,22 @@ def test_each_token_is_a_delta_and_the_end_of_sequence_token_is_not_part_of_the_
     outs = _say(seq, "hi!")
     assert seq.phase is Phase.DECODE and seq.first_token_at is not None
     deltas = [event for event, ended in outs]
-    assert [d["text"] for d in deltas] == ["h", "i", "!"] and not any(ended for _, ended in outs)
-    assert [d["n"] for d in deltas] == [1, 2, 3]
-    assert deltas[0]["cached"] == 3 and deltas[1].get("cached") is None  # the first delta only
+    assert [d.text for d in deltas] == ["h", "i", "!"] and not any(ended for _, ended in outs)
+    assert [d.n for d in deltas] == [1, 2, 3]
+    assert deltas[0].cached == 3 and deltas[1].cached is None  # the first delta only
     event, ended = on_token(seq, EOS, "stop")
     assert ended and seq.phase is Phase.DONE
-    assert event["e"] == p.EV_FINISH and event["reason"] == "stop" and event["text"] == ""
-    assert event["usage"]["completion_tokens"] == 3 and seq.tokens == list(b"hi!")  # EOS not counted
+    assert event.KIND == p.EV_FINISH and event.reason == "stop" and event.text == ""
+    assert event.usage.completion_tokens == 3 and seq.tokens == list(b"hi!")  # EOS not counted
 
 
 def test_output_is_held_until_stream_interval_tokens_have_accumulated():
     seq = _sequence(stream_interval=4)
     outs = _say(seq, "abcdef")
     assert [event is None for event, _ in outs] == [True, True, True, False, True, True]
-    assert outs[3][0]["text"] == "abcd"
+    assert outs[3][0].text == "abcd"
     event, ended = on_token(seq, EOS, "stop")
-    assert ended and event["text"] == "ef"  # what was held goes out with the finish
+    assert ended and event.text == "ef"  # what was held goes out with the finish
 
 
 def test_a_stop_string_ends_the_answer_before_it_and_is_reported():
@@ -63,24 +63,24 @@ def test_a_stop_string_ends_the_answer_before_it_and_is_reported():
             break
     assert len(outs) == 7  # "hello w": the token that completed "lo w" ended it
     event = outs[-1][0]
-    assert event["reason"] == "stop" and event["stop"] == "lo w" and seq.phase is Phase.DONE
-    assert "".join(e["text"] for e, _ in outs if e) == "hel"  # nothing of the stop string is sent
+    assert event.reason == "stop" and event.stop == "lo w" and seq.phase is Phase.DONE
+    assert "".join(e.text for e, _ in outs if e) == "hel"  # nothing of the stop string is sent
 
 
 def test_max_tokens_finishes_with_reason_length_and_the_held_text():
     seq = _sequence(stop=["zz"])
     outs = _say(seq, "abz", finish_last="length")
     event, ended = outs[-1]
-    assert ended and event["reason"] == "length"
-    assert "".join(e["text"] for e, _ in outs if e) == "abz"  # the held "z" is released at the end
+    assert ended and event.reason == "length"
+    assert "".join(e.text for e, _ in outs if e) == "abz"  # the held "z" is released at the end
 
 
 def test_reasoning_is_split_from_the_answer():
     seq = _sequence(reasoning="think")
     outs = _say(seq, "<think>plan</think>done")
     event, _ = on_token(seq, EOS, "stop")
-    reasoning = "".join((e.get("reasoning") or "") for e, _ in [*outs, (event, True)] if e)
-    text = "".join((e.get("text") or "") for e, _ in [*outs, (event, True)] if e)
+    reasoning = "".join((e.reasoning or "") for e, _ in [*outs, (event, True)] if e)
+    text = "".join((e.text or "") for e, _ in [*outs, (event, True)] if e)
     assert reasoning == "plan" and text == "done"
 
 
@@ -88,9 +88,9 @@ def test_a_time_limit_after_tokens_finishes_with_them():
     seq = _sequence(stream_interval=100, timeout_s=5.0)
     _say(seq, "abc")
     event = on_deadline(seq, time.monotonic() + 10, tokens_per_s=None)
-    assert event["e"] == p.EV_FINISH and event["reason"] == "length" and event["time_limited"] is True
-    assert event["text"] == "abc" and event["usage"]["completion_tokens"] == 3 and seq.phase is Phase.DONE
-    assert finish_at_time_limit(_sequence())["text"] == ""  # nothing generated: nothing to send
+    assert event.KIND == p.EV_FINISH and event.reason == "length" and event.time_limited is True
+    assert event.text == "abc" and event.usage.completion_tokens == 3 and seq.phase is Phase.DONE
+    assert finish_at_time_limit(_sequence()).text == ""  # nothing generated: nothing to send
 
 
 def test_no_first_token_within_the_bound_is_a_timeout_unless_this_host_reads_slowly():
@@ -98,12 +98,12 @@ def test_no_first_token_within_the_bound_is_a_timeout_unless_this_host_reads_slo
     later = seq.arrived + 2.0
     assert on_deadline(seq, later, tokens_per_s=0.5) is None  # its prompt needs longer here
     event = on_deadline(seq, later, tokens_per_s=None)
-    assert event["e"] == p.EV_ERROR and event["code"] == "timeout" and "no first token" in event["message"]
+    assert event.KIND == p.EV_ERROR and event.error.code == "timeout" and "no first token" in event.error.message
 
 
 def test_progress_is_reported_while_reading_the_prompt_and_not_for_a_resumed_row():
     seq = _sequence()
-    assert on_progress(seq, 2, 5)["done"] == 2 and seq.phase is Phase.PREFILL and seq.prefilled == 2
+    assert on_progress(seq, 2, 5).done == 2 and seq.phase is Phase.PREFILL and seq.prefilled == 2
     assert on_progress(seq, 5, 5) is None
     seq.tokens = [1]  # a paused row that resumed: its client saw its prompt done
     assert on_progress(seq, 2, 5) is None

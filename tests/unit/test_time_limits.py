@@ -37,12 +37,12 @@ class SlowHost:
 
 @pytest.fixture(scope="module")
 def runner(tiny_dir):
-    from mlxgw.worker.model.runner import MLXRunner
+    from mlxgw.worker.process.build_mlx import build_mlx_runner
 
-    return MLXRunner(tiny_dir, context_length=None, max_num_seqs=4, prefill_step_size=128, cache_bytes=0)
+    return build_mlx_runner(tiny_dir, context_length=None, max_num_seqs=4, prefill_step_size=128, cache_bytes=0)
 
 
-def _run(sched, req: GenerateRequest, limit_s: float = 60) -> list[dict]:
+def _run(sched, req: GenerateRequest, limit_s: float = 60) -> list:
     events = [ev for _, ev in sched.submit(req)]
     deadline = time.monotonic() + limit_s
     while sched.has_work() and time.monotonic() < deadline:
@@ -58,11 +58,11 @@ def test_the_answer_time_limit_finishes_with_the_tokens_generated(runner):
     req = GenerateRequest(rid="slow-answer", prompt="Once upon a time", max_tokens=100000, sampling=NO_EOS, timeout_s=1)
     events = _run(sched, req)
     end = events[-1]
-    assert end["e"] == "finish", end
-    assert end["reason"] == "length" and end["time_limited"] is True
-    generated = end["usage"]["completion_tokens"]
+    assert end.KIND == "finish", end
+    assert end.reason == "length" and end.time_limited is True
+    generated = end.usage.completion_tokens
     assert generated > 0
-    text = "".join(ev.get("text") or "" for ev in events)
+    text = "".join(getattr(ev, "text", None) or "" for ev in events)
     assert text  # the answer so far reached the client
 
 
@@ -80,8 +80,8 @@ def test_the_prefill_bound_grows_with_the_prompt_on_a_slow_host(runner):
     started = time.monotonic()
     end = _run(sched, req)[-1]
     assert time.monotonic() - started > 2000 * SECONDS_PER_TOKEN
-    assert end["e"] == "finish" and end["reason"] == "length", end
-    assert end["usage"]["completion_tokens"] == 2
+    assert end.KIND == "finish" and end.reason == "length", end
+    assert end.usage.completion_tokens == 2
 
 
 def test_the_prefill_bound_is_the_floor_or_twice_what_the_measured_rate_needs():

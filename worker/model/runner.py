@@ -11,14 +11,37 @@ from __future__ import annotations
 
 import gc
 import time
-from pathlib import Path
+from types import ModuleType
 
-from mlxgw.shared.config import SpeculativeConfig
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+
 from mlxgw.shared.protocol import GenerateRequest, SamplingParams
+from mlxgw.worker.model.adapters import AdapterBank
+from mlxgw.worker.model.batch_generator import VectorBatchGenerator
 from mlxgw.worker.model.cache import state_checkpoints as sc
+from mlxgw.worker.model.cache.prefix_cache import PrefixCache
+from mlxgw.worker.model.cache.prefix_store import PrefixStore
+from mlxgw.worker.model.cache.quantized_kv import quantize_layers
 from mlxgw.worker.model.chat_runner import ChatTextRunner
+from mlxgw.worker.model.cpu.blas_threads import BlasThreadPolicy
 from mlxgw.worker.model.interfaces import StepOutput, TokenOut
+from mlxgw.worker.model.kv_budget import runner_profile
+from mlxgw.worker.model.logprobs import TokenBytes, entries
+from mlxgw.worker.model.prompt_logprobs import PromptScorer
+from mlxgw.worker.model.sampling import build_sampler, guard_sampler, guarded_processors
+from mlxgw.worker.model.speculation.speculative import Speculator
+from mlxgw.worker.model.step_trace import StepTrace
 from mlxgw.worker.text.chat_text import ChatText
+from mlxgw.worker.text.fim import FimPrompts
+
+
+def fresh_cache(model, kv_bits: int | None, kv_group_size: int) -> list:
+    """A new sequence's cache: the model's own, its KV layers quantized with kv_bits
+    (worker/model/cache/quantized_kv.py: they stay quantized through batching, the prefix cache
+    and speculation)."""
+    cache = make_prompt_cache(model)
+    return cache if kv_bits is None else quantize_layers(cache, kv_group_size, kv_bits)
 
 
 class MLXRunner(ChatTextRunner):
@@ -30,102 +53,51 @@ class MLXRunner(ChatTextRunner):
 
     def __init__(
         self,
-        model_path: Path | str,
         *,
-        context_length: int | None,
-        max_num_seqs: int,
-        prefill_step_size: int,
+        model,
+        tokenizer,
+        context_length: int,
+        vocab_size: int,
+        generator: VectorBatchGenerator,
+        prefix_cache: PrefixCache,
         cache_bytes: int,
-        tool_parser: str | None = None,
-        reasoning_parser: str | None = None,
-        allow_request_chat_template: bool = False,
-        loader=None,  # (path, return_config=True) -> (model, tokenizer, config); default mlx_lm.load
-        prefix_store=None,
-        speculative: SpeculativeConfig | None = None,
+        text: ChatText,
+        fim: FimPrompts,
+        adapters: AdapterBank,
+        speculator: Speculator,
+        token_bytes: TokenBytes,
         kv_bits: int | None = None,
         kv_group_size: int = 64,
-        tool_name_guard: bool = False,
-        adapters: dict[str, str] | None = None,  # LoRA adapters: name -> mlx_lm.lora folder
-        resident_adapters: int = 8,
-        fim=None,  # the entry's FimConfig (shared/config.py), or None: as the tokenizer says
+        kv_bytes_per_token: int | None = None,
+        prefix_store: PrefixStore | None = None,
+        blas: BlasThreadPolicy | None = None,
+        trace: StepTrace | None = None,
+        cpu_attention: ModuleType | None = None,
+        transposed_head: str | None = None,
+        checkpointing: bool = False,
+        turn_openers: frozenset[int] = frozenset(),
     ):
-        import mlx.core as mx
-        from mlx_lm import load
-        from mlx_lm.models.cache import make_prompt_cache
-
-        from mlxgw.worker.model.batch_generator import VectorBatchGenerator
-        from mlxgw.worker.model.cache.prefix_cache import PrefixCache
-
-        self._mx = mx
-        from mlxgw.worker.model import model_info
-
-        model_path = Path(model_path)  # the benches pass a folder as text
-        self.model, self.tokenizer, config = (loader or load)(str(model_path), return_config=True)
-        model_info.check_servable(self.model)
-        model_context = model_info.context_length(config)
-        self.context_length = min(context_length or model_context, model_context)
-        from mlxgw.worker.text.fim import FimPrompts
-
-        # A code model's FIM controls (file separator, pad, ...) end an answer like its EOS:
-        # one of them in the output is the model starting another file or hole.
-        self.fim = FimPrompts(self.tokenizer, fim)
-        stops = sorted(set(self.tokenizer.eos_token_ids) | self.fim.stop_ids)
-        # mlx-lm's BatchGenerator, sampling and penalising the whole batch in one call per step.
-        self.generator = VectorBatchGenerator(
-            self.model,
-            stop_tokens=[[t] for t in stops],
-            completion_batch_size=max_num_seqs,
-            prefill_batch_size=max_num_seqs,
-            prefill_step_size=prefill_step_size,
-        )
-        self.prefix_cache = PrefixCache(cache_bytes)
-        from mlxgw.worker.model.adapters import AdapterBank
-
-        # Per-row LoRA adapters over the one copy of the base weights (worker/model/adapters.py).
-        self.adapters = AdapterBank(self.model, adapters, resident_adapters)
-        self.generator.route_rows = self.adapters.rows
-        from mlxgw.worker.model.cpu.blas_threads import policy_for
-
-        # The CPU BLAS's thread count per kind of step, measured (worker/model/cpu/blas_threads.py).
-        self.blas = policy_for(mx, self.generator)
-        # The prefix cache's disk copy (worker/model/cache/prefix_store.py), or None: main.serve restores
-        # it before the first request and saves it when the worker stops gracefully.
-        self.prefix_store = prefix_store
-        self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
-        self.prefix_cache.describe(self._fresh_cache())  # what its blocks assemble into (kv_bits too)
-        from mlxgw.worker.model.capacity import activation_dtype_bytes, kv_bytes_per_token
-
-        # Memory per token of a plain-attention layer stack, as /v1/status reports it.
-        self.kv_bytes_per_token = kv_bytes_per_token(
-            config, activation_dtype_bytes(model_path, config), kv_bits, kv_group_size
-        )
-        from mlxgw.worker.model.speculation.draft_model import load_drafter
-        from mlxgw.worker.model.speculation.speculative import Speculator
-
-        speculative = speculative or SpeculativeConfig()
-        vocab_size = model_info.vocab_size(self.model, self.tokenizer)
-        drafter = load_drafter(speculative, model_path, self.tokenizer, vocab_size)  # mode draft only
-        self.speculator = Speculator(speculative, drafter=drafter)
-        self.speculator.attach(self.generator)
-        from mlxgw.worker.model.step_trace import StepTrace
-
-        # MLXGW_STEP_TRACE: one line per step, for diagnosis (worker/model/step_trace.py)
-        self.trace = StepTrace.from_env({"model": str(model_path), "speculative": speculative.mode})
-        from mlxgw.worker.model.cpu import cpu_attention
-        from mlxgw.worker.model.cpu.output_head import transpose_head
-
-        # CPU device only: attention with a base-2 softmax and long rows over two cores, and
-        # the output head's weight stored for the faster GEMM (worker/model/cpu/cpu_attention.py,
-        # worker/model/cpu/output_head.py). After both models loaded: their modules are routed.
-        self.cpu_attention = cpu_attention if cpu_attention.install() else None
-        self.transposed_head = transpose_head(self.model)
+        """The parts, composed and wired to each other by worker/process/build_mlx.py
+        (build_mlx_runner): the generator routes rows through the adapters and speculates
+        with the speculator; the prefix cache knows what its blocks assemble into.
+        prefix_store: the prefix cache's disk copy (worker/model/cache/prefix_store.py), or None:
+        main.serve restores it before the first request and saves it at a graceful stop.
+        blas: the CPU BLAS's thread count per kind of step (worker/model/cpu/blas_threads.py).
+        trace: MLXGW_STEP_TRACE's line per step (worker/model/step_trace.py), or None.
+        cpu_attention: the CPU attention module when installed (worker/model/cpu/cpu_attention.py).
+        checkpointing: the family has recurrent or sliding-window layers, which keep state
+        checkpoints while prefilling (worker/model/cache/state_checkpoints.py)."""
+        self.model, self.tokenizer, self.text, self.fim = model, tokenizer, text, fim
+        self.context_length, self.vocab_size, self.token_bytes = context_length, vocab_size, token_bytes
+        self.generator, self.speculator, self.adapters = generator, speculator, adapters
+        self.prefix_cache, self.prefix_store, self.cache_bytes = prefix_cache, prefix_store, cache_bytes
+        self.kv_bits, self.kv_group_size, self.kv_bytes_per_token = kv_bits, kv_group_size, kv_bytes_per_token
+        self.blas, self.trace = blas, trace
+        self.cpu_attention, self.transposed_head = cpu_attention, transposed_head
         self._covered: dict[int, int] = {}  # uid -> prompt tokens its cache lookup covered
-        # Families with recurrent or sliding-window layers keep state checkpoints while
-        # prefilling (worker/model/cache/state_checkpoints.py): uid -> those taken so far.
-        self._checkpointing = sc.needs_checkpoints(make_prompt_cache(self.model))
-        self._turn_openers = sc.turn_opener_ids(self.tokenizer)
-        self._checkpoints: dict[int, sc.Checkpoints] = {}
-        if self._checkpointing:  # at a segment's end, before a finished prompt leaves its batch
+        self._checkpointing, self._turn_openers = checkpointing, turn_openers
+        self._checkpoints: dict[int, sc.Checkpoints] = {}  # uid -> the state checkpoints taken so far
+        if checkpointing:  # at a segment's end, before a finished prompt leaves its batch
             self.generator.after_prompt_chunk = self._take_checkpoints
         self._boundaries: dict[int, set[int]] = {}  # uid -> its prompt's message boundaries
         self._logprobs: dict[int, int] = {}  # uid -> alternatives per token, for those that ask
@@ -133,21 +105,6 @@ class MLXRunner(ChatTextRunner):
         # uids with a seed: while any is in the batch the BLAS keeps one thread count, since a
         # different count rounds the logits differently and can move a seeded draw
         self._seeded: set[int] = set()
-        self.cache_bytes = cache_bytes
-        self.vocab_size = vocab_size
-        from mlxgw.worker.model.logprobs import TokenBytes
-
-        self.token_bytes = TokenBytes(self.tokenizer)
-        self.text = ChatText(
-            self.tokenizer,
-            self.vocab_size,
-            tool_parser=tool_parser,
-            reasoning_parser=reasoning_parser,
-            allow_request_chat_template=allow_request_chat_template,
-            context_length=self.context_length,
-            tool_name_guard=tool_name_guard,
-            fim=self.fim,
-        )
 
     def encode(self, req: GenerateRequest) -> list[int]:
         # Every sequence (each choice too) is prepared here, off the engine thread: an unknown
@@ -169,8 +126,6 @@ class MLXRunner(ChatTextRunner):
     ) -> tuple[int, int]:
         """adapter: a LoRA adapter's name; None: the one its request named at preparation
         (found by the guard's request id), if any."""
-        from mlxgw.worker.model.sampling import build_sampler, guard_sampler, guarded_processors
-
         processors = guarded_processors(sampling, constraint, guard)
         sampler = build_sampler(sampling, wants_logprobs=logprobs is not None)
         if guard is not None:
@@ -204,15 +159,7 @@ class MLXRunner(ChatTextRunner):
         return uid, cached
 
     def _fresh_cache(self) -> list:
-        """A new sequence's cache: the model's own, its KV layers quantized with kv_bits
-        (worker/model/cache/quantized_kv.py: they stay quantized through batching, the prefix cache and
-        speculation)."""
-        from mlx_lm.models.cache import make_prompt_cache
-
-        from mlxgw.worker.model.cache.quantized_kv import quantize_layers
-
-        cache = make_prompt_cache(self.model)
-        return cache if self.kv_bits is None else quantize_layers(cache, self.kv_group_size, self.kv_bits)
+        return fresh_cache(self.model, self.kv_bits, self.kv_group_size)
 
     def _segments(self, prompt: list[int], cached: int) -> tuple[list[list[int]], set[int]]:
         if not self._checkpointing:
@@ -222,8 +169,6 @@ class MLXRunner(ChatTextRunner):
 
     def prompt_scorer(self, prompt: list[int], top: int):
         """A PromptScorer of this model for one request's prompt logprobs (worker/model/prompt_logprobs.py)."""
-        from mlxgw.worker.model.prompt_logprobs import PromptScorer
-
         return PromptScorer(self.model, prompt, top, self.token_bytes, keep_kv=self._keep_kv)
 
     def set_prefill_chunk(self, tokens: int) -> None:
@@ -234,11 +179,9 @@ class MLXRunner(ChatTextRunner):
     def release_idle_memory(self) -> None:
         """Nothing runs: hand MLX's pool of freed buffers back to the system. While busy the
         pool saves allocations; idle, it is memory no counter shows but RSS."""
-        self._mx.clear_cache()
+        mx.clear_cache()
 
     def kv_profile(self):
-        from mlxgw.worker.model.kv_budget import runner_profile
-
         return runner_profile(self.model, self._fresh_cache(), getattr(self.speculator.drafter, "model", None))
 
     def limit_prefix_cache(self, max_bytes: int) -> None:
@@ -299,8 +242,6 @@ class MLXRunner(ChatTextRunner):
         asked = [r for r in responses if r.uid in self._logprobs]
         if not asked:
             return {}
-        from mlxgw.worker.model.logprobs import entries
-
         rows = [(int(r.token), r.logprobs, self._logprobs[r.uid]) for r in asked]
         return {r.uid: e for r, e in zip(asked, entries(rows, self.token_bytes))}
 
@@ -346,7 +287,7 @@ class MLXRunner(ChatTextRunner):
         # whole batch's buffers (every row, the full allocation). Unevaluated, a cached entry
         # kept all of that alive while counting only its own slice: a worker reached 14 GB
         # with a cache that reported 2 GB. Evaluating makes it the compact copy it claims to be.
-        self._mx.eval([c.state for c in cache])
+        mx.eval([c.state for c in cache])
         # An adapter row's KV is keyed apart from the base's and other adapters' (worker/model/adapters.py).
         tokens = self.adapters.cache_tokens(tokens, self.adapters.by_uid.get(uid))
         if checkpoints is not None:  # those of a prompt the tokens begin with
@@ -366,7 +307,6 @@ class MLXRunner(ChatTextRunner):
 
     # -- introspection -------------------------------------------------------------------
     def stats(self) -> dict:
-        mx = self._mx
         return {
             "mlx_active_bytes": int(mx.get_active_memory()),
             "mlx_peak_bytes": int(mx.get_peak_memory()),
@@ -388,4 +328,4 @@ class MLXRunner(ChatTextRunner):
         if self.prefix_store is not None:  # a cleared cache must not come back at the next start
             self.prefix_store.clear()
         gc.collect()
-        self._mx.clear_cache()
+        mx.clear_cache()

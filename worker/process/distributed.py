@@ -18,9 +18,12 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from mlx.utils import tree_flatten
+
 from mlxgw.shared.config import DistributedConfig, ModelEntry, SpeculativeConfig
 from mlxgw.worker.model.cache.prefix_cache import PrefixCache
 from mlxgw.worker.model.runner import MLXRunner
+from mlxgw.worker.process.build_mlx import build_mlx_runner
 
 log = logging.getLogger("mlxgw.worker.process.distributed")
 
@@ -145,10 +148,9 @@ class ShardedRunner(MLXRunner):
     supports_prompt_logprobs = False  # an extra forward pass on rank 0 alone would hang the group
     supports_shared_prefill = False  # an early publish on rank 0 alone would split the ranks' caches
 
-    def __init__(self, model_path: Path, group: Any, strategy: str, **kwargs: Any):
-        super().__init__(model_path, loader=shard_loader(group, strategy), **kwargs)
-        from mlx.utils import tree_flatten
-
+    def __init__(self, *, group: Any, **parts: Any):
+        """parts: MLXRunner's, built over this rank's shard (load_sharded_runner)."""
+        super().__init__(**parts)
         self.group = group
         self.sync_next = False
         self.forced_cached: int | None = None
@@ -218,6 +220,13 @@ def runner_kwargs(entry: ModelEntry, cache_bytes: int) -> dict:
     }
 
 
+def load_sharded_runner(model_path: Path, group: Any, strategy: str, entry: ModelEntry, cache_bytes: int):
+    """This rank's shard of the model, as a ShardedRunner (its parts built as any MLX runner's)."""
+    loader = shard_loader(group, strategy)
+    options = runner_kwargs(entry, cache_bytes)
+    return build_mlx_runner(model_path, loader=loader, runner_cls=ShardedRunner, group=group, **options)
+
+
 def build_rank0_runner(entry: ModelEntry, model_path: Path, cache_bytes: int):
     """Rank 0's runner (called by worker/main.build_runner): checks, group, shard, lockstep."""
     from mlxgw.worker.process.lockstep import Channel, LockstepRunner
@@ -228,7 +237,7 @@ def build_rank0_runner(entry: ModelEntry, model_path: Path, cache_bytes: int):
     arm_start_alarm(d)
     try:
         group = init_group(d)
-        inner = ShardedRunner(model_path, group, d.strategy, **runner_kwargs(entry, cache_bytes))
+        inner = load_sharded_runner(model_path, group, d.strategy, entry, cache_bytes)
     finally:
         disarm_start_alarm()
     return LockstepRunner(inner, Channel(group), {**asdict(d), "rank": 0})
@@ -245,7 +254,7 @@ def serve_follower(entry: ModelEntry, model_path: Path, cache_bytes: int) -> int
         check_support(model_path, d)  # rank 0 reports it; here it only ends this rank quietly
         arm_start_alarm(d)
         group = init_group(d)
-        runner = ShardedRunner(model_path, group, d.strategy, **runner_kwargs(entry, cache_bytes))
+        runner = load_sharded_runner(model_path, group, d.strategy, entry, cache_bytes)
         disarm_start_alarm()
     except ShardingError as e:
         log.error("rank %d: %s", rank, e)

@@ -30,11 +30,28 @@ import time
 import uuid
 from collections.abc import Callable
 
+import msgpack
 import zmq
 
 from mlxgw.shared import protocol as p
 
 log = logging.getLogger("mlxgw.worker.process.link")
+
+
+def _event_wire(event: object) -> dict:
+    """msgpack's hook for what it cannot pack itself: an event dataclass as its wire map."""
+    to_wire = getattr(event, "to_wire", None)
+    if to_wire is None:
+        raise TypeError(f"cannot encode {type(event).__name__} in an EVENTS frame")
+    return to_wire()
+
+
+def encode_events(**fields) -> bytes:
+    """An EVENTS frame: its items are (request id, event dataclass) pairs, made typed by the
+    schedulers and turned into wire maps here, once, as msgpack packs them (p.encode's frame,
+    byte for byte what packing the wire maps themselves gives)."""
+    frame = {"v": p.PROTOCOL_VERSION, "t": p.EVENTS, **fields}
+    return msgpack.packb(frame, use_bin_type=True, default=_event_wire)
 
 
 class WorkerLink:
@@ -130,7 +147,7 @@ class WorkerLink:
         seq, self._next_seq = self._next_seq, self._next_seq + 1
         self.progress += 1
         self._pipe_seqs.put(seq)
-        self._engine_side.send(p.encode(p.EVENTS, **fields, seq=seq))
+        self._engine_side.send(encode_events(seq=seq, **fields))
 
     def poll(self, timeout_ms: int) -> list[dict]:
         """Messages from the gateway (decoded by the I/O thread); waits up to timeout_ms for the first one.

@@ -76,14 +76,14 @@ def build_runner(entry: ModelEntry, model_path: Path):
 
         return EchoRunner(entry.context_length, entry.tool_parser, entry.reasoning_parser)
     from mlxgw.worker.model.cache.prefix_store import store_for
-    from mlxgw.worker.model.runner import MLXRunner
+    from mlxgw.worker.process.build_mlx import build_mlx_runner
 
     cache_bytes = prefix_cache_bytes(entry)
     if entry.distributed is not None:  # rank 0 of a sharded model (the others never get here)
         from mlxgw.worker.process.distributed import build_rank0_runner
 
         return build_rank0_runner(entry, model_path, cache_bytes)
-    return MLXRunner(
+    return build_mlx_runner(
         model_path,
         context_length=entry.context_length,
         max_num_seqs=entry.max_num_seqs,

@@ -18,7 +18,6 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from mlxgw.shared import protocol as p
-from mlxgw.shared.events import FinishReason
 
 MAX_CHOICES = 16
 SEP = "#"
@@ -87,7 +86,7 @@ class ChoiceGroups:
                 out.append((rid, ev))
                 continue
             group, index = member
-            if ev.get("e") in (p.EV_FINISH, p.EV_ERROR):
+            if isinstance(ev, p.TERMINAL_EVENTS):
                 self._ended(rid, group, index)
             if group.failed:
                 continue
@@ -100,41 +99,38 @@ class ChoiceGroups:
         if not group.pending:
             self.groups.pop(group.rid, None)
 
-    def _merge_one(self, group: Group, index: int, ev: dict, cancel: list[str]) -> list[p.Event]:
-        kind = ev.get("e")
-        if kind == p.EV_ACCEPTED:
+    def _merge_one(self, group: Group, index: int, ev: p.AnyEvent, cancel: list[str]) -> list[p.Event]:
+        if isinstance(ev, p.Accepted):
             if group.accepted:
                 return []
             group.accepted = True
             return [(group.rid, ev)]
-        if kind in (p.EV_PROGRESS, p.EV_PROMPT_LOGPROBS):
+        if isinstance(ev, (p.Progress, p.PromptLogprobs)):
             return [(group.rid, ev)] if index == 0 else []
-        if kind == p.EV_ERROR:
+        if isinstance(ev, p.Error):
             group.failed = True
             cancel += [choice_rid(group.rid, i) for i in sorted(group.pending)]
             return [(group.rid, ev)]
-        if kind == p.EV_DELTA:
-            group.tokens[index] = int(ev.get("n", 0))
-            return [(group.rid, {**ev, "index": index, "n": sum(group.tokens)})]
-        if kind == p.EV_FINISH:
+        if isinstance(ev, p.Delta):
+            group.tokens[index] = ev.n
+            return [(group.rid, dataclasses.replace(ev, index=index, n=sum(group.tokens)))]
+        if isinstance(ev, p.Finish):
             return self._finish(group, index, ev)
         return []
 
-    def _finish(self, group: Group, index: int, ev: dict) -> list[p.Event]:
-        out = []
-        usage = p.Usage.from_wire(ev.get("usage"))
+    def _finish(self, group: Group, index: int, ev: p.Finish) -> list[p.Event]:
+        out: list[p.Event] = []
+        usage = ev.usage or p.Usage()
         group.tokens[index] = usage.completion_tokens
         if index == 0:
             group.usage.prompt_tokens, group.usage.cached_tokens = usage.prompt_tokens, usage.cached_tokens
         group.usage.completion_tokens += usage.completion_tokens
-        last = {k: ev[k] for k in ("text", "reasoning", "tool_calls", "logprobs") if ev.get(k)}
+        last = {k: getattr(ev, k) for k in ("text", "reasoning", "tool_calls", "logprobs") if getattr(ev, k)}
         if last:
-            delta = p.Delta(n=sum(group.tokens), index=index, **{"text": "", **last})
-            out.append((group.rid, delta.to_wire()))
-        group.ends[index] = {"index": index, "reason": ev.get("reason", FinishReason.STOP), "stop": ev.get("stop")}
+            out.append((group.rid, p.Delta(n=sum(group.tokens), index=index, **{"text": "", **last})))
+        group.ends[index] = {"index": index, "reason": ev.reason, "stop": ev.stop}
         if len(group.ends) == group.n:
             first = group.ends[0]
             ends = [group.ends[i] for i in range(group.n)]
-            finish = p.Finish(first["reason"], group.usage, text="", stop=first["stop"], choices=ends)
-            out.append((group.rid, finish.to_wire()))
+            out.append((group.rid, p.Finish(first["reason"], group.usage, text="", stop=first["stop"], choices=ends)))
         return out

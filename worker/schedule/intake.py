@@ -78,27 +78,27 @@ class Preparing:
     def listing(self, now: float) -> list[dict]:
         return [i.listing(now) for i in self._intake.values()]
 
-    def start(self, ready: Ready) -> Sequence | dict:
+    def start(self, ready: Ready) -> Sequence | p.Error:
         """The sequence of a prepared request, or the error event that ends it."""
         intake, prepared, error = ready
         req = intake.req
         if error is not None or prepared is None:
             if not isinstance(error, ServiceError):
                 log.error("preparing %s failed: %r", req.rid, error, exc_info=error)
-            return p.error_event(as_service_error(error, "preparing its prompt"))
+            return p.Error(as_service_error(error, "preparing its prompt"))
         if self.kv is not None:
             try:
                 policy = req.max_tokens_policy or self.policy
                 prepared.max_tokens = self.kv.check_alone(len(prepared.prompt), prepared.max_tokens, policy)
             except ServiceError as e:
-                return p.error_event(e)
+                return p.Error(e)
         try:
             seq = Sequence.start(intake, prepared, TextStream(self.runner.new_detokenizer(), req.stop))
         except Exception as e:
-            return p.error_event(as_service_error(e, "starting its detokenizer"))
+            return p.Error(as_service_error(e, "starting its detokenizer"))
         if req.prompt_logprobs is not None:
             try:
                 seq.scorer = self.runner.prompt_scorer(seq.prompt, req.prompt_logprobs)
             except Exception as e:
-                return p.error_event(as_service_error(e, "scoring its prompt"))
+                return p.Error(as_service_error(e, "scoring its prompt"))
         return seq

@@ -31,10 +31,10 @@ class JobTable:
         events = []
         for job in [j for j in self._jobs.values() if j.deadline and now >= j.deadline]:
             err = ServiceError(ErrorCode.TIMEOUT, f"request timed out after {job.req.timeout_s:g} s")
-            events.append(self._end(job, p.error_event(err)))
+            events.append(self._end(job, p.Error(err)))
         return events
 
-    def _end(self, job, event: dict) -> p.Event:
+    def _end(self, job, event: p.AnyEvent) -> p.Event:
         self._jobs.pop(job.req.rid, None)
         self.finished += 1
         return (job.req.rid, event)

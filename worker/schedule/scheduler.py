@@ -96,10 +96,10 @@ class Scheduler:
         try:
             check_choices(req, self.runner.supports_choices, self.runner.supports_prompt_logprobs)
         except ServiceError as e:
-            return [(req.rid, p.error_event(e))]
+            return [(req.rid, p.Error(e))]
         if req.n > 1:
             if req.rid in self.choices.groups:
-                return [(req.rid, p.error_event(invalid(f"duplicate request id {req.rid}")))]
+                return [(req.rid, p.Error(invalid(f"duplicate request id {req.rid}")))]
             events: list[Event] = []
             for choice in self.choices.expand(req):
                 events += self._submit_one(choice)
@@ -129,7 +129,7 @@ class Scheduler:
                 )
             req = check_generate(req, self.runner.vocab_size)
         except ServiceError as e:
-            return [(req.rid, p.error_event(e))]
+            return [(req.rid, p.Error(e))]
         return self._queue_prepared(self._preparing.add(req))
 
     def _queue_prepared(self, ready: list[Ready]) -> list[Event]:
@@ -145,7 +145,7 @@ class Scheduler:
             self._seqs[rid] = seq
             self.admission.queue(seq)
             accepted = p.Accepted(prompt_tokens=len(seq.prompt), max_tokens=seq.max_tokens, queued=self.waiting)
-            events.append((rid, accepted.to_wire()))
+            events.append((rid, accepted))
         return events
 
     def cancel(self, rid: str) -> list[Event]:
@@ -157,11 +157,11 @@ class Scheduler:
     def _cancel_one(self, rid: str) -> list[Event]:
         if self._preparing.cancel(rid):
             self.finished += 1
-            return [(rid, p.Finish(FinishReason.CANCELLED, p.Usage(), text="").to_wire())]
+            return [(rid, p.Finish(FinishReason.CANCELLED, p.Usage(), text=""))]
         seq = self._seqs.get(rid)
         if seq is None:
             return []
-        return [self._end(seq, p.Finish(FinishReason.CANCELLED, seq.usage(), text="").to_wire())]
+        return [self._end(seq, p.Finish(FinishReason.CANCELLED, seq.usage(), text=""))]
 
     # -- the step loop ---------------------------------------------------------------------
     def has_work(self) -> bool:
@@ -210,7 +210,7 @@ class Scheduler:
                 log.error("request %s failed on a token: %r", seq.req.rid, e, exc_info=e)
                 if seq.req.rid in self._seqs:
                     err = as_service_error(e, "decoding its output")
-                    events.append(self._end(seq, p.error_event(err, seq.usage())))
+                    events.append(self._end(seq, p.Error(err, seq.usage())))
         return events
 
     def _on_token(self, seq: Sequence, token: int, finish: str | None, logprobs: dict | None) -> list[Event]:
@@ -228,7 +228,7 @@ class Scheduler:
         events = []
         for seq in [s for s in self.admission.running.values() if s.guard.error is not None]:
             err = as_service_error(seq.guard.error, "sampling")
-            events.append(self._end(seq, p.error_event(err, seq.usage())))
+            events.append(self._end(seq, p.Error(err, seq.usage())))
         return events
 
     def _admit(self) -> list[Event]:
@@ -243,7 +243,7 @@ class Scheduler:
         seq, event, error = scored
         if error is not None:
             log.error("scoring the prompt of %s failed: %r", seq.req.rid, error, exc_info=error)
-            return [self._end(seq, p.error_event(as_service_error(error, "scoring its prompt")))]
+            return [self._end(seq, p.Error(as_service_error(error, "scoring its prompt")))]
         return [(seq.req.rid, event)]
 
     def _expire(self, now: float) -> list[Event]:
@@ -254,7 +254,7 @@ class Scheduler:
                 events.append(self._end(seq, event))
         return events
 
-    def _end(self, seq: Sequence, event: dict, remove: bool = True) -> Event:
+    def _end(self, seq: Sequence, event: p.AnyEvent, remove: bool = True) -> Event:
         seq.phase = Phase.DONE
         self._seqs.pop(seq.req.rid, None)
         if seq.uid is not None:

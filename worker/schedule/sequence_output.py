@@ -35,7 +35,9 @@ def parts(parsed: Parsed) -> dict:
     return {"text": parsed.text, "reasoning": parsed.reasoning or None, "tool_calls": parsed.tool_calls or None}
 
 
-def on_token(seq: Sequence, token: int, finish: str | None, logprobs: dict | None = None) -> tuple[dict | None, bool]:
+def on_token(
+    seq: Sequence, token: int, finish: str | None, logprobs: dict | None = None
+) -> tuple[p.Delta | p.Finish | None, bool]:
     """(the event this token makes, or None while output is held; whether it ended seq).
     finish: the runner's reason ("stop": an end-of-sequence token, "length"), or None."""
     if seq.first_token_at is None:
@@ -64,17 +66,17 @@ def on_token(seq: Sequence, token: int, finish: str | None, logprobs: dict | Non
     return None, False
 
 
-def on_progress(seq: Sequence, done: int, total: int) -> dict | None:
+def on_progress(seq: Sequence, done: int, total: int) -> p.Progress | None:
     """The Progress event of a prompt being read (None for a resumed row: its client saw
     its prompt done already)."""
     if done >= total or seq.tokens:
         return None
     seq.phase = Phase.PREFILL
     seq.prefilled = done
-    return p.Progress(done, total, seq.cached_tokens or None).to_wire()
+    return p.Progress(done, total, seq.cached_tokens or None)
 
 
-def on_deadline(seq: Sequence, now: float, tokens_per_s: float | None) -> dict | None:
+def on_deadline(seq: Sequence, now: float, tokens_per_s: float | None) -> p.Finish | p.Error | None:
     """The event that ends seq past its deadline (a Finish with the tokens it has, or a
     timeout error), or None while a long prompt's bound, scaled to this host, holds."""
     if seq.generated > 0:  # a time limit ends the answer, not the request
@@ -86,10 +88,10 @@ def on_deadline(seq: Sequence, now: float, tokens_per_s: float | None) -> dict |
         why = f"no first token within {bound:g} s (queue and prompt processing)"
     else:
         why = f"the answer took over {seq.req.timeout_s:g} s ({seq.generated} tokens generated)"
-    return p.error_event(ServiceError(ErrorCode.TIMEOUT, f"request timed out: {why}"), seq.usage())
+    return p.Error(ServiceError(ErrorCode.TIMEOUT, f"request timed out: {why}"), seq.usage())
 
 
-def finish_at_time_limit(seq: Sequence) -> dict:
+def finish_at_time_limit(seq: Sequence) -> p.Finish:
     """The Finish of an answer whose time bound ran out after tokens were generated: they
     are the answer, finished with reason length (the client's usual "cut short")."""
     _feed(seq, seq.text.finish())
@@ -105,7 +107,7 @@ def finish_at_time_limit(seq: Sequence) -> dict:
     end = p.Finish(
         FinishReason.LENGTH, seq.usage(), logprobs=take_logprobs(seq), time_limited=True, **parts(seq.unsent)
     )
-    return end.to_wire()
+    return end
 
 
 def take_logprobs(seq: Sequence) -> list[dict] | None:
@@ -121,7 +123,7 @@ def _feed(seq: Sequence, text: str) -> None:
         seq.unsent.extend(seq.parser.feed(text) if seq.parser else Parsed(text=text))
 
 
-def _finish(seq: Sequence, finish: str) -> dict:
+def _finish(seq: Sequence, finish: str) -> p.Finish:
     parser = seq.parser
     if parser:
         seq.unsent.extend(parser.finish())
@@ -129,16 +131,16 @@ def _finish(seq: Sequence, finish: str) -> dict:
             finish = FinishReason.TOOL_CALLS
     seq.phase = Phase.DONE
     end = p.Finish(finish, seq.usage(), stop=seq.text.stop_match, logprobs=take_logprobs(seq), **parts(seq.unsent))
-    return end.to_wire()
+    return end
 
 
-def _delta(seq: Sequence) -> dict:
+def _delta(seq: Sequence) -> p.Delta:
     cached = None if seq.sent_delta else seq.cached_tokens or None
     delta = p.Delta(n=seq.generated, logprobs=take_logprobs(seq), cached=cached, **parts(seq.unsent))
     seq.sent_delta = True
     seq.unsent = Parsed()
     seq.unsent_tokens = 0
-    return delta.to_wire()
+    return delta
 
 
 class PromptScoring:
@@ -152,7 +154,7 @@ class PromptScoring:
         seq.phase = Phase.SCORING
         self._rids.append(seq.req.rid)
 
-    def advance(self, seqs: dict[str, Sequence]) -> tuple[Sequence, dict | None, Exception | None] | None:
+    def advance(self, seqs: dict[str, Sequence]) -> tuple[Sequence, p.PromptLogprobs | None, Exception | None] | None:
         """One chunk for the oldest request still scoring. Returns None while it is not done,
         else (its sequence, its PromptLogprobs event, None) once scored (it queues for a
         row), or (its sequence, None, the error) when scoring raised."""
@@ -170,5 +172,5 @@ class PromptScoring:
             self._rids.popleft()
             entries, seq.scorer = seq.scorer.entries, None
             seq.phase = Phase.QUEUED
-            return seq, p.PromptLogprobs(entries).to_wire(), None
+            return seq, p.PromptLogprobs(entries), None
         return None

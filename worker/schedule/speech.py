@@ -117,15 +117,15 @@ class SpeechScheduler(JobTable):
             code = ErrorCode.INVALID_REQUEST if req.rid in self._jobs else ErrorCode.OVERLOADED
             if not req.input.strip():
                 code, why = ErrorCode.INVALID_REQUEST, "'input' is empty"
-            return [(req.rid, p.error_event(ServiceError(code, why)))]
+            return [(req.rid, p.Error(ServiceError(code, why)))]
         pieces = deque(line for line in req.input.splitlines() if line.strip())
         now = time.monotonic()
         self._jobs[req.rid] = SpeechJob(req, pieces, now, now + req.timeout_s if req.timeout_s else None)
-        return [(req.rid, p.Accepted(len(req.input), 0, self.waiting).to_wire())]
+        return [(req.rid, p.Accepted(len(req.input), 0, self.waiting))]
 
     def cancel(self, rid: str) -> list[Event]:
         job = self._jobs.pop(rid, None)
-        return [(rid, p.Finish(FinishReason.CANCELLED, self._usage(job)).to_wire())] if job else []
+        return [(rid, p.Finish(FinishReason.CANCELLED, self._usage(job)))] if job else []
 
     def counters(self) -> dict:
         return {"generated_tokens": self.generated_tokens}
@@ -142,7 +142,7 @@ class SpeechScheduler(JobTable):
             done = p.Finish(
                 FinishReason.STOP, self._usage(job), audio=pcm.tobytes(), sample_rate=self.runner.sample_rate
             )
-            events.append(self._end(job, done.to_wire()))
+            events.append(self._end(job, done))
         return events
 
     @staticmethod

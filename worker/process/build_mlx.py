@@ -1,0 +1,144 @@
+"""The MLX runner's parts, built and wired to each other here, then handed to MLXRunner,
+which only stores them (worker/model/runner.py).
+
+The order matters where parts touch the same model: the adapters wrap its layers before the
+output head is transposed, and the CPU attention is routed in after both the model and a
+draft model are loaded (their modules are what it routes)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm import load
+from mlx_lm.models.cache import make_prompt_cache
+
+from mlxgw.shared.config import FimConfig, SpeculativeConfig
+from mlxgw.worker.model import model_info
+from mlxgw.worker.model.adapters import AdapterBank
+from mlxgw.worker.model.batch_generator import VectorBatchGenerator
+from mlxgw.worker.model.cache import state_checkpoints as sc
+from mlxgw.worker.model.cache.prefix_cache import PrefixCache
+from mlxgw.worker.model.cache.prefix_store import PrefixStore
+from mlxgw.worker.model.capacity import activation_dtype_bytes, kv_bytes_per_token
+from mlxgw.worker.model.cpu import cpu_attention
+from mlxgw.worker.model.cpu.blas_threads import policy_for
+from mlxgw.worker.model.cpu.output_head import transpose_head
+from mlxgw.worker.model.logprobs import TokenBytes
+from mlxgw.worker.model.runner import MLXRunner, fresh_cache
+from mlxgw.worker.model.speculation.draft_model import load_drafter
+from mlxgw.worker.model.speculation.speculative import Speculator
+from mlxgw.worker.model.step_trace import StepTrace
+from mlxgw.worker.text.chat_text import ChatText
+from mlxgw.worker.text.fim import FimPrompts
+
+
+def build_mlx_runner(
+    model_path: Path | str,
+    *,
+    context_length: int | None,
+    max_num_seqs: int,
+    prefill_step_size: int,
+    cache_bytes: int,
+    tool_parser: str | None = None,
+    reasoning_parser: str | None = None,
+    allow_request_chat_template: bool = False,
+    loader=None,  # (path, return_config=True) -> (model, tokenizer, config); default mlx_lm.load
+    prefix_store: PrefixStore | None = None,
+    speculative: SpeculativeConfig | None = None,
+    kv_bits: int | None = None,
+    kv_group_size: int = 64,
+    tool_name_guard: bool = False,
+    adapters: dict[str, str] | None = None,  # LoRA adapters: name -> mlx_lm.lora folder
+    resident_adapters: int = 8,
+    fim: FimConfig | None = None,  # the entry's FIM settings, or None: as the tokenizer says
+    runner_cls: type[MLXRunner] = MLXRunner,
+    **runner_extra: Any,  # what a subclass takes besides the parts (ShardedRunner: its group)
+) -> MLXRunner:
+    """Load the model at model_path and build an MLX runner over it."""
+    model_path = Path(model_path)  # the benches pass a folder as text
+    model, tokenizer, config = (loader or load)(str(model_path), return_config=True)
+    model_info.check_servable(model)
+    model_context = model_info.context_length(config)
+    context = min(context_length or model_context, model_context)
+    # A code model's FIM controls (file separator, pad, ...) end an answer like its EOS:
+    # one of them in the output is the model starting another file or hole.
+    fim_prompts = FimPrompts(tokenizer, fim)
+    generator = _batch_generator(model, tokenizer.eos_token_ids, fim_prompts, max_num_seqs, prefill_step_size)
+    # Per-row LoRA adapters over the one copy of the base weights (worker/model/adapters.py).
+    bank = AdapterBank(model, adapters, resident_adapters)
+    generator.route_rows = bank.rows
+    # The CPU BLAS's thread count per kind of step, measured (worker/model/cpu/blas_threads.py).
+    blas = policy_for(mx, generator)
+    prefix_cache = PrefixCache(cache_bytes)
+    prefix_cache.describe(fresh_cache(model, kv_bits, kv_group_size))  # what its blocks assemble into
+    # Memory per token of a plain-attention layer stack, as /v1/status reports it.
+    per_token = kv_bytes_per_token(config, activation_dtype_bytes(model_path, config), kv_bits, kv_group_size)
+    speculative = speculative or SpeculativeConfig()
+    vocab_size = model_info.vocab_size(model, tokenizer)
+    speculator = _speculator(speculative, model_path, tokenizer, vocab_size, generator)
+    text_options = {"tool_parser": tool_parser, "reasoning_parser": reasoning_parser, "fim": fim_prompts}
+    text_options |= {"allow_request_chat_template": allow_request_chat_template, "tool_name_guard": tool_name_guard}
+    return runner_cls(
+        model=model,
+        tokenizer=tokenizer,
+        context_length=context,
+        vocab_size=vocab_size,
+        generator=generator,
+        prefix_cache=prefix_cache,
+        cache_bytes=cache_bytes,
+        text=ChatText(tokenizer, vocab_size, context_length=context, **text_options),
+        fim=fim_prompts,
+        adapters=bank,
+        speculator=speculator,
+        token_bytes=TokenBytes(tokenizer),
+        kv_bits=kv_bits,
+        kv_group_size=kv_group_size,
+        kv_bytes_per_token=per_token,
+        prefix_store=prefix_store,
+        blas=blas,
+        # MLXGW_STEP_TRACE: one line per step, for diagnosis (worker/model/step_trace.py)
+        trace=StepTrace.from_env({"model": str(model_path), "speculative": speculative.mode}),
+        **_cpu_kernels(model),
+        # Families with recurrent or sliding-window layers keep state checkpoints while
+        # prefilling (worker/model/cache/state_checkpoints.py).
+        checkpointing=sc.needs_checkpoints(make_prompt_cache(model)),
+        turn_openers=sc.turn_opener_ids(tokenizer),
+        **runner_extra,
+    )
+
+
+def _batch_generator(
+    model, eos_ids, fim: FimPrompts, max_num_seqs: int, prefill_step_size: int
+) -> VectorBatchGenerator:
+    """mlx-lm's BatchGenerator, sampling and penalising the whole batch in one call per step."""
+    stops = sorted(set(eos_ids) | fim.stop_ids)
+    return VectorBatchGenerator(
+        model,
+        stop_tokens=[[t] for t in stops],
+        completion_batch_size=max_num_seqs,
+        prefill_batch_size=max_num_seqs,
+        prefill_step_size=prefill_step_size,
+    )
+
+
+def _speculator(
+    speculative: SpeculativeConfig, model_path: Path, tokenizer, vocab_size: int, generator: VectorBatchGenerator
+) -> Speculator:
+    """The speculator, routing the generator's decode steps (a draft model is loaded for mode draft)."""
+    drafter = load_drafter(speculative, model_path, tokenizer, vocab_size)
+    speculator = Speculator(speculative, drafter=drafter)
+    speculator.attach(generator)
+    return speculator
+
+
+def _cpu_kernels(model) -> dict[str, Any]:
+    """CPU device only: attention with a base-2 softmax and long rows over two cores, and the
+    output head's weight stored for the faster GEMM (worker/model/cpu/cpu_attention.py,
+    worker/model/cpu/output_head.py). Called after the model, its adapters and a draft model
+    are loaded: their modules are what these route."""
+    return {
+        "cpu_attention": cpu_attention if cpu_attention.install() else None,
+        "transposed_head": transpose_head(model),
+    }
