@@ -69,6 +69,7 @@ def _scheduler(model_dir: str, speculative):
 def run_once(scheduler, prompt: list[int], max_tokens: int, rid: str) -> dict:
     """One greedy request to its end: TTFT, decode tokens/s (after the first token), text."""
     from mlxgw.shared import protocol as p
+    from mlxgw.shared.events import EventKind, Usage
 
     started = time.perf_counter()
     req = p.GenerateRequest(
@@ -77,14 +78,14 @@ def run_once(scheduler, prompt: list[int], max_tokens: int, rid: str) -> dict:
     events, text, first = scheduler.submit(req), "", None
     while True:
         for _, ev in events:
-            if ev["e"] in (p.EV_DELTA, p.EV_FINISH):
+            if ev["e"] in (EventKind.DELTA, EventKind.FINISH):
                 first = first or time.perf_counter()
                 text += ev.get("text") or ""
-            if ev["e"] == p.EV_ERROR:
+            if ev["e"] == EventKind.ERROR:
                 raise RuntimeError(ev)
-            if ev["e"] == p.EV_FINISH:
+            if ev["e"] == EventKind.FINISH:
                 done = time.perf_counter()
-                tokens = p.Usage.from_wire(ev["usage"]).completion_tokens
+                tokens = Usage.from_wire(ev["usage"]).completion_tokens
                 return {
                     "tokens": tokens,
                     "ttft_s": first - started,

@@ -70,7 +70,7 @@ class MlxgwLoop:
         enter_path(self.runner, self.path)
 
     def top_up(self) -> None:
-        from mlxgw.shared import protocol as p
+        from mlxgw.shared.events import EventKind
 
         while len(self.live) < self.batch:
             i = self.next_prompt
@@ -81,7 +81,7 @@ class MlxgwLoop:
                 rid, self.prompts[i % len(self.prompts)], a.max_tokens, a.temperature, a.stop, a.frequency_penalty
             )
             for _, ev in self.scheduler.submit(req):
-                if ev.get("e") == p.EV_ERROR:
+                if ev.get("e") == EventKind.ERROR:
                     raise RuntimeError(f"request refused: {ev}")
             self.live.add(rid)
 
@@ -89,6 +89,7 @@ class MlxgwLoop:
         """One scheduler step plus the engine's encoding of its events: seconds, and whether
         it was a pure decode step of the full batch."""
         from mlxgw.shared import protocol as p
+        from mlxgw.shared.events import EventKind
 
         self.top_up()
         before = self.scheduler.running
@@ -97,10 +98,10 @@ class MlxgwLoop:
         if events:
             p.encode(p.EVENTS, items=events)
         wall = time.perf_counter() - t0
-        ended = {rid for rid, ev in events if ev.get("e") in (p.EV_FINISH, p.EV_ERROR)}
+        ended = {rid for rid, ev in events if ev.get("e") in (EventKind.FINISH, EventKind.ERROR)}
         self.live -= ended
         decoding = sum(1 for s in self.scheduler._seqs.values() if s.phase == "decode")
-        progress = any(ev.get("e") == p.EV_PROGRESS for _, ev in events)
+        progress = any(ev.get("e") == EventKind.PROGRESS for _, ev in events)
         pure = before == self.batch and decoding + len(ended) == self.batch and not ended and not progress
         return wall, pure
 

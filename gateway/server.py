@@ -26,7 +26,7 @@ from mlxgw.shared.config import ConfigError, Registry, load_registry, with_disco
 # How long a graceful stop waits for the requests in flight (aiohttp's own default).
 SHUTDOWN_TIMEOUT_S = 60.0
 
-log = logging.getLogger("mlxgw.gateway")
+log = logging.getLogger(__name__)
 
 
 async def reload_registry(app: web.Application, config_path: Path | None) -> None:

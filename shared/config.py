@@ -35,7 +35,6 @@ from .model_sections import (  # noqa: F401  (the entry's parts, importable from
     DistributedConfig,
     Engine,
     FimConfig,
-    Kind,
     LogFormat,
     MaxTokensPolicy,
     ModelKind,
@@ -46,7 +45,7 @@ from .model_sections import (  # noqa: F401  (the entry's parts, importable from
 )
 from .schema import ConfigError, from_mapping
 
-log = logging.getLogger("mlxgw.config")
+log = logging.getLogger(__name__)
 
 
 @dataclass

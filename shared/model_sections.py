@@ -23,7 +23,6 @@ class ModelKind(WireEnum):
     SPEECH = "speech"  # text to speech
 
 
-Kind = ModelKind  # the older name
 Engine = Literal["mlx", "null", "echo", "mlx-embeddings"]
 MaxTokensPolicy = Literal["clamp", "reject"]
 Contention = Literal["wait", "fail"]

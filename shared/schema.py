@@ -13,7 +13,7 @@ import types
 import typing
 from typing import Any, Literal
 
-log = logging.getLogger("mlxgw.config")
+log = logging.getLogger(__name__)
 
 __all__ = ["RENAMED", "ConfigError", "from_mapping"]
 

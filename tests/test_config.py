@@ -63,7 +63,7 @@ def test_policy_fields_accept_only_their_listed_values():
 
 
 def test_old_seconds_spellings_are_accepted_with_a_deprecation_note(caplog):
-    with caplog.at_level(logging.WARNING, "mlxgw.config"):
+    with caplog.at_level(logging.WARNING, "mlxgw.shared"):
         reg = parse_registry(
             {
                 "manager": {"wait_timeout_seconds": 7, "request_timeout_seconds": 9, "max_body_bytes": 1000},
@@ -109,7 +109,7 @@ def test_the_gateway_section_sets_the_http_settings_and_flags_override_it():
 def test_the_shipped_configs_load_without_deprecation_notes(caplog):
     from mlxgw.shared.resources import shipped_file
 
-    with caplog.at_level(logging.WARNING, "mlxgw.config"):
+    with caplog.at_level(logging.WARNING, "mlxgw.shared"):
         load_registry(default_config())
         load_registry(shipped_file("config", "models.example.yaml"))
     assert "deprecated" not in caplog.text

@@ -22,7 +22,7 @@ from mlxgw.shared.config import DistributedConfig, ModelEntry, SpeculativeConfig
 from mlxgw.worker.model.cache.prefix_cache import PrefixCache
 from mlxgw.worker.model.runner import MLXRunner
 
-log = logging.getLogger("mlxgw.worker.process.distributed")
+log = logging.getLogger(__name__)
 
 BACKEND_HELP = {
     "ring": "the ring backend connects over TCP: check that every host:port in the hostfile is "

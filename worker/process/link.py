@@ -34,7 +34,7 @@ import zmq
 
 from mlxgw.shared import protocol as p
 
-log = logging.getLogger("mlxgw.worker.process.link")
+log = logging.getLogger(__name__)
 
 
 class WorkerLink:

@@ -23,7 +23,7 @@ from mlxgw.worker.process.link import WorkerLink
 from mlxgw.worker.process.load_progress import LoadProgress
 from mlxgw.worker.schedule.preprocess import Preprocessor
 
-log = logging.getLogger("mlxgw.worker")
+log = logging.getLogger(__name__)
 
 # Default prefix-cache bound when the entry sets none: a share of RAM.
 DEFAULT_CACHE_SHARE = 0.10

@@ -18,7 +18,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from mlxgw.shared import protocol as p
-from mlxgw.shared.events import FinishReason
+from mlxgw.shared.events import Delta, EventKind, Finish, FinishReason, Usage
 
 MAX_CHOICES = 16
 SEP = "#"
@@ -33,7 +33,7 @@ class Group:
     failed: bool = False
     tokens: list[int] = field(default_factory=list)  # completion tokens per choice so far
     ends: dict[int, dict] = field(default_factory=dict)  # index -> {index, reason, stop}
-    usage: p.Usage = field(default_factory=p.Usage)
+    usage: Usage = field(default_factory=Usage)
 
 
 def choice_rid(rid: str, index: int) -> str:
@@ -87,7 +87,7 @@ class ChoiceGroups:
                 out.append((rid, ev))
                 continue
             group, index = member
-            if ev.get("e") in (p.EV_FINISH, p.EV_ERROR):
+            if ev.get("e") in (EventKind.FINISH, EventKind.ERROR):
                 self._ended(rid, group, index)
             if group.failed:
                 continue
@@ -102,39 +102,39 @@ class ChoiceGroups:
 
     def _merge_one(self, group: Group, index: int, ev: dict, cancel: list[str]) -> list[p.Event]:
         kind = ev.get("e")
-        if kind == p.EV_ACCEPTED:
+        if kind == EventKind.ACCEPTED:
             if group.accepted:
                 return []
             group.accepted = True
             return [(group.rid, ev)]
-        if kind in (p.EV_PROGRESS, p.EV_PROMPT_LOGPROBS):
+        if kind in (EventKind.PROGRESS, EventKind.PROMPT_LOGPROBS):
             return [(group.rid, ev)] if index == 0 else []
-        if kind == p.EV_ERROR:
+        if kind == EventKind.ERROR:
             group.failed = True
             cancel += [choice_rid(group.rid, i) for i in sorted(group.pending)]
             return [(group.rid, ev)]
-        if kind == p.EV_DELTA:
+        if kind == EventKind.DELTA:
             group.tokens[index] = int(ev.get("n", 0))
             return [(group.rid, {**ev, "index": index, "n": sum(group.tokens)})]
-        if kind == p.EV_FINISH:
+        if kind == EventKind.FINISH:
             return self._finish(group, index, ev)
         return []
 
     def _finish(self, group: Group, index: int, ev: dict) -> list[p.Event]:
         out = []
-        usage = p.Usage.from_wire(ev.get("usage"))
+        usage = Usage.from_wire(ev.get("usage"))
         group.tokens[index] = usage.completion_tokens
         if index == 0:
             group.usage.prompt_tokens, group.usage.cached_tokens = usage.prompt_tokens, usage.cached_tokens
         group.usage.completion_tokens += usage.completion_tokens
         last = {k: ev[k] for k in ("text", "reasoning", "tool_calls", "logprobs") if ev.get(k)}
         if last:
-            delta = p.Delta(n=sum(group.tokens), index=index, **{"text": "", **last})
+            delta = Delta(n=sum(group.tokens), index=index, **{"text": "", **last})
             out.append((group.rid, delta.to_wire()))
         group.ends[index] = {"index": index, "reason": ev.get("reason", FinishReason.STOP), "stop": ev.get("stop")}
         if len(group.ends) == group.n:
             first = group.ends[0]
             ends = [group.ends[i] for i in range(group.n)]
-            finish = p.Finish(first["reason"], group.usage, text="", stop=first["stop"], choices=ends)
+            finish = Finish(first["reason"], group.usage, text="", stop=first["stop"], choices=ends)
             out.append((group.rid, finish.to_wire()))
         return out

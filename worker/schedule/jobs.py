@@ -8,6 +8,7 @@ from typing import Any
 
 from mlxgw.shared import protocol as p
 from mlxgw.shared.errors import ErrorCode, ServiceError
+from mlxgw.shared.events import error_event
 
 
 class JobTable:
@@ -31,7 +32,7 @@ class JobTable:
         events = []
         for job in [j for j in self._jobs.values() if j.deadline and now >= j.deadline]:
             err = ServiceError(ErrorCode.TIMEOUT, f"request timed out after {job.req.timeout_s:g} s")
-            events.append(self._end(job, p.error_event(err)))
+            events.append(self._end(job, error_event(err)))
         return events
 
     def _end(self, job, event: dict) -> p.Event:

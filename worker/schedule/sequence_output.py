@@ -20,14 +20,13 @@ import logging
 import time
 from collections import deque
 
-from mlxgw.shared import protocol as p
 from mlxgw.shared.errors import ErrorCode, ServiceError
-from mlxgw.shared.events import FinishReason
+from mlxgw.shared.events import Delta, Finish, FinishReason, Progress, PromptLogprobs, error_event
 from mlxgw.worker.schedule.prefill_plan import prefill_bound
 from mlxgw.worker.schedule.sequence import Phase, Sequence, prefill_timeout
 from mlxgw.worker.text.output_parser import Parsed
 
-log = logging.getLogger("mlxgw.worker")
+log = logging.getLogger(__name__)
 
 
 def parts(parsed: Parsed) -> dict:
@@ -71,7 +70,7 @@ def on_progress(seq: Sequence, done: int, total: int) -> dict | None:
         return None
     seq.phase = Phase.PREFILL
     seq.prefilled = done
-    return p.Progress(done, total, seq.cached_tokens or None).to_wire()
+    return Progress(done, total, seq.cached_tokens or None).to_wire()
 
 
 def on_deadline(seq: Sequence, now: float, tokens_per_s: float | None) -> dict | None:
@@ -86,7 +85,7 @@ def on_deadline(seq: Sequence, now: float, tokens_per_s: float | None) -> dict |
         why = f"no first token within {bound:g} s (queue and prompt processing)"
     else:
         why = f"the answer took over {seq.req.timeout_s:g} s ({seq.generated} tokens generated)"
-    return p.error_event(ServiceError(ErrorCode.TIMEOUT, f"request timed out: {why}"), seq.usage())
+    return error_event(ServiceError(ErrorCode.TIMEOUT, f"request timed out: {why}"), seq.usage())
 
 
 def finish_at_time_limit(seq: Sequence) -> dict:
@@ -102,7 +101,7 @@ def finish_at_time_limit(seq: Sequence) -> dict:
         seq.generated,
     )
     seq.phase = Phase.DONE
-    end = p.Finish(
+    end = Finish(
         FinishReason.LENGTH, seq.usage(), logprobs=take_logprobs(seq), time_limited=True, **parts(seq.unsent)
     )
     return end.to_wire()
@@ -128,13 +127,13 @@ def _finish(seq: Sequence, finish: str) -> dict:
         if parser.saw_tool_calls and finish == FinishReason.STOP:
             finish = FinishReason.TOOL_CALLS
     seq.phase = Phase.DONE
-    end = p.Finish(finish, seq.usage(), stop=seq.text.stop_match, logprobs=take_logprobs(seq), **parts(seq.unsent))
+    end = Finish(finish, seq.usage(), stop=seq.text.stop_match, logprobs=take_logprobs(seq), **parts(seq.unsent))
     return end.to_wire()
 
 
 def _delta(seq: Sequence) -> dict:
     cached = None if seq.sent_delta else seq.cached_tokens or None
-    delta = p.Delta(n=seq.generated, logprobs=take_logprobs(seq), cached=cached, **parts(seq.unsent))
+    delta = Delta(n=seq.generated, logprobs=take_logprobs(seq), cached=cached, **parts(seq.unsent))
     seq.sent_delta = True
     seq.unsent = Parsed()
     seq.unsent_tokens = 0
@@ -170,5 +169,5 @@ class PromptScoring:
             self._rids.popleft()
             entries, seq.scorer = seq.scorer.entries, None
             seq.phase = Phase.QUEUED
-            return seq, p.PromptLogprobs(entries).to_wire(), None
+            return seq, PromptLogprobs(entries).to_wire(), None
         return None
