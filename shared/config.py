@@ -22,6 +22,7 @@ from .config_checks import (  # noqa: F401  (parse_memory_budget: importable fro
     check_manager,
     parse_memory_budget,
 )
+from .gateway_config import GatewayConfig
 from .mcp_config import McpConfig, parse_mcp
 from .model_sections import (  # noqa: F401  (the entry's parts, importable from here as before)
     CHAT_KINDS,
@@ -35,7 +36,6 @@ from .model_sections import (  # noqa: F401  (the entry's parts, importable from
     DistributedConfig,
     Engine,
     FimConfig,
-    LogFormat,
     MaxTokensPolicy,
     ModelKind,
     PresetMessage,
@@ -139,31 +139,6 @@ class ManagerConfig:
     # Folders Ollama's /api/create may take a `FROM` path from (the models directory always);
     # a request can name nothing outside them.
     allowed_import_paths: list[str] = field(default_factory=list)
-
-
-@dataclass
-class GatewayConfig:
-    """The HTTP side; each field has a `mlxgw up` flag that overrides it."""
-
-    host: str = "127.0.0.1"
-    port: int = 8000
-    request_timeout_s: float = 300  # the answer, counted from its first token
-    # Queue + prompt processing until the first token: agents send 5-10k-token prompts, which a
-    # slow host may take minutes to prefill (kept apart so prefill never eats the answer's time).
-    prefill_timeout_s: float = 900
-    max_body_bytes: int = 10 * 1024 * 1024
-    max_connections: int = 1024
-    header_timeout_s: float = 10  # a request head must be complete this long after its first byte
-    body_timeout_s: float = 60  # a body, this long after its head (408)
-    idle_timeout_s: float = 30  # a keep-alive connection with no request is closed after this
-    cors_origins: list[str] = field(default_factory=list)
-    max_tokens_cap: int | None = None  # server-wide ceiling on max_tokens
-    max_tokens_default: int | None = None  # when neither the request nor the model sets one
-    max_image_mb: float = 8
-    max_images: int = 16  # per request
-    allow_image_urls: bool = False
-    log_format: LogFormat = "text"
-    log_prompts: bool = False
 
 
 MOVED_TO_GATEWAY = {"request_timeout_seconds": "request_timeout_s", "max_body_bytes": "max_body_bytes"}
