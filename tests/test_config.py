@@ -165,3 +165,46 @@ def test_the_shipped_configs_load_without_deprecation_notes(caplog):
         load_registry(default_config())
         load_registry(shipped_file("config", "models.example.yaml"))
     assert "deprecated" not in caplog.text
+
+
+def test_model_sections_take_the_flat_keys_from_before_them():
+    flat = {"name": "m", "kv_bits": 8, "cache_memory_mb": 64, "prefix_cache_disk_mb": 0, "tool_parser": "hermes"}
+    nested = {
+        "name": "m",
+        "cache": {"kv_bits": 8, "prefix_memory_mb": 64, "prefix_disk_mb": 0},
+        "chat": {"tool_parser": "hermes"},
+    }
+    old, new = (parse_registry({"models": [raw]}).models[0] for raw in (flat, nested))
+    assert old == new and new.cache.kv_bits == 8 and new.cache.prefix_memory_mb == 64 and new.cache.prefix_disk_mb == 0
+    assert parse_registry({"models": [{"name": "e", "kind": "embedding", "truncate": True}]}).models[0].encoder.truncate
+
+
+def test_a_field_set_flat_and_in_its_section_is_an_error():
+    with pytest.raises(ConfigError, match="kv_bits"):
+        parse_registry({"models": [{"name": "m", "kv_bits": 8, "cache": {"kv_bits": 4}}]})
+
+
+@pytest.mark.parametrize(
+    ("raw", "field"),
+    [
+        ({"cache": {"kv_bits": 5}}, "kv_bits"),
+        ({"kv_bits": 5}, "kv_bits"),
+        ({"cache_memory_mb": 0}, "prefix_memory_mb"),
+        ({"encoder": {"max_batch_tokens": 100}}, "max_batch_tokens"),
+        ({"chat": {"tool_parsr": "x"}}, "tool_parsr"),
+    ],
+)
+def test_a_bad_section_field_is_refused_naming_the_model_and_the_field(raw, field):
+    with pytest.raises(ConfigError) as info:
+        parse_registry({"models": [{"name": "m1", **raw}]})
+    assert "(m1)" in str(info.value) and repr(field) in str(info.value)
+
+
+def test_an_entry_reaches_its_worker_whole():
+    from dataclasses import asdict
+
+    from mlxgw.shared.config import ModelEntry
+    from mlxgw.shared.schema import from_mapping
+
+    entry = parse_registry({"models": [{"name": "m", "kv_bits": 4, "chat": {"system": "be brief"}}]}).models[0]
+    assert from_mapping(ModelEntry, asdict(entry), "worker m") == entry  # gateway/models/rank_group.py's --entry

@@ -208,10 +208,10 @@ def runner_kwargs(entry: ModelEntry, cache_bytes: int) -> dict:
         "max_num_seqs": entry.max_num_seqs,
         "prefill_step_size": entry.prefill_step_size,
         "cache_bytes": cache_bytes,
-        "tool_parser": entry.tool_parser,
-        "reasoning_parser": entry.reasoning_parser,
-        "allow_request_chat_template": entry.allow_request_chat_template,
-        "tool_name_guard": entry.tool_name_guard,
+        "tool_parser": entry.chat.tool_parser,
+        "reasoning_parser": entry.chat.reasoning_parser,
+        "allow_request_chat_template": entry.chat.allow_request_chat_template,
+        "tool_name_guard": entry.chat.tool_name_guard,
         # Speculation pauses and resumes on measured step times, which differ between ranks:
         # ranks would take different steps and leave lockstep. Sharded models never speculate.
         "speculative": SpeculativeConfig(mode="off"),
