@@ -164,6 +164,7 @@ def test_the_shipped_configs_load_without_deprecation_notes(caplog):
     with caplog.at_level(logging.WARNING, "mlxgw.shared"):
         load_registry(default_config())
         load_registry(shipped_file("config", "models.example.yaml"))
+        assert load_registry(shipped_file("config", "agents.yaml")).models[0].chat.tool_name_guard
     assert "deprecated" not in caplog.text
 
 
