@@ -54,7 +54,7 @@ from mlxgw.shared import paths
 from mlxgw.shared.config import Registry
 from mlxgw.shared.errors import ErrorCode, ServiceError
 
-log = logging.getLogger("mlxgw.gateway")
+log = logging.getLogger(__name__)
 
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from mlxgw.gateway.config_flags import gateway_flags, with_flags
 from mlxgw.shared.cli_table import print_table
 from mlxgw.shared.config import ConfigError, load_registry, with_discovered_models
 from mlxgw.shared.resources import default_config
@@ -20,20 +21,7 @@ from mlxgw.shared.resources import default_config
     default=None,
     help="models.yaml (default: config/models.yaml); its gateway: section sets what the flags below override",
 )
-@click.option("--host", default=None, help="address to listen on [gateway.host: 127.0.0.1]")
-@click.option("--port", default=None, type=int, help="HTTP port [gateway.port: 8000]")
-@click.option(
-    "--timeout",
-    default=None,
-    type=float,
-    help="seconds for an answer, from its first token [gateway.request_timeout_s: 300]",
-)
-@click.option(
-    "--prefill-timeout",
-    default=None,
-    type=float,
-    help="seconds from arrival to the first token (queue + prompt processing) [gateway.prefill_timeout_s: 900]",
-)
+@gateway_flags
 @click.option(
     "--worker-listen",
     multiple=True,
@@ -47,35 +35,6 @@ from mlxgw.shared.resources import default_config
     help="API keys file (default: $MLXGW_HOME/keys.yaml when it exists; none: open)",
 )
 @click.option("--metrics-token", envvar="MLXGW_METRICS_TOKEN", default=None, help="bearer token for /metrics")
-@click.option("--log-format", type=click.Choice(["text", "json"]), default=None, help="[gateway.log_format: text]")
-@click.option(
-    "--log-prompts/--no-log-prompts", default=None, help="include prompts in the access log [gateway.log_prompts: off]"
-)
-@click.option("--cors-origins", default=None, help="comma-separated origins allowed by CORS [gateway.cors_origins]")
-@click.option("--max-tokens-cap", type=int, default=None, help="server-wide ceiling on max_tokens")
-@click.option(
-    "--max-tokens-default",
-    type=int,
-    default=None,
-    help="max_tokens when neither the request nor the model entry sets one (default: the model's "
-    "generation_config.json max_new_tokens, else 4096)",
-)
-@click.option(
-    "--max-connections",
-    type=click.IntRange(1),
-    default=None,
-    help="open connections and concurrent requests, kept below the file-descriptor limit "
-    "[gateway.max_connections: 1024]",
-)
-@click.option("--header-timeout", type=click.FloatRange(0.1), default=None, help="[gateway.header_timeout_s: 10]")
-@click.option("--idle-timeout", type=click.FloatRange(0.1), default=None, help="[gateway.idle_timeout_s: 30]")
-@click.option("--body-timeout", type=click.FloatRange(0.1), default=None, help="[gateway.body_timeout_s: 60]")
-@click.option(
-    "--allow-image-urls/--no-allow-image-urls",
-    default=None,
-    help="fetch http(s) image URLs for vision models (public addresses only) [gateway.allow_image_urls: off]",
-)
-@click.option("--max-image-mb", type=float, default=None, help="largest accepted image [gateway.max_image_mb: 8]")
 @click.option(
     "--echo",
     "echo_model",
@@ -83,11 +42,19 @@ from mlxgw.shared.resources import default_config
     default=False,
     help="also serve `echo`, a model that repeats the last message instantly (tool calls too): for trying clients",
 )
-def up(config_path: Path | None, worker_listen: tuple[str, ...], keys_path: Path | None, **flags) -> None:
+def up(
+    config_path: Path | None,
+    worker_listen: tuple[str, ...],
+    keys_path: Path | None,
+    metrics_token: str | None,
+    echo_model: bool,
+    **flags,
+) -> None:
     """Start the gateway and the workers of the models in the registry."""
     import os
 
     from mlxgw.gateway.server import run
+    from mlxgw.gateway.web.state import GatewaySettings
     from mlxgw.shared.paths import keys_file
 
     config_path = config_path or default_config()
@@ -109,12 +76,12 @@ def up(config_path: Path | None, worker_listen: tuple[str, ...], keys_path: Path
     if keys_path is not None and not keys_path.exists():
         click.echo(f"error: keys file {keys_path} does not exist (create keys with `mlxgw keys create`)", err=True)
         sys.exit(2)
-    if flags.pop("echo_model", False):
+    if echo_model:
         registry = with_echo_model(registry)
-    gw = gateway_config(registry.gateway, flags)
+    gw = with_flags(registry.gateway, flags)
     if gw.host not in ("127.0.0.1", "localhost", "::1") and keys_path is None:
         click.echo(f"warning: listening on {gw.host} without API keys: anyone who can reach it can use it", err=True)
-    settings = gateway_settings(gw, keys_path=keys_path, metrics_token=flags.get("metrics_token"))
+    settings = GatewaySettings.from_config(gw, keys_path=keys_path, metrics_token=metrics_token)
     run(registry, settings, gw.host, gw.port, config_path=config_path, extra_endpoints=worker_listen, secret=secret)
 
 
@@ -132,66 +99,6 @@ def with_echo_model(registry):
         return registry
     echo = ModelEntry(name=ECHO_MODEL, engine="echo", preload=True)
     return dataclasses.replace(registry, models=[*registry.models, echo])
-
-
-# `mlxgw up` flag -> gateway: field it overrides
-FLAG_FIELDS = {
-    "host": "host",
-    "port": "port",
-    "timeout": "request_timeout_s",
-    "prefill_timeout": "prefill_timeout_s",
-    "log_format": "log_format",
-    "log_prompts": "log_prompts",
-    "cors_origins": "cors_origins",
-    "max_tokens_cap": "max_tokens_cap",
-    "max_tokens_default": "max_tokens_default",
-    "max_connections": "max_connections",
-    "header_timeout": "header_timeout_s",
-    "idle_timeout": "idle_timeout_s",
-    "body_timeout": "body_timeout_s",
-    "allow_image_urls": "allow_image_urls",
-    "max_image_mb": "max_image_mb",
-}
-
-
-def gateway_config(config, flags: dict):
-    """The registry's gateway: section with every flag that was given laid over it."""
-    import dataclasses
-
-    overrides = {}
-    for flag, name in FLAG_FIELDS.items():
-        value = flags.get(flag)
-        if value is None:
-            continue
-        if flag == "cors_origins":
-            value = [o.strip() for o in value.split(",") if o.strip()]
-        overrides[name] = value
-    return dataclasses.replace(config, **overrides)
-
-
-def gateway_settings(gw, *, keys_path: Path | None = None, metrics_token: str | None = None):
-    from mlxgw.gateway.pipeline.images import ImageLimits
-    from mlxgw.gateway.web.state import GatewaySettings
-
-    return GatewaySettings(
-        request_timeout_s=gw.request_timeout_s,
-        prefill_timeout_s=gw.prefill_timeout_s,
-        max_body_bytes=gw.max_body_bytes,
-        keys_path=keys_path,
-        metrics_token=metrics_token,
-        log_format=gw.log_format,
-        log_prompts=gw.log_prompts,
-        cors_origins=tuple(gw.cors_origins),
-        max_tokens_cap=gw.max_tokens_cap,
-        max_tokens_default=gw.max_tokens_default,
-        max_connections=gw.max_connections,
-        header_timeout_s=gw.header_timeout_s,
-        idle_timeout_s=gw.idle_timeout_s,
-        body_timeout_s=gw.body_timeout_s,
-        images=ImageLimits(
-            max_bytes=int(gw.max_image_mb * (1 << 20)), max_images=gw.max_images, allow_urls=gw.allow_image_urls
-        ),
-    )
 
 
 @click.command()

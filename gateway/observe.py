@@ -16,7 +16,7 @@ from mlxgw.gateway.web.routes import route_of
 from mlxgw.gateway.web.state import METRICS, SETTINGS
 from mlxgw.shared.errors import HTTP_STATUS, ErrorCode, ServiceError
 
-access_log = logging.getLogger("mlxgw.access")
+access_log = logging.getLogger("mlxgw.access")  # by a stable name: operators route the access log by it
 routes = web.RouteTableDef()
 ACTIVE = web.AppKey("active_requests", dict)
 

@@ -14,7 +14,7 @@ import psutil
 
 from mlxgw.shared import paths
 
-log = logging.getLogger("mlxgw.gateway")
+log = logging.getLogger(__name__)
 
 
 class PortBusy(RuntimeError):

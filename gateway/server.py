@@ -16,6 +16,7 @@ from aiohttp import web
 
 from mlxgw.gateway.app import default_endpoint, make_app
 from mlxgw.gateway.models.lifecycle import SlotState
+from mlxgw.gateway.observe import access_log
 from mlxgw.gateway.runfiles import PortBusy, check_port, clean_stale_run_files, remove_pid_file, write_pid_file
 from mlxgw.gateway.web.edge import EdgeRunner, edge_limits
 from mlxgw.gateway.web.logcap import install_log_limits
@@ -26,7 +27,7 @@ from mlxgw.shared.config import ConfigError, Registry, load_registry, with_disco
 # How long a graceful stop waits for the requests in flight (aiohttp's own default).
 SHUTDOWN_TIMEOUT_S = 60.0
 
-log = logging.getLogger("mlxgw.gateway")
+log = logging.getLogger(__name__)
 
 
 async def reload_registry(app: web.Application, config_path: Path | None) -> None:
@@ -150,7 +151,6 @@ def run(registry: Registry, settings: GatewaySettings, host: str, port: int, **k
         # Access-log lines are complete JSON objects on their own line.
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(message)s"))
-        access = logging.getLogger("mlxgw.access")
-        access.addHandler(handler)
-        access.propagate = False
+        access_log.addHandler(handler)
+        access_log.propagate = False
     asyncio.run(serve(registry, settings, host, port, **kwargs))

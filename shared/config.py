@@ -10,7 +10,7 @@ import fnmatch
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar
 
 import yaml
 
@@ -22,21 +22,24 @@ from .config_checks import (  # noqa: F401  (parse_memory_budget: importable fro
     check_manager,
     parse_memory_budget,
 )
+from .gateway_config import GatewayConfig
 from .mcp_config import McpConfig, parse_mcp
 from .model_sections import (  # noqa: F401  (the entry's parts, importable from here as before)
     CHAT_KINDS,
     ENCODER_KINDS,
     ENGINES,
+    FLAT_KEYS,
     KINDS,
     MAX_RANKS,
     AdapterEntry,
+    CacheConfig,
+    ChatConfig,
     Contention,
     DistributedBackend,
     DistributedConfig,
+    EncoderConfig,
     Engine,
     FimConfig,
-    Kind,
-    LogFormat,
     MaxTokensPolicy,
     ModelKind,
     PresetMessage,
@@ -46,7 +49,7 @@ from .model_sections import (  # noqa: F401  (the entry's parts, importable from
 )
 from .schema import ConfigError, from_mapping
 
-log = logging.getLogger("mlxgw.config")
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -68,42 +71,19 @@ class ModelEntry:
     max_tokens_policy: MaxTokensPolicy = "clamp"
     stream_interval: int = 1
     prefill_step_size: int = 512
-    cache_memory_mb: int | None = None  # prefix cache bound; None: a share of RAM
-    # KV of admitted rows + prefix cache (worker/model/kv_budget.py); None: measured at load
-    kv_memory_mb: int | None = None
-    prefix_cache_disk_mb: int = 1024  # hottest prefixes kept on disk across unloads; 0: off
-    kv_bits: Literal[4, 8] | None = (
-        None  # quantized KV cache (worker/model/cache/quantized_kv.py); None: the model's dtype
-    )
-    kv_group_size: Literal[32, 64, 128] = 64  # elements per quantization scale and bias
+    cache: CacheConfig = field(default_factory=CacheConfig)
     use_openblas: bool = True  # Linux CPU only, see shared/platform.py
     defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
-    tool_parser: str | None = None
-    reasoning_parser: str | None = None
-    # Constrain a tool call's name to the offered tools once the model opens a call
-    # (worker/text/tool_name_guard.py): for small models that invent names. Such rows do not
-    # speculate and are not preempted.
-    tool_name_guard: bool = False
-    # A request may replace the chat template (chat_template_kwargs.chat_template): off by
-    # default, a template is a program (it still renders sandboxed and budgeted when on).
-    allow_request_chat_template: bool = False
-    # embedding / rerank workers
-    truncate: bool = False  # inputs over the model's limit: cut (true) or refuse with a 400 (false)
-    max_batch_inputs: int = 64  # inputs per forward pass
-    max_batch_tokens: int = 8192  # padded tokens per forward pass
+    chat: ChatConfig = field(default_factory=ChatConfig)  # parsers, template, preset turns
+    encoder: EncoderConfig = field(default_factory=EncoderConfig)  # embedding / rerank workers
     mcp_servers: list[str] = field(default_factory=list)  # MCP servers offered by default (shared/mcp_config.py)
     distributed: DistributedConfig | None = None  # shard the model over several ranks
     adapters: list[AdapterEntry] = field(default_factory=list)  # LoRA adapters on this model
     resident_adapters: int = 8  # adapters kept loaded on the worker at once (LRU; rows in use never leave)
     fim: FimConfig | None = None  # fill-in-the-middle overrides; None: as the tokenizer says
-    # Set by Ollama's /api/create from a Modelfile: a system prompt for requests that bring
-    # none (SYSTEM), turns put before every conversation (MESSAGE), and a Jinja chat template
-    # (TEMPLATE, sent as the request's template: it needs allow_request_chat_template and
-    # renders in the worker's budgeted sandbox like any template).
-    system: str | None = None
-    messages: list[PresetMessage] = field(default_factory=list)
-    chat_template: str | None = None
+    # Keys from before the sections, still accepted at the top of an entry.
+    FLAT_KEYS: ClassVar[dict[str, tuple[str, str]]] = FLAT_KEYS
 
     def model_path(self, models_dir: Path) -> Path:
         source = self.source or self.name
@@ -140,31 +120,6 @@ class ManagerConfig:
     # Folders Ollama's /api/create may take a `FROM` path from (the models directory always);
     # a request can name nothing outside them.
     allowed_import_paths: list[str] = field(default_factory=list)
-
-
-@dataclass
-class GatewayConfig:
-    """The HTTP side; each field has a `mlxgw up` flag that overrides it."""
-
-    host: str = "127.0.0.1"
-    port: int = 8000
-    request_timeout_s: float = 300  # the answer, counted from its first token
-    # Queue + prompt processing until the first token: agents send 5-10k-token prompts, which a
-    # slow host may take minutes to prefill (kept apart so prefill never eats the answer's time).
-    prefill_timeout_s: float = 900
-    max_body_bytes: int = 10 * 1024 * 1024
-    max_connections: int = 1024
-    header_timeout_s: float = 10  # a request head must be complete this long after its first byte
-    body_timeout_s: float = 60  # a body, this long after its head (408)
-    idle_timeout_s: float = 30  # a keep-alive connection with no request is closed after this
-    cors_origins: list[str] = field(default_factory=list)
-    max_tokens_cap: int | None = None  # server-wide ceiling on max_tokens
-    max_tokens_default: int | None = None  # when neither the request nor the model sets one
-    max_image_mb: float = 8
-    max_images: int = 16  # per request
-    allow_image_urls: bool = False
-    log_format: LogFormat = "text"
-    log_prompts: bool = False
 
 
 MOVED_TO_GATEWAY = {"request_timeout_seconds": "request_timeout_s", "max_body_bytes": "max_body_bytes"}

@@ -56,15 +56,13 @@ def check_entry(e: ModelEntry, where: str) -> None:
     except model_store.InvalidModelName as err:
         raise bad("name", str(err)) from None
     at_least(where, e, 0, ("idle_unload_s",))
-    at_least(where, e, 1, ("cache_memory_mb", "kv_memory_mb"))
+    at_least(f"{where}: field 'cache'", e.cache, 1, ("prefix_memory_mb", "kv_memory_mb"))
+    at_least(f"{where}: field 'cache'", e.cache, 0, ("prefix_disk_mb",))
     check_source_and_aliases(e, bad)
     check_defaults(e.defaults, f"{where}: field 'defaults'")
-    at_least(where, e, 0, ("prefix_cache_disk_mb",))
-    for name in ("max_num_seqs", "max_queue", "stream_interval", "prefill_step_size", "max_batch_inputs"):
-        if getattr(e, name) is not None and getattr(e, name) < 1:
-            raise bad(name, f"must be at least 1, got {getattr(e, name)}")
-    if e.max_batch_tokens < 512:
-        raise bad("max_batch_tokens", f"must be at least 512, got {e.max_batch_tokens}")
+    at_least(where, e, 1, ("max_num_seqs", "max_queue", "stream_interval", "prefill_step_size"))
+    at_least(f"{where}: field 'encoder'", e.encoder, 1, ("max_batch_inputs",))
+    at_least(f"{where}: field 'encoder'", e.encoder, 512, ("max_batch_tokens",))
     if e.kind in ENCODER_KINDS and e.engine not in ("mlx", "mlx-embeddings"):
         raise bad("engine", f"{e.kind} models run on the mlx or mlx-embeddings engine")
     if e.kind in (ModelKind.AUDIO, ModelKind.SPEECH) and e.engine != "mlx":

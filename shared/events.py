@@ -63,15 +63,6 @@ class Phase(WireEnum):
     DONE = "done"  # its last event is made (gone from the status the same step)
 
 
-# The names the worker (and older code) uses: the members themselves, defined once above.
-EV_ACCEPTED = EventKind.ACCEPTED
-EV_PROGRESS = EventKind.PROGRESS
-EV_DELTA = EventKind.DELTA
-EV_PROMPT_LOGPROBS = EventKind.PROMPT_LOGPROBS
-EV_FINISH = EventKind.FINISH
-EV_ERROR = EventKind.ERROR
-
-
 def _int(value: object) -> int:
     try:
         return int(value)  # type: ignore[arg-type]
@@ -136,7 +127,7 @@ class Accepted:
     queued: int  # requests waiting ahead, this one included
 
     def to_wire(self) -> dict:
-        return _wire(EV_ACCEPTED, self)
+        return _wire(EventKind.ACCEPTED, self)
 
     @classmethod
     def from_wire(cls, wire: dict) -> Accepted:
@@ -153,7 +144,7 @@ class Progress:
     cached: int | None = None  # prompt tokens served by the prefix cache (for the access log of a cut stream)
 
     def to_wire(self) -> dict:
-        return _wire(EV_PROGRESS, self)
+        return _wire(EventKind.PROGRESS, self)
 
     @classmethod
     def from_wire(cls, wire: dict) -> Progress:
@@ -178,7 +169,7 @@ class Delta:
     cached: int | None = None
 
     def to_wire(self) -> dict:
-        return _wire(EV_DELTA, self)
+        return _wire(EventKind.DELTA, self)
 
     @classmethod
     def from_wire(cls, wire: dict) -> Delta:
@@ -196,7 +187,7 @@ class PromptLogprobs:
     entries: list[dict]
 
     def to_wire(self) -> dict:
-        return _wire(EV_PROMPT_LOGPROBS, self)
+        return _wire(EventKind.PROMPT_LOGPROBS, self)
 
     @classmethod
     def from_wire(cls, wire: dict) -> PromptLogprobs:
@@ -237,7 +228,7 @@ class Finish:
     time_limited: bool | None = None
 
     def to_wire(self) -> dict:
-        return _wire(EV_FINISH, self)
+        return _wire(EventKind.FINISH, self)
 
     @classmethod
     def from_wire(cls, wire: dict) -> Finish | Error:
@@ -273,7 +264,7 @@ class Error:
     usage: Usage | None = None
 
     def to_wire(self) -> dict:
-        wire = {"e": EV_ERROR, **self.error.to_wire()}
+        wire = {"e": EventKind.ERROR, **self.error.to_wire()}
         if self.usage is not None:
             wire["usage"] = self.usage.to_wire()
         return wire

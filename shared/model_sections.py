@@ -1,5 +1,6 @@
 """The parts of a models.yaml model entry (shared/config.py:ModelEntry): its kind, sampling
-defaults, speculation, sharding, fill-in-the-middle, adapters and preset turns."""
+defaults, its cache, chat and encoder sections, speculation, sharding, fill-in-the-middle,
+adapters and preset turns."""
 
 from __future__ import annotations
 
@@ -23,7 +24,6 @@ class ModelKind(WireEnum):
     SPEECH = "speech"  # text to speech
 
 
-Kind = ModelKind  # the older name
 Engine = Literal["mlx", "null", "echo", "mlx-embeddings"]
 MaxTokensPolicy = Literal["clamp", "reject"]
 Contention = Literal["wait", "fail"]
@@ -62,6 +62,65 @@ class DistributedConfig:
     # The group must form (every rank connected, weights loaded) within this; a rank whose
     # peer never starts would otherwise wait in accept() forever.
     start_timeout_s: float = 300
+
+
+@dataclass
+class CacheConfig:
+    """`cache:` the KV a model keeps: the prefix cache's bounds in memory and on disk, the
+    budget of admitted rows' KV, and its quantization."""
+
+    prefix_memory_mb: int | None = None  # prefix cache bound (flat key: cache_memory_mb); None: a share of RAM
+    # KV of admitted rows + prefix cache (worker/model/kv_budget.py); None: measured at load
+    kv_memory_mb: int | None = None
+    # hottest prefixes kept on disk across unloads (flat key: prefix_cache_disk_mb); 0: off
+    prefix_disk_mb: int = 1024
+    kv_bits: Literal[4, 8] | None = None  # quantized KV (worker/model/cache/quantized_kv.py); None: the model's dtype
+    kv_group_size: Literal[32, 64, 128] = 64  # elements per quantization scale and bias
+
+
+@dataclass
+class ChatConfig:
+    """`chat:` how a generating model's conversations are read and written: parsers, the
+    template and the turns put before every conversation."""
+
+    tool_parser: str | None = None
+    reasoning_parser: str | None = None
+    # Constrain a tool call's name to the offered tools once the model opens a call
+    # (worker/text/tool_name_guard.py): for small models that invent names. Such rows do not
+    # speculate and are not preempted.
+    tool_name_guard: bool = False
+    # A request may replace the chat template (chat_template_kwargs.chat_template): off by
+    # default, a template is a program (it still renders sandboxed and budgeted when on).
+    allow_request_chat_template: bool = False
+    # Set by Ollama's /api/create from a Modelfile: a system prompt for requests that bring
+    # none (SYSTEM), turns put before every conversation (MESSAGE), and a Jinja chat template
+    # (TEMPLATE, sent as the request's template: it needs allow_request_chat_template and
+    # renders in the worker's budgeted sandbox like any template).
+    system: str | None = None
+    messages: list[PresetMessage] = field(default_factory=list)
+    chat_template: str | None = None
+
+
+@dataclass
+class EncoderConfig:
+    """`encoder:` embedding and rerank workers' batches."""
+
+    truncate: bool = False  # inputs over the model's limit: cut (true) or refuse with a 400 (false)
+    max_batch_inputs: int = 64  # inputs per forward pass
+    max_batch_tokens: int = 8192  # padded tokens per forward pass
+
+
+# models.yaml keys from before the sections, still accepted at the top of an entry (quietly:
+# `kv_bits: 8` reads as `cache: {kv_bits: 8}`); shared/schema.py folds them in.
+FLAT_KEYS: dict[str, tuple[str, str]] = {
+    "cache_memory_mb": ("cache", "prefix_memory_mb"),
+    "kv_memory_mb": ("cache", "kv_memory_mb"),
+    "prefix_cache_disk_mb": ("cache", "prefix_disk_mb"),
+    "kv_bits": ("cache", "kv_bits"),
+    "kv_group_size": ("cache", "kv_group_size"),
+    **{name: ("chat", name) for name in ChatConfig.__dataclass_fields__},
+    **{name: ("encoder", name) for name in EncoderConfig.__dataclass_fields__},
+}
 
 
 @dataclass

@@ -17,31 +17,7 @@ from typing import Any, ClassVar
 
 import msgpack
 
-# The events and wire enums live in events.py; every name is re-exported here, so that
-# `protocol` stays the one module both sides import for the wire.
-from .events import (  # noqa: F401
-    EV_ACCEPTED,
-    EV_DELTA,
-    EV_ERROR,
-    EV_FINISH,
-    EV_PROGRESS,
-    EV_PROMPT_LOGPROBS,
-    TERMINAL_EVENTS,
-    Accepted,
-    AnyEvent,
-    Delta,
-    Error,
-    EventKind,
-    Finish,
-    FinishReason,
-    Phase,
-    Progress,
-    PromptLogprobs,
-    Usage,
-    WireEnum,
-    error_event,
-    event_from_wire,
-)
+from .events import AnyEvent
 from .wire_types import _conforms, _field_names, _type_hints
 
 PROTOCOL_VERSION = 1

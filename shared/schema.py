@@ -13,7 +13,7 @@ import types
 import typing
 from typing import Any, Literal
 
-log = logging.getLogger("mlxgw.config")
+log = logging.getLogger(__name__)
 
 __all__ = ["RENAMED", "ConfigError", "from_mapping"]
 
@@ -86,7 +86,7 @@ def from_mapping(cls: type, data: Any, where: str) -> Any:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: expected a mapping, got {data!r}")
-    data = _renamed(cls.__name__, data, where)
+    data = _folded(getattr(cls, "FLAT_KEYS", {}), _renamed(cls.__name__, data, where), where)
     hints = typing.get_type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - known)
@@ -110,4 +110,24 @@ def _renamed(cls_name: str, data: dict, where: str) -> dict:
                 raise ConfigError(f"{where}: field {old!r}: set only {new!r} (the old spelling of the same field)")
             log.warning("%s: field %r is deprecated; call it %r", where, old, new)
             out[new] = out.pop(old)
+    return out
+
+
+def _folded(flat_keys: dict[str, tuple[str, str]], data: dict, where: str) -> dict:
+    """Keys from before a class had sections (its FLAT_KEYS: old key -> section, field), moved
+    into their section; one set both ways is an error, as the old spelling of a field is."""
+    if not any(old in data for old in flat_keys):
+        return data
+    out = dict(data)
+    for old, (section, name) in flat_keys.items():
+        if old not in out:
+            continue
+        part = out.get(section)
+        if part is None:
+            part = {}
+        if not isinstance(part, dict):
+            raise ConfigError(f"{where}: field {section!r}: expected a mapping, got {part!r}")
+        if name in part:
+            raise ConfigError(f"{where}: field {old!r}: set only {section}.{name} (the same field)")
+        out[section] = {**part, name: out.pop(old)}
     return out

@@ -69,6 +69,7 @@ def _scheduler(model_dir: str, speculative):
 def run_once(scheduler, prompt: list[int], max_tokens: int, rid: str) -> dict:
     """One greedy request to its end: TTFT, decode tokens/s (after the first token), text."""
     from mlxgw.shared import protocol as p
+    from mlxgw.shared.events import EventKind
 
     started = time.perf_counter()
     req = p.GenerateRequest(
@@ -77,12 +78,12 @@ def run_once(scheduler, prompt: list[int], max_tokens: int, rid: str) -> dict:
     events, text, first = scheduler.submit(req), "", None
     while True:
         for _, ev in events:
-            if ev.KIND in (p.EV_DELTA, p.EV_FINISH):
+            if ev.KIND in (EventKind.DELTA, EventKind.FINISH):
                 first = first or time.perf_counter()
                 text += ev.text or ""
-            if ev.KIND == p.EV_ERROR:
+            if ev.KIND == EventKind.ERROR:
                 raise RuntimeError(ev)
-            if ev.KIND == p.EV_FINISH:
+            if ev.KIND == EventKind.FINISH:
                 done = time.perf_counter()
                 tokens = ev.usage.completion_tokens
                 return {

@@ -42,7 +42,7 @@ def _runner(model_dir: str, speculation: bool = True):
 def _run(scheduler, reqs, finished_at: dict[str, float] | None = None) -> tuple[float, int]:
     """Submit, step until every request ended; (seconds, completion tokens). finished_at,
     when given, gets each request's seconds from the start to its end."""
-    from mlxgw.shared import protocol as p
+    from mlxgw.shared.events import EventKind, Usage
 
     started = time.perf_counter()
     pending = {r.rid for r in reqs}
@@ -51,9 +51,9 @@ def _run(scheduler, reqs, finished_at: dict[str, float] | None = None) -> tuple[
         scheduler.submit(r)
     while pending:
         for rid, ev in scheduler.step():
-            if ev.KIND in (p.EV_FINISH, p.EV_ERROR) and rid in pending:
+            if ev.KIND in (EventKind.FINISH, EventKind.ERROR) and rid in pending:
                 pending.discard(rid)
-                tokens += (ev.usage or p.Usage()).completion_tokens
+                tokens += (ev.usage or Usage()).completion_tokens
                 if finished_at is not None:
                     finished_at[rid] = time.perf_counter() - started
     return time.perf_counter() - started, tokens

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 
 from mlxgw.bench.step.timers import Timers
+from mlxgw.shared.events import EventKind
 
 PIECES = ["forward", "processors", "normalize", "sampling", "detokenize", "parse", "events", "encode", "host", "rest"]
 
@@ -70,7 +71,6 @@ class MlxgwLoop:
         enter_path(self.runner, self.path)
 
     def top_up(self) -> None:
-        from mlxgw.shared import protocol as p
 
         while len(self.live) < self.batch:
             i = self.next_prompt
@@ -81,14 +81,13 @@ class MlxgwLoop:
                 rid, self.prompts[i % len(self.prompts)], a.max_tokens, a.temperature, a.stop, a.frequency_penalty
             )
             for _, ev in self.scheduler.submit(req):
-                if ev.KIND == p.EV_ERROR:
+                if ev.KIND == EventKind.ERROR:
                     raise RuntimeError(f"request refused: {ev}")
             self.live.add(rid)
 
     def step(self) -> tuple[float, bool]:
         """One scheduler step plus the engine's encoding of its events: seconds, and whether
         it was a pure decode step of the full batch."""
-        from mlxgw.shared import protocol as p
         from mlxgw.worker.process.link import encode_events
 
         self.top_up()
@@ -98,10 +97,10 @@ class MlxgwLoop:
         if events:
             encode_events(items=events, seq=0)
         wall = time.perf_counter() - t0
-        ended = {rid for rid, ev in events if ev.KIND in (p.EV_FINISH, p.EV_ERROR)}
+        ended = {rid for rid, ev in events if ev.KIND in (EventKind.FINISH, EventKind.ERROR)}
         self.live -= ended
         decoding = sum(1 for s in self.scheduler._seqs.values() if s.phase == "decode")
-        progress = any(ev.KIND == p.EV_PROGRESS for _, ev in events)
+        progress = any(ev.KIND == EventKind.PROGRESS for _, ev in events)
         pure = before == self.batch and decoding + len(ended) == self.batch and not ended and not progress
         return wall, pure
 

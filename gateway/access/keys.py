@@ -43,7 +43,7 @@ from pathlib import Path
 
 import yaml
 
-log = logging.getLogger("mlxgw.keys")
+log = logging.getLogger(__name__)
 
 KEY_PREFIX = "mlxgw-"
 

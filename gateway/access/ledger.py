@@ -27,7 +27,7 @@ from mlxgw.gateway.access.budgets import InFlight, TokenBudgets
 from mlxgw.gateway.web.routes import route_of
 from mlxgw.shared import protocol as p
 
-log = logging.getLogger("mlxgw.ledger")
+log = logging.getLogger(__name__)
 
 FLUSH_S = 1.0  # the crash window: rows are committed at least this often
 MAX_QUEUED = 100_000  # rows waiting for the writer; past this they are counted and dropped

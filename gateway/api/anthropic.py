@@ -20,8 +20,8 @@ from mlxgw.gateway.pipeline.fields import AnthropicFields, ThinkingFields, decod
 from mlxgw.gateway.pipeline.stream import Emitter
 from mlxgw.gateway.web.anthropic_errors import anthropic_error_body
 from mlxgw.gateway.web.state import MANAGER, SETTINGS
-from mlxgw.shared import protocol as p
 from mlxgw.shared.errors import ServiceError, invalid
+from mlxgw.shared.events import Finish, Usage
 
 routes = web.RouteTableDef()
 
@@ -102,7 +102,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     return await t.respond(request, slot, parsed, MessageEvents, _render)
 
 
-def _usage(u: p.Usage) -> dict:
+def _usage(u: Usage) -> dict:
     return {
         "input_tokens": u.prompt_tokens,
         "output_tokens": u.completion_tokens,
@@ -212,7 +212,7 @@ class MessageEvents(Emitter):
         await self._start({**block, "input": {}})
         await self._delta({"type": "input_json_delta", "partial_json": json.dumps(block["input"])})
 
-    async def finished(self, event: p.Finish) -> None:
+    async def finished(self, event: Finish) -> None:
         if self.index < 0:
             await self.text("")  # every message has at least one content block
         await self._close()

@@ -24,6 +24,7 @@ from mlxgw.gateway.web.work_pools import THREAD_POOLS
 from mlxgw.shared import protocol as p
 from mlxgw.shared.config import ModelKind
 from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
+from mlxgw.shared.events import Finish
 
 routes = web.RouteTableDef()
 
@@ -174,7 +175,7 @@ async def _stream_response(request: web.Request, gen) -> web.StreamResponse:
                 if delta:
                     parts.append(delta)
                     await sse.data({"type": "transcript.text.delta", "delta": delta, "logprobs": None})
-                if type(ev) is p.Finish:
+                if type(ev) is Finish:
                     u = gen.usage
                     usage = {
                         "type": "tokens",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 
-from mlxgw.shared import protocol as p
+from mlxgw.shared.events import Finish
 
 # Whisper's language codes -> the names OpenAI's verbose_json reports.
 LANGUAGE_NAMES = {
@@ -42,7 +42,7 @@ def vtt(segments: list[dict]) -> str:
     return "WEBVTT\n\n" + "\n".join(blocks)
 
 
-def verbose(task: str, done: p.Finish, text: str) -> dict:
+def verbose(task: str, done: Finish, text: str) -> dict:
     segments = [
         {
             "id": s["id"],
@@ -71,7 +71,7 @@ def verbose(task: str, done: p.Finish, text: str) -> dict:
     }
 
 
-def render(fmt: str, task: str, done: p.Finish) -> tuple[str, str]:
+def render(fmt: str, task: str, done: Finish) -> tuple[str, str]:
     """(body, content type) of a finished transcription."""
     text = "".join(s["text"] for s in done.segments or ()).strip()
     if fmt == "text":

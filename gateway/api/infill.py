@@ -28,9 +28,9 @@ from mlxgw.gateway.pipeline.fields import INT32_MAX, CommonFields, M, Stop, deco
 from mlxgw.gateway.pipeline.fim_support import file_identity, fim_format, fim_map, parse_extra, superseding
 from mlxgw.gateway.web.sse import SSEWriter
 from mlxgw.gateway.web.state import MANAGER, SETTINGS
-from mlxgw.shared import protocol as p
 from mlxgw.shared.config import CHAT_KINDS
 from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
+from mlxgw.shared.events import Finish, FinishReason
 
 routes = web.RouteTableDef()
 Millis = Annotated[int, M(ge=0, le=INT32_MAX)]
@@ -171,12 +171,12 @@ async def completion(request: web.Request) -> web.StreamResponse:
 # -- output -------------------------------------------------------------------------------------
 
 
-def _final(gen: Generation, content: str, finish: p.Finish | None, cut: MiddleCut) -> dict:
+def _final(gen: Generation, content: str, finish: Finish | None, cut: MiddleCut) -> dict:
     """llama.cpp's last object (the whole answer without streaming)."""
     usage = gen.usage
     if finish is None or cut.stopped:
         stop_type, word = "limit", ""
-    elif finish.reason is p.FinishReason.LENGTH:
+    elif finish.reason is FinishReason.LENGTH:
         stop_type, word = "limit", ""
     elif finish.stop:
         stop_type, word = "word", finish.stop
@@ -219,7 +219,7 @@ async def _whole(gen: Generation, cut: MiddleCut) -> web.Response:
     async with gen:
         async for ev in gen.content():
             parts.append(cut.feed(ev.text or ""))
-            if type(ev) is p.Finish:
+            if type(ev) is Finish:
                 finish = ev
             if cut.stopped:
                 break  # leaving the block cancels the rest of the sequence in the worker
@@ -239,7 +239,7 @@ async def _stream(request: web.Request, gen: Generation, cut: MiddleCut) -> web.
                 if piece:
                     content.append(piece)
                     await sse.data({"content": piece, "stop": False, "id_slot": 0, "index": 0, "tokens": []})
-                if type(ev) is p.Finish:
+                if type(ev) is Finish:
                     finish = ev
                 if cut.stopped:
                     break

@@ -22,8 +22,8 @@ from mlxgw.gateway.pipeline.images import ImageLimits, from_bare_base64, join_co
 from mlxgw.gateway.pipeline.stream import Emitter
 from mlxgw.gateway.web.sse import NDJSONWriter
 from mlxgw.gateway.web.state import MANAGER
-from mlxgw.shared import protocol as p
 from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
+from mlxgw.shared.events import Finish
 
 routes = web.RouteTableDef()
 
@@ -249,7 +249,7 @@ class OllamaLines(Emitter):
     async def tool_call(self, call: dict) -> None:
         await self._line(_piece(self.shape, calls=[call]))
 
-    async def finished(self, event: p.Finish) -> None:
+    async def finished(self, event: Finish) -> None:
         last = {"done_reason": oc.done_reason(event.reason), **oc.timings(self.gen, self.gen.usage)}
         await self.sse.data(
             {"model": self.gen.model_name, "created_at": oc.created_at(), **_piece(self.shape), "done": True, **last}

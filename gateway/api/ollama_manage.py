@@ -302,13 +302,23 @@ def _apply_spec(entry: dict, spec: CreateSpec) -> dict:
         else:
             entry[key] = value
     if spec.system is not None:
-        entry["system"] = spec.system
+        _set_chat(entry, "system", spec.system)
     if spec.messages:
-        entry["messages"] = spec.messages
+        _set_chat(entry, "messages", spec.messages)
     if spec.template is not None:
-        entry["chat_template"] = spec.template
-        entry["allow_request_chat_template"] = True  # the gateway sends the entry's template per request
+        _set_chat(entry, "chat_template", spec.template)
+        _set_chat(entry, "allow_request_chat_template", True)  # the gateway sends the entry's template per request
     return entry
+
+
+def _set_chat(entry: dict, key: str, value: object) -> None:
+    """A chat field, where the base entry's YAML already spells it: in its chat: section, else
+    at the top (the flat key models.yaml still accepts); never both, which would be an error."""
+    section = entry.get("chat")
+    if isinstance(section, dict) and key in section:
+        section[key] = value
+    else:
+        entry[key] = value
 
 
 @routes.post("/api/create")

@@ -12,8 +12,8 @@ from mlxgw.gateway.models.generation import Generation, Outcome
 from mlxgw.gateway.pipeline.stream import Emitter
 from mlxgw.gateway.web.errors import openai_error_body
 from mlxgw.gateway.web.sse import SSEWriter
-from mlxgw.shared import protocol as p
 from mlxgw.shared.errors import ServiceError, invalid
+from mlxgw.shared.events import Finish, Usage
 
 
 def new_id(prefix: str) -> str:
@@ -48,7 +48,7 @@ def chat_logprobs(wanted: bool | None, top: int | None) -> int | None:
     return (top or 0) if wanted else None
 
 
-def usage_dict(u: p.Usage) -> dict:
+def usage_dict(u: Usage) -> dict:
     return {
         "prompt_tokens": u.prompt_tokens,
         "completion_tokens": u.completion_tokens,
@@ -115,7 +115,7 @@ class OpenAIChunks(Emitter):
     def finish_choice(self, reason: str | None) -> dict:
         raise NotImplementedError
 
-    async def finished(self, event: p.Finish) -> None:
+    async def finished(self, event: Finish) -> None:
         for end in event.ends():
             self.choice = end["index"]
             await self.sse.data(self.chunk(self.finish_choice(end["reason"])))

@@ -13,8 +13,8 @@ from mlxgw.gateway.models.generation import Generation, Outcome
 from mlxgw.gateway.pipeline import translate as t
 from mlxgw.gateway.pipeline.fields import CompletionFields, decode_fields
 from mlxgw.gateway.pipeline.fim_support import file_identity, fim_map, superseding
-from mlxgw.shared import protocol as p
 from mlxgw.shared.errors import invalid
+from mlxgw.shared.events import Finish
 
 routes = web.RouteTableDef()
 
@@ -227,6 +227,6 @@ class CompletionChunks(oc.OpenAIChunks):
         await self._echo_with_logprobs()
         await self.sse.data(self.chunk({"text": text, "finish_reason": None}))
 
-    async def finished(self, event: p.Finish) -> None:
+    async def finished(self, event: Finish) -> None:
         await self._echo_with_logprobs()
         await super().finished(event)

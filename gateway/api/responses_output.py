@@ -15,8 +15,8 @@ from mlxgw.gateway.models.generation import Generation, Outcome
 from mlxgw.gateway.pipeline.stream import Emitter
 from mlxgw.gateway.web.errors import openai_error_body
 from mlxgw.gateway.web.sse import SSEWriter
-from mlxgw.shared import protocol as p
 from mlxgw.shared.errors import ServiceError
+from mlxgw.shared.events import Finish
 
 STORE = web.AppKey("responses_store", OrderedDict)
 STORE_LIMIT = 1000
@@ -254,7 +254,7 @@ class ResponseEvents(Emitter):
         item.update({field: value, "status": "completed"})
         await self.emit("response.output_item.done", output_index=idx, item=item)
 
-    async def finished(self, event: p.Finish) -> None:
+    async def finished(self, event: Finish) -> None:
         if not self.builder.output:
             await self.text("")
         await self._close_reasoning()

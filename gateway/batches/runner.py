@@ -32,7 +32,7 @@ from mlxgw.gateway.web.state import KEYS, MANAGER
 from mlxgw.gateway.web.work_pools import THREAD_POOLS
 from mlxgw.shared.errors import ErrorCode, ServiceError
 
-log = logging.getLogger("mlxgw.batches")
+log = logging.getLogger(__name__)
 
 BATCH_STORE = web.AppKey("batch_store", BatchStore)
 SELF_URL = web.AppKey("self_url", dict)  # {"url": ...} once the gateway listens (server.py)

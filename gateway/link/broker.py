@@ -47,6 +47,7 @@ from mlxgw.gateway.link.worker_conn import (
 from mlxgw.gateway.link.worker_registry import WorkerRegistry
 from mlxgw.shared import protocol as p
 from mlxgw.shared.errors import ErrorCode, ServiceError
+from mlxgw.shared.events import event_from_wire
 
 __all__ = [
     "Broker",
@@ -61,7 +62,7 @@ __all__ = [
     "WorkerReady",
 ]
 
-log = logging.getLogger("mlxgw.broker")
+log = logging.getLogger(__name__)
 
 
 class Broker(WorkerRegistry):
@@ -317,7 +318,7 @@ class Broker(WorkerRegistry):
             if stream is None:
                 continue  # request already ended gateway-side (client gone)
             # Decoded once, here: everything after the broker reads the event's attributes.
-            event = p.event_from_wire(wire)
+            event = event_from_wire(wire)
             if event is None:
                 unknown += 1
                 continue

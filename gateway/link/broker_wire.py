@@ -9,7 +9,7 @@ import time
 
 from mlxgw.shared.errors import ErrorCode, ServiceError
 
-log = logging.getLogger("mlxgw.broker")
+log = logging.getLogger(__name__)
 
 # Largest message a remote worker may send (embedding batches are the big ones).
 REMOTE_MAX_MESSAGE_BYTES = 64 << 20

@@ -15,7 +15,7 @@ import msgpack
 
 from mlxgw.shared.errors import ErrorCode, ServiceError
 
-log = logging.getLogger("mlxgw.quarantine")
+log = logging.getLogger(__name__)
 
 QUARANTINE_CRASHES = 2
 MAX_TRACKED = 4096  # fingerprints remembered per gateway (oldest forgotten first)

@@ -13,10 +13,10 @@ import zmq.asyncio
 
 from mlxgw.gateway.link.liveness import LossKind
 from mlxgw.gateway.link.quarantine import fingerprint
-from mlxgw.shared import protocol as p
+from mlxgw.shared.events import TERMINAL_EVENTS, AnyEvent, WireEnum
 
 
-class ConnState(p.WireEnum):
+class ConnState(WireEnum):
     """A worker link's state, as /v1/status reports it."""
 
     LOADING = "loading"
@@ -50,7 +50,7 @@ class RequestStream:
         self.cancelled = False  # the gateway asked the worker to stop it (sent again after a reconnect)
         # One reader (the request's Generation): a deque and one waiter future cost less per
         # token than an asyncio.Queue.
-        self._events: deque[p.AnyEvent] = deque()
+        self._events: deque[AnyEvent] = deque()
         self._waiter: asyncio.Future | None = None
 
     @property
@@ -60,11 +60,11 @@ class RequestStream:
             self._fingerprint = fingerprint(wire)
         return self._fingerprint
 
-    def push(self, event: p.AnyEvent) -> None:
+    def push(self, event: AnyEvent) -> None:
         if self.done:
             return
         self.heard = True
-        if isinstance(event, p.TERMINAL_EVENTS):
+        if isinstance(event, TERMINAL_EVENTS):
             self.done = True
         self._events.append(event)
         waiter = self._waiter
@@ -75,11 +75,11 @@ class RequestStream:
         """An event is waiting: take() returns it."""
         return bool(self._events)
 
-    def take(self) -> p.AnyEvent:
+    def take(self) -> AnyEvent:
         """The next event, which ready() said is here."""
         return self._events.popleft()
 
-    async def next(self, timeout: float | None = None) -> p.AnyEvent:
+    async def next(self, timeout: float | None = None) -> AnyEvent:
         # The hot path (a step's events already here) costs no task, future or timer.
         if self._events:
             return self._events.popleft()

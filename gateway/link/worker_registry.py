@@ -17,10 +17,10 @@ from collections import OrderedDict
 from mlxgw.gateway.link import liveness as live
 from mlxgw.gateway.link.quarantine import Quarantine
 from mlxgw.gateway.link.worker_conn import ConnState, WorkerConn, WorkerEvent, WorkerIdle, WorkerLost
-from mlxgw.shared import protocol as p
 from mlxgw.shared.errors import ErrorCode, ServiceError
+from mlxgw.shared.events import Error
 
-log = logging.getLogger("mlxgw.broker")
+log = logging.getLogger(__name__)
 
 # How long the frames a drained worker sent before exiting are waited for (they are already
 # on this host; only a busy event loop delays reading them).
@@ -153,7 +153,7 @@ class WorkerRegistry:
         if rids:
             log.warning("worker %s for %s: %s; ending %d requests", conn.worker_id, conn.model, why, len(rids))
         for stream in conn.streams.values():
-            stream.push(p.Error(err))
+            stream.push(Error(err))
         conn.streams.clear()
         if rids:
             self.events.put_nowait(WorkerIdle(conn))
@@ -231,7 +231,7 @@ class WorkerRegistry:
             # a crash of a local process: its exit code decides whether these were to blame
             self._exited_fps.setdefault(conn.worker_id, []).extend(fps)
         for stream in conn.streams.values():
-            stream.push(p.Error(not_taken if graceful and not stream.heard else err))
+            stream.push(Error(not_taken if graceful and not stream.heard else err))
         conn.streams.clear()
         self._fail_calls(conn, err)
         conn.state = ConnState.LOST

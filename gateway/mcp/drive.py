@@ -17,8 +17,8 @@ from mlxgw.gateway.pipeline import translate as t
 from mlxgw.gateway.pipeline.stream import Emitter, EmitterFactory
 from mlxgw.gateway.web.sse import SSEWriter
 from mlxgw.gateway.web.state import SETTINGS
-from mlxgw.shared import protocol as p
 from mlxgw.shared.errors import ErrorCode, ServiceError
+from mlxgw.shared.events import Delta, Finish
 
 
 @dataclass
@@ -92,7 +92,7 @@ class _Turn:
     mcp_calls: list[dict] = field(default_factory=list)
     client_calls: int = 0
     texts: list[str] = field(default_factory=list)
-    finish: p.Finish | None = None
+    finish: Finish | None = None
 
 
 class _McpStream:
@@ -154,7 +154,7 @@ class _McpStream:
             out.builder.gen = gen
         return out
 
-    async def _show(self, ev: p.Delta | p.Finish, turn: _Turn, offering: bool) -> None:
+    async def _show(self, ev: Delta | Finish, turn: _Turn, offering: bool) -> None:
         out = self.out
         if ev.reasoning:
             await out.reasoning(ev.reasoning)
@@ -169,5 +169,5 @@ class _McpStream:
             else:
                 turn.client_calls += 1
                 await out.tool_call(call)
-        if type(ev) is p.Finish:
+        if type(ev) is Finish:
             turn.finish = ev

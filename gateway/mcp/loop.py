@@ -24,8 +24,8 @@ from mlxgw.gateway.mcp import access
 from mlxgw.gateway.mcp.hub import MCP
 from mlxgw.gateway.mcp.server import McpServer, McpState
 from mlxgw.gateway.pipeline import translate as t
-from mlxgw.shared import protocol as p
 from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
+from mlxgw.shared.events import Usage
 
 
 @dataclass
@@ -123,7 +123,7 @@ class ToolLoop:
         self.deadline = time.monotonic() + self.cfg.total_timeout_s
         self.turns = 0
         self.calls: list[McpCall] = []
-        self.usage = p.Usage()
+        self.usage = Usage()
 
     @property
     def active(self) -> bool:
@@ -145,11 +145,11 @@ class ToolLoop:
     def is_mcp(self, call: dict) -> bool:
         return call["name"] in self.tools
 
-    def add_usage(self, u: p.Usage) -> p.Usage:
+    def add_usage(self, u: Usage) -> Usage:
         self.usage.prompt_tokens += u.prompt_tokens
         self.usage.completion_tokens += u.completion_tokens
         self.usage.cached_tokens += u.cached_tokens
-        return p.Usage(self.usage.prompt_tokens, self.usage.completion_tokens, self.usage.cached_tokens)
+        return Usage(self.usage.prompt_tokens, self.usage.completion_tokens, self.usage.cached_tokens)
 
     async def run(self, calls: list[dict]) -> list[McpCall]:
         """Run one turn's MCP calls in parallel, each bounded by its timeout and the time left."""

@@ -17,7 +17,7 @@ from mlxgw.shared.errors import redact_paths
 from mlxgw.shared.events import WireEnum
 from mlxgw.shared.mcp_config import McpServerConfig
 
-log = logging.getLogger("mlxgw.mcp")
+log = logging.getLogger(__name__)
 
 BACKOFF_FIRST_S = 1.0
 BACKOFF_MAX_S = 30.0

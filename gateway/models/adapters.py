@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from mlxgw.shared.config import AdapterEntry, ModelEntry
 from mlxgw.shared.errors import ServiceError
 
-log = logging.getLogger("mlxgw.adapters")
+log = logging.getLogger(__name__)
 
 
 def find(manager, requested: str) -> tuple[object, AdapterEntry] | None:

@@ -17,6 +17,7 @@ from mlxgw.gateway.models.manager import ModelManager, ModelSlot
 from mlxgw.gateway.models.metrics import GapHistogram
 from mlxgw.shared import protocol as p
 from mlxgw.shared.errors import ErrorCode, ServiceError
+from mlxgw.shared.events import Accepted, AnyEvent, Delta, Error, Finish, FinishReason, Progress, PromptLogprobs, Usage
 
 # Keep-alives during a model load commit the HTTP status (200) with the first byte, after
 # which a refusal (prompt too long, bad tool schema) can only be an error event. So they start
@@ -32,9 +33,9 @@ RATE_SAMPLE_MIN_TOKENS = 8  # a shorter answer says little about the decode rate
 @dataclass
 class Outcome:
     text: str
-    finish_reason: p.FinishReason
+    finish_reason: FinishReason
     stop: str | None
-    usage: p.Usage
+    usage: Usage
     reasoning: str = ""
     tool_calls: list[dict] = field(default_factory=list)
     logprobs: list[dict] = field(default_factory=list)  # per token, when the request asked
@@ -54,7 +55,7 @@ class BlankTextFilter:
         self.in_text = False  # text that is not blank has been sent since the last tool call
         self.any_calls = False
 
-    def filter(self, event: p.Delta | p.Finish) -> p.Delta | p.Finish:
+    def filter(self, event: Delta | Finish) -> Delta | Finish:
         calls = event.tool_calls
         if self.in_text and not calls:
             return event  # text after text (nothing is held then): the common case, unchanged
@@ -66,7 +67,7 @@ class BlankTextFilter:
                 self.held, text, self.in_text = "", self.held + text, True
         if calls:
             self.held, self.in_text, self.any_calls = "", False, True
-        elif type(event) is p.Finish and self.held and not self.any_calls:
+        elif type(event) is Finish and self.held and not self.any_calls:
             self.held, text = "", self.held + text
         if text == (event.text or ""):
             return event
@@ -77,16 +78,16 @@ class BlankTextFilter:
 DRAINING_RETRIES = 2
 
 
-def _refused_while_draining(event: p.AnyEvent) -> bool:
-    return type(event) is p.Error and event.error.code is ErrorCode.MODEL_UNAVAILABLE
+def _refused_while_draining(event: AnyEvent) -> bool:
+    return type(event) is Error and event.error.code is ErrorCode.MODEL_UNAVAILABLE
 
 
-def raise_for(event: p.AnyEvent) -> None:
+def raise_for(event: AnyEvent) -> None:
     """Turn a terminal error (or a cancellation) into the ServiceError the API renders."""
-    if type(event) is p.Error:
+    if type(event) is Error:
         # a copy: one lost worker's error event object ends all of its streams at once
         raise event.error.copy()
-    if type(event) is p.Finish and event.reason is p.FinishReason.CANCELLED:
+    if type(event) is Finish and event.reason is FinishReason.CANCELLED:
         raise ServiceError(ErrorCode.CANCELLED, "the request was cancelled")
 
 
@@ -111,13 +112,13 @@ class Generation:
         self.slot = slot
         self.req = req
         self.stream: RequestStream | None = None
-        self.accepted: p.Accepted | None = None
+        self.accepted: Accepted | None = None
         self.started = time.monotonic()
         self.first_token_at: float | None = None
         self.outcome: str | None = None  # finish reason, or error:CODE
         self.token_gaps = GapHistogram()  # seconds per token between deltas (inter-token latency)
         self._last_delta: tuple[float, int] | None = None
-        self.usage = p.Usage()
+        self.usage = Usage()
         # The prompt's logprob entries, when the request asked (Completions' echo + logprobs):
         # sent once, before the first output (shared/protocol.py PromptLogprobs).
         self.prompt_logprobs: list[dict] | None = None
@@ -146,7 +147,7 @@ class Generation:
                 self.stream = await self.broker.submit(conn, self.req, self.owner)
                 first = await self._next(None)
                 retry = tries_left > 0 and _refused_while_draining(first)
-                if type(first) is not p.Accepted and not retry:
+                if type(first) is not Accepted and not retry:
                     raise_for(first)
                     raise ServiceError(ErrorCode.INTERNAL, f"unexpected first event {first.KIND.value!r}")
             except BaseException as e:
@@ -193,7 +194,7 @@ class Generation:
         rate, old = (n - 1) / seconds, self.slot.decode_tokens_per_s
         self.slot.decode_tokens_per_s = rate if old is None else 0.7 * old + 0.3 * rate
 
-    async def _next(self, timeout: float | None) -> p.AnyEvent:
+    async def _next(self, timeout: float | None) -> AnyEvent:
         stream = self.stream
         if stream.ready():  # the hot path: a step's events are already here
             return stream.take()
@@ -219,32 +220,32 @@ class Generation:
             self.token_gaps.add(gap, n_total - before)
         self._last_delta = (now, n_total)
 
-    def _note(self, event: p.AnyEvent) -> type[p.AnyEvent]:
+    def _note(self, event: AnyEvent) -> type[AnyEvent]:
         """The bookkeeping of every event from the worker (token times, outcome, usage); its class."""
         kind = type(event)
-        if kind is p.Delta:
+        if kind is Delta:
             self._mark_tokens(event.n)
-        elif kind is p.PromptLogprobs:
+        elif kind is PromptLogprobs:
             self.prompt_logprobs = list(event.entries)
-        elif kind is p.Progress and self.first_token_at is None:
+        elif kind is Progress and self.first_token_at is None:
             # The worker's prefill bound scales with the prompt and its host's measured rate
             # (worker/prefill_plan.prefill_bound); this backstop only catches a silent worker.
             self._deadline = max(self._deadline, time.monotonic() + self._first_bound_s + DEADLINE_SLACK_S)
-        if (kind is p.Delta or kind is p.Progress) and event.cached is not None:
+        if (kind is Delta or kind is Progress) and event.cached is not None:
             # the first delta, or prefill progress: a stream cut before its finish still logs its cache hit
             self.usage.cached_tokens = event.cached
-        elif kind is p.Finish:
+        elif kind is Finish:
             self.outcome = event.reason.value
             self.time_limited = bool(event.time_limited)
             self.usage = event.usage or self.usage
             if self.first_token_at is None and event.text:
                 self.first_token_at = time.monotonic()
-        elif kind is p.Error:
+        elif kind is Error:
             self.outcome = f"error:{event.error.code.value}"
             self.usage = event.usage or self.usage
         return kind
 
-    async def events(self) -> AsyncIterator[p.AnyEvent | None]:
+    async def events(self) -> AsyncIterator[AnyEvent | None]:
         """Delta, progress, finish and error events; None when nothing came for keepalive_s.
         Ends after the terminal event."""
         while True:
@@ -255,10 +256,10 @@ class Generation:
                 continue
             kind = self._note(event)
             yield event
-            if kind is p.Finish or kind is p.Error:
+            if kind is Finish or kind is Error:
                 return
 
-    async def content(self, on_idle: Callable[[], Awaitable[None]] | None = None) -> AsyncIterator[p.Delta | p.Finish]:
+    async def content(self, on_idle: Callable[[], Awaitable[None]] | None = None) -> AsyncIterator[Delta | Finish]:
         """Delta and finish events only, whitespace between tool calls left out (see
         BlankTextFilter). on_idle runs on keep-alive ticks and prefill progress (streams send
         a comment or ping); an error or a cancellation raises ServiceError. (The loop of
@@ -270,25 +271,25 @@ class Generation:
             except asyncio.TimeoutError:
                 event = None
             kind = self._note(event) if event is not None else None
-            if kind is None or kind is p.Progress:
+            if kind is None or kind is Progress:
                 if on_idle is not None:
                     await on_idle()
                 continue
-            if kind is not p.Delta:
+            if kind is not Delta:
                 raise_for(event)  # an error raises; a cancellation too
-            if kind is p.Delta or kind is p.Finish:
+            if kind is Delta or kind is Finish:
                 index = event.index or 0
                 blank = blanks.get(index)
                 if blank is None:
                     blank = blanks[index] = BlankTextFilter()
                 yield blank.filter(event)
-            if kind is p.Finish:
+            if kind is Finish:
                 return
 
-    async def finish_event(self) -> p.Finish:
+    async def finish_event(self) -> Finish:
         """The terminal event of a request that streams nothing (embeddings, reranking)."""
         async for event in self.content():
-            if type(event) is p.Finish:
+            if type(event) is Finish:
                 return event
         raise ServiceError(ErrorCode.INTERNAL, "the request ended without a finish event")
 
@@ -301,11 +302,11 @@ class Generation:
             part["reasoning"].append(event.reasoning or "")
             part["calls"].extend(event.tool_calls or [])
             part["lp"].extend(event.logprobs or [])
-            if type(event) is p.Finish:
+            if type(event) is Finish:
                 return self._outcome(parts, event)
         raise ServiceError(ErrorCode.INTERNAL, "generation ended without a finish event")
 
-    def _outcome(self, parts: dict[int, dict], finish: p.Finish) -> Outcome:
+    def _outcome(self, parts: dict[int, dict], finish: Finish) -> Outcome:
         outcomes = []
         for end in finish.ends():
             part = parts.get(end["index"]) or {"text": [], "reasoning": [], "calls": [], "lp": []}

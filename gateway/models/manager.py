@@ -40,7 +40,7 @@ from mlxgw.gateway.models.supervisor import spawn_worker
 from mlxgw.shared.config import Registry
 from mlxgw.shared.errors import ErrorCode, ServiceError
 
-log = logging.getLogger("mlxgw.manager")
+log = logging.getLogger(__name__)
 
 
 class _Replaced(Exception):
@@ -167,14 +167,6 @@ class ModelManager(SlotRunner):
         for slot in self.slots.values():
             if slot.entry.preload:
                 self._ensure_started(slot)
-
-    async def wait_preloaded(self) -> None:
-        deadline = time.monotonic() + self.registry.manager.load_timeout_s
-        for slot in [s for s in self.slots.values() if s.entry.preload and not s.entry.remote_only]:
-            while slot.state in (SlotState.LOADING, SlotState.RESTARTING) and time.monotonic() < deadline:
-                await self.changed.wait(deadline - time.monotonic())
-            if slot.state is not SlotState.READY:  # reported in /health; the rest still serve
-                log.error("preloading %s failed: %s", slot.name, slot.last_error or "not ready in time")
 
     async def close(self) -> None:
         self.closing = True

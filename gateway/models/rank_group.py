@@ -24,7 +24,7 @@ from pathlib import Path
 from mlxgw.shared.config import ModelEntry
 from mlxgw.shared.platform import worker_environment
 
-log = logging.getLogger("mlxgw.supervisor")
+log = logging.getLogger(__name__)
 
 PEER_LOST_GRACE_S = 5.0  # rank 0's time to end its requests after a peer died
 FOLLOWERS_EXIT_S = 10.0  # the other ranks' time to exit after rank 0 did

@@ -38,7 +38,7 @@ def request_may_have_caused(code: int | None) -> bool:
     return True
 
 
-log = logging.getLogger("mlxgw.manager")
+log = logging.getLogger(__name__)
 
 STOP_GRACE_S = 30.0
 FAILED_RETRY_MAX_S = 3600.0

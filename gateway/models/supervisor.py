@@ -13,7 +13,7 @@ from mlxgw.gateway.models.rank_group import RankGroup, spawn_group, worker_comma
 from mlxgw.shared.config import ModelEntry
 from mlxgw.shared.platform import worker_environment
 
-log = logging.getLogger("mlxgw.supervisor")
+log = logging.getLogger(__name__)
 
 
 @dataclass

@@ -47,7 +47,7 @@ def capabilities(slot, fim: FimFormat | None) -> list[str]:
     caps = ["completion", "tools"]
     caps += ["insert"] if fim is not None else []
     caps += ["vision"] if e.kind == ModelKind.VISION else []
-    caps += ["thinking"] if e.reasoning_parser else []
+    caps += ["thinking"] if e.chat.reasoning_parser else []
     return caps
 
 

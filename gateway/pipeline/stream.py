@@ -15,8 +15,8 @@ from aiohttp import web
 from mlxgw.gateway.models.generation import Generation
 from mlxgw.gateway.web.sse import SSEWriter
 from mlxgw.gateway.web.state import SETTINGS
-from mlxgw.shared import protocol as p
 from mlxgw.shared.errors import ErrorCode, ServiceError
+from mlxgw.shared.events import Finish
 
 
 class Emitter:
@@ -52,7 +52,7 @@ class Emitter:
     async def logprobs(self, entries: list[dict]) -> None:
         pass
 
-    async def finished(self, event: p.Finish) -> None:
+    async def finished(self, event: Finish) -> None:
         pass
 
     async def idle(self) -> None:
@@ -98,7 +98,7 @@ async def run_stream(
                     await out.tool_call(call)
                 if entries:
                     await out.logprobs(entries)
-                if type(ev) is p.Finish:
+                if type(ev) is Finish:
                     finished = True
                     await out.finished(ev)
             if not finished:

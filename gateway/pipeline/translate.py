@@ -144,8 +144,8 @@ async def build_request(request: web.Request, slot, parsed: ParsedRequest) -> p.
         messages = with_entry_preamble(entry, messages)
         messages, images = await collect_images(messages, image_limits(request, slot))
     template_kwargs = parsed.chat_template_kwargs
-    if entry.chat_template and not (template_kwargs or {}).get("chat_template"):
-        template_kwargs = {**(template_kwargs or {}), "chat_template": entry.chat_template}
+    if entry.chat.chat_template and not (template_kwargs or {}).get("chat_template"):
+        template_kwargs = {**(template_kwargs or {}), "chat_template": entry.chat.chat_template}
     return p.GenerateRequest(
         rid=request["rid"],
         messages=messages,
@@ -177,13 +177,13 @@ async def build_request(request: web.Request, slot, parsed: ParsedRequest) -> p.
 def with_entry_preamble(entry, messages: list[dict]) -> list[dict]:
     """The entry's Modelfile turns (MESSAGE) after the request's leading system turns, and its
     SYSTEM first when the request brings no system turn of its own."""
-    if not entry.system and not entry.messages:
+    if not entry.chat.system and not entry.chat.messages:
         return messages
     lead = 0
     while lead < len(messages) and messages[lead].get("role") in ("system", "developer"):
         lead += 1
-    head = [{"role": "system", "content": entry.system}] if entry.system and lead == 0 else []
-    preset = [{"role": m.role, "content": m.content} for m in entry.messages]
+    head = [{"role": "system", "content": entry.chat.system}] if entry.chat.system and lead == 0 else []
+    preset = [{"role": m.role, "content": m.content} for m in entry.chat.messages]
     return head + messages[:lead] + preset + messages[lead:]
 
 

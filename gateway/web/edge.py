@@ -30,7 +30,7 @@ from aiohttp.web_protocol import RequestHandler
 from mlxgw.gateway.web.errors import error_response, family_of
 from mlxgw.shared.errors import ErrorCode, ServiceError
 
-log = logging.getLogger("mlxgw.edge")
+log = logging.getLogger(__name__)
 
 # Descriptors kept free: workers' sockets, logs and model files (~128), and the accepts in
 # flight: asyncio accepts up to 128 sockets per loop turn, and a socket evicted to make room

@@ -14,7 +14,7 @@ import re
 import time
 from dataclasses import dataclass, field
 
-log = logging.getLogger("mlxgw.gateway")
+log = logging.getLogger(__name__)
 
 BURST = 10
 WINDOW_S = 10.0

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import dataclasses
+import functools
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
+
+from mlxgw.shared.gateway_config import GatewayConfig
 
 if TYPE_CHECKING:  # the keys are typed for checkers; at run time state sits below both
     from mlxgw.gateway.link.broker import Broker
@@ -22,24 +26,27 @@ class ImageLimits:
 
 
 @dataclass
-class GatewaySettings:
-    request_timeout_s: float = 300.0  # generation, from the first token
-    prefill_timeout_s: float = 900.0  # queue + prompt processing, until the first token
-    write_timeout_s: float = 30.0
-    keepalive_s: float = 5.0
-    max_body_bytes: int = 10 * 1024 * 1024
-    max_tokens_cap: int | None = None  # server-wide ceiling on max_tokens
-    max_tokens_default: int | None = None  # when neither the request nor the model sets one
-    max_connections: int = 1024  # connections and concurrent requests; past it 429 (health/control exempt)
-    header_timeout_s: float = 10.0  # a request head must be complete this long after its first byte
-    idle_timeout_s: float = 30.0  # a connection with no request in progress is closed after this
-    body_timeout_s: float = 60.0  # a request body must be complete this long after its head
+class GatewaySettings(GatewayConfig):
+    """The gateway: section with `mlxgw up`'s flags applied (every field declared once, in
+    shared/gateway_config.py), plus what only a running gateway has: the keys file and the
+    metrics token (flags and environment only), and timings no one has needed to set."""
+
+    write_timeout_s: float = 30.0  # an SSE write blocked this long ends the stream
+    keepalive_s: float = 5.0  # SSE keep-alive comments while a request waits
     keys_path: Path | None = None  # None: no authentication (fine on 127.0.0.1)
     metrics_token: str | None = None  # bearer token for /metrics; None: open
-    log_format: str = "text"  # or "json": one access-log line per request
-    log_prompts: bool = False
-    cors_origins: tuple[str, ...] = ()
-    images: ImageLimits = field(default_factory=ImageLimits)  # vision inputs: sizes, count, URL fetching
+
+    @classmethod
+    def from_config(cls, config: GatewayConfig, **runtime: Any) -> GatewaySettings:
+        values = {f.name: getattr(config, f.name) for f in dataclasses.fields(GatewayConfig)}
+        return cls(**values, **runtime)
+
+    @functools.cached_property
+    def images(self) -> ImageLimits:
+        """Vision inputs: sizes, count, URL fetching (built once, read per request)."""
+        return ImageLimits(
+            max_bytes=int(self.max_image_mb * (1 << 20)), max_images=self.max_images, allow_urls=self.allow_image_urls
+        )
 
 
 BROKER: web.AppKey[Broker] = web.AppKey("broker")

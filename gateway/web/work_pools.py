@@ -31,7 +31,7 @@ from typing import Any
 
 from mlxgw.shared.errors import ErrorCode, ServiceError
 
-log = logging.getLogger("mlxgw.work")
+log = logging.getLogger(__name__)
 
 
 class BoundedPool:

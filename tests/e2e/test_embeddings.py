@@ -221,6 +221,7 @@ def test_64_concurrent_requests_share_forward_passes(gw):
 def test_scheduler_batches_within_the_budgets_and_sorts_by_length(minilm_dir):
     """In-process: the batching policy over the real encoder (its passes are recorded)."""
     from mlxgw.shared import protocol as p
+    from mlxgw.shared.events import EventKind
     from mlxgw.worker.model.encoder.encoder import TextEncoder
     from mlxgw.worker.schedule.embeddings import EmbedScheduler
 
@@ -236,7 +237,7 @@ def test_scheduler_batches_within_the_budgets_and_sorts_by_length(minilm_dir):
     sched = EmbedScheduler(encoder, max_batch_size=8, max_batch_tokens=600, max_queue=100)
     for i in range(10):
         ((rid, ev),) = sched.submit(p.EmbedRequest(rid=f"r{i}", inputs=[TEXTS[i % 3], TEXTS[2]]))
-        assert ev.KIND == p.EV_ACCEPTED
+        assert ev.KIND == EventKind.ACCEPTED
     sched.submit(p.EmbedRequest(rid="long", inputs=["word " * 200]))
     finished = {}
     while sched.has_work():
@@ -245,7 +246,7 @@ def test_scheduler_batches_within_the_budgets_and_sorts_by_length(minilm_dir):
             finished[rid] = ev
         step_inputs = sum(len(x) for x in passes[before:])
         assert step_inputs <= 8  # max_batch_size per step
-    assert len(finished) == 11 and all(ev.KIND == p.EV_FINISH for ev in finished.values())
+    assert len(finished) == 11 and all(ev.KIND == EventKind.FINISH for ev in finished.values())
     assert sum(len(x) for x in passes) == 21
     assert len(passes) <= 12  # 21 inputs; passes group equal lengths; the long one runs alone
     assert [202] in passes  # the 202-token input does not pad 7 short ones to its length

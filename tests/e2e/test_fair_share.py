@@ -15,6 +15,7 @@ from helpers import NO_EOS, http, start_gateway
 
 from mlxgw.gateway.access.keys import hash_key
 from mlxgw.shared import protocol as p
+from mlxgw.shared.events import EventKind
 from mlxgw.worker.model.null_runner import NullRunner
 from mlxgw.worker.schedule.fair_share import FairQueue
 from mlxgw.worker.schedule.scheduler import Scheduler
@@ -34,11 +35,11 @@ def _run(sched: Scheduler, limit: int = 10_000) -> tuple[dict[str, str], dict[st
 
 def _collect(events, texts: dict, ends: dict, first: list) -> None:
     for rid, ev in events:
-        if ev.KIND in (p.EV_DELTA, p.EV_FINISH):
+        if ev.KIND in (EventKind.DELTA, EventKind.FINISH):
             if ev.text and rid not in first:
                 first.append(rid)
             texts[rid] = texts.get(rid, "") + (ev.text or "")
-        if ev.KIND in (p.EV_FINISH, p.EV_ERROR):
+        if ev.KIND in (EventKind.FINISH, EventKind.ERROR):
             assert rid not in ends, f"{rid} ended twice"
             ends[rid] = ev
 
@@ -74,7 +75,7 @@ def test_a_late_key_preempts_a_flooding_key_and_nothing_is_lost_or_repeated():
     assert first.index("b0") < min(first.index(f"a{i}") for i in range(4, 8))
     expected = _alone(_req("x", "A"))
     for rid in [f"a{i}" for i in range(8)] + ["b0"]:
-        assert ends[rid].KIND == p.EV_FINISH and ends[rid].usage.completion_tokens == 40, rid
+        assert ends[rid].KIND == EventKind.FINISH and ends[rid].usage.completion_tokens == 40, rid
         assert texts[rid] == expected, f"{rid}: the paused row's output must continue exactly"
 
 
@@ -208,7 +209,7 @@ def _prefill_race(runner, fair: bool) -> list[str]:
         if all(rid in ends for rid in ("a0", "a1", "a2", "a3", "b-long")):
             break
     for rid in ("a0", "a1", "a2", "a3", "b-long"):
-        assert ends[rid].KIND == p.EV_FINISH and ends[rid].usage.completion_tokens == 1, rid
+        assert ends[rid].KIND == EventKind.FINISH and ends[rid].usage.completion_tokens == 1, rid
     for i in range(3):
         sched.cancel(f"b-chat{i}")  # frees their rows in the runner for the next race
     assert not sched.has_work()

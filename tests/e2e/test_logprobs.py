@@ -235,6 +235,7 @@ def test_prompt_scoring_takes_one_chunk_per_step_while_other_rows_decode(tiny_di
     decoding gets its token in every one of those steps, and the scoring pass's KV serves
     the request's prefill (the prompt is computed once)."""
     from mlxgw.shared import protocol as p
+    from mlxgw.shared.events import EventKind
     from mlxgw.worker.model.prompt_logprobs import CHUNK_TOKENS
     from mlxgw.worker.process.build_mlx import build_mlx_runner
     from mlxgw.worker.schedule.scheduler import Scheduler
@@ -255,7 +256,7 @@ def test_prompt_scoring_takes_one_chunk_per_step_while_other_rows_decode(tiny_di
         events = sched.step()
         steps += 1
         assert any(rid == "decoding" and ev.KIND == "delta" for rid, ev in events), steps
-        entries = next((ev.entries for rid, ev in events if ev.KIND == p.EV_PROMPT_LOGPROBS), None)
+        entries = next((ev.entries for rid, ev in events if ev.KIND == EventKind.PROMPT_LOGPROBS), None)
     assert steps == -(-(len(prompt) - 1) // CHUNK_TOKENS)  # one chunk per step: 4 steps
     assert len(entries) == len(prompt) and entries[0]["logprob"] is None and entries[0]["top_logprobs"] is None
     assert all(len(e["top_logprobs"]) == 3 for e in entries[1:])

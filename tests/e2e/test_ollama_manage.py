@@ -22,7 +22,7 @@ from helpers.http import http
 
 from mlxgw.gateway.access.key_admin import create_key
 from mlxgw.gateway.pipeline.translate import with_entry_preamble
-from mlxgw.shared.config import ModelEntry, PresetMessage
+from mlxgw.shared.config import ChatConfig, ModelEntry, PresetMessage
 
 # Within Jinja's sandbox range limit (100,000), so the loops really run: 10^10 iterations.
 LOOPING_TEMPLATE = "{% for a in range(100000) %}{% for b in range(100000) %}x{% endfor %}{% endfor %}"
@@ -320,9 +320,8 @@ def test_changes_are_recorded_in_the_ledger(setup):
 
 
 def test_entry_preamble_order():
-    entry = ModelEntry(
-        name="m", system="be brief", messages=[PresetMessage("user", "q"), PresetMessage("assistant", "a")]
-    )
+    preset = [PresetMessage("user", "q"), PresetMessage("assistant", "a")]
+    entry = ModelEntry(name="m", chat=ChatConfig(system="be brief", messages=preset))
     asked = [{"role": "user", "content": "hi"}]
     assert [m["content"] for m in with_entry_preamble(entry, asked)] == ["be brief", "q", "a", "hi"]
     own = [{"role": "system", "content": "mine"}, *asked]

@@ -146,6 +146,7 @@ def test_a_sequence_the_runner_refuses_at_admission_ends_alone():
     is admitted (as a vision tower refuses images); the other sequences run on."""
     from mlxgw.shared import protocol as p
     from mlxgw.shared.errors import invalid
+    from mlxgw.shared.events import EventKind
     from mlxgw.worker.model.null_runner import NullRunner
     from mlxgw.worker.schedule.scheduler import Scheduler
 
@@ -158,11 +159,11 @@ def test_a_sequence_the_runner_refuses_at_admission_ends_alone():
     sched = Scheduler(RefusingRunner(), max_num_seqs=4, max_queue=8)
     for rid, text in (("a", "fine words"), ("b", "refuse"), ("c", "more fine words")):
         ((_, ev),) = sched.submit(p.GenerateRequest(rid=rid, prompt=text, max_tokens=3))
-        assert ev.KIND == p.EV_ACCEPTED
+        assert ev.KIND == EventKind.ACCEPTED
     ends = {}
     while sched.has_work():
         for rid, ev in sched.step():
-            if ev.KIND in (p.EV_FINISH, p.EV_ERROR):
+            if ev.KIND in (EventKind.FINISH, EventKind.ERROR):
                 ends[rid] = ev
-    assert ends["b"].KIND == p.EV_ERROR and ends["b"].error.code == "invalid_request"
-    assert ends["a"].KIND == ends["c"].KIND == p.EV_FINISH and ends["a"].usage.completion_tokens == 3
+    assert ends["b"].KIND == EventKind.ERROR and ends["b"].error.code == "invalid_request"
+    assert ends["a"].KIND == ends["c"].KIND == EventKind.FINISH and ends["a"].usage.completion_tokens == 3

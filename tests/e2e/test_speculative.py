@@ -12,6 +12,7 @@ from mlx_lm.models.cache import BatchKVCache
 
 from mlxgw.shared import protocol as p
 from mlxgw.shared.config import ConfigError, SpeculativeConfig, parse_registry
+from mlxgw.shared.events import EventKind
 from mlxgw.shared.protocol import SamplingParams
 from mlxgw.worker.model.runner import MLXRunner
 from mlxgw.worker.model.speculation.spec_verify import rollback_rows
@@ -112,11 +113,11 @@ def _text_until_finish(runner: MLXRunner, req: p.GenerateRequest) -> tuple[str, 
     text = ""
     while True:
         for _, ev in events:
-            if ev.KIND in (p.EV_DELTA, p.EV_FINISH):
+            if ev.KIND in (EventKind.DELTA, EventKind.FINISH):
                 text += ev.text or ""
-            if ev.KIND == p.EV_FINISH:
+            if ev.KIND == EventKind.FINISH:
                 return text, ev
-            assert ev.KIND != p.EV_ERROR, ev
+            assert ev.KIND != EventKind.ERROR, ev
         events = sched.step()
 
 

@@ -3,13 +3,18 @@ and range checks that name the file, the model and the field."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
+import click
 import pytest
 import yaml
 
-from mlxgw.gateway.cli import gateway_config, gateway_settings
+from mlxgw.gateway.cli import up
+from mlxgw.gateway.config_flags import with_flags
+from mlxgw.gateway.web.state import GatewaySettings
 from mlxgw.shared.config import ConfigError, load_registry, parse_registry
+from mlxgw.shared.gateway_config import GatewayConfig
 from mlxgw.shared.resources import default_config
 
 
@@ -63,7 +68,7 @@ def test_policy_fields_accept_only_their_listed_values():
 
 
 def test_old_seconds_spellings_are_accepted_with_a_deprecation_note(caplog):
-    with caplog.at_level(logging.WARNING, "mlxgw.config"):
+    with caplog.at_level(logging.WARNING, "mlxgw.shared"):
         reg = parse_registry(
             {
                 "manager": {"wait_timeout_seconds": 7, "request_timeout_seconds": 9, "max_body_bytes": 1000},
@@ -98,18 +103,109 @@ def test_the_gateway_section_sets_the_http_settings_and_flags_override_it():
             }
         }
     )
-    gw = gateway_config(reg.gateway, {"port": 9100, "cors_origins": "http://b, http://c", "timeout": None})
+    flags = up.make_context("up", ["--port", "9100", "--cors-origins", "http://b, http://c"]).params
+    gw = with_flags(reg.gateway, flags)
     assert (gw.host, gw.port, gw.cors_origins) == ("127.0.0.2", 9100, ["http://b", "http://c"])
-    settings = gateway_settings(gw)
+    settings = GatewaySettings.from_config(gw)
     assert settings.request_timeout_s == 50 and settings.max_body_bytes == 2048 and settings.max_connections == 10
     assert settings.max_tokens_cap == 100 and settings.max_tokens_default == 20 and settings.log_format == "json"
     assert settings.images.max_bytes == 2 << 20 and settings.images.allow_urls is True
 
 
+def test_every_flagged_gateway_field_is_an_up_flag_with_help_that_names_its_key():
+    options = {p.name: p for p in up.params}
+    flagged = [f for f in dataclasses.fields(GatewayConfig) if f.metadata["flag"]]
+    assert len(flagged) == 15  # the flags `mlxgw up` had before they were generated
+    for f in flagged:
+        option = options[f.name]
+        assert f.metadata["flag"] in option.opts and f"[gateway.{f.name}" in option.help
+    assert all(p.help for p in up.params if isinstance(p, click.Option))
+
+
+@pytest.mark.parametrize(
+    ("args", "field", "value"),
+    [
+        (["--host", "0.0.0.0"], "host", "0.0.0.0"),
+        (["--timeout", "12"], "request_timeout_s", 12.0),
+        (["--prefill-timeout", "34"], "prefill_timeout_s", 34.0),
+        (["--log-format", "json"], "log_format", "json"),
+        (["--no-log-prompts"], "log_prompts", False),
+        (["--log-prompts"], "log_prompts", True),
+        (["--max-tokens-cap", "64"], "max_tokens_cap", 64),
+        (["--max-connections", "3"], "max_connections", 3),
+        (["--header-timeout", "0.5"], "header_timeout_s", 0.5),
+        (["--allow-image-urls"], "allow_image_urls", True),
+        (["--max-image-mb", "1.5"], "max_image_mb", 1.5),
+    ],
+)
+def test_each_up_flag_overrides_its_gateway_key(args, field, value):
+    base = parse_registry({"gateway": {"log_prompts": True, "host": "127.0.0.3"}}).gateway
+    gw = with_flags(base, up.make_context("up", args).params)
+    assert getattr(gw, field) == value
+    assert with_flags(base, up.make_context("up", []).params) == base  # no flag: the file's values
+
+
+def test_up_flags_refuse_values_outside_their_range():
+    for args in (["--max-connections", "0"], ["--idle-timeout", "0"], ["--log-format", "xml"]):
+        with pytest.raises(click.BadParameter):
+            up.make_context("up", args)
+
+
+def test_runtime_settings_extend_the_gateway_section_without_restating_it():
+    declared = {f.name for f in dataclasses.fields(GatewayConfig)}
+    runtime = {f.name for f in dataclasses.fields(GatewaySettings)} - declared
+    assert runtime == {"write_timeout_s", "keepalive_s", "keys_path", "metrics_token"}
+    assert GatewaySettings().request_timeout_s == GatewayConfig().request_timeout_s
+
+
 def test_the_shipped_configs_load_without_deprecation_notes(caplog):
     from mlxgw.shared.resources import shipped_file
 
-    with caplog.at_level(logging.WARNING, "mlxgw.config"):
+    with caplog.at_level(logging.WARNING, "mlxgw.shared"):
         load_registry(default_config())
         load_registry(shipped_file("config", "models.example.yaml"))
+        assert load_registry(shipped_file("config", "agents.yaml")).models[0].chat.tool_name_guard
     assert "deprecated" not in caplog.text
+
+
+def test_model_sections_take_the_flat_keys_from_before_them():
+    flat = {"name": "m", "kv_bits": 8, "cache_memory_mb": 64, "prefix_cache_disk_mb": 0, "tool_parser": "hermes"}
+    nested = {
+        "name": "m",
+        "cache": {"kv_bits": 8, "prefix_memory_mb": 64, "prefix_disk_mb": 0},
+        "chat": {"tool_parser": "hermes"},
+    }
+    old, new = (parse_registry({"models": [raw]}).models[0] for raw in (flat, nested))
+    assert old == new and new.cache.kv_bits == 8 and new.cache.prefix_memory_mb == 64 and new.cache.prefix_disk_mb == 0
+    assert parse_registry({"models": [{"name": "e", "kind": "embedding", "truncate": True}]}).models[0].encoder.truncate
+
+
+def test_a_field_set_flat_and_in_its_section_is_an_error():
+    with pytest.raises(ConfigError, match="kv_bits"):
+        parse_registry({"models": [{"name": "m", "kv_bits": 8, "cache": {"kv_bits": 4}}]})
+
+
+@pytest.mark.parametrize(
+    ("raw", "field"),
+    [
+        ({"cache": {"kv_bits": 5}}, "kv_bits"),
+        ({"kv_bits": 5}, "kv_bits"),
+        ({"cache_memory_mb": 0}, "prefix_memory_mb"),
+        ({"encoder": {"max_batch_tokens": 100}}, "max_batch_tokens"),
+        ({"chat": {"tool_parsr": "x"}}, "tool_parsr"),
+    ],
+)
+def test_a_bad_section_field_is_refused_naming_the_model_and_the_field(raw, field):
+    with pytest.raises(ConfigError) as info:
+        parse_registry({"models": [{"name": "m1", **raw}]})
+    assert "(m1)" in str(info.value) and repr(field) in str(info.value)
+
+
+def test_an_entry_reaches_its_worker_whole():
+    from dataclasses import asdict
+
+    from mlxgw.shared.config import ModelEntry
+    from mlxgw.shared.schema import from_mapping
+
+    entry = parse_registry({"models": [{"name": "m", "kv_bits": 4, "chat": {"system": "be brief"}}]}).models[0]
+    assert from_mapping(ModelEntry, asdict(entry), "worker m") == entry  # gateway/models/rank_group.py's --entry

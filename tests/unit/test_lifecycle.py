@@ -18,6 +18,7 @@ from mlxgw.gateway.models.manager import ModelManager
 from mlxgw.shared import protocol as p
 from mlxgw.shared.config import parse_registry
 from mlxgw.shared.errors import ErrorCode, ServiceError
+from mlxgw.shared.events import Delta, EventKind, Finish, FinishReason, Usage
 
 PIDS = itertools.count(900000)
 
@@ -252,7 +253,7 @@ async def test_a_busy_model_is_not_evicted_and_the_load_waits_for_it(world):
     loading = asyncio.create_task(manager.acquire(b))
     await asyncio.sleep(0.1)
     assert not loading.done() and a.state is SlotState.READY
-    broker._on_events(conn, [[stream.rid, {"e": p.EV_FINISH, "reason": "stop"}]])
+    broker._on_events(conn, [[stream.rid, {"e": EventKind.FINISH, "reason": "stop"}]])
     await loading
     assert a.state is SlotState.UNLOADED and spawner.most_alive_total == 1
 
@@ -280,7 +281,7 @@ async def test_requests_for_two_models_that_do_not_fit_together_load_each_at_mos
         conn = await manager.acquire(slot)
         stream = await broker.submit(conn, p.GenerateRequest(rid=f"{slot.name}{i}", prompt="hi"))
         await asyncio.sleep(0.02)  # generating
-        broker._on_events(conn, [[stream.rid, {"e": p.EV_FINISH, "reason": "stop"}]])
+        broker._on_events(conn, [[stream.rid, {"e": EventKind.FINISH, "reason": "stop"}]])
 
     await asyncio.wait_for(asyncio.gather(*(ask(s, i) for i in range(3) for s in (a, b))), 10)
     assert len(spawner.spawned) <= 6, [q.model for q in spawner.spawned]
@@ -367,7 +368,7 @@ async def test_two_requests_with_the_same_client_id_are_routed_apart(world):
     first = await broker.submit(conn, p.GenerateRequest(rid="same", prompt="one"), owner="alice")
     second = await broker.submit(conn, p.GenerateRequest(rid="same", prompt="two"), owner="bob")
     assert first.rid != second.rid and conn.load == 2
-    broker._on_events(conn, [[second.rid, {"e": p.EV_FINISH, "reason": "stop", "text": "2"}]])
+    broker._on_events(conn, [[second.rid, {"e": EventKind.FINISH, "reason": "stop", "text": "2"}]])
     assert (await second.next(1)).text == "2" and not first.done
     assert broker.find_stream("same", lambda s: s.owner == "alice") is first
     assert broker.find_stream("same", lambda s: s.owner == "carol") is None
@@ -378,12 +379,12 @@ async def test_the_broker_hands_each_request_typed_events_and_drops_unknown_kind
     conn = await manager.acquire(manager.slots["a"])
     stream = await broker.submit(conn, p.GenerateRequest(rid="typed", prompt="hi"))
     dropped = broker.dropped_messages
-    delta, unknown = {"e": p.EV_DELTA, "text": "a", "n": 1}, {"e": "telepathy"}
-    finish = {"e": p.EV_FINISH, "reason": "length", "usage": {"completion_tokens": 1}}
+    delta, unknown = {"e": EventKind.DELTA, "text": "a", "n": 1}, {"e": "telepathy"}
+    finish = {"e": EventKind.FINISH, "reason": "length", "usage": {"completion_tokens": 1}}
     broker._on_events(conn, [[stream.rid, delta], [stream.rid, unknown], [stream.rid, finish]])
-    assert await stream.next(1) == p.Delta("a", 1)
+    assert await stream.next(1) == Delta("a", 1)
     end = await stream.next(1)
-    assert end == p.Finish(p.FinishReason.LENGTH, p.Usage(0, 1)) and stream.done and not stream.ready()
+    assert end == Finish(FinishReason.LENGTH, Usage(0, 1)) and stream.done and not stream.ready()
     assert broker.dropped_messages == dropped + 1
 
 

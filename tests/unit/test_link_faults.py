@@ -24,6 +24,7 @@ import zmq.asyncio
 from mlxgw.gateway.link.broker import Broker
 from mlxgw.shared import protocol as p
 from mlxgw.shared.errors import ErrorCode
+from mlxgw.shared.events import Accepted, Delta, Error, Finish, FinishReason, Usage
 
 HEARTBEAT_S = 0.1
 
@@ -101,22 +102,22 @@ async def _submit(broker: Broker, w: RawWorker):
     return stream, rid
 
 
-ACCEPTED = p.Accepted(prompt_tokens=1, max_tokens=8, queued=1).to_wire()
+ACCEPTED = Accepted(prompt_tokens=1, max_tokens=8, queued=1).to_wire()
 
 
 def _finish() -> dict:
-    return p.Finish(reason=p.FinishReason.STOP, usage=p.Usage(), text="").to_wire()
+    return Finish(reason=FinishReason.STOP, usage=Usage(), text="").to_wire()
 
 
 async def test_a_worker_back_under_a_new_socket_with_frames_lost_ends_its_streams_with_an_error(broker):
     old = await _worker(broker)
     stream, rid = await _submit(broker, old)
     await old.events(0, [rid, ACCEPTED])
-    assert type(await stream.next(5)) is p.Accepted
+    assert type(await stream.next(5)) is Accepted
     old.close()  # frame 1 (a delta) went down with this socket
     new = await _worker(broker, old.worker_id, seq=2)
     event = await stream.next(5)
-    assert type(event) is p.Error and event.error.code is ErrorCode.WORKER_LOST, event
+    assert type(event) is Error and event.error.code is ErrorCode.WORKER_LOST, event
     assert "lost part of this answer" in event.error.message
     assert (await new.recv(p.CANCEL))["rids"] == [rid]  # the worker stops generating for nobody
     assert broker.in_flight("m") == 0
@@ -127,11 +128,11 @@ async def test_a_worker_back_under_a_new_socket_with_nothing_lost_keeps_its_stre
     old = await _worker(broker)
     stream, rid = await _submit(broker, old)
     await old.events(0, [rid, ACCEPTED])
-    assert type(await stream.next(5)) is p.Accepted
+    assert type(await stream.next(5)) is Accepted
     old.close()
     new = await _worker(broker, old.worker_id, seq=1)
     await new.events(1, [rid, _finish()])
-    assert type(await stream.next(5)) is p.Finish
+    assert type(await stream.next(5)) is Finish
     assert broker.in_flight("m") == 0
     new.close()
 
@@ -140,10 +141,10 @@ async def test_a_gap_in_a_workers_event_frames_ends_the_streams_it_may_have_cut(
     w = await _worker(broker)
     stream, rid = await _submit(broker, w)
     await w.events(0, [rid, ACCEPTED])
-    await w.events(2, [rid, p.Delta(text="late", n=2).to_wire()])  # frame 1 never arrived
-    assert type(await stream.next(5)) is p.Accepted
+    await w.events(2, [rid, Delta(text="late", n=2).to_wire()])  # frame 1 never arrived
+    assert type(await stream.next(5)) is Accepted
     event = await stream.next(5)
-    assert type(event) is p.Error and event.error.code is ErrorCode.WORKER_LOST, event
+    assert type(event) is Error and event.error.code is ErrorCode.WORKER_LOST, event
     assert (await w.recv(p.CANCEL))["rids"] == [rid]
     assert broker.in_flight("m") == 0
     w.close()
@@ -158,7 +159,7 @@ async def test_a_request_a_draining_worker_left_unread_is_retryable_not_lost(bro
     stream, _ = await _submit(broker, w)  # it was routed there in the instant before
     await w.sock.send(p.encode(p.BYE))
     event = await stream.next(5)
-    assert type(event) is p.Error and event.error.code is ErrorCode.MODEL_UNAVAILABLE, event
+    assert type(event) is Error and event.error.code is ErrorCode.MODEL_UNAVAILABLE, event
     w.close()
 
 
@@ -168,9 +169,9 @@ async def test_a_request_a_draining_worker_took_in_still_ends_as_lost(broker):
     stream, rid = await _submit(broker, w)
     await w.events(0, [rid, ACCEPTED])
     await w.sock.send(p.encode(p.BYE))
-    assert type(await stream.next(5)) is p.Accepted
+    assert type(await stream.next(5)) is Accepted
     event = await stream.next(5)
-    assert type(event) is p.Error and event.error.code is ErrorCode.WORKER_LOST, event  # it may have run
+    assert type(event) is Error and event.error.code is ErrorCode.WORKER_LOST, event  # it may have run
     w.close()
 
 
@@ -178,7 +179,7 @@ async def test_a_worker_that_heartbeats_without_progress_loses_its_requests_past
     w = await _worker(broker)
     stream, _ = await _submit(broker, w)
     event = await stream.next(6)  # hang_timeout_s 1.5 s
-    assert type(event) is p.Error and "made no progress" in event.error.message, event
+    assert type(event) is Error and "made no progress" in event.error.message, event
     assert broker.in_flight("m") == 0
     w.close()
 
@@ -191,7 +192,7 @@ async def test_a_slow_worker_whose_progress_moves_keeps_its_requests(broker):
     with pytest.raises(TimeoutError):
         await stream.next(3)  # twice the hang bound
     await w.events(0, [rid, ACCEPTED])
-    assert type(await stream.next(5)) is p.Accepted
+    assert type(await stream.next(5)) is Accepted
     w.close()
 
 
@@ -214,8 +215,8 @@ async def test_a_drained_workers_last_frames_are_read_though_its_exit_is_seen_fi
     await w.events(0, [rid, ACCEPTED], [rid, _finish()])
     await w.sock.send(p.encode(p.BYE))
     broker.release_local(w.worker_id, "process exited with code 0", planned=True)
-    assert type(await stream.next(5)) is p.Accepted
-    assert type(await stream.next(5)) is p.Finish
+    assert type(await stream.next(5)) is Accepted
+    assert type(await stream.next(5)) is Finish
     assert broker.in_flight("m") == 0
     w.close()
 
@@ -235,5 +236,5 @@ async def test_a_worker_that_leaves_unasked_retries_the_requests_it_never_read(b
     stream, _ = await _submit(broker, w)
     await w.sock.send(p.encode(p.BYE))  # a remote worker's operator stopped it: it read nothing more
     event = await stream.next(5)
-    assert type(event) is p.Error and event.error.code is ErrorCode.MODEL_UNAVAILABLE, event
+    assert type(event) is Error and event.error.code is ErrorCode.MODEL_UNAVAILABLE, event
     w.close()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 
 from mlxgw.shared import protocol as p
+from mlxgw.shared.events import EventKind
 from mlxgw.worker.model.null_runner import EchoRunner
 from mlxgw.worker.schedule.intake import Preparing
 from mlxgw.worker.schedule.sequence import Phase, Sequence
@@ -41,7 +42,7 @@ def test_each_token_is_a_delta_and_the_end_of_sequence_token_is_not_part_of_the_
     assert deltas[0].cached == 3 and deltas[1].cached is None  # the first delta only
     event, ended = on_token(seq, EOS, "stop")
     assert ended and seq.phase is Phase.DONE
-    assert event.KIND == p.EV_FINISH and event.reason == "stop" and event.text == ""
+    assert event.KIND == EventKind.FINISH and event.reason == "stop" and event.text == ""
     assert event.usage.completion_tokens == 3 and seq.tokens == list(b"hi!")  # EOS not counted
 
 
@@ -88,7 +89,7 @@ def test_a_time_limit_after_tokens_finishes_with_them():
     seq = _sequence(stream_interval=100, timeout_s=5.0)
     _say(seq, "abc")
     event = on_deadline(seq, time.monotonic() + 10, tokens_per_s=None)
-    assert event.KIND == p.EV_FINISH and event.reason == "length" and event.time_limited is True
+    assert event.KIND == EventKind.FINISH and event.reason == "length" and event.time_limited is True
     assert event.text == "abc" and event.usage.completion_tokens == 3 and seq.phase is Phase.DONE
     assert finish_at_time_limit(_sequence()).text == ""  # nothing generated: nothing to send
 
@@ -98,7 +99,7 @@ def test_no_first_token_within_the_bound_is_a_timeout_unless_this_host_reads_slo
     later = seq.arrived + 2.0
     assert on_deadline(seq, later, tokens_per_s=0.5) is None  # its prompt needs longer here
     event = on_deadline(seq, later, tokens_per_s=None)
-    assert event.KIND == p.EV_ERROR and event.error.code == "timeout" and "no first token" in event.error.message
+    assert event.KIND == EventKind.ERROR and event.error.code == "timeout" and "no first token" in event.error.message
 
 
 def test_progress_is_reported_while_reading_the_prompt_and_not_for_a_resumed_row():

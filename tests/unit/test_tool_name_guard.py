@@ -175,7 +175,11 @@ def test_off_by_default_and_without_tools(text, smollm2_dir):
 
 
 def test_models_yaml_field_reaches_the_runner():
-    from mlxgw.shared.config import ModelEntry
+    from mlxgw.shared.config import parse_registry
 
-    assert ModelEntry(name="m").tool_name_guard is False
-    assert ModelEntry(name="m", tool_name_guard=True).tool_name_guard is True
+    def entry(**fields):
+        return parse_registry({"models": [{"name": "m", **fields}]}).models[0]
+
+    assert entry().chat.tool_name_guard is False
+    assert entry(chat={"tool_name_guard": True}).chat.tool_name_guard is True
+    assert entry(tool_name_guard=True).chat.tool_name_guard is True  # the flat key from before sections

@@ -36,7 +36,7 @@ from mlxgw.shared.errors import invalid
 from mlxgw.worker.model.adapter_experts import MultiLoRASwitchLinear, expert_dims, fits, route_block
 from mlxgw.worker.model.adapter_formats import read_pairs, weights_file
 
-log = logging.getLogger("mlxgw.worker.model.adapters")
+log = logging.getLogger(__name__)
 
 NO_ADAPTER = -1
 # An adapter row's prefix-cache tokens are shifted by its tag << TAG_SHIFT: token ids are far

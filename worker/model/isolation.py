@@ -14,7 +14,7 @@ import os
 
 from mlxgw.shared.errors import ErrorCode, ServiceError
 
-log = logging.getLogger("mlxgw.worker")
+log = logging.getLogger(__name__)
 
 
 class SequenceGuard:

@@ -20,7 +20,6 @@ import math
 
 import mlx.core as mx
 
-MAX_TOP_LOGPROBS = 20
 # OpenAI reports tokens a mask made impossible as -9999.0 (JSON has no -Infinity).
 IMPOSSIBLE = -9999.0
 

@@ -18,7 +18,7 @@ import os
 import time
 
 ENV = "MLXGW_STEP_TRACE"
-log = logging.getLogger("mlxgw.worker")
+log = logging.getLogger(__name__)
 
 
 class StepTrace:

@@ -25,7 +25,7 @@ from mlxgw.worker.model.cache.prefix_cache import PrefixCache
 from mlxgw.worker.model.runner import MLXRunner
 from mlxgw.worker.process.build_mlx import build_mlx_runner
 
-log = logging.getLogger("mlxgw.worker.process.distributed")
+log = logging.getLogger(__name__)
 
 BACKEND_HELP = {
     "ring": "the ring backend connects over TCP: check that every host:port in the hostfile is "
@@ -210,10 +210,10 @@ def runner_kwargs(entry: ModelEntry, cache_bytes: int) -> dict:
         "max_num_seqs": entry.max_num_seqs,
         "prefill_step_size": entry.prefill_step_size,
         "cache_bytes": cache_bytes,
-        "tool_parser": entry.tool_parser,
-        "reasoning_parser": entry.reasoning_parser,
-        "allow_request_chat_template": entry.allow_request_chat_template,
-        "tool_name_guard": entry.tool_name_guard,
+        "tool_parser": entry.chat.tool_parser,
+        "reasoning_parser": entry.chat.reasoning_parser,
+        "allow_request_chat_template": entry.chat.allow_request_chat_template,
+        "tool_name_guard": entry.chat.tool_name_guard,
         # Speculation pauses and resumes on measured step times, which differ between ranks:
         # ranks would take different steps and leave lockstep. Sharded models never speculate.
         "speculative": SpeculativeConfig(mode="off"),

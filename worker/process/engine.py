@@ -16,11 +16,12 @@ import psutil
 
 from mlxgw.shared import protocol as p
 from mlxgw.shared.errors import ErrorCode, ServiceError
+from mlxgw.shared.events import Error
 from mlxgw.worker.model.interfaces import ModelRunner, Scheduler
 from mlxgw.worker.process.link import WorkerLink
 from mlxgw.worker.schedule.preprocess import Preprocessor
 
-log = logging.getLogger("mlxgw.worker")
+log = logging.getLogger(__name__)
 
 STATS_INTERVAL_S = 0.5
 IDLE_POLL_MS = 50
@@ -91,7 +92,7 @@ class Engine:
             # trusted. End every request explicitly, then let the supervisor restart a clean worker.
             log.exception("engine step failed")
             err = ServiceError(ErrorCode.INTERNAL, f"the model worker failed: {e}")
-            self._send([(r["id"], p.Error(err)) for r in self.scheduler.requests()])
+            self._send([(r["id"], Error(err)) for r in self.scheduler.requests()])
             self.link.flush()  # the link gathers events until the next poll, which will not come
             raise
         self.steps += 1
@@ -129,13 +130,13 @@ class Engine:
                 raise ServiceError(ErrorCode.MODEL_UNAVAILABLE, "model worker is shutting down", retry_after=1.0)
             events = self.scheduler.submit(req)
         except ServiceError as e:
-            events = [(rid, p.Error(e))]
+            events = [(rid, Error(e))]
         except (KeyError, TypeError, ValueError) as e:
-            events = [(rid, p.Error(ServiceError(ErrorCode.INVALID_REQUEST, f"malformed request: {e}")))]
+            events = [(rid, Error(ServiceError(ErrorCode.INVALID_REQUEST, f"malformed request: {e}")))]
         except Exception as e:  # a bug on one request's intake must not take the worker down
             log.exception("submit failed for %s", rid)
             err = ServiceError(ErrorCode.INTERNAL, f"the worker could not start this request: {e}")
-            events = [(rid, p.Error(err))]
+            events = [(rid, Error(err))]
         self._send(events)
 
     def _call(self, msg: dict) -> None:

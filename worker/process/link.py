@@ -35,7 +35,7 @@ import zmq
 
 from mlxgw.shared import protocol as p
 
-log = logging.getLogger("mlxgw.worker.process.link")
+log = logging.getLogger(__name__)
 
 
 def _event_wire(event: object) -> dict:

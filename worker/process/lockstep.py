@@ -27,7 +27,7 @@ import numpy as np
 
 from mlxgw.shared.protocol import SamplingParams
 
-log = logging.getLogger("mlxgw.worker.process.lockstep")
+log = logging.getLogger(__name__)
 
 GATHER_INTERVAL_S = 1.0  # rank memory is gathered (and idle peers checked) this often
 

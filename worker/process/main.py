@@ -23,7 +23,7 @@ from mlxgw.worker.process.link import WorkerLink
 from mlxgw.worker.process.load_progress import LoadProgress
 from mlxgw.worker.schedule.preprocess import Preprocessor
 
-log = logging.getLogger("mlxgw.worker")
+log = logging.getLogger(__name__)
 
 # Default prefix-cache bound when the entry sets none: a share of RAM.
 DEFAULT_CACHE_SHARE = 0.10
@@ -38,7 +38,7 @@ def build_runner(entry: ModelEntry, model_path: Path):
         from mlxgw.worker.model.encoder.encoder import MlxEmbeddingsEncoder, TextEncoder
 
         encoder_cls = MlxEmbeddingsEncoder if entry.engine == "mlx-embeddings" else TextEncoder
-        encoder = encoder_cls(model_path, max_length=entry.context_length, truncate=entry.truncate)
+        encoder = encoder_cls(model_path, max_length=entry.context_length, truncate=entry.encoder.truncate)
         if encoder.cross_encoder != (entry.kind == ModelKind.RERANK):
             found = (
                 "a cross-encoder (set kind: rerank)"
@@ -63,9 +63,9 @@ def build_runner(entry: ModelEntry, model_path: Path):
             context_length=entry.context_length,
             max_num_seqs=entry.max_num_seqs,
             prefill_step_size=entry.prefill_step_size,
-            tool_parser=entry.tool_parser,
-            reasoning_parser=entry.reasoning_parser,
-            allow_request_chat_template=entry.allow_request_chat_template,
+            tool_parser=entry.chat.tool_parser,
+            reasoning_parser=entry.chat.reasoning_parser,
+            allow_request_chat_template=entry.chat.allow_request_chat_template,
         )
     if entry.engine == "null":
         from mlxgw.worker.model.null_runner import NullRunner
@@ -74,7 +74,7 @@ def build_runner(entry: ModelEntry, model_path: Path):
     if entry.engine == "echo":
         from mlxgw.worker.model.null_runner import EchoRunner
 
-        return EchoRunner(entry.context_length, entry.tool_parser, entry.reasoning_parser)
+        return EchoRunner(entry.context_length, entry.chat.tool_parser, entry.chat.reasoning_parser)
     from mlxgw.worker.model.cache.prefix_store import store_for
     from mlxgw.worker.process.build_mlx import build_mlx_runner
 
@@ -89,14 +89,14 @@ def build_runner(entry: ModelEntry, model_path: Path):
         max_num_seqs=entry.max_num_seqs,
         prefill_step_size=entry.prefill_step_size,
         cache_bytes=cache_bytes,
-        tool_parser=entry.tool_parser,
-        reasoning_parser=entry.reasoning_parser,
-        allow_request_chat_template=entry.allow_request_chat_template,
-        prefix_store=store_for(entry.name, model_path, entry.prefix_cache_disk_mb),
+        tool_parser=entry.chat.tool_parser,
+        reasoning_parser=entry.chat.reasoning_parser,
+        allow_request_chat_template=entry.chat.allow_request_chat_template,
+        prefix_store=store_for(entry.name, model_path, entry.cache.prefix_disk_mb),
         speculative=entry.speculative,
-        kv_bits=entry.kv_bits,
-        kv_group_size=entry.kv_group_size,
-        tool_name_guard=entry.tool_name_guard,
+        kv_bits=entry.cache.kv_bits,
+        kv_group_size=entry.cache.kv_group_size,
+        tool_name_guard=entry.chat.tool_name_guard,
         adapters={a.name: str(a.folder()) for a in entry.adapters},
         resident_adapters=entry.resident_adapters,
         fim=entry.fim,
@@ -113,8 +113,8 @@ def unservable(error: Exception) -> bool:
 
 
 def prefix_cache_bytes(entry: ModelEntry) -> int:
-    if entry.cache_memory_mb is not None:
-        return entry.cache_memory_mb * (1 << 20)
+    if entry.cache.prefix_memory_mb is not None:
+        return entry.cache.prefix_memory_mb * (1 << 20)
     return int(total_memory_bytes() * DEFAULT_CACHE_SHARE)
 
 
@@ -124,7 +124,8 @@ def resolve_max_num_seqs(entry: ModelEntry, model_path: Path) -> tuple[ModelEntr
         choice = choose_max_num_seqs(entry.max_num_seqs, Path("/nonexistent"), 0)
     else:
         ram = total_memory_bytes()
-        choice = choose_max_num_seqs(entry.max_num_seqs, model_path, ram, entry.kv_bits, entry.kv_group_size)
+        kv = entry.cache
+        choice = choose_max_num_seqs(entry.max_num_seqs, model_path, ram, kv.kv_bits, kv.kv_group_size)
     return dataclasses.replace(entry, max_num_seqs=choice.value), choice
 
 
@@ -143,8 +144,8 @@ def build_scheduler(
 
         return EmbedScheduler(
             runner,
-            max_batch_size=entry.max_batch_inputs,
-            max_batch_tokens=entry.max_batch_tokens,
+            max_batch_size=entry.encoder.max_batch_inputs,
+            max_batch_tokens=entry.encoder.max_batch_tokens,
             max_queue=entry.max_queue,
             preprocessor=preprocessor,
         )
@@ -185,7 +186,7 @@ def kv_budget_for(entry: ModelEntry, runner):
         return None
     if profile is None:
         return None
-    budget = KVBudget(profile, measure_budget(entry.kv_memory_mb, total_memory_bytes()))
+    budget = KVBudget(profile, measure_budget(entry.cache.kv_memory_mb, total_memory_bytes()))
     log.info("KV budget %d MiB (%s); %s", budget.budget_bytes >> 20, budget.measured.source, profile.as_dict())
     if budget.tokens_alone() < min(runner.context_length, SHORT_KV_BUDGET_TOKENS):
         log.warning(

@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
-log = logging.getLogger("mlxgw.worker.progress")
+log = logging.getLogger(__name__)
 
 GROUPS_PER_PASS = 8  # progress marks per forward pass (a 24-layer model: every 3 layers)
 MIN_TOKENS = 2  # a call reading fewer tokens than this is a decode step: not interrupted

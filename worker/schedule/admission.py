@@ -24,8 +24,8 @@ from __future__ import annotations
 import logging
 import time
 
-from mlxgw.shared import protocol as p
 from mlxgw.shared.errors import ServiceError
+from mlxgw.shared.events import Error
 from mlxgw.worker.model.interfaces import TextRunner
 from mlxgw.worker.model.isolation import as_service_error
 from mlxgw.worker.model.kv_budget import KVBudget
@@ -35,9 +35,9 @@ from mlxgw.worker.schedule.prefill_plan import PrefillBudget
 from mlxgw.worker.schedule.prefix_inflight import SharedPrefill
 from mlxgw.worker.schedule.sequence import Phase, Sequence
 
-log = logging.getLogger("mlxgw.worker")
+log = logging.getLogger(__name__)
 
-Refused = tuple[Sequence, p.Error]  # a sequence to end, with its error event
+Refused = tuple[Sequence, Error]  # a sequence to end, with its error event
 
 
 class Admission:
@@ -133,7 +133,7 @@ class Admission:
             except Exception as e:  # a vision model's images its tower cannot take, or any fault
                 if not isinstance(e, ServiceError):
                     log.error("admitting %s failed: %r", entry.rid, e, exc_info=e)
-                refused.append((seq, p.Error(as_service_error(e, "admitting it"))))
+                refused.append((seq, Error(as_service_error(e, "admitting it"))))
         for entry in deferred:
             self.waiting.push(entry)
         if self.kv is not None and not self.waiting:
@@ -185,7 +185,7 @@ class Admission:
             self.runner.remove([seq.uid])
         except Exception as e:  # the runner no longer holds it: end it rather than resume blind
             log.warning("pausing %s failed: %r", seq.req.rid, e)
-            return [(seq, p.Error(as_service_error(e, "pausing it")))]
+            return [(seq, Error(as_service_error(e, "pausing it")))]
         del self.running[seq.uid]
         self._bound_prefix_cache()
         seq.uid, seq.paused, seq.phase, seq.to_prefill = None, seq.paused + 1, Phase.QUEUED, 0

@@ -18,6 +18,17 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from mlxgw.shared import protocol as p
+from mlxgw.shared.events import (
+    TERMINAL_EVENTS,
+    Accepted,
+    AnyEvent,
+    Delta,
+    Error,
+    Finish,
+    Progress,
+    PromptLogprobs,
+    Usage,
+)
 
 MAX_CHOICES = 16
 SEP = "#"
@@ -32,7 +43,7 @@ class Group:
     failed: bool = False
     tokens: list[int] = field(default_factory=list)  # completion tokens per choice so far
     ends: dict[int, dict] = field(default_factory=dict)  # index -> {index, reason, stop}
-    usage: p.Usage = field(default_factory=p.Usage)
+    usage: Usage = field(default_factory=Usage)
 
 
 def choice_rid(rid: str, index: int) -> str:
@@ -86,7 +97,7 @@ class ChoiceGroups:
                 out.append((rid, ev))
                 continue
             group, index = member
-            if isinstance(ev, p.TERMINAL_EVENTS):
+            if isinstance(ev, TERMINAL_EVENTS):
                 self._ended(rid, group, index)
             if group.failed:
                 continue
@@ -99,38 +110,38 @@ class ChoiceGroups:
         if not group.pending:
             self.groups.pop(group.rid, None)
 
-    def _merge_one(self, group: Group, index: int, ev: p.AnyEvent, cancel: list[str]) -> list[p.Event]:
-        if isinstance(ev, p.Accepted):
+    def _merge_one(self, group: Group, index: int, ev: AnyEvent, cancel: list[str]) -> list[p.Event]:
+        if isinstance(ev, Accepted):
             if group.accepted:
                 return []
             group.accepted = True
             return [(group.rid, ev)]
-        if isinstance(ev, (p.Progress, p.PromptLogprobs)):
+        if isinstance(ev, (Progress, PromptLogprobs)):
             return [(group.rid, ev)] if index == 0 else []
-        if isinstance(ev, p.Error):
+        if isinstance(ev, Error):
             group.failed = True
             cancel += [choice_rid(group.rid, i) for i in sorted(group.pending)]
             return [(group.rid, ev)]
-        if isinstance(ev, p.Delta):
+        if isinstance(ev, Delta):
             group.tokens[index] = ev.n
             return [(group.rid, dataclasses.replace(ev, index=index, n=sum(group.tokens)))]
-        if isinstance(ev, p.Finish):
+        if isinstance(ev, Finish):
             return self._finish(group, index, ev)
         return []
 
-    def _finish(self, group: Group, index: int, ev: p.Finish) -> list[p.Event]:
+    def _finish(self, group: Group, index: int, ev: Finish) -> list[p.Event]:
         out: list[p.Event] = []
-        usage = ev.usage or p.Usage()
+        usage = ev.usage or Usage()
         group.tokens[index] = usage.completion_tokens
         if index == 0:
             group.usage.prompt_tokens, group.usage.cached_tokens = usage.prompt_tokens, usage.cached_tokens
         group.usage.completion_tokens += usage.completion_tokens
         last = {k: getattr(ev, k) for k in ("text", "reasoning", "tool_calls", "logprobs") if getattr(ev, k)}
         if last:
-            out.append((group.rid, p.Delta(n=sum(group.tokens), index=index, **{"text": "", **last})))
+            out.append((group.rid, Delta(n=sum(group.tokens), index=index, **{"text": "", **last})))
         group.ends[index] = {"index": index, "reason": ev.reason, "stop": ev.stop}
         if len(group.ends) == group.n:
             first = group.ends[0]
             ends = [group.ends[i] for i in range(group.n)]
-            out.append((group.rid, p.Finish(first["reason"], group.usage, text="", stop=first["stop"], choices=ends)))
+            out.append((group.rid, Finish(first["reason"], group.usage, text="", stop=first["stop"], choices=ends)))
         return out

@@ -18,7 +18,7 @@ import numpy as np
 
 from mlxgw.shared import protocol as p
 from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
-from mlxgw.shared.events import FinishReason, Phase
+from mlxgw.shared.events import Accepted, Error, Finish, FinishReason, Phase, Usage
 from mlxgw.worker.model.interfaces import EmbeddingRunner
 from mlxgw.worker.model.isolation import as_service_error
 from mlxgw.worker.schedule.jobs import JobTable
@@ -84,7 +84,7 @@ class EmbedScheduler(JobTable):
                     ErrorCode.OVERLOADED, f"model is at capacity ({self.waiting} requests waiting)", retry_after=1.0
                 )
         except ServiceError as e:
-            return [(req.rid, p.Error(e))]
+            return [(req.rid, Error(e))]
         self._intake[req.rid] = (req, time.monotonic())
         if self.preprocessor is None:
             try:
@@ -98,13 +98,13 @@ class EmbedScheduler(JobTable):
     def _on_tokenized(self, rid: str, inputs: list | None, error: BaseException | None) -> list[Event]:
         req, arrived = self._intake.pop(rid)
         if error is not None or inputs is None:
-            return [(rid, p.Error(as_service_error(error, "tokenizing its inputs")))]
+            return [(rid, Error(as_service_error(error, "tokenizing its inputs")))]
         job = Job(req, inputs, arrived, arrived + req.timeout_s if req.timeout_s else None)
         job.results = [None] * len(inputs)
         job.remaining = len(inputs)
         self._jobs[rid] = job
         self._pending.extend((rid, i) for i in range(len(inputs)))
-        return [(rid, p.Accepted(prompt_tokens=job.tokens, max_tokens=0, queued=self.waiting))]
+        return [(rid, Accepted(prompt_tokens=job.tokens, max_tokens=0, queued=self.waiting))]
 
     def poll_prepared(self) -> list[Event]:
         if self.preprocessor is None:
@@ -139,11 +139,11 @@ class EmbedScheduler(JobTable):
             if self.preprocessor is not None:
                 self.preprocessor.discard(rid)
             self.finished += 1
-            return [(rid, p.Finish(FinishReason.CANCELLED, p.Usage()))]
+            return [(rid, Finish(FinishReason.CANCELLED, Usage()))]
         job = self._jobs.get(rid)
         if job is None:
             return []
-        return [self._end(job, p.Finish(FinishReason.CANCELLED, self._usage(job)))]
+        return [self._end(job, Finish(FinishReason.CANCELLED, self._usage(job)))]
 
     # -- the step loop ---------------------------------------------------------------------
     def step(self) -> list[Event]:
@@ -212,17 +212,17 @@ class EmbedScheduler(JobTable):
         usage = self._usage(job)
         if job.req.query is None:
             vectors = b"".join(v.tobytes() for v in job.results)
-            return p.Finish(FinishReason.STOP, usage, vectors=vectors, dim=int(job.results[0].shape[0]))
+            return Finish(FinishReason.STOP, usage, vectors=vectors, dim=int(job.results[0].shape[0]))
         if self.encoder.cross_encoder:
-            return p.Finish(FinishReason.STOP, usage, scores=job.results)
+            return Finish(FinishReason.STOP, usage, scores=job.results)
         query, docs = job.results[0], np.stack(job.results[1:])
         norms = np.linalg.norm(docs, axis=1) * max(float(np.linalg.norm(query)), 1e-12)
         scores = [float(s) for s in (docs @ query) / np.maximum(norms, 1e-12)]
-        return p.Finish(FinishReason.STOP, usage, scores=scores)
+        return Finish(FinishReason.STOP, usage, scores=scores)
 
     @staticmethod
-    def _usage(job: Job) -> p.Usage:
-        return p.Usage(prompt_tokens=job.tokens)
+    def _usage(job: Job) -> Usage:
+        return Usage(prompt_tokens=job.tokens)
 
     # -- introspection ---------------------------------------------------------------------
     def counters(self) -> dict:

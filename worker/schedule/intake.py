@@ -15,6 +15,7 @@ import time
 
 from mlxgw.shared import protocol as p
 from mlxgw.shared.errors import ServiceError
+from mlxgw.shared.events import Error
 from mlxgw.worker.model.interfaces import TextRunner
 from mlxgw.worker.model.isolation import as_service_error
 from mlxgw.worker.model.kv_budget import KVBudget
@@ -22,7 +23,7 @@ from mlxgw.worker.schedule.preprocess import Preprocessor
 from mlxgw.worker.schedule.sequence import Intake, Prepared, Sequence, prepare
 from mlxgw.worker.text.textstream import TextStream
 
-log = logging.getLogger("mlxgw.worker")
+log = logging.getLogger(__name__)
 
 Ready = tuple[Intake, Prepared | None, BaseException | None]  # prepared, or what preparing raised
 
@@ -78,27 +79,27 @@ class Preparing:
     def listing(self, now: float) -> list[dict]:
         return [i.listing(now) for i in self._intake.values()]
 
-    def start(self, ready: Ready) -> Sequence | p.Error:
+    def start(self, ready: Ready) -> Sequence | Error:
         """The sequence of a prepared request, or the error event that ends it."""
         intake, prepared, error = ready
         req = intake.req
         if error is not None or prepared is None:
             if not isinstance(error, ServiceError):
                 log.error("preparing %s failed: %r", req.rid, error, exc_info=error)
-            return p.Error(as_service_error(error, "preparing its prompt"))
+            return Error(as_service_error(error, "preparing its prompt"))
         if self.kv is not None:
             try:
                 policy = req.max_tokens_policy or self.policy
                 prepared.max_tokens = self.kv.check_alone(len(prepared.prompt), prepared.max_tokens, policy)
             except ServiceError as e:
-                return p.Error(e)
+                return Error(e)
         try:
             seq = Sequence.start(intake, prepared, TextStream(self.runner.new_detokenizer(), req.stop))
         except Exception as e:
-            return p.Error(as_service_error(e, "starting its detokenizer"))
+            return Error(as_service_error(e, "starting its detokenizer"))
         if req.prompt_logprobs is not None:
             try:
                 seq.scorer = self.runner.prompt_scorer(seq.prompt, req.prompt_logprobs)
             except Exception as e:
-                return p.Error(as_service_error(e, "scoring its prompt"))
+                return Error(as_service_error(e, "scoring its prompt"))
         return seq

@@ -8,6 +8,7 @@ from typing import Any
 
 from mlxgw.shared import protocol as p
 from mlxgw.shared.errors import ErrorCode, ServiceError
+from mlxgw.shared.events import AnyEvent, Error
 
 
 class JobTable:
@@ -31,10 +32,10 @@ class JobTable:
         events = []
         for job in [j for j in self._jobs.values() if j.deadline and now >= j.deadline]:
             err = ServiceError(ErrorCode.TIMEOUT, f"request timed out after {job.req.timeout_s:g} s")
-            events.append(self._end(job, p.Error(err)))
+            events.append(self._end(job, Error(err)))
         return events
 
-    def _end(self, job, event: p.AnyEvent) -> p.Event:
+    def _end(self, job, event: AnyEvent) -> p.Event:
         self._jobs.pop(job.req.rid, None)
         self.finished += 1
         return (job.req.rid, event)

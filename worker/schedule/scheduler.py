@@ -27,7 +27,7 @@ import time
 
 from mlxgw.shared import protocol as p
 from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
-from mlxgw.shared.events import FinishReason
+from mlxgw.shared.events import Accepted, AnyEvent, Error, Finish, FinishReason, Usage
 from mlxgw.worker.model.interfaces import StepOutput, TextRunner
 from mlxgw.worker.model.isolation import as_service_error
 from mlxgw.worker.model.kv_budget import KVBudget
@@ -41,7 +41,7 @@ from mlxgw.worker.schedule.request_checks import check_choices, check_generate
 from mlxgw.worker.schedule.sequence import Phase, Sequence
 from mlxgw.worker.schedule.sequence_output import PromptScoring, on_deadline, on_progress, on_token
 
-log = logging.getLogger("mlxgw.worker")
+log = logging.getLogger(__name__)
 
 Event = p.Event
 
@@ -96,10 +96,10 @@ class Scheduler:
         try:
             check_choices(req, self.runner.supports_choices, self.runner.supports_prompt_logprobs)
         except ServiceError as e:
-            return [(req.rid, p.Error(e))]
+            return [(req.rid, Error(e))]
         if req.n > 1:
             if req.rid in self.choices.groups:
-                return [(req.rid, p.Error(invalid(f"duplicate request id {req.rid}")))]
+                return [(req.rid, Error(invalid(f"duplicate request id {req.rid}")))]
             events: list[Event] = []
             for choice in self.choices.expand(req):
                 events += self._submit_one(choice)
@@ -129,7 +129,7 @@ class Scheduler:
                 )
             req = check_generate(req, self.runner.vocab_size)
         except ServiceError as e:
-            return [(req.rid, p.Error(e))]
+            return [(req.rid, Error(e))]
         return self._queue_prepared(self._preparing.add(req))
 
     def _queue_prepared(self, ready: list[Ready]) -> list[Event]:
@@ -144,7 +144,7 @@ class Scheduler:
                 self._scoring.add(seq)
             self._seqs[rid] = seq
             self.admission.queue(seq)
-            accepted = p.Accepted(prompt_tokens=len(seq.prompt), max_tokens=seq.max_tokens, queued=self.waiting)
+            accepted = Accepted(prompt_tokens=len(seq.prompt), max_tokens=seq.max_tokens, queued=self.waiting)
             events.append((rid, accepted))
         return events
 
@@ -157,11 +157,11 @@ class Scheduler:
     def _cancel_one(self, rid: str) -> list[Event]:
         if self._preparing.cancel(rid):
             self.finished += 1
-            return [(rid, p.Finish(FinishReason.CANCELLED, p.Usage(), text=""))]
+            return [(rid, Finish(FinishReason.CANCELLED, Usage(), text=""))]
         seq = self._seqs.get(rid)
         if seq is None:
             return []
-        return [self._end(seq, p.Finish(FinishReason.CANCELLED, seq.usage(), text=""))]
+        return [self._end(seq, Finish(FinishReason.CANCELLED, seq.usage(), text=""))]
 
     # -- the step loop ---------------------------------------------------------------------
     def has_work(self) -> bool:
@@ -210,7 +210,7 @@ class Scheduler:
                 log.error("request %s failed on a token: %r", seq.req.rid, e, exc_info=e)
                 if seq.req.rid in self._seqs:
                     err = as_service_error(e, "decoding its output")
-                    events.append(self._end(seq, p.Error(err, seq.usage())))
+                    events.append(self._end(seq, Error(err, seq.usage())))
         return events
 
     def _on_token(self, seq: Sequence, token: int, finish: str | None, logprobs: dict | None) -> list[Event]:
@@ -228,7 +228,7 @@ class Scheduler:
         events = []
         for seq in [s for s in self.admission.running.values() if s.guard.error is not None]:
             err = as_service_error(seq.guard.error, "sampling")
-            events.append(self._end(seq, p.Error(err, seq.usage())))
+            events.append(self._end(seq, Error(err, seq.usage())))
         return events
 
     def _admit(self) -> list[Event]:
@@ -243,7 +243,7 @@ class Scheduler:
         seq, event, error = scored
         if error is not None:
             log.error("scoring the prompt of %s failed: %r", seq.req.rid, error, exc_info=error)
-            return [self._end(seq, p.Error(as_service_error(error, "scoring its prompt")))]
+            return [self._end(seq, Error(as_service_error(error, "scoring its prompt")))]
         return [(seq.req.rid, event)]
 
     def _expire(self, now: float) -> list[Event]:
@@ -254,7 +254,7 @@ class Scheduler:
                 events.append(self._end(seq, event))
         return events
 
-    def _end(self, seq: Sequence, event: p.AnyEvent, remove: bool = True) -> Event:
+    def _end(self, seq: Sequence, event: AnyEvent, remove: bool = True) -> Event:
         seq.phase = Phase.DONE
         self._seqs.pop(seq.req.rid, None)
         if seq.uid is not None:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from mlxgw.shared import protocol as p
 from mlxgw.shared.errors import ServiceError, invalid
-from mlxgw.shared.events import Phase  # re-exported: the worker's phases are the wire's
+from mlxgw.shared.events import Phase, Usage  # Phase re-exported: the worker's phases are the wire's
 from mlxgw.worker.model.isolation import SequenceGuard
 from mlxgw.worker.schedule.budget import ThinkingBudget, check_budget
 from mlxgw.worker.text.output_parser import OutputParser, Parsed
@@ -140,8 +140,8 @@ class Sequence:
             and self.paused < MAX_PAUSES
         )
 
-    def usage(self) -> p.Usage:
-        return p.Usage(len(self.prompt), self.generated, self.cached_tokens)
+    def usage(self) -> Usage:
+        return Usage(len(self.prompt), self.generated, self.cached_tokens)
 
     def listing(self, now: float) -> dict:
         """Its entry in /v1/status's request list."""

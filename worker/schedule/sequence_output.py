@@ -20,14 +20,13 @@ import logging
 import time
 from collections import deque
 
-from mlxgw.shared import protocol as p
 from mlxgw.shared.errors import ErrorCode, ServiceError
-from mlxgw.shared.events import FinishReason
+from mlxgw.shared.events import Delta, Error, Finish, FinishReason, Progress, PromptLogprobs
 from mlxgw.worker.schedule.prefill_plan import prefill_bound
 from mlxgw.worker.schedule.sequence import Phase, Sequence, prefill_timeout
 from mlxgw.worker.text.output_parser import Parsed
 
-log = logging.getLogger("mlxgw.worker")
+log = logging.getLogger(__name__)
 
 
 def parts(parsed: Parsed) -> dict:
@@ -37,7 +36,7 @@ def parts(parsed: Parsed) -> dict:
 
 def on_token(
     seq: Sequence, token: int, finish: str | None, logprobs: dict | None = None
-) -> tuple[p.Delta | p.Finish | None, bool]:
+) -> tuple[Delta | Finish | None, bool]:
     """(the event this token makes, or None while output is held; whether it ended seq).
     finish: the runner's reason ("stop": an end-of-sequence token, "length"), or None."""
     if seq.first_token_at is None:
@@ -66,17 +65,17 @@ def on_token(
     return None, False
 
 
-def on_progress(seq: Sequence, done: int, total: int) -> p.Progress | None:
+def on_progress(seq: Sequence, done: int, total: int) -> Progress | None:
     """The Progress event of a prompt being read (None for a resumed row: its client saw
     its prompt done already)."""
     if done >= total or seq.tokens:
         return None
     seq.phase = Phase.PREFILL
     seq.prefilled = done
-    return p.Progress(done, total, seq.cached_tokens or None)
+    return Progress(done, total, seq.cached_tokens or None)
 
 
-def on_deadline(seq: Sequence, now: float, tokens_per_s: float | None) -> p.Finish | p.Error | None:
+def on_deadline(seq: Sequence, now: float, tokens_per_s: float | None) -> Finish | Error | None:
     """The event that ends seq past its deadline (a Finish with the tokens it has, or a
     timeout error), or None while a long prompt's bound, scaled to this host, holds."""
     if seq.generated > 0:  # a time limit ends the answer, not the request
@@ -88,10 +87,10 @@ def on_deadline(seq: Sequence, now: float, tokens_per_s: float | None) -> p.Fini
         why = f"no first token within {bound:g} s (queue and prompt processing)"
     else:
         why = f"the answer took over {seq.req.timeout_s:g} s ({seq.generated} tokens generated)"
-    return p.Error(ServiceError(ErrorCode.TIMEOUT, f"request timed out: {why}"), seq.usage())
+    return Error(ServiceError(ErrorCode.TIMEOUT, f"request timed out: {why}"), seq.usage())
 
 
-def finish_at_time_limit(seq: Sequence) -> p.Finish:
+def finish_at_time_limit(seq: Sequence) -> Finish:
     """The Finish of an answer whose time bound ran out after tokens were generated: they
     are the answer, finished with reason length (the client's usual "cut short")."""
     _feed(seq, seq.text.finish())
@@ -104,9 +103,7 @@ def finish_at_time_limit(seq: Sequence) -> p.Finish:
         seq.generated,
     )
     seq.phase = Phase.DONE
-    end = p.Finish(
-        FinishReason.LENGTH, seq.usage(), logprobs=take_logprobs(seq), time_limited=True, **parts(seq.unsent)
-    )
+    end = Finish(FinishReason.LENGTH, seq.usage(), logprobs=take_logprobs(seq), time_limited=True, **parts(seq.unsent))
     return end
 
 
@@ -123,20 +120,20 @@ def _feed(seq: Sequence, text: str) -> None:
         seq.unsent.extend(seq.parser.feed(text) if seq.parser else Parsed(text=text))
 
 
-def _finish(seq: Sequence, finish: str) -> p.Finish:
+def _finish(seq: Sequence, finish: str) -> Finish:
     parser = seq.parser
     if parser:
         seq.unsent.extend(parser.finish())
         if parser.saw_tool_calls and finish == FinishReason.STOP:
             finish = FinishReason.TOOL_CALLS
     seq.phase = Phase.DONE
-    end = p.Finish(finish, seq.usage(), stop=seq.text.stop_match, logprobs=take_logprobs(seq), **parts(seq.unsent))
+    end = Finish(finish, seq.usage(), stop=seq.text.stop_match, logprobs=take_logprobs(seq), **parts(seq.unsent))
     return end
 
 
-def _delta(seq: Sequence) -> p.Delta:
+def _delta(seq: Sequence) -> Delta:
     cached = None if seq.sent_delta else seq.cached_tokens or None
-    delta = p.Delta(n=seq.generated, logprobs=take_logprobs(seq), cached=cached, **parts(seq.unsent))
+    delta = Delta(n=seq.generated, logprobs=take_logprobs(seq), cached=cached, **parts(seq.unsent))
     seq.sent_delta = True
     seq.unsent = Parsed()
     seq.unsent_tokens = 0
@@ -154,7 +151,7 @@ class PromptScoring:
         seq.phase = Phase.SCORING
         self._rids.append(seq.req.rid)
 
-    def advance(self, seqs: dict[str, Sequence]) -> tuple[Sequence, p.PromptLogprobs | None, Exception | None] | None:
+    def advance(self, seqs: dict[str, Sequence]) -> tuple[Sequence, PromptLogprobs | None, Exception | None] | None:
         """One chunk for the oldest request still scoring. Returns None while it is not done,
         else (its sequence, its PromptLogprobs event, None) once scored (it queues for a
         row), or (its sequence, None, the error) when scoring raised."""
@@ -172,5 +169,5 @@ class PromptScoring:
             self._rids.popleft()
             entries, seq.scorer = seq.scorer.entries, None
             seq.phase = Phase.QUEUED
-            return seq, p.PromptLogprobs(entries), None
+            return seq, PromptLogprobs(entries), None
         return None

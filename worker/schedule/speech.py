@@ -19,7 +19,7 @@ import numpy as np
 from mlxgw.shared import model_store
 from mlxgw.shared import protocol as p
 from mlxgw.shared.errors import ErrorCode, ServiceError
-from mlxgw.shared.events import FinishReason, Phase
+from mlxgw.shared.events import Accepted, Error, Finish, FinishReason, Phase, Usage
 from mlxgw.worker.importers.gguf.importer import ImportError_, ImportResult
 from mlxgw.worker.schedule.jobs import JobTable
 
@@ -117,15 +117,15 @@ class SpeechScheduler(JobTable):
             code = ErrorCode.INVALID_REQUEST if req.rid in self._jobs else ErrorCode.OVERLOADED
             if not req.input.strip():
                 code, why = ErrorCode.INVALID_REQUEST, "'input' is empty"
-            return [(req.rid, p.Error(ServiceError(code, why)))]
+            return [(req.rid, Error(ServiceError(code, why)))]
         pieces = deque(line for line in req.input.splitlines() if line.strip())
         now = time.monotonic()
         self._jobs[req.rid] = SpeechJob(req, pieces, now, now + req.timeout_s if req.timeout_s else None)
-        return [(req.rid, p.Accepted(len(req.input), 0, self.waiting))]
+        return [(req.rid, Accepted(len(req.input), 0, self.waiting))]
 
     def cancel(self, rid: str) -> list[Event]:
         job = self._jobs.pop(rid, None)
-        return [(rid, p.Finish(FinishReason.CANCELLED, self._usage(job)))] if job else []
+        return [(rid, Finish(FinishReason.CANCELLED, self._usage(job)))] if job else []
 
     def counters(self) -> dict:
         return {"generated_tokens": self.generated_tokens}
@@ -139,15 +139,13 @@ class SpeechScheduler(JobTable):
         job.audio.append(self.runner.synthesize(job.pieces.popleft(), job.req.speed))
         if not job.pieces:
             pcm = np.concatenate(job.audio).astype("<i2")
-            done = p.Finish(
-                FinishReason.STOP, self._usage(job), audio=pcm.tobytes(), sample_rate=self.runner.sample_rate
-            )
+            done = Finish(FinishReason.STOP, self._usage(job), audio=pcm.tobytes(), sample_rate=self.runner.sample_rate)
             events.append(self._end(job, done))
         return events
 
     @staticmethod
-    def _usage(job: SpeechJob | None) -> p.Usage:
-        return p.Usage(prompt_tokens=len(job.req.input) if job else 0)
+    def _usage(job: SpeechJob | None) -> Usage:
+        return Usage(prompt_tokens=len(job.req.input) if job else 0)
 
     def requests(self) -> list[dict]:
         now = time.monotonic()

@@ -22,7 +22,7 @@ import numpy as np
 
 from mlxgw.shared import protocol as p
 from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
-from mlxgw.shared.events import FinishReason, Phase
+from mlxgw.shared.events import Accepted, Delta, Error, Finish, FinishReason, Phase, Usage
 from mlxgw.worker.model.whisper.decoding import (
     FALLBACK_TEMPERATURES,
     RowRules,
@@ -106,10 +106,10 @@ class AudioScheduler(JobTable):
                 raise ServiceError(ErrorCode.OVERLOADED, "model is at capacity", retry_after=1.0)
             job = self._new_job(req)
         except ServiceError as e:
-            return [(req.rid, p.Error(e))]
+            return [(req.rid, Error(e))]
         self._jobs[req.rid] = job
         self._pending.extend(job.windows)
-        return [(req.rid, p.Accepted(len(job.prompt_tokens), 0, self.waiting))]
+        return [(req.rid, Accepted(len(job.prompt_tokens), 0, self.waiting))]
 
     def _new_job(self, req: p.TranscribeRequest) -> Job:
         tok = self.tok
@@ -139,7 +139,7 @@ class AudioScheduler(JobTable):
         job = self._jobs.get(rid)
         if job is None:
             return []
-        return [self._end(job, p.Finish(FinishReason.CANCELLED, self._usage(job)))]
+        return [self._end(job, Finish(FinishReason.CANCELLED, self._usage(job)))]
 
     # -- the step loop ---------------------------------------------------------------------
     def counters(self) -> dict:
@@ -293,17 +293,17 @@ class AudioScheduler(JobTable):
             texts.extend(s["text"] for s in job.windows[job.sent].result["segments"])
             job.sent += 1
         if job.req.stream and texts and not job.done:
-            events.append((job.req.rid, p.Delta("".join(texts), job.tokens)))
+            events.append((job.req.rid, Delta("".join(texts), job.tokens)))
         if job.done:
             events.append(self._end(job, self._finish_event(job, "".join(texts) if job.req.stream else None)))
         return events
 
-    def _finish_event(self, job: Job, tail: str | None) -> p.Finish:
+    def _finish_event(self, job: Job, tail: str | None) -> Finish:
         segments = [s for w in job.windows for s in w.result["segments"]]
         for i, s in enumerate(segments):
             s["id"] = i
         words = [word for w in job.windows for word in w.result.get("words", [])] if job.req.word_timestamps else None
-        return p.Finish(
+        return Finish(
             FinishReason.STOP,
             self._usage(job),
             text=tail,
@@ -313,8 +313,8 @@ class AudioScheduler(JobTable):
             duration=round(sum(w.samples.size for w in job.windows) / SAMPLE_RATE, 3),
         )
 
-    def _usage(self, job: Job) -> p.Usage:
-        return p.Usage(prompt_tokens=len(job.prompt_tokens), completion_tokens=job.tokens)
+    def _usage(self, job: Job) -> Usage:
+        return Usage(prompt_tokens=len(job.prompt_tokens), completion_tokens=job.tokens)
 
     # -- introspection ---------------------------------------------------------------------
     def requests(self) -> list[dict]:

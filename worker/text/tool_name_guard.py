@@ -12,7 +12,7 @@ fields, types, enums); then decoding is free again.
 
 The guard is a logits processor with per-sequence state, so such rows do not speculate and
 are not preempted (like any constraint): it is a per-model choice (`tool_name_guard: true`
-in models.yaml), on in config/agents.yaml."""
+in models.yaml's chat: section), on in config/agents.yaml."""
 
 from __future__ import annotations
 

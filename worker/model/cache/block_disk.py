@@ -30,7 +30,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlxgw.worker.model.cache import kv_blocks as kb
 from mlxgw.worker.model.cache import state_checkpoints as sc
 
-log = logging.getLogger("mlxgw.worker.model.cache.block_disk")
+log = logging.getLogger(__name__)
 
 FORMAT = "mlxgw-prefix-block/1"
 SCAN_BUDGET_S = 5.0  # headers read at start at most this long; the files left are deleted

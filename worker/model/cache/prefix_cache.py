@@ -28,7 +28,7 @@ import mlx.core as mx
 from mlxgw.worker.model.cache import kv_blocks as kb
 from mlxgw.worker.model.cache import state_checkpoints as sc
 
-log = logging.getLogger("mlxgw.worker.model.cache.prefix_cache")
+log = logging.getLogger(__name__)
 
 # A lookup counts as a hit of the blocks it came from (for keeping them on disk) only when it
 # reused this many tokens: prompts that share just a template's first tokens do not.

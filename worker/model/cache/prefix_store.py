@@ -39,7 +39,7 @@ from mlxgw.worker.model.cache import state_checkpoints as sc
 from mlxgw.worker.model.cache.block_disk import BlockDisk, fsync_path
 from mlxgw.worker.model.cache.prefix_cache import CachedEntry, EntryUse, PrefixCache, entry_key
 
-log = logging.getLogger("mlxgw.worker.model.cache.prefix_store")
+log = logging.getLogger(__name__)
 
 FORMAT = "mlxgw-prefix-kv/1"
 SAVE_BUDGET_S = 10.0  # a stop waits at most this for the writes (the gateway kills after 30 s)

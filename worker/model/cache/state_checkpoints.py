@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache
 
-log = logging.getLogger("mlxgw.worker.model.cache.state_checkpoints")
+log = logging.getLogger(__name__)
 
 TRIMMABLE = (KVCache, QuantizedKVCache)
 # Positions kept per entry: message boundaries first, then the deepest grid positions.

@@ -39,7 +39,7 @@ import mlx.nn as nn
 from mlxgw.shared.platform import on_cpu_device
 from mlxgw.worker.model.model_info import TOKEN_EMBEDDINGS
 
-log = logging.getLogger("mlxgw.worker.model.cpu.output_head")
+log = logging.getLogger(__name__)
 
 MEASURE_BATCHES = (1, 8)  # decode batches the layouts are timed at
 MEASURE_REPEATS = 5  # products of each layout per batch, alternated (after one warm-up each)

@@ -77,9 +77,6 @@ class WhisperTokens:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode([i for i in ids if i < self.eot])
 
-    def decode_token(self, i: int) -> str:
-        return self.tokenizer.decode([i]) if i < self.eot else ""
-
     def sot_sequence(self, language: str | None, task: str) -> list[int]:
         seq = [self.sot]
         if self.multilingual:

@@ -1,0 +1,67 @@
+"""models.yaml's `gateway:` section, declared once: each field's type, default and help text,
+and the `mlxgw up` flag that overrides it (gateway/cli.py builds the flags from this
+metadata; gateway/web/state.py:GatewaySettings extends the class with what only a running
+gateway has). A new setting is one field here plus its line in config/models.example.yaml."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from .model_sections import LogFormat
+
+
+def setting(default: Any, help: str, *, flag: str | None = None, minimum: float | None = None) -> Any:
+    """A gateway field: its default, its help (the flag's and the docs'), its `mlxgw up` flag
+    (None: models.yaml only) and the smallest value the flag takes (the file's ranges are
+    checked in shared/config_checks.py)."""
+    metadata = {"help": help, "flag": flag, "minimum": minimum}
+    if isinstance(default, list):
+        return dataclasses.field(default_factory=lambda: list(default), metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+@dataclass
+class GatewayConfig:
+    """The HTTP side."""
+
+    host: str = setting("127.0.0.1", "address to listen on", flag="--host")
+    port: int = setting(8000, "HTTP port", flag="--port")
+    request_timeout_s: float = setting(300.0, "seconds for an answer, from its first token", flag="--timeout")
+    # Queue + prompt processing until the first token: agents send 5-10k-token prompts, which a
+    # slow host may take minutes to prefill (kept apart so prefill never eats the answer's time).
+    prefill_timeout_s: float = setting(
+        900.0, "seconds from arrival to the first token (queue + prompt processing)", flag="--prefill-timeout"
+    )
+    max_body_bytes: int = setting(10 * 1024 * 1024, "larger request bodies get 413")
+    max_connections: int = setting(
+        1024,
+        "open connections and concurrent requests, kept below the file-descriptor limit",
+        flag="--max-connections",
+        minimum=1,
+    )
+    header_timeout_s: float = setting(
+        10.0, "a request head must be complete this long after its first byte", flag="--header-timeout", minimum=0.1
+    )
+    body_timeout_s: float = setting(
+        60.0, "a body must be complete this long after its head (408)", flag="--body-timeout", minimum=0.1
+    )
+    idle_timeout_s: float = setting(
+        30.0, "a keep-alive connection with no request is closed after this", flag="--idle-timeout", minimum=0.1
+    )
+    cors_origins: list[str] = setting([], "origins allowed by CORS (the flag: comma-separated)", flag="--cors-origins")
+    max_tokens_cap: int | None = setting(None, "server-wide ceiling on max_tokens", flag="--max-tokens-cap")
+    max_tokens_default: int | None = setting(
+        None,
+        "max_tokens when neither the request nor the model entry sets one (unset: the model's "
+        "generation_config.json max_new_tokens, else 4096)",
+        flag="--max-tokens-default",
+    )
+    max_image_mb: float = setting(8.0, "largest accepted image", flag="--max-image-mb")
+    max_images: int = setting(16, "images per request")
+    allow_image_urls: bool = setting(
+        False, "fetch http(s) image URLs for vision models (public addresses only)", flag="--allow-image-urls"
+    )
+    log_format: LogFormat = setting("text", "access log: text, or json (one object per request)", flag="--log-format")
+    log_prompts: bool = setting(False, "include prompts in the access log", flag="--log-prompts")
