@@ -91,6 +91,13 @@ class Trace:
             f"{self.callbacks} call-backs, {len(self.edges)} distinct file-to-file edges"
         )
 
+    def within(self, floors: tuple[str, ...]) -> str:
+        """The same count over the stops in the given floors only (api/, pipeline/, mcp/: where
+        a request is read, translated and answered), other floors' stops left out."""
+        mine = [f for f, _ in self.stops if f.startswith(floors)]
+        sequence = [f for i, f in enumerate(mine) if i == 0 or f != mine[i - 1]]
+        return f"{len(sequence)} stops in {len(set(sequence))} files, {len(sequence) - len(set(sequence))} re-entries"
+
     def preamble(self) -> str:
         """The stops before the generation is made (models/generation.py first entered): the
         request read, checked and translated, where the API and pipeline floors meet."""
@@ -159,6 +166,7 @@ async def _run(tokens: int, show: int) -> None:
                 trace = current.pop()
                 print(f"{name} chat request ({tokens} tokens): {trace.summary()}")
                 print(f"    until the generation is made: {trace.preamble()}")
+                print(f"    in api/, pipeline/ and mcp/ only: {trace.within(('api/', 'pipeline/', 'mcp/'))}")
                 print(f"    call-backs: {', '.join(trace.callback_stops) or 'none'}")
                 for file, count in Counter(f for f, _ in trace.stops).most_common():
                     print(f"    {count:3d}  {file}")
