@@ -14,10 +14,19 @@ from aiohttp import web
 
 from mlxgw.gateway.api.anthropic_input import convert_messages, read_documents
 from mlxgw.gateway.models.generation import Generation, Outcome
-from mlxgw.gateway.pipeline import translate as t
 from mlxgw.gateway.pipeline.content import ContentPolicy
 from mlxgw.gateway.pipeline.fields import AnthropicFields, ThinkingFields, decode_fields
+from mlxgw.gateway.pipeline.serving import ApiFamily, handle, omitted_header
 from mlxgw.gateway.pipeline.stream import Emitter
+from mlxgw.gateway.pipeline.tools import (
+    forced_tool,
+    function_tool,
+    is_deferred,
+    json_schema_constraint,
+    loaded_tool_names,
+    one_constraint,
+)
+from mlxgw.gateway.pipeline.translate import ParsedRequest, build_request, image_limits
 from mlxgw.gateway.web.anthropic_errors import anthropic_error_body
 from mlxgw.gateway.web.state import MANAGER, SETTINGS
 from mlxgw.shared.errors import ServiceError, invalid
@@ -33,12 +42,12 @@ def _tools(raw: object, messages: object) -> list[dict] | None:
         return None
     if not isinstance(raw, list):
         raise invalid("tools: Input should be a valid list", "tools")
-    loaded = t.loaded_tool_names(messages)
+    loaded = loaded_tool_names(messages)
     # Server tools (web_search, bash_20250124, ...) have no input_schema: nothing to call here.
     return [
-        t.function_tool(x["name"], x.get("description"), x.get("input_schema"))
+        function_tool(x["name"], x.get("description"), x.get("input_schema"))
         for x in raw
-        if isinstance(x, dict) and x.get("name") and x.get("type") in (None, "custom") and not t.is_deferred(x, loaded)
+        if isinstance(x, dict) and x.get("name") and x.get("type") in (None, "custom") and not is_deferred(x, loaded)
     ] or None
 
 
@@ -46,12 +55,12 @@ def _constraint(choice: object, config: object, tools: list[dict] | None) -> dic
     kind = choice.get("type") if isinstance(choice, dict) else None
     forced = None
     if kind in ("any", "tool"):
-        forced = t.forced_tool(tools, choice.get("name") if kind == "tool" else None)
+        forced = forced_tool(tools, choice.get("name") if kind == "tool" else None)
     fmt = config.get("format") if isinstance(config, dict) else None
     output = None
     if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
-        output = t.json_schema_constraint(fmt.get("schema"), "output_config.format.schema", "output_config")
-    return t.one_constraint(output, forced, "output_config.format and a forced tool_choice")
+        output = json_schema_constraint(fmt.get("schema"), "output_config.format.schema", "output_config")
+    return one_constraint(output, forced, "output_config.format and a forced tool_choice")
 
 
 def _thinking(thinking: object) -> tuple[dict | None, int | None]:
@@ -68,38 +77,24 @@ def _choice_disables_tools(choice: object) -> bool:
     return isinstance(choice, dict) and choice.get("type") == "none"
 
 
-def parse(body: dict, policy: ContentPolicy) -> t.ParsedRequest:
-    """Validate an Anthropic request into the API-neutral parsed request: the body decoded
-    once (fields.AnthropicFields), then each field that needs more checked once."""
-    if body.get("max_tokens") is None:
+def parse(f: AnthropicFields, policy: ContentPolicy) -> ParsedRequest:
+    """Validate an Anthropic request into the API-neutral parsed request: one pass over the
+    decoded struct (fields.AnthropicFields), each field that needs more checked once."""
+    if f.max_tokens is None:
         raise invalid("max_tokens: Field required", "max_tokens")
-    f = decode_fields(body, AnthropicFields)
-    tools = None if _choice_disables_tools(f.tool_choice) else _tools(f.tools, body.get("messages"))
+    tools = None if _choice_disables_tools(f.tool_choice) else _tools(f.tools, f.messages)
     template_kwargs, budget = _thinking(f.thinking)
-    common = t.common_fields(f)
+    common = f.request_fields()
     if budget is not None:
         common["reasoning_budget"] = budget
-    return t.ParsedRequest(
-        messages=convert_messages(body, policy),
+    return ParsedRequest(
+        messages=convert_messages(f.messages, f.system, policy),
         tools=tools,
         constraint=_constraint(f.tool_choice, f.output_config, tools),
         chat_template_kwargs=template_kwargs,
         omitted=policy.omitted,
         **common,
     )
-
-
-async def _parse(request: web.Request, body: dict, slot) -> t.ParsedRequest:
-    policy = ContentPolicy(t.image_limits(request, slot))
-    await read_documents(body, policy)
-    return parse(body, policy)
-
-
-@routes.post("/v1/messages")
-async def messages(request: web.Request) -> web.StreamResponse:
-    body, slot = await t.open_request(request)
-    parsed = await _parse(request, body, slot)
-    return await t.respond(request, slot, parsed, MessageEvents, _render)
 
 
 def _usage(u: Usage) -> dict:
@@ -135,16 +130,6 @@ def _message(gen: Generation, content: list[dict], stop_reason: str | None, stop
         "stop_sequence": stop_sequence,
         "usage": _usage(gen.usage),
     }
-
-
-def _render(gen: Generation, out: Outcome) -> dict:
-    content = []
-    if out.reasoning:
-        content.append({"type": "thinking", "thinking": out.reasoning, "signature": ""})
-    if out.text or not out.tool_calls:
-        content.append({"type": "text", "text": out.text})
-    content += [_tool_use(c) for c in out.tool_calls]
-    return _message(gen, content, *_stop(out.finish_reason, out.stop, gen.time_limited))
 
 
 def _tool_use(call: dict) -> dict:
@@ -225,18 +210,55 @@ class MessageEvents(Emitter):
         return anthropic_error_body(err)
 
 
+# -- the family -------------------------------------------------------------------------------
+
+
+class AnthropicMessages(ApiFamily):
+    Fields = AnthropicFields
+    Emitter = MessageEvents
+
+    async def parse(self, fields: AnthropicFields) -> ParsedRequest:
+        policy = ContentPolicy(image_limits(self.request, self.slot))
+        await read_documents(fields.messages, policy)
+        return parse(fields, policy)
+
+    def render(self, gen: Generation, out: Outcome) -> dict:
+        content = []
+        if out.reasoning:
+            content.append({"type": "thinking", "thinking": out.reasoning, "signature": ""})
+        if out.text or not out.tool_calls:
+            content.append({"type": "text", "text": out.text})
+        content += [_tool_use(c) for c in out.tool_calls]
+        return _message(gen, content, *_stop(out.finish_reason, out.stop, gen.time_limited))
+
+
+class AnthropicTokenCount(AnthropicMessages):
+    """/v1/messages/count_tokens: the same request, its prompt counted instead of generated."""
+
+    async def parse(self, fields: AnthropicFields) -> ParsedRequest:
+        if fields.max_tokens is None:
+            fields.max_tokens = 1  # counting takes no max_tokens
+        return await super().parse(fields)
+
+    async def answer(self, parsed: ParsedRequest) -> web.Response:
+        req = await build_request(self.request, self.slot, parsed)
+        manager = self.request.app[MANAGER]
+        conn = await manager.acquire(self.slot)
+        # Counting needs the prompt, not the grammar or the sampling.
+        args = {"messages": req.messages, "tools": req.tools, "chat_template_kwargs": req.chat_template_kwargs}
+        if req.images:
+            args["images"] = req.images
+        # Tokenized on the worker's preparation thread, like a chat prompt: as long as a chat's.
+        timeout = self.request.app[SETTINGS].prefill_timeout_s
+        result = await manager.broker.call(conn, "tokenize", args, timeout=timeout)
+        return web.json_response({"input_tokens": result["tokens"]}, headers=omitted_header(parsed))
+
+
+@routes.post("/v1/messages")
+async def messages(request: web.Request) -> web.StreamResponse:
+    return await handle(request, AnthropicMessages)
+
+
 @routes.post("/v1/messages/count_tokens")
-async def count_tokens(request: web.Request) -> web.Response:
-    body, slot = await t.open_request(request)
-    body.setdefault("max_tokens", 1)  # counting takes no max_tokens
-    parsed = await _parse(request, body, slot)
-    req = await t.build_request(request, slot, parsed)
-    manager = request.app[MANAGER]
-    conn = await manager.acquire(slot)
-    # Counting needs the prompt, not the grammar or the sampling.
-    args = {"messages": req.messages, "tools": req.tools, "chat_template_kwargs": req.chat_template_kwargs}
-    if req.images:
-        args["images"] = req.images
-    # Tokenized on the worker's preparation thread, like a chat prompt: as long as a chat's.
-    result = await manager.broker.call(conn, "tokenize", args, timeout=request.app[SETTINGS].prefill_timeout_s)
-    return web.json_response({"input_tokens": result["tokens"]}, headers=t.omitted_header(parsed))
+async def count_tokens(request: web.Request) -> web.StreamResponse:
+    return await handle(request, AnthropicTokenCount)

@@ -75,7 +75,7 @@ def _piece(block, where: str, policy: ContentPolicy, in_tool_result: bool = Fals
     if kind == "document":
         return _document(block, where, policy)
     if kind == "tool_reference" and isinstance(block.get("tool_name"), str):
-        # A client-side tool search's result: the tool is offered from here on (translate.is_deferred).
+        # A client-side tool search's result: the tool is offered from here on (tools.is_deferred).
         return f"Tool loaded: {block['tool_name']}"
     if kind == "search_result":
         return titled(_text_of(block.get("content"), f"{where}.content", policy), block.get("title"))
@@ -144,9 +144,9 @@ def _convert_message(m: dict, i: int, policy: ContentPolicy) -> list[dict]:
     return out
 
 
-def _pdf_blocks(body: dict):
+def _pdf_blocks(messages):
     """Every base64 PDF document of the request, to read before converting."""
-    for i, j, block in blocks_of(body.get("messages")):
+    for i, j, block in blocks_of(messages):
         source = block.get("source")
         if block.get("type") == "document" and isinstance(source, dict) and source.get("type") == "base64":
             if source.get("media_type") == "application/pdf":
@@ -154,18 +154,18 @@ def _pdf_blocks(body: dict):
                 yield block, b64decode(source.get("data"), where, "messages"), where
 
 
-async def read_documents(body: dict, policy: ContentPolicy) -> None:
-    await read_pdfs(_pdf_blocks(body), policy, "messages")
+async def read_documents(messages, policy: ContentPolicy) -> None:
+    """The PDFs of `messages` (as sent), read to text once before the messages are converted."""
+    await read_pdfs(_pdf_blocks(messages), policy, "messages")
 
 
-def convert_messages(body: dict, policy: ContentPolicy) -> list[dict]:
-    raw = body.get("messages")
+def convert_messages(raw, system, policy: ContentPolicy) -> list[dict]:
+    """`messages` and `system` (as sent) as internal chat messages."""
     if raw is None:
         raise invalid("messages: Field required", "messages")
     if not isinstance(raw, list) or not raw:
         raise invalid("messages: at least one message is required", "messages")
     messages: list[dict] = []
-    system = body.get("system")
     if system:
         text = BILLING_LINE.sub("", _text_of(system, "system", policy))
         if text:

@@ -16,7 +16,7 @@ from mlxgw.gateway.access.auth import charge_audio_seconds, resolve_model
 from mlxgw.gateway.api import speech
 from mlxgw.gateway.api.audio_format import render
 from mlxgw.gateway.pipeline.audio_decode import AudioError, decode_audio
-from mlxgw.gateway.pipeline.translate import generation
+from mlxgw.gateway.pipeline.serving import generation
 from mlxgw.gateway.web.errors import openai_error_body
 from mlxgw.gateway.web.sse import SSEWriter
 from mlxgw.gateway.web.state import SETTINGS

@@ -17,7 +17,7 @@ from mlxgw.gateway.batches.files import is_storage_error, new_id
 from mlxgw.gateway.batches.input import check_input
 from mlxgw.gateway.batches.runner import BATCH_STORE, BATCH_WAKE
 from mlxgw.gateway.pipeline import validate as v
-from mlxgw.gateway.pipeline.body import read_json
+from mlxgw.gateway.pipeline.body import read_object
 from mlxgw.gateway.web.work_pools import THREAD_POOLS
 from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
 
@@ -43,7 +43,7 @@ def check_metadata(metadata) -> dict | None:
 
 @routes.post("/v1/batches")
 async def create_batch(request: web.Request) -> web.Response:
-    body = v.require_object(await read_json(request))
+    body = await read_object(request)
     endpoint = v.string(body, "endpoint", required_=True)
     if endpoint not in ENDPOINTS:
         raise invalid(f"'endpoint' must be one of {', '.join(ENDPOINTS)}", "endpoint")

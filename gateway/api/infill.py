@@ -19,13 +19,12 @@ from typing import Annotated, Any
 
 from aiohttp import web
 
-from mlxgw.gateway.access.auth import may_use, resolve_model
+from mlxgw.gateway.access.auth import may_use
 from mlxgw.gateway.models.generation import Generation
-from mlxgw.gateway.pipeline import translate as t
-from mlxgw.gateway.pipeline import validate as v
-from mlxgw.gateway.pipeline.body import read_json
-from mlxgw.gateway.pipeline.fields import INT32_MAX, CommonFields, M, Stop, decode_fields
-from mlxgw.gateway.pipeline.fim_support import file_identity, fim_format, fim_map, parse_extra, superseding
+from mlxgw.gateway.pipeline.fields import INT32_MAX, BodyFields, M, Stop
+from mlxgw.gateway.pipeline.fim_support import fim_format, fim_map, parse_extra
+from mlxgw.gateway.pipeline.serving import ApiFamily, generation, handle
+from mlxgw.gateway.pipeline.translate import ParsedRequest, build_request
 from mlxgw.gateway.web.sse import SSEWriter
 from mlxgw.gateway.web.state import MANAGER, SETTINGS
 from mlxgw.shared.config import CHAT_KINDS
@@ -36,11 +35,10 @@ routes = web.RouteTableDef()
 Millis = Annotated[int, M(ge=0, le=INT32_MAX)]
 
 
-class LlamaCppFields(CommonFields):
+class LlamaCppFields(BodyFields):
     """The /infill and /completion fields read here (llama.cpp's names); others are ignored."""
 
     MAX_TOKENS = ("n_predict",)
-    model: str | None = None
     n_predict: Annotated[int, M(ge=-1, le=INT32_MAX)] | None = None  # -1: no limit of its own
     stop: Stop = None
     repeat_penalty: Annotated[float, M(ge=0.01, le=10)] | None = None
@@ -117,55 +115,62 @@ def _default_model(request: web.Request, fim: bool) -> str:
     raise invalid("no model here can fill in the middle; name one with 'model'", "model")
 
 
-async def _open(request: web.Request, fim: bool) -> tuple[LlamaCppFields, object]:
-    f = decode_fields(v.require_object(await read_json(request)), LlamaCppFields)
-    return f, resolve_model(request, f.model or _default_model(request, fim), CHAT_KINDS)
-
-
-def _parse(f: LlamaCppFields, fim: bool) -> t.ParsedRequest:
+def _parse(f: LlamaCppFields, fim: bool) -> ParsedRequest:
     if fim:
         middle = f.prompt if isinstance(f.prompt, str) else ""
         if f.prompt is not None and not isinstance(f.prompt, str):
             raise invalid("/infill's 'prompt' (text after the middle token) must be a string", "prompt")
         extra = parse_extra(f.input_extra)
         fim_req = fim_map(f.input_prefix or "", f.input_suffix or "", middle, extra, f.filename)
-        return t.ParsedRequest(fim=fim_req, **t.common_fields(f))
+        return ParsedRequest(fim=fim_req, **f.request_fields())
     if isinstance(f.prompt, str) and f.prompt:
-        return t.ParsedRequest(prompt=f.prompt, **t.common_fields(f))
+        return ParsedRequest(prompt=f.prompt, **f.request_fields())
     tokens = f.prompt
     if isinstance(tokens, list) and tokens and all(isinstance(x, int) and not isinstance(x, bool) for x in tokens):
-        return t.ParsedRequest(prompt_tokens=tokens, **t.common_fields(f))
+        return ParsedRequest(prompt_tokens=tokens, **f.request_fields())
     raise invalid("'prompt' must be a non-empty string or a list of token ids", "prompt")
 
 
-async def _serve(request: web.Request, fim: bool) -> web.StreamResponse:
-    f, slot = await _open(request, fim)
-    parsed = _parse(f, fim)
-    release = None
-    if fim:
-        who = file_identity(f.input_prefix or "", f.input_suffix or "", f.filename)
-        release = superseding(request.app).claim(request, slot.name, who)
-    try:
-        gen = t.generation(request, slot, await t.build_request(request, slot, parsed))
+class LlamaCppCompletion(ApiFamily):
+    """/completion: a plain prompt. Its answer is llama.cpp's objects, cut by MiddleCut as the
+    text arrives, so `answer` is its own (no Emitter: a cut ends the generation early)."""
+
+    Fields = LlamaCppFields
+    fills_middle = False
+    fields: LlamaCppFields
+
+    def model_name(self, fields: LlamaCppFields) -> str:
+        return fields.model or _default_model(self.request, self.fills_middle)
+
+    async def parse(self, fields: LlamaCppFields) -> ParsedRequest:
+        self.fields = fields
+        return _parse(fields, self.fills_middle)
+
+    async def answer(self, parsed: ParsedRequest) -> web.StreamResponse:
+        f = self.fields
+        gen = generation(self.request, self.slot, await build_request(self.request, self.slot, parsed))
         cut = MiddleCut(f.n_indent or 0, f.t_max_predict_ms or 0)
         if f.n_predict == 0:
             cut.stopped = True  # the prompt is read (and cached); nothing is returned
         if parsed.stream:
-            return await _stream(request, gen, cut)
+            return await _stream(self.request, gen, cut)
         return await _whole(gen, cut)
-    finally:
-        if release is not None:
-            release()
+
+
+class LlamaCppInfill(LlamaCppCompletion):
+    """/infill: fill in the middle (a newer request for the same file supersedes this one)."""
+
+    fills_middle = True
 
 
 @routes.post("/infill")
 async def infill(request: web.Request) -> web.StreamResponse:
-    return await _serve(request, fim=True)
+    return await handle(request, LlamaCppInfill)
 
 
 @routes.post("/completion")
 async def completion(request: web.Request) -> web.StreamResponse:
-    return await _serve(request, fim=False)
+    return await handle(request, LlamaCppCompletion)
 
 
 # -- output -------------------------------------------------------------------------------------

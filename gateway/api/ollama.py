@@ -1,6 +1,6 @@
 """Ollama's generating API: POST /api/chat and POST /api/generate, streamed as NDJSON
-(Ollama streams by default). One more translator on the shared layer: the body becomes a
-ParsedRequest, `respond` runs it, and the emitter below writes Ollama's lines.
+(Ollama streams by default). Two ApiFamilies on the shared path (serving.handle): the body
+becomes a ParsedRequest, and the emitter below writes Ollama's lines.
 
 keep_alive maps to residency (ollama_common.apply_keep_alive); a request with no prompt
 (generate) or no messages (chat) only loads or, with keep_alive 0, unloads the model, as
@@ -16,10 +16,12 @@ from mlxgw.gateway.api import ollama_common as oc
 from mlxgw.gateway.api.ollama_fields import OllamaChatBody, OllamaGenerateBody, OllamaGenerating
 from mlxgw.gateway.models.generation import Generation, Outcome
 from mlxgw.gateway.models.lifecycle import SlotState
-from mlxgw.gateway.pipeline import translate as t
-from mlxgw.gateway.pipeline.fim_support import file_identity, fim_map, superseding
+from mlxgw.gateway.pipeline.fim_support import fim_map
 from mlxgw.gateway.pipeline.images import ImageLimits, from_bare_base64, join_content
+from mlxgw.gateway.pipeline.serving import ApiFamily, handle
 from mlxgw.gateway.pipeline.stream import Emitter
+from mlxgw.gateway.pipeline.tools import function_tool
+from mlxgw.gateway.pipeline.translate import ParsedRequest, image_limits
 from mlxgw.gateway.web.sse import NDJSONWriter
 from mlxgw.gateway.web.state import MANAGER
 from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
@@ -87,14 +89,14 @@ def parse_tools(raw) -> list[dict] | None:
         fn = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(fn, dict):
             raise invalid("each tool must be {'type': 'function', 'function': {...}}", "tools")
-        tools.append(t.function_tool(fn.get("name"), fn.get("description"), fn.get("parameters")))
+        tools.append(function_tool(fn.get("name"), fn.get("description"), fn.get("parameters")))
     return tools or None
 
 
-def _parsed(f: OllamaGenerating, messages=None, prompt=None, tools=None, fim=None) -> t.ParsedRequest:
+def _parsed(f: OllamaGenerating, messages=None, prompt=None, tools=None, fim=None) -> ParsedRequest:
     if f.template:  # a Go template is not run here, and not silently ignored
         raise invalid("'template' is not supported by this server", "template")
-    return t.ParsedRequest(
+    return ParsedRequest(
         messages=messages,
         prompt=prompt,
         tools=tools,
@@ -105,12 +107,12 @@ def _parsed(f: OllamaGenerating, messages=None, prompt=None, tools=None, fim=Non
     )
 
 
-def parse_chat(f: OllamaChatBody, limits: ImageLimits | None) -> t.ParsedRequest:
+def parse_chat(f: OllamaChatBody, limits: ImageLimits | None) -> ParsedRequest:
     messages = parse_messages(f.messages or [], limits)
     return _parsed(f, messages=messages, tools=parse_tools(f.tools))
 
 
-def parse_generate(f: OllamaGenerateBody, limits: ImageLimits | None) -> t.ParsedRequest:
+def parse_generate(f: OllamaGenerateBody, limits: ImageLimits | None) -> ParsedRequest:
     """A prompt through the chat template (with `system`), or as it is with `raw`; with a
     `suffix`, the code around the cursor, filled in the middle (Ollama's `insert`)."""
     if f.suffix:
@@ -152,39 +154,82 @@ async def _load_or_unload(request: web.Request, slot, keep_alive: float | None, 
     return web.json_response({**head, **empty, "done": True, "done_reason": reason})
 
 
-async def _run(request: web.Request, shape: str) -> web.StreamResponse:
-    f, slot = await oc.open_request(request, OllamaChatBody if shape == "chat" else OllamaGenerateBody)
-    keep_alive = oc.parse_duration(f.keep_alive)
-    limits = t.image_limits(request, slot)
-    parsed = parse_chat(f, limits) if shape == "chat" else parse_generate(f, limits)
-    if (shape == "chat" and not parsed.messages) or (shape == "generate" and _no_input(f)):
-        return await _load_or_unload(request, slot, keep_alive, shape)
-    fim = parsed.fim
-    release = (
-        superseding(request.app).claim(request, slot.name, file_identity(fim["prefix"], fim["suffix"])) if fim else None
-    )
-    try:
-        return await t.respond(
-            request, slot, parsed, lambda sse, gen: OllamaLines(sse, gen, shape), _renderer(shape), writer=NDJSONWriter
-        )
-    finally:
-        if release is not None:
-            release()
-        oc.apply_keep_alive(request, slot, keep_alive)
-
-
 def _no_input(f: OllamaGenerateBody) -> bool:
     return not f.prompt and not f.images and not f.system and not f.suffix
 
 
+class OllamaFamily(ApiFamily):
+    """What /api/chat and /api/generate share: Ollama's model names, NDJSON lines, keep_alive
+    applied after the answer, and a request without input that only loads or unloads."""
+
+    writer = NDJSONWriter
+    shape = ""  # "chat" or "generate": the output's `message` or `response`
+    keep_alive: float | None = None
+    loads_only = False  # no input: load the model (or unload it with keep_alive 0)
+
+    def model_name(self, fields: OllamaGenerating) -> str | None:
+        return fields.model_name() or None
+
+    def resolve(self, name: str):
+        return oc.resolve(self.request, name, self.kinds)
+
+    async def parse(self, fields: OllamaGenerating) -> ParsedRequest:
+        self.keep_alive = oc.parse_duration(fields.keep_alive)
+        return self.parse_body(fields, image_limits(self.request, self.slot))
+
+    def parse_body(self, fields, limits: ImageLimits | None) -> ParsedRequest:
+        raise NotImplementedError
+
+    async def respond(self, parsed: ParsedRequest) -> web.StreamResponse:
+        if self.loads_only:
+            return await _load_or_unload(self.request, self.slot, self.keep_alive, self.shape)
+        try:
+            return await super().respond(parsed)
+        finally:
+            oc.apply_keep_alive(self.request, self.slot, self.keep_alive)
+
+    def emitter(self, sse, gen: Generation) -> OllamaLines:
+        return OllamaLines(sse, gen, self.shape)
+
+    def render(self, gen: Generation, out: Outcome) -> dict:
+        return {
+            "model": gen.model_name,
+            "created_at": oc.created_at(),
+            **_piece(self.shape, out.text, out.reasoning, out.tool_calls),
+            "done": True,
+            "done_reason": oc.done_reason(out.finish_reason),
+            **oc.timings(gen, out.usage),
+        }
+
+
+class OllamaChat(OllamaFamily):
+    Fields = OllamaChatBody
+    shape = "chat"
+
+    def parse_body(self, fields: OllamaChatBody, limits: ImageLimits | None) -> ParsedRequest:
+        parsed = parse_chat(fields, limits)
+        self.loads_only = not parsed.messages
+        return parsed
+
+
+class OllamaGenerate(OllamaFamily):
+    Fields = OllamaGenerateBody
+    shape = "generate"
+
+    def parse_body(self, fields: OllamaGenerateBody, limits: ImageLimits | None) -> ParsedRequest:
+        parsed = parse_generate(fields, limits)
+        self.loads_only = _no_input(fields)
+        return parsed
+
+
 @routes.post("/api/chat")
 async def chat(request: web.Request) -> web.StreamResponse:
-    return await _run(request, "chat")
+    return await handle(request, OllamaChat)
 
 
 @routes.post("/api/generate")
 async def generate(request: web.Request) -> web.StreamResponse:
-    return await _run(request, "generate")
+    return await handle(request, OllamaGenerate)
 
 
 # -- output ---------------------------------------------------------------------------------------
@@ -214,20 +259,6 @@ def _piece(shape: str, text: str = "", thinking: str = "", calls: list[dict] | N
             message["tool_calls"] = [_tool_call(c) for c in calls]
         return {"message": message}
     return {"response": text, **({"thinking": thinking} if thinking else {})}
-
-
-def _renderer(shape: str):
-    def render(gen: Generation, out: Outcome) -> dict:
-        return {
-            "model": gen.model_name,
-            "created_at": oc.created_at(),
-            **_piece(shape, out.text, out.reasoning, out.tool_calls),
-            "done": True,
-            "done_reason": oc.done_reason(out.finish_reason),
-            **oc.timings(gen, out.usage),
-        }
-
-    return render
 
 
 class OllamaLines(Emitter):

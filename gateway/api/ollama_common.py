@@ -15,10 +15,9 @@ from aiohttp import web
 from mlxgw.gateway.access.auth import resolve_model
 from mlxgw.gateway.api.ollama_fields import OllamaBody, OllamaOptions
 from mlxgw.gateway.models.lifecycle import SlotState
-from mlxgw.gateway.pipeline import translate as t
-from mlxgw.gateway.pipeline import validate as v
-from mlxgw.gateway.pipeline.body import read_json
+from mlxgw.gateway.pipeline.body import read_object
 from mlxgw.gateway.pipeline.fields import decode_fields
+from mlxgw.gateway.pipeline.tools import json_schema_constraint
 from mlxgw.gateway.web.state import MANAGER
 from mlxgw.shared.config import CHAT_KINDS, ModelKind
 from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
@@ -32,7 +31,7 @@ _DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|μs|ms|s|m|h)")
 
 def parse_options(f: OllamaBody, stream: bool = False) -> dict:
     """The ParsedRequest fields from `options` (and `stream`), checked with the shared ranges."""
-    common = t.parse_common(f.options or {}, OllamaOptions)
+    common = decode_fields(f.options or {}, OllamaOptions).request_fields()
     common["stream"] = stream
     if common["sampling"].num_predict == 0:
         raise invalid("'num_predict' must be a positive number of tokens, or -1 for no limit", "num_predict")
@@ -70,7 +69,7 @@ def format_constraint(fmt) -> dict | None:
     if fmt == "json":
         return {"type": "json_object"}
     if isinstance(fmt, dict):
-        return t.json_schema_constraint(fmt, "format", "format")
+        return json_schema_constraint(fmt, "format", "format")
     raise invalid("'format' must be \"json\" or a JSON schema object", "format")
 
 
@@ -99,7 +98,7 @@ async def open_request(
     request: web.Request, kind: type[B], kinds: tuple[ModelKind, ...] = CHAT_KINDS
 ) -> tuple[B, object]:
     """The body decoded once into its route's struct, and the model slot it names."""
-    f = decode_fields(v.require_object(await read_json(request)), kind)
+    f = decode_fields(await read_object(request), kind)
     name = f.model_name()
     if not name:
         raise invalid("missing required parameter: 'model'", "model")

@@ -22,8 +22,7 @@ from aiohttp import web
 from mlxgw.gateway.access.auth import may_manage
 from mlxgw.gateway.api.modelfile import CreateSpec, parse_create
 from mlxgw.gateway.models.registry_edit import edit_registry, listed_entry, registry_file, reload_registry
-from mlxgw.gateway.pipeline import validate as v
-from mlxgw.gateway.pipeline.body import read_json
+from mlxgw.gateway.pipeline.body import read_object
 from mlxgw.gateway.web.state import MANAGER
 from mlxgw.shared import model_store
 from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
@@ -37,7 +36,7 @@ _REPO = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*(?:@[
 
 
 async def _body(request: web.Request) -> dict:
-    return v.require_object(await read_json(request))
+    return await read_object(request)
 
 
 def model_name(value, field: str = "model") -> str:

@@ -19,8 +19,8 @@ from mlxgw.gateway.access.auth import may_use
 from mlxgw.gateway.api import ollama_common as oc
 from mlxgw.gateway.api.ollama_fields import OllamaBody, OllamaEmbedBody
 from mlxgw.gateway.models import adapters
-from mlxgw.gateway.pipeline import translate as t
 from mlxgw.gateway.pipeline.fim_support import capabilities, fim_format
+from mlxgw.gateway.pipeline.serving import generation
 from mlxgw.gateway.web.state import MANAGER, SETTINGS
 from mlxgw.shared import protocol as p
 from mlxgw.shared.adapter_folder import weights_file
@@ -211,7 +211,7 @@ async def _embed(request: web.Request, slot, f: OllamaEmbedBody, inputs: list[st
         dimensions=f.dimensions,
         timeout_s=request.app[SETTINGS].request_timeout_s,
     )
-    async with t.generation(request, slot, req) as gen:
+    async with generation(request, slot, req) as gen:
         done = await gen.finish_event()
     blob, dim = done.vectors, int(done.dim)
     row = dim * 4

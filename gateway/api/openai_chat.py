@@ -1,19 +1,18 @@
-"""OpenAI Chat Completions: POST /v1/chat/completions."""
+"""OpenAI Chat Completions: POST /v1/chat/completions, one ApiFamily (`OpenAIChat`)."""
 
 from __future__ import annotations
-
-import json
 
 from aiohttp import web
 
 from mlxgw.gateway.api import openai_common as oc
 from mlxgw.gateway.api.mcp_calls import chat_hooks
-from mlxgw.gateway.mcp import drive as mcp_drive
-from mlxgw.gateway.mcp import loop as mcp
+from mlxgw.gateway.mcp.drive import McpFamily, McpHooks
 from mlxgw.gateway.models.generation import Generation, Outcome
-from mlxgw.gateway.pipeline import translate as t
-from mlxgw.gateway.pipeline.fields import ChatFields, decode_fields
+from mlxgw.gateway.pipeline.fields import ChatFields
 from mlxgw.gateway.pipeline.images import ImageLimits, from_openai_part, join_content
+from mlxgw.gateway.pipeline.serving import handle
+from mlxgw.gateway.pipeline.tools import openai_constraint, template_arguments
+from mlxgw.gateway.pipeline.translate import ParsedRequest, image_limits
 from mlxgw.shared.errors import invalid
 
 routes = web.RouteTableDef()
@@ -40,14 +39,6 @@ def _content(content, where: str, images: ImageLimits | None) -> str | list[dict
         else:
             raise invalid(f"{where}.content[{i}] has unsupported type {part['type']!r}", where)
     return join_content(pieces)
-
-
-def template_arguments(args):
-    """Tool-call arguments as chat templates expect them: an object where the JSON parses."""
-    try:
-        return json.loads(args) if isinstance(args, str) else args
-    except ValueError:
-        return args
 
 
 def _tool_calls(raw, where: str) -> list[dict]:
@@ -88,28 +79,6 @@ def parse_messages(raw, images: ImageLimits | None = None) -> list[dict]:
     return out
 
 
-def tool_choice_constraint(choice, tools: list | None) -> dict | None:
-    """tool_choice "required" or a named function: enforced by constrained decoding."""
-    if choice in (None, "auto", "none"):
-        return None
-    if choice == "required":
-        return t.forced_tool(tools, None)
-    if isinstance(choice, dict) and isinstance((choice.get("function") or {}).get("name"), str):
-        return t.forced_tool(tools, choice["function"]["name"])
-    raise invalid("tool_choice must be 'auto', 'none', 'required' or {'type': 'function', ...}", "tool_choice")
-
-
-def output_format_constraint(fmt: dict | None, name: str, schema_where: str, param: str) -> dict | None:
-    """An OpenAI output format (Chat's response_format, Responses' text.format)."""
-    if not fmt or fmt.get("type") in (None, "text"):
-        return None
-    if fmt["type"] == "json_object":
-        return {"type": "json_object"}
-    if fmt["type"] == "json_schema":
-        return t.json_schema_constraint(fmt.get("schema"), schema_where, param)
-    raise invalid(f"{name} type {fmt['type']!r} is not supported (text, json_object, json_schema)", param)
-
-
 def _response_format(fmt: dict | None) -> dict | None:
     if fmt and fmt.get("type") == "json_schema":  # Chat nests the schema one level deeper
         spec = fmt.get("json_schema")
@@ -117,50 +86,75 @@ def _response_format(fmt: dict | None) -> dict | None:
     return fmt
 
 
-def parse(body: dict, images: ImageLimits | None) -> tuple[t.ParsedRequest, bool]:
-    """The request, and whether a stream ends with a usage chunk. One pass: the body is
-    decoded once (fields.ChatFields: every field's type and range), then each field that
-    needs more than that is checked once, from the decoded struct."""
-    f = decode_fields(body, ChatFields)
+def choices_count(n: int | None, best_of: int | None) -> int:
+    """n (1-16, ranges checked by fields.ChatFields): Chat Completions has no best_of, which
+    is taken only where it ranks nothing (1 or n). Completions ranks best_of candidates
+    (openai_completions._choices)."""
+    n = n or 1
+    if best_of not in (None, 1, n):
+        raise invalid(
+            f"best_of > n is not supported (choices are not ranked); send best_of={n} or leave it out", "best_of"
+        )
+    return n
+
+
+def logprobs_wanted(wanted: bool | None, top: int | None) -> int | None:
+    """Chat's logprobs (bool) and top_logprobs (0-20): alternatives per token, or None."""
+    if top and not wanted:  # top_logprobs: 0 alone is harmless (some clients always send it)
+        raise invalid("top_logprobs requires logprobs to be true", "top_logprobs")
+    return (top or 0) if wanted else None
+
+
+def parse(f: ChatFields, images: ImageLimits | None) -> tuple[ParsedRequest, bool]:
+    """The request, and whether a stream ends with a usage chunk. One pass over the decoded
+    struct (fields.ChatFields: every field's type and range): each field that needs more
+    than that is checked once."""
     if f.messages is None:
         raise invalid("missing required parameter: 'messages'", "messages")
     tools = None if f.tool_choice == "none" else f.tools
-    constraint = t.one_constraint(
-        output_format_constraint(
-            _response_format(f.response_format),
-            "response_format",
-            "response_format.json_schema.schema",
-            "response_format",
-        ),
-        tool_choice_constraint(f.tool_choice, tools),
-        "response_format and a forced tool_choice",
+    constraint = openai_constraint(
+        _response_format(f.response_format),
+        f.tool_choice,
+        tools,
+        "response_format",
+        "response_format.json_schema.schema",
+        "response_format",
     )
-    parsed = t.ParsedRequest(
+    parsed = ParsedRequest(
         messages=parse_messages(f.messages, images),
         tools=tools,
         constraint=constraint,
         chat_template_kwargs=f.chat_template_kwargs,
-        n=oc.choices_count(f.n, f.best_of),
-        logprobs=oc.chat_logprobs(f.logprobs, f.top_logprobs),
-        **t.common_fields(f),
+        n=choices_count(f.n, f.best_of),
+        logprobs=logprobs_wanted(f.logprobs, f.top_logprobs),
+        **f.request_fields(),
     )
     return parsed, oc.include_usage(f.stream_options, f.stream)
 
 
+class OpenAIChat(McpFamily):
+    Fields = ChatFields
+    include_usage = False  # a stream ends with a usage chunk (stream_options.include_usage)
+
+    async def parse(self, fields: ChatFields) -> ParsedRequest:
+        self.take_mcp_tools(fields)  # MCP tools run by the gateway (gateway/mcp/)
+        parsed, self.include_usage = parse(fields, image_limits(self.request, self.slot))
+        return parsed
+
+    def emitter(self, sse, gen: Generation) -> ChatChunks:
+        return ChatChunks(sse, gen, self.include_usage)
+
+    def render(self, gen: Generation, out: Outcome) -> dict:
+        wants_logprobs = gen.req.logprobs is not None
+        return oc.completion_body("chat.completion", "chatcmpl", gen, out, lambda o: _choice(o, wants_logprobs))
+
+    def mcp_hooks(self) -> McpHooks:
+        return chat_hooks()
+
+
 @routes.post("/v1/chat/completions")
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    body, slot = await t.open_request(request)
-    body, mcp_loop = mcp.from_request(request, slot, body)  # MCP tools run by the gateway (gateway/mcp/)
-    parsed, usage = parse(body, t.image_limits(request, slot))
-    if mcp_loop is not None:
-        emitter = lambda sse, gen: ChatChunks(sse, gen, usage)  # noqa: E731
-        return await mcp_drive.respond(request, slot, parsed, mcp_loop, chat_hooks(), emitter, _render)
-    return await t.respond(request, slot, parsed, lambda sse, gen: ChatChunks(sse, gen, usage), _render)
-
-
-def _render(gen: Generation, out: Outcome) -> dict:
-    wants_logprobs = gen.req.logprobs is not None
-    return oc.completion_body("chat.completion", "chatcmpl", gen, out, lambda o: _choice(o, wants_logprobs))
+    return await handle(request, OpenAIChat)
 
 
 def chat_logprobs(entries: list[dict]) -> dict:

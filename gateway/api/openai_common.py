@@ -12,7 +12,7 @@ from mlxgw.gateway.models.generation import Generation, Outcome
 from mlxgw.gateway.pipeline.stream import Emitter
 from mlxgw.gateway.web.errors import openai_error_body
 from mlxgw.gateway.web.sse import SSEWriter
-from mlxgw.shared.errors import ServiceError, invalid
+from mlxgw.shared.errors import ServiceError
 from mlxgw.shared.events import Finish, Usage
 
 
@@ -27,25 +27,6 @@ def now() -> int:
 def include_usage(stream_options: dict | None, stream: bool | None) -> bool:
     """A final usage chunk (stream_options.include_usage), for a stream only."""
     return bool((stream_options or {}).get("include_usage")) and bool(stream)
-
-
-def choices_count(n: int | None, best_of: int | None) -> int:
-    """n (1-16, ranges checked by fields.ChatFields), for Chat Completions: it has no
-    best_of, which is taken only where it ranks nothing (1 or n). Completions ranks best_of
-    candidates (openai_completions._choices)."""
-    n = n or 1
-    if best_of not in (None, 1, n):
-        raise invalid(
-            f"best_of > n is not supported (choices are not ranked); send best_of={n} or leave it out", "best_of"
-        )
-    return n
-
-
-def chat_logprobs(wanted: bool | None, top: int | None) -> int | None:
-    """Chat's logprobs (bool) and top_logprobs (0-20): alternatives per token, or None."""
-    if top and not wanted:  # top_logprobs: 0 alone is harmless (some clients always send it)
-        raise invalid("top_logprobs requires logprobs to be true", "top_logprobs")
-    return (top or 0) if wanted else None
 
 
 def usage_dict(u: Usage) -> dict:

@@ -1,4 +1,4 @@
-"""OpenAI (legacy) Completions: POST /v1/completions."""
+"""OpenAI (legacy) Completions: POST /v1/completions, one ApiFamily (`OpenAICompletions`)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ from aiohttp import web
 
 from mlxgw.gateway.api import openai_common as oc
 from mlxgw.gateway.models.generation import Generation, Outcome
-from mlxgw.gateway.pipeline import translate as t
-from mlxgw.gateway.pipeline.fields import CompletionFields, decode_fields
-from mlxgw.gateway.pipeline.fim_support import file_identity, fim_map, superseding
+from mlxgw.gateway.pipeline.fields import CompletionFields
+from mlxgw.gateway.pipeline.fim_support import fim_map
+from mlxgw.gateway.pipeline.serving import ApiFamily, handle
+from mlxgw.gateway.pipeline.translate import ParsedRequest
 from mlxgw.shared.errors import invalid
 from mlxgw.shared.events import Finish
 
@@ -97,10 +98,9 @@ def _fim(suffix: object, text: str | None, tokens: list[int] | None) -> dict | N
     return fim_map(text, suffix)
 
 
-def parse(body: dict) -> tuple[t.ParsedRequest, Options]:
+def parse(f: CompletionFields) -> tuple[ParsedRequest, Options]:
     """The parsed request (what the worker generates), and what this API does around it.
-    One pass: the body decoded once (fields.CompletionFields), then the checks across fields."""
-    f = decode_fields(body, CompletionFields)
+    One pass over the decoded struct (fields.CompletionFields), then the checks across fields."""
     text, tokens = _prompt(f.prompt)
     n, best_of = _choices(f)
     logprobs = f.logprobs
@@ -110,7 +110,7 @@ def parse(body: dict) -> tuple[t.ParsedRequest, Options]:
         raise invalid("echo cannot be combined with suffix (the prompt is split around the middle)", "echo")
     if echo and text is None:
         raise invalid("echo needs a text prompt", "echo")
-    parsed = t.ParsedRequest(
+    parsed = ParsedRequest(
         prompt=None if fim else text,
         prompt_tokens=tokens,
         fim=fim,
@@ -119,7 +119,7 @@ def parse(body: dict) -> tuple[t.ParsedRequest, Options]:
         # Ranking best_of candidates needs their token logprobs, asked or not.
         logprobs=logprobs if logprobs is not None or best_of == n else 0,
         prompt_logprobs=logprobs if echo else None,
-        **t.common_fields(f),
+        **f.request_fields(),
     )
     usage = oc.include_usage(f.stream_options, f.stream)
     return parsed, Options(text if echo else "", logprobs, n, best_of, usage)
@@ -142,25 +142,19 @@ def best_choices(out: Outcome, n: int) -> Outcome:
     return first
 
 
-@routes.post("/v1/completions")
-async def completions(request: web.Request) -> web.StreamResponse:
-    body, slot = await t.open_request(request)
-    parsed, opts = parse(body)
-    if parsed.fim is None:
-        return await _complete(request, slot, parsed, opts)
-    release = superseding(request.app).claim(
-        request, slot.name, file_identity(parsed.fim["prefix"], parsed.fim["suffix"])
-    )
-    try:
-        return await _complete(request, slot, parsed, opts)
-    finally:
-        release()
+class OpenAICompletions(ApiFamily):
+    Fields = CompletionFields
+    opts: Options  # what this API does around the generation, set by parse
 
+    async def parse(self, fields: CompletionFields) -> ParsedRequest:
+        parsed, self.opts = parse(fields)
+        return parsed
 
-async def _complete(request: web.Request, slot, parsed: t.ParsedRequest, opts: Options) -> web.StreamResponse:
-    usage = opts.include_usage
+    def emitter(self, sse, gen: Generation) -> CompletionChunks:
+        return CompletionChunks(sse, gen, self.opts.include_usage, self.opts)
 
-    def render(gen: Generation, out: Outcome) -> dict:
+    def render(self, gen: Generation, out: Outcome) -> dict:
+        opts = self.opts
         if opts.best_of > opts.n:
             out = best_choices(out, opts.n)
 
@@ -174,7 +168,10 @@ async def _complete(request: web.Request, slot, parsed: t.ParsedRequest, opts: O
 
         return oc.completion_body("text_completion", "cmpl", gen, out, choice)
 
-    return await t.respond(request, slot, parsed, lambda sse, gen: CompletionChunks(sse, gen, usage, opts), render)
+
+@routes.post("/v1/completions")
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await handle(request, OpenAICompletions)
 
 
 class CompletionChunks(oc.OpenAIChunks):

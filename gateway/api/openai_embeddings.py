@@ -11,8 +11,9 @@ import base64
 
 from aiohttp import web
 
-from mlxgw.gateway.pipeline import translate as t
 from mlxgw.gateway.pipeline.aux_fields import EmbeddingsFields, required
+from mlxgw.gateway.pipeline.serving import generation, open_fields
+from mlxgw.gateway.pipeline.translate import granted_priority
 from mlxgw.gateway.web.state import SETTINGS
 from mlxgw.shared import protocol as p
 from mlxgw.shared.config import ModelKind
@@ -49,7 +50,7 @@ def parse_inputs(raw) -> list:
 
 @routes.post("/v1/embeddings")
 async def embeddings(request: web.Request) -> web.Response:
-    f, slot = await t.open_fields(request, EmbeddingsFields, (ModelKind.EMBEDDING,))
+    f, slot = await open_fields(request, EmbeddingsFields, (ModelKind.EMBEDDING,))
     inputs = parse_inputs(f.input)
     fmt = "float" if f.encoding_format is None else f.encoding_format
     if fmt not in ("float", "base64"):
@@ -59,9 +60,9 @@ async def embeddings(request: web.Request) -> web.Response:
         inputs=inputs,
         dimensions=f.dimensions,
         timeout_s=request.app[SETTINGS].request_timeout_s,
-        priority=t.granted_priority(request, f.priority or 0),
+        priority=granted_priority(request, f.priority or 0),
     )
-    async with t.generation(request, slot, req) as gen:
+    async with generation(request, slot, req) as gen:
         done = await gen.finish_event()
     blob, dim = done.vectors, int(done.dim)
     row = dim * 4

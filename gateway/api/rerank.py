@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from mlxgw.gateway.pipeline import translate as t
 from mlxgw.gateway.pipeline.aux_fields import RerankFields, required
+from mlxgw.gateway.pipeline.serving import generation, open_fields
 from mlxgw.gateway.web.state import SETTINGS
 from mlxgw.shared import protocol as p
 from mlxgw.shared.config import ENCODER_KINDS
@@ -39,7 +39,7 @@ def parse_documents(raw) -> list[str]:
 @routes.post("/v1/rerank")
 @routes.post("/v2/rerank")
 async def rerank(request: web.Request) -> web.Response:
-    f, slot = await t.open_fields(request, RerankFields, ENCODER_KINDS)
+    f, slot = await open_fields(request, RerankFields, ENCODER_KINDS)
     query = required(f.query, "query")
     if not query:
         raise invalid("'query' must not be empty", "query")
@@ -49,7 +49,7 @@ async def rerank(request: web.Request) -> web.Response:
     req = p.EmbedRequest(
         rid=request["rid"], inputs=docs, query=query, timeout_s=request.app[SETTINGS].request_timeout_s
     )
-    async with t.generation(request, slot, req) as gen:
+    async with generation(request, slot, req) as gen:
         done = await gen.finish_event()
     ranked = sorted(enumerate(done.scores), key=lambda x: -x[1])[:top_n]
     results = []

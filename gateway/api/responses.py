@@ -16,15 +16,16 @@ import json
 from aiohttp import web
 
 from mlxgw.gateway.api.mcp_calls import responses_hooks
-from mlxgw.gateway.api.openai_chat import output_format_constraint, template_arguments, tool_choice_constraint
 from mlxgw.gateway.api.responses_output import STORE, ResponseEvents, render
 from mlxgw.gateway.api.responses_tools import ResponsesTools, custom_arguments, joined_name, parse_tools, split_name
-from mlxgw.gateway.mcp import drive as mcp_drive
-from mlxgw.gateway.mcp import loop as mcp
-from mlxgw.gateway.pipeline import translate as t
+from mlxgw.gateway.mcp.drive import McpFamily, McpHooks
+from mlxgw.gateway.models.generation import Generation, Outcome
 from mlxgw.gateway.pipeline.content import ContentPolicy, b64decode, data_url, read_pdfs, text_file, titled
 from mlxgw.gateway.pipeline.fields import ResponsesFields, decode_fields
 from mlxgw.gateway.pipeline.images import from_openai_part, join_content
+from mlxgw.gateway.pipeline.serving import handle
+from mlxgw.gateway.pipeline.tools import openai_constraint, template_arguments
+from mlxgw.gateway.pipeline.translate import ParsedRequest, image_limits
 from mlxgw.shared.errors import invalid
 
 routes = web.RouteTableDef()
@@ -149,10 +150,8 @@ def _constraint(f: ResponsesFields, tools: ResponsesTools | None) -> dict | None
     if fmt is not None and not isinstance(fmt, dict):
         raise invalid('text.format must be an object such as {"type": "json_schema", ...}', "text")
     choice = _tool_choice(f.tool_choice, tools or ResponsesTools())
-    return t.one_constraint(
-        output_format_constraint(fmt, "text.format", "text.format.schema", "text"),
-        tool_choice_constraint(choice, tools.for_constraint() if tools else None),
-        "text.format and a forced tool_choice",
+    return openai_constraint(
+        fmt, choice, tools.for_constraint() if tools else None, "text.format", "text.format.schema", "text"
     )
 
 
@@ -171,46 +170,58 @@ def parse(
     policy: ContentPolicy,
     tools: ResponsesTools,
     f: ResponsesFields | None = None,
-) -> t.ParsedRequest:
-    """The request, in one pass over `f`: the body decoded once (fields.ResponsesFields; the
-    handler decodes it first, for the fields it reads before), then each field checked once."""
+) -> ParsedRequest:
+    """The request, in one pass over `f` (the body as decoded by serving.handle; decoded here
+    when called without it), each field checked once."""
     f = f or decode_fields(body, ResponsesFields)
     if f.input is None:
         raise invalid("missing required parameter: 'input'", "input")
     messages = history + items_to_messages(f.input, policy)
     offered = None if f.tool_choice == "none" or not tools.tools else tools
-    return t.ParsedRequest(
+    return ParsedRequest(
         messages=([{"role": "system", "content": f.instructions}] if f.instructions else []) + messages,
         tools=offered.tools if offered else None,
         constraint=_constraint(f, offered),
         omitted=policy.omitted,
         logprobs=_logprobs(f),
-        **t.common_fields(f),
+        **f.request_fields(),
     )
+
+
+class Responses(McpFamily):
+    Fields = ResponsesFields
+    tools: ResponsesTools  # what parse offered, set by parse
+    stored: list[dict]  # the conversation kept for previous_response_id, set by parse
+
+    async def parse(self, fields: ResponsesFields) -> ParsedRequest:
+        self.take_mcp_tools(fields)  # MCP tools run by the gateway (gateway/mcp/)
+        history: list[dict] = []
+        previous = fields.previous_response_id
+        if previous:
+            if previous not in self.request.app[STORE]:
+                raise invalid(f"Previous response with id '{previous}' not found.", "previous_response_id")
+            history = list(self.request.app[STORE][previous])
+        policy = ContentPolicy(image_limits(self.request, self.slot))
+        await read_pdfs(_pdf_parts(fields.input), policy, "input")
+        self.tools = parse_tools(fields.tools, fields.input)
+        parsed = parse(self.body, history, policy, self.tools, fields)
+        # The stored history keeps the images (a follow-up turn sends them again), not the instructions.
+        self.stored = parsed.messages[1:] if fields.instructions else parsed.messages
+        if self.tools.ignored:
+            self.headers["x-mlxgw-ignored-tools"] = ",".join(self.tools.ignored)
+        return parsed
+
+    # The response object echoes the body as sent (self.body), MCP tools included.
+    def emitter(self, sse, gen: Generation) -> ResponseEvents:
+        return ResponseEvents(sse, gen, self.request, self.body, self.stored, self.tools.custom)
+
+    def render(self, gen: Generation, out: Outcome) -> dict:
+        return render(self.request, self.body, gen, out, self.stored, self.tools.custom)
+
+    def mcp_hooks(self) -> McpHooks:
+        return responses_hooks(self.stored)
 
 
 @routes.post("/v1/responses")
 async def responses(request: web.Request) -> web.StreamResponse:
-    body, slot = await t.open_request(request)
-    sent = body  # the body as sent: echoed in the response object, MCP tools included
-    body, mcp_loop = mcp.from_request(request, slot, body)  # MCP tools run by the gateway (gateway/mcp/)
-    history: list[dict] = []
-    f = decode_fields(body, ResponsesFields)
-    previous = f.previous_response_id
-    if previous:
-        if previous not in request.app[STORE]:
-            raise invalid(f"Previous response with id '{previous}' not found.", "previous_response_id")
-        history = list(request.app[STORE][previous])
-    policy = ContentPolicy(t.image_limits(request, slot))
-    await read_pdfs(_pdf_parts(f.input), policy, "input")
-    tools = parse_tools(f.tools, f.input)
-    parsed = parse(body, history, policy, tools, f)
-    # The stored history keeps the images (a follow-up turn sends them again), not the instructions.
-    stored = parsed.messages[1:] if f.instructions else parsed.messages
-    headers = {"x-mlxgw-ignored-tools": ",".join(tools.ignored)} if tools.ignored else {}
-    emitter = lambda sse, gen: ResponseEvents(sse, gen, request, sent, stored, tools.custom)  # noqa: E731
-    renderer = lambda gen, out: render(request, sent, gen, out, stored, tools.custom)  # noqa: E731
-    if mcp_loop is not None:
-        hooks = responses_hooks(stored)
-        return await mcp_drive.respond(request, slot, parsed, mcp_loop, hooks, emitter, renderer, headers)
-    return await t.respond(request, slot, parsed, emitter, renderer, headers)
+    return await handle(request, Responses)

@@ -14,14 +14,14 @@ Every form a client sends is offered to the model:
   whose tools have the same shapes as `tools`).
 Hosted tools this server cannot run (web_search, file_search, ...) are left out and named in
 the x-mlxgw-ignored-tools header. A tool marked `defer_loading` is left out until a
-`tool_search_output` item names it (translate.is_deferred)."""
+`tool_search_output` item names it (tools.is_deferred)."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
 
-from mlxgw.gateway.pipeline import translate as t
+from mlxgw.gateway.pipeline.tools import function_tool, is_deferred, loaded_tool_names
 from mlxgw.shared.errors import invalid
 
 NAMESPACE_SEP = "__"  # namespace tools are exposed to the model as namespace__function
@@ -40,7 +40,7 @@ class ResponsesTools:
     def add(self, tool, namespace: str | None = None) -> None:
         if not isinstance(tool, dict):
             raise invalid("each tool must be an object", "tools")
-        if t.is_deferred(tool, self.loaded):
+        if is_deferred(tool, self.loaded):
             return  # not in the model's context until a tool search loads it
         kind = tool.get("type", "function" if namespace else None)
         name = tool.get("name")
@@ -48,7 +48,7 @@ class ResponsesTools:
             raise invalid(f"each {kind} tool needs a 'name' string", "tools")
         exposed = f"{namespace}{NAMESPACE_SEP}{name}" if namespace else name
         if kind == "function":
-            self.tools.append(t.function_tool(exposed, tool.get("description"), tool.get("parameters")))
+            self.tools.append(function_tool(exposed, tool.get("description"), tool.get("parameters")))
         elif kind == "custom":
             self._add_custom(exposed, tool)
         elif kind == "namespace":
@@ -78,12 +78,12 @@ class ResponsesTools:
                 if syntax == "regex":
                     self.enforced[exposed] = _schema({**param, "pattern": f"^(?:{definition})$"})
         self.custom.add(exposed)
-        self.tools.append(t.function_tool(exposed, description.strip(), _schema(param)))
+        self.tools.append(function_tool(exposed, description.strip(), _schema(param)))
 
     def for_constraint(self) -> list[dict]:
         """The tools a forced call is decoded against: custom formats enforced where they can be."""
         return [
-            t.function_tool(x["function"]["name"], "", self.enforced[x["function"]["name"]])
+            function_tool(x["function"]["name"], "", self.enforced[x["function"]["name"]])
             if x["function"]["name"] in self.enforced
             else x
             for x in self.tools
@@ -101,7 +101,7 @@ def _schema(param: dict) -> dict:
 
 def parse_tools(raw, items) -> ResponsesTools:
     """`tools`, plus the tools of every `additional_tools` input item."""
-    out = ResponsesTools(loaded=t.loaded_tool_names(items))
+    out = ResponsesTools(loaded=loaded_tool_names(items))
     if raw is not None and not isinstance(raw, list):
         raise invalid("'tools' must be a list", "tools")
     for tool in raw or []:

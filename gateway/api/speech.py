@@ -13,11 +13,10 @@ import numpy as np
 from aiohttp import web
 
 from mlxgw.gateway.access.auth import resolve_model
-from mlxgw.gateway.pipeline import validate as v
 from mlxgw.gateway.pipeline.aux_fields import SpeechFields, required
-from mlxgw.gateway.pipeline.body import read_json
+from mlxgw.gateway.pipeline.body import read_object
 from mlxgw.gateway.pipeline.fields import decode_fields
-from mlxgw.gateway.pipeline.translate import generation
+from mlxgw.gateway.pipeline.serving import generation
 from mlxgw.gateway.web.state import SETTINGS
 from mlxgw.gateway.web.work_pools import THREAD_POOLS
 from mlxgw.shared import protocol as p
@@ -59,7 +58,7 @@ def encode(pcm: bytes, rate: int, fmt: str) -> bytes:
 
 
 async def create_speech(request: web.Request) -> web.Response:
-    f = decode_fields(v.require_object(await read_json(request)), SpeechFields)
+    f = decode_fields(await read_object(request), SpeechFields)
     slot = resolve_model(request, required(f.model, "model"), (ModelKind.SPEECH,))
     text = required(f.input, "input")
     if not text.strip():

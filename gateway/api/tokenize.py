@@ -10,10 +10,11 @@ from __future__ import annotations
 from aiohttp import web
 
 from mlxgw.gateway.api.openai_chat import parse_messages
-from mlxgw.gateway.pipeline import translate as t
 from mlxgw.gateway.pipeline.aux_fields import DetokenizeFields, TokenizeFields, required
 from mlxgw.gateway.pipeline.fields import INT32_MAX
 from mlxgw.gateway.pipeline.images import collect_images
+from mlxgw.gateway.pipeline.serving import open_fields
+from mlxgw.gateway.pipeline.translate import image_limits
 from mlxgw.gateway.web.state import MANAGER, SETTINGS
 from mlxgw.shared.errors import invalid
 
@@ -38,8 +39,8 @@ def _tokenize_args(f: TokenizeFields, images) -> dict:
 
 @routes.post("/tokenize")
 async def tokenize(request: web.Request) -> web.Response:
-    f, slot = await t.open_fields(request, TokenizeFields)
-    limits = t.image_limits(request, slot)
+    f, slot = await open_fields(request, TokenizeFields)
+    limits = image_limits(request, slot)
     args = _tokenize_args(f, limits)
     if "messages" in args:
         args["messages"], images = await collect_images(args["messages"], limits)
@@ -62,7 +63,7 @@ async def tokenize(request: web.Request) -> web.Response:
 
 @routes.post("/detokenize")
 async def detokenize(request: web.Request) -> web.Response:
-    f, slot = await t.open_fields(request, DetokenizeFields)
+    f, slot = await open_fields(request, DetokenizeFields)
     tokens = required(f.tokens, "tokens")
     if (
         not isinstance(tokens, list)

@@ -1,7 +1,8 @@
 """The tool loop driven for one request: one JSON body, or one stream across its turns.
 
-Mirrors translate.respond and stream.run_stream (whose rules hold here too: keep-alives, the
-error event that ends a failed stream, the end written once), with a generation per turn."""
+Mirrors serving.ApiFamily.answer and stream.run_stream (whose rules hold here too: keep-alives,
+the error event that ends a failed stream, the end written once), with a generation per turn.
+`McpFamily` is the ApiFamily of an API whose requests may name MCP servers (Chat, Responses)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from aiohttp import web
 
 from mlxgw.gateway.mcp.loop import McpCall, ToolLoop, new_call_id
 from mlxgw.gateway.models.generation import Generation, Outcome
-from mlxgw.gateway.pipeline import translate as t
+from mlxgw.gateway.pipeline.serving import ApiFamily, generation, omitted_header
 from mlxgw.gateway.pipeline.stream import Emitter, EmitterFactory
+from mlxgw.gateway.pipeline.translate import ParsedRequest, build_request
 from mlxgw.gateway.web.sse import SSEWriter
 from mlxgw.gateway.web.state import SETTINGS
 from mlxgw.shared.errors import ErrorCode, ServiceError
@@ -32,22 +34,60 @@ class McpHooks:
     also_extend: list[list[dict]] = field(default_factory=list)  # other histories to extend (Responses' store)
 
 
-async def _turn_request(request: web.Request, slot, parsed: t.ParsedRequest, loop: ToolLoop, client_tools):
+def split_tools(raw) -> tuple[list | None, list[dict]]:
+    """The request's tools without the MCP entries, and the MCP entries."""
+    if not isinstance(raw, list):
+        return raw, []
+    mcp = [x for x in raw if isinstance(x, dict) and x.get("type") == "mcp"]
+    rest = [x for x in raw if not (isinstance(x, dict) and x.get("type") == "mcp")]
+    return (rest if rest or not mcp else None), mcp
+
+
+class McpFamily(ApiFamily):
+    """An API whose requests may name MCP servers: parse takes their tools out of the
+    request's (`take_mcp_tools`) and, when there are any, the tool loop answers."""
+
+    mcp_loop: ToolLoop | None = None
+
+    def take_mcp_tools(self, fields) -> None:
+        """The fields keep the client's own tools; the MCP ones (and the model's default
+        servers') go to this request's loop, unless tool_choice is "none"."""
+        rest, specs = split_tools(fields.tools)
+        if not specs and not self.slot.entry.mcp_servers:
+            return
+        fields.tools = rest
+        if fields.tool_choice != "none":
+            loop = ToolLoop(self.request, self.slot, specs, rest)
+            self.mcp_loop = loop if loop.active else None
+
+    def mcp_hooks(self) -> McpHooks:
+        raise NotImplementedError
+
+    async def answer(self, parsed: ParsedRequest) -> web.StreamResponse:
+        if self.mcp_loop is None:
+            return await super().answer(parsed)
+        hooks = self.mcp_hooks()
+        return await respond(
+            self.request, self.slot, parsed, self.mcp_loop, hooks, self.emitter, self.render, self.headers
+        )
+
+
+async def _turn_request(request: web.Request, slot, parsed: ParsedRequest, loop: ToolLoop, client_tools):
     loop.prepare(parsed, client_tools)
-    return t.generation(request, slot, await t.build_request(request, slot, parsed))
+    return generation(request, slot, await build_request(request, slot, parsed))
 
 
 async def respond(
     request: web.Request,
     slot,
-    parsed: t.ParsedRequest,
+    parsed: ParsedRequest,
     loop: ToolLoop,
     hooks: McpHooks,
     emitter: EmitterFactory,
     render: Callable[[Generation, Outcome], dict],
     headers: dict[str, str] | None = None,
 ) -> web.StreamResponse:
-    headers = {**(headers or {}), **t.omitted_header(parsed)}
+    headers = {**(headers or {}), **omitted_header(parsed)}
     client_tools = parsed.tools
     if parsed.stream:
         return await _McpStream(request, slot, parsed, loop, hooks, emitter, client_tools).respond(headers)

@@ -23,7 +23,8 @@ from aiohttp import web
 from mlxgw.gateway.mcp import access
 from mlxgw.gateway.mcp.hub import MCP
 from mlxgw.gateway.mcp.server import McpServer, McpState
-from mlxgw.gateway.pipeline import translate as t
+from mlxgw.gateway.pipeline.tools import function_tool, template_arguments
+from mlxgw.gateway.pipeline.translate import ParsedRequest
 from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
 from mlxgw.shared.events import Usage
 
@@ -54,15 +55,6 @@ def new_call_id() -> str:
     return f"call_{secrets.token_hex(12)}"
 
 
-def split_tools(raw) -> tuple[list | None, list[dict]]:
-    """The request's tools without the MCP entries, and the MCP entries."""
-    if not isinstance(raw, list):
-        return raw, []
-    mcp = [x for x in raw if isinstance(x, dict) and x.get("type") == "mcp"]
-    rest = [x for x in raw if not (isinstance(x, dict) and x.get("type") == "mcp")]
-    return (rest if rest or not mcp else None), mcp
-
-
 def _requested(spec: dict) -> tuple[str, list[str] | None]:
     label = spec.get("server_label")
     if not isinstance(label, str) or not label:
@@ -73,14 +65,6 @@ def _requested(spec: dict) -> tuple[str, list[str] | None]:
     if allowed is not None and not (isinstance(allowed, list) and all(isinstance(x, str) for x in allowed)):
         raise invalid("mcp allowed_tools must be a list of tool names", "tools")
     return label, allowed
-
-
-def template_arguments(args: str):
-    """Arguments as chat templates expect them: an object where the JSON parses."""
-    try:
-        return json.loads(args)
-    except ValueError:
-        return args
 
 
 def _tool_name(tool: dict) -> str:
@@ -119,7 +103,7 @@ class ToolLoop:
                         f"tool name '{tool.name}' is offered twice (MCP servers or the request's tools)", "tools"
                     )
                 self.tools[tool.name] = server
-                self.offered.append(t.function_tool(tool.name, tool.description, tool.inputSchema))
+                self.offered.append(function_tool(tool.name, tool.description, tool.inputSchema))
         self.deadline = time.monotonic() + self.cfg.total_timeout_s
         self.turns = 0
         self.calls: list[McpCall] = []
@@ -133,7 +117,7 @@ class ToolLoop:
         """Whether this turn still offers the MCP tools (turns and time left)."""
         return self.turns < self.cfg.max_turns and time.monotonic() < self.deadline
 
-    def prepare(self, parsed: t.ParsedRequest, client_tools: list | None) -> None:
+    def prepare(self, parsed: ParsedRequest, client_tools: list | None) -> None:
         """The tools of the next turn; a forced tool call holds for the first turn only."""
         if self.offering():
             parsed.tools = [*(client_tools or []), *self.offered]
@@ -189,15 +173,3 @@ class ToolLoop:
         targets = {id(x): x for x in (messages, *also)}  # Responses may store the very same list
         for target in targets.values():
             target.extend(turn)
-
-
-def from_request(request: web.Request, slot, body: dict) -> tuple[dict, ToolLoop | None]:
-    """The body without its MCP tools, and the request's tool loop (None: no MCP tools)."""
-    rest, specs = split_tools(body.get("tools"))
-    if not specs and not slot.entry.mcp_servers:
-        return body, None
-    body = {k: v for k, v in body.items() if k != "tools"} | ({"tools": rest} if rest is not None else {})
-    if body.get("tool_choice") == "none":
-        return body, None
-    loop = ToolLoop(request, slot, specs, rest)
-    return body, loop if loop.active else None

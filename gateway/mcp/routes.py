@@ -9,7 +9,7 @@ from mlxgw.gateway.mcp import access
 from mlxgw.gateway.mcp.hub import MCP
 from mlxgw.gateway.mcp.server import McpState
 from mlxgw.gateway.pipeline import validate as v
-from mlxgw.gateway.pipeline.body import read_json
+from mlxgw.gateway.pipeline.body import read_object
 from mlxgw.gateway.web.state import KEYS
 from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
 
@@ -47,7 +47,7 @@ async def execute(request: web.Request) -> web.Response:
     key = request.get("key")
     if request.app[KEYS] is not None and (key is None or not key.admin):
         raise ServiceError(ErrorCode.PERMISSION, "/v1/mcp/execute needs an admin key")
-    body = v.require_object(await read_json(request))
+    body = await read_object(request)
     label = v.string(body, "server_label", required_=True)
     name = v.string(body, "name", required_=True)
     arguments = body.get("arguments") or {}

@@ -3,7 +3,7 @@ declared once and decoded in one pass by msgspec like the generating APIs' (fiel
 a failure is a 400 naming the field in the words of fields._refusal. Fields whose shapes
 need their own messages (inputs, documents, messages, token ids) are taken as sent and
 checked by the route from the decoded struct. Each struct declares `model` (ModelField),
-so translate.open_fields reads the whole body in one decode; `required` says a field is missing in the
+so serving.open_fields reads the whole body in one decode; `required` says a field is missing in the
 words every API uses."""
 
 from __future__ import annotations

@@ -167,3 +167,12 @@ async def read_json(request: web.Request) -> Any:
     if len(raw) > THREAD_PARSE_BYTES:
         return await THREAD_POOLS["json"].run(parse_json, text)
     return parse_json(text)
+
+
+async def read_object(request: web.Request) -> dict:
+    """The body, which must be a JSON object: every route that decodes it into a struct reads
+    it so, since a struct's decode of a list or a string would name no field."""
+    body = await read_json(request)
+    if not isinstance(body, dict):
+        raise invalid("the request body must be a JSON object")
+    return body

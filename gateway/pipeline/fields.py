@@ -66,12 +66,33 @@ class CommonFields(msgspec.Struct):
         stop = getattr(self, self.STOP, None)
         return [stop] if isinstance(stop, str) else list(stop or [])
 
+    def request_fields(self) -> dict:
+        """The translate.ParsedRequest fields every API reads the same way (the mlxgw
+        extensions included: seed, min_p, penalties, logit_bias, priority, stream_interval)."""
+        return dict(
+            sampling=self,
+            stream=bool(self.stream),
+            max_tokens=self.requested_max_tokens(),
+            stop=self.stop_list(),
+            priority=self.priority or 0,
+            service_tier=self.service_tier,
+            stream_interval=self.stream_interval,
+            reasoning_budget=self.reasoning_budget,
+        )
+
+
+class BodyFields(CommonFields):
+    """A generating API's whole body: the common fields and the model it names, so the
+    body is decoded once, before the model is looked up (pipeline/serving.handle)."""
+
+    model: str | None = None
+
 
 MAX_CHOICES = 16  # n per request; each choice is a sequence in the batch
 Choices = Annotated[int, M(ge=1, le=MAX_CHOICES)]
 
 
-class ChatFields(CommonFields):
+class ChatFields(BodyFields):
     """A Chat Completions body, every field it reads."""
 
     MAX_TOKENS = ("max_completion_tokens", "max_tokens")
@@ -91,7 +112,7 @@ class ChatFields(CommonFields):
     tool_choice: Any = None
 
 
-class CompletionFields(CommonFields):
+class CompletionFields(BodyFields):
     """A (legacy) Completions body, every field it reads."""
 
     MAX_TOKENS = ("max_tokens",)
@@ -106,15 +127,17 @@ class CompletionFields(CommonFields):
     suffix: Any = None
 
 
-class AnthropicFields(CommonFields):
-    """An Anthropic Messages body: the fields it reads at its top level (messages and system
-    are converted by anthropic_input.convert_messages, documents read before)."""
+class AnthropicFields(BodyFields):
+    """An Anthropic Messages body: every field it reads (messages and system are converted by
+    anthropic_input.convert_messages, their documents read before)."""
 
     MAX_TOKENS, STOP = ("max_tokens",), "stop_sequences"
     temperature: Annotated[float, M(ge=0, le=1)] | None = None  # Anthropic's range
     max_tokens: Tokens | None = None
     stop_sequences: Stop = None
-    # As sent: their checks give Anthropic's own messages (anthropic.parse).
+    # As sent: their checks give Anthropic's own messages (anthropic.parse, anthropic_input).
+    messages: Any = None
+    system: Any = None
     tools: Any = None
     tool_choice: Any = None
     thinking: Any = None
@@ -128,7 +151,7 @@ class ThinkingFields(msgspec.Struct):
     budget_tokens: Annotated[int, M(ge=0, le=INT32_MAX)] | None = None
 
 
-class ResponsesFields(CommonFields):
+class ResponsesFields(BodyFields):
     """A Responses body, every field it reads."""
 
     MAX_TOKENS = ("max_output_tokens",)
@@ -146,7 +169,8 @@ class ResponsesFields(CommonFields):
 
 
 class ModelField(msgspec.Struct):
-    """The field every handler reads before its API's parse: the model it names (open_request)."""
+    """The model a request names: the field every non-generating route's struct shares
+    (aux_fields.py, read by serving.open_fields)."""
 
     model: str | None = None
 

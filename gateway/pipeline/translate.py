@@ -1,7 +1,8 @@
-"""The one translation layer: every generating API parses its body into a `ParsedRequest`,
-`build_request` turns that into the one internal `GenerateRequest` (model defaults, the
-max_tokens default and cap, images, timeouts), and `respond` answers with one body or a
-stream driven by `run_stream` (stream.py) and the API's emitter.
+"""The one translation layer: every generating API parses its fields into a `ParsedRequest`,
+and `build_request` turns that into the one internal `GenerateRequest` (model defaults, the
+max_tokens default and cap, images, timeouts). Nothing else lives here: the request's path
+around it (read, decode, model, generation, stream or answer) is serving.handle, and tools
+in each API's spelling are tools.py.
 
 An API module therefore writes only what is its own: the names and ranges of its fields,
 its message shapes, and its output shapes."""
@@ -9,27 +10,18 @@ its message shapes, and its output shapes."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import TypeVar
 
 from aiohttp import web
 
-from mlxgw.gateway.access.auth import reserve_tokens, resolve_model
-from mlxgw.gateway.models.generation import Generation, Outcome
-from mlxgw.gateway.pipeline import validate as v
-from mlxgw.gateway.pipeline.body import read_json
-from mlxgw.gateway.pipeline.fields import CommonFields, ModelField, decode_fields, logit_bias
+from mlxgw.gateway.pipeline.fields import CommonFields, logit_bias
 from mlxgw.gateway.pipeline.fim_support import fim_max_tokens
 from mlxgw.gateway.pipeline.images import ImageLimits, collect_images
-from mlxgw.gateway.pipeline.stream import EmitterFactory, run_stream
-from mlxgw.gateway.web.sse import SSEWriter
 from mlxgw.gateway.web.state import MANAGER, SETTINGS
 from mlxgw.shared import protocol as p
-from mlxgw.shared.config import CHAT_KINDS, ModelKind
-from mlxgw.shared.errors import invalid
+from mlxgw.shared.config import ModelKind
 
 # max_tokens when neither the request, the model's entry (defaults.max_tokens), the server
 # (--max-tokens-default) nor the model's own generation_config.json (max_new_tokens) sets
@@ -42,8 +34,6 @@ DEFAULT_MAX_TOKENS = 4096
 # instead of at the time limit.
 RATE_CAP_SHARE = 0.9
 RATE_CAP_FLOOR = 256
-
-F = TypeVar("F", bound=ModelField)
 
 
 @dataclass
@@ -71,26 +61,6 @@ class ParsedRequest:
     prompt_logprobs: int | None = None  # the same for the prompt's tokens (Completions' echo)
     n: int = 1  # choices from the one prompt
     fim: dict | None = None  # fill in the middle (fim_support.fim_map); prompt is then unused
-
-
-def parse_common(body: dict, kind: type[CommonFields]) -> dict:
-    """The ParsedRequest fields every generating API reads the same way (mlxgw extensions
-    included: seed, min_p, penalties, logit_bias, priority, stream_interval), decoded once."""
-    return common_fields(decode_fields(body, kind))
-
-
-def common_fields(f: CommonFields) -> dict:
-    """The ParsedRequest fields of an API's decoded struct that every API reads the same way."""
-    return dict(
-        sampling=f,
-        stream=bool(f.stream),
-        max_tokens=f.requested_max_tokens(),
-        stop=f.stop_list(),
-        priority=f.priority or 0,
-        service_tier=f.service_tier,
-        stream_interval=f.stream_interval,
-        reasoning_budget=f.reasoning_budget,
-    )
 
 
 def first_set(*values):
@@ -220,128 +190,3 @@ def _max_new_tokens(path: Path, stamp: int) -> int | None:
 def image_limits(request: web.Request, slot) -> ImageLimits | None:
     """The image limits when the model takes images, else None."""
     return request.app[SETTINGS].images if slot.entry.kind == ModelKind.VISION else None
-
-
-async def open_request(request: web.Request, kinds: tuple[ModelKind, ...] = CHAT_KINDS) -> tuple[dict, object]:
-    """The handler preamble of the generating APIs: the JSON body (which their parse decodes
-    into the API's struct) and the model slot it names."""
-    body = v.require_object(await read_json(request))
-    return body, _slot(request, decode_fields(body, ModelField), kinds)
-
-
-async def open_fields(
-    request: web.Request, kind: type[F], kinds: tuple[ModelKind, ...] = CHAT_KINDS
-) -> tuple[F, object]:
-    """The handler preamble of a route whose struct declares all it reads, `model` included:
-    the body decoded once, and the model slot it names."""
-    fields = decode_fields(v.require_object(await read_json(request)), kind)
-    return fields, _slot(request, fields, kinds)
-
-
-def _slot(request: web.Request, fields: ModelField, kinds: tuple[ModelKind, ...]):
-    if fields.model is None:
-        raise invalid("missing required parameter: 'model'", "model")
-    return resolve_model(request, fields.model, kinds)
-
-
-def generation(request: web.Request, slot, req: p.WorkerRequest) -> Generation:
-    """The request's generation, also recorded on the request for limits, metrics and logs."""
-    key = request.get("key")
-    if isinstance(req, p.GenerateRequest):  # embeddings are charged their input only
-        reserve_tokens(request, slot, req.max_tokens * req.n if req.max_tokens is not None else None, req.n)
-    gen = Generation(
-        request.app[MANAGER], slot, req, request.app[SETTINGS].keepalive_s, owner=key.name if key else None
-    )
-    request["generation"] = gen
-    return gen
-
-
-async def respond(
-    request: web.Request,
-    slot,
-    parsed: ParsedRequest,
-    emitter: EmitterFactory,
-    render: Callable[[Generation, Outcome], dict],
-    headers: dict[str, str] | None = None,
-    writer: type[SSEWriter] = SSEWriter,
-) -> web.StreamResponse:
-    """Run the request: one JSON body from `render`, or a stream through the API's emitter
-    in the writer's wire format."""
-    gen = generation(request, slot, await build_request(request, slot, parsed))
-    headers = {**(headers or {}), **omitted_header(parsed)}
-    if parsed.stream:
-        return await run_stream(request, gen, emitter, headers, writer)
-    async with gen:
-        out = await gen.result()
-    return web.json_response(render(gen, out), headers=headers)
-
-
-def omitted_header(parsed: ParsedRequest) -> dict[str, str]:
-    """Names what a text-only model was sent a placeholder for (images in tool results)."""
-    return {"x-mlxgw-omitted-content": ",".join(sorted(set(parsed.omitted)))} if parsed.omitted else {}
-
-
-# -- tools and constraints, in every API's own spelling ---------------------------------------
-
-
-def loaded_tool_names(conversation: object) -> set[str]:
-    """Deferred tools a tool search already loaded: the names in `tool_reference` blocks
-    (Anthropic) and in `tool_search_output` items' tools (OpenAI Responses)."""
-    found: set[str] = set()
-
-    def walk(node: object) -> None:
-        if isinstance(node, list):
-            for item in node:
-                walk(item)
-        elif isinstance(node, dict):
-            kind = node.get("type")
-            if kind == "tool_reference" and isinstance(node.get("tool_name"), str):
-                found.add(node["tool_name"])
-            elif kind == "tool_search_output" and isinstance(node.get("tools"), list):
-                found.update(x["name"] for x in node["tools"] if isinstance(x, dict) and isinstance(x.get("name"), str))
-            if isinstance(node.get("content"), list):
-                walk(node["content"])
-
-    walk(conversation)
-    return found
-
-
-def is_deferred(tool: object, loaded: set[str]) -> bool:
-    """A tool marked `defer_loading` (Anthropic's and OpenAI's tool search) is not in the
-    model's context until a search loads it: shown earlier, a small model calls it (Claude
-    Code offers `DeferredToolPlaceholder`, "never call this tool", first)."""
-    return isinstance(tool, dict) and tool.get("defer_loading") is True and tool.get("name") not in loaded
-
-
-def function_tool(name, description, parameters) -> dict:
-    """A tool as the chat template takes it."""
-    if not isinstance(name, str) or not name:
-        raise invalid("each tool needs a 'name' string", "tools")
-    return {
-        "type": "function",
-        "function": {
-            "name": name,
-            "description": description if isinstance(description, str) else "",
-            "parameters": parameters if isinstance(parameters, dict) else {"type": "object", "properties": {}},
-        },
-    }
-
-
-def forced_tool(tools: list[dict] | None, name: str | None, param: str = "tool_choice") -> dict:
-    """A tool call enforced by constrained decoding: any of the tools, or the named one."""
-    if not tools:
-        raise invalid(f"{param} requires tools", param)
-    return {"type": "tool_call", "tools": tools, "name": name}
-
-
-def one_constraint(output_format: dict | None, forced: dict | None, names: str) -> dict | None:
-    """An output format or a forced tool call; both at once cannot be enforced."""
-    if output_format is not None and forced is not None:
-        raise invalid(f"{names} cannot be combined", "tool_choice")
-    return forced or output_format
-
-
-def json_schema_constraint(schema, where: str, param: str) -> dict:
-    if not isinstance(schema, dict):
-        raise invalid(f"{where} must be a JSON schema object", param)
-    return {"type": "json_schema", "schema": schema}

@@ -1,8 +1,7 @@
 """Field checks for the few bodies no msgspec struct declares yet (batches, MCP server
 links: both read a couple of required strings). Every generating API, Ollama, embeddings,
 rerank, tokenize and speech decode their whole body once into a struct (fields.py,
-ollama_fields.py, aux_fields.py); `require_object` is the check all of them make first,
-since a struct's decode of a non-object body would name no field."""
+ollama_fields.py, aux_fields.py), read by body.read_object."""
 
 from __future__ import annotations
 
@@ -11,12 +10,6 @@ from typing import Any
 from mlxgw.shared.errors import invalid
 
 _MISSING = object()
-
-
-def require_object(body: Any) -> dict:
-    if not isinstance(body, dict):
-        raise invalid("the request body must be a JSON object")
-    return body
 
 
 def required(body: dict, name: str) -> Any:
