@@ -11,7 +11,7 @@ counts once however often its coroutine resumes, and code after the handler retu
 writing a JSON body) is not counted.
 
 Not a test and not a benchmark: a measurement of the code's shape, run ad hoc:
-    PYTHONPATH=. python tools/trace_request.py [--tokens 4] [--show 40]
+    mlxgw bench overhead request-path [--tokens 4] [--show 40]
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent.parent
 GATEWAY = str(ROOT / "gateway") + os.sep
 
 
