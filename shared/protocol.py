@@ -189,6 +189,10 @@ class GenerateRequest:
     # "filename", "repo"}; set, the worker builds the prompt with the model's FIM tokens and
     # `prompt` is unused.
     fim: dict | None = None
+    # A client's caching hint (Anthropic cache_control, OpenAI prompt_cache_retention): hold
+    # this prompt's blocks in the prefix cache for this many seconds. None: no hint. A worker
+    # of an older version ignores the field.
+    cache_retention_s: float | None = None
 
     def to_wire(self) -> dict:
         return _plain(self)

@@ -14,6 +14,7 @@ from aiohttp import web
 
 from mlxgw.gateway.api.anthropic_input import convert_messages, read_documents
 from mlxgw.gateway.models.generation import Generation, Outcome
+from mlxgw.gateway.pipeline.cache_hints import anthropic_retention, anthropic_usage
 from mlxgw.gateway.pipeline.content import ContentPolicy
 from mlxgw.gateway.pipeline.fields import AnthropicFields, ThinkingFields, decode_fields
 from mlxgw.gateway.pipeline.serving import ApiFamily, handle, omitted_header
@@ -30,7 +31,7 @@ from mlxgw.gateway.pipeline.translate import ParsedRequest, build_request, image
 from mlxgw.gateway.web.anthropic_errors import anthropic_error_body
 from mlxgw.gateway.web.state import MANAGER, SETTINGS
 from mlxgw.shared.errors import ServiceError, invalid
-from mlxgw.shared.events import Finish, Usage
+from mlxgw.shared.events import Finish
 
 routes = web.RouteTableDef()
 
@@ -93,17 +94,13 @@ def parse(f: AnthropicFields, policy: ContentPolicy) -> ParsedRequest:
         constraint=_constraint(f.tool_choice, f.output_config, tools),
         chat_template_kwargs=template_kwargs,
         omitted=policy.omitted,
+        cache_retention_s=anthropic_retention(f.system, f.messages, f.tools),
         **common,
     )
 
 
-def _usage(u: Usage) -> dict:
-    return {
-        "input_tokens": u.prompt_tokens,
-        "output_tokens": u.completion_tokens,
-        "cache_read_input_tokens": u.cached_tokens,
-        "cache_creation_input_tokens": 0,
-    }
+def _usage(gen: Generation) -> dict:
+    return anthropic_usage(gen.usage, getattr(gen.req, "cache_retention_s", None) is not None)
 
 
 def _stop(reason: str, stop: str | None, time_limited: bool = False) -> tuple[str, str | None]:
@@ -128,7 +125,7 @@ def _message(gen: Generation, content: list[dict], stop_reason: str | None, stop
         "content": content,
         "stop_reason": stop_reason,
         "stop_sequence": stop_sequence,
-        "usage": _usage(gen.usage),
+        "usage": _usage(gen),
     }
 
 
@@ -203,7 +200,7 @@ class MessageEvents(Emitter):
         await self._close()
         stop_reason, stop_sequence = _stop(event.reason, event.stop, bool(event.time_limited))
         delta = {"stop_reason": stop_reason, "stop_sequence": stop_sequence}
-        await self._event("message_delta", delta=delta, usage=_usage(self.gen.usage))
+        await self._event("message_delta", delta=delta, usage=_usage(self.gen))
         await self._event("message_stop")
 
     def error_body(self, err: ServiceError) -> dict:

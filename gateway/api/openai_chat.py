@@ -8,6 +8,7 @@ from mlxgw.gateway.api import openai_common as oc
 from mlxgw.gateway.api.mcp_calls import chat_hooks
 from mlxgw.gateway.mcp.drive import McpFamily, McpHooks
 from mlxgw.gateway.models.generation import Generation, Outcome
+from mlxgw.gateway.pipeline.cache_hints import openai_retention
 from mlxgw.gateway.pipeline.fields import ChatFields
 from mlxgw.gateway.pipeline.images import ImageLimits, from_openai_part, join_content
 from mlxgw.gateway.pipeline.serving import handle
@@ -127,6 +128,7 @@ def parse(f: ChatFields, images: ImageLimits | None) -> tuple[ParsedRequest, boo
         chat_template_kwargs=f.chat_template_kwargs,
         n=choices_count(f.n, f.best_of),
         logprobs=logprobs_wanted(f.logprobs, f.top_logprobs),
+        cache_retention_s=openai_retention(f.prompt_cache_retention),
         **f.request_fields(),
     )
     return parsed, oc.include_usage(f.stream_options, f.stream)

@@ -20,6 +20,7 @@ from mlxgw.gateway.api.responses_output import STORE, ResponseEvents, render
 from mlxgw.gateway.api.responses_tools import ResponsesTools, custom_arguments, joined_name, parse_tools, split_name
 from mlxgw.gateway.mcp.drive import McpFamily, McpHooks
 from mlxgw.gateway.models.generation import Generation, Outcome
+from mlxgw.gateway.pipeline.cache_hints import openai_retention
 from mlxgw.gateway.pipeline.content import ContentPolicy, b64decode, data_url, read_pdfs, text_file, titled
 from mlxgw.gateway.pipeline.fields import ResponsesFields, decode_fields
 from mlxgw.gateway.pipeline.images import from_openai_part, join_content
@@ -184,6 +185,7 @@ def parse(
         constraint=_constraint(f, offered),
         omitted=policy.omitted,
         logprobs=_logprobs(f),
+        cache_retention_s=openai_retention(f.prompt_cache_retention),
         **f.request_fields(),
     )
 

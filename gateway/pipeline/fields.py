@@ -92,6 +92,9 @@ MAX_CHOICES = 16  # n per request; each choice is a sequence in the batch
 Choices = Annotated[int, M(ge=1, le=MAX_CHOICES)]
 
 
+CacheRetention = Literal["in_memory", "24h"]
+
+
 class ChatFields(BodyFields):
     """A Chat Completions body, every field it reads."""
 
@@ -107,6 +110,8 @@ class ChatFields(BodyFields):
     chat_template_kwargs: dict | None = None
     response_format: dict | None = None
     tools: list | None = None
+    prompt_cache_key: str | None = None  # accepted; routes nothing on one worker (cache_hints.py)
+    prompt_cache_retention: CacheRetention | None = None
     # As sent: their checks give messages a user can act on (openai_chat.parse).
     messages: Any = None
     tool_choice: Any = None
@@ -162,6 +167,8 @@ class ResponsesFields(BodyFields):
     text: dict | None = None
     include: list | None = None
     top_logprobs: Annotated[int, M(ge=0, le=20)] | None = None
+    prompt_cache_key: str | None = None  # accepted; routes nothing on one worker (cache_hints.py)
+    prompt_cache_retention: CacheRetention | None = None
     # As sent: their checks give messages a user can act on (responses.parse, responses_tools).
     input: Any = None
     tools: Any = None

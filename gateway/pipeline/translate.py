@@ -61,6 +61,7 @@ class ParsedRequest:
     prompt_logprobs: int | None = None  # the same for the prompt's tokens (Completions' echo)
     n: int = 1  # choices from the one prompt
     fim: dict | None = None  # fill in the middle (fim_support.fim_map); prompt is then unused
+    cache_retention_s: float | None = None  # a client's caching hint (cache_hints.py); None: none
 
 
 def first_set(*values):
@@ -141,6 +142,7 @@ async def build_request(request: web.Request, slot, parsed: ParsedRequest) -> p.
         n=parsed.n,
         adapter=request.get("adapter"),
         fim=parsed.fim,
+        cache_retention_s=parsed.cache_retention_s,
     )
 
 

@@ -14,6 +14,11 @@ from helpers.pdf import pdf_with_text
 MSGS = [{"role": "user", "content": "Tell me about the sea."}]
 
 
+def prompt_total(usage) -> int:
+    """Anthropic splits a prompt in three disjoint counts; their sum is the whole prompt."""
+    return usage.input_tokens + (usage.cache_read_input_tokens or 0) + (usage.cache_creation_input_tokens or 0)
+
+
 def png_bytes() -> bytes:
     from PIL import Image
 
@@ -39,7 +44,7 @@ def test_non_streaming_message_and_usage(tiny_gateway, smollm2_tokenizer):
     expected = smollm2_tokenizer.apply_chat_template(
         [{"role": "system", "content": "Be brief."}, *MSGS], add_generation_prompt=True
     )
-    assert msg.usage.input_tokens == len(expected)
+    assert prompt_total(msg.usage) == len(expected)
 
 
 def test_stream_helper_assembles_the_same_message_in_the_right_event_order(tiny_gateway):
@@ -50,7 +55,7 @@ def test_stream_helper_assembles_the_same_message_in_the_right_event_order(tiny_
         for event in stream:
             types.append(event.type)
             if event.type == "message_start":
-                assert event.message.usage.input_tokens == full.usage.input_tokens > 0
+                assert prompt_total(event.message.usage) == prompt_total(full.usage) > 0
         final = stream.get_final_message()
     assert final.content[0].text == full.content[0].text
     assert final.stop_reason == "max_tokens"  # vllm-mlx 0.6.0 said end_turn here
@@ -103,7 +108,7 @@ def test_count_tokens_matches_the_real_input_tokens(tiny_gateway):
     c = client(tiny_gateway)
     counted = c.messages.count_tokens(model="tiny", system="Be brief.", messages=MSGS)
     used = c.messages.create(model="tiny", max_tokens=1, system="Be brief.", messages=MSGS)
-    assert counted.input_tokens == used.usage.input_tokens
+    assert counted.input_tokens == prompt_total(used.usage)
 
 
 def test_claude_code_request_shape_is_accepted(tiny_gateway):
@@ -258,7 +263,7 @@ def test_system_turns_inside_messages_are_rendered_in_place_also_in_count_tokens
         ],
         add_generation_prompt=True,
     )
-    assert counted.input_tokens == msg.usage.input_tokens == len(expected)
+    assert counted.input_tokens == prompt_total(msg.usage) == len(expected)
 
 
 def test_a_system_turn_before_the_first_reply_joins_the_system_prompt(tiny_gateway, smollm2_tokenizer):
@@ -403,7 +408,7 @@ def test_a_new_billing_line_does_not_miss_the_prefix_cache(tiny_gateway):
     c = client(tiny_gateway)
     c.messages.create(model="tiny", max_tokens=1, system=_system_with_billing_line("11111"), messages=MSGS)
     again = c.messages.create(model="tiny", max_tokens=1, system=_system_with_billing_line("99999"), messages=MSGS)
-    assert again.usage.cache_read_input_tokens >= again.usage.input_tokens - 1
+    assert again.usage.cache_read_input_tokens >= prompt_total(again.usage) - 1
 
 
 WRITE_TOOL = {
@@ -445,3 +450,35 @@ def test_a_deferred_tool_is_not_shown_to_the_model_until_a_tool_search_loads_it(
         },
     ]
     assert count([PLACEHOLDER, WRITE_TOOL], searched) > count([WRITE_TOOL], searched), "a loaded tool is shown"
+
+
+def test_usage_splits_the_prompt_into_input_cache_read_and_cache_write(tiny_gateway):
+    """input + cache read + cache write is the whole prompt (Claude Code sums them as the
+    context's size; counting cached tokens as input too made a warm context look twice its
+    size); a cache_control breakpoint reports what was computed as written to the cache."""
+    c = client(tiny_gateway)
+    system = [{"type": "text", "text": "You review code for a team. " * 20, "cache_control": {"type": "ephemeral"}}]
+    first = c.messages.create(model="tiny", max_tokens=1, system=system, messages=MSGS)
+    again = c.messages.create(model="tiny", max_tokens=1, system=system, messages=MSGS)
+    plain = c.messages.create(model="tiny", max_tokens=1, system=system[0]["text"], messages=MSGS)
+    total = c.messages.count_tokens(model="tiny", system=system, messages=MSGS).input_tokens
+    for u in (first.usage, again.usage, plain.usage):
+        assert prompt_total(u) == total, u
+    assert first.usage.input_tokens == 0 and first.usage.cache_creation_input_tokens > 0
+    assert again.usage.cache_read_input_tokens >= total - 32  # whole 32-token blocks come back
+    assert plain.usage.cache_creation_input_tokens == 0 and plain.usage.cache_read_input_tokens > 0
+
+
+@pytest.mark.parametrize(
+    "mark,says",
+    [({"type": "persistent"}, "ephemeral"), ({"type": "ephemeral", "ttl": "2h"}, "'5m' or '1h'")],
+)
+def test_a_malformed_cache_control_is_refused_in_anthropics_shape(tiny_gateway, mark, says):
+    body = {
+        "model": "tiny",
+        "max_tokens": 1,
+        "system": [{"type": "text", "text": "Be brief.", "cache_control": mark}],
+        "messages": MSGS,
+    }
+    status, _, out = http(f"{tiny_gateway.url}/v1/messages", method="POST", body=body)
+    assert status == 400 and out["type"] == "error" and says in out["error"]["message"], out

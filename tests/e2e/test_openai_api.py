@@ -272,3 +272,18 @@ def test_non_finite_numbers_are_400s(tiny_gateway, literal):
     raw = f'{{"model": "tiny", "messages": [{{"role": "user", "content": "x"}}], "temperature": {literal}}}'
     status, _, payload = http(tiny_gateway.url + "/v1/chat/completions", "POST", raw=raw.encode())
     assert status == 400 and payload["error"]["type"] == "invalid_request_error"
+
+
+def test_prompt_cache_hints_are_accepted_and_checked(tiny_gateway):
+    """prompt_cache_key and prompt_cache_retention as OpenAI spells them: accepted on Chat
+    Completions and Responses; a retention OpenAI does not have is a 400 naming the field."""
+    client = openai_client(tiny_gateway)
+    hints = {"prompt_cache_key": "team-a", "prompt_cache_retention": "24h"}
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2, extra_body=hints
+    )
+    assert chat.choices[0].message.content is not None
+    assert client.responses.create(model="tiny", input="hi", max_output_tokens=2, extra_body=hints).output
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "prompt_cache_retention": "forever"}
+    status, _, out = http(f"{tiny_gateway.url}/v1/chat/completions", method="POST", body=body)
+    assert status == 400 and "prompt_cache_retention" in out["error"]["message"], out
