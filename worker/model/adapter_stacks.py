@@ -7,12 +7,16 @@ calls for the whole batch, as Punica/S-LoRA's BGMV does, whatever the number of 
 it; rows without an adapter (or under an adapter of another group) index any position and are
 multiplied by a scale of 0 (the base output plus zero, exactly).
 
-Why this and not a masked matmul per adapter or rows grouped by adapter: measured in one
-process on SmolLM2-135M shapes (docs/benchmarks.md, issue 44), it is the cheapest at decode
-(two ops per layer instead of five per adapter) and the only one whose per-row arithmetic is
+Why this and not a masked matmul per adapter (the first version) or rows sorted into one
+matmul per adapter: measured in one process on SmolLM2-135M shapes (hidden 576, rank 8 and
+16, 8 and 16 rows, 4 adapters and rows without one; issue 44), it is as cheap or cheaper at
+decode (four ops per layer instead of five or six per adapter present) and about half the
+masked matmuls' cost on a prefill chunk, and it is the only one whose per-row arithmetic is
 that of mlx-lm's LoRALinear running the row alone: gather_mm multiplies each row by its own
-matrices (M = that row's tokens), where one matmul over the whole batch rounds a long prefill
-differently. A row's delta is `(scale * z).astype(x.dtype)` with the scale in z's dtype, as
+matrices (M = that row's tokens), where one matmul over the whole batch rounds a long
+prefill chunk differently. Folding the scale into B saves one op but rounds differently
+unless the scale is a power of two; one matmul against the adapters' concatenated A's costs
+the same and is not exact either. A row's delta is `(scale * z).astype(x.dtype)` with the scale in z's dtype, as
 mlx-lm writes it, so greedy output equals `mlx_lm.load(base, adapter_path=...)` alone.
 
 Positions are the same in every layer of a group (an adapter's position is per group, not per
@@ -39,8 +43,9 @@ class RowRouting:
     def __init__(self) -> None:
         self.indices: mx.array | None = None
         self.active: tuple[int, ...] = ()
-        # Inside an MoE block: each expert pick's slot (worker/model/adapter_experts.py).
-        self.token_slots: mx.array | None = None
+        # Inside an MoE block: each expert pick's position and scale per group (adapter_experts.py).
+        self.pick_positions: dict[GroupKey, mx.array] = {}
+        self.pick_scales: dict[GroupKey, mx.array] = {}
         self.positions: dict[GroupKey, mx.array] = {}  # (rows,) int32
         self._scales: dict[GroupKey, mx.array] = {}  # (rows, 1, 1) float32; 0 outside the group
         self._cast: dict[tuple[GroupKey, mx.Dtype], mx.array] = {}
@@ -69,11 +74,10 @@ class LoraTable:
     """One layer's adapter weights. A plain object, so that nn.Module keeps it out of the
     model's parameter tree (adapters come and go; the model's weights do not).
 
-    by_slot: slot -> (lora_a, lora_b, scale), for MoE expert layers. stacks: group -> (A, B)
-    stacked by position, for plain linear layers; held: the positions holding an adapter."""
+    stacks: group -> (A, B) stacked by position (an MoE expert layer's with an experts axis
+    after the positions); held: the positions holding an adapter."""
 
     def __init__(self) -> None:
-        self.by_slot: dict[int, tuple[mx.array, mx.array, float]] = {}
         self.stacks: dict[GroupKey, tuple[mx.array, mx.array]] = {}
         self.held: dict[GroupKey, set[int]] = {}
 

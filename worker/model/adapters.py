@@ -106,7 +106,7 @@ class LoadedAdapter:
     path: str
     slot: int
     scale: float
-    layers: dict[str, GroupKey | None]  # layer path -> its stack group (None: an MoE expert layer)
+    layers: dict[str, GroupKey]  # layer path -> its stack group
     positions: dict[GroupKey, int]  # its position in each group's stacks
     nbytes: int
     tag: int  # its prefix-cache namespace
@@ -253,24 +253,20 @@ class AdapterBank:
         except TypeError as e:  # an MoE block kind whose experts are not served
             raise refused(name, str(e)) from None
         self._slots.add(slot)
-        plain: dict[GroupKey, list[tuple[MultiLoRALinear, tuple]]] = {}
-        kinds: dict[str, GroupKey | None] = {}
+        targets: dict[GroupKey, list[tuple[MultiLoRALinear | MultiLoRASwitchLinear, tuple]]] = {}
+        kinds: dict[str, GroupKey] = {}
         for layer_path, wrapper, (a, b) in zip(layers, wrapped, layers.values()):
-            if isinstance(wrapper, MultiLoRASwitchLinear):
-                wrapper.table.by_slot[slot] = (a, b, scale)
-                kinds[layer_path] = None
-            else:
-                key = kinds[layer_path] = group_key(a, b)
-                plain.setdefault(key, []).append((wrapper, (a, b)))
+            key = kinds[layer_path] = group_key(a, b)
+            targets.setdefault(key, []).append((wrapper, (a, b)))
         positions, fresh = {}, []
-        for key, targets in plain.items():
+        for key, group in targets.items():
             book = self._positions.setdefault(key, [])
             pos = book.index(None) if None in book else len(book)
             grown = pos == len(book)
             book[pos : pos + 1] = [slot]
             positions[key] = pos
-            puts = {id(w): (w, {pos: pair}) for w, pair in targets}
-            for w in self._plain_wrappers(key) if grown else ():  # the group's other layers: a zero position
+            puts = {id(w): (w, {pos: pair}) for w, pair in group}
+            for w in self._stacked_wrappers(key) if grown else ():  # the group's other layers: a zero position
                 puts.setdefault(id(w), (w, {}))
             for w, put in puts.values():
                 fresh += w.table.restack(key, len(book), put)
@@ -282,8 +278,8 @@ class AdapterBank:
         log.info("adapter %s loaded: %d layers, %.1f MB", name, len(layers), nbytes / 2**20)
         return adapter
 
-    def _plain_wrappers(self, key: GroupKey) -> list[MultiLoRALinear]:
-        return [w for w in self._wrapped.values() if isinstance(w, MultiLoRALinear) and key in w.table.stacks]
+    def _stacked_wrappers(self, key: GroupKey) -> list[MultiLoRALinear | MultiLoRASwitchLinear]:
+        return [w for w in self._wrapped.values() if key in w.table.stacks]
 
     def _wrap(self, path: str, modules: dict[str, nn.Module]) -> MultiLoRALinear | MultiLoRASwitchLinear:
         module = modules[path]
@@ -302,17 +298,14 @@ class AdapterBank:
         fresh = []
         for layer_path, key in adapter.layers.items():
             table = self._wrapped[layer_path].table
-            if key is None:
-                table.by_slot.pop(adapter.slot, None)
-            else:
-                fresh += table.restack(key, len(self._positions[key]), {adapter.positions[key]: None})
+            fresh += table.restack(key, len(self._positions[key]), {adapter.positions[key]: None})
         for key, pos in adapter.positions.items():
             book = self._positions[key]
             book[pos] = None
             if book[-1] is None:  # trailing free positions leave every stack of the group
                 while book and book[-1] is None:
                     book.pop()
-                for w in self._plain_wrappers(key):
+                for w in self._stacked_wrappers(key):
                     fresh += w.table.restack(key, len(book), {})
             if not book:
                 del self._positions[key]
