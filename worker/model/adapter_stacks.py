@@ -19,7 +19,9 @@ unless the scale is a power of two; one matmul against the adapters' concatenate
 the same and is not exact either. A row's delta is `(scale * z).astype(x.dtype)` with the scale in z's dtype, as
 mlx-lm writes it, so greedy output equals `mlx_lm.load(base, adapter_path=...)` alone.
 
-Positions are the same in every layer of a group (an adapter's position is per group, not per
+An MoE block's expert layers stack the same way, each position holding an adapter's
+(experts, ...) matrices (worker/model/adapter_experts.py). Positions are the same in every
+layer of a group (an adapter's position is per group, not per
 layer); a layer the adapter does not target holds zeros at it. A free position is reused;
 trailing free ones are dropped, so the stacks hold the resident adapters' bytes (plus zeros
 only where adapters of one group target different layers)."""
