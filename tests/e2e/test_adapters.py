@@ -205,6 +205,29 @@ def test_resident_adapters_are_bounded_but_rows_in_use_keep_theirs(models):
     assert stats["resident"] == ["A"] and stats["evictions"] >= 1
 
 
+def test_adapters_leaving_and_arriving_share_the_stacks_exactly_and_a_byte_bound_evicts_idle_ones(models, home):
+    base, a, b = models["llama"]
+    # C and D have A's rank: one stack group (worker/model/adapter_stacks.py); B's rank is another.
+    c = write_lora_adapter(base, home / "adapters" / "llama-c", seed=3)
+    d = write_lora_adapter(base, home / "adapters" / "llama-d", seed=4)
+    runner = make_runner(base, {"A": a, "B": b, "C": c}, speculative=SpeculativeConfig(mode="off"))
+    bank = runner.adapters
+    prompt = runner.tokenizer.encode("one two three four five six")
+    run_together(runner, [(prompt, "A"), (prompt, "C"), (prompt, "B")])
+    position_of_a = bank.resident["A"].positions
+    bank.set_sources({"B": str(b), "C": str(c), "D": str(d)})  # A leaves; D takes its place in the stacks
+    got = run_together(runner, [(prompt, "D"), (prompt, None), (prompt, "C"), (prompt, "B")])
+    for (tokens, _), folder in zip(got, [d, None, c, b]):
+        assert tokens == reference(base, folder, prompt)
+    assert bank.resident["D"].positions == position_of_a
+    # Bounded by bytes (B's, twice the rank of C's): C runs, the idle D and B leave.
+    bank.max_bytes = bank.resident["B"].nbytes
+    ((tokens, _),) = run_together(runner, [(prompt, "C")])
+    assert tokens == reference(base, c, prompt)
+    stats = bank.stats()
+    assert stats["resident"] == ["C"] and stats["resident_bytes"] <= stats["max_bytes"]
+
+
 @pytest.mark.parametrize(
     "models_yaml, why",
     [

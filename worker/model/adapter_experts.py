@@ -1,10 +1,12 @@
 """LoRA on the experts of an MoE block, per row (worker/model/adapters.py serves the plain layers).
 
 mlx-lm's LoRASwitchLinear adds, for each token, `scale * B[e] @ A[e] @ x` for the experts e
-the router picked, through gather_mm. Per row here: each adapter in the batch adds that
-product to the tokens of its own rows only. An MoE block (SwitchGLU, SwitchMLP) sorts its
+the router picked, through gather_mm. Per row here: the resident adapters' expert weights
+are stacked by position as for plain layers (worker/model/adapter_stacks.py), (positions x
+experts) matrices, and each expert pick indexes `position * experts + e`, so one gather_mm
+pair serves every adapter in the batch. An MoE block (SwitchGLU, SwitchMLP) sorts its
 tokens by expert when it has many (64 expert picks or more) and hands its expert layers the
-sorted tokens; so the block itself works out, before it runs, the adapter slot of each token
+sorted tokens; so the block itself works out, before it runs, each pick's position and scale
 in the order its expert layers will see them (the same argsort it makes itself). The block
 keeps its class's code: its instance becomes a subclass whose __call__ does that first, so
 the module tree, and the adapter weights' names in it, stay mlx-lm's."""
@@ -40,7 +42,7 @@ def fits(a: mx.array, b: mx.array, dims: tuple[int, int, int]) -> bool:
 
 class MultiLoRASwitchLinear(nn.Module):
     """An expert layer (plain or quantized) plus the resident adapters' expert deltas, each
-    on the tokens of its own rows (their slots set by the routed MoE block around it)."""
+    pick getting its own row's adapter (positions and scales set by the routed block)."""
 
     def __init__(self, base: nn.Module, routing, table):
         super().__init__()
@@ -50,27 +52,26 @@ class MultiLoRASwitchLinear(nn.Module):
 
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
         y = self.base(x, indices, sorted_indices=sorted_indices)
-        slots = self.routing.token_slots
-        if slots is None:
-            return y
-        for slot in self.routing.active:
-            lora = self.table.by_slot.get(slot)
-            if lora is None:
+        experts = self.base.num_experts
+        for key, picks in self.routing.pick_positions.items():
+            stack = self.table.stacks.get(key)
+            if stack is None:
                 continue
-            a, b, scale = lora  # as mlx-lm's LoRASwitchLinear
-            z = mx.gather_mm(x, a.swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices)
-            z = mx.gather_mm(z, b.swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices)
-            y = y + mx.where(slots == slot, (scale * z).astype(x.dtype), 0)
+            a, b = (m.reshape(-1, *m.shape[2:]).swapaxes(-1, -2) for m in stack)  # (positions * experts, ...)
+            chosen = picks * experts + indices
+            # Not sorted by the combined index (the block sorted by expert only).
+            z = mx.gather_mm(x, a, rhs_indices=chosen)
+            z = mx.gather_mm(z, b, rhs_indices=chosen)
+            scale = self.routing.pick_scales[key]
+            y = y + ((scale if z.dtype == scale.dtype else scale.astype(z.dtype)) * z).astype(x.dtype)
         return y
 
 
-def _token_slots(rows: mx.array, indices: mx.array) -> mx.array:
-    """Each expert pick's adapter slot, shaped as the expert layers' outputs broadcast it."""
-    per_pick = mx.broadcast_to(rows.reshape((-1,) + (1,) * (indices.ndim - 1)), indices.shape)
-    if indices.size >= SORT_FROM:  # the block's own order (switch_layers._gather_sort)
-        order = mx.argsort(indices.flatten())
-        return per_pick.flatten()[order].reshape(-1, 1, 1)
-    return per_pick[..., None, None]
+def _per_pick(values: mx.array, indices: mx.array, order: mx.array | None) -> mx.array:
+    """A per-row value for each expert pick, shaped as the block's expert layers get their
+    indices: flat in the block's sorted order, else as the router's picks."""
+    per_pick = mx.broadcast_to(values.reshape((-1,) + (1,) * (indices.ndim - 1)), indices.shape)
+    return per_pick if order is None else per_pick.flatten()[order]
 
 
 def route_block(block: nn.Module, routing) -> None:
@@ -84,14 +85,18 @@ def route_block(block: nn.Module, routing) -> None:
     if routed is None:
 
         def __call__(self, x, indices):
-            rows = self._lora_routing.indices
-            if rows is None:
+            routing = self._lora_routing
+            if routing.indices is None:
                 return cls.__call__(self, x, indices)
-            self._lora_routing.token_slots = _token_slots(rows, indices)
+            # The block's own order (switch_layers._gather_sort), the same argsort of the same picks.
+            order = mx.argsort(indices.flatten()) if indices.size >= SORT_FROM else None
+            for key, positions in routing.positions.items():
+                routing.pick_positions[key] = _per_pick(positions, indices, order)
+                routing.pick_scales[key] = _per_pick(routing.scale(key, mx.float32), indices, order)[..., None, None]
             try:
                 return cls.__call__(self, x, indices)
             finally:
-                self._lora_routing.token_slots = None
+                routing.pick_positions, routing.pick_scales = {}, {}
 
         routed = _ROUTED[cls] = type(f"LoRARouted{cls.__name__}", (cls,), {"__call__": __call__})
     object.__setattr__(block, "_lora_routing", routing)

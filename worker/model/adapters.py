@@ -1,14 +1,15 @@
 """LoRA adapters on a running model, many in one batch (issue 44).
 
 The base weights are loaded once; adapters (`mlx_lm.lora` output folders) are loaded on a
-row's first use into a bounded resident set (LRU; an adapter a running row uses never
-leaves). Each linear layer an adapter targets is wrapped once by a `MultiLoRALinear`: the
-base product runs once for the whole batch, and each adapter present in the batch adds its
-low-rank product `scale * (x @ A) @ B` to its own rows only (rows are grouped by adapter
-with a mask; rows without an adapter get exactly the base output). That is the arithmetic
-of mlx-lm's LoRALinear per row, so a row's greedy output equals `mlx_lm.load(base,
-adapter_path=...)` generating alone. The experts of an MoE block get the same per row
-(worker/model/adapter_experts.py).
+row's first use into a bounded resident set (LRU, bounded by their bytes where a byte budget
+is given, else by count; an adapter a running row uses never leaves). Each linear layer an
+adapter targets is wrapped once by a `MultiLoRALinear`: the base product runs once for the
+whole batch, and every row adds its own adapter's low-rank product `scale * (x @ A) @ B`
+through one gather_mm over the resident adapters' stacked weights
+(worker/model/adapter_stacks.py; rows without an adapter get exactly the base output). That
+is the arithmetic of mlx-lm's LoRALinear per row, so a row's greedy output equals
+`mlx_lm.load(base, adapter_path=...)` generating alone. The experts of an MoE block get the
+same per row (worker/model/adapter_experts.py).
 
 Which rows a forward runs is set by the batch generator around each forward
 (`VectorBatchGenerator.route_rows` -> `AdapterBank.rows`), prefill and decode (speculative
@@ -35,6 +36,7 @@ from mlx.utils import tree_unflatten
 from mlxgw.shared.errors import invalid
 from mlxgw.worker.model.adapter_experts import MultiLoRASwitchLinear, expert_dims, fits, route_block
 from mlxgw.worker.model.adapter_formats import read_pairs, weights_file
+from mlxgw.worker.model.adapter_stacks import GroupKey, LoraTable, MultiLoRALinear, RowRouting, group_key
 
 log = logging.getLogger(__name__)
 
@@ -46,52 +48,6 @@ TAG_SHIFT = 32
 # Request ids whose adapter is remembered from preparation to admission (and re-admission
 # after a pause); the oldest are forgotten past this.
 MAX_NOTED_REQUESTS = 65536
-
-
-class RowRouting:
-    """The adapter slot of each row of the forward being built; None: no row has one."""
-
-    def __init__(self) -> None:
-        self.indices: mx.array | None = None
-        self.active: tuple[int, ...] = ()
-        # Inside an MoE block: each expert pick's slot (worker/model/adapter_experts.py).
-        self.token_slots: mx.array | None = None
-
-
-class LoraTable:
-    """slot -> (lora_a, lora_b, scale) of one layer. A plain object, so that nn.Module keeps
-    it out of the model's parameter tree (adapters come and go; the model's weights do not)."""
-
-    def __init__(self) -> None:
-        self.by_slot: dict[int, tuple[mx.array, mx.array, float]] = {}
-
-
-class MultiLoRALinear(nn.Module):
-    """A linear layer (plain or quantized) plus the low-rank deltas of the resident adapters
-    that target it, each applied to its own rows of the batch."""
-
-    def __init__(self, base: nn.Module, routing: RowRouting, table: LoraTable):
-        super().__init__()
-        self.base = base
-        self.routing = routing
-        self.table = table
-
-    def __call__(self, x: mx.array) -> mx.array:
-        y = self.base(x)
-        routing = self.routing
-        if routing.indices is None:
-            return y
-        if x.shape[0] != routing.indices.shape[0]:
-            raise ValueError(f"LoRA routing: {routing.indices.shape[0]} rows set for a batch of {x.shape[0]}")
-        rows = routing.indices.reshape((-1,) + (1,) * (x.ndim - 1))
-        for slot in routing.active:
-            lora = self.table.by_slot.get(slot)
-            if lora is None:  # this adapter does not target this layer
-                continue
-            a, b, scale = lora
-            delta = (scale * ((x @ a) @ b)).astype(x.dtype)  # as mlx-lm's LoRALinear
-            y = y + mx.where(rows == slot, delta, 0)
-        return y
 
 
 def linear_dims(layer: nn.Module) -> tuple[int, int] | None:
@@ -150,7 +106,8 @@ class LoadedAdapter:
     path: str
     slot: int
     scale: float
-    layers: dict[str, tuple[mx.array, mx.array]]
+    layers: dict[str, GroupKey]  # layer path -> its stack group
+    positions: dict[GroupKey, int]  # its position in each group's stacks
     nbytes: int
     tag: int  # its prefix-cache namespace
     users: set[int] = field(default_factory=set)  # uids of the rows that use it
@@ -167,16 +124,26 @@ def cache_tag(name: str, weights: Path) -> int:
 class AdapterBank:
     """The adapters a worker may serve (name -> folder) and those resident now."""
 
-    def __init__(self, model: nn.Module, sources: dict[str, str] | None = None, max_resident: int = 8):
+    def __init__(
+        self,
+        model: nn.Module,
+        sources: dict[str, str] | None = None,
+        max_resident: int = 8,
+        max_bytes: int | None = None,
+    ):
+        """max_bytes: the resident adapters' weights bound (bytes); None: max_resident bounds
+        their count instead. Either way, adapters running rows use stay."""
         self.model = model
         self.sources: dict[str, str] = dict(sources or {})
         self.max_resident = max(1, max_resident)
+        self.max_bytes = max_bytes
         self.routing = RowRouting()
         self.resident: OrderedDict[str, LoadedAdapter] = OrderedDict()  # least recently used first
         self.by_uid: dict[int, LoadedAdapter] = {}
         self._noted: OrderedDict[str, str] = OrderedDict()  # request id -> adapter name
         self._wrapped: dict[str, MultiLoRALinear | MultiLoRASwitchLinear] = {}
-        self._next_slot = 0
+        self._slots: set[int] = set()  # the resident adapters' slots (a freed one is reused)
+        self._positions: dict[GroupKey, list[int | None]] = {}  # group -> the slot at each position
         self.loads = 0
         self.evictions = 0
 
@@ -232,11 +199,17 @@ class AdapterBank:
         if not active:
             yield
             return
-        self.routing.indices, self.routing.active = mx.array(slots, dtype=mx.int32), active
+        adapters = [self.by_uid.get(u) for u in uids]
+        keys = {k for a in adapters if a is not None for k in a.positions}
+        groups = {}
+        for key in keys:  # rows outside the group: position 0, scale 0
+            inside = [a if a is not None and key in a.positions else None for a in adapters]
+            groups[key] = ([a.positions[key] if a else 0 for a in inside], [a.scale if a else 0.0 for a in inside])
+        self.routing.set(slots, active, groups)
         try:
             yield
         finally:
-            self.routing.indices, self.routing.active = None, ()
+            self.routing.clear()
 
     def cache_tokens(self, tokens: list[int], adapter: LoadedAdapter | None) -> list[int]:
         """The prefix cache's key for a row's tokens: the tokens themselves for the base,
@@ -271,20 +244,42 @@ class AdapterBank:
         folder = Path(path)
         modules = dict(self.model.named_modules())
         scale, layers = read_adapter(name, folder, modules)
+        nbytes = sum(w.nbytes for pair in layers.values() for w in pair)
+        self._evict(incoming=nbytes)
         mx.eval([w for pair in layers.values() for w in pair])
-        slot, self._next_slot = self._next_slot, self._next_slot + 1
+        slot = min(set(range(len(self._slots) + 1)) - self._slots)
         try:
             wrapped = [self._wrap(layer_path, modules) for layer_path in layers]
         except TypeError as e:  # an MoE block kind whose experts are not served
             raise refused(name, str(e)) from None
-        for wrapper, (a, b) in zip(wrapped, layers.values()):
-            wrapper.table.by_slot[slot] = (a, b, scale)
-        nbytes = sum(w.nbytes for pair in layers.values() for w in pair)
-        adapter = LoadedAdapter(name, path, slot, scale, layers, nbytes, cache_tag(name, weights_file(folder)))
+        self._slots.add(slot)
+        targets: dict[GroupKey, list[tuple[MultiLoRALinear | MultiLoRASwitchLinear, tuple]]] = {}
+        kinds: dict[str, GroupKey] = {}
+        for layer_path, wrapper, (a, b) in zip(layers, wrapped, layers.values()):
+            key = kinds[layer_path] = group_key(a, b)
+            targets.setdefault(key, []).append((wrapper, (a, b)))
+        positions, fresh = {}, []
+        for key, group in targets.items():
+            book = self._positions.setdefault(key, [])
+            pos = book.index(None) if None in book else len(book)
+            grown = pos == len(book)
+            book[pos : pos + 1] = [slot]
+            positions[key] = pos
+            puts = {id(w): (w, {pos: pair}) for w, pair in group}
+            for w in self._stacked_wrappers(key) if grown else ():  # the group's other layers: a zero position
+                puts.setdefault(id(w), (w, {}))
+            for w, put in puts.values():
+                fresh += w.table.restack(key, len(book), put)
+        mx.eval(fresh)  # copies into the stacks; the adapter's own arrays are dropped
+        tag = cache_tag(name, weights_file(folder))
+        adapter = LoadedAdapter(name, path, slot, scale, kinds, positions, nbytes, tag)
         self.resident[name] = adapter
         self.loads += 1
         log.info("adapter %s loaded: %d layers, %.1f MB", name, len(layers), nbytes / 2**20)
         return adapter
+
+    def _stacked_wrappers(self, key: GroupKey) -> list[MultiLoRALinear | MultiLoRASwitchLinear]:
+        return [w for w in self._wrapped.values() if key in w.table.stacks]
 
     def _wrap(self, path: str, modules: dict[str, nn.Module]) -> MultiLoRALinear | MultiLoRASwitchLinear:
         module = modules[path]
@@ -300,14 +295,39 @@ class AdapterBank:
         return wrapper
 
     def _unload(self, adapter: LoadedAdapter) -> None:
-        for layer_path in adapter.layers:
-            self._wrapped[layer_path].table.by_slot.pop(adapter.slot, None)
+        fresh = []
+        for layer_path, key in adapter.layers.items():
+            table = self._wrapped[layer_path].table
+            fresh += table.restack(key, len(self._positions[key]), {adapter.positions[key]: None})
+        for key, pos in adapter.positions.items():
+            book = self._positions[key]
+            book[pos] = None
+            if book[-1] is None:  # trailing free positions leave every stack of the group
+                while book and book[-1] is None:
+                    book.pop()
+                for w in self._stacked_wrappers(key):
+                    fresh += w.table.restack(key, len(book), {})
+            if not book:
+                del self._positions[key]
+        mx.eval(fresh)
+        self._slots.discard(adapter.slot)
         self.resident.pop(adapter.name, None)
         log.info("adapter %s unloaded", adapter.name)
 
-    def _evict(self) -> None:
+    def resident_bytes(self) -> int:
+        return sum(a.nbytes for a in self.resident.values())
+
+    def _evict(self, incoming: int | None = None) -> None:
+        """Unload idle adapters, least recently used first, until the resident set (plus an
+        adapter of `incoming` bytes about to load) is within the byte bound, else the count."""
+
+        def over() -> bool:
+            if self.max_bytes is not None:
+                return self.resident_bytes() + (incoming or 0) > self.max_bytes
+            return len(self.resident) + (incoming is not None) > self.max_resident
+
         for adapter in list(self.resident.values()):
-            if len(self.resident) <= self.max_resident:
+            if not over():
                 return
             if not adapter.users:
                 self._unload(adapter)
@@ -317,8 +337,9 @@ class AdapterBank:
         return {
             "configured": sorted(self.sources),
             "resident": list(self.resident),
-            "resident_bytes": sum(a.nbytes for a in self.resident.values()),
+            "resident_bytes": self.resident_bytes(),
             "max_resident": self.max_resident,
+            "max_bytes": self.max_bytes,
             "loads": self.loads,
             "evictions": self.evictions,
             "rows": len(self.by_uid),
