@@ -7,7 +7,8 @@ row's cache, so a session evicted by others resumes at disk speed instead of pre
 The index of what is here (key, parent, tokens, size, last use) is kept in memory and rebuilt
 from the files' headers at start, so blocks written by an earlier worker serve this one.
 
-- Bound: `prefix_cache_disk_mb`; the least recently used blocks are deleted past it.
+- Bound: `prefix_cache_disk_mb`; past it blocks are deleted by recency, hits and cost to
+  recompute (worker/model/cache/eviction.py), those no other block here continues first.
 - Format: the block's KV pieces by name, its checkpoints' state layers (class and state,
   as mlx-lm's save_prompt_cache writes them), and JSON metadata: format, model
   fingerprint, key, parent key, first position, tokens, layouts. A file with another
@@ -17,6 +18,8 @@ from the files' headers at start, so blocks written by an earlier worker serve t
 
 from __future__ import annotations
 
+import heapq
+import io
 import json
 import logging
 import os
@@ -29,6 +32,8 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from mlxgw.worker.model.cache import kv_blocks as kb
 from mlxgw.worker.model.cache import state_checkpoints as sc
+from mlxgw.worker.model.cache.block_reader import BlockReader
+from mlxgw.worker.model.cache.eviction import Clock
 
 log = logging.getLogger("mlxgw.worker.model.cache.block_disk")
 
@@ -47,6 +52,12 @@ class DiskBlock:
     path: Path
     nbytes: int
     used_at: float
+    hits: int = 0
+    priority: float = 0.0  # eviction order (worker/model/cache/eviction.py): lowest first
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
 
 
 class BlockDisk:
@@ -58,6 +69,8 @@ class BlockDisk:
         self.children: dict[bytes, set[bytes]] = {}  # parent key -> keys here
         self.nbytes = 0
         self.counts = {"written": 0, "read": 0, "skipped": 0, "deleted": 0}
+        self.reader = BlockReader()  # reads files off the engine thread (prefetch)
+        self.clock = Clock()
         self._scan()
 
     # -- write -----------------------------------------------------------------------------------
@@ -65,7 +78,8 @@ class BlockDisk:
         """A block leaving memory: written here unless already here (then only its use)."""
         held = self.index.get(block.key)
         if held is not None:
-            held.used_at = max(held.used_at, block.used_at)
+            held.used_at, held.hits = max(held.used_at, block.used_at), max(held.hits, block.hits)
+            held.priority = self.clock.priority(held.end, held.hits)
             return
         if block.nbytes > self.max_bytes:
             return
@@ -75,7 +89,8 @@ class BlockDisk:
             log.exception("prefix cache: writing a block to disk failed")
             return
         parent = block.parent.key if block.parent is not None else kb.ROOT
-        self._add(DiskBlock(block.key, parent, block.start, block.tokens, path, size, block.used_at or time.time()))
+        used = block.used_at or time.time()
+        self._add(DiskBlock(block.key, parent, block.start, block.tokens, path, size, used, block.hits))
         self.counts["written"] += 1
         self._bound()
 
@@ -100,6 +115,7 @@ class BlockDisk:
             "classes": json.dumps([type(layer).__name__ for layer in extra]),
             "scalars": json.dumps(scalars),
             "used_at": repr(block.used_at),
+            "hits": str(block.hits),
         }
         self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         path = self.dir / f"{block.key.hex()}{SUFFIX}"
@@ -144,6 +160,40 @@ class BlockDisk:
                 back += shared if self._load(key, node, tree) is not None else 0
             return back
 
+    def prefetch(self, tree: kb.BlockTree, prompt: list[int]) -> bool:
+        """Start reading, off the engine thread, the files of the blocks along a prompt's
+        chain that are here and not in memory; whether every such read has ended (the row
+        may be admitted: bring_back then parses bytes already read)."""
+        keys = self._missing(tree, prompt)
+        for key in keys:
+            self.reader.start(key, self.index[key].path)
+        return all(self.reader.ended(key) for key in keys)
+
+    def _missing(self, tree: kb.BlockTree, prompt: list[int]) -> list[bytes]:
+        """The keys bring_back would read for this prompt. A block's key depends on its
+        tokens alone, so the chain is walked by keys without loading anything."""
+        if not self.index:
+            return []
+        parent, pos, out = kb.ROOT, 0, []
+        while pos + kb.BLOCK_TOKENS <= len(prompt):
+            key = kb.chain_key(parent, prompt[pos : pos + kb.BLOCK_TOKENS])
+            if key not in tree.blocks and key not in self.index:
+                break
+            if key not in tree.blocks:
+                out.append(key)
+            parent, pos = key, pos + kb.BLOCK_TOKENS
+        rest = tuple(prompt[pos : pos + kb.BLOCK_TOKENS])
+        node = tree.blocks.get(parent)
+        here = tree.children_of(node) if node is not None or parent == kb.ROOT else {}
+        in_memory = max((kb.common_prefix(c.tokens, rest) for c in here.values()), default=0)
+        shared, key = max(
+            ((kb.common_prefix(self.index[k].tokens, rest), k) for k in self.children.get(parent, ())),
+            default=(0, b""),
+        )
+        if shared > in_memory and key not in tree.blocks:
+            out.append(key)
+        return out
+
     def _load(self, key: bytes, parent: kb.Block | None, tree: kb.BlockTree) -> kb.Block | None:
         held = self.index[key]
         try:
@@ -155,16 +205,19 @@ class BlockDisk:
             return None
         tree.add(block)
         tree.touch(block)
-        held.used_at = block.used_at
+        held.used_at, block.hits = block.used_at, max(block.hits, held.hits)
+        held.priority = self.clock.priority(held.end, held.hits)
         self.counts["read"] += 1
         return block
 
     def _read(self, held: DiskBlock, parent: kb.Block | None) -> kb.Block:
         import mlx_lm.models.cache as mc
 
-        from mlxgw.worker import quantized_kv  # noqa: F401  (registers the quantized row class for loading)
+        from mlxgw.worker.model.cache import quantized_kv  # noqa: F401  (registers the quantized row class for loading)
 
-        arrays, meta = mx.load(str(held.path), return_metadata=True)
+        read = self.reader.take(held.key)  # bytes read off the engine thread, when prefetched
+        source = io.BytesIO(read) if read is not None else str(held.path)
+        arrays, meta = mx.load(source, format="safetensors", return_metadata=True)
         if meta.get("format") != FORMAT or meta.get("fingerprint") != self.fingerprint:
             raise ValueError("written for another format or model")
         if meta.get("key") != held.key.hex() or json.loads(meta["tokens"]) != list(held.tokens):
@@ -187,7 +240,7 @@ class BlockDisk:
         states = [a for snap in marks.states.values() for a in _arrays(snap)]
         mx.eval([a for p in pieces for a in kb.piece_arrays(p)] + states)
         block = kb.Block(held.key, parent, held.tokens, held.start, pieces, dict(marks.states), set(marks.priority))
-        block.used_at = held.used_at
+        block.used_at, block.hits = held.used_at, held.hits
         return block
 
     # -- index -----------------------------------------------------------------------------------
@@ -215,7 +268,7 @@ class BlockDisk:
                 tokens = tuple(int(t) for t in json.loads(meta["tokens"]))
                 held = DiskBlock(
                     key, bytes.fromhex(meta["parent"]), int(meta["start"]), tokens, path,
-                    path.stat().st_size, float(meta.get("used_at", 0)),
+                    path.stat().st_size, float(meta.get("used_at", 0)), int(meta.get("hits", 0)),
                 )  # fmt: skip
             except Exception as e:  # whatever is wrong with one file costs that file only
                 log.warning("prefix cache: skipped block file %s: %s", path.name, e)
@@ -226,12 +279,14 @@ class BlockDisk:
         self._bound()
 
     def _add(self, held: DiskBlock) -> None:
+        held.priority = self.clock.priority(held.end, held.hits)
         self.index[held.key] = held
         self.children.setdefault(held.parent, set()).add(held.key)
         self.nbytes += held.nbytes
 
     def _drop(self, key: bytes) -> None:
         held = self.index.pop(key, None)
+        self.reader.forget(key)
         if held is None:
             return
         self.children.get(held.parent, set()).discard(key)
@@ -239,22 +294,32 @@ class BlockDisk:
         held.path.unlink(missing_ok=True)
 
     def _bound(self) -> None:
-        """Least recently used blocks leave until the rest fit. A lookup touches a whole
-        chain, so a parent is never older than its children: leaves go first."""
+        """Blocks leave, lowest priority first (recency, hits and cost to recompute:
+        worker/model/cache/eviction.py), until the rest fit. Only blocks no other block here
+        continues leave: a chain read back from its first block never misses a middle one."""
         if self.nbytes <= self.max_bytes:
             return
-        for held in sorted(self.index.values(), key=lambda h: h.used_at):
-            if self.nbytes <= self.max_bytes:
-                break
-            self._drop(held.key)
+        heap = [(h.priority, h.used_at, h.key) for h in self.index.values() if not self.children.get(h.key)]
+        heapq.heapify(heap)
+        while self.nbytes > self.max_bytes and heap:
+            priority, _, key = heapq.heappop(heap)
+            held = self.index.get(key)
+            if held is None or self.children.get(key):
+                continue
+            self._drop(key)
+            self.clock.evicted(priority)
             self.counts["deleted"] += 1
+            parent = self.index.get(held.parent)
+            if parent is not None and not self.children.get(parent.key):
+                heapq.heappush(heap, (parent.priority, parent.used_at, parent.key))
 
     def clear(self) -> None:
         for key in list(self.index):
             self._drop(key)
 
     def snapshot(self) -> dict:
-        return {"blocks": len(self.index), "bytes": self.nbytes, "max_bytes": self.max_bytes, **self.counts}
+        counts = {**self.counts, **self.reader.counts}
+        return {"blocks": len(self.index), "bytes": self.nbytes, "max_bytes": self.max_bytes, **counts}
 
 
 def _encode_piece(piece, name: str, arrays: dict):
