@@ -71,7 +71,8 @@ class ModelEntry:
     cache_memory_mb: int | None = None  # prefix cache bound; None: a share of RAM
     # KV of admitted rows + prefix cache (worker/model/kv_budget.py); None: measured at load
     kv_memory_mb: int | None = None
-    prefix_cache_disk_mb: int = 1024  # hottest prefixes kept on disk across unloads; 0: off
+    # prefix cache's disk tiers, one bound; 0: off; None: a tenth of free disk (at most 64 GiB)
+    prefix_cache_disk_mb: int | None = None
     kv_bits: Literal[4, 8] | None = (
         None  # quantized KV cache (worker/model/cache/quantized_kv.py); None: the model's dtype
     )

@@ -7,7 +7,8 @@ row's cache, so a session evicted by others resumes at disk speed instead of pre
 The index of what is here (key, parent, tokens, size, last use) is kept in memory and rebuilt
 from the files' headers at start, so blocks written by an earlier worker serve this one.
 
-- Bound: `prefix_cache_disk_mb`; past it blocks are deleted by recency, hits and cost to
+- Bound: `prefix_cache_disk_mb`, shared with the restart tier's entry files (their bytes
+  are reserved out of it: prefix_store.py); past it blocks are deleted by recency, hits and cost to
   recompute (worker/model/cache/eviction.py), those no other block here continues first.
 - Format: the block's KV pieces by name, its checkpoints' state layers (class and state,
   as mlx-lm's save_prompt_cache writes them), and JSON metadata: format, model
@@ -23,6 +24,7 @@ import io
 import json
 import logging
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +43,7 @@ FORMAT = "mlxgw-prefix-block/1"
 SCAN_BUDGET_S = 5.0  # headers read at start at most this long; the files left are deleted
 TEMP_PREFIX = "tmp-"
 SUFFIX = ".safetensors"
+DEFAULT_BOUND_MAX_MB = 64 << 10  # the default bound's ceiling (64 GiB) per model
 
 
 @dataclass
@@ -71,6 +74,9 @@ class BlockDisk:
         self.counts = {"written": 0, "read": 0, "skipped": 0, "deleted": 0}
         self.reader = BlockReader()  # reads files off the engine thread (prefetch)
         self.clock = Clock()
+        # Bytes of the same bound held by the restart tier's entry files (prefix_store.py):
+        # the two tiers together stay within prefix_cache_disk_mb.
+        self.reserved = 0
         self._scan()
 
     # -- write -----------------------------------------------------------------------------------
@@ -293,15 +299,21 @@ class BlockDisk:
         self.nbytes -= held.nbytes
         held.path.unlink(missing_ok=True)
 
+    def reserve(self, nbytes: int) -> None:
+        """The restart tier now holds nbytes of the bound: the blocks fit in the rest."""
+        self.reserved = max(0, nbytes)
+        self._bound()
+
     def _bound(self) -> None:
         """Blocks leave, lowest priority first (recency, hits and cost to recompute:
         worker/model/cache/eviction.py), until the rest fit. Only blocks no other block here
         continues leave: a chain read back from its first block never misses a middle one."""
-        if self.nbytes <= self.max_bytes:
+        limit = max(0, self.max_bytes - self.reserved)
+        if self.nbytes <= limit:
             return
         heap = [(h.priority, h.used_at, h.key) for h in self.index.values() if not self.children.get(h.key)]
         heapq.heapify(heap)
-        while self.nbytes > self.max_bytes and heap:
+        while self.nbytes > limit and heap:
             priority, _, key = heapq.heappop(heap)
             held = self.index.get(key)
             if held is None or self.children.get(key):
@@ -343,6 +355,20 @@ def _decode_piece(layout, name: str, arrays: dict):
 
 def _arrays(snap: list) -> list:
     return [a for item in snap for a in sc._arrays(item)]
+
+
+def default_bound_mb(home: Path) -> int:
+    """prefix_cache_disk_mb when the entry sets none: a tenth of the disk's free space at
+    the worker's start (it reads a session back ~60x sooner than it prefills it on a Mac),
+    at most DEFAULT_BOUND_MAX_MB; 0 (off) when the free space cannot be read."""
+    folder = home
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return 0
+    return min(DEFAULT_BOUND_MAX_MB, (free // 10) >> 20)
 
 
 def fsync_path(path: Path) -> None:
