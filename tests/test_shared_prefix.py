@@ -354,8 +354,11 @@ def test_a_hybrid_family_resumes_from_disk_with_its_checkpoints(family, tmp_path
     (expected,) = generate_together(runner, [(prompt, 4)])
     runner.prefix_cache.trim_to(0)
     assert runner.prefix_cache.nbytes == 0
+    while not runner.prefix_ready(prompt):  # read off the engine thread, as admission does
+        time.sleep(0.01)
     again, cached = _run(runner, prompt)
     assert cached == len(prompt) - 1 and again == expected
+    assert runner.cache_stats()["disk_tier"]["prefetched"] > 0  # parsed from the bytes read
 
 
 @pytest.fixture(scope="module")

@@ -43,7 +43,8 @@ def reading_same_prefix(seq: Sequence, running: Iterable[Sequence]) -> Sequence 
         return None
     for other in running:
         prefilling = other.phase == Phase.PREFILL and not other.tokens
-        if not (prefilling or other.phase == Phase.DECODE) or type(other.prompt) is not list:
+        decoding = other.phase == Phase.DECODE and not other.paused  # a paused row's KV is stored
+        if not (prefilling or decoding) or type(other.prompt) is not list:
             continue
         if shared_prefix(seq.prompt, other.prompt) - other.cached_tokens >= MIN_SHARED_TOKENS:
             return other
