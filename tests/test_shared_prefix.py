@@ -107,6 +107,8 @@ def test_a_torn_block_file_is_skipped_and_deleted(tiny_dir, tmp_path):
     assert files
     first_block = next(f for f in files if runner.prefix_cache.disk_tier.index[bytes.fromhex(f.stem)].start == 0)
     first_block.write_bytes(first_block.read_bytes()[:100])  # a write cut by a crash
+    while not runner.prefix_ready(prompt):  # read off the engine thread, as admission does
+        time.sleep(0.01)
     again, cached = _run(runner, prompt)
     assert cached == 0 and again == expected  # nothing reachable past the torn first block
     assert not first_block.exists() and runner.cache_stats()["disk_tier"]["skipped"] == 1
@@ -297,6 +299,32 @@ def test_under_the_disk_bound_a_long_sessions_deep_blocks_outlive_a_short_chats(
     long_keys = [b.start for b in disk.index.values() if b.tokens[0] in LONG_SESSION]
     short_keys = [b.start for b in disk.index.values() if b.tokens[0] in SHORT_CHAT]
     assert len(long_keys) == 20 and sorted(short_keys) == [0], (sorted(long_keys), sorted(short_keys))
+
+
+def test_a_block_read_that_hangs_is_computed_instead(tiny_dir, tmp_path):
+    """A block file that never yields its bytes (a hung disk) counts as a failed read after
+    the reader's timeout: the row is admitted and computes the prefix, with the same answer."""
+    from mlxgw.worker.model.cache.block_reader import BlockReader
+    from mlxgw.worker.model.cache.prefix_store import PrefixStore, model_fingerprint
+
+    store = PrefixStore(tmp_path / "store", model_fingerprint(tiny_dir), 256 << 20)
+    runner = _runner(tiny_dir, 256 << 20, prefix_store=store)
+    store.restore(runner.prefix_cache)
+    prompt = _words(runner, "hung", 300)
+    expected, _ = _run(runner, prompt)
+    runner.prefix_cache.trim_to(0)
+    disk = runner.prefix_cache.disk_tier
+    disk.reader = BlockReader(timeout_s=0.5)
+    first = next(h.path for h in disk.index.values() if h.start == 0)
+    first.unlink()
+    os.mkfifo(first)  # nobody ever writes it: the read never ends
+    started = time.monotonic()
+    while not runner.prefix_ready(prompt):
+        time.sleep(0.01)
+    assert time.monotonic() - started < 5
+    again, cached = _run(runner, prompt)
+    assert cached == 0 and again == expected
+    assert disk.reader.counts["failed"] == 1 and not first.exists()
 
 
 def test_concurrent_requests_with_one_fresh_prefix_prefill_it_once(home, tiny_dir):

@@ -14,13 +14,12 @@ never ends), counts as failed: the block is skipped and the row computes what it
 
 from __future__ import annotations
 
-import logging
+import queue
+import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-
-log = logging.getLogger("mlxgw.worker.model.cache.block_reader")
 
 READ_TIMEOUT_S = 30.0  # past it a read counts as failed: the row computes instead of waiting on
 UNCLAIMED_S = 120.0  # bytes read for a row that never came (cancelled) are dropped after this
@@ -44,7 +43,10 @@ def _read_bytes(path: Path) -> bytes:
 class BlockReader:
     def __init__(self, timeout_s: float = READ_TIMEOUT_S):
         self.timeout_s = timeout_s
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefix-block-read")
+        self._queue: queue.SimpleQueue[tuple[Future, Path]] = queue.SimpleQueue()
+        # A daemon thread, not an executor's: a read stuck on a hung disk must not hold up
+        # the worker's exit (executor threads are joined at exit).
+        threading.Thread(target=self._serve, name="prefix-block-read", daemon=True).start()
         self._reads: dict[bytes, _Read] = {}  # touched by the engine thread only
         self.counts = {"prefetched": 0, "failed": 0}
 
@@ -53,7 +55,9 @@ class BlockReader:
         now = time.monotonic()
         self._expire(now)
         if key not in self._reads:
-            self._reads[key] = _Read(self._pool.submit(_read_bytes, path), now)
+            future: Future = Future()
+            self._queue.put((future, path))
+            self._reads[key] = _Read(future, now)
 
     def ended(self, key: bytes) -> bool:
         """Whether the block's read has ended (read, failed or timed out); True when none began."""
@@ -79,6 +83,16 @@ class BlockReader:
             raise ReadFailed(str(error)) from error
         self.counts["prefetched"] += 1
         return read.future.result()
+
+    def _serve(self) -> None:
+        while True:
+            future, path = self._queue.get()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(_read_bytes(path))
+            except Exception as e:  # the engine thread reads it as a failed read
+                future.set_exception(e)
 
     def forget(self, key: bytes) -> None:
         self._reads.pop(key, None)
