@@ -327,6 +327,16 @@ def test_a_block_read_that_hangs_is_computed_instead(tiny_dir, tmp_path):
     assert disk.reader.counts["failed"] == 1 and not first.exists()
 
 
+def test_a_fifo_among_the_block_files_does_not_block_the_disk_tiers_start(tmp_path):
+    from mlxgw.worker.model.cache.block_disk import BlockDisk
+
+    folder = tmp_path / "blocks"
+    folder.mkdir()
+    os.mkfifo(folder / ("ab" * 16 + ".safetensors"))  # nobody writes it: reading it would never end
+    disk = BlockDisk(folder, "fingerprint", 1 << 20)
+    assert disk.counts["skipped"] == 1 and not any(folder.iterdir())
+
+
 def test_concurrent_requests_with_one_fresh_prefix_prefill_it_once(home, tiny_dir):
     """Four requests reach a cold model together (they queue behind its load, so all four
     are waiting when it is ready): the first reads the prefix, the others wait for its KV.

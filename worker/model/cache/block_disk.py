@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import shutil
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -265,6 +266,8 @@ class BlockDisk:
                 self.counts["deleted"] += 1
                 continue
             try:
+                if not stat.S_ISREG(path.lstat().st_mode):  # a FIFO would block the starting worker
+                    raise ValueError("not a regular file")
                 _, meta = mx.load(str(path), return_metadata=True)
                 if meta.get("format") != FORMAT or meta.get("fingerprint") != self.fingerprint:
                     raise ValueError("written for another format or model")
