@@ -72,8 +72,9 @@ class CacheConfig:
     prefix_memory_mb: int | None = None  # prefix cache bound (flat key: cache_memory_mb); None: a share of RAM
     # KV of admitted rows + prefix cache (worker/model/kv_budget.py); None: measured at load
     kv_memory_mb: int | None = None
-    # hottest prefixes kept on disk across unloads (flat key: prefix_cache_disk_mb); 0: off
-    prefix_disk_mb: int = 1024
+    # the prefix cache's disk tiers, one bound (flat key: prefix_cache_disk_mb); 0: off; None: a
+    # tenth of the disk's free space at the worker's start, at most 64 GiB
+    prefix_disk_mb: int | None = None
     kv_bits: Literal[4, 8] | None = None  # quantized KV (worker/model/cache/quantized_kv.py); None: the model's dtype
     kv_group_size: Literal[32, 64, 128] = 64  # elements per quantization scale and bias
 

@@ -49,9 +49,9 @@ def gateways(home, tiny_dir):
             {"name": "disk-idle", **entry, "idle_unload_s": 1},
             {"name": "disk-restart", **entry},
             {"name": "disk-corrupt", **entry},
-            {"name": "disk-bound", **entry, "prefix_cache_disk_mb": BOUND_MB},
+            {"name": "disk-bound", **entry, "cache": {"prefix_disk_mb": BOUND_MB}},
             {"name": "disk-changed", **entry, "source": "tiny-disk-b"},
-            {"name": "disk-off", **entry, "prefix_cache_disk_mb": 0},
+            {"name": "disk-off", **entry, "cache": {"prefix_disk_mb": 0}},
         ],
     }
     g = Gateways(home, config)
@@ -225,3 +225,37 @@ def test_restoring_stops_at_the_in_memory_bound(runner_with_store):
     small = PrefixCache(one_entry + 1024)
     assert store.restore(small)["restored_entries"] == 1
     assert small.nbytes <= small.max_bytes
+
+
+def test_the_restart_and_live_tiers_share_one_disk_bound(tiny_dir, tmp_path):
+    """prefix_cache_disk_mb bounds both tiers together: a stop's entries are reserved out of
+    it, and blocks evicted afterwards fit in the rest (before, each tier had the whole bound)."""
+    from mlxgw.worker.model.cache.prefix_store import PrefixStore, model_fingerprint
+    from mlxgw.worker.model.runner import MLXRunner
+
+    runner = MLXRunner(tiny_dir, context_length=None, max_num_seqs=2, prefill_step_size=256, cache_bytes=64 << 20)
+    runner.insert(runner.encode_text(_words("bound", 300)), 2, SamplingParams(temperature=0.0))
+    while runner._covered:
+        runner.step()
+    probe = PrefixStore(tmp_path / "probe", model_fingerprint(tiny_dir), 64 << 20)
+    probe.save(runner.prefix_cache)
+    entry = sum(p.stat().st_size for p in probe.dir.glob("*.safetensors"))
+    bound = int(1.5 * entry)
+    store = PrefixStore(tmp_path / "store", model_fingerprint(tiny_dir), bound)
+    store.restore(runner.prefix_cache)  # attaches the live tier, under the same bound
+    store.save(runner.prefix_cache)  # a stop: the entry takes two thirds of the bound
+    runner.prefix_cache.trim_to(0)  # then its blocks leave memory for the live tier
+    files = list(store.dir.rglob("*.safetensors"))
+    assert any(p.parent.name == "blocks" for p in files)
+    on_disk = sum(p.stat().st_size for p in files)
+    assert on_disk <= bound, f"{on_disk} bytes on disk under a bound of {bound}"
+
+
+def test_the_disk_bound_defaults_to_a_tenth_of_free_disk(home, tiny_dir):
+    from mlxgw.worker.model.cache.prefix_store import store_for
+
+    (entry,) = parse_registry({"models": [{"name": "m"}]}).models
+    assert entry.prefix_cache_disk_mb is None  # not a fixed 1 GB
+    store = store_for("default-bound", tiny_dir, entry.prefix_cache_disk_mb)
+    expected = min(64 << 30, shutil.disk_usage(home).free // 10)
+    assert store is not None and abs(store.max_bytes - expected) < max(expected // 20, 64 << 20)

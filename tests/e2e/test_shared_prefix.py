@@ -5,11 +5,17 @@ does not depend on the weights)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
+import time
 
 import pytest
 from helpers import openai_client, start_gateway
 from helpers.runner_jobs import GREEDY, generate_together
+
+from mlxgw.shared.protocol import GenerateRequest, SamplingParams
 
 SYSTEM_WORDS = 600  # about 1,200 tokens of system prompt
 OWN_WORDS = 90
@@ -101,9 +107,234 @@ def test_a_torn_block_file_is_skipped_and_deleted(tiny_dir, tmp_path):
     assert files
     first_block = next(f for f in files if runner.prefix_cache.disk_tier.index[bytes.fromhex(f.stem)].start == 0)
     first_block.write_bytes(first_block.read_bytes()[:100])  # a write cut by a crash
+    while not runner.prefix_ready(prompt):  # read off the engine thread, as admission does
+        time.sleep(0.01)
     again, cached = _run(runner, prompt)
     assert cached == 0 and again == expected  # nothing reachable past the torn first block
     assert not first_block.exists() and runner.cache_stats()["disk_tier"]["skipped"] == 1
+
+
+SLOW_READ_S = 3.0  # the slow disk: a block file whose bytes arrive this late
+NO_EOS = SamplingParams(temperature=0, logit_bias={0: -100, 2: -100})
+
+
+def _through(sched, rid: str, prompt: list[int], max_tokens: int) -> None:
+    req = GenerateRequest(rid=rid, prompt_tokens=prompt, max_tokens=max_tokens, sampling=NO_EOS)
+    ((_, ev),) = sched.submit(req)
+    assert ev["e"] == "accepted", ev
+
+
+# A slow disk: after a delay, the file's bytes to each reader that opens the FIFO (a lazy
+# load reopens it) for a while. A process of its own: an engine thread that reads a file
+# while holding the GIL would otherwise keep a writer thread from ever running.
+SERVE_SLOWLY = """
+import os, sys, time
+fifo, source, delay, serving = sys.argv[1], sys.argv[2], float(sys.argv[3]), float(sys.argv[4])
+content = open(source, "rb").read()
+time.sleep(delay)
+until = time.monotonic() + serving
+while time.monotonic() < until:
+    try:
+        fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)  # ENXIO: no reader yet
+    except OSError:
+        time.sleep(0.01)
+        continue
+    os.set_blocking(fd, True)
+    try:
+        view = memoryview(content)
+        while view:
+            view = view[os.write(fd, view):]
+    except BrokenPipeError:
+        pass  # the reader read what it wanted (a header) and closed
+    finally:
+        os.close(fd)
+"""
+
+
+def _answer(events: list[dict]) -> tuple[str, int]:
+    """A request's text and cached prompt tokens, from its events."""
+    finish = next(e for e in events if e["e"] == "finish")
+    return "".join(e.get("text") or "" for e in events), finish["usage"]["cached_tokens"]
+
+
+def test_a_prefix_read_from_a_slow_disk_does_not_stall_another_rows_decode(tiny_dir, tmp_path):
+    """The block files of a prefix on disk are read off the engine thread while the row
+    waits in the queue: a decoding row keeps stepping through a 3 s read (before, the read
+    ran inside admission and every row waited for it), and the answer is unchanged."""
+    from mlxgw.worker.model.cache.prefix_store import PrefixStore, model_fingerprint
+    from mlxgw.worker.schedule.scheduler import Scheduler
+
+    store = PrefixStore(tmp_path / "store", model_fingerprint(tiny_dir), 256 << 20)
+    runner = _runner(tiny_dir, 256 << 20, prefix_store=store)
+    store.restore(runner.prefix_cache)
+    sched = Scheduler(runner, max_num_seqs=8, max_queue=16)
+    prompt = _words(runner, "slowdisk", 300)
+    events: dict[str, list[dict]] = {}
+
+    def step() -> None:
+        for rid, ev in sched.step():
+            events.setdefault(rid, []).append(ev)
+
+    _through(sched, "cold", prompt, 6)
+    while sched.has_work():
+        step()
+    expected, cached = _answer(events["cold"])
+    assert cached == 0
+    runner.prefix_cache.trim_to(0)  # the whole prefix to the disk tier
+    first = next(h.path for h in runner.prefix_cache.disk_tier.index.values() if h.start == 0)
+    _through(sched, "decoding", _words(runner, "busy", 40), 10_000)
+    while not any(e["e"] == "delta" for e in events.get("decoding", [])):
+        step()
+    source = tmp_path / "block-bytes"
+    source.write_bytes(first.read_bytes())
+    first.unlink()
+    os.mkfifo(first)  # a real file whose bytes come SLOW_READ_S late, as from a hung disk
+    args = [str(first), str(source), str(SLOW_READ_S), "60"]
+    server = subprocess.Popen([sys.executable, "-c", SERVE_SLOWLY, *args])
+    try:
+        _through(sched, "from-disk", prompt, 6)
+        started, longest, decoded = time.monotonic(), 0.0, len(events["decoding"])
+        while not any(e["e"] == "finish" for e in events.get("from-disk", [])):
+            at = time.monotonic()
+            step()
+            longest = max(longest, time.monotonic() - at)
+            assert time.monotonic() - started < 60, "the row never came back from disk"
+    finally:
+        server.kill()
+        server.wait()
+    assert longest < SLOW_READ_S / 2, f"a step took {longest:.2f} s: the decoding row waited on the disk"
+    assert len(events["decoding"]) - decoded >= 5
+    text, cached = _answer(events["from-disk"])
+    assert text == expected and cached >= 0.9 * len(prompt), f"{cached} of {len(prompt)} cached"
+    assert runner.cache_stats()["disk_tier"]["prefetched"] >= 1
+    sched.cancel("decoding")
+
+
+def test_a_request_arriving_while_the_leader_decodes_reuses_the_prefix_it_read(tiny_dir):
+    """The row that read a shared prefix is decoding (its blocks would reach the store only
+    when it ends): a request arriving now has it publish them and reads only its own part,
+    with the answer a cold read gives."""
+    from mlxgw.worker.schedule.prefix_inflight import shared_prefix
+    from mlxgw.worker.schedule.scheduler import Scheduler
+
+    runner = _runner(tiny_dir, 256 << 20)
+    sched = Scheduler(runner, max_num_seqs=8, max_queue=16)
+    system = _words(runner, "teamsys", 300)
+    leader, follower = system + _words(runner, "lead", 20), system + _words(runner, "follow", 20)
+    events: dict[str, list[dict]] = {}
+
+    def step() -> None:
+        for rid, ev in sched.step():
+            events.setdefault(rid, []).append(ev)
+
+    _through(sched, "leader", leader, 10_000)
+    while not any(e["e"] == "delta" for e in events.get("leader", [])):
+        step()
+    _through(sched, "follower", follower, 6)
+    while not any(e["e"] == "finish" for e in events.get("follower", [])):
+        step()
+    text, cached = _answer(events["follower"])
+    shared = shared_prefix(leader, follower)
+    assert shared >= 600 and cached >= shared, f"{cached} of the {shared} shared tokens cached"
+    sched.cancel("leader")
+    runner.cache_clear()
+    _through(sched, "cold", follower, 6)
+    while sched.has_work():
+        step()
+    assert _answer(events["cold"]) == (text, 0)
+
+
+def _layers(length: int) -> list:
+    """A two-layer KV cache of `length` positions (what a row holds; values do not matter here)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    out = []
+    for _ in range(2):
+        layer = KVCache()
+        layer.update_and_fetch(mx.zeros((1, 2, length, 8)), mx.zeros((1, 2, length, 8)))
+        out.append(layer)
+    return out
+
+
+LONG_SESSION = list(range(1000, 1640))  # 20 blocks
+SHORT_CHAT = list(range(5000, 5096))  # 3 blocks
+
+
+def _stored_blocks(cache, tokens: list[int]) -> int:
+    """How many of a sequence's blocks are in memory."""
+    node, _ = cache.tree.walk(tokens)
+    return len(node.chain()) if node is not None else 0
+
+
+def test_under_a_memory_bound_a_long_sessions_deep_blocks_outlive_a_short_chats():
+    """Equally recent (the long one used just before), the short chat's blocks cost less to
+    compute again: they leave memory first."""
+    from mlxgw.worker.model.cache.prefix_cache import PrefixCache
+
+    cache = PrefixCache(1 << 30)
+    cache.insert(LONG_SESSION, _layers(len(LONG_SESSION)))
+    cache.insert(SHORT_CHAT, _layers(len(SHORT_CHAT)))
+    per_block = cache.nbytes // 23
+    cache.trim_to(cache.nbytes - 3 * per_block)
+    assert _stored_blocks(cache, LONG_SESSION) == 20 and _stored_blocks(cache, SHORT_CHAT) == 0
+
+
+def test_under_the_disk_bound_a_long_sessions_deep_blocks_outlive_a_short_chats(tmp_path):
+    """As in memory: the disk tier's bound deletes the short chat's blocks first (those no
+    other block continues, so what stays is a chain readable from its first block)."""
+    from mlxgw.worker.model.cache.block_disk import BlockDisk
+    from mlxgw.worker.model.cache.prefix_cache import PrefixCache
+
+    probe = PrefixCache(1 << 30)  # the size of a block's file
+    probe.disk_tier = BlockDisk(tmp_path / "probe", "fingerprint", 1 << 30)
+    probe.insert(SHORT_CHAT, _layers(len(SHORT_CHAT)))
+    probe.trim_to(0)
+    per_file = probe.disk_tier.nbytes / 3  # headers differ by a few bytes: a half file of slack below
+    cache = PrefixCache(1 << 30)
+    cache.disk_tier = disk = BlockDisk(tmp_path / "blocks", "fingerprint", int(21.5 * per_file))
+    cache.insert(LONG_SESSION, _layers(len(LONG_SESSION)))
+    cache.insert(SHORT_CHAT, _layers(len(SHORT_CHAT)))
+    cache.trim_to(0)  # all of it to disk, where 21 of the 23 blocks fit
+    long_keys = [b.start for b in disk.index.values() if b.tokens[0] in LONG_SESSION]
+    short_keys = [b.start for b in disk.index.values() if b.tokens[0] in SHORT_CHAT]
+    assert len(long_keys) == 20 and sorted(short_keys) == [0], (sorted(long_keys), sorted(short_keys))
+
+
+def test_a_block_read_that_hangs_is_computed_instead(tiny_dir, tmp_path):
+    """A block file that never yields its bytes (a hung disk) counts as a failed read after
+    the reader's timeout: the row is admitted and computes the prefix, with the same answer."""
+    from mlxgw.worker.model.cache.block_reader import BlockReader
+    from mlxgw.worker.model.cache.prefix_store import PrefixStore, model_fingerprint
+
+    store = PrefixStore(tmp_path / "store", model_fingerprint(tiny_dir), 256 << 20)
+    runner = _runner(tiny_dir, 256 << 20, prefix_store=store)
+    store.restore(runner.prefix_cache)
+    prompt = _words(runner, "hung", 300)
+    expected, _ = _run(runner, prompt)
+    runner.prefix_cache.trim_to(0)
+    disk = runner.prefix_cache.disk_tier
+    disk.reader = BlockReader(timeout_s=0.5)
+    first = next(h.path for h in disk.index.values() if h.start == 0)
+    first.unlink()
+    os.mkfifo(first)  # nobody ever writes it: the read never ends
+    started = time.monotonic()
+    while not runner.prefix_ready(prompt):
+        time.sleep(0.01)
+    assert time.monotonic() - started < 5
+    again, cached = _run(runner, prompt)
+    assert cached == 0 and again == expected
+    assert disk.reader.counts["failed"] == 1 and not first.exists()
+
+
+def test_a_fifo_among_the_block_files_does_not_block_the_disk_tiers_start(tmp_path):
+    from mlxgw.worker.model.cache.block_disk import BlockDisk
+
+    folder = tmp_path / "blocks"
+    folder.mkdir()
+    os.mkfifo(folder / ("ab" * 16 + ".safetensors"))  # nobody writes it: reading it would never end
+    disk = BlockDisk(folder, "fingerprint", 1 << 20)
+    assert disk.counts["skipped"] == 1 and not any(folder.iterdir())
 
 
 def test_concurrent_requests_with_one_fresh_prefix_prefill_it_once(home, tiny_dir):
@@ -161,8 +392,11 @@ def test_a_hybrid_family_resumes_from_disk_with_its_checkpoints(family, tmp_path
     (expected,) = generate_together(runner, [(prompt, 4)])
     runner.prefix_cache.trim_to(0)
     assert runner.prefix_cache.nbytes == 0
+    while not runner.prefix_ready(prompt):  # read off the engine thread, as admission does
+        time.sleep(0.01)
     again, cached = _run(runner, prompt)
     assert cached == len(prompt) - 1 and again == expected
+    assert runner.cache_stats()["disk_tier"]["prefetched"] > 0  # parsed from the bytes read
 
 
 @pytest.fixture(scope="module")
@@ -201,7 +435,7 @@ def test_through_the_api_a_session_evicted_by_four_others_resumes_from_disk(tier
         return ((workers[0].get("stats") or {}).get("cache") or {}).get("disk_tier") or {} if workers else {}
 
     wait_for(lambda: tier().get("read", 0) > 0, 15)
-    assert tier()["written"] > 0
+    assert tier()["written"] > 0 and tier()["prefetched"] > 0  # read off the engine thread
 
 
 @pytest.mark.parametrize("family", ["qwen3_next", "gemma3_text"])

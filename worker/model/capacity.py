@@ -7,7 +7,7 @@ A fixed 8 left throughput flat from 8 concurrent requests on (mlx_lm.server deco
 while a large model's 8 long rows may not fit at all. The KV a row holds is what limits rows
 on every machine; compute only makes rows slower, not impossible. TYPICAL_CONTEXT is the
 prompt + answer a row holds on average (a chat turn with some history; agents' 8k prompts
-are mostly served from the prefix cache, which has its own bound, cache_memory_mb).
+are mostly served from the prefix cache, which has its own bound, cache.prefix_memory_mb).
 Example: SmolLM2-135M in float32 (30 x 3 x 64 x 2 x 4 = 45 KiB per token, 90 MiB per row)
 on a 24 GiB machine: 3 GiB / 90 MiB = 34 rows. This is a cap on the batch's width, not the
 memory bound: rows are admitted by the KV they may reach within the budget the worker

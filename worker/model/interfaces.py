@@ -121,6 +121,11 @@ class TextRunner(ModelRunner, Protocol):
         """What a row's KV costs per layer (worker/model/kv_budget.py); None: rows are admitted by count."""
         return None
 
+    def prefix_ready(self, prompt: list[int]) -> bool:
+        """Whether a prompt's cached prefix can be looked up without waiting on the disk;
+        False starts reading it off the engine thread (the row waits, the others step)."""
+        return True
+
     def limit_prefix_cache(self, max_bytes: int) -> None:
         """Evict prefix-cache entries until it holds at most max_bytes (what the admitted rows
         leave of the KV budget), and keep it there until told otherwise."""

@@ -245,6 +245,9 @@ class MLXRunner(ChatTextRunner):
         rows = [(int(r.token), r.logprobs, self._logprobs[r.uid]) for r in asked]
         return {r.uid: e for r, e in zip(asked, entries(rows, self.token_bytes))}
 
+    def prefix_ready(self, prompt) -> bool:  # its disk blocks read off the engine thread
+        return type(prompt) is not list or self.prefix_cache.prefetch(prompt)
+
     def publish_prompt(self, uid: int) -> None:  # others wait on its prefix (worker/schedule/prefix_inflight.py)
         self._keep_prompt.add(uid)
 

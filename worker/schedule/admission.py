@@ -9,6 +9,9 @@
 - each step reads at most a budget of prompt tokens across the rows still prefilling, and
   admits new prompts only while that budget is shared fairly between rows
   (worker/schedule/prefill_plan.py) and between tenants (FairQueue.may_start_prefill);
+- a prompt whose cached prefix lies in the disk tier waits while its blocks are read off
+  the engine thread (read from when it is queued: runner.prefix_ready), so the running rows
+  keep stepping instead of waiting for the disk;
 - a request with prompt logprobs waits until they are computed; sibling choices (n > 1) wait
   until choice 0 decodes (its prompt KV is then in the prefix cache);
 - with a KV budget (worker/model/kv_budget.py), a row is admitted only while the KV every admitted
@@ -37,6 +40,7 @@ from mlxgw.worker.schedule.sequence import Phase, Sequence
 
 log = logging.getLogger(__name__)
 
+DISK_WAIT_S = 0.002
 Refused = tuple[Sequence, Error]  # a sequence to end, with its error event
 
 
@@ -69,6 +73,7 @@ class Admission:
         self.waiting.push(
             Waiting(req.priority, seq.arrival, req.rid, tenant, clean_weight(req.weight), time.monotonic())
         )
+        self.runner.prefix_ready(_prompt_of(seq))  # its disk blocks start loading while it queues
 
     def release(self, seq: Sequence) -> None:
         """seq no longer runs (ended, or its row was taken from the runner)."""
@@ -100,7 +105,10 @@ class Admission:
         refused: list[Refused] = []
         deferred: list[Waiting] = []
         self.prefill.start_step(self.running.values())
+        if self.shared_prefill is not None:
+            self.shared_prefill.start_step()
         refused += self._preempt_for_starved(seqs)
+        reading = False  # a prompt waits for its prefix's blocks to be read from disk
         while self.waiting and len(self.running) < self.max_num_seqs:
             rows = self._rows()
             entry = self.waiting.pop(rows)
@@ -118,6 +126,10 @@ class Admission:
                 continue
             if self.shared_prefill is not None and self.shared_prefill.waits(seq, self.running.values()):
                 deferred.append(entry)  # another row reads its prefix now: reuse it once published
+                continue
+            if not self.runner.prefix_ready(_prompt_of(seq)):
+                deferred.append(entry)  # its prefix is being read from disk: the others go on
+                reading = True
                 continue
             if self.prefill.enabled and not seq.tokens and not self.waiting.may_start_prefill(entry, rows):
                 deferred.append(entry)  # its key has its share of the prompt budget: another key's first
@@ -138,13 +150,14 @@ class Admission:
             self.waiting.push(entry)
         if self.kv is not None and not self.waiting:
             self.kv.waiting_for_memory = False
+        if reading and not self.running:
+            time.sleep(DISK_WAIT_S)  # nothing to step: the engine loop would spin on the read
         return refused
 
     def _insert(self, seq: Sequence) -> None:
         """Into the runner; a resumed row continues from its prompt + generated tokens (their
         KV is in the prefix cache since its pause), for the tokens it has left."""
-        # A fresh row passes its prompt object itself: a vision prompt carries its pixels on it.
-        prompt = seq.prompt + seq.tokens if seq.tokens else seq.prompt
+        prompt = _prompt_of(seq)
         # Options only runners with supports_choices take (checked at submit).
         extra: dict = {} if seq.req.logprobs is None else {"logprobs": seq.req.logprobs}
         if self.choices.is_leader(seq.req.rid):
@@ -212,6 +225,12 @@ class Admission:
             return None
         cache = self.runner.cache_stats().get("bytes", 0)
         return self.kv.counters([reach(s) for s in self.running.values()], cache)
+
+
+def _prompt_of(seq: Sequence):
+    """What a row starts from: its prompt, and what it generated before a pause."""
+    # A fresh row passes its prompt object itself: a vision prompt carries its pixels on it.
+    return seq.prompt + seq.tokens if seq.tokens else seq.prompt
 
 
 def reach(seq: Sequence) -> int:

@@ -6,7 +6,9 @@ wave. Instead, a waiting prompt that shares a long prefix with a row still readi
 what that row took from the cache) asks that row to publish its prompt's KV to the block
 store at its first token (as choice 0 does for its sibling choices) and waits for it; then it
 reads only what it adds. A resend of a prompt whose first copy is still prefilling waits the
-same way. Rows nobody waits on publish nothing early: no memory beyond the KV budget's."""
+same way. A prompt arriving once that row decodes, before it finished (its blocks would only
+reach the store at its end), asks it to publish its KV now and waits that one step. Rows
+nobody waits on publish nothing early: no memory beyond the KV budget's."""
 
 from __future__ import annotations
 
@@ -34,13 +36,15 @@ def worth_keeping(prompt) -> bool:
 
 
 def reading_same_prefix(seq: Sequence, running: Iterable[Sequence]) -> Sequence | None:
-    """A running row still prefilling at least MIN_SHARED_TOKENS of seq's prompt that the
-    cache did not give it, or None. Resumed rows (tokens generated) and prompts carrying
-    images do not wait."""
+    """A running row that read (prefilling, or decoding since) at least MIN_SHARED_TOKENS of
+    seq's prompt that the cache did not give it, or None. Resumed rows (tokens generated) and
+    prompts carrying images do not wait."""
     if seq.tokens or not worth_keeping(seq.prompt):
         return None
     for other in running:
-        if other.phase != Phase.PREFILL or other.tokens or type(other.prompt) is not list:
+        prefilling = other.phase == Phase.PREFILL and not other.tokens
+        decoding = other.phase == Phase.DECODE and not other.paused  # a paused row's KV is stored
+        if not (prefilling or decoding) or type(other.prompt) is not list:
             continue
         if shared_prefix(seq.prompt, other.prompt) - other.cached_tokens >= MIN_SHARED_TOKENS:
             return other
@@ -51,18 +55,26 @@ class SharedPrefill:
     """Admission's side: which rows were asked to publish their prompt, by request id."""
 
     def __init__(self, runner) -> None:
-        self.runner = runner  # with publish_prompt(uid): keep that row's prompt KV at its first token
-        self.publishing: set[str] = set()
+        self.runner = runner  # with publish_prompt(uid): keep that row's prompt KV at its next token
+        self.publishing: dict[str, int] = {}  # request id -> the step it was asked in
+        self.steps = 0
+
+    def start_step(self) -> None:
+        """A step's admission begins: rows asked before have stepped since."""
+        self.steps += 1
 
     def waits(self, seq: Sequence, running: Iterable[Sequence]) -> bool:
-        """Whether seq should wait for a row reading its prefix now (asked to publish it)."""
+        """Whether seq should wait for a row that read its prefix (asked to publish it)."""
         leader = reading_same_prefix(seq, running)
         if leader is None or leader.uid is None:
             return False
-        if leader.req.rid not in self.publishing:
+        asked = self.publishing.get(leader.req.rid)
+        if asked is None:
             self.runner.publish_prompt(leader.uid)
-            self.publishing.add(leader.req.rid)
-        return True
+            self.publishing[leader.req.rid] = asked = self.steps
+        # A prefilling row publishes with its first token; a decoding one with its next, in
+        # the step after the one it was asked in (published since: what it stored is looked up).
+        return leader.phase == Phase.PREFILL or asked == self.steps
 
     def release(self, seq: Sequence) -> None:
-        self.publishing.discard(seq.req.rid)
+        self.publishing.pop(seq.req.rid, None)

@@ -7,7 +7,9 @@ row's cache, so a session evicted by others resumes at disk speed instead of pre
 The index of what is here (key, parent, tokens, size, last use) is kept in memory and rebuilt
 from the files' headers at start, so blocks written by an earlier worker serve this one.
 
-- Bound: `prefix_cache_disk_mb`; the least recently used blocks are deleted past it.
+- Bound: `cache.prefix_disk_mb`, shared with the restart tier's entry files (their bytes
+  are reserved out of it: prefix_store.py); past it blocks are deleted by recency, hits and cost to
+  recompute (worker/model/cache/eviction.py), those no other block here continues first.
 - Format: the block's KV pieces by name, its checkpoints' state layers (class and state,
   as mlx-lm's save_prompt_cache writes them), and JSON metadata: format, model
   fingerprint, key, parent key, first position, tokens, layouts. A file with another
@@ -17,9 +19,13 @@ from the files' headers at start, so blocks written by an earlier worker serve t
 
 from __future__ import annotations
 
+import heapq
+import io
 import json
 import logging
 import os
+import shutil
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +35,8 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from mlxgw.worker.model.cache import kv_blocks as kb
 from mlxgw.worker.model.cache import state_checkpoints as sc
+from mlxgw.worker.model.cache.block_reader import BlockReader
+from mlxgw.worker.model.cache.eviction import Clock
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +44,7 @@ FORMAT = "mlxgw-prefix-block/1"
 SCAN_BUDGET_S = 5.0  # headers read at start at most this long; the files left are deleted
 TEMP_PREFIX = "tmp-"
 SUFFIX = ".safetensors"
+DEFAULT_BOUND_MAX_MB = 64 << 10  # the default bound's ceiling (64 GiB) per model
 
 
 @dataclass
@@ -47,6 +56,12 @@ class DiskBlock:
     path: Path
     nbytes: int
     used_at: float
+    hits: int = 0
+    priority: float = 0.0  # eviction order (worker/model/cache/eviction.py): lowest first
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
 
 
 class BlockDisk:
@@ -58,6 +73,11 @@ class BlockDisk:
         self.children: dict[bytes, set[bytes]] = {}  # parent key -> keys here
         self.nbytes = 0
         self.counts = {"written": 0, "read": 0, "skipped": 0, "deleted": 0}
+        self.reader = BlockReader()  # reads files off the engine thread (prefetch)
+        self.clock = Clock()
+        # Bytes of the same bound held by the restart tier's entry files (prefix_store.py):
+        # the two tiers together stay within cache.prefix_disk_mb.
+        self.reserved = 0
         self._scan()
 
     # -- write -----------------------------------------------------------------------------------
@@ -65,7 +85,8 @@ class BlockDisk:
         """A block leaving memory: written here unless already here (then only its use)."""
         held = self.index.get(block.key)
         if held is not None:
-            held.used_at = max(held.used_at, block.used_at)
+            held.used_at, held.hits = max(held.used_at, block.used_at), max(held.hits, block.hits)
+            held.priority = self.clock.priority(held.end, held.hits)
             return
         if block.nbytes > self.max_bytes:
             return
@@ -75,7 +96,8 @@ class BlockDisk:
             log.exception("prefix cache: writing a block to disk failed")
             return
         parent = block.parent.key if block.parent is not None else kb.ROOT
-        self._add(DiskBlock(block.key, parent, block.start, block.tokens, path, size, block.used_at or time.time()))
+        used = block.used_at or time.time()
+        self._add(DiskBlock(block.key, parent, block.start, block.tokens, path, size, used, block.hits))
         self.counts["written"] += 1
         self._bound()
 
@@ -100,6 +122,7 @@ class BlockDisk:
             "classes": json.dumps([type(layer).__name__ for layer in extra]),
             "scalars": json.dumps(scalars),
             "used_at": repr(block.used_at),
+            "hits": str(block.hits),
         }
         self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         path = self.dir / f"{block.key.hex()}{SUFFIX}"
@@ -144,6 +167,40 @@ class BlockDisk:
                 back += shared if self._load(key, node, tree) is not None else 0
             return back
 
+    def prefetch(self, tree: kb.BlockTree, prompt: list[int]) -> bool:
+        """Start reading, off the engine thread, the files of the blocks along a prompt's
+        chain that are here and not in memory; whether every such read has ended (the row
+        may be admitted: bring_back then parses bytes already read)."""
+        keys = self._missing(tree, prompt)
+        for key in keys:
+            self.reader.start(key, self.index[key].path)
+        return all(self.reader.ended(key) for key in keys)
+
+    def _missing(self, tree: kb.BlockTree, prompt: list[int]) -> list[bytes]:
+        """The keys bring_back would read for this prompt. A block's key depends on its
+        tokens alone, so the chain is walked by keys without loading anything."""
+        if not self.index:
+            return []
+        parent, pos, out = kb.ROOT, 0, []
+        while pos + kb.BLOCK_TOKENS <= len(prompt):
+            key = kb.chain_key(parent, prompt[pos : pos + kb.BLOCK_TOKENS])
+            if key not in tree.blocks and key not in self.index:
+                break
+            if key not in tree.blocks:
+                out.append(key)
+            parent, pos = key, pos + kb.BLOCK_TOKENS
+        rest = tuple(prompt[pos : pos + kb.BLOCK_TOKENS])
+        node = tree.blocks.get(parent)
+        here = tree.children_of(node) if node is not None or parent == kb.ROOT else {}
+        in_memory = max((kb.common_prefix(c.tokens, rest) for c in here.values()), default=0)
+        shared, key = max(
+            ((kb.common_prefix(self.index[k].tokens, rest), k) for k in self.children.get(parent, ())),
+            default=(0, b""),
+        )
+        if shared > in_memory and key not in tree.blocks:
+            out.append(key)
+        return out
+
     def _load(self, key: bytes, parent: kb.Block | None, tree: kb.BlockTree) -> kb.Block | None:
         held = self.index[key]
         try:
@@ -155,16 +212,19 @@ class BlockDisk:
             return None
         tree.add(block)
         tree.touch(block)
-        held.used_at = block.used_at
+        held.used_at, block.hits = block.used_at, max(block.hits, held.hits)
+        held.priority = self.clock.priority(held.end, held.hits)
         self.counts["read"] += 1
         return block
 
     def _read(self, held: DiskBlock, parent: kb.Block | None) -> kb.Block:
         import mlx_lm.models.cache as mc
 
-        from mlxgw.worker import quantized_kv  # noqa: F401  (registers the quantized row class for loading)
+        from mlxgw.worker.model.cache import quantized_kv  # noqa: F401  (registers the quantized row class for loading)
 
-        arrays, meta = mx.load(str(held.path), return_metadata=True)
+        read = self.reader.take(held.key)  # bytes read off the engine thread, when prefetched
+        source = io.BytesIO(read) if read is not None else str(held.path)
+        arrays, meta = mx.load(source, format="safetensors", return_metadata=True)
         if meta.get("format") != FORMAT or meta.get("fingerprint") != self.fingerprint:
             raise ValueError("written for another format or model")
         if meta.get("key") != held.key.hex() or json.loads(meta["tokens"]) != list(held.tokens):
@@ -187,7 +247,7 @@ class BlockDisk:
         states = [a for snap in marks.states.values() for a in _arrays(snap)]
         mx.eval([a for p in pieces for a in kb.piece_arrays(p)] + states)
         block = kb.Block(held.key, parent, held.tokens, held.start, pieces, dict(marks.states), set(marks.priority))
-        block.used_at = held.used_at
+        block.used_at, block.hits = held.used_at, held.hits
         return block
 
     # -- index -----------------------------------------------------------------------------------
@@ -206,6 +266,8 @@ class BlockDisk:
                 self.counts["deleted"] += 1
                 continue
             try:
+                if not stat.S_ISREG(path.lstat().st_mode):  # a FIFO would block the starting worker
+                    raise ValueError("not a regular file")
                 _, meta = mx.load(str(path), return_metadata=True)
                 if meta.get("format") != FORMAT or meta.get("fingerprint") != self.fingerprint:
                     raise ValueError("written for another format or model")
@@ -215,7 +277,7 @@ class BlockDisk:
                 tokens = tuple(int(t) for t in json.loads(meta["tokens"]))
                 held = DiskBlock(
                     key, bytes.fromhex(meta["parent"]), int(meta["start"]), tokens, path,
-                    path.stat().st_size, float(meta.get("used_at", 0)),
+                    path.stat().st_size, float(meta.get("used_at", 0)), int(meta.get("hits", 0)),
                 )  # fmt: skip
             except Exception as e:  # whatever is wrong with one file costs that file only
                 log.warning("prefix cache: skipped block file %s: %s", path.name, e)
@@ -226,35 +288,53 @@ class BlockDisk:
         self._bound()
 
     def _add(self, held: DiskBlock) -> None:
+        held.priority = self.clock.priority(held.end, held.hits)
         self.index[held.key] = held
         self.children.setdefault(held.parent, set()).add(held.key)
         self.nbytes += held.nbytes
 
     def _drop(self, key: bytes) -> None:
         held = self.index.pop(key, None)
+        self.reader.forget(key)
         if held is None:
             return
         self.children.get(held.parent, set()).discard(key)
         self.nbytes -= held.nbytes
         held.path.unlink(missing_ok=True)
 
+    def reserve(self, nbytes: int) -> None:
+        """The restart tier now holds nbytes of the bound: the blocks fit in the rest."""
+        self.reserved = max(0, nbytes)
+        self._bound()
+
     def _bound(self) -> None:
-        """Least recently used blocks leave until the rest fit. A lookup touches a whole
-        chain, so a parent is never older than its children: leaves go first."""
-        if self.nbytes <= self.max_bytes:
+        """Blocks leave, lowest priority first (recency, hits and cost to recompute:
+        worker/model/cache/eviction.py), until the rest fit. Only blocks no other block here
+        continues leave: a chain read back from its first block never misses a middle one."""
+        limit = max(0, self.max_bytes - self.reserved)
+        if self.nbytes <= limit:
             return
-        for held in sorted(self.index.values(), key=lambda h: h.used_at):
-            if self.nbytes <= self.max_bytes:
-                break
-            self._drop(held.key)
+        heap = [(h.priority, h.used_at, h.key) for h in self.index.values() if not self.children.get(h.key)]
+        heapq.heapify(heap)
+        while self.nbytes > limit and heap:
+            priority, _, key = heapq.heappop(heap)
+            held = self.index.get(key)
+            if held is None or self.children.get(key):
+                continue
+            self._drop(key)
+            self.clock.evicted(priority)
             self.counts["deleted"] += 1
+            parent = self.index.get(held.parent)
+            if parent is not None and not self.children.get(parent.key):
+                heapq.heappush(heap, (parent.priority, parent.used_at, parent.key))
 
     def clear(self) -> None:
         for key in list(self.index):
             self._drop(key)
 
     def snapshot(self) -> dict:
-        return {"blocks": len(self.index), "bytes": self.nbytes, "max_bytes": self.max_bytes, **self.counts}
+        counts = {**self.counts, **self.reader.counts}
+        return {"blocks": len(self.index), "bytes": self.nbytes, "max_bytes": self.max_bytes, **counts}
 
 
 def _encode_piece(piece, name: str, arrays: dict):
@@ -278,6 +358,20 @@ def _decode_piece(layout, name: str, arrays: dict):
 
 def _arrays(snap: list) -> list:
     return [a for item in snap for a in sc._arrays(item)]
+
+
+def default_bound_mb(home: Path) -> int:
+    """cache.prefix_disk_mb when the entry sets none: a tenth of the disk's free space at
+    the worker's start (it reads a session back ~60x sooner than it prefills it on a Mac),
+    at most DEFAULT_BOUND_MAX_MB; 0 (off) when the free space cannot be read."""
+    folder = home
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return 0
+    return min(DEFAULT_BOUND_MAX_MB, (free // 10) >> 20)
 
 
 def fsync_path(path: Path) -> None:

@@ -11,7 +11,8 @@ sliding-window family resumes from.
 
 MLX's attention wants one contiguous KV per row, so a lookup assembles a private cache from
 the blocks (a concatenation per layer: cheap beside the prefill it saves). Only leaves are
-evicted, least recently used first, so a chain never loses a block its descendants need."""
+evicted (recency, hits and the cost to recompute weighed: worker/model/cache/eviction.py),
+so a chain never loses a block its descendants need."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import CacheList
 
 from mlxgw.worker.model.cache import state_checkpoints as sc
+from mlxgw.worker.model.cache.eviction import Clock
 
 BLOCK_TOKENS = 32  # sessions diverging mid-block duplicate at most this many tokens each
 
@@ -126,6 +128,7 @@ class Block:
     tick: int = 0  # recency order (a counter: ties would make eviction arbitrary)
     used_at: float = 0.0  # wall clock, for the disk tier
     hits: int = 0
+    priority: float = 0.0  # eviction order (worker/model/cache/eviction.py): lowest first
     pins: int = 0
     nbytes: int = 0
 
@@ -169,15 +172,15 @@ class BlockTree:
         self.blocks: dict[bytes, Block] = {}
         self.nbytes = 0
         self._tick = 0
+        self.clock = Clock()  # eviction's: recency, hits and cost to recompute, weighed
         self.templates: list | None = None  # the model's layers, empty (set by the first insert)
 
     def touch(self, block: Block, hit: bool = False) -> None:
         self._tick += 1
         now = time.time()
-        for b in block.chain():
-            b.tick, b.used_at = self._tick, now
-        if hit:
-            block.hits += 1
+        for b in block.chain():  # a hit used the whole chain: each block's worth grows
+            b.tick, b.used_at, b.hits = self._tick, now, b.hits + hit
+            b.priority = self.clock.priority(b.end, b.hits)
 
     def children_of(self, parent: Block | None) -> dict[bytes, Block]:
         return self.roots if parent is None else parent.children

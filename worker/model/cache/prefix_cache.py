@@ -83,6 +83,17 @@ class PrefixCache:
             self._hybrid = sc.needs_checkpoints(model_cache)
 
     # -- lookup --------------------------------------------------------------------------------
+    def prefetch(self, prompt: list[int]) -> bool:
+        """Start reading off the engine thread the prompt's blocks that only the disk tier
+        holds; whether they are all read (a lookup now costs no disk wait). Never raises."""
+        if self.disk_tier is None:
+            return True
+        try:
+            return self.disk_tier.prefetch(self.tree, prompt)
+        except Exception:  # a prefetch only saves a wait: the lookup reads what it lacks
+            log.exception("prefix cache: prefetch failed")
+            return True
+
     def longest_match(self, prompt: list[int]) -> tuple[list | None, int]:
         """Return (a private copy of the cached KV, number of prompt tokens it covers).
 
@@ -227,24 +238,26 @@ class PrefixCache:
 
     # -- bound ---------------------------------------------------------------------------------
     def trim_to(self, max_bytes: int) -> None:
-        """Evict least recently used leaf blocks (with their checkpoints) until all fits; to
-        the disk tier when one is attached."""
+        """Evict leaf blocks (with their checkpoints), lowest priority first (recency, hits
+        and cost to recompute: worker/model/cache/eviction.py), until all fits; to the disk
+        tier when one is attached."""
         max_bytes = max(0, max_bytes)
         tree = self.tree
         if tree.nbytes <= max_bytes:
             return
-        heap = [(b.tick, id(b), b) for b in tree.evictable()]
+        heap = [(b.priority, b.tick, id(b), b) for b in tree.evictable()]
         heapq.heapify(heap)
         while tree.nbytes > max_bytes and heap:
-            _, _, victim = heapq.heappop(heap)
+            *_, victim = heapq.heappop(heap)
             if victim.key not in tree.blocks or victim.children or victim.pins:
                 continue
             if self.disk_tier is not None:
                 self.disk_tier.keep(victim)
             tree.remove(victim)
+            tree.clock.evicted(victim.priority)
             parent = victim.parent
             if parent is not None and not parent.children and not parent.pins:
-                heapq.heappush(heap, (parent.tick, id(parent), parent))
+                heapq.heappush(heap, (parent.priority, parent.tick, id(parent), parent))
 
     def clear(self) -> None:
         self.tree.clear()

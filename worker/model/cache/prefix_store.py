@@ -2,7 +2,7 @@
 restarts. A graceful stop writes the hottest entries (a leaf's sequence in the block store)
 to `$MLXGW_HOME/prefix-cache/<model>/`; the next worker reads them back before its first
 request. The live tier (blocks evicted while the worker runs, in `blocks/` below it) is
-worker/model/cache/block_disk.py, attached to the cache by `restore`, under the same bound.
+worker/model/cache/block_disk.py, attached by `restore`; one bound holds both, entries first.
 
 - Format: one safetensors file per entry, written by mlx-lm's `save_prompt_cache` (the KV
   state of every layer, the cache classes and their meta state), with our metadata: the
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mlxgw.worker.model.cache import state_checkpoints as sc
-from mlxgw.worker.model.cache.block_disk import BlockDisk, fsync_path
+from mlxgw.worker.model.cache.block_disk import BlockDisk, default_bound_mb, fsync_path
 from mlxgw.worker.model.cache.prefix_cache import CachedEntry, EntryUse, PrefixCache, entry_key
 
 log = logging.getLogger(__name__)
@@ -93,6 +93,7 @@ class PrefixStore:
         # disagrees is corrupt, and must be refused here rather than fail a batch step later.
         self.layer_classes: list[str] | None = None
         self._restored: set[str] = set()  # entry files loaded by this worker
+        self.live: BlockDisk | None = None  # the live tier, sharing this store's byte bound
 
     # -- restore ---------------------------------------------------------------------------------
     def restore(self, cache: PrefixCache, budget_s: float = RESTORE_BUDGET_S) -> dict:
@@ -100,6 +101,7 @@ class PrefixStore:
         started = time.monotonic()
         if cache.disk_tier is None:  # the live tier: blocks evicted from memory (worker/model/cache/block_disk.py)
             cache.disk_tier = BlockDisk(self.dir / "blocks", self.fingerprint, self.max_bytes)
+        self.live = cache.disk_tier
         if self.layer_classes is None and cache.tree.templates is not None:
             self.layer_classes = [type(layer).__name__ for layer in cache.tree.templates]
         report = {"restored_entries": 0, "restored_tokens": 0, "restored_bytes": 0, "refused": 0, "skipped": 0}
@@ -107,6 +109,7 @@ class PrefixStore:
             return self._report(cache, report, started)
         self._remove_temporaries()
         stored = self._scan(report)
+        self.live.reserve(sum(s.nbytes for s in stored))  # one bound for both tiers
         chosen, room = [], cache.max_bytes
         for s in sorted(stored, key=lambda s: hotness(s.use), reverse=True):
             if s.nbytes <= room:
@@ -248,6 +251,8 @@ class PrefixStore:
         for path in self.dir.iterdir():
             if ENTRY_FILE.match(path.name) and path.name not in kept:
                 path.unlink(missing_ok=True)
+        if cache.disk_tier is not None:  # the live tier's blocks fit in what the entries leave
+            cache.disk_tier.reserve(total)
         report = {"saved_entries": len(kept), "written_entries": written, "saved_bytes": total}
         self._report(cache, report, started, "save_s")
         log.info(
@@ -325,6 +330,8 @@ class PrefixStore:
 
     def clear(self) -> None:
         """Forget every stored entry (DELETE /v1/cache clears the disk copy too)."""
+        if self.live is not None:
+            self.live.reserve(0)
         if not self.dir.is_dir():
             return
         for path in self.dir.iterdir():
@@ -360,11 +367,12 @@ def _regular_file(path: Path) -> bool:  # a link, FIFO, socket or device can blo
         return False
 
 
-def store_for(model_name: str, model_path: Path, max_mb: int) -> PrefixStore | None:  # None: off, or unreadable
-    if max_mb <= 0:
-        return None
+def store_for(model_name: str, model_path: Path, max_mb: int | None) -> PrefixStore | None:  # None: off
     from mlxgw.shared.paths import home
 
+    max_mb = default_bound_mb(home()) if max_mb is None else max_mb  # None: sized from free disk
+    if max_mb <= 0:
+        return None
     try:
         fingerprint = model_fingerprint(model_path)
     except OSError as e:
