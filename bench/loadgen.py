@@ -116,6 +116,7 @@ async def one_request(
     max_tokens: int,
     temperature: float,
     stream: bool,
+    extra: dict | None = None,  # more body fields (mlx_lm.server's per-request `adapters`)
 ) -> RequestResult:
     body = {
         "model": model,
@@ -123,6 +124,7 @@ async def one_request(
         "max_tokens": max_tokens,
         "temperature": temperature,
         "stream": stream,
+        **(extra or {}),
     }
     if stream:
         body["stream_options"] = {"include_usage": True}

@@ -81,6 +81,9 @@ class ModelEntry:
     distributed: DistributedConfig | None = None  # shard the model over several ranks
     adapters: list[AdapterEntry] = field(default_factory=list)  # LoRA adapters on this model
     resident_adapters: int = 8  # adapters kept loaded on the worker at once (LRU; rows in use never leave)
+    # The resident adapters' weights, bounded in MB (LRU by bytes, in place of resident_adapters'
+    # count) and taken out of the measured KV budget; None: bounded by count, bytes reported only.
+    adapter_memory_mb: float | None = None
     fim: FimConfig | None = None  # fill-in-the-middle overrides; None: as the tokenizer says
     # Keys from before the sections, still accepted at the top of an entry.
     FLAT_KEYS: ClassVar[dict[str, tuple[str, str]]] = FLAT_KEYS

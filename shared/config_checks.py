@@ -94,6 +94,8 @@ def check_adapters(e: ModelEntry, bad) -> None:
         raise bad("adapters", "only chat models on the mlx engine, not sharded, take LoRA adapters")
     if e.resident_adapters < 1:
         raise bad("resident_adapters", f"must be at least 1, got {e.resident_adapters}")
+    if e.adapter_memory_mb is not None and not e.adapter_memory_mb > 0:
+        raise bad("adapter_memory_mb", f"must be more than 0 (MB), got {e.adapter_memory_mb}")
     seen: set[str] = set()
     for a in e.adapters:
         try:

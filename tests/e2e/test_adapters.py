@@ -205,6 +205,19 @@ def test_resident_adapters_are_bounded_but_rows_in_use_keep_theirs(models):
     assert stats["resident"] == ["A"] and stats["evictions"] >= 1
 
 
+def test_an_adapter_larger_than_the_byte_bound_is_refused_and_a_smaller_one_serves(models):
+    base, a, b = models["llama"]  # B has twice A's rank: twice its bytes
+    bound = sum(w.nbytes for w in mx.load(str(a / "adapters.safetensors")).values())
+    runner = make_runner(base, {"A": a, "B": b}, speculative=SpeculativeConfig(mode="off"), adapter_max_bytes=bound)
+    bank = runner.adapters
+    prompt = runner.tokenizer.encode("one two three four five")
+    with pytest.raises(ServiceError, match="exceed adapter_memory_mb") as refused:
+        runner.insert(prompt, TOKENS, GREEDY, adapter="B")
+    assert refused.value.status == 400
+    ((tokens, _),) = run_together(runner, [(prompt, "A")])
+    assert tokens == reference(base, a, prompt) and bank.stats()["resident"] == ["A"]
+
+
 def test_adapters_leaving_and_arriving_share_the_stacks_exactly_and_a_byte_bound_evicts_idle_ones(models, home):
     base, a, b = models["llama"]
     # C and D have A's rank: one stack group (worker/model/adapter_stacks.py); B's rank is another.
@@ -235,6 +248,10 @@ def test_adapters_leaving_and_arriving_share_the_stacks_exactly_and_a_byte_bound
         ([{"name": "m", "adapters": [{"name": "m2", "path": "/a"}]}, {"name": "m2"}], "'m2' already names something"),
         ([{"name": "m", "kind": "embedding", "adapters": [{"name": "x", "path": "/a"}]}], "only chat models"),
         ([{"name": "m", "adapters": [{"name": "x", "path": "/a", "aliases": ["m:x"]}]}], "without ':'"),
+        (
+            [{"name": "m", "adapter_memory_mb": 0, "adapters": [{"name": "x", "path": "/a"}]}],
+            "'adapter_memory_mb': must be more than 0",
+        ),
     ],
 )
 def test_models_yaml_refuses_an_adapter_it_could_not_serve_or_name(models_yaml, why):
@@ -403,6 +420,44 @@ def test_an_adapter_removed_under_load_finishes_its_running_rows_then_leaves(gat
         status, _, out = running.result()
     assert status == 200 and out["choices"][0]["finish_reason"] == "length", out  # the running row kept it
     wait_for(lambda: "d" not in adapter_stats(gateway).get("resident", ["d"]), timeout=30)
+
+
+def test_a_byte_bound_for_one_adapter_keeps_one_resident_and_the_other_still_answers(home, models):
+    """adapter_memory_mb in models.yaml, through `mlxgw up`: A and C (same rank, same bytes)
+    do not fit together, so each request for the one not resident loads it and the idle
+    other leaves; the bound is taken out of the worker's measured KV budget."""
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    base, a, _ = models["llama"]
+    c = write_lora_adapter(base, home / "adapters" / "llama-c", seed=3)
+    one = sum(w.nbytes for w in mx.load(str(a / "adapters.safetensors")).values())
+    bound_mb = 1.5 * one / (1 << 20)
+    entry = {"name": "lora-bounded", "source": base.name, "preload": True, "max_num_seqs": 4}
+    entry |= {"adapter_memory_mb": bound_mb, "adapters": [{"name": "a", "path": str(a)}, {"name": "c", "path": str(c)}]}
+    gw = start_gateway(home, {"manager": {"auto_discover": False}, "models": [entry]}, "adapters-bounded")
+    try:
+        tok = load_tokenizer(base)
+        prompt = tok.encode("one two three four five six")
+        for name, folder in (("a", a), ("c", c), ("a", a)):
+            status, _, out = http(
+                f"{gw.url}/v1/completions",
+                "POST",
+                {"model": name, "prompt": prompt, "max_tokens": TOKENS, "temperature": 0},
+            )
+            assert status == 200, out
+            assert same_text(out, tok.decode(reference(base, folder, prompt))), name
+
+        def worker() -> dict:
+            models = http(f"{gw.url}/v1/status")[2]["models"]
+            return next(m for m in models if m["name"] == "lora-bounded")["workers"][0]["stats"]
+
+        wait_for(lambda: worker()["adapters"]["loads"] == 3, timeout=30)  # the status is refreshed periodically
+        stats = worker()["adapters"]
+        assert stats["resident"] == ["a"] and stats["evictions"] == 2, stats
+        assert stats["max_bytes"] == int(bound_mb * (1 << 20)) and stats["resident_bytes"] == one
+        assert "less adapter_memory_mb" in worker()["kv"]["source"]
+    finally:
+        gw.stop()
 
 
 def _decode(base, tokens: list[int]) -> str:

@@ -245,6 +245,11 @@ class AdapterBank:
         modules = dict(self.model.named_modules())
         scale, layers = read_adapter(name, folder, modules)
         nbytes = sum(w.nbytes for pair in layers.values() for w in pair)
+        if self.max_bytes is not None and nbytes > self.max_bytes:  # it could never be resident
+            raise refused(
+                name,
+                f"its weights ({nbytes / 2**20:.2f} MB) exceed adapter_memory_mb ({self.max_bytes / 2**20:.2f} MB)",
+            )
         self._evict(incoming=nbytes)
         mx.eval([w for pair in layers.values() for w in pair])
         slot = min(set(range(len(self._slots) + 1)) - self._slots)

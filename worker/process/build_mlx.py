@@ -52,6 +52,7 @@ def build_mlx_runner(
     tool_name_guard: bool = False,
     adapters: dict[str, str] | None = None,  # LoRA adapters: name -> mlx_lm.lora folder
     resident_adapters: int = 8,
+    adapter_max_bytes: int | None = None,  # the resident adapters' byte bound; None: by count
     fim: FimConfig | None = None,  # the entry's FIM settings, or None: as the tokenizer says
     runner_cls: type[MLXRunner] = MLXRunner,
     **runner_extra: Any,  # what a subclass takes besides the parts (ShardedRunner: its group)
@@ -67,7 +68,7 @@ def build_mlx_runner(
     fim_prompts = FimPrompts(tokenizer, fim)
     generator = _batch_generator(model, tokenizer.eos_token_ids, fim_prompts, max_num_seqs, prefill_step_size)
     # Per-row LoRA adapters over the one copy of the base weights (worker/model/adapters.py).
-    bank = AdapterBank(model, adapters, resident_adapters)
+    bank = AdapterBank(model, adapters, resident_adapters, max_bytes=adapter_max_bytes)
     generator.route_rows = bank.rows
     # The CPU BLAS's thread count per kind of step, measured (worker/model/cpu/blas_threads.py).
     blas = policy_for(mx, generator)

@@ -99,6 +99,7 @@ def build_runner(entry: ModelEntry, model_path: Path):
         tool_name_guard=entry.chat.tool_name_guard,
         adapters={a.name: str(a.folder()) for a in entry.adapters},
         resident_adapters=entry.resident_adapters,
+        adapter_max_bytes=adapter_bytes(entry),
         fim=entry.fim,
     )
 
@@ -186,7 +187,7 @@ def kv_budget_for(entry: ModelEntry, runner):
         return None
     if profile is None:
         return None
-    budget = KVBudget(profile, measure_budget(entry.cache.kv_memory_mb, total_memory_bytes()))
+    budget = KVBudget(profile, less_adapters(measure_budget(entry.cache.kv_memory_mb, total_memory_bytes()), entry))
     log.info("KV budget %d MiB (%s); %s", budget.budget_bytes >> 20, budget.measured.source, profile.as_dict())
     if budget.tokens_alone() < min(runner.context_length, SHORT_KV_BUDGET_TOKENS):
         log.warning(
@@ -195,6 +196,24 @@ def kv_budget_for(entry: ModelEntry, runner):
             budget.tokens_alone(),
         )
     return budget
+
+
+def adapter_bytes(entry: ModelEntry) -> int | None:
+    """The resident adapters' byte bound (models.yaml adapter_memory_mb); None: bounded by count."""
+    if not entry.adapters or entry.adapter_memory_mb is None:
+        return None
+    return int(entry.adapter_memory_mb * (1 << 20))
+
+
+def less_adapters(measured, entry: ModelEntry):
+    """A measured KV budget less the adapters' byte bound: adapters load on first use, after
+    the budget is measured from what the weights left, and take from the same memory. A
+    kv_memory_mb set outright is the KV's own and stays as set."""
+    reserve = adapter_bytes(entry)
+    if reserve is None or entry.cache.kv_memory_mb is not None:
+        return measured
+    budget = max(0, measured.bytes - reserve)
+    return dataclasses.replace(measured, bytes=budget, source=f"{measured.source}, less adapter_memory_mb")
 
 
 def serve(
