@@ -6,8 +6,8 @@ a model whose chat template takes system turns only first gets them all merged i
 leading system prompt, see shared/chat.py), tool results with text, images and
 documents, `document` blocks (plain text, or PDF read to text),
 `thinking` and `redacted_thinking` blocks sent back (accepted, not rendered: they are the
-model's own earlier reasoning), `cache_control` on any block (ignored: the prefix cache
-needs no hints). Unknown fields are ignored, never a 400.
+model's own earlier reasoning), `cache_control` on any block (read as a hint by
+pipeline/cache_hints.py, not here). Unknown fields are ignored, never a 400.
 
 Claude Code opens its system prompt with a billing line for Anthropic's servers
 (`x-anthropic-billing-header: cc_version=2.1.332.848; cc_entrypoint=sdk-cli; cch=...;`) whose

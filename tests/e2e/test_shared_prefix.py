@@ -457,3 +457,49 @@ def test_a_hybrid_family_keeps_a_checkpoint_where_a_prompt_left_a_stored_one(fam
     assert cached == junction
     fresh, _ = _run(_runner(model_dir, 0), prompts[2])
     assert third == fresh
+
+
+def test_a_prompt_a_client_asked_to_keep_leaves_memory_after_every_other():
+    """A caching hint (cache_control, prompt_cache_retention) holds a prompt's blocks: under
+    the bound they leave only after every block nobody asked to keep, even when those are
+    more recent and dearer to compute again."""
+    from mlxgw.worker.model.cache.prefix_cache import PrefixCache
+
+    cache = PrefixCache(1 << 30)
+    cache.insert(SHORT_CHAT, _layers(len(SHORT_CHAT)), hold_s=3600)
+    cache.insert(LONG_SESSION, _layers(len(LONG_SESSION)))
+    per_block = cache.nbytes // 23
+    cache.trim_to(cache.nbytes - 3 * per_block)
+    assert _stored_blocks(cache, SHORT_CHAT) == 3 and _stored_blocks(cache, LONG_SESSION) == 17
+    expired = PrefixCache(1 << 30)
+    expired.insert(SHORT_CHAT, _layers(len(SHORT_CHAT)), hold_s=1e-9)  # a hold that has ended
+    expired.insert(LONG_SESSION, _layers(len(LONG_SESSION)))
+    expired.trim_to(expired.nbytes - 3 * per_block)
+    assert _stored_blocks(expired, SHORT_CHAT) == 0
+
+
+def test_a_hinted_request_holds_its_prompt_through_the_runner(tiny_dir):
+    """The hint travels from the request to the blocks: a finished row under a hint leaves
+    its prompt's blocks held for the time asked."""
+    import time
+
+    from mlxgw.shared.protocol import GenerateRequest, SamplingParams
+    from mlxgw.worker.schedule.scheduler import Scheduler
+
+    runner = _runner(tiny_dir, 256 << 20)
+    sched = Scheduler(runner, max_num_seqs=2, max_queue=4)
+    prompt = list(range(10, 10 + 3 * 32 + 5))
+    sched.submit(
+        GenerateRequest(
+            rid="kept",
+            prompt_tokens=prompt,
+            max_tokens=2,
+            sampling=SamplingParams(temperature=0),
+            cache_retention_s=600,
+        )
+    )
+    while sched.has_work():
+        sched.step()
+    node, _ = runner.prefix_cache.tree.walk(prompt)
+    held = [b.held_until - time.time() for b in node.chain()]
+    assert len(held) == 3 and all(500 < h <= 600 for h in held), held

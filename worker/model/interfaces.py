@@ -66,6 +66,8 @@ class TextRunner(ModelRunner, Protocol):
     # Whether publish_prompt(uid) puts a row's prompt KV in the prefix cache at its first token,
     # so prompts sharing that prefix wait for it instead of reading it again (worker/schedule/prefix_inflight.py).
     supports_shared_prefill: bool = False
+    # Whether insert() takes hold_s= (a client's caching hint: keep this prompt's KV longer).
+    supports_cache_hints: bool = False
 
     @abstractmethod
     def encode(self, req: GenerateRequest) -> list[int]: ...

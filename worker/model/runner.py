@@ -50,6 +50,7 @@ class MLXRunner(ChatTextRunner):
     supports_prefill_chunk = True
     supports_layer_progress = True
     supports_shared_prefill = True
+    supports_cache_hints = True
 
     def __init__(
         self,
@@ -105,6 +106,7 @@ class MLXRunner(ChatTextRunner):
         # uids with a seed: while any is in the batch the BLAS keeps one thread count, since a
         # different count rounds the logits differently and can move a seeded draw
         self._seeded: set[int] = set()
+        self._hold_s: dict[int, float] = {}  # uid -> a client's caching hint, seconds
 
     def encode(self, req: GenerateRequest) -> list[int]:
         # Every sequence (each choice too) is prepared here, off the engine thread: an unknown
@@ -123,6 +125,7 @@ class MLXRunner(ChatTextRunner):
         logprobs: int | None = None,
         keep_prompt: bool = False,
         adapter: str | None = None,
+        hold_s: float | None = None,
     ) -> tuple[int, int]:
         """adapter: a LoRA adapter's name; None: the one its request named at preparation
         (found by the guard's request id), if any."""
@@ -156,6 +159,8 @@ class MLXRunner(ChatTextRunner):
             self._keep_prompt.add(uid)
         if sampling.seed is not None:
             self._seeded.add(uid)
+        if hold_s:
+            self._hold_s[uid] = hold_s
         return uid, cached
 
     def _fresh_cache(self) -> list:
@@ -230,6 +235,7 @@ class MLXRunner(ChatTextRunner):
                     # The finished sequence's KV (prompt + answer) seeds the next turn's prompt.
                     self._keep_kv(r.all_tokens, r.prompt_cache, marks, uid=r.uid)
                 self.adapters.release(r.uid)
+                self._hold_s.pop(r.uid, None)
             out.tokens.append(TokenOut(r.uid, int(r.token), r.finish_reason, logprobs.get(r.uid)))
         return out
 
@@ -282,6 +288,7 @@ class MLXRunner(ChatTextRunner):
             if cache and tokens and len(tokens) > covered:
                 self._keep_kv(tokens, cache, marks, uid=uid)
             self.adapters.release(uid)
+            self._hold_s.pop(uid, None)
 
     def _keep_kv(
         self, tokens: list[int], cache: list, checkpoints: sc.Checkpoints | None = None, uid: int | None = None
@@ -295,7 +302,7 @@ class MLXRunner(ChatTextRunner):
         tokens = self.adapters.cache_tokens(tokens, self.adapters.by_uid.get(uid))
         if checkpoints is not None:  # those of a prompt the tokens begin with
             checkpoints = checkpoints.for_entry(tokens)
-        self.prefix_cache.insert(tokens, cache, checkpoints=checkpoints)
+        self.prefix_cache.insert(tokens, cache, checkpoints=checkpoints, hold_s=self._hold_s.get(uid))
         self._bound_cache()
 
     def _bound_cache(self, room: int | None = None) -> None:

@@ -162,6 +162,8 @@ class Admission:
         extra: dict = {} if seq.req.logprobs is None else {"logprobs": seq.req.logprobs}
         if self.choices.is_leader(seq.req.rid):
             extra["keep_prompt"] = True
+        if seq.req.cache_retention_s and self.runner.supports_cache_hints:
+            extra["hold_s"] = seq.req.cache_retention_s
         uid, cached = self.runner.insert(
             prompt, seq.max_tokens - seq.generated, seq.req.sampling, seq.constraint, guard=seq.guard, **extra
         )

@@ -103,6 +103,8 @@ def check_generate(req: GenerateRequest, vocab_size: int | None) -> GenerateRequ
     _integer(req.stream_interval, "stream_interval")
     if req.timeout_s is not None:
         _finite(req.timeout_s, "timeout", 0, 1e9)
+    if req.cache_retention_s is not None:  # a caching hint: at most OpenAI's longest (24 h)
+        _finite(req.cache_retention_s, "cache_retention", 0, 86400)
     if not isinstance(req.stop, list) or any(not isinstance(s, str) for s in req.stop):
         raise invalid("'stop' must be a list of strings", "stop")
     return dataclasses.replace(req, sampling=check_sampling(req.sampling, vocab_size))

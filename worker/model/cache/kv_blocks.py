@@ -129,6 +129,7 @@ class Block:
     used_at: float = 0.0  # wall clock, for the disk tier
     hits: int = 0
     priority: float = 0.0  # eviction order (worker/model/cache/eviction.py): lowest first
+    held_until: float = 0.0  # a client's caching hint (wall clock): leaves after every unheld block
     pins: int = 0
     nbytes: int = 0
 

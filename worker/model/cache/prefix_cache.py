@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import logging
+import time
 from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -185,10 +186,13 @@ class PrefixCache:
         cache: list,
         use: EntryUse | None = None,
         checkpoints: sc.Checkpoints | None = None,
+        hold_s: float | None = None,
     ) -> None:
         """Store a sequence's KV as blocks (those already stored are shared, not copied).
         use: its history when it comes back from disk. checkpoints: state checkpoints at
-        positions of tokens (for non-trimmable layers)."""
+        positions of tokens (for non-trimmable layers). hold_s: a client's caching hint
+        (cache_control, prompt_cache_retention): its blocks leave memory only after every
+        block nobody asked to keep, for this long."""
         if not tokens or not cache:
             return
         tree = self.tree
@@ -210,6 +214,10 @@ class PrefixCache:
         tree.touch(node)
         if use is not None:
             node.used_at, node.hits = use.last_used, max(node.hits, use.hits)
+        if hold_s:
+            until = time.time() + hold_s
+            for block in node.chain():
+                block.held_until = max(block.held_until, until)
         self.trim_to(self.max_bytes)
 
     def _block_for(self, parent, segment: tuple, start: int, cache: list, fresh: list) -> kb.Block:
@@ -245,7 +253,12 @@ class PrefixCache:
         tree = self.tree
         if tree.nbytes <= max_bytes:
             return
-        heap = [(b.priority, b.tick, id(b), b) for b in tree.evictable()]
+        now = time.time()
+
+        def order(b: kb.Block) -> tuple:  # a hint's blocks after all others, then by priority
+            return (b.held_until > now, b.priority, b.tick, id(b), b)
+
+        heap = [order(b) for b in tree.evictable()]
         heapq.heapify(heap)
         while tree.nbytes > max_bytes and heap:
             *_, victim = heapq.heappop(heap)
@@ -257,7 +270,7 @@ class PrefixCache:
             tree.clock.evicted(victim.priority)
             parent = victim.parent
             if parent is not None and not parent.children and not parent.pins:
-                heapq.heappush(heap, (parent.priority, parent.tick, id(parent), parent))
+                heapq.heappush(heap, order(parent))
 
     def clear(self) -> None:
         self.tree.clear()
