@@ -41,6 +41,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def stop_process(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+    """Signal a server, wait up to `timeout`, then kill -9; its exit status (the tests' gateways
+    stop the same way)."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
+
+
 @dataclass
 class ServerProcess:
     """One server process on a loopback port; `proc` None: a server this run did not start."""
@@ -105,15 +117,7 @@ class ServerProcess:
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int | None:
         """Signal the process, wait up to `timeout`, then kill -9; its exit status."""
-        if self.proc is None:
-            return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait()
+        return None if self.proc is None else stop_process(self.proc, sig, timeout)
 
 
 def stop_all(servers: Iterable[ServerProcess | None], timeout: float = 30) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import psutil
 
-from mlxgw.bench.servers import spawn_mlxgw
+from mlxgw.bench.servers import spawn_mlxgw, stop_process
 
 from .http import http
 
@@ -53,13 +53,7 @@ class GatewayProcess:
             return []
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait()
+        return stop_process(self.proc, sig, timeout)
 
 
 def start_gateway(
