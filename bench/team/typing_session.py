@@ -43,7 +43,7 @@ class Keystroke:
 @dataclass
 class RoundResult:
     keystrokes: list[Keystroke] = field(default_factory=list)
-    generated: int = 0  # the worker's counter over the round
+    generated: int | None = 0  # the worker's counter over the round (None: the server has none)
     agent_tokens: int = 0  # chunks the agent sessions received (one token each)
 
     def figures(self) -> dict:
@@ -56,7 +56,9 @@ class RoundResult:
             "ttft_p50_s": percentile(ttft, 50),
             "ttft_p90_s": percentile(ttft, 90),
             "answered_share": len(ttft) / len(last) if last else None,
-            "undelivered_tokens": max(self.generated - delivered - self.agent_tokens, 0),
+            "undelivered_tokens": (
+                None if self.generated is None else max(self.generated - delivered - self.agent_tokens, 0)
+            ),
             "cached_prompt_share": sum(k.cached for k in self.keystrokes) / evaluated if evaluated else None,
         }
 
@@ -131,8 +133,12 @@ async def agent(session, args, stop: asyncio.Event, result: RoundResult) -> None
             await asyncio.sleep(0.5)
 
 
-async def generated_tokens(session, url: str, model: str) -> int:
+async def generated_tokens(session, url: str, model: str) -> int | None:
+    """The worker's generated-token counter; None from a server that has no /v1/status
+    (llama-server): its wasted tokens are then not reported."""
     async with session.get(f"{url}/v1/status") as resp:
+        if resp.status != 200:
+            return None
         status = await resp.json()
     for m in status.get("models", []):
         if m.get("name") == model:
@@ -152,7 +158,8 @@ async def one_round(args, index: int) -> RoundResult:
         for task in agents:
             task.cancel()
         await asyncio.gather(*agents, return_exceptions=True)
-        result.generated = await generated_tokens(session, args.url, args.model) - before
+        after = await generated_tokens(session, args.url, args.model)
+        result.generated = after - before if after is not None and before is not None else None
     return result
 
 
@@ -177,7 +184,11 @@ def main() -> None:
         figures = asyncio.run(one_round(args, index)).figures()
         print(json.dumps({"round": index + 1, **figures}))
         rounds.append(figures)
-    summary = {key: summarize([r[key] for r in rounds]).cell(3) for key in rounds[0] if key != "keystrokes"}
+    summary = {
+        key: summarize([r[key] for r in rounds]).cell(3)
+        for key in rounds[0]
+        if key != "keystrokes" and all(r[key] is not None for r in rounds)
+    }
     print(json.dumps({"summary": summary}))
 
 
