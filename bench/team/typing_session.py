@@ -178,9 +178,11 @@ def main() -> None:
     ap.add_argument("--file-lines", type=int, default=260)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--timeout-s", type=float, default=120)
+    ap.add_argument("--first-round", type=int, default=1, help="number of the first round (its files' seeds)")
     args = ap.parse_args()
     rounds = []
-    for index in range(args.rounds):
+    # --first-round lets two servers alternate round by round on the same files (one run each).
+    for index in range(args.first_round - 1, args.first_round - 1 + args.rounds):
         figures = asyncio.run(one_round(args, index)).figures()
         print(json.dumps({"round": index + 1, **figures}))
         rounds.append(figures)
