@@ -53,6 +53,8 @@ CONFIG_FAILURES = (
 
 pytestmark = [
     pytest.mark.slow,
+    # the suite's per-test bound (600 s, setup included) is below one client's budget
+    pytest.mark.timeout(CLIENT_TIMEOUT + 900),
     pytest.mark.skipif(os.environ.get(OPT_IN) != "1", reason=f"opt-in: {OPT_IN}=1 (~30 min of CPU)"),
     pytest.mark.skipif(
         not (MODEL_DIR / "config.json").exists(),
@@ -110,7 +112,16 @@ class Run:
             "configured": self.config_failure() is None,
             "task_done": self.file_written and "hello" in self.hello_source.lower(),
             "hello.py": self.hello_source[:200],
+            "answer": self.answer()[-300:],
         }
+
+    def answer(self) -> str:
+        """The client's last words: Claude Code's JSON result, else the end of its output."""
+        last = self.stdout.strip().splitlines()[-1:] or [""]
+        try:
+            return str(json.loads(last[0]).get("result", ""))
+        except (ValueError, AttributeError):
+            return self.stdout.strip()[-300:]
 
 
 @pytest.fixture(scope="module")
