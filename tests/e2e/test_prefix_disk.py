@@ -166,7 +166,7 @@ def test_prefix_cache_disk_mb_0_writes_nothing(gateways, home):
 
 
 def test_a_negative_disk_bound_is_a_config_error():
-    with pytest.raises(ConfigError, match="prefix_cache_disk_mb"):
+    with pytest.raises(ConfigError, match="prefix_disk_mb"):
         parse_registry({"models": [{"name": "m", "prefix_cache_disk_mb": -1}]})
 
 
@@ -228,12 +228,14 @@ def test_restoring_stops_at_the_in_memory_bound(runner_with_store):
 
 
 def test_the_restart_and_live_tiers_share_one_disk_bound(tiny_dir, tmp_path):
-    """prefix_cache_disk_mb bounds both tiers together: a stop's entries are reserved out of
+    """cache.prefix_disk_mb bounds both tiers together: a stop's entries are reserved out of
     it, and blocks evicted afterwards fit in the rest (before, each tier had the whole bound)."""
     from mlxgw.worker.model.cache.prefix_store import PrefixStore, model_fingerprint
-    from mlxgw.worker.model.runner import MLXRunner
+    from mlxgw.worker.process.build_mlx import build_mlx_runner
 
-    runner = MLXRunner(tiny_dir, context_length=None, max_num_seqs=2, prefill_step_size=256, cache_bytes=64 << 20)
+    runner = build_mlx_runner(
+        tiny_dir, context_length=None, max_num_seqs=2, prefill_step_size=256, cache_bytes=64 << 20
+    )
     runner.insert(runner.encode_text(_words("bound", 300)), 2, SamplingParams(temperature=0.0))
     while runner._covered:
         runner.step()
@@ -255,7 +257,7 @@ def test_the_disk_bound_defaults_to_a_tenth_of_free_disk(home, tiny_dir):
     from mlxgw.worker.model.cache.prefix_store import store_for
 
     (entry,) = parse_registry({"models": [{"name": "m"}]}).models
-    assert entry.prefix_cache_disk_mb is None  # not a fixed 1 GB
-    store = store_for("default-bound", tiny_dir, entry.prefix_cache_disk_mb)
+    assert entry.cache.prefix_disk_mb is None  # not a fixed 1 GB
+    store = store_for("default-bound", tiny_dir, entry.cache.prefix_disk_mb)
     expected = min(64 << 30, shutil.disk_usage(home).free // 10)
     assert store is not None and abs(store.max_bytes - expected) < max(expected // 20, 64 << 20)
