@@ -15,6 +15,7 @@ import pytest
 from helpers import openai_client, start_gateway
 from helpers.runner_jobs import GREEDY, generate_together
 
+from mlxgw.shared.events import EventKind
 from mlxgw.shared.protocol import GenerateRequest, SamplingParams
 
 SYSTEM_WORDS = 600  # about 1,200 tokens of system prompt
@@ -121,7 +122,7 @@ NO_EOS = SamplingParams(temperature=0, logit_bias={0: -100, 2: -100})
 def _through(sched, rid: str, prompt: list[int], max_tokens: int) -> None:
     req = GenerateRequest(rid=rid, prompt_tokens=prompt, max_tokens=max_tokens, sampling=NO_EOS)
     ((_, ev),) = sched.submit(req)
-    assert ev["e"] == "accepted", ev
+    assert ev.KIND == EventKind.ACCEPTED, ev
 
 
 # A slow disk: after a delay, the file's bytes to each reader that opens the FIFO (a lazy
@@ -151,10 +152,10 @@ while time.monotonic() < until:
 """
 
 
-def _answer(events: list[dict]) -> tuple[str, int]:
+def _answer(events: list) -> tuple[str, int]:
     """A request's text and cached prompt tokens, from its events."""
-    finish = next(e for e in events if e["e"] == "finish")
-    return "".join(e.get("text") or "" for e in events), finish["usage"]["cached_tokens"]
+    finish = next(e for e in events if e.KIND == EventKind.FINISH)
+    return "".join(getattr(e, "text", None) or "" for e in events), finish.usage.cached_tokens
 
 
 def test_a_prefix_read_from_a_slow_disk_does_not_stall_another_rows_decode(tiny_dir, tmp_path):
@@ -169,7 +170,7 @@ def test_a_prefix_read_from_a_slow_disk_does_not_stall_another_rows_decode(tiny_
     store.restore(runner.prefix_cache)
     sched = Scheduler(runner, max_num_seqs=8, max_queue=16)
     prompt = _words(runner, "slowdisk", 300)
-    events: dict[str, list[dict]] = {}
+    events: dict[str, list] = {}
 
     def step() -> None:
         for rid, ev in sched.step():
@@ -183,7 +184,7 @@ def test_a_prefix_read_from_a_slow_disk_does_not_stall_another_rows_decode(tiny_
     runner.prefix_cache.trim_to(0)  # the whole prefix to the disk tier
     first = next(h.path for h in runner.prefix_cache.disk_tier.index.values() if h.start == 0)
     _through(sched, "decoding", _words(runner, "busy", 40), 10_000)
-    while not any(e["e"] == "delta" for e in events.get("decoding", [])):
+    while not any(e.KIND == EventKind.DELTA for e in events.get("decoding", [])):
         step()
     source = tmp_path / "block-bytes"
     source.write_bytes(first.read_bytes())
@@ -194,7 +195,7 @@ def test_a_prefix_read_from_a_slow_disk_does_not_stall_another_rows_decode(tiny_
     try:
         _through(sched, "from-disk", prompt, 6)
         started, longest, decoded = time.monotonic(), 0.0, len(events["decoding"])
-        while not any(e["e"] == "finish" for e in events.get("from-disk", [])):
+        while not any(e.KIND == EventKind.FINISH for e in events.get("from-disk", [])):
             at = time.monotonic()
             step()
             longest = max(longest, time.monotonic() - at)
@@ -221,17 +222,17 @@ def test_a_request_arriving_while_the_leader_decodes_reuses_the_prefix_it_read(t
     sched = Scheduler(runner, max_num_seqs=8, max_queue=16)
     system = _words(runner, "teamsys", 300)
     leader, follower = system + _words(runner, "lead", 20), system + _words(runner, "follow", 20)
-    events: dict[str, list[dict]] = {}
+    events: dict[str, list] = {}
 
     def step() -> None:
         for rid, ev in sched.step():
             events.setdefault(rid, []).append(ev)
 
     _through(sched, "leader", leader, 10_000)
-    while not any(e["e"] == "delta" for e in events.get("leader", [])):
+    while not any(e.KIND == EventKind.DELTA for e in events.get("leader", [])):
         step()
     _through(sched, "follower", follower, 6)
-    while not any(e["e"] == "finish" for e in events.get("follower", [])):
+    while not any(e.KIND == EventKind.FINISH for e in events.get("follower", [])):
         step()
     text, cached = _answer(events["follower"])
     shared = shared_prefix(leader, follower)
