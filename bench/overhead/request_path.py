@@ -126,8 +126,7 @@ async def _run(tokens: int, show: int) -> None:
     os.environ["MLXGW_HOME"] = str(home)
     os.environ["PYTHONPATH"] = str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")
     registry = parse_registry(_config(home))
-    settings_class = getattr(state, "GatewaySettings", None) or state.Settings  # renamed by the settings work
-    app = make_app(registry, settings_class(), f"ipc://{home / 'gw.sock'}")
+    app = make_app(registry, state.GatewaySettings(), f"ipc://{home / 'gw.sock'}")
     current: list[Trace] = []
 
     @middleware
