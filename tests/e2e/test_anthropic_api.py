@@ -10,13 +10,9 @@ import anthropic
 import pytest
 from helpers import FIXTURES, http, openai_client, start_long_stream
 from helpers.pdf import pdf_with_text
+from helpers.usage import prompt_total
 
 MSGS = [{"role": "user", "content": "Tell me about the sea."}]
-
-
-def prompt_total(usage) -> int:
-    """Anthropic splits a prompt in three disjoint counts; their sum is the whole prompt."""
-    return usage.input_tokens + (usage.cache_read_input_tokens or 0) + (usage.cache_creation_input_tokens or 0)
 
 
 def png_bytes() -> bytes:

@@ -15,6 +15,7 @@ import time
 
 import pytest
 from helpers import async_openai_client, http, openai_client, start_gateway
+from helpers.usage import prompt_total
 
 pytest.importorskip("mlx_vlm", reason="vision tests need the vision extra (pip install -e '.[test,vision]')")
 
@@ -130,7 +131,7 @@ def test_anthropic_image_block(gw):
         model="tiny-vision",
         messages=[{"role": "user", "content": [{"type": "text", "text": "Describe the image."}]}],
     )
-    assert msg.usage.input_tokens + (msg.usage.cache_read_input_tokens or 0) >= count.input_tokens + 3
+    assert prompt_total(msg.usage) >= count.input_tokens + 3
 
 
 def test_anthropic_tool_result_image_reaches_the_vision_worker(gw):
@@ -154,10 +155,7 @@ def test_anthropic_tool_result_image_reaches_the_vision_worker(gw):
     assert "x-mlxgw-omitted-content" not in with_image.headers
 
     # the image became vision tokens in the prompt: start, end and at least one patch token
-    def total(u):
-        return u.input_tokens + (u.cache_read_input_tokens or 0) + (u.cache_creation_input_tokens or 0)
-
-    assert total(with_image.parse().usage) >= total(text_only.parse().usage) + 3
+    assert prompt_total(with_image.parse().usage) >= prompt_total(text_only.parse().usage) + 3
 
 
 def test_responses_input_image(gw):
