@@ -213,8 +213,9 @@ def main(argv: list[str] | None = None) -> None:
                 if args.mlx_lm:  # a prompt cache per session, so that no session evicts another's
                     cache = ["--prompt-cache-size", str(max(10, args.sessions))]
                     started.append(spawn_mlx_lm(args.model_dir, Path(home), cache))
-                if args.vllm_python:
-                    started.append(spawn_vllm_mlx(args.vllm_python, args.model_dir, Path(home)))
+                if args.vllm_python:  # its paged prefix cache and SSD tier on, as mlxgw's store
+                    ssd = ["--use-paged-cache", "--ssd-cache-dir", str(Path(home) / "vllm-ssd")]
+                    started.append(spawn_vllm_mlx(args.vllm_python, args.model_dir, Path(home), ssd))
                 for server in started:
                     server.wait_ready()
                 servers += [(s.label, s.api, s.model) for s in started]
