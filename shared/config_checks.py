@@ -86,6 +86,8 @@ def check_entry(e: ModelEntry, where: str) -> None:
         check_distributed(e, where)
     if e.fim is not None and e.fim.max_tokens < 1:
         raise bad("fim.max_tokens", f"must be at least 1, got {e.fim.max_tokens}")
+    if e.fim is not None and e.fim.kv_shift_min_tokens < 0:
+        raise bad("fim.kv_shift_min_tokens", f"must be 0 (off) or more, got {e.fim.kv_shift_min_tokens}")
     check_adapters(e, bad)
 
 

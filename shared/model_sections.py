@@ -178,6 +178,9 @@ class FimConfig:
     file_sep: str | None = None
     stop: list[str] = field(default_factory=list)  # more tokens that end a middle
     max_tokens: int = 128  # a FIM request's max_tokens when it sends none
+    # The shortest run of tokens after the cursor whose KV a keystroke's prompt reuses where
+    # it moved (llama.cpp's --cache-reuse; worker/model/cache/kv_shift.py); 0: off.
+    kv_shift_min_tokens: int = 32
 
 
 @dataclass

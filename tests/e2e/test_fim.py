@@ -57,6 +57,7 @@ def gw(home, tiny_fim_dir):
         "models": [
             {"name": "tiny-fim", "preload": True, "max_num_seqs": 8},
             {"name": "tiny-fim-spm", "source": "tiny-fim", "fim": {"order": "spm", "max_tokens": 5}},
+            {"name": "tiny-fim-noshift", "source": "tiny-fim", "fim": {"kv_shift_min_tokens": 0}},
             {"name": "tiny-nofim", "source": "tiny", "max_num_seqs": 4},
         ],
     }
@@ -254,6 +255,29 @@ def test_the_next_keystroke_reads_the_file_context_from_the_prefix_cache(gw):
     http(f"{gw.url}/infill", "POST", {**body, "input_prefix": "value = f3("})
     out = http(f"{gw.url}/infill", "POST", {**body, "input_prefix": "value = f3(4"})[2]
     assert out["tokens_cached"] >= out["tokens_evaluated"] - 8, out
+
+
+def test_a_keystroke_mid_file_reuses_the_suffix_it_moved(gw):
+    """PSM: the rest of the file follows the cursor, so a typed character moves the whole
+    suffix one token on. Its KV is reused where it moved (worker/model/cache/kv_shift.py)
+    instead of being read again; with kv_shift_min_tokens 0 (off) the suffix is read again."""
+    suffix = "".join(f"\ndef g{i}(y):\n    return y * {i}\n" for i in range(30))
+
+    def keystrokes(model: str) -> dict:
+        body = {"model": model, "input_suffix": suffix, "n_predict": 1}
+        http(f"{gw.url}/infill", "POST", {**body, "input_prefix": "import os\nvalue = f3("})
+        return http(f"{gw.url}/infill", "POST", {**body, "input_prefix": "import os\nvalue = f3(4"})[2]
+
+    out = keystrokes("tiny-fim")
+    assert out["tokens_evaluated"] > 300 and out["tokens_cached"] >= out["tokens_evaluated"] - 4, out
+
+    def shift() -> dict:  # the status is refreshed periodically
+        return gw.model_status("tiny-fim")["workers"][0].get("stats", {}).get("kv_shift") or {}
+
+    wait_for(lambda: shift().get("splices", 0) >= 1, timeout=15)
+    assert shift()["moved_tokens"] > 300, shift()
+    off = keystrokes("tiny-fim-noshift")
+    assert off["tokens_cached"] < 32, off  # the prefix before the cursor only
 
 
 @pytest.mark.parametrize(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import time
+from dataclasses import asdict
 from types import ModuleType
 
 import mlx.core as mx
@@ -20,6 +21,7 @@ from mlxgw.shared.protocol import GenerateRequest, SamplingParams
 from mlxgw.worker.model.adapters import AdapterBank
 from mlxgw.worker.model.batch_generator import VectorBatchGenerator
 from mlxgw.worker.model.cache import state_checkpoints as sc
+from mlxgw.worker.model.cache.kv_shift import ShiftReuse
 from mlxgw.worker.model.cache.prefix_cache import PrefixCache
 from mlxgw.worker.model.cache.prefix_store import PrefixStore
 from mlxgw.worker.model.cache.quantized_kv import quantize_layers
@@ -77,6 +79,7 @@ class MLXRunner(ChatTextRunner):
         transposed_head: str | None = None,
         checkpointing: bool = False,
         turn_openers: frozenset[int] = frozenset(),
+        shift_reuse: ShiftReuse | None = None,
     ):
         """The parts, composed and wired to each other by worker/process/build_mlx.py
         (build_mlx_runner): the generator routes rows through the adapters and speculates
@@ -87,7 +90,8 @@ class MLXRunner(ChatTextRunner):
         trace: MLXGW_STEP_TRACE's line per step (worker/model/step_trace.py), or None.
         cpu_attention: the CPU attention module when installed (worker/model/cpu/cpu_attention.py).
         checkpointing: the family has recurrent or sliding-window layers, which keep state
-        checkpoints while prefilling (worker/model/cache/state_checkpoints.py)."""
+        checkpoints while prefilling (worker/model/cache/state_checkpoints.py).
+        shift_reuse: FIM prompts reuse the moved suffix's KV (worker/model/cache/kv_shift.py), or None."""
         self.model, self.tokenizer, self.text, self.fim = model, tokenizer, text, fim
         self.context_length, self.vocab_size, self.token_bytes = context_length, vocab_size, token_bytes
         self.generator, self.speculator, self.adapters = generator, speculator, adapters
@@ -96,6 +100,7 @@ class MLXRunner(ChatTextRunner):
         self.blas, self.trace = blas, trace
         self.cpu_attention, self.transposed_head = cpu_attention, transposed_head
         self._covered: dict[int, int] = {}  # uid -> prompt tokens its cache lookup covered
+        self.shift_reuse = shift_reuse
         self._checkpointing, self._turn_openers = checkpointing, turn_openers
         self._checkpoints: dict[int, sc.Checkpoints] = {}  # uid -> the state checkpoints taken so far
         if checkpointing:  # at a segment's end, before a finished prompt leaves its batch
@@ -135,6 +140,8 @@ class MLXRunner(ChatTextRunner):
             sampler = guard_sampler(sampler, guard)
         lora = self.adapters.for_row(adapter, guard)
         cache, cached = self.prefix_cache.longest_match(self.adapters.cache_tokens(prompt, lora))
+        if self.shift_reuse is not None and cache is not None and lora is None:
+            cache, cached = self.shift_reuse.extend(self.model, self.prefix_cache.tree, prompt, cache, cached)
         if cache is None and self.kv_bits is not None:
             cache = self._fresh_cache()
         segments, boundaries = self._segments(prompt, cached)
@@ -328,6 +335,7 @@ class MLXRunner(ChatTextRunner):
             "speculative": self.speculator.stats(),
             "blas_threads": None if self.blas is None else self.blas.summary(),
             "adapters": self.adapters.stats(),
+            "kv_shift": None if self.shift_reuse is None else asdict(self.shift_reuse.stats),
         }
 
     def cache_stats(self) -> dict:

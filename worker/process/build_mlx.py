@@ -19,6 +19,7 @@ from mlxgw.worker.model import model_info
 from mlxgw.worker.model.adapters import AdapterBank
 from mlxgw.worker.model.batch_generator import VectorBatchGenerator
 from mlxgw.worker.model.cache import state_checkpoints as sc
+from mlxgw.worker.model.cache.kv_shift import ShiftReuse
 from mlxgw.worker.model.cache.prefix_cache import PrefixCache
 from mlxgw.worker.model.cache.prefix_store import PrefixStore
 from mlxgw.worker.model.capacity import activation_dtype_bytes, kv_bytes_per_token
@@ -79,6 +80,12 @@ def build_mlx_runner(
     speculative = speculative or SpeculativeConfig()
     vocab_size = model_info.vocab_size(model, tokenizer)
     speculator = _speculator(speculative, model_path, tokenizer, vocab_size, generator)
+    # FIM prompts reuse the suffix they moved (worker/model/cache/kv_shift.py); not on a group
+    # of ranks, where a read at admission would have to run on every rank in lockstep.
+    shift = None
+    if runner_cls is MLXRunner and fim_prompts.ids is not None:
+        layers, min_tokens = fresh_cache(model, kv_bits, kv_group_size), (fim or FimConfig()).kv_shift_min_tokens
+        shift = ShiftReuse.for_model(model, layers, fim_prompts.ids.middle, min_tokens)
     text_options = {"tool_parser": tool_parser, "reasoning_parser": reasoning_parser, "fim": fim_prompts}
     text_options |= {"allow_request_chat_template": allow_request_chat_template, "tool_name_guard": tool_name_guard}
     return runner_cls(
@@ -106,6 +113,7 @@ def build_mlx_runner(
         # prefilling (worker/model/cache/state_checkpoints.py).
         checkpointing=sc.needs_checkpoints(make_prompt_cache(model)),
         turn_openers=sc.turn_opener_ids(tokenizer),
+        shift_reuse=shift,
         **runner_extra,
     )
 
