@@ -111,7 +111,7 @@ class ShiftReuse:
         """The stored chain, where its run starts, the run's length, and the edit to read."""
         if not covered or len(prompt) - covered - 1 < self.min_tokens or self.fim_middle not in prompt:
             return None
-        chain = _latest_below(tree, prompt)
+        chain = _latest_below(tree, prompt, self.fim_middle)
         if not chain:
             return None
         old = [t for b in chain for t in b.tokens]
@@ -151,22 +151,24 @@ def _last(tokens: list[int], token: int) -> int:
     return -1
 
 
-def _latest_below(tree: kb.BlockTree, prompt: list[int]) -> list[kb.Block] | None:
-    """The most recently used stored sequence sharing the prompt's whole blocks (the last
-    keystroke's prompt, in an editor): the chain of its leaf."""
+def _latest_below(tree: kb.BlockTree, prompt: list[int], marker: int) -> list[kb.Block] | None:
+    """The most recently used stored FIM prompt sharing the prompt's whole blocks (the last
+    keystroke's, in an editor): the chain of its leaf. A keystroke superseded while its
+    prompt was still being read left a shorter sequence without the middle token: passed over."""
     node, _ = tree.walk(prompt)
     stack = list(tree.children_of(node).values())
-    best: kb.Block | None = None
-    seen = 0
-    while stack and seen < MAX_LEAVES:
+    leaves: list[kb.Block] = []
+    while stack and len(leaves) < MAX_LEAVES:
         block = stack.pop()
         if block.children:
             stack.extend(block.children.values())
-            continue
-        seen += 1
-        if best is None or block.tick > best.tick:
-            best = block
-    return best.chain() if best is not None else None
+        else:
+            leaves.append(block)
+    for leaf in sorted(leaves, key=lambda b: b.tick, reverse=True):
+        chain = leaf.chain()
+        if any(marker in b.tokens for b in reversed(chain)):
+            return chain
+    return None
 
 
 def _gather(chain: list[kb.Block], start: int, end: int) -> list[tuple[mx.array, mx.array]]:
