@@ -5,9 +5,11 @@ client drops it, the server cancels it), beside agent sessions decoding long cha
     python -m mlxgw.bench.team.typing_session --url http://127.0.0.1:8000 --model qwen2.5-coder-0.5b \\
         --typists 3 --agents 4 --keys-per-s 5 --bursts 6 --rounds 3
 
-A typist types a burst of characters (--burst-chars) at --keys-per-s, then pauses (--pause-s)
-to read the suggestion, as people do. Per round it reports the TTFT p50/p90 of each burst's
-last keystroke (the request that is not superseded), the share of those answered within the
+A typist opens its file (an `n_predict: 0` request, waited for, as llama.vscode warms the
+server on opening a file; `--no-open-file` types at once), then types a burst of characters
+(--burst-chars) at --keys-per-s, then pauses (--pause-s) to read the suggestion, as people do.
+Per round it reports the file-open read's p50, the TTFT p50/p90 of each burst's last
+keystroke (the request that is not superseded), the share of those answered within the
 pause, the decoded tokens no client received (the worker's generated-token counter over the
 round, less what clients were sent: an upper bound on tokens wasted on superseded
 requests), and the share of prompt tokens read from the prefix cache. Compare servers by
@@ -45,6 +47,7 @@ class RoundResult:
     keystrokes: list[Keystroke] = field(default_factory=list)
     generated: int | None = 0  # the worker's counter over the round (None: the server has none)
     agent_tokens: int = 0  # chunks the agent sessions received (one token each)
+    open_s: list[float] = field(default_factory=list)  # each typist's file-open read (--open-file)
 
     def figures(self) -> dict:
         last = [k for k in self.keystrokes if k.last_of_burst]
@@ -53,6 +56,7 @@ class RoundResult:
         delivered = sum(k.delivered for k in self.keystrokes)
         return {
             "keystrokes": len(self.keystrokes),
+            "open_p50_s": percentile(self.open_s, 50),
             "ttft_p50_s": percentile(ttft, 50),
             "ttft_p90_s": percentile(ttft, 90),
             "answered_share": len(ttft) / len(last) if last else None,
@@ -99,6 +103,13 @@ async def typist(session, args, seed: int, result: RoundResult) -> None:
     prefix, suffix = text[:cursor], text[cursor:]
     typed = "    values = sorted(values, key=lambda v: -v)\n" * args.bursts
     position = 0
+    if args.open_file:  # as llama.vscode does on opening a file: read the prompt, answer nothing
+        body = {"model": args.model, "input_prefix": prefix, "input_suffix": suffix, "n_predict": 0,
+                "filename": f"typist_{seed}.py"}  # fmt: skip
+        opened = time.monotonic()
+        async with session.post(f"{args.url}/infill", json=body) as resp:
+            await resp.read()
+        result.open_s.append(time.monotonic() - opened)
     for _ in range(args.bursts):
         pending: asyncio.Task | None = None
         for i in range(args.burst_chars):
@@ -176,6 +187,10 @@ def main() -> None:
     ap.add_argument("--bursts", type=int, default=6)
     ap.add_argument("--n-predict", type=int, default=32)
     ap.add_argument("--file-lines", type=int, default=260)
+    ap.add_argument(
+        "--open-file", action=argparse.BooleanOptionalAction, default=True,
+        help="each typist first reads its file with n_predict 0, as llama.vscode does on opening one",
+    )  # fmt: skip
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--timeout-s", type=float, default=120)
     ap.add_argument("--first-round", type=int, default=1, help="number of the first round (its files' seeds)")
