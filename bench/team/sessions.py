@@ -110,20 +110,71 @@ def run_session(
         out.append(row)
 
 
-def study(url: str, model: str, args: argparse.Namespace, seed: int) -> list[dict]:
-    """Every session at once against one server; one row per request. seed: the round's
-    (every round's prompts are new to every server: no round is a warm repeat of another)."""
+def study(url: str, model: str, args: argparse.Namespace, seed: int, server: ServerProcess | None = None) -> dict:
+    """Every session at once against one server: one row per request, the server's peak RSS
+    (its process tree, sampled) and, from mlxgw's /v1/status, where prompt tokens came from.
+    seed: the round's (every round's prompts are new to every server)."""
     system = f"You are coding agent {seed} for a team. " + text(random.Random(seed), args.system_words)
     rows: list[dict] = []
     threads = [
         threading.Thread(target=run_session, args=(k, url, model, args, seed, system, rows))
         for k in range(args.sessions)
     ]
+    before = cache_counters(url, model)
+    done = threading.Event()
+    peak = [0]
+    sampler = threading.Thread(target=sample_rss, args=(server, done, peak), daemon=True)
+    sampler.start()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    return rows
+    done.set()
+    sampler.join()
+    after = cache_counters(url, model)
+    deadline = time.monotonic() + 10  # the status is refreshed by the worker's periodic report
+    while (
+        before is not None and after is not None and after["prompt"] == before["prompt"] and time.monotonic() < deadline
+    ):
+        time.sleep(0.5)
+        after = cache_counters(url, model)
+    tiers = None
+    if before is not None and after is not None:
+        tiers = {k: after[k] - before[k] for k in after}
+    return {"rows": rows, "peak_rss_bytes": peak[0] or None, "tiers": tiers}
+
+
+def sample_rss(server: ServerProcess | None, done: threading.Event, peak: list[int]) -> None:
+    import psutil
+
+    while server is not None:
+        total = 0
+        for pid in server.pids():
+            try:
+                total += psutil.Process(pid).memory_info().rss
+            except psutil.Error:
+                pass
+        peak[0] = max(peak[0], total)
+        if done.wait(0.25):
+            return
+
+
+def cache_counters(url: str, model: str) -> dict | None:
+    """mlxgw's prefix-cache counters for `model` (None from a server without /v1/status)."""
+    try:
+        with urllib.request.urlopen(f"{url.removesuffix('/v1')}/v1/status", timeout=10) as r:
+            status = json.loads(r.read())
+    except Exception:
+        return None
+    for m in status.get("models", []):
+        if m.get("name") == model:
+            caches = [w.get("stats", {}).get("cache") or {} for w in m.get("workers", [])]
+            return {
+                "prompt": sum(c.get("prompt_tokens", 0) for c in caches),
+                "reused": sum(c.get("reused_tokens", 0) for c in caches),
+                "disk": sum((c.get("disk_tier") or {}).get("tokens_brought_back", 0) for c in caches),
+            }
+    return None
 
 
 def pct(values: list[float], q: float) -> float | None:
@@ -131,7 +182,8 @@ def pct(values: list[float], q: float) -> float | None:
     return values[min(len(values) - 1, int(q * len(values)))] if values else None
 
 
-def per_turn(rows: list[dict], turns: int) -> list[dict]:
+def per_turn(result: dict, turns: int) -> list[dict]:
+    rows = result["rows"]
     table = []
     for turn in range(turns):
         done = [r for r in rows if r["turn"] == turn and "error" not in r]
@@ -151,13 +203,20 @@ def per_turn(rows: list[dict], turns: int) -> list[dict]:
                 "cached_share": cached / prompt if prompt else None,
             }
         )
+    tiers = result.get("tiers")
+    if tiers and tiers["prompt"] and table:  # the whole round's, on its last row
+        table[-1]["from_ram"] = (tiers["reused"] - tiers["disk"]) / tiers["prompt"]
+        table[-1]["from_disk"] = tiers["disk"] / tiers["prompt"]
+    if table:
+        table[-1]["peak_rss_mb"] = (result.get("peak_rss_bytes") or 0) / 2**20 or None
     return table
 
 
 def markdown(results: dict[str, list[list[dict]]]) -> str:
     out = [
-        "| server | round | turn | requests | lost | TTFT p50 / p90 / p99 (s) | decode/s p50 | cached |",
-        "|---" * 8 + "|",
+        "| server | round | turn | requests | lost | TTFT p50 / p90 / p99 (s) | decode/s p50 | cached "
+        "| round: RAM / disk | peak RSS MB |",
+        "|---" * 10 + "|",
     ]
 
     def num(x, fmt="{:.2f}"):
@@ -168,9 +227,11 @@ def markdown(results: dict[str, list[list[dict]]]) -> str:
             for t in table:
                 ttft = " / ".join(num(t[k]) for k in ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s"))
                 cached = num(t["cached_share"], "{:.0%}")
+                tiers = f"{num(t.get('from_ram'), '{:.0%}')} / {num(t.get('from_disk'), '{:.0%}')}"
                 out.append(
                     f"| {server} | {i} | {t['turn']} | {t['requests']} | {t['lost']} | {ttft} "
-                    f"| {num(t['decode_per_s_p50'], '{:.1f}')} | {cached} |"
+                    f"| {num(t['decode_per_s_p50'], '{:.1f}')} | {cached} | {tiers} "
+                    f"| {num(t.get('peak_rss_mb'), '{:.0f}')} |"
                 )
     return "\n".join(out)
 
@@ -189,6 +250,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--turn-words", type=int, default=100)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--think-s", type=float, default=5.0, help="mean think time between turns")
+    ap.add_argument("--cache-mb", type=int, default=None, help="every server's prefix-cache byte bound (MiB)")
+    ap.add_argument("--no-disk", action="store_true", help="also mlxgw with its prefix store's disk tier off")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--timeout-s", type=float, default=1800)
     ap.add_argument("--seed", type=int, default=42)
@@ -197,6 +260,28 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if not args.url and not args.model_dir:
         ap.error("a model folder or --url")
     return args
+
+
+def spawn_servers(args: argparse.Namespace, home: Path) -> list[ServerProcess]:
+    """mlxgw (and without its disk tier, --no-disk), mlx_lm.server and vllm-mlx on one model
+    folder, each with the same prefix-cache byte bound when --cache-mb names one."""
+    seqs = max(args.sessions, 8)
+    cache = {} if args.cache_mb is None else {"prefix_memory_mb": args.cache_mb}
+    out = [spawn_mlxgw(home / "mlxgw", registry(args.model_dir, max_num_seqs=seqs, cache=cache))]
+    if args.no_disk:
+        entry = registry(args.model_dir, max_num_seqs=seqs, cache={**cache, "prefix_disk_mb": 0})
+        out.append(spawn_mlxgw(home / "mlxgw-nodisk", entry, label="mlxgw-nodisk"))
+    if args.mlx_lm:  # a prompt cache per session, so that no session evicts another's
+        flags = ["--prompt-cache-size", str(max(10, args.sessions))]
+        if args.cache_mb is not None:
+            flags += ["--prompt-cache-bytes", str(args.cache_mb << 20)]
+        out.append(spawn_mlx_lm(args.model_dir, home, flags))
+    if args.vllm_python:  # its paged prefix cache and SSD tier on, as mlxgw's store
+        flags = ["--use-paged-cache", "--ssd-cache-dir", str(home / "vllm-ssd")]
+        if args.cache_mb is not None:
+            flags += ["--cache-memory-mb", str(args.cache_mb)]
+        out.append(spawn_vllm_mlx(args.vllm_python, args.model_dir, home, flags))
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -208,24 +293,18 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as home:
         try:
             if not args.url:
-                seqs = max(args.sessions, 8)
-                started.append(spawn_mlxgw(Path(home), registry(args.model_dir, max_num_seqs=seqs)))
-                if args.mlx_lm:  # a prompt cache per session, so that no session evicts another's
-                    cache = ["--prompt-cache-size", str(max(10, args.sessions))]
-                    started.append(spawn_mlx_lm(args.model_dir, Path(home), cache))
-                if args.vllm_python:  # its paged prefix cache and SSD tier on, as mlxgw's store
-                    ssd = ["--use-paged-cache", "--ssd-cache-dir", str(Path(home) / "vllm-ssd")]
-                    started.append(spawn_vllm_mlx(args.vllm_python, args.model_dir, Path(home), ssd))
+                started += spawn_servers(args, Path(home))
                 for server in started:
                     server.wait_ready()
                 servers += [(s.label, s.api, s.model) for s in started]
+            by_label = {s.label: s for s in started}
             for _, url, model in servers:
                 warm_up(url, model)
             for r in range(args.rounds):
                 for label, url, model in servers[r % len(servers) :] + servers[: r % len(servers)]:
-                    rows = study(url, model, args, args.seed + r)
-                    raw.setdefault(label, []).append(rows)
-                    results.setdefault(label, []).append(per_turn(rows, args.turns))
+                    result = study(url, model, args, args.seed + r, by_label.get(label))
+                    raw.setdefault(label, []).append(result)
+                    results.setdefault(label, []).append(per_turn(result, args.turns))
         finally:
             stop_all(started)
     table = markdown(results)

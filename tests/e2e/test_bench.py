@@ -124,3 +124,28 @@ def test_bench_with_options_first_is_still_the_load_test():
 
     result = CliRunner().invoke(main, ["bench", "--model", "m", "--help"])
     assert result.exit_code == 0 and "Load-test an OpenAI-compatible server" in result.output, result.output
+
+
+def test_team_sessions_study_reports_every_turn_the_cache_tiers_and_peak_memory(tiny_dir, tmp_path):
+    """The team study (bench/team/sessions.py) from one command on a tiny model: mlxgw with
+    and without its disk tier, a cache byte bound; no request lost, each server's peak RSS,
+    and where mlxgw's prompt tokens came from."""
+    out = tmp_path / "team"
+    args = ["--sessions", "2", "--turns", "2", "--system-words", "120", "--own-words", "40", "--turn-words", "10"]
+    args += ["--max-tokens", "4", "--think-s", "0", "--cache-mb", "64", "--no-disk", "--out", str(out)]
+    result = subprocess.run(
+        [sys.executable, "-m", "mlxgw.bench.team.sessions", str(tiny_dir), *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    report = json.loads(out.with_suffix(".json").read_text())
+    assert set(report["rows"]) == {"mlxgw", "mlxgw-nodisk"}
+    for label, rounds in report["rows"].items():
+        (study,) = rounds
+        assert len(study["rows"]) == 4 and not any("error" in r for r in study["rows"]), study
+        assert study["peak_rss_bytes"] > 50 << 20 and study["tiers"]["prompt"] > 0, (label, study)
+    md = out.with_suffix(".md").read_text()
+    assert "| mlxgw-nodisk | 1 | 2 | 2 | 0 |" in md and "RAM / disk" in md, md
