@@ -263,20 +263,25 @@ def test_a_keystroke_mid_file_reuses_the_suffix_it_moved(gw):
     instead of being read again; with kv_shift_min_tokens 0 (off) the suffix is read again."""
     suffix = "".join(f"\ndef g{i}(y):\n    return y * {i}\n" for i in range(30))
 
-    def keystrokes(model: str) -> dict:
+    def keystrokes(model: str, typed: str = "4") -> list[dict]:
         body = {"model": model, "input_suffix": suffix, "n_predict": 1}
-        http(f"{gw.url}/infill", "POST", {**body, "input_prefix": "import os\nvalue = f3("})
-        return http(f"{gw.url}/infill", "POST", {**body, "input_prefix": "import os\nvalue = f3(4"})[2]
+        return [
+            http(f"{gw.url}/infill", "POST", {**body, "input_prefix": "import os\nvalue = f3(" + typed[:n]})[2]
+            for n in range(len(typed) + 1)
+        ]
 
-    out = keystrokes("tiny-fim")
-    assert out["tokens_evaluated"] > 300 and out["tokens_cached"] >= out["tokens_evaluated"] - 4, out
+    for out in keystrokes("tiny-fim", "4, sc")[1:]:  # each key typed on after the last
+        assert out["tokens_evaluated"] > 300 and out["tokens_cached"] >= out["tokens_evaluated"] - 4, out
+    body = {"model": "tiny-fim", "input_suffix": suffix, "n_predict": 1, "input_prefix": "import os\nvalue = f3(4sc"}
+    out = http(f"{gw.url}/infill", "POST", body)[2]  # ", " deleted before the cursor
+    assert out["tokens_cached"] >= out["tokens_evaluated"] - 4, out
 
     def shift() -> dict:  # the status is refreshed periodically
         return gw.model_status("tiny-fim")["workers"][0].get("stats", {}).get("kv_shift") or {}
 
     wait_for(lambda: shift().get("splices", 0) >= 1, timeout=15)
     assert shift()["moved_tokens"] > 300, shift()
-    off = keystrokes("tiny-fim-noshift")
+    off = keystrokes("tiny-fim-noshift")[-1]
     assert off["tokens_cached"] < 32, off  # the prefix before the cursor only
 
 

@@ -19,6 +19,7 @@ recurrent or magnitude-scaled (YaRN) layers are left to the ordinary prefix look
 
 from __future__ import annotations
 
+import heapq
 import logging
 from dataclasses import dataclass
 
@@ -35,7 +36,7 @@ log = logging.getLogger(__name__)
 # rotated key again by d moves it by d positions.
 PURE_ROTATIONS = (nn.RoPE, Llama3RoPE)
 MAX_EDIT_TOKENS = 256  # an edit longer than this (a paste) is read by the ordinary prefill
-MAX_LEAVES = 64  # stored sequences looked at for the last prompt below the cursor
+MAX_VISITS = 4096  # blocks looked at for the last stored prompt below the cursor
 
 
 @dataclass
@@ -153,19 +154,22 @@ def _last(tokens: list[int], token: int) -> int:
 
 def _latest_below(tree: kb.BlockTree, prompt: list[int], marker: int) -> list[kb.Block] | None:
     """The most recently used stored FIM prompt sharing the prompt's whole blocks (the last
-    keystroke's, in an editor): the chain of its leaf. A keystroke superseded while its
-    prompt was still being read left a shorter sequence without the middle token: passed over."""
+    keystroke's, in an editor): the chain of its leaf. A use touches a whole chain, so the
+    newest leaf is found by following the newest child down (best first, by tick); a
+    keystroke superseded while its prompt was still being read left a sequence without the
+    middle token, and the search goes on to the next newest."""
     node, _ = tree.walk(prompt)
-    stack = list(tree.children_of(node).values())
-    leaves: list[kb.Block] = []
-    while stack and len(leaves) < MAX_LEAVES:
-        block = stack.pop()
+    heap = [(-b.tick, id(b), b) for b in tree.children_of(node).values()]
+    heapq.heapify(heap)
+    for _ in range(MAX_VISITS):
+        if not heap:
+            return None
+        _, _, block = heapq.heappop(heap)
         if block.children:
-            stack.extend(block.children.values())
-        else:
-            leaves.append(block)
-    for leaf in sorted(leaves, key=lambda b: b.tick, reverse=True):
-        chain = leaf.chain()
+            for child in block.children.values():
+                heapq.heappush(heap, (-child.tick, id(child), child))
+            continue
+        chain = block.chain()
         if any(marker in b.tokens for b in reversed(chain)):
             return chain
     return None
