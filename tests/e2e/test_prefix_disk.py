@@ -285,6 +285,25 @@ def test_loading_reads_no_kv_until_a_lookup_reaches_its_blocks(runner_with_store
     assert 0 < again.prefix_cache.nbytes < runner.prefix_cache.nbytes  # "two" is still on disk only
 
 
+def test_a_blocks_hits_since_it_was_written_survive_a_restart_without_writing_it_again(runner_with_store):
+    """The eviction order on disk weighs hits: a block already on disk that served lookups
+    afterwards keeps them across a stop (in uses.json), and its KV is not written twice."""
+    from mlxgw.worker.model.cache.prefix_cache import PrefixCache
+
+    runner, store = runner_with_store
+    store.save(runner.prefix_cache)
+    prompt = runner.encode_text(_words("one", 200))
+    runner.insert(prompt, 2, SamplingParams(temperature=0.0))  # a hit on "one"'s blocks
+    while runner._covered:
+        runner.step()
+    report = store.save(runner.prefix_cache)
+    assert report["written_blocks"] <= 1  # at most the new tail its answer added
+    cache = PrefixCache(64 << 20)
+    store.restore(cache)
+    first = next(h for h in cache.disk_tier.index.values() if h.start == 0 and h.tokens == tuple(prompt[:32]))
+    assert first.hits >= 1
+
+
 def test_the_disk_bound_holds_for_a_stop_and_the_evictions_after_it(tiny_dir, tmp_path):
     """cache.prefix_disk_mb bounds the one block tier: a stop writes the hottest sequence
     that fits, and blocks evicted afterwards still leave the folder within the bound."""
