@@ -160,8 +160,8 @@ def test_entries_written_for_a_changed_model_are_refused(gateways, home, smollm2
 
 def test_a_torn_or_corrupt_block_file_is_skipped_and_the_others_served(gateways, home):
     """A block file torn by a crash mid-write (cut short under its own name), a file that is
-    not a block, a FIFO and a temporary file left by a killed write: each is skipped when the
-    next worker indexes the folder (the FIFO without blocking it), the others serve."""
+    not a block, FIFOs and a temporary file left by a killed write: each is skipped when the
+    next worker indexes the folder (the FIFOs without blocking it), the others serve."""
     import os
 
     gw = gateways.gw
@@ -177,6 +177,8 @@ def test_a_torn_or_corrupt_block_file_is_skipped_and_the_others_served(gateways,
     folder = torn.parent
     (folder / ("0" * 32 + ".safetensors")).write_bytes(b"not a safetensors file" * 10)
     os.mkfifo(folder / ("1" * 32 + ".safetensors"))
+    (folder / "uses.json").unlink()
+    os.mkfifo(folder / "uses.json")  # the blocks keep the use their headers hold
     (folder / "tmp-0123-99.safetensors").write_bytes(data[:100])
     _, short_tokens, cached_short = _ask(gw, "disk-corrupt", short)
     _, _, cached_long = _ask(gw, "disk-corrupt", long)
