@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 
 FORMAT = "mlxgw-prefix-block/1"
 SCAN_BUDGET_S = 5.0  # headers read at start at most this long; the files left are deleted
-TEMP_PREFIX = "tmp-"
+TEMP_PREFIX = bf.TEMP_PREFIX  # a name a start removes: left by a write that was killed
 SUFFIX = ".safetensors"
 
 
