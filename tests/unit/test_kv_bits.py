@@ -130,9 +130,10 @@ def test_quantized_entries_go_to_the_disk_tier_and_come_back(wide_dir, tmp_path)
     first = runner()
     prompt = _prompts(first.tokenizer)[2]
     expected = generate_together(first, [(prompt, 6)])[0]
-    assert first.prefix_store.save(first.prefix_cache)["saved_entries"] == 1
+    saved = first.prefix_store.save(first.prefix_cache)["saved_blocks"]
+    assert saved == len(first.prefix_cache.tree.blocks)
     again = runner()
-    assert again.prefix_store.restore(again.prefix_cache)["restored_entries"] == 1
+    assert again.prefix_store.restore(again.prefix_cache)["indexed_blocks"] == saved
     uid, hit = again.insert(prompt, 6, GREEDY)
     assert hit == len(prompt) - 1
     out = []

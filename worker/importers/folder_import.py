@@ -11,12 +11,11 @@ import json
 import os
 import shutil
 import stat
-import time
 from pathlib import Path
 
 from mlxgw.shared import model_store
-from mlxgw.worker.importers.import_progress import ImportProgress, NoProgress
-from mlxgw.worker.importers.import_result import ImportError_, ImportResult
+from mlxgw.worker.importers.import_progress import ImportProgress
+from mlxgw.worker.importers.import_result import ImportError_, ImportResult, begin_import
 
 # Files a serving copy does not need.
 SKIP = {".gitattributes", "README.md", "mlxgw.json"}
@@ -134,11 +133,8 @@ def import_folder(
     models_dir: Path | None = None,
     progress: ImportProgress | None = None,
 ) -> ImportResult:
-    model_store.validate_model_name(name)
-    progress = progress or NoProgress()
-    started = time.perf_counter()
-    models_dir = models_dir or model_store.models_dir()
-    dest = models_dir / name
+    start = begin_import(name, models_dir, progress)
+    progress = start.progress
     files = safe_manifest(path)
     if "config.json" not in files:
         raise ImportError_(f"{path}: no config.json")
@@ -147,10 +143,9 @@ def import_folder(
     except (OSError, ValueError) as e:
         raise ImportError_(f"{path}: unreadable config.json: {e}") from None
     digest = _digest(files, progress)
-    existing = model_store.read_import_record(dest)
+    existing = model_store.read_import_record(start.dest)
     if not force and existing and existing.get("sha256") == digest:
-        size = model_store.folder_size(dest)
-        return ImportResult(name, dest, True, time.perf_counter() - started, size, existing.get("dtype", "?"), arch)
+        return start.result(True, existing.get("dtype", "?"), arch)
 
     def fill(tmp: Path) -> dict:
         with progress.watch_folder("copying files", tmp, sum(f.stat().st_size for f in files.values())):
@@ -169,6 +164,5 @@ def import_folder(
             "dtype": dtype,
         }
 
-    record = model_store.publish(models_dir, name, fill)
-    size = model_store.folder_size(dest)
-    return ImportResult(name, dest, False, time.perf_counter() - started, size, record["dtype"], arch)
+    record = model_store.publish(start.models_dir, name, fill)
+    return start.result(False, record["dtype"], arch)

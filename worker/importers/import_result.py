@@ -4,8 +4,12 @@ the other's side only through these."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from mlxgw.shared import model_store
+from mlxgw.worker.importers.import_progress import ImportProgress, NoProgress
 
 
 class ImportError_(Exception):
@@ -21,3 +25,29 @@ class ImportResult:
     size_bytes: int
     dtype: str
     architecture: str
+
+
+@dataclass
+class ImportStart:
+    """What an import that writes one folder begins with: its name (checked), where it goes,
+    where it shows progress and when it began, so its result is told the same way each time."""
+
+    name: str
+    models_dir: Path
+    progress: ImportProgress
+    started: float = field(default_factory=time.perf_counter)
+
+    @property
+    def dest(self) -> Path:
+        return self.models_dir / self.name
+
+    def result(self, skipped: bool, dtype: str, architecture: str) -> ImportResult:
+        """The import's result: skipped (the same source was imported already) or written."""
+        seconds, size = time.perf_counter() - self.started, model_store.folder_size(self.dest)
+        return ImportResult(self.name, self.dest, skipped, seconds, size, dtype, architecture)
+
+
+def begin_import(name: str, models_dir: Path | None, progress: ImportProgress | None) -> ImportStart:
+    """Check the name and fill in the defaults (the models dir, no progress shown)."""
+    model_store.validate_model_name(name)
+    return ImportStart(name, models_dir or model_store.models_dir(), progress or NoProgress())

@@ -13,14 +13,14 @@ import hashlib
 import json
 import re
 import shutil
-import time
 from dataclasses import asdict
 from importlib import metadata as importlib_metadata
 from pathlib import Path
 
 from mlxgw.shared import model_store
 from mlxgw.worker.importers.gguf.importer import ImportError_, ImportResult
-from mlxgw.worker.importers.import_progress import ImportProgress, NoProgress
+from mlxgw.worker.importers.import_progress import ImportProgress
+from mlxgw.worker.importers.import_result import begin_import
 
 SIDE_FILES = ("config.json", "tokenizer.json")
 _PART_RE = re.compile(r"^model\.bin(?:\.part(\d+))?$")
@@ -103,17 +103,13 @@ def import_whisper(
     from mlxgw.worker.importers.ct2 import CT2FormatError, read_model_files
     from mlxgw.worker.importers.whisper_convert import ConversionError, convert
 
-    model_store.validate_model_name(name)
-    progress = progress or NoProgress()
-    started = time.perf_counter()
-    models_dir = models_dir or model_store.models_dir()
-    dest = models_dir / name
+    start = begin_import(name, models_dir, progress)
+    progress = start.progress
     digest = _digest(parts, progress)
     options = {"dtype": dtype}
-    existing = model_store.read_import_record(dest)
+    existing = model_store.read_import_record(start.dest)
     if not force and existing and existing.get("sha256") == digest and existing.get("options") == options:
-        size = model_store.folder_size(dest)
-        return ImportResult(name, dest, True, time.perf_counter() - started, size, dtype, "whisper")
+        return start.result(True, dtype, "whisper")
     try:
         with progress.phase("reading and converting tensors"):
             spec_name, tensors = read_model_files(parts)
@@ -145,6 +141,5 @@ def import_whisper(
             "multilingual": dims.n_vocab >= 51865,
         }
 
-    model_store.publish(models_dir, name, fill)
-    size = model_store.folder_size(dest)
-    return ImportResult(name, dest, False, time.perf_counter() - started, size, dtype, "whisper")
+    model_store.publish(start.models_dir, name, fill)
+    return start.result(False, dtype, "whisper")

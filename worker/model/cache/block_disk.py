@@ -1,4 +1,6 @@
-"""The live disk tier of the prefix cache: blocks evicted from memory, read back on a hit.
+"""The disk tier of the prefix cache: blocks evicted from memory, read back on a hit; the
+blocks memory holds at a graceful stop come here too (worker/model/cache/prefix_store.py), so
+one store and one format serve both a running worker and the next one.
 
 A block the in-memory bound evicts (worker/model/cache/prefix_cache.py) is written here, one safetensors
 file per block, under `$MLXGW_HOME/prefix-cache/<model>/blocks/`; a lookup whose chain of
@@ -7,9 +9,12 @@ row's cache, so a session evicted by others resumes at disk speed instead of pre
 The index of what is here (key, parent, tokens, size, last use) is kept in memory and rebuilt
 from the files' headers at start, so blocks written by an earlier worker serve this one.
 
-- Bound: `cache.prefix_disk_mb`, shared with the restart tier's entry files (their bytes
-  are reserved out of it: prefix_store.py); past it blocks are deleted by recency, hits and cost to
+- Bound: `cache.prefix_disk_mb`; past it blocks are deleted by recency, hits and cost to
   recompute (worker/model/cache/eviction.py), those no other block here continues first.
+- Use: each file's header holds its block's last use and hits when written; `uses.json`
+  (rewritten at each graceful stop) holds them for blocks written earlier and used since,
+  so the eviction order survives a restart. A file with another fingerprint is deleted,
+  counted in `refused` and logged once.
 - Format: the block's KV pieces by name, its checkpoints' state layers (class and state,
   as mlx-lm's save_prompt_cache writes them), and JSON metadata: format, model
   fingerprint, key, parent key, first position, tokens, layouts. A file with another
@@ -24,7 +29,6 @@ import io
 import json
 import logging
 import os
-import shutil
 import stat
 import time
 from dataclasses import dataclass
@@ -33,6 +37,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
+from mlxgw.worker.model.cache import block_file as bf
 from mlxgw.worker.model.cache import kv_blocks as kb
 from mlxgw.worker.model.cache import state_checkpoints as sc
 from mlxgw.worker.model.cache.block_reader import BlockReader
@@ -42,9 +47,8 @@ log = logging.getLogger(__name__)
 
 FORMAT = "mlxgw-prefix-block/1"
 SCAN_BUDGET_S = 5.0  # headers read at start at most this long; the files left are deleted
-TEMP_PREFIX = "tmp-"
+TEMP_PREFIX = bf.TEMP_PREFIX  # a name a start removes: left by a write that was killed
 SUFFIX = ".safetensors"
-DEFAULT_BOUND_MAX_MB = 64 << 10  # the default bound's ceiling (64 GiB) per model
 
 
 @dataclass
@@ -58,6 +62,7 @@ class DiskBlock:
     used_at: float
     hits: int = 0
     priority: float = 0.0  # eviction order (worker/model/cache/eviction.py): lowest first
+    marks: frozenset[int] = frozenset()  # positions of the checkpoints its file holds
 
     @property
     def end(self) -> int:
@@ -65,45 +70,50 @@ class DiskBlock:
 
 
 class BlockDisk:
-    def __init__(self, directory: Path, fingerprint: str, max_bytes: int):
+    def __init__(self, directory: Path, fingerprint: str, max_bytes: int, scan_budget_s: float = SCAN_BUDGET_S):
         self.dir = directory
         self.fingerprint = fingerprint
         self.max_bytes = max_bytes
         self.index: dict[bytes, DiskBlock] = {}
         self.children: dict[bytes, set[bytes]] = {}  # parent key -> keys here
         self.nbytes = 0
-        self.counts = {"written": 0, "read": 0, "skipped": 0, "deleted": 0}
+        self.counts = {"written": 0, "read": 0, "skipped": 0, "refused": 0, "deleted": 0}
         self.reader = BlockReader()  # reads files off the engine thread (prefetch)
         self.clock = Clock()
-        # Bytes of the same bound held by the restart tier's entry files (prefix_store.py):
-        # the two tiers together stay within cache.prefix_disk_mb.
-        self.reserved = 0
-        self._scan()
+        self._scan(scan_budget_s)
 
     # -- write -----------------------------------------------------------------------------------
-    def keep(self, block: kb.Block) -> None:
-        """A block leaving memory: written here unless already here (then only its use)."""
+    def keep(self, block: kb.Block, bound: bool = True) -> bool:
+        """A block leaving memory (or saved at a stop): written here unless already here
+        with its checkpoints (then only its use is updated); whether it was written.
+        bound=False: the caller bounds the folder once it has written them all."""
         held = self.index.get(block.key)
         if held is not None:
             held.used_at, held.hits = max(held.used_at, block.used_at), max(held.hits, block.hits)
             held.priority = self.clock.priority(held.end, held.hits)
-            return
+            if set(block.checkpoints) <= held.marks:
+                return False
+            self._drop(block.key)  # it took checkpoints since it was written: written again
         if block.nbytes > self.max_bytes:
-            return
+            return False
         try:
             path, size = self._write(block)
         except Exception:  # the disk tier saves time later; a failed write costs that block only
             log.exception("prefix cache: writing a block to disk failed")
-            return
+            return False
         parent = block.parent.key if block.parent is not None else kb.ROOT
-        used = block.used_at or time.time()
-        self._add(DiskBlock(block.key, parent, block.start, block.tokens, path, size, used, block.hits))
+        used = max(block.used_at, held.used_at if held is not None else 0.0) or time.time()
+        hits = max(block.hits, held.hits if held is not None else 0)
+        marks = frozenset(block.checkpoints)
+        self._add(DiskBlock(block.key, parent, block.start, block.tokens, path, size, used, hits, marks=marks))
         self.counts["written"] += 1
-        self._bound()
+        if bound:
+            self.bound()
+        return True
 
     def _write(self, block: kb.Block) -> tuple[Path, int]:
         arrays: dict[str, mx.array] = {}
-        pieces = [_encode_piece(p, f"p{i}", arrays) for i, p in enumerate(block.pieces)]
+        pieces = [bf.encode_piece(p, f"p{i}", arrays) for i, p in enumerate(block.pieces)]
         marks = sc.Checkpoints([], dict(block.checkpoints), set(block.boundaries))
         layout, extra = sc.to_layout(marks, len(block.pieces))
         scalars: dict = {}  # a layer's state holds numbers, strings and None besides arrays
@@ -129,7 +139,7 @@ class BlockDisk:
         temp = self.dir / f"{TEMP_PREFIX}{block.key.hex()}-{os.getpid()}{SUFFIX}"
         try:
             mx.save_safetensors(str(temp), arrays, meta)
-            fsync_path(temp)
+            bf.fsync_path(temp)
             os.chmod(temp, 0o600)  # prompts are users' data
             os.replace(temp, path)
         finally:
@@ -229,7 +239,7 @@ class BlockDisk:
             raise ValueError("written for another format or model")
         if meta.get("key") != held.key.hex() or json.loads(meta["tokens"]) != list(held.tokens):
             raise ValueError("its key or tokens disagree with its name")
-        pieces = [_decode_piece(p, f"p{i}", arrays) for i, p in enumerate(json.loads(meta["pieces"]))]
+        pieces = [bf.decode_piece(p, f"p{i}", arrays) for i, p in enumerate(json.loads(meta["pieces"]))]
         for p in pieces:
             for a in kb.piece_arrays(p):
                 if a.shape[-2] != len(held.tokens):
@@ -244,40 +254,50 @@ class BlockDisk:
         if not sc.valid_layout(layout, end):
             raise ValueError("malformed checkpoints")
         marks = sc.from_layout([0] * end, layout, extra)
-        states = [a for snap in marks.states.values() for a in _arrays(snap)]
+        states = [a for snap in marks.states.values() for a in bf.snapshot_arrays(snap)]
         mx.eval([a for p in pieces for a in kb.piece_arrays(p)] + states)
         block = kb.Block(held.key, parent, held.tokens, held.start, pieces, dict(marks.states), set(marks.priority))
         block.used_at, block.hits = held.used_at, held.hits
         return block
 
     # -- index -----------------------------------------------------------------------------------
-    def _scan(self) -> None:
+    def _scan(self, budget_s: float) -> None:
         if not self.dir.is_dir():
             return
         started = time.monotonic()
+        uses = bf.read_uses(self.dir, self.fingerprint)
         for path in sorted(self.dir.iterdir()):
             if path.name.startswith(TEMP_PREFIX):  # left by a killed write
                 path.unlink(missing_ok=True)
                 continue
             if not path.name.endswith(SUFFIX):
                 continue
-            if time.monotonic() - started > SCAN_BUDGET_S:  # unindexed, it would escape the bound
+            if time.monotonic() - started > budget_s:  # unindexed, it would escape the bound
                 path.unlink(missing_ok=True)
                 self.counts["deleted"] += 1
                 continue
             try:
                 if not stat.S_ISREG(path.lstat().st_mode):  # a FIFO would block the starting worker
                     raise ValueError("not a regular file")
-                _, meta = mx.load(str(path), return_metadata=True)
-                if meta.get("format") != FORMAT or meta.get("fingerprint") != self.fingerprint:
-                    raise ValueError("written for another format or model")
+                _, meta = mx.load(str(path), return_metadata=True)  # lazy: a torn file fails here
+                if meta.get("format") != FORMAT:
+                    raise ValueError("not a block file of this format")
+                if meta.get("fingerprint") != self.fingerprint:
+                    self.counts["refused"] += 1
+                    path.unlink(missing_ok=True)
+                    continue
                 key = bytes.fromhex(meta["key"])
                 if path.name != f"{key.hex()}{SUFFIX}":
                     raise ValueError("its key disagrees with its name")
                 tokens = tuple(int(t) for t in json.loads(meta["tokens"]))
+                layout = json.loads(meta["checkpoints"])
+                if not sc.valid_layout(layout, int(meta["start"]) + len(tokens)):
+                    raise ValueError("malformed checkpoints")
+                used_at, hits = uses.get(key.hex(), (0.0, 0))
                 held = DiskBlock(
-                    key, bytes.fromhex(meta["parent"]), int(meta["start"]), tokens, path,
-                    path.stat().st_size, float(meta.get("used_at", 0)), int(meta.get("hits", 0)),
+                    key, bytes.fromhex(meta["parent"]), int(meta["start"]), tokens, path, path.stat().st_size,
+                    max(float(meta.get("used_at", 0)), used_at), max(int(meta.get("hits", 0)), hits),
+                    marks=frozenset(m[0] for m in layout["at"]),
                 )  # fmt: skip
             except Exception as e:  # whatever is wrong with one file costs that file only
                 log.warning("prefix cache: skipped block file %s: %s", path.name, e)
@@ -285,7 +305,19 @@ class BlockDisk:
                 path.unlink(missing_ok=True)
                 continue
             self._add(held)
-        self._bound()
+        if self.counts["refused"]:
+            log.warning(
+                "prefix cache: %d block files in %s were written for a different version of the model; deleted",
+                self.counts["refused"],
+                self.dir,
+            )
+        self.bound()
+
+    def save_uses(self) -> None:
+        """Write every block's last use and hits (crash-safe): what memory did with blocks
+        already here survives a restart without writing their KV again."""
+        blocks = {h.key.hex(): [h.used_at, h.hits] for h in self.index.values()}
+        bf.write_uses(self.dir, FORMAT, self.fingerprint, blocks)
 
     def _add(self, held: DiskBlock) -> None:
         held.priority = self.clock.priority(held.end, held.hits)
@@ -302,22 +334,21 @@ class BlockDisk:
         self.nbytes -= held.nbytes
         held.path.unlink(missing_ok=True)
 
-    def reserve(self, nbytes: int) -> None:
-        """The restart tier now holds nbytes of the bound: the blocks fit in the rest."""
-        self.reserved = max(0, nbytes)
-        self._bound()
-
-    def _bound(self) -> None:
+    def bound(self, last: set[bytes] | frozenset[bytes] = frozenset()) -> None:
         """Blocks leave, lowest priority first (recency, hits and cost to recompute:
-        worker/model/cache/eviction.py), until the rest fit. Only blocks no other block here
-        continues leave: a chain read back from its first block never misses a middle one."""
-        limit = max(0, self.max_bytes - self.reserved)
-        if self.nbytes <= limit:
+        worker/model/cache/eviction.py), until the rest fit; those in `last` (what memory held
+        at a stop) after all others. Only blocks no other block here continues leave: a
+        chain read back from its first block never misses a middle one."""
+        if self.nbytes <= self.max_bytes:
             return
-        heap = [(h.priority, h.used_at, h.key) for h in self.index.values() if not self.children.get(h.key)]
+
+        def order(h: DiskBlock) -> tuple:
+            return (h.key in last, h.priority, h.used_at, h.key)
+
+        heap = [order(h) for h in self.index.values() if not self.children.get(h.key)]
         heapq.heapify(heap)
-        while self.nbytes > limit and heap:
-            priority, _, key = heapq.heappop(heap)
+        while self.nbytes > self.max_bytes and heap:
+            _, priority, _, key = heapq.heappop(heap)
             held = self.index.get(key)
             if held is None or self.children.get(key):
                 continue
@@ -326,58 +357,13 @@ class BlockDisk:
             self.counts["deleted"] += 1
             parent = self.index.get(held.parent)
             if parent is not None and not self.children.get(parent.key):
-                heapq.heappush(heap, (parent.priority, parent.used_at, parent.key))
+                heapq.heappush(heap, order(parent))
 
     def clear(self) -> None:
         for key in list(self.index):
             self._drop(key)
+        (self.dir / bf.USES).unlink(missing_ok=True)
 
     def snapshot(self) -> dict:
         counts = {**self.counts, **self.reader.counts}
         return {"blocks": len(self.index), "bytes": self.nbytes, "max_bytes": self.max_bytes, **counts}
-
-
-def _encode_piece(piece, name: str, arrays: dict):
-    if piece is None:
-        return None
-    if isinstance(piece, tuple):
-        return [_encode_piece(p, f"{name}.{i}", arrays) for i, p in enumerate(piece)]
-    arrays.update({f"{name}.k{i}": a for i, a in enumerate(piece.keys)})
-    arrays.update({f"{name}.v{i}": a for i, a in enumerate(piece.values)})
-    return {"k": len(piece.keys), "v": len(piece.values)}
-
-
-def _decode_piece(layout, name: str, arrays: dict):
-    if layout is None:
-        return None
-    if isinstance(layout, list):
-        return tuple(_decode_piece(p, f"{name}.{i}", arrays) for i, p in enumerate(layout))
-    keys = tuple(arrays[f"{name}.k{i}"] for i in range(layout["k"]))
-    return kb.KVPiece(keys, tuple(arrays[f"{name}.v{i}"] for i in range(layout["v"])))
-
-
-def _arrays(snap: list) -> list:
-    return [a for item in snap for a in sc._arrays(item)]
-
-
-def default_bound_mb(home: Path) -> int:
-    """cache.prefix_disk_mb when the entry sets none: a tenth of the disk's free space at
-    the worker's start (it reads a session back ~60x sooner than it prefills it on a Mac),
-    at most DEFAULT_BOUND_MAX_MB; 0 (off) when the free space cannot be read."""
-    folder = home
-    while not folder.exists() and folder != folder.parent:
-        folder = folder.parent
-    try:
-        free = shutil.disk_usage(folder).free
-    except OSError:
-        return 0
-    return min(DEFAULT_BOUND_MAX_MB, (free // 10) >> 20)
-
-
-def fsync_path(path: Path) -> None:
-    """fsync a file or a folder (after a rename, so the new name survives a crash)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

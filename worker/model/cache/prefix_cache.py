@@ -10,9 +10,9 @@ a block also carries the state checkpoints (worker/model/cache/state_checkpoints
 inside it, and a lookup resumes from the deepest checkpoint at or before the shared prefix.
 
 When a disk tier is attached (worker/model/cache/block_disk.py), blocks evicted from memory are written
-there and read back when a lookup's chain reaches them. "Entries" (what /v1/status counts and
-what the restart tier of worker/model/cache/prefix_store.py writes) are the leaves of the block tree: one
-per stored sequence that no longer one extends."""
+there and read back when a lookup's chain reaches them; a graceful stop writes the blocks still
+in memory there too (worker/model/cache/prefix_store.py). "Entries" (what /v1/status counts) are the
+leaves of the block tree in memory: one per stored sequence that no longer one extends."""
 
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ class PrefixCache:
         self.tree = kb.BlockTree()
         self.max_bytes = max_bytes
         self.stats = CacheStats()
-        self.disk: dict | None = None  # the restart tier's last restore/save report, when one is on
+        self.disk: dict | None = None  # the store's last index/save report (prefix_store.py), when on
         self.disk_tier = None  # worker/block_disk.BlockDisk: where evicted blocks go, when on
         self.checkpoint_hits = 0  # lookups served from a checkpoint (not a plain KV cut)
         self._hybrid = False  # some layer cannot be cut back: reuse needs a checkpoint
@@ -284,7 +284,7 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self.tree.leaves())
 
-    # -- enumeration (the restart tier, tests) ---------------------------------------------------
+    # -- enumeration (tests, benches) ------------------------------------------------------------
     def entries(self) -> Iterator[CachedEntry]:
         """Every stored sequence (a leaf's chain: tokens, KV, use), least recently used first.
         nbytes counts each block once: under the first entry listed that holds it."""

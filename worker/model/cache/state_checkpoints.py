@@ -233,7 +233,7 @@ def message_boundaries(prompt: list[int], openers: frozenset[int]) -> list[int]:
     return [i for i, t in enumerate(prompt) if i > 0 and t in openers]
 
 
-# -- on disk (worker/model/cache/prefix_store.py) ------------------------------------------------------------
+# -- on disk (worker/model/cache/block_disk.py) --------------------------------------------------------------
 def to_layout(marks: Checkpoints, layers: int) -> tuple[dict, list]:
     """Checkpoints as JSON plus the cache layers it points into, stored after the entry's
     own `layers` layers: {"layers": n, "at": [[position, boundary, items], ...]}, where an item
