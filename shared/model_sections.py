@@ -179,8 +179,10 @@ class FimConfig:
     stop: list[str] = field(default_factory=list)  # more tokens that end a middle
     max_tokens: int = 128  # a FIM request's max_tokens when it sends none
     # The shortest run of tokens after the cursor whose KV a keystroke's prompt reuses where
-    # it moved (llama.cpp's --cache-reuse; worker/model/cache/kv_shift.py); 0: off.
-    kv_shift_min_tokens: int = 32
+    # it moved (llama.cpp's --cache-reuse; worker/model/cache/kv_shift.py); 0: off. Off by
+    # default, as in llama.cpp: the moved suffix keeps what it saw of the old text before the
+    # cursor, and Qwen2.5-Coder-0.5B then completed from the old cursor in 4 of 4 holes.
+    kv_shift_min_tokens: int = 0
 
 
 @dataclass

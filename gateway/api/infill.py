@@ -8,8 +8,8 @@ line indented less than that ends the middle, cut before the line's first charac
 `t_max_predict_ms` (past that time since the first token, the middle ends at the first new
 line). Leaving the generation cancels the worker's sequence at once. `n_predict: 0` (how
 llama.vscode warms the cache with its ring of chunks) reads the prompt and returns nothing.
-`cache_prompt` is always on (the prefix cache; worker/model/cache/kv_shift.py reuses the moved
-suffix); `t_max_prompt_ms` and the sampler-order fields are accepted and not used. A request
+`cache_prompt` is always on (the prefix cache; fim.kv_shift_min_tokens also moves the
+suffix's KV); `t_max_prompt_ms` and the sampler-order fields are accepted and not used. A request
 without `model` goes to the first FIM model."""
 
 from __future__ import annotations

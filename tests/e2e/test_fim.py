@@ -57,7 +57,7 @@ def gw(home, tiny_fim_dir):
         "models": [
             {"name": "tiny-fim", "preload": True, "max_num_seqs": 8},
             {"name": "tiny-fim-spm", "source": "tiny-fim", "fim": {"order": "spm", "max_tokens": 5}},
-            {"name": "tiny-fim-noshift", "source": "tiny-fim", "fim": {"kv_shift_min_tokens": 0}},
+            {"name": "tiny-fim-shift", "source": "tiny-fim", "fim": {"kv_shift_min_tokens": 32}},
             {"name": "tiny-nofim", "source": "tiny", "max_num_seqs": 4},
         ],
     }
@@ -260,7 +260,8 @@ def test_the_next_keystroke_reads_the_file_context_from_the_prefix_cache(gw):
 def test_a_keystroke_mid_file_reuses_the_suffix_it_moved(gw):
     """PSM: the rest of the file follows the cursor, so a typed character moves the whole
     suffix one token on. Its KV is reused where it moved (worker/model/cache/kv_shift.py)
-    instead of being read again; with kv_shift_min_tokens 0 (off) the suffix is read again."""
+    instead of being read again, when the model entry turns it on; off (the default), the
+    suffix is read again."""
     suffix = "".join(f"\ndef g{i}(y):\n    return y * {i}\n" for i in range(30))
 
     def keystrokes(model: str, typed: str = "4") -> list[dict]:
@@ -270,18 +271,23 @@ def test_a_keystroke_mid_file_reuses_the_suffix_it_moved(gw):
             for n in range(len(typed) + 1)
         ]
 
-    for out in keystrokes("tiny-fim", "4, sc")[1:]:  # each key typed on after the last
+    for out in keystrokes("tiny-fim-shift", "4, sc")[1:]:  # each key typed on after the last
         assert out["tokens_evaluated"] > 300 and out["tokens_cached"] >= out["tokens_evaluated"] - 4, out
-    body = {"model": "tiny-fim", "input_suffix": suffix, "n_predict": 1, "input_prefix": "import os\nvalue = f3(4sc"}
+    body = {
+        "model": "tiny-fim-shift",
+        "input_suffix": suffix,
+        "n_predict": 1,
+        "input_prefix": "import os\nvalue = f3(4sc",
+    }
     out = http(f"{gw.url}/infill", "POST", body)[2]  # ", " deleted before the cursor
     assert out["tokens_cached"] >= out["tokens_evaluated"] - 4, out
 
     def shift() -> dict:  # the status is refreshed periodically
-        return gw.model_status("tiny-fim")["workers"][0].get("stats", {}).get("kv_shift") or {}
+        return gw.model_status("tiny-fim-shift")["workers"][0].get("stats", {}).get("kv_shift") or {}
 
     wait_for(lambda: shift().get("splices", 0) >= 1, timeout=15)
     assert shift()["moved_tokens"] > 300, shift()
-    off = keystrokes("tiny-fim-noshift")[-1]
+    off = keystrokes("tiny-fim")[-1]
     assert off["tokens_cached"] < 32, off  # the prefix before the cursor only
 
 

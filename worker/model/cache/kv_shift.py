@@ -13,6 +13,11 @@ rotation is exact; what is approximate (and accepted by llama.cpp and editors) i
 moved run attended to the old text before the cursor, not the edited one. llama.cpp reuses
 only runs that moved left (deleted text); an insertion is read here too.
 
+Off by default (fim.kv_shift_min_tokens, as llama.cpp's --cache-reuse is): the moved run's
+deeper layers remember where the cursor was when it was read. On Qwen2.5-Coder-0.5B, after
+the last 10 characters of a function hole were typed key by key, every completion went on
+from the first key's cursor (docs/api.md has the measurement).
+
 Only for FIM prompts (they contain the model's FIM middle token) and only for models whose
 every layer is plain attention KV (mlx-lm's KVCache) with one plain RoPE: quantized, windowed,
 recurrent or magnitude-scaled (YaRN) layers are left to the ordinary prefix lookup."""
