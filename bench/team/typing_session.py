@@ -8,6 +8,8 @@ client drops it, the server cancels it), beside agent sessions decoding long cha
 A typist opens its file (an `n_predict: 0` request, waited for, as llama.vscode warms the
 server on opening a file; `--no-open-file` types at once), then types a burst of characters
 (--burst-chars) at --keys-per-s, then pauses (--pause-s) to read the suggestion, as people do.
+Requests are shaped as llama.vscode sends them (`--shape lines`: the cursor's line as `prompt`)
+or with the cursor's line in the prefix (`--shape prefix`, as Continue builds FIM).
 Per round it reports the file-open read's p50, the TTFT p50/p90 of each burst's last
 keystroke (the request that is not superseded), the share of those answered within the
 pause, the decoded tokens no client received (the worker's generated-token counter over the
@@ -95,6 +97,23 @@ async def _keystroke(session: aiohttp.ClientSession, url: str, body: dict, key: 
                 key.cached = event.get("tokens_cached", 0)
 
 
+# llama.vscode's defaults: lines of context above and below the cursor's line
+PREFIX_LINES, SUFFIX_LINES = 256, 64
+
+
+def infill_fields(before: str, after: str, shape: str) -> dict:
+    """The /infill text fields for a cursor between `before` and `after`. "lines": as
+    llama.vscode and llama.vim send them (the lines above as input_prefix, the cursor's line
+    up to the cursor as prompt, the rest as input_suffix), so typing on a line changes only
+    the prompt's end; "prefix": the cursor's line in input_prefix, as Continue builds FIM."""
+    if shape == "prefix":
+        return {"input_prefix": before, "input_suffix": after}
+    start = before.rfind("\n") + 1
+    above = before[:start].splitlines(keepends=True)[-PREFIX_LINES:]
+    below = after.splitlines(keepends=True)[: SUFFIX_LINES + 1]
+    return {"input_prefix": "".join(above), "prompt": before[start:], "input_suffix": "".join(below)}
+
+
 async def typist(session, args, seed: int, result: RoundResult) -> None:
     text = source_file(args.file_lines, seed)
     rng = random.Random(seed)
@@ -104,7 +123,7 @@ async def typist(session, args, seed: int, result: RoundResult) -> None:
     typed = "    values = sorted(values, key=lambda v: -v)\n" * args.bursts
     position = 0
     if args.open_file:  # as llama.vscode does on opening a file: read the prompt, answer nothing
-        body = {"model": args.model, "input_prefix": prefix, "input_suffix": suffix, "n_predict": 0,
+        body = {"model": args.model, **infill_fields(prefix, suffix, args.shape), "n_predict": 0,
                 "filename": f"typist_{seed}.py"}  # fmt: skip
         opened = time.monotonic()
         async with session.post(f"{args.url}/infill", json=body) as resp:
@@ -119,7 +138,7 @@ async def typist(session, args, seed: int, result: RoundResult) -> None:
                 pending.cancel()  # the editor drops the older request; the server cancels it too
             key = Keystroke(time.monotonic(), last_of_burst=i == args.burst_chars - 1)
             result.keystrokes.append(key)
-            body = {"model": args.model, "input_prefix": prefix, "input_suffix": suffix, "n_predict": args.n_predict,
+            body = {"model": args.model, **infill_fields(prefix, suffix, args.shape), "n_predict": args.n_predict,
                     "stream": True, "t_max_predict_ms": 500, "filename": f"typist_{seed}.py"}  # fmt: skip
             pending = asyncio.ensure_future(_keystroke(session, args.url, body, key))
             await asyncio.sleep(1 / args.keys_per_s)
@@ -187,6 +206,7 @@ def main() -> None:
     ap.add_argument("--bursts", type=int, default=6)
     ap.add_argument("--n-predict", type=int, default=32)
     ap.add_argument("--file-lines", type=int, default=260)
+    ap.add_argument("--shape", choices=("lines", "prefix"), default="lines", help=infill_fields.__doc__)
     ap.add_argument(
         "--open-file", action=argparse.BooleanOptionalAction, default=True,
         help="each typist first reads its file with n_predict 0, as llama.vscode does on opening one",
