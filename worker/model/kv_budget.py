@@ -234,6 +234,7 @@ class KVBudget:
     refused: int = 0  # requests that could not fit even alone
     clamped: int = 0  # requests whose max_tokens was cut to what fits alone
     preempted: int = 0  # rows paused to the prefix store because the rows outgrew the budget
+    decode_allowance: int = DECODE_ALLOWANCE  # tokens of growth a pausable row reserves
     waiting_for_memory: bool = False  # the next waiting row did not fit at the last admission
     _alone: int | None = None
 
@@ -296,7 +297,7 @@ class KVBudget:
             "prefix_cache_bytes": cache_bytes,
             "rows": len(reserves),
             "tokens_alone": self.tokens_alone(),
-            "decode_allowance": DECODE_ALLOWANCE,
+            "decode_allowance": self.decode_allowance,
             "waiting_for_memory": self.waiting_for_memory,
             "preempted": self.preempted,
             "refused": self.refused,

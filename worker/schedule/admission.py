@@ -97,7 +97,7 @@ class Admission:
         if self.kv is None:
             return 0
         rows = list(self.running.values()) + ([extra] if extra is not None else [])
-        return self.kv.bytes_for([reserve(s, self._pausable(s)) for s in rows])
+        return self.kv.bytes_for([reserve(s, self._pausable(s), self.kv.decode_allowance) for s in rows])
 
     def held(self) -> int:
         """KV bytes the running rows hold after the next step."""
@@ -270,7 +270,8 @@ class Admission:
             return None
         cache = self.runner.cache_stats().get("bytes", 0)
         rows = list(self.running.values())
-        return self.kv.counters([reserve(s, self._pausable(s)) for s in rows], [after_step(s) for s in rows], cache)
+        reserves = [reserve(s, self._pausable(s), self.kv.decode_allowance) for s in rows]
+        return self.kv.counters(reserves, [after_step(s) for s in rows], cache)
 
 
 def _prompt_of(seq: Sequence):

@@ -38,10 +38,10 @@ def after_step(seq: Sequence) -> int:
     return min(reach(seq), held(seq) + 1)
 
 
-def reserve(seq: Sequence, pausable: bool) -> int:
+def reserve(seq: Sequence, pausable: bool, allowance: int = DECODE_ALLOWANCE) -> int:
     """The tokens admission counts for a row: what it holds plus the decode allowance when
     it can be paused to make room later, else all it may reach."""
-    return min(reach(seq), held(seq) + DECODE_ALLOWANCE) if pausable else reach(seq)
+    return min(reach(seq), held(seq) + allowance) if pausable else reach(seq)
 
 
 def victim(rows: Iterable[tuple[Sequence, bool]]) -> Sequence | None:
