@@ -9,12 +9,13 @@ tokens (the default 64 is tests/unit/test_kv_preemption.py's; a smaller one keep
 matrix short). A long row (224 + 24 tokens: it may reach two slots) and a short one are
 admitted together on what they hold; after 16 tokens the long row's next one needs a
 second slot for both rows, so the short row (the later arrival) is paused, its KV published
-to the store; it resumes once the long row ends. A family whose KV can be cut back resumes from the store reading only its last
-token again; one with recurrent or sliding-window layers (NON_TRIMMABLE) resumes from the
-deepest state checkpoint before its last token, which for a row paused mid-decode is its
-prompt's end (the pause's own snapshot is at its last token, one past what a resume may
-use), so it reads its generated tokens again. A purely recurrent family (mamba2) holds the
-same bytes at any length: nothing outgrows the budget there, and both rows run unpaused."""
+to the store; it resumes once the long row ends. A family whose KV can be cut back resumes
+from the store reading only its last token again; one with recurrent or sliding-window
+layers (NON_TRIMMABLE) resumes from the deepest state checkpoint before its last token,
+which for a row paused mid-decode is its prompt's end (the pause's own snapshot is at its
+last token, one past what a resume may use), so it reads its generated tokens again. A
+purely recurrent family (mamba2) holds the same bytes at any length: nothing outgrows the
+budget there, and both rows run unpaused."""
 
 from __future__ import annotations
 
