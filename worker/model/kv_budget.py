@@ -1,7 +1,8 @@
-"""Admission by memory: what a row's KV may grow to, and the budget rows are admitted within.
+"""Admission by memory: what a batch's rows hold, and the budget rows are admitted within.
 
-A row reserves the KV it may reach (prompt + max_tokens), per kind of layer cache, as mlx-lm
-lays it out in a batch:
+Rows are counted in tokens (worker/schedule/kv_rows.py: a row that can be paused reserves what
+it holds plus DECODE_ALLOWANCE, one that cannot its whole reach, prompt + max_tokens), and
+tokens in bytes per kind of layer cache, as mlx-lm lays them out in a batch:
 - full attention (KVCache, kv_bits' quantized KVCache): grows with every token; the batch is
   one left-padded rectangle, so every row takes the longest row's length, in steps of 256
   tokens (mlx-lm allocates KV that way);
@@ -13,10 +14,11 @@ The bytes per token of each layer are measured once, from a fresh cache after on
 pass of the loaded model (`probe`), so kv_bits and every family's own head shapes are what
 they really are; a draft model's per-row KV (speculative mode draft) is added to the target's.
 
-The budget covers the reserved rows and the prefix cache together: the cache is evicted to
-what the rows leave (it never holds a row back), a row that does not fit beside the others
-waits in the queue, and only a request that cannot fit even alone is refused (or its
-max_tokens cut, under max_tokens_policy clamp), with the numbers. The budget is measured at
+The budget covers the rows and the prefix cache together: the cache is evicted to what the
+rows hold (it never holds a row back), a row that does not fit beside the others waits in
+the queue, rows that outgrow the budget are paused to the prefix store (`preempted`), and
+only a request that cannot fit even alone is refused (or its max_tokens cut, under
+max_tokens_policy clamp), with the numbers. The budget is measured at
 load: a share of RAM, and a share of what the process's limits (RLIMIT_AS, RLIMIT_DATA, a
 cgroup's memory.max, Metal's working set) leave after the weights; models.yaml's
 kv_memory_mb sets it outright."""
@@ -32,6 +34,10 @@ from mlxgw.shared.errors import ErrorCode, ServiceError
 GROWS, WINDOW, FIXED = "grows", "window", "fixed"
 ALLOC_STEP = 256  # tokens: mlx-lm's KVCache and BatchKVCache grow their buffers in steps of this
 DRAFT_SLACK = 16  # tokens a speculative verification may hold past a row's last one
+# Growth a pausable row reserves past what it holds: two prefix-store blocks (32 tokens each).
+# Rows run at least this many steps before their growth alone can pause one, so a row that
+# was just admitted is not paused at once; a larger allowance admits fewer rows.
+DECODE_ALLOWANCE = 64
 RAM_SHARE = 0.25  # live rows + prefix cache: the rows' eighth and the cache's tenth of RAM, rounded up
 # Of what a process limit leaves after loading, KV may take half: a step's activations
 # (attention scores, logits), MLX's buffer pool and new threads' allocator arenas need the rest.
@@ -227,6 +233,8 @@ class KVBudget:
     chunk: int = 0  # the most prompt tokens one row reads in a step
     refused: int = 0  # requests that could not fit even alone
     clamped: int = 0  # requests whose max_tokens was cut to what fits alone
+    preempted: int = 0  # rows paused to the prefix store because the rows outgrew the budget
+    decode_allowance: int = DECODE_ALLOWANCE  # tokens of growth a pausable row reserves
     waiting_for_memory: bool = False  # the next waiting row did not fit at the last admission
     _alone: int | None = None
 
@@ -277,16 +285,21 @@ class KVBudget:
             },
         )
 
-    def counters(self, reaches: list[int], cache_bytes: int) -> dict:
-        reserved = self.bytes_for(reaches)
+    def counters(self, reserves: list[int], holds: list[int], cache_bytes: int) -> dict:
+        """reserves: the tokens admission counts per row; holds: those each row holds after
+        the next step (worker/schedule/kv_rows.py)."""
+        reserved = self.bytes_for(reserves)
         return {
             "budget_bytes": self.budget_bytes,
             "reserved_bytes": reserved,
+            "held_bytes": self.bytes_for(holds),
             "free_bytes": max(0, self.budget_bytes - reserved),
             "prefix_cache_bytes": cache_bytes,
-            "rows": len(reaches),
+            "rows": len(reserves),
             "tokens_alone": self.tokens_alone(),
+            "decode_allowance": self.decode_allowance,
             "waiting_for_memory": self.waiting_for_memory,
+            "preempted": self.preempted,
             "refused": self.refused,
             "clamped": self.clamped,
             "source": self.measured.source,

@@ -14,11 +14,15 @@
   keep stepping instead of waiting for the disk;
 - a request with prompt logprobs waits until they are computed; sibling choices (n > 1) wait
   until choice 0 decodes (its prompt KV is then in the prefix cache);
-- with a KV budget (worker/model/kv_budget.py), a row is admitted only while the KV every admitted
-  row may grow to fits it; the prefix cache gives way (cut to what the rows leave, once the
-  new row has looked up its prefix), and a row that does not fit waits at the head of the
-  queue (those behind it wait too, so a long prompt is not starved by short ones) until
-  rows end or are paused.
+- with a KV budget (worker/model/kv_budget.py), a row is admitted only while what the rows hold,
+  and a decode allowance each, fits it (worker/schedule/kv_rows.py: a row that cannot be paused
+  counts its whole reach); the prefix cache gives way (cut, before every step, to what the
+  rows hold, once a new row has looked up its prefix), and a row that does not fit waits at
+  the head of the queue (those behind it wait too, so a long prompt is not starved by short
+  ones) until rows end or are paused;
+- before each step, while the rows' KV after it would not fit the budget, the latest
+  arrival of the least urgent class is paused to the prefix store (never the only row) and
+  re-queued at its old place, by the same pause as fair share's.
 Admission never ends a request itself: what the runner refuses comes back to the scheduler
 as (sequence, error event), and the other rows are unaffected."""
 
@@ -34,6 +38,7 @@ from mlxgw.worker.model.isolation import as_service_error
 from mlxgw.worker.model.kv_budget import KVBudget
 from mlxgw.worker.schedule.choices import ChoiceGroups
 from mlxgw.worker.schedule.fair_share import FairQueue, Row, Waiting, clean_weight
+from mlxgw.worker.schedule.kv_rows import after_step, reserve, victim
 from mlxgw.worker.schedule.prefill_plan import PrefillBudget
 from mlxgw.worker.schedule.prefix_inflight import SharedPrefill
 from mlxgw.worker.schedule.sequence import Phase, Sequence
@@ -82,15 +87,27 @@ class Admission:
         if self.shared_prefill is not None:
             self.shared_prefill.release(seq)
 
+    def _pausable(self, seq: Sequence) -> bool:
+        """Whether seq's row can be paused and resumed exactly (choices share one prompt's KV)."""
+        rid = seq.req.rid
+        return seq.resumable() and not self.choices.is_leader(rid) and not self.choices.is_follower(rid)
+
     def reserved(self, extra: Sequence | None = None) -> int:
-        """KV bytes the running rows (and extra) may grow to."""
+        """KV bytes admission counts for the running rows (and extra): worker/schedule/kv_rows.py."""
+        if self.kv is None:
+            return 0
         rows = list(self.running.values()) + ([extra] if extra is not None else [])
-        return self.kv.bytes_for([reach(s) for s in rows]) if self.kv is not None else 0
+        return self.kv.bytes_for([reserve(s, self._pausable(s), self.kv.decode_allowance) for s in rows])
+
+    def held(self) -> int:
+        """KV bytes the running rows hold after the next step."""
+        return self.kv.bytes_for([after_step(s) for s in self.running.values()]) if self.kv is not None else 0
 
     def _bound_prefix_cache(self) -> None:
-        """The prefix cache may hold what the rows' reservations leave of the budget."""
+        """The prefix cache may hold what the rows leave of the budget after the next step (the
+        allowance they have not grown into yet too: it is cut again as they do)."""
         if self.kv is not None:
-            self.runner.limit_prefix_cache(max(0, self.kv.budget_bytes - self.reserved()))
+            self.runner.limit_prefix_cache(max(0, self.kv.budget_bytes - self.held()))
 
     def _fits(self, seq: Sequence) -> bool:
         """Whether seq's row fits the KV budget beside the running rows (the prefix cache is
@@ -107,6 +124,7 @@ class Admission:
         self.prefill.start_step(self.running.values())
         if self.shared_prefill is not None:
             self.shared_prefill.start_step()
+        refused += self._preempt_for_memory()
         refused += self._preempt_for_starved(seqs)
         reading = False  # a prompt waits for its prefix's blocks to be read from disk
         while self.waiting and len(self.running) < self.max_num_seqs:
@@ -148,8 +166,11 @@ class Admission:
                 refused.append((seq, Error(as_service_error(e, "admitting it"))))
         for entry in deferred:
             self.waiting.push(entry)
-        if self.kv is not None and not self.waiting:
-            self.kv.waiting_for_memory = False
+        if self.kv is not None:
+            if not self.waiting:
+                self.kv.waiting_for_memory = False
+            if self.running:  # the rows grew since the last step: the cache gives way
+                self._bound_prefix_cache()
         if reading and not self.running:
             time.sleep(DISK_WAIT_S)  # nothing to step: the engine loop would spin on the read
         return refused
@@ -168,22 +189,20 @@ class Admission:
             prompt, seq.max_tokens - seq.generated, seq.req.sampling, seq.constraint, guard=seq.guard, **extra
         )
         seq.uid = uid
-        if not seq.tokens:
+        if not seq.paused:
             seq.cached_tokens = cached  # usage reports the first admission's cache hit
         self.prefilled_tokens += len(prompt) - cached
         seq.to_prefill = max(0, len(prompt) - cached - 1)
         seq.phase = Phase.PREFILL if not seq.tokens else Phase.DECODE
         self.running[uid] = seq
-        # After the lookup, so that a cut to make room never evicts the prefix this row reuses
-        # (its copy is inside its own reservation).
-        self._bound_prefix_cache()
+        # The cache is cut to what the rows leave at the end of admit, after every lookup:
+        # a cut to make room never evicts the prefix a row reuses (its copy is its own).
 
     def _rows(self) -> list[Row]:
         def row(s: Sequence) -> Row:
-            rid = s.req.rid  # choices share one prompt's KV: none of them is paused
-            pausable = s.preemptible() and not self.choices.is_leader(rid) and not self.choices.is_follower(rid)
+            pausable = self._pausable(s) and s.preemptible()
             weight = clean_weight(s.req.weight)
-            return Row(rid, s.req.tenant or "", weight, s.req.priority, s.generated, pausable, s.to_prefill > 0)
+            return Row(s.req.rid, s.req.tenant or "", weight, s.req.priority, s.generated, pausable, s.to_prefill > 0)
 
         return [row(s) for s in self.running.values()]
 
@@ -196,16 +215,40 @@ class Admission:
         seq = seqs.get(self.waiting.victim(self._rows(), time.monotonic()) or "")
         if seq is None or seq.uid is None:
             return []
+        return self._pause(seq, "tenant share")
+
+    def _preempt_for_memory(self) -> list[Refused]:
+        """Pause rows while the rows' KV after the next step would not fit the budget (they
+        grew into it: admission counted only a decode allowance each): worker/schedule/kv_rows.py."""
+        refused: list[Refused] = []
+        if self.kv is None:
+            return refused
+        while len(self.running) > 1 and self.held() > self.kv.budget_bytes:
+            seq = victim((s, self._pausable(s)) for s in self.running.values())
+            if seq is None:  # none can be paused: they reserved all they may reach, together
+                break
+            self.kv.preempted += 1
+            refused += self._pause(seq, "KV memory")
+        return refused
+
+    def _pause(self, seq: Sequence, why: str) -> list[Refused]:
+        """Take seq's row from the runner (its KV goes to the prefix cache) and re-queue it
+        at its old place, to resume with its next token."""
+        assert seq.uid is not None
+        uid = seq.uid
         try:
-            self.runner.remove([seq.uid])
+            self.runner.remove([uid])
         except Exception as e:  # the runner no longer holds it: end it rather than resume blind
             log.warning("pausing %s failed: %r", seq.req.rid, e)
+            self.running.pop(uid, None)
             return [(seq, Error(as_service_error(e, "pausing it")))]
-        del self.running[seq.uid]
+        del self.running[uid]
+        if self.shared_prefill is not None:
+            self.shared_prefill.release(seq)
         self._bound_prefix_cache()
         seq.uid, seq.paused, seq.phase, seq.to_prefill = None, seq.paused + 1, Phase.QUEUED, 0
         self.queue(seq)
-        log.info("paused %s (tenant share) after %d tokens", seq.req.rid, seq.generated)
+        log.info("paused %s (%s) after %d tokens", seq.req.rid, why, seq.generated)
         return []
 
     def counters(self) -> dict:
@@ -226,15 +269,12 @@ class Admission:
         if self.kv is None:
             return None
         cache = self.runner.cache_stats().get("bytes", 0)
-        return self.kv.counters([reach(s) for s in self.running.values()], cache)
+        rows = list(self.running.values())
+        reserves = [reserve(s, self._pausable(s), self.kv.decode_allowance) for s in rows]
+        return self.kv.counters(reserves, [after_step(s) for s in rows], cache)
 
 
 def _prompt_of(seq: Sequence):
     """What a row starts from: its prompt, and what it generated before a pause."""
     # A fresh row passes its prompt object itself: a vision prompt carries its pixels on it.
     return seq.prompt + seq.tokens if seq.tokens else seq.prompt
-
-
-def reach(seq: Sequence) -> int:
-    """The tokens a row may hold: its prompt and every token it may generate."""
-    return len(seq.prompt) + seq.max_tokens

@@ -4,7 +4,8 @@
   template, tokenizing, constraint) off the engine thread (worker/schedule/intake.py);
 - bounded waiting queue (`max_queue`): past it a request is refused as overloaded;
 - a request that cannot fit the KV budget even alone is refused (or its max_tokens cut) when
-  prepared; the rest are admitted within it (worker/model/kv_budget.py);
+  prepared; the rest are admitted within it by what they hold, and rows that outgrow it are
+  paused to the prefix store (worker/model/kv_budget.py, worker/schedule/kv_rows.py);
 - who runs next is worker/schedule/admission.py's: at most `max_num_seqs` rows, admitted at step
   boundaries by priority, fair share between tenants and arrival, with preemption of a row
   held beyond its tenant's share, and each step's prompt reading bounded by a budget

@@ -5,7 +5,7 @@ then a `Sequence` through its phases:
 
     PREPARING -> QUEUED [-> SCORING -> QUEUED] -> PREFILL -> DECODE -> DONE
                    ^                                            |
-                   +-------------- paused (fair share) ---------+
+                   +------- paused (fair share, KV memory) -----+
 
 SCORING: its prompt logprobs are computed before it is admitted (worker/model/prompt_logprobs.py).
 A paused row goes back to QUEUED with its generated tokens kept and resumes with the next
@@ -127,18 +127,18 @@ class Sequence:
             arrival=intake.arrival,
         )
 
-    def preemptible(self) -> bool:
+    def resumable(self) -> bool:
         """Rows that can resume exactly from prompt + generated tokens: no grammar or
         per-token state outside the tokens, no sibling choices, no images to re-encode."""
         req = self.req
         return (
-            self.constraint is None
-            and req.logprobs is None
-            and req.n == 1
-            and not req.images
-            and self.scorer is None
-            and self.paused < MAX_PAUSES
+            self.constraint is None and req.logprobs is None and req.n == 1 and not req.images and self.scorer is None
         )
+
+    def preemptible(self) -> bool:
+        """Whether fair share may pause it: resumable, and not paused too often already
+        (memory pauses it whenever it must: worker/schedule/kv_rows.py)."""
+        return self.resumable() and self.paused < MAX_PAUSES
 
     def usage(self) -> Usage:
         return Usage(len(self.prompt), self.generated, self.cached_tokens)
