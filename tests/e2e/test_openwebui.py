@@ -81,6 +81,9 @@ def stack(tmp_path_factory):
     yield {"gw": gw, "webui": webui, "admin": admin}
     webui.stop()
     gw.stop()
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)  # both logs outlive pytest's tmp rotation
+    shutil.copy(webui.log_path, ARTIFACTS / "openwebui.log")
+    shutil.copy(gw.log_path, ARTIFACTS / "gateway.log")
 
 
 @pytest.fixture(scope="module")
