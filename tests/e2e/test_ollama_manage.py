@@ -19,6 +19,7 @@ import yaml
 from helpers.fake_hub import FakeHub, FakeRepo
 from helpers.gateway import REPO, start_gateway
 from helpers.http import http
+from helpers.paths import FIXTURES
 
 from mlxgw.gateway.access.key_admin import create_key
 from mlxgw.gateway.pipeline.translate import with_entry_preamble
@@ -310,6 +311,26 @@ def test_pull_with_the_hub_unreachable_is_a_clear_error(setup):
             pass
     assert "cannot reach the hub" in err.value.error
     assert entry(setup, "some-model") is None
+
+
+def test_open_webuis_recorded_requests(setup):
+    """What Open WebUI 0.12's Manage Models dialog and its /ollama/api/* routes sent to mlxgw
+    (recorded by tests/e2e/test_openwebui.py, which runs only where Open WebUI is installed):
+    pull (refused: no such repository, or no hub), create from a model with a system prompt,
+    copy, delete the copy, delete the model, delete it again."""
+    recorded = json.loads((FIXTURES / "openwebui_manage_requests.json").read_text())
+    for sent in recorded:
+        status, out = call(setup, sent["method"], sent["path"], sent["body"])
+        assert status == sent["status"], (sent, out)
+        if sent["path"] == "/api/pull":  # a stream: progress, then the error line Open WebUI shows
+            last = json.loads(out.splitlines()[-1])
+            assert set(last) == {"error"} and last["error"].startswith("pull some-org/some-model: "), last
+        elif sent["path"] == "/api/create":
+            created = entry(setup, "owui-terse")
+            assert created["system"] == "Answer in one word." and created["engine"] == "echo", created
+        elif sent["path"] == "/api/copy":
+            assert entry(setup, "owui-terse-copy") is not None
+    assert entry(setup, "owui-terse") is None and entry(setup, "owui-terse-copy") is None
 
 
 def test_changes_are_recorded_in_the_ledger(setup):

@@ -15,6 +15,7 @@ Each step is checked in mlxgw itself: its /api/tags and its models.yaml."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import time
@@ -24,12 +25,19 @@ import pytest
 import yaml
 from helpers import REPO, free_port, http, start_gateway
 from helpers.openwebui import openwebui_missing, sign_up_admin, start_openwebui
+from helpers.paths import FIXTURES
+from helpers.recording_proxy import RecordingProxy
 
 from mlxgw.gateway.access.key_admin import create_key
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
 ARTIFACTS = Path(os.environ.get("MLXGW_TEST_ARTIFACTS", REPO / "build" / "test-artifacts")) / "openwebui"
+# `MLXGW_RECORD_FIXTURES=1` writes Open WebUI's management requests to this fixture, which
+# tests/e2e/test_ollama_manage.py replays in every CI run (CI has no Open WebUI).
+RECORD = os.environ.get("MLXGW_RECORD_FIXTURES") == "1"
+RECORDED = FIXTURES / "openwebui_manage_requests.json"
+MANAGE_ROUTES = ("/api/pull", "/api/create", "/api/copy", "/api/delete")
 
 
 def _missing() -> str | None:
@@ -70,16 +78,21 @@ def stack(tmp_path_factory):
     finally:
         for k, v in saved.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    # Open WebUI's connection goes through a recording proxy: what it really sends is asserted
+    # (and, with MLXGW_RECORD_FIXTURES=1, kept as a fixture).
+    proxy = RecordingProxy(gw.url).start()
     started = time.monotonic()
     try:
-        webui = start_openwebui(root, gw.url, admin)
+        webui = start_openwebui(root, proxy.url, admin)
     except BaseException:
+        proxy.stop()
         gw.stop()
         raise
     sign_up_admin(webui)
     print(f"\nOpen WebUI ready in {time.monotonic() - started:.1f} s at {webui.url}")
-    yield {"gw": gw, "webui": webui, "admin": admin}
+    yield {"gw": gw, "webui": webui, "admin": admin, "proxy": proxy}
     webui.stop()
+    proxy.stop()
     gw.stop()
     ARTIFACTS.mkdir(parents=True, exist_ok=True)  # both logs outlive pytest's tmp rotation
     shutil.copy(webui.log_path, ARTIFACTS / "openwebui.log")
@@ -171,7 +184,8 @@ def open_manage_models(driver, webui) -> None:
     wait_until(driver, lambda d: "echo-agent" in page_text(d), what="the admin model list")
     actions = "//button[normalize-space()='Actions']"
     wait_until(driver, lambda d: d.find_element(By.XPATH, actions), what="the Actions menu").click()
-    wait_until(driver, lambda d: d.find_element(By.XPATH, "//button[normalize-space()='Manage']"), what="Manage").click()
+    manage = "//button[normalize-space()='Manage']"
+    wait_until(driver, lambda d: d.find_element(By.XPATH, manage), what="the Manage item").click()
     wait_until(driver, lambda d: pull_input(d).is_displayed(), what="the Manage Models dialog")
 
 
@@ -224,25 +238,25 @@ def test_create_from_a_model_and_a_system_prompt(stack, browser):
     webui = stack["webui"]
     open_manage_models(browser, webui)
     name = browser.find_element(By.XPATH, "//input[contains(@placeholder, 'my-modelfile')]")
-    name.send_keys("echo-terse")
+    name.send_keys("owui-terse")
     body = browser.find_element(By.XPATH, "//textarea[contains(@placeholder, '\"from\"')]")
     body.send_keys('{"from": "echo-agent", "system": "Answer in one word."}')
     button_labelled(browser, "Create Model").click()
-    wait_until(browser, lambda d: "echo-terse" in mlxgw_tags(stack), what="echo-terse in mlxgw's /api/tags")
+    wait_until(browser, lambda d: "owui-terse" in mlxgw_tags(stack), what="owui-terse in mlxgw's /api/tags")
     screenshot(browser, "openwebui-created.png")
-    created = registry_entry(stack, "echo-terse")
+    created = registry_entry(stack, "owui-terse")
     assert created["system"] == "Answer in one word." and created["engine"] == "echo", created
     # Open WebUI lists it too, once its model cache is refreshed
     status, out = webui.call("GET", "/ollama/api/tags/0")
-    assert status == 200 and "echo-terse" in [m["model"] for m in out["models"]]
+    assert status == 200 and "owui-terse" in [m["model"] for m in out["models"]]
 
 
 def test_copy_through_open_webuis_backend(stack):
     webui = stack["webui"]
-    status, out = webui.call("POST", "/ollama/api/copy", {"source": "echo-terse", "destination": "echo-terse-copy"})
+    status, out = webui.call("POST", "/ollama/api/copy", {"source": "owui-terse", "destination": "owui-terse-copy"})
     assert status == 200 and out is True, out
-    assert "echo-terse-copy" in mlxgw_tags(stack)
-    assert registry_entry(stack, "echo-terse-copy") is not None
+    assert "owui-terse-copy" in mlxgw_tags(stack)
+    assert registry_entry(stack, "owui-terse-copy") is not None
 
 
 def test_delete_in_the_manage_models_dialog(stack, browser):
@@ -254,26 +268,49 @@ def test_delete_in_the_manage_models_dialog(stack, browser):
     select = browser.find_element(By.XPATH, "//select[@title='Select a model']")
     wait_until(
         browser,
-        lambda d: any(o.get_attribute("value") == "echo-terse-copy" for o in Select(select).options),
-        what="echo-terse-copy in the delete list",
+        lambda d: any(o.get_attribute("value") == "owui-terse-copy" for o in Select(select).options),
+        what="owui-terse-copy in the delete list",
     )
-    Select(select).select_by_value("echo-terse-copy")
+    Select(select).select_by_value("owui-terse-copy")
     button_labelled(browser, "Delete Model").click()
     confirm = wait_until(
         browser, lambda d: d.find_element(By.XPATH, "//button[normalize-space()='Confirm']"), what="the confirm dialog"
     )
     confirm.click()
-    wait_until(browser, lambda d: "echo-terse-copy" not in mlxgw_tags(stack), what="echo-terse-copy gone from mlxgw")
+    wait_until(browser, lambda d: "owui-terse-copy" not in mlxgw_tags(stack), what="owui-terse-copy gone from mlxgw")
     wait_until(browser, lambda d: "Deleted" in toasts(d), what="the Deleted toast")
     screenshot(browser, "openwebui-deleted.png")
-    assert registry_entry(stack, "echo-terse-copy") is None
-    assert registry_entry(stack, "echo-terse") is not None  # the copy's source stays
+    assert registry_entry(stack, "owui-terse-copy") is None
+    assert registry_entry(stack, "owui-terse") is not None  # the copy's source stays
 
 
 def test_delete_through_open_webuis_backend(stack):
     webui = stack["webui"]
-    status, out = webui.call("DELETE", "/ollama/api/delete", {"model": "echo-terse"})
+    status, out = webui.call("DELETE", "/ollama/api/delete", {"model": "owui-terse"})
     assert status == 200 and out is True, out
-    assert "echo-terse" not in mlxgw_tags(stack) and registry_entry(stack, "echo-terse") is None
-    status, out = webui.call("DELETE", "/ollama/api/delete/0", {"model": "echo-terse"})
+    assert "owui-terse" not in mlxgw_tags(stack) and registry_entry(stack, "owui-terse") is None
+    status, out = webui.call("DELETE", "/ollama/api/delete/0", {"model": "owui-terse"})
     assert status == 404 and "not found" in out["detail"], out  # mlxgw's error, passed on
+
+
+def test_open_webui_sent_ollamas_management_requests(stack):
+    """What the screens and routes above sent to mlxgw, as recorded between the two."""
+    sent = [
+        {"method": r.method, "path": r.path, "body": r.body, "status": r.status}
+        for r in stack["proxy"].requests
+        if r.path.split("?")[0] in MANAGE_ROUTES
+    ]
+    calls = [(r["method"], r["path"], r["body"].get("model") or r["body"].get("destination")) for r in sent]
+    assert calls == [
+        ("POST", "/api/pull", "some-org/some-model"),
+        ("POST", "/api/create", "owui-terse"),
+        ("POST", "/api/copy", "owui-terse-copy"),
+        ("DELETE", "/api/delete", "owui-terse-copy"),
+        ("DELETE", "/api/delete", "owui-terse"),
+        ("DELETE", "/api/delete", "owui-terse"),
+    ], calls
+    assert [r["status"] for r in sent] == [200, 200, 200, 200, 200, 404]
+    # The dialog sends `name`; Open WebUI's backend adds `model` and `insecure`.
+    assert sent[0]["body"] == {"name": "some-org/some-model", "model": "some-org/some-model", "insecure": True}
+    if RECORD:
+        RECORDED.write_text(json.dumps(sent, indent=2) + "\n")

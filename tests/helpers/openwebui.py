@@ -18,7 +18,8 @@ from .http import free_port, http
 
 # Open WebUI pins ~90 packages (torch, transformers, chromadb...): it lives in a virtualenv of
 # its own, never in mlxgw's. MLXGW_OPENWEBUI_PYTHON names its interpreter; else the Makefile's.
-OPENWEBUI_PYTHON = Path(os.environ.get("MLXGW_OPENWEBUI_PYTHON") or REPO / ".cache" / "openwebui-venv" / "bin" / "python")
+DEFAULT_PYTHON = REPO / ".cache" / "openwebui-venv" / "bin" / "python"
+OPENWEBUI_PYTHON = Path(os.environ.get("MLXGW_OPENWEBUI_PYTHON") or DEFAULT_PYTHON)
 
 # Open WebUI starts offline and lean: no embedding or reranking model loaded (it would fetch
 # one from the hub), no update check, no telemetry, no OpenAI connection, one Ollama connection.
@@ -53,7 +54,10 @@ OFFLINE_ENV = {
 
 def openwebui_missing() -> str | None:
     if not OPENWEBUI_PYTHON.exists():
-        return f"Open WebUI is not installed at {OPENWEBUI_PYTHON}: `make test-openwebui` installs it (or set MLXGW_OPENWEBUI_PYTHON)"
+        return (
+            f"Open WebUI is not installed at {OPENWEBUI_PYTHON}: `make test-openwebui` installs it"
+            " (or set MLXGW_OPENWEBUI_PYTHON)"
+        )
     return None
 
 
@@ -73,7 +77,8 @@ class OpenWebUI:
 
     def call(self, method: str, path: str, body=None, timeout: float = 120) -> tuple[int, object]:
         """A request to Open WebUI's own backend with the admin's session."""
-        status, _, out = http(f"{self.url}{path}", method, body, {"Authorization": f"Bearer {self.token}"}, timeout=timeout)
+        session = {"Authorization": f"Bearer {self.token}"}
+        status, _, out = http(f"{self.url}{path}", method, body, session, timeout=timeout)
         return status, out
 
     def stop(self) -> int:
@@ -99,7 +104,8 @@ def start_openwebui(root: Path, ollama_url: str, ollama_key: str, timeout: float
         # As `open-webui serve` runs it: the frontend from the installed package, not a source tree.
         FROM_INIT_PY="true",
     )
-    command = [str(OPENWEBUI_PYTHON), "-m", "uvicorn", "open_webui.main:app", "--host", "127.0.0.1", "--port", str(port)]
+    command = [str(OPENWEBUI_PYTHON), "-m", "uvicorn", "open_webui.main:app", "--host", "127.0.0.1"]
+    command += ["--port", str(port)]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(command, cwd=data, env=env, stdout=log, stderr=subprocess.STDOUT)
     server = OpenWebUI(proc, port, log_path)
