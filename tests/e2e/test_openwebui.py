@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import REPO, free_port, http, start_gateway
+from helpers import REPO, http, start_gateway
+from helpers.fake_hub import FakeHub, FakeRepo
 from helpers.openwebui import openwebui_missing, sign_up_admin, start_openwebui
 from helpers.paths import FIXTURES
 from helpers.recording_proxy import RecordingProxy
@@ -55,10 +56,11 @@ def _missing() -> str | None:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
+def stack(request, tmp_path_factory):
     missing = _missing()
     if missing:
         pytest.skip(missing)
+    tiny_dir = request.getfixturevalue("tiny_dir")  # only once it is known the test runs
     root = tmp_path_factory.mktemp("openwebui")
     keys = root / "keys.yaml"
     admin, _ = create_key(keys, "admin", {"admin": True})
@@ -69,12 +71,19 @@ def stack(tmp_path_factory):
             {"name": "echo-spare", "engine": "echo"},
         ],
     }
-    # No hub: HF_ENDPOINT is a local port nothing listens on, so a pull fails as offline.
-    hub_env = {"HF_ENDPOINT": f"http://127.0.0.1:{free_port()}", "HF_HOME": str(root / "hf"), "HF_TOKEN": ""}
+    # A local stand-in for the hub with one small MLX model; stopped later, so that a pull
+    # then fails as it does offline.
+    names = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+    hub = FakeHub(repos={"org/tiny-mlx": FakeRepo([("1" * 40, {n: (tiny_dir / n).read_bytes() for n in names})])})
+    hub.start()
+    hub_env = {"HF_ENDPOINT": hub.url, "HF_HOME": str(root / "hf"), "HF_TOKEN": "", "HF_HUB_DISABLE_TELEMETRY": "1"}
     saved = {k: os.environ.get(k) for k in hub_env}
     os.environ.update(hub_env)
     try:
         gw = start_gateway(root, config, "openwebui-gateway", extra_args=("--keys", str(keys)))
+    except BaseException:
+        hub.stop()
+        raise
     finally:
         for k, v in saved.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
@@ -87,13 +96,15 @@ def stack(tmp_path_factory):
     except BaseException:
         proxy.stop()
         gw.stop()
+        hub.stop()
         raise
     sign_up_admin(webui)
     print(f"\nOpen WebUI ready in {time.monotonic() - started:.1f} s at {webui.url}")
-    yield {"gw": gw, "webui": webui, "admin": admin, "proxy": proxy}
+    yield {"gw": gw, "webui": webui, "admin": admin, "proxy": proxy, "hub": hub}
     webui.stop()
     proxy.stop()
     gw.stop()
+    hub.stop()  # again, if a test stopped it: a no-op then
     ARTIFACTS.mkdir(parents=True, exist_ok=True)  # both logs outlive pytest's tmp rotation
     shutil.copy(webui.log_path, ARTIFACTS / "openwebui.log")
     shutil.copy(gw.log_path, ARTIFACTS / "gateway.log")
@@ -221,12 +232,23 @@ def test_the_admin_model_list_shows_mlxgws_models(stack, browser):
     screenshot(browser, "openwebui-manage-models.png")
 
 
-def test_pull_is_refused_offline_with_the_error_shown(stack, browser):
-    webui = stack["webui"]
-    open_manage_models(browser, webui)
-    field = pull_input(browser)
-    field.send_keys("some-org/some-model")
+def pull_in_the_dialog(driver, webui, repo: str) -> None:
+    open_manage_models(driver, webui)
+    field = pull_input(driver)
+    field.send_keys(repo)
     button_beside(field).click()
+
+
+def test_pull_from_the_hub(stack, browser):
+    pull_in_the_dialog(browser, stack["webui"], "org/tiny-mlx")
+    wait_until(browser, lambda d: "successfully downloaded" in toasts(d), what="the pull's success toast")
+    screenshot(browser, "openwebui-pulled.png")
+    assert "tiny-mlx" in mlxgw_tags(stack) and registry_entry(stack, "tiny-mlx") == {"name": "tiny-mlx"}
+
+
+def test_pull_is_refused_offline_with_the_error_shown(stack, browser):
+    stack["hub"].stop()  # nothing answers at HF_ENDPOINT any more
+    pull_in_the_dialog(browser, stack["webui"], "some-org/some-model")
     wait_until(browser, lambda d: "cannot reach the hub" in toasts(d), what="the pull's error toast")
     screenshot(browser, "openwebui-pull-refused.png")
     assert "some-model" not in mlxgw_tags(stack) and registry_entry(stack, "some-model") is None
@@ -302,6 +324,7 @@ def test_open_webui_sent_ollamas_management_requests(stack):
     ]
     calls = [(r["method"], r["path"], r["body"].get("model") or r["body"].get("destination")) for r in sent]
     assert calls == [
+        ("POST", "/api/pull", "org/tiny-mlx"),
         ("POST", "/api/pull", "some-org/some-model"),
         ("POST", "/api/create", "owui-terse"),
         ("POST", "/api/copy", "owui-terse-copy"),
@@ -309,8 +332,8 @@ def test_open_webui_sent_ollamas_management_requests(stack):
         ("DELETE", "/api/delete", "owui-terse"),
         ("DELETE", "/api/delete", "owui-terse"),
     ], calls
-    assert [r["status"] for r in sent] == [200, 200, 200, 200, 200, 404]
+    assert [r["status"] for r in sent] == [200, 200, 200, 200, 200, 200, 404]
     # The dialog sends `name`; Open WebUI's backend adds `model` and `insecure`.
-    assert sent[0]["body"] == {"name": "some-org/some-model", "model": "some-org/some-model", "insecure": True}
+    assert sent[1]["body"] == {"name": "some-org/some-model", "model": "some-org/some-model", "insecure": True}
     if RECORD:
         RECORDED.write_text(json.dumps(sent, indent=2) + "\n")
