@@ -270,6 +270,21 @@ def test_pull_streams_progress_and_serves_the_model(setup):
     assert not folder.exists() and entry(setup, "tiny-mlx") is None  # the entry and its folder
 
 
+def test_pulling_a_pulled_models_name_updates_it_from_its_repository(setup):
+    """Ollama clients pull an installed model by its name to update it (Open WebUI's "Update
+    All Models" pulls every listed model): a model pulled from the hub is pulled again from the
+    repository it came from; another model's name is refused saying why."""
+    admin = client(setup)
+    assert admin.pull("org/tiny-mlx", stream=False).status == "success"
+    statuses = [part.status for part in admin.pull("tiny-mlx:latest", stream=True)]
+    assert statuses[0] == "pulling org/tiny-mlx" and statuses[-1] == "success", statuses
+    assert entry(setup, "tiny-mlx") == {"name": "tiny-mlx"}
+    with pytest.raises(ollama.ResponseError) as err:
+        admin.pull("echo-agent", stream=False)
+    assert err.value.status_code == 400 and "was not pulled from the Hugging Face hub" in err.value.error
+    assert admin.delete("tiny-mlx").status == "success"
+
+
 OLLAMA_JS = REPO / ".cache" / "npm-agents-launch" / "node_modules"
 JS_CALLS = """
 const { Ollama } = require('ollama');
