@@ -246,6 +246,22 @@ def test_pull_from_the_hub(stack, browser):
     assert "tiny-mlx" in mlxgw_tags(stack) and registry_entry(stack, "tiny-mlx") == {"name": "tiny-mlx"}
 
 
+def test_update_all_models_pulls_the_pulled_model_again(stack, browser):
+    """The dialog's "Update All Models" pulls every listed model by its name: tiny-mlx again from
+    org/tiny-mlx; the echo models, pulled from nowhere, are refused (Open WebUI logs those to the
+    browser's console and goes on)."""
+    proxy = stack["proxy"]
+    before = len(proxy.requests)
+    open_manage_models(browser, stack["webui"])
+    button_labelled(browser, "Update All Models").click()
+    wait_until(browser, lambda d: "All models are up to date" in toasts(d), what="the update's end")
+    update_all = proxy.requests[before:]
+    pulls = {r.body["model"]: r.status for r in update_all if r.path == "/api/pull"}
+    assert pulls == {"echo-agent": 400, "echo-spare": 400, "tiny-mlx": 200}, pulls
+    assert "tiny-mlx" in mlxgw_tags(stack)
+    stack["update_all"] = update_all  # not in the replayed fixture: their answers depend on what was pulled
+
+
 def test_pull_is_refused_offline_with_the_error_shown(stack, browser):
     stack["hub"].stop()  # nothing answers at HF_ENDPOINT any more
     pull_in_the_dialog(browser, stack["webui"], "some-org/some-model")
@@ -320,7 +336,7 @@ def test_open_webui_sent_ollamas_management_requests(stack):
     sent = [
         {"method": r.method, "path": r.path, "body": r.body, "status": r.status}
         for r in stack["proxy"].requests
-        if r.path.split("?")[0] in MANAGE_ROUTES
+        if r.path.split("?")[0] in MANAGE_ROUTES and all(r is not u for u in stack.get("update_all", ()))
     ]
     calls = [(r["method"], r["path"], r["body"].get("model") or r["body"].get("destination")) for r in sent]
     assert calls == [
