@@ -28,8 +28,18 @@ LAUNCH_STAMP := $(NPM_AGENTS_LAUNCH)/.installed-$(QWEN_CODE_VERSION)-$(CONTINUE_
 AIDER_VENV ?= .cache/aider-venv
 AIDER_VERSION ?= 0.86.2
 AIDER_STAMP := $(AIDER_VENV)/.installed-$(AIDER_VERSION)
+# Open WebUI for tests/e2e/test_openwebui.py (opt-in: `make test-openwebui`), in a virtualenv of
+# its own: it pins ~90 packages (PyTorch, transformers, chromadb: about 3 GB). It supports Python
+# 3.11 and 3.12. OPENWEBUI_PYTHON names an interpreter that already has it (nothing installed).
+OPENWEBUI_VENV ?= .cache/openwebui-venv
+OPENWEBUI_VERSION ?= 0.12.4
+OPENWEBUI_BASE_PYTHON ?= python3.11
+# PyTorch first, pinned, so that the resolver keeps it: a CPU build where one lies in pip's
+# find-links (this project's machines), instead of the CUDA wheels (several GB more).
+OPENWEBUI_TORCH ?= torch==2.13.0
+OPENWEBUI_STAMP := $(OPENWEBUI_VENV)/.installed-$(OPENWEBUI_VERSION)
 
-.PHONY: setup serve-setup agents model run agent-model run-agents run-echo test test-fast bench lint clean
+.PHONY: setup serve-setup agents model run agent-model run-agents run-echo test test-fast test-openwebui bench lint clean
 
 # What serving needs: the package with its vision, embeddings and speech extras, the default
 # models' weights and (Linux) OpenBLAS. `make run` stops here; no test tooling.
@@ -123,6 +133,20 @@ test: setup
 # the real default model) runs in `make test`.
 test-fast: setup
 	$(TEST_PRELOAD) $(BIN)/python -m pytest -q tests/unit tests/structure
+
+# Open WebUI's admin model screens against a real gateway in headless chromium (opt-in: not in
+# `make test`; the test skips there unless Open WebUI's interpreter is found).
+$(OPENWEBUI_STAMP):
+	$(OPENWEBUI_BASE_PYTHON) -m venv $(OPENWEBUI_VENV)
+	$(OPENWEBUI_VENV)/bin/pip install -q --upgrade pip
+	$(OPENWEBUI_VENV)/bin/pip install -q $(OPENWEBUI_TORCH)
+	$(OPENWEBUI_VENV)/bin/pip install -q open-webui==$(OPENWEBUI_VERSION) $(OPENWEBUI_TORCH)
+	rm -f $(OPENWEBUI_VENV)/.installed-* && touch $@
+
+test-openwebui: $(BIN)/.installed-test
+	@if [ -z "$(OPENWEBUI_PYTHON)" ]; then $(MAKE) --no-print-directory $(OPENWEBUI_STAMP); fi
+	MLXGW_OPENWEBUI_PYTHON="$(or $(OPENWEBUI_PYTHON),$(abspath $(OPENWEBUI_VENV))/bin/python)" \
+		$(TEST_PRELOAD) $(BIN)/python -m pytest -q -rs --durations=10 tests/e2e/test_openwebui.py
 
 # mlxgw/<part> are links to the top-level folders: name the real ones, so each file is read once.
 LINT_PATHS = mlxgw/*.py gateway worker shared bench tests

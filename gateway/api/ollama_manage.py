@@ -71,16 +71,27 @@ async def _stream_lines(request: web.Request, lines: list[dict]) -> web.StreamRe
 
 
 # -- pull -----------------------------------------------------------------------------------------
-def _repo(body: dict) -> str:
+def _repo(body: dict) -> tuple[str, str]:
+    """(the repository to pull, the model name it is served under). A repository is served
+    under its own name; a served model's name, as Ollama clients pull installed models to
+    update them (Open WebUI's "Update All Models"), means the repository it was pulled from."""
     raw = body.get("model") if body.get("model") is not None else body.get("name")
     if not isinstance(raw, str) or not raw.strip():
         raise invalid("missing required parameter: 'model'", "model")
     repo = _HUB_PREFIX.sub("", raw.strip()).removesuffix(":latest")
-    if not _REPO.match(repo) or ".." in repo:
+    if _REPO.match(repo) and ".." not in repo:
+        return repo, model_name(repo.split("@")[0].split("/")[-1])
+    try:
+        model_store.validate_model_name(repo)  # a folder-safe name: no separators, no `..`
+    except model_store.InvalidModelName:
         raise invalid(
             f"'model' must be a Hugging Face repository, ORG/NAME[@REVISION] (optionally hf.co/...): {raw!r}", "model"
-        )
-    return repo
+        ) from None
+    spec = (model_store.read_import_record(model_store.models_dir() / repo) or {}).get("source_spec")
+    pulled_from = spec[3:].split("@")[0] if isinstance(spec, str) and spec.startswith("hf:") else ""
+    if not _REPO.match(pulled_from):
+        raise invalid(f"model {repo!r} was not pulled from the Hugging Face hub: there is nothing to pull", "model")
+    return pulled_from, repo  # its latest revision: an update
 
 
 async def _run_cli(args: list[str], on_line) -> tuple[int, str]:
@@ -124,8 +135,7 @@ def _ensure_listed(request: web.Request, name: str):
 @routes.post("/api/pull")
 async def pull(request: web.Request) -> web.StreamResponse:
     body = await _body(request)
-    repo = _repo(body)
-    name = model_name(repo.split("@")[0].split("/")[-1])
+    repo, name = _repo(body)
     request["model"] = name
     may_manage(request, name)
     registry_file(request.app)  # refuse before downloading when models.yaml cannot be changed

@@ -19,6 +19,7 @@ import yaml
 from helpers.fake_hub import FakeHub, FakeRepo
 from helpers.gateway import REPO, start_gateway
 from helpers.http import http
+from helpers.paths import FIXTURES
 
 from mlxgw.gateway.access.key_admin import create_key
 from mlxgw.gateway.pipeline.translate import with_entry_preamble
@@ -269,6 +270,21 @@ def test_pull_streams_progress_and_serves_the_model(setup):
     assert not folder.exists() and entry(setup, "tiny-mlx") is None  # the entry and its folder
 
 
+def test_pulling_a_pulled_models_name_updates_it_from_its_repository(setup):
+    """Ollama clients pull an installed model by its name to update it (Open WebUI's "Update
+    All Models" pulls every listed model): a model pulled from the hub is pulled again from the
+    repository it came from; another model's name is refused saying why."""
+    admin = client(setup)
+    assert admin.pull("org/tiny-mlx", stream=False).status == "success"
+    statuses = [part.status for part in admin.pull("tiny-mlx:latest", stream=True)]
+    assert statuses[0] == "pulling org/tiny-mlx" and statuses[-1] == "success", statuses
+    assert entry(setup, "tiny-mlx") == {"name": "tiny-mlx"}
+    with pytest.raises(ollama.ResponseError) as err:
+        admin.pull("echo-agent", stream=False)
+    assert err.value.status_code == 400 and "was not pulled from the Hugging Face hub" in err.value.error
+    assert admin.delete("tiny-mlx").status == "success"
+
+
 OLLAMA_JS = REPO / ".cache" / "npm-agents-launch" / "node_modules"
 JS_CALLS = """
 const { Ollama } = require('ollama');
@@ -310,6 +326,26 @@ def test_pull_with_the_hub_unreachable_is_a_clear_error(setup):
             pass
     assert "cannot reach the hub" in err.value.error
     assert entry(setup, "some-model") is None
+
+
+def test_open_webuis_recorded_requests(setup):
+    """What Open WebUI 0.12's Manage Models dialog and its /ollama/api/* routes sent to mlxgw
+    (recorded by tests/e2e/test_openwebui.py, which runs only where Open WebUI is installed):
+    two pulls (here the hub is stopped by now: each ends in an error line), create from a model
+    with a system prompt, copy, delete the copy, delete the model, delete it again."""
+    recorded = json.loads((FIXTURES / "openwebui_manage_requests.json").read_text())
+    for sent in recorded:
+        status, out = call(setup, sent["method"], sent["path"], sent["body"])
+        assert status == sent["status"], (sent, out)
+        if sent["path"] == "/api/pull":  # a stream: progress, then success or the error Open WebUI shows
+            last = json.loads(out.splitlines()[-1])
+            assert last == {"status": "success"} or last["error"].startswith(f"pull {sent['body']['model']}: "), last
+        elif sent["path"] == "/api/create":
+            created = entry(setup, "owui-terse")
+            assert created["system"] == "Answer in one word." and created["engine"] == "echo", created
+        elif sent["path"] == "/api/copy":
+            assert entry(setup, "owui-terse-copy") is not None
+    assert entry(setup, "owui-terse") is None and entry(setup, "owui-terse-copy") is None
 
 
 def test_changes_are_recorded_in_the_ledger(setup):
