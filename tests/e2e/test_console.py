@@ -14,28 +14,16 @@ import psutil
 import pytest
 import yaml
 from helpers import REPO, http, start_gateway
+from helpers.browser import browser_missing, headless_chromium
 
 from mlxgw.gateway.access.keys import hash_key
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
 ADMIN = "mlxgw-console-admin-0123456789"
 USER = "mlxgw-console-user-0123456789"
 N_SPARE = 48  # with echo and null: 50 models
 # Screenshots are saved under the test's tmp folder and copied here, which outlives pytest's
 # rotation of its tmp folders (the path is printed either way).
 ARTIFACTS = Path(os.environ.get("MLXGW_TEST_ARTIFACTS", REPO / "build" / "test-artifacts")) / "console"
-
-
-def _browser_missing() -> str | None:
-    try:
-        import selenium  # noqa: F401
-    except ImportError:
-        return "selenium is not installed (pip install -e '.[test]')"
-    for path in (CHROMIUM, CHROMEDRIVER):
-        if not shutil.which(path):
-            return f"{path} not found: `make setup` installs chromium and chromium-driver (deploy/install-browser.sh)"
-    return None
 
 
 @pytest.fixture(scope="module")
@@ -66,33 +54,12 @@ def console_gateway(home, tmp_path_factory):
 
 @pytest.fixture
 def browser(tmp_path, capsys):
-    missing = _browser_missing()
+    missing = browser_missing()
     if missing:
         with capsys.disabled():  # said on the terminal, not only in the skip report
             print(f"\nSKIPPED browser test: {missing}")
         pytest.skip(missing)
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for flag in (
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-quic",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        "--disable-dev-shm-usage",
-        "--window-size=1440,1000",
-        f"--user-data-dir={tmp_path / 'chromium-profile'}",
-    ):
-        options.add_argument(flag)
-    options.set_capability("goog:loggingPrefs", {"performance": "ALL"})
-    driver = webdriver.Chrome(options=options, service=Service(CHROMEDRIVER))
-    driver.set_page_load_timeout(60)
+    driver = headless_chromium(tmp_path / "chromium-profile", 60, performance_log=True)
     yield driver
     driver.quit()
 

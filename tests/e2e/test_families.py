@@ -17,6 +17,7 @@ import os
 import mlx.core as mx
 import pytest
 from helpers.family_models import FAMILIES, NON_TRIMMABLE, WIDE_HEADS, build_family_model
+from helpers.greedy_parity import assert_greedy_equal
 from helpers.runner_jobs import GREEDY, generate_together
 
 from mlxgw.shared.config import SpeculativeConfig
@@ -36,23 +37,6 @@ def _reference(model, tokenizer, prompt: list[int], max_tokens: int) -> list[int
     with bypassed():
         steps = stream_generate(model, tokenizer, mx.array(prompt), max_tokens=max_tokens, sampler=make_sampler(0.0))
         return [r.token for r in steps]
-
-
-def _is_tie(model, context: list[int], a: int, b: int) -> bool:
-    from mlx_lm.models.cache import make_prompt_cache
-
-    with bypassed():
-        logits = model(mx.array([context]), cache=make_prompt_cache(model))[0, -1].astype(mx.float32)
-    return float(logits[a]) == float(logits[b])
-
-
-def assert_greedy_equal(model, prompt: list[int], reference: list[int], got: list[int], what: str) -> None:
-    """got equals the reference, or differs first where the reference had an exact tie."""
-    for i, (r, g) in enumerate(zip(reference, got)):
-        if r != g:
-            assert _is_tie(model, prompt + reference[:i], r, g), f"{what}: token {i} is {g}, mlx-lm gives {r}"
-            return
-    assert len(got) == len(reference), f"{what}: {len(got)} tokens, mlx-lm gives {len(reference)}"
 
 
 def _run(runner, prompt: list[int], max_tokens: int = TOKENS) -> tuple[list[int], int]:

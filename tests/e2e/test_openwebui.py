@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import yaml
 from helpers import REPO, http, start_gateway
+from helpers.browser import browser_missing, headless_chromium
 from helpers.fake_hub import FakeHub, FakeRepo
 from helpers.openwebui import openwebui_missing, sign_up_admin, start_openwebui
 from helpers.paths import FIXTURES
@@ -31,8 +32,6 @@ from helpers.recording_proxy import RecordingProxy
 
 from mlxgw.gateway.access.key_admin import create_key
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
 ARTIFACTS = Path(os.environ.get("MLXGW_TEST_ARTIFACTS", REPO / "build" / "test-artifacts")) / "openwebui"
 # `MLXGW_RECORD_FIXTURES=1` writes Open WebUI's management requests to this fixture, which
 # tests/e2e/test_ollama_manage.py replays in every CI run (CI has no Open WebUI).
@@ -42,17 +41,7 @@ MANAGE_ROUTES = ("/api/pull", "/api/create", "/api/copy", "/api/delete")
 
 
 def _missing() -> str | None:
-    missing = openwebui_missing()
-    if missing:
-        return missing
-    try:
-        import selenium  # noqa: F401
-    except ImportError:
-        return "selenium is not installed (pip install -e '.[test]')"
-    for path in (CHROMIUM, CHROMEDRIVER):
-        if not shutil.which(path):
-            return f"{path} not found: `make setup` installs chromium and chromium-driver"
-    return None
+    return openwebui_missing() or browser_missing()
 
 
 @pytest.fixture(scope="module")
@@ -112,28 +101,7 @@ def stack(request, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def browser(stack, tmp_path_factory):
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    profile = tmp_path_factory.mktemp("chromium-profile")
-    for flag in (
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-quic",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        "--disable-dev-shm-usage",
-        "--window-size=1440,1000",
-        f"--user-data-dir={profile}",
-    ):
-        options.add_argument(flag)
-    driver = webdriver.Chrome(options=options, service=Service(CHROMEDRIVER))
-    driver.set_page_load_timeout(120)
+    driver = headless_chromium(tmp_path_factory.mktemp("chromium-profile"), 120)
     webui = stack["webui"]
     driver.get(f"{webui.url}/auth")
     driver.execute_script("localStorage.token = arguments[0]", webui.token)  # the admin's session
