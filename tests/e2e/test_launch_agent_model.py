@@ -37,6 +37,12 @@ OPT_IN = "MLXGW_AGENT_MODEL_LAUNCH"
 BINS = [REPO / ".cache" / name / "node_modules" / ".bin" for name in ("npm-agents", "npm-agents-launch")]
 CLIENT_TIMEOUT = 15 * 60
 TASK = "Create a file named hello.py containing a Python program that prints hello."
+# Worded as the tool call it needs: with TASK alone the 0.5B model answers with the file's text;
+# so worded, it wrote hello.py through Claude Code's Write tool (2026-12-05).
+CLAUDE_TASK = (
+    "Call the Write tool once with file_path set to hello.py in the current working directory "
+    "and content print('hello'). Then reply done."
+)
 # Words with which a client reports that the server refused or could not be reached: a
 # configuration failure, as distinct from a model that answered badly.
 CONFIG_FAILURES = (
@@ -198,7 +204,7 @@ def test_claude_code_launched_on_the_agent_model(agent_gateway, tmp_path):
     # here); the configuration under test is the same with one tool. --max-turns bounds a
     # model that keeps calling tools without finishing.
     run = launch(
-        gw, home, tmp_path, "claude", "-p", TASK, "--tools", "Write", "--allowedTools", "Write",
+        gw, home, tmp_path, "claude", "-p", CLAUDE_TASK, "--tools", "Write", "--allowedTools", "Write",
         "--max-turns", "4", "--output-format", "json",
     )  # fmt: skip
     assert_configured(run, "messages")
