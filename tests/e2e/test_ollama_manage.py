@@ -16,7 +16,7 @@ import time
 import ollama
 import pytest
 import yaml
-from helpers.fake_hub import FakeHub, FakeRepo
+from helpers.fake_hub import hub_environment, tiny_model_hub
 from helpers.gateway import REPO, start_gateway
 from helpers.http import http
 from helpers.paths import FIXTURES
@@ -45,17 +45,9 @@ def setup(tiny_dir, tmp_path_factory):
         "manager": {"auto_discover": False, "allowed_import_paths": [str(allowed)]},
         "models": [{"name": "echo-agent", "engine": "echo", "preload": True}],
     }
-    names = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
-    hub = FakeHub(repos={"org/tiny-mlx": FakeRepo([("1" * 40, {n: (tiny_dir / n).read_bytes() for n in names})])})
-    hub.start()
-    hub_env = {"HF_ENDPOINT": hub.url, "HF_HOME": str(root / "hf"), "HF_HUB_DISABLE_TELEMETRY": "1", "HF_TOKEN": ""}
-    saved = {k: os.environ.get(k) for k in hub_env}
-    os.environ.update(hub_env)
-    try:
+    hub = tiny_model_hub(tiny_dir)
+    with hub_environment(hub, root):
         gw = start_gateway(root, config, "manage-gateway", extra_args=("--keys", str(keys)))
-    finally:
-        for k, v in saved.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
     yield {"gw": gw, "admin": admin, "user": user, "manager": manager, "allowed": allowed, "root": root, "hub": hub}
     gw.stop()
     hub.stop()

@@ -25,7 +25,7 @@ import pytest
 import yaml
 from helpers import REPO, http, start_gateway
 from helpers.browser import browser_missing, headless_chromium
-from helpers.fake_hub import FakeHub, FakeRepo
+from helpers.fake_hub import hub_environment, tiny_model_hub
 from helpers.openwebui import openwebui_missing, sign_up_admin, start_openwebui
 from helpers.paths import FIXTURES
 from helpers.recording_proxy import RecordingProxy
@@ -62,20 +62,13 @@ def stack(request, tmp_path_factory):
     }
     # A local stand-in for the hub with one small MLX model; stopped later, so that a pull
     # then fails as it does offline.
-    names = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
-    hub = FakeHub(repos={"org/tiny-mlx": FakeRepo([("1" * 40, {n: (tiny_dir / n).read_bytes() for n in names})])})
-    hub.start()
-    hub_env = {"HF_ENDPOINT": hub.url, "HF_HOME": str(root / "hf"), "HF_TOKEN": "", "HF_HUB_DISABLE_TELEMETRY": "1"}
-    saved = {k: os.environ.get(k) for k in hub_env}
-    os.environ.update(hub_env)
+    hub = tiny_model_hub(tiny_dir)
     try:
-        gw = start_gateway(root, config, "openwebui-gateway", extra_args=("--keys", str(keys)))
+        with hub_environment(hub, root):
+            gw = start_gateway(root, config, "openwebui-gateway", extra_args=("--keys", str(keys)))
     except BaseException:
         hub.stop()
         raise
-    finally:
-        for k, v in saved.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
     # Open WebUI's connection goes through a recording proxy: what it really sends is asserted
     # (and, with MLXGW_RECORD_FIXTURES=1, kept as a fixture).
     proxy = RecordingProxy(gw.url).start()

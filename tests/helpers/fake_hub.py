@@ -7,12 +7,15 @@ and a file can be set to break off near its end on its first download."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
 import re
 import threading
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from urllib.parse import unquote
 
 
@@ -134,3 +137,27 @@ class _Handler(BaseHTTPRequestHandler):
             self.connection.shutdown(2)
             return
         self.wfile.write(data[start:])
+
+
+TINY_MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+
+
+def tiny_model_hub(tiny_dir: Path) -> FakeHub:
+    """A started stand-in for the hub serving the tiny model folder as org/tiny-mlx."""
+    files = {name: (tiny_dir / name).read_bytes() for name in TINY_MODEL_FILES}
+    hub = FakeHub(repos={"org/tiny-mlx": FakeRepo([("1" * 40, files)])})
+    hub.start()
+    return hub
+
+
+@contextlib.contextmanager
+def hub_environment(hub: FakeHub, root: Path):
+    """HF_* pointing at `hub` (a gateway started inside reads them), restored on leaving."""
+    env = {"HF_ENDPOINT": hub.url, "HF_HOME": str(root / "hf"), "HF_TOKEN": "", "HF_HUB_DISABLE_TELEMETRY": "1"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
