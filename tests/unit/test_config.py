@@ -193,6 +193,8 @@ def test_a_field_set_flat_and_in_its_section_is_an_error():
         ({"cache_memory_mb": 0}, "prefix_memory_mb"),
         ({"encoder": {"max_batch_tokens": 100}}, "max_batch_tokens"),
         ({"chat": {"tool_parsr": "x"}}, "tool_parsr"),
+        ({"fim": {"max_tokens": 0}}, "fim.max_tokens"),
+        ({"fim": {"kv_shift_min_tokens": -1}}, "fim.kv_shift_min_tokens"),
     ],
 )
 def test_a_bad_section_field_is_refused_naming_the_model_and_the_field(raw, field):
