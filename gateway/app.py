@@ -13,6 +13,7 @@ from aiohttp import web
 
 from mlxgw.gateway import observe
 from mlxgw.gateway.access.auth import auth_middleware
+from mlxgw.gateway.access.cache_scope import load_secret
 from mlxgw.gateway.access.keys import KeyStore
 from mlxgw.gateway.access.ledger import LEDGER, Ledger, ledger_lifecycle, usage_middleware
 from mlxgw.gateway.access.limits import RateLimiter
@@ -49,7 +50,7 @@ from mlxgw.gateway.pipeline.body import body_too_large
 from mlxgw.gateway.web.edge import EDGE_STATS, EdgeStats, edge_middleware
 from mlxgw.gateway.web.errors import error_response
 from mlxgw.gateway.web.routes import lookup, route_of
-from mlxgw.gateway.web.state import BROKER, KEYS, LIMITER, MANAGER, METRICS, SETTINGS, GatewaySettings
+from mlxgw.gateway.web.state import BROKER, CACHE_SECRET, KEYS, LIMITER, MANAGER, METRICS, SETTINGS, GatewaySettings
 from mlxgw.shared import paths
 from mlxgw.shared.config import Registry
 from mlxgw.shared.errors import ErrorCode, ServiceError
@@ -135,6 +136,7 @@ def make_app(
     app[BROKER] = broker
     app[MANAGER] = manager
     app[KEYS] = KeyStore(settings.keys_path) if settings.keys_path else None
+    app[CACHE_SECRET] = load_secret(paths.home())
     app[LIMITER] = RateLimiter()
     app[EDGE_STATS] = EdgeStats()
     app[METRICS] = Metrics(manager, app[EDGE_STATS])

@@ -42,15 +42,35 @@ def _keys_path(path: Path | None) -> Path:
     is_flag=True,
     help="may pull, create, copy and delete the models its --models patterns name (Ollama's /api/pull ...)",
 )
+@click.option(
+    "--cache-group",
+    default=None,
+    help="share prefix-cache hits with the keys of this group (default: the gateway's default_cache_group, "
+    "else none: the key's prompts are cached for itself only)",
+)
 @click.option("--file", "path", type=click.Path(path_type=Path), default=None)
 def create_key(
-    name, rpm, tpm, tpd, tpmo, aspm, max_concurrent, weight, min_priority, models, expires, admin, manage_models, path
+    name,
+    rpm,
+    tpm,
+    tpd,
+    tpmo,
+    aspm,
+    max_concurrent,
+    weight,
+    min_priority,
+    models,
+    expires,
+    admin,
+    manage_models,
+    cache_group,
+    path,
 ) -> None:
     from mlxgw.gateway.access.key_admin import KeyEditError, create_key
 
     path = _keys_path(path)
     limits = {"rpm": rpm, "tpm": tpm, "tpd": tpd, "tpmo": tpmo, "aspm": aspm, "max_concurrent": max_concurrent}
-    limits |= {"weight": weight, "min_priority": min_priority}
+    limits |= {"weight": weight, "min_priority": min_priority, "cache_group": cache_group}
     changes = {f: v for f, v in limits.items() if v is not None}
     if models:
         changes["models"] = models
@@ -78,7 +98,7 @@ def list_keys(path) -> None:
     for k in data.get("keys") or []:
         limits = ", ".join(
             f"{f}={k[f]}"
-            for f in ("rpm", "tpm", "tpd", "tpmo", "aspm", "max_concurrent", "weight", "min_priority")
+            for f in ("rpm", "tpm", "tpd", "tpmo", "aspm", "max_concurrent", "weight", "min_priority", "cache_group")
             if k.get(f) is not None
         )
         admin = "\tadmin" if k.get("admin") else ""
@@ -86,6 +106,26 @@ def list_keys(path) -> None:
             f"{k['name']}\tmodels={','.join(k.get('models') or ['*'])}\t{limits or 'no limits'}\t"
             f"expires={k.get('expires', 'never')}\tcreated={k.get('created', '?')}{admin}"
         )
+
+
+@keys.command("set")
+@click.argument("name")
+@click.argument("field")
+@click.argument("value")
+@click.option("--file", "path", type=click.Path(path_type=Path), default=None)
+def set_field(name, field, value, path) -> None:
+    """Change one field of a key (as PATCH /v1/keys/NAME does): VALUE is YAML, `null` clears it,
+    e.g. `mlxgw keys set alice cache_group team-a`."""
+    import yaml
+
+    from mlxgw.gateway.access.key_admin import KeyEditError, update_key
+
+    try:
+        entry = update_key(_keys_path(path), name, {field: yaml.safe_load(value)})
+    except KeyEditError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    click.echo(f"{name}: {field} = {entry.get(field)}")
 
 
 @keys.command("revoke")

@@ -3,6 +3,7 @@ each error names the file, the model and the field."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +46,9 @@ def check_gateway(g: GatewayConfig, where: str) -> None:
     at_least(where, g, 0, ("header_timeout_s", "body_timeout_s", "idle_timeout_s"), strict=True)
     if g.port > 65535:
         raise ConfigError(f"{where}: field 'port': must be at most 65535, got {g.port}")
+    group = g.default_cache_group
+    if group is not None and not (isinstance(group, str) and re.match(r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,63}$", group)):
+        raise ConfigError(f"{where}: field 'default_cache_group': 1-64 letters, digits or ._@-, got {group!r}")
 
 
 def check_entry(e: ModelEntry, where: str) -> None:

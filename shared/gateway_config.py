@@ -65,3 +65,10 @@ class GatewayConfig:
     )
     log_format: LogFormat = setting("text", "access log: text, or json (one object per request)", flag="--log-format")
     log_prompts: bool = setting(False, "include prompts in the access log", flag="--log-prompts")
+    # Prefix-cache hits reveal what another key sent (docs/operations.md, "What is shared and
+    # with whom"): unset, each key's prompts are cached for that key only.
+    default_cache_group: str | None = setting(
+        None,
+        "the prefix-cache group of API keys that name none (unset: each key its own)",
+        flag="--default-cache-group",
+    )

@@ -193,6 +193,10 @@ class GenerateRequest:
     # this prompt's blocks in the prefix cache for this many seconds. None: no hint. A worker
     # of an older version ignores the field.
     cache_retention_s: float | None = None
+    # The prefix-cache namespace the gateway gives the request (its key's cache group, narrowed
+    # by a `cache_salt`): its prompt matches only blocks of the same namespace
+    # (worker/model/cache/scopes.py). None: the base namespace (no keys). An opaque digest.
+    cache_namespace: str | None = None
 
     def to_wire(self) -> dict:
         return _plain(self)

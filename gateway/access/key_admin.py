@@ -10,12 +10,20 @@ import datetime as dt
 import re
 from pathlib import Path
 
-from mlxgw.gateway.access.keys import KeysFileError, check_min_priority, check_weight, hash_key, locked_file, new_key
+from mlxgw.gateway.access.keys import (
+    KeysFileError,
+    check_cache_group,
+    check_min_priority,
+    check_weight,
+    hash_key,
+    locked_file,
+    new_key,
+)
 
 LIMIT_FIELDS = ("rpm", "tpm", "tpd", "tpmo", "aspm", "max_concurrent")
 SHARE_FIELDS = ("weight", "min_priority")  # fair share and granted priority (None: the defaults)
 GRANT_FIELDS = ("admin", "manage_models")  # true or absent
-EDITABLE_FIELDS = (*LIMIT_FIELDS, *SHARE_FIELDS, "models", "expires", *GRANT_FIELDS)
+EDITABLE_FIELDS = (*LIMIT_FIELDS, *SHARE_FIELDS, "models", "expires", *GRANT_FIELDS, "cache_group")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,63}$")
 
 
@@ -52,6 +60,11 @@ def _check_value(field: str, value):
             raise KeyEditError("invalid", "'expires' must be an ISO time such as 2027-01-01T00:00:00Z") from None
         parsed = parsed if parsed.tzinfo else parsed.replace(tzinfo=dt.timezone.utc)
         return parsed.astimezone(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    if field == "cache_group":
+        try:
+            return check_cache_group(value)
+        except ValueError as e:
+            raise KeyEditError("invalid", str(e)) from None
     if field in GRANT_FIELDS:
         if not isinstance(value, bool):
             raise KeyEditError("invalid", f"'{field}' must be true or false")
@@ -71,7 +84,7 @@ def _apply(entry: dict, changes: dict) -> None:
 def public_entry(entry: dict) -> dict:
     """What may be shown about a key: everything but its hash."""
     out = {"name": entry["name"], **{grant: bool(entry.get(grant, False)) for grant in GRANT_FIELDS}}
-    for field in (*LIMIT_FIELDS, "models", "expires", "created"):
+    for field in (*LIMIT_FIELDS, "models", "expires", "created", "cache_group"):
         out[field] = entry.get(field)
     for field, default in (("weight", 1.0), ("min_priority", 0)):
         out[field] = entry.get(field, default)

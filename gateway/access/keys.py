@@ -22,6 +22,8 @@ keys:
     weight: 1                   # fair share of a busy worker's rows against other keys (default 1)
     min_priority: 0             # the most urgent `priority` it may ask (-100..100; default 0:
                                 # none below 0); a request asking for more is clamped to it
+    cache_group: team-a         # keys of one group share prefix-cache hits (default: the
+                                # gateway's default_cache_group, else each key its own)
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import hashlib
 import hmac
 import logging
 import os
+import re
 import secrets
 import tempfile
 import time
@@ -71,6 +74,7 @@ class ApiKey:
     mcp: tuple[str, ...] | None = None  # MCP server labels/globs; None: gateway/mcp/access.py's default
     weight: float = 1.0  # its share of a busy worker against other keys (worker/schedule/fair_share.py)
     min_priority: int = 0  # the most urgent priority it may ask; lower asks are clamped to it
+    cache_group: str | None = None  # keys of one group share prefix-cache hits (access/cache_scope.py)
 
     @property
     def tenant(self) -> str:
@@ -128,6 +132,7 @@ _FIELDS = {
     "mcp",
     "weight",
     "min_priority",
+    "cache_group",
 }
 
 
@@ -135,6 +140,15 @@ def check_weight(value) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.01 <= value <= 100:
         raise ValueError("'weight' must be a number from 0.01 to 100")
     return float(value)
+
+
+CACHE_GROUP_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,63}$")
+
+
+def check_cache_group(value) -> str:
+    if not isinstance(value, str) or not CACHE_GROUP_RE.match(value):
+        raise ValueError("'cache_group' must be 1-64 letters, digits or ._@- and start with a letter or digit")
+    return value
 
 
 def check_min_priority(value) -> int:
@@ -189,6 +203,8 @@ def parse_keys(data, source: str) -> tuple[list[ApiKey], float]:
                 "weight": check_weight(raw.get("weight", 1.0)),
                 "min_priority": check_min_priority(raw.get("min_priority", 0)),
             }
+            if raw.get("cache_group") is not None:
+                share["cache_group"] = check_cache_group(raw["cache_group"])
         except ValueError as e:
             raise KeysFileError(f"{where} ({name}): {e}") from None
         keys.append(

@@ -50,6 +50,9 @@ class CommonFields(msgspec.Struct):
     service_tier: Literal["auto", "default", "flex", "priority", "scale", "standard_only"] | None = None
     stream_interval: Annotated[int, M(ge=1, le=1024)] | None = None
     reasoning_budget: Annotated[int, M(ge=0, le=INT32_MAX)] | None = None
+    # vLLM's: the request's prompt is cached apart from every request without the same salt
+    # (within its key's cache group: gateway/access/cache_scope.py).
+    cache_salt: Annotated[str, M(min_length=1, max_length=256)] | None = None
 
     # The API's names for max_tokens (the first one set wins) and for stop sequences.
     MAX_TOKENS: ClassVar[tuple[str, ...]] = ()
@@ -78,6 +81,7 @@ class CommonFields(msgspec.Struct):
             service_tier=self.service_tier,
             stream_interval=self.stream_interval,
             reasoning_budget=self.reasoning_budget,
+            cache_salt=self.cache_salt,
         )
 
 

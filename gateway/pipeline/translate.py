@@ -16,10 +16,11 @@ from pathlib import Path
 
 from aiohttp import web
 
+from mlxgw.gateway.access.cache_scope import cache_namespace
 from mlxgw.gateway.pipeline.fields import CommonFields, logit_bias
 from mlxgw.gateway.pipeline.fim_support import fim_max_tokens
 from mlxgw.gateway.pipeline.images import ImageLimits, collect_images
-from mlxgw.gateway.web.state import MANAGER, SETTINGS
+from mlxgw.gateway.web.state import CACHE_SECRET, MANAGER, SETTINGS
 from mlxgw.shared import protocol as p
 from mlxgw.shared.config import ModelKind
 
@@ -62,6 +63,7 @@ class ParsedRequest:
     n: int = 1  # choices from the one prompt
     fim: dict | None = None  # fill in the middle (fim_support.fim_map); prompt is then unused
     cache_retention_s: float | None = None  # a client's caching hint (cache_hints.py); None: none
+    cache_salt: str | None = None  # narrows the key's cache namespace (access/cache_scope.py)
 
 
 def first_set(*values):
@@ -143,6 +145,9 @@ async def build_request(request: web.Request, slot, parsed: ParsedRequest) -> p.
         adapter=request.get("adapter"),
         fim=parsed.fim,
         cache_retention_s=parsed.cache_retention_s,
+        cache_namespace=cache_namespace(
+            request.app[CACHE_SECRET], key, settings.default_cache_group, parsed.cache_salt
+        ),
     )
 
 

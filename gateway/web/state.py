@@ -53,5 +53,6 @@ BROKER: web.AppKey[Broker] = web.AppKey("broker")
 MANAGER: web.AppKey[ModelManager] = web.AppKey("manager")
 SETTINGS = web.AppKey("settings", GatewaySettings)
 KEYS = web.AppKey("keys", object)  # KeyStore | None
+CACHE_SECRET = web.AppKey("cache_secret", bytes)  # prefix-cache namespaces' HMAC key (access/cache_scope.py)
 LIMITER = web.AppKey("limiter", object)  # RateLimiter
 METRICS = web.AppKey("metrics", object)  # Metrics

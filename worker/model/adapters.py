@@ -15,9 +15,8 @@ Which rows a forward runs is set by the batch generator around each forward
 (`VectorBatchGenerator.route_rows` -> `AdapterBank.rows`), prefill and decode (speculative
 verification included, which runs inside the decode step).
 
-The prefix cache keeps one token trie per model; an adapter row's KV is stored and looked up
-under its tokens shifted into a range of its own (`cache_tokens`), so a prefix computed under
-one adapter is never served to another adapter or to the base."""
+An adapter's `tag` is part of its rows' cache scope (worker/model/cache/scopes.py), so a prefix
+computed under one adapter is never served to another adapter or to the base."""
 
 from __future__ import annotations
 
@@ -41,10 +40,6 @@ from mlxgw.worker.model.adapter_stacks import GroupKey, LoraTable, MultiLoRALine
 log = logging.getLogger(__name__)
 
 NO_ADAPTER = -1
-# An adapter row's prefix-cache tokens are shifted by its tag << TAG_SHIFT: token ids are far
-# below 2**32, tags are 1..2**31-1, so every adapter's keys (and the base's) are disjoint and
-# still fit the cache's 64-bit keys.
-TAG_SHIFT = 32
 # Request ids whose adapter is remembered from preparation to admission (and re-admission
 # after a pause); the oldest are forgotten past this.
 MAX_NOTED_REQUESTS = 65536
@@ -109,13 +104,13 @@ class LoadedAdapter:
     layers: dict[str, GroupKey]  # layer path -> its stack group
     positions: dict[GroupKey, int]  # its position in each group's stacks
     nbytes: int
-    tag: int  # its prefix-cache namespace
+    tag: int  # its part of its rows' cache scope (worker/model/cache/scopes.py)
     users: set[int] = field(default_factory=set)  # uids of the rows that use it
 
 
 def cache_tag(name: str, weights: Path) -> int:
-    """A namespace for an adapter's prefix-cache entries: another name, or the same name with
-    other weights (rewritten in place), gets another one."""
+    """An adapter's part of its rows' cache scope: another name, or the same name with other
+    weights (rewritten in place), gets another one."""
     st = weights.stat()
     digest = hashlib.blake2b(f"{name}\0{weights.resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode(), digest_size=8)
     return 1 + int.from_bytes(digest.digest(), "little") % (2**31 - 1)
@@ -210,14 +205,6 @@ class AdapterBank:
             yield
         finally:
             self.routing.clear()
-
-    def cache_tokens(self, tokens: list[int], adapter: LoadedAdapter | None) -> list[int]:
-        """The prefix cache's key for a row's tokens: the tokens themselves for the base,
-        shifted into the adapter's own range for an adapter row."""
-        if adapter is None:
-            return list(tokens)
-        shift = adapter.tag << TAG_SHIFT
-        return [t + shift for t in tokens]
 
     # -- the registry -------------------------------------------------------------------------
     def set_sources(self, sources: dict[str, str], check: str | None = None) -> dict:

@@ -68,6 +68,10 @@ class TextRunner(ModelRunner, Protocol):
     supports_shared_prefill: bool = False
     # Whether insert() takes hold_s= (a client's caching hint: keep this prompt's KV longer).
     supports_cache_hints: bool = False
+    # Whether insert() and prompt_scorer() take namespace= (a request's cache namespace: its row
+    # reads and writes only that scope's prefix-cache blocks, worker/model/cache/scopes.py).
+    # A runner without it must keep no prefix cache shared between requests.
+    supports_cache_scopes: bool = False
 
     @abstractmethod
     def encode(self, req: GenerateRequest) -> list[int]: ...
@@ -123,7 +127,7 @@ class TextRunner(ModelRunner, Protocol):
         """What a row's KV costs per layer (worker/model/kv_budget.py); None: rows are admitted by count."""
         return None
 
-    def prefix_ready(self, prompt: list[int]) -> bool:
+    def prefix_ready(self, prompt: list[int], namespace: str | None = None) -> bool:
         """Whether a prompt's cached prefix can be looked up without waiting on the disk;
         False starts reading it off the engine thread (the row waits, the others step)."""
         return True

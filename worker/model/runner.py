@@ -20,6 +20,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlxgw.shared.protocol import GenerateRequest, SamplingParams
 from mlxgw.worker.model.adapters import AdapterBank
 from mlxgw.worker.model.batch_generator import VectorBatchGenerator
+from mlxgw.worker.model.cache import scopes
 from mlxgw.worker.model.cache import state_checkpoints as sc
 from mlxgw.worker.model.cache.kv_shift import ShiftReuse
 from mlxgw.worker.model.cache.prefix_cache import PrefixCache
@@ -53,6 +54,7 @@ class MLXRunner(ChatTextRunner):
     supports_layer_progress = True
     supports_shared_prefill = True
     supports_cache_hints = True
+    supports_cache_scopes = True
 
     def __init__(
         self,
@@ -112,6 +114,8 @@ class MLXRunner(ChatTextRunner):
         # different count rounds the logits differently and can move a seeded draw
         self._seeded: set[int] = set()
         self._hold_s: dict[int, float] = {}  # uid -> a client's caching hint, seconds
+        self._scope: dict[int, int] = {}  # uid -> its cache scope, where not the base's (cache/scopes.py)
+        scopes.check_vocabulary(vocab_size)
 
     def encode(self, req: GenerateRequest) -> list[int]:
         # Every sequence (each choice too) is prepared here, off the engine thread: an unknown
@@ -131,16 +135,19 @@ class MLXRunner(ChatTextRunner):
         keep_prompt: bool = False,
         adapter: str | None = None,
         hold_s: float | None = None,
+        namespace: str | None = None,
     ) -> tuple[int, int]:
         """adapter: a LoRA adapter's name; None: the one its request named at preparation
-        (found by the guard's request id), if any."""
+        (found by the guard's request id), if any. namespace: the request's cache namespace
+        (its key's cache group): its row reads and writes only that scope's blocks."""
         processors = guarded_processors(sampling, constraint, guard)
         sampler = build_sampler(sampling, wants_logprobs=logprobs is not None)
         if guard is not None:
             sampler = guard_sampler(sampler, guard)
         lora = self.adapters.for_row(adapter, guard)
-        cache, cached = self.prefix_cache.longest_match(self.adapters.cache_tokens(prompt, lora))
-        if self.shift_reuse is not None and cache is not None and lora is None:
+        scope = scopes.scope_of(namespace, lora.tag if lora is not None else 0)
+        cache, cached = self.prefix_cache.longest_match(scopes.scoped(prompt, scope))
+        if self.shift_reuse is not None and cache is not None and scope == scopes.BASE:
             cache, cached = self.shift_reuse.extend(self.model, self.prefix_cache.tree, prompt, cache, cached)
         if cache is None and self.kv_bits is not None:
             cache = self._fresh_cache()
@@ -154,6 +161,8 @@ class MLXRunner(ChatTextRunner):
             logits_processors=[processors],
         )
         self._covered[uid] = cached
+        if scope != scopes.BASE:
+            self._scope[uid] = scope
         self.adapters.bind(uid, lora)
         if self._checkpointing:
             self._checkpoints[uid] = sc.Checkpoints(list(prompt))
@@ -179,9 +188,15 @@ class MLXRunner(ChatTextRunner):
         # junctions: where the prompt leaves a stored one (the next prompt sharing it resumes there)
         return sc.prompt_segments(prompt, cached, self._turn_openers, self.prefix_cache.junctions())
 
-    def prompt_scorer(self, prompt: list[int], top: int):
-        """A PromptScorer of this model for one request's prompt logprobs (worker/model/prompt_logprobs.py)."""
-        return PromptScorer(self.model, prompt, top, self.token_bytes, keep_kv=self._keep_kv)
+    def prompt_scorer(self, prompt: list[int], top: int, namespace: str | None = None):
+        """A PromptScorer of this model for one request's prompt logprobs (worker/model/prompt_logprobs.py);
+        the prompt's KV it leaves goes to the request's own cache scope."""
+        scope = scopes.scope_of(namespace)
+
+        def keep(tokens: list[int], cache: list) -> None:
+            self._keep_kv(tokens, cache, scope=scope)
+
+        return PromptScorer(self.model, prompt, top, self.token_bytes, keep_kv=keep)
 
     def set_prefill_chunk(self, tokens: int) -> None:
         """Prompt tokens each prefilling row reads in the next step (the scheduler shares
@@ -243,6 +258,7 @@ class MLXRunner(ChatTextRunner):
                     self._keep_kv(r.all_tokens, r.prompt_cache, marks, uid=r.uid)
                 self.adapters.release(r.uid)
                 self._hold_s.pop(r.uid, None)
+                self._scope.pop(r.uid, None)
             out.tokens.append(TokenOut(r.uid, int(r.token), r.finish_reason, logprobs.get(r.uid)))
         return out
 
@@ -258,8 +274,9 @@ class MLXRunner(ChatTextRunner):
         rows = [(int(r.token), r.logprobs, self._logprobs[r.uid]) for r in asked]
         return {r.uid: e for r, e in zip(asked, entries(rows, self.token_bytes))}
 
-    def prefix_ready(self, prompt) -> bool:  # its disk blocks read off the engine thread
-        return type(prompt) is not list or self.prefix_cache.prefetch(prompt)
+    def prefix_ready(self, prompt, namespace: str | None = None) -> bool:  # its disk blocks read off the engine thread
+        # An adapter row's blocks are not prefetched: its scope is known once the adapter is loaded.
+        return type(prompt) is not list or self.prefix_cache.prefetch(scopes.scoped(prompt, scopes.scope_of(namespace)))
 
     def publish_prompt(self, uid: int) -> None:  # others wait on its prefix (worker/schedule/prefix_inflight.py)
         self._keep_prompt.add(uid)
@@ -296,17 +313,23 @@ class MLXRunner(ChatTextRunner):
                 self._keep_kv(tokens, cache, marks, uid=uid)
             self.adapters.release(uid)
             self._hold_s.pop(uid, None)
+            self._scope.pop(uid, None)
 
     def _keep_kv(
-        self, tokens: list[int], cache: list, checkpoints: sc.Checkpoints | None = None, uid: int | None = None
+        self,
+        tokens: list[int],
+        cache: list,
+        checkpoints: sc.Checkpoints | None = None,
+        uid: int | None = None,
+        scope: int | None = None,
     ) -> None:
         # The KV extracted from the batch is a lazy slice whose graph still references the
         # whole batch's buffers (every row, the full allocation). Unevaluated, a cached entry
         # kept all of that alive while counting only its own slice: a worker reached 14 GB
         # with a cache that reported 2 GB. Evaluating makes it the compact copy it claims to be.
         mx.eval([c.state for c in cache])
-        # An adapter row's KV is keyed apart from the base's and other adapters' (worker/model/adapters.py).
-        tokens = self.adapters.cache_tokens(tokens, self.adapters.by_uid.get(uid))
+        # Keyed in the row's scope: its namespace's and adapter's own (worker/model/cache/scopes.py).
+        tokens = scopes.scoped(tokens, scope if scope is not None else self._scope.get(uid, scopes.BASE))
         if checkpoints is not None:  # those of a prompt the tokens begin with
             checkpoints = checkpoints.for_entry(tokens)
         self.prefix_cache.insert(tokens, cache, checkpoints=checkpoints, hold_s=self._hold_s.get(uid))

@@ -78,7 +78,8 @@ class Admission:
         self.waiting.push(
             Waiting(req.priority, seq.arrival, req.rid, tenant, clean_weight(req.weight), time.monotonic())
         )
-        self.runner.prefix_ready(_prompt_of(seq))  # its disk blocks start loading while it queues
+        # its disk blocks start loading while it queues
+        self.runner.prefix_ready(_prompt_of(seq), seq.req.cache_namespace)
 
     def release(self, seq: Sequence) -> None:
         """seq no longer runs (ended, or its row was taken from the runner)."""
@@ -145,7 +146,7 @@ class Admission:
             if self.shared_prefill is not None and self.shared_prefill.waits(seq, self.running.values()):
                 deferred.append(entry)  # another row reads its prefix now: reuse it once published
                 continue
-            if not self.runner.prefix_ready(_prompt_of(seq)):
+            if not self.runner.prefix_ready(_prompt_of(seq), seq.req.cache_namespace):
                 deferred.append(entry)  # its prefix is being read from disk: the others go on
                 reading = True
                 continue
@@ -185,6 +186,8 @@ class Admission:
             extra["keep_prompt"] = True
         if seq.req.cache_retention_s and self.runner.supports_cache_hints:
             extra["hold_s"] = seq.req.cache_retention_s
+        if seq.req.cache_namespace and self.runner.supports_cache_scopes:
+            extra["namespace"] = seq.req.cache_namespace
         uid, cached = self.runner.insert(
             prompt, seq.max_tokens - seq.generated, seq.req.sampling, seq.constraint, guard=seq.guard, **extra
         )

@@ -99,7 +99,8 @@ class Preparing:
             return Error(as_service_error(e, "starting its detokenizer"))
         if req.prompt_logprobs is not None:
             try:
-                seq.scorer = self.runner.prompt_scorer(seq.prompt, req.prompt_logprobs)
+                scope = {"namespace": req.cache_namespace} if self.runner.supports_cache_scopes else {}
+                seq.scorer = self.runner.prompt_scorer(seq.prompt, req.prompt_logprobs, **scope)
             except Exception as e:
                 return Error(as_service_error(e, "scoring its prompt"))
         return seq

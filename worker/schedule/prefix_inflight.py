@@ -38,10 +38,14 @@ def worth_keeping(prompt) -> bool:
 def reading_same_prefix(seq: Sequence, running: Iterable[Sequence]) -> Sequence | None:
     """A running row that read (prefilling, or decoding since) at least MIN_SHARED_TOKENS of
     seq's prompt that the cache did not give it, or None. Resumed rows (tokens generated) and
-    prompts carrying images do not wait."""
+    prompts carrying images do not wait. Only a row of the same cache scope (namespace and
+    adapter) is waited for: another scope's reading must not show in this one's timing."""
     if seq.tokens or not worth_keeping(seq.prompt):
         return None
+    scope = (seq.req.cache_namespace, seq.req.adapter)
     for other in running:
+        if (other.req.cache_namespace, other.req.adapter) != scope:
+            continue
         prefilling = other.phase == Phase.PREFILL and not other.tokens
         decoding = other.phase == Phase.DECODE and not other.paused  # a paused row's KV is stored
         if not (prefilling or decoding) or type(other.prompt) is not list:
