@@ -226,12 +226,13 @@ def spawn_bare(logs: Path) -> ServerProcess:
     return _spawn_peer("bare", cmd, port, logs, "null", env=dict(os.environ))
 
 
-def warm_up(api: str, model: str, timeout: float = 300) -> None:
-    """One short chat request to the OpenAI base URL `api`, so that no server's first level
-    pays its lazy setup."""
+def warm_up(api: str, model: str, timeout: float = 300, key: str | None = None) -> None:
+    """One short chat request to the OpenAI base URL `api` (with `key` where keys are in force),
+    so that no server's first level pays its lazy setup."""
     import json
 
     body = json.dumps({"model": model, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
-    req = urllib.request.Request(f"{api}/chat/completions", body.encode(), {"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
+    req = urllib.request.Request(f"{api}/chat/completions", body.encode(), headers)
     with urllib.request.urlopen(req, timeout=timeout) as r:
         r.read()

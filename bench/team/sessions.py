@@ -11,7 +11,10 @@ when it reports it) and requests lost (errors and timeouts: must be 0).
 Servers: a running one (`--url`, `--model`), or started here on one model folder with the
 same BLAS: mlxgw (`mlxgw up`), `mlx_lm.server` (`--mlx-lm`, with `--prompt-cache-size` at
 least the number of sessions: its default of 10 entries would thrash) and vllm-mlx
-(`--vllm-python`). `--rounds` rounds, the servers' order rotated every round.
+(`--vllm-python`). `--rounds` rounds, the servers' order rotated every round. Each session
+sends its own API key; `--cache-groups` also runs mlxgw with those keys in force, each key
+its own cache namespace (`mlxgw-key-each`: nothing shared between sessions, the secure
+default) and all in one cache group (`mlxgw-one-group`): what sharing a group buys.
 
     python -m mlxgw.bench.team.sessions ~/.cache/mlxgw/models/smollm2-135m --sessions 8 \\
         --turns 4 --mlx-lm --rounds 3 [--out team.json]
@@ -47,7 +50,31 @@ def text(rng: random.Random, words: int) -> str:
     return " ".join(rng.choice(WORDS) + (". " if i % 12 == 11 else "") for i in range(words))
 
 
-def stream_chat(url: str, model: str, messages: list[dict], max_tokens: int, timeout: float) -> dict:
+ADMIN_KEY = "mlxgw-bench-admin-0123456789abcdef"  # reads /v1/status where keys are in force
+
+
+def session_key(k: int) -> str:
+    return f"mlxgw-bench-session-{k}-0123456789abcdef"
+
+
+def keys_file(path: Path, sessions: int, group: str | None) -> Path:
+    """One key per session (in one cache group, or each its own) and an admin key."""
+    import yaml
+
+    from mlxgw.gateway.access.keys import hash_key
+
+    entries = [{"name": "bench-admin", "sha256": hash_key(ADMIN_KEY), "admin": True}]
+    for k in range(sessions):
+        entry = {"name": f"session-{k}", "sha256": hash_key(session_key(k))}
+        entries.append(entry | ({"cache_group": group} if group else {}))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump({"keys": entries}))
+    return path
+
+
+def stream_chat(
+    url: str, model: str, messages: list[dict], max_tokens: int, timeout: float, key: str | None = None
+) -> dict:
     """One greedy streaming chat request: TTFT, decode chunks/s, the text and the usage."""
     body = {
         "model": model,
@@ -57,9 +84,8 @@ def stream_chat(url: str, model: str, messages: list[dict], max_tokens: int, tim
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    req = urllib.request.Request(
-        f"{url}/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
-    )
+    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
+    req = urllib.request.Request(f"{url}/chat/completions", json.dumps(body).encode(), headers)
     started = time.perf_counter()
     first = last = None
     pieces: list[str] = []
@@ -101,7 +127,7 @@ def run_session(
         messages.append({"role": "user", "content": ask})
         row = {"session": k, "turn": turn}
         try:
-            row |= stream_chat(url, model, messages, args.max_tokens, args.timeout_s)
+            row |= stream_chat(url, model, messages, args.max_tokens, args.timeout_s, session_key(k))
         except Exception as e:  # a lost request is a result: counted, never a crash of the study
             row["error"] = f"{type(e).__name__}: {e}"[:200]
             out.append(row)
@@ -162,7 +188,9 @@ def sample_rss(server: ServerProcess | None, done: threading.Event, peak: list[i
 def cache_counters(url: str, model: str) -> dict | None:
     """mlxgw's prefix-cache counters for `model` (None from a server without /v1/status)."""
     try:
-        with urllib.request.urlopen(f"{url.removesuffix('/v1')}/v1/status", timeout=10) as r:
+        status_url = f"{url.removesuffix('/v1')}/v1/status"
+        request = urllib.request.Request(status_url, headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+        with urllib.request.urlopen(request, timeout=10) as r:
             status = json.loads(r.read())
     except Exception:
         return None
@@ -252,6 +280,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--think-s", type=float, default=5.0, help="mean think time between turns")
     ap.add_argument("--cache-mb", type=int, default=None, help="every server's prefix-cache byte bound (MiB)")
     ap.add_argument("--no-disk", action="store_true", help="also mlxgw with its prefix store's disk tier off")
+    ap.add_argument(
+        "--cache-groups",
+        action="store_true",
+        help="also mlxgw with a key per session: each key its own cache namespace, and all in one group",
+    )
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--timeout-s", type=float, default=1800)
     ap.add_argument("--seed", type=int, default=42)
@@ -271,6 +304,11 @@ def spawn_servers(args: argparse.Namespace, home: Path) -> list[ServerProcess]:
     if args.no_disk:
         entry = registry(args.model_dir, max_num_seqs=seqs, cache={**cache, "prefix_disk_mb": 0})
         out.append(spawn_mlxgw(home / "mlxgw-nodisk", entry, label="mlxgw-nodisk"))
+    if args.cache_groups:
+        entry = registry(args.model_dir, max_num_seqs=seqs, cache=cache)
+        for label, group in (("mlxgw-key-each", None), ("mlxgw-one-group", "team")):
+            keys = ["--keys", str(keys_file(home / label / "keys.yaml", args.sessions, group))]
+            out.append(spawn_mlxgw(home / label, entry, label=label, extra_args=keys))
     if args.mlx_lm:  # a prompt cache per session, so that no session evicts another's
         flags = ["--prompt-cache-size", str(max(10, args.sessions))]
         if args.cache_mb is not None:
@@ -299,7 +337,7 @@ def main(argv: list[str] | None = None) -> None:
                 servers += [(s.label, s.api, s.model) for s in started]
             by_label = {s.label: s for s in started}
             for _, url, model in servers:
-                warm_up(url, model)
+                warm_up(url, model, key=ADMIN_KEY)
             for r in range(args.rounds):
                 for label, url, model in servers[r % len(servers) :] + servers[: r % len(servers)]:
                     result = study(url, model, args, args.seed + r, by_label.get(label))

@@ -61,6 +61,7 @@ function limitsText(k) {
   if (k.expires) parts.push(`expires ${k.expires.slice(0, 10)}`);
   if (k.weight != null && k.weight !== 1) parts.push(`weight ${k.weight}`); // fair share (issue 28)
   if (k.min_priority) parts.push(`priority from ${k.min_priority}`);
+  if (k.cache_group) parts.push(`cache group ${k.cache_group}`); // shares prefix-cache hits with its group
   return parts.join(" · ") || "none";
 }
 
@@ -103,6 +104,7 @@ async function createKey(ev) {
   const num = (id) => ($(id).value === "" ? undefined : Number($(id).value));
   const body = { name: $("key-name").value.trim(), rpm: num("key-rpm"), tpm: num("key-tpm"), tpd: num("key-tpd") };
   if ($("key-models").value.trim()) body.models = $("key-models").value;
+  if ($("key-cache-group").value.trim()) body.cache_group = $("key-cache-group").value.trim();
   if ($("key-admin").checked) body.admin = true;
   try {
     const k = await api("/v1/keys", { method: "POST", body });

@@ -166,6 +166,7 @@ def test_console_creates_and_revokes_a_key(console_gateway, browser):
     driver.find_element(By.CSS_SELECTOR, ".tab-button[data-tab='keys']").click()
     driver.find_element(By.ID, "key-name").send_keys("frank")
     driver.find_element(By.ID, "key-tpd").send_keys("5000")
+    driver.find_element(By.ID, "key-cache-group").send_keys("team-a")
     driver.find_element(By.ID, "key-create").click()
     wait_until(driver, lambda d: d.find_element(By.ID, "new-key").is_displayed(), what="the new key")
     key = driver.find_element(By.ID, "new-key-value").text
@@ -176,6 +177,7 @@ def test_console_creates_and_revokes_a_key(console_gateway, browser):
 
     revoke = "button[data-action='revoke'][data-key='frank']"
     wait_until(driver, lambda d: d.find_elements(By.CSS_SELECTOR, revoke), what="frank in the key table")
+    assert "cache group team-a" in driver.find_element(By.ID, "keys-table").text  # shares its cache hits
     driver.find_element(By.CSS_SELECTOR, revoke).click()
     driver.find_element(By.CSS_SELECTOR, revoke).click()  # the second click confirms
     wait_until(driver, lambda d: not d.find_elements(By.CSS_SELECTOR, revoke), what="frank gone from the table")
