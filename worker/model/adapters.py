@@ -35,7 +35,7 @@ from mlx.utils import tree_unflatten
 
 from mlxgw.shared.errors import invalid
 from mlxgw.worker.model.adapter_experts import MultiLoRASwitchLinear, expert_dims, fits, route_block
-from mlxgw.worker.model.adapter_formats import read_pairs, weights_file
+from mlxgw.worker.model.adapter_formats import non_finite, read_pairs, weights_file
 from mlxgw.worker.model.adapter_stacks import GroupKey, LoraTable, MultiLoRALinear, RowRouting, group_key
 
 log = logging.getLogger(__name__)
@@ -97,7 +97,16 @@ def read_adapter(name: str, folder: Path, modules: dict[str, nn.Module]) -> tupl
                 name, f"{path}: shapes {tuple(a.shape)} x {tuple(b.shape)} do not fit a {dims[0]} -> {dims[1]} layer"
             )
         layers[path] = (a, b)
+    problem = non_finite(scale, layers, {path: activation_dtype(modules[path]) for path in layers})
+    if problem is not None:  # it would end its own rows in NaN (other rows never use it)
+        raise refused(name, problem)
     return scale, layers
+
+
+def activation_dtype(module: nn.Module) -> mx.Dtype:
+    """The dtype a layer's input runs in: its weights', or a quantized layer's scales'."""
+    base = module.base if isinstance(module, (MultiLoRALinear, MultiLoRASwitchLinear)) else module
+    return (getattr(base, "scales", None) if hasattr(base, "scales") else base.weight).dtype
 
 
 @dataclass
@@ -190,6 +199,14 @@ class AdapterBank:
         adapter.users.discard(uid)
         if not adapter.users and self.sources.get(adapter.name) != adapter.path:  # removed or replaced meanwhile
             self._unload(adapter)
+        elif not adapter.users:
+            # A burst may have held more than the bound (rows in use never leave): back within
+            # it as soon as they end, not at the next load.
+            self._evict()
+
+    def name_of(self, uid: int) -> str | None:
+        adapter = self.by_uid.get(uid)
+        return adapter.name if adapter is not None else None
 
     @contextmanager
     def rows(self, uids: list[int]) -> Iterator[None]:
@@ -201,10 +218,11 @@ class AdapterBank:
             return
         adapters = [self.by_uid.get(u) for u in uids]
         keys = {k for a in adapters if a is not None for k in a.positions}
-        groups = {}
-        for key in keys:  # rows outside the group: position 0, scale 0
-            inside = [a if a is not None and key in a.positions else None for a in adapters]
-            groups[key] = ([a.positions[key] if a else 0 for a in inside], [a.scale if a else 0.0 for a in inside])
+        # Rows outside a group (the base's, another group's) stay out of its product altogether.
+        groups = {
+            key: [(a.positions[key], a.scale) if a is not None and key in a.positions else None for a in adapters]
+            for key in keys
+        }
         self.routing.set(slots, active, groups)
         try:
             yield
