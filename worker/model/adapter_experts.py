@@ -99,7 +99,8 @@ def route_block(block: nn.Module, routing) -> None:
                 routing.pick_positions[key] = _per_pick(positions, indices, order)
                 routing.pick_scales[key] = _per_pick(routing.row_scales[key], indices, order)[..., None, None]
                 inside = routing.row_inside[key]
-                routing.pick_inside[key] = None if inside is None else _per_pick(inside, indices, order)[..., None, None]
+                picks_inside = None if inside is None else _per_pick(inside, indices, order)[..., None, None]
+                routing.pick_inside[key] = picks_inside
             try:
                 return cls.__call__(self, x, indices)
             finally:

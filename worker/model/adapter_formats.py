@@ -49,7 +49,9 @@ def read_pairs(folder: Path) -> tuple[float, dict[str, dict[str, mx.array]]]:
     return scale, pairs
 
 
-def non_finite(scale: float, layers: dict[str, tuple[mx.array, mx.array]], activations: dict[str, mx.Dtype]) -> str | None:
+def non_finite(
+    scale: float, layers: dict[str, tuple[mx.array, mx.array]], activations: dict[str, mx.Dtype]
+) -> str | None:
     """What makes an adapter's arithmetic non-finite before it runs, in words; None if nothing.
 
     A layer's product runs in the dtype its activations and weights promote to (as mlx-lm's

@@ -155,6 +155,7 @@ class AdapterBank:
         self._positions: dict[GroupKey, list[int | None]] = {}  # group -> the slot at each position
         self.loads = 0
         self.evictions = 0
+        self._bytes = 0  # the resident adapters' weights, read off the engine thread too (an int)
 
     # -- requests -----------------------------------------------------------------------------
     def note(self, rid: str, adapter: str | None, prompt_logprobs: int | None = None) -> None:
@@ -297,6 +298,7 @@ class AdapterBank:
         tag = cache_tag(name, weights_file(folder))
         adapter = LoadedAdapter(name, path, slot, scale, kinds, positions, nbytes, tag)
         self.resident[name] = adapter
+        self._bytes += nbytes
         self.loads += 1
         log.info("adapter %s loaded: %d layers, %.1f MB", name, len(layers), nbytes / 2**20)
         return adapter
@@ -334,11 +336,12 @@ class AdapterBank:
                 del self._positions[key]
         mx.eval(fresh)
         self._slots.discard(adapter.slot)
-        self.resident.pop(adapter.name, None)
+        if self.resident.pop(adapter.name, None) is not None:
+            self._bytes -= adapter.nbytes
         log.info("adapter %s unloaded", adapter.name)
 
     def resident_bytes(self) -> int:
-        return sum(a.nbytes for a in self.resident.values())
+        return self._bytes
 
     def _evict(self, incoming: int | None = None) -> None:
         """Unload idle adapters, least recently used first, until the resident set (plus an
