@@ -95,8 +95,9 @@ def test_base_rows_beside_an_overflowing_adapter_row_decode_as_alone_and_that_ro
     runner = make_runner(base, {"huge": huge, "A": a})
     prompts = [runner.tokenizer.encode(p) for p in PROMPTS]
     alone = [run_together(runner, [(p, None)])[0][0] for p in prompts]
-    with_a = run_together(runner, [(prompts[0], "A")])[0][0]
+    # huge loads first: position 0 of its stack group, where rows outside the group once pointed.
     got = run_together(runner, [(prompts[0], None), (prompts[1], "huge"), (prompts[2], None), (prompts[0], "A")])
+    with_a = run_together(runner, [(prompts[0], "A")])[0][0]
     assert got[0][0] == alone[0] and got[2][0] == alone[2], "a base row changed beside the overflowing adapter"
     assert got[3][0] == with_a, "another adapter's row changed beside the overflowing adapter"
     assert all(not got[i][1].faulted for i in (0, 2, 3))
