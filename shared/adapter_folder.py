@@ -43,18 +43,36 @@ def read_config(folder: Path) -> tuple[bool, dict]:
 
 
 def scale_of(peft: bool, config: dict) -> float:
+    """The adapter's scale: a finite number (NaN or infinity would end every answer of its
+    rows in NaN), from a positive rank for PEFT (r: 0 divides by zero)."""
     try:
         if not peft:
             kind = config.get("fine_tune_type", "lora")
             if kind != "lora":
                 raise ValueError(f"fine_tune_type {kind!r}: only LoRA adapters are served (fuse it with mlx_lm.fuse)")
-            return float(config["lora_parameters"]["scale"])
+            return _finite(config["lora_parameters"]["scale"], "lora_parameters.scale")
         _check_peft(config)
-        rank, alpha = float(config["r"]), float(config.get("lora_alpha", config["r"]))
-        return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+        rank = _finite(config["r"], "r")
+        if rank <= 0:
+            raise ValueError(f"{CONFIG_FILE}: 'r' must be a positive rank, got {config['r']!r}")
+        alpha = _finite(config.get("lora_alpha", config["r"]), "lora_alpha")
+        return _finite(alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank, "lora_alpha / r")
     except (KeyError, TypeError, AttributeError) as e:
         what = "r and lora_alpha" if peft else "lora_parameters.scale"
         raise ValueError(f"{CONFIG_FILE} has no readable {what} ({type(e).__name__}: {e})") from None
+
+
+def _finite(value, field: str) -> float:
+    """A number of the config (JSON allows NaN and Infinity as Python writes them; a bool is no number)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{CONFIG_FILE}: '{field}' must be a number, got {value!r}")
+    try:
+        number = float(value)
+    except OverflowError:  # an integer past a double's range
+        number = math.inf
+    if not math.isfinite(number):
+        raise ValueError(f"{CONFIG_FILE}: '{field}' must be a finite number, got {value!r}")
+    return number
 
 
 def _check_peft(config: dict) -> None:

@@ -162,6 +162,8 @@ class Registry:
         """The LoRA adapter a requested model name addresses, `adapter` or `<base>:<adapter>`
         (SGLang's spelling; the base by its name or an alias), with its model's entry."""
         base, sep, short = name.rpartition(":")
+        if short in AdapterEntry.RESERVED:  # `<model>:latest` is the model itself (Ollama's tag)
+            return None
         for e in self.models:
             for a in e.adapters:
                 if name == a.name or name in a.aliases or (sep and a.name == short and e.matches(base)):

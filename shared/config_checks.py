@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import model_store
-from .model_sections import ENCODER_KINDS, MAX_RANKS, ModelKind
+from .model_sections import ENCODER_KINDS, MAX_RANKS, AdapterEntry, ModelKind
 from .schema import ConfigError
 
 if TYPE_CHECKING:
@@ -108,6 +108,8 @@ def check_adapters(e: ModelEntry, bad) -> None:
             model_store.validate_model_name(a.name)
         except model_store.InvalidModelName as err:
             raise bad("adapters", f"{a.name!r}: {err}") from None
+        if a.name in AdapterEntry.RESERVED:
+            raise bad("adapters", f"{a.name!r} is reserved: <model>:{a.name} names the model itself")
         if a.name in seen:
             raise bad("adapters", f"duplicate adapter name {a.name!r}")
         if any(not isinstance(alias, str) or not alias.strip() or ":" in alias for alias in a.aliases):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 from .events import WireEnum
 
@@ -154,6 +154,10 @@ class AdapterEntry:
     """A LoRA adapter served on its model's worker (worker/model/adapters.py): an `mlx_lm.lora`
     output folder (adapters.safetensors + adapter_config.json). Requests name it as a model:
     `name`, or `<base>:<name>`."""
+
+    # Names an adapter may not take: `<base>:latest` is Ollama's spelling of the base itself
+    # (every Ollama client sends it), so an adapter named so would capture the base's requests.
+    RESERVED: ClassVar[frozenset[str]] = frozenset({"latest"})
 
     name: str
     path: str

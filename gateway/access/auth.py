@@ -186,8 +186,11 @@ def resolve_model(request: web.Request, requested: str, kinds: tuple[ModelKind, 
     key = request.get("key")
     # The model it resolves to decides, by its name or one of its aliases: a key limited to
     # "smollm2-*" must not reach another model by asking for a name one of its globs matches.
-    names = adapters.names(slot, adapter) if adapter is not None else (slot.name, *slot.entry.aliases)
-    if key is not None and not key.allows(*names):
+    if adapter is not None:  # its own rule (gateway/models/adapters.py `allowed`)
+        permitted = adapters.allowed(key, slot, adapter)
+    else:
+        permitted = key is None or key.allows(slot.name, *slot.entry.aliases)
+    if not permitted:
         raise ServiceError(ErrorCode.PERMISSION, f"API key '{key.name}' may not use model '{requested}'", param="model")
     kind = slot.entry.kind
     if kind not in kinds:

@@ -5,7 +5,9 @@ takes the new list without a restart (gateway/models/adapters.py). An adapter ad
 model is loaded by its worker first, so a folder that is not an adapter of this model is
 refused here, with the reason, and nothing changes.
 
-The folder path comes from an admin key, as models.yaml's paths come from the operator."""
+The folder path comes from an admin key and, as Ollama's FROM paths, must lie in the models
+directory or `manager.allowed_import_paths` (gateway/models/import_roots.py); models.yaml's
+own paths are the operator's and are not confined."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from aiohttp import web
 
 from mlxgw.gateway.api.admin import _json_object, require_admin
 from mlxgw.gateway.models import adapters
+from mlxgw.gateway.models.import_roots import confined
 from mlxgw.gateway.models.registry_edit import edit_registry, listed_entry, registry_file
 from mlxgw.gateway.web.state import MANAGER
 from mlxgw.shared import model_store
@@ -71,10 +74,13 @@ async def add_adapter(request: web.Request) -> web.Response:
         model_store.validate_model_name(name)
     except model_store.InvalidModelName as e:
         raise invalid(str(e), "name") from None
+    if name in AdapterEntry.RESERVED:  # `<model>:latest` is Ollama's name for the model itself
+        raise invalid(f"'{name}' is reserved: {base}:{name} names the model {base} itself", "name")
     if manager.registry.entry(name) is not None or manager.registry.adapter(name) is not None:
         raise invalid(f"'{name}' already names a model or an adapter", "name")
     registry_file(request.app)  # a gateway whose models.yaml cannot be edited changes nothing
-    folder = Path(raw_path).expanduser()
+    # Confined as Ollama's FROM paths are: inside the models directory or allowed_import_paths.
+    folder = confined(manager.registry, raw_path, "an adapter's path", "path")
     await asyncio.to_thread(check_folder, folder)
     added = AdapterEntry(name=name, path=str(folder))
     # A running worker loads it first: weights that do not fit this model are refused here.

@@ -9,6 +9,7 @@ per row)."""
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import logging
 from collections.abc import Iterator
 
@@ -28,13 +29,22 @@ def find(manager, requested: str) -> tuple[object, AdapterEntry] | None:
 
 
 def names(slot, adapter: AdapterEntry) -> tuple[str, ...]:
-    """The names an adapter answers to (its name first); a key's model patterns are matched
-    against them."""
+    """The names an adapter answers to (its name first)."""
     return adapter.name, f"{slot.name}:{adapter.name}", *adapter.aliases
 
 
 def allowed(key, slot, adapter: AdapterEntry) -> bool:
-    return key is None or key.allows(*names(slot, adapter))
+    """Whether a key's model patterns reach an adapter: by its own name or an alias, as any
+    model's; by `<base>:<adapter>` only through a pattern that has a ':' itself (`tiny:*`,
+    `tiny:hr-*`). A pattern written for model names (`tiny*`) then never reaches the
+    adapters of the models it matches: `tiny:hr-bot` matches the glob `tiny*`, but a key
+    limited to `tiny*` was given the model, not every fine-tune anyone adds to it."""
+    if key is None or not key.models:
+        return True
+    if key.allows(adapter.name, *adapter.aliases):
+        return True
+    qualified = f"{slot.name}:{adapter.name}"
+    return any(":" in pattern and fnmatch.fnmatchcase(qualified, pattern) for pattern in key.models)
 
 
 def listed(manager, key) -> Iterator[tuple[object, AdapterEntry]]:

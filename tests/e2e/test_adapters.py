@@ -280,8 +280,9 @@ KEYS = {"ops": "sk-adapters-ops", "bot": "sk-adapters-bot"}
 @pytest.fixture(scope="module")
 def gateway(home, models):
     base, a, b = models["llama"]
+    # Adapters added over HTTP come from a folder the operator allows (as FROM paths).
     config = {
-        "manager": {"auto_discover": False},
+        "manager": {"auto_discover": False, "allowed_import_paths": [str(home / "adapters")]},
         "models": [
             {
                 "name": "lora-base",
@@ -393,7 +394,7 @@ def test_adapters_are_added_and_removed_while_the_worker_keeps_running(gateway, 
     status, out = complete(gateway, "c", prompt)
     assert status == 200 and same_text(out, _decode(base, reference(base, fresh, prompt)))
     registry = yaml.safe_load(gateway.config_path.read_text())
-    assert {"name": "c", "path": str(fresh)} in registry["models"][0]["adapters"]
+    assert {"name": "c", "path": str(fresh.resolve())} in registry["models"][0]["adapters"]
     assert call(gateway, "DELETE", "/v1/adapters/c")[0] == 200
     assert complete(gateway, "c", prompt)[0] == 404
     assert complete(gateway, "support-bot", prompt)[0] == 200

@@ -63,7 +63,12 @@ class MultiLoRASwitchLinear(nn.Module):
             z = mx.gather_mm(x, a, rhs_indices=chosen)
             z = mx.gather_mm(z, b, rhs_indices=chosen)
             scale = self.routing.pick_scales[key]
-            y = y + ((scale if z.dtype == scale.dtype else scale.astype(z.dtype)) * z).astype(x.dtype)
+            delta = ((scale if z.dtype == scale.dtype else scale.astype(z.dtype)) * z).astype(x.dtype)
+            inside = self.routing.pick_inside[key]
+            # A pick whose row is outside the group is computed against position 0 (the block's
+            # picks are in its own sorted order) and dropped by a select, never by arithmetic:
+            # 0 x NaN would be NaN.
+            y = y + delta if inside is None else mx.where(inside, y + delta, y)
         return y
 
 
@@ -90,13 +95,16 @@ def route_block(block: nn.Module, routing) -> None:
                 return cls.__call__(self, x, indices)
             # The block's own order (switch_layers._gather_sort), the same argsort of the same picks.
             order = mx.argsort(indices.flatten()) if indices.size >= SORT_FROM else None
-            for key, positions in routing.positions.items():
+            for key, positions in routing.row_positions.items():
                 routing.pick_positions[key] = _per_pick(positions, indices, order)
-                routing.pick_scales[key] = _per_pick(routing.scale(key, mx.float32), indices, order)[..., None, None]
+                routing.pick_scales[key] = _per_pick(routing.row_scales[key], indices, order)[..., None, None]
+                inside = routing.row_inside[key]
+                picks_inside = None if inside is None else _per_pick(inside, indices, order)[..., None, None]
+                routing.pick_inside[key] = picks_inside
             try:
                 return cls.__call__(self, x, indices)
             finally:
-                routing.pick_positions, routing.pick_scales = {}, {}
+                routing.pick_positions, routing.pick_scales, routing.pick_inside = {}, {}, {}
 
         routed = _ROUTED[cls] = type(f"LoRARouted{cls.__name__}", (cls,), {"__call__": __call__})
     object.__setattr__(block, "_lora_routing", routing)

@@ -19,6 +19,7 @@ import mlx.core as mx
 
 from mlxgw.shared.adapter_folder import read_config, scale_of, weights_file
 
+LEAVES = ("lora_a", "lora_b")
 _PEFT_KEY = re.compile(r"base_model\.model\.(.+)\.lora_([AB])(?:\.default)?\.weight")
 
 
@@ -46,3 +47,25 @@ def read_pairs(folder: Path) -> tuple[float, dict[str, dict[str, mx.array]]]:
     if not pairs:
         raise ValueError(f"{weights_path.name} holds no LoRA weights")
     return scale, pairs
+
+
+def non_finite(
+    scale: float, layers: dict[str, tuple[mx.array, mx.array]], activations: dict[str, mx.Dtype]
+) -> str | None:
+    """What makes an adapter's arithmetic non-finite before it runs, in words; None if nothing.
+
+    A layer's product runs in the dtype its activations and weights promote to (as mlx-lm's
+    LoRALinear: float32 weights on a bfloat16 model run in float32), never narrower than the
+    weights' own, so the weights are checked as they are and the scale in that dtype (a scale
+    of 1e5 is infinite in float16). Every tensor is reduced in one evaluation."""
+    flags = {f"{path}.{leaf}": mx.isfinite(w).all() for path, pair in layers.items() for leaf, w in zip(LEAVES, pair)}
+    mx.eval(list(flags.values()))
+    bad = [name for name, ok in flags.items() if not ok.item()]
+    if bad:
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        return f"tensor {bad[0]!r}{more} holds NaN or infinite values"
+    for path, (a, b) in layers.items():
+        run = (mx.zeros((), activations.get(path, a.dtype)) * mx.zeros((), a.dtype) * mx.zeros((), b.dtype)).dtype
+        if not mx.isfinite(mx.array(scale).astype(run)).item():
+            return f"its scale {scale!r} is infinite in {run}, the dtype {path} runs in"
+    return None

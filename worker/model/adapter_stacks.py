@@ -4,8 +4,11 @@ The resident adapters' (lora_a, lora_b) of a layer are stacked, one position per
 a group per (rank, dtypes): A (positions, in, rank), B (positions, rank, out). Each row indexes
 its adapter's position, so a layer adds every row's `scale * (x @ A) @ B` with two gather_mm
 calls for the whole batch, as Punica/S-LoRA's BGMV does, whatever the number of adapters in
-it; rows without an adapter (or under an adapter of another group) index any position and are
-multiplied by a scale of 0 (the base output plus zero, exactly).
+it. Rows without an adapter of a group never enter its product: when some rows of the batch
+are outside it, only the rows inside are gathered, multiplied and added back (as Punica's
+kernels skip a row whose adapter index is -1), and the others keep the base output untouched.
+Multiplying them by a scale of 0 instead (the first version) let one adapter's NaN or
+overflowing weights reach every row: 0 x NaN is NaN.
 
 Why this and not a masked matmul per adapter (the first version) or rows sorted into one
 matmul per adapter: measured in one process on SmolLM2-135M shapes (hidden 576, rank 8 and
@@ -40,30 +43,47 @@ def group_key(a: mx.array, b: mx.array) -> GroupKey:
 
 class RowRouting:
     """The rows of the forward being built: each row's adapter slot (None: no row has one),
-    and for the stacked layers each group's positions and scales per row."""
+    and for the stacked layers each group's rows, positions and scales."""
 
     def __init__(self) -> None:
         self.indices: mx.array | None = None
         self.active: tuple[int, ...] = ()
-        # Inside an MoE block: each expert pick's position and scale per group (adapter_experts.py).
+        # Inside an MoE block: each expert pick's position, scale and whether its row is in the
+        # group (None: every row is), per group (adapter_experts.py).
         self.pick_positions: dict[GroupKey, mx.array] = {}
         self.pick_scales: dict[GroupKey, mx.array] = {}
-        self.positions: dict[GroupKey, mx.array] = {}  # (rows,) int32
-        self._scales: dict[GroupKey, mx.array] = {}  # (rows, 1, 1) float32; 0 outside the group
+        self.pick_inside: dict[GroupKey, mx.array | None] = {}
+        self.positions: dict[GroupKey, mx.array] = {}  # (rows inside,) int32
+        self.picked: dict[GroupKey, mx.array | None] = {}  # the rows inside, by batch index; None: all
+        self._scales: dict[GroupKey, mx.array] = {}  # (rows inside, 1, 1) float32
+        # Per row of the whole batch, for MoE blocks, whose picks are masked instead (outside: 0, False).
+        self.row_positions: dict[GroupKey, mx.array] = {}
+        self.row_scales: dict[GroupKey, mx.array] = {}
+        self.row_inside: dict[GroupKey, mx.array | None] = {}
         self._cast: dict[tuple[GroupKey, mx.Dtype], mx.array] = {}
 
-    def set(self, slots: list[int], active: tuple[int, ...], groups: dict[GroupKey, tuple[list[int], list[float]]]):
+    def set(self, slots: list[int], active: tuple[int, ...], groups: dict[GroupKey, list[tuple[int, float] | None]]):
+        """groups: per group, each row's (position, scale), or None for a row outside it."""
         self.indices, self.active = mx.array(slots, dtype=mx.int32), active
-        self.positions = {k: mx.array(pos, dtype=mx.int32) for k, (pos, _) in groups.items()}
-        self._scales = {k: mx.array(sc, dtype=mx.float32).reshape(-1, 1, 1) for k, (_, sc) in groups.items()}
+        for key, rows in groups.items():
+            inside = [i for i, row in enumerate(rows) if row is not None]
+            every = len(inside) == len(rows)
+            self.picked[key] = None if every else mx.array(inside, dtype=mx.int32)
+            self.positions[key] = mx.array([rows[i][0] for i in inside], dtype=mx.int32)
+            self._scales[key] = mx.array([rows[i][1] for i in inside], dtype=mx.float32).reshape(-1, 1, 1)
+            full = [row or (0, 0.0) for row in rows]
+            self.row_positions[key] = self.positions[key] if every else mx.array([p for p, _ in full], dtype=mx.int32)
+            self.row_scales[key] = mx.array([s for _, s in full], dtype=mx.float32)
+            self.row_inside[key] = None if every else mx.array([row is not None for row in rows])
 
     def clear(self) -> None:
         self.indices, self.active = None, ()
-        self.positions, self._scales, self._cast = {}, {}, {}
+        self.positions, self.picked, self._scales, self._cast = {}, {}, {}, {}
+        self.row_positions, self.row_scales, self.row_inside = {}, {}, {}
 
     def scale(self, key: GroupKey, dtype: mx.Dtype) -> mx.array:
-        """The group's per-row scales in the product's dtype (mlx-lm multiplies by a Python
-        float, which takes the array's dtype); cast once per forward, not per layer."""
+        """The group's scales of the rows inside it, in the product's dtype (mlx-lm multiplies
+        by a Python float, which takes the array's dtype); cast once per forward, not per layer."""
         if dtype == mx.float32:
             return self._scales[key]
         cast = self._cast.get((key, dtype))
@@ -132,12 +152,15 @@ class MultiLoRALinear(nn.Module):
         if x.shape[0] != routing.indices.shape[0]:
             raise ValueError(f"LoRA routing: {routing.indices.shape[0]} rows set for a batch of {x.shape[0]}")
         rows = x if x.ndim == 3 else x.reshape(x.shape[0], -1, x.shape[-1])  # (rows, tokens, in)
+        out = y if y.ndim == 3 else y.reshape(rows.shape[0], -1, y.shape[-1])  # (rows, tokens, out)
         for key, positions in routing.positions.items():
             stack = self.table.stacks.get(key)
             if stack is None:  # no adapter of this group targets this layer
                 continue
             a, b = stack
-            z = mx.gather_mm(mx.gather_mm(rows, a, rhs_indices=positions), b, rhs_indices=positions)
+            picked = routing.picked[key]
+            inside = rows if picked is None else rows[picked]  # only the group's own rows
+            z = mx.gather_mm(mx.gather_mm(inside, a, rhs_indices=positions), b, rhs_indices=positions)
             delta = (routing.scale(key, z.dtype) * z).astype(x.dtype)  # as mlx-lm's LoRALinear
-            y = y + (delta if x.ndim == 3 else delta.reshape(y.shape))
-        return y
+            out = out + delta if picked is None else out.at[picked].add(delta)
+        return out if y.ndim == 3 else out.reshape(y.shape)

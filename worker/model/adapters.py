@@ -34,7 +34,7 @@ from mlx.utils import tree_unflatten
 
 from mlxgw.shared.errors import invalid
 from mlxgw.worker.model.adapter_experts import MultiLoRASwitchLinear, expert_dims, fits, route_block
-from mlxgw.worker.model.adapter_formats import read_pairs, weights_file
+from mlxgw.worker.model.adapter_formats import non_finite, read_pairs, weights_file
 from mlxgw.worker.model.adapter_stacks import GroupKey, LoraTable, MultiLoRALinear, RowRouting, group_key
 
 log = logging.getLogger(__name__)
@@ -92,7 +92,16 @@ def read_adapter(name: str, folder: Path, modules: dict[str, nn.Module]) -> tupl
                 name, f"{path}: shapes {tuple(a.shape)} x {tuple(b.shape)} do not fit a {dims[0]} -> {dims[1]} layer"
             )
         layers[path] = (a, b)
+    problem = non_finite(scale, layers, {path: activation_dtype(modules[path]) for path in layers})
+    if problem is not None:  # it would end its own rows in NaN (other rows never use it)
+        raise refused(name, problem)
     return scale, layers
+
+
+def activation_dtype(module: nn.Module) -> mx.Dtype:
+    """The dtype a layer's input runs in: its weights', or a quantized layer's scales'."""
+    base = module.base if isinstance(module, (MultiLoRALinear, MultiLoRASwitchLinear)) else module
+    return (getattr(base, "scales", None) if hasattr(base, "scales") else base.weight).dtype
 
 
 @dataclass
@@ -141,6 +150,7 @@ class AdapterBank:
         self._positions: dict[GroupKey, list[int | None]] = {}  # group -> the slot at each position
         self.loads = 0
         self.evictions = 0
+        self._bytes = 0  # the resident adapters' weights, read off the engine thread too (an int)
 
     # -- requests -----------------------------------------------------------------------------
     def note(self, rid: str, adapter: str | None, prompt_logprobs: int | None = None) -> None:
@@ -185,6 +195,14 @@ class AdapterBank:
         adapter.users.discard(uid)
         if not adapter.users and self.sources.get(adapter.name) != adapter.path:  # removed or replaced meanwhile
             self._unload(adapter)
+        elif not adapter.users:
+            # A burst may have held more than the bound (rows in use never leave): back within
+            # it as soon as they end, not at the next load.
+            self._evict()
+
+    def name_of(self, uid: int) -> str | None:
+        adapter = self.by_uid.get(uid)
+        return adapter.name if adapter is not None else None
 
     @contextmanager
     def rows(self, uids: list[int]) -> Iterator[None]:
@@ -196,10 +214,11 @@ class AdapterBank:
             return
         adapters = [self.by_uid.get(u) for u in uids]
         keys = {k for a in adapters if a is not None for k in a.positions}
-        groups = {}
-        for key in keys:  # rows outside the group: position 0, scale 0
-            inside = [a if a is not None and key in a.positions else None for a in adapters]
-            groups[key] = ([a.positions[key] if a else 0 for a in inside], [a.scale if a else 0.0 for a in inside])
+        # Rows outside a group (the base's, another group's) stay out of its product altogether.
+        groups = {
+            key: [(a.positions[key], a.scale) if a is not None and key in a.positions else None for a in adapters]
+            for key in keys
+        }
         self.routing.set(slots, active, groups)
         try:
             yield
@@ -266,6 +285,7 @@ class AdapterBank:
         tag = cache_tag(name, weights_file(folder))
         adapter = LoadedAdapter(name, path, slot, scale, kinds, positions, nbytes, tag)
         self.resident[name] = adapter
+        self._bytes += nbytes
         self.loads += 1
         log.info("adapter %s loaded: %d layers, %.1f MB", name, len(layers), nbytes / 2**20)
         return adapter
@@ -303,11 +323,12 @@ class AdapterBank:
                 del self._positions[key]
         mx.eval(fresh)
         self._slots.discard(adapter.slot)
-        self.resident.pop(adapter.name, None)
+        if self.resident.pop(adapter.name, None) is not None:
+            self._bytes -= adapter.nbytes
         log.info("adapter %s unloaded", adapter.name)
 
     def resident_bytes(self) -> int:
-        return sum(a.nbytes for a in self.resident.values())
+        return self._bytes
 
     def _evict(self, incoming: int | None = None) -> None:
         """Unload idle adapters, least recently used first, until the resident set (plus an

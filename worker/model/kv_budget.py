@@ -21,11 +21,13 @@ only a request that cannot fit even alone is refused (or its max_tokens cut, und
 max_tokens_policy clamp), with the numbers. The budget is measured at
 load: a share of RAM, and a share of what the process's limits (RLIMIT_AS, RLIMIT_DATA, a
 cgroup's memory.max, Metal's working set) leave after the weights; models.yaml's
-kv_memory_mb sets it outright."""
+kv_memory_mb sets it outright. Resident LoRA adapters take their bytes out of it as they load
+(`taken`), unless adapter_memory_mb reserved their bound up front (worker/process/main.py)."""
 
 from __future__ import annotations
 
 import resource
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -236,26 +238,30 @@ class KVBudget:
     preempted: int = 0  # rows paused to the prefix store because the rows outgrew the budget
     decode_allowance: int = DECODE_ALLOWANCE  # tokens of growth a pausable row reserves
     waiting_for_memory: bool = False  # the next waiting row did not fit at the last admission
-    _alone: int | None = None
+    # Memory taken from the same budget as it changes (the resident LoRA adapters' weights,
+    # where no adapter_memory_mb reserves them up front); read at every admission.
+    taken: Callable[[], int] | None = None
+    _alone: tuple[int, int] | None = None  # (budget, the longest row that fits it alone)
 
     @property
     def budget_bytes(self) -> int:
-        return self.measured.bytes
+        return max(0, self.measured.bytes - (self.taken() if self.taken is not None else 0))
 
     def bytes_for(self, reaches: list[int]) -> int:
         return self.profile.rows_bytes(reaches, self.chunk)
 
     def tokens_alone(self) -> int:
         """The longest row (prompt + answer, tokens) that fits the budget alone."""
-        if self._alone is None:
+        budget = self.budget_bytes
+        if self._alone is None or self._alone[0] != budget:
             lo, hi = 0, 1 << 24 if self.profile.grows else 1 << 30
             if not self.profile.grows:  # windows and state: any length fits, or none does
-                lo = hi if self.bytes_for([hi]) <= self.budget_bytes else 0
+                lo = hi if self.bytes_for([hi]) <= budget else 0
             while lo < hi:  # the largest reach whose rows_bytes fits
                 mid = (lo + hi + 1) // 2
-                lo, hi = (mid, hi) if self.bytes_for([mid]) <= self.budget_bytes else (lo, mid - 1)
-            self._alone = lo
-        return self._alone
+                lo, hi = (mid, hi) if self.bytes_for([mid]) <= budget else (lo, mid - 1)
+            self._alone = (budget, lo)
+        return self._alone[1]
 
     def check_alone(self, prompt_tokens: int, max_tokens: int, policy: str) -> int:
         """The max_tokens a row may keep (cut to fit alone under policy clamp), or a 400 that
@@ -303,6 +309,7 @@ class KVBudget:
             "refused": self.refused,
             "clamped": self.clamped,
             "source": self.measured.source,
+            "taken_bytes": self.taken() if self.taken is not None else 0,
             "measured": dict(self.measured.candidates),
             **self.profile.as_dict(),
         }

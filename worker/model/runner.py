@@ -28,6 +28,7 @@ from mlxgw.worker.model.cache.prefix_store import PrefixStore
 from mlxgw.worker.model.cache.quantized_kv import quantize_layers
 from mlxgw.worker.model.chat_runner import ChatTextRunner
 from mlxgw.worker.model.cpu.blas_threads import BlasThreadPolicy
+from mlxgw.worker.model.finite_rows import fault_non_finite
 from mlxgw.worker.model.interfaces import StepOutput, TokenOut
 from mlxgw.worker.model.kv_budget import runner_profile
 from mlxgw.worker.model.logprobs import TokenBytes, entries
@@ -116,6 +117,7 @@ class MLXRunner(ChatTextRunner):
         self._hold_s: dict[int, float] = {}  # uid -> a client's caching hint, seconds
         self._scope: dict[int, int] = {}  # uid -> its cache scope, where not the base's (cache/scopes.py)
         scopes.check_vocabulary(vocab_size)
+        self._guards: dict = {}  # uid -> its request's SequenceGuard
 
     def encode(self, req: GenerateRequest) -> list[int]:
         # Every sequence (each choice too) is prepared here, off the engine thread: an unknown
@@ -164,6 +166,8 @@ class MLXRunner(ChatTextRunner):
         if scope != scopes.BASE:
             self._scope[uid] = scope
         self.adapters.bind(uid, lora)
+        if guard is not None:
+            self._guards[uid] = guard  # its error if its logits stop being finite
         if self._checkpointing:
             self._checkpoints[uid] = sc.Checkpoints(list(prompt))
             self._boundaries[uid] = boundaries
@@ -244,6 +248,7 @@ class MLXRunner(ChatTextRunner):
         for r in prompt_responses:
             done, total = r.progress if isinstance(r.progress, tuple) else (0, 0)
             out.prefill.append((r.uid, done, total))
+        fault_non_finite(gen_responses, self._guards, self.adapters.name_of)
         self._keep_prompts(gen_responses)
         logprobs = self._logprob_entries(gen_responses)
         for r in gen_responses:
@@ -257,6 +262,7 @@ class MLXRunner(ChatTextRunner):
                     # The finished sequence's KV (prompt + answer) seeds the next turn's prompt.
                     self._keep_kv(r.all_tokens, r.prompt_cache, marks, uid=r.uid)
                 self.adapters.release(r.uid)
+                self._guards.pop(r.uid, None)
                 self._hold_s.pop(r.uid, None)
                 self._scope.pop(r.uid, None)
             out.tokens.append(TokenOut(r.uid, int(r.token), r.finish_reason, logprobs.get(r.uid)))
@@ -312,6 +318,7 @@ class MLXRunner(ChatTextRunner):
             if cache and tokens and len(tokens) > covered:
                 self._keep_kv(tokens, cache, marks, uid=uid)
             self.adapters.release(uid)
+            self._guards.pop(uid, None)
             self._hold_s.pop(uid, None)
             self._scope.pop(uid, None)
 

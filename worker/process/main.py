@@ -188,6 +188,12 @@ def kv_budget_for(entry: ModelEntry, runner):
     if profile is None:
         return None
     budget = KVBudget(profile, less_adapters(measure_budget(entry.cache.kv_memory_mb, total_memory_bytes()), entry))
+    bank = getattr(runner, "adapters", None)
+    if bank is not None and adapter_bytes(entry) is None and entry.cache.kv_memory_mb is None:
+        # Bounded by count, adapters take what they weigh from the same memory, as they load.
+        budget.taken = bank.resident_bytes
+        if entry.adapters:
+            budget.measured.source += ", less resident adapters"
     log.info("KV budget %d MiB (%s); %s", budget.budget_bytes >> 20, budget.measured.source, profile.as_dict())
     if budget.tokens_alone() < min(runner.context_length, SHORT_KV_BUDGET_TOKENS):
         log.warning(
