@@ -223,6 +223,38 @@ def test_checkpoint_bytes_count_against_the_cache_bound_and_leave_with_their_ent
 SERVED = ["qwen3_5", "gemma3_text", "lfm2"]  # nested args; sliding window; short convolutions
 
 
+# Continuations that start with a space, spaces, a newline and a multi-byte character.
+CONTINUATIONS = [" Paris", "    ", "\n", " caf\u00e9"]
+
+
+@pytest.mark.parametrize("family", ORDERED_FAMILIES)
+def test_a_continuations_text_is_the_decoding_of_its_tokens(family, family_dirs):
+    """The worker's text of a continuation (what intake streams for a prompt, not a chat) equals
+    the tokenizer's own decode of the ids, each run forced to start with a token of each kind."""
+    from mlxgw.shared.protocol import SamplingParams
+    from mlxgw.worker.process.build_mlx import build_mlx_runner
+    from mlxgw.worker.text.textstream import TextStream, exact_text
+
+    runner = build_mlx_runner(
+        family_dirs[family], context_length=None, max_num_seqs=4, prefill_step_size=64, cache_bytes=0
+    )
+    tok = runner.tokenizer
+    prompt = tok.encode("The capital of France is", add_special_tokens=False)
+    for text in CONTINUATIONS:
+        first = tok.encode(text, add_special_tokens=False)[0]
+        sampling = SamplingParams(temperature=0.0, logit_bias={first: 100.0})
+        uid, _ = runner.insert(prompt, 3, sampling)
+        ids, stream, out = [], TextStream(exact_text(runner.new_detokenizer()), []), []
+        while len(ids) < 3:
+            for t in runner.step().tokens:
+                if t.uid == uid:
+                    ids.append(t.token)
+                    out.append(stream.push(t.token))
+        out.append(stream.finish())
+        assert ids[0] == first
+        assert "".join(out) == tok.decode(ids), (family, text, ids)
+
+
 @pytest.fixture(scope="module")
 def families_gateway(home, family_dirs):
     from helpers import start_gateway
@@ -270,6 +302,27 @@ def test_a_served_family_reuses_the_shared_system_prompt_over_http(family, famil
     wait_for(lambda: _worker_cache(families_gateway, f"fam-{family}").get("checkpoint_hits", 0) >= 2, 15)
     cache = _worker_cache(families_gateway, f"fam-{family}")
     assert cache["reused_tokens"] >= repeat.usage.prompt_tokens_details.cached_tokens and cache["checkpoints"] > 0
+
+
+@pytest.mark.parametrize("family", SERVED)
+def test_a_completion_over_http_is_the_decoding_of_its_tokens(family, families_gateway, family_dirs):
+    """/v1/completions (streamed and not) and Ollama's raw /api/generate return the exact text."""
+    from helpers import http, openai_client
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(family_dirs[family])
+    client, model = openai_client(families_gateway), f"fam-{family}"
+    for text in CONTINUATIONS:
+        first = tok.encode(text, add_special_tokens=False)[0]
+        bias, want = {str(first): 100}, tok.decode([first] * 3)
+        args = dict(model=model, prompt="The capital of France is", max_tokens=3, temperature=0, logit_bias=bias)
+        assert client.completions.create(**args).choices[0].text == want, (family, text)
+        streamed = "".join(c.choices[0].text for c in client.completions.create(**args, stream=True) if c.choices)
+        assert streamed == want, (family, text)
+        body = {"model": model, "prompt": "The capital of France is", "raw": True, "stream": False}
+        body["options"] = {"num_predict": 3, "temperature": 0, "logit_bias": bias}
+        status, _, answer = http(f"{families_gateway.url}/api/generate", "POST", body)
+        assert status == 200 and answer["response"] == want, (family, text, answer)
 
 
 def test_kv_bits_from_models_yaml_quantizes_the_served_models_kv(families_gateway):

@@ -21,7 +21,7 @@ from mlxgw.worker.model.isolation import as_service_error
 from mlxgw.worker.model.kv_budget import KVBudget
 from mlxgw.worker.schedule.preprocess import Preprocessor
 from mlxgw.worker.schedule.sequence import Intake, Prepared, Sequence, prepare
-from mlxgw.worker.text.textstream import TextStream
+from mlxgw.worker.text.textstream import TextStream, exact_text
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,10 @@ class Preparing:
             except ServiceError as e:
                 return Error(e)
         try:
-            seq = Sequence.start(intake, prepared, TextStream(self.runner.new_detokenizer(), req.stop))
+            detokenizer = self.runner.new_detokenizer()
+            if req.messages is None:  # a continuation: its text is exactly its tokens' decoding
+                detokenizer = exact_text(detokenizer)
+            seq = Sequence.start(intake, prepared, TextStream(detokenizer, req.stop))
         except Exception as e:
             return Error(as_service_error(e, "starting its detokenizer"))
         if req.prompt_logprobs is not None:

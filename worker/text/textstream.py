@@ -6,6 +6,24 @@ string; nothing after (or of) a matched stop string is ever emitted."""
 
 from __future__ import annotations
 
+from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer
+
+
+def exact_text(detokenizer):
+    """The detokenizer of a continuation (a completion, a fill in the middle): its text is
+    exactly the decoding of its tokens. mlx-lm's streaming detokenizers trim the first space of
+    a generation, right for a chat answer and wrong for a text appended to its prompt
+    (`" Paris"` came back as `"Paris"`; a middle lost a space of its indentation)."""
+    if isinstance(detokenizer, SPMStreamingDetokenizer):
+        detokenizer.trim_space = False
+    elif isinstance(detokenizer, BPEStreamingDetokenizer):
+        detokenizer._maybe_trim_space = _as_is  # its only trim, made a no-op for this copy
+    return detokenizer
+
+
+def _as_is(text: str) -> str:
+    return text
+
 
 class TextStream:
     def __init__(self, detokenizer, stop: list[str]):
