@@ -109,7 +109,7 @@ def _settle_budgets(request: web.Request, key: ApiKey, gen) -> None:
     if ledger is None or route_of(request).usage is None or (key.tpd is None and key.tpmo is None):
         return
     used = gen.usage.prompt_tokens + gen.usage.completion_tokens if gen is not None else 0
-    ledger.budgets.settle(key.name, request.get("budget_reserved", 0), used)
+    ledger.budgets.settle(key.tenant, request.get("budget_reserved", 0), used)
 
 
 def batch_key(store: KeyStore, owner: str | None) -> ApiKey:
