@@ -10,7 +10,7 @@ import hmac
 
 from aiohttp import web
 
-from mlxgw.gateway.access.batch_caller import batch_owner
+from mlxgw.gateway.access.batch_caller import LINE_HEADER, batch_owner
 from mlxgw.gateway.access.keys import ApiKey, KeyStore
 from mlxgw.gateway.access.ledger import LEDGER
 from mlxgw.gateway.access.limits import RateLimiter
@@ -72,6 +72,7 @@ async def auth_middleware(request: web.Request, handler):
     from_batch, owner = batch_owner(request)
     if from_batch:
         request["background"] = True  # a batch job's request: background priority, ledger api batch:*
+        request["batch_line"] = request.headers.get(LINE_HEADER) == "1"  # body.read_json takes its body
     if store is None:
         return await handler(request)
     key = request["key"] = batch_key(store, owner) if from_batch else authenticate(request, store)

@@ -113,14 +113,3 @@ def _line_problem(line, endpoint: str) -> str | None:
         return "'body' must be a JSON object"
     return None
 
-
-def request_body(raw: bytes) -> dict:
-    """The body of a stored line, read back when its request is sent (checked at creation);
-    a ValueError if the file changed on disk since."""
-    try:
-        body = parse_json(raw.decode("utf-8"))["body"]
-    except (ServiceError, KeyError, TypeError) as e:
-        raise ValueError(f"the line no longer holds its request: {e}") from None
-    if not isinstance(body, dict):
-        raise ValueError("the line no longer holds its request")
-    return body
