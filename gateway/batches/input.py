@@ -2,9 +2,10 @@
 
 The file is never read whole: each line is read within the gateway's body limit (a longer
 line is refused with its number and skipped unread), parsed with the same checks as a request
-body (nesting, numbers, surrogates: a line nested 100,000 deep is a 400 naming it), and only
-its position in the file is stored, a thousand lines a transaction. Runs on the `batch` thread
-pool, never the event loop or the default executor."""
+body (nesting, the number of values, numbers, surrogates: a line nested 100,000 deep or of a
+million `{}` is a 400 naming it), and only its position in the file is stored, a thousand
+lines a transaction. Runs on the `batch` thread pool, never the event loop or the default
+executor."""
 
 from __future__ import annotations
 
@@ -112,4 +113,3 @@ def _line_problem(line, endpoint: str) -> str | None:
     if not isinstance(line.get("body"), dict):
         return "'body' must be a JSON object"
     return None
-

@@ -1,10 +1,11 @@
 """Reading a JSON request body: every way a body can be hostile becomes a clear 400.
 
 Size (413), encoding, syntax, nesting depth, the number of values (what a body costs parsed:
-a 3-byte `{}` is a 64-byte dict, so a few MB of them would be hundreds of MB), numbers the wire and the worker cannot hold
-(integers outside 64 bits, NaN, Infinity, 1e400) and lone UTF-16 surrogates ("\\ud800",
-valid JSON that no UTF-8 encoder accepts) are all refused here, before any API module or
-the worker link sees the value, so a refused body never leaves residue behind it."""
+a 3-byte `{}` is a 64-byte dict, so a few MB of them would be hundreds of MB), numbers the
+wire and the worker cannot hold (integers outside 64 bits, NaN, Infinity, 1e400) and lone
+UTF-16 surrogates ("\\ud800", valid JSON that no UTF-8 encoder accepts) are all refused here,
+before any API module or the worker link sees the value, so a refused body never leaves
+residue behind it."""
 
 from __future__ import annotations
 

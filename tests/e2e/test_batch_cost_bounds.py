@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import http.client
 import io
-import json
 import os
 import threading
 import time
