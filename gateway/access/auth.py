@@ -10,7 +10,7 @@ import hmac
 
 from aiohttp import web
 
-from mlxgw.gateway.access.batch_caller import batch_owner
+from mlxgw.gateway.access.batch_caller import LINE_HEADER, batch_owner
 from mlxgw.gateway.access.keys import ApiKey, KeyStore
 from mlxgw.gateway.access.ledger import LEDGER
 from mlxgw.gateway.access.limits import RateLimiter
@@ -72,6 +72,7 @@ async def auth_middleware(request: web.Request, handler):
     from_batch, owner = batch_owner(request)
     if from_batch:
         request["background"] = True  # a batch job's request: background priority, ledger api batch:*
+        request["batch_line"] = request.headers.get(LINE_HEADER) == "1"  # body.read_json takes its body
     if store is None:
         return await handler(request)
     key = request["key"] = batch_key(store, owner) if from_batch else authenticate(request, store)
@@ -109,7 +110,7 @@ def _settle_budgets(request: web.Request, key: ApiKey, gen) -> None:
     if ledger is None or route_of(request).usage is None or (key.tpd is None and key.tpmo is None):
         return
     used = gen.usage.prompt_tokens + gen.usage.completion_tokens if gen is not None else 0
-    ledger.budgets.settle(key.name, request.get("budget_reserved", 0), used)
+    ledger.budgets.settle(key.tenant, request.get("budget_reserved", 0), used)
 
 
 def batch_key(store: KeyStore, owner: str | None) -> ApiKey:

@@ -10,6 +10,7 @@ from aiohttp import web
 
 BATCH_TOKEN = web.AppKey("batch_token", str)
 TOKEN_HEADER, OWNER_HEADER = "x-mlxgw-batch-token", "x-mlxgw-batch-owner"
+LINE_HEADER = "x-mlxgw-batch-line"  # "1": the body is the input line itself, its request under "body"
 
 
 def batch_owner(request: web.Request) -> tuple[bool, str | None]:

@@ -44,13 +44,15 @@ def next_month_start(ts: float) -> float:
 
 @dataclass
 class TokenBudgets:
-    """Tokens used per key today and this month (UTC), kept in memory and fed by the ledger."""
+    """Tokens used per key today and this month (UTC), kept in memory and fed by the ledger;
+    by the key's identity (ApiKey.tenant), never its name, so a key revoked and created again
+    under the same name starts afresh, and one renamed keeps what it has spent."""
 
     day: dict[str, int] = field(default_factory=dict)
     month: dict[str, int] = field(default_factory=dict)
     _day_of: float = 0.0
     _month_of: float = 0.0
-    reserved: dict[str, int] = field(default_factory=dict)  # key name -> tokens set aside in flight
+    reserved: dict[str, int] = field(default_factory=dict)  # key identity -> tokens set aside in flight
     _settled: dict[str, int] = field(default_factory=dict)  # counted by settle, the ledger's add to come
 
     def _roll(self, now: float) -> None:
@@ -86,7 +88,7 @@ class TokenBudgets:
         if key.tpd is None and key.tpmo is None:
             return
         now = time.time()
-        day_used, month_used = self.used(key.name, now)
+        day_used, month_used = self.used(key.tenant, now)
         if key.tpd is not None and day_used >= key.tpd:
             raise ServiceError(
                 ErrorCode.RATE_LIMITED,
@@ -107,8 +109,8 @@ class TokenBudgets:
         if (key.tpd is None and key.tpmo is None) or tokens <= 0:
             return 0
         now = time.time()
-        day_used, month_used = self.used(key.name, now)
-        held = self.reserved.get(key.name, 0)
+        day_used, month_used = self.used(key.tenant, now)
+        held = self.reserved.get(key.tenant, 0)
         for limit, used, per in ((key.tpd, day_used, "UTC day"), (key.tpmo, month_used, "UTC month")):
             if limit is None:
                 continue
@@ -120,22 +122,22 @@ class TokenBudgets:
                     retry_after=1.0,
                 )
             tokens = min(tokens, max(0, limit - used - held))
-        self.reserved[key.name] = held + tokens
+        self.reserved[key.tenant] = held + tokens
         return tokens
 
-    def settle(self, name: str, reserved: int, used: int) -> None:
+    def settle(self, ident: str, reserved: int, used: int) -> None:
         """A request ended: release what it set aside and count what it used now."""
         if reserved:
-            self.reserved[name] = max(0, self.reserved.get(name, 0) - reserved)
+            self.reserved[ident] = max(0, self.reserved.get(ident, 0) - reserved)
         if used > 0:
-            self.add(name, used, time.time())
-            self._settled[name] = self._settled.get(name, 0) + used
+            self.add(ident, used, time.time())
+            self._settled[ident] = self._settled.get(ident, 0) + used
 
     def headers(self, key: ApiKey) -> dict[str, str]:
         out: dict[str, str] = {}
         if key.tpd is None and key.tpmo is None:
             return out
-        day_used, month_used = self.used(key.name)
+        day_used, month_used = self.used(key.tenant)
         if key.tpd is not None:
             out["x-ratelimit-limit-tokens-day"] = str(key.tpd)
             out["x-ratelimit-remaining-tokens-day"] = str(max(0, key.tpd - day_used))

@@ -6,8 +6,10 @@ never waits on disk, and a crash of the gateway (kill -9) loses at most the rows
 since the last commit: the requests that finished in the last FLUSH_S seconds. Rows older
 than `usage_retention_days` are deleted by the same thread, at start and hourly.
 
-Rows hold the key's *name*, never the key. The same records feed the per-key token budgets
-(budgets.py) and the console's list of recent requests."""
+Rows hold the key's *name*, never the key, and its identity (ApiKey.tenant, a hash of its
+hash): reports group by name, the per-key token budgets (budgets.py) count by identity, so a
+name given to a new key does not carry the old key's spending. The same records feed the
+console's list of recent requests."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from aiohttp import web
 
 from mlxgw.gateway.access.budgets import InFlight, TokenBudgets
 from mlxgw.gateway.web.routes import route_of
+from mlxgw.gateway.web.state import KEYS
 from mlxgw.shared import protocol as p
 
 log = logging.getLogger(__name__)
@@ -54,6 +57,7 @@ COLUMNS = (
     "audio_seconds",
     "latency_s",
     "ttft_s",
+    "tenant",
 )
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS requests (
@@ -71,7 +75,8 @@ CREATE TABLE IF NOT EXISTS requests (
     embedding_inputs INTEGER NOT NULL DEFAULT 0,
     audio_seconds REAL NOT NULL DEFAULT 0,
     latency_s REAL NOT NULL,
-    ttft_s REAL
+    ttft_s REAL,
+    tenant TEXT                       -- the key's identity (ApiKey.tenant); NULL without keys
 );
 CREATE INDEX IF NOT EXISTS requests_ts ON requests (ts);
 CREATE INDEX IF NOT EXISTS requests_key_ts ON requests (key, ts);
@@ -94,6 +99,8 @@ def connect(path: Path) -> sqlite3.Connection:
     # NORMAL: a commit survives a crash of the process; only a power loss can undo the last ones.
     conn.execute("PRAGMA synchronous=NORMAL")
     conn.executescript(SCHEMA)
+    if "tenant" not in {r[1] for r in conn.execute("PRAGMA table_info(requests)")}:  # made before it
+        conn.execute("ALTER TABLE requests ADD COLUMN tenant TEXT")
     return conn
 
 
@@ -213,8 +220,10 @@ class Ledger:
         self.writer_cpu_s = 0.0
         self._writer: _Writer | None = None
 
-    def start(self) -> None:
-        """Open the database and seed the budgets with today's and this month's totals."""
+    def start(self, tenants: dict[str, str] | None = None) -> None:
+        """Open the database and seed the budgets with today's and this month's totals; rows
+        an older release wrote without an identity pass to the key of their name now
+        (`tenants`: name -> identity), once."""
         if self.path is None:
             return
         from mlxgw.gateway.access.usage import budget_seed
@@ -222,6 +231,8 @@ class Ledger:
         try:
             conn = connect(self.path)
             try:
+                for name, tenant in (tenants or {}).items():
+                    conn.execute("UPDATE requests SET tenant = ? WHERE tenant IS NULL AND key = ?", (tenant, name))
                 self.budgets.seed(*budget_seed(conn))
             finally:
                 conn.close()
@@ -235,7 +246,7 @@ class Ledger:
     def record(self, row: tuple) -> None:
         """Called on the event loop for every finished API request: no I/O here."""
         ts, rid, key, model, api, status, outcome, prompt, cached, completion = row[:10]
-        self.budgets.add(key, prompt + completion, ts)
+        self.budgets.add(row[14] or key, prompt + completion, ts)
         self.recent.append(
             {
                 "ts": ts,
@@ -315,6 +326,7 @@ def usage_row(request: web.Request, status: int, duration: float) -> tuple | Non
         float(request.get("audio_seconds", 0.0)),
         round(duration, 4),
         ttft,
+        key.tenant if key is not None else None,
     )
 
 
@@ -331,8 +343,8 @@ def record_request(request: web.Request, status: int, duration: float) -> None:
 async def ledger_lifecycle(app: web.Application):
     """A cleanup_ctx: the writer runs while the app does and commits what is queued on shutdown.
     Register it before the workers' lifecycle so that it stops after them."""
-    ledger = app[LEDGER]
-    await asyncio.to_thread(ledger.start)
+    ledger, keys = app[LEDGER], app.get(KEYS)
+    await asyncio.to_thread(ledger.start, {k.name: k.tenant for k in keys.keys} if keys is not None else None)
     yield
     await asyncio.to_thread(ledger.close)
 

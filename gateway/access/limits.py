@@ -27,7 +27,12 @@ class _Usage:
 
 class RateLimiter:
     def __init__(self) -> None:
-        self._usage: dict[str, _Usage] = {}
+        self._usage: dict[str, _Usage] = {}  # by the key's identity (ApiKey.tenant)
+
+    def _of(self, key: ApiKey) -> _Usage:
+        """A key's counters, by its identity, never its name: a key revoked and created again
+        under the same name starts afresh, and one renamed keeps what it has used."""
+        return self._usage.setdefault(key.tenant, _Usage())
 
     def _prune(self, u: _Usage, now: float, window: float) -> None:
         while u.requests and u.requests[0] <= now - window:
@@ -40,7 +45,7 @@ class RateLimiter:
     def start(self, key: ApiKey, window: float) -> None:
         """Admit one request for the key or raise a 429 saying when to retry."""
         now = time.monotonic()
-        u = self._usage.setdefault(key.name, _Usage())
+        u = self._of(key)
         self._prune(u, now, window)
         if key.rpm is not None and len(u.requests) >= key.rpm:
             raise ServiceError(
@@ -77,7 +82,7 @@ class RateLimiter:
                 param="max_tokens",
             )
         now = time.monotonic()
-        u = self._usage.setdefault(key.name, _Usage())
+        u = self._of(key)
         self._prune(u, now, window)
         if u.token_sum + u.reserved + tokens > key.tpm:
             raise ServiceError(
@@ -102,7 +107,7 @@ class RateLimiter:
                 f"concurrent requests of key '{key.name}'; lower n",
                 param="n",
             )
-        u = self._usage.setdefault(key.name, _Usage())
+        u = self._of(key)
         if u.concurrent + extra > key.max_concurrent:
             raise ServiceError(
                 ErrorCode.RATE_LIMITED,
@@ -126,7 +131,7 @@ class RateLimiter:
                 param="file",
             )
         now = time.monotonic()
-        u = self._usage.setdefault(key.name, _Usage())
+        u = self._of(key)
         self._prune(u, now, window)
         if u.audio_sum + seconds > key.aspm:
             raise ServiceError(
@@ -141,7 +146,7 @@ class RateLimiter:
     def finish(self, key: ApiKey, tokens: int, reserved: int = 0, rows: int = 0) -> None:
         """Settle one request: release its reservation (and the extra rows of its n) and
         charge what it really used."""
-        u = self._usage.setdefault(key.name, _Usage())
+        u = self._of(key)
         u.concurrent = max(0, u.concurrent - 1 - rows)
         u.reserved = max(0, u.reserved - reserved)
         if tokens > 0:
@@ -150,7 +155,7 @@ class RateLimiter:
 
     def headers(self, key: ApiKey, window: float) -> dict[str, str]:
         now = time.monotonic()
-        u = self._usage.setdefault(key.name, _Usage())
+        u = self._of(key)
         self._prune(u, now, window)
         out = {}
         if key.rpm is not None:

@@ -91,13 +91,16 @@ def _iso(ts: float | None) -> str | None:
 
 def _sums_by_key(conn: sqlite3.Connection, since: float) -> dict[str, int]:
     rows = conn.execute(
-        "SELECT key, SUM(prompt_tokens + completion_tokens) FROM requests WHERE ts >= ? GROUP BY key", (since,)
+        "SELECT tenant, SUM(prompt_tokens + completion_tokens) FROM requests WHERE ts >= ? AND tenant IS NOT NULL"
+        " GROUP BY tenant",
+        (since,),
     )
     return {k: int(n or 0) for k, n in rows}
 
 
 def budget_seed(conn: sqlite3.Connection, now: float | None = None) -> tuple[dict[str, int], dict[str, int]]:
-    """Tokens per key so far today and this month (UTC): what the budgets start from."""
+    """Tokens per key identity (ApiKey.tenant) so far today and this month (UTC): what the
+    budgets start from."""
     now = now or time.time()
     return _sums_by_key(conn, day_start(now)), _sums_by_key(conn, month_start(now))
 

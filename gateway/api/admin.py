@@ -99,10 +99,11 @@ async def list_keys(request: web.Request) -> web.Response:
     require_admin(request)
     entries = await asyncio.to_thread(list_entries, _keys_path(request))
     activity = await _activity(request)
-    ledger = request.app[LEDGER]
+    ledger, store = request.app[LEDGER], request.app[KEYS]
+    tenants = {k.name: k.tenant for k in store.keys} if store is not None else {}
     for entry in entries:
         seen = activity.get(entry["name"], {})
-        day, month = ledger.budgets.used(entry["name"])
+        day, month = ledger.budgets.used(tenants.get(entry["name"], ""))
         entry.update(
             last_used=seen.get("last_used"),
             usage={

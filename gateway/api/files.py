@@ -7,6 +7,7 @@ a full disk is a 507, never a 500."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 from aiohttp import web
@@ -92,45 +93,57 @@ async def _read_small(part, limit: int = 256) -> str:
     return data.decode("utf-8", "replace").strip()
 
 
-async def _room(request: web.Request) -> tuple[int, str]:
-    """The bytes this upload may hold (the file size cap within the key's stored bytes), and
-    what to say past them."""
-    files, stored = await store_call(_store(request).usage_of, owner_of(request))
+async def _reserve(request: web.Request, file_id: str) -> tuple[int, str]:
+    """Reserve the bytes this upload may hold before any arrives (the file size cap, within
+    what is left of the key's stored bytes, and within the request's Content-Length when it
+    sends one, so small uploads at once do not crowd each other out); the limit and what to
+    say past it. Released by add_file or release_upload."""
+    most = min(MAX_FILE_BYTES, request.content_length or MAX_FILE_BYTES)
+    files, stored, limit = await store_call(
+        _store(request).reserve_upload, file_id, owner_of(request), most, MAX_FILES, MAX_STORED_BYTES
+    )
     if files >= MAX_FILES:
         raise ServiceError(
-            ErrorCode.RATE_LIMITED, f"this key holds {files} files, the most it may; delete some first", param="file"
+            ErrorCode.RATE_LIMITED,
+            f"this key holds {files} files (uploads in progress included), the most it may; delete some first",
+            param="file",
         )
-    left = MAX_STORED_BYTES - stored
-    if left < MAX_FILE_BYTES:
-        return max(0, left), f"the key's files would pass {MAX_STORED_BYTES // (1 << 20)} MB; delete some first"
-    return MAX_FILE_BYTES, f"the file is over {MAX_FILE_BYTES // (1024 * 1024)} MB"
+    if MAX_STORED_BYTES - stored < MAX_FILE_BYTES:
+        return limit, (
+            f"the key's files would pass {MAX_STORED_BYTES // (1 << 20)} MB (uploads in progress included); "
+            "delete some first"
+        )
+    return limit, f"the file is over {MAX_FILE_BYTES // (1024 * 1024)} MB"
 
 
 @routes.post("/v1/files")
 async def upload(request: web.Request) -> web.Response:
     if not request.content_type.startswith("multipart/"):
         raise invalid("send the file as multipart/form-data with fields 'file' and 'purpose'", "file")
-    limit, why = await _room(request)
-    reader = await request.multipart()
-    purpose, file_id, filename, size = None, None, None, 0
-    store = _store(request)
+    store, file_id = _store(request), new_id("file-")
+    purpose, filename, size = None, None, 0
     try:
+        limit, why = await _reserve(request, file_id)
+        reader = await request.multipart()
         async for part in reader:
             if part.name == "purpose":
                 purpose = await _read_small(part)
             elif part.name == "file":
-                if file_id is not None:
+                if filename is not None:
                     raise invalid("send one 'file' field per upload", "file")
-                file_id, filename = new_id("file-"), (part.filename or "upload.jsonl")[:MAX_FILENAME]
+                filename = (part.filename or "upload.jsonl")[:MAX_FILENAME]
                 size = await _save_upload(part, store.file_path(file_id), limit, why)
-        if file_id is None:
+        if filename is None:
             raise invalid("the 'file' field is missing", "file")
         if purpose not in PURPOSES:
             raise invalid(f"'purpose' must be one of {', '.join(PURPOSES)}", "purpose")
         obj = await store_call(store.add_file, file_id, owner_of(request), purpose, filename, size)
     except BaseException:
-        if file_id is not None:  # nothing registered: nothing may stay on disk
-            store.file_path(file_id).unlink(missing_ok=True)
+        # Nothing registered: nothing may stay on disk, nor reserved (a release that fails
+        # here, on a full disk say, is swept at the next start).
+        store.file_path(file_id).unlink(missing_ok=True)
+        with contextlib.suppress(Exception):
+            await store_call(store.release_upload, file_id)
         raise
     return web.json_response(obj)
 

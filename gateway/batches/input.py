@@ -2,9 +2,10 @@
 
 The file is never read whole: each line is read within the gateway's body limit (a longer
 line is refused with its number and skipped unread), parsed with the same checks as a request
-body (nesting, numbers, surrogates: a line nested 100,000 deep is a 400 naming it), and only
-its position in the file is stored, a thousand lines a transaction. Runs on the `batch` thread
-pool, never the event loop or the default executor."""
+body (nesting, the number of values, numbers, surrogates: a line nested 100,000 deep or of a
+million `{}` is a 400 naming it), and only its position in the file is stored, a thousand
+lines a transaction. Runs on the `batch` thread pool, never the event loop or the default
+executor."""
 
 from __future__ import annotations
 
@@ -112,15 +113,3 @@ def _line_problem(line, endpoint: str) -> str | None:
     if not isinstance(line.get("body"), dict):
         return "'body' must be a JSON object"
     return None
-
-
-def request_body(raw: bytes) -> dict:
-    """The body of a stored line, read back when its request is sent (checked at creation);
-    a ValueError if the file changed on disk since."""
-    try:
-        body = parse_json(raw.decode("utf-8"))["body"]
-    except (ServiceError, KeyError, TypeError) as e:
-        raise ValueError(f"the line no longer holds its request: {e}") from None
-    if not isinstance(body, dict):
-        raise ValueError("the line no longer holds its request")
-    return body

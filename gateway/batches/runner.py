@@ -23,9 +23,9 @@ import time
 import aiohttp
 from aiohttp import web
 
-from mlxgw.gateway.access.batch_caller import BATCH_TOKEN, OWNER_HEADER, TOKEN_HEADER
+from mlxgw.gateway.access.batch_caller import BATCH_TOKEN, LINE_HEADER, OWNER_HEADER, TOKEN_HEADER
 from mlxgw.gateway.batches.files import MAX_STORED_BYTES, is_storage_error, new_id, read_line, sweep_partial
-from mlxgw.gateway.batches.input import request_body
+from mlxgw.gateway.batches.line_cost import ParsedBudget, line_values
 from mlxgw.gateway.batches.output import finalize
 from mlxgw.gateway.batches.store import BatchStore
 from mlxgw.gateway.web.state import KEYS, MANAGER
@@ -86,6 +86,7 @@ class BatchRunner:
         self._stopped: dict[str, _Stop] = {}
         self._not_before: dict[str, float] = {}  # batch id -> when to try a failed finalize again
         self._slots = asyncio.Semaphore(BACKGROUND_IN_FLIGHT)
+        self._parsed = ParsedBudget()  # the JSON values of the lines in flight, parsed by their handlers
         self._per_model: dict[str, tuple[int, asyncio.Semaphore]] = {}  # model -> (places, slots)
         self._closing = False  # a graceful stop: no new request starts, none is finalized
         self.owner_exists = lambda owner: True  # set by install when the gateway has keys
@@ -232,24 +233,24 @@ class BatchRunner:
         the batch stopped before it was answered, so it stays to send)."""
         idx, custom_id = line["idx"], line["custom_id"]
         rid = f"{run.batch_id}-{idx}-{secrets.token_hex(3)}"  # per try: a worker may still hold an older one
-        headers = {TOKEN_HEADER: self.app[BATCH_TOKEN], "x-request-id": rid, "content-type": "application/json"}
+        headers = {TOKEN_HEADER: self.app[BATCH_TOKEN], LINE_HEADER: "1", "x-request-id": rid}
+        headers["content-type"] = "application/json"
         if run.owner:
             headers[OWNER_HEADER] = run.owner
         wait = RETRY_S[0]
         while True:
-            # A slot per try (its model's, then all batches'), and the body read from the input
+            # A slot per try (its model's, then all batches'), and the line read from the input
             # file inside it: a request waiting out a refusal holds none, so at most
-            # BACKGROUND_IN_FLIGHT bodies are in memory.
+            # BACKGROUND_IN_FLIGHT lines are in memory. The line is sent as it is (the handler
+            # parses it once and takes its body), within the values batches may hold parsed.
             async with self._model_slots(line["model"]), self._slots:
                 try:
                     raw = await _store_call(read_line, run.input_path, line["offset"], line["length"])
-                    # Parsed on the I/O pool, not the creation pool: a burst of creations
-                    # refused there (429) must not fail a running batch's line.
-                    body = {**await _store_call(request_body, raw), "stream": False}
-                except (OSError, ValueError, KeyError, TypeError) as e:  # the input changed on disk
+                except OSError as e:  # the input is gone from disk
                     return False, _line(custom_id, 400, rid, {"error": {"message": f"line {line['line']}: {e}"}})
-                status, payload, retry_after = await self._post(run, body, headers)
-                del body, raw
+                async with self._parsed.hold(line_values(raw)):
+                    status, payload, retry_after = await self._post(run, raw, headers)
+                del raw
             if status == 401 and not self.owner_exists(run.owner):  # revoked while it ran: stop now
                 self._stopped.setdefault(run.batch_id, _Stop("key_revoked", "the batch's API key was revoked"))
             if status not in (429, 503) or _never_admitted(payload):
@@ -272,10 +273,10 @@ class BatchRunner:
             held = self._per_model[slot.name] = (places, asyncio.Semaphore(places))
         return held[1]
 
-    async def _post(self, run: _Run, body: dict, headers: dict) -> tuple[int, object, str | None]:
+    async def _post(self, run: _Run, line: bytes, headers: dict) -> tuple[int, object, str | None]:
         assert self._session is not None
         try:
-            async with self._session.post(self.app[SELF_URL]["url"] + run.endpoint, json=body, headers=headers) as r:
+            async with self._session.post(self.app[SELF_URL]["url"] + run.endpoint, data=line, headers=headers) as r:
                 return r.status, await _json_or_text(r), r.headers.get("retry-after")
         except aiohttp.ClientError as e:
             return 503, {"error": {"message": str(e)}}, None

@@ -51,6 +51,12 @@ CREATE TABLE IF NOT EXISTS batch_requests (
     result TEXT,                     -- the output or error line (JSON), with the state
     PRIMARY KEY (batch_id, idx)
 );
+CREATE TABLE IF NOT EXISTS upload_reservations (
+    id TEXT PRIMARY KEY,             -- the file id the upload will have
+    owner TEXT,
+    bytes INTEGER NOT NULL,          -- the most it may write: counted as stored while it streams
+    created_at INTEGER NOT NULL
+);
 """
 # Columns added to `batches` since the first release: the counts kept once its rows are gone.
 ADDED_COLUMNS = ("owner_name TEXT", "total_n INTEGER", "completed_n INTEGER", "failed_n INTEGER")

@@ -76,6 +76,7 @@ class BatchStore:
         cutoff = (int(time.time()) - 3600,)
         self._db.execute(f"DELETE FROM batch_requests WHERE batch_id IN ({stale})", cutoff)
         self._db.execute(f"DELETE FROM batches WHERE id IN ({stale})", cutoff)
+        self._db.execute("DELETE FROM upload_reservations WHERE created_at < ?", cutoff)  # a killed upload's
 
     def adopt_names(self, tenants: dict[str, str]) -> None:
         """Once, on the first start of this release: files and batches an older one stored
@@ -117,10 +118,41 @@ class BatchStore:
         return self.files_dir / f"{file_id}.jsonl"
 
     def add_file(self, file_id: str, owner: str | None, purpose: str, filename: str, size: int) -> dict:
+        """A stored file, its upload's reservation released in the same transaction."""
         now = int(time.time())
         row = (file_id, owner, purpose, filename, size, now, now + int(FILE_RETENTION_S))
-        self._tx([("INSERT INTO files VALUES (?, ?, ?, ?, ?, ?, ?)", row)])
+        self._tx(
+            [
+                ("INSERT INTO files VALUES (?, ?, ?, ?, ?, ?, ?)", row),
+                ("DELETE FROM upload_reservations WHERE id = ?", (file_id,)),
+            ]
+        )
         return self.get_file(file_id, owner)  # type: ignore[return-value]
+
+    def reserve_upload(self, file_id: str, owner: str | None, most: int, max_files: int, max_bytes: int):
+        """In one transaction: the owner's (files, stored bytes), uploads in progress counted
+        at what they reserved, and unless that is `max_files` files, a reservation for this
+        upload of `most` bytes or what is left of `max_bytes` (its limit, the third value).
+        Checking and reserving at once is what keeps two uploads at the same time, in this
+        gateway or another on this home, from each passing the key's cap."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                files, stored = self._usage(owner)
+                limit = max(0, min(most, max_bytes - stored))
+                if files < max_files:
+                    self._db.execute(
+                        "INSERT INTO upload_reservations VALUES (?, ?, ?, ?)", (file_id, owner, limit, int(time.time()))
+                    )
+                self._db.execute("COMMIT")
+            except BaseException:
+                with contextlib.suppress(sqlite3.Error):
+                    self._db.execute("ROLLBACK")
+                raise
+        return files, stored, limit
+
+    def release_upload(self, file_id: str) -> None:
+        self._tx([("DELETE FROM upload_reservations WHERE id = ?", (file_id,))])
 
     def get_file(self, file_id: str, owner: str | None) -> dict | None:
         rows = self._q("SELECT * FROM files WHERE id = ? AND owner IS ?", (file_id, owner))
@@ -133,14 +165,21 @@ class BatchStore:
         return [file_object(r) for r in self._q(sql + " ORDER BY created_at DESC, id", tuple(args))]
 
     def usage_of(self, owner: str | None) -> tuple[int, int]:
-        """(files, bytes) the owner stores, the results of its running batches included."""
-        files = self._q("SELECT COUNT(*) AS n, COALESCE(SUM(bytes), 0) AS b FROM files WHERE owner IS ?", (owner,))
-        pending = self._q(
-            "SELECT COALESCE(SUM(LENGTH(r.result)), 0) AS b FROM batch_requests r JOIN batches b"
+        """(files, bytes) the owner stores, the results of its running batches and the
+        reservations of its uploads in progress included."""
+        with self._lock:
+            return self._usage(owner)
+
+    def _usage(self, owner: str | None) -> tuple[int, int]:
+        count = "SELECT COUNT(*), COALESCE(SUM(bytes), 0) FROM {} WHERE owner IS ?"
+        files, stored = self._db.execute(count.format("files"), (owner,)).fetchone()
+        uploads, reserved = self._db.execute(count.format("upload_reservations"), (owner,)).fetchone()
+        pending = self._db.execute(
+            "SELECT COALESCE(SUM(LENGTH(r.result)), 0) FROM batch_requests r JOIN batches b"
             " ON b.id = r.batch_id WHERE b.owner IS ? AND r.result IS NOT NULL",
             (owner,),
-        )
-        return files[0]["n"], files[0]["b"] + pending[0]["b"]
+        ).fetchone()[0]
+        return files + uploads, stored + reserved + pending
 
     def delete_file(self, file_id: str, owner: str | None) -> bool:
         if self.get_file(file_id, owner) is None:

@@ -1,15 +1,18 @@
 """Reading a JSON request body: every way a body can be hostile becomes a clear 400.
 
-Size (413), encoding, syntax, nesting depth, numbers the wire and the worker cannot hold
-(integers outside 64 bits, NaN, Infinity, 1e400) and lone UTF-16 surrogates ("\\ud800",
-valid JSON that no UTF-8 encoder accepts) are all refused here, before any API module or
-the worker link sees the value, so a refused body never leaves residue behind it."""
+Size (413), encoding, syntax, nesting depth, the number of values (what a body costs parsed:
+a 3-byte `{}` is a 64-byte dict, so a few MB of them would be hundreds of MB), numbers the
+wire and the worker cannot hold (integers outside 64 bits, NaN, Infinity, 1e400) and lone
+UTF-16 surrogates ("\\ud800", valid JSON that no UTF-8 encoder accepts) are all refused here,
+before any API module or the worker link sees the value, so a refused body never leaves
+residue behind it."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import math
+import os
 import re
 from typing import Any
 
@@ -23,6 +26,13 @@ from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
 # of json, msgpack (511) and the schema compilers downstream.
 MAX_DEPTH = 64
 INT_MIN, INT_MAX = -(2**63), 2**63 - 1
+# The most JSON values (objects, arrays, strings, numbers, literals) a body may hold: each costs
+# up to ~72 bytes parsed whatever its text, so this bounds a body's parsed form (~72 MB) where
+# the byte limit alone would not (10 MB of `{},` is 3.5 million dicts, ~250 MB). Above any
+# real request: a 128k-token prompt sent as token ids is 128k values.
+MAX_JSON_VALUES = int(os.environ.get("MLXGW_MAX_JSON_VALUES") or 1_000_000)
+# A JSON string, escapes included (the unrolled form: no backtracking per character).
+_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
 # Bodies above this are parsed on a thread, so a 10 MB body does not stall every stream.
 THREAD_PARSE_BYTES = 256 * 1024
 # A lone surrogate can only arrive as a \\uD800-\\uDFFF escape (strict UTF-8 decoding refuses
@@ -83,27 +93,35 @@ def _bad_scalar(value: Any, check_strings: bool) -> str | None:
 
 def find_problem(doc: Any, check_strings: bool = True) -> tuple[str, str] | None:
     """(path, what is wrong) for the first value the body may not hold, walking iteratively
-    (a recursive walk is what the depth limit protects against)."""
-    stack: list[tuple[Any, list]] = [(doc, [])]
+    (a recursive walk is what the depth limit protects against) with one iterator per level:
+    the walk holds the path it is on, never a copy of every container's path (which cost 3x
+    the parsed body for a wide array of small objects)."""
+    if not isinstance(doc, (dict, list)):
+        problem = _bad_scalar(doc, check_strings)
+        return ("the body", problem) if problem else None
+    stack, path = [_items(doc)], []  # path: the key of each container under the root on the stack
     while stack:
-        value, path = stack.pop()
-        if isinstance(value, dict):
-            items = value.items()
-        elif isinstance(value, list):
-            items = enumerate(value)
-        else:
-            problem = _bad_scalar(value, check_strings)
-            if problem:
-                return _path(path), problem
+        entry = next(stack[-1], None)
+        if entry is None:
+            stack.pop()
+            if path:
+                path.pop()
             continue
-        if len(path) >= MAX_DEPTH:
-            return _path(path[:8]) + " ...", f"is nested more than {MAX_DEPTH} levels deep"
-        for k, child in items:
-            if check_strings and isinstance(k, str) and _bad_scalar(k, True):
-                return _path(path), "has a key that " + _bad_scalar(k, True)
-            if isinstance(child, (dict, list)) or _bad_scalar(child, check_strings):
-                stack.append((child, [*path, k]))
+        k, child = entry
+        if check_strings and isinstance(k, str) and _bad_scalar(k, True):
+            return _path(path), "has a key that " + _bad_scalar(k, True)
+        if isinstance(child, (dict, list)):
+            if len(path) + 1 >= MAX_DEPTH:
+                return _path([*path, k][:8]) + " ...", f"is nested more than {MAX_DEPTH} levels deep"
+            path.append(k)
+            stack.append(_items(child))
+        elif problem := _bad_scalar(child, check_strings):
+            return _path([*path, k]), problem
     return None
+
+
+def _items(container: dict | list):
+    return iter(container.items()) if isinstance(container, dict) else enumerate(container)
 
 
 def _refusal(where: str, problem: str) -> ServiceError:
@@ -123,8 +141,29 @@ def _name_bad_number(text: str, literal: str) -> ServiceError:
     return _refusal(*found)
 
 
+def values_at_most(text: str) -> int:
+    """An upper bound on the values a JSON text holds, without parsing it: each value after a
+    container's first follows a comma, and each container opens with a bracket (commas
+    inside strings only overcount)."""
+    return 1 + text.count(",") + text.count("[") + text.count("{")
+
+
+def count_values(text: str) -> int:
+    """The values a JSON text holds, near enough (object keys count as the values they name);
+    cheap while the text is short enough that it cannot pass the bound."""
+    if len(text) <= 2 * MAX_JSON_VALUES or values_at_most(text) <= MAX_JSON_VALUES:
+        return min(values_at_most(text), len(text) // 2 + 1)  # a value takes 2 characters at least
+    bare = _STRING.sub('""', text)  # an empty container holds no first value
+    return values_at_most(bare) - bare.count("{}") - bare.count("[]")
+
+
 def parse_json(text: str) -> Any:
     """The parsed body; a ServiceError (400) saying what is wrong and where otherwise."""
+    if count_values(text) > MAX_JSON_VALUES:  # counted before anything is built
+        raise invalid(
+            f"the body holds more than {MAX_JSON_VALUES:,} JSON values, the most a request may "
+            "(each costs the server up to ~72 bytes parsed, whatever its size in the text)"
+        )
     try:
         doc = json.loads(text, parse_int=_checked_int, parse_float=_checked_float, parse_constant=_refuse_constant)
     except RecursionError:
@@ -164,9 +203,18 @@ async def read_json(request: web.Request) -> Any:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise invalid("the request body is not UTF-8") from None
-    if len(raw) > THREAD_PARSE_BYTES:
-        return await THREAD_POOLS["json"].run(parse_json, text)
-    return parse_json(text)
+    doc = await THREAD_POOLS["json"].run(parse_json, text) if len(raw) > THREAD_PARSE_BYTES else parse_json(text)
+    return _line_body(doc) if request.get("batch_line") else doc
+
+
+def _line_body(line: Any) -> dict:
+    """A batch request arrives as its input line, sent as it is (the runner never parses it,
+    so a line is held parsed once, here); its request is the line's body, never streamed."""
+    body = line.get("body") if isinstance(line, dict) else None
+    if not isinstance(body, dict):  # checked when the batch was created: the file changed since
+        raise invalid("the batch's input line no longer holds its request")
+    body["stream"] = False
+    return body
 
 
 async def read_object(request: web.Request) -> dict:
