@@ -162,6 +162,7 @@ class LlamaCppInfill(LlamaCppCompletion):
     """/infill: fill in the middle (a newer request for the same file supersedes this one)."""
 
     fills_middle = True
+    supersedes = True
 
 
 @routes.post("/infill")

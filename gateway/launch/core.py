@@ -159,16 +159,19 @@ def backup_path(path: Path) -> Path:
 
 def write_edit(edit: ConfigEdit, old: str, new: str) -> Path | None:
     """Write the new text (owner-only, it may name a key variable); the old file is kept
-    next to it first. Returns the backup's path (None when there was no file)."""
-    edit.path.parent.mkdir(parents=True, exist_ok=True)
+    next to it first. A config that is a symlink (a dotfiles repository's) is written through
+    to its target, atomically there, and stays a link. Returns the backup's path (None when
+    there was no file)."""
+    target = edit.path.resolve() if edit.path.is_symlink() else edit.path
+    target.parent.mkdir(parents=True, exist_ok=True)
     backup = None
-    if edit.path.exists():
+    if target.exists():
         backup = backup_path(edit.path)
-        shutil.copy2(edit.path, backup)
-    tmp = edit.path.with_name(f".{edit.path.name}.mlxgw-tmp")
+        shutil.copy2(target, backup)
+    tmp = target.with_name(f".{target.name}.mlxgw-tmp")
     tmp.write_text(new)
     tmp.chmod(0o600)
-    os.replace(tmp, edit.path)
+    os.replace(tmp, target)
     return backup
 
 

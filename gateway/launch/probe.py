@@ -16,6 +16,7 @@ from mlxgw.shared import paths
 
 DEFAULT_PORT = 8000
 NEW_KEY = "<new key>"  # --print: the key a launch would create
+CREATED = "created key"  # the note of a launch that made its key
 TIMEOUT_S = 10
 
 
@@ -66,8 +67,18 @@ def _stored_key_path() -> Path:
     return paths.home() / "launch-key"
 
 
-def _key_works(url: str, key: str) -> bool:
-    return http_json(f"{url}/v1/models", key)[0] == 200
+def _key_status(url: str, key: str) -> int:
+    """HTTP status of /v1/models for the key: 401 means the gateway does not know it."""
+    return http_json(f"{url}/v1/models", key)[0]
+
+
+def _usable(url: str, key: str, what: str) -> bool:
+    """The gateway knows the key (any answer but 401: a 429 is a known key, rate limited);
+    no answer at all or a server error is an error here, never a reason to make a key."""
+    status = _key_status(url, key)
+    if status == 0 or status >= 500:
+        raise LaunchError(f"could not check {what} with the gateway at {url} (HTTP {status}); try again")
+    return status != 401
 
 
 def _is_local(url: str) -> bool:
@@ -78,21 +89,27 @@ def _is_local(url: str) -> bool:
 def pick_key(url: str, given: str | None, *, create: bool) -> tuple[str | None, str | None, str]:
     """(key, its name for messages, a note). Keys off: (None, None, ...). Keys on: the given key,
     else the one an earlier launch stored in $MLXGW_HOME/launch-key, else (local gateway with
-    the default keys file) a new key named launch-USER, stored there (owner-only)."""
+    the default keys file) a new key named launch-USER, stored there (owner-only). A key is
+    never revoked, replaced or made again by name: a stored key the gateway refuses was revoked
+    (or expired), and stays so."""
     status, _ = http_json(f"{url}/v1/models")
     if status != 401:
         if given:
             return given, "given", "the gateway runs without keys; the given key is sent anyway"
         return None, None, "the gateway runs without keys"
     if given:
-        if not _key_works(url, given):
+        if not _usable(url, given, "the given key"):
             raise LaunchError(f"the gateway at {url} refuses the given key")
         return given, "given", "using the given key"
     stored = _stored_key_path()
     if stored.exists():
         key = stored.read_text().strip()
-        if key and _key_works(url, key):
+        if key and _usable(url, key, f"the key stored in {stored}"):
             return key, f"stored in {stored}", f"reusing the key stored in {stored}"
+        raise LaunchError(
+            f"the gateway at {url} refuses the key stored in {stored} (revoked or expired): ask the "
+            "operator for a key and pass it with --key (or MLXGW_API_KEY); launch does not make it again"
+        )
     keys_file = paths.keys_file()
     if not _is_local(url) or not keys_file.exists():
         raise LaunchError(
@@ -102,25 +119,38 @@ def pick_key(url: str, given: str | None, *, create: bool) -> tuple[str | None, 
     name = f"launch-{getpass.getuser()}"
     if not create:
         return NEW_KEY, name, f"would create key {name!r} in {keys_file} and store it in {stored}"
-    return _create_key(keys_file, name, stored), name, f"created key {name!r}; stored in {stored}"
+    return _create_key(keys_file, name, stored), name, f"{CREATED} {name!r}; stored in {stored}"
 
 
 def _create_key(keys_file: Path, name: str, stored: Path) -> str:
-    from mlxgw.gateway.access.key_admin import KeyEditError, create_key, revoke_key
+    """A key with no admin or model-management rights (limited to the launched model once it
+    is known: limit_key); a name already in the keys file is the operator's, never replaced."""
+    from mlxgw.gateway.access.key_admin import KeyEditError, create_key
 
     try:
         key, _ = create_key(keys_file, name, {})
     except KeyEditError as e:
-        if e.kind != "exists":
-            raise LaunchError(f"cannot create a key in {keys_file}: {e}") from None
-        # The key under this name was stored by an earlier launch and lost or revoked: replace it.
-        revoke_key(keys_file, name)
-        key, _ = create_key(keys_file, name, {})
+        if e.kind == "exists":
+            raise LaunchError(
+                f"a key named {name!r} is in {keys_file} but its key is not stored in {stored}: launch "
+                "never replaces a key; pass it with --key, or ask the operator for one"
+            ) from None
+        raise LaunchError(f"cannot create a key in {keys_file}: {e}") from None
     stored.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(stored, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(key + "\n")
     return key
+
+
+def limit_key(name: str, model: str) -> None:
+    """The key launch just made may use only the model it launches with."""
+    from mlxgw.gateway.access.key_admin import KeyEditError, update_key
+
+    try:
+        update_key(paths.keys_file(), name, {"models": [model]})
+    except KeyEditError as e:
+        raise LaunchError(f"cannot limit key {name!r} to model {model!r}: {e}") from None
 
 
 # -- the model ------------------------------------------------------------------------------------
@@ -171,9 +201,12 @@ def gather(
     base = (url or local_url()).rstrip("/")
     check_up(base)
     key, key_name, note = pick_key(base, key or os.environ.get("MLXGW_API_KEY") or None, create=create_key)
+    created = note.startswith(CREATED)
     if key == NEW_KEY:  # --print before the first launch: without a key the server tells nothing
         note += "; the model and its context are asked of the server once the key exists"
         return ServerFacts(base, model or client_names[0], DEFAULT_CONTEXT, None, key, key_name), note
     served = pick_model(base, key, model, client_names)
+    if created:
+        limit_key(key_name, served)
     context, rate = model_context(base, key, served)
     return ServerFacts(base, served, context, rate, key, key_name), note

@@ -163,6 +163,12 @@ class Broker(WorkerRegistry):
         stream.cancelled = True  # a cancel that finds no peer goes again when the worker is back
         await self._send(stream.conn, p.encode(p.CANCEL, rids=[stream.rid]))
 
+    async def stop(self, stream: RequestStream) -> None:
+        """Stop the worker generating for a stream the gateway has ended itself (its terminal
+        event given here, as when a newer request supersedes it)."""
+        stream.cancelled = True
+        await self._cancel_rids(stream.conn, [stream.rid])
+
     async def _cancel_rids(self, conn: WorkerConn, rids: list[str]) -> None:
         """Stop the worker generating for requests the gateway has already ended."""
         if rids:

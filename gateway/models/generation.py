@@ -129,6 +129,8 @@ class Generation:
         self._first_bound_s = first
         self._deadline = self.started + first + DEADLINE_SLACK_S
         self.time_limited = False  # the answer was cut by its time bound (finish reason length)
+        self._ended_by: ServiceError | None = None  # ended from outside (end_with)
+        self._stopping: asyncio.Future | None = None
 
     @property
     def model_name(self) -> str:
@@ -145,6 +147,8 @@ class Generation:
             try:
                 # inside: a refusal here (the quarantine's 400) is logged with its real outcome
                 self.stream = await self.broker.submit(conn, self.req, self.owner)
+                if self._ended_by is not None:  # ended while it waited for its worker
+                    self.end_with(self._ended_by)
                 first = await self._next(None)
                 retry = tries_left > 0 and _refused_while_draining(first)
                 if type(first) is not Accepted and not retry:
@@ -164,6 +168,16 @@ class Generation:
         self.accepted = first
         self.usage.prompt_tokens = first.prompt_tokens
         return self
+
+    def end_with(self, err: ServiceError) -> None:
+        """End this generation from outside, err its terminal event as if the worker had sent
+        it (a newer request superseded it): its reader answers err in its API's shape, and the
+        worker is told to stop. Before the worker took it, it ends as soon as it is sent."""
+        self._ended_by = err
+        stream = self.stream
+        if stream is not None and not stream.done:
+            stream.push(Error(error=err))
+            self._stopping = asyncio.ensure_future(self.broker.stop(stream))
 
     async def __aexit__(self, exc_type, exc, tb) -> None:
         # A stream that ends early (client gone, write timeout, crash) is still accounted

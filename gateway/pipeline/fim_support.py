@@ -1,14 +1,14 @@
 """What the FIM routes share on the gateway side: which models can fill in the middle (their
 format, read from their own files, as /v1/models and Ollama's /api/show report it), the
-internal request's `fim` map, and superseding: a keystroke's request cancels the one before
-it from the same editor for the same file.
+internal request's `fim` map, and superseding: on the editor wire (/infill, or a request that
+names its file) a keystroke's request ends the one before it from the same editor for the
+same file.
 
 The worker decides in the end (worker/text/fim.py): a model this side thinks capable but whose
 tokenizer disagrees still answers with a clear 400."""
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import weakref
@@ -19,7 +19,7 @@ from aiohttp import web
 
 from mlxgw.gateway.web.state import MANAGER
 from mlxgw.shared.config import CHAT_KINDS, ENCODER_KINDS, ModelKind
-from mlxgw.shared.errors import invalid
+from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
 from mlxgw.shared.fim import FimFormat, detect, from_config
 
 DEFAULT_FIM_MAX_TOKENS = 128  # a completion at the cursor: a few lines (models.yaml fim.max_tokens)
@@ -131,31 +131,43 @@ def file_identity(prefix: str, suffix: str, filename: str | None = None) -> str:
 
 
 class Superseding:
-    """The FIM request in flight per (key, client address, model, file). A newer one cancels
-    the older at once: its handler is cancelled, which cancels its request in the worker
-    (gateway/models/generation.py), so no token is decoded for a keystroke already typed over."""
+    """The FIM request in flight per (key, client address, model, file), for the editor wire
+    only (serving.ApiFamily.respond). A newer one ends the older at once with an explicit
+    error (its API's JSON, or its stream's error event): its request is cancelled in the worker
+    (gateway/models/generation.py), so no token is decoded for a keystroke already typed over,
+    and its client is answered, never left with a reset connection."""
 
     def __init__(self) -> None:
-        self._latest: dict[tuple, asyncio.Task] = {}
+        self._latest: dict[tuple, web.Request] = {}
 
     def claim(self, request: web.Request, model: str, identity: str):
-        """Cancel the older request for the same file; returns the release to call when done."""
+        """End the older request for the same file; returns the release to call when done."""
         key = request.get("key")
         slot_key = (key.name if key is not None else None, request.remote, model, identity)
-        task = asyncio.current_task()
         older = self._latest.get(slot_key)
-        if older is not None and older is not task and not older.done():
-            older.cancel()
-        self._latest[slot_key] = task
+        if older is not None and older is not request:
+            _supersede(older)
+        self._latest[slot_key] = request
 
         def release() -> None:
-            if self._latest.get(slot_key) is task:
+            if self._latest.get(slot_key) is request:
                 del self._latest[slot_key]
 
         return release
 
     def __len__(self) -> int:
         return len(self._latest)
+
+
+SUPERSEDED = "superseded by a newer request for the same file from this client"
+
+
+def _supersede(request: web.Request) -> None:
+    err = ServiceError(ErrorCode.CANCELLED, SUPERSEDED)
+    request["superseded"] = err  # a generation made after this ends at once (serving.generation)
+    gen = request.get("generation")
+    if gen is not None:
+        gen.end_with(err)
 
 
 _SUPERSEDING: weakref.WeakKeyDictionary[web.Application, Superseding] = weakref.WeakKeyDictionary()

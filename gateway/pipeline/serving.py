@@ -46,6 +46,8 @@ class ApiFamily(Generic[F]):
     Emitter: ClassVar[type[Emitter]] = Emitter
     kinds: ClassVar[tuple[ModelKind, ...]] = CHAT_KINDS  # the model kinds it serves
     writer: ClassVar[type[SSEWriter]] = SSEWriter  # the stream's wire format
+    # An editor's keystrokes: a newer FIM request for the same file ends the older (/infill).
+    supersedes: ClassVar[bool] = False
 
     def __init__(self, request: web.Request, body: dict):
         self.request = request
@@ -74,10 +76,12 @@ class ApiFamily(Generic[F]):
     # -- the steps every family shares -----------------------------------------------------------
 
     async def respond(self, parsed: ParsedRequest) -> web.StreamResponse:
-        """The answer; a fill-in-the-middle request first cancels the older one for the same
-        file (fim_support.Superseding: a keystroke typed over is not decoded)."""
+        """The answer; on the editor wire (/infill, or a FIM request that names its file) it
+        first ends the older request for the same file (fim_support.Superseding: a keystroke
+        typed over is not decoded). Elsewhere (`suffix` on /v1/completions) requests that
+        look alike are unrelated: evaluation harnesses send them in parallel."""
         fim = parsed.fim
-        if fim is None:
+        if fim is None or not (self.supersedes or fim.get("filename")):
             return await self.answer(parsed)
         identity = file_identity(fim["prefix"], fim["suffix"], fim.get("filename"))
         release = superseding(self.request.app).claim(self.request, self.slot.name, identity)
@@ -143,4 +147,7 @@ def generation(request: web.Request, slot, req: p.WorkerRequest) -> Generation:
         request.app[MANAGER], slot, req, request.app[SETTINGS].keepalive_s, owner=key.name if key else None
     )
     request["generation"] = gen
+    superseded = request.get("superseded")
+    if superseded is not None:  # superseded before its generation was made
+        gen.end_with(superseded)
     return gen

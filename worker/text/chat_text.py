@@ -109,7 +109,13 @@ class ChatText:
                 raise invalid(f"the model's chat template rejected the messages: {e2}", "messages") from None
         if not isinstance(text, str):
             raise invalid("the chat template did not render to text", "messages")
-        return self.tokenizer.encode(text, add_special_tokens=False) if tokenize else text
+        return self._encode_prompt(text) if tokenize else text
+
+    def _encode_prompt(self, text: str) -> list[int]:
+        """The rendered prompt's ids; a FIM control a message mentions stays plain text
+        (fim.FimPrompts.encode_mentions), as it does in a FIM prompt."""
+        ids = self.fim_prompts().encode_mentions(text, self.encode_text)
+        return self.encode_text(text) if ids is None else ids
 
     def _apply_generic_tools(self, req: GenerateRequest, chat_messages, tokenize: bool):
         """A template without a tool format: the tools go into the messages (generic format).

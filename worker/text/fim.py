@@ -2,9 +2,11 @@
 the model's own FIM format (shared/fim.py), with the control tokens inserted by id.
 
 Client text never becomes a control token: it is encoded by a copy of the tokenizer that
-does not match special tokens (tokenizers' `encode_special_tokens`), so `<|fim_middle|>` or
-`<|im_start|>` typed in a file reach the model as the plain text they are, and cannot
-open another hole, end the file or start a chat turn.
+does not match special tokens (tokenizers' `encode_special_tokens`), with the FIM controls
+flagged special in it (Qwen2.5-Coder's tokenizer.json flags them `"special": false`), so
+`<|fim_middle|>` or `<|im_start|>` typed in a file reach the model as the plain text they are,
+and cannot open another hole, end the file or start a chat turn. A chat prompt that mentions
+a FIM control gets it as plain text the same way (`encode_mentions`).
 
 A prompt that does not fit the context keeps what matters most to a completion, as
 llama.cpp's /infill does: the other files go first (oldest chunks first), then the far end
@@ -12,6 +14,9 @@ of the prefix and of the suffix; the text next to the cursor stays."""
 
 from __future__ import annotations
 
+import json
+import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from mlxgw.shared.errors import invalid
@@ -78,7 +83,7 @@ class FimPrompts:
                 from tokenizers import Tokenizer
 
                 # A copy: the shared tokenizer's flag would also change every other encode.
-                self._plain = Tokenizer.from_str(backend.to_str())
+                self._plain = Tokenizer.from_str(self._controls_flagged_special(backend.to_str()))
                 self._plain.encode_special_tokens = True
             else:
                 self._plain = False
@@ -89,6 +94,33 @@ class FimPrompts:
         if self.stop_ids.intersection(ids):  # a tokenizer that matched a control token anyway
             raise invalid("the text could not be encoded without the model's control tokens", "suffix")
         return ids
+
+    def _controls_flagged_special(self, tokenizer_json: str) -> str:
+        """The tokenizer with the FIM controls flagged special: tokenizers matches an added
+        token not flagged special even with encode_special_tokens on."""
+        controls = set(self.format.controls()) if self.format is not None else set()
+        data = json.loads(tokenizer_json)
+        for token in data.get("added_tokens") or []:
+            if token.get("content") in controls:
+                token["special"] = True
+        return json.dumps(data)
+
+    def encode_mentions(self, text: str, encode: Callable[[str], list[int]]) -> list[int] | None:
+        """A chat prompt's ids with every FIM control it mentions as plain text (the chat
+        template never writes one; a message does), the rest by `encode`; None when it
+        mentions none (the common case: the caller encodes it whole)."""
+        fmt = self.format
+        # Its stops are left out: an end token (<|endoftext|>) is one a chat template may write.
+        own = (fmt.prefix, fmt.suffix, fmt.middle, fmt.repo_name, fmt.file_sep) if fmt is not None else ()
+        controls = [t for t in own if t and t in text]
+        if not controls:
+            return None
+        pattern = re.compile("|".join(re.escape(t) for t in sorted(controls, key=len, reverse=True)))
+        ids, at = [], 0
+        for found in pattern.finditer(text):
+            ids += encode(text[at : found.start()]) + self._encode_plain(found.group())
+            at = found.end()
+        return ids + encode(text[at:])
 
     def encode(self, fim: dict, context_length: int | None, max_tokens: int | None) -> list[int]:
         """The prompt's token ids (fim: GenerateRequest.fim)."""
