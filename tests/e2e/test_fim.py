@@ -264,8 +264,8 @@ def test_a_keystroke_mid_file_reuses_the_suffix_it_moved(gw):
     suffix is read again."""
     suffix = "".join(f"\ndef g{i}(y):\n    return y * {i}\n" for i in range(30))
 
-    def keystrokes(model: str, typed: str = "4") -> list[dict]:
-        body = {"model": model, "input_suffix": suffix, "n_predict": 1}
+    def keystrokes(model: str, typed: str = "4", **salt) -> list[dict]:
+        body = {"model": model, "input_suffix": suffix, "n_predict": 1, **salt}
         return [
             http(f"{gw.url}/infill", "POST", {**body, "input_prefix": "import os\nvalue = f3(" + typed[:n]})[2]
             for n in range(len(typed) + 1)
@@ -289,6 +289,12 @@ def test_a_keystroke_mid_file_reuses_the_suffix_it_moved(gw):
     assert shift()["moved_tokens"] > 300, shift()
     off = keystrokes("tiny-fim")[-1]
     assert off["tokens_cached"] < 32, off  # the prefix before the cursor only
+    # in a cache namespace of its own (a key's, here a salt's) the move finds that namespace's
+    # blocks, and never another's
+    for out in keystrokes("tiny-fim-shift", "4, sc", cache_salt="typist-2")[1:]:
+        assert out["tokens_cached"] >= out["tokens_evaluated"] - 4, out
+    other = keystrokes("tiny-fim-shift", "4, s", cache_salt="typist-3")[0]
+    assert other["tokens_cached"] == 0, other
 
 
 @pytest.mark.parametrize(

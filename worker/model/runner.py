@@ -149,8 +149,8 @@ class MLXRunner(ChatTextRunner):
         lora = self.adapters.for_row(adapter, guard)
         scope = scopes.scope_of(namespace, lora.tag if lora is not None else 0)
         cache, cached = self.prefix_cache.longest_match(scopes.scoped(prompt, scope))
-        if self.shift_reuse is not None and cache is not None and scope == scopes.BASE:
-            cache, cached = self.shift_reuse.extend(self.model, self.prefix_cache.tree, prompt, cache, cached)
+        if self.shift_reuse is not None and cache is not None and lora is None:  # its edit runs on the base
+            cache, cached = self.shift_reuse.extend(self.model, self.prefix_cache.tree, prompt, cache, cached, scope)
         if cache is None and self.kv_bits is not None:
             cache = self._fresh_cache()
         segments, boundaries = self._segments(prompt, cached)

@@ -34,6 +34,7 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import Llama3RoPE
 
 from mlxgw.worker.model.cache import kv_blocks as kb
+from mlxgw.worker.model.cache import scopes
 
 log = logging.getLogger(__name__)
 
@@ -87,14 +88,19 @@ class ShiftReuse:
         rope = find_rope(model)
         return None if rope is None else cls(rope, fim_middle, min_tokens)
 
-    def extend(self, model, tree: kb.BlockTree, prompt: list[int], cache: list, covered: int) -> tuple[list, int]:
+    def extend(
+        self, model, tree: kb.BlockTree, prompt: list[int], cache: list, covered: int, scope: int = scopes.BASE
+    ) -> tuple[list, int]:
         """(cache, covered) grown by the edit and the moved run, or as given when nothing
-        is worth moving. Never raises: a failed splice falls back to the prefix it had."""
+        is worth moving; only the row's own cache scope is searched (worker/model/cache/scopes.py).
+        Never raises: a failed splice falls back to the prefix it had."""
         try:
-            found = self._plan(tree, prompt, covered)
+            keys, marker = scopes.scoped(prompt, scope), scopes.scoped([self.fim_middle], scope)[0]
+            found = self._plan(tree, keys, covered, marker)
             if found is None:
                 return cache, covered
-            chain, start, length, edit = found
+            chain, start, length, run_start = found
+            edit = prompt[covered:run_start]  # the model reads the tokens themselves
             moved = _gather(chain, start, start + length)
             if edit:  # the keystroke's tokens, on top of the prefix (they attend to it)
                 model(mx.array(edit)[None], cache=cache)
@@ -113,18 +119,20 @@ class ShiftReuse:
         self.stats.edit_tokens += len(edit)
         return cache, covered + len(edit) + length
 
-    def _plan(self, tree: kb.BlockTree, prompt: list[int], covered: int):
-        """The stored chain, where its run starts, the run's length, and the edit to read."""
-        if not covered or len(prompt) - covered - 1 < self.min_tokens or self.fim_middle not in prompt:
+    def _plan(self, tree: kb.BlockTree, prompt: list[int], covered: int, marker: int):
+        """The stored chain, where its run starts there, the run's length, and where it starts in
+        the prompt (the edit is what lies between the cached prefix and that). prompt and marker
+        (the FIM middle token) are the row's cache keys."""
+        if not covered or len(prompt) - covered - 1 < self.min_tokens or marker not in prompt:
             return None
-        chain = _latest_below(tree, prompt, self.fim_middle)
+        chain = _latest_below(tree, prompt, marker)
         if not chain:
             return None
         old = [t for b in chain for t in b.tokens]
         # The stored sequence is the last prompt and its answer: line the two prompts up at
         # their last middle token, then grow the run back over the suffix and on over any
         # text after the middle token (/infill's `prompt`).
-        here, there = _last(prompt, self.fim_middle), _last(old, self.fim_middle)
+        here, there = _last(prompt, marker), _last(old, marker)
         if here < covered or there < 0:
             return None
         back = 0
@@ -139,10 +147,9 @@ class ShiftReuse:
             ahead += 1
         start = here - back  # where the run begins in the new prompt
         length = min(here + 1 + ahead, len(prompt) - 1) - start  # the last token is always run
-        edit = prompt[covered:start]
-        if length < self.min_tokens or len(edit) > MAX_EDIT_TOKENS:
+        if length < self.min_tokens or start - covered > MAX_EDIT_TOKENS:
             return None
-        return chain, there - back, length, edit
+        return chain, there - back, length, start
 
     def _rotate(self, keys: mx.array, shift: int) -> mx.array:
         # Every position moves by the same amount: one rotation each, as a length-1 sequence.
