@@ -154,8 +154,10 @@ def test_show_returns_what_create_was_given(setup):
     messages = [{"role": "user", "content": "Who are you?"}, {"role": "assistant", "content": "Terse."}]
     admin.create(model="echo-shown", from_="echo-agent", system="Answer in one word.", messages=messages,
                  parameters={"temperature": 0.2, "num_ctx": 2048}, stream=False)  # fmt: skip
-    shown = admin.show("echo-shown")
-    assert shown.system == "Answer in one word." and shown.details.parent_model == "echo-agent"
+    shown = admin.show("echo-shown")  # the client reads modelfile, parameters and details
+    assert shown.details.parent_model == "echo-agent"
+    status, raw = call(setup, "POST", "/api/show", {"model": "echo-shown"})
+    assert status == 200 and raw["system"] == "Answer in one word." and raw["messages"] == messages
     modelfile = shown.modelfile
     for line in ("FROM echo-agent", 'SYSTEM "Answer in one word."', "PARAMETER temperature 0.2",
                  "PARAMETER num_ctx 2048", 'MESSAGE assistant "Terse."'):  # fmt: skip
@@ -169,11 +171,11 @@ def test_show_returns_what_create_was_given(setup):
 
 
 def _stream_until_done(setup, model: str, out: dict) -> None:
-    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 400, "stream": True}
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2000, "stream": True}
     body["temperature"] = 0
     status, _, text = http(f"{setup['gw'].url}/v1/chat/completions", "POST", body,
                            {"Authorization": f"Bearer {setup['admin']}"}, timeout=300)  # fmt: skip
-    out["status"], out["text"] = status, text
+    out["status"], out["text"], out["ended"] = status, text, time.monotonic()
 
 
 def test_delete_while_requests_run_lets_them_finish_and_concurrent_creates_stay_consistent(setup):
@@ -184,7 +186,7 @@ def test_delete_while_requests_run_lets_them_finish_and_concurrent_creates_stay_
     threads = [threading.Thread(target=_stream_until_done, args=(setup, "team-busy", r)) for r in runs]
     for t in threads:
         t.start()
-    time.sleep(0.5)
+    time.sleep(0.2)
     creates: list = []
 
     def make(i: int) -> None:
@@ -194,11 +196,13 @@ def test_delete_while_requests_run_lets_them_finish_and_concurrent_creates_stay_
     for t in makers:
         t.start()
     assert call(setup, "DELETE", "/api/delete", {"model": "team-busy"})[0] == 200
+    deleted = time.monotonic()
     for t in threads + makers:
         t.join(300)
+    assert max(run["ended"] for run in runs) > deleted, [r["ended"] - deleted for r in runs]  # still running
     for run in runs:  # each stream ends with its finish (the worker drained), never a 500 or a reset
         assert run["status"] == 200 and run["text"].rstrip().endswith("data: [DONE]"), run
-        assert '"finish_reason": "length"' in run["text"] or '"finish_reason": "stop"' in run["text"], run
+        assert '"finish_reason":"length"' in run["text"] or '"finish_reason":"stop"' in run["text"], run
     assert sorted(s for s, _ in creates) == [200] * 6, creates
     names = [m["name"] for m in yaml.safe_load(setup["gw"].config_path.read_text())["models"]]
     assert sorted(n for n in names if n.startswith("team-c")) == ["team-c0", "team-c1", "team-c2"]
