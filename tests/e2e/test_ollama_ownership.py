@@ -190,7 +190,7 @@ def test_delete_while_requests_run_lets_them_finish_and_concurrent_creates_stay_
     creates: list = []
 
     def make(i: int) -> None:
-        creates.append(create(setup, {"model": f"team-c{i % 3}", "from": "echo-agent"}))
+        creates.append(create(setup, {"model": f"team-par{i % 3}", "from": "echo-agent"}))
 
     makers = [threading.Thread(target=make, args=(i,)) for i in range(6)]
     for t in makers:
@@ -205,6 +205,6 @@ def test_delete_while_requests_run_lets_them_finish_and_concurrent_creates_stay_
         assert '"finish_reason":"length"' in run["text"] or '"finish_reason":"stop"' in run["text"], run
     assert sorted(s for s, _ in creates) == [200] * 6, creates
     names = [m["name"] for m in yaml.safe_load(setup["gw"].config_path.read_text())["models"]]
-    assert sorted(n for n in names if n.startswith("team-c")) == ["team-c0", "team-c1", "team-c2"]
+    assert sorted(n for n in names if n.startswith("team-par")) == ["team-par0", "team-par1", "team-par2"]
     assert "team-busy" not in names and not made.exists()
     assert not list(made.parent.glob(".trash-*"))
