@@ -16,12 +16,13 @@ from aiohttp import web
 
 from mlxgw.gateway.app import default_endpoint, make_app
 from mlxgw.gateway.models.lifecycle import SlotState
+from mlxgw.gateway.models.registry_edit import clean_after_kill
 from mlxgw.gateway.observe import access_log
 from mlxgw.gateway.runfiles import PortBusy, check_port, clean_stale_run_files, remove_pid_file, write_pid_file
 from mlxgw.gateway.web.edge import EdgeRunner, edge_limits
 from mlxgw.gateway.web.logcap import install_log_limits
 from mlxgw.gateway.web.state import MANAGER, GatewaySettings
-from mlxgw.shared import paths
+from mlxgw.shared import model_store, paths
 from mlxgw.shared.config import ConfigError, Registry, load_registry, with_discovered_models
 
 # How long a graceful stop waits for the requests in flight (aiohttp's own default).
@@ -42,6 +43,16 @@ async def reload_registry(app: web.Application, config_path: Path | None) -> Non
     await app[MANAGER].reload(registry)
 
 
+def _clean_after_kill(registry: Registry) -> None:
+    """What a killed gateway's model edits left: temp files beside models.yaml, half-written
+    imports and set-aside folders in the models directories."""
+    if registry.path is not None:
+        for stale in clean_after_kill(Path(registry.path)):
+            log.info("removed %s, left by an edit that was killed", stale)
+    for directory in {registry.models_dir.resolve(), model_store.models_dir().resolve()}:
+        model_store.clean_stale_temp_dirs(directory)
+
+
 async def serve(
     registry: Registry,
     settings: GatewaySettings,
@@ -58,6 +69,7 @@ async def serve(
         log.error("%s; is another gateway running? (`mlxgw status --url http://%s:%d`)", e, host, port)
         raise SystemExit(2) from None
     clean_stale_run_files()
+    _clean_after_kill(registry)
     endpoint = default_endpoint(paths.run_dir())
     app = make_app(registry, settings, endpoint, secret, extra_endpoints)
     log.info("worker link endpoint %s", endpoint)

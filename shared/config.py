@@ -85,6 +85,12 @@ class ModelEntry:
     # count) and taken out of the measured KV budget; None: bounded by count, bytes reported only.
     adapter_memory_mb: float | None = None
     fim: FimConfig | None = None  # fill-in-the-middle overrides; None: as the tokenizer says
+    # Written by Ollama's /api/pull and /api/create, read by /api/delete and /api/show:
+    # the folder this entry's own pull or import produced (resolved), the only one a delete of
+    # the entry may remove (and only while no other entry serves from it); and what the entry
+    # was made from (a model name or a path), as `ollama show` reports it.
+    owns: str | None = None
+    parent: str | None = None
     # Keys from before the sections, still accepted at the top of an entry.
     FLAT_KEYS: ClassVar[dict[str, tuple[str, str]]] = FLAT_KEYS
 

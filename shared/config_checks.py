@@ -11,6 +11,10 @@ from . import model_store
 from .model_sections import ENCODER_KINDS, MAX_RANKS, AdapterEntry, ModelKind
 from .schema import ConfigError
 
+# The longest context an entry may set: 16M tokens, past every released model's own (a
+# worker clamps to the model's, but a bigger number would still be reported and planned for).
+MAX_CONTEXT_LENGTH = 1 << 24
+
 if TYPE_CHECKING:
     from .config import GatewayConfig, ManagerConfig, ModelEntry
     from .model_sections import SamplingDefaults
@@ -84,8 +88,10 @@ def check_entry(e: ModelEntry, where: str) -> None:
         raise bad("speculative.draft_model", "mode draft needs a draft model (a models-dir folder or a path)")
     if sp.draft_model and sp.mode != "draft":
         raise bad("speculative.draft_model", f"is only used with mode: draft (mode is {sp.mode})")
-    if e.context_length is not None and e.context_length < 16:
-        raise bad("context_length", f"must be at least 16, got {e.context_length}")
+    if e.context_length is not None and not 16 <= e.context_length <= MAX_CONTEXT_LENGTH:
+        raise bad("context_length", f"must be between 16 and {MAX_CONTEXT_LENGTH}, got {e.context_length}")
+    if e.owns is not None and not Path(e.owns).is_absolute():
+        raise bad("owns", f"must be an absolute folder, got {e.owns!r}")
     if e.distributed is not None:
         check_distributed(e, where)
     if e.fim is not None and e.fim.max_tokens < 1:

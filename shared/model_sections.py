@@ -95,8 +95,8 @@ class ChatConfig:
     allow_request_chat_template: bool = False
     # Set by Ollama's /api/create from a Modelfile: a system prompt for requests that bring
     # none (SYSTEM), turns put before every conversation (MESSAGE), and a Jinja chat template
-    # (TEMPLATE, sent as the request's template: it needs allow_request_chat_template and
-    # renders in the worker's budgeted sandbox like any template).
+    # (TEMPLATE: the model's own, in place of its tokenizer's; the worker renders it in its
+    # budgeted sandbox like any template, and request templates stay off).
     system: str | None = None
     messages: list[PresetMessage] = field(default_factory=list)
     chat_template: str | None = None

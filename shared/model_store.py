@@ -44,16 +44,23 @@ def folder_size(folder: Path) -> int:
 
 
 def _clean_stale_temp_dirs(directory: Path) -> None:
-    """Remove temp folders of imports whose process is gone (killed mid-write)."""
+    """Remove temp folders of imports, and folders set aside to be removed, whose process is
+    gone (killed mid-write or mid-delete): `.import-NAME-...-PID`, `.trash-NAME-PID`."""
     import psutil
 
-    for tmp in directory.glob(".import-*"):
+    for tmp in [*directory.glob(".import-*"), *directory.glob(".trash-*")]:
         try:
             pid = int(tmp.name.rsplit("-", 1)[-1])
         except ValueError:
             continue
         if not psutil.pid_exists(pid):
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def clean_stale_temp_dirs(directory: Path) -> None:
+    """At a gateway's start: what a killed import or delete left in a models directory."""
+    if directory.is_dir():
+        _clean_stale_temp_dirs(directory)
 
 
 def publish(directory: Path, name: str, fill: Callable[[Path], dict]) -> dict:

@@ -96,3 +96,29 @@ def reexec_as_worker(module: str) -> None:
     env = worker_environment()
     env["MLXGW_AS_WORKER"] = "1"
     os.execve(sys.executable, [sys.executable, "-m", module, *sys.argv[1:]], env)
+
+
+# Set by a gateway on the `mlxgw models` children it runs for Ollama's /api/pull and
+# /api/create: the gateway's pid, so a child whose gateway was killed stops too.
+EXIT_WITH_PARENT_ENV = "MLXGW_EXIT_WITH_PARENT"
+
+
+def exit_with_parent(poll_s: float = 0.2) -> None:
+    """Exit as soon as the process named by MLXGW_EXIT_WITH_PARENT is no longer our parent
+    (it was killed: we were reparented). Its request is gone, and an import finishing after
+    it would leave a model folder no entry lists. Polling getppid works on macOS and Linux
+    (PR_SET_PDEATHSIG is Linux's only). The import's temp folder is removed at next start."""
+    expected = os.environ.pop(EXIT_WITH_PARENT_ENV, "")
+    if not expected.isdigit():
+        return
+    import threading
+    import time
+
+    def watch() -> None:
+        while os.getppid() == int(expected):
+            time.sleep(poll_s)
+        os._exit(70)  # EX_SOFTWARE: nothing to flush; the import's temp folder stays for the cleanup
+
+    if os.getppid() != int(expected):
+        os._exit(70)
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()

@@ -1,31 +1,38 @@
-"""Ollama's model management: POST /api/pull, DELETE /api/delete, POST /api/copy, POST /api/create.
+"""Ollama's model management: POST /api/pull, DELETE /api/delete, POST /api/copy (POST
+/api/create: gateway/api/ollama_create.py).
 
 Admin routes (gateway/web/routes.py), recorded in the usage ledger. Each change is written to
 models.yaml with a backup and the registry reloaded (gateway/models/registry_edit.py). Pulls and
 GGUF imports run `mlxgw models pull/import` as a child process: the same code as the CLI, and
 the gateway never imports worker code. No request names a path outside the models directory
-and `manager.allowed_import_paths`; model names are folder-safe (no `/`, no `..`)."""
+and `manager.allowed_import_paths`; model names are folder-safe (no `/`, no `..`). A delete
+removes only the folder the entry's own pull or import wrote, and only while no other entry
+serves from it; a copy shares its source's folder (gateway/models/ownership.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import copy
 import json
+import os
 import re
 import shutil
 import sys
 import time
+import uuid
 from pathlib import Path
 
 from aiohttp import web
 
 from mlxgw.gateway.access.auth import may_manage
-from mlxgw.gateway.api.modelfile import CreateSpec, parse_create
-from mlxgw.gateway.models.registry_edit import edit_registry, listed_entry, registry_file, reload_registry
+from mlxgw.gateway.models import ownership
+from mlxgw.gateway.models.registry_edit import edit_registry, listed_entry, registry_file
 from mlxgw.gateway.pipeline.body import read_object
 from mlxgw.gateway.web.state import MANAGER
 from mlxgw.shared import model_store
+from mlxgw.shared.config import ConfigError, parse_registry
 from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
+from mlxgw.shared.platform import EXIT_WITH_PARENT_ENV
 
 routes = web.RouteTableDef()
 
@@ -35,7 +42,7 @@ _HUB_PREFIX = re.compile(r"^(?:https?://)?(?:hf\.co|huggingface\.co)/")
 _REPO = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*(?:@[A-Za-z0-9._-]+)?$")
 
 
-async def _body(request: web.Request) -> dict:
+async def read_body(request: web.Request) -> dict:
     return await read_object(request)
 
 
@@ -53,7 +60,7 @@ def model_name(value, field: str = "model") -> str:
     return name
 
 
-def _named(body: dict, field: str = "model") -> str:
+def named_model(body: dict, field: str = "model") -> str:
     return model_name(body.get(field) if body.get(field) is not None else body.get("name"), field)
 
 
@@ -61,7 +68,7 @@ def _ndjson(line: dict) -> bytes:
     return (json.dumps(line) + "\n").encode()
 
 
-async def _stream_lines(request: web.Request, lines: list[dict]) -> web.StreamResponse:
+async def stream_lines(request: web.Request, lines: list[dict]) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
     await response.prepare(request)
     for line in lines:
@@ -94,11 +101,17 @@ def _repo(body: dict) -> tuple[str, str]:
     return pulled_from, repo  # its latest revision: an update
 
 
-async def _run_cli(args: list[str], on_line) -> tuple[int, str]:
+async def run_cli(args: list[str], on_line) -> tuple[int, str]:
     """`mlxgw ARGS` as a child; each output line (tqdm's \\r redraws split) to on_line.
     Returns (exit code, the last `error:` line or the last line). Killed if the request ends."""
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "mlxgw", *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
+        sys.executable,
+        "-m",
+        "mlxgw",
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        env={**os.environ, EXIT_WITH_PARENT_ENV: str(os.getpid())},  # a killed gateway takes it along
     )
     last, error, pending = "", "", b""
     try:
@@ -127,14 +140,17 @@ def _ensure_listed(request: web.Request, name: str):
 
     def change(data: dict) -> None:
         if listed_entry(data, name) is None:
-            data["models"].append({"name": name} if same_dir else {"name": name, "source": str(pulled)})
+            owned = {"owns": str(ownership.real(pulled))}  # what the pull wrote: its delete removes it
+            data["models"].append(
+                {"name": name, **owned} if same_dir else {"name": name, "source": str(pulled), **owned}
+            )
 
     return change
 
 
 @routes.post("/api/pull")
 async def pull(request: web.Request) -> web.StreamResponse:
-    body = await _body(request)
+    body = await read_body(request)
     repo, name = _repo(body)
     request["model"] = name
     may_manage(request, name)
@@ -155,7 +171,7 @@ async def pull(request: web.Request) -> web.StreamResponse:
             last_sent = time.monotonic()
             await response.write(_ndjson({"status": text}))
 
-    code, message = await _run_cli(["models", "pull", repo, "--name", name], progress)
+    code, message = await run_cli(["models", "pull", repo, "--name", name], progress)
     if code == 0:
         await edit_registry(request.app, _ensure_listed(request, name))
     if response is None:
@@ -168,19 +184,46 @@ async def pull(request: web.Request) -> web.StreamResponse:
 
 
 # -- delete ---------------------------------------------------------------------------------------
-def _own_folder(request: web.Request, source: str) -> Path | None:
-    """The model folder a models.yaml source names when it is one of mlxgw's own (directly in
-    the registry's models directory or the one `mlxgw models pull` writes to); None otherwise."""
+def _own_folder(request: web.Request, name: str) -> Path | None:
+    """An unlisted model folder of mlxgw's own, by its name: in the registry's models
+    directory or the one `mlxgw models pull` writes to; None otherwise."""
     registry_dir = request.app[MANAGER].registry.models_dir.resolve()
-    path = Path(source)
-    folder = path.resolve() if path.is_absolute() else (registry_dir / source).resolve()
-    own = folder.parent in (registry_dir, model_store.models_dir().resolve())
-    return folder if own and folder.is_dir() else None
+    for directory in (registry_dir, model_store.models_dir().resolve()):
+        folder = directory / name
+        if folder.is_dir() and (
+            model_store.read_import_record(folder) is not None or (folder / "config.json").exists()
+        ):
+            return ownership.real(folder)
+    return None
+
+
+def _served_elsewhere(request: web.Request, data: dict, listed_before: set[str], name: str, folder: Path) -> bool:
+    """Whether any entry but `name` serves from folder once models.yaml is `data`."""
+    registry = request.app[MANAGER].registry
+    try:
+        listed = parse_registry(data, registry.path).models
+    except ConfigError as e:
+        raise invalid(f"the change would make models.yaml invalid: {e}") from None
+    others = ownership.other_entries(registry, listed, listed_before, name)
+    return bool(ownership.users(others, registry.models_dir, folder))
+
+
+def _set_aside(folders: list[Path], trash: list[Path]) -> None:
+    """Rename each folder out of the models directory's listing (`.trash-...-PID`) while the
+    edit still holds the lock, so no create can take it up between the check and the removal;
+    what a kill leaves there is removed at the next start (model_store.clean_stale_temp_dirs)."""
+    for folder in folders:
+        aside = folder.parent / f".trash-{folder.name}-{uuid.uuid4().hex[:8]}-{os.getpid()}"
+        try:
+            folder.rename(aside)
+        except FileNotFoundError:
+            continue
+        trash.append(aside)
 
 
 @routes.delete("/api/delete")
 async def delete(request: web.Request) -> web.Response:
-    name = _named(await _body(request))
+    name = named_model(await read_body(request))
     request["model"] = name
     may_manage(request, name)
     registry = request.app[MANAGER].registry
@@ -188,13 +231,12 @@ async def delete(request: web.Request) -> web.Response:
     remove: list[Path] = []
 
     def change(data: dict) -> None:
+        listed_before = {m.get("name") for m in data["models"] if isinstance(m, dict)}
         entry = listed_entry(data, name)
         if entry is not None:
             data["models"].remove(entry)
-            source = entry.get("source") or name
-            still_used = any((m.get("source") or m.get("name")) == source for m in data["models"])
-            folder = _own_folder(request, source)
-            if folder is not None and not still_used:
+            folder = ownership.owned_folder(entry, registry.models_dir)
+            if folder is not None and not _served_elsewhere(request, data, listed_before, name, folder):
                 remove.append(folder)
             return
         owner = next((m for m in data["models"] if name in (m.get("aliases") or [])), None)
@@ -204,44 +246,75 @@ async def delete(request: web.Request) -> web.Response:
         if name in found:
             raise invalid(f"model '{name}' is served in place from {found[name].source}; delete it there", "model")
         folder = _own_folder(request, name)
-        if folder is None or model_store.read_import_record(folder) is None and not (folder / "config.json").exists():
+        if folder is None:
             raise ServiceError(ErrorCode.MODEL_NOT_FOUND, f"model '{name}' not found")
+        if _served_elsewhere(request, data, listed_before, name, folder):
+            raise invalid(f"another model serves from the folder of '{name}'; delete that model first", "model")
         remove.append(folder)
 
-    await edit_registry(request.app, change)
-    for folder in remove:
-        await asyncio.to_thread(shutil.rmtree, folder, True)
-    if remove:
-        await reload_registry(request.app)  # a folder the models directory listed is gone
+    trash: list[Path] = []
+    # The reload that follows the edit sees the folder gone already (set aside under the lock).
+    await edit_registry(request.app, change, lambda: _set_aside(remove, trash))
+    # Unlinked files stay readable by a worker that has them open: its requests in flight
+    # finish while the reload drains it.
+    for aside in trash:
+        await asyncio.to_thread(shutil.rmtree, aside, True)
     return web.json_response({})
 
 
 # -- copy -----------------------------------------------------------------------------------------
-def _entry_like(request: web.Request, data: dict, base: str, new_name: str) -> dict:
+# Fields that belong to the served name, not to the weights: a copy or a create starts without
+# them. Adapters: in Ollama's terms each is a model of its own made FROM this one (/api/tags
+# lists it with this as parent_model), and `ollama cp` copies no model derived from its
+# source; copied, their names would collide (they are unique across the registry) and their
+# access would follow the new name's key patterns. The copy's users reach them by their names.
+SERVED_ONCE = ("aliases", "preload", "pin", "adapters", "resident_adapters", "adapter_memory_mb", "owns")
+
+
+def entry_like(request: web.Request, data: dict, base: str, new_name: str) -> dict:
     """A models.yaml entry for new_name serving what `base` (a name or alias) serves: the
-    listed entry's settings copied, pointing at the same weights."""
-    slot_entry = request.app[MANAGER].registry.entry(base) or request.app[MANAGER].registry.entry(
-        base.removesuffix(":latest")
-    )
+    listed entry's settings copied, pointing at the same weights, owning none of them. The
+    key must be allowed every model served from those weights (may_start_from)."""
+    registry = request.app[MANAGER].registry
+    slot_entry = registry.entry(base) or registry.entry(base.removesuffix(":latest"))
     if slot_entry is None:
         raise ServiceError(ErrorCode.MODEL_NOT_FOUND, f"model '{base}' not found")
+    may_start_from(request, ownership.served_paths(slot_entry, registry.models_dir)[:1])
     listed = listed_entry(data, slot_entry.name)
     entry = copy.deepcopy(listed) if listed is not None else {"kind": slot_entry.kind.value}
     entry["source"] = (listed or {}).get("source") or slot_entry.source or slot_entry.name
-    for served_once in ("aliases", "preload", "pin"):
+    for served_once in SERVED_ONCE:
         entry.pop(served_once, None)
-    entry["name"] = new_name
     return {"name": new_name, **{k: v for k, v in entry.items() if k != "name"}}
 
 
-def _refuse_existing(request: web.Request, data: dict, name: str) -> None:
+def may_start_from(request: web.Request, folders: list[Path]) -> None:
+    """A copy or create shares the folder it starts from: a key that is not an admin must be
+    allowed every model served from it, or a folder path would reach a model its patterns
+    keep it from (the model itself is not named: the key may not know of it)."""
+    key = request.get("key")
+    if key is None or key.admin:
+        return
+    registry = request.app[MANAGER].registry
+    for folder in folders:
+        for e in ownership.users(registry.models, registry.models_dir, folder):
+            if not key.allows(e.name, *e.aliases):
+                raise ServiceError(
+                    ErrorCode.PERMISSION,
+                    f"API key '{key.name}' may not start from that folder: a model it may not manage serves "
+                    "from it (an admin key may)",
+                    param="from",
+                )
+
+
+def refuse_existing(request: web.Request, data: dict, name: str) -> None:
     if listed_entry(data, name) is not None or request.app[MANAGER].registry.entry(name) is not None:
         raise invalid(f"a model or alias named '{name}' exists; delete it first", "destination")
 
 
 @routes.post("/api/copy")
 async def copy_model(request: web.Request) -> web.Response:
-    body = await _body(request)
+    body = await read_body(request)
     source = body.get("source")
     if not isinstance(source, str) or not source.strip():
         raise invalid("missing required parameter: 'source'", "source")
@@ -250,107 +323,8 @@ async def copy_model(request: web.Request) -> web.Response:
     may_manage(request, source.strip(), destination)
 
     def change(data: dict) -> None:
-        _refuse_existing(request, data, destination)
-        data["models"].append(_entry_like(request, data, source.strip(), destination))
+        refuse_existing(request, data, destination)
+        data["models"].append(entry_like(request, data, source.strip(), destination))
 
     await edit_registry(request.app, change)
     return web.json_response({})
-
-
-# -- create ---------------------------------------------------------------------------------------
-def _allowed_roots(request: web.Request) -> list[Path]:
-    registry = request.app[MANAGER].registry
-    roots = [registry.models_dir, *(Path(p).expanduser() for p in registry.manager.allowed_import_paths)]
-    return [r.resolve() for r in roots]
-
-
-def confined_path(request: web.Request, text: str) -> Path:
-    """FROM's path, resolved (links followed) inside an allowed folder; refused before anything
-    about it (even whether it exists) is looked at otherwise."""
-    path = Path(text).expanduser()
-    if not path.is_absolute():
-        raise invalid("a FROM path must be absolute", "from")
-    resolved = path.resolve()
-    if not any(resolved.is_relative_to(root) for root in _allowed_roots(request)):
-        raise ServiceError(
-            ErrorCode.PERMISSION,
-            "FROM names a path outside the folders the operator allows (the models directory and "
-            "manager.allowed_import_paths)",
-        )
-    return resolved
-
-
-def _is_path(base: str) -> bool:
-    return base.startswith(("/", "./", "../", "~")) or base.endswith(".gguf")
-
-
-async def _path_entry(request: web.Request, spec: CreateSpec) -> dict | None:
-    """The entry for a FROM path (a GGUF file imported into the models directory first);
-    None when FROM names a served model."""
-    if not _is_path(spec.base):
-        return None
-    path = confined_path(request, spec.base)
-    if path.is_dir() and (path / "config.json").is_file():
-        return {"name": spec.name, "source": str(path)}
-    if path.is_file() and path.suffix == ".gguf":
-        code, message = await _run_cli(["models", "import", str(path), "--name", spec.name, "--force"], _ignore)
-        if code != 0:
-            raise invalid(f"importing the GGUF failed: {message}", "from")
-        return {"name": spec.name}
-    raise invalid("FROM must name a model folder (with config.json) or a .gguf file", "from")
-
-
-async def _ignore(_: str) -> None:
-    return None
-
-
-def _apply_spec(entry: dict, spec: CreateSpec) -> dict:
-    for key, value in spec.settings.items():
-        if isinstance(value, dict):
-            entry[key] = {**(entry.get(key) or {}), **value}
-        else:
-            entry[key] = value
-    if spec.system is not None:
-        _set_chat(entry, "system", spec.system)
-    if spec.messages:
-        _set_chat(entry, "messages", spec.messages)
-    if spec.template is not None:
-        _set_chat(entry, "chat_template", spec.template)
-        _set_chat(entry, "allow_request_chat_template", True)  # the gateway sends the entry's template per request
-    return entry
-
-
-def _set_chat(entry: dict, key: str, value: object) -> None:
-    """A chat field, where the base entry's YAML already spells it: in its chat: section, else
-    at the top (the flat key models.yaml still accepts); never both, which would be an error."""
-    section = entry.get("chat")
-    if isinstance(section, dict) and key in section:
-        section[key] = value
-    else:
-        entry[key] = value
-
-
-@routes.post("/api/create")
-async def create(request: web.Request) -> web.StreamResponse:
-    body = await _body(request)
-    name = _named(body)
-    request["model"] = name
-    spec = parse_create(body, name)
-    may_manage(request, name, *(() if not spec.base or _is_path(spec.base) else (spec.base.removesuffix(":latest"),)))
-    registry_file(request.app)
-    from_path = await _path_entry(request, spec)
-
-    def change(data: dict) -> None:
-        existing = listed_entry(data, name)
-        if existing is None and request.app[MANAGER].registry.entry(name) is not None:
-            raise invalid(f"a model or alias named '{name}' exists outside models.yaml; pick another name", "model")
-        base = from_path if from_path is not None else _entry_like(request, data, spec.base, name)
-        if existing is not None:
-            data["models"].remove(existing)
-        data["models"].append(_apply_spec(copy.deepcopy(base), spec))
-
-    await edit_registry(request.app, change)
-    lines = [{"status": "reading model metadata"}, {"status": "writing manifest"}, {"status": "success"}]
-    if body.get("stream") is False:
-        return web.json_response(lines[-1])
-    return await _stream_lines(request, lines)

@@ -17,6 +17,7 @@ from aiohttp import web
 
 from mlxgw.gateway.access.auth import may_use
 from mlxgw.gateway.api import ollama_common as oc
+from mlxgw.gateway.api.modelfile import parameter_lines, render_modelfile
 from mlxgw.gateway.api.ollama_fields import OllamaBody, OllamaEmbedBody
 from mlxgw.gateway.models import adapters
 from mlxgw.gateway.pipeline.fim_support import capabilities, fim_format
@@ -165,26 +166,34 @@ def _model_info(family: str, config: dict, context: int | None) -> dict:
 @routes.post("/api/show")
 async def show(request: web.Request) -> web.Response:
     _, slot = await oc.open_request(request, OllamaBody, kinds=(*CHAT_KINDS, *ENCODER_KINDS))
+    entry = slot.entry
     path = _model_dir(request, slot)
     config = _read_json(path / "config.json")
-    template = _read_json(path / "tokenizer_config.json").get("chat_template")
-    details = _details(config, slot)
-    context = slot.entry.context_length or config.get("max_position_embeddings")
+    template = entry.chat.chat_template or _read_json(path / "tokenizer_config.json").get("chat_template")
+    details = {**_details(config, slot), "parent_model": entry.parent or ""}
+    context = entry.context_length or config.get("max_position_embeddings")
     info = _model_info(details["family"], config, context)
     fim = fim_format(request, slot)
     # Ollama's Modelfile parameter lines; Continue parses each as `key value`.
-    parameters = f"num_ctx {context}" if isinstance(context, int) else ""
-    return web.json_response(
-        {
-            "modelfile": "",
-            "parameters": parameters,
-            "template": _template(template, fim),
-            "details": details,
-            "model_info": info,
-            "capabilities": capabilities(slot, fim),
-            "modified_at": _listing(request, slot)["modified_at"],
-        }
-    )
+    parameters = parameter_lines(entry)
+    if entry.context_length is None and isinstance(context, int):
+        parameters.append(f"num_ctx {context}")
+    shown = {
+        # What /api/create was given, as Ollama returns it (`ollama show --modelfile`, Open
+        # WebUI's model editor): FROM the parent, else the folder the model is served from.
+        "modelfile": render_modelfile(entry, str(path)),
+        "parameters": "\n".join(parameters),
+        "template": _template(template, fim),
+        "details": details,
+        "model_info": info,
+        "capabilities": capabilities(slot, fim),
+        "modified_at": _listing(request, slot)["modified_at"],
+    }
+    if entry.chat.system is not None:
+        shown["system"] = entry.chat.system
+    if entry.chat.messages:
+        shown["messages"] = [{"role": m.role, "content": m.content} for m in entry.chat.messages]
+    return web.json_response(shown)
 
 
 @routes.get("/api/version")

@@ -1,6 +1,7 @@
 """Changing models.yaml from a running gateway (Ollama's /api/pull, /api/copy, /api/create,
 /api/delete): one edit at a time under a lock, the new file checked by the same parser as
-`mlxgw up` before it is written, the old one kept beside it, then the registry reloaded.
+`mlxgw up` before it is written atomically (synced, then renamed), the last few versions kept
+beside it, then the registry reloaded.
 
 The file is rewritten from its parsed YAML, so its comments are in the backup only."""
 
@@ -10,6 +11,7 @@ import asyncio
 import copy
 import datetime as dt
 import fcntl
+import glob
 import os
 import shutil
 import tempfile
@@ -41,16 +43,63 @@ def registry_file(app: web.Application) -> Path:
     return Path(path)
 
 
+KEEP_BACKUPS = 3  # the last edits' backups; older ones are removed (an edit a minute adds up)
+
+
 def _backup(path: Path) -> Path:
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
     backup = path.with_name(f"{path.name}.bak-{stamp}")
     shutil.copy2(path, backup)
+    for old in sorted(path.parent.glob(f"{glob.escape(path.name)}.bak-*"))[:-KEEP_BACKUPS]:
+        old.unlink(missing_ok=True)  # the stamps sort by time
     return backup
 
 
-def _edit_file(path: Path, change: Callable[[dict], None]) -> Path | None:
-    with open(path.with_name(path.name + ".lock"), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """The new file under a temp name in the same folder, synced, renamed over the old one,
+    and the rename synced: a crash or kill leaves the old file or the new one, never a part."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, path.stat().st_mode & 0o777)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def _locked(path: Path):
+    lock = open(path.with_name(path.name + ".lock"), "a")  # noqa: SIM115 (closed by the caller's with)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    return lock
+
+
+def clean_after_kill(path: Path) -> list[Path]:
+    """Temp files an edit killed mid-write left beside models.yaml. Under the edit lock, so
+    no live writer's temp file is taken: a writer holds the lock while its temp file exists."""
+    if not path.parent.is_dir() or path.resolve() == default_config().resolve():
+        return []  # the shipped file is never edited
+    with _locked(path):
+        stale = list(path.parent.glob(f".{glob.escape(path.name)}.*.tmp"))
+        for tmp in stale:
+            tmp.unlink(missing_ok=True)
+    return stale
+
+
+def _edit_file(path: Path, change: Callable[[dict], None], after: Callable[[], None] | None) -> Path | None:
+    with _locked(path):
         data = yaml.safe_load(path.read_text()) or {}
         if not isinstance(data, dict):
             raise invalid(f"{path.name} is not a mapping; fix it by hand")
@@ -64,25 +113,21 @@ def _edit_file(path: Path, change: Callable[[dict], None]) -> Path | None:
         except ConfigError as e:
             raise invalid(f"the change would make models.yaml invalid: {e}") from None
         backup = _backup(path)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(yaml.safe_dump(data, sort_keys=False, allow_unicode=True))
-            os.chmod(tmp, path.stat().st_mode & 0o777)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        _write_atomically(path, yaml.safe_dump(data, sort_keys=False, allow_unicode=True))
+        if after is not None:
+            after()  # still under the lock: no other edit sees the file before this runs
         return backup
 
 
-async def edit_registry(app: web.Application, change: Callable[[dict], None]) -> Path | None:
-    """Apply `change` to the parsed models.yaml, write it (backup kept) and reload the
-    registry; returns the backup's path (None: nothing changed). `change` raises
-    ServiceError to refuse."""
+async def edit_registry(
+    app: web.Application, change: Callable[[dict], None], after: Callable[[], None] | None = None
+) -> Path | None:
+    """Apply `change` to the parsed models.yaml, write it (backup kept), run `after` (once
+    written, before any other edit) and reload the registry; returns the backup's path (None:
+    nothing changed). `change` raises ServiceError to refuse."""
     path = registry_file(app)
     async with _LOCK:
-        backup = await asyncio.to_thread(_edit_file, path, change)
+        backup = await asyncio.to_thread(_edit_file, path, change, after)
         registry = await asyncio.to_thread(lambda: with_discovered_models(load_registry(path)))
         await app[MANAGER].reload(registry)
     return backup

@@ -116,9 +116,7 @@ async def build_request(request: web.Request, slot, parsed: ParsedRequest) -> p.
     if messages is not None:
         messages = with_entry_preamble(entry, messages)
         messages, images = await collect_images(messages, image_limits(request, slot))
-    template_kwargs = parsed.chat_template_kwargs
-    if entry.chat.chat_template and not (template_kwargs or {}).get("chat_template"):
-        template_kwargs = {**(template_kwargs or {}), "chat_template": entry.chat.chat_template}
+    template_kwargs = parsed.chat_template_kwargs  # an entry's own template is the worker's (chat_text.py)
     return p.GenerateRequest(
         rid=request["rid"],
         messages=messages,

@@ -60,6 +60,7 @@ class VisionRunner(ChatTextRunner):
         tool_parser: str | None = None,
         reasoning_parser: str | None = None,
         allow_request_chat_template: bool = False,
+        chat_template: str | None = None,
     ):
         try:
             import mlx.core as mx
@@ -96,6 +97,7 @@ class VisionRunner(ChatTextRunner):
             reasoning_parser=reasoning_parser,
             allow_request_chat_template=allow_request_chat_template,
             context_length=self.context_length,
+            chat_template=chat_template,
         )
         self.images_seen = 0
 

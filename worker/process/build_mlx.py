@@ -45,6 +45,7 @@ def build_mlx_runner(
     tool_parser: str | None = None,
     reasoning_parser: str | None = None,
     allow_request_chat_template: bool = False,
+    chat_template: str | None = None,  # the entry's own template, in place of the tokenizer's
     loader=None,  # (path, return_config=True) -> (model, tokenizer, config); default mlx_lm.load
     prefix_store: PrefixStore | None = None,
     speculative: SpeculativeConfig | None = None,
@@ -88,6 +89,7 @@ def build_mlx_runner(
         shift = ShiftReuse.for_model(model, layers, fim_prompts.ids.middle, min_tokens)
     text_options = {"tool_parser": tool_parser, "reasoning_parser": reasoning_parser, "fim": fim_prompts}
     text_options |= {"allow_request_chat_template": allow_request_chat_template, "tool_name_guard": tool_name_guard}
+    text_options |= {"chat_template": chat_template}
     return runner_cls(
         model=model,
         tokenizer=tokenizer,

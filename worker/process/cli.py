@@ -61,6 +61,9 @@ def worker(connect, model, model_path, entry, worker_id, heartbeat, liveness, or
 @click.group()
 def models() -> None:
     """Import, pull, list, show and remove models in the models directory."""
+    from mlxgw.shared.platform import exit_with_parent
+
+    exit_with_parent()  # run by a gateway for /api/pull or /api/create: not beyond its life
     tolerate_a_low_file_limit()  # before mlx_lm is imported
 
 

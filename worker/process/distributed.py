@@ -213,6 +213,7 @@ def runner_kwargs(entry: ModelEntry, cache_bytes: int) -> dict:
         "tool_parser": entry.chat.tool_parser,
         "reasoning_parser": entry.chat.reasoning_parser,
         "allow_request_chat_template": entry.chat.allow_request_chat_template,
+        "chat_template": entry.chat.chat_template,
         "tool_name_guard": entry.chat.tool_name_guard,
         # Speculation pauses and resumes on measured step times, which differ between ranks:
         # ranks would take different steps and leave lockstep. Sharded models never speculate.

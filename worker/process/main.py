@@ -66,6 +66,7 @@ def build_runner(entry: ModelEntry, model_path: Path):
             tool_parser=entry.chat.tool_parser,
             reasoning_parser=entry.chat.reasoning_parser,
             allow_request_chat_template=entry.chat.allow_request_chat_template,
+            chat_template=entry.chat.chat_template,
         )
     if entry.engine == "null":
         from mlxgw.worker.model.null_runner import NullRunner
@@ -92,6 +93,7 @@ def build_runner(entry: ModelEntry, model_path: Path):
         tool_parser=entry.chat.tool_parser,
         reasoning_parser=entry.chat.reasoning_parser,
         allow_request_chat_template=entry.chat.allow_request_chat_template,
+        chat_template=entry.chat.chat_template,
         prefix_store=store_for(entry.name, model_path, entry.cache.prefix_disk_mb),
         speculative=entry.speculative,
         kv_bits=entry.cache.kv_bits,

@@ -56,9 +56,14 @@ class ChatText:
         context_length: int | None = None,
         tool_name_guard: bool = False,
         fim=None,
+        chat_template: str | None = None,
     ):
         """tokenizer: mlx-lm's TokenizerWrapper; vocab_size: the model's logits width;
-        fim: the model's FimPrompts (worker/text/fim.py), or None to find its format here."""
+        fim: the model's FimPrompts (worker/text/fim.py), or None to find its format here;
+        chat_template: the entry's own template (a Modelfile's TEMPLATE), in place of the
+        tokenizer's: the model's template for every request, so it needs no request templates."""
+        if chat_template:
+            tokenizer.chat_template = chat_template  # mlx-lm's wrapper sets it on the HF tokenizer
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.tool_parser = tool_parser
