@@ -12,6 +12,8 @@ from pathlib import Path
 from aiohttp import web
 
 from mlxgw.gateway import observe
+from mlxgw.gateway.access.audit import AUDIT, audit_lifecycle, audit_middleware, audit_path, on_prepare
+from mlxgw.gateway.access.audit.store import AuditFile
 from mlxgw.gateway.access.auth import auth_middleware
 from mlxgw.gateway.access.cache_scope import load_secret
 from mlxgw.gateway.access.keys import KeyStore
@@ -22,6 +24,7 @@ from mlxgw.gateway.api import (
     admin,
     anthropic,
     audio,
+    audit,
     batches,
     files,
     infill,
@@ -117,6 +120,7 @@ def make_app(
             observe_middleware,
             cors_middleware,
             error_middleware,
+            audit_middleware,
             capacity_middleware,
             auth_middleware,
             usage_middleware,
@@ -145,7 +149,9 @@ def make_app(
     app[LEDGER] = Ledger(paths.home() / "usage.db" if m.usage_ledger else None, m.usage_retention_days)
     app[THROUGHPUT] = Throughput()
     app[MCP] = McpHub(registry.mcp)
+    app[AUDIT] = AuditFile(audit_path(), settings.audit_retention_days, settings.audit_max_bytes)
     app.on_response_prepare.append(add_response_headers)
+    app.on_response_prepare.append(on_prepare)  # an audited change's entry is written before its answer
     if app[KEYS] is not None:
         app[KEYS].refresh()
 
@@ -156,6 +162,7 @@ def make_app(
         await manager.close()
         await broker.close()
 
+    app.cleanup_ctx.append(audit_lifecycle)
     app.cleanup_ctx.append(ledger_lifecycle)  # before the workers' lifecycle: it closes after them
     app.cleanup_ctx.append(lifecycle)
     app.cleanup_ctx.append(throughput_lifecycle)
@@ -189,6 +196,7 @@ def route_tables() -> list:
         ollama_create,
         tokenize,
         admin,
+        audit,
         adapters,
         mcp_routes,
         files,

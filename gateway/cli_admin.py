@@ -66,6 +66,7 @@ def create_key(
     cache_group,
     path,
 ) -> None:
+    from mlxgw.gateway.access.audit import record_local
     from mlxgw.gateway.access.key_admin import KeyEditError, create_key
 
     path = _keys_path(path)
@@ -83,8 +84,10 @@ def create_key(
     try:
         key, _ = create_key(path, name, changes)
     except KeyEditError as e:
+        record_local("keys.create", name, changes, reason=str(e))
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
+    record_local("keys.create", name, changes)
     click.echo(key)
     click.echo(f"key {name!r} stored as a SHA-256 hash in {path}; this is the only time it is shown", err=True)
 
@@ -118,13 +121,17 @@ def set_field(name, field, value, path) -> None:
     e.g. `mlxgw keys set alice cache_group team-a`."""
     import yaml
 
+    from mlxgw.gateway.access.audit import record_local
     from mlxgw.gateway.access.key_admin import KeyEditError, update_key
 
+    change = {field: yaml.safe_load(value)}
     try:
-        entry = update_key(_keys_path(path), name, {field: yaml.safe_load(value)})
+        entry = update_key(_keys_path(path), name, change)
     except KeyEditError as e:
+        record_local("keys.update", name, change, reason=str(e))
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
+    record_local("keys.update", name, change)
     click.echo(f"{name}: {field} = {entry.get(field)}")
 
 
@@ -132,13 +139,16 @@ def set_field(name, field, value, path) -> None:
 @click.argument("name")
 @click.option("--file", "path", type=click.Path(path_type=Path), default=None)
 def revoke_key(name, path) -> None:
+    from mlxgw.gateway.access.audit import record_local
     from mlxgw.gateway.access.key_admin import KeyEditError, revoke_key
 
     try:
         revoke_key(_keys_path(path), name)
     except KeyEditError as e:
+        record_local("keys.revoke", name, reason=str(e))
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
+    record_local("keys.revoke", name)
     click.echo(f"revoked {name!r}; a running gateway refuses it from its next request on")
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from mlxgw.gateway.access.audit import record_event
 from mlxgw.gateway.app import default_endpoint, make_app
 from mlxgw.gateway.models.lifecycle import SlotState
 from mlxgw.gateway.models.registry_edit import clean_after_kill
@@ -29,6 +30,8 @@ from mlxgw.shared.config import ConfigError, Registry, load_registry, with_disco
 SHUTDOWN_TIMEOUT_S = 60.0
 
 log = logging.getLogger(__name__)
+# A signal carries no identity: whoever may signal the gateway (its OS user, root) reloaded it.
+SIGNAL_ACTOR = {"kind": "signal", "signal": "SIGHUP"}
 
 
 async def reload_registry(app: web.Application, config_path: Path | None) -> None:
@@ -39,8 +42,10 @@ async def reload_registry(app: web.Application, config_path: Path | None) -> Non
         registry = with_discovered_models(load_registry(config_path))
     except ConfigError as e:
         log.error("reload rejected, keeping the running registry: %s", e)
+        await record_event(app, "registry.reload", str(config_path), {}, actor=SIGNAL_ACTOR, reason=str(e))
         return
-    await app[MANAGER].reload(registry)
+    changes = await app[MANAGER].reload(registry)
+    await record_event(app, "registry.reload", str(config_path), changes, actor=SIGNAL_ACTOR)
 
 
 def _clean_after_kill(registry: Registry) -> None:

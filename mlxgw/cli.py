@@ -11,6 +11,7 @@ import click
 from mlxgw.bench.cli import bench
 from mlxgw.gateway.cli import reload, status_cmd, up
 from mlxgw.gateway.cli_admin import keys, service, usage
+from mlxgw.gateway.cli_audit import audit
 from mlxgw.gateway.launch.cli import launch
 from mlxgw.worker.process.cli import models, worker
 
@@ -21,7 +22,7 @@ def main() -> None:
     """mlxgw: a team LLM server: one gateway, one MLX worker process per model."""
 
 
-for command in (up, reload, keys, usage, service, models, worker, bench, launch):
+for command in (up, reload, keys, usage, audit, service, models, worker, bench, launch):
     main.add_command(command)
 main.add_command(status_cmd, name="status")
 main.add_command(status_cmd, name="ps")

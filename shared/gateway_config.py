@@ -72,3 +72,7 @@ class GatewayConfig:
         "the prefix-cache group of API keys that name none (unset: each key its own)",
         flag="--default-cache-group",
     )
+    # The audit trail ($MLXGW_HOME/audit.jsonl): the oldest entries are dropped past either bound,
+    # and an anchor keeps what is left verifiable.
+    audit_retention_days: float | None = setting(365.0, "days the audit trail keeps an entry (null: forever)")
+    audit_max_bytes: int | None = setting(64 * 1024 * 1024, "the audit trail's largest size in bytes (null: no bound)")

@@ -12,6 +12,7 @@ import json
 
 from aiohttp import web
 
+from mlxgw.gateway.access import audit
 from mlxgw.gateway.api import ollama_common as oc
 from mlxgw.gateway.api.ollama_fields import OllamaChatBody, OllamaGenerateBody, OllamaGenerating
 from mlxgw.gateway.models.generation import Generation, Outcome
@@ -136,6 +137,7 @@ async def _load_or_unload(request: web.Request, slot, keep_alive: float | None, 
     manager = request.app[MANAGER]
     if keep_alive == 0:
         if not oc.may_set_residency(request):
+            await audit.record(request, "models.unload", target=slot.name, change={"keep_alive": 0}, status=403)
             raise ServiceError(
                 ErrorCode.PERMISSION,
                 "unloading a model needs an admin key (or a key with 'residency: true'); "
@@ -144,6 +146,7 @@ async def _load_or_unload(request: web.Request, slot, keep_alive: float | None, 
             )
         if slot.process is not None and slot.state is SlotState.READY:
             await manager.unload(slot, "keep_alive 0")
+        await audit.record(request, "models.unload", target=slot.name, change={"keep_alive": 0}, status=200)
         reason = "unload"
     else:
         await manager.acquire(slot)

@@ -12,6 +12,7 @@ from typing import TypeVar
 
 from aiohttp import web
 
+from mlxgw.gateway.access import audit
 from mlxgw.gateway.access.auth import resolve_model
 from mlxgw.gateway.api.ollama_fields import OllamaBody, OllamaOptions
 from mlxgw.gateway.models.lifecycle import SlotState
@@ -150,6 +151,7 @@ def apply_keep_alive(request: web.Request, slot, seconds: float | None) -> None:
     """After a request: keep the model for `seconds`, or (0) unload it once it is idle."""
     if seconds is None or not may_set_residency(request):
         return
+    audit.residency(request, slot.name, seconds)
     manager = request.app[MANAGER]
     if seconds > 0:
         manager.keep_loaded(slot, seconds)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from mlxgw.gateway.access import audit
 from mlxgw.gateway.access.auth import may_manage
 from mlxgw.gateway.api.modelfile import CreateSpec, parse_create
 from mlxgw.gateway.api.ollama_manage import (
@@ -190,6 +191,7 @@ async def create(request: web.Request) -> web.StreamResponse:
         data["models"].append(new)
 
     await edit_registry(request.app, change)
+    await audit.record(request, status=200)  # before the stream: its first bytes are the answer
     lines = [{"status": "reading model metadata"}, {"status": "writing manifest"}, {"status": "success"}]
     if body.get("stream") is False:
         return web.json_response(lines[-1])

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from mlxgw.gateway.access import audit
 from mlxgw.gateway.access.auth import may_manage
 from mlxgw.gateway.models import ownership
 from mlxgw.gateway.models.registry_edit import edit_registry, listed_entry, registry_file
@@ -178,6 +179,7 @@ async def pull(request: web.Request) -> web.StreamResponse:
         if code != 0:
             return web.json_response({"error": f"pull {repo}: {message}"}, status=502)
         return web.json_response({"status": "success"})
+    await audit.record(request, status=200 if code == 0 else 502, reason=None if code == 0 else message)
     await response.write(_ndjson({"status": "success"} if code == 0 else {"error": f"pull {repo}: {message}"}))
     await response.write_eof()
     return response

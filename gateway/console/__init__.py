@@ -18,6 +18,7 @@ FILES = {
     "console.js": "text/javascript",
     "keys.js": "text/javascript",
     "batches.js": "text/javascript",
+    "audit.js": "text/javascript",
     "playground.js": "text/javascript",
     "console.css": "text/css",
     "favicon.svg": "image/svg+xml",

@@ -3,7 +3,7 @@
 "use strict";
 
 const KEY_STORAGE = "mlxgw.console.key";
-const POLL_MS = { status: 2000, requests: 2000, throughput: 10000, keys: 10000 };
+const POLL_MS = { status: 2000, requests: 2000, throughput: 10000, keys: 10000, audit: 10000 };
 const $ = (id) => document.getElementById(id);
 const state = {
   key: sessionStorage.getItem(KEY_STORAGE),
@@ -130,6 +130,7 @@ function startApp() {
   poll("requests", refreshRequests);
   poll("throughput", refreshThroughput);
   poll("keys", () => (state.tab === "keys" ? refreshKeys() : null));
+  poll("audit", () => (state.tab === "audit" ? refreshAudit() : null));
 }
 
 // -- overview -------------------------------------------------------------------------------------
@@ -353,6 +354,7 @@ function showTab(name) {
   for (const b of document.querySelectorAll(".tab-button")) b.classList.toggle("active", b.dataset.tab === name);
   for (const p of document.querySelectorAll(".tab-panel")) p.hidden = p.id !== `tab-${name}`;
   if (name === "keys") refreshKeys().catch((e) => toast(e.message, "error"));
+  if (name === "audit") refreshAudit().catch((e) => toast(e.message, "error")); // audit.js
   if (name === "overview") refreshRequests().catch(() => {});
 }
 

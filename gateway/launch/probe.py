@@ -125,17 +125,20 @@ def pick_key(url: str, given: str | None, *, create: bool) -> tuple[str | None, 
 def _create_key(keys_file: Path, name: str, stored: Path) -> str:
     """A key with no admin or model-management rights (limited to the launched model once it
     is known: limit_key); a name already in the keys file is the operator's, never replaced."""
+    from mlxgw.gateway.access.audit import record_local
     from mlxgw.gateway.access.key_admin import KeyEditError, create_key
 
     try:
         key, _ = create_key(keys_file, name, {})
     except KeyEditError as e:
+        record_local("keys.create", name, reason=str(e), via="launch")
         if e.kind == "exists":
             raise LaunchError(
                 f"a key named {name!r} is in {keys_file} but its key is not stored in {stored}: launch "
                 "never replaces a key; pass it with --key, or ask the operator for one"
             ) from None
         raise LaunchError(f"cannot create a key in {keys_file}: {e}") from None
+    record_local("keys.create", name, via="launch")
     stored.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(stored, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
@@ -145,12 +148,15 @@ def _create_key(keys_file: Path, name: str, stored: Path) -> str:
 
 def limit_key(name: str, model: str) -> None:
     """The key launch just made may use only the model it launches with."""
+    from mlxgw.gateway.access.audit import record_local
     from mlxgw.gateway.access.key_admin import KeyEditError, update_key
 
     try:
         update_key(paths.keys_file(), name, {"models": [model]})
     except KeyEditError as e:
+        record_local("keys.update", name, {"models": [model]}, reason=str(e), via="launch")
         raise LaunchError(f"cannot limit key {name!r} to model {model!r}: {e}") from None
+    record_local("keys.update", name, {"models": [model]}, via="launch")
 
 
 # -- the model ------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ residue behind it."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import math
 import os
@@ -18,6 +19,7 @@ from typing import Any
 
 from aiohttp import web
 
+from mlxgw.gateway.web.routes import route_of
 from mlxgw.gateway.web.state import SETTINGS
 from mlxgw.gateway.web.work_pools import THREAD_POOLS
 from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
@@ -204,6 +206,8 @@ async def read_json(request: web.Request) -> Any:
     except UnicodeDecodeError:
         raise invalid("the request body is not UTF-8") from None
     doc = await THREAD_POOLS["json"].run(parse_json, text) if len(raw) > THREAD_PARSE_BYTES else parse_json(text)
+    if route_of(request).audit is not None:  # what a change asked for, kept whatever its handler does to it
+        request["json_body"] = copy.deepcopy(doc)
     return _line_body(doc) if request.get("batch_line") else doc
 
 

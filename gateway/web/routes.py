@@ -52,6 +52,7 @@ class Route:
     metered: bool = True  # counts against its key's rate and concurrency limits
     usage: str | None = None  # its API's name in the usage ledger; None: not recorded there
     serves_kinds: tuple[ModelKind, ...] = ()  # model kinds this is *the* route for (named in errors)
+    audit: str | None = None  # its action in the audit trail (gateway/access/audit): every answer recorded
 
 
 # Control routes: a key at its concurrency cap must still be able to see models, cancel its
@@ -59,6 +60,7 @@ class Route:
 _CONTROL = {"capped": False, "metered": False}
 _OLLAMA = Family.OLLAMA
 _ANTHROPIC = Family.ANTHROPIC
+_MANAGE = {"access": Access.MANAGE, "metered": False}  # the registry's model management
 
 ROUTES: tuple[Route, ...] = (
     # generation and encoders: usage rows, capped, metered
@@ -88,17 +90,17 @@ ROUTES: tuple[Route, ...] = (
     Route(("GET",), "/api/ps", _OLLAMA, metered=False),
     Route(("GET",), "/api/version", _OLLAMA, metered=False),
     # Ollama's model management (gateway/api/ollama_manage.py): the operator's, recorded
-    Route(("POST",), "/api/pull", _OLLAMA, access=Access.MANAGE, metered=False, usage="/api/pull"),
-    Route(("DELETE",), "/api/delete", _OLLAMA, access=Access.MANAGE, metered=False, usage="/api/delete"),
-    Route(("POST",), "/api/copy", _OLLAMA, access=Access.MANAGE, metered=False, usage="/api/copy"),
-    Route(("POST",), "/api/create", _OLLAMA, access=Access.MANAGE, metered=False, usage="/api/create"),
+    Route(("POST",), "/api/pull", _OLLAMA, **_MANAGE, usage="/api/pull", audit="models.pull"),
+    Route(("DELETE",), "/api/delete", _OLLAMA, **_MANAGE, usage="/api/delete", audit="models.delete"),
+    Route(("POST",), "/api/copy", _OLLAMA, **_MANAGE, usage="/api/copy", audit="models.copy"),
+    Route(("POST",), "/api/create", _OLLAMA, **_MANAGE, usage="/api/create", audit="models.create"),
     # models, requests, caches
     Route(("GET",), "/"),  # Claude Code checks the server is there
     Route(("GET",), "/v1/models", **_CONTROL),
     Route(("GET",), "/v1/models/{model_id}", **_CONTROL),
     Route(("POST",), "/v1/requests/{rid}/cancel", **_CONTROL),  # the handler checks whose request
     Route(("GET",), "/v1/cache/stats", access=Access.ADMIN, **_CONTROL),  # every model's reuse
-    Route(("DELETE",), "/v1/cache", access=Access.ADMIN, **_CONTROL),
+    Route(("DELETE",), "/v1/cache", access=Access.ADMIN, audit="cache.clear", **_CONTROL),
     # liveness and what every user's traffic looks like
     Route(("GET",), "/health", access=Access.PUBLIC, capped=False),
     Route(("GET",), "/metrics", access=Access.OBSERVER, **_CONTROL),
@@ -106,14 +108,18 @@ ROUTES: tuple[Route, ...] = (
     Route(("GET",), "/v1/status/throughput", access=Access.ADMIN, **_CONTROL),  # every model's tokens/s
     Route(("GET",), "/v1/status/requests", access=Access.ADMIN, **_CONTROL),
     # administration
-    Route(("GET", "POST"), "/v1/keys", access=Access.ADMIN, metered=False),
-    Route(("PATCH", "DELETE"), "/v1/keys/{name}", access=Access.ADMIN, metered=False),
+    Route(("GET",), "/v1/keys", access=Access.ADMIN, metered=False),
+    Route(("POST",), "/v1/keys", access=Access.ADMIN, metered=False, audit="keys.create"),
+    Route(("PATCH",), "/v1/keys/{name}", access=Access.ADMIN, metered=False, audit="keys.update"),
+    Route(("DELETE",), "/v1/keys/{name}", access=Access.ADMIN, metered=False, audit="keys.revoke"),
     Route(("GET",), "/v1/usage", access=Access.ADMIN, metered=False),
-    Route(("POST",), "/v1/models/{name}/load", access=Access.ADMIN, **_CONTROL),
-    Route(("POST",), "/v1/models/{name}/unload", access=Access.ADMIN, **_CONTROL),
-    Route(("POST",), "/v1/models/{name}/pin", access=Access.ADMIN, **_CONTROL),
-    Route(("POST",), "/v1/adapters", access=Access.ADMIN, **_CONTROL),  # LoRA adapters (gateway/api/adapters.py)
-    Route(("DELETE",), "/v1/adapters/{name}", access=Access.ADMIN, **_CONTROL),
+    Route(("GET",), "/v1/audit", access=Access.ADMIN, **_CONTROL),  # who changed what (gateway/api/audit.py)
+    Route(("POST",), "/v1/models/{name}/load", access=Access.ADMIN, audit="models.load", **_CONTROL),
+    Route(("POST",), "/v1/models/{name}/unload", access=Access.ADMIN, audit="models.unload", **_CONTROL),
+    Route(("POST",), "/v1/models/{name}/pin", access=Access.ADMIN, audit="models.pin", **_CONTROL),
+    # LoRA adapters (gateway/api/adapters.py)
+    Route(("POST",), "/v1/adapters", access=Access.ADMIN, audit="adapters.add", **_CONTROL),
+    Route(("DELETE",), "/v1/adapters/{name}", access=Access.ADMIN, audit="adapters.remove", **_CONTROL),
     # the Batch and Files API: the jobs' requests are metered one by one as the runner sends them;
     # an upload and a batch's creation are metered as requests too (rpm, concurrency: issue 40)
     Route(("POST",), "/v1/files"),
