@@ -7,7 +7,7 @@ values stay true). An unmarked block is executed by bash with these stand-ins:
 - `curl` is the real curl, failing on an HTTP error, with 127.0.0.1:8000 pointed at the
   test's gateway;
 - `mlxgw` runs `python -m helpers.doc_commands` (this file): the arguments are parsed
-  by the real CLI, then `keys`, `usage` and `models list` run for real; `up` and `worker`,
+  by the real CLI, then `keys`, `usage`, `audit` and `models list` run for real; `up` and `worker`,
   which would serve forever, stop after the parse (the `--help` check, with values checked
   too); anything else must be marked;
 - `make` is `make -n` (the targets exist and their recipes expand; `make test` would be the
@@ -32,7 +32,7 @@ SUBSTITUTION = re.compile(r"\$\([^()]*\)")
 # First words an unmarked block may run: each has a stand-in above, or is harmless.
 RUNNABLE = {"curl", "mlxgw", "make", "export", "openssl"}
 # `mlxgw` sub-commands that run for real inside a test, and those that would serve forever.
-RUN_FOR_REAL = {("keys",), ("usage",), ("models", "list")}
+RUN_FOR_REAL = {("keys",), ("usage",), ("audit",), ("models", "list")}
 SERVES_FOREVER = {("up",), ("worker",)}
 
 
@@ -164,7 +164,8 @@ def main(argv: list[str]) -> int:
     if path in RUN_FOR_REAL or path[:1] in RUN_FOR_REAL:
         from mlxgw.cli import main as cli
 
-        home = os.environ["DOC_GATEWAY_HOME"] if path[:1] == ("usage",) else os.environ["DOC_SCRATCH_HOME"]
+        reads_gateway = path[:1] in (("usage",), ("audit",))  # the docs gateway's ledger and audit trail
+        home = os.environ["DOC_GATEWAY_HOME"] if reads_gateway else os.environ["DOC_SCRATCH_HOME"]
         os.environ["MLXGW_HOME"] = home
         try:
             cli.main(argv, prog_name="mlxgw", standalone_mode=True)
