@@ -19,6 +19,7 @@ from mlxgw.shared.platform import total_memory_bytes
 from mlxgw.worker.model.cache.prefix_store import restore_into, save_from
 from mlxgw.worker.model.capacity import SeqsChoice, choose_max_num_seqs
 from mlxgw.worker.process.engine import Engine
+from mlxgw.worker.process.helper_child import start_helper_child
 from mlxgw.worker.process.link import WorkerLink
 from mlxgw.worker.process.load_progress import LoadProgress
 from mlxgw.worker.schedule.preprocess import Preprocessor
@@ -260,6 +261,7 @@ def serve(
     if entry.kind in ENCODER_KINDS:
         info["dimensions"] = runner.dim
     link.hello["info"] = info
+    start_helper_child()  # tests only: a helper process's memory under the worker
     link.state = "ready"
     link.send(p.READY, info=info)
     # One thread: HF tokenizers may refuse concurrent use ("Already borrowed"); a slow template
