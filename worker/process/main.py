@@ -179,7 +179,8 @@ def kv_budget_for(entry: ModelEntry, runner):
     """The KV budget rows are admitted within, measured now that the weights are loaded
     (worker/model/kv_budget.py); None where rows are admitted by count (other engines, and sharded
     models, whose ranks must keep identical prefix caches)."""
-    from mlxgw.worker.model.kv_budget import KVBudget, measure_budget
+    from mlxgw.worker.model.kv_budget import KVBudget, activations_of, measure_budget
+    from mlxgw.worker.schedule.prefill_plan import IDLE_BUDGET_FACTOR
 
     try:
         profile = runner.kv_profile() if entry.distributed is None else None
@@ -189,6 +190,9 @@ def kv_budget_for(entry: ModelEntry, runner):
     if profile is None:
         return None
     budget = KVBudget(profile, less_adapters(measure_budget(entry.cache.kv_memory_mb, total_memory_bytes()), entry))
+    model = getattr(runner, "model", None)
+    budget.activations = activations_of(model) if model is not None else None  # a prefill step's memory counts too
+    budget.set_chunk(entry.prefill_step_size * IDLE_BUDGET_FACTOR)  # as the scheduler will
     log.info("KV budget %d MiB (%s); %s", budget.budget_bytes >> 20, budget.measured.source, profile.as_dict())
     if budget.tokens_alone() < min(runner.context_length, SHORT_KV_BUDGET_TOKENS):
         log.warning(
