@@ -58,7 +58,8 @@ def test_a_rows_reservation_counts_one_steps_activations_and_what_fits_alone_shr
     for b in (plain, reserved):
         b.set_chunk(512)
     assert reserved.bytes_for([3000, 100]) == plain.bytes_for([3000, 100]) + acts.bytes(512, 3000, 2)
-    assert reserved.bytes_for([100]) == plain.bytes_for([100]) + acts.bytes(100, 100)  # a chunk past the row is never read
+    # a chunk past the row is never read
+    assert reserved.bytes_for([100]) == plain.bytes_for([100]) + acts.bytes(100, 100)
     assert reserved.tokens_alone() < plain.tokens_alone()
     assert reserved.counters([3000], [3000], 0)["prefill_reserve_bytes"] == acts.bytes(512, 3000)
 
