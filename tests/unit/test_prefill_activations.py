@@ -2,7 +2,7 @@
 
 A step that reads a chunk of prompt tokens holds, for a moment, each layer's activations
 and (where attention is not fused) its scores: on the tiny llama, 512 tokens after 4,096
-held 41.6 MiB beside 0.2 MiB of new KV. Admission counted the KV alone, so the rows and the
+held 80.8 MiB beside 0.2 MiB of new KV. Admission counted the KV alone, so the rows and the
 prefix cache could fill the budget and every prefill step went past it. The estimate
 (hidden and intermediate sizes, heads, dtype) is checked against mx.get_peak_memory on the
 real tiny model, and the real scheduler over the real runner is run with a budget the
@@ -24,6 +24,9 @@ MB = 1 << 20
 def tiny_model(tiny_dir):
     from mlx_lm import load
 
+    from mlxgw.worker.model.cpu import cpu_attention
+
+    cpu_attention.install()  # as the worker runs it (build_mlx.py): its scores are what is measured
     model, _ = load(str(tiny_dir))
     return model
 
@@ -47,7 +50,7 @@ def _transient(model, prefix: int, chunk: int) -> int:
 def test_the_estimate_covers_what_a_chunk_really_holds_and_not_many_times_more(tiny_model, prefix, chunk):
     estimate = activations_of(tiny_model).bytes(chunk, prefix + chunk, rows=0)  # a prompt chunk: no logits
     measured = _transient(tiny_model, prefix, chunk)
-    assert measured <= estimate <= 1.8 * measured, (measured / MB, estimate / MB)
+    assert measured <= estimate <= 1.5 * measured, (measured / MB, estimate / MB)
 
 
 def test_a_rows_reservation_counts_one_steps_activations_and_what_fits_alone_shrinks(tiny_model):
@@ -77,7 +80,7 @@ def test_rows_prefix_cache_and_a_prefill_step_together_stay_within_the_budget(ti
     runner = build_mlx_runner(
         str(tiny_dir), context_length=None, max_num_seqs=8, prefill_step_size=128, cache_bytes=64 * MB
     )
-    budget_bytes = 4 * MB
+    budget_bytes = 6 * MB
     kv = KVBudget(runner.kv_profile(), Measured(budget_bytes, "test"), activations=activations_of(runner.model))
     pace = PrefillPace()
     pace.observe(1_000_000, 1.0)
@@ -96,7 +99,7 @@ def test_rows_prefix_cache_and_a_prefill_step_together_stay_within_the_budget(ti
     assert not sched.has_work()
     assert runner.prefix_cache.nbytes > MB / 2  # the cache did fill
     held = mx.get_peak_memory() - weights
-    # Measured: 4.5-4.7 MiB with the reserve, 6.7 MiB without. What rides on top is the KV
+    # Measured: 4.9 MiB with the reserve, 8.8 MiB without it. The margin is for the KV
     # buffers' growth (mlx-lm extends a layer's buffer by concatenation: old and new are
     # alive together for that step), which is not reserved.
     assert held <= budget_bytes + MB, (held / MB, budget_bytes / MB)

@@ -143,14 +143,18 @@ def probe(model, fresh_cache: list) -> KVProfile:
 # While a step reads a chunk of prompt tokens, each layer's activations live until the next
 # layer has used them (mlx-lm evaluates only the cache state, so no logits): per chunk token
 # about ACT_HIDDEN x hidden + ACT_INTERMEDIATE x intermediate elements, and where attention
-# is not fused (the CPU) its scores and mask, (heads + 1) elements per (chunk token, context
-# token). Calibrated with mx.get_peak_memory less what stays after one forward pass into a
-# cache (float32, Linux CPU): the tiny llama (hidden 64, 4 heads), 512 tokens: 6.5 MiB measured,
-# 6.7 estimated, 512 after 4,096: 41.6 measured, 47.8 estimated; SmolLM2-135M (hidden 576,
-# 9 heads), 2,048 tokens: 234 measured, 268 estimated, 512 after 4,096: 110 measured, 117 estimated.
-# Metal's fused attention (mx.fast.scaled_dot_product_attention) holds no scores: no pair term.
+# is not fused (the CPU) its scores, their base-2 exponentials and the split halves' partial
+# results (worker/model/cpu/cpu_attention.py): PAIR_PER_HEAD x heads + PAIR_EXTRA elements per
+# (chunk token, context token). Calibrated with mx.get_peak_memory less what stays after one
+# forward pass into a cache, with the CPU attention installed (float32, Linux CPU): the tiny
+# llama (hidden 64, 4 heads), 512 tokens: 9.8 MiB measured, 12.8 estimated, 512 after 4,096:
+# 80.8 measured, 97 estimated; SmolLM2-135M (hidden 576, 9 heads), 2,048 tokens: 352
+# measured, 428 estimated, 512 after 4,096: 186 measured, 207 estimated. Metal's fused
+# attention (mx.fast.scaled_dot_product_attention) holds no scores: no pair term there.
 ACT_HIDDEN = 16
 ACT_INTERMEDIATE = 3
+PAIR_PER_HEAD = 2
+PAIR_EXTRA = 2
 # Every step also computes each running row's logits and their log-probabilities (float32).
 LOGIT_COPIES = 2
 
@@ -183,7 +187,7 @@ def activations_of(model) -> PrefillActivations | None:
     fused = mx.default_device() == mx.gpu
     return PrefillActivations(
         per_token=(ACT_HIDDEN * hidden + ACT_INTERMEDIATE * intermediate) * size,
-        per_pair=0 if fused else (heads + 1) * size,
+        per_pair=0 if fused else (PAIR_PER_HEAD * heads + PAIR_EXTRA) * size,
         per_row=LOGIT_COPIES * 4 * (model_arg(model, "vocab_size") or 0),
     )
 
