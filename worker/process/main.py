@@ -190,8 +190,11 @@ def kv_budget_for(entry: ModelEntry, runner):
     if profile is None:
         return None
     budget = KVBudget(profile, less_adapters(measure_budget(entry.cache.kv_memory_mb, total_memory_bytes()), entry))
+    # A measured budget is what the machine leaves: a prefill step's activations come out of
+    # it too. A kv_memory_mb set outright is the KV's own, as set.
     model = getattr(runner, "model", None)
-    budget.activations = activations_of(model) if model is not None else None  # a prefill step's memory counts too
+    if model is not None and entry.cache.kv_memory_mb is None:
+        budget.activations = activations_of(model)
     budget.set_chunk(entry.prefill_step_size * IDLE_BUDGET_FACTOR)  # as the scheduler will
     log.info("KV budget %d MiB (%s); %s", budget.budget_bytes >> 20, budget.measured.source, profile.as_dict())
     if budget.tokens_alone() < min(runner.context_length, SHORT_KV_BUDGET_TOKENS):
