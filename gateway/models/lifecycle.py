@@ -111,7 +111,8 @@ class ModelSlot:
     ready_since: float | None = None
     loading_since: float | None = None  # monotonic time of the last UNLOADED/RESTARTING -> LOADING
     load_seconds: float | None = None
-    measured_bytes: int | None = None  # peak RSS seen for this model's worker
+    measured_bytes: int | None = None  # peak RSS seen for this model's worker (its process tree)
+    tree: object | None = None  # the worker's processes, measured by the gateway (worker_memory.py)
     context_warning: str | None = None  # context_length above what the model supports
     retired: bool = False  # removed or replaced by a reload: never started again
     # Monotonic time before which idle unloading and eviction leave the model (Ollama's

@@ -37,6 +37,7 @@ from mlxgw.gateway.models.model_report import describe_slot, load_progress
 from mlxgw.gateway.models.residency import TICK_S, Occupant, Residency
 from mlxgw.gateway.models.slot_runner import SlotRunner, Spawner
 from mlxgw.gateway.models.supervisor import spawn_worker
+from mlxgw.gateway.models.worker_memory import Leftovers, ProcessTree
 from mlxgw.shared.config import Registry
 from mlxgw.shared.errors import ErrorCode, ServiceError
 
@@ -58,6 +59,7 @@ class ModelManager(SlotRunner):
         self.slots: dict[str, ModelSlot] = {e.name: ModelSlot(e) for e in registry.models}
         self.retiring: set[ModelSlot] = set()  # replaced or removed by a reload, still draining
         self.residency = Residency(registry)
+        self.leftovers = Leftovers()  # processes of exited workers, counted until gone
         self.changed = Pulse()  # fires on every slot transition and when a worker goes idle
         self._admit_lock = asyncio.Lock()
         self._tasks: set[asyncio.Task] = set()
@@ -318,10 +320,14 @@ class ModelManager(SlotRunner):
         ]
 
     def rss(self, slot: ModelSlot) -> int:
-        return max((int(c.stats.get("rss_bytes", 0)) for c in self.local_conns(slot)), default=0)
+        """The worker's memory: its process tree read now (worker_memory.py), or what its last
+        heartbeat said where that is more (a remote worker: the heartbeat alone)."""
+        reported = max((int(c.stats.get("rss_bytes", 0)) for c in self.local_conns(slot)), default=0)
+        tree = slot.tree.rss_bytes() if isinstance(slot.tree, ProcessTree) else 0
+        return max(reported, tree)
 
     def memory_snapshot(self) -> dict:
-        return self.residency.snapshot(self.occupants())
+        return self.residency.snapshot(self.occupants(), self.leftovers.rss_bytes())
 
     def processes(self) -> list[dict]:
         """Every worker process this gateway spawned and has not yet seen exit, retiring ones

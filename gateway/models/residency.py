@@ -42,6 +42,7 @@ class Occupant:
 class Plan:
     fits: bool = False
     victim: ModelSlot | None = None  # stop this one, then ask again
+    releasing: bool = False  # fits once an exited worker's leftover processes are gone: wait
     refusal: ServiceError | None = None  # can never fit
 
 
@@ -79,8 +80,9 @@ class Residency:
         return sum(self.footprint(o) for o in occupants)
 
     # -- decisions ----------------------------------------------------------------------------------
-    def plan(self, slot: ModelSlot, others: list[Occupant]) -> Plan:
-        """Whether `slot` may start now, given the other resident models."""
+    def plan(self, slot: ModelSlot, others: list[Occupant], exiting: int = 0) -> Plan:
+        """Whether `slot` may start now, given the other resident models and the memory that
+        exited workers' processes still hold (`exiting`: counted until it is released)."""
         m = self.registry.manager
         budget, need = self.budget_bytes, self.expected(slot)
         if need > budget:
@@ -91,8 +93,12 @@ class Residency:
                     f"({budget >> 20} MB)",
                 )
             )
-        if self.used_bytes(others) + need <= budget and len(others) < m.max_loaded_models:
+        room = len(others) < m.max_loaded_models
+        used = self.used_bytes(others)
+        if used + exiting + need <= budget and room:
             return Plan(fits=True)
+        if exiting and used + need <= budget and room:
+            return Plan(releasing=True)  # evicting more would not be needed: wait for the release
         candidates = [
             o.slot
             for o in others
@@ -129,10 +135,11 @@ class Residency:
             and now - slot.last_used > idle_after
         )
 
-    def snapshot(self, occupants: list[Occupant]) -> dict:
+    def snapshot(self, occupants: list[Occupant], exiting: int = 0) -> dict:
         return {
             "budget_bytes": self.budget_bytes,
-            "used_bytes": self.used_bytes(occupants),
+            "used_bytes": self.used_bytes(occupants) + exiting,
+            "exiting_bytes": exiting,
             "resident_models": [o.slot.name for o in occupants],
             "evictions": self.evictions,
             "idle_unloads": self.idle_unloads,

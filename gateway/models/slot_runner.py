@@ -18,6 +18,7 @@ from mlxgw.gateway.link.broker import Broker
 from mlxgw.gateway.models.lifecycle import ModelSlot, Pulse, SlotState
 from mlxgw.gateway.models.rank_group import sharding_refusal
 from mlxgw.gateway.models.residency import Occupant, Residency
+from mlxgw.gateway.models.worker_memory import Leftovers, ProcessTree
 from mlxgw.shared.config import Registry
 from mlxgw.shared.errors import ErrorCode, ServiceError
 from mlxgw.shared.protocol import EXIT_UNSERVABLE
@@ -41,6 +42,7 @@ def request_may_have_caused(code: int | None) -> bool:
 log = logging.getLogger(__name__)
 
 STOP_GRACE_S = 30.0
+RELEASE_POLL_S = 0.05  # how often a load waiting for an exited worker's memory looks again
 FAILED_RETRY_MAX_S = 3600.0
 
 
@@ -72,6 +74,7 @@ class SlotRunner:
     broker: Broker
     spawner: Spawner
     residency: Residency
+    leftovers: Leftovers
     changed: Pulse
     closing: bool
     _admit_lock: asyncio.Lock
@@ -154,6 +157,7 @@ class SlotRunner:
             hang_timeout_s=m.hang_timeout_s,
         )
         slot.process = proc
+        slot.tree = ProcessTree(proc.pid)
         self.broker.expect_local(proc.worker_id, proc.pid)
         try:
             if slot.stopping or self.closing:  # a stop came while it was being spawned
@@ -164,6 +168,11 @@ class SlotRunner:
             if proc.running:  # cancelled: never leave a process behind
                 proc.signal(signal.SIGKILL)
                 await proc.wait()
+            # What the worker left running is killed and counted until gone, before the slot
+            # stops counting: a load never starts on memory that is not yet released.
+            if isinstance(slot.tree, ProcessTree):
+                self.leftovers.add(slot.tree.end_leftovers())
+            slot.tree = None
         planned = slot.stopping or slot.retired or self.closing
         fps = self.broker.release_local(proc.worker_id, f"process exited with code {code}", planned=planned)
         slot.process = None
@@ -191,12 +200,15 @@ class SlotRunner:
                 if slot.stopping or slot.retired or self.closing:
                     raise ServiceError(ErrorCode.MODEL_UNAVAILABLE, "the model was unloaded while loading")
                 others = self.occupants(exclude=slot)
-                plan = self.residency.plan(slot, others)
+                plan = self.residency.plan(slot, others, self.leftovers.rss_bytes())
                 if plan.refusal is not None:
                     raise plan.refusal
                 if plan.fits:
                     slot.admitted = True
                     return
+                if plan.releasing and time.monotonic() < deadline:
+                    await asyncio.sleep(RELEASE_POLL_S)  # an exited worker's processes: their exit frees it
+                    continue
                 if plan.victim is not None:
                     self.residency.evictions += 1
                     await self.unload(plan.victim, f"evicted to make room for {slot.name}")

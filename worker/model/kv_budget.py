@@ -141,6 +141,59 @@ def probe(model, fresh_cache: list) -> KVProfile:
     return KVProfile([layer for c in fresh_cache for layer in describe_layer(c)])
 
 
+# -- a prefill step's activations ---------------------------------------------------------------
+# While a step reads a chunk of prompt tokens, each layer's activations live until the next
+# layer has used them (mlx-lm evaluates only the cache state, so no logits): per chunk token
+# about ACT_HIDDEN x hidden + ACT_INTERMEDIATE x intermediate elements, and where attention
+# is not fused (the CPU) its scores, their base-2 exponentials and the split halves' partial
+# results (worker/model/cpu/cpu_attention.py): PAIR_PER_HEAD x heads + PAIR_EXTRA elements per
+# (chunk token, context token). Calibrated with mx.get_peak_memory less what stays after one
+# forward pass into a cache, with the CPU attention installed (float32, Linux CPU): the tiny
+# llama (hidden 64, 4 heads), 512 tokens: 9.8 MiB measured, 12.8 estimated, 512 after 4,096:
+# 80.8 measured, 97 estimated; SmolLM2-135M (hidden 576, 9 heads), 2,048 tokens: 352
+# measured, 428 estimated, 512 after 4,096: 186 measured, 207 estimated. Metal's fused
+# attention (mx.fast.scaled_dot_product_attention) holds no scores: no pair term there.
+ACT_HIDDEN = 16
+ACT_INTERMEDIATE = 3
+PAIR_PER_HEAD = 2
+PAIR_EXTRA = 2
+# Every step also computes each running row's logits and their log-probabilities (float32).
+LOGIT_COPIES = 2
+
+
+@dataclass(frozen=True)
+class PrefillActivations:
+    per_token: int  # bytes per chunk token: hidden states, projections, the MLP
+    per_pair: int  # bytes per (chunk token, context token): attention scores of every head and the mask
+    per_row: int = 0  # bytes per running row: its logits and log-probabilities at each step
+
+    def bytes(self, chunk: int, context: int, rows: int = 1) -> int:
+        return chunk * self.per_token + chunk * context * self.per_pair + rows * self.per_row
+
+
+def activations_of(model) -> PrefillActivations | None:
+    """A loaded model's prefill activations per token, from its hidden and intermediate
+    sizes, its heads and its compute dtype; None where its args do not say them."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from mlxgw.worker.model.model_info import model_arg
+
+    hidden, heads = model_arg(model, "hidden_size"), model_arg(model, "num_attention_heads")
+    if hidden is None or heads is None:
+        return None
+    intermediate = model_arg(model, "intermediate_size") or 4 * hidden
+    floats = (mx.float32, mx.float16, mx.bfloat16)
+    dtype = next((v.dtype for _, v in tree_flatten(model.parameters()) if v.dtype in floats), mx.float32)
+    size = dtype.size
+    fused = mx.default_device() == mx.gpu
+    return PrefillActivations(
+        per_token=(ACT_HIDDEN * hidden + ACT_INTERMEDIATE * intermediate) * size,
+        per_pair=0 if fused else (PAIR_PER_HEAD * heads + PAIR_EXTRA) * size,
+        per_row=LOGIT_COPIES * 4 * (model_arg(model, "vocab_size") or 0),
+    )
+
+
 # -- the budget ------------------------------------------------------------------------------
 @dataclass
 class Measured:
@@ -241,14 +294,28 @@ class KVBudget:
     # Memory taken from the same budget as it changes (the resident LoRA adapters' weights,
     # where no adapter_memory_mb reserves them up front); read at every admission.
     taken: Callable[[], int] | None = None
+    activations: PrefillActivations | None = None  # a prefill step's transient memory, reserved too
     _alone: tuple[int, int] | None = None  # (budget, the longest row that fits it alone)
 
     @property
     def budget_bytes(self) -> int:
         return max(0, self.measured.bytes - (self.taken() if self.taken is not None else 0))
 
+    def set_chunk(self, tokens: int) -> None:
+        """The most prompt tokens a step reads (the scheduler's prefill budget)."""
+        self.chunk = tokens
+        self._alone = None  # what fits alone depends on it
+
     def bytes_for(self, reaches: list[int]) -> int:
-        return self.profile.rows_bytes(reaches, self.chunk)
+        """The rows' KV, and one prefill step's activations beside it (a step reads at most
+        `chunk` prompt tokens, each attending to at most the longest row)."""
+        return self.profile.rows_bytes(reaches, self.chunk) + self.prefill_bytes(reaches)
+
+    def prefill_bytes(self, reaches: list[int]) -> int:
+        if self.activations is None or not reaches or not self.chunk:
+            return 0
+        longest = max(reaches)
+        return self.activations.bytes(min(self.chunk, longest), longest, len(reaches))
 
     def tokens_alone(self) -> int:
         """The longest row (prompt + answer, tokens) that fits the budget alone."""
@@ -300,6 +367,7 @@ class KVBudget:
             "reserved_bytes": reserved,
             "held_bytes": self.bytes_for(holds),
             "free_bytes": max(0, self.budget_bytes - reserved),
+            "prefill_reserve_bytes": self.prefill_bytes(reserves),
             "prefix_cache_bytes": cache_bytes,
             "rows": len(reserves),
             "tokens_alone": self.tokens_alone(),

@@ -36,6 +36,16 @@ def _nested_args(model) -> list[Any]:
     return [a for a in out if a is not None]
 
 
+def model_arg(model, name: str) -> int | None:
+    """A positive integer hyper-parameter (hidden_size, num_attention_heads...) from the
+    model's args or its nested text args; None where none says it."""
+    for args in _nested_args(model):
+        value = _field(args, name)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
 # What families name their token embedding (a tied head is one of these).
 TOKEN_EMBEDDINGS = ("embed_tokens", "wte", "tok_embeddings", "embeddings", "embedding")
 

@@ -19,6 +19,7 @@ from mlxgw.shared.platform import total_memory_bytes
 from mlxgw.worker.model.cache.prefix_store import restore_into, save_from
 from mlxgw.worker.model.capacity import SeqsChoice, choose_max_num_seqs
 from mlxgw.worker.process.engine import Engine
+from mlxgw.worker.process.helper_child import start_helper_child
 from mlxgw.worker.process.link import WorkerLink
 from mlxgw.worker.process.load_progress import LoadProgress
 from mlxgw.worker.schedule.preprocess import Preprocessor
@@ -180,7 +181,8 @@ def kv_budget_for(entry: ModelEntry, runner):
     """The KV budget rows are admitted within, measured now that the weights are loaded
     (worker/model/kv_budget.py); None where rows are admitted by count (other engines, and sharded
     models, whose ranks must keep identical prefix caches)."""
-    from mlxgw.worker.model.kv_budget import KVBudget, measure_budget
+    from mlxgw.worker.model.kv_budget import KVBudget, activations_of, measure_budget
+    from mlxgw.worker.schedule.prefill_plan import IDLE_BUDGET_FACTOR
 
     try:
         profile = runner.kv_profile() if entry.distributed is None else None
@@ -196,6 +198,12 @@ def kv_budget_for(entry: ModelEntry, runner):
         budget.taken = bank.resident_bytes
         if entry.adapters:
             budget.measured.source += ", less resident adapters"
+    # A measured budget is what the machine leaves: a prefill step's activations come out of
+    # it too. A kv_memory_mb set outright is the KV's own, as set.
+    model = getattr(runner, "model", None)
+    if model is not None and entry.cache.kv_memory_mb is None:
+        budget.activations = activations_of(model)
+    budget.set_chunk(entry.prefill_step_size * IDLE_BUDGET_FACTOR)  # as the scheduler will
     log.info("KV budget %d MiB (%s); %s", budget.budget_bytes >> 20, budget.measured.source, profile.as_dict())
     if budget.tokens_alone() < min(runner.context_length, SHORT_KV_BUDGET_TOKENS):
         log.warning(
@@ -268,6 +276,7 @@ def serve(
     if entry.kind in ENCODER_KINDS:
         info["dimensions"] = runner.dim
     link.hello["info"] = info
+    start_helper_child()  # tests only: a helper process's memory under the worker
     link.state = "ready"
     link.send(p.READY, info=info)
     # One thread: HF tokenizers may refuse concurrent use ("Already borrowed"); a slow template

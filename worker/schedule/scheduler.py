@@ -82,7 +82,7 @@ class Scheduler:
         self.max_queue = max_queue
         self.choices = ChoiceGroups()
         if kv is not None:  # a window layer holds the chunk a step reads past its window
-            kv.chunk = (prefill_budget or 0) * idle_budget_factor
+            kv.set_chunk((prefill_budget or 0) * idle_budget_factor)
         self.admission = Admission(
             runner, max_num_seqs, self.prefill, fair if fair is not None else FairQueue(), self.choices, kv
         )

@@ -20,10 +20,16 @@ from the files' headers at start, so blocks written by an earlier worker serve t
   fingerprint, key, parent key, first position, tokens, layouts. A file with another
   fingerprint is deleted when read.
 - Crash safety: written to a temporary name, fsynced, renamed; a torn or inconsistent file
-  is skipped with one log line and deleted, never a crash."""
+  is skipped with one log line and deleted, never a crash.
+- Files changed under a running worker (block_file.py checks each read): a link, a file of
+  another size than indexed, arrays that do not match the digest written with them, or
+  shapes and dtypes other than the blocks memory holds: skipped, deleted, and the row
+  computes what it missed. A full disk (ENOSPC, a quota, a file-size limit) pauses writing
+  for FULL_PAUSE_S with one log line; blocks stay in memory's tier until they are evicted."""
 
 from __future__ import annotations
 
+import errno
 import heapq
 import io
 import json
@@ -45,7 +51,9 @@ from mlxgw.worker.model.cache.eviction import Clock
 
 log = logging.getLogger(__name__)
 
-FORMAT = "mlxgw-prefix-block/1"
+FORMAT = "mlxgw-prefix-block/2"  # /2: a digest of the arrays (files of /1 are skipped and deleted)
+FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+FULL_PAUSE_S = 60.0  # after a full disk, no write is tried for this long
 SCAN_BUDGET_S = 5.0  # headers read at start at most this long; the files left are deleted
 TEMP_PREFIX = bf.TEMP_PREFIX  # a name a start removes: left by a write that was killed
 SUFFIX = ".safetensors"
@@ -77,7 +85,9 @@ class BlockDisk:
         self.index: dict[bytes, DiskBlock] = {}
         self.children: dict[bytes, set[bytes]] = {}  # parent key -> keys here
         self.nbytes = 0
-        self.counts = {"written": 0, "read": 0, "skipped": 0, "refused": 0, "deleted": 0}
+        self.counts = {"written": 0, "read": 0, "skipped": 0, "refused": 0, "deleted": 0, "write_failed": 0}
+        self._full_until = 0.0  # monotonic time before which no write is tried (the disk was full)
+        self._layout: list | None = None  # this model's layers' dtypes and shapes (block_file.layout_of)
         self.reader = BlockReader()  # reads files off the engine thread (prefetch)
         self.clock = Clock()
         self._scan(scan_budget_s)
@@ -94,17 +104,23 @@ class BlockDisk:
             if set(block.checkpoints) <= held.marks:
                 return False
             self._drop(block.key)  # it took checkpoints since it was written: written again
-        if block.nbytes > self.max_bytes:
+        if block.nbytes > self.max_bytes or time.monotonic() < self._full_until:
             return False
         try:
             path, size = self._write(block)
-        except Exception:  # the disk tier saves time later; a failed write costs that block only
-            log.exception("prefix cache: writing a block to disk failed")
+        except Exception as e:  # the disk tier saves time later; a failed write costs that block only
+            self.counts["write_failed"] += 1
+            if isinstance(e, OSError) and e.errno in FULL_ERRNOS:
+                self._full_until = time.monotonic() + FULL_PAUSE_S
+                log.warning("prefix cache: the disk is full (%s); no block is written for %g s", e, FULL_PAUSE_S)
+            else:
+                log.exception("prefix cache: writing a block to disk failed")
             return False
         parent = block.parent.key if block.parent is not None else kb.ROOT
         used = max(block.used_at, held.used_at if held is not None else 0.0) or time.time()
         hits = max(block.hits, held.hits if held is not None else 0)
         marks = frozenset(block.checkpoints)
+        self._layout = bf.layout_of(block.pieces)
         self._add(DiskBlock(block.key, parent, block.start, block.tokens, path, size, used, hits, marks=marks))
         self.counts["written"] += 1
         if bound:
@@ -133,17 +149,14 @@ class BlockDisk:
             "scalars": json.dumps(scalars),
             "used_at": repr(block.used_at),
             "hits": str(block.hits),
+            "digest": bf.digest(arrays),
         }
         self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         path = self.dir / f"{block.key.hex()}{SUFFIX}"
         temp = self.dir / f"{TEMP_PREFIX}{block.key.hex()}-{os.getpid()}{SUFFIX}"
-        try:
-            mx.save_safetensors(str(temp), arrays, meta)
-            bf.fsync_path(temp)
-            os.chmod(temp, 0o600)  # prompts are users' data
-            os.replace(temp, path)
-        finally:
-            temp.unlink(missing_ok=True)
+        data = io.BytesIO()
+        mx.save_safetensors(data, arrays, meta)  # in memory: Python's own write raises on a full disk
+        bf.write_private(temp, path, data.getbuffer())
         # No fsync of the directory per block: a crash may lose a rename (a block to compute
         # again), never leave a torn file under a block's name; one sync per file is enough.
         return path, path.stat().st_size
@@ -183,7 +196,7 @@ class BlockDisk:
         may be admitted: bring_back then parses bytes already read)."""
         keys = self._missing(tree, prompt)
         for key in keys:
-            self.reader.start(key, self.index[key].path)
+            self.reader.start(key, self.index[key].path, self.index[key].nbytes)
         return all(self.reader.ended(key) for key in keys)
 
     def _missing(self, tree: kb.BlockTree, prompt: list[int]) -> list[bytes]:
@@ -215,6 +228,7 @@ class BlockDisk:
         held = self.index[key]
         try:
             block = self._read(held, parent)
+            bf.check_like(block, self._reference(tree))
         except Exception as e:  # a torn or foreign file costs that block only
             log.warning("prefix cache: skipped block file %s: %s", held.path.name, e)
             self.counts["skipped"] += 1
@@ -233,12 +247,14 @@ class BlockDisk:
         from mlxgw.worker.model.cache import quantized_kv  # noqa: F401  (registers the quantized row class for loading)
 
         read = self.reader.take(held.key)  # bytes read off the engine thread, when prefetched
-        source = io.BytesIO(read) if read is not None else str(held.path)
-        arrays, meta = mx.load(source, format="safetensors", return_metadata=True)
+        data = read if read is not None else bf.read_regular(held.path, held.nbytes)
+        arrays, meta = mx.load(io.BytesIO(data), format="safetensors", return_metadata=True)
         if meta.get("format") != FORMAT or meta.get("fingerprint") != self.fingerprint:
             raise ValueError("written for another format or model")
         if meta.get("key") != held.key.hex() or json.loads(meta["tokens"]) != list(held.tokens):
             raise ValueError("its key or tokens disagree with its name")
+        if meta.get("digest") != bf.digest(arrays):
+            raise ValueError("its arrays do not match the digest written with them")
         pieces = [bf.decode_piece(p, f"p{i}", arrays) for i, p in enumerate(json.loads(meta["pieces"]))]
         for p in pieces:
             for a in kb.piece_arrays(p):
@@ -259,6 +275,14 @@ class BlockDisk:
         block = kb.Block(held.key, parent, held.tokens, held.start, pieces, dict(marks.states), set(marks.priority))
         block.used_at, block.hits = held.used_at, held.hits
         return block
+
+    def _reference(self, tree: kb.BlockTree) -> list | None:
+        """The layers' dtypes and shapes of the blocks memory holds (this model's KV), or of
+        the last block written here; None before any."""
+        block = next(iter(tree.blocks.values()), None)
+        if block is not None:
+            self._layout = bf.layout_of(block.pieces)
+        return self._layout
 
     # -- index -----------------------------------------------------------------------------------
     def _scan(self, budget_s: float) -> None:

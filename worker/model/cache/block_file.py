@@ -1,9 +1,13 @@
 """The pieces of a disk-tier block file (worker/model/cache/block_disk.py) that are plain data:
 a block's KV pieces as named arrays and back, the blocks' use kept beside their files
-(`uses.json`), and the fsync that makes a rename survive a crash."""
+(`uses.json`), the fsync that makes a rename survive a crash, and what a file read back must
+pass: a regular file of the size indexed (never a link out of the folder, a FIFO, or a file
+that grew), arrays that match the digest written with them (a planted file with a copied
+header and other contents), and each layer's shapes and dtypes those of this model's KV."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -49,6 +53,73 @@ def regular_file(path: Path) -> bool:
         return stat.S_ISREG(path.lstat().st_mode)
     except OSError:
         return False
+
+
+def read_regular(path: Path, max_bytes: int | None = None) -> bytes:
+    """A block file's bytes: refused when it is a link, not a regular file, or longer than
+    max_bytes (the size it was indexed with)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError("not a regular file")
+        if max_bytes is not None and info.st_size != max_bytes:
+            raise ValueError(f"{info.st_size} bytes where {max_bytes} were indexed")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read(info.st_size + 1)
+    finally:
+        os.close(fd)
+    if max_bytes is not None and len(data) != max_bytes:
+        raise ValueError("it changed while it was read")
+    return data
+
+
+def digest(arrays: dict) -> str:
+    """Of every array's name, dtype, shape and bytes, in name order."""
+    import mlx.core as mx
+
+    h = hashlib.blake2b(digest_size=16)
+    for name in sorted(arrays):
+        a = mx.contiguous(arrays[name])
+        mx.eval(a)
+        h.update(f"{name}:{a.dtype}:{tuple(a.shape)};".encode())
+        h.update(memoryview(a))
+    return h.hexdigest()
+
+
+def layout_of(pieces: list) -> list:
+    """Per layer, each array's dtype and shape less its positions axis: what every block of
+    one model shares."""
+
+    def one(piece):
+        if piece is None:
+            return None
+        if isinstance(piece, tuple):
+            return [one(p) for p in piece]
+        return [(str(a.dtype), tuple(a.shape[:-2]) + tuple(a.shape[-1:])) for a in (*piece.keys, *piece.values)]
+
+    return [one(p) for p in pieces]
+
+
+def check_like(block, reference: list | None) -> None:
+    """Refuse a block read back whose layers differ from this model's (reference: layout_of
+    a block memory holds; None when none is known yet)."""
+    if reference is not None and layout_of(block.pieces) != reference:
+        raise ValueError("its layers' shapes or dtypes are not this model's")
+
+
+def write_private(temp: Path, path: Path, data) -> None:
+    """`data` under `path`, owner-only (prompts are users' data), through `temp`: written,
+    fsynced, renamed; an error (a full disk) leaves no file behind."""
+    try:
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temp, path)
+    finally:
+        temp.unlink(missing_ok=True)
 
 
 def read_uses(folder: Path, fingerprint: str) -> dict[str, tuple[float, int]]:

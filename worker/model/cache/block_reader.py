@@ -21,6 +21,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
+from mlxgw.worker.model.cache.block_file import read_regular
+
 READ_TIMEOUT_S = 30.0  # past it a read counts as failed: the row computes instead of waiting on
 UNCLAIMED_S = 120.0  # bytes read for a row that never came (cancelled) are dropped after this
 
@@ -35,28 +37,24 @@ class _Read:
     started: float
 
 
-def _read_bytes(path: Path) -> bytes:
-    with open(path, "rb") as f:
-        return f.read()
-
-
 class BlockReader:
     def __init__(self, timeout_s: float = READ_TIMEOUT_S):
         self.timeout_s = timeout_s
-        self._queue: queue.SimpleQueue[tuple[Future, Path]] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[Future, Path, int | None]] = queue.SimpleQueue()
         # A daemon thread, not an executor's: a read stuck on a hung disk must not hold up
         # the worker's exit (executor threads are joined at exit).
         threading.Thread(target=self._serve, name="prefix-block-read", daemon=True).start()
         self._reads: dict[bytes, _Read] = {}  # touched by the engine thread only
         self.counts = {"prefetched": 0, "failed": 0}
 
-    def start(self, key: bytes, path: Path) -> None:
-        """Begin reading a block's file unless a read of it is under way or done."""
+    def start(self, key: bytes, path: Path, size: int | None = None) -> None:
+        """Begin reading a block's file unless a read of it is under way or done (size: the
+        bytes it was indexed with; a link, a non-regular file or another size fails)."""
         now = time.monotonic()
         self._expire(now)
         if key not in self._reads:
             future: Future = Future()
-            self._queue.put((future, path))
+            self._queue.put((future, path, size))
             self._reads[key] = _Read(future, now)
 
     def ended(self, key: bytes) -> bool:
@@ -86,11 +84,11 @@ class BlockReader:
 
     def _serve(self) -> None:
         while True:
-            future, path = self._queue.get()
+            future, path, size = self._queue.get()
             if not future.set_running_or_notify_cancel():
                 continue
             try:
-                future.set_result(_read_bytes(path))
+                future.set_result(read_regular(path, size))
             except Exception as e:  # the engine thread reads it as a failed read
                 future.set_exception(e)
 
