@@ -19,28 +19,26 @@ from mlxgw.gateway.access.cache_scope import load_secret
 from mlxgw.gateway.access.keys import KeyStore
 from mlxgw.gateway.access.ledger import LEDGER, Ledger, ledger_lifecycle, usage_middleware
 from mlxgw.gateway.access.limits import RateLimiter
-from mlxgw.gateway.api import (
-    adapters,
-    admin,
-    anthropic,
-    audio,
-    audit,
-    batches,
-    files,
-    infill,
-    ollama,
-    ollama_create,
-    ollama_manage,
-    ollama_models,
-    openai_chat,
-    openai_completions,
-    openai_embeddings,
-    rerank,
-    responses,
-    responses_output,
-    system,
-    tokenize,
-)
+from mlxgw.gateway.api import audit
+from mlxgw.gateway.api.admin import adapters
+from mlxgw.gateway.api.admin import keys as admin
+from mlxgw.gateway.api.anthropic import messages as anthropic
+from mlxgw.gateway.api.openai import audio
+from mlxgw.gateway.api.openai import batches
+from mlxgw.gateway.api.openai import files
+from mlxgw.gateway.api.llamacpp import infill
+from mlxgw.gateway.api.ollama import chat as ollama
+from mlxgw.gateway.api.ollama import create as ollama_create
+from mlxgw.gateway.api.ollama import manage as ollama_manage
+from mlxgw.gateway.api.ollama import models as ollama_models
+from mlxgw.gateway.api.openai import chat as openai_chat
+from mlxgw.gateway.api.openai import completions as openai_completions
+from mlxgw.gateway.api.openai import embeddings as openai_embeddings
+from mlxgw.gateway.api.llamacpp import rerank
+from mlxgw.gateway.api.responses import responses
+from mlxgw.gateway.api.responses import output as responses_output
+from mlxgw.gateway.api.admin import system
+from mlxgw.gateway.api.llamacpp import tokenize
 from mlxgw.gateway.batches.runner import install as install_batches
 from mlxgw.gateway.console import routes as console_routes
 from mlxgw.gateway.link.broker import Broker

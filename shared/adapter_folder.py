@@ -1,5 +1,5 @@
 """An adapter folder's layout and config, without MLX (the gateway checks a folder with it
-before a worker loads the weights: worker/model/adapter_formats.py).
+before a worker loads the weights: worker/model/adapters/formats.py).
 
 - mlx_lm.lora's output: adapters.safetensors and adapter_config.json (fine_tune_type,
   lora_parameters.scale).

@@ -64,7 +64,7 @@ class ModelEntry:
     remote_only: bool = False  # never spawned here: served by `mlxgw worker --connect` elsewhere
     idle_unload_s: float | None = None  # None: the manager's default; 0: never
     # Sequences decoded together; None: from the model's KV bytes per token and the machine's
-    # RAM (worker/model/capacity.py), reported in /v1/status.
+    # RAM (worker/model/memory/capacity.py), reported in /v1/status.
     max_num_seqs: int | None = None
     max_queue: int = 64
     context_length: int | None = None  # None: the model's own

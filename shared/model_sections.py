@@ -70,7 +70,7 @@ class CacheConfig:
     budget of admitted rows' KV, and its quantization."""
 
     prefix_memory_mb: int | None = None  # prefix cache bound (flat key: cache_memory_mb); None: a share of RAM
-    # KV of admitted rows + prefix cache (worker/model/kv_budget.py); None: measured at load
+    # KV of admitted rows + prefix cache (worker/model/memory/kv_budget.py); None: measured at load
     kv_memory_mb: int | None = None
     # the prefix cache's disk tiers, one bound (flat key: prefix_cache_disk_mb); 0: off; None: a
     # tenth of the disk's free space at the worker's start, at most 64 GiB
@@ -151,7 +151,7 @@ class SpeculativeConfig:
 
 @dataclass
 class AdapterEntry:
-    """A LoRA adapter served on its model's worker (worker/model/adapters.py): an `mlx_lm.lora`
+    """A LoRA adapter served on its model's worker (worker/model/adapters/bank.py): an `mlx_lm.lora`
     output folder (adapters.safetensors + adapter_config.json). Requests name it as a model:
     `name`, or `<base>:<name>`."""
 

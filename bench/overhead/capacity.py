@@ -6,7 +6,7 @@ Two servers answer POST /v1/chat/completions with the same JSON and SSE shapes:
 - bare: one aiohttp process whose handler parses the JSON body and answers at once (a
   completion body, or one `chat.completion.chunk` per token, the usage chunk, [DONE]), the
   least any OpenAI-compatible Python server does;
-- mlxgw: `mlxgw up` with a null-engine model (tokens without a model: worker/model/null_runner.py),
+- mlxgw: `mlxgw up` with a null-engine model (tokens without a model: worker/model/runners/null_runner.py),
   every middleware on (access log, usage ledger, metrics, limits), one gateway process and
   its worker process.
 

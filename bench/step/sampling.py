@@ -1,4 +1,4 @@
-"""The sampler alone, mlx-lm's per-row step against the batch-wide one (worker/model/batch_sampler.py),
+"""The sampler alone, mlx-lm's per-row step against the batch-wide one (worker/model/runners/batch_sampler.py),
 on random logits of a model's width: `python -m mlxgw.bench.step.breakdown --sampling-only N`.
 Much less noisy than whole steps on a loaded machine (no model is run)."""
 
@@ -21,8 +21,8 @@ def _sampling_case(batch: int, vocab: int, penalty: float) -> dict[str, Callable
     import mlx.core as mx
 
     from mlxgw.shared.protocol import SamplingParams
-    from mlxgw.worker.model.batch_sampler import PenaltyPlan, SamplePlan, apply_penalties, sample_rows
-    from mlxgw.worker.model.sampling import RowPenalties, RowSampling
+    from mlxgw.worker.model.runners.batch_sampler import PenaltyPlan, SamplePlan, apply_penalties, sample_rows
+    from mlxgw.worker.model.runners.sampling import RowPenalties, RowSampling
 
     params = SamplingParams(temperature=0.7, frequency_penalty=penalty)
     rows = tuple(RowSampling(params) for _ in range(batch))

@@ -53,8 +53,8 @@ def install_timers(timers: Timers, runner, mx) -> TimedModel:
     """Wrap the pieces of mlxgw's step (once per process); everything else runs as shipped.
     Returns the timed model of mlxgw's runner."""
     from mlxgw.shared import protocol as p
-    from mlxgw.worker.model import sampling
-    from mlxgw.worker.model.batch_sampler import VectorGenerationBatch
+    from mlxgw.worker.model.runners import sampling
+    from mlxgw.worker.model.runners.batch_sampler import VectorGenerationBatch
     from mlxgw.worker.text import output_parser, textstream
 
     timed_model = TimedModel(runner.generator.model, timers, mx)

@@ -1,4 +1,4 @@
-"""Where a served worker's steps went: a summary of the step traces of worker/model/step_trace.py.
+"""Where a served worker's steps went: a summary of the step traces of worker/model/runners/step_trace.py.
 
     MLXGW_STEP_TRACE=TRACE_DIR python -m mlxgw.bench.speculation.matrix ... --max-rows 16
     python -m mlxgw.bench.step.trace TRACE_DIR

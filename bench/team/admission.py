@@ -8,7 +8,7 @@ than --max-spread); the summary shows each TTFT p50 as the median with every rou
 - mlx_lm.server's: every request goes to the BatchGenerator at once, which reads up to 8
   prompts per step in chunks of 2,048 tokens (`--prompt-concurrency 8`, `--prefill-step-size
   2048`, its defaults), in mlx-lm's step order (a prompt's first token two steps after its
-  last chunk: worker/model/batch_generator.py);
+  last chunk: worker/model/runners/batch_generator.py);
 - budget: mlxgw's per-step prompt budget (512 tokens, worker/schedule/prefill_plan.py) always;
 - budget+idle: the same, and four budgets per step while no row is decoding, new prompts
   admitted by those four budgets too (the default until 2026-12-02);

@@ -12,7 +12,7 @@ from aiohttp import web
 from mlxgw.gateway.access.audit import AUDIT
 from mlxgw.gateway.access.audit.store import matches
 from mlxgw.gateway.access.usage import UsageQueryError, parse_since
-from mlxgw.gateway.api.admin import require_admin
+from mlxgw.gateway.api.admin.keys import require_admin
 from mlxgw.shared.errors import ErrorCode, ServiceError
 
 routes = web.RouteTableDef()

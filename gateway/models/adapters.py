@@ -3,7 +3,7 @@ model (`support-bot`, or `<base>:support-bot`), their listings, and telling a mo
 workers when its adapters change, so adding or removing one never restarts them.
 
 An adapter runs on its base model's worker: a request naming it resolves to the base's slot
-and carries the adapter's name in `GenerateRequest.adapter` (worker/model/adapters.py applies it
+and carries the adapter's name in `GenerateRequest.adapter` (worker/model/adapters/bank.py applies it
 per row)."""
 
 from __future__ import annotations

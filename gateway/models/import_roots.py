@@ -1,7 +1,7 @@
 """Where a request may point the gateway at files on this machine: the models directory and
 the operator's `manager.allowed_import_paths`, compared after links are followed. Ollama's
-`FROM <path>` (gateway/api/ollama_manage.py) and an adapter's folder added over HTTP
-(gateway/api/adapters.py) are held to the same folders: a key that may add one must not get
+`FROM <path>` (gateway/api/ollama/manage.py) and an adapter's folder added over HTTP
+(gateway/api/admin/adapters.py) are held to the same folders: a key that may add one must not get
 the gateway to open (and report on) any file its process can read. Paths in models.yaml
 are the operator's own and are not confined."""
 

@@ -89,7 +89,7 @@ ROUTES: tuple[Route, ...] = (
     Route(("GET",), "/api/tags", _OLLAMA, metered=False),  # Ollama clients poll these
     Route(("GET",), "/api/ps", _OLLAMA, metered=False),
     Route(("GET",), "/api/version", _OLLAMA, metered=False),
-    # Ollama's model management (gateway/api/ollama_manage.py): the operator's, recorded
+    # Ollama's model management (gateway/api/ollama/manage.py): the operator's, recorded
     Route(("POST",), "/api/pull", _OLLAMA, **_MANAGE, usage="/api/pull", audit="models.pull"),
     Route(("DELETE",), "/api/delete", _OLLAMA, **_MANAGE, usage="/api/delete", audit="models.delete"),
     Route(("POST",), "/api/copy", _OLLAMA, **_MANAGE, usage="/api/copy", audit="models.copy"),
@@ -117,7 +117,7 @@ ROUTES: tuple[Route, ...] = (
     Route(("POST",), "/v1/models/{name}/load", access=Access.ADMIN, audit="models.load", **_CONTROL),
     Route(("POST",), "/v1/models/{name}/unload", access=Access.ADMIN, audit="models.unload", **_CONTROL),
     Route(("POST",), "/v1/models/{name}/pin", access=Access.ADMIN, audit="models.pin", **_CONTROL),
-    # LoRA adapters (gateway/api/adapters.py)
+    # LoRA adapters (gateway/api/admin/adapters.py)
     Route(("POST",), "/v1/adapters", access=Access.ADMIN, audit="adapters.add", **_CONTROL),
     Route(("DELETE",), "/v1/adapters/{name}", access=Access.ADMIN, audit="adapters.remove", **_CONTROL),
     # the Batch and Files API: the jobs' requests are metered one by one as the runner sends them;

@@ -29,7 +29,7 @@ from mlxgw.gateway.access.keys import hash_key
 from mlxgw.shared.config import ConfigError, SpeculativeConfig, parse_registry
 from mlxgw.shared.errors import ServiceError
 from mlxgw.shared.protocol import SamplingParams
-from mlxgw.worker.model.isolation import SequenceGuard
+from mlxgw.worker.model.runners.isolation import SequenceGuard
 
 TOKENS = 8
 GREEDY = SamplingParams(temperature=0.0)

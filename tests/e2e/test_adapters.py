@@ -220,7 +220,7 @@ def test_an_adapter_larger_than_the_byte_bound_is_refused_and_a_smaller_one_serv
 
 def test_adapters_leaving_and_arriving_share_the_stacks_exactly_and_a_byte_bound_evicts_idle_ones(models, home):
     base, a, b = models["llama"]
-    # C and D have A's rank: one stack group (worker/model/adapter_stacks.py); B's rank is another.
+    # C and D have A's rank: one stack group (worker/model/adapters/stacks.py); B's rank is another.
     c = write_lora_adapter(base, home / "adapters" / "llama-c", seed=3)
     d = write_lora_adapter(base, home / "adapters" / "llama-d", seed=4)
     runner = make_runner(base, {"A": a, "B": b, "C": c}, speculative=SpeculativeConfig(mode="off"))

@@ -16,7 +16,7 @@ from helpers import NO_EOS, http, start_gateway
 from mlxgw.gateway.access.keys import hash_key
 from mlxgw.shared import protocol as p
 from mlxgw.shared.events import EventKind
-from mlxgw.worker.model.null_runner import NullRunner
+from mlxgw.worker.model.runners.null_runner import NullRunner
 from mlxgw.worker.schedule.fair_share import FairQueue
 from mlxgw.worker.schedule.scheduler import Scheduler
 

@@ -4,7 +4,7 @@ family of tests/helpers/family_models.py (the matrix of tests/e2e/test_families.
 
 The real Scheduler over the worker's real engine in-process (MLXRunner: BatchGenerator,
 prefix cache, state checkpoints), with a KV budget of three of mlx-lm's 256-token row slots
-(per layer kind, as worker/model/kv_budget.py counts them) and a decode allowance of 16
+(per layer kind, as worker/model/memory/kv_budget.py counts them) and a decode allowance of 16
 tokens (the default 64 is tests/unit/test_kv_preemption.py's; a smaller one keeps the
 matrix short). A long row (224 + 24 tokens: it may reach two slots) and a short one are
 admitted together on what they hold; after 16 tokens the long row's next one needs a
@@ -25,7 +25,7 @@ from helpers.greedy_parity import assert_greedy_equal, mlx_lm_greedy
 
 from mlxgw.shared.config import SpeculativeConfig
 from mlxgw.shared.protocol import GenerateRequest, SamplingParams
-from mlxgw.worker.model.kv_budget import KVBudget, Measured
+from mlxgw.worker.model.memory.kv_budget import KVBudget, Measured
 
 NO_EOS = {0: -100.0, 2: -100.0}  # SmolLM2's end tokens: every row runs to its max_tokens
 GREEDY = SamplingParams(temperature=0, logit_bias=NO_EOS)

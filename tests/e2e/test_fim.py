@@ -130,7 +130,7 @@ def test_every_known_format_is_found_by_its_tokens():
 
 
 def test_middle_cut_follows_llama_cpp_n_indent_and_time_limit():
-    from mlxgw.gateway.api.infill import MiddleCut
+    from mlxgw.gateway.api.llamacpp.infill import MiddleCut
 
     cut = MiddleCut(n_indent=4)
     assert cut.feed("x = 1\n    y = 2\n") == "x = 1\n    y = 2\n" and not cut.stopped

@@ -15,7 +15,7 @@ import aiohttp
 import pytest
 from helpers import http, start_gateway
 
-from mlxgw.gateway.api.openai_chat import ChatChunks
+from mlxgw.gateway.api.openai.chat import ChatChunks
 from mlxgw.gateway.link.quarantine import fingerprint
 from mlxgw.gateway.link.worker_conn import RequestStream
 from mlxgw.gateway.models.metrics import ITL_BUCKETS, GapHistogram

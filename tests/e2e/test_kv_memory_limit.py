@@ -35,7 +35,7 @@ KV_HEAVY = {
 }
 MIB_PER_TOKEN = 16 * 16 * 512 * 2 * 4 >> 20  # 1
 # A loaded worker's address space is ~1.2 GB here: this leaves it ~1.3 GB, a KV budget of
-# about two short rows (half the room, worker/model/kv_budget.py), and six rows (1.5 GiB) no room.
+# about two short rows (half the room, worker/model/memory/kv_budget.py), and six rows (1.5 GiB) no room.
 ADDRESS_SPACE = int(2.5 * (1 << 30))
 SHORT = 5  # requests sent at once with a short prompt (each row: 256 tokens' slots, 256 MiB)
 ROW_BYTES = 256 * MIB_PER_TOKEN << 20

@@ -124,7 +124,7 @@ def test_completions_logprobs_in_the_legacy_shape(tiny_gateway):
     assert tokens == lp.tokens
 
 
-# Longer than one scoring chunk (worker/model/prompt_logprobs.py CHUNK_TOKENS = 256): the prompt
+# Longer than one scoring chunk (worker/model/runners/prompt_logprobs.py CHUNK_TOKENS = 256): the prompt
 # is scored in two steps, and must still equal one full-sequence pass.
 ECHO_PROMPT = "The quick brown fox jumps over the lazy dog near the river bank. " * 24
 
@@ -236,7 +236,7 @@ def test_prompt_scoring_takes_one_chunk_per_step_while_other_rows_decode(tiny_di
     the request's prefill (the prompt is computed once)."""
     from mlxgw.shared import protocol as p
     from mlxgw.shared.events import EventKind
-    from mlxgw.worker.model.prompt_logprobs import CHUNK_TOKENS
+    from mlxgw.worker.model.runners.prompt_logprobs import CHUNK_TOKENS
     from mlxgw.worker.process.build_mlx import build_mlx_runner
     from mlxgw.worker.schedule.scheduler import Scheduler
 

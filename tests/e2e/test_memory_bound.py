@@ -5,7 +5,7 @@ buffers alive. Here real requests through `mlxgw up` push several times the cach
 through a small-bounded worker, and MLX's own allocator counters (what the process really
 holds) must stay within the weights + the bound, and drop back when the cache is cleared.
 The same gateway checks that a model without max_num_seqs gets the KV formula's value
-(worker/model/capacity.py) and that /v1/status says so."""
+(worker/model/memory/capacity.py) and that /v1/status says so."""
 
 from __future__ import annotations
 
@@ -91,7 +91,7 @@ def test_clearing_the_cache_returns_its_memory(gateway):
 
 
 def test_a_model_without_max_num_seqs_gets_the_kv_formula_and_status_reports_it(gateway, tiny_dir):
-    from mlxgw.worker.model.capacity import MAX_SEQS, kv_bytes_per_token
+    from mlxgw.worker.model.memory.capacity import MAX_SEQS, kv_bytes_per_token
 
     config = json.loads((tiny_dir / "config.json").read_text())
     stats = _idle_stats(gateway)

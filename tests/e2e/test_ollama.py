@@ -357,7 +357,7 @@ def test_a_bad_type_is_a_400_naming_the_field_in_ollamas_shape(gw, path, body, m
 
 
 def test_repeat_penalty_is_read_as_repetition_penalty():
-    from mlxgw.gateway.api.ollama_fields import OllamaOptions
+    from mlxgw.gateway.api.ollama.fields import OllamaOptions
     from mlxgw.gateway.pipeline.fields import decode_fields
 
     assert decode_fields({"repeat_penalty": 1.3}, OllamaOptions).repetition_penalty == 1.3

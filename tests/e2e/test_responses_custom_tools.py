@@ -163,8 +163,8 @@ def test_codex_code_mode_prompt_with_its_tools_fits_the_quick_start_context(smol
     (names and argument types) is used and the request is served."""
     from mlx_lm.utils import load_tokenizer
 
-    from mlxgw.gateway.api.responses import parse
-    from mlxgw.gateway.api.responses_tools import parse_tools
+    from mlxgw.gateway.api.responses.responses import parse
+    from mlxgw.gateway.api.responses.tools import parse_tools
     from mlxgw.gateway.pipeline.content import ContentPolicy
     from mlxgw.shared.protocol import GenerateRequest
     from mlxgw.worker.text.chat_text import ChatText

@@ -147,7 +147,7 @@ def test_a_sequence_the_runner_refuses_at_admission_ends_alone():
     from mlxgw.shared import protocol as p
     from mlxgw.shared.errors import invalid
     from mlxgw.shared.events import EventKind
-    from mlxgw.worker.model.null_runner import NullRunner
+    from mlxgw.worker.model.runners.null_runner import NullRunner
     from mlxgw.worker.schedule.scheduler import Scheduler
 
     class RefusingRunner(NullRunner):

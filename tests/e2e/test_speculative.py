@@ -14,7 +14,7 @@ from mlxgw.shared import protocol as p
 from mlxgw.shared.config import ConfigError, SpeculativeConfig, parse_registry
 from mlxgw.shared.events import EventKind
 from mlxgw.shared.protocol import SamplingParams
-from mlxgw.worker.model.runner import MLXRunner
+from mlxgw.worker.model.runners.mlx_runner import MLXRunner
 from mlxgw.worker.model.speculation.spec_verify import rollback_rows
 from mlxgw.worker.model.speculation.speculative import NgramIndex
 from mlxgw.worker.schedule.scheduler import Scheduler
@@ -268,7 +268,7 @@ def test_batch_sizes_share_cost_meters_by_powers_of_two_and_probe_every_other_st
 
 
 def test_the_step_trace_records_every_step_and_its_verifications(tiny_dir, tmp_path, monkeypatch, capsys):
-    """MLXGW_STEP_TRACE (worker/model/step_trace.py) writes one line per step, and bench/step/trace.py
+    """MLXGW_STEP_TRACE (worker/model/runners/step_trace.py) writes one line per step, and bench/step/trace.py
     accounts for every generated token, with the verifications apart from plain steps."""
     from mlxgw.bench.step.trace import load, main, report
 
@@ -292,7 +292,7 @@ def test_the_step_trace_records_every_step_and_its_verifications(tiny_dir, tmp_p
 
 
 def test_a_step_trace_folder_that_cannot_be_written_does_not_stop_the_model(tmp_path, monkeypatch, caplog):
-    from mlxgw.worker.model.step_trace import StepTrace
+    from mlxgw.worker.model.runners.step_trace import StepTrace
 
     monkeypatch.setenv("MLXGW_STEP_TRACE", str(tmp_path / "missing" / "folder"))
     assert StepTrace.from_env({"model": "m"}) is None

@@ -140,7 +140,7 @@ def test_the_answer_time_limit_returns_the_answer_in_every_api_shape(answer_boun
     """At the 3-s answer bound each API gets the text generated so far: Chat Completions
     finish_reason length; the agents' APIs end the turn (Anthropic end_turn, Responses
     completed), since Claude Code takes max_tokens as a cue to ask for more and Codex takes
-    incomplete for an error (gateway/api/anthropic.py _stop, responses_output.py finish)."""
+    incomplete for an error (gateway/api/anthropic/messages.py _stop, responses_output.py finish)."""
     import anthropic
 
     gw = answer_bound_gw

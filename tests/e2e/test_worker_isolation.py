@@ -338,7 +338,7 @@ def test_a_raising_logits_processor_ends_only_its_own_sequence(tiny_dir):
 
 def test_an_output_parser_that_raises_ends_only_its_own_sequence():
     from mlxgw.shared.protocol import GenerateRequest
-    from mlxgw.worker.model.null_runner import NullRunner
+    from mlxgw.worker.model.runners.null_runner import NullRunner
     from mlxgw.worker.schedule.scheduler import Scheduler
 
     class Broken:

@@ -200,7 +200,7 @@ def test_imports_run_only_down_the_floors():
 
 PLANTED_UPWARD = [
     ("mlxgw.worker.text.templates", "from mlxgw.worker.model import runner"),
-    ("mlxgw.worker.model.sampling", "from mlxgw.worker.schedule.sequence import Sequence"),
+    ("mlxgw.worker.model.runners.sampling", "from mlxgw.worker.schedule.sequence import Sequence"),
     ("mlxgw.worker.model.cache.prefix_cache", "from ...process import engine"),
     ("mlxgw.worker.schedule.scheduler", "import mlxgw.worker.process.main"),
     ("mlxgw.gateway.web.routes", "from mlxgw.gateway.pipeline import translate"),

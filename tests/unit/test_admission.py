@@ -148,12 +148,12 @@ def test_a_short_request_gets_its_first_token_before_a_long_prefill_completes(ru
         sched.step()
 
 
-# -- max_num_seqs when models.yaml leaves it out (worker/model/capacity.py) ---------------------
+# -- max_num_seqs when models.yaml leaves it out (worker/model/memory/capacity.py) ---------------------
 SMOLLM2 = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64}
 
 
 def test_kv_bytes_per_token_is_layers_kv_heads_head_dim_keys_and_values_and_dtype():
-    from mlxgw.worker.model.capacity import kv_bytes_per_token
+    from mlxgw.worker.model.memory.capacity import kv_bytes_per_token
 
     assert kv_bytes_per_token(SMOLLM2, 4) == 30 * 3 * 64 * 2 * 4 == 46_080
     # no head_dim: hidden_size / attention heads; no kv heads: as many as attention heads
@@ -164,7 +164,7 @@ def test_kv_bytes_per_token_is_layers_kv_heads_head_dim_keys_and_values_and_dtyp
 
 
 def test_max_num_seqs_is_the_kv_budget_over_a_typical_rows_kv_capped_and_never_raised():
-    from mlxgw.worker.model.capacity import default_max_num_seqs
+    from mlxgw.worker.model.memory.capacity import default_max_num_seqs
 
     gib = 1 << 30
     # SmolLM2-135M float32 on 24 GiB: an eighth of RAM over 2,048 tokens x 45 KiB
@@ -178,7 +178,7 @@ def test_max_num_seqs_is_the_kv_budget_over_a_typical_rows_kv_capped_and_never_r
 
 
 def test_a_configured_max_num_seqs_wins_over_the_formula(tiny_dir):
-    from mlxgw.worker.model.capacity import choose_max_num_seqs
+    from mlxgw.worker.model.memory.capacity import choose_max_num_seqs
 
     assert choose_max_num_seqs(3, tiny_dir, 1 << 40).value == 3
     chosen = choose_max_num_seqs(None, tiny_dir, 1 << 30)

@@ -1,4 +1,4 @@
-"""The engine step's order (worker/model/batch_generator.py): a prompt's first token comes out in
+"""The engine step's order (worker/model/runners/batch_generator.py): a prompt's first token comes out in
 the step that reads its last chunk, and the order changes no token.
 
 The real MLXRunner on the tiny model; mlx-lm's own order (`reads_first = False`) is the

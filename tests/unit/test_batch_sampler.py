@@ -1,4 +1,4 @@
-"""The batch-wide sampler and penalties (worker/model/batch_sampler.py) against
+"""The batch-wide sampler and penalties (worker/model/runners/batch_sampler.py) against
 the per-row reference: the same masks, the same penalised logits bit for bit, the same
 seeded tokens, the same distribution for unseeded rows; and through the real runner, greedy
 tokens equal to mlx-lm's stream_generate and seeded tokens independent of the batch."""
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from mlxgw.shared.protocol import SamplingParams
-from mlxgw.worker.model.batch_sampler import PenaltyPlan, SamplePlan, apply_penalties, filter_rows, sample_rows, scores
-from mlxgw.worker.model.sampling import RowPenalties, RowSampling, _filters
+from mlxgw.worker.model.runners.batch_sampler import PenaltyPlan, SamplePlan, apply_penalties, filter_rows, sample_rows, scores
+from mlxgw.worker.model.runners.sampling import RowPenalties, RowSampling, _filters
 
 VOCAB = 1000
 
@@ -145,8 +145,8 @@ def test_a_wide_batch_drawn_in_groups_of_rows_keeps_each_row_its_own_token():
 def test_a_row_whose_values_mlx_refuses_faults_only_itself():
     """top_k past the vocabulary (the boundary clamps it; here it slips through): the batched
     draw falls back to row by row, that row's guard records the fault, the others sample."""
-    from mlxgw.worker.model.batch_sampler import VectorGenerationBatch
-    from mlxgw.worker.model.isolation import SequenceGuard
+    from mlxgw.worker.model.runners.batch_sampler import VectorGenerationBatch
+    from mlxgw.worker.model.runners.isolation import SequenceGuard
 
     guards = [SequenceGuard(f"r{i}") for i in range(3)]
     params = [SamplingParams(temperature=0.0), SamplingParams(top_k=VOCAB + 5), SamplingParams(seed=1)]
@@ -163,8 +163,8 @@ def test_a_fault_inside_a_compiled_filter_leaves_the_random_state_usable_for_eve
     """mlx-lm's filters are compiled with MLX's global random state as an output; one that
     raises while tracing (a fresh shape, top_k past the vocabulary) left the state as a
     placeholder, and every later unseeded draw in the worker failed. The guard reseeds."""
-    from mlxgw.worker.model.batch_sampler import VectorGenerationBatch
-    from mlxgw.worker.model.isolation import SequenceGuard
+    from mlxgw.worker.model.runners.batch_sampler import VectorGenerationBatch
+    from mlxgw.worker.model.runners.isolation import SequenceGuard
 
     width = 1237  # a width no other test traces the filters with
     guards = [SequenceGuard("ok"), SequenceGuard("bad")]

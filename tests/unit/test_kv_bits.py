@@ -63,7 +63,7 @@ def test_quantized_kv_batches_caches_and_speculates_with_the_same_tokens(wide_di
 def test_quantized_kv_takes_the_bytes_per_token_the_capacity_formula_counts(wide_dir):
     import json
 
-    from mlxgw.worker.model.capacity import choose_max_num_seqs, kv_bytes_per_token
+    from mlxgw.worker.model.memory.capacity import choose_max_num_seqs, kv_bytes_per_token
 
     config = json.loads((wide_dir / "config.json").read_text())
     measured = {}

@@ -1,4 +1,4 @@
-"""Admission by memory (worker/model/kv_budget.py): what a row reserves, per kind of layer cache,
+"""Admission by memory (worker/model/memory/kv_budget.py): what a row reserves, per kind of layer cache,
 is what mlx-lm's batch really holds; rows are admitted within the budget, wait when they do
 not fit, and only a request that cannot fit alone is refused, with the numbers.
 
@@ -16,7 +16,7 @@ import pytest
 from helpers.family_models import WIDE_HEADS, build_family_model
 
 from mlxgw.shared.protocol import GenerateRequest, SamplingParams
-from mlxgw.worker.model.kv_budget import ALLOC_STEP, FIXED, GROWS, WINDOW, KVBudget, KVProfile, LayerKV, Measured
+from mlxgw.worker.model.memory.kv_budget import ALLOC_STEP, FIXED, GROWS, WINDOW, KVBudget, KVProfile, LayerKV, Measured
 
 GREEDY = SamplingParams(temperature=0, logit_bias={0: -100, 2: -100})  # no end-of-sequence
 CHUNK = 32  # prefill chunk: several per prompt, as long prompts have
@@ -65,12 +65,12 @@ def test_the_budget_is_the_setting_else_the_least_of_ram_and_the_process_limits_
     import subprocess
     import sys
 
-    from mlxgw.worker.model.kv_budget import measure_budget
+    from mlxgw.worker.model.memory.kv_budget import measure_budget
 
     assert measure_budget(300, 1 << 40).bytes == 300 << 20
     assert measure_budget(None, 8 << 30).source in ("RAM", "cgroup")
     code = (
-        "from mlxgw.worker.model.kv_budget import measure_budget as m; b = m(None, 1 << 40); print(b.source, b.bytes)"
+        "from mlxgw.worker.model.memory.kv_budget import measure_budget as m; b = m(None, 1 << 40); print(b.source, b.bytes)"
     )
     limit = 3 << 30
 
@@ -133,7 +133,7 @@ def test_a_batch_never_holds_more_than_its_rows_reserved(family, family_dirs):
 def test_quantized_kv_reserves_its_real_bytes(kv_bits, home, smollm2_dir):
     from tiny_model import build_tiny_model
 
-    from mlxgw.worker.model.capacity import kv_bytes_per_token
+    from mlxgw.worker.model.memory.capacity import kv_bytes_per_token
 
     path = build_tiny_model(home / "models" / "kv-wide", smollm2_dir, overrides=WIDE_HEADS)
     runner = _runner(path, kv_bits)

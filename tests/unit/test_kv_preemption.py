@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from mlxgw.shared.protocol import BACKGROUND_PRIORITY, GenerateRequest, SamplingParams
-from mlxgw.worker.model.kv_budget import DECODE_ALLOWANCE, KVBudget, Measured
+from mlxgw.worker.model.memory.kv_budget import DECODE_ALLOWANCE, KVBudget, Measured
 from mlxgw.worker.schedule.kv_rows import after_step, reserve, victim
 from mlxgw.worker.schedule.sequence import Sequence
 

@@ -1,4 +1,4 @@
-"""A prefill step's activations are reserved in admission beside the KV (worker/model/kv_budget.py).
+"""A prefill step's activations are reserved in admission beside the KV (worker/model/memory/kv_budget.py).
 
 A step that reads a chunk of prompt tokens holds, for a moment, each layer's activations
 and (where attention is not fused) its scores: on the tiny llama, 512 tokens after 4,096
@@ -14,7 +14,7 @@ import mlx.core as mx
 import pytest
 
 from mlxgw.shared.protocol import GenerateRequest, SamplingParams
-from mlxgw.worker.model.kv_budget import GROWS, KVBudget, KVProfile, LayerKV, Measured, activations_of
+from mlxgw.worker.model.memory.kv_budget import GROWS, KVBudget, KVProfile, LayerKV, Measured, activations_of
 
 GREEDY = SamplingParams(temperature=0, logit_bias={0: -100, 2: -100})  # no end-of-sequence
 MB = 1 << 20

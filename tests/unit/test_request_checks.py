@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from mlxgw.shared.errors import ServiceError
 from mlxgw.shared.protocol import SamplingParams
-from mlxgw.worker.model.sampling import build_logits_processors, build_sampler, sampling_processor
+from mlxgw.worker.model.runners.sampling import build_logits_processors, build_sampler, sampling_processor
 from mlxgw.worker.schedule.request_checks import MAX_LOGIT_BIAS, SEED_RANGE, check_sampling
 
 VOCAB = 512

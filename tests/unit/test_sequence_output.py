@@ -8,7 +8,7 @@ import time
 
 from mlxgw.shared import protocol as p
 from mlxgw.shared.events import EventKind
-from mlxgw.worker.model.null_runner import EchoRunner
+from mlxgw.worker.model.runners.null_runner import EchoRunner
 from mlxgw.worker.schedule.intake import Preparing
 from mlxgw.worker.schedule.sequence import Phase, Sequence
 from mlxgw.worker.schedule.sequence_output import finish_at_time_limit, on_deadline, on_progress, on_token

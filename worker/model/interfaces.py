@@ -21,8 +21,8 @@ from mlxgw.shared.errors import invalid
 from mlxgw.shared.protocol import Event, GenerateRequest, SamplingParams
 
 if TYPE_CHECKING:
-    from mlxgw.worker.model.kv_budget import KVProfile
-    from mlxgw.worker.model.prompt_logprobs import PromptScorer
+    from mlxgw.worker.model.memory.kv_budget import KVProfile
+    from mlxgw.worker.model.runners.prompt_logprobs import PromptScorer
 
 
 @dataclass
@@ -30,7 +30,7 @@ class TokenOut:
     uid: int
     token: int
     finish: str | None  # "stop" (end-of-sequence token) or "length"
-    logprobs: dict | None = None  # for sequences inserted with logprobs (worker/model/logprobs.py)
+    logprobs: dict | None = None  # for sequences inserted with logprobs (worker/model/runners/logprobs.py)
 
 
 @dataclass
@@ -124,7 +124,7 @@ class TextRunner(ModelRunner, Protocol):
         return None
 
     def kv_profile(self) -> KVProfile | None:
-        """What a row's KV costs per layer (worker/model/kv_budget.py); None: rows are admitted by count."""
+        """What a row's KV costs per layer (worker/model/memory/kv_budget.py); None: rows are admitted by count."""
         return None
 
     def prefix_ready(self, prompt: list[int], namespace: str | None = None) -> bool:

@@ -1,5 +1,5 @@
 """The MLX runner's parts, built and wired to each other here, then handed to MLXRunner,
-which only stores them (worker/model/runner.py).
+which only stores them (worker/model/runners/mlx_runner.py).
 
 The order matters where parts touch the same model: the adapters wrap its layers before the
 output head is transposed, and the CPU attention is routed in after both the model and a
@@ -16,21 +16,21 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlxgw.shared.config import FimConfig, SpeculativeConfig
 from mlxgw.worker.model import model_info
-from mlxgw.worker.model.adapters import AdapterBank
-from mlxgw.worker.model.batch_generator import VectorBatchGenerator
+from mlxgw.worker.model.adapters.bank import AdapterBank
+from mlxgw.worker.model.runners.batch_generator import VectorBatchGenerator
 from mlxgw.worker.model.cache import state_checkpoints as sc
 from mlxgw.worker.model.cache.kv_shift import ShiftReuse
 from mlxgw.worker.model.cache.prefix_cache import PrefixCache
 from mlxgw.worker.model.cache.prefix_store import PrefixStore
-from mlxgw.worker.model.capacity import activation_dtype_bytes, kv_bytes_per_token
+from mlxgw.worker.model.memory.capacity import activation_dtype_bytes, kv_bytes_per_token
 from mlxgw.worker.model.cpu import cpu_attention
 from mlxgw.worker.model.cpu.blas_threads import policy_for
 from mlxgw.worker.model.cpu.output_head import transpose_head
-from mlxgw.worker.model.logprobs import TokenBytes
-from mlxgw.worker.model.runner import MLXRunner, fresh_cache
+from mlxgw.worker.model.runners.logprobs import TokenBytes
+from mlxgw.worker.model.runners.mlx_runner import MLXRunner, fresh_cache
 from mlxgw.worker.model.speculation.draft_model import load_drafter
 from mlxgw.worker.model.speculation.speculative import Speculator
-from mlxgw.worker.model.step_trace import StepTrace
+from mlxgw.worker.model.runners.step_trace import StepTrace
 from mlxgw.worker.text.chat_text import ChatText
 from mlxgw.worker.text.fim import FimPrompts
 
@@ -69,7 +69,7 @@ def build_mlx_runner(
     # one of them in the output is the model starting another file or hole.
     fim_prompts = FimPrompts(tokenizer, fim)
     generator = _batch_generator(model, tokenizer.eos_token_ids, fim_prompts, max_num_seqs, prefill_step_size)
-    # Per-row LoRA adapters over the one copy of the base weights (worker/model/adapters.py).
+    # Per-row LoRA adapters over the one copy of the base weights (worker/model/adapters/bank.py).
     bank = AdapterBank(model, adapters, resident_adapters, max_bytes=adapter_max_bytes)
     generator.route_rows = bank.rows
     # The CPU BLAS's thread count per kind of step, measured (worker/model/cpu/blas_threads.py).
@@ -108,7 +108,7 @@ def build_mlx_runner(
         kv_bytes_per_token=per_token,
         prefix_store=prefix_store,
         blas=blas,
-        # MLXGW_STEP_TRACE: one line per step, for diagnosis (worker/model/step_trace.py)
+        # MLXGW_STEP_TRACE: one line per step, for diagnosis (worker/model/runners/step_trace.py)
         trace=StepTrace.from_env({"model": str(model_path), "speculative": speculative.mode}),
         **_cpu_kernels(model),
         # Families with recurrent or sliding-window layers keep state checkpoints while

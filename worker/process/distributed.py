@@ -22,7 +22,7 @@ from mlx.utils import tree_flatten
 
 from mlxgw.shared.config import DistributedConfig, ModelEntry, SpeculativeConfig
 from mlxgw.worker.model.cache.prefix_cache import PrefixCache
-from mlxgw.worker.model.runner import MLXRunner
+from mlxgw.worker.model.runners.mlx_runner import MLXRunner
 from mlxgw.worker.process.build_mlx import build_mlx_runner
 
 log = logging.getLogger(__name__)

@@ -157,7 +157,7 @@ class Engine:
                 return
             elif op == "status":
                 result = self.stats()
-            elif op == "adapters":  # hot add and remove (gateway/api/adapters.py)
+            elif op == "adapters":  # hot add and remove (gateway/api/admin/adapters.py)
                 result = self._set_adapters(msg.get("args"))
             else:
                 raise ServiceError(ErrorCode.INVALID_REQUEST, f"unknown call {op!r}")

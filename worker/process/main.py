@@ -17,7 +17,7 @@ from mlxgw.shared.config import CHAT_KINDS, ENCODER_KINDS, ModelEntry, ModelKind
 from mlxgw.shared.errors import ErrorCode, ServiceError
 from mlxgw.shared.platform import total_memory_bytes
 from mlxgw.worker.model.cache.prefix_store import restore_into, save_from
-from mlxgw.worker.model.capacity import SeqsChoice, choose_max_num_seqs
+from mlxgw.worker.model.memory.capacity import SeqsChoice, choose_max_num_seqs
 from mlxgw.worker.process.engine import Engine
 from mlxgw.worker.process.helper_child import start_helper_child
 from mlxgw.worker.process.link import WorkerLink
@@ -57,7 +57,7 @@ def build_runner(entry: ModelEntry, model_path: Path):
 
         return PiperRunner(model_path)
     if entry.kind == ModelKind.VISION and entry.engine == "mlx":
-        from mlxgw.worker.model.vision_runner import VisionRunner
+        from mlxgw.worker.model.runners.vision_runner import VisionRunner
 
         return VisionRunner(
             model_path,
@@ -70,11 +70,11 @@ def build_runner(entry: ModelEntry, model_path: Path):
             chat_template=entry.chat.chat_template,
         )
     if entry.engine == "null":
-        from mlxgw.worker.model.null_runner import NullRunner
+        from mlxgw.worker.model.runners.null_runner import NullRunner
 
         return NullRunner(entry.context_length)
     if entry.engine == "echo":
-        from mlxgw.worker.model.null_runner import EchoRunner
+        from mlxgw.worker.model.runners.null_runner import EchoRunner
 
         return EchoRunner(entry.context_length, entry.chat.tool_parser, entry.chat.reasoning_parser)
     from mlxgw.worker.model.cache.prefix_store import store_for
@@ -123,7 +123,7 @@ def prefix_cache_bytes(entry: ModelEntry) -> int:
 
 
 def resolve_max_num_seqs(entry: ModelEntry, model_path: Path) -> tuple[ModelEntry, SeqsChoice]:
-    """The entry with max_num_seqs filled in (models.yaml's, else worker/model/capacity.py's formula)."""
+    """The entry with max_num_seqs filled in (models.yaml's, else worker/model/memory/capacity.py's formula)."""
     if entry.kind not in CHAT_KINDS or entry.engine != "mlx":  # no KV rows to size: the minimum
         choice = choose_max_num_seqs(entry.max_num_seqs, Path("/nonexistent"), 0)
     else:
@@ -179,9 +179,9 @@ def build_scheduler(
 
 def kv_budget_for(entry: ModelEntry, runner):
     """The KV budget rows are admitted within, measured now that the weights are loaded
-    (worker/model/kv_budget.py); None where rows are admitted by count (other engines, and sharded
+    (worker/model/memory/kv_budget.py); None where rows are admitted by count (other engines, and sharded
     models, whose ranks must keep identical prefix caches)."""
-    from mlxgw.worker.model.kv_budget import KVBudget, activations_of, measure_budget
+    from mlxgw.worker.model.memory.kv_budget import KVBudget, activations_of, measure_budget
     from mlxgw.worker.schedule.prefill_plan import IDLE_BUDGET_FACTOR
 
     try:

@@ -14,7 +14,7 @@
   keep stepping instead of waiting for the disk;
 - a request with prompt logprobs waits until they are computed; sibling choices (n > 1) wait
   until choice 0 decodes (its prompt KV is then in the prefix cache);
-- with a KV budget (worker/model/kv_budget.py), a row is admitted only while what the rows hold,
+- with a KV budget (worker/model/memory/kv_budget.py), a row is admitted only while what the rows hold,
   and a decode allowance each, fits it (worker/schedule/kv_rows.py: a row that cannot be paused
   counts its whole reach); the prefix cache gives way (cut, before every step, to what the
   rows hold, once a new row has looked up its prefix), and a row that does not fit waits at
@@ -34,8 +34,8 @@ import time
 from mlxgw.shared.errors import ServiceError
 from mlxgw.shared.events import Error
 from mlxgw.worker.model.interfaces import TextRunner
-from mlxgw.worker.model.isolation import as_service_error
-from mlxgw.worker.model.kv_budget import KVBudget
+from mlxgw.worker.model.runners.isolation import as_service_error
+from mlxgw.worker.model.memory.kv_budget import KVBudget
 from mlxgw.worker.schedule.choices import ChoiceGroups
 from mlxgw.worker.schedule.fair_share import FairQueue, Row, Waiting, clean_weight
 from mlxgw.worker.schedule.kv_rows import after_step, reserve, victim

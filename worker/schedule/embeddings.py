@@ -20,7 +20,7 @@ from mlxgw.shared import protocol as p
 from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
 from mlxgw.shared.events import Accepted, Error, Finish, FinishReason, Phase, Usage
 from mlxgw.worker.model.interfaces import EmbeddingRunner
-from mlxgw.worker.model.isolation import as_service_error
+from mlxgw.worker.model.runners.isolation import as_service_error
 from mlxgw.worker.schedule.jobs import JobTable
 from mlxgw.worker.schedule.preprocess import Preprocessor
 

@@ -5,7 +5,7 @@ when there is one (a worker), else at submit (in-process tests and benchmarks). 
 being prepared is listed in /v1/status as "preparing" and can be cancelled; whatever its
 preparation raises ends that request only, as a 4xx when it is the request's fault. A
 prepared request whose prompt + max_tokens cannot fit the KV budget even alone ends here
-too (worker/model/kv_budget.py), or has its max_tokens cut under max_tokens_policy clamp."""
+too (worker/model/memory/kv_budget.py), or has its max_tokens cut under max_tokens_policy clamp."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from mlxgw.shared import protocol as p
 from mlxgw.shared.errors import ServiceError
 from mlxgw.shared.events import Error
 from mlxgw.worker.model.interfaces import TextRunner
-from mlxgw.worker.model.isolation import as_service_error
-from mlxgw.worker.model.kv_budget import KVBudget
+from mlxgw.worker.model.runners.isolation import as_service_error
+from mlxgw.worker.model.memory.kv_budget import KVBudget
 from mlxgw.worker.schedule.preprocess import Preprocessor
 from mlxgw.worker.schedule.sequence import Intake, Prepared, Sequence, prepare
 from mlxgw.worker.text.textstream import TextStream, exact_text

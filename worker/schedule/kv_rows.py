@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from mlxgw.worker.model.kv_budget import DECODE_ALLOWANCE
+from mlxgw.worker.model.memory.kv_budget import DECODE_ALLOWANCE
 from mlxgw.worker.schedule.sequence import Sequence
 
 

@@ -162,7 +162,7 @@ class PrefillBudget:
         prompts being read only wait for each other, so they read `idle_factor` budgets a
         step (fewer, larger chunks); but new prompts are still admitted one budget at a
         time, because a prompt's first token comes at the end of the step that reads its
-        last chunk (worker/model/batch_generator.py): a burst admitted a budget at a time gets its
+        last chunk (worker/model/runners/batch_generator.py): a burst admitted a budget at a time gets its
         first tokens group by group, where one step reading the whole burst gave every
         prompt in it the last one's wait."""
         budget = self.per_step or 0

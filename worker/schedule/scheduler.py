@@ -5,14 +5,14 @@
 - bounded waiting queue (`max_queue`): past it a request is refused as overloaded;
 - a request that cannot fit the KV budget even alone is refused (or its max_tokens cut) when
   prepared; the rest are admitted within it by what they hold, and rows that outgrow it are
-  paused to the prefix store (worker/model/kv_budget.py, worker/schedule/kv_rows.py);
+  paused to the prefix store (worker/model/memory/kv_budget.py, worker/schedule/kv_rows.py);
 - who runs next is worker/schedule/admission.py's: at most `max_num_seqs` rows, admitted at step
   boundaries by priority, fair share between tenants and arrival, with preemption of a row
   held beyond its tenant's share, and each step's prompt reading bounded by a budget
   (worker/schedule/prefill_plan.py): decoding rows never wait for more than one decode step plus one
   budget of prefill; with no row decoding, a step may read IDLE_BUDGET_FACTOR budgets, but
   admits new prompts one budget at a time (their first tokens come with the step that reads
-  them, worker/model/batch_generator.py);
+  them, worker/model/runners/batch_generator.py);
 - each step's tokens become Delta / Finish events (worker/schedule/sequence_output.py);
 - a request ends exactly once: finish (stop / length / cancelled) or error (timeout, ...);
   cancelled and timed-out sequences leave the runner, and so free their KV, at once;
@@ -30,8 +30,8 @@ from mlxgw.shared import protocol as p
 from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
 from mlxgw.shared.events import Accepted, AnyEvent, Error, Finish, FinishReason, Usage
 from mlxgw.worker.model.interfaces import StepOutput, TextRunner
-from mlxgw.worker.model.isolation import as_service_error
-from mlxgw.worker.model.kv_budget import KVBudget
+from mlxgw.worker.model.runners.isolation import as_service_error
+from mlxgw.worker.model.memory.kv_budget import KVBudget
 from mlxgw.worker.schedule.admission import Admission
 from mlxgw.worker.schedule.choices import ChoiceGroups
 from mlxgw.worker.schedule.fair_share import FairQueue
@@ -69,11 +69,11 @@ class Scheduler:
         (in-process tests and benchmarks). prefill_budget: prompt tokens per step across
         the prefilling rows (None: every admitted prompt reads the runner's own chunk per
         step); used only with runners that take a chunk size (supports_prefill_chunk).
-        capacity: how max_num_seqs was chosen (worker/model/capacity.py), for stats.
+        capacity: how max_num_seqs was chosen (worker/model/memory/capacity.py), for stats.
         pace: how fast this host reads prompts, which caps a step's budget so that no step
         runs long enough to look hung (worker/schedule/prefill_plan.py).
         fair: the waiting queue and its policy (worker/schedule/fair_share.py; tests set its bound).
-        kv: the KV budget rows are admitted within (worker/model/kv_budget.py); None: by count."""
+        kv: the KV budget rows are admitted within (worker/model/memory/kv_budget.py); None: by count."""
         self.runner = runner
         self.max_num_seqs = max_num_seqs
         per_step = prefill_budget if runner.supports_prefill_chunk else None

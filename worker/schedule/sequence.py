@@ -7,7 +7,7 @@ then a `Sequence` through its phases:
                    ^                                            |
                    +------- paused (fair share, KV memory) -----+
 
-SCORING: its prompt logprobs are computed before it is admitted (worker/model/prompt_logprobs.py).
+SCORING: its prompt logprobs are computed before it is admitted (worker/model/runners/prompt_logprobs.py).
 A paused row goes back to QUEUED with its generated tokens kept and resumes with the next
 one. A phase is what /v1/status lists per request, so its string values are part of the API.
 """
@@ -20,13 +20,13 @@ from typing import TYPE_CHECKING, Any
 from mlxgw.shared import protocol as p
 from mlxgw.shared.errors import ServiceError, invalid
 from mlxgw.shared.events import Phase, Usage  # Phase re-exported: the worker's phases are the wire's
-from mlxgw.worker.model.isolation import SequenceGuard
+from mlxgw.worker.model.runners.isolation import SequenceGuard
 from mlxgw.worker.schedule.budget import ThinkingBudget, check_budget
 from mlxgw.worker.text.output_parser import OutputParser, Parsed
 
 if TYPE_CHECKING:
     from mlxgw.worker.model.interfaces import TextRunner
-    from mlxgw.worker.model.prompt_logprobs import PromptScorer
+    from mlxgw.worker.model.runners.prompt_logprobs import PromptScorer
     from mlxgw.worker.text.textstream import TextStream
 
 MAX_PAUSES = 3  # a row preempted this often runs to its end (it would otherwise never finish)

@@ -141,7 +141,7 @@ def _delta(seq: Sequence) -> Delta:
 
 
 class PromptScoring:
-    """The requests whose prompt logprobs are computed (worker/model/prompt_logprobs.py), oldest
+    """The requests whose prompt logprobs are computed (worker/model/runners/prompt_logprobs.py), oldest
     first, one chunk per engine step: the rows decoding meanwhile wait at most one chunk."""
 
     def __init__(self) -> None:

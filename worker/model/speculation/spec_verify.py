@@ -38,7 +38,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, BatchRotatingKVCache, CacheList, dynamic_roll
 
 from mlxgw.shared.events import FinishReason
-from mlxgw.worker.model.batch_sampler import scores
+from mlxgw.worker.model.runners.batch_sampler import scores
 from mlxgw.worker.model.cache.quantized_kv import BatchQuantizedKVCache
 
 CUTTABLE = (BatchKVCache, BatchQuantizedKVCache)  # cut back per row
@@ -127,7 +127,7 @@ class Verified:
 def _first_position(batch, inputs: mx.array, logits: mx.array) -> tuple[mx.array, mx.array, list]:
     """The rows' first position exactly as GenerationBatch._step treats a decode step:
     logits processors (with the row's token context), normalization, the rows' samplers.
-    A VectorGenerationBatch (worker/model/batch_sampler.py) does both batch-wide, with its
+    A VectorGenerationBatch (worker/model/runners/batch_sampler.py) does both batch-wide, with its
     row-by-row fallbacks for a faulty row; mlx-lm's own batch, row by row."""
     if getattr(batch, "batch_wide", lambda: False)():
         logits, token_context = batch.process(logits, inputs)

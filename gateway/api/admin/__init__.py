@@ -1,0 +1,1 @@
+"""mlxgw's own control routes: keys and usage, adapters, status and caches."""

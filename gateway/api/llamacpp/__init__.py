@@ -1,0 +1,1 @@
+"""llama.cpp server's routes: /infill, /tokenize, /rerank."""

@@ -1,0 +1,1 @@
+"""Ollama's API: chat and generate, model listing and management, Modelfiles."""

@@ -1,0 +1,1 @@
+"""OpenAI's APIs: chat and text completions, embeddings, audio, files and batches."""

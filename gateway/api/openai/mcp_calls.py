@@ -1,0 +1,94 @@
+"""How each API shows the MCP calls the gateway ran.
+
+Responses API: `mcp_call` output items, streamed as OpenAI streams them
+(response.output_item.added, response.mcp_call_arguments.delta/done,
+response.mcp_call.in_progress, response.mcp_call.completed or .failed,
+response.output_item.done).
+
+Chat Completions (mlxgw extension): a streamed MCP call is a tool-call delta marked
+`"mlxgw_mcp": {"server_label": ...}` (its index continues the turn's numbering), and its
+result a delta `"mlxgw_mcp_result": {id, server_label, name, arguments, output, error}`; a
+non-streamed message lists the calls in `message.mlxgw_mcp_calls`. A client must not run a
+tool call marked `mlxgw_mcp`: the gateway already did."""
+
+from __future__ import annotations
+
+from mlxgw.gateway.api.responses.output import new_item_id
+from mlxgw.gateway.mcp.drive import McpHooks
+from mlxgw.gateway.mcp.loop import McpCall
+
+# -- Chat Completions ----------------------------------------------------------------------
+
+
+async def _chat_call(out, call: dict, label: str) -> None:
+    delta = {
+        "index": call["index"],
+        "id": call["id"],
+        "type": "function",
+        "function": {"name": call["name"], "arguments": call["arguments"]},
+        "mlxgw_mcp": {"server_label": label},
+    }
+    await out.sse.data(out.delta({"tool_calls": [delta]}))
+
+
+async def _chat_result(out, r: McpCall) -> None:
+    await out.sse.data(out.delta({"mlxgw_mcp_result": r.as_dict()}))
+
+
+def _chat_decorate(body: dict, calls: list[McpCall]) -> None:
+    if calls:
+        body["choices"][0]["message"]["mlxgw_mcp_calls"] = [c.as_dict() for c in calls]
+
+
+def chat_hooks() -> McpHooks:
+    return McpHooks(_chat_call, _chat_result, _chat_decorate)
+
+
+# -- Responses API -------------------------------------------------------------------------
+
+
+def mcp_call_item(call: McpCall | dict, label: str, status: str) -> dict:
+    is_done = isinstance(call, McpCall)
+    return {
+        "type": "mcp_call",
+        "id": new_item_id("mcp"),
+        "server_label": label,
+        "name": call.name if is_done else call["name"],
+        "arguments": call.arguments if is_done else call["arguments"],
+        "output": call.output if is_done else None,
+        "error": call.error if is_done else None,
+        "status": status,
+    }
+
+
+async def _responses_call(out, call: dict, label: str) -> None:
+    await out._close_reasoning()
+    await out._close_message()
+    item = {**mcp_call_item(call, label, "in_progress"), "arguments": ""}
+    if not hasattr(out, "mcp_items"):
+        out.mcp_items = {}
+    out.mcp_items[call["id"]] = item
+    await out._add(item)
+    idx, args = out._index(item), call["arguments"]
+    await out.emit("response.mcp_call_arguments.delta", item_id=item["id"], output_index=idx, delta=args)
+    await out.emit("response.mcp_call_arguments.done", item_id=item["id"], output_index=idx, arguments=args)
+    item["arguments"] = args
+    await out.emit("response.mcp_call.in_progress", item_id=item["id"], output_index=idx)
+
+
+async def _responses_result(out, r: McpCall) -> None:
+    item = out.mcp_items[r.id]
+    item.update(output=r.output, error=r.error, status="failed" if r.error else "completed")
+    idx = out._index(item)
+    await out.emit(f"response.mcp_call.{item['status']}", item_id=item["id"], output_index=idx)
+    await out.emit("response.output_item.done", output_index=idx, item=item)
+
+
+def _responses_decorate(body: dict, calls: list[McpCall]) -> None:
+    items = [mcp_call_item(c, c.server_label, "failed" if c.error else "completed") for c in calls]
+    body["output"] = items + body["output"]
+
+
+def responses_hooks(stored: list[dict]) -> McpHooks:
+    """`stored`: the history kept for previous_response_id, which gains the MCP turns."""
+    return McpHooks(_responses_call, _responses_result, _responses_decorate, [stored])

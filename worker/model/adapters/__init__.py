@@ -1,0 +1,1 @@
+"""LoRA adapters in mixed batches: the bank, stacked weights, experts, folder formats."""

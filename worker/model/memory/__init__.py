@@ -1,0 +1,1 @@
+"""what a row costs: the KV budget and capacity."""
