@@ -14,7 +14,7 @@ from pathlib import Path
 
 import click
 
-from mlxgw.bench.studies import STUDIES, Study
+from .studies import STUDIES, Study
 
 PASS_THROUGH = {"ignore_unknown_options": True, "allow_extra_args": True, "help_option_names": []}
 
@@ -120,8 +120,8 @@ def load(
     out,
 ) -> None:
     """Load-test an OpenAI-compatible server (and optionally compare it with a second one)."""
-    from mlxgw.bench.method import Method, spread_arg
-    from mlxgw.bench.run import BenchConfig, Target, run
+    from .method import Method, spread_arg
+    from .run import BenchConfig, Target, run
 
     if seed is None:
         import random

@@ -23,7 +23,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TypeVar
 
-from mlxgw.bench.stats import Summary
+from .stats import Summary
 
 T = TypeVar("T")
 

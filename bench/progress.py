@@ -7,7 +7,7 @@ import sys
 import time
 from typing import TextIO
 
-from mlxgw.bench.loadgen import RequestResult
+from .loadgen import RequestResult
 
 REDRAW_S = 0.2
 

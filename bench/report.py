@@ -5,9 +5,9 @@ bench/method.py."""
 
 from __future__ import annotations
 
-from mlxgw.bench.loadgen import RequestResult
-from mlxgw.bench.method import Method
-from mlxgw.bench.stats import paired_ratios, percentile, summarize
+from .loadgen import RequestResult
+from .method import Method
+from .stats import paired_ratios, percentile, summarize
 
 __all__ = ["percentile", "summarize_level", "merge_rounds", "paired_ratio_rows", "levels_markdown"]
 

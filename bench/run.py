@@ -13,10 +13,10 @@ from pathlib import Path
 
 import aiohttp
 
-from mlxgw.bench.loadgen import one_request, run_level, shared_prefix_prompts, varied_prompts
-from mlxgw.bench.method import Method
-from mlxgw.bench.progress import LevelProgress
-from mlxgw.bench.report import (
+from .loadgen import one_request, run_level, shared_prefix_prompts, varied_prompts
+from .method import Method
+from .progress import LevelProgress
+from .report import (
     levels_markdown,
     merge_rounds,
     paired_ratio_rows,
@@ -24,7 +24,7 @@ from mlxgw.bench.report import (
     ratios_markdown,
     summarize_level,
 )
-from mlxgw.bench.stats import summarize
+from .stats import summarize
 
 
 @dataclass

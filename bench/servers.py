@@ -192,7 +192,7 @@ def start_mlxgw(home: Path, config: dict, name: str = "models", *, timeout: floa
 def _spawn_peer(
     label: str, cmd: list[str], port: int, logs: Path, model: str, env: dict | None = None
 ) -> ServerProcess:
-    from mlxgw.shared.platform import worker_environment
+    from ..shared.platform import worker_environment
 
     logs.mkdir(parents=True, exist_ok=True)
     log_path = logs / f"{label}.log"

@@ -11,51 +11,46 @@ from pathlib import Path
 
 from aiohttp import web
 
-from mlxgw.gateway import observe
-from mlxgw.gateway.access.audit import AUDIT, audit_lifecycle, audit_middleware, audit_path, on_prepare
-from mlxgw.gateway.access.audit.store import AuditFile
-from mlxgw.gateway.access.auth import auth_middleware
-from mlxgw.gateway.access.cache_scope import load_secret
-from mlxgw.gateway.access.keys import KeyStore
-from mlxgw.gateway.access.ledger import LEDGER, Ledger, ledger_lifecycle, usage_middleware
-from mlxgw.gateway.access.limits import RateLimiter
-from mlxgw.gateway.api import audit
-from mlxgw.gateway.api.admin import adapters
-from mlxgw.gateway.api.admin import keys as admin
-from mlxgw.gateway.api.anthropic import messages as anthropic
-from mlxgw.gateway.api.openai import audio
-from mlxgw.gateway.api.openai import batches
-from mlxgw.gateway.api.openai import files
-from mlxgw.gateway.api.llamacpp import infill
-from mlxgw.gateway.api.ollama import chat as ollama
-from mlxgw.gateway.api.ollama import create as ollama_create
-from mlxgw.gateway.api.ollama import manage as ollama_manage
-from mlxgw.gateway.api.ollama import models as ollama_models
-from mlxgw.gateway.api.openai import chat as openai_chat
-from mlxgw.gateway.api.openai import completions as openai_completions
-from mlxgw.gateway.api.openai import embeddings as openai_embeddings
-from mlxgw.gateway.api.llamacpp import rerank
-from mlxgw.gateway.api.responses import responses
-from mlxgw.gateway.api.responses import output as responses_output
-from mlxgw.gateway.api.admin import system
-from mlxgw.gateway.api.llamacpp import tokenize
-from mlxgw.gateway.batches.runner import install as install_batches
-from mlxgw.gateway.console import routes as console_routes
-from mlxgw.gateway.link.broker import Broker
-from mlxgw.gateway.mcp import routes as mcp_routes
-from mlxgw.gateway.mcp.hub import MCP, McpHub, mcp_lifecycle
-from mlxgw.gateway.models.manager import ModelManager
-from mlxgw.gateway.models.metrics import Metrics
-from mlxgw.gateway.models.throughput import THROUGHPUT, Throughput, throughput_lifecycle
-from mlxgw.gateway.observe import ACTIVE, add_response_headers, capacity_middleware, cors_middleware, observe_middleware
-from mlxgw.gateway.pipeline.body import body_too_large
-from mlxgw.gateway.web.edge import EDGE_STATS, EdgeStats, edge_middleware
-from mlxgw.gateway.web.errors import error_response
-from mlxgw.gateway.web.routes import lookup, route_of
-from mlxgw.gateway.web.state import BROKER, CACHE_SECRET, KEYS, LIMITER, MANAGER, METRICS, SETTINGS, GatewaySettings
-from mlxgw.shared import paths
-from mlxgw.shared.config import Registry
-from mlxgw.shared.errors import ErrorCode, ServiceError
+from ..shared import paths
+from ..shared.config import Registry
+from ..shared.errors import ErrorCode, ServiceError
+from . import observe
+from .access.audit import AUDIT, audit_lifecycle, audit_middleware, audit_path, on_prepare
+from .access.audit.store import AuditFile
+from .access.auth import auth_middleware
+from .access.cache_scope import load_secret
+from .access.keys import KeyStore
+from .access.ledger import LEDGER, Ledger, ledger_lifecycle, usage_middleware
+from .access.limits import RateLimiter
+from .api import audit
+from .api.admin import adapters, system
+from .api.admin import keys as admin
+from .api.anthropic import messages as anthropic
+from .api.llamacpp import infill, rerank, tokenize
+from .api.ollama import chat as ollama
+from .api.ollama import create as ollama_create
+from .api.ollama import manage as ollama_manage
+from .api.ollama import models as ollama_models
+from .api.openai import audio, batches, files
+from .api.openai import chat as openai_chat
+from .api.openai import completions as openai_completions
+from .api.openai import embeddings as openai_embeddings
+from .api.responses import output as responses_output
+from .api.responses import responses
+from .batches.runner import install as install_batches
+from .console import routes as console_routes
+from .link.broker import Broker
+from .mcp import routes as mcp_routes
+from .mcp.hub import MCP, McpHub, mcp_lifecycle
+from .models.manager import ModelManager
+from .models.metrics import Metrics
+from .models.throughput import THROUGHPUT, Throughput, throughput_lifecycle
+from .observe import ACTIVE, add_response_headers, capacity_middleware, cors_middleware, observe_middleware
+from .pipeline.body import body_too_large
+from .web.edge import EDGE_STATS, EdgeStats, edge_middleware
+from .web.errors import error_response
+from .web.routes import lookup, route_of
+from .web.state import BROKER, CACHE_SECRET, KEYS, LIMITER, MANAGER, METRICS, SETTINGS, GatewaySettings
 
 log = logging.getLogger(__name__)
 

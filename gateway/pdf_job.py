@@ -48,6 +48,6 @@ def pdf_text(data: bytes) -> str:
 
 
 if __name__ == "__main__":
-    from mlxgw.gateway.web.work_pools import job_main
+    from .web.work_pools import job_main
 
     job_main(pdf_text)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import psutil
 
-from mlxgw.shared import paths
+from ..shared import paths
 
 log = logging.getLogger(__name__)
 

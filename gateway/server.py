@@ -14,17 +14,17 @@ from pathlib import Path
 
 from aiohttp import web
 
-from mlxgw.gateway.access.audit import record_event
-from mlxgw.gateway.app import default_endpoint, make_app
-from mlxgw.gateway.models.lifecycle import SlotState
-from mlxgw.gateway.models.registry_edit import clean_after_kill
-from mlxgw.gateway.observe import access_log
-from mlxgw.gateway.runfiles import PortBusy, check_port, clean_stale_run_files, remove_pid_file, write_pid_file
-from mlxgw.gateway.web.edge import EdgeRunner, edge_limits
-from mlxgw.gateway.web.logcap import install_log_limits
-from mlxgw.gateway.web.state import MANAGER, GatewaySettings
-from mlxgw.shared import model_store, paths
-from mlxgw.shared.config import ConfigError, Registry, load_registry, with_discovered_models
+from ..shared import model_store, paths
+from ..shared.config import ConfigError, Registry, load_registry, with_discovered_models
+from .access.audit import record_event
+from .app import default_endpoint, make_app
+from .models.lifecycle import SlotState
+from .models.registry_edit import clean_after_kill
+from .observe import access_log
+from .runfiles import PortBusy, check_port, clean_stale_run_files, remove_pid_file, write_pid_file
+from .web.edge import EdgeRunner, edge_limits
+from .web.logcap import install_log_limits
+from .web.state import MANAGER, GatewaySettings
 
 # How long a graceful stop waits for the requests in flight (aiohttp's own default).
 SHUTDOWN_TIMEOUT_S = 60.0
@@ -94,7 +94,7 @@ async def serve(
         log.error("cannot listen on %s:%d: %s", host, port, e.strerror)
         await runner.cleanup()
         raise SystemExit(2) from None
-    from mlxgw.gateway.batches.runner import SELF_URL, quiesce_batches
+    from .batches.runner import SELF_URL, quiesce_batches
 
     loopback = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
     app[SELF_URL]["url"] = f"http://{'[' + loopback + ']' if ':' in loopback else loopback}:{port}"  # batch runner

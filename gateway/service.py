@@ -14,9 +14,9 @@ from pathlib import Path
 from string import Template
 from xml.sax.saxutils import escape
 
-from mlxgw.shared import paths
-from mlxgw.shared.platform import IS_MACOS
-from mlxgw.shared.resources import shipped_file
+from ..shared import paths
+from ..shared.platform import IS_MACOS
+from ..shared.resources import shipped_file
 
 DEPLOY = shipped_file("deploy", "")
 LABEL = "com.mlxgw.gateway"

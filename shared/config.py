@@ -15,37 +15,29 @@ from typing import Any, ClassVar
 import yaml
 
 from . import discovery, model_store
-from .config_checks import (  # noqa: F401  (parse_memory_budget: importable from here as before)
+from .config_checks import (
     check_adapter_names,
     check_entry,
     check_gateway,
     check_manager,
-    parse_memory_budget,
 )
 from .gateway_config import GatewayConfig
 from .mcp_config import McpConfig, parse_mcp
-from .model_sections import (  # noqa: F401  (the entry's parts, importable from here as before)
-    CHAT_KINDS,
-    ENCODER_KINDS,
-    ENGINES,
+from .model_sections import (
     FLAT_KEYS,
     KINDS,
-    MAX_RANKS,
     AdapterEntry,
     CacheConfig,
     ChatConfig,
     Contention,
-    DistributedBackend,
     DistributedConfig,
     EncoderConfig,
     Engine,
     FimConfig,
     MaxTokensPolicy,
     ModelKind,
-    PresetMessage,
     SamplingDefaults,
     SpeculativeConfig,
-    Strategy,
 )
 from .schema import ConfigError, from_mapping
 

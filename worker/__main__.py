@@ -1,5 +1,5 @@
 """`python -m mlxgw.worker`: how the gateway starts a worker (the same as `mlxgw worker`)."""
 
-from mlxgw.worker.process.cli import worker
+from .process.cli import worker
 
 worker(prog_name="mlxgw worker")

@@ -1,4 +1,4 @@
-"""Do the real agent CLIs finish on the first try against a running gateway (issue 25)?
+"""Do the real agent CLIs finish on the first try against a running gateway?
 
 Runs `claude -p`, `codex exec` and `opencode run` each --runs times against --url (a gateway
 started by `make run` or `make run-agents`), each run in a fresh project folder and a fresh

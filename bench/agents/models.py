@@ -1,4 +1,4 @@
-"""Which chat model fits the agent clients on this host (issue 25, item 4).
+"""Which chat model fits the agent clients on this host (item 4).
 
 Sends each recorded agent request (tests/fixtures: Claude Code over the Anthropic API, Codex
 over the Responses API) to each model of a running gateway, greedy and with a short answer,

@@ -31,9 +31,9 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-from mlxgw.bench import method as bench_method
-from mlxgw.bench.method import Method
-from mlxgw.bench.servers import (
+from .. import method as bench_method
+from ..method import Method
+from ..servers import (
     ServerProcess,
     registry,
     show_log_tails,
@@ -42,7 +42,7 @@ from mlxgw.bench.servers import (
     spawn_vllm_mlx,
     stop_all,
 )
-from mlxgw.bench.stats import paired_ratios, summarize
+from ..stats import paired_ratios, summarize
 
 QUESTIONS = ["What does the scheduler do?", "And the prefix cache?", "Who reviews changes?", "Summarise it."]
 RULE = "the team writes small functions, tests real components and names things clearly"

@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     from mlx_lm import generate, load
 
-    from mlxgw.worker.text.tool_formats import generic_chat_messages
+    from ...worker.text.tool_formats import generic_chat_messages
 
     out = []
     for model_name, generic in [("qwen2.5-coder-0.5b", False), ("smollm2-135m", True)]:

@@ -1,5 +1,5 @@
 """A host made slow on purpose: a worker runs `duty` of the time (SIGSTOP/SIGCONT in a cycle,
-its link thread heartbeating while it runs), while one long prompt is read (issue 25).
+its link thread heartbeating while it runs), while one long prompt is read.
 
     python bench/agents/throttle.py --url http://127.0.0.1:8000 --model smollm2-135m --duty 0.25 \\
         --prompt-tokens 2000 [--timeout 1200]

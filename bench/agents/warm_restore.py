@@ -22,8 +22,8 @@ from pathlib import Path
 
 import aiohttp
 
-from mlxgw.bench.loadgen import one_request, shared_prefix_prompts
-from mlxgw.bench.stats import median
+from ..loadgen import one_request, shared_prefix_prompts
+from ..stats import median
 
 
 async def _admin(session: aiohttp.ClientSession, method: str, url: str) -> float:

@@ -1,4 +1,4 @@
-"""The flood figures of issue 13: slowloris bodies and idle sockets against a real `mlxgw up`
+"""The flood figures: slowloris bodies and idle sockets against a real `mlxgw up`
 (null engine, default edge settings), on loopback. Reports how many connections the server
 held, how fast /health answered during the flood, whether a stream completed, and what the
 log took.
@@ -19,8 +19,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from mlxgw.bench.servers import ServerProcess, start_mlxgw
-from mlxgw.bench.stats import median
+from ..servers import ServerProcess, start_mlxgw
+from ..stats import median
 
 CONFIG = {"manager": {"auto_discover": False}, "models": [{"name": "null", "engine": "null", "preload": True}]}
 

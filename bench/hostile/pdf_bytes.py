@@ -1,5 +1,5 @@
 """Real, minimal PDFs built byte by byte (no PDF writer needed): one with a text layer, and the
-bomb of issue 26. The PDF flood bench and the tests build theirs here."""
+bomb. The PDF flood bench and the tests build theirs here."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def _pdf(objects: list[bytes]) -> bytes:
 
 def pdf_bomb(pages: int = 1000, operators: int = 300_000) -> bytes:
     """A small PDF that is hours of text extraction: `pages` pages that all share one
-    compressed content stream of `operators` text-showing operators (issue 26: 160 KB)."""
+    compressed content stream of `operators` text-showing operators (160 KB)."""
     content = zlib.compress(b"BT /F1 12 Tf 72 720 Td " + b"(a) Tj " * operators + b"ET", 9)
     kids = b" ".join(b"%d 0 R" % (6 + i) for i in range(pages))
     objects = [

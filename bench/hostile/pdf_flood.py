@@ -1,4 +1,4 @@
-"""The PDF flood of issue 26: six 137 KB bomb PDFs (1,000 pages sharing one content stream of
+"""The PDF flood: six 137 KB bomb PDFs (1,000 pages sharing one content stream of
 300k text operators) at once, then how long the admin routes, a 300 KB chat body and the
 gateway's SIGTERM take meanwhile.
 
@@ -24,8 +24,8 @@ from pathlib import Path
 
 import yaml
 
-from mlxgw.bench.hostile.pdf_bytes import pdf_bomb
-from mlxgw.bench.servers import ServerProcess, start_mlxgw
+from ..servers import ServerProcess, start_mlxgw
+from .pdf_bytes import pdf_bomb
 
 ADMIN_KEY = "mlxgw-flood-admin-key-0123456789"
 USER_KEY = "mlxgw-flood-user-key-0123456789"
@@ -48,7 +48,7 @@ def call(url: str, key: str, body: dict | None = None, timeout: float = 60) -> t
 
 def start(home: Path) -> ServerProcess:
     """`mlxgw up` with an echo model and two keys (an admin's, a user's), ready."""
-    from mlxgw.gateway.access.keys import hash_key
+    from ...gateway.access.keys import hash_key
 
     keys = [
         {"name": "admin", "sha256": hash_key(ADMIN_KEY), "admin": True},

@@ -10,8 +10,8 @@ n > 1 choices, and max_tokens from 8 to 128. `concurrency` closed-loop clients.
 
 The process watched is the model's worker (found through mlxgw's /v1/status) or --pid for
 a peer. Reported: RSS when warm-up ends, at the end, its maximum and its growth after
-warm-up, plus (mlxgw) the prefix cache's configured bound and the MLX counters. The goal
-(issue 15): flat after warm-up, within the model's footprint + cache bound + live KV."""
+warm-up, plus (mlxgw) the prefix cache's configured bound and the MLX counters. The goal:
+flat after warm-up, within the model's footprint + cache bound + live KV."""
 
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ from pathlib import Path
 import aiohttp
 import psutil
 
-from mlxgw.bench.loadgen import WORDS
-from mlxgw.bench.stats import percentile
+from ..loadgen import WORDS
+from ..stats import percentile
 
 KINDS = ("varied", "shared_prefix", "multi_turn", "cancel_prefill", "cancel_answer", "choices")
 WEIGHTS = (30, 25, 15, 10, 10, 10)

@@ -33,10 +33,10 @@ from pathlib import Path
 
 import aiohttp
 
-from mlxgw.bench.method import rotated
-from mlxgw.bench.overhead.drive import MODEL, cpu_seconds, drive, pin
-from mlxgw.bench.servers import ServerProcess, spawn_bare, spawn_mlxgw
-from mlxgw.bench.stats import median
+from ..method import rotated
+from ..servers import ServerProcess, spawn_bare, spawn_mlxgw
+from ..stats import median
+from .drive import MODEL, cpu_seconds, drive, pin
 
 # -- the servers ---------------------------------------------------------------------------------
 

@@ -23,11 +23,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from mlxgw.bench.method import rotated
-from mlxgw.bench.overhead.capacity import ready_and_pinned
-from mlxgw.bench.overhead.drive import MODEL, cpu_seconds, drive
-from mlxgw.bench.servers import ServerProcess, spawn_mlxgw
-from mlxgw.bench.stats import median
+from ..method import rotated
+from ..servers import ServerProcess, spawn_mlxgw
+from ..stats import median
+from .capacity import ready_and_pinned
+from .drive import MODEL, cpu_seconds, drive
 
 
 def start(home: Path, ledger: bool) -> ServerProcess:

@@ -15,8 +15,8 @@ from pathlib import Path
 from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 
-from mlxgw.gateway.access.keys import ApiKey
-from mlxgw.gateway.access.ledger import LEDGER, Ledger, record_request
+from ...gateway.access.keys import ApiKey
+from ...gateway.access.ledger import LEDGER, Ledger, record_request
 
 
 def _request(app: web.Application) -> web.Request:

@@ -118,9 +118,9 @@ async def _run(tokens: int, show: int) -> None:
     from aiohttp.test_utils import TestServer
     from aiohttp.web import middleware
 
-    from mlxgw.gateway.app import make_app
-    from mlxgw.gateway.web import state
-    from mlxgw.shared.config import parse_registry
+    from ...gateway.app import make_app
+    from ...gateway.web import state
+    from ...shared.config import parse_registry
 
     home = Path(tempfile.mkdtemp(prefix="mlxgw-trace-"))
     os.environ["MLXGW_HOME"] = str(home)

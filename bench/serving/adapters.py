@@ -1,4 +1,4 @@
-"""Mixed LoRA-adapter traffic against the base model alone, through the server (issue 44).
+"""Mixed LoRA-adapter traffic against the base model alone, through the server.
 
     python -m mlxgw.bench.serving.adapters ~/.mlxgw/models/smollm2-135m --adapters 4 \\
         --concurrency 8,16 --rounds 3 [--adapter-dir DIR ...] [--no-peer] [--out bench/out/adapters]
@@ -35,11 +35,11 @@ from pathlib import Path
 
 import aiohttp
 
-from mlxgw.bench import method as bench_method
-from mlxgw.bench.loadgen import one_request, varied_prompts
-from mlxgw.bench.method import Method
-from mlxgw.bench.servers import ServerProcess, show_log_tails, spawn_mlx_lm, spawn_mlxgw, stop_all, warm_up
-from mlxgw.bench.stats import paired_ratios, percentile, summarize
+from .. import method as bench_method
+from ..loadgen import one_request, varied_prompts
+from ..method import Method
+from ..servers import ServerProcess, show_log_tails, spawn_mlx_lm, spawn_mlxgw, stop_all, warm_up
+from ..stats import paired_ratios, percentile, summarize
 
 VARIANTS = ("base", "mixed")
 PEER = "mlx_lm.server-mixed"

@@ -33,7 +33,7 @@ CLIPS_DIR = Path(__file__).resolve().parent.parent / "tests" / "data" / "audio"
 
 
 def load_clips(folder: Path) -> list[tuple[str, bytes, str, float]]:
-    from mlxgw.gateway.pipeline.audio_decode import decode_audio
+    from ...gateway.pipeline.audio_decode import decode_audio
 
     meta = json.loads((folder / "clips.json").read_text())
     out = []
@@ -150,7 +150,7 @@ def default_ct2_dir() -> Path:
 
 
 def main() -> None:
-    from mlxgw.bench import method as bench_method
+    from .. import method as bench_method
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", default="http://127.0.0.1:8000")
@@ -167,7 +167,7 @@ def main() -> None:
     clips = load_clips(args.clips)
     jobs = [clips[i % len(clips)] for i in range(args.requests)]
     ct2 = args.ct2_dir or (default_ct2_dir() if args.peers else None)
-    from mlxgw.bench.stats import summarize  # here: the peer's child runs this file as a script, without mlxgw
+    from ..stats import summarize  # here: the peer's child runs this file as a script, without mlxgw
 
     method = bench_method.from_args(args)
     rounds: dict[tuple[str, int], list[dict]] = {}

@@ -19,7 +19,7 @@ PHASES = ("encode", "prefill", "step")
 
 
 def timed_runner(folder: Path):
-    from mlxgw.worker.model.whisper.runner import WhisperRunner
+    from ...worker.model.whisper.runner import WhisperRunner
 
     runner = WhisperRunner(folder)
     spent = dict.fromkeys(PHASES, 0.0)
@@ -38,8 +38,8 @@ def timed_runner(folder: Path):
 
 
 def transcribe(runner, pcm: dict[str, bytes], names: list[str]) -> dict[str, dict]:
-    from mlxgw.shared import protocol as p
-    from mlxgw.worker.schedule.transcription import AudioScheduler
+    from ...shared import protocol as p
+    from ...worker.schedule.transcription import AudioScheduler
 
     scheduler = AudioScheduler(runner, max_rows=16, max_queue=64)
     for i, name in enumerate(names):
@@ -53,7 +53,7 @@ def transcribe(runner, pcm: dict[str, bytes], names: list[str]) -> dict[str, dic
 
 
 def main() -> None:
-    from mlxgw.gateway.pipeline.audio_decode import decode_audio
+    from ...gateway.pipeline.audio_decode import decode_audio
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", type=Path)

@@ -89,9 +89,9 @@ def inprocess_runs(model_dir: str, items: list[str]) -> list[dict]:
     """The worker's encoder and scheduler without the gateway: requests of 1 and of 64 inputs."""
     from pathlib import Path
 
-    from mlxgw.shared.protocol import EmbedRequest
-    from mlxgw.worker.model.encoder.encoder import TextEncoder
-    from mlxgw.worker.schedule.embeddings import EmbedScheduler
+    from ...shared.protocol import EmbedRequest
+    from ...worker.model.encoder.encoder import TextEncoder
+    from ...worker.schedule.embeddings import EmbedScheduler
 
     enc = TextEncoder(Path(model_dir))
     enc.embed([enc.tokenize(t, i) for i, t in enumerate(items[:4])])  # warm-up
@@ -157,7 +157,7 @@ def encode(batch):
 
 
 def peer_runs(python: str, script: str, model_dir: str, items: list[str]) -> list[dict]:
-    from mlxgw.shared.platform import worker_environment
+    from ...shared.platform import worker_environment
 
     proc = subprocess.run(
         [python, "-c", script + PEER_TIMING, model_dir],
@@ -171,7 +171,7 @@ def peer_runs(python: str, script: str, model_dir: str, items: list[str]) -> lis
 
 
 def main(argv: list[str] | None = None) -> None:
-    from mlxgw.shared.platform import reexec_as_worker
+    from ...shared.platform import reexec_as_worker
 
     reexec_as_worker("mlxgw.bench.serving.embeddings")  # the in-process encoder runs as a worker would
     ap = argparse.ArgumentParser(prog="python -m mlxgw.bench.serving.embeddings")

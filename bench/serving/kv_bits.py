@@ -23,12 +23,12 @@ import tempfile
 import urllib.request
 from pathlib import Path
 
-from mlxgw.bench import method as bench_method
-from mlxgw.bench.loadgen import run_level, varied_prompts
-from mlxgw.bench.method import Method
-from mlxgw.bench.servers import ServerProcess, show_log_tails, spawn_mlxgw, stop_all, warm_up
-from mlxgw.bench.speculation.matrix import clear_cache
-from mlxgw.bench.stats import paired_ratios, summarize
+from .. import method as bench_method
+from ..loadgen import run_level, varied_prompts
+from ..method import Method
+from ..servers import ServerProcess, show_log_tails, spawn_mlxgw, stop_all, warm_up
+from ..speculation.matrix import clear_cache
+from ..stats import paired_ratios, summarize
 
 VARIANTS = {"kv16": None, "kv8": 8, "kv4": 4}
 

@@ -30,10 +30,10 @@ import time
 import urllib.request
 from pathlib import Path
 
-from mlxgw.bench import method as bench_method
-from mlxgw.bench.method import Method
-from mlxgw.bench.run import BenchConfig, Target, run
-from mlxgw.bench.servers import (
+from .. import method as bench_method
+from ..method import Method
+from ..run import BenchConfig, Target, run
+from ..servers import (
     ServerProcess,
     registry,
     show_log_tails,
@@ -43,8 +43,8 @@ from mlxgw.bench.servers import (
     stop_all,
     warm_up,
 )
-from mlxgw.bench.speculation.inprocess import agent_messages
-from mlxgw.bench.stats import paired_ratios, summarize
+from ..speculation.inprocess import agent_messages
+from ..stats import paired_ratios, summarize
 
 
 def agent_request(url: str, model: str, messages: list[dict], max_tokens: int) -> dict:

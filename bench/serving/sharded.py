@@ -15,8 +15,8 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
-from mlxgw.bench import method as bench_method
-from mlxgw.bench.stats import paired_ratios, summarize
+from .. import method as bench_method
+from ..stats import paired_ratios, summarize
 
 PROMPTS = [
     "Write a short poem about the sea.",

@@ -22,9 +22,9 @@ import json
 import time
 from pathlib import Path
 
-from mlxgw.bench import method as bench_method
-from mlxgw.bench.method import Method
-from mlxgw.bench.stats import paired_ratios, summarize
+from .. import method as bench_method
+from ..method import Method
+from ..stats import paired_ratios, summarize
 
 CODE_FILE = Path(__file__).resolve().parent.parent / "worker" / "scheduler.py"
 INSTRUCTION = (
@@ -51,8 +51,8 @@ def agent_prompt(tokenizer, code_tokens: int) -> list[int]:
 
 
 def _scheduler(model_dir: str, speculative):
-    from mlxgw.worker.process.build_mlx import build_mlx_runner
-    from mlxgw.worker.schedule.scheduler import Scheduler
+    from ...worker.process.build_mlx import build_mlx_runner
+    from ...worker.schedule.scheduler import Scheduler
 
     # No prefix cache: every round prefills the same way, only decoding differs.
     runner = build_mlx_runner(
@@ -68,8 +68,8 @@ def _scheduler(model_dir: str, speculative):
 
 def run_once(scheduler, prompt: list[int], max_tokens: int, rid: str) -> dict:
     """One greedy request to its end: TTFT, decode tokens/s (after the first token), text."""
-    from mlxgw.shared import protocol as p
-    from mlxgw.shared.events import EventKind
+    from ...shared import protocol as p
+    from ...shared.events import EventKind
 
     started = time.perf_counter()
     req = p.GenerateRequest(
@@ -106,7 +106,7 @@ def measure(
 ) -> dict:
     from mlx_lm.utils import load_tokenizer
 
-    from mlxgw.shared.config import SpeculativeConfig
+    from ...shared.model_sections import SpeculativeConfig
 
     prompt = agent_prompt(load_tokenizer(Path(model_dir)), code_tokens)
     configs = {mode: SpeculativeConfig(mode=mode, max_draft=max_draft) for mode in ("off", "prompt_lookup")}
@@ -162,7 +162,7 @@ def _public(res: dict) -> dict:
 
 
 def main() -> None:
-    from mlxgw.shared.platform import reexec_as_worker
+    from ...shared.platform import reexec_as_worker
 
     reexec_as_worker("mlxgw.bench.speculation.inprocess")
     ap = argparse.ArgumentParser()

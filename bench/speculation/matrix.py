@@ -31,11 +31,11 @@ import time
 import urllib.request
 from pathlib import Path
 
-from mlxgw.bench import method as bench_method
-from mlxgw.bench.loadgen import run_level, varied_prompts
-from mlxgw.bench.method import Method
-from mlxgw.bench.servers import ServerProcess, show_log_tails, spawn_mlxgw, stop_all, warm_up
-from mlxgw.bench.stats import paired_ratios, percentile, summarize
+from .. import method as bench_method
+from ..loadgen import run_level, varied_prompts
+from ..method import Method
+from ..servers import ServerProcess, show_log_tails, spawn_mlxgw, stop_all, warm_up
+from ..stats import paired_ratios, percentile, summarize
 
 VARIANTS = ("spec-off", "spec-on")
 CODE_DIR = Path(__file__).resolve().parent.parent / "worker"
@@ -43,7 +43,7 @@ CODE_DIR = Path(__file__).resolve().parent.parent / "worker"
 
 def agent_prompts(tokenizer, n: int, code_tokens: int) -> list[list[dict]]:
     """n code-edit requests, each on its own ~code_tokens slice of the worker's code files."""
-    from mlxgw.bench.speculation.inprocess import INSTRUCTION
+    from .inprocess import INSTRUCTION
 
     lines = [ln for f in sorted(CODE_DIR.glob("*.py")) for ln in f.read_text().splitlines(keepends=True)]
     out, start = [], 0

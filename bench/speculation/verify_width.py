@@ -40,7 +40,7 @@ def width_costs(model, batch: int, widths: list[int], repeats: int, context: int
 
 
 def main() -> None:
-    from mlxgw.shared.platform import reexec_as_worker
+    from ...shared.platform import reexec_as_worker
 
     reexec_as_worker("mlxgw.bench.speculation.verify_width")
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -50,7 +50,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--context", type=int, default=100, help="cached positions per row")
     args = ap.parse_args()
-    from mlxgw.worker.process.build_mlx import build_mlx_runner
+    from ...worker.process.build_mlx import build_mlx_runner
 
     batches = [int(b) for b in args.batches.split(",")]
     widths = [int(w) for w in args.widths.split(",")]

@@ -37,9 +37,9 @@ from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 
-from mlxgw.bench.stats import median, summarize
-from mlxgw.bench.step.mlxgw_loop import PATHS, PIECES, MlxgwLoop, SamplerView, make_request
-from mlxgw.bench.step.timers import Timers, install_timers
+from ..stats import median, summarize
+from .mlxgw_loop import PATHS, PIECES, MlxgwLoop, SamplerView, make_request
+from .timers import Timers, install_timers
 
 HOST = ("detokenize", "parse", "events", "encode", "host")
 SAMPLING = ("processors", "normalize", "sampling")
@@ -135,7 +135,7 @@ def _ms(seconds: float | None) -> float | None:
 
 
 def load_runner(model_dir: Path, max_batch: int):
-    from mlxgw.worker.process.build_mlx import build_mlx_runner
+    from ...worker.process.build_mlx import build_mlx_runner
 
     runner = build_mlx_runner(
         model_dir, context_length=None, max_num_seqs=max_batch, prefill_step_size=512, cache_bytes=0
@@ -184,7 +184,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
 
 
 def default_model_dir() -> Path:
-    from mlxgw.shared.paths import models_dir
+    from ...shared.paths import models_dir
 
     return models_dir() / "smollm2-135m"
 
@@ -237,8 +237,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def make_loops(names: list[str], runner, peer_model, batch: int, args, timers: Timers) -> list:
     """The engines to alternate at one batch size; mlxgw's sampler paths share one Scheduler."""
-    from mlxgw.bench.loadgen import varied_prompts
-    from mlxgw.bench.step.mlx_lm_loop import MlxLmLoop
+    from ..loadgen import varied_prompts
+    from .mlx_lm_loop import MlxLmLoop
 
     prompts = varied_prompts(4 * batch + 64, args.prompt_words, args.seed, args.prompt_words_max)
     loops: list = []
@@ -255,7 +255,7 @@ def make_loops(names: list[str], runner, peer_model, batch: int, args, timers: T
 
 
 def main(argv: list[str] | None = None) -> None:
-    from mlxgw.shared.platform import reexec_as_worker
+    from ...shared.platform import reexec_as_worker
 
     reexec_as_worker("mlxgw.bench.step.breakdown")
     args = parse_args(argv)
@@ -264,14 +264,14 @@ def main(argv: list[str] | None = None) -> None:
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from mlxgw.bench.loadgen import varied_prompts
-    from mlxgw.bench.method import load_average
-    from mlxgw.bench.step.floor import Floors
+    from ..loadgen import varied_prompts
+    from ..method import load_average
+    from .floor import Floors
 
     model_dir = args.model_dir or default_model_dir()
     batches = [int(b) for b in args.batches.split(",")]
     if args.sampling_only:
-        from mlxgw.bench.step.sampling import sampling_only
+        from .sampling import sampling_only
 
         vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
         sampling_only(batches, vocab, args.sampling_only, args.frequency_penalty)
@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> None:
     # head transposed (worker/model/cpu/output_head.py), a layout of its own. Same weights, same BLAS.
     from mlx_lm import load
 
-    from mlxgw.bench.step.timers import TimedModel
+    from .timers import TimedModel
 
     peer_model = TimedModel(load(str(model_dir))[0], timers, mx) if "mlx_lm" in args.engines else None
     floors = Floors.measure(runner.model, mx, args.gemm_repeats, args.peak_batch)

@@ -22,12 +22,12 @@ import argparse
 import json
 import time
 
-from mlxgw.bench.stats import mean, median
+from ..stats import mean, median
 
 
 def _runner(model_dir: str, speculation: bool = True):
-    from mlxgw.shared.config import SpeculativeConfig
-    from mlxgw.worker.process.build_mlx import build_mlx_runner
+    from ...shared.model_sections import SpeculativeConfig
+    from ...worker.process.build_mlx import build_mlx_runner
 
     return build_mlx_runner(
         model_dir,
@@ -42,7 +42,7 @@ def _runner(model_dir: str, speculation: bool = True):
 def _run(scheduler, reqs, finished_at: dict[str, float] | None = None) -> tuple[float, int]:
     """Submit, step until every request ended; (seconds, completion tokens). finished_at,
     when given, gets each request's seconds from the start to its end."""
-    from mlxgw.shared.events import EventKind, Usage
+    from ...shared.events import EventKind, Usage
 
     started = time.perf_counter()
     pending = {r.rid for r in reqs}
@@ -67,7 +67,7 @@ def _requests(
     n: int = 1,
     prompt_logprobs: list[int | None] | None = None,
 ) -> list:
-    from mlxgw.shared import protocol as p
+    from ...shared import protocol as p
 
     prompt_logprobs = prompt_logprobs or [None] * len(prompts)
     return [
@@ -85,7 +85,7 @@ def _requests(
 
 
 def logprobs_cost(scheduler, max_tokens: int, rounds: int) -> dict:
-    from mlxgw.bench.loadgen import varied_prompts
+    from ..loadgen import varied_prompts
 
     prompts = [m[0]["content"] for m in varied_prompts(8, 40, seed=0)]
     times: dict[str, list[float]] = {"without": [], "with_one": []}
@@ -113,7 +113,7 @@ def logprobs_cost(scheduler, max_tokens: int, rounds: int) -> dict:
 
 
 def choices_cost(scheduler, max_tokens: int, rounds: int) -> dict:
-    from mlxgw.bench.loadgen import varied_prompts
+    from ..loadgen import varied_prompts
 
     prompt = varied_prompts(1, 300, seed=1)[0][0]["content"]
     out: dict[str, list] = {"n4": [], "four_requests": []}
@@ -143,7 +143,7 @@ def choices_cost(scheduler, max_tokens: int, rounds: int) -> dict:
 def prompt_logprobs_cost(scheduler, max_tokens: int, rounds: int) -> dict:
     """Prompt logprobs cost one forward pass over the prompt, outside the batch's prefill:
     alone (300-word prompt) and in a batch of 8 (one of them asking, 5 alternatives)."""
-    from mlxgw.bench.loadgen import varied_prompts
+    from ..loadgen import varied_prompts
 
     long_prompt = varied_prompts(1, 300, seed=2)[0][0]["content"]
     batch = [m[0]["content"] for m in varied_prompts(8, 300, seed=3)]
@@ -169,7 +169,7 @@ def prompt_logprobs_cost(scheduler, max_tokens: int, rounds: int) -> dict:
 
 
 def main() -> None:
-    from mlxgw.shared.platform import reexec_as_worker
+    from ...shared.platform import reexec_as_worker
 
     reexec_as_worker("mlxgw.bench.step.choices")
     ap = argparse.ArgumentParser()
@@ -179,7 +179,7 @@ def main() -> None:
     ap.add_argument("--no-speculation", action="store_true", help="greedy rows do not speculate")
     ap.add_argument("--only", choices=["logprobs", "n_choices", "prompt_logprobs"], help="one figure only")
     args = ap.parse_args()
-    from mlxgw.worker.schedule.scheduler import Scheduler
+    from ...worker.schedule.scheduler import Scheduler
 
     scheduler = Scheduler(_runner(args.model_dir, not args.no_speculation), max_num_seqs=8, max_queue=64)
     figures = {"logprobs": logprobs_cost, "n_choices": choices_cost, "prompt_logprobs": prompt_logprobs_cost}

@@ -22,8 +22,8 @@ import json
 import time
 from pathlib import Path
 
-from mlxgw.bench.method import rotated
-from mlxgw.bench.stats import median, paired_ratios, summarize
+from ..method import rotated
+from ..stats import median, paired_ratios, summarize
 
 DECODE = [(1, 80), (1, 4000), (8, 1000), (16, 100), (16, 500)]
 PREFILL_CHUNK = (1, 512, 2048)  # batch, chunk rows, cached positions
@@ -65,7 +65,7 @@ def _alternate(variants: dict, mx, rounds: int, repeats: int) -> dict[str, list[
 def attention_rounds(mx, heads, rounds: int, repeats: int) -> list[dict]:
     from functools import partial
 
-    from mlxgw.worker.model.cpu import cpu_attention as ca
+    from ...worker.model.cpu import cpu_attention as ca
 
     ca.install()
     rows = []
@@ -84,7 +84,7 @@ def attention_rounds(mx, heads, rounds: int, repeats: int) -> list[dict]:
 def head_rounds(mx, model, rounds: int, repeats: int) -> list[dict]:
     from functools import partial
 
-    from mlxgw.worker.model.cpu.output_head import TOKEN_EMBEDDINGS
+    from ...worker.model.cpu.output_head import TOKEN_EMBEDDINGS
 
     weights = [m.weight for name, m in model.named_modules() if name.split(".")[-1] in ("lm_head", *TOKEN_EMBEDDINGS)]
     w = weights[0]
@@ -103,7 +103,7 @@ def head_rounds(mx, model, rounds: int, repeats: int) -> list[dict]:
 def prefill_rounds(mx, model, tokens: int, rounds: int) -> list[dict]:
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlxgw.worker.model.cpu import cpu_attention as ca
+    from ...worker.model.cpu import cpu_attention as ca
 
     prompt = mx.random.randint(0, 1000, (1, tokens), key=mx.random.key(0))
     prefill = {"mlx-lm": [], "mlxgw": []}
@@ -162,7 +162,7 @@ def markdown(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from mlxgw.shared.platform import reexec_as_worker
+    from ...shared.platform import reexec_as_worker
 
     reexec_as_worker("mlxgw.bench.step.cpu_forward")
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> None:
     import mlx.core as mx
     from mlx_lm import load
 
-    from mlxgw.worker.model.cpu.output_head import transpose_head
+    from ...worker.model.cpu.output_head import transpose_head
 
     model, _ = load(str(args.model_dir))
     attn = model.model.layers[0].self_attn if hasattr(model, "model") else None

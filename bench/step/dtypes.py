@@ -38,7 +38,7 @@ def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "--child":
         print(json.dumps(measure(sys.argv[2])), flush=True)
         return
-    from mlxgw.shared.platform import openblas_path, worker_environment
+    from ...shared.platform import openblas_path, worker_environment
 
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("model_dirs", nargs="+", help="model folders, each measured with and without OpenBLAS")

@@ -18,8 +18,8 @@ def measure(
     from mlx_lm.generate import BatchGenerator
     from mlx_lm.sample_utils import make_sampler
 
-    from mlxgw.bench.loadgen import varied_prompts
-    from mlxgw.bench.stats import percentile
+    from ..loadgen import varied_prompts
+    from ..stats import percentile
 
     model, tok = load(model_dir)
     prompts = [
@@ -61,7 +61,7 @@ def measure(
 
 
 def main() -> None:
-    from mlxgw.shared.platform import reexec_as_worker
+    from ...shared.platform import reexec_as_worker
 
     reexec_as_worker("mlxgw.bench.step.inprocess")
     ap = argparse.ArgumentParser()

@@ -67,7 +67,7 @@ class MlxLmLoop:
     def enter(self) -> None:
         """This loop has its own generator; its model calls get mlx-lm's own attention, as
         in mlx_lm.server (the worker's CPU attention is routed in process-wide)."""
-        from mlxgw.worker.model.cpu.cpu_attention import settings
+        from ...worker.model.cpu.cpu_attention import settings
 
         settings.enabled = False
 
@@ -127,7 +127,7 @@ class MlxLmLoop:
     def split(self, acc: dict[str, float], wall: float) -> dict[str, float]:
         """This turn's pieces: forward, normalize, sampling, host (the per-token loop), rest
         (mlx-lm's batch bookkeeping inside next())."""
-        from mlxgw.bench.step.mlxgw_loop import PIECES
+        from .mlxgw_loop import PIECES
 
         out = {k: acc.get(k, 0.0) for k in PIECES}  # mlxgw's own pieces stay 0 here
         out["rest"] = max(0.0, wall - sum(v for k, v in out.items() if k != "rest"))

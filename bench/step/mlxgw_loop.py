@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import time
 
-from mlxgw.bench.step.timers import Timers
-from mlxgw.shared.events import EventKind
+from ...shared.events import EventKind
+from .timers import Timers
 
 PIECES = ["forward", "processors", "normalize", "sampling", "detokenize", "parse", "events", "encode", "host", "rest"]
 
@@ -15,7 +15,7 @@ PIECES = ["forward", "processors", "normalize", "sampling", "detokenize", "parse
 def make_request(
     rid: str, messages: list[dict], max_tokens: int, temperature: float, stop: list[str], penalty: float = 0.0
 ):
-    from mlxgw.shared import protocol as p
+    from ...shared import protocol as p
 
     return p.GenerateRequest(
         rid=rid,
@@ -43,7 +43,7 @@ LABELS = {
 
 
 def enter_path(runner, path: str) -> None:
-    from mlxgw.worker.model.cpu.cpu_attention import settings
+    from ...worker.model.cpu.cpu_attention import settings
 
     vectorized, normalise_all, settings.enabled = PATHS[path]
     runner.generator.vectorized, runner.generator._generation_batch.normalise_every_row = vectorized, normalise_all
@@ -53,7 +53,7 @@ class MlxgwLoop:
     """Keeps `batch` rows decoding in mlxgw's Scheduler: a row that finishes is replaced."""
 
     def __init__(self, runner, batch: int, args, timers: Timers, prompts: list[list[dict]], path: str):
-        from mlxgw.worker.schedule.scheduler import Scheduler
+        from ...worker.schedule.scheduler import Scheduler
 
         self.runner, self.batch, self.args, self.path = runner, batch, args, path
         self.name = LABELS[path]
@@ -88,7 +88,7 @@ class MlxgwLoop:
     def step(self) -> tuple[float, bool]:
         """One scheduler step plus the engine's encoding of its events: seconds, and whether
         it was a pure decode step of the full batch."""
-        from mlxgw.worker.process.link import encode_events
+        from ...worker.process.link import encode_events
 
         self.top_up()
         before = self.scheduler.running

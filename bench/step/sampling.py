@@ -8,7 +8,7 @@ import json
 import time
 from collections.abc import Callable
 
-from mlxgw.bench.stats import median
+from ..stats import median
 
 
 def _ms(seconds: float) -> float:
@@ -20,9 +20,9 @@ def _sampling_case(batch: int, vocab: int, penalty: float) -> dict[str, Callable
     step (processors row by row, one logsumexp, one sampler call per row) and the batched."""
     import mlx.core as mx
 
-    from mlxgw.shared.protocol import SamplingParams
-    from mlxgw.worker.model.runners.batch_sampler import PenaltyPlan, SamplePlan, apply_penalties, sample_rows
-    from mlxgw.worker.model.runners.sampling import RowPenalties, RowSampling
+    from ...shared.protocol import SamplingParams
+    from ...worker.model.runners.batch_sampler import PenaltyPlan, SamplePlan, apply_penalties, sample_rows
+    from ...worker.model.runners.sampling import RowPenalties, RowSampling
 
     params = SamplingParams(temperature=0.7, frequency_penalty=penalty)
     rows = tuple(RowSampling(params) for _ in range(batch))

@@ -52,10 +52,10 @@ class TimedModel:
 def install_timers(timers: Timers, runner, mx) -> TimedModel:
     """Wrap the pieces of mlxgw's step (once per process); everything else runs as shipped.
     Returns the timed model of mlxgw's runner."""
-    from mlxgw.shared import protocol as p
-    from mlxgw.worker.model.runners import sampling
-    from mlxgw.worker.model.runners.batch_sampler import VectorGenerationBatch
-    from mlxgw.worker.text import output_parser, textstream
+    from ...shared import protocol as p
+    from ...worker.model.runners import sampling
+    from ...worker.model.runners.batch_sampler import VectorGenerationBatch
+    from ...worker.text import output_parser, textstream
 
     timed_model = TimedModel(runner.generator.model, timers, mx)
     # The decode batch holds its own reference, taken when the generator was built.

@@ -25,7 +25,7 @@ import argparse
 import json
 from pathlib import Path
 
-from mlxgw.bench.stats import median
+from ..stats import median
 
 
 def load(path: Path) -> tuple[dict, list[dict]]:

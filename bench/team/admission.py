@@ -29,9 +29,9 @@ import argparse
 import json
 import time
 
-from mlxgw.bench import method as bench_method
-from mlxgw.bench.loadgen import varied_prompts
-from mlxgw.bench.stats import percentile, summarize
+from .. import method as bench_method
+from ..loadgen import varied_prompts
+from ..stats import percentile, summarize
 
 VARIANTS = {
     "mlx_lm.server's": {"budget": None, "prefill_batch": 8, "step": 2048, "idle": 1, "mlx_lm_order": True},
@@ -126,8 +126,8 @@ def run_variant(runner, variant: dict, prompts: list, clients: int, max_tokens: 
 
 
 def _run_scheduled(runner, variant: dict, prompts: list, clients: int, max_tokens: int) -> dict:
-    from mlxgw.shared.protocol import GenerateRequest, SamplingParams
-    from mlxgw.worker.schedule.scheduler import Scheduler
+    from ...shared.protocol import GenerateRequest, SamplingParams
+    from ...worker.schedule.scheduler import Scheduler
 
     runner.cache_clear()  # distinct prompts; no variant is served from another's cache
     gen = runner.generator
@@ -179,7 +179,7 @@ def _run_scheduled(runner, variant: dict, prompts: list, clients: int, max_token
 
 
 def main() -> None:
-    from mlxgw.shared.platform import reexec_as_worker
+    from ...shared.platform import reexec_as_worker
 
     reexec_as_worker("mlxgw.bench.team.admission")
     ap = argparse.ArgumentParser()
@@ -195,7 +195,7 @@ def main() -> None:
     bench_method.add_arguments(ap)
     args = ap.parse_args()
     method = bench_method.from_args(args)
-    from mlxgw.worker.process.build_mlx import build_mlx_runner
+    from ...worker.process.build_mlx import build_mlx_runner
 
     levels = [int(c) for c in args.concurrency.split(",")]
     runner = build_mlx_runner(

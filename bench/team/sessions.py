@@ -1,4 +1,4 @@
-"""A team's agent sessions at once on one server (issue 42): the shared prefix, turn by turn.
+"""A team's agent sessions at once on one server: the shared prefix, turn by turn.
 
 N sessions start together. Each is a shared system prompt (the same for every session, as a
 team's coding agents share their client's system prompt and tools), its own repository
@@ -33,7 +33,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from mlxgw.bench.servers import (
+from ..servers import (
     ServerProcess,
     registry,
     spawn_mlx_lm,
@@ -61,7 +61,7 @@ def keys_file(path: Path, sessions: int, group: str | None) -> Path:
     """One key per session (in one cache group, or each its own) and an admin key."""
     import yaml
 
-    from mlxgw.gateway.access.keys import hash_key
+    from ...gateway.access.keys import hash_key
 
     entries = [{"name": "bench-admin", "sha256": hash_key(ADMIN_KEY), "admin": True}]
     for k in range(sessions):

@@ -1,4 +1,4 @@
-"""A team day against a real `mlxgw up` (issue 28): who gets the machine, not how much it does.
+"""A team day against a real `mlxgw up`: who gets the machine, not how much it does.
 
 Two measurements, each with fair share on and off (MLXGW_FAIR_SHARE in the gateway's
 environment), one API key per simulated user:
@@ -29,8 +29,8 @@ from pathlib import Path
 
 import yaml
 
-from mlxgw.bench.servers import ServerProcess, spawn_mlx_lm, spawn_vllm_mlx, start_mlxgw, warm_up
-from mlxgw.bench.team.teamday_users import (
+from ..servers import ServerProcess, spawn_mlx_lm, spawn_vllm_mlx, start_mlxgw, warm_up
+from .teamday_users import (
     SERVED,
     UserStats,
     agent,
@@ -167,7 +167,7 @@ def start_gateway(
 ) -> ServerProcess:
     """`mlxgw up` with one key per user, the chat model (and the embedding model), fair share
     on or off, ready."""
-    from mlxgw.gateway.access.keys import hash_key
+    from ...gateway.access.keys import hash_key
 
     home.mkdir(parents=True, exist_ok=True)
     if not (home / "models").exists():

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from mlxgw.bench.loadgen import WORDS, one_request
+from ..loadgen import WORDS, one_request
 
 
 @dataclass

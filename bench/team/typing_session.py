@@ -1,4 +1,4 @@
-"""A typing session against /infill (issue 43): typists edit a 2-4k-token file at a few
+"""A typing session against /infill: typists edit a 2-4k-token file at a few
 keystrokes per second, each keystroke a streaming FIM request that supersedes the last (the
 client drops it, the server cancels it), beside agent sessions decoding long chat answers.
 
@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from mlxgw.bench.stats import percentile, summarize
+from ..stats import percentile, summarize
 
 AGENT_PROMPT = "Explain, step by step and at length, how a hash map handles collisions."
 

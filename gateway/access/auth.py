@@ -10,15 +10,15 @@ import hmac
 
 from aiohttp import web
 
-from mlxgw.gateway.access.batch_caller import LINE_HEADER, batch_owner
-from mlxgw.gateway.access.keys import ApiKey, KeyStore
-from mlxgw.gateway.access.ledger import LEDGER
-from mlxgw.gateway.access.limits import RateLimiter
-from mlxgw.gateway.models import adapters
-from mlxgw.gateway.web.routes import ROUTE_FOR_KIND, Access, route_of
-from mlxgw.gateway.web.state import KEYS, LIMITER, MANAGER, SETTINGS
-from mlxgw.shared.config import CHAT_KINDS, ModelKind
-from mlxgw.shared.errors import ErrorCode, ServiceError
+from ...shared.errors import ErrorCode, ServiceError
+from ...shared.model_sections import CHAT_KINDS, ModelKind
+from ..models import adapters
+from ..web.routes import ROUTE_FOR_KIND, Access, route_of
+from ..web.state import KEYS, LIMITER, MANAGER, SETTINGS
+from .batch_caller import LINE_HEADER, batch_owner
+from .keys import ApiKey, KeyStore
+from .ledger import LEDGER
+from .limits import RateLimiter
 
 
 def presented_key(request: web.Request) -> str | None:
@@ -161,7 +161,7 @@ def charge_audio_seconds(request: web.Request, seconds: float) -> None:
 
 def may_use(request: web.Request, slot) -> bool:
     """Whether the caller's key may use this model (by its name or an alias): model lists
-    show a key only these (issue 26)."""
+    show a key only these."""
     key = request.get("key")
     return key is None or key.allows(slot.name, *slot.entry.aliases)
 

@@ -9,7 +9,7 @@ max_tokens times n, at most what is left): while requests in flight have set asi
 left, the next waits (a 429 to retry in a second). A request's tokens count the moment it ends
 (settle), before the ledger's row for it arrives. So many requests at once, a batch's
 included, cannot each pass the budget: a key goes past it by at most the prompts of its
-requests in flight and the one request admitted last (issue 40: 300 tokens a day had run
+requests in flight and the one request admitted last (300 tokens a day had run
 48,024)."""
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from mlxgw.gateway.access.keys import ApiKey
-from mlxgw.shared.errors import ErrorCode, ServiceError
+from ...shared.errors import ErrorCode, ServiceError
+from .keys import ApiKey
 
 UTC = dt.timezone.utc
 

@@ -18,7 +18,7 @@ import os
 import secrets
 from pathlib import Path
 
-from mlxgw.gateway.access.keys import ApiKey
+from .keys import ApiKey
 
 SECRET_FILE = "cache-namespace.key"
 

@@ -10,7 +10,7 @@ import datetime as dt
 import re
 from pathlib import Path
 
-from mlxgw.gateway.access.keys import (
+from .keys import (
     KeysFileError,
     check_cache_group,
     check_min_priority,
@@ -134,6 +134,6 @@ def revoke_key(path: Path, name: str) -> None:
 
 
 def list_entries(path: Path) -> list[dict]:
-    from mlxgw.gateway.access.keys import load_file
+    from .keys import load_file
 
     return [public_entry(k) for k in load_file(path).get("keys") or []]

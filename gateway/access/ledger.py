@@ -25,10 +25,10 @@ from pathlib import Path
 
 from aiohttp import web
 
-from mlxgw.gateway.access.budgets import InFlight, TokenBudgets
-from mlxgw.gateway.web.routes import route_of
-from mlxgw.gateway.web.state import KEYS
-from mlxgw.shared import protocol as p
+from ...shared import protocol as p
+from ..web.routes import route_of
+from ..web.state import KEYS
+from .budgets import InFlight, TokenBudgets
 
 log = logging.getLogger(__name__)
 
@@ -226,7 +226,7 @@ class Ledger:
         (`tenants`: name -> identity), once."""
         if self.path is None:
             return
-        from mlxgw.gateway.access.usage import budget_seed
+        from .usage import budget_seed
 
         try:
             conn = connect(self.path)

@@ -10,8 +10,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from mlxgw.gateway.access.keys import ApiKey
-from mlxgw.shared.errors import ErrorCode, ServiceError
+from ...shared.errors import ErrorCode, ServiceError
+from .keys import ApiKey
 
 
 @dataclass

@@ -14,7 +14,7 @@ import re
 import sqlite3
 import time
 
-from mlxgw.gateway.access.budgets import UTC, day_start, month_start
+from .budgets import UTC, day_start, month_start
 
 GROUPS = {"key": "key", "model": "model", "api": "api", "day": "date(ts, 'unixepoch')", "none": "'all'"}
 _SINCE_RE = re.compile(r"^(\d+(?:\.\d+)?)\s*([smhdw])$")

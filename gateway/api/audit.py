@@ -9,11 +9,11 @@ import json
 
 from aiohttp import web
 
-from mlxgw.gateway.access.audit import AUDIT
-from mlxgw.gateway.access.audit.store import matches
-from mlxgw.gateway.access.usage import UsageQueryError, parse_since
-from mlxgw.gateway.api.admin.keys import require_admin
-from mlxgw.shared.errors import ErrorCode, ServiceError
+from ...shared.errors import ErrorCode, ServiceError
+from ..access.audit import AUDIT
+from ..access.audit.store import matches
+from ..access.usage import UsageQueryError, parse_since
+from .admin.keys import require_admin
 
 routes = web.RouteTableDef()
 FILTERS = ("actor", "action", "target", "outcome")

@@ -1,4 +1,4 @@
-"""Checking a batch's input file as the batch is created, one line at a time (issue 40).
+"""Checking a batch's input file as the batch is created, one line at a time.
 
 The file is never read whole: each line is read within the gateway's body limit (a longer
 line is refused with its number and skipped unread), parsed with the same checks as a request
@@ -13,9 +13,9 @@ import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mlxgw.gateway.batches.store import BatchStore
-from mlxgw.gateway.pipeline.body import parse_json
-from mlxgw.shared.errors import ServiceError
+from ...shared.errors import ServiceError
+from ..pipeline.body import parse_json
+from .store import BatchStore
 
 MAX_LINES = 50_000  # requests per batch, as OpenAI
 MAX_ERRORS = 100

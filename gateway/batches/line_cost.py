@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from mlxgw.gateway.pipeline.body import MAX_JSON_VALUES
+from ..pipeline.body import MAX_JSON_VALUES
 
 
 def line_values(raw: bytes) -> int:

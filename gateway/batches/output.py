@@ -1,14 +1,14 @@
 """A batch's end: its results streamed into its output and error files, its counts kept on
 the batch, its requests' rows deleted (retention: the database keeps no prompt or answer
-past the batch), then its final status. Never all results in memory at once (issue 40)."""
+past the batch), then its final status. Never all results in memory at once."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator
 
-from mlxgw.gateway.batches.files import FILE_RETENTION_S, new_id, write_results
-from mlxgw.gateway.batches.store import BatchStore
+from .files import FILE_RETENTION_S, new_id, write_results
+from .store import BatchStore
 
 STAMPS = {"completed": "completed_at", "cancelled": "cancelled_at", "expired": "expired_at", "failed": "failed_at"}
 PAGE = 256

@@ -3,7 +3,7 @@ loopback HTTP, so it takes the same path as an interactive one (translation, the
 key, its limits and budgets, the usage ledger), marked as batch work by a per-process secret
 header: it then runs at background priority and the ledger records its API as batch:<api>.
 
-Bounds (issue 40, docs/operations.md "Batch and file bounds"): at most BACKGROUND_IN_FLIGHT
+Bounds (docs/operations.md "Batch and file bounds"): at most BACKGROUND_IN_FLIGHT
 requests of all batches together are in flight, and at most a quarter of a model's queue
 places; a batch reads its requests a page at a time from the input file; a refusal for load
 (429, 503) waits and is retried, but one that can never pass (max_tokens above the key's
@@ -23,14 +23,14 @@ import time
 import aiohttp
 from aiohttp import web
 
-from mlxgw.gateway.access.batch_caller import BATCH_TOKEN, LINE_HEADER, OWNER_HEADER, TOKEN_HEADER
-from mlxgw.gateway.batches.files import MAX_STORED_BYTES, is_storage_error, new_id, read_line, sweep_partial
-from mlxgw.gateway.batches.line_cost import ParsedBudget, line_values
-from mlxgw.gateway.batches.output import finalize
-from mlxgw.gateway.batches.store import BatchStore
-from mlxgw.gateway.web.state import KEYS, MANAGER
-from mlxgw.gateway.web.work_pools import THREAD_POOLS
-from mlxgw.shared.errors import ErrorCode, ServiceError
+from ...shared.errors import ErrorCode, ServiceError
+from ..access.batch_caller import BATCH_TOKEN, LINE_HEADER, OWNER_HEADER, TOKEN_HEADER
+from ..web.state import KEYS, MANAGER
+from ..web.work_pools import THREAD_POOLS
+from .files import MAX_STORED_BYTES, is_storage_error, new_id, read_line, sweep_partial
+from .line_cost import ParsedBudget, line_values
+from .output import finalize
+from .store import BatchStore
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ they hold every key's prompts and answers).
 
 A batch's requests are rows of `batch_requests` that point into the input file (byte offset and
 length): the bodies are read from it lazily, one line at a time, never copied into memory or the
-database whole (issue 40). A request's result is written in the same transaction that marks it
+database whole. A request's result is written in the same transaction that marks it
 done, so after a crash (kill -9 included) a resumed batch sends only the requests whose result
 was never recorded: none is answered twice. When the batch ends its results are streamed into
 its output and error files (purpose batch_output) and its rows are deleted: what stays in the
@@ -25,9 +25,9 @@ import threading
 import time
 from pathlib import Path
 
-from mlxgw.gateway.batches.files import FILE_RETENTION_S, file_object, pid_alive, private_dir, private_file
-from mlxgw.gateway.batches.schema import ADDED_COLUMNS, SCHEMA
-from mlxgw.shared import paths
+from ...shared import paths
+from .files import FILE_RETENTION_S, file_object, pid_alive, private_dir, private_file
+from .schema import ADDED_COLUMNS, SCHEMA
 
 TERMINAL = ("completed", "failed", "cancelled", "expired")
 ACTIVE = ("validating", "in_progress", "cancelling", "expiring")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from mlxgw.shared.errors import ErrorCode, ServiceError
+from ...shared.errors import ErrorCode, ServiceError
 
 STATIC = Path(__file__).parent
 FILES = {

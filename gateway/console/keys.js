@@ -59,7 +59,7 @@ function limitsText(k) {
   if (k.aspm != null) parts.push(`${fmtNum(k.aspm)} audio s/min`);
   if (k.max_concurrent != null) parts.push(`${k.max_concurrent} at once`);
   if (k.expires) parts.push(`expires ${k.expires.slice(0, 10)}`);
-  if (k.weight != null && k.weight !== 1) parts.push(`weight ${k.weight}`); // fair share (issue 28)
+  if (k.weight != null && k.weight !== 1) parts.push(`weight ${k.weight}`); // fair share
   if (k.min_priority) parts.push(`priority from ${k.min_priority}`);
   if (k.cache_group) parts.push(`cache group ${k.cache_group}`); // shares prefix-cache hits with its group
   return parts.join(" · ") || "none";

@@ -7,7 +7,7 @@ compaction window and output cap from the model's context, and no traffic but th
 
 from __future__ import annotations
 
-from mlxgw.gateway.launch.core import Plan, ServerFacts
+from .core import Plan, ServerFacts
 
 # Names Claude Code asks for by default; the alias table decides which model they reach.
 CLIENT_NAMES = ("claude-sonnet-4-5", "claude-opus-4-1")

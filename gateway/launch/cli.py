@@ -7,8 +7,8 @@ from collections.abc import Callable
 
 import click
 
-from mlxgw.gateway.launch import claude, codex, openai_compat
-from mlxgw.gateway.launch.core import LaunchError, Plan, ServerFacts
+from . import claude, codex, openai_compat
+from .core import LaunchError, Plan, ServerFacts
 
 # client -> (plan maker, the names the client asks for by default: the alias table maps them)
 CLIENTS: dict[str, tuple[Callable[[ServerFacts, list[str]], Plan], tuple[str, ...]]] = {
@@ -34,7 +34,7 @@ def launch(client: str, args: tuple[str, ...], print_only: bool, url: str | None
     """Configure CLIENT (claude, codex, opencode, qwen, aider, continue, crush, goose) for the
     gateway and start it with ARGS: base URL, key, model, timeouts from the model's context and
     measured prefill rate, telemetry off. Config files are merged (backup and diff printed)."""
-    from mlxgw.gateway.launch import core, probe
+    from . import core, probe
 
     make_plan, client_names = CLIENTS[client]
     if args[:1] == ("--",):  # `mlxgw launch claude -- -p hi`: the separator is ours, not the client's

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from mlxgw.gateway.launch.core import DELETE, ConfigEdit, Plan, ServerFacts
+from .core import DELETE, ConfigEdit, Plan, ServerFacts
 
 PROFILE = "mlxgw"
 KEY_VARIABLE = "MLXGW_API_KEY"

@@ -12,8 +12,8 @@ import json
 import os
 from pathlib import Path
 
-from mlxgw.gateway.launch.core import DELETE, ConfigEdit, Plan, ServerFacts
-from mlxgw.shared import paths
+from ...shared import paths
+from .core import DELETE, ConfigEdit, Plan, ServerFacts
 
 KEY_VARIABLE = "MLXGW_API_KEY"
 CLIENT_NAMES = ("gpt-5", "gpt-4o")

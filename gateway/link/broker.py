@@ -23,17 +23,20 @@ import time
 import zmq
 import zmq.asyncio
 
-from mlxgw.gateway.link import liveness as live
-from mlxgw.gateway.link import wire_checks as wc
-from mlxgw.gateway.link.broker_wire import (
+from ...shared import protocol as p
+from ...shared.errors import ErrorCode, ServiceError
+from ...shared.events import event_from_wire
+from . import liveness as live
+from . import wire_checks as wc
+from .broker_wire import (
     MAX_WIRE_DEPTH,
     REMOTE_MAX_MESSAGE_BYTES,
     RateLimitedLog,
     encoding_error,
     nested_deeper_than,
 )
-from mlxgw.gateway.link.quarantine import fingerprint
-from mlxgw.gateway.link.worker_conn import (
+from .quarantine import fingerprint
+from .worker_conn import (
     ConnState,
     RequestStream,
     WorkerBack,
@@ -44,10 +47,7 @@ from mlxgw.gateway.link.worker_conn import (
     WorkerLost,
     WorkerReady,
 )
-from mlxgw.gateway.link.worker_registry import WorkerRegistry
-from mlxgw.shared import protocol as p
-from mlxgw.shared.errors import ErrorCode, ServiceError
-from mlxgw.shared.events import event_from_wire
+from .worker_registry import WorkerRegistry
 
 __all__ = [
     "Broker",

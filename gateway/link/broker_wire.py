@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import time
 
-from mlxgw.shared.errors import ErrorCode, ServiceError
+from ...shared.errors import ErrorCode, ServiceError
 
 log = logging.getLogger(__name__)
 

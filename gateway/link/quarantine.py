@@ -13,7 +13,7 @@ from collections import OrderedDict
 
 import msgpack
 
-from mlxgw.shared.errors import ErrorCode, ServiceError
+from ...shared.errors import ErrorCode, ServiceError
 
 log = logging.getLogger(__name__)
 

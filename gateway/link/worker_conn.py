@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 import msgpack
 import zmq.asyncio
 
-from mlxgw.gateway.link.liveness import LossKind
-from mlxgw.gateway.link.quarantine import fingerprint
-from mlxgw.shared.events import TERMINAL_EVENTS, AnyEvent, WireEnum
+from ...shared.events import TERMINAL_EVENTS, AnyEvent, WireEnum
+from .liveness import LossKind
+from .quarantine import fingerprint
 
 
 class ConnState(WireEnum):

@@ -14,11 +14,11 @@ import logging
 import time
 from collections import OrderedDict
 
-from mlxgw.gateway.link import liveness as live
-from mlxgw.gateway.link.quarantine import Quarantine
-from mlxgw.gateway.link.worker_conn import ConnState, WorkerConn, WorkerEvent, WorkerIdle, WorkerLost
-from mlxgw.shared.errors import ErrorCode, ServiceError
-from mlxgw.shared.events import Error
+from ...shared.errors import ErrorCode, ServiceError
+from ...shared.events import Error
+from . import liveness as live
+from .quarantine import Quarantine
+from .worker_conn import ConnState, WorkerConn, WorkerEvent, WorkerIdle, WorkerLost
 
 log = logging.getLogger(__name__)
 

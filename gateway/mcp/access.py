@@ -1,4 +1,4 @@
-"""Who may use which MCP server (issue 26): a tool runs with arguments the caller (or its
+"""Who may use which MCP server: a tool runs with arguments the caller (or its
 model) chooses, on a server the operator set up, so using one is the operator's grant.
 
 - Keys off: everyone is the operator; every server.
@@ -16,8 +16,8 @@ import fnmatch
 
 from aiohttp import web
 
-from mlxgw.gateway.mcp.server import McpServer
-from mlxgw.shared.errors import ErrorCode, ServiceError
+from ...shared.errors import ErrorCode, ServiceError
+from .server import McpServer
 
 
 def may_use(request: web.Request, server: McpServer) -> bool:

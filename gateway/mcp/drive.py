@@ -12,15 +12,15 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from mlxgw.gateway.mcp.loop import McpCall, ToolLoop, new_call_id
-from mlxgw.gateway.models.generation import Generation, Outcome
-from mlxgw.gateway.pipeline.serving import ApiFamily, generation, omitted_header
-from mlxgw.gateway.pipeline.stream import Emitter, EmitterFactory
-from mlxgw.gateway.pipeline.translate import ParsedRequest, build_request
-from mlxgw.gateway.web.sse import SSEWriter
-from mlxgw.gateway.web.state import SETTINGS
-from mlxgw.shared.errors import ErrorCode, ServiceError
-from mlxgw.shared.events import Delta, Finish
+from ...shared.errors import ErrorCode, ServiceError
+from ...shared.events import Delta, Finish
+from ..models.generation import Generation, Outcome
+from ..pipeline.serving import ApiFamily, generation, omitted_header
+from ..pipeline.stream import Emitter, EmitterFactory
+from ..pipeline.translate import ParsedRequest, build_request
+from ..web.sse import SSEWriter
+from ..web.state import SETTINGS
+from .loop import McpCall, ToolLoop, new_call_id
 
 
 @dataclass

@@ -8,9 +8,9 @@ import contextlib
 
 from aiohttp import web
 
-from mlxgw.gateway.mcp.server import McpServer, McpState, ToolResult
-from mlxgw.shared.errors import ErrorCode, ServiceError
-from mlxgw.shared.mcp_config import McpConfig
+from ...shared.errors import ErrorCode, ServiceError
+from ...shared.mcp_config import McpConfig
+from .server import McpServer, McpState, ToolResult
 
 
 class McpHub:

@@ -20,13 +20,13 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from mlxgw.gateway.mcp import access
-from mlxgw.gateway.mcp.hub import MCP
-from mlxgw.gateway.mcp.server import McpServer, McpState
-from mlxgw.gateway.pipeline.tools import function_tool, template_arguments
-from mlxgw.gateway.pipeline.translate import ParsedRequest
-from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
-from mlxgw.shared.events import Usage
+from ...shared.errors import ErrorCode, ServiceError, invalid
+from ...shared.events import Usage
+from ..pipeline.tools import function_tool, template_arguments
+from ..pipeline.translate import ParsedRequest
+from . import access
+from .hub import MCP
+from .server import McpServer, McpState
 
 
 @dataclass

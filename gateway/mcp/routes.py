@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from mlxgw.gateway.mcp import access
-from mlxgw.gateway.mcp.hub import MCP
-from mlxgw.gateway.mcp.server import McpState
-from mlxgw.gateway.pipeline import validate as v
-from mlxgw.gateway.pipeline.body import read_object
-from mlxgw.gateway.web.state import KEYS
-from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
+from ...shared.errors import ErrorCode, ServiceError, invalid
+from ..pipeline import validate as v
+from ..pipeline.body import read_object
+from ..web.state import KEYS
+from . import access
+from .hub import MCP
+from .server import McpState
 
 routes = web.RouteTableDef()
 

@@ -12,10 +12,10 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
-from mlxgw.gateway.mcp.stderr_log import throttled_stderr
-from mlxgw.shared.errors import redact_paths
-from mlxgw.shared.events import WireEnum
-from mlxgw.shared.mcp_config import McpServerConfig
+from ...shared.errors import redact_paths
+from ...shared.events import WireEnum
+from ...shared.mcp_config import McpServerConfig
+from .stderr_log import throttled_stderr
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""An MCP stdio server's stderr, read from a pipe and logged with a rate limit (issue 26):
+"""An MCP stdio server's stderr, read from a pipe and logged with a rate limit:
 handed the gateway's own stderr, a chatty or hostile tool process filled the gateway log
 without bound. Each server gets LINES_PER_WINDOW lines per WINDOW_S, then one line saying
 how many were dropped."""

@@ -1,4 +1,4 @@
-"""LoRA adapters in the gateway (issue 44): the model names that address an adapter of a
+"""LoRA adapters in the gateway: the model names that address an adapter of a
 model (`support-bot`, or `<base>:support-bot`), their listings, and telling a model's running
 workers when its adapters change, so adding or removing one never restarts them.
 
@@ -13,8 +13,9 @@ import fnmatch
 import logging
 from collections.abc import Iterator
 
-from mlxgw.shared.config import AdapterEntry, ModelEntry
-from mlxgw.shared.errors import ServiceError
+from ...shared.config import ModelEntry
+from ...shared.errors import ServiceError
+from ...shared.model_sections import AdapterEntry
 
 log = logging.getLogger(__name__)
 

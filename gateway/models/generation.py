@@ -12,12 +12,12 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
-from mlxgw.gateway.link.broker import Broker, RequestStream
-from mlxgw.gateway.models.manager import ModelManager, ModelSlot
-from mlxgw.gateway.models.metrics import GapHistogram
-from mlxgw.shared import protocol as p
-from mlxgw.shared.errors import ErrorCode, ServiceError
-from mlxgw.shared.events import Accepted, AnyEvent, Delta, Error, Finish, FinishReason, Progress, PromptLogprobs, Usage
+from ...shared import protocol as p
+from ...shared.errors import ErrorCode, ServiceError
+from ...shared.events import Accepted, AnyEvent, Delta, Error, Finish, FinishReason, Progress, PromptLogprobs, Usage
+from ..link.broker import Broker, RequestStream
+from .manager import ModelManager, ModelSlot
+from .metrics import GapHistogram
 
 # Keep-alives during a model load commit the HTTP status (200) with the first byte, after
 # which a refusal (prompt too long, bad tool schema) can only be an error event. So they start
@@ -134,7 +134,7 @@ class Generation:
 
     @property
     def model_name(self) -> str:
-        """The model responses name: a LoRA adapter's request names its adapter (issue 44)."""
+        """The model responses name: a LoRA adapter's request names its adapter."""
         return getattr(self.req, "adapter", None) or self.slot.name
 
     async def _load_tick(self) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
+from ...shared.errors import ErrorCode, ServiceError, invalid
 
 
 def allowed_roots(registry) -> list[Path]:

@@ -19,8 +19,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
 
-from mlxgw.shared.config import ModelEntry
-from mlxgw.shared.errors import ServiceError
+from ...shared.config import ModelEntry
+from ...shared.errors import ServiceError
 
 
 class SlotState(str, Enum):

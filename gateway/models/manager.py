@@ -19,9 +19,11 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
-from mlxgw.gateway.link import liveness as live
-from mlxgw.gateway.link.broker import Broker
-from mlxgw.gateway.link.worker_conn import (
+from ...shared.config import Registry
+from ...shared.errors import ErrorCode, ServiceError
+from ..link import liveness as live
+from ..link.broker import Broker
+from ..link.worker_conn import (
     ConnState,
     WorkerBack,
     WorkerConn,
@@ -31,15 +33,13 @@ from mlxgw.gateway.link.worker_conn import (
     WorkerLost,
     WorkerReady,
 )
-from mlxgw.gateway.models import adapters
-from mlxgw.gateway.models.lifecycle import ModelSlot, Pulse, SlotState
-from mlxgw.gateway.models.model_report import describe_slot, load_progress
-from mlxgw.gateway.models.residency import TICK_S, Occupant, Residency
-from mlxgw.gateway.models.slot_runner import SlotRunner, Spawner
-from mlxgw.gateway.models.supervisor import spawn_worker
-from mlxgw.gateway.models.worker_memory import Leftovers, ProcessTree
-from mlxgw.shared.config import Registry
-from mlxgw.shared.errors import ErrorCode, ServiceError
+from . import adapters
+from .lifecycle import ModelSlot, Pulse, SlotState
+from .model_report import describe_slot, load_progress
+from .residency import TICK_S, Occupant, Residency
+from .slot_runner import SlotRunner, Spawner
+from .supervisor import spawn_worker
+from .worker_memory import Leftovers, ProcessTree
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ class ModelManager(SlotRunner):
                 return conn
             successor = self.slots.get(slot.name)
             if slot.retired and not self.closing and successor is not None and successor is not slot:
-                raise _Replaced(successor)  # reloads queue behind a reload; its waiters move along (issue 26)
+                raise _Replaced(successor)  # reloads queue behind a reload; its waiters move along
             self._refuse_if_unavailable(slot)
             if slot.state is SlotState.UNLOADED:
                 if attempt and slot.failed_attempt >= attempt and slot.load_error is not None:

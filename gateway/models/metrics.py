@@ -13,12 +13,12 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
-from mlxgw.gateway.models.lifecycle import SlotState
+from .lifecycle import SlotState
 
 if TYPE_CHECKING:
-    from mlxgw.gateway.models.generation import Generation
-    from mlxgw.gateway.models.manager import ModelManager
-    from mlxgw.gateway.web.edge import EdgeStats
+    from ..web.edge import EdgeStats
+    from .generation import Generation
+    from .manager import ModelManager
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2.5)

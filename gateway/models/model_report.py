@@ -6,12 +6,12 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from mlxgw.gateway.link.worker_conn import ConnState
-from mlxgw.gateway.models.lifecycle import ModelSlot, SlotState
-from mlxgw.gateway.models.residency import Occupant
+from ..link.worker_conn import ConnState
+from .lifecycle import ModelSlot, SlotState
+from .residency import Occupant
 
 if TYPE_CHECKING:
-    from mlxgw.gateway.models.manager import ModelManager
+    from .manager import ModelManager
 
 
 def load_progress(manager: ModelManager, slot: ModelSlot) -> dict:

@@ -12,8 +12,8 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-from mlxgw.shared import model_store
-from mlxgw.shared.config import ModelEntry, Registry
+from ...shared import model_store
+from ...shared.config import ModelEntry, Registry
 
 
 def real(path: Path | str) -> Path:

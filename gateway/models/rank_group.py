@@ -21,8 +21,8 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from mlxgw.shared.config import ModelEntry
-from mlxgw.shared.platform import worker_environment
+from ...shared.config import ModelEntry
+from ...shared.platform import worker_environment
 
 log = logging.getLogger(__name__)
 

@@ -21,10 +21,10 @@ from pathlib import Path
 import yaml
 from aiohttp import web
 
-from mlxgw.gateway.web.state import MANAGER
-from mlxgw.shared.config import ConfigError, load_registry, parse_registry, with_discovered_models
-from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
-from mlxgw.shared.resources import default_config
+from ...shared.config import ConfigError, load_registry, parse_registry, with_discovered_models
+from ...shared.errors import ErrorCode, ServiceError, invalid
+from ...shared.resources import default_config
+from ..web.state import MANAGER
 
 _LOCK = asyncio.Lock()  # edits from this gateway, one at a time (the file lock covers other writers)
 

@@ -12,10 +12,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from mlxgw.gateway.models.lifecycle import ModelSlot, SlotState
-from mlxgw.shared.config import Registry, parse_memory_budget
-from mlxgw.shared.errors import ErrorCode, ServiceError
-from mlxgw.shared.platform import total_memory_bytes
+from ...shared.config import Registry
+from ...shared.config_checks import parse_memory_budget
+from ...shared.errors import ErrorCode, ServiceError
+from ...shared.platform import total_memory_bytes
+from .lifecycle import ModelSlot, SlotState
 
 # A worker process costs this much before its weights: Python, MLX, transformers' tokenizer
 # (measured ~150-200 MB RSS for a tiny model on Linux).

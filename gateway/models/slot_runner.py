@@ -14,14 +14,14 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Protocol
 
-from mlxgw.gateway.link.broker import Broker
-from mlxgw.gateway.models.lifecycle import ModelSlot, Pulse, SlotState
-from mlxgw.gateway.models.rank_group import sharding_refusal
-from mlxgw.gateway.models.residency import Occupant, Residency
-from mlxgw.gateway.models.worker_memory import Leftovers, ProcessTree
-from mlxgw.shared.config import Registry
-from mlxgw.shared.errors import ErrorCode, ServiceError
-from mlxgw.shared.protocol import EXIT_UNSERVABLE
+from ...shared.config import Registry
+from ...shared.errors import ErrorCode, ServiceError
+from ...shared.protocol import EXIT_UNSERVABLE
+from ..link.broker import Broker
+from .lifecycle import ModelSlot, Pulse, SlotState
+from .rank_group import sharding_refusal
+from .residency import Occupant, Residency
+from .worker_memory import Leftovers, ProcessTree
 
 # Exits a request in flight may have caused: native faults, and SIGKILL that the gateway did
 # not send (the kernel's out-of-memory killer); a Python-level failure of the batched step

@@ -9,9 +9,9 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from mlxgw.gateway.models.rank_group import RankGroup, spawn_group, worker_command
-from mlxgw.shared.config import ModelEntry
-from mlxgw.shared.platform import worker_environment
+from ...shared.config import ModelEntry
+from ...shared.platform import worker_environment
+from .rank_group import RankGroup, spawn_group, worker_command
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from collections import deque
 
 from aiohttp import web
 
-from mlxgw.gateway.web.state import MANAGER
+from ..web.state import MANAGER
 
 SAMPLE_S = 10.0
 WINDOW_S = 3600.0

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from mlxgw.gateway.pipeline.fields import INT32_MAX, M, ModelField
-from mlxgw.shared.errors import invalid
+from ...shared.errors import invalid
+from .fields import INT32_MAX, M, ModelField
 
 Positive = Annotated[int, M(ge=1, le=INT32_MAX)]
 

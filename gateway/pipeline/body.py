@@ -19,10 +19,10 @@ from typing import Any
 
 from aiohttp import web
 
-from mlxgw.gateway.web.routes import route_of
-from mlxgw.gateway.web.state import SETTINGS
-from mlxgw.gateway.web.work_pools import THREAD_POOLS
-from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
+from ...shared.errors import ErrorCode, ServiceError, invalid
+from ..web.routes import route_of
+from ..web.state import SETTINGS
+from ..web.work_pools import THREAD_POOLS
 
 # Deeper than any real tool schema or chat_template_kwargs; far below the recursion limits
 # of json, msgpack (511) and the schema compilers downstream.

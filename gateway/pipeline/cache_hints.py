@@ -8,8 +8,8 @@ its prefix."""
 
 from __future__ import annotations
 
-from mlxgw.shared.errors import invalid
-from mlxgw.shared.events import Usage
+from ...shared.errors import invalid
+from ...shared.events import Usage
 
 # Anthropic's two breakpoint lifetimes; a breakpoint without a ttl lives 5 minutes.
 ANTHROPIC_TTL_S = {"5m": 300.0, "1h": 3600.0}

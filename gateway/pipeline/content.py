@@ -3,7 +3,7 @@ text-only model is sent instead of an image in a tool result.
 
 PDFs are read with pypdf in a child process (gateway/pdf_job.py) that keeps a budget of
 pages, content bytes and operators and is killed at its deadline: a small PDF can be hours of
-work, and a thread could not be stopped (issue 26). What cannot be read (not a PDF,
+work, and a thread could not be stopped. What cannot be read (not a PDF,
 encrypted, no text layer, over the budget) is a clear 400; what a model cannot take in a tool
 result (an image for a text-only model) becomes a short placeholder named in the
 `x-mlxgw-omitted-content` response header, never a 400: an agent resends every earlier turn,
@@ -18,9 +18,9 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from mlxgw.gateway.pipeline.images import ImageLimits
-from mlxgw.gateway.web.work_pools import JobFailed, JobTimeout, run_process_job
-from mlxgw.shared.errors import invalid
+from ...shared.errors import invalid
+from ..web.work_pools import JobFailed, JobTimeout, run_process_job
+from .images import ImageLimits
 
 PDF_TIMEOUT_S = 60.0
 IMAGE_PLACEHOLDER = "[image omitted: this model does not accept images]"

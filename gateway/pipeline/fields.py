@@ -19,7 +19,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 
-from mlxgw.shared.errors import invalid
+from ...shared.errors import invalid
 
 INT32_MAX = 2**31 - 1
 SEED_MAX = 2**63 - 1  # any int64; the worker maps it onto its generator's range (seed mod 2^64)

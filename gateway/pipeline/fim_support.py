@@ -17,10 +17,10 @@ from pathlib import Path
 
 from aiohttp import web
 
-from mlxgw.gateway.web.state import MANAGER
-from mlxgw.shared.config import CHAT_KINDS, ENCODER_KINDS, ModelKind
-from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
-from mlxgw.shared.fim import FimFormat, detect, from_config
+from ...shared.errors import ErrorCode, ServiceError, invalid
+from ...shared.fim import FimFormat, detect, from_config
+from ...shared.model_sections import CHAT_KINDS, ENCODER_KINDS, ModelKind
+from ..web.state import MANAGER
 
 DEFAULT_FIM_MAX_TOKENS = 128  # a completion at the cursor: a few lines (models.yaml fim.max_tokens)
 MAX_EXTRA_CHUNKS = 1024  # input_extra chunks per request (llama.vscode sends 16 by default)

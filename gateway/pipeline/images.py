@@ -25,8 +25,8 @@ import aiohttp
 from aiohttp.abc import AbstractResolver, ResolveResult
 from aiohttp.resolver import DefaultResolver
 
-from mlxgw.gateway.web.state import ImageLimits
-from mlxgw.shared.errors import invalid
+from ...shared.errors import invalid
+from ..web.state import ImageLimits
 
 MEDIA_TYPES = {"image/png", "image/jpeg", "image/jpg", "image/gif", "image/webp", "image/bmp"}
 _DATA_URL = re.compile(r"^data:(?P<type>[^;,]*)(?P<params>(?:;[^;,]*)*),(?P<data>.*)$", re.S)

@@ -19,18 +19,18 @@ from typing import ClassVar, Generic, TypeVar
 import msgspec
 from aiohttp import web
 
-from mlxgw.gateway.access.auth import reserve_tokens, resolve_model
-from mlxgw.gateway.models.generation import Generation, Outcome
-from mlxgw.gateway.pipeline.body import read_object
-from mlxgw.gateway.pipeline.fields import ModelField, decode_fields
-from mlxgw.gateway.pipeline.fim_support import file_identity, superseding
-from mlxgw.gateway.pipeline.stream import Emitter, run_stream
-from mlxgw.gateway.pipeline.translate import ParsedRequest, build_request
-from mlxgw.gateway.web.sse import SSEWriter
-from mlxgw.gateway.web.state import MANAGER, SETTINGS
-from mlxgw.shared import protocol as p
-from mlxgw.shared.config import CHAT_KINDS, ModelKind
-from mlxgw.shared.errors import invalid
+from ...shared import protocol as p
+from ...shared.errors import invalid
+from ...shared.model_sections import CHAT_KINDS, ModelKind
+from ..access.auth import reserve_tokens, resolve_model
+from ..models.generation import Generation, Outcome
+from ..web.sse import SSEWriter
+from ..web.state import MANAGER, SETTINGS
+from .body import read_object
+from .fields import ModelField, decode_fields
+from .fim_support import file_identity, superseding
+from .stream import Emitter, run_stream
+from .translate import ParsedRequest, build_request
 
 F = TypeVar("F", bound=msgspec.Struct)
 M = TypeVar("M", bound=ModelField)

@@ -12,11 +12,11 @@ from collections.abc import Callable
 
 from aiohttp import web
 
-from mlxgw.gateway.models.generation import Generation
-from mlxgw.gateway.web.sse import SSEWriter
-from mlxgw.gateway.web.state import SETTINGS
-from mlxgw.shared.errors import ErrorCode, ServiceError
-from mlxgw.shared.events import Finish
+from ...shared.errors import ErrorCode, ServiceError
+from ...shared.events import Finish
+from ..models.generation import Generation
+from ..web.sse import SSEWriter
+from ..web.state import SETTINGS
 
 
 class Emitter:

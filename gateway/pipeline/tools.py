@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 
-from mlxgw.shared.errors import invalid
+from ...shared.errors import invalid
 
 # -- tool definitions ---------------------------------------------------------------------------
 

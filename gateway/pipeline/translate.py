@@ -16,13 +16,13 @@ from pathlib import Path
 
 from aiohttp import web
 
-from mlxgw.gateway.access.cache_scope import cache_namespace
-from mlxgw.gateway.pipeline.fields import CommonFields, logit_bias
-from mlxgw.gateway.pipeline.fim_support import fim_max_tokens
-from mlxgw.gateway.pipeline.images import ImageLimits, collect_images
-from mlxgw.gateway.web.state import CACHE_SECRET, MANAGER, SETTINGS
-from mlxgw.shared import protocol as p
-from mlxgw.shared.config import ModelKind
+from ...shared import protocol as p
+from ...shared.model_sections import ModelKind
+from ..access.cache_scope import cache_namespace
+from ..web.state import CACHE_SECRET, MANAGER, SETTINGS
+from .fields import CommonFields, logit_bias
+from .fim_support import fim_max_tokens
+from .images import ImageLimits, collect_images
 
 # max_tokens when neither the request, the model's entry (defaults.max_tokens), the server
 # (--max-tokens-default) nor the model's own generation_config.json (max_new_tokens) sets

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mlxgw.shared.errors import invalid
+from ...shared.errors import invalid
 
 _MISSING = object()
 

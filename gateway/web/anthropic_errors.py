@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mlxgw.shared.errors import ErrorCode, ServiceError
+from ...shared.errors import ErrorCode, ServiceError
 
 _TYPES = {
     ErrorCode.AUTHENTICATION: "authentication_error",

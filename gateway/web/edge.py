@@ -27,8 +27,8 @@ from aiohttp import web
 from aiohttp.http_exceptions import LineTooLong
 from aiohttp.web_protocol import RequestHandler
 
-from mlxgw.gateway.web.errors import error_response, family_of
-from mlxgw.shared.errors import ErrorCode, ServiceError
+from ...shared.errors import ErrorCode, ServiceError
+from .errors import error_response, family_of
 
 log = logging.getLogger(__name__)
 

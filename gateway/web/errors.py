@@ -7,8 +7,8 @@ import math
 
 from aiohttp import web
 
-from mlxgw.gateway.web.routes import family_of
-from mlxgw.shared.errors import ErrorCode, ServiceError
+from ...shared.errors import ErrorCode, ServiceError
+from .routes import family_of
 
 __all__ = ["error_headers", "error_response", "family_of", "openai_error_body"]
 
@@ -44,7 +44,7 @@ def error_headers(err: ServiceError) -> dict[str, str]:
 
 def error_response(err: ServiceError, family: str = "openai") -> web.Response:
     if family == "anthropic":
-        from mlxgw.gateway.web.anthropic_errors import anthropic_error_body, anthropic_status
+        from .anthropic_errors import anthropic_error_body, anthropic_status
 
         body, status = anthropic_error_body(err), anthropic_status(err)
     elif family == "ollama":  # Ollama's shape: {"error": "..."} with the status

@@ -20,7 +20,7 @@ from enum import Enum
 
 from aiohttp import web
 
-from mlxgw.shared.config import ModelKind
+from ...shared.model_sections import ModelKind
 
 
 class Family(str, Enum):
@@ -121,7 +121,7 @@ ROUTES: tuple[Route, ...] = (
     Route(("POST",), "/v1/adapters", access=Access.ADMIN, audit="adapters.add", **_CONTROL),
     Route(("DELETE",), "/v1/adapters/{name}", access=Access.ADMIN, audit="adapters.remove", **_CONTROL),
     # the Batch and Files API: the jobs' requests are metered one by one as the runner sends them;
-    # an upload and a batch's creation are metered as requests too (rpm, concurrency: issue 40)
+    # an upload and a batch's creation are metered as requests too (rpm, concurrency)
     Route(("POST",), "/v1/files"),
     Route(("GET",), "/v1/files", metered=False),
     Route(("GET", "DELETE"), "/v1/files/{file_id}", metered=False),

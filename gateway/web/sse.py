@@ -14,7 +14,7 @@ import json
 
 from aiohttp import web
 
-from mlxgw.shared.errors import ErrorCode, ServiceError
+from ...shared.errors import ErrorCode, ServiceError
 
 
 class SSEWriter:

@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from mlxgw.shared.gateway_config import GatewayConfig
+from ...shared.gateway_config import GatewayConfig
 
 if TYPE_CHECKING:  # the keys are typed for checkers; at run time state sits below both
-    from mlxgw.gateway.link.broker import Broker
-    from mlxgw.gateway.models.manager import ModelManager
+    from ..link.broker import Broker
+    from ..models.manager import ModelManager
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Bounded places for the CPU-heavy work a request starts in the gateway (issue 26).
+"""Bounded places for the CPU-heavy work a request starts in the gateway.
 
 `asyncio.to_thread` shares one default executor (a few threads on a small host) among every
 caller: six requests whose PDFs took hours each held all of it, and the admin routes, the
@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from mlxgw.shared.errors import ErrorCode, ServiceError
+from ...shared.errors import ErrorCode, ServiceError
 
 log = logging.getLogger(__name__)
 

@@ -26,8 +26,9 @@ from helpers.family_models import build_family_model
 from helpers.lora_adapters import write_lora_adapter
 
 from mlxgw.gateway.access.keys import hash_key
-from mlxgw.shared.config import ConfigError, SpeculativeConfig, parse_registry
+from mlxgw.shared.config import ConfigError, parse_registry
 from mlxgw.shared.errors import ServiceError
+from mlxgw.shared.model_sections import SpeculativeConfig
 from mlxgw.shared.protocol import SamplingParams
 from mlxgw.worker.model.runners.isolation import SequenceGuard
 

@@ -22,8 +22,8 @@ from helpers.family_models import build_family_model, build_quantized_family_mod
 from helpers.lora_adapters import write_lora_adapter
 
 from mlxgw.gateway.access.keys import hash_key
-from mlxgw.shared.config import SpeculativeConfig
 from mlxgw.shared.errors import ServiceError
+from mlxgw.shared.model_sections import SpeculativeConfig
 from mlxgw.shared.protocol import SamplingParams
 from mlxgw.worker.model.cpu.cpu_attention import bypassed
 

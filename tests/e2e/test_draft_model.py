@@ -12,7 +12,8 @@ import pytest
 from helpers import openai_client, wait_for
 from helpers.runner_jobs import generate_together, speculative_runner
 
-from mlxgw.shared.config import ConfigError, SpeculativeConfig, parse_registry
+from mlxgw.shared.config import ConfigError, parse_registry
+from mlxgw.shared.model_sections import SpeculativeConfig
 from mlxgw.worker.model.runners.mlx_runner import MLXRunner
 from mlxgw.worker.model.speculation.draft_model import DraftModelDrafter
 from mlxgw.worker.model.speculation.speculative import DraftRequest

@@ -20,7 +20,7 @@ from helpers.family_models import FAMILIES, NON_TRIMMABLE, WIDE_HEADS, build_fam
 from helpers.greedy_parity import assert_greedy_equal
 from helpers.runner_jobs import GREEDY, generate_together
 
-from mlxgw.shared.config import SpeculativeConfig
+from mlxgw.shared.model_sections import SpeculativeConfig
 from mlxgw.worker.model.cpu.cpu_attention import bypassed
 
 TOKENS = 8

@@ -23,7 +23,7 @@ import pytest
 from helpers.family_models import FAMILIES, NON_TRIMMABLE, build_family_model
 from helpers.greedy_parity import assert_greedy_equal, mlx_lm_greedy
 
-from mlxgw.shared.config import SpeculativeConfig
+from mlxgw.shared.model_sections import SpeculativeConfig
 from mlxgw.shared.protocol import GenerateRequest, SamplingParams
 from mlxgw.worker.model.memory.kv_budget import KVBudget, Measured
 

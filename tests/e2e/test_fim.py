@@ -89,7 +89,7 @@ def test_control_tokens_in_client_text_stay_plain_text(fim_prompts):
 def test_suffix_first_order_and_repository_context(fim_prompts, tiny_fim_dir):
     from mlx_lm.utils import load_tokenizer
 
-    from mlxgw.shared.config import FimConfig
+    from mlxgw.shared.model_sections import FimConfig
     from mlxgw.worker.text.fim import FimPrompts
 
     spm = FimPrompts(load_tokenizer(tiny_fim_dir), FimConfig(order="spm"))

@@ -16,7 +16,7 @@ from helpers import http, start_gateway
 from mlxgw.gateway.access.keys import hash_key
 from mlxgw.gateway.app import route_tables, unlisted_routes
 from mlxgw.gateway.web.routes import ROUTE_FOR_KIND, ROUTES, Access, Family, family_of, lookup
-from mlxgw.shared.config import KINDS
+from mlxgw.shared.model_sections import KINDS
 
 KEYS = {"user": "mlxgw-routes-user-key-0123456789", "root": "mlxgw-routes-admin-key-0123456789"}
 

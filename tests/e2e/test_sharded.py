@@ -207,7 +207,7 @@ def test_pipeline_on_an_architecture_without_it_is_refused_with_a_clear_error(gw
 
 
 def test_tensor_heads_not_divisible_by_the_ranks_are_refused(home, tiny_dir):
-    from mlxgw.shared.config import DistributedConfig
+    from mlxgw.shared.model_sections import DistributedConfig
     from mlxgw.worker.process.distributed import ShardingError, check_support
 
     with pytest.raises(ShardingError, match="num_attention_heads = 4 does not divide by 3 ranks"):
@@ -215,7 +215,7 @@ def test_tensor_heads_not_divisible_by_the_ranks_are_refused(home, tiny_dir):
 
 
 def test_a_backend_that_cannot_initialise_is_named_with_what_it_needs():
-    from mlxgw.shared.config import DistributedConfig
+    from mlxgw.shared.model_sections import DistributedConfig
     from mlxgw.worker.process.distributed import ShardingError, init_group
 
     with pytest.raises(ShardingError, match="mpi backend could not initialise.*backend: ring"):

@@ -11,8 +11,9 @@ from helpers.runner_jobs import GREEDY, generate_together, speculative_runner
 from mlx_lm.models.cache import BatchKVCache
 
 from mlxgw.shared import protocol as p
-from mlxgw.shared.config import ConfigError, SpeculativeConfig, parse_registry
+from mlxgw.shared.config import ConfigError, parse_registry
 from mlxgw.shared.events import EventKind
+from mlxgw.shared.model_sections import SpeculativeConfig
 from mlxgw.shared.protocol import SamplingParams
 from mlxgw.worker.model.runners.mlx_runner import MLXRunner
 from mlxgw.worker.model.speculation.spec_verify import rollback_rows

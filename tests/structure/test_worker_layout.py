@@ -39,8 +39,22 @@ def test_no_gateway_or_shared_module_is_over_400_lines():
 def test_one_runner_contract():
     """worker/model/interfaces.py:TextRunner is the runner contract: no second base class, and the
     scheduler asks the runner's supports_* flags instead of probing for methods."""
-    runner = (WORKER / "model" / "runner.py").read_text()
+    runner = (WORKER / "model" / "runners" / "mlx_runner.py").read_text()
     assert "ABC" not in runner and "abstractmethod" not in runner
     for name in ("scheduler.py", "admission.py", "intake.py", "sequence.py", "sequence_output.py", "prefill_plan.py"):
         source = (WORKER / "schedule" / name).read_text()
         assert "hasattr(" not in source and "type: ignore" not in source, name
+
+
+def test_worker_model_holds_rooms_by_job():
+    """worker/model/ is folders by job (runners, adapters, memory, cache, cpu, speculation, the
+    encoder and whisper models) and only the modules every job shares at its root."""
+    model = WORKER / "model"
+    assert {p.name for p in model.glob("*.py")} == {"__init__.py", "interfaces.py", "model_info.py"}
+
+
+def test_gateway_api_holds_a_folder_per_api_family():
+    api = WORKER.parent / "gateway" / "api"
+    assert {p.name for p in api.glob("*.py")} == {"__init__.py"}
+    families = {p.name for p in api.iterdir() if (p / "__init__.py").exists()}
+    assert families == {"openai", "anthropic", "responses", "ollama", "llamacpp", "admin"}

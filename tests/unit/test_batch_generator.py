@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from mlxgw.shared.config import SpeculativeConfig
+from mlxgw.shared.model_sections import SpeculativeConfig
 from mlxgw.shared.protocol import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, logit_bias={0: -100, 2: -100})  # no end-of-sequence

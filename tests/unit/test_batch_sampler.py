@@ -10,7 +10,14 @@ import numpy as np
 import pytest
 
 from mlxgw.shared.protocol import SamplingParams
-from mlxgw.worker.model.runners.batch_sampler import PenaltyPlan, SamplePlan, apply_penalties, filter_rows, sample_rows, scores
+from mlxgw.worker.model.runners.batch_sampler import (
+    PenaltyPlan,
+    SamplePlan,
+    apply_penalties,
+    filter_rows,
+    sample_rows,
+    scores,
+)
 from mlxgw.worker.model.runners.sampling import RowPenalties, RowSampling, _filters
 
 VOCAB = 1000

@@ -9,7 +9,7 @@ import msgpack
 import pytest
 
 from mlxgw.shared import protocol as p
-from mlxgw.shared.config import KINDS, ModelKind, parse_registry
+from mlxgw.shared.config import parse_registry
 from mlxgw.shared.errors import ErrorCode, ServiceError
 from mlxgw.shared.events import (
     Accepted,
@@ -25,6 +25,7 @@ from mlxgw.shared.events import (
     error_event,
     event_from_wire,
 )
+from mlxgw.shared.model_sections import KINDS, ModelKind
 from mlxgw.shared.schema import ConfigError
 
 EVENTS = [

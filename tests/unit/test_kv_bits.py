@@ -12,7 +12,7 @@ import pytest
 from helpers.family_models import WIDE_HEADS, build_family_model
 from helpers.runner_jobs import GREEDY, generate_together
 
-from mlxgw.shared.config import SpeculativeConfig
+from mlxgw.shared.model_sections import SpeculativeConfig
 
 
 @pytest.fixture(scope="module")

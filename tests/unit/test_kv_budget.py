@@ -70,7 +70,8 @@ def test_the_budget_is_the_setting_else_the_least_of_ram_and_the_process_limits_
     assert measure_budget(300, 1 << 40).bytes == 300 << 20
     assert measure_budget(None, 8 << 30).source in ("RAM", "cgroup")
     code = (
-        "from mlxgw.worker.model.memory.kv_budget import measure_budget as m; b = m(None, 1 << 40); print(b.source, b.bytes)"
+        "from mlxgw.worker.model.memory.kv_budget import measure_budget as m; "
+        "b = m(None, 1 << 40); print(b.source, b.bytes)"
     )
     limit = 3 << 30
 
@@ -263,7 +264,7 @@ def test_a_cut_to_make_room_keeps_the_prefix_the_admitted_row_reuses(tiny_runner
 def test_a_draft_models_kv_is_reserved_with_the_targets(tiny_dir):
     from helpers.runner_jobs import speculative_runner
 
-    from mlxgw.shared.config import SpeculativeConfig
+    from mlxgw.shared.model_sections import SpeculativeConfig
 
     plain = speculative_runner(tiny_dir, SpeculativeConfig(mode="off")).kv_profile()
     drafted = speculative_runner(tiny_dir, SpeculativeConfig(mode="draft", draft_model=str(tiny_dir))).kv_profile()

@@ -47,7 +47,7 @@ def _turn(runner, prompt: list[int], max_tokens: int = 12) -> tuple[list[int], f
 
 
 def test_gemma3_270m_resumes_each_turn_from_its_checkpoints(gemma_dir):
-    from mlxgw.shared.config import SpeculativeConfig
+    from mlxgw.shared.model_sections import SpeculativeConfig
     from mlxgw.worker.process.build_mlx import build_mlx_runner
 
     runner = build_mlx_runner(

@@ -13,9 +13,9 @@ import shutil
 import stat
 from pathlib import Path
 
-from mlxgw.shared import model_store
-from mlxgw.worker.importers.import_progress import ImportProgress
-from mlxgw.worker.importers.import_result import ImportError_, ImportResult, begin_import
+from ...shared import model_store
+from .import_progress import ImportProgress
+from .import_result import ImportError_, ImportResult, begin_import
 
 # Files a serving copy does not need.
 SKIP = {".gitattributes", "README.md", "mlxgw.json"}
@@ -94,7 +94,7 @@ def _copy_files(files: dict[str, Path], dest: Path) -> None:
 def describe(folder: Path, config_file: Path | None = None) -> tuple[str, str]:
     """(architecture, kind) from config.json: encoders serve embeddings (or reranking when they
     are sequence classifiers), models with a vision tower take images, the rest chat."""
-    from mlxgw.worker.model.encoder.encoder import SUPPORTED, is_cross_encoder
+    from ..model.encoder.encoder import SUPPORTED, is_cross_encoder
 
     config = json.loads((config_file or folder / "config.json").read_text())
     arch = str(config.get("model_type", "?"))

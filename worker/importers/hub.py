@@ -13,8 +13,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from mlxgw.shared import model_store
-from mlxgw.worker.importers.gguf.importer import ImportError_, ImportResult, import_gguf
+from ...shared import model_store
+from .gguf.importer import ImportError_, ImportResult, import_gguf
 
 # Files an MLX model folder needs (weights, configs, tokenizer, template); nothing executable.
 MLX_PATTERNS = ("*.safetensors", "*.json", "*.txt", "*.model", "*.tiktoken", "*.jinja")
@@ -107,7 +107,7 @@ def _link_snapshot(snapshot: Path, files: list[Path], dest: Path) -> None:
 
 
 def _pull_mlx(spec: RepoSpec, sha: str, files: list[str], name: str, models_dir: Path, started: float):
-    from mlxgw.worker.importers.folder_import import describe
+    from .folder_import import describe
 
     wanted = [f for f in files if any(fnmatch.fnmatch(f, p) for p in MLX_PATTERNS)]
     paths = [_download(spec, sha, f) for f in wanted]

@@ -8,8 +8,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mlxgw.shared import model_store
-from mlxgw.worker.importers.import_progress import ImportProgress, NoProgress
+from ...shared import model_store
+from .import_progress import ImportProgress, NoProgress
 
 
 class ImportError_(Exception):

@@ -17,10 +17,10 @@ from dataclasses import asdict
 from importlib import metadata as importlib_metadata
 from pathlib import Path
 
-from mlxgw.shared import model_store
-from mlxgw.worker.importers.gguf.importer import ImportError_, ImportResult
-from mlxgw.worker.importers.import_progress import ImportProgress
-from mlxgw.worker.importers.import_result import begin_import
+from ...shared import model_store
+from .gguf.importer import ImportError_, ImportResult
+from .import_progress import ImportProgress
+from .import_result import begin_import
 
 SIDE_FILES = ("config.json", "tokenizer.json")
 _PART_RE = re.compile(r"^model\.bin(?:\.part(\d+))?$")
@@ -100,8 +100,8 @@ def import_whisper(
 ) -> ImportResult:
     import mlx.core as mx
 
-    from mlxgw.worker.importers.ct2 import CT2FormatError, read_model_files
-    from mlxgw.worker.importers.whisper_convert import ConversionError, convert
+    from .ct2 import CT2FormatError, read_model_files
+    from .whisper_convert import ConversionError, convert
 
     start = begin_import(name, models_dir, progress)
     progress = start.progress

@@ -15,7 +15,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from mlxgw.worker.model.whisper.model import Whisper, WhisperDims, sinusoids
+from ..model.whisper.model import Whisper, WhisperDims, sinusoids
 
 # Scalars CTranslate2 stores as variables: model settings, not weights.
 SETTINGS = {

@@ -17,12 +17,12 @@ from abc import abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
-from mlxgw.shared.errors import invalid
-from mlxgw.shared.protocol import Event, GenerateRequest, SamplingParams
+from ...shared.errors import invalid
+from ...shared.protocol import Event, GenerateRequest, SamplingParams
 
 if TYPE_CHECKING:
-    from mlxgw.worker.model.memory.kv_budget import KVProfile
-    from mlxgw.worker.model.runners.prompt_logprobs import PromptScorer
+    from .memory.kv_budget import KVProfile
+    from .runners.prompt_logprobs import PromptScorer
 
 
 @dataclass

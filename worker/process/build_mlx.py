@@ -14,25 +14,25 @@ import mlx.core as mx
 from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlxgw.shared.config import FimConfig, SpeculativeConfig
-from mlxgw.worker.model import model_info
-from mlxgw.worker.model.adapters.bank import AdapterBank
-from mlxgw.worker.model.runners.batch_generator import VectorBatchGenerator
-from mlxgw.worker.model.cache import state_checkpoints as sc
-from mlxgw.worker.model.cache.kv_shift import ShiftReuse
-from mlxgw.worker.model.cache.prefix_cache import PrefixCache
-from mlxgw.worker.model.cache.prefix_store import PrefixStore
-from mlxgw.worker.model.memory.capacity import activation_dtype_bytes, kv_bytes_per_token
-from mlxgw.worker.model.cpu import cpu_attention
-from mlxgw.worker.model.cpu.blas_threads import policy_for
-from mlxgw.worker.model.cpu.output_head import transpose_head
-from mlxgw.worker.model.runners.logprobs import TokenBytes
-from mlxgw.worker.model.runners.mlx_runner import MLXRunner, fresh_cache
-from mlxgw.worker.model.speculation.draft_model import load_drafter
-from mlxgw.worker.model.speculation.speculative import Speculator
-from mlxgw.worker.model.runners.step_trace import StepTrace
-from mlxgw.worker.text.chat_text import ChatText
-from mlxgw.worker.text.fim import FimPrompts
+from ...shared.model_sections import FimConfig, SpeculativeConfig
+from ..model import model_info
+from ..model.adapters.bank import AdapterBank
+from ..model.cache import state_checkpoints as sc
+from ..model.cache.kv_shift import ShiftReuse
+from ..model.cache.prefix_cache import PrefixCache
+from ..model.cache.prefix_store import PrefixStore
+from ..model.cpu import cpu_attention
+from ..model.cpu.blas_threads import policy_for
+from ..model.cpu.output_head import transpose_head
+from ..model.memory.capacity import activation_dtype_bytes, kv_bytes_per_token
+from ..model.runners.batch_generator import VectorBatchGenerator
+from ..model.runners.logprobs import TokenBytes
+from ..model.runners.mlx_runner import MLXRunner, fresh_cache
+from ..model.runners.step_trace import StepTrace
+from ..model.speculation.draft_model import load_drafter
+from ..model.speculation.speculative import Speculator
+from ..text.chat_text import ChatText
+from ..text.fim import FimPrompts
 
 
 def build_mlx_runner(

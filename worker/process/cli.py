@@ -7,8 +7,8 @@ import sys
 
 import click
 
-from mlxgw.shared.cli_table import print_table
-from mlxgw.worker.process.file_limits import tolerate_a_low_file_limit
+from ...shared.cli_table import print_table
+from .file_limits import tolerate_a_low_file_limit
 
 
 @click.command()
@@ -46,10 +46,10 @@ def worker(connect, model, model_path, entry, worker_id, heartbeat, liveness, or
     a sharded model (--rank N, with the model's entry) needs no gateway: it follows rank 0.
     """
     tolerate_a_low_file_limit()  # before mlx_lm is imported
-    from mlxgw.worker.process.main import run_worker
+    from .main import run_worker
 
     if rank is not None:
-        from mlxgw.worker.process.distributed import run_remote_rank
+        from .distributed import run_remote_rank
 
         run_remote_rank(rank, model, model_path, entry)
     elif connect is None and not os.environ.get("MLX_RANK"):
@@ -61,7 +61,7 @@ def worker(connect, model, model_path, entry, worker_id, heartbeat, liveness, or
 @click.group()
 def models() -> None:
     """Import, pull, list, show and remove models in the models directory."""
-    from mlxgw.shared.platform import exit_with_parent
+    from ...shared.platform import exit_with_parent
 
     exit_with_parent()  # run by a gateway for /api/pull or /api/create: not beyond its life
     tolerate_a_low_file_limit()  # before mlx_lm is imported
@@ -81,12 +81,12 @@ def models() -> None:
 @click.option("--force", is_flag=True, help="re-import even if the same source was imported")
 def import_cmd(source: str, name: str, dtype: str | None, quantize: str | None, keep_quant: bool, force: bool) -> None:
     """Import a GGUF file (path or pypi:PACKAGE) as an MLX model."""
-    from mlxgw.shared.model_store import InvalidModelName
-    from mlxgw.shared.platform import default_import_dtype
-    from mlxgw.worker.importers.gguf import ImportError_, import_gguf
-    from mlxgw.worker.importers.import_progress import ImportProgress
-    from mlxgw.worker.importers.whisper import import_whisper, whisper_source
-    from mlxgw.worker.schedule.speech import import_voice, voice_source
+    from ...shared.model_store import InvalidModelName
+    from ...shared.platform import default_import_dtype
+    from ..importers.gguf import ImportError_, import_gguf
+    from ..importers.import_progress import ImportProgress
+    from ..importers.whisper import import_whisper, whisper_source
+    from ..schedule.speech import import_voice, voice_source
 
     progress = ImportProgress(sys.stderr)  # stderr: stdout keeps only the result line
     try:
@@ -129,8 +129,8 @@ def list_cmd(discover_paths: tuple[str, ...]) -> None:
     """Models in the models directory, and MLX models found in place (hub cache, LM Studio)."""
     from pathlib import Path
 
-    from mlxgw.shared.discovery import discover
-    from mlxgw.shared.model_store import list_models, models_dir
+    from ...shared.discovery import discover
+    from ...shared.model_store import list_models, models_dir
 
     found = list_models()
     discovered = discover([Path(p).expanduser() for p in discover_paths] if discover_paths else None)
@@ -162,9 +162,9 @@ def pull_cmd(repo: str, name: str | None, file_: str | None, dtype: str | None, 
     """Pull ORG/NAME[@REVISION] from the Hugging Face hub (HF_ENDPOINT, HF_TOKEN apply).
 
     MLX repositories are referenced in place in the hub cache; GGUF ones are converted."""
-    from mlxgw.shared.model_store import InvalidModelName
-    from mlxgw.worker.importers.gguf import ImportError_
-    from mlxgw.worker.importers.hub import pull
+    from ...shared.model_store import InvalidModelName
+    from ..importers.gguf import ImportError_
+    from ..importers.hub import pull
 
     try:
         result = pull(repo, name, file=file_, dtype=dtype, force=force)
@@ -181,7 +181,7 @@ def rm_cmd(name: str, force: bool) -> None:
     """Remove a model from the models directory (a pulled model's hub cache files stay)."""
     import shutil
 
-    from mlxgw.shared import model_store
+    from ...shared import model_store
 
     try:
         model_store.validate_model_name(name)
@@ -203,7 +203,7 @@ def show_cmd(name: str) -> None:
     """Architecture, parameters, precision, context, template features and size of a model."""
     import json
 
-    from mlxgw.shared import model_store
+    from ...shared import model_store
 
     found = {m.name: m for m in model_store.list_models()}
     if name not in found:

@@ -20,10 +20,11 @@ from typing import Any
 
 from mlx.utils import tree_flatten
 
-from mlxgw.shared.config import DistributedConfig, ModelEntry, SpeculativeConfig
-from mlxgw.worker.model.cache.prefix_cache import PrefixCache
-from mlxgw.worker.model.runners.mlx_runner import MLXRunner
-from mlxgw.worker.process.build_mlx import build_mlx_runner
+from ...shared.config import ModelEntry
+from ...shared.model_sections import DistributedConfig, SpeculativeConfig
+from ..model.cache.prefix_cache import PrefixCache
+from ..model.runners.mlx_runner import MLXRunner
+from .build_mlx import build_mlx_runner
 
 log = logging.getLogger(__name__)
 
@@ -230,7 +231,7 @@ def load_sharded_runner(model_path: Path, group: Any, strategy: str, entry: Mode
 
 def build_rank0_runner(entry: ModelEntry, model_path: Path, cache_bytes: int):
     """Rank 0's runner (called by worker/main.build_runner): checks, group, shard, lockstep."""
-    from mlxgw.worker.process.lockstep import Channel, LockstepRunner
+    from .lockstep import Channel, LockstepRunner
 
     d = entry.distributed
     assert d is not None
@@ -246,7 +247,7 @@ def build_rank0_runner(entry: ModelEntry, model_path: Path, cache_bytes: int):
 
 def serve_follower(entry: ModelEntry, model_path: Path, cache_bytes: int) -> int:
     """A rank other than 0: no gateway link; load the shard and follow rank 0 until it exits."""
-    from mlxgw.worker.process.lockstep import Channel, follow
+    from .lockstep import Channel, follow
 
     d = entry.distributed
     assert d is not None

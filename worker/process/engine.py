@@ -14,12 +14,12 @@ from concurrent.futures import Future
 
 import psutil
 
-from mlxgw.shared import protocol as p
-from mlxgw.shared.errors import ErrorCode, ServiceError
-from mlxgw.shared.events import Error
-from mlxgw.worker.model.interfaces import ModelRunner, Scheduler
-from mlxgw.worker.process.link import WorkerLink
-from mlxgw.worker.schedule.preprocess import Preprocessor
+from ...shared import protocol as p
+from ...shared.errors import ErrorCode, ServiceError
+from ...shared.events import Error
+from ..model.interfaces import ModelRunner, Scheduler
+from ..schedule.preprocess import Preprocessor
+from .link import WorkerLink
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +150,7 @@ class Engine:
             elif op in ("tokenize", "detokenize"):
                 args = dict(msg.get("args") or {})
                 job = (lambda: self._tokenize(args)) if op == "tokenize" else (lambda: self._detokenize(args))
-                # Off the engine thread, as a chat request's prompt (issue 26). It was looked up on
+                # Off the engine thread, as a chat request's prompt. It was looked up on
                 # the scheduler once; when that moved into its intake, every tokenize quietly ran
                 # here and stalled the streams for as long as it took.
                 self._calls.append((cid, self.preprocessor.call(job)))

@@ -33,7 +33,7 @@ from collections.abc import Callable
 import msgpack
 import zmq
 
-from mlxgw.shared import protocol as p
+from ...shared import protocol as p
 
 log = logging.getLogger(__name__)
 

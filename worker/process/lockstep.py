@@ -25,7 +25,7 @@ import mlx.core as mx
 import msgpack
 import numpy as np
 
-from mlxgw.shared.protocol import SamplingParams
+from ...shared.protocol import SamplingParams
 
 log = logging.getLogger(__name__)
 

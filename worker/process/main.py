@@ -12,17 +12,18 @@ import time
 import uuid
 from pathlib import Path
 
-from mlxgw.shared import protocol as p
-from mlxgw.shared.config import CHAT_KINDS, ENCODER_KINDS, ModelEntry, ModelKind, from_mapping
-from mlxgw.shared.errors import ErrorCode, ServiceError
-from mlxgw.shared.platform import total_memory_bytes
-from mlxgw.worker.model.cache.prefix_store import restore_into, save_from
-from mlxgw.worker.model.memory.capacity import SeqsChoice, choose_max_num_seqs
-from mlxgw.worker.process.engine import Engine
-from mlxgw.worker.process.helper_child import start_helper_child
-from mlxgw.worker.process.link import WorkerLink
-from mlxgw.worker.process.load_progress import LoadProgress
-from mlxgw.worker.schedule.preprocess import Preprocessor
+from ...shared import protocol as p
+from ...shared.config import ModelEntry, from_mapping
+from ...shared.errors import ErrorCode, ServiceError
+from ...shared.model_sections import CHAT_KINDS, ENCODER_KINDS, ModelKind
+from ...shared.platform import total_memory_bytes
+from ..model.cache.prefix_store import restore_into, save_from
+from ..model.memory.capacity import SeqsChoice, choose_max_num_seqs
+from ..schedule.preprocess import Preprocessor
+from .engine import Engine
+from .helper_child import start_helper_child
+from .link import WorkerLink
+from .load_progress import LoadProgress
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ LONG_STEP_DIVISOR = 24
 
 def build_runner(entry: ModelEntry, model_path: Path):
     if entry.kind in ENCODER_KINDS:
-        from mlxgw.worker.model.encoder.encoder import MlxEmbeddingsEncoder, TextEncoder
+        from ..model.encoder.encoder import MlxEmbeddingsEncoder, TextEncoder
 
         encoder_cls = MlxEmbeddingsEncoder if entry.engine == "mlx-embeddings" else TextEncoder
         encoder = encoder_cls(model_path, max_length=entry.context_length, truncate=entry.encoder.truncate)
@@ -49,15 +50,15 @@ def build_runner(entry: ModelEntry, model_path: Path):
             raise ValueError(f"{model_path.name} is {found}")
         return encoder
     if entry.kind == ModelKind.AUDIO:
-        from mlxgw.worker.model.whisper.runner import WhisperRunner
+        from ..model.whisper.runner import WhisperRunner
 
         return WhisperRunner(model_path)
     if entry.kind == ModelKind.SPEECH:
-        from mlxgw.worker.schedule.speech import PiperRunner
+        from ..schedule.speech import PiperRunner
 
         return PiperRunner(model_path)
     if entry.kind == ModelKind.VISION and entry.engine == "mlx":
-        from mlxgw.worker.model.runners.vision_runner import VisionRunner
+        from ..model.runners.vision_runner import VisionRunner
 
         return VisionRunner(
             model_path,
@@ -70,19 +71,19 @@ def build_runner(entry: ModelEntry, model_path: Path):
             chat_template=entry.chat.chat_template,
         )
     if entry.engine == "null":
-        from mlxgw.worker.model.runners.null_runner import NullRunner
+        from ..model.runners.null_runner import NullRunner
 
         return NullRunner(entry.context_length)
     if entry.engine == "echo":
-        from mlxgw.worker.model.runners.null_runner import EchoRunner
+        from ..model.runners.null_runner import EchoRunner
 
         return EchoRunner(entry.context_length, entry.chat.tool_parser, entry.chat.reasoning_parser)
-    from mlxgw.worker.model.cache.prefix_store import store_for
-    from mlxgw.worker.process.build_mlx import build_mlx_runner
+    from ..model.cache.prefix_store import store_for
+    from .build_mlx import build_mlx_runner
 
     cache_bytes = prefix_cache_bytes(entry)
     if entry.distributed is not None:  # rank 0 of a sharded model (the others never get here)
-        from mlxgw.worker.process.distributed import build_rank0_runner
+        from .distributed import build_rank0_runner
 
         return build_rank0_runner(entry, model_path, cache_bytes)
     return build_mlx_runner(
@@ -110,7 +111,7 @@ def build_runner(entry: ModelEntry, model_path: Path):
 def unservable(error: Exception) -> bool:
     """Whether a load failure is the model's own (restarting would fail the same way), not
     a passing condition such as memory."""
-    from mlxgw.worker.model.model_info import UnservableModel
+    from ..model.model_info import UnservableModel
 
     deterministic = (UnservableModel, ValueError, KeyError, AttributeError, TypeError, NotImplementedError, ImportError)
     return isinstance(error, (*deterministic, FileNotFoundError))
@@ -144,7 +145,7 @@ def build_scheduler(
     preprocessor: where requests are templated and tokenized (off the engine thread).
     hang_timeout_s: the gateway's watchdog bound, which paces prefill steps."""
     if entry.kind in ENCODER_KINDS:
-        from mlxgw.worker.schedule.embeddings import EmbedScheduler
+        from ..schedule.embeddings import EmbedScheduler
 
         return EmbedScheduler(
             runner,
@@ -154,15 +155,15 @@ def build_scheduler(
             preprocessor=preprocessor,
         )
     if entry.kind == ModelKind.AUDIO:
-        from mlxgw.worker.schedule.transcription import AudioScheduler
+        from ..schedule.transcription import AudioScheduler
 
         return AudioScheduler(runner, max_rows=entry.max_num_seqs, max_queue=entry.max_queue)
     if entry.kind == ModelKind.SPEECH:
-        from mlxgw.worker.schedule.speech import SpeechScheduler
+        from ..schedule.speech import SpeechScheduler
 
         return SpeechScheduler(runner, max_queue=entry.max_queue)
-    from mlxgw.worker.schedule.prefill_plan import PrefillPace
-    from mlxgw.worker.schedule.scheduler import Scheduler
+    from ..schedule.prefill_plan import PrefillPace
+    from ..schedule.scheduler import Scheduler
 
     return Scheduler(
         runner,
@@ -181,8 +182,8 @@ def kv_budget_for(entry: ModelEntry, runner):
     """The KV budget rows are admitted within, measured now that the weights are loaded
     (worker/model/memory/kv_budget.py); None where rows are admitted by count (other engines, and sharded
     models, whose ranks must keep identical prefix caches)."""
-    from mlxgw.worker.model.memory.kv_budget import KVBudget, activations_of, measure_budget
-    from mlxgw.worker.schedule.prefill_plan import IDLE_BUDGET_FACTOR
+    from ..model.memory.kv_budget import KVBudget, activations_of, measure_budget
+    from ..schedule.prefill_plan import IDLE_BUDGET_FACTOR
 
     try:
         profile = runner.kv_profile() if entry.distributed is None else None
@@ -284,7 +285,7 @@ def serve(
     preprocessor = Preprocessor(threads=1)
     link.busy_probes.append(preprocessor.busy_s)  # the watchdog covers preparation too
     if entry.distributed is None and entry.kind in CHAT_KINDS and runner.supports_layer_progress:
-        from mlxgw.worker.process.step_progress import install
+        from .step_progress import install
 
         # a long prefill step is slow, not hung: its layer groups mark progress once steps are long
         long_step_s = (hang_timeout_s or 120.0) / LONG_STEP_DIVISOR
@@ -344,11 +345,11 @@ def run_worker(
     quiet_library_warnings()
     entry_data = {**json.loads(entry_json), "name": model}
     entry = from_mapping(ModelEntry, entry_data, f"worker {model}")
-    from mlxgw.shared.paths import models_dir
+    from ...shared.paths import models_dir
 
     path = Path(model_path) if model_path else entry.model_path(models_dir())
     if entry.distributed is not None:
-        from mlxgw.worker.process.distributed import rank_from_env, serve_follower
+        from .distributed import rank_from_env, serve_follower
 
         if rank_from_env() > 0:  # a follower rank: no gateway link (worker/process/lockstep.py)
             # The same batch size as rank 0 (same formula, same machine; remote ranks need

@@ -31,17 +31,17 @@ from __future__ import annotations
 import logging
 import time
 
-from mlxgw.shared.errors import ServiceError
-from mlxgw.shared.events import Error
-from mlxgw.worker.model.interfaces import TextRunner
-from mlxgw.worker.model.runners.isolation import as_service_error
-from mlxgw.worker.model.memory.kv_budget import KVBudget
-from mlxgw.worker.schedule.choices import ChoiceGroups
-from mlxgw.worker.schedule.fair_share import FairQueue, Row, Waiting, clean_weight
-from mlxgw.worker.schedule.kv_rows import after_step, reserve, victim
-from mlxgw.worker.schedule.prefill_plan import PrefillBudget
-from mlxgw.worker.schedule.prefix_inflight import SharedPrefill
-from mlxgw.worker.schedule.sequence import Phase, Sequence
+from ...shared.errors import ServiceError
+from ...shared.events import Error
+from ..model.interfaces import TextRunner
+from ..model.memory.kv_budget import KVBudget
+from ..model.runners.isolation import as_service_error
+from .choices import ChoiceGroups
+from .fair_share import FairQueue, Row, Waiting, clean_weight
+from .kv_rows import after_step, reserve, victim
+from .prefill_plan import PrefillBudget
+from .prefix_inflight import SharedPrefill
+from .sequence import Phase, Sequence
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@ reasoning budget (ThinkingBudget, a logits processor that forces the end of thin
 
 from __future__ import annotations
 
-from mlxgw.shared.errors import ServiceError
+from ...shared.errors import ServiceError
 
 
 class ThinkingBudget:

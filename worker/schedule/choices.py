@@ -17,8 +17,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from mlxgw.shared import protocol as p
-from mlxgw.shared.events import (
+from ...shared import protocol as p
+from ...shared.events import (
     TERMINAL_EVENTS,
     Accepted,
     AnyEvent,

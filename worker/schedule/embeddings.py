@@ -16,13 +16,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from mlxgw.shared import protocol as p
-from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
-from mlxgw.shared.events import Accepted, Error, Finish, FinishReason, Phase, Usage
-from mlxgw.worker.model.interfaces import EmbeddingRunner
-from mlxgw.worker.model.runners.isolation import as_service_error
-from mlxgw.worker.schedule.jobs import JobTable
-from mlxgw.worker.schedule.preprocess import Preprocessor
+from ...shared import protocol as p
+from ...shared.errors import ErrorCode, ServiceError, invalid
+from ...shared.events import Accepted, Error, Finish, FinishReason, Phase, Usage
+from ..model.interfaces import EmbeddingRunner
+from ..model.runners.isolation import as_service_error
+from .jobs import JobTable
+from .preprocess import Preprocessor
 
 Event = p.Event
 

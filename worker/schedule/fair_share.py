@@ -29,7 +29,7 @@ import os
 from collections import Counter
 from dataclasses import dataclass, field
 
-from mlxgw.shared.protocol import BACKGROUND_PRIORITY
+from ...shared.protocol import BACKGROUND_PRIORITY
 
 STARVE_S = 0.25  # a waiting request older than this may preempt a row over its share
 MIN_WEIGHT, MAX_WEIGHT = 0.01, 100.0

@@ -13,15 +13,15 @@ import itertools
 import logging
 import time
 
-from mlxgw.shared import protocol as p
-from mlxgw.shared.errors import ServiceError
-from mlxgw.shared.events import Error
-from mlxgw.worker.model.interfaces import TextRunner
-from mlxgw.worker.model.runners.isolation import as_service_error
-from mlxgw.worker.model.memory.kv_budget import KVBudget
-from mlxgw.worker.schedule.preprocess import Preprocessor
-from mlxgw.worker.schedule.sequence import Intake, Prepared, Sequence, prepare
-from mlxgw.worker.text.textstream import TextStream, exact_text
+from ...shared import protocol as p
+from ...shared.errors import ServiceError
+from ...shared.events import Error
+from ..model.interfaces import TextRunner
+from ..model.memory.kv_budget import KVBudget
+from ..model.runners.isolation import as_service_error
+from ..text.textstream import TextStream, exact_text
+from .preprocess import Preprocessor
+from .sequence import Intake, Prepared, Sequence, prepare
 
 log = logging.getLogger(__name__)
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from mlxgw.shared import protocol as p
-from mlxgw.shared.errors import ErrorCode, ServiceError
-from mlxgw.shared.events import AnyEvent, Error
+from ...shared import protocol as p
+from ...shared.errors import ErrorCode, ServiceError
+from ...shared.events import AnyEvent, Error
 
 
 class JobTable:

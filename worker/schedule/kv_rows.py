@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from mlxgw.worker.model.memory.kv_budget import DECODE_ALLOWANCE
-from mlxgw.worker.schedule.sequence import Sequence
+from ..model.memory.kv_budget import DECODE_ALLOWANCE
+from .sequence import Sequence
 
 
 def reach(seq: Sequence) -> int:

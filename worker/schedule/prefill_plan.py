@@ -46,8 +46,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from mlxgw.worker.model.interfaces import TextRunner
-    from mlxgw.worker.schedule.sequence import Sequence
+    from ..model.interfaces import TextRunner
+    from .sequence import Sequence
 
 MIN_SHARE_DIVISOR = 4  # a long prompt keeps at least budget / 4 tokens per step
 MAX_PREFILL_STEP_S = 10.0  # a twelfth of the gateway's hang bound (120 s)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from mlxgw.worker.schedule.sequence import Phase, Sequence
+from .sequence import Phase, Sequence
 
 # A wait is worth it only for a prefix this long (a few prefill chunks); below it the rows
 # read their prompts side by side as before.

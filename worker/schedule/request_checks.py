@@ -20,9 +20,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from mlxgw.shared.errors import invalid
-from mlxgw.shared.protocol import GenerateRequest, SamplingParams
-from mlxgw.worker.schedule.choices import MAX_CHOICES
+from ...shared.errors import invalid
+from ...shared.protocol import GenerateRequest, SamplingParams
+from .choices import MAX_CHOICES
 
 MAX_LOGIT_BIAS = 1024  # entries; OpenAI documents 300, clients send a handful
 SEED_RANGE = 1 << 64  # mx.random.key takes an unsigned 64-bit seed

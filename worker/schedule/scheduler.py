@@ -26,21 +26,21 @@ from __future__ import annotations
 import logging
 import time
 
-from mlxgw.shared import protocol as p
-from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
-from mlxgw.shared.events import Accepted, AnyEvent, Error, Finish, FinishReason, Usage
-from mlxgw.worker.model.interfaces import StepOutput, TextRunner
-from mlxgw.worker.model.runners.isolation import as_service_error
-from mlxgw.worker.model.memory.kv_budget import KVBudget
-from mlxgw.worker.schedule.admission import Admission
-from mlxgw.worker.schedule.choices import ChoiceGroups
-from mlxgw.worker.schedule.fair_share import FairQueue
-from mlxgw.worker.schedule.intake import Preparing, Ready
-from mlxgw.worker.schedule.prefill_plan import IDLE_BUDGET_FACTOR, PrefillBudget, PrefillPace
-from mlxgw.worker.schedule.preprocess import Preprocessor
-from mlxgw.worker.schedule.request_checks import check_choices, check_generate
-from mlxgw.worker.schedule.sequence import Phase, Sequence
-from mlxgw.worker.schedule.sequence_output import PromptScoring, on_deadline, on_progress, on_token
+from ...shared import protocol as p
+from ...shared.errors import ErrorCode, ServiceError, invalid
+from ...shared.events import Accepted, AnyEvent, Error, Finish, FinishReason, Usage
+from ..model.interfaces import StepOutput, TextRunner
+from ..model.memory.kv_budget import KVBudget
+from ..model.runners.isolation import as_service_error
+from .admission import Admission
+from .choices import ChoiceGroups
+from .fair_share import FairQueue
+from .intake import Preparing, Ready
+from .prefill_plan import IDLE_BUDGET_FACTOR, PrefillBudget, PrefillPace
+from .preprocess import Preprocessor
+from .request_checks import check_choices, check_generate
+from .sequence import Phase, Sequence
+from .sequence_output import PromptScoring, on_deadline, on_progress, on_token
 
 log = logging.getLogger(__name__)
 

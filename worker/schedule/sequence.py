@@ -17,17 +17,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from mlxgw.shared import protocol as p
-from mlxgw.shared.errors import ServiceError, invalid
-from mlxgw.shared.events import Phase, Usage  # Phase re-exported: the worker's phases are the wire's
-from mlxgw.worker.model.runners.isolation import SequenceGuard
-from mlxgw.worker.schedule.budget import ThinkingBudget, check_budget
-from mlxgw.worker.text.output_parser import OutputParser, Parsed
+from ...shared import protocol as p
+from ...shared.errors import ServiceError, invalid
+from ...shared.events import Phase, Usage  # Phase re-exported: the worker's phases are the wire's
+from ..model.runners.isolation import SequenceGuard
+from ..text.output_parser import OutputParser, Parsed
+from .budget import ThinkingBudget, check_budget
 
 if TYPE_CHECKING:
-    from mlxgw.worker.model.interfaces import TextRunner
-    from mlxgw.worker.model.runners.prompt_logprobs import PromptScorer
-    from mlxgw.worker.text.textstream import TextStream
+    from ..model.interfaces import TextRunner
+    from ..model.runners.prompt_logprobs import PromptScorer
+    from ..text.textstream import TextStream
 
 MAX_PAUSES = 3  # a row preempted this often runs to its end (it would otherwise never finish)
 

@@ -20,11 +20,11 @@ import logging
 import time
 from collections import deque
 
-from mlxgw.shared.errors import ErrorCode, ServiceError
-from mlxgw.shared.events import Delta, Error, Finish, FinishReason, Progress, PromptLogprobs
-from mlxgw.worker.schedule.prefill_plan import prefill_bound
-from mlxgw.worker.schedule.sequence import Phase, Sequence, prefill_timeout
-from mlxgw.worker.text.output_parser import Parsed
+from ...shared.errors import ErrorCode, ServiceError
+from ...shared.events import Delta, Error, Finish, FinishReason, Progress, PromptLogprobs
+from ..text.output_parser import Parsed
+from .prefill_plan import prefill_bound
+from .sequence import Phase, Sequence, prefill_timeout
 
 log = logging.getLogger(__name__)
 

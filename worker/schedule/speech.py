@@ -16,19 +16,19 @@ from pathlib import Path
 
 import numpy as np
 
-from mlxgw.shared import model_store
-from mlxgw.shared import protocol as p
-from mlxgw.shared.errors import ErrorCode, ServiceError
-from mlxgw.shared.events import Accepted, Error, Finish, FinishReason, Phase, Usage
-from mlxgw.worker.importers.gguf.importer import ImportError_, ImportResult
-from mlxgw.worker.schedule.jobs import JobTable
+from ...shared import model_store
+from ...shared import protocol as p
+from ...shared.errors import ErrorCode, ServiceError
+from ...shared.events import Accepted, Error, Finish, FinishReason, Phase, Usage
+from ..importers.gguf.importer import ImportError_, ImportResult
+from .jobs import JobTable
 
 Event = p.Event
 
 
 def voice_source(spec: str) -> Path | None:
     """The .onnx of a Piper voice (with its .onnx.json beside it) in a folder or package."""
-    from mlxgw.worker.importers.whisper import _source_files
+    from ..importers.whisper import _source_files
 
     try:
         files = _source_files(spec) if spec.startswith("pypi:") or Path(spec).expanduser().is_dir() else None

@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from mlxgw.shared import protocol as p
-from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
-from mlxgw.shared.events import Accepted, Delta, Error, Finish, FinishReason, Phase, Usage
-from mlxgw.worker.model.whisper.decoding import (
+from ...shared import protocol as p
+from ...shared.errors import ErrorCode, ServiceError, invalid
+from ...shared.events import Accepted, Delta, Error, Finish, FinishReason, Phase, Usage
+from ..model.whisper.decoding import (
     FALLBACK_TEMPERATURES,
     RowRules,
     choose,
@@ -31,10 +31,10 @@ from mlxgw.worker.model.whisper.decoding import (
     needs_fallback,
     split_segments,
 )
-from mlxgw.worker.model.whisper.model import DecoderCache, keep_rows, merge_caches
-from mlxgw.worker.model.whisper.runner import SAMPLE_RATE, WINDOW_SAMPLES, WhisperRunner
-from mlxgw.worker.model.whisper.words import word_timestamps
-from mlxgw.worker.schedule.jobs import JobTable
+from ..model.whisper.model import DecoderCache, keep_rows, merge_caches
+from ..model.whisper.runner import SAMPLE_RATE, WINDOW_SAMPLES, WhisperRunner
+from ..model.whisper.words import word_timestamps
+from .jobs import JobTable
 
 Event = p.Event
 MIN_TAIL_SAMPLES = SAMPLE_RATE // 10  # a last window shorter than 0.1 s holds no speech

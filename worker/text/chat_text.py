@@ -9,13 +9,13 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from mlxgw.shared.chat import has_late_system_turn, merge_system_turns
-from mlxgw.shared.errors import invalid
-from mlxgw.shared.protocol import GenerateRequest
-from mlxgw.worker.text import templates
+from ...shared.chat import has_late_system_turn, merge_system_turns
+from ...shared.errors import invalid
+from ...shared.protocol import GenerateRequest
+from . import templates
 
 if TYPE_CHECKING:
-    from mlxgw.worker.text.fim import FimPrompts
+    from .fim import FimPrompts
 
 # apply_chat_template's own parameters: a request's template kwargs must not set them.
 RESERVED_TEMPLATE_KWARGS = frozenset(
@@ -93,7 +93,7 @@ class ChatText:
         if not getattr(self.tokenizer, "chat_template", None):
             raise invalid("this model has no chat template; use /v1/completions", "messages")
         if req.tools:
-            from mlxgw.worker.text.output_parser import tool_syntax
+            from .output_parser import tool_syntax
 
             syntax = tool_syntax(self.tool_parser, self.tokenizer)
             if syntax is not None and syntax.chat_messages is not None:
@@ -144,7 +144,7 @@ class ChatText:
         return self.tokenizer.detokenizer
 
     def make_parser(self, req: GenerateRequest, prompt: list[int]):
-        from mlxgw.worker.text.output_parser import OutputParser, think_tags, tool_syntax
+        from .output_parser import OutputParser, think_tags, tool_syntax
 
         think = think_tags(self.reasoning_parser, self.tokenizer)
         tool = tool_syntax(self.tool_parser, self.tokenizer) if req.tools else None
@@ -164,14 +164,14 @@ class ChatText:
             if self.tool_name_guard and req.tools:
                 return self._tool_name_guard(req.tools)
             return None
-        from mlxgw.worker.text.output_parser import tool_syntax
+        from .output_parser import tool_syntax
 
         syntax = tool_syntax(self.tool_parser, self.tokenizer)
         markup = (syntax.start, syntax.end or "") if syntax and syntax.end else None
         return self._constraint_factory().processor(req.constraint, markup)
 
     def _tool_name_guard(self, tools: list):
-        from mlxgw.worker.text.tool_name_guard import ToolNameGuard, offered_tools
+        from .tool_name_guard import ToolNameGuard, offered_tools
 
         offered = offered_tools(tools)
         if not offered:
@@ -181,7 +181,7 @@ class ChatText:
 
     def _constraint_factory(self):
         if self._constraints is None:
-            from mlxgw.worker.text.constraints import ConstraintFactory
+            from .constraints import ConstraintFactory
 
             self._constraints = ConstraintFactory(
                 self.tokenizer._tokenizer, self.vocab_size, sorted(self.tokenizer.eos_token_ids)
@@ -191,7 +191,7 @@ class ChatText:
     def fim_prompts(self) -> FimPrompts:
         """The model's FIM prompt builder, made on first use where the runner gave none."""
         if self._fim is None:
-            from mlxgw.worker.text.fim import FimPrompts
+            from .fim import FimPrompts
 
             self._fim = FimPrompts(self.tokenizer)
         return self._fim

@@ -12,7 +12,7 @@ import json
 import mlx.core as mx
 import numpy as np
 
-from mlxgw.shared.errors import invalid
+from ...shared.errors import invalid
 
 # Fixed separators and no free whitespace: with flexible whitespace a weak model can emit
 # newlines forever and never close the object; compact JSON always parses.

@@ -19,8 +19,8 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from mlxgw.shared.errors import invalid
-from mlxgw.shared.fim import FimFormat, detect, from_config
+from ...shared.errors import invalid
+from ...shared.fim import FimFormat, detect, from_config
 
 # llama.cpp's names for the repository and the current file when the client names neither.
 DEFAULT_REPO = "myproject"

@@ -22,7 +22,7 @@ import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from mlxgw.worker.text.tool_formats import CALL_FENCE_INFOS, FENCE, all_offered, could_start_bare_call, loose_tool_calls
+from .tool_formats import CALL_FENCE_INFOS, FENCE, all_offered, could_start_bare_call, loose_tool_calls
 
 ToolParse = Callable[[str, list | None], dict | list]
 
@@ -272,7 +272,7 @@ def tool_syntax(name: str | None, tokenizer) -> ToolSyntax | None:
         return None
     if name in (None, "auto"):
         if getattr(tokenizer, "tool_call_start", None) and getattr(tokenizer, "tool_parser", None):
-            from mlxgw.worker.text.tool_formats import HERMES_BARE_STARTS, offered_tool_call
+            from .tool_formats import HERMES_BARE_STARTS, offered_tool_call
 
             # Hermes-style templates (<tool_call>, Qwen 2.5): small models such as
             # Qwen2.5-Coder-0.5B answer with the bare JSON object, tags left off.
@@ -287,7 +287,7 @@ def tool_syntax(name: str | None, tokenizer) -> ToolSyntax | None:
         name = "generic"
     import importlib
 
-    from mlxgw.worker.text.tool_formats import FORMATS
+    from .tool_formats import FORMATS
 
     module = FORMATS.get(name) or importlib.import_module(f"mlx_lm.tool_parsers.{TOOL_PARSER_ALIASES.get(name, name)}")
     return ToolSyntax(

@@ -24,7 +24,7 @@ from jinja2 import filters as jinja_filters
 from jinja2 import utils as jinja_utils
 from jinja2.utils import _PassArg
 
-from mlxgw.worker.text.template_budget import TemplateBudgetExceeded, check, current, limit, refuse_past
+from .template_budget import TemplateBudgetExceeded, check, current, limit, refuse_past
 
 MAX_LIPSUM_WORDS = 10_000
 MAX_PIECES = 100_000  # batch size, slice count, wrapped lines: Jinja's own bound on range()

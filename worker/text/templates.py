@@ -27,8 +27,8 @@ from functools import lru_cache
 
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from mlxgw.worker.text import template_filters as tf
-from mlxgw.worker.text.template_budget import (
+from . import template_filters as tf
+from .template_budget import (
     OUTPUT_BUDGET_CHARS,
     TIME_BUDGET_S,
     TemplateBudgetExceeded,

@@ -21,7 +21,7 @@ import re
 
 import mlx.core as mx
 
-from mlxgw.worker.text.constraints import mask_logits
+from .constraints import mask_logits
 
 # Where a call object can open, up to the start of its name (possibly partly written: a
 # token may carry the quote and the name's first letters).

@@ -22,8 +22,8 @@ from pathlib import Path
 
 from aiohttp import web
 
-from mlxgw.gateway.access.audit.store import AuditFile
-from mlxgw.gateway.web.routes import route_of
+from ...web.routes import route_of
+from .store import AuditFile
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ MAX_REFUSED_BODY = 64 * 1024
 
 
 def audit_path() -> Path:
-    from mlxgw.shared import paths
+    from ....shared import paths
 
     return paths.home() / "audit.jsonl"
 

@@ -1,4 +1,4 @@
-"""Admin routes for LoRA adapters (issue 44): add one to a model, or remove one, while its
+"""Admin routes for LoRA adapters: add one to a model, or remove one, while its
 worker runs. The change is written to models.yaml (gateway/models/registry_edit.py: the gateway
 must run from the operator's own file) and applied as a reload is: the running worker
 takes the new list without a restart (gateway/models/adapters.py). An adapter added to a running
@@ -18,15 +18,15 @@ from pathlib import Path
 
 from aiohttp import web
 
-from mlxgw.gateway.api.admin.keys import _json_object, require_admin
-from mlxgw.gateway.models import adapters
-from mlxgw.gateway.models.import_roots import confined
-from mlxgw.gateway.models.registry_edit import edit_registry, listed_entry, registry_file
-from mlxgw.gateway.web.state import MANAGER
-from mlxgw.shared import model_store
-from mlxgw.shared.adapter_folder import read_config, scale_of
-from mlxgw.shared.config import AdapterEntry, ModelKind
-from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
+from ....shared import model_store
+from ....shared.adapter_folder import read_config, scale_of
+from ....shared.errors import ErrorCode, ServiceError, invalid
+from ....shared.model_sections import AdapterEntry, ModelKind
+from ...models import adapters
+from ...models.import_roots import confined
+from ...models.registry_edit import edit_registry, listed_entry, registry_file
+from ...web.state import MANAGER
+from .keys import _json_object, require_admin
 
 routes = web.RouteTableDef()
 

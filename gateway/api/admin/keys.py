@@ -14,13 +14,13 @@ import time
 
 from aiohttp import web
 
-from mlxgw.gateway.access.key_admin import KeyEditError, create_key, list_entries, revoke_key, update_key
-from mlxgw.gateway.access.ledger import LEDGER, connect
-from mlxgw.gateway.access.usage import UsageQueryError, key_activity, parse_since, totals
-from mlxgw.gateway.models.throughput import THROUGHPUT
-from mlxgw.gateway.pipeline.body import read_json
-from mlxgw.gateway.web.state import BROKER, KEYS, MANAGER, SETTINGS
-from mlxgw.shared.errors import ErrorCode, ServiceError
+from ....shared.errors import ErrorCode, ServiceError
+from ...access.key_admin import KeyEditError, create_key, list_entries, revoke_key, update_key
+from ...access.ledger import LEDGER, connect
+from ...access.usage import UsageQueryError, key_activity, parse_since, totals
+from ...models.throughput import THROUGHPUT
+from ...pipeline.body import read_json
+from ...web.state import BROKER, KEYS, MANAGER, SETTINGS
 
 routes = web.RouteTableDef()
 _EDIT_ERRORS = {

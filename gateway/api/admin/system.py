@@ -8,15 +8,15 @@ from datetime import datetime, timezone
 
 from aiohttp import web
 
-from mlxgw.gateway.access.auth import may_use, presented_key
-from mlxgw.gateway.api.admin.keys import require_admin
-from mlxgw.gateway.mcp.hub import MCP
-from mlxgw.gateway.models import adapters
-from mlxgw.gateway.pipeline.fim_support import capabilities, fim_format
-from mlxgw.gateway.web.errors import error_response
-from mlxgw.gateway.web.state import BROKER, KEYS, MANAGER
-from mlxgw.shared.config import CHAT_KINDS, KINDS, ModelKind
-from mlxgw.shared.errors import ErrorCode, ServiceError, redact_paths
+from ....shared.errors import ErrorCode, ServiceError, redact_paths
+from ....shared.model_sections import CHAT_KINDS, KINDS, ModelKind
+from ...access.auth import may_use, presented_key
+from ...mcp.hub import MCP
+from ...models import adapters
+from ...pipeline.fim_support import capabilities, fim_format
+from ...web.errors import error_response
+from ...web.state import BROKER, KEYS, MANAGER
+from .keys import require_admin
 
 routes = web.RouteTableDef()
 STARTED = time.time()

@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import re
 
-from mlxgw.gateway.pipeline.content import ContentPolicy, b64decode, blocks_of, read_pdfs, text_file, titled
-from mlxgw.gateway.pipeline.images import from_base64, from_url, join_content
-from mlxgw.shared.chat import merge_opening_system_turns
-from mlxgw.shared.errors import invalid
+from ....shared.chat import merge_opening_system_turns
+from ....shared.errors import invalid
+from ...pipeline.content import ContentPolicy, b64decode, blocks_of, read_pdfs, text_file, titled
+from ...pipeline.images import from_base64, from_url, join_content
 
 BILLING_LINE = re.compile(r"^x-anthropic-billing-header:[^\n]*(\n|$)", re.MULTILINE)
 

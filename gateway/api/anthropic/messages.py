@@ -12,14 +12,15 @@ import secrets
 
 from aiohttp import web
 
-from mlxgw.gateway.api.anthropic.input import convert_messages, read_documents
-from mlxgw.gateway.models.generation import Generation, Outcome
-from mlxgw.gateway.pipeline.cache_hints import anthropic_retention, anthropic_usage
-from mlxgw.gateway.pipeline.content import ContentPolicy
-from mlxgw.gateway.pipeline.fields import AnthropicFields, ThinkingFields, decode_fields
-from mlxgw.gateway.pipeline.serving import ApiFamily, handle, omitted_header
-from mlxgw.gateway.pipeline.stream import Emitter
-from mlxgw.gateway.pipeline.tools import (
+from ....shared.errors import ServiceError, invalid
+from ....shared.events import Finish
+from ...models.generation import Generation, Outcome
+from ...pipeline.cache_hints import anthropic_retention, anthropic_usage
+from ...pipeline.content import ContentPolicy
+from ...pipeline.fields import AnthropicFields, ThinkingFields, decode_fields
+from ...pipeline.serving import ApiFamily, handle, omitted_header
+from ...pipeline.stream import Emitter
+from ...pipeline.tools import (
     forced_tool,
     function_tool,
     is_deferred,
@@ -27,11 +28,10 @@ from mlxgw.gateway.pipeline.tools import (
     loaded_tool_names,
     one_constraint,
 )
-from mlxgw.gateway.pipeline.translate import ParsedRequest, build_request, image_limits
-from mlxgw.gateway.web.anthropic_errors import anthropic_error_body
-from mlxgw.gateway.web.state import MANAGER, SETTINGS
-from mlxgw.shared.errors import ServiceError, invalid
-from mlxgw.shared.events import Finish
+from ...pipeline.translate import ParsedRequest, build_request, image_limits
+from ...web.anthropic_errors import anthropic_error_body
+from ...web.state import MANAGER, SETTINGS
+from .input import convert_messages, read_documents
 
 routes = web.RouteTableDef()
 

@@ -20,17 +20,17 @@ from typing import Annotated, Any
 
 from aiohttp import web
 
-from mlxgw.gateway.access.auth import may_use
-from mlxgw.gateway.models.generation import Generation
-from mlxgw.gateway.pipeline.fields import INT32_MAX, BodyFields, M, Stop
-from mlxgw.gateway.pipeline.fim_support import fim_format, fim_map, parse_extra
-from mlxgw.gateway.pipeline.serving import ApiFamily, generation, handle
-from mlxgw.gateway.pipeline.translate import ParsedRequest, build_request
-from mlxgw.gateway.web.sse import SSEWriter
-from mlxgw.gateway.web.state import MANAGER, SETTINGS
-from mlxgw.shared.config import CHAT_KINDS
-from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
-from mlxgw.shared.events import Finish, FinishReason
+from ....shared.errors import ErrorCode, ServiceError, invalid
+from ....shared.events import Finish, FinishReason
+from ....shared.model_sections import CHAT_KINDS
+from ...access.auth import may_use
+from ...models.generation import Generation
+from ...pipeline.fields import INT32_MAX, BodyFields, M, Stop
+from ...pipeline.fim_support import fim_format, fim_map, parse_extra
+from ...pipeline.serving import ApiFamily, generation, handle
+from ...pipeline.translate import ParsedRequest, build_request
+from ...web.sse import SSEWriter
+from ...web.state import MANAGER, SETTINGS
 
 routes = web.RouteTableDef()
 Millis = Annotated[int, M(ge=0, le=INT32_MAX)]

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from mlxgw.gateway.pipeline.aux_fields import RerankFields, required
-from mlxgw.gateway.pipeline.serving import generation, open_fields
-from mlxgw.gateway.web.state import SETTINGS
-from mlxgw.shared import protocol as p
-from mlxgw.shared.config import ENCODER_KINDS
-from mlxgw.shared.errors import invalid
+from ....shared import protocol as p
+from ....shared.errors import invalid
+from ....shared.model_sections import ENCODER_KINDS
+from ...pipeline.aux_fields import RerankFields, required
+from ...pipeline.serving import generation, open_fields
+from ...web.state import SETTINGS
 
 routes = web.RouteTableDef()
 

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from mlxgw.gateway.api.openai.chat import parse_messages
-from mlxgw.gateway.pipeline.aux_fields import DetokenizeFields, TokenizeFields, required
-from mlxgw.gateway.pipeline.fields import INT32_MAX
-from mlxgw.gateway.pipeline.images import collect_images
-from mlxgw.gateway.pipeline.serving import open_fields
-from mlxgw.gateway.pipeline.translate import image_limits
-from mlxgw.gateway.web.state import MANAGER, SETTINGS
-from mlxgw.shared.errors import invalid
+from ....shared.errors import invalid
+from ...pipeline.aux_fields import DetokenizeFields, TokenizeFields, required
+from ...pipeline.fields import INT32_MAX
+from ...pipeline.images import collect_images
+from ...pipeline.serving import open_fields
+from ...pipeline.translate import image_limits
+from ...web.state import MANAGER, SETTINGS
+from ..openai.chat import parse_messages
 
 routes = web.RouteTableDef()
 

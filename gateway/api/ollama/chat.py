@@ -12,21 +12,21 @@ import json
 
 from aiohttp import web
 
-from mlxgw.gateway.access import audit
-from mlxgw.gateway.api.ollama import common as oc
-from mlxgw.gateway.api.ollama.fields import OllamaChatBody, OllamaGenerateBody, OllamaGenerating
-from mlxgw.gateway.models.generation import Generation, Outcome
-from mlxgw.gateway.models.lifecycle import SlotState
-from mlxgw.gateway.pipeline.fim_support import fim_map
-from mlxgw.gateway.pipeline.images import ImageLimits, from_bare_base64, join_content
-from mlxgw.gateway.pipeline.serving import ApiFamily, handle
-from mlxgw.gateway.pipeline.stream import Emitter
-from mlxgw.gateway.pipeline.tools import function_tool
-from mlxgw.gateway.pipeline.translate import ParsedRequest, image_limits
-from mlxgw.gateway.web.sse import NDJSONWriter
-from mlxgw.gateway.web.state import MANAGER
-from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
-from mlxgw.shared.events import Finish
+from ....shared.errors import ErrorCode, ServiceError, invalid
+from ....shared.events import Finish
+from ...access import audit
+from ...models.generation import Generation, Outcome
+from ...models.lifecycle import SlotState
+from ...pipeline.fim_support import fim_map
+from ...pipeline.images import ImageLimits, from_bare_base64, join_content
+from ...pipeline.serving import ApiFamily, handle
+from ...pipeline.stream import Emitter
+from ...pipeline.tools import function_tool
+from ...pipeline.translate import ParsedRequest, image_limits
+from ...web.sse import NDJSONWriter
+from ...web.state import MANAGER
+from . import common as oc
+from .fields import OllamaChatBody, OllamaGenerateBody, OllamaGenerating
 
 routes = web.RouteTableDef()
 

@@ -12,16 +12,16 @@ from typing import TypeVar
 
 from aiohttp import web
 
-from mlxgw.gateway.access import audit
-from mlxgw.gateway.access.auth import resolve_model
-from mlxgw.gateway.api.ollama.fields import OllamaBody, OllamaOptions
-from mlxgw.gateway.models.lifecycle import SlotState
-from mlxgw.gateway.pipeline.body import read_object
-from mlxgw.gateway.pipeline.fields import decode_fields
-from mlxgw.gateway.pipeline.tools import json_schema_constraint
-from mlxgw.gateway.web.state import MANAGER
-from mlxgw.shared.config import CHAT_KINDS, ModelKind
-from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
+from ....shared.errors import ErrorCode, ServiceError, invalid
+from ....shared.model_sections import CHAT_KINDS, ModelKind
+from ...access import audit
+from ...access.auth import resolve_model
+from ...models.lifecycle import SlotState
+from ...pipeline.body import read_object
+from ...pipeline.fields import decode_fields
+from ...pipeline.tools import json_schema_constraint
+from ...web.state import MANAGER
+from .fields import OllamaBody, OllamaOptions
 
 B = TypeVar("B", bound=OllamaBody)
 
@@ -140,7 +140,7 @@ UNLOAD_WAIT_S = 120.0  # how long a keep_alive 0 waits for the model's other req
 
 
 def may_set_residency(request: web.Request) -> bool:
-    """Residency is the operator's (issue 26): keep_alive counts only from an admin key, a key
+    """Residency is the operator's: keep_alive counts only from an admin key, a key
     with `residency: true`, or anyone when keys are off. Other keys' keep_alive is ignored:
     one key must not unload (keep_alive 0) or pin (-1, "9999h") a model for everyone."""
     key = request.get("key")

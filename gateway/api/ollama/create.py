@@ -15,10 +15,14 @@ from pathlib import Path
 
 from aiohttp import web
 
-from mlxgw.gateway.access import audit
-from mlxgw.gateway.access.auth import may_manage
-from mlxgw.gateway.api.ollama.modelfile import CreateSpec, parse_create
-from mlxgw.gateway.api.ollama.manage import (
+from ....shared import model_store
+from ....shared.errors import ErrorCode, ServiceError, invalid
+from ...access import audit
+from ...access.auth import may_manage
+from ...models import ownership
+from ...models.registry_edit import edit_registry, listed_entry, registry_file
+from ...web.state import MANAGER
+from .manage import (
     SERVED_ONCE,
     entry_like,
     may_start_from,
@@ -27,11 +31,7 @@ from mlxgw.gateway.api.ollama.manage import (
     run_cli,
     stream_lines,
 )
-from mlxgw.gateway.models import ownership
-from mlxgw.gateway.models.registry_edit import edit_registry, listed_entry, registry_file
-from mlxgw.gateway.web.state import MANAGER
-from mlxgw.shared import model_store
-from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
+from .modelfile import CreateSpec, parse_create
 
 routes = web.RouteTableDef()
 

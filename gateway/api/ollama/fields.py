@@ -14,7 +14,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-from mlxgw.gateway.pipeline.fields import INT32_MAX, CommonFields, M, Stop
+from ...pipeline.fields import INT32_MAX, CommonFields, M, Stop
 
 RepetitionPenalty = Annotated[float, M(ge=0.01, le=10)]
 

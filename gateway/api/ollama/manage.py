@@ -24,16 +24,16 @@ from pathlib import Path
 
 from aiohttp import web
 
-from mlxgw.gateway.access import audit
-from mlxgw.gateway.access.auth import may_manage
-from mlxgw.gateway.models import ownership
-from mlxgw.gateway.models.registry_edit import edit_registry, listed_entry, registry_file
-from mlxgw.gateway.pipeline.body import read_object
-from mlxgw.gateway.web.state import MANAGER
-from mlxgw.shared import model_store
-from mlxgw.shared.config import ConfigError, parse_registry
-from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
-from mlxgw.shared.platform import EXIT_WITH_PARENT_ENV
+from ....shared import model_store
+from ....shared.config import ConfigError, parse_registry
+from ....shared.errors import ErrorCode, ServiceError, invalid
+from ....shared.platform import EXIT_WITH_PARENT_ENV
+from ...access import audit
+from ...access.auth import may_manage
+from ...models import ownership
+from ...models.registry_edit import edit_registry, listed_entry, registry_file
+from ...pipeline.body import read_object
+from ...web.state import MANAGER
 
 routes = web.RouteTableDef()
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from mlxgw.shared.config_checks import MAX_CONTEXT_LENGTH
-from mlxgw.shared.errors import invalid
+from ....shared.config_checks import MAX_CONTEXT_LENGTH
+from ....shared.errors import invalid
 
 MAX_MODELFILE_BYTES = 64 * 1024
 MAX_TEXT_BYTES = 32 * 1024  # SYSTEM, TEMPLATE, one MESSAGE

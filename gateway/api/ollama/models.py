@@ -15,19 +15,19 @@ from pathlib import Path
 
 from aiohttp import web
 
-from mlxgw.gateway.access.auth import may_use
-from mlxgw.gateway.api.ollama import common as oc
-from mlxgw.gateway.api.ollama.modelfile import parameter_lines, render_modelfile
-from mlxgw.gateway.api.ollama.fields import OllamaBody, OllamaEmbedBody
-from mlxgw.gateway.models import adapters
-from mlxgw.gateway.pipeline.fim_support import capabilities, fim_format
-from mlxgw.gateway.pipeline.serving import generation
-from mlxgw.gateway.web.state import MANAGER, SETTINGS
-from mlxgw.shared import protocol as p
-from mlxgw.shared.adapter_folder import weights_file
-from mlxgw.shared.config import CHAT_KINDS, ENCODER_KINDS, ModelKind
-from mlxgw.shared.errors import invalid
-from mlxgw.shared.fim import FimFormat
+from ....shared import protocol as p
+from ....shared.adapter_folder import weights_file
+from ....shared.errors import invalid
+from ....shared.fim import FimFormat
+from ....shared.model_sections import CHAT_KINDS, ENCODER_KINDS, ModelKind
+from ...access.auth import may_use
+from ...models import adapters
+from ...pipeline.fim_support import capabilities, fim_format
+from ...pipeline.serving import generation
+from ...web.state import MANAGER, SETTINGS
+from . import common as oc
+from .fields import OllamaBody, OllamaEmbedBody
+from .modelfile import parameter_lines, render_modelfile
 
 routes = web.RouteTableDef()
 

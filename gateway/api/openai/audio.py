@@ -12,19 +12,19 @@ import math
 
 from aiohttp import web
 
-from mlxgw.gateway.access.auth import charge_audio_seconds, resolve_model
-from mlxgw.gateway.api.openai import speech
-from mlxgw.gateway.api.openai.audio_format import render
-from mlxgw.gateway.pipeline.audio_decode import AudioError, decode_audio
-from mlxgw.gateway.pipeline.serving import generation
-from mlxgw.gateway.web.errors import openai_error_body
-from mlxgw.gateway.web.sse import SSEWriter
-from mlxgw.gateway.web.state import SETTINGS
-from mlxgw.gateway.web.work_pools import THREAD_POOLS
-from mlxgw.shared import protocol as p
-from mlxgw.shared.config import ModelKind
-from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
-from mlxgw.shared.events import Finish
+from ....shared import protocol as p
+from ....shared.errors import ErrorCode, ServiceError, invalid
+from ....shared.events import Finish
+from ....shared.model_sections import ModelKind
+from ...access.auth import charge_audio_seconds, resolve_model
+from ...pipeline.audio_decode import AudioError, decode_audio
+from ...pipeline.serving import generation
+from ...web.errors import openai_error_body
+from ...web.sse import SSEWriter
+from ...web.state import SETTINGS
+from ...web.work_pools import THREAD_POOLS
+from . import speech
+from .audio_format import render
 
 routes = web.RouteTableDef()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 
-from mlxgw.shared.events import Finish
+from ....shared.events import Finish
 
 # Whisper's language codes -> the names OpenAI's verbose_json reports.
 LANGUAGE_NAMES = {

@@ -12,14 +12,14 @@ import os
 
 from aiohttp import web
 
-from mlxgw.gateway.api.openai.files import no_room, not_found, owner_name_of, owner_of, store_call
-from mlxgw.gateway.batches.files import is_storage_error, new_id
-from mlxgw.gateway.batches.input import check_input
-from mlxgw.gateway.batches.runner import BATCH_STORE, BATCH_WAKE
-from mlxgw.gateway.pipeline import validate as v
-from mlxgw.gateway.pipeline.body import read_object
-from mlxgw.gateway.web.work_pools import THREAD_POOLS
-from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
+from ....shared.errors import ErrorCode, ServiceError, invalid
+from ...batches.files import is_storage_error, new_id
+from ...batches.input import check_input
+from ...batches.runner import BATCH_STORE, BATCH_WAKE
+from ...pipeline import validate as v
+from ...pipeline.body import read_object
+from ...web.work_pools import THREAD_POOLS
+from .files import no_room, not_found, owner_name_of, owner_of, store_call
 
 routes = web.RouteTableDef()
 

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from mlxgw.gateway.api.openai import common as oc
-from mlxgw.gateway.api.openai.mcp_calls import chat_hooks
-from mlxgw.gateway.mcp.drive import McpFamily, McpHooks
-from mlxgw.gateway.models.generation import Generation, Outcome
-from mlxgw.gateway.pipeline.cache_hints import openai_retention
-from mlxgw.gateway.pipeline.fields import ChatFields
-from mlxgw.gateway.pipeline.images import ImageLimits, from_openai_part, join_content
-from mlxgw.gateway.pipeline.serving import handle
-from mlxgw.gateway.pipeline.tools import openai_constraint, template_arguments
-from mlxgw.gateway.pipeline.translate import ParsedRequest, image_limits
-from mlxgw.shared.errors import invalid
+from ....shared.errors import invalid
+from ...mcp.drive import McpFamily, McpHooks
+from ...models.generation import Generation, Outcome
+from ...pipeline.cache_hints import openai_retention
+from ...pipeline.fields import ChatFields
+from ...pipeline.images import ImageLimits, from_openai_part, join_content
+from ...pipeline.serving import handle
+from ...pipeline.tools import openai_constraint, template_arguments
+from ...pipeline.translate import ParsedRequest, image_limits
+from . import common as oc
+from .mcp_calls import chat_hooks
 
 routes = web.RouteTableDef()
 

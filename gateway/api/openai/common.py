@@ -8,12 +8,12 @@ import time
 from collections.abc import Callable
 from json.encoder import encode_basestring  # what json.dumps(..., ensure_ascii=False) uses for a str
 
-from mlxgw.gateway.models.generation import Generation, Outcome
-from mlxgw.gateway.pipeline.stream import Emitter
-from mlxgw.gateway.web.errors import openai_error_body
-from mlxgw.gateway.web.sse import SSEWriter
-from mlxgw.shared.errors import ServiceError
-from mlxgw.shared.events import Finish, Usage
+from ....shared.errors import ServiceError
+from ....shared.events import Finish, Usage
+from ...models.generation import Generation, Outcome
+from ...pipeline.stream import Emitter
+from ...web.errors import openai_error_body
+from ...web.sse import SSEWriter
 
 
 def new_id(prefix: str) -> str:

@@ -8,14 +8,14 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from mlxgw.gateway.api.openai import common as oc
-from mlxgw.gateway.models.generation import Generation, Outcome
-from mlxgw.gateway.pipeline.fields import CompletionFields
-from mlxgw.gateway.pipeline.fim_support import fim_map
-from mlxgw.gateway.pipeline.serving import ApiFamily, handle
-from mlxgw.gateway.pipeline.translate import ParsedRequest
-from mlxgw.shared.errors import invalid
-from mlxgw.shared.events import Finish
+from ....shared.errors import invalid
+from ....shared.events import Finish
+from ...models.generation import Generation, Outcome
+from ...pipeline.fields import CompletionFields
+from ...pipeline.fim_support import fim_map
+from ...pipeline.serving import ApiFamily, handle
+from ...pipeline.translate import ParsedRequest
+from . import common as oc
 
 routes = web.RouteTableDef()
 

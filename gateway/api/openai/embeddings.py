@@ -11,13 +11,13 @@ import base64
 
 from aiohttp import web
 
-from mlxgw.gateway.pipeline.aux_fields import EmbeddingsFields, required
-from mlxgw.gateway.pipeline.serving import generation, open_fields
-from mlxgw.gateway.pipeline.translate import granted_priority
-from mlxgw.gateway.web.state import SETTINGS
-from mlxgw.shared import protocol as p
-from mlxgw.shared.config import ModelKind
-from mlxgw.shared.errors import invalid
+from ....shared import protocol as p
+from ....shared.errors import invalid
+from ....shared.model_sections import ModelKind
+from ...pipeline.aux_fields import EmbeddingsFields, required
+from ...pipeline.serving import generation, open_fields
+from ...pipeline.translate import granted_priority
+from ...web.state import SETTINGS
 
 routes = web.RouteTableDef()
 

@@ -12,11 +12,11 @@ import os
 
 from aiohttp import web
 
-from mlxgw.gateway.batches.files import MAX_FILES, MAX_STORED_BYTES, is_storage_error, new_id, open_private
-from mlxgw.gateway.batches.runner import BATCH_STORE
-from mlxgw.gateway.batches.store import BatchStore
-from mlxgw.gateway.web.work_pools import THREAD_POOLS
-from mlxgw.shared.errors import ErrorCode, ServiceError, invalid
+from ....shared.errors import ErrorCode, ServiceError, invalid
+from ...batches.files import MAX_FILES, MAX_STORED_BYTES, is_storage_error, new_id, open_private
+from ...batches.runner import BATCH_STORE
+from ...batches.store import BatchStore
+from ...web.work_pools import THREAD_POOLS
 
 routes = web.RouteTableDef()
 

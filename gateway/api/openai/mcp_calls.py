@@ -13,9 +13,9 @@ tool call marked `mlxgw_mcp`: the gateway already did."""
 
 from __future__ import annotations
 
-from mlxgw.gateway.api.responses.output import new_item_id
-from mlxgw.gateway.mcp.drive import McpHooks
-from mlxgw.gateway.mcp.loop import McpCall
+from ...mcp.drive import McpHooks
+from ...mcp.loop import McpCall
+from ..responses.output import new_item_id
 
 # -- Chat Completions ----------------------------------------------------------------------
 

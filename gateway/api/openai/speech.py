@@ -12,16 +12,16 @@ import io
 import numpy as np
 from aiohttp import web
 
-from mlxgw.gateway.access.auth import resolve_model
-from mlxgw.gateway.pipeline.aux_fields import SpeechFields, required
-from mlxgw.gateway.pipeline.body import read_object
-from mlxgw.gateway.pipeline.fields import decode_fields
-from mlxgw.gateway.pipeline.serving import generation
-from mlxgw.gateway.web.state import SETTINGS
-from mlxgw.gateway.web.work_pools import THREAD_POOLS
-from mlxgw.shared import protocol as p
-from mlxgw.shared.config import ModelKind
-from mlxgw.shared.errors import invalid
+from ....shared import protocol as p
+from ....shared.errors import invalid
+from ....shared.model_sections import ModelKind
+from ...access.auth import resolve_model
+from ...pipeline.aux_fields import SpeechFields, required
+from ...pipeline.body import read_object
+from ...pipeline.fields import decode_fields
+from ...pipeline.serving import generation
+from ...web.state import SETTINGS
+from ...web.work_pools import THREAD_POOLS
 
 MAX_INPUT_CHARS = 4096
 # response_format -> (container, codec, sample rate or None for the voice's, content type)

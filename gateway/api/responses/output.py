@@ -10,13 +10,13 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from mlxgw.gateway.api.responses.tools import custom_input, split_name
-from mlxgw.gateway.models.generation import Generation, Outcome
-from mlxgw.gateway.pipeline.stream import Emitter
-from mlxgw.gateway.web.errors import openai_error_body
-from mlxgw.gateway.web.sse import SSEWriter
-from mlxgw.shared.errors import ServiceError
-from mlxgw.shared.events import Finish
+from ....shared.errors import ServiceError
+from ....shared.events import Finish
+from ...models.generation import Generation, Outcome
+from ...pipeline.stream import Emitter
+from ...web.errors import openai_error_body
+from ...web.sse import SSEWriter
+from .tools import custom_input, split_name
 
 STORE = web.AppKey("responses_store", OrderedDict)
 STORE_LIMIT = 1000

@@ -15,19 +15,19 @@ import json
 
 from aiohttp import web
 
-from mlxgw.gateway.api.openai.mcp_calls import responses_hooks
-from mlxgw.gateway.api.responses.output import STORE, ResponseEvents, render
-from mlxgw.gateway.api.responses.tools import ResponsesTools, custom_arguments, joined_name, parse_tools, split_name
-from mlxgw.gateway.mcp.drive import McpFamily, McpHooks
-from mlxgw.gateway.models.generation import Generation, Outcome
-from mlxgw.gateway.pipeline.cache_hints import openai_retention
-from mlxgw.gateway.pipeline.content import ContentPolicy, b64decode, data_url, read_pdfs, text_file, titled
-from mlxgw.gateway.pipeline.fields import ResponsesFields, decode_fields
-from mlxgw.gateway.pipeline.images import from_openai_part, join_content
-from mlxgw.gateway.pipeline.serving import handle
-from mlxgw.gateway.pipeline.tools import openai_constraint, template_arguments
-from mlxgw.gateway.pipeline.translate import ParsedRequest, image_limits
-from mlxgw.shared.errors import invalid
+from ....shared.errors import invalid
+from ...mcp.drive import McpFamily, McpHooks
+from ...models.generation import Generation, Outcome
+from ...pipeline.cache_hints import openai_retention
+from ...pipeline.content import ContentPolicy, b64decode, data_url, read_pdfs, text_file, titled
+from ...pipeline.fields import ResponsesFields, decode_fields
+from ...pipeline.images import from_openai_part, join_content
+from ...pipeline.serving import handle
+from ...pipeline.tools import openai_constraint, template_arguments
+from ...pipeline.translate import ParsedRequest, image_limits
+from ..openai.mcp_calls import responses_hooks
+from .output import STORE, ResponseEvents, render
+from .tools import ResponsesTools, custom_arguments, joined_name, parse_tools, split_name
 
 routes = web.RouteTableDef()
 

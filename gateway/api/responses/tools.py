@@ -21,8 +21,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from mlxgw.gateway.pipeline.tools import function_tool, is_deferred, loaded_tool_names
-from mlxgw.shared.errors import invalid
+from ....shared.errors import invalid
+from ...pipeline.tools import function_tool, is_deferred, loaded_tool_names
 
 NAMESPACE_SEP = "__"  # namespace tools are exposed to the model as namespace__function
 CUSTOM_INPUT = "input"  # the one string parameter a custom tool is offered with

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from mlxgw.worker.importers.gguf.reader import GGUFHeader
+from .reader import GGUFHeader
 
 
 class UnsupportedModel(ValueError):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mlxgw.worker.importers.gguf.reader import GGML_TYPES, GGUFHeader, TensorInfo
+from .reader import GGML_TYPES, GGUFHeader, TensorInfo
 
 NUMPY_TENSOR_TYPES = {
     "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",

@@ -15,21 +15,21 @@ from mlx import nn
 from mlx.utils import tree_flatten
 from mlx_lm.utils import _get_classes, get_total_parameters, quantize_model, save_config, save_model
 
-from mlxgw.shared import model_store
-from mlxgw.shared.platform import default_import_dtype
-from mlxgw.worker.importers.gguf.architectures import (
+from ....shared import model_store
+from ....shared.platform import default_import_dtype
+from ..import_progress import ImportProgress, NoProgress
+from ..import_result import ImportError_, ImportResult
+from .architectures import (
     Architecture,
     UnsupportedModel,
     architecture_for,
     check_against_tensors,
     unpermute_rows,
 )
-from mlxgw.worker.importers.gguf.dequant import NUMPY_TENSOR_TYPES, load_tensor
-from mlxgw.worker.importers.gguf.reader import GGUFFormatError, GGUFHeader, read_header, write_tensor_subset
-from mlxgw.worker.importers.gguf.sources import SourceError, assemble, check_split_metadata, package_parts, split_parts
-from mlxgw.worker.importers.gguf.tokenizer import build_tokenizer, dump_json
-from mlxgw.worker.importers.import_progress import ImportProgress, NoProgress
-from mlxgw.worker.importers.import_result import ImportError_, ImportResult
+from .dequant import NUMPY_TENSOR_TYPES, load_tensor
+from .reader import GGUFFormatError, GGUFHeader, read_header, write_tensor_subset
+from .sources import SourceError, assemble, check_split_metadata, package_parts, split_parts
+from .tokenizer import build_tokenizer, dump_json
 
 DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
 # ggml tensor types MLX's GGUF reader loads (quantized ones dequantized or as affine triplets).
@@ -258,7 +258,7 @@ def import_gguf(
             return _import_joined_parts(parts, source, name, options, force, models_dir, started, progress)
         path = resolve_source(source)
         if path.is_dir():
-            from mlxgw.worker.importers.folder_import import import_folder
+            from ..folder_import import import_folder
 
             return import_folder(path, source, name, force=force, models_dir=models_dir, progress=progress)
         files = split_parts(path)

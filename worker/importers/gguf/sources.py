@@ -9,7 +9,7 @@ import re
 from importlib import metadata as importlib_metadata
 from pathlib import Path
 
-from mlxgw.worker.importers.gguf.reader import GGUFFormatError
+from .reader import GGUFFormatError
 
 _SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 _REQUIREMENT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
-from mlxgw.worker.importers.gguf.architectures import UnsupportedModel
+from .architectures import UnsupportedModel
 
 # GGUF token types (llama.cpp's llama_token_type).
 _CONTROL, _USER_DEFINED = 3, 4

@@ -1,4 +1,4 @@
-"""LoRA adapters on a running model, many in one batch (issue 44).
+"""LoRA adapters on a running model, many in one batch.
 
 The base weights are loaded once; adapters (`mlx_lm.lora` output folders) are loaded on a
 row's first use into a bounded resident set (LRU, bounded by their bytes where a byte budget
@@ -32,10 +32,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
-from mlxgw.shared.errors import invalid
-from mlxgw.worker.model.adapters.experts import MultiLoRASwitchLinear, expert_dims, fits, route_block
-from mlxgw.worker.model.adapters.formats import non_finite, read_pairs, weights_file
-from mlxgw.worker.model.adapters.stacks import GroupKey, LoraTable, MultiLoRALinear, RowRouting, group_key
+from ....shared.errors import invalid
+from .experts import MultiLoRASwitchLinear, expert_dims, fits, route_block
+from .formats import non_finite, read_pairs, weights_file
+from .stacks import GroupKey, LoraTable, MultiLoRALinear, RowRouting, group_key
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from mlxgw.shared.adapter_folder import read_config, scale_of, weights_file
+from ....shared.adapter_folder import read_config, scale_of, weights_file
 
 LEAVES = ("lora_a", "lora_b")
 _PEFT_KEY = re.compile(r"base_model\.model\.(.+)\.lora_([AB])(?:\.default)?\.weight")

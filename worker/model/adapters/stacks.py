@@ -1,4 +1,4 @@
-"""The per-row low-rank product of a plain linear layer, one `gather_mm` per step (issue 44).
+"""The per-row low-rank product of a plain linear layer, one `gather_mm` per step.
 
 The resident adapters' (lora_a, lora_b) of a layer are stacked, one position per adapter, in
 a group per (rank, dtypes): A (positions, in, rank), B (positions, rank, out). Each row indexes
@@ -12,7 +12,7 @@ overflowing weights reach every row: 0 x NaN is NaN.
 
 Why this and not a masked matmul per adapter (the first version) or rows sorted into one
 matmul per adapter: measured in one process on SmolLM2-135M shapes (hidden 576, rank 8 and
-16, 8 and 16 rows, 4 adapters and rows without one; issue 44), it is as cheap or cheaper at
+16, 8 and 16 rows, 4 adapters and rows without one), it is as cheap or cheaper at
 decode (four ops per layer instead of five or six per adapter present) and about half the
 masked matmuls' cost on a prefill chunk, and it is the only one whose per-row arithmetic is
 that of mlx-lm's LoRALinear running the row alone: gather_mm multiplies each row by its own

@@ -43,11 +43,11 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
-from mlxgw.worker.model.cache import block_file as bf
-from mlxgw.worker.model.cache import kv_blocks as kb
-from mlxgw.worker.model.cache import state_checkpoints as sc
-from mlxgw.worker.model.cache.block_reader import BlockReader
-from mlxgw.worker.model.cache.eviction import Clock
+from . import block_file as bf
+from . import kv_blocks as kb
+from . import state_checkpoints as sc
+from .block_reader import BlockReader
+from .eviction import Clock
 
 log = logging.getLogger(__name__)
 
@@ -244,7 +244,7 @@ class BlockDisk:
     def _read(self, held: DiskBlock, parent: kb.Block | None) -> kb.Block:
         import mlx_lm.models.cache as mc
 
-        from mlxgw.worker.model.cache import quantized_kv  # noqa: F401  (registers the quantized row class for loading)
+        from . import quantized_kv  # noqa: F401  (registers the quantized row class for loading)
 
         read = self.reader.take(held.key)  # bytes read off the engine thread, when prefetched
         data = read if read is not None else bf.read_regular(held.path, held.nbytes)

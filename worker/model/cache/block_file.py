@@ -14,8 +14,8 @@ import os
 import stat
 from pathlib import Path
 
-from mlxgw.worker.model.cache import kv_blocks as kb
-from mlxgw.worker.model.cache import state_checkpoints as sc
+from . import kv_blocks as kb
+from . import state_checkpoints as sc
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
-from mlxgw.worker.model.cache.block_file import read_regular
+from .block_file import read_regular
 
 READ_TIMEOUT_S = 30.0  # past it a read counts as failed: the row computes instead of waiting on
 UNCLAIMED_S = 120.0  # bytes read for a row that never came (cancelled) are dropped after this

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx_lm.models.cache import CacheList
 
-from mlxgw.worker.model.cache import state_checkpoints as sc
-from mlxgw.worker.model.cache.eviction import Clock
+from . import state_checkpoints as sc
+from .eviction import Clock
 
 BLOCK_TOKENS = 32  # sessions diverging mid-block duplicate at most this many tokens each
 

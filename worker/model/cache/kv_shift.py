@@ -1,4 +1,4 @@
-"""Reuse a moved run of cached KV: fill-in-the-middle as the user types (issue 43).
+"""Reuse a moved run of cached KV: fill-in-the-middle as the user types.
 
 A keystroke changes a FIM prompt at the cursor. In prefix-suffix-middle order (Qwen-Coder,
 StarCoder, ...) everything after the cursor (the rest of the file, then the middle token) is
@@ -33,8 +33,8 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import Llama3RoPE
 
-from mlxgw.worker.model.cache import kv_blocks as kb
-from mlxgw.worker.model.cache import scopes
+from . import kv_blocks as kb
+from . import scopes
 
 log = logging.getLogger(__name__)
 

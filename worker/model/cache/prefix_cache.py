@@ -16,18 +16,16 @@ leaves of the block tree in memory: one per stored sequence that no longer one e
 
 from __future__ import annotations
 
-import hashlib
 import heapq
 import logging
 import time
-from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import mlx.core as mx
 
-from mlxgw.worker.model.cache import kv_blocks as kb
-from mlxgw.worker.model.cache import state_checkpoints as sc
+from . import kv_blocks as kb
+from . import state_checkpoints as sc
 
 log = logging.getLogger(__name__)
 
@@ -58,11 +56,6 @@ class CachedEntry:
     nbytes: int  # the bytes of its blocks not already counted by an entry listed before it
     use: EntryUse
     checkpoints: sc.Checkpoints | None = None
-
-
-def entry_key(tokens: list[int]) -> str:
-    """A short stable name for a token sequence (its disk file name too)."""
-    return hashlib.blake2b(array("q", tokens).tobytes(), digest_size=16).hexdigest()
 
 
 class PrefixCache:
@@ -156,16 +149,6 @@ class PrefixCache:
         resumed from (hybrid families): a checkpoint there while reading it lets the next
         prompt sharing that prefix resume at it (vLLM's and llama.cpp's junctions)."""
         return [self._junction] if self._junction is not None else []
-
-    def checkpoints_of(self, tokens: list[int]) -> sc.Checkpoints | None:
-        """The checkpoints stored along a sequence's blocks (None when it is not stored)."""
-        node, partial = self.tree.walk(tokens)
-        chain = node.chain() if node is not None else []
-        rest = len(tokens) - (node.end if node is not None else 0)
-        chain += [c for c, n in partial if n == rest][:1]
-        if not chain or chain[-1].end < len(tokens):
-            return None
-        return self._checkpoints(tokens, chain, len(tokens))
 
     @staticmethod
     def _checkpoints(tokens: list[int], chain: list[kb.Block], upto: int) -> sc.Checkpoints:

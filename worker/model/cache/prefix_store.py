@@ -32,10 +32,10 @@ import shutil
 import time
 from pathlib import Path
 
-from mlxgw.worker.model.cache import block_file as bf
-from mlxgw.worker.model.cache import kv_blocks as kb
-from mlxgw.worker.model.cache.block_disk import TEMP_PREFIX, BlockDisk
-from mlxgw.worker.model.cache.prefix_cache import EntryUse, PrefixCache, kb_use
+from . import block_file as bf
+from . import kv_blocks as kb
+from .block_disk import TEMP_PREFIX, BlockDisk
+from .prefix_cache import EntryUse, PrefixCache, kb_use
 
 log = logging.getLogger(__name__)
 
@@ -203,7 +203,7 @@ def default_bound_mb(home: Path) -> int:
 
 
 def store_for(model_name: str, model_path: Path, max_mb: int | None) -> PrefixStore | None:  # None: off
-    from mlxgw.shared.paths import home
+    from ....shared.paths import home
 
     max_mb = default_bound_mb(home()) if max_mb is None else max_mb  # None: sized from free disk
     if max_mb <= 0:

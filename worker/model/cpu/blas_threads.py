@@ -44,7 +44,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from mlxgw.shared.platform import BlasThreads, blas_threads, on_cpu_device
+from ....shared.platform import BlasThreads, blas_threads, on_cpu_device
 
 SAMPLES = 3  # start-to-start times kept per count and kind of step (their mean decides)
 TRIAL_STEPS = 3  # consecutive steps a count is tried for, so its samples are fresh

@@ -31,7 +31,7 @@ from contextlib import contextmanager
 
 import mlx.core as mx
 
-from mlxgw.shared.platform import on_cpu_device
+from ....shared.platform import on_cpu_device
 
 LOG2E = 1.0 / math.log(2.0)
 # Scores (rows x keys, over the batch and heads) from which two streams pay for their join:

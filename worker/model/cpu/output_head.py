@@ -36,8 +36,8 @@ from collections.abc import Callable
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxgw.shared.platform import on_cpu_device
-from mlxgw.worker.model.model_info import TOKEN_EMBEDDINGS
+from ....shared.platform import on_cpu_device
+from ..model_info import TOKEN_EMBEDDINGS
 
 log = logging.getLogger(__name__)
 

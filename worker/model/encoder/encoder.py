@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mlxgw.shared.errors import invalid
+from ....shared.errors import invalid
 
 SUPPORTED = ("bert", "roberta", "xlm-roberta")
 
@@ -68,7 +68,7 @@ class TextEncoder:
         self.inputs_encoded = 0
 
     def _load_model(self, path: Path, cfg: dict) -> None:
-        from mlxgw.worker.model.encoder import bert
+        from . import bert
 
         mx = self._mx
         if cfg.get("model_type") not in SUPPORTED:

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mlxgw.shared.errors import ErrorCode, ServiceError
+from ....shared.errors import ErrorCode, ServiceError
 
 GROWS, WINDOW, FIXED = "grows", "window", "fixed"
 ALLOC_STEP = 256  # tokens: mlx-lm's KVCache and BatchKVCache grow their buffers in steps of this
@@ -177,7 +177,7 @@ def activations_of(model) -> PrefillActivations | None:
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from mlxgw.worker.model.model_info import model_arg
+    from ..model_info import model_arg
 
     hidden, heads = model_arg(model, "hidden_size"), model_arg(model, "num_attention_heads")
     if hidden is None or heads is None:

@@ -31,7 +31,7 @@ from contextlib import AbstractContextManager, nullcontext
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, PromptProcessingBatch
 
-from mlxgw.worker.model.runners.batch_sampler import VectorGenerationBatch
+from .batch_sampler import VectorGenerationBatch
 
 
 class VectorBatchGenerator(BatchGenerator):

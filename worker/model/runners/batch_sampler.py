@@ -40,9 +40,9 @@ import mlx.core as mx
 from mlx_lm.generate import GenerationBatch
 from mlx_lm.sample_utils import apply_top_k, apply_top_p
 
-from mlxgw.shared.platform import on_cpu_device
-from mlxgw.worker.model.runners.isolation import heal_random_state
-from mlxgw.worker.model.runners.sampling import PENALTY_CONTEXT, REPETITION_CONTEXT, RowPenalties, RowSampling
+from ....shared.platform import on_cpu_device
+from .isolation import heal_random_state
+from .sampling import PENALTY_CONTEXT, REPETITION_CONTEXT, RowPenalties, RowSampling
 
 
 def _same(a: tuple, b: tuple) -> bool:

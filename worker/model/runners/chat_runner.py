@@ -3,9 +3,9 @@ output parsing and constraints are delegated to a ChatText (worker/text/chat_tex
 
 from __future__ import annotations
 
-from mlxgw.shared.protocol import GenerateRequest
-from mlxgw.worker.model.interfaces import TextRunner
-from mlxgw.worker.text.chat_text import ChatText
+from ....shared.protocol import GenerateRequest
+from ...text.chat_text import ChatText
+from ..interfaces import TextRunner
 
 
 class ChatTextRunner(TextRunner):

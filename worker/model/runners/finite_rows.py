@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from mlxgw.shared.errors import invalid
+from ....shared.errors import invalid
 
 
 def non_finite_uids(responses) -> set[int]:

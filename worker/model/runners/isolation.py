@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 
-from mlxgw.shared.errors import ErrorCode, ServiceError
+from ....shared.errors import ErrorCode, ServiceError
 
 log = logging.getLogger(__name__)
 

@@ -17,27 +17,27 @@ from types import ModuleType
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlxgw.shared.protocol import GenerateRequest, SamplingParams
-from mlxgw.worker.model.adapters.bank import AdapterBank
-from mlxgw.worker.model.runners.batch_generator import VectorBatchGenerator
-from mlxgw.worker.model.cache import scopes
-from mlxgw.worker.model.cache import state_checkpoints as sc
-from mlxgw.worker.model.cache.kv_shift import ShiftReuse
-from mlxgw.worker.model.cache.prefix_cache import PrefixCache
-from mlxgw.worker.model.cache.prefix_store import PrefixStore
-from mlxgw.worker.model.cache.quantized_kv import quantize_layers
-from mlxgw.worker.model.runners.chat_runner import ChatTextRunner
-from mlxgw.worker.model.cpu.blas_threads import BlasThreadPolicy
-from mlxgw.worker.model.runners.finite_rows import fault_non_finite
-from mlxgw.worker.model.interfaces import StepOutput, TokenOut
-from mlxgw.worker.model.memory.kv_budget import runner_profile
-from mlxgw.worker.model.runners.logprobs import TokenBytes, entries
-from mlxgw.worker.model.runners.prompt_logprobs import PromptScorer
-from mlxgw.worker.model.runners.sampling import build_sampler, guard_sampler, guarded_processors
-from mlxgw.worker.model.speculation.speculative import Speculator
-from mlxgw.worker.model.runners.step_trace import StepTrace
-from mlxgw.worker.text.chat_text import ChatText
-from mlxgw.worker.text.fim import FimPrompts
+from ....shared.protocol import GenerateRequest, SamplingParams
+from ...text.chat_text import ChatText
+from ...text.fim import FimPrompts
+from ..adapters.bank import AdapterBank
+from ..cache import scopes
+from ..cache import state_checkpoints as sc
+from ..cache.kv_shift import ShiftReuse
+from ..cache.prefix_cache import PrefixCache
+from ..cache.prefix_store import PrefixStore
+from ..cache.quantized_kv import quantize_layers
+from ..cpu.blas_threads import BlasThreadPolicy
+from ..interfaces import StepOutput, TokenOut
+from ..memory.kv_budget import runner_profile
+from ..speculation.speculative import Speculator
+from .batch_generator import VectorBatchGenerator
+from .chat_runner import ChatTextRunner
+from .finite_rows import fault_non_finite
+from .logprobs import TokenBytes, entries
+from .prompt_logprobs import PromptScorer
+from .sampling import build_sampler, guard_sampler, guarded_processors
+from .step_trace import StepTrace
 
 
 def fresh_cache(model, kv_bits: int | None, kv_group_size: int) -> list:

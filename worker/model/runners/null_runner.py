@@ -9,10 +9,10 @@ import os
 import time
 from dataclasses import dataclass
 
-from mlxgw.shared.errors import invalid
-from mlxgw.shared.events import FinishReason
-from mlxgw.shared.protocol import GenerateRequest, SamplingParams
-from mlxgw.worker.model.interfaces import StepOutput, TextRunner, TokenOut
+from ....shared.errors import invalid
+from ....shared.events import FinishReason
+from ....shared.protocol import GenerateRequest, SamplingParams
+from ..interfaces import StepOutput, TextRunner, TokenOut
 
 _WORDS = ["lorem", "ipsum", "dolor", "sit", "amet", "consectetur", "adipiscing", "elit"]
 
@@ -124,7 +124,7 @@ class EchoRunner(NullRunner):
         return _ByteDetokenizer()
 
     def make_parser(self, req: GenerateRequest, prompt: list[int]):
-        from mlxgw.worker.text.output_parser import OutputParser, think_tags, tool_syntax
+        from ...text.output_parser import OutputParser, think_tags, tool_syntax
 
         think = think_tags(self.reasoning_parser, None)
         tool = tool_syntax(self.tool_parser, None) if req.tools else None

@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
-from mlxgw.worker.model.runners.logprobs import TokenBytes, value
+from .logprobs import TokenBytes, value
 
 CHUNK_TOKENS = 256  # prompt positions scored per engine step
 

@@ -19,8 +19,8 @@ from mlx_lm.sample_utils import (
     make_sampler,
 )
 
-from mlxgw.shared.protocol import SamplingParams
-from mlxgw.worker.model.runners.isolation import SequenceGuard
+from ....shared.protocol import SamplingParams
+from .isolation import SequenceGuard
 
 Sampler = Callable[[mx.array], mx.array]
 Processor = Callable[[mx.array, mx.array], mx.array]

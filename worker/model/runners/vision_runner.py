@@ -15,11 +15,11 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
-from mlxgw.shared.errors import invalid
-from mlxgw.shared.protocol import GenerateRequest, SamplingParams
-from mlxgw.worker.model.runners.chat_runner import ChatTextRunner
-from mlxgw.worker.model.interfaces import StepOutput, TokenOut
-from mlxgw.worker.text.chat_text import ChatText
+from ....shared.errors import invalid
+from ....shared.protocol import GenerateRequest, SamplingParams
+from ...text.chat_text import ChatText
+from ..interfaces import StepOutput, TokenOut
+from .chat_runner import ChatTextRunner
 
 # Larger images are refused before decoding (a small file can decode to gigapixels).
 MAX_IMAGE_PIXELS = 40_000_000
@@ -153,7 +153,7 @@ class VisionRunner(ChatTextRunner):
     def insert(
         self, prompt: list[int], max_tokens: int, sampling: SamplingParams, constraint=None, guard=None
     ) -> tuple[int, int]:
-        from mlxgw.worker.model.runners.sampling import guard_processor, guarded_processors, sampling_processor
+        from .sampling import guard_processor, guarded_processors, sampling_processor
 
         inputs = dict(getattr(prompt, "media", None) or {})
         ids = inputs.pop("input_ids", None)

@@ -18,9 +18,10 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
-from mlxgw.shared.config import ConfigError, SpeculativeConfig
-from mlxgw.worker.model import model_info
-from mlxgw.worker.model.speculation.speculative import DraftRequest
+from ....shared.config import ConfigError
+from ....shared.model_sections import SpeculativeConfig
+from .. import model_info
+from .speculative import DraftRequest
 
 PREFILL_CHUNK = 512  # context tokens fed to the draft per forward pass when it catches up
 
@@ -158,7 +159,7 @@ def load_drafter(
 def _draft_path(config: SpeculativeConfig, target_path: Path) -> Path:
     """A name resolves in the models dir; the gateway's (manager.models_dir) may not be the
     worker's default, but the target usually lies in it, so its folder is tried too."""
-    from mlxgw.shared.paths import models_dir
+    from ....shared.paths import models_dir
 
     path = config.draft_model_path(models_dir())
     assert path is not None

@@ -37,9 +37,9 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, BatchRotatingKVCache, CacheList, dynamic_roll
 
-from mlxgw.shared.events import FinishReason
-from mlxgw.worker.model.runners.batch_sampler import scores
-from mlxgw.worker.model.cache.quantized_kv import BatchQuantizedKVCache
+from ....shared.events import FinishReason
+from ..cache.quantized_kv import BatchQuantizedKVCache
+from ..runners.batch_sampler import scores
 
 CUTTABLE = (BatchKVCache, BatchQuantizedKVCache)  # cut back per row
 RESTORABLE = (BatchRotatingKVCache, ArraysCache)  # snapshotted and replayed, not cut

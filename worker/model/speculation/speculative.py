@@ -37,9 +37,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from mlxgw.shared.config import SpeculativeConfig
-from mlxgw.shared.platform import on_cpu_device
-from mlxgw.worker.model.speculation.spec_verify import Verified, needs_replay, rollback_supported, verify_step
+from ....shared.model_sections import SpeculativeConfig
+from ....shared.platform import on_cpu_device
+from .spec_verify import Verified, needs_replay, rollback_supported, verify_step
 
 PROBE_EVERY = 32  # a plain step this often while speculating, to keep its cost current
 LEARNING_PROBE_EVERY = 2  # and every other step until a size's plain cost is known

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from mlxgw.worker.model.whisper.tokenizer import WhisperTokens
+from .tokenizer import WhisperTokens
 
 SECONDS_PER_TIMESTAMP = 0.02
 MAX_INITIAL_TIMESTAMP_S = 1.0

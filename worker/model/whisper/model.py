@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 from mlx import nn
 
-from mlxgw.shared.platform import on_cpu_device
+from ....shared.platform import on_cpu_device
 
 try:  # numpy has no erf; scipy (installed with mlx-audio) has a vectorised one
     from scipy.special import erf

@@ -9,8 +9,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from mlxgw.worker.model.whisper.model import DecoderCache, Whisper, WhisperDims
-from mlxgw.worker.model.whisper.tokenizer import WhisperTokens
+from .model import DecoderCache, Whisper, WhisperDims
+from .tokenizer import WhisperTokens
 
 SAMPLE_RATE = 16000
 N_FFT = 400

@@ -10,7 +10,7 @@ import string
 import mlx.core as mx
 import numpy as np
 
-from mlxgw.worker.model.whisper.tokenizer import WhisperTokens
+from .tokenizer import WhisperTokens
 
 TOKENS_PER_SECOND = 50  # encoder positions: 20 ms each
 MEDIAN_FILTER_WIDTH = 7
