@@ -22,8 +22,7 @@ from .access.cache_scope import load_secret
 from .access.keys import KeyStore
 from .access.ledger import LEDGER, Ledger, ledger_lifecycle, usage_middleware
 from .access.limits import RateLimiter
-from .api import audit
-from .api.admin import adapters, system
+from .api.admin import adapters, audit, system
 from .api.admin import keys as admin
 from .api.anthropic import messages as anthropic
 from .api.llamacpp import infill, rerank, tokenize

@@ -113,7 +113,7 @@ ROUTES: tuple[Route, ...] = (
     Route(("PATCH",), "/v1/keys/{name}", access=Access.ADMIN, metered=False, audit="keys.update"),
     Route(("DELETE",), "/v1/keys/{name}", access=Access.ADMIN, metered=False, audit="keys.revoke"),
     Route(("GET",), "/v1/usage", access=Access.ADMIN, metered=False),
-    Route(("GET",), "/v1/audit", access=Access.ADMIN, **_CONTROL),  # who changed what (gateway/api/audit.py)
+    Route(("GET",), "/v1/audit", access=Access.ADMIN, **_CONTROL),  # who changed what (gateway/api/admin/audit.py)
     Route(("POST",), "/v1/models/{name}/load", access=Access.ADMIN, audit="models.load", **_CONTROL),
     Route(("POST",), "/v1/models/{name}/unload", access=Access.ADMIN, audit="models.unload", **_CONTROL),
     Route(("POST",), "/v1/models/{name}/pin", access=Access.ADMIN, audit="models.pin", **_CONTROL),

@@ -9,11 +9,11 @@ import json
 
 from aiohttp import web
 
-from ...shared.errors import ErrorCode, ServiceError
-from ..access.audit import AUDIT
-from ..access.audit.store import matches
-from ..access.usage import UsageQueryError, parse_since
-from .admin.keys import require_admin
+from ....shared.errors import ErrorCode, ServiceError
+from ...access.audit import AUDIT
+from ...access.audit.store import matches
+from ...access.usage import UsageQueryError, parse_since
+from .keys import require_admin
 
 routes = web.RouteTableDef()
 FILTERS = ("actor", "action", "target", "outcome")
