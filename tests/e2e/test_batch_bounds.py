@@ -16,7 +16,6 @@ import os
 import resource
 import sqlite3
 import stat
-import threading
 import time
 
 import openai
@@ -25,6 +24,7 @@ import pytest
 import requests
 import yaml
 from helpers import NO_EOS, start_gateway
+from helpers.rss import PeakRss
 
 from mlxgw.gateway.access.keys import hash_key
 
@@ -113,28 +113,6 @@ def _output(client: openai.OpenAI, file_id: str) -> list[dict]:
     return [json.loads(x) for x in client.files.content(file_id).text.splitlines()]
 
 
-class _PeakRss:
-    """The gateway's peak resident memory while the block runs, sampled every 20 ms."""
-
-    def __init__(self, pid: int):
-        self.proc, self.peak, self._stop = psutil.Process(pid), 0, threading.Event()
-
-    def __enter__(self):
-        self.base = self.proc.memory_info().rss
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def _sample(self):
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self.proc.memory_info().rss)
-            time.sleep(0.02)
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-
-
 def test_stale_keys_temp_files_are_swept_at_start(bounds):
     assert not bounds.stale.exists()
 
@@ -144,13 +122,13 @@ def test_creating_and_running_a_batch_keeps_the_gateway_under_3x_its_upload(boun
     filler = "word " * 16_000  # 80 KB a line
     data = _jsonl([_line(f"m{i}", filler, max_tokens=1) for i in range(300)])
     size = len(data.getvalue())
-    with _PeakRss(bounds.proc.pid) as rss:  # the upload, the creation and the run
+    with PeakRss(bounds.proc.pid) as rss:  # the upload, the creation and the run
         file = alice.files.create(file=data, purpose="batch")
         batch = alice.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h")
         _wait(alice, batch.id, until=lambda b: b.request_counts.completed >= 40)
         alice.batches.cancel(batch.id)
         _wait(alice, batch.id)
-    growth = rss.peak - rss.base
+    growth = rss.growth
     print(f"gateway peak growth {growth / 2**20:.1f} MB for a {size / 2**20:.1f} MB upload")
     assert growth < 3 * size, f"gateway grew {growth / 2**20:.0f} MB for a {size / 2**20:.0f} MB upload"
 
