@@ -31,7 +31,6 @@ class PaddedReads:
     def __init__(self, runner):
         self.runner = runner
         self.steps: list[int] = []
-        self._model = runner.model
         self._read = 0
 
     def __getattr__(self, name):
@@ -52,7 +51,9 @@ def host(tiny_dir):
     from mlxgw.worker.process.build_mlx import build_mlx_runner
     from mlxgw.worker.process.step_progress import SLOW_ENV, install
 
-    runner = build_mlx_runner(str(tiny_dir), context_length=None, max_num_seqs=4, prefill_step_size=BUDGET, cache_bytes=0)
+    runner = build_mlx_runner(
+        str(tiny_dir), context_length=None, max_num_seqs=4, prefill_step_size=BUDGET, cache_bytes=0
+    )
     with pytest.MonkeyPatch.context() as env:
         env.setenv(SLOW_ENV, str(SLOW_MS))
         install(runner.model, lambda: None)  # the slow host: read at install
@@ -139,7 +140,9 @@ def test_a_short_prompt_beside_a_long_read_gets_its_first_token_in_a_short_next_
     _run(sched, until="short")
     waited_s = time.monotonic() - arrived
     steps = host.steps[steps_before:]
-    print(f"short's first token: {len(steps)} steps, {steps} padded tokens read, {waited_s:.2f} s; long step {long_step}")
+    print(
+        f"short's first token: {len(steps)} steps reading {steps} padded tokens, {waited_s:.2f} s (long: {long_step})"
+    )
     assert len(steps) <= 2, steps
     # the steps up to its first token did not pad it to the long read's chunk
     assert sum(steps) <= long_step // 4, (steps, long_step)
