@@ -99,6 +99,22 @@ def chunk_for(rows: int, budget: int) -> int:
     return max(1, budget // max(1, rows))
 
 
+def step_chunk(remaining: list[int], budget: int) -> int:
+    """The chunk every prefilling row reads this step (tokens each has left to read). The
+    rows are one right-padded batch, so a row that finishes its prompt here (a short one)
+    still costs the longest chunk: beside a long read it yields the step instead. The step
+    is sized to the short rows' need, but never below a MIN_SHARE_DIVISOR-th of the budget
+    across the rows, so the long reads keep progressing: per second they read what an even
+    split gives them, in shorter steps, and the short rows' first tokens come at the end of
+    a step a quarter as long at most (worker/model/runners/batch_generator.py)."""
+    chunk = chunk_for(len(remaining), budget)
+    finishing = [r for r in remaining if r <= chunk]
+    if not finishing or len(finishing) == len(remaining):
+        return chunk
+    floor = budget // (MIN_SHARE_DIVISOR * len(remaining))
+    return max(1, min(chunk, max(max(finishing), floor)))
+
+
 def fits(remaining: list[int], budget: int) -> bool:
     """Whether these prefilling rows (tokens left to read) can share one step's budget."""
     if len(remaining) <= 1:
@@ -184,7 +200,7 @@ class PrefillBudget:
         if self.per_step is None:
             return 0
         left = _left(rows)
-        self.chunk = chunk_for(len(left), self.step_budget)
+        self.chunk = step_chunk(left, self.step_budget)
         runner.set_prefill_chunk(self.chunk)
         return sum(min(n, self.chunk) for n in left)
 
