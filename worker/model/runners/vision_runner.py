@@ -8,7 +8,13 @@ is a ChatText, as in the MLX runner, on the same tokenizer files, loaded with ml
 mlx-vlm's generator draws every row with one sampler, so per-request temperature, top-p,
 top-k and min-p are applied as a logits processor and the shared sampler draws at
 temperature 1 (see sampling.sampling_processor), which also draws seeded requests itself.
-No prefix cache here: each prompt's image embeddings are computed at admission."""
+No prefix cache here: each prompt's image embeddings are computed at admission.
+
+Rows are admitted by KV memory as text models' are (worker/model/memory/kv_budget.py): the
+language model's cache is probed as mlx-lm's is, and a row's prompt is the processor's
+token ids, in which every image already stands as its image tokens. A row with images
+cannot be paused (its embeddings are not kept), so it reserves its whole reach; a text row
+paused for memory reads its prompt and generated tokens again when it resumes."""
 
 from __future__ import annotations
 
@@ -19,6 +25,7 @@ from ....shared.errors import invalid
 from ....shared.protocol import GenerateRequest, SamplingParams
 from ...text.chat_text import ChatText
 from ..interfaces import StepOutput, TokenOut
+from ..memory.kv_budget import runner_profile
 from .chat_runner import ChatTextRunner
 
 # Larger images are refused before decoding (a small file can decode to gigapixels).
@@ -168,7 +175,8 @@ class VisionRunner(ChatTextRunner):
         (uid,) = self.generator.insert(
             [list(prompt)], max_tokens=[max_tokens], prompt_kwargs=[prompt_kwargs], logits_processors=[processors]
         )
-        prompt.media = None  # the pixels are in the embeddings now; do not hold them to the end
+        if isinstance(prompt, MediaPrompt):  # a resumed row's prompt is a plain list of ids
+            prompt.media = None  # the pixels are in the embeddings now; do not hold them to the end
         return uid, 0
 
     def step(self) -> StepOutput:
@@ -180,6 +188,14 @@ class VisionRunner(ChatTextRunner):
             self.generator.remove(uid)
 
     # -- introspection -------------------------------------------------------------------
+    def kv_profile(self):
+        """The language model's KV per row, measured on a fresh cache of the kind mlx-vlm's
+        BatchGenerator batches (the vision tower holds no per-row cache)."""
+        from mlx_vlm.models.cache import make_prompt_cache
+
+        language = self.model.language_model
+        return runner_profile(language, make_prompt_cache(language))
+
     def stats(self) -> dict:
         mx = self._mx
         return {
