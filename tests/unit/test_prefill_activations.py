@@ -50,7 +50,10 @@ def _transient(model, prefix: int, chunk: int) -> int:
 def test_the_estimate_covers_what_a_chunk_really_holds_and_not_many_times_more(tiny_model, prefix, chunk):
     estimate = activations_of(tiny_model).bytes(chunk, prefix + chunk, rows=0)  # a prompt chunk: no logits
     measured = _transient(tiny_model, prefix, chunk)
-    assert measured <= estimate <= 1.5 * measured, (measured / MB, estimate / MB)
+    # The bound is set for the worker's CPU attention; mlx-lm's own holds about half of it, and
+    # which one this process runs depends on the tests before (a runner installs the CPU one
+    # process-wide): the estimate must cover either and over-reserve neither by much.
+    assert measured <= estimate <= 2.5 * measured, (measured / MB, estimate / MB)
 
 
 def test_a_rows_reservation_counts_one_steps_activations_and_what_fits_alone_shrinks(tiny_model):
