@@ -19,6 +19,7 @@ from ...shared.events import Error
 from ..model.interfaces import TextRunner
 from ..model.memory.kv_budget import KVBudget
 from ..model.runners.isolation import as_service_error
+from ..text.fim import retyped_suffix_stop
 from ..text.textstream import TextStream, exact_text
 from .preprocess import Preprocessor
 from .sequence import Intake, Prepared, Sequence, prepare
@@ -97,7 +98,11 @@ class Preparing:
             detokenizer = self.runner.new_detokenizer()
             if req.messages is None:  # a continuation: its text is exactly its tokens' decoding
                 detokenizer = exact_text(detokenizer)
-            seq = Sequence.start(intake, prepared, TextStream(detokenizer, req.stop))
+            stop = req.stop
+            retyped = retyped_suffix_stop(req.fim) if req.fim else None
+            if retyped is not None and retyped not in stop:  # a middle ends where the suffix is typed again
+                stop = [*stop, retyped]
+            seq = Sequence.start(intake, prepared, TextStream(detokenizer, stop))
         except Exception as e:
             return Error(as_service_error(e, "starting its detokenizer"))
         if req.prompt_logprobs is not None:

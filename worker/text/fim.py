@@ -205,3 +205,22 @@ def _chunks(raw) -> list[tuple[str, str]]:
             raise invalid("input_extra chunks must be {filename, text} strings", "input_extra")
         out.append((item[0], item[1]))
     return out
+
+
+# A suffix line this short ("}", "else:", a blank-ish line) is no evidence of re-typing: a
+# middle may well write it itself.
+MIN_RETYPED_LINE = 8
+
+
+def retyped_suffix_stop(fim: dict) -> str | None:
+    """The text that shows a middle re-typing its suffix: a new line holding the first line
+    after the cursor's (small coder models run past the middle and write the rest of the file
+    again, which editors then cut on their side). The middle stops before it; None where the
+    suffix has no such line."""
+    suffix = fim.get("suffix")
+    if not isinstance(suffix, str) or "\n" not in suffix:
+        return None
+    following = next((line for line in suffix.split("\n")[1:] if line.strip()), None)
+    if following is None or len(following.strip()) < MIN_RETYPED_LINE:
+        return None
+    return "\n" + following
