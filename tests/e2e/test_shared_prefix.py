@@ -6,8 +6,6 @@ does not depend on the weights)."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import threading
 import time
 
@@ -125,40 +123,13 @@ def _through(sched, rid: str, prompt: list[int], max_tokens: int) -> None:
     assert ev.KIND == EventKind.ACCEPTED, ev
 
 
-# A slow disk: after a delay, the file's bytes to each reader that opens the FIFO (a lazy
-# load reopens it) for a while. A process of its own: an engine thread that reads a file
-# while holding the GIL would otherwise keep a writer thread from ever running.
-SERVE_SLOWLY = """
-import os, sys, time
-fifo, source, delay, serving = sys.argv[1], sys.argv[2], float(sys.argv[3]), float(sys.argv[4])
-content = open(source, "rb").read()
-time.sleep(delay)
-until = time.monotonic() + serving
-while time.monotonic() < until:
-    try:
-        fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)  # ENXIO: no reader yet
-    except OSError:
-        time.sleep(0.01)
-        continue
-    os.set_blocking(fd, True)
-    try:
-        view = memoryview(content)
-        while view:
-            view = view[os.write(fd, view):]
-    except BrokenPipeError:
-        pass  # the reader read what it wanted (a header) and closed
-    finally:
-        os.close(fd)
-"""
-
-
 def _answer(events: list) -> tuple[str, int]:
     """A request's text and cached prompt tokens, from its events."""
     finish = next(e for e in events if e.KIND == EventKind.FINISH)
     return "".join(getattr(e, "text", None) or "" for e in events), finish.usage.cached_tokens
 
 
-def test_a_prefix_read_from_a_slow_disk_does_not_stall_another_rows_decode(tiny_dir, tmp_path):
+def test_a_prefix_read_from_a_slow_disk_does_not_stall_another_rows_decode(tiny_dir, tmp_path, monkeypatch):
     """The block files of a prefix on disk are read off the engine thread while the row
     waits in the queue: a decoding row keeps stepping through a 3 s read (before, the read
     ran inside admission and every row waited for it), and the answer is unchanged."""
@@ -186,23 +157,25 @@ def test_a_prefix_read_from_a_slow_disk_does_not_stall_another_rows_decode(tiny_
     _through(sched, "decoding", _words(runner, "busy", 40), 10_000)
     while not any(e.KIND == EventKind.DELTA for e in events.get("decoding", [])):
         step()
-    source = tmp_path / "block-bytes"
-    source.write_bytes(first.read_bytes())
-    first.unlink()
-    os.mkfifo(first)  # a real file whose bytes come SLOW_READ_S late, as from a hung disk
-    args = [str(first), str(source), str(SLOW_READ_S), "60"]
-    server = subprocess.Popen([sys.executable, "-c", SERVE_SLOWLY, *args])
-    try:
-        _through(sched, "from-disk", prompt, 6)
-        started, longest, decoded = time.monotonic(), 0.0, len(events["decoding"])
-        while not any(e.KIND == EventKind.FINISH for e in events.get("from-disk", [])):
-            at = time.monotonic()
-            step()
-            longest = max(longest, time.monotonic() - at)
-            assert time.monotonic() - started < 60, "the row never came back from disk"
-    finally:
-        server.kill()
-        server.wait()
+    # A slow disk: the first block's bytes come SLOW_READ_S late (a FIFO stood in for it
+    # before block files had to be regular files; the reader thread sleeps as a disk would).
+    from mlxgw.worker.model.cache import block_reader
+
+    read = block_reader.read_regular
+
+    def slow_disk(path, size=None):
+        if path == first:
+            time.sleep(SLOW_READ_S)
+        return read(path, size)
+
+    monkeypatch.setattr(block_reader, "read_regular", slow_disk)
+    _through(sched, "from-disk", prompt, 6)
+    started, longest, decoded = time.monotonic(), 0.0, len(events["decoding"])
+    while not any(e.KIND == EventKind.FINISH for e in events.get("from-disk", [])):
+        at = time.monotonic()
+        step()
+        longest = max(longest, time.monotonic() - at)
+        assert time.monotonic() - started < 60, "the row never came back from disk"
     assert longest < SLOW_READ_S / 2, f"a step took {longest:.2f} s: the decoding row waited on the disk"
     assert len(events["decoding"]) - decoded >= 5
     text, cached = _answer(events["from-disk"])
