@@ -14,7 +14,6 @@ from aiohttp import web
 from ..shared import paths
 from ..shared.config import Registry
 from ..shared.errors import ErrorCode, ServiceError
-from . import observe
 from .access.audit import AUDIT, audit_lifecycle, audit_middleware, audit_path, on_prepare
 from .access.audit.store import AuditFile
 from .access.auth import auth_middleware
@@ -44,8 +43,9 @@ from .mcp.hub import MCP, McpHub, mcp_lifecycle
 from .models.manager import ModelManager
 from .models.metrics import Metrics
 from .models.throughput import THROUGHPUT, Throughput, throughput_lifecycle
-from .observe import ACTIVE, add_response_headers, capacity_middleware, cors_middleware, observe_middleware
+from .pipeline import observe
 from .pipeline.body import body_too_large
+from .pipeline.observe import ACTIVE, add_response_headers, capacity_middleware, cors_middleware, observe_middleware
 from .web.edge import EDGE_STATS, EdgeStats, edge_middleware
 from .web.errors import error_response
 from .web.routes import lookup, route_of

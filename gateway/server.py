@@ -20,7 +20,7 @@ from .access.audit import record_event
 from .app import default_endpoint, make_app
 from .models.lifecycle import SlotState
 from .models.registry_edit import clean_after_kill
-from .observe import access_log
+from .pipeline.observe import access_log
 from .runfiles import PortBusy, check_port, clean_stale_run_files, remove_pid_file, write_pid_file
 from .web.edge import EdgeRunner, edge_limits
 from .web.logcap import install_log_limits

@@ -9,10 +9,10 @@ from __future__ import annotations
 import click
 
 from mlxgw.bench.cli import bench
-from mlxgw.gateway.cli import reload, status_cmd, up
-from mlxgw.gateway.cli_admin import keys, service, usage
-from mlxgw.gateway.cli_audit import audit
-from mlxgw.gateway.launch.cli import launch
+from mlxgw.gateway.cli.admin import keys, service, usage
+from mlxgw.gateway.cli.audit import audit
+from mlxgw.gateway.cli.launch.cli import launch
+from mlxgw.gateway.cli.serve import reload, status_cmd, up
 from mlxgw.worker.process.cli import models, worker
 
 

@@ -1,5 +1,5 @@
 """models.yaml's `gateway:` section, declared once: each field's type, default and help text,
-and the `mlxgw up` flag that overrides it (gateway/cli.py builds the flags from this
+and the `mlxgw up` flag that overrides it (gateway/cli/serve.py builds the flags from this
 metadata; gateway/web/state.py:GatewaySettings extends the class with what only a running
 gateway has). A new setting is one field here plus its line in config/models.example.yaml."""
 

@@ -1,7 +1,7 @@
 """Content other than plain text and images in messages: documents (text and PDF), and what a
 text-only model is sent instead of an image in a tool result.
 
-PDFs are read with pypdf in a child process (gateway/pdf_job.py) that keeps a budget of
+PDFs are read with pypdf in a child process (gateway/pipeline/pdf_job.py) that keeps a budget of
 pages, content bytes and operators and is killed at its deadline: a small PDF can be hours of
 work, and a thread could not be stopped. What cannot be read (not a PDF,
 encrypted, no text layer, over the budget) is a clear 400; what a model cannot take in a tool
@@ -54,7 +54,7 @@ async def pdf_text(data: bytes, where: str, param: str) -> str:
     if not data.startswith(b"%PDF-"):
         raise invalid(f"{where}: the document is not a PDF file", param)
     try:
-        text = await run_process_job("mlxgw.gateway.pdf_job", data, PDF_TIMEOUT_S)
+        text = await run_process_job("mlxgw.gateway.pipeline.pdf_job", data, PDF_TIMEOUT_S)
     except JobTimeout:
         raise invalid(f"{where}: reading the PDF took longer than {PDF_TIMEOUT_S:.0f} s", param) from None
     except JobFailed as e:

@@ -22,7 +22,7 @@ import yaml
 from helpers.gateway import REPO, start_gateway
 
 from mlxgw.gateway.access.key_admin import create_key
-from mlxgw.gateway.launch.core import DELETE, ConfigEdit, planned_text
+from mlxgw.gateway.cli.launch.core import DELETE, ConfigEdit, planned_text
 
 BINS = [
     *(

@@ -88,7 +88,7 @@ def pdf_jobs(gw) -> list[int]:
     return [
         c.pid
         for c in psutil.Process(gw.proc.pid).children(recursive=True)
-        if "mlxgw.gateway.pdf_job" in " ".join(c.cmdline())
+        if "mlxgw.gateway.pipeline.pdf_job" in " ".join(c.cmdline())
     ]
 
 

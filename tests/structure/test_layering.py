@@ -156,7 +156,7 @@ def test_each_rule_fails_on_a_planted_violation(part, line):
 
 # The floors of each part, top to bottom: a module imports its own floor and the floors below
 # it, never one above (imports inside `if TYPE_CHECKING:` never run and are not counted). A
-# part's root modules (the gateway's entry points and its launch/ and console/ folders, the
+# part's root modules (the gateway's entry points and its cli/ and console/ folders, the
 # worker's __main__) sit above every floor.
 FLOORS = {
     "gateway": ("api", "mcp", "batches", "pipeline", "access", "models", "link", "web"),
@@ -191,7 +191,7 @@ def upward_imports(graph: dict[str, set[str]] | None = None) -> list[str]:
 def test_every_folder_of_a_floored_part_is_a_known_floor():
     for part, floors in FLOORS.items():
         folders = {p.name for p in (ROOT / part).iterdir() if p.is_dir() and (p / "__init__.py").exists()}
-        assert folders - {"launch", "console"} == set(floors), part
+        assert folders - {"cli", "console"} == set(floors), part
 
 
 def test_imports_run_only_down_the_floors():

@@ -10,8 +10,8 @@ import click
 import pytest
 import yaml
 
-from mlxgw.gateway.cli import up
-from mlxgw.gateway.config_flags import with_flags
+from mlxgw.gateway.cli.config_flags import with_flags
+from mlxgw.gateway.cli.serve import up
 from mlxgw.gateway.web.state import GatewaySettings
 from mlxgw.shared.config import ConfigError, load_registry, parse_registry
 from mlxgw.shared.gateway_config import GatewayConfig

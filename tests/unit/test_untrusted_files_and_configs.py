@@ -11,7 +11,7 @@ from helpers.pdf import pdf_bomb, pdf_with_text
 
 def test_the_pdf_reader_keeps_its_operator_budget_in_process(monkeypatch):
     """The operator budget is the parser's own: it stops mid-document, not at the deadline."""
-    from mlxgw.gateway import pdf_job
+    from mlxgw.gateway.pipeline import pdf_job
 
     assert pdf_job.pdf_text(pdf_with_text("hello budget")) == "hello budget"
     monkeypatch.setattr(pdf_job, "MAX_OPERATORS", 1000)

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import click
 
-from ..shared.cli_table import print_table
-from ..shared.config import ConfigError, load_registry, with_discovered_models
-from ..shared.resources import default_config
+from ...shared.cli_table import print_table
+from ...shared.config import ConfigError, load_registry, with_discovered_models
+from ...shared.resources import default_config
 from .config_flags import gateway_flags, with_flags
 
 
@@ -53,9 +53,9 @@ def up(
     """Start the gateway and the workers of the models in the registry."""
     import os
 
-    from ..shared.paths import keys_file
-    from .server import run
-    from .web.state import GatewaySettings
+    from ...shared.paths import keys_file
+    from ..server import run
+    from ..web.state import GatewaySettings
 
     config_path = config_path or default_config()
     try:
@@ -93,7 +93,7 @@ def with_echo_model(registry):
     point a client at model `echo` to try its requests, tool loops included."""
     import dataclasses
 
-    from ..shared.config import ModelEntry
+    from ...shared.config import ModelEntry
 
     if any(m.name == ECHO_MODEL for m in registry.models):
         return registry
@@ -108,7 +108,7 @@ def reload(port: int) -> None:
     import os
     import signal
 
-    from .runfiles import find_gateway
+    from ..runfiles import find_gateway
 
     pid, note = find_gateway(port)
     if pid is None:

@@ -10,11 +10,11 @@ import time
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from ..shared.errors import HTTP_STATUS, ErrorCode, ServiceError
-from .access.ledger import record_request
-from .web.edge import make_room
-from .web.routes import route_of
-from .web.state import METRICS, SETTINGS
+from ...shared.errors import HTTP_STATUS, ErrorCode, ServiceError
+from ..access.ledger import record_request
+from ..web.edge import make_room
+from ..web.routes import route_of
+from ..web.state import METRICS, SETTINGS
 
 access_log = logging.getLogger("mlxgw.access")  # by a stable name: operators route the access log by it
 routes = web.RouteTableDef()

@@ -11,8 +11,8 @@ import click
 
 
 def _file(path: Path | None):
-    from .access.audit import audit_path
-    from .access.audit.store import AuditFile
+    from ..access.audit import audit_path
+    from ..access.audit.store import AuditFile
 
     return AuditFile(path or audit_path())
 
@@ -40,8 +40,8 @@ def audit(ctx, since, actor, action, target, outcome, limit, jsonl, path) -> Non
     ctx.obj = path
     if ctx.invoked_subcommand is not None:
         return
-    from .access.audit.store import matches
-    from .access.usage import UsageQueryError, parse_since
+    from ..access.audit.store import matches
+    from ..access.usage import UsageQueryError, parse_since
 
     try:
         start = parse_since(since) if since else None

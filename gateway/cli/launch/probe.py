@@ -11,7 +11,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from ...shared import paths
+from ....shared import paths
 from .core import DEFAULT_CONTEXT, LaunchError, ServerFacts
 
 DEFAULT_PORT = 8000
@@ -23,7 +23,7 @@ TIMEOUT_S = 10
 def local_url() -> str:
     """The gateway on this machine, found as `mlxgw reload` finds one: a live gateway's pid
     file (port 8000 first), else the default port."""
-    from ..runfiles import is_gateway
+    from ...runfiles import is_gateway
 
     ports = []
     for pid_file in sorted(paths.run_dir().glob("gateway-*.pid")):
@@ -125,8 +125,8 @@ def pick_key(url: str, given: str | None, *, create: bool) -> tuple[str | None, 
 def _create_key(keys_file: Path, name: str, stored: Path) -> str:
     """A key with no admin or model-management rights (limited to the launched model once it
     is known: limit_key); a name already in the keys file is the operator's, never replaced."""
-    from ..access.audit import record_local
-    from ..access.key_admin import KeyEditError, create_key
+    from ...access.audit import record_local
+    from ...access.key_admin import KeyEditError, create_key
 
     try:
         key, _ = create_key(keys_file, name, {})
@@ -148,8 +148,8 @@ def _create_key(keys_file: Path, name: str, stored: Path) -> str:
 
 def limit_key(name: str, model: str) -> None:
     """The key launch just made may use only the model it launches with."""
-    from ..access.audit import record_local
-    from ..access.key_admin import KeyEditError, update_key
+    from ...access.audit import record_local
+    from ...access.key_admin import KeyEditError, update_key
 
     try:
         update_key(paths.keys_file(), name, {"models": [model]})

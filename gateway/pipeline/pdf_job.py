@@ -1,4 +1,4 @@
-"""PDF text extraction as a child process (`python -m mlxgw.gateway.pdf_job`, run by
+"""PDF text extraction as a child process (`python -m mlxgw.gateway.pipeline.pdf_job`, run by
 work_pools.run_process_job): the PDF on stdin, {"result": text} or {"error": why} on stdout.
 
 pypdf cannot be interrupted, and one small PDF can be hours of work (1,000 pages sharing one
@@ -48,6 +48,6 @@ def pdf_text(data: bytes) -> str:
 
 
 if __name__ == "__main__":
-    from .web.work_pools import job_main
+    from ..web.work_pools import job_main
 
     job_main(pdf_text)

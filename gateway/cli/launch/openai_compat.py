@@ -12,7 +12,7 @@ import json
 import os
 from pathlib import Path
 
-from ...shared import paths
+from ....shared import paths
 from .core import DELETE, ConfigEdit, Plan, ServerFacts
 
 KEY_VARIABLE = "MLXGW_API_KEY"

@@ -12,7 +12,7 @@ from typing import Any, Literal, TypeVar
 
 import click
 
-from ..shared.gateway_config import GatewayConfig
+from ...shared.gateway_config import GatewayConfig
 
 F = TypeVar("F", bound=Callable[..., Any])
 

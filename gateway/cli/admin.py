@@ -14,7 +14,7 @@ def keys() -> None:
 
 
 def _keys_path(path: Path | None) -> Path:
-    from ..shared.paths import keys_file
+    from ...shared.paths import keys_file
 
     return path or keys_file()
 
@@ -66,8 +66,8 @@ def create_key(
     cache_group,
     path,
 ) -> None:
-    from .access.audit import record_local
-    from .access.key_admin import KeyEditError, create_key
+    from ..access.audit import record_local
+    from ..access.key_admin import KeyEditError, create_key
 
     path = _keys_path(path)
     limits = {"rpm": rpm, "tpm": tpm, "tpd": tpd, "tpmo": tpmo, "aspm": aspm, "max_concurrent": max_concurrent}
@@ -95,7 +95,7 @@ def create_key(
 @keys.command("list")
 @click.option("--file", "path", type=click.Path(path_type=Path), default=None)
 def list_keys(path) -> None:
-    from .access.keys import load_file
+    from ..access.keys import load_file
 
     data = load_file(_keys_path(path))
     for k in data.get("keys") or []:
@@ -121,8 +121,8 @@ def set_field(name, field, value, path) -> None:
     e.g. `mlxgw keys set alice cache_group team-a`."""
     import yaml
 
-    from .access.audit import record_local
-    from .access.key_admin import KeyEditError, update_key
+    from ..access.audit import record_local
+    from ..access.key_admin import KeyEditError, update_key
 
     change = {field: yaml.safe_load(value)}
     try:
@@ -139,8 +139,8 @@ def set_field(name, field, value, path) -> None:
 @click.argument("name")
 @click.option("--file", "path", type=click.Path(path_type=Path), default=None)
 def revoke_key(name, path) -> None:
-    from .access.audit import record_local
-    from .access.key_admin import KeyEditError, revoke_key
+    from ..access.audit import record_local
+    from ..access.key_admin import KeyEditError, revoke_key
 
     try:
         revoke_key(_keys_path(path), name)
@@ -159,9 +159,9 @@ def revoke_key(name, path) -> None:
 @click.option("--db", type=click.Path(path_type=Path), default=None, help="default: $MLXGW_HOME/usage.db")
 def usage(since, by, fmt, db) -> None:
     """Requests and tokens per key, model, API or day, from the usage ledger (SQLite)."""
-    from ..shared.paths import home
-    from .access.ledger import connect
-    from .access.usage import UsageQueryError, parse_since, render, totals
+    from ...shared.paths import home
+    from ..access.ledger import connect
+    from ..access.usage import UsageQueryError, parse_since, render, totals
 
     db = db or home() / "usage.db"
     if not db.exists():
@@ -184,7 +184,7 @@ def usage(since, by, fmt, db) -> None:
 
 def _echo_batches(path: Path) -> None:
     """Batch jobs per key and status (their requests are in the rows above as batch:<api>)."""
-    from .batches.schema import summary_of
+    from ..batches.schema import summary_of
 
     rows = summary_of(path)
     if rows:
@@ -213,8 +213,8 @@ def service() -> None:
     help="write the file here and do not start it (packaging, review)",
 )
 def install(config, host, port, system, output) -> None:
-    from ..shared import paths
-    from .service import ServiceSpec, activate, default_program, render, target_path
+    from ...shared import paths
+    from ..service import ServiceSpec, activate, default_program, render, target_path
 
     spec = ServiceSpec(
         program=default_program(config, host, port), workdir=Path.cwd(), home=paths.home(), system=system
@@ -230,7 +230,7 @@ def install(config, host, port, system, output) -> None:
 @service.command("uninstall")
 @click.option("--system", is_flag=True)
 def uninstall(system) -> None:
-    from .service import deactivate, target_path
+    from ..service import deactivate, target_path
 
     path = target_path(system)
     if not path.exists():
@@ -244,6 +244,6 @@ def uninstall(system) -> None:
 @service.command("status")
 @click.option("--system", is_flag=True)
 def service_status(system) -> None:
-    from .service import status
+    from ..service import status
 
     sys.exit(status(system))
