@@ -37,7 +37,6 @@ import logging
 import os
 import re
 import secrets
-import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -45,6 +44,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
+
+from ...shared.atomic_file import write_atomically
 
 log = logging.getLogger(__name__)
 
@@ -297,20 +298,9 @@ def sweep_stale_temp(path: Path, now: float | None = None) -> int:
 
 
 def save_file(path: Path, data: dict) -> None:
-    """Atomic: a reader sees the old file or the new one, never half of one. The temporary
-    file's name is unique, so two writers never share it."""
+    """Atomic: a reader sees the old file or the new one, never half of one."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(yaml.safe_dump(data, sort_keys=False))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomically(path, yaml.safe_dump(data, sort_keys=False))
 
 
 @contextmanager

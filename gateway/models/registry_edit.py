@@ -12,15 +12,14 @@ import copy
 import datetime as dt
 import fcntl
 import glob
-import os
 import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 import yaml
 from aiohttp import web
 
+from ...shared.atomic_file import write_atomically
 from ...shared.config import ConfigError, load_registry, parse_registry, with_discovered_models
 from ...shared.errors import ErrorCode, ServiceError, invalid
 from ...shared.resources import default_config
@@ -55,29 +54,9 @@ def _backup(path: Path) -> Path:
     return backup
 
 
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_atomically(path: Path, text: str) -> None:
-    """The new file under a temp name in the same folder, synced, renamed over the old one,
-    and the rename synced: a crash or kill leaves the old file or the new one, never a part."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, path.stat().st_mode & 0o777)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
+    """A crash or kill leaves the old registry or the new one, never a part; its mode is kept."""
+    write_atomically(path, text, mode=path.stat().st_mode & 0o777)
 
 
 def _locked(path: Path):

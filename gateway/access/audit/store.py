@@ -24,6 +24,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from ....shared.atomic_file import write_atomically
+
 log = logging.getLogger(__name__)
 
 GENESIS = "0" * 64
@@ -103,9 +105,7 @@ class AuditFile:
         return int(entry["seq"]), line_hash(last)
 
     def _write_head(self, seq: int, digest: str) -> None:
-        tmp = self.head_path.with_name(self.head_path.name + ".tmp")
-        tmp.write_text(json.dumps({"seq": seq, "hash": digest}) + "\n")
-        os.replace(tmp, self.head_path)
+        write_atomically(self.head_path, json.dumps({"seq": seq, "hash": digest}) + "\n", sync_folder=False)
 
     # -- retention ----------------------------------------------------------------------------
     def prune(self, now: float | None = None) -> int:

@@ -19,6 +19,8 @@ from typing import Any, Literal, TextIO
 
 import yaml
 
+from ....shared.atomic_file import write_atomically
+
 # A value in ConfigEdit.updates that removes the key (e.g. Codex's env_key once keys are off).
 DELETE = object()
 # Idle/stream timeouts: no client waits less than its own default (5 min), and none more than
@@ -168,10 +170,7 @@ def write_edit(edit: ConfigEdit, old: str, new: str) -> Path | None:
     if target.exists():
         backup = backup_path(edit.path)
         shutil.copy2(target, backup)
-    tmp = target.with_name(f".{target.name}.mlxgw-tmp")
-    tmp.write_text(new)
-    tmp.chmod(0o600)
-    os.replace(tmp, target)
+    write_atomically(target, new)
     return backup
 
 

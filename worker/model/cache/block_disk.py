@@ -34,7 +34,6 @@ import heapq
 import io
 import json
 import logging
-import os
 import stat
 import time
 from dataclasses import dataclass
@@ -43,6 +42,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
+from ....shared.atomic_file import write_atomically
 from . import block_file as bf
 from . import kv_blocks as kb
 from . import state_checkpoints as sc
@@ -153,10 +153,9 @@ class BlockDisk:
         }
         self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         path = self.dir / f"{block.key.hex()}{SUFFIX}"
-        temp = self.dir / f"{TEMP_PREFIX}{block.key.hex()}-{os.getpid()}{SUFFIX}"
         data = io.BytesIO()
         mx.save_safetensors(data, arrays, meta)  # in memory: Python's own write raises on a full disk
-        bf.write_private(temp, path, data.getbuffer())
+        write_atomically(path, data.getbuffer(), prefix=f"{TEMP_PREFIX}{block.key.hex()}-", sync_folder=False)
         # No fsync of the directory per block: a crash may lose a rename (a block to compute
         # again), never leave a torn file under a block's name; one sync per file is enough.
         return path, path.stat().st_size

@@ -14,6 +14,7 @@ import os
 import stat
 from pathlib import Path
 
+from ....shared.atomic_file import write_atomically
 from . import kv_blocks as kb
 from . import state_checkpoints as sc
 
@@ -108,20 +109,6 @@ def check_like(block, reference: list | None) -> None:
         raise ValueError("its layers' shapes or dtypes are not this model's")
 
 
-def write_private(temp: Path, path: Path, data) -> None:
-    """`data` under `path`, owner-only (prompts are users' data), through `temp`: written,
-    fsynced, renamed; an error (a full disk) leaves no file behind."""
-    try:
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temp, path)
-    finally:
-        temp.unlink(missing_ok=True)
-
-
 def read_uses(folder: Path, fingerprint: str) -> dict[str, tuple[float, int]]:
     """uses.json's last use and hits per block key (hex); {} when absent or unusable."""
     path = folder / USES
@@ -140,23 +127,8 @@ def read_uses(folder: Path, fingerprint: str) -> dict[str, tuple[float, int]]:
 
 
 def write_uses(folder: Path, fmt: str, fingerprint: str, blocks: dict[str, list]) -> None:
-    """uses.json written crash-safe (temporary name, fsync, rename, folder fsync)."""
+    """uses.json written crash-safe; the folder synced, so the stop's renames (blocks and uses)
+    survive a crash after it."""
     folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-    temp = folder / f"{TEMP_PREFIX}{USES}-{os.getpid()}"
-    try:
-        temp.write_text(json.dumps({"format": fmt, "fingerprint": fingerprint, "blocks": blocks}))
-        fsync_path(temp)
-        os.chmod(temp, 0o600)
-        os.replace(temp, folder / USES)
-    finally:
-        temp.unlink(missing_ok=True)
-    fsync_path(folder)  # the stop's renames (blocks and uses) survive a crash after it
-
-
-def fsync_path(path: Path) -> None:
-    """fsync a file or a folder (after a rename, so the new name survives a crash)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    data = json.dumps({"format": fmt, "fingerprint": fingerprint, "blocks": blocks})
+    write_atomically(folder / USES, data, prefix=f"{TEMP_PREFIX}{USES}-")
