@@ -36,6 +36,7 @@ from .admission import Admission
 from .choices import ChoiceGroups
 from .fair_share import FairQueue
 from .intake import Preparing, Ready
+from .latency import ClassStats
 from .prefill_plan import IDLE_BUDGET_FACTOR, PrefillBudget, PrefillPace
 from .preprocess import Preprocessor
 from .request_checks import check_choices, check_generate
@@ -90,6 +91,7 @@ class Scheduler:
         self._seqs: dict[str, Sequence] = {}  # every live sequence (queued or running), by request id
         self.generated_tokens = 0  # lifetime counter, for tokens/s in stats
         self._scoring = PromptScoring()
+        self.classes = ClassStats()  # first-token times per latency class, for /v1/status
         self.finished = 0
 
     # -- intake ---------------------------------------------------------------------------
@@ -215,8 +217,10 @@ class Scheduler:
         return events
 
     def _on_token(self, seq: Sequence, token: int, finish: str | None, logprobs: dict | None) -> list[Event]:
-        counted = seq.generated
+        counted, first = seq.generated, seq.first_token_at is None
         event, ended = on_token(seq, token, finish, logprobs)
+        if first:
+            self.classes.first_token(seq)
         self.generated_tokens += seq.generated - counted
         if ended and finish != FinishReason.STOP and seq.text.stopped:
             self.runner.remove([seq.uid])  # a stop string ended it: the runner's row still runs
@@ -276,6 +280,7 @@ class Scheduler:
             "generated_tokens": self.generated_tokens,
             **self.admission.counters(),
             "max_num_seqs_basis": self.capacity,
+            "classes": self.classes.report(self._seqs.values()),
         }
 
     @property
