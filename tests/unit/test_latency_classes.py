@@ -44,7 +44,9 @@ class Forwards:
 def host(tiny_dir):
     from mlxgw.worker.process.build_mlx import build_mlx_runner
 
-    runner = build_mlx_runner(str(tiny_dir), context_length=None, max_num_seqs=4, prefill_step_size=BUDGET, cache_bytes=0)
+    runner = build_mlx_runner(
+        str(tiny_dir), context_length=None, max_num_seqs=4, prefill_step_size=BUDGET, cache_bytes=0
+    )
     wrapped = Forwards(runner)
     first = runner.model.layers[0]
     base = type(first)

@@ -7,12 +7,11 @@
   prepared; the rest are admitted within it by what they hold, and rows that outgrow it are
   paused to the prefix store (worker/model/memory/kv_budget.py, worker/schedule/kv_rows.py);
 - who runs next is worker/schedule/admission.py's: at most `max_num_seqs` rows, admitted at step
-  boundaries by priority, fair share between tenants and arrival, with preemption of a row
-  held beyond its tenant's share, and each step's prompt reading bounded by a budget
-  (worker/schedule/prefill_plan.py): decoding rows never wait for more than one decode step plus one
-  budget of prefill; with no row decoding, a step may read IDLE_BUDGET_FACTOR budgets, but
-  admits new prompts one budget at a time (their first tokens come with the step that reads
-  them, worker/model/runners/batch_generator.py);
+  boundaries by priority, fair share between tenants and deadline (latency classes:
+  worker/schedule/latency.py), with preemption, and each step's prompt reading bounded by a
+  budget (worker/schedule/prefill_plan.py): decoding rows wait at most one decode step plus one
+  budget of prefill (a few decode steps' time); with no row decoding, a step may read
+  IDLE_BUDGET_FACTOR budgets, but admits new prompts one budget at a time;
 - each step's tokens become Delta / Finish events (worker/schedule/sequence_output.py);
 - a request ends exactly once: finish (stop / length / cancelled) or error (timeout, ...);
   cancelled and timed-out sequences leave the runner, and so free their KV, at once;
