@@ -165,3 +165,19 @@ def test_a_step_beside_decoding_rows_reads_what_a_few_decode_steps_take():
     fast.observe(0, 0.01)
     fast.observe(5000, 1.0)
     assert fast.step_s(decoding=True) == MIN_STEP_WHILE_DECODING_S  # milliseconds steps: a floor
+
+
+def test_a_request_s_class_is_its_route_s_or_asked_and_never_above_its_key_s_grant():
+    from mlxgw.gateway.access.keys import ApiKey
+    from mlxgw.gateway.pipeline.latency_class import classify, route_class
+
+    assert route_class({"prefix": "a"}, None) == "editor"
+    assert route_class(None, [{"type": "function"}]) == "agent" and route_class(None, None) == "chat"
+    no_key: dict = {}
+    assert classify(no_key, None, "editor", 0) == ("editor", 0)
+    assert classify(no_key, "agent", "editor", 0) == ("agent", 0)  # asked
+    assert classify(no_key, None, "chat", BACKGROUND_PRIORITY) == ("background", BACKGROUND_PRIORITY)  # flex, batch
+    assert classify(no_key, "background", "chat", 5) == ("background", BACKGROUND_PRIORITY)
+    agent_key = {"key": ApiKey("harness", "0" * 64, latency_class="agent")}
+    assert classify(agent_key, None, "editor", 0) == ("agent", 0)  # its grant is the most urgent it gets
+    assert classify(agent_key, "background", "chat", 0) == ("background", BACKGROUND_PRIORITY)  # less is fine
