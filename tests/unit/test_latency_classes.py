@@ -13,7 +13,7 @@ import time
 import pytest
 
 from mlxgw.shared.protocol import BACKGROUND_PRIORITY, GenerateRequest, SamplingParams
-from mlxgw.worker.schedule.prefill_plan import MIN_STEP_WHILE_DECODING_S, PrefillPace
+from mlxgw.worker.schedule.prefill_plan import PrefillPace
 
 BUDGET = 128
 GREEDY = SamplingParams(temperature=0, logit_bias={0: -100, 2: -100})  # no end-of-sequence
@@ -155,6 +155,8 @@ def test_the_classes_are_reported_with_their_first_token_times(host):
 
 
 def test_a_step_beside_decoding_rows_reads_what_a_few_decode_steps_take():
+    from mlxgw.worker.schedule.prefill_plan import MIN_STEP_WHILE_DECODING_S
+
     pace = PrefillPace()
     pace.observe(0, 0.25)  # a decode step of this host: 0.25 s
     pace.observe(256, 4.25)  # 256 prompt tokens in 4 s beside it: 64 tokens/s
