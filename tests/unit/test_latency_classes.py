@@ -183,3 +183,18 @@ def test_a_request_s_class_is_its_route_s_or_asked_and_never_above_its_key_s_gra
     agent_key = {"key": ApiKey("harness", "0" * 64, latency_class="agent")}
     assert classify(agent_key, None, "editor", 0) == ("agent", 0)  # its grant is the most urgent it gets
     assert classify(agent_key, "background", "chat", 0) == ("background", BACKGROUND_PRIORITY)  # less is fine
+
+
+def test_a_key_s_class_is_a_checked_field_of_the_keys_file_and_of_keys_set(tmp_path):
+    from mlxgw.gateway.access.key_admin import KeyEditError, create_key, update_key
+    from mlxgw.gateway.access.keys import KeysFileError, parse_keys
+
+    (key,), _ = parse_keys({"keys": [{"name": "ci", "sha256": "a" * 64, "latency_class": "background"}]}, "keys.yaml")
+    assert key.latency_class == "background"
+    with pytest.raises(KeysFileError, match="latency_class"):
+        parse_keys({"keys": [{"name": "ci", "sha256": "a" * 64, "latency_class": "urgent"}]}, "keys.yaml")
+    path = tmp_path / "keys.yaml"
+    create_key(path, "harness", {})
+    assert update_key(path, "harness", {"latency_class": "agent"})["latency_class"] == "agent"
+    with pytest.raises(KeyEditError, match="latency_class"):
+        update_key(path, "harness", {"latency_class": "now"})
