@@ -62,6 +62,7 @@ STUDIES = [
             "sessions": ("team.sessions", "A team's agent sessions at once: the shared prefix, turn by turn."),
             "typing": ("team.typing_session", "Typists' FIM keystrokes (each superseding the last) beside agents."),
             "admission": ("team.admission", "Admission policies compared in-process on the real scheduler."),
+            "day": ("team.day", "Typists, agents, chat and a batch at once: each latency class's TTFT."),
         },
     ),
     Study(

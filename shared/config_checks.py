@@ -49,6 +49,8 @@ def check_gateway(g: GatewayConfig, where: str) -> None:
     at_least(where, g, 0, ("audit_retention_days",), strict=True)
     at_least(where, g, 0, ("request_timeout_s", "prefill_timeout_s", "max_image_mb"), strict=True)
     at_least(where, g, 0, ("header_timeout_s", "body_timeout_s", "idle_timeout_s"), strict=True)
+    targets = ("ttft_target_editor_s", "ttft_target_chat_s", "ttft_target_agent_s", "ttft_target_background_s")
+    at_least(where, g, 0, targets, strict=True)
     if g.port > 65535:
         raise ConfigError(f"{where}: field 'port': must be at most 65535, got {g.port}")
     group = g.default_cache_group

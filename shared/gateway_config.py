@@ -72,6 +72,12 @@ class GatewayConfig:
         "the prefix-cache group of API keys that name none (unset: each key its own)",
         flag="--default-cache-group",
     )
+    # Latency classes (gateway/pipeline/latency_class.py): each class's target time to first
+    # token; a worker admits the earliest arrival + target first within a priority.
+    ttft_target_editor_s: float = setting(0.5, "target seconds to first token: editor completion (FIM, /infill)")
+    ttft_target_chat_s: float = setting(1.0, "target seconds to first token: interactive chat")
+    ttft_target_agent_s: float = setting(3.0, "target seconds to first token: agents (requests with tools)")
+    ttft_target_background_s: float = setting(60.0, "target seconds to first token: background (batch, flex)")
     # The audit trail ($MLXGW_HOME/audit.jsonl): the oldest entries are dropped past either bound,
     # and an anchor keeps what is left verifiable.
     audit_retention_days: float | None = setting(365.0, "days the audit trail keeps an entry (null: forever)")

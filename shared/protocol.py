@@ -154,6 +154,11 @@ class GenerateRequest:
     stop: list[str] = field(default_factory=list)
     stream_interval: int = 1  # tokens per delta event
     priority: int = 0  # lower runs first; FCFS within a priority
+    # Latency class (worker/schedule/latency.py): "editor", "chat", "agent" or "background", and
+    # its target seconds to the first token: within a priority the worker admits the earliest
+    # arrival + target first. None: from the priority, with the worker's default targets.
+    latency_class: str | None = None
+    ttft_target_s: float | None = None
     # Fair share (worker/schedule/fair_share.py): who sent it, as a stable hash of the API key (never
     # its name), and the key's weight; requests of one tenant share that tenant's turn.
     tenant: str | None = None

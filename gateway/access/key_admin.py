@@ -13,6 +13,7 @@ from pathlib import Path
 from .keys import (
     KeysFileError,
     check_cache_group,
+    check_latency_class,
     check_min_priority,
     check_weight,
     hash_key,
@@ -23,7 +24,7 @@ from .keys import (
 LIMIT_FIELDS = ("rpm", "tpm", "tpd", "tpmo", "aspm", "max_concurrent")
 SHARE_FIELDS = ("weight", "min_priority")  # fair share and granted priority (None: the defaults)
 GRANT_FIELDS = ("admin", "manage_models")  # true or absent
-EDITABLE_FIELDS = (*LIMIT_FIELDS, *SHARE_FIELDS, "models", "expires", *GRANT_FIELDS, "cache_group")
+EDITABLE_FIELDS = (*LIMIT_FIELDS, *SHARE_FIELDS, "models", "expires", *GRANT_FIELDS, "cache_group", "latency_class")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,63}$")
 
 
@@ -65,6 +66,11 @@ def _check_value(field: str, value):
             return check_cache_group(value)
         except ValueError as e:
             raise KeyEditError("invalid", str(e)) from None
+    if field == "latency_class":
+        try:
+            return check_latency_class(value)
+        except ValueError as e:
+            raise KeyEditError("invalid", str(e)) from None
     if field in GRANT_FIELDS:
         if not isinstance(value, bool):
             raise KeyEditError("invalid", f"'{field}' must be true or false")
@@ -84,7 +90,7 @@ def _apply(entry: dict, changes: dict) -> None:
 def public_entry(entry: dict) -> dict:
     """What may be shown about a key: everything but its hash."""
     out = {"name": entry["name"], **{grant: bool(entry.get(grant, False)) for grant in GRANT_FIELDS}}
-    for field in (*LIMIT_FIELDS, "models", "expires", "created", "cache_group"):
+    for field in (*LIMIT_FIELDS, "models", "expires", "created", "cache_group", "latency_class"):
         out[field] = entry.get(field)
     for field, default in (("weight", 1.0), ("min_priority", 0)):
         out[field] = entry.get(field, default)

@@ -24,6 +24,9 @@ keys:
                                 # none below 0); a request asking for more is clamped to it
     cache_group: team-a         # keys of one group share prefix-cache hits (default: the
                                 # gateway's default_cache_group, else each key its own)
+    latency_class: agent        # the most urgent latency class its requests run in (editor,
+                                # chat, agent, background; default: any): an agent harness's
+                                # key runs as agent, a batch key as background
 """
 
 from __future__ import annotations
@@ -76,6 +79,7 @@ class ApiKey:
     weight: float = 1.0  # its share of a busy worker against other keys (worker/schedule/fair_share.py)
     min_priority: int = 0  # the most urgent priority it may ask; lower asks are clamped to it
     cache_group: str | None = None  # keys of one group share prefix-cache hits (access/cache_scope.py)
+    latency_class: str | None = None  # its most urgent latency class (pipeline/latency_class.py)
 
     @property
     def tenant(self) -> str:
@@ -134,6 +138,7 @@ _FIELDS = {
     "weight",
     "min_priority",
     "cache_group",
+    "latency_class",
 }
 
 
@@ -149,6 +154,15 @@ CACHE_GROUP_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,63}$")
 def check_cache_group(value) -> str:
     if not isinstance(value, str) or not CACHE_GROUP_RE.match(value):
         raise ValueError("'cache_group' must be 1-64 letters, digits or ._@- and start with a letter or digit")
+    return value
+
+
+LATENCY_CLASSES = ("editor", "chat", "agent", "background")
+
+
+def check_latency_class(value) -> str:
+    if value not in LATENCY_CLASSES:
+        raise ValueError("'latency_class' must be one of editor, chat, agent, background")
     return value
 
 
@@ -206,6 +220,8 @@ def parse_keys(data, source: str) -> tuple[list[ApiKey], float]:
             }
             if raw.get("cache_group") is not None:
                 share["cache_group"] = check_cache_group(raw["cache_group"])
+            if raw.get("latency_class") is not None:
+                share["latency_class"] = check_latency_class(raw["latency_class"])
         except ValueError as e:
             raise KeysFileError(f"{where} ({name}): {e}") from None
         keys.append(

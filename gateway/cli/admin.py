@@ -92,6 +92,9 @@ def create_key(
     click.echo(f"key {name!r} stored as a SHA-256 hash in {path}; this is the only time it is shown", err=True)
 
 
+GRANTS = ("cache_group", "latency_class")  # listed after the limits
+
+
 @keys.command("list")
 @click.option("--file", "path", type=click.Path(path_type=Path), default=None)
 def list_keys(path) -> None:
@@ -101,7 +104,7 @@ def list_keys(path) -> None:
     for k in data.get("keys") or []:
         limits = ", ".join(
             f"{f}={k[f]}"
-            for f in ("rpm", "tpm", "tpd", "tpmo", "aspm", "max_concurrent", "weight", "min_priority", "cache_group")
+            for f in ("rpm", "tpm", "tpd", "tpmo", "aspm", "max_concurrent", "weight", "min_priority", *GRANTS)
             if k.get(f) is not None
         )
         admin = "\tadmin" if k.get("admin") else ""

@@ -175,6 +175,14 @@ function renderSummary(s) {
   $("reqs-value").textContent = `${running}`;
   $("reqs-foot").textContent = `running · ${waiting} waiting`;
   $("tps-value").textContent = fmtRate(tps);
+  $("classes-foot").textContent = classesText(s.classes);
+}
+
+// Latency classes: what waits, and how many first tokens came after the class's target.
+function classesText(classes) {
+  return Object.entries(classes || {})
+    .map(([name, c]) => `${name} ${c.waiting} waiting, ${c.late}/${c.answered} over ${c.target_s} s`)
+    .join(" · ");
 }
 
 const STATE_CLASS = { ready: "ok", loading: "busy", restarting: "busy", draining: "busy", failed: "bad" };

@@ -48,6 +48,8 @@ class CommonFields(msgspec.Struct):
     # OpenAI's tiers ("flex": background priority, after every interactive request) and
     # Anthropic's ("standard_only"); the others run as interactive requests.
     service_tier: Literal["auto", "default", "flex", "priority", "scale", "standard_only"] | None = None
+    # The latency class it asks (gateway/pipeline/latency_class.py; never above its key's grant).
+    latency_class: Literal["editor", "chat", "agent", "background"] | None = None
     stream_interval: Annotated[int, M(ge=1, le=1024)] | None = None
     reasoning_budget: Annotated[int, M(ge=0, le=INT32_MAX)] | None = None
     # vLLM's: the request's prompt is cached apart from every request without the same salt
@@ -79,6 +81,7 @@ class CommonFields(msgspec.Struct):
             stop=self.stop_list(),
             priority=self.priority or 0,
             service_tier=self.service_tier,
+            latency_class=self.latency_class,
             stream_interval=self.stream_interval,
             reasoning_budget=self.reasoning_budget,
             cache_salt=self.cache_salt,

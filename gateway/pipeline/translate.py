@@ -23,6 +23,7 @@ from ..web.state import CACHE_SECRET, MANAGER, SETTINGS
 from .fields import CommonFields, logit_bias
 from .fim_support import fim_max_tokens
 from .images import ImageLimits, collect_images
+from .latency_class import classify, route_class, target_s
 
 # max_tokens when neither the request, the model's entry (defaults.max_tokens), the server
 # (--max-tokens-default) nor the model's own generation_config.json (max_new_tokens) sets
@@ -55,6 +56,7 @@ class ParsedRequest:
     stop: list[str] = field(default_factory=list)
     priority: int = 0
     service_tier: str | None = None  # "flex": background priority
+    latency_class: str | None = None  # asked; None: its route's (latency_class.py)
     stream_interval: int | None = None
     # Content a text-only model cannot take, replaced by a placeholder (x-mlxgw-omitted-content).
     omitted: list[str] = field(default_factory=list)
@@ -112,6 +114,8 @@ async def build_request(request: web.Request, slot, parsed: ParsedRequest) -> p.
     # A default the client did not ask for is clamped to the context, never refused.
     policy = entry.max_tokens_policy if parsed.max_tokens is not None else "clamp"
     key = request.get("key")
+    priority = granted_priority(request, parsed.priority, parsed.service_tier)
+    latency, priority = classify(request, parsed.latency_class, route_class(parsed.fim, parsed.tools), priority)
     messages, images = parsed.messages, None
     if messages is not None:
         messages = with_entry_preamble(entry, messages)
@@ -129,7 +133,9 @@ async def build_request(request: web.Request, slot, parsed: ParsedRequest) -> p.
         max_tokens_policy=policy,
         stop=parsed.stop,
         stream_interval=first_set(parsed.stream_interval, entry.stream_interval),
-        priority=granted_priority(request, parsed.priority, parsed.service_tier),
+        priority=priority,
+        latency_class=latency,
+        ttft_target_s=target_s(settings, latency),
         tenant=key.tenant if key is not None else None,
         weight=key.weight if key is not None else 1.0,
         timeout_s=settings.request_timeout_s,

@@ -1,8 +1,8 @@
 """Who runs next: the waiting queue, the rows the runner holds, and admission at a step.
 
 - at most `max_num_seqs` sequences run; new ones are admitted at step boundaries, by
-  priority class, then fair share between tenants (API keys), then arrival
-  (worker/schedule/fair_share.py);
+  priority class, then fair share between tenants (API keys), then deadline (arrival + its
+  latency class's target: worker/schedule/latency.py) (worker/schedule/fair_share.py);
 - a request starved beyond a bound preempts a row held beyond its tenant's share: the row is
   paused with its KV in the prefix cache (runner.remove) and re-queued at its old place; the
   output it has sent stays sent, and it resumes with the next token;
@@ -39,6 +39,7 @@ from ..model.runners.isolation import as_service_error
 from .choices import ChoiceGroups
 from .fair_share import FairQueue, Row, Waiting, clean_weight
 from .kv_rows import after_step, reserve, victim
+from .latency import target_of
 from .prefill_plan import PrefillBudget
 from .prefix_inflight import SharedPrefill
 from .sequence import Phase, Sequence
@@ -75,9 +76,10 @@ class Admission:
     def queue(self, seq: Sequence) -> None:
         req = seq.req
         tenant = req.tenant if isinstance(req.tenant, str) else ""
-        self.waiting.push(
-            Waiting(req.priority, seq.arrival, req.rid, tenant, clean_weight(req.weight), time.monotonic())
-        )
+        target = target_of(req)  # its first token is owed by arrival + its class's target
+        entry = Waiting(req.priority, seq.arrival, req.rid, tenant, clean_weight(req.weight), time.monotonic())
+        entry.due, entry.target_s = seq.arrived + target, target
+        self.waiting.push(entry)
         # its disk blocks start loading while it queues
         self.runner.prefix_ready(_prompt_of(seq), seq.req.cache_namespace)
 
@@ -205,7 +207,9 @@ class Admission:
         def row(s: Sequence) -> Row:
             pausable = self._pausable(s) and s.preemptible()
             weight = clean_weight(s.req.weight)
-            return Row(s.req.rid, s.req.tenant or "", weight, s.req.priority, s.generated, pausable, s.to_prefill > 0)
+            row = Row(s.req.rid, s.req.tenant or "", weight, s.req.priority, s.generated, pausable, s.to_prefill > 0)
+            row.target_s = target_of(s.req)
+            return row
 
         return [row(s) for s in self.running.values()]
 

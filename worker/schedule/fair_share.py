@@ -4,7 +4,9 @@ Requests wait per tenant (a stable hash of the API key the gateway passes, never
 A free decode row goes to the most urgent priority class first (interactive -100..100, then
 background: service_tier "flex" and batch jobs); within a class, to the tenant holding the
 fewest running rows per unit of its weight (keys.yaml `weight`, default 1), so a key with one
-request gets its turn ahead of another key's 32nd; within a tenant, first come first served.
+request gets its turn ahead of another key's 32nd; within a tenant (and between tenants
+holding as many), the earliest deadline first: arrival + its latency class's target
+(worker/schedule/latency.py), so a keystroke overtakes queued agent turns and batch work.
 With one tenant waiting, it may take every row: an idle machine is never held back.
 
 The prompt budget is shared the same way (`may_start_prefill`): while another key has a
@@ -12,10 +14,11 @@ prompt to read, a key starts prompt-reading rows only within its weighted share 
 a key holding fewer decode rows does not take the whole prompt budget from one holding more.
 
 Admission order alone leaves a late key waiting until a row ends. `victim` names a running
-row to preempt: a background row as soon as an interactive request waits, or a row of the
-tenant most over its share, at once for a tenant with no row running and once a waiting
-request has been starved beyond `starve_s` otherwise. The
-scheduler pauses
+row to preempt: a background row as soon as an interactive request waits, or a row of a
+less urgent latency class once a waiting request has used half its class's target
+(worker/schedule/latency.py), or a row of the tenant most over its share, at once for a
+tenant with no row running and once a waiting request has been starved beyond `starve_s`
+otherwise. The scheduler pauses
 that row (its KV goes to the prefix cache) and re-queues it to resume where it stopped.
 
 `MLXGW_FAIR_SHARE=off` in the gateway's environment turns tenants off (one FIFO by
@@ -27,7 +30,7 @@ import heapq
 import math
 import os
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ...shared.protocol import BACKGROUND_PRIORITY
 
@@ -46,16 +49,22 @@ def clean_weight(weight: object) -> float:
     return min(MAX_WEIGHT, max(MIN_WEIGHT, float(weight)))
 
 
-@dataclass(order=True)
+@dataclass
 class Waiting:
-    """One queued request, ordered within its tenant by (priority, arrival)."""
+    """One queued request, ordered within its tenant by priority, then deadline (arrival +
+    its latency class's target: worker/schedule/latency.py), then arrival."""
 
     priority: int
     arrival: int
-    rid: str = field(compare=False)
-    tenant: str = field(compare=False, default="")
-    weight: float = field(compare=False, default=1.0)
-    since: float = field(compare=False, default=0.0)  # when it (re)joined the queue
+    rid: str
+    tenant: str = ""
+    weight: float = 1.0
+    since: float = 0.0  # when it (re)joined the queue
+    due: float = 0.0  # when its first token is owed (time.monotonic())
+    target_s: float = 0.0  # its class's target time to first token
+
+    def __lt__(self, other: Waiting) -> bool:
+        return (self.priority, self.due, self.arrival) < (other.priority, other.due, other.arrival)
 
 
 @dataclass
@@ -69,6 +78,7 @@ class Row:
     generated: int
     preemptible: bool
     prefilling: bool = False  # still reading its prompt (it takes a share of the prompt budget)
+    target_s: float = 0.0  # its latency class's target time to first token
 
 
 class FairQueue:
@@ -114,7 +124,7 @@ class FairQueue:
         running = _running_per_tenant(rows)
         return min(
             (t for t, h in heads.items() if h.priority == best),
-            key=lambda t: ((running[t] + 1) / heads[t].weight, heads[t].arrival),
+            key=lambda t: ((running[t] + 1) / heads[t].weight, heads[t].due, heads[t].arrival),
         )
 
     def victim(self, rows: list[Row], now: float) -> str | None:
@@ -129,9 +139,15 @@ class FairQueue:
         starved = running[waiter.tenant] == 0 or now - waiter.since >= self.starve_s
         waiter_share = (running[waiter.tenant] + 1) / waiter.weight
 
+        # A request that has waited half its class's target takes a row of a less urgent
+        # class (a keystroke behind a batch full of agent turns): the row resumes later.
+        urgent = waiter.target_s > 0 and now >= waiter.due - waiter.target_s / 2
+
         def over(row: Row) -> bool:
             if row.priority >= BACKGROUND_PRIORITY > waiter.priority:
                 return True  # background work yields to an interactive request at once
+            if urgent and row.priority >= waiter.priority and row.target_s > waiter.target_s:
+                return True
             if not starved or not self.enabled or row.tenant == waiter.tenant or row.priority < waiter.priority:
                 return False
             return running[row.tenant] / row.weight > waiter_share
@@ -139,10 +155,11 @@ class FairQueue:
         candidates = [r for r in rows if r.preemptible and over(r)]
         if not candidates:
             return None
-        # Background first, then the tenant furthest over its share, then the row that has
-        # produced least (it loses least by a pause).
+        # Background first, then the least urgent class, then the tenant furthest over its
+        # share, then the row that has produced least (it loses least by a pause).
         pick = max(
-            candidates, key=lambda r: (r.priority >= BACKGROUND_PRIORITY, running[r.tenant] / r.weight, -r.generated)
+            candidates,
+            key=lambda r: (r.priority >= BACKGROUND_PRIORITY, r.target_s, running[r.tenant] / r.weight, -r.generated),
         )
         self.preemptions += 1
         return pick.rid

@@ -32,6 +32,12 @@ prompts arriving during a closed loop's decoding were read in more, smaller chun
 in-process, bench/team/admission.py: TTFT p50 2.0 s at 4 s against 3.2 s at 2 s, tok/s equal, the
 largest token gap 1.8-2.1 s at either).
 
+Within that bound, a step that reads prompts beside decoding rows takes what
+DECODE_STEPS_PER_PREFILL of their decode steps take (the decode step's time is measured too,
+an average of the steps that read no prompt, and the prompt rate is measured net of it): a
+decoding row's next token waits a few of its own steps for a prompt chunk, not seconds, on
+any host; the long read still progresses every step (never below MIN_PACED_BUDGET tokens).
+
 The first step of a fresh worker has no measured rate, and on that same host its 512-token
 step of a 0.5B model ran past 120 s: so it is bounded from the start (FIRST_STEP_BUDGET
 tokens, a few seconds even there), and the steps after it are paced by the rate it measured.
@@ -56,6 +62,8 @@ MIN_PACED_BUDGET = 32  # below this a step's fixed cost dominates its prompt rea
 FIRST_STEP_BUDGET = 64  # prompt tokens of the first step, before any rate is measured
 HANG_TO_STEP = 12  # a paced step aims at this fraction of the watchdog's bound
 IDLE_BUDGET_FACTOR = 4  # prompt budget of a step when no row is decoding (nobody waits on it)
+DECODE_STEPS_PER_PREFILL = 4  # beside decoding rows a step reads what this many decode steps take
+MIN_STEP_WHILE_DECODING_S = 0.25  # but never less (a fast host's steps are milliseconds)
 
 
 @dataclass
@@ -66,13 +74,18 @@ class PrefillPace:
     max_step_s: float = MAX_PREFILL_STEP_S
     max_step_decoding_s: float = MAX_STEP_WHILE_DECODING_S
     tokens_per_s: float | None = None  # None until a step has read a prompt
+    decode_s: float | None = None  # a step without prompt reading (EMA); None until one ran
 
     def observe(self, tokens: int, seconds: float) -> None:
-        """One step read `tokens` prompt tokens in `seconds` (decoding rows included, which
-        errs towards smaller steps)."""
-        if tokens <= 0 or seconds <= 0:
+        """One step read `tokens` prompt tokens in `seconds`. Its decoding rows' share of the
+        step (a decode step's measured time) is not prompt reading: the rate is of the rest
+        (at least half the step, which errs towards smaller steps)."""
+        if seconds <= 0:
             return
-        rate = tokens / seconds
+        if tokens <= 0:  # a decode step: what a prompt chunk beside decoding rows is measured by
+            self.decode_s = seconds if self.decode_s is None else 0.8 * self.decode_s + 0.2 * seconds
+            return
+        rate = tokens / max(seconds / 2, seconds - (self.decode_s or 0.0))
         # the slower of the last two readings leads: a step that got slow (a longer context,
         # a busier host) shrinks the next one at once; recovery takes a step or two
         self.tokens_per_s = rate if self.tokens_per_s is None else min(rate, (rate + self.tokens_per_s) / 2)
@@ -91,8 +104,18 @@ class PrefillPace:
         decoding: other rows are generating and wait for this step."""
         if self.tokens_per_s is None:
             return min(budget, FIRST_STEP_BUDGET)
-        seconds = self.max_step_decoding_s if decoding else self.max_step_s
-        return min(budget, max(MIN_PACED_BUDGET, int(self.tokens_per_s * seconds)))
+        return min(budget, max(MIN_PACED_BUDGET, int(self.tokens_per_s * self.step_s(decoding))))
+
+    def step_s(self, decoding: bool) -> float:
+        """How long a step's prompt reading may take: beside decoding rows, the time of
+        DECODE_STEPS_PER_PREFILL decode steps (within MIN_STEP_WHILE_DECODING_S and
+        max_step_decoding_s), so their tokens keep coming at a few steps' pace; else max_step_s."""
+        if not decoding:
+            return self.max_step_s
+        if self.decode_s is None:
+            return self.max_step_decoding_s
+        paced = max(MIN_STEP_WHILE_DECODING_S, DECODE_STEPS_PER_PREFILL * self.decode_s)
+        return min(self.max_step_decoding_s, paced)
 
 
 def chunk_for(rows: int, budget: int) -> int:

@@ -7,12 +7,11 @@
   prepared; the rest are admitted within it by what they hold, and rows that outgrow it are
   paused to the prefix store (worker/model/memory/kv_budget.py, worker/schedule/kv_rows.py);
 - who runs next is worker/schedule/admission.py's: at most `max_num_seqs` rows, admitted at step
-  boundaries by priority, fair share between tenants and arrival, with preemption of a row
-  held beyond its tenant's share, and each step's prompt reading bounded by a budget
-  (worker/schedule/prefill_plan.py): decoding rows never wait for more than one decode step plus one
-  budget of prefill; with no row decoding, a step may read IDLE_BUDGET_FACTOR budgets, but
-  admits new prompts one budget at a time (their first tokens come with the step that reads
-  them, worker/model/runners/batch_generator.py);
+  boundaries by priority, fair share between tenants and deadline (latency classes:
+  worker/schedule/latency.py), with preemption, and each step's prompt reading bounded by a
+  budget (worker/schedule/prefill_plan.py): decoding rows wait at most one decode step plus one
+  budget of prefill (a few decode steps' time); with no row decoding, a step may read
+  IDLE_BUDGET_FACTOR budgets, but admits new prompts one budget at a time;
 - each step's tokens become Delta / Finish events (worker/schedule/sequence_output.py);
 - a request ends exactly once: finish (stop / length / cancelled) or error (timeout, ...);
   cancelled and timed-out sequences leave the runner, and so free their KV, at once;
@@ -36,6 +35,7 @@ from .admission import Admission
 from .choices import ChoiceGroups
 from .fair_share import FairQueue
 from .intake import Preparing, Ready
+from .latency import ClassStats
 from .prefill_plan import IDLE_BUDGET_FACTOR, PrefillBudget, PrefillPace
 from .preprocess import Preprocessor
 from .request_checks import check_choices, check_generate
@@ -90,6 +90,7 @@ class Scheduler:
         self._seqs: dict[str, Sequence] = {}  # every live sequence (queued or running), by request id
         self.generated_tokens = 0  # lifetime counter, for tokens/s in stats
         self._scoring = PromptScoring()
+        self.classes = ClassStats()  # first-token times per latency class, for /v1/status
         self.finished = 0
 
     # -- intake ---------------------------------------------------------------------------
@@ -215,8 +216,10 @@ class Scheduler:
         return events
 
     def _on_token(self, seq: Sequence, token: int, finish: str | None, logprobs: dict | None) -> list[Event]:
-        counted = seq.generated
+        counted, first = seq.generated, seq.first_token_at is None
         event, ended = on_token(seq, token, finish, logprobs)
+        if first:
+            self.classes.first_token(seq)
         self.generated_tokens += seq.generated - counted
         if ended and finish != FinishReason.STOP and seq.text.stopped:
             self.runner.remove([seq.uid])  # a stop string ended it: the runner's row still runs
@@ -276,6 +279,7 @@ class Scheduler:
             "generated_tokens": self.generated_tokens,
             **self.admission.counters(),
             "max_num_seqs_basis": self.capacity,
+            "classes": self.classes.report(self._seqs.values()),
         }
 
     @property

@@ -14,8 +14,9 @@ from ...access.auth import may_use, presented_key
 from ...mcp.hub import MCP
 from ...models import adapters
 from ...pipeline.fim_support import capabilities, fim_format
+from ...pipeline.latency_class import classes_status
 from ...web.errors import error_response
-from ...web.state import BROKER, KEYS, MANAGER
+from ...web.state import BROKER, KEYS, MANAGER, SETTINGS
 from .keys import require_admin
 
 routes = web.RouteTableDef()
@@ -160,13 +161,15 @@ def _is_operator(request: web.Request) -> bool:
 async def status(request: web.Request) -> web.Response:
     manager = request.app[MANAGER]
     broker = request.app[BROKER]
+    models = [manager.describe(s) for s in manager.slots.values()]
     return web.json_response(
         {
             "uptime_s": round(time.time() - STARTED, 1),
             "workers_connected": len(broker.conns),
             "dropped_messages": broker.dropped_messages,
             "memory": manager.memory_snapshot(),
-            "models": [manager.describe(s) for s in manager.slots.values()],
+            "models": models,
+            "classes": classes_status(request.app[SETTINGS], models),  # latency classes
             "processes": manager.processes(),
             **manager.health(),
         }
