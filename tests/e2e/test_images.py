@@ -115,3 +115,10 @@ def test_bad_requests_are_400s_in_openai_shape(gw, change, param):
 def test_the_sdk_sees_a_chat_model_refused(gw):
     with pytest.raises(openai.BadRequestError, match="chat model"):
         openai_client(gw).images.generate(model="tiny", prompt="a cat", size="32x32")
+
+
+def test_an_image_model_named_in_chat_is_refused_with_its_route(gw):
+    body = {"model": "tiny-image", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    status, _, reply = http(f"{gw.url}/v1/chat/completions", "POST", body)
+    assert status == 400
+    assert "an image model" in reply["error"]["message"] and "/v1/images/generations" in reply["error"]["message"]

@@ -192,7 +192,7 @@ class ImageScheduler(JobTable):
             self._abandoned.popleft()
         if self._abandoned:
             wait([self._abandoned[0]], timeout=POLL_S)
-            return events
+            return events + self._progress()
         job = next(iter(self._jobs.values()), None)
         if job is None:
             return events
@@ -202,7 +202,7 @@ class ImageScheduler(JobTable):
         try:
             png = job.running.result(timeout=POLL_S)
         except TimeoutError:
-            return events + self._progress(job)
+            return events + self._progress()
         except ServiceError as e:
             return events + [self._end(job, Error(e))]
         except ValueError as e:  # the family's own check of the request (a size it cannot draw)
@@ -213,16 +213,21 @@ class ImageScheduler(JobTable):
         job.images.append(png)
         job.running = None
         if len(job.images) < job.req.n:
-            return events + self._progress(job, force=True)
+            return events + self._progress(job)
         done = Finish(FinishReason.STOP, self._usage(job), images=job.images)
         return events + [self._end(job, done)]
 
-    def _progress(self, job: ImageJob, force: bool = False) -> list[Event]:
+    def _progress(self, finished: ImageJob | None = None) -> list[Event]:
+        """Progress for the job that just finished an image, and for every job (drawing or
+        queued behind it) not reported for PROGRESS_EVERY_S: the gateway bounds silence, and
+        a request waiting behind a long one is not silent."""
         now = time.monotonic()
-        if not force and now - job.reported < PROGRESS_EVERY_S:
-            return []
-        job.reported = now
-        return [(job.req.rid, Progress(len(job.images), job.req.n))]
+        events = []
+        for job in self._jobs.values():
+            if job is finished or now - job.reported >= PROGRESS_EVERY_S:
+                job.reported = now
+                events.append((job.req.rid, Progress(len(job.images), job.req.n)))
+        return events
 
     @staticmethod
     def _usage(job: ImageJob) -> Usage:
