@@ -10,9 +10,10 @@ from __future__ import annotations
 import base64
 import io
 import sqlite3
+import threading
 
 import pytest
-from helpers import http, openai_client, start_gateway, wait_for
+from helpers import cancel_request, http, openai_client, start_gateway, wait_for
 
 pytest.importorskip("mlx_vlm", reason="image tests need the vision extra (pip install -e '.[test,vision]')")
 
@@ -122,3 +123,35 @@ def test_an_image_model_named_in_chat_is_refused_with_its_route(gw):
     status, _, reply = http(f"{gw.url}/v1/chat/completions", "POST", body)
     assert status == 400
     assert "an image model" in reply["error"]["message"] and "/v1/images/generations" in reply["error"]["message"]
+
+
+def test_a_cancel_lands_between_images_and_the_worker_serves_on(gw):
+    """Ten 128x128 images take seconds each here: a cancel after the first stops the rest (the
+    one being drawn finishes on the model's thread), and the same worker serves the next."""
+    client = openai_client(gw, timeout=120)
+    ended = {}
+
+    def ask():
+        try:
+            client.images.generate(
+                model="tiny-image", prompt="a long job", size="128x128", n=10, extra_body=FAST,
+                extra_headers={"x-request-id": "img-cancel"},
+            )  # fmt: skip
+        except openai.APIError as e:
+            ended["error"] = e
+
+    def worker() -> dict:
+        return next(w for w in gw.model_status("tiny-image")["workers"] if w["state"] == "ready")
+
+    thread = threading.Thread(target=ask)
+    thread.start()
+    wait_for(lambda: any(r.get("images", 0) >= 1 for r in worker()["stats"]["requests"]), timeout=60)
+    pid, drawn = worker()["pid"], worker()["stats"]["images"]
+    assert cancel_request(gw, "img-cancel") == 200
+    thread.join(timeout=60)
+    assert "error" in ended  # the client was told it ended
+    wait_for(lambda: not worker()["stats"]["requests"] and worker()["stats"]["running"] == 0, timeout=30)
+    result = client.images.generate(model="tiny-image", prompt="next", size="32x32", extra_body=FAST)
+    assert png_of(result.data[0].b64_json).size == (32, 32)
+    assert worker()["pid"] == pid
+    assert worker()["stats"]["images"] - drawn <= 3  # the one in flight (and the next), not nine more
