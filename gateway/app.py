@@ -29,7 +29,7 @@ from .api.ollama import chat as ollama
 from .api.ollama import create as ollama_create
 from .api.ollama import manage as ollama_manage
 from .api.ollama import models as ollama_models
-from .api.openai import audio, batches, files
+from .api.openai import audio, batches, files, images
 from .api.openai import chat as openai_chat
 from .api.openai import completions as openai_completions
 from .api.openai import embeddings as openai_embeddings
@@ -179,7 +179,7 @@ def unlisted_routes(app: web.Application) -> list[tuple[str, str]]:
 
 def route_tables() -> list:
     """Every route table the app serves (tests walk them to reach every route)."""
-    modules = (openai_chat, openai_completions, openai_embeddings, rerank, audio, anthropic, responses, system)
+    modules = (openai_chat, openai_completions, openai_embeddings, rerank, audio, images, anthropic, responses, system)
     modules += (
         observe,
         ollama,

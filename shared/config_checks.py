@@ -76,7 +76,7 @@ def check_entry(e: ModelEntry, where: str) -> None:
     at_least(f"{where}: field 'encoder'", e.encoder, 512, ("max_batch_tokens",))
     if e.kind in ENCODER_KINDS and e.engine not in ("mlx", "mlx-embeddings"):
         raise bad("engine", f"{e.kind} models run on the mlx or mlx-embeddings engine")
-    if e.kind in (ModelKind.AUDIO, ModelKind.SPEECH) and e.engine != "mlx":
+    if e.kind in (ModelKind.AUDIO, ModelKind.SPEECH, ModelKind.IMAGE) and e.engine != "mlx":
         raise bad("engine", f"{e.kind} models run on the default engine (mlx)")
     if e.engine == "mlx-embeddings" and e.kind != ModelKind.EMBEDDING:
         raise bad("engine", "mlx-embeddings serves kind: embedding models only")

@@ -60,6 +60,7 @@ class Phase(WireEnum):
     DECODE = "decode"  # generating (a speech-to-text worker: decoding audio windows)
     ENCODE = "encode"  # embedding and rerank workers
     SPEAK = "speak"  # text-to-speech workers
+    DRAW = "draw"  # image workers
     DONE = "done"  # its last event is made (gone from the status the same step)
 
 
@@ -199,7 +200,7 @@ class Finish:
     """The request is over: the last output, why it stopped, and its usage.
     Embeddings carry vectors (float32 little-endian, row-major) and dim; rerank carries scores;
     transcriptions carry segments (words when asked), language and duration; speech carries
-    audio (int16 mono PCM) and sample_rate."""
+    audio (int16 mono PCM) and sample_rate; images carry PNGs."""
 
     KIND: ClassVar[EventKind] = EventKind.FINISH
     # A finish's own output (text, logprobs) is choice 0's: read like a Delta's index.
@@ -223,6 +224,7 @@ class Finish:
     duration: float | None = None
     audio: bytes | None = None
     sample_rate: int | None = None
+    images: list[bytes] | None = None  # image workers: one PNG per image
     # reason "length" because the answer's time bound ran out (not max_tokens): the text so
     # far is the answer, cut (gateway.request_timeout_s)
     time_limited: bool | None = None

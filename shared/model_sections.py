@@ -22,6 +22,7 @@ class ModelKind(WireEnum):
     VISION = "vision"
     AUDIO = "audio"  # speech to text
     SPEECH = "speech"  # text to speech
+    IMAGE = "image"  # text to image, and image edits (mlx-vlm's image models)
 
 
 Engine = Literal["mlx", "null", "echo", "mlx-embeddings"]

@@ -41,6 +41,7 @@ GENERATE = "generate"  # request = GenerateRequest
 EMBED = "embed"  # request = EmbedRequest (embedding and reranking workers)
 TRANSCRIBE = "transcribe"  # request = TranscribeRequest (speech-to-text workers)
 SPEAK = "speak"  # request = SpeechRequest (text-to-speech workers)
+DRAW = "draw"  # request = ImageRequest (image workers)
 CANCEL = "cancel"  # rids = [...]
 CALL = "call"  # cid, op, args  (tokenize, cache_stats, cache_clear, status)
 SHUTDOWN = "shutdown"  # drain: bool
@@ -51,7 +52,7 @@ RECONNECT = "reconnect"  # "who are you?": the gateway lost track of this worker
 HEARTBEAT = "heartbeat"
 
 WORKER_TYPES = {HELLO, READY, LOAD_FAILED, EVENTS, REPLY, BYE, HEARTBEAT}
-GATEWAY_TYPES = {WELCOME, GENERATE, EMBED, TRANSCRIBE, SPEAK, CANCEL, CALL, SHUTDOWN, RECONNECT, HEARTBEAT}
+GATEWAY_TYPES = {WELCOME, GENERATE, EMBED, TRANSCRIBE, SPEAK, DRAW, CANCEL, CALL, SHUTDOWN, RECONNECT, HEARTBEAT}
 
 # Event kinds inside EVENTS: EventKind (shared/events.py), each built by its dataclass.
 
@@ -277,12 +278,40 @@ class SpeechRequest:
         return _from_wire(cls, wire)
 
 
+@dataclass
+class ImageRequest:
+    """Text to image, or an edit of `image` (encoded bytes as uploaded; `mask`: a PNG whose
+    transparent pixels mark what may change). The finish event carries `images`: PNG bytes,
+    one per image; Progress events count the images done."""
+
+    WIRE_TYPE: ClassVar[str] = DRAW
+    rid: str
+    prompt: str = ""
+    n: int = 1
+    width: int = 512
+    height: int = 512
+    steps: int | None = None  # None: the model's default
+    guidance: float | None = None
+    seed: int | None = None
+    image: bytes | None = None
+    mask: bytes | None = None
+    priority: int = 0
+    timeout_s: float | None = None
+
+    def to_wire(self) -> dict:
+        return _plain(self)
+
+    @classmethod
+    def from_wire(cls, wire: dict) -> ImageRequest:
+        return _from_wire(cls, wire)
+
+
 # Priority of background work (service_tier "flex", batch jobs): after every interactive
 # request (whose priorities are -100..100), and the first to be preempted.
 BACKGROUND_PRIORITY = 1000
 
 # What the gateway submits to a worker: one of these per request.
-WorkerRequest = GenerateRequest | EmbedRequest | TranscribeRequest | SpeechRequest
+WorkerRequest = GenerateRequest | EmbedRequest | TranscribeRequest | SpeechRequest | ImageRequest
 
 
 Event = tuple[str, AnyEvent]  # (request id, event): the worker's link encodes it (worker/process/link.py)

@@ -197,7 +197,7 @@ def resolve_model(request: web.Request, requested: str, kinds: tuple[ModelKind, 
     if kind not in kinds:
         raise ServiceError(
             ErrorCode.INVALID_REQUEST,
-            f"model '{requested}' is {'an' if kind[0] in 'ae' else 'a'} {kind} model and is not served here; "
+            f"model '{requested}' is {'an' if kind[0] in 'aeiou' else 'a'} {kind} model and is not served here; "
             f"use {ROUTE_FOR_KIND.get(kind, 'another route')}",
             param="model",
         )

@@ -58,6 +58,7 @@ COLUMNS = (
     "latency_s",
     "ttft_s",
     "tenant",
+    "images",
 )
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS requests (
@@ -76,7 +77,8 @@ CREATE TABLE IF NOT EXISTS requests (
     audio_seconds REAL NOT NULL DEFAULT 0,
     latency_s REAL NOT NULL,
     ttft_s REAL,
-    tenant TEXT                       -- the key's identity (ApiKey.tenant); NULL without keys
+    tenant TEXT,                      -- the key's identity (ApiKey.tenant); NULL without keys
+    images INTEGER NOT NULL DEFAULT 0 -- images delivered (/v1/images)
 );
 CREATE INDEX IF NOT EXISTS requests_ts ON requests (ts);
 CREATE INDEX IF NOT EXISTS requests_key_ts ON requests (key, ts);
@@ -99,8 +101,10 @@ def connect(path: Path) -> sqlite3.Connection:
     # NORMAL: a commit survives a crash of the process; only a power loss can undo the last ones.
     conn.execute("PRAGMA synchronous=NORMAL")
     conn.executescript(SCHEMA)
-    if "tenant" not in {r[1] for r in conn.execute("PRAGMA table_info(requests)")}:  # made before it
-        conn.execute("ALTER TABLE requests ADD COLUMN tenant TEXT")
+    have = {r[1] for r in conn.execute("PRAGMA table_info(requests)")}
+    for column, declared in (("tenant", "TEXT"), ("images", "INTEGER NOT NULL DEFAULT 0")):
+        if column not in have:  # a ledger made before the column
+            conn.execute(f"ALTER TABLE requests ADD COLUMN {column} {declared}")
     return conn
 
 
@@ -327,6 +331,7 @@ def usage_row(request: web.Request, status: int, duration: float) -> tuple | Non
         round(duration, 4),
         ttft,
         key.tenant if key is not None else None,
+        int(request.get("images", 0)),
     )
 
 

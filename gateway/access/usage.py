@@ -60,12 +60,13 @@ def totals(conn: sqlite3.Connection, since: float, by: str = "key") -> list[dict
         f"""SELECT {group} AS grp, COUNT(*), SUM(status >= 400 OR outcome LIKE 'error:%'),
                    SUM(prompt_tokens), SUM(cached_tokens), SUM(completion_tokens),
                    SUM(prompt_tokens + completion_tokens) AS total_tokens,
-                   SUM(embedding_inputs), SUM(audio_seconds), AVG(latency_s), AVG(ttft_s), MAX(ts)
+                   SUM(embedding_inputs), SUM(audio_seconds), SUM(images), AVG(latency_s), AVG(ttft_s),
+                   MAX(ts)
             FROM requests WHERE ts >= ? GROUP BY grp ORDER BY {order}""",
         (since,),
     ).fetchall()
     out = []
-    for grp, n, errors, prompt, cached, completion, total, inputs, audio, latency, ttft, last in rows:
+    for grp, n, errors, prompt, cached, completion, total, inputs, audio, images, latency, ttft, last in rows:
         out.append(
             {
                 by if by != "none" else "group": grp,
@@ -77,6 +78,7 @@ def totals(conn: sqlite3.Connection, since: float, by: str = "key") -> list[dict
                 "total_tokens": total or 0,
                 "embedding_inputs": inputs or 0,
                 "audio_seconds": round(audio or 0.0, 3),
+                "images": images or 0,
                 "avg_latency_s": round(latency, 4) if latency is not None else None,
                 "avg_ttft_s": round(ttft, 4) if ttft is not None else None,
                 "last_at": _iso(last),
@@ -132,7 +134,7 @@ def render(rows: list[dict], fmt: str) -> str:
         writer.writeheader()
         writer.writerows(rows)
         return buf.getvalue().rstrip("\n")
-    shown = [c for c in columns if c not in ("cached_tokens", "audio_seconds", "last_at")]
+    shown = [c for c in columns if c not in ("cached_tokens", "audio_seconds", "images", "last_at")]
     table = [[c.upper() for c in shown]] + [["-" if r[c] is None else str(r[c]) for c in shown] for r in rows]
     widths = [max(len(row[i]) for row in table) for i in range(len(shown))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in table)

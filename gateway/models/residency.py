@@ -27,7 +27,12 @@ TICK_S = 1.0
 
 
 def _weights_bytes(path) -> int:
-    return sum(f.stat().st_size for f in path.glob("*.safetensors")) if path.is_dir() else 0
+    if not path.is_dir():
+        return 0
+    top = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    # A Diffusers-layout image model keeps its weights in a folder per part (transformer/,
+    # text_encoder/, vae/): counted too, so it is admitted by what it weighs.
+    return top or sum(f.stat().st_size for f in path.glob("*/*.safetensors"))
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 from ...shared.config import Registry
 from ...shared.errors import ErrorCode, ServiceError
+from ...shared.model_sections import ModelKind
 from ...shared.protocol import EXIT_UNSERVABLE
 from ..link.broker import Broker
 from .lifecycle import ModelSlot, Pulse, SlotState
@@ -137,7 +138,9 @@ class SlotRunner:
                 await self.changed.wait()
             slot.predecessor = None
         path = slot.entry.model_path(self.registry.models_dir)
-        if slot.entry.engine == "mlx" and not (path / "config.json").exists():
+        # Diffusers-layout image models keep their configs in model_index.json and per-part folders.
+        markers = ("config.json", "model_index.json") if slot.entry.kind == ModelKind.IMAGE else ("config.json",)
+        if slot.entry.engine == "mlx" and not any((path / m).exists() for m in markers):
             return self._not_started(slot, f"no model at {path} (import it with `mlxgw models import`)")
         if slot.entry.distributed is not None and (refusal := await sharding_refusal(slot.entry, path)):
             return self._not_started(slot, refusal, retry_after=None)

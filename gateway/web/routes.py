@@ -75,6 +75,8 @@ ROUTES: tuple[Route, ...] = (
     Route(("POST",), "/v1/audio/transcriptions", usage="/v1/audio/transcriptions", serves_kinds=(ModelKind.AUDIO,)),
     Route(("POST",), "/v1/audio/translations", usage="/v1/audio/translations"),
     Route(("POST",), "/v1/audio/speech", usage="/v1/audio/speech", serves_kinds=(ModelKind.SPEECH,)),
+    Route(("POST",), "/v1/images/generations", usage="/v1/images/generations", serves_kinds=(ModelKind.IMAGE,)),
+    Route(("POST",), "/v1/images/edits", usage="/v1/images/edits"),
     Route(("POST",), "/tokenize", usage="/tokenize"),
     Route(("POST",), "/detokenize", usage="/detokenize"),
     # llama.cpp's server API for editors (llama.vscode, llama.vim): fill in the middle, plain prompt

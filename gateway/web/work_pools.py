@@ -99,6 +99,7 @@ THREAD_POOLS: dict[str, BoundedPool] = {
     "json": BoundedPool("json", threads=max(1, _CORES // 2), max_waiting=64),
     "audio": BoundedPool("audio", threads=max(1, _CORES // 2), max_waiting=32),
     "speech": BoundedPool("speech", threads=max(1, _CORES // 2), max_waiting=32),
+    "image": BoundedPool("image", threads=max(1, _CORES // 2), max_waiting=32),  # edits' uploads, base64
     # Batch input files, checked line by line as a batch is created: one thread, so creations
     # never hold more than one core, and a burst of them waits here or gets a 429.
     "batch": BoundedPool("batch", threads=1, max_waiting=16),

@@ -250,7 +250,7 @@ def test_retention_deletes_rows_older_than_the_setting(tmp_path):
     conn.close()
     ledger = Ledger(db, retention_days=2)
     ledger.start()
-    ledger.record((time.time(), "r1", "new", "m", "chat", 200, "stop", 1, 0, 2, 0, 0.0, 0.01, 0.005, None))
+    ledger.record((time.time(), "r1", "new", "m", "chat", 200, "stop", 1, 0, 2, 0, 0.0, 0.01, 0.005, None, 0))
     ledger.close()
     conn = connect(db)
     keys = [k for (k,) in conn.execute("SELECT key FROM requests")]

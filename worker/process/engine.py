@@ -31,8 +31,14 @@ REQUEST_TYPES = {
     p.EMBED: p.EmbedRequest,
     p.TRANSCRIBE: p.TranscribeRequest,
     p.SPEAK: p.SpeechRequest,
+    p.DRAW: p.ImageRequest,
 }
-SERVES = {p.EMBED: "embeddings or reranking", p.TRANSCRIBE: "speech to text", p.SPEAK: "text to speech"}
+SERVES = {
+    p.EMBED: "embeddings or reranking",
+    p.TRANSCRIBE: "speech to text",
+    p.SPEAK: "text to speech",
+    p.DRAW: "images",
+}
 
 
 class Engine:

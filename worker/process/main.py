@@ -57,6 +57,10 @@ def build_runner(entry: ModelEntry, model_path: Path):
         from ..schedule.speech import PiperRunner
 
         return PiperRunner(model_path)
+    if entry.kind == ModelKind.IMAGE:
+        from ..schedule.images import ImageRunner
+
+        return ImageRunner(model_path)
     if entry.kind == ModelKind.VISION and entry.engine == "mlx":
         from ..model.runners.vision_runner import VisionRunner
 
@@ -162,6 +166,10 @@ def build_scheduler(
         from ..schedule.speech import SpeechScheduler
 
         return SpeechScheduler(runner, max_queue=entry.max_queue)
+    if entry.kind == ModelKind.IMAGE:
+        from ..schedule.images import ImageScheduler
+
+        return ImageScheduler(runner, max_queue=entry.max_queue)
     from ..schedule.prefill_plan import PrefillPace
     from ..schedule.scheduler import Scheduler
 
