@@ -83,7 +83,7 @@ class ModelEntry:
     # was made from (a model name or a path), as `ollama show` reports it.
     owns: str | None = None
     parent: str | None = None
-    # Keys from before the sections, still accepted at the top of an entry.
+    # Keys from before the sections, refused with the section key to write (shared/schema.py).
     FLAT_KEYS: ClassVar[dict[str, tuple[str, str]]] = FLAT_KEYS
 
     def model_path(self, models_dir: Path) -> Path:

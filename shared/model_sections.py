@@ -69,11 +69,11 @@ class CacheConfig:
     """`cache:` the KV a model keeps: the prefix cache's bounds in memory and on disk, the
     budget of admitted rows' KV, and its quantization."""
 
-    prefix_memory_mb: int | None = None  # prefix cache bound (flat key: cache_memory_mb); None: a share of RAM
+    prefix_memory_mb: int | None = None  # prefix cache bound; None: a share of RAM
     # KV of admitted rows + prefix cache (worker/model/memory/kv_budget.py); None: measured at load
     kv_memory_mb: int | None = None
-    # the prefix cache's disk tiers, one bound (flat key: prefix_cache_disk_mb); 0: off; None: a
-    # tenth of the disk's free space at the worker's start, at most 64 GiB
+    # the prefix cache's disk tiers, one bound; 0: off; None: a tenth of the disk's free space
+    # at the worker's start, at most 64 GiB
     prefix_disk_mb: int | None = None
     kv_bits: Literal[4, 8] | None = None  # quantized KV (worker/model/cache/quantized_kv.py); None: the model's dtype
     kv_group_size: Literal[32, 64, 128] = 64  # elements per quantization scale and bias
@@ -111,8 +111,8 @@ class EncoderConfig:
     max_batch_tokens: int = 8192  # padded tokens per forward pass
 
 
-# models.yaml keys from before the sections, still accepted at the top of an entry (quietly:
-# `kv_bits: 8` reads as `cache: {kv_bits: 8}`); shared/schema.py folds them in.
+# models.yaml keys from before the sections, refused at the top of an entry with the place to
+# write them (`kv_bits: 8` -> `cache: {kv_bits: 8}`; shared/schema.py).
 FLAT_KEYS: dict[str, tuple[str, str]] = {
     "cache_memory_mb": ("cache", "prefix_memory_mb"),
     "kv_memory_mb": ("cache", "kv_memory_mb"),
