@@ -25,7 +25,7 @@ from ...pipeline.images import from_openai_part, join_content
 from ...pipeline.serving import handle
 from ...pipeline.tools import openai_constraint, template_arguments
 from ...pipeline.translate import ParsedRequest, image_limits
-from ..openai.mcp_calls import responses_hooks
+from .mcp_items import responses_hooks
 from .output import STORE, ResponseEvents, render
 from .tools import ResponsesTools, custom_arguments, joined_name, parse_tools, split_name
 
