@@ -1,23 +1,19 @@
-"""Range and consistency checks of a parsed models.yaml (shared/config.py:parse_registry):
-each error names the file, the model and the field."""
+"""Range and consistency checks of a parsed models.yaml model entry, run by
+shared/config.py:parse_registry (the manager's and the gateway's sections are checked beside
+their classes): each error names the file, the model and the field."""
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from . import model_store
-from .model_sections import ENCODER_KINDS, MAX_RANKS, AdapterEntry, ModelKind
+from .model_sections import ENCODER_KINDS, MAX_RANKS, AdapterEntry, ModelEntry, ModelKind, SamplingDefaults
 from .schema import ConfigError
 
 # The longest context an entry may set: 16M tokens, past every released model's own (a
 # worker clamps to the model's, but a bigger number would still be reported and planned for).
 MAX_CONTEXT_LENGTH = 1 << 24
-
-if TYPE_CHECKING:
-    from .config import GatewayConfig, ManagerConfig, ModelEntry
-    from .model_sections import SamplingDefaults
 
 
 def at_least(where: str, obj: Any, minimum: float, names: tuple[str, ...], strict: bool = False) -> None:
@@ -29,31 +25,6 @@ def at_least(where: str, obj: Any, minimum: float, names: tuple[str, ...], stric
         if value < minimum or (strict and value == minimum):
             need = f"greater than {minimum:g}" if strict else f"at least {minimum:g}"
             raise ConfigError(f"{where}: field {name!r}: must be {need}, got {value!r}")
-
-
-def check_manager(m: ManagerConfig, where: str) -> None:
-    at_least(where, m, 0, ("heartbeat_s", "load_timeout_s", "failed_retry_s", "hang_timeout_s"), strict=True)
-    at_least(where, m, 0, ("idle_unload_s", "wait_timeout_s", "usage_retention_days"))
-    at_least(where, m, 1, ("liveness", "max_loaded_models"))
-    try:
-        budget = parse_memory_budget(m.memory_budget, 1 << 30)
-    except ConfigError as e:
-        raise ConfigError(f"{where}: field 'memory_budget': {e}") from None
-    if budget <= 0:
-        raise ConfigError(f"{where}: field 'memory_budget': must be more than 0, got {m.memory_budget!r}")
-
-
-def check_gateway(g: GatewayConfig, where: str) -> None:
-    at_least(where, g, 1, ("port", "max_body_bytes", "max_connections", "max_tokens_cap", "max_tokens_default"))
-    at_least(where, g, 1, ("max_images", "audit_max_bytes"))
-    at_least(where, g, 0, ("audit_retention_days",), strict=True)
-    at_least(where, g, 0, ("request_timeout_s", "prefill_timeout_s", "max_image_mb"), strict=True)
-    at_least(where, g, 0, ("header_timeout_s", "body_timeout_s", "idle_timeout_s"), strict=True)
-    if g.port > 65535:
-        raise ConfigError(f"{where}: field 'port': must be at most 65535, got {g.port}")
-    group = g.default_cache_group
-    if group is not None and not (isinstance(group, str) and re.match(r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,63}$", group)):
-        raise ConfigError(f"{where}: field 'default_cache_group': 1-64 letters, digits or ._@-, got {group!r}")
 
 
 def check_entry(e: ModelEntry, where: str) -> None:

@@ -23,8 +23,7 @@ from helpers.paths import FIXTURES
 
 from mlxgw.gateway.access.key_admin import create_key
 from mlxgw.gateway.pipeline.translate import with_entry_preamble
-from mlxgw.shared.config import ModelEntry
-from mlxgw.shared.model_sections import ChatConfig, PresetMessage
+from mlxgw.shared.model_sections import ChatConfig, ModelEntry, PresetMessage
 
 # Within Jinja's sandbox range limit (100,000), so the loops really run: 10^10 iterations.
 LOOPING_TEMPLATE = "{% for a in range(100000) %}{% for b in range(100000) %}x{% endfor %}{% endfor %}"

@@ -204,7 +204,7 @@ def test_a_bad_section_field_is_refused_naming_the_model_and_the_field(raw, fiel
 def test_an_entry_reaches_its_worker_whole():
     from dataclasses import asdict
 
-    from mlxgw.shared.config import ModelEntry
+    from mlxgw.shared.model_sections import ModelEntry
     from mlxgw.shared.schema import from_mapping
 
     raw = {"name": "m", "cache": {"kv_bits": 4}, "chat": {"system": "be brief"}}

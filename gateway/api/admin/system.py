@@ -13,6 +13,7 @@ from ....shared.model_sections import CHAT_KINDS, KINDS, ModelKind
 from ...access.auth import may_use, presented_key
 from ...mcp.hub import MCP
 from ...models import adapters
+from ...models.model_report import describe_slot
 from ...pipeline.fim_support import capabilities, fim_format
 from ...web.errors import error_response
 from ...web.state import BROKER, KEYS, MANAGER
@@ -32,7 +33,7 @@ def _model(request: web.Request, slot, anthropic: bool) -> dict:
         created = datetime.fromtimestamp(STARTED, timezone.utc).isoformat().replace("+00:00", "Z")
         return {"type": "model", "id": slot.name, "display_name": slot.name, "created_at": created}
     manager = request.app[MANAGER]
-    d = manager.describe(slot)
+    d = describe_slot(manager, slot)
     found = _discovered(manager).get(slot.name)
     return {
         "id": slot.name,
@@ -166,7 +167,7 @@ async def status(request: web.Request) -> web.Response:
             "workers_connected": len(broker.conns),
             "dropped_messages": broker.dropped_messages,
             "memory": manager.memory_snapshot(),
-            "models": [manager.describe(s) for s in manager.slots.values()],
+            "models": [describe_slot(manager, s) for s in manager.slots.values()],
             "processes": manager.processes(),
             **manager.health(),
         }
