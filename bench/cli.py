@@ -37,7 +37,7 @@ def bench() -> None:
 
 
 def run_module(module: str, args: list[str]) -> None:
-    """Run mlxgw.bench.MODULE as `python -m` would, with `args` as its command line."""
+    """Run mlxgw.bench.<module> as `python -m` would, with `args` as its command line."""
     name = f"mlxgw.bench.{module}"
     sys.argv = [f"python -m {name}", *args]
     runpy.run_module(name, run_name="__main__", alter_sys=True)

@@ -239,12 +239,6 @@ def cross_family_imports(graph: dict[str, set[str]] | None = None) -> list[str]:
     )
 
 
-def test_gateway_api_holds_one_folder_per_family():
-    api = ROOT / "gateway" / "api"
-    assert {p.name for p in api.iterdir() if (p / "__init__.py").exists()} == set(FAMILIES)
-    assert sorted(p.name for p in api.glob("*.py")) == ["__init__.py"]
-
-
 def test_an_api_family_imports_no_other_family():
     assert cross_family_imports() == []
 
