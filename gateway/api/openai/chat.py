@@ -6,6 +6,7 @@ from aiohttp import web
 
 from ....shared.errors import invalid
 from ...mcp.drive import McpFamily, McpHooks
+from ...mcp.loop import McpCall
 from ...models.generation import Generation, Outcome
 from ...pipeline.cache_hints import openai_retention
 from ...pipeline.fields import ChatFields
@@ -15,7 +16,6 @@ from ...pipeline.serving import handle
 from ...pipeline.tools import openai_constraint
 from ...pipeline.translate import ParsedRequest, image_limits
 from . import common as oc
-from .mcp_calls import chat_hooks
 
 routes = web.RouteTableDef()
 
@@ -91,7 +91,7 @@ class OpenAIChat(McpFamily):
         return oc.completion_body("chat.completion", "chatcmpl", gen, out, lambda o: _choice(o, wants_logprobs))
 
     def mcp_hooks(self) -> McpHooks:
-        return chat_hooks()
+        return McpHooks(_mcp_call, _mcp_result, _mcp_decorate)
 
 
 @routes.post("/v1/chat/completions")
@@ -150,3 +150,28 @@ class ChatChunks(oc.OpenAIChunks):
         await self.sse.data(self.delta({"tool_calls": [{**head, "function": {"name": call["name"], "arguments": ""}}]}))
         args = {"index": call["index"], "function": {"arguments": call["arguments"]}}
         await self.sse.data(self.delta({"tool_calls": [args]}))
+
+
+# The MCP calls the gateway ran, shown in an mlxgw extension: a streamed call is a tool-call
+# delta marked `"mlxgw_mcp": {"server_label": ...}` (its index continues the turn's numbering),
+# its result a delta `"mlxgw_mcp_result": {id, server_label, name, arguments, output, error}`;
+# a non-streamed message lists them in `message.mlxgw_mcp_calls`. A client must not run a tool
+# call marked `mlxgw_mcp`: the gateway already did.
+async def _mcp_call(out, call: dict, label: str) -> None:
+    delta = {
+        "index": call["index"],
+        "id": call["id"],
+        "type": "function",
+        "function": {"name": call["name"], "arguments": call["arguments"]},
+        "mlxgw_mcp": {"server_label": label},
+    }
+    await out.sse.data(out.delta({"tool_calls": [delta]}))
+
+
+async def _mcp_result(out, r: McpCall) -> None:
+    await out.sse.data(out.delta({"mlxgw_mcp_result": r.as_dict()}))
+
+
+def _mcp_decorate(body: dict, calls: list[McpCall]) -> None:
+    if calls:
+        body["choices"][0]["message"]["mlxgw_mcp_calls"] = [c.as_dict() for c in calls]
