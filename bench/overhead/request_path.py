@@ -31,6 +31,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ...shared.events import Delta
+
 ROOT = Path(__file__).resolve().parent.parent.parent
 GATEWAY = str(ROOT / "gateway") + os.sep
 WORKER_SIDE = (str(ROOT / "worker") + os.sep, str(ROOT / "shared") + os.sep)
@@ -141,18 +143,15 @@ class WorkerTrace(Trace):
             self.state = "frame"
         elif name == "_intake" and self.state == "frame":
             self.state = "request"
-        elif name == "_send_events" and self.state == "request" and _has_token(frame.f_locals.get("fields")):
-            super().profile(frame, event, arg)
-            with open(self.out, "a") as f:
+        super().profile(frame, event, arg)
+        if name == "_send_events" and self.state == "request" and _has_delta(frame.f_locals["fields"]):
+            with open(self.out, "a") as f:  # the first token's frame was the last stop
                 f.write(json.dumps({"summary": self.summary(), "stops": self.stops}) + "\n")
             self.state = "idle"
-        super().profile(frame, event, arg)
 
 
-def _has_token(fields) -> bool:
-    from ...shared.events import Delta
-
-    return any(isinstance(item[1], Delta) for item in (fields or {}).get("items", ()))
+def _has_delta(fields: dict) -> bool:
+    return any(isinstance(event, Delta) for _, event in fields.get("items", ()))
 
 
 def trace_worker(out: str) -> None:
@@ -173,7 +172,7 @@ def _worker_traced(home: Path) -> Path:
     return out
 
 
-def _config(home: Path) -> dict:
+def _config() -> dict:
     return {
         "manager": {"auto_discover": False, "usage_ledger": False},
         "models": [{"name": "null", "engine": "null", "preload": True}],
@@ -193,7 +192,7 @@ async def _run(tokens: int, show: int) -> None:
     os.environ["MLXGW_HOME"] = str(home)
     os.environ["PYTHONPATH"] = str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")
     worker_out = _worker_traced(home)
-    registry = parse_registry(_config(home))
+    registry = parse_registry(_config())
     app = make_app(registry, state.GatewaySettings(), f"ipc://{home / 'gw.sock'}")
     current: list[Trace] = []
 
@@ -244,6 +243,8 @@ async def _run(tokens: int, show: int) -> None:
                 print(f"  worker, socket to first token: {worker['summary']}")
                 for file, count in Counter(f for f, _ in worker["stops"]).most_common():
                     print(f"    {count:3d}  {file}")
+                if show:
+                    print("    first stops: " + " > ".join(f"{f}:{fn}" for f, fn in worker["stops"][:show]))
     finally:
         await server.close()
 
