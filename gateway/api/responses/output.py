@@ -160,6 +160,7 @@ class ResponseEvents(Emitter):
         self.texts: list[str] = []
         self.calls: list[dict] = []
         self.logprob_entries: list[dict] = []
+        self.mcp_items: dict[str, dict] = {}  # the MCP calls shown, by call id (_responses_call below)
 
     async def emit(self, kind: str, **fields) -> None:
         await self.sse.data({"type": kind, "sequence_number": self.seq, **fields}, kind)
@@ -296,8 +297,6 @@ async def _responses_call(out, call: dict, label: str) -> None:
     await out._close_reasoning()
     await out._close_message()
     item = {**mcp_call_item(call, label, "in_progress"), "arguments": ""}
-    if not hasattr(out, "mcp_items"):
-        out.mcp_items = {}
     out.mcp_items[call["id"]] = item
     await out._add(item)
     idx, args = out._index(item), call["arguments"]
