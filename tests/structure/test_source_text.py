@@ -1,6 +1,8 @@
-"""Every dotted `mlxgw.<part>...` name in a source docstring names a module of the tree (and,
-past the module, a name it defines): a docstring that points at a module a move left behind
-sends its reader nowhere."""
+"""What the source's text points at exists: every dotted `mlxgw.<part>...` name in a docstring
+names a module of the tree (and, past the module, a name it defines), since a docstring that
+points at a module a move left behind sends its reader nowhere; and no comment cites the
+project's own issue numbers, which say nothing to a reader of the code (an upstream project's
+issue, named with its project, is a pointer and stays)."""
 
 from __future__ import annotations
 
@@ -69,3 +71,22 @@ def test_a_stale_dotted_name_is_reported(doc):
     assert not stale_names(
         '"""python -m mlxgw.bench.overhead.request_path; mlxgw.shared.config.parse_registry"""\n', "ok"
     )
+
+
+UPSTREAM = ("mlx-lm", "mlx", "mlx-vlm", "vllm", "llama.cpp", "transformers", "aiohttp", "pyzmq", "msgspec")
+ISSUE = re.compile(r"([\w.-]*)[\s(#]*\bissues? #?\d+", re.I)
+
+
+def issue_citations(source: str, where: str) -> list[str]:
+    return [f"{where}: {m.group(0).strip()}" for m in ISSUE.finditer(source) if m.group(1).lower() not in UPSTREAM]
+
+
+def test_no_source_cites_the_projects_own_issues():
+    files = [p for part in PARTS for p in sorted((REPO / part).rglob("*.py"))]
+    assert [c for p in files for c in issue_citations(p.read_text(), str(p.relative_to(REPO)))] == []
+
+
+def test_an_issue_citation_is_reported_unless_upstream():
+    assert issue_citations("# the worker keeps it (issue 42)\n", "planted")
+    assert issue_citations('"""Fixed for issue #7."""\n', "planted")
+    assert not issue_citations("reuses nothing (mlx-lm\nissue #980)", "ok")
