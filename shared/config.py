@@ -14,8 +14,8 @@ from typing import Any
 import yaml
 
 from . import discovery, model_store
-from .config_checks import at_least, check_adapter_names, check_entry, parse_memory_budget
-from .gateway_config import GatewayConfig, check_gateway
+from .config_checks import at_least, check_adapter_names, check_entry, check_gateway, parse_memory_budget
+from .gateway_config import GatewayConfig
 from .mcp_config import McpConfig, parse_mcp
 from .model_sections import KINDS, AdapterEntry, Contention, ModelEntry, ModelKind
 from .schema import ConfigError, from_mapping

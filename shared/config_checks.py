@@ -1,13 +1,15 @@
-"""Range and consistency checks of a parsed models.yaml model entry, run by
-shared/config.py:parse_registry (the manager's and the gateway's sections are checked beside
-their classes): each error names the file, the model and the field."""
+"""Range and consistency checks of a parsed models.yaml's model entries and gateway section, run
+by shared/config.py:parse_registry (the manager's section is checked beside its class there):
+each error names the file, the model and the field."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
 from . import model_store
+from .gateway_config import GatewayConfig
 from .model_sections import ENCODER_KINDS, MAX_RANKS, AdapterEntry, ModelEntry, ModelKind, SamplingDefaults
 from .schema import ConfigError
 
@@ -25,6 +27,19 @@ def at_least(where: str, obj: Any, minimum: float, names: tuple[str, ...], stric
         if value < minimum or (strict and value == minimum):
             need = f"greater than {minimum:g}" if strict else f"at least {minimum:g}"
             raise ConfigError(f"{where}: field {name!r}: must be {need}, got {value!r}")
+
+
+def check_gateway(g: GatewayConfig, where: str) -> None:
+    at_least(where, g, 1, ("port", "max_body_bytes", "max_connections", "max_tokens_cap", "max_tokens_default"))
+    at_least(where, g, 1, ("max_images", "audit_max_bytes"))
+    at_least(where, g, 0, ("audit_retention_days",), strict=True)
+    at_least(where, g, 0, ("request_timeout_s", "prefill_timeout_s", "max_image_mb"), strict=True)
+    at_least(where, g, 0, ("header_timeout_s", "body_timeout_s", "idle_timeout_s"), strict=True)
+    if g.port > 65535:
+        raise ConfigError(f"{where}: field 'port': must be at most 65535, got {g.port}")
+    group = g.default_cache_group
+    if group is not None and not (isinstance(group, str) and re.match(r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,63}$", group)):
+        raise ConfigError(f"{where}: field 'default_cache_group': 1-64 letters, digits or ._@-, got {group!r}")
 
 
 def check_entry(e: ModelEntry, where: str) -> None:

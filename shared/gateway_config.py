@@ -6,19 +6,16 @@ gateway has). A new setting is one field here plus its line in config/models.exa
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass
 from typing import Any
 
-from .config_checks import at_least
 from .model_sections import LogFormat
-from .schema import ConfigError
 
 
 def setting(default: Any, help: str, *, flag: str | None = None, minimum: float | None = None) -> Any:
     """A gateway field: its default, its help (the flag's and the docs'), its `mlxgw up` flag
     (None: models.yaml only) and the smallest value the flag takes (the file's ranges are
-    checked by check_gateway below)."""
+    checked in shared/config_checks.py)."""
     metadata = {"help": help, "flag": flag, "minimum": minimum}
     if isinstance(default, list):
         return dataclasses.field(default_factory=lambda: list(default), metadata=metadata)
@@ -79,16 +76,3 @@ class GatewayConfig:
     # and an anchor keeps what is left verifiable.
     audit_retention_days: float | None = setting(365.0, "days the audit trail keeps an entry (null: forever)")
     audit_max_bytes: int | None = setting(64 * 1024 * 1024, "the audit trail's largest size in bytes (null: no bound)")
-
-
-def check_gateway(g: GatewayConfig, where: str) -> None:
-    at_least(where, g, 1, ("port", "max_body_bytes", "max_connections", "max_tokens_cap", "max_tokens_default"))
-    at_least(where, g, 1, ("max_images", "audit_max_bytes"))
-    at_least(where, g, 0, ("audit_retention_days",), strict=True)
-    at_least(where, g, 0, ("request_timeout_s", "prefill_timeout_s", "max_image_mb"), strict=True)
-    at_least(where, g, 0, ("header_timeout_s", "body_timeout_s", "idle_timeout_s"), strict=True)
-    if g.port > 65535:
-        raise ConfigError(f"{where}: field 'port': must be at most 65535, got {g.port}")
-    group = g.default_cache_group
-    if group is not None and not (isinstance(group, str) and re.match(r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,63}$", group)):
-        raise ConfigError(f"{where}: field 'default_cache_group': 1-64 letters, digits or ._@-, got {group!r}")
