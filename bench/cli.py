@@ -2,8 +2,7 @@
 
 `mlxgw bench load` load-tests an OpenAI-compatible server (optionally against others); the
 studies (bench/studies.py) are groups whose commands run a bench module with the rest of the
-command line, as `python -m mlxgw.bench.<study>.<bench>` would. The old spelling,
-`mlxgw bench --url ... --model ...`, still runs the load test.
+command line, as `python -m mlxgw.bench.<study>.<bench>` would.
 """
 
 from __future__ import annotations
@@ -19,17 +18,7 @@ from .studies import STUDIES, Study
 PASS_THROUGH = {"ignore_unknown_options": True, "allow_extra_args": True, "help_option_names": []}
 
 
-class BenchGroup(click.Group):
-    """A group that reads `mlxgw bench --url ...` (options first, no command) as
-    `mlxgw bench load --url ...`, the spelling from before the studies."""
-
-    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        if args and args[0].startswith("-") and args[0] not in ("--help", "-h"):
-            args = ["load", *args]
-        return super().parse_args(ctx, args)
-
-
-@click.group(cls=BenchGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def bench() -> None:
     """Benchmarks: `load` for any OpenAI-compatible server, and the studies (each a group of
     benches; `mlxgw bench STUDY BENCH --help` shows a bench's own options). bench/README.md
@@ -37,7 +26,7 @@ def bench() -> None:
 
 
 def run_module(module: str, args: list[str]) -> None:
-    """Run mlxgw.bench.MODULE as `python -m` would, with `args` as its command line."""
+    """Run mlxgw.bench.<module> as `python -m` would, with `args` as its command line."""
     name = f"mlxgw.bench.{module}"
     sys.argv = [f"python -m {name}", *args]
     runpy.run_module(name, run_name="__main__", alter_sys=True)

@@ -85,7 +85,7 @@ STUDIES = [
             "capacity": ("overhead.capacity", "The gateway's capacity against a bare aiohttp server, same client."),
             "ledger-ab": ("overhead.ledger_ab", "The usage ledger's cost per request end to end, on against off."),
             "ledger-hook": ("overhead.ledger_overhead", "The usage ledger's hook timed on the event loop."),
-            "request-path": ("overhead.request_path", "How far one chat request wanders through gateway/'s files."),
+            "request-path": ("overhead.request_path", "How far one chat request wanders through gateway/ and worker/."),
         },
     ),
     Study(

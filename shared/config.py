@@ -6,97 +6,21 @@ config must not silently fall back to a default."""
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import yaml
 
 from . import discovery, model_store
-from .config_checks import (
-    check_adapter_names,
-    check_entry,
-    check_gateway,
-    check_manager,
-)
+from .config_checks import at_least, check_adapter_names, check_entry, check_gateway, parse_memory_budget
 from .gateway_config import GatewayConfig
 from .mcp_config import McpConfig, parse_mcp
-from .model_sections import (
-    FLAT_KEYS,
-    KINDS,
-    AdapterEntry,
-    CacheConfig,
-    ChatConfig,
-    Contention,
-    DistributedConfig,
-    EncoderConfig,
-    Engine,
-    FimConfig,
-    MaxTokensPolicy,
-    ModelKind,
-    SamplingDefaults,
-    SpeculativeConfig,
-)
+from .model_sections import KINDS, AdapterEntry, Contention, ModelEntry, ModelKind
 from .schema import ConfigError, from_mapping
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class ModelEntry:
-    name: str
-    source: str | None = None  # folder name in the models dir, or a path; default: name
-    kind: ModelKind = ModelKind.CHAT
-    engine: Engine = "mlx"  # "null": tokens without a model (capacity tests); "echo": repeats the last message
-    aliases: list[str] = field(default_factory=list)  # exact names or glob patterns
-    preload: bool = False
-    pin: bool = False
-    remote_only: bool = False  # never spawned here: served by `mlxgw worker --connect` elsewhere
-    idle_unload_s: float | None = None  # None: the manager's default; 0: never
-    # Sequences decoded together; None: from the model's KV bytes per token and the machine's
-    # RAM (worker/model/memory/capacity.py), reported in /v1/status.
-    max_num_seqs: int | None = None
-    max_queue: int = 64
-    context_length: int | None = None  # None: the model's own
-    max_tokens_policy: MaxTokensPolicy = "clamp"
-    stream_interval: int = 1
-    prefill_step_size: int = 512
-    cache: CacheConfig = field(default_factory=CacheConfig)
-    use_openblas: bool = True  # Linux CPU only, see shared/platform.py
-    defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
-    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
-    chat: ChatConfig = field(default_factory=ChatConfig)  # parsers, template, preset turns
-    encoder: EncoderConfig = field(default_factory=EncoderConfig)  # embedding / rerank workers
-    mcp_servers: list[str] = field(default_factory=list)  # MCP servers offered by default (shared/mcp_config.py)
-    distributed: DistributedConfig | None = None  # shard the model over several ranks
-    adapters: list[AdapterEntry] = field(default_factory=list)  # LoRA adapters on this model
-    resident_adapters: int = 8  # adapters kept loaded on the worker at once (LRU; rows in use never leave)
-    # The resident adapters' weights, bounded in MB (LRU by bytes, in place of resident_adapters'
-    # count) and taken out of the measured KV budget; None: bounded by count, bytes reported only.
-    adapter_memory_mb: float | None = None
-    fim: FimConfig | None = None  # fill-in-the-middle overrides; None: as the tokenizer says
-    # Written by Ollama's /api/pull and /api/create, read by /api/delete and /api/show:
-    # the folder this entry's own pull or import produced (resolved), the only one a delete of
-    # the entry may remove (and only while no other entry serves from it); and what the entry
-    # was made from (a model name or a path), as `ollama show` reports it.
-    owns: str | None = None
-    parent: str | None = None
-    # Keys from before the sections, still accepted at the top of an entry.
-    FLAT_KEYS: ClassVar[dict[str, tuple[str, str]]] = FLAT_KEYS
-
-    def model_path(self, models_dir: Path) -> Path:
-        source = self.source or self.name
-        path = Path(source).expanduser()
-        return path if path.is_absolute() else models_dir / source
-
-    def matches(self, requested: str) -> bool:
-        if requested == self.name:
-            return True
-        return any(
-            requested == a or (any(c in a for c in "*?[") and fnmatch.fnmatchcase(requested, a)) for a in self.aliases
-        )
 
 
 @dataclass
@@ -121,6 +45,18 @@ class ManagerConfig:
     # Folders Ollama's /api/create may take a `FROM` path from (the models directory always);
     # a request can name nothing outside them.
     allowed_import_paths: list[str] = field(default_factory=list)
+
+
+def check_manager(m: ManagerConfig, where: str) -> None:
+    at_least(where, m, 0, ("heartbeat_s", "load_timeout_s", "failed_retry_s", "hang_timeout_s"), strict=True)
+    at_least(where, m, 0, ("idle_unload_s", "wait_timeout_s", "usage_retention_days"))
+    at_least(where, m, 1, ("liveness", "max_loaded_models"))
+    try:
+        budget = parse_memory_budget(m.memory_budget, 1 << 30)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: field 'memory_budget': {e}") from None
+    if budget <= 0:
+        raise ConfigError(f"{where}: field 'memory_budget': must be more than 0, got {m.memory_budget!r}")
 
 
 MOVED_TO_GATEWAY = {"request_timeout_seconds": "request_timeout_s", "max_body_bytes": "max_body_bytes"}

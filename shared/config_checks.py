@@ -1,23 +1,21 @@
-"""Range and consistency checks of a parsed models.yaml (shared/config.py:parse_registry):
+"""Range and consistency checks of a parsed models.yaml's model entries and gateway section, run
+by shared/config.py:parse_registry (the manager's section is checked beside its class there):
 each error names the file, the model and the field."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from . import model_store
-from .model_sections import ENCODER_KINDS, MAX_RANKS, AdapterEntry, ModelKind
+from .gateway_config import GatewayConfig
+from .model_sections import ENCODER_KINDS, MAX_RANKS, AdapterEntry, ModelEntry, ModelKind, SamplingDefaults
 from .schema import ConfigError
 
 # The longest context an entry may set: 16M tokens, past every released model's own (a
 # worker clamps to the model's, but a bigger number would still be reported and planned for).
 MAX_CONTEXT_LENGTH = 1 << 24
-
-if TYPE_CHECKING:
-    from .config import GatewayConfig, ManagerConfig, ModelEntry
-    from .model_sections import SamplingDefaults
 
 
 def at_least(where: str, obj: Any, minimum: float, names: tuple[str, ...], strict: bool = False) -> None:
@@ -29,18 +27,6 @@ def at_least(where: str, obj: Any, minimum: float, names: tuple[str, ...], stric
         if value < minimum or (strict and value == minimum):
             need = f"greater than {minimum:g}" if strict else f"at least {minimum:g}"
             raise ConfigError(f"{where}: field {name!r}: must be {need}, got {value!r}")
-
-
-def check_manager(m: ManagerConfig, where: str) -> None:
-    at_least(where, m, 0, ("heartbeat_s", "load_timeout_s", "failed_retry_s", "hang_timeout_s"), strict=True)
-    at_least(where, m, 0, ("idle_unload_s", "wait_timeout_s", "usage_retention_days"))
-    at_least(where, m, 1, ("liveness", "max_loaded_models"))
-    try:
-        budget = parse_memory_budget(m.memory_budget, 1 << 30)
-    except ConfigError as e:
-        raise ConfigError(f"{where}: field 'memory_budget': {e}") from None
-    if budget <= 0:
-        raise ConfigError(f"{where}: field 'memory_budget': must be more than 0, got {m.memory_budget!r}")
 
 
 def check_gateway(g: GatewayConfig, where: str) -> None:

@@ -1,9 +1,10 @@
-"""The parts of a models.yaml model entry (shared/config.py:ModelEntry): its kind, sampling
-defaults, its cache, chat and encoder sections, speculation, sharding, fill-in-the-middle,
-adapters and preset turns."""
+"""A models.yaml model entry (`ModelEntry`) and its parts: its kind, sampling defaults, its
+cache, chat and encoder sections, speculation, sharding, fill-in-the-middle, adapters and
+preset turns."""
 
 from __future__ import annotations
 
+import fnmatch
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,11 +71,11 @@ class CacheConfig:
     """`cache:` the KV a model keeps: the prefix cache's bounds in memory and on disk, the
     budget of admitted rows' KV, and its quantization."""
 
-    prefix_memory_mb: int | None = None  # prefix cache bound (flat key: cache_memory_mb); None: a share of RAM
+    prefix_memory_mb: int | None = None  # prefix cache bound; None: a share of RAM
     # KV of admitted rows + prefix cache (worker/model/memory/kv_budget.py); None: measured at load
     kv_memory_mb: int | None = None
-    # the prefix cache's disk tiers, one bound (flat key: prefix_cache_disk_mb); 0: off; None: a
-    # tenth of the disk's free space at the worker's start, at most 64 GiB
+    # the prefix cache's disk tiers, one bound; 0: off; None: a tenth of the disk's free space
+    # at the worker's start, at most 64 GiB
     prefix_disk_mb: int | None = None
     kv_bits: Literal[4, 8] | None = None  # quantized KV (worker/model/cache/quantized_kv.py); None: the model's dtype
     kv_group_size: Literal[32, 64, 128] = 64  # elements per quantization scale and bias
@@ -112,8 +113,8 @@ class EncoderConfig:
     max_batch_tokens: int = 8192  # padded tokens per forward pass
 
 
-# models.yaml keys from before the sections, still accepted at the top of an entry (quietly:
-# `kv_bits: 8` reads as `cache: {kv_bits: 8}`); shared/schema.py folds them in.
+# models.yaml keys from before the sections, refused at the top of an entry with the place to
+# write them (`kv_bits: 8` -> `cache: {kv_bits: 8}`; shared/schema.py).
 FLAT_KEYS: dict[str, tuple[str, str]] = {
     "cache_memory_mb": ("cache", "prefix_memory_mb"),
     "kv_memory_mb": ("cache", "kv_memory_mb"),
@@ -196,3 +197,58 @@ class PresetMessage:
 
     role: Literal["system", "user", "assistant"]
     content: str
+
+
+@dataclass
+class ModelEntry:
+    name: str
+    source: str | None = None  # folder name in the models dir, or a path; default: name
+    kind: ModelKind = ModelKind.CHAT
+    engine: Engine = "mlx"  # "null": tokens without a model (capacity tests); "echo": repeats the last message
+    aliases: list[str] = field(default_factory=list)  # exact names or glob patterns
+    preload: bool = False
+    pin: bool = False
+    remote_only: bool = False  # never spawned here: served by `mlxgw worker --connect` elsewhere
+    idle_unload_s: float | None = None  # None: the manager's default; 0: never
+    # Sequences decoded together; None: from the model's KV bytes per token and the machine's
+    # RAM (worker/model/memory/capacity.py), reported in /v1/status.
+    max_num_seqs: int | None = None
+    max_queue: int = 64
+    context_length: int | None = None  # None: the model's own
+    max_tokens_policy: MaxTokensPolicy = "clamp"
+    stream_interval: int = 1
+    prefill_step_size: int = 512
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    use_openblas: bool = True  # Linux CPU only, see shared/platform.py
+    defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    chat: ChatConfig = field(default_factory=ChatConfig)  # parsers, template, preset turns
+    encoder: EncoderConfig = field(default_factory=EncoderConfig)  # embedding / rerank workers
+    mcp_servers: list[str] = field(default_factory=list)  # MCP servers offered by default (shared/mcp_config.py)
+    distributed: DistributedConfig | None = None  # shard the model over several ranks
+    adapters: list[AdapterEntry] = field(default_factory=list)  # LoRA adapters on this model
+    resident_adapters: int = 8  # adapters kept loaded on the worker at once (LRU; rows in use never leave)
+    # The resident adapters' weights, bounded in MB (LRU by bytes, in place of resident_adapters'
+    # count) and taken out of the measured KV budget; None: bounded by count, bytes reported only.
+    adapter_memory_mb: float | None = None
+    fim: FimConfig | None = None  # fill-in-the-middle overrides; None: as the tokenizer says
+    # Written by Ollama's /api/pull and /api/create, read by /api/delete and /api/show:
+    # the folder this entry's own pull or import produced (resolved), the only one a delete of
+    # the entry may remove (and only while no other entry serves from it); and what the entry
+    # was made from (a model name or a path), as `ollama show` reports it.
+    owns: str | None = None
+    parent: str | None = None
+    # Keys from before the sections, refused with the section key to write (shared/schema.py).
+    FLAT_KEYS: ClassVar[dict[str, tuple[str, str]]] = FLAT_KEYS
+
+    def model_path(self, models_dir: Path) -> Path:
+        source = self.source or self.name
+        path = Path(source).expanduser()
+        return path if path.is_absolute() else models_dir / source
+
+    def matches(self, requested: str) -> bool:
+        if requested == self.name:
+            return True
+        return any(
+            requested == a or (any(c in a for c in "*?[") and fnmatch.fnmatchcase(requested, a)) for a in self.aliases
+        )

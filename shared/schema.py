@@ -1,7 +1,8 @@
 """Typed config from YAML mappings: dataclasses filled field by field, where unknown keys,
-wrong types and non-finite numbers are errors naming the field, and old spellings still load
-with a deprecation note. shared/config.py (models.yaml) and shared/mcp_config.py (its `mcp:`
-section) both build on it; it imports neither."""
+wrong types and non-finite numbers are errors naming the field, old spellings still load
+with a deprecation note, and keys moved into a section are refused naming their new place.
+shared/config.py (models.yaml) and shared/mcp_config.py (its `mcp:` section) both build on
+it; it imports neither."""
 
 from __future__ import annotations
 
@@ -86,10 +87,14 @@ def from_mapping(cls: type, data: Any, where: str) -> Any:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: expected a mapping, got {data!r}")
-    data = _folded(getattr(cls, "FLAT_KEYS", {}), _renamed(cls.__name__, data, where), where)
+    data = _renamed(cls.__name__, data, where)
     hints = typing.get_type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - known)
+    for old in unknown:  # a key from before the class had sections: name the one to write
+        if old in getattr(cls, "FLAT_KEYS", {}):
+            section, name = cls.FLAT_KEYS[old]
+            raise ConfigError(f"{where}: field {old!r} moved: write `{section}: {{{name}: {data[old]!r}}}`")
     if unknown:
         raise ConfigError(f"{where}: unknown field {unknown[0]!r} (known: {', '.join(sorted(known))})")
     kwargs = {k: _coerce(v, hints[k], f"{where}: field {k!r}") for k, v in data.items()}
@@ -110,24 +115,4 @@ def _renamed(cls_name: str, data: dict, where: str) -> dict:
                 raise ConfigError(f"{where}: field {old!r}: set only {new!r} (the old spelling of the same field)")
             log.warning("%s: field %r is deprecated; call it %r", where, old, new)
             out[new] = out.pop(old)
-    return out
-
-
-def _folded(flat_keys: dict[str, tuple[str, str]], data: dict, where: str) -> dict:
-    """Keys from before a class had sections (its FLAT_KEYS: old key -> section, field), moved
-    into their section; one set both ways is an error, as the old spelling of a field is."""
-    if not any(old in data for old in flat_keys):
-        return data
-    out = dict(data)
-    for old, (section, name) in flat_keys.items():
-        if old not in out:
-            continue
-        part = out.get(section)
-        if part is None:
-            part = {}
-        if not isinstance(part, dict):
-            raise ConfigError(f"{where}: field {section!r}: expected a mapping, got {part!r}")
-        if name in part:
-            raise ConfigError(f"{where}: field {old!r}: set only {section}.{name} (the same field)")
-        out[section] = {**part, name: out.pop(old)}
     return out

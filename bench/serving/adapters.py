@@ -10,14 +10,14 @@ same greedy, streaming chat prompts run as two variants, alternated at every lev
 order rotated each round (bench/method.py): `base` sends every request to the base model;
 `mixed` sends them round-robin to the base and each adapter, so every batch mixes them.
 Reported per c: tokens/s and TTFT p50 of each variant (median, every round), mixed / base
-paired within rounds (the cost of adapters; the issue's goal: >= 0.8x), and the worker's RSS
+paired within rounds (the cost of adapters; the goal: >= 0.8x), and the worker's RSS
 after the run beside the adapters' own bytes.
 
 The peer (unless --no-peer): `mlx_lm.server` on the same folder and BLAS (bench/servers.py)
 gets the same mixed traffic, each request naming its adapter's folder in mlx_lm.server's
 per-request `adapters` field (none for the base). It batches only requests of one (model,
 adapter) and reloads the model whenever the adapter changes; reported: mlxgw-mixed against
-mlx_lm.server-mixed tok/s (paired; the issue's goal: >= 5x) and TTFT. Memory: mlxgw's worker
+mlx_lm.server-mixed tok/s (paired; the goal: >= 5x) and TTFT. Memory: mlxgw's worker
 RSS (base + N adapters resident) against N fused copies (N x the base's weight bytes: a fused
 model has the base's shapes), and mlx_lm.server's RSS (one model, reloaded per adapter)."""
 

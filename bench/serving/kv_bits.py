@@ -35,7 +35,7 @@ VARIANTS = {"kv16": None, "kv8": 8, "kv4": 4}
 
 def start_gateway(model_dir: Path, home: Path, rows: int) -> ServerProcess:
     models = [
-        {"name": name, "source": str(model_dir), "preload": True, "max_num_seqs": rows, "kv_bits": bits}
+        {"name": name, "source": str(model_dir), "preload": True, "max_num_seqs": rows, "cache": {"kv_bits": bits}}
         for name, bits in VARIANTS.items()
     ]
     config = {"manager": {"auto_discover": False, "max_loaded_models": len(models)}, "models": models}

@@ -93,7 +93,7 @@ def with_echo_model(registry):
     point a client at model `echo` to try its requests, tool loops included."""
     import dataclasses
 
-    from ...shared.config import ModelEntry
+    from ...shared.model_sections import ModelEntry
 
     if any(m.name == ECHO_MODEL for m in registry.models):
         return registry

@@ -13,9 +13,8 @@ import fnmatch
 import logging
 from collections.abc import Iterator
 
-from ...shared.config import ModelEntry
 from ...shared.errors import ServiceError
-from ...shared.model_sections import AdapterEntry
+from ...shared.model_sections import AdapterEntry, ModelEntry
 
 log = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
 
-from ...shared.config import ModelEntry
 from ...shared.errors import ServiceError
+from ...shared.model_sections import ModelEntry
 
 
 class SlotState(str, Enum):

@@ -35,7 +35,6 @@ from ..link.worker_conn import (
 )
 from . import adapters
 from .lifecycle import ModelSlot, Pulse, SlotState
-from .model_report import describe_slot, load_progress
 from .residency import TICK_S, Occupant, Residency
 from .slot_runner import SlotRunner, Spawner
 from .supervisor import spawn_worker
@@ -356,10 +355,3 @@ class ModelManager(SlotRunner):
                 if self.residency.is_idle(o, now) and not o.slot.stopping:
                     self.residency.idle_unloads += 1
                     self._own(self.unload(o.slot, f"idle for {now - o.slot.last_used:.0f} s"))
-
-    # -- reporting (gateway/models/model_report.py) ------------------------------------------------------
-    def load_progress(self, slot: ModelSlot) -> dict:
-        return load_progress(self, slot)
-
-    def describe(self, slot: ModelSlot) -> dict:
-        return describe_slot(self, slot)

@@ -13,7 +13,8 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from ...shared import model_store
-from ...shared.config import ModelEntry, Registry
+from ...shared.config import Registry
+from ...shared.model_sections import ModelEntry
 
 
 def real(path: Path | str) -> Path:

@@ -21,7 +21,7 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ...shared.config import ModelEntry
+from ...shared.model_sections import ModelEntry
 from ...shared.platform import worker_environment
 
 log = logging.getLogger(__name__)

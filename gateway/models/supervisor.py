@@ -9,7 +9,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...shared.config import ModelEntry
+from ...shared.model_sections import ModelEntry
 from ...shared.platform import worker_environment
 from .rank_group import RankGroup, spawn_group, worker_command
 

@@ -46,7 +46,7 @@ class TokenizeFields(ModelField):
 
     prompt: str | None = None
     add_special_tokens: bool | None = None
-    messages: Any = None  # OpenAI chat messages (openai_chat.parse_messages)
+    messages: Any = None  # OpenAI chat messages (pipeline/messages.py)
     tools: list | None = None
     chat_template_kwargs: dict | None = None
 

@@ -117,15 +117,6 @@ def test_bench_help_lists_every_study_and_every_bench_is_a_module():
     assert "load" in listed.output
 
 
-def test_bench_with_options_first_is_still_the_load_test():
-    from click.testing import CliRunner
-
-    from mlxgw.cli import main
-
-    result = CliRunner().invoke(main, ["bench", "--model", "m", "--help"])
-    assert result.exit_code == 0 and "Load-test an OpenAI-compatible server" in result.output, result.output
-
-
 def test_team_sessions_study_reports_every_turn_the_cache_tiers_and_peak_memory(tiny_dir, tmp_path):
     """The team study (bench/team/sessions.py) from one command on a tiny model: mlxgw with
     and without its disk tier, a cache byte bound; no request lost, each server's peak RSS,

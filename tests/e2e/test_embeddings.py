@@ -21,7 +21,7 @@ EMBED_CONFIG = {
     "manager": {"auto_discover": False},
     "models": [
         {"name": "minilm-l6", "kind": "embedding", "preload": True, "aliases": ["text-embedding-3-small"]},
-        {"name": "minilm-truncate", "source": "minilm-l6", "kind": "embedding", "truncate": True},
+        {"name": "minilm-truncate", "source": "minilm-l6", "kind": "embedding", "encoder": {"truncate": True}},
         {"name": "tiny-rerank", "kind": "rerank"},
         {"name": "minilm-mlx-embeddings", "source": "minilm-l6", "kind": "embedding", "engine": "mlx-embeddings"},
         {"name": "tiny", "source": "tiny"},

@@ -264,10 +264,14 @@ def families_gateway(home, family_dirs):
     for name in ("tokenizer.json", "tokenizer_config.json", "model.safetensors"):
         (broken / name).write_bytes((family_dirs["llama"] / name).read_bytes())
     (broken / "config.json").write_text(json.dumps({"model_type": "no_such_architecture", "vocab_size": 8}))
-    models = [{"name": f"fam-{f}", "preload": True, "max_num_seqs": 4, "cache_memory_mb": 64} for f in SERVED]
+    models = [
+        {"name": f"fam-{f}", "preload": True, "max_num_seqs": 4, "cache": {"prefix_memory_mb": 64}} for f in SERVED
+    ]
     # kv_bits from models.yaml (64-wide heads: quantization groups of 32 fit them).
     build_family_model("llama", home / "models" / "fam-kv8", home / "models" / "fam-llama", overrides=WIDE_HEADS)
-    models.append({"name": "fam-kv8", "source": "fam-kv8", "kv_bits": 8, "kv_group_size": 32, "max_num_seqs": 4})
+    models.append(
+        {"name": "fam-kv8", "source": "fam-kv8", "cache": {"kv_bits": 8, "kv_group_size": 32}, "max_num_seqs": 4}
+    )
     config = {"manager": {"auto_discover": False}, "models": [*models, {"name": "fam-broken", "max_num_seqs": 4}]}
     gw = start_gateway(home, config, "families-gateway")
     yield gw

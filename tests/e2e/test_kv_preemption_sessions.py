@@ -29,7 +29,9 @@ TURNS = [(130, 100), (170, 100), (600, 8), (600, 8)]
 def gateway(home, tiny_dir):
     config = {
         "manager": {"auto_discover": False},
-        "models": [{"name": "tiny-kv", "source": "tiny", "preload": True, "max_num_seqs": 8, "kv_memory_mb": 1}],
+        "models": [
+            {"name": "tiny-kv", "source": "tiny", "preload": True, "max_num_seqs": 8, "cache": {"kv_memory_mb": 1}}
+        ],
     }
     gw = start_gateway(home, config, "kv-preemption-gateway")
     yield gw

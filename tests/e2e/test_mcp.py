@@ -117,9 +117,9 @@ def gw(home, notes, http_server, tmp_path_factory):
             ],
         },
         "models": [
-            {"name": "echo", "engine": "echo", "tool_parser": "hermes", "preload": True},
-            {"name": "echo-files", "engine": "echo", "tool_parser": "hermes", "mcp_servers": ["files"]},
-            {"name": "echo-broken", "engine": "echo", "tool_parser": "hermes", "mcp_servers": ["broken"]},
+            {"name": "echo", "engine": "echo", "chat": {"tool_parser": "hermes"}, "preload": True},
+            {"name": "echo-files", "engine": "echo", "chat": {"tool_parser": "hermes"}, "mcp_servers": ["files"]},
+            {"name": "echo-broken", "engine": "echo", "chat": {"tool_parser": "hermes"}, "mcp_servers": ["broken"]},
         ],
     }
     gw = start_gateway(home, config, "mcp-gateway", extra_args=("--keys", str(keys_path)))

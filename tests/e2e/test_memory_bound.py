@@ -25,7 +25,9 @@ MB = 1 << 20
 def gateway(home, tiny_dir):
     config = {
         "manager": {"auto_discover": False},
-        "models": [{"name": "tiny-bounded", "source": "tiny", "preload": True, "cache_memory_mb": BOUND_MB}],
+        "models": [
+            {"name": "tiny-bounded", "source": "tiny", "preload": True, "cache": {"prefix_memory_mb": BOUND_MB}}
+        ],
     }
     gw = start_gateway(home, config, "memory-bound-gateway")
     yield gw

@@ -25,10 +25,10 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 CONFIG = {
     "manager": {"auto_discover": False},
     "models": [
-        {"name": "tiny", "preload": True, "tool_parser": "hermes"},
+        {"name": "tiny", "preload": True, "chat": {"tool_parser": "hermes"}},
         {"name": "tiny-unload", "source": "tiny"},
         # Idle models leave after a second, unless keep_alive holds them.
-        {"name": "echo", "engine": "echo", "tool_parser": "hermes", "reasoning_parser": "think"},
+        {"name": "echo", "engine": "echo", "chat": {"tool_parser": "hermes", "reasoning_parser": "think"}},
         {"name": "echo-idle", "engine": "echo", "idle_unload_s": 1},
         {"name": "minilm-l6", "kind": "embedding"},
         {"name": "tiny-short", "source": "tiny", "context_length": 64, "max_tokens_policy": "reject"},

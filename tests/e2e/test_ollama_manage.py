@@ -23,8 +23,7 @@ from helpers.paths import FIXTURES
 
 from mlxgw.gateway.access.key_admin import create_key
 from mlxgw.gateway.pipeline.translate import with_entry_preamble
-from mlxgw.shared.config import ModelEntry
-from mlxgw.shared.model_sections import ChatConfig, PresetMessage
+from mlxgw.shared.model_sections import ChatConfig, ModelEntry, PresetMessage
 
 # Within Jinja's sandbox range limit (100,000), so the loops really run: 10^10 iterations.
 LOOPING_TEMPLATE = "{% for a in range(100000) %}{% for b in range(100000) %}x{% endfor %}{% endfor %}"
@@ -88,7 +87,7 @@ def test_copy_create_and_delete_with_the_ollama_client(setup):
     created = entry(setup, "echo-terse")
     assert created["engine"] == "echo" and created["source"] == "echo-agent"  # the copy's weights
     assert created["defaults"] == {"temperature": 0.2, "max_tokens": 64} and created["context_length"] == 2048
-    assert created["system"] == "Answer in one word." and len(created["messages"]) == 2
+    assert created["chat"]["system"] == "Answer in one word." and len(created["chat"]["messages"]) == 2
     assert admin.chat(model="echo-terse", messages=[{"role": "user", "content": "hi"}]).message.content == "hi"
     assert admin.delete("echo-copy").status == "success"
     assert entry(setup, "echo-copy") is None and "echo-copy" not in [m.model for m in admin.list().models]
@@ -107,8 +106,8 @@ def test_a_modelfile_text_is_read(setup):
     status, out = call(setup, "POST", "/api/create", {"model": "echo-mf", "modelfile": modelfile, "stream": False})
     assert status == 200, out
     created = entry(setup, "echo-mf")
-    assert created["defaults"] == {"temperature": 0.3, "top_k": 20} and created["system"] == "Two\nlines."
-    assert created["messages"] == [{"role": "user", "content": "hello there"}]
+    assert created["defaults"] == {"temperature": 0.3, "top_k": 20} and created["chat"]["system"] == "Two\nlines."
+    assert created["chat"]["messages"] == [{"role": "user", "content": "hello there"}]
 
 
 def test_create_streams_ollamas_progress_lines(setup):
@@ -304,7 +303,7 @@ def test_the_ollama_js_client(setup):
     assert done.returncode == 0, done.stderr[-2000:]
     out = json.loads(done.stdout)
     assert out["copy"] == {"status": "success"} and out["delete"] == {"status": "success"}
-    assert out["create"]["status"] == "success" and entry(setup, "js-made")["system"] == "Be brief."
+    assert out["create"]["status"] == "success" and entry(setup, "js-made")["chat"]["system"] == "Be brief."
     assert out["name"]["status"] == 400 and "invalid model name" in out["name"]["error"]
     assert out["pull"]["status"] == 400 and "Hugging Face repository" in out["pull"]["error"]
 
@@ -336,7 +335,7 @@ def test_open_webuis_recorded_requests(setup):
             assert last == {"status": "success"} or last["error"].startswith(f"pull {sent['body']['model']}: "), last
         elif sent["path"] == "/api/create":
             created = entry(setup, "owui-terse")
-            assert created["system"] == "Answer in one word." and created["engine"] == "echo", created
+            assert created["chat"]["system"] == "Answer in one word." and created["engine"] == "echo", created
         elif sent["path"] == "/api/copy":
             assert entry(setup, "owui-terse-copy") is not None
     assert entry(setup, "owui-terse") is None and entry(setup, "owui-terse-copy") is None

@@ -167,7 +167,7 @@ def test_show_returns_what_create_was_given(setup):
     status, out = create(setup, {"model": "echo-shown-2", "modelfile": modelfile})
     assert status == 200, out
     again = entry(setup, "echo-shown-2")
-    assert again["system"] == "Answer in one word." and again["messages"] == messages
+    assert again["chat"]["system"] == "Answer in one word." and again["chat"]["messages"] == messages
 
 
 def _stream_until_done(setup, model: str, out: dict) -> None:

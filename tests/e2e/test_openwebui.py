@@ -244,7 +244,7 @@ def test_create_from_a_model_and_a_system_prompt(stack, browser):
     wait_until(browser, lambda d: "owui-terse" in mlxgw_tags(stack), what="owui-terse in mlxgw's /api/tags")
     screenshot(browser, "openwebui-created.png")
     created = registry_entry(stack, "owui-terse")
-    assert created["system"] == "Answer in one word." and created["engine"] == "echo", created
+    assert created["chat"]["system"] == "Answer in one word." and created["engine"] == "echo", created
     # Open WebUI lists it too, once its model cache is refreshed
     status, out = webui.call("GET", "/ollama/api/tags/0")
     assert status == 200 and "owui-terse" in [m["model"] for m in out["models"]]

@@ -218,7 +218,7 @@ def test_prefix_cache_disk_mb_0_writes_nothing(gateways, home):
 
 def test_a_negative_disk_bound_is_a_config_error():
     with pytest.raises(ConfigError, match="prefix_disk_mb"):
-        parse_registry({"models": [{"name": "m", "prefix_cache_disk_mb": -1}]})
+        parse_registry({"models": [{"name": "m", "cache": {"prefix_disk_mb": -1}}]})
 
 
 # -- the store in-process: what the gateway cannot make happen on purpose ---------------------------

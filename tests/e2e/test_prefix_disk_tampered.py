@@ -149,7 +149,7 @@ def full_disk(home):
 
 def test_a_full_disk_stops_the_writes_with_one_line_and_serving_goes_on(home, tiny_dir, full_disk):
     shutil.copytree(tiny_dir, home / "models" / "tiny-full", dirs_exist_ok=True)
-    entry = {"source": "tiny-full", "max_num_seqs": 2, "prefill_step_size": 256, "cache_memory_mb": 1}
+    entry = {"source": "tiny-full", "max_num_seqs": 2, "prefill_step_size": 256, "cache": {"prefix_memory_mb": 1}}
     config = {"manager": {"auto_discover": False}, "models": [{"name": "full-disk", **entry}]}
     gw = start_gateway(home, config, "prefix-full-gateway")
     try:

@@ -64,7 +64,7 @@ def test_cancellation_frees_the_sequence_and_its_kv(tiny_gateway):
 
 def test_prefix_cache_respects_its_byte_bound_under_churn(tiny_gateway):
     client = openai_client(tiny_gateway)
-    bound = 1 << 20  # cache_memory_mb: 1
+    bound = 1 << 20  # cache.prefix_memory_mb: 1
     for i in range(12):
         client.chat.completions.create(
             model="tiny-smallcache", max_tokens=4, messages=[{"role": "user", "content": story(250, i)}]

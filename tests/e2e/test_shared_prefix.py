@@ -378,10 +378,9 @@ def tiered_gateway(home, tiny_dir):
     from helpers import start_gateway
 
     # 1 MB of memory holds about one 1,000-token session of the tiny model (512 bytes a token).
-    model = {"name": "tiny-tiered", "source": "tiny", "preload": True, "max_num_seqs": 4, "cache_memory_mb": 1}
-    gw = start_gateway(
-        home, {"manager": {"auto_discover": False}, "models": [{**model, "prefix_cache_disk_mb": 64}]}, "tiered"
-    )
+    model = {"name": "tiny-tiered", "source": "tiny", "preload": True, "max_num_seqs": 4}
+    model["cache"] = {"prefix_memory_mb": 1, "prefix_disk_mb": 64}
+    gw = start_gateway(home, {"manager": {"auto_discover": False}, "models": [model]}, "tiered")
     yield gw
     gw.stop()
 

@@ -17,7 +17,7 @@ from helpers import TINY_CONFIG, http, start_gateway
 def gw(home, tiny_dir):
     config = {
         "manager": TINY_CONFIG["manager"],
-        "models": [{"name": "tiny", "preload": True, "max_num_seqs": 4, "allow_request_chat_template": True}],
+        "models": [{"name": "tiny", "preload": True, "max_num_seqs": 4, "chat": {"allow_request_chat_template": True}}],
     }
     gateway = start_gateway(home, config, "template-filters-gateway")
     yield gateway

@@ -38,7 +38,7 @@ def gw(home, tiny_vision_dir):
                 "kind": "vision",
                 "preload": True,
                 "max_num_seqs": 8,
-                "kv_memory_mb": 1,
+                "cache": {"kv_memory_mb": 1},
                 "max_tokens_policy": "reject",
             }
         ],

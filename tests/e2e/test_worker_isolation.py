@@ -41,7 +41,7 @@ def gw(home, tiny_dir):
     config = {
         "manager": TINY_CONFIG["manager"],
         "models": [
-            {"name": "tiny", "preload": True, "max_num_seqs": 8, "allow_request_chat_template": True},
+            {"name": "tiny", "preload": True, "max_num_seqs": 8, "chat": {"allow_request_chat_template": True}},
             {"name": "tiny-strict", "source": "tiny", "preload": True},
             {"name": "tiny-evil", "preload": True},
             {"name": "gguf-evil", "preload": True},

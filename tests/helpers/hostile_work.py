@@ -36,7 +36,7 @@ MODELS = [
     {"name": "echo", "engine": "echo", "preload": True, "context_length": 1_000_000},
     {"name": "null", "engine": "null", "preload": True, "idle_unload_s": 600},  # so a pin would show
     {"name": "null-unload", "engine": "null"},
-    {"name": "tiny", "preload": True, "max_num_seqs": 8, "allow_request_chat_template": True},
+    {"name": "tiny", "preload": True, "max_num_seqs": 8, "chat": {"allow_request_chat_template": True}},
     {"name": "tiny-fifo", "source": "tiny"},  # loaded by the FIFO test, onto a planted FIFO
     # Audio is measured before any worker is asked: a model that would never load will do.
     {"name": "ears", "kind": "audio", "source": "no-such-whisper"},

@@ -218,6 +218,45 @@ def test_an_import_up_a_floor_is_reported(module, line):
         assert upward_imports(planted), f"{line!r} in {module} was not reported"
 
 
+# gateway/api/ holds one folder per API family; a family builds on pipeline/ and below, never
+# on another family (what two families share belongs on a floor below them).
+FAMILIES = ("openai", "anthropic", "responses", "ollama", "llamacpp", "admin")
+
+
+def _family(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[3] if parts[:3] == ["mlxgw", "gateway", "api"] and len(parts) > 3 else None
+
+
+def cross_family_imports(graph: dict[str, set[str]] | None = None) -> list[str]:
+    graph = GRAPH if graph is None else graph
+    return sorted(
+        f"{m} imports {d}"
+        for m, deps in graph.items()
+        if _family(m)
+        for d in deps
+        if _family(d) not in (None, _family(m))
+    )
+
+
+def test_an_api_family_imports_no_other_family():
+    assert cross_family_imports() == []
+
+
+@pytest.mark.parametrize(
+    "module,line",
+    [
+        ("mlxgw.gateway.api.llamacpp.tokenize", "from ..openai.chat import parse"),
+        ("mlxgw.gateway.api.openai.chat", "from mlxgw.gateway.api.responses import output"),
+        ("mlxgw.gateway.api.responses.responses", "import mlxgw.gateway.api.ollama.common"),
+    ],
+)
+def test_an_import_of_another_family_is_reported(module, line):
+    for source in (line, "def planted():\n    " + line):
+        planted = {module: imports_of(module, MODULES[module].read_text() + "\n" + source + "\n")}
+        assert cross_family_imports(planted), f"{line!r} in {module} was not reported"
+
+
 def test_an_import_up_a_floor_for_type_checking_only_is_allowed():
     module = "mlxgw.gateway.web.state"
     planted = {

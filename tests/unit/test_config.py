@@ -168,29 +168,27 @@ def test_the_shipped_configs_load_without_deprecation_notes(caplog):
     assert "deprecated" not in caplog.text
 
 
-def test_model_sections_take_the_flat_keys_from_before_them():
-    flat = {"name": "m", "kv_bits": 8, "cache_memory_mb": 64, "prefix_cache_disk_mb": 0, "tool_parser": "hermes"}
-    nested = {
-        "name": "m",
-        "cache": {"kv_bits": 8, "prefix_memory_mb": 64, "prefix_disk_mb": 0},
-        "chat": {"tool_parser": "hermes"},
-    }
-    old, new = (parse_registry({"models": [raw]}).models[0] for raw in (flat, nested))
-    assert old == new and new.cache.kv_bits == 8 and new.cache.prefix_memory_mb == 64 and new.cache.prefix_disk_mb == 0
-    assert parse_registry({"models": [{"name": "e", "kind": "embedding", "truncate": True}]}).models[0].encoder.truncate
-
-
-def test_a_field_set_flat_and_in_its_section_is_an_error():
-    with pytest.raises(ConfigError, match="kv_bits"):
-        parse_registry({"models": [{"name": "m", "kv_bits": 8, "cache": {"kv_bits": 4}}]})
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ({"kv_bits": 4}, "field 'kv_bits' moved: write `cache: {kv_bits: 4}`"),
+        ({"cache_memory_mb": 64}, "field 'cache_memory_mb' moved: write `cache: {prefix_memory_mb: 64}`"),
+        ({"tool_parser": "hermes"}, "field 'tool_parser' moved: write `chat: {tool_parser: 'hermes'}`"),
+        ({"truncate": True, "kind": "embedding"}, "field 'truncate' moved: write `encoder: {truncate: True}`"),
+        ({"kv_bits": 8, "cache": {"kv_bits": 4}}, "field 'kv_bits' moved: write `cache: {kv_bits: 8}`"),
+    ],
+)
+def test_a_flat_key_from_before_the_sections_is_refused_naming_its_section(raw, message):
+    with pytest.raises(ConfigError) as info:
+        parse_registry({"models": [{"name": "m1", **raw}]})
+    assert "(m1)" in str(info.value) and message in str(info.value)
 
 
 @pytest.mark.parametrize(
     ("raw", "field"),
     [
         ({"cache": {"kv_bits": 5}}, "kv_bits"),
-        ({"kv_bits": 5}, "kv_bits"),
-        ({"cache_memory_mb": 0}, "prefix_memory_mb"),
+        ({"cache": {"prefix_memory_mb": 0}}, "prefix_memory_mb"),
         ({"encoder": {"max_batch_tokens": 100}}, "max_batch_tokens"),
         ({"chat": {"tool_parsr": "x"}}, "tool_parsr"),
         ({"fim": {"max_tokens": 0}}, "fim.max_tokens"),
@@ -206,8 +204,9 @@ def test_a_bad_section_field_is_refused_naming_the_model_and_the_field(raw, fiel
 def test_an_entry_reaches_its_worker_whole():
     from dataclasses import asdict
 
-    from mlxgw.shared.config import ModelEntry
+    from mlxgw.shared.model_sections import ModelEntry
     from mlxgw.shared.schema import from_mapping
 
-    entry = parse_registry({"models": [{"name": "m", "kv_bits": 4, "chat": {"system": "be brief"}}]}).models[0]
+    raw = {"name": "m", "cache": {"kv_bits": 4}, "chat": {"system": "be brief"}}
+    entry = parse_registry({"models": [raw]}).models[0]
     assert from_mapping(ModelEntry, asdict(entry), "worker m") == entry  # gateway/models/rank_group.py's --entry

@@ -15,6 +15,7 @@ import pytest
 from mlxgw.gateway.link.broker import Broker, ConnState, WorkerConn, WorkerLost, WorkerReady
 from mlxgw.gateway.models.lifecycle import SlotState
 from mlxgw.gateway.models.manager import ModelManager
+from mlxgw.gateway.models.model_report import describe_slot
 from mlxgw.shared import protocol as p
 from mlxgw.shared.config import parse_registry
 from mlxgw.shared.errors import ErrorCode, ServiceError
@@ -414,4 +415,4 @@ async def test_a_context_length_above_the_models_own_is_reported(world):
     slot = manager.slots["a"]
     await manager.acquire(slot)
     assert "128" in slot.context_warning and "64" in slot.context_warning
-    assert manager.describe(slot)["context_warning"] == slot.context_warning
+    assert describe_slot(manager, slot)["context_warning"] == slot.context_warning

@@ -182,4 +182,3 @@ def test_models_yaml_field_reaches_the_runner():
 
     assert entry().chat.tool_name_guard is False
     assert entry(chat={"tool_name_guard": True}).chat.tool_name_guard is True
-    assert entry(tool_name_guard=True).chat.tool_name_guard is True  # the flat key from before sections

@@ -20,8 +20,7 @@ from typing import Any
 
 from mlx.utils import tree_flatten
 
-from ...shared.config import ModelEntry
-from ...shared.model_sections import DistributedConfig, SpeculativeConfig
+from ...shared.model_sections import DistributedConfig, ModelEntry, SpeculativeConfig
 from ..model.cache.prefix_cache import PrefixCache
 from ..model.runners.mlx_runner import MLXRunner
 from .build_mlx import build_mlx_runner

@@ -13,10 +13,10 @@ import uuid
 from pathlib import Path
 
 from ...shared import protocol as p
-from ...shared.config import ModelEntry, from_mapping
 from ...shared.errors import ErrorCode, ServiceError
-from ...shared.model_sections import CHAT_KINDS, ENCODER_KINDS, ModelKind
+from ...shared.model_sections import CHAT_KINDS, ENCODER_KINDS, ModelEntry, ModelKind
 from ...shared.platform import total_memory_bytes
+from ...shared.schema import from_mapping
 from ..model.cache.prefix_store import restore_into, save_from
 from ..model.memory.capacity import SeqsChoice, choose_max_num_seqs
 from ..schedule.preprocess import Preprocessor

@@ -18,6 +18,7 @@ from ....shared.errors import ErrorCode, ServiceError
 from ...access.key_admin import KeyEditError, create_key, list_entries, revoke_key, update_key
 from ...access.ledger import LEDGER, connect
 from ...access.usage import UsageQueryError, key_activity, parse_since, totals
+from ...models.model_report import describe_slot
 from ...models.throughput import THROUGHPUT
 from ...pipeline.body import read_json
 from ...web.state import BROKER, KEYS, MANAGER, SETTINGS
@@ -235,7 +236,7 @@ async def pin(request: web.Request) -> web.Response:
 
 
 def _model_state(manager, slot) -> dict:
-    d = manager.describe(slot)
+    d = describe_slot(manager, slot)
     return {"model": slot.name, "state": d["state"], "loaded": d["loaded"], "pinned": d["pinned"]}
 
 

@@ -13,6 +13,7 @@ from ....shared.model_sections import CHAT_KINDS, KINDS, ModelKind
 from ...access.auth import may_use, presented_key
 from ...mcp.hub import MCP
 from ...models import adapters
+from ...models.model_report import describe_slot
 from ...pipeline.fim_support import capabilities, fim_format
 from ...pipeline.latency_class import classes_status
 from ...web.errors import error_response
@@ -33,7 +34,7 @@ def _model(request: web.Request, slot, anthropic: bool) -> dict:
         created = datetime.fromtimestamp(STARTED, timezone.utc).isoformat().replace("+00:00", "Z")
         return {"type": "model", "id": slot.name, "display_name": slot.name, "created_at": created}
     manager = request.app[MANAGER]
-    d = manager.describe(slot)
+    d = describe_slot(manager, slot)
     found = _discovered(manager).get(slot.name)
     return {
         "id": slot.name,
@@ -161,7 +162,7 @@ def _is_operator(request: web.Request) -> bool:
 async def status(request: web.Request) -> web.Response:
     manager = request.app[MANAGER]
     broker = request.app[BROKER]
-    models = [manager.describe(s) for s in manager.slots.values()]
+    models = [describe_slot(manager, s) for s in manager.slots.values()]
     return web.json_response(
         {
             "uptime_s": round(time.time() - STARTED, 1),

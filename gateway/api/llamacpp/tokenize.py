@@ -13,10 +13,10 @@ from ....shared.errors import invalid
 from ...pipeline.aux_fields import DetokenizeFields, TokenizeFields, required
 from ...pipeline.fields import INT32_MAX
 from ...pipeline.images import collect_images
+from ...pipeline.messages import parse_messages
 from ...pipeline.serving import open_fields
 from ...pipeline.translate import image_limits
 from ...web.state import MANAGER, SETTINGS
-from ..openai.chat import parse_messages
 
 routes = web.RouteTableDef()
 

@@ -114,23 +114,11 @@ def _apply_spec(entry: dict, spec: CreateSpec) -> dict:
             entry[key] = {**(entry.get(key) or {}), **value}
         else:
             entry[key] = value
-    if spec.system is not None:
-        _set_chat(entry, "system", spec.system)
-    if spec.messages:
-        _set_chat(entry, "messages", spec.messages)
-    if spec.template is not None:
-        _set_chat(entry, "chat_template", spec.template)  # the model's own: no request templates needed
+    chat = {"system": spec.system, "messages": spec.messages or None, "chat_template": spec.template}
+    chat = {key: value for key, value in chat.items() if value is not None}
+    if chat:  # the template is the model's own: no request templates needed
+        entry["chat"] = {**(entry.get("chat") or {}), **chat}
     return entry
-
-
-def _set_chat(entry: dict, key: str, value: object) -> None:
-    """A chat field, where the base entry's YAML already spells it: in its chat: section, else
-    at the top (the flat key models.yaml still accepts); never both, which would be an error."""
-    section = entry.get("chat")
-    if isinstance(section, dict) and key in section:
-        section[key] = value
-    else:
-        entry[key] = value
 
 
 def _model_context(entry: dict, models_dir: Path) -> int | None:

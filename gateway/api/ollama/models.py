@@ -22,6 +22,7 @@ from ....shared.fim import FimFormat
 from ....shared.model_sections import CHAT_KINDS, ENCODER_KINDS, ModelKind
 from ...access.auth import may_use
 from ...models import adapters
+from ...models.model_report import describe_slot
 from ...pipeline.fim_support import capabilities, fim_format
 from ...pipeline.serving import generation
 from ...web.state import MANAGER, SETTINGS
@@ -116,7 +117,7 @@ async def ps(request: web.Request) -> web.Response:
     manager = request.app[MANAGER]
     running = []
     for slot in manager.slots.values():
-        d = manager.describe(slot)
+        d = describe_slot(manager, slot)
         if not d["loaded"] or not may_use(request, slot):
             continue
         context = next((w["context_length"] for w in d["workers"] if w["context_length"]), None)

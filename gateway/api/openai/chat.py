@@ -6,78 +6,18 @@ from aiohttp import web
 
 from ....shared.errors import invalid
 from ...mcp.drive import McpFamily, McpHooks
+from ...mcp.loop import McpCall
 from ...models.generation import Generation, Outcome
 from ...pipeline.cache_hints import openai_retention
 from ...pipeline.fields import ChatFields
-from ...pipeline.images import ImageLimits, from_openai_part, join_content
+from ...pipeline.images import ImageLimits
+from ...pipeline.messages import parse_messages
 from ...pipeline.serving import handle
-from ...pipeline.tools import openai_constraint, template_arguments
+from ...pipeline.tools import openai_constraint
 from ...pipeline.translate import ParsedRequest, image_limits
 from . import common as oc
-from .mcp_calls import chat_hooks
 
 routes = web.RouteTableDef()
-
-ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
-
-
-def _content(content, where: str, images: ImageLimits | None) -> str | list[dict]:
-    """Text, or text and image parts for a vision model (images: None for other models)."""
-    if content is None or isinstance(content, str):
-        return content or ""
-    if not isinstance(content, list):
-        raise invalid(f"{where}.content must be a string or a list of content parts", where)
-    pieces: list = []
-    for i, part in enumerate(content):
-        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
-            raise invalid(f"{where}.content[{i}] must be an object with a 'type'", where)
-        if part["type"] in ("text", "input_text"):
-            if not isinstance(part.get("text"), str):
-                raise invalid(f"{where}.content[{i}].text must be a string", where)
-            pieces.append(part["text"])
-        elif part["type"] in ("image_url", "input_image"):
-            pieces.append(from_openai_part(part, f"{where}.content[{i}]", images, where))
-        else:
-            raise invalid(f"{where}.content[{i}] has unsupported type {part['type']!r}", where)
-    return join_content(pieces)
-
-
-def _tool_calls(raw, where: str) -> list[dict]:
-    if not isinstance(raw, list):
-        raise invalid(f"{where}.tool_calls must be a list", where)
-    calls = []
-    for call in raw:
-        fn = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise invalid(f"{where}.tool_calls entries need function.name", where)
-        args = template_arguments(fn.get("arguments") or "{}")
-        calls.append({"id": call.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": args}})
-    return calls
-
-
-def parse_messages(raw, images: ImageLimits | None = None) -> list[dict]:
-    if not isinstance(raw, list) or not raw:
-        raise invalid("'messages' must be a non-empty list", "messages")
-    out = []
-    for i, m in enumerate(raw):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise invalid(f"{where} must be an object", "messages")
-        role = m.get("role")
-        if role not in ROLES:
-            raise invalid(f"{where}.role must be one of {', '.join(sorted(ROLES))}, got {role!r}", "messages")
-        msg = {
-            "role": "system" if role == "developer" else role,
-            "content": _content(m.get("content"), where, images),
-        }
-        if role == "assistant" and m.get("tool_calls"):
-            msg["tool_calls"] = _tool_calls(m["tool_calls"], where)
-        if role == "tool":
-            msg["tool_call_id"] = m.get("tool_call_id")
-        if isinstance(m.get("name"), str):
-            msg["name"] = m["name"]
-        out.append(msg)
-    return out
 
 
 def _response_format(fmt: dict | None) -> dict | None:
@@ -151,7 +91,7 @@ class OpenAIChat(McpFamily):
         return oc.completion_body("chat.completion", "chatcmpl", gen, out, lambda o: _choice(o, wants_logprobs))
 
     def mcp_hooks(self) -> McpHooks:
-        return chat_hooks()
+        return McpHooks(_mcp_call, _mcp_result, _mcp_decorate)
 
 
 @routes.post("/v1/chat/completions")
@@ -210,3 +150,28 @@ class ChatChunks(oc.OpenAIChunks):
         await self.sse.data(self.delta({"tool_calls": [{**head, "function": {"name": call["name"], "arguments": ""}}]}))
         args = {"index": call["index"], "function": {"arguments": call["arguments"]}}
         await self.sse.data(self.delta({"tool_calls": [args]}))
+
+
+# The MCP calls the gateway ran, shown in an mlxgw extension: a streamed call is a tool-call
+# delta marked `"mlxgw_mcp": {"server_label": ...}` (its index continues the turn's numbering),
+# its result a delta `"mlxgw_mcp_result": {id, server_label, name, arguments, output, error}`;
+# a non-streamed message lists them in `message.mlxgw_mcp_calls`. A client must not run a tool
+# call marked `mlxgw_mcp`: the gateway already did.
+async def _mcp_call(out, call: dict, label: str) -> None:
+    delta = {
+        "index": call["index"],
+        "id": call["id"],
+        "type": "function",
+        "function": {"name": call["name"], "arguments": call["arguments"]},
+        "mlxgw_mcp": {"server_label": label},
+    }
+    await out.sse.data(out.delta({"tool_calls": [delta]}))
+
+
+async def _mcp_result(out, r: McpCall) -> None:
+    await out.sse.data(out.delta({"mlxgw_mcp_result": r.as_dict()}))
+
+
+def _mcp_decorate(body: dict, calls: list[McpCall]) -> None:
+    if calls:
+        body["choices"][0]["message"]["mlxgw_mcp_calls"] = [c.as_dict() for c in calls]

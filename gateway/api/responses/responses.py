@@ -25,8 +25,7 @@ from ...pipeline.images import from_openai_part, join_content
 from ...pipeline.serving import handle
 from ...pipeline.tools import openai_constraint, template_arguments
 from ...pipeline.translate import ParsedRequest, image_limits
-from ..openai.mcp_calls import responses_hooks
-from .output import STORE, ResponseEvents, render
+from .output import STORE, ResponseEvents, render, responses_hooks
 from .tools import ResponsesTools, custom_arguments, joined_name, parse_tools, split_name
 
 routes = web.RouteTableDef()
