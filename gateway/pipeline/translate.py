@@ -23,6 +23,7 @@ from ..web.state import CACHE_SECRET, MANAGER, SETTINGS
 from .fields import CommonFields, logit_bias
 from .fim_support import fim_max_tokens
 from .images import ImageLimits, collect_images
+from .video import collect_videos
 
 # max_tokens when neither the request, the model's entry (defaults.max_tokens), the server
 # (--max-tokens-default) nor the model's own generation_config.json (max_new_tokens) sets
@@ -64,6 +65,8 @@ class ParsedRequest:
     fim: dict | None = None  # fill in the middle (fim_support.fim_map); prompt is then unused
     cache_retention_s: float | None = None  # a client's caching hint (cache_hints.py); None: none
     cache_salt: str | None = None  # narrows the key's cache namespace (access/cache_scope.py)
+    video_fps: float | None = None  # frames a second sampled from each video (video.py)
+    video_max_frames: int | None = None
 
 
 def first_set(*values):
@@ -112,10 +115,12 @@ async def build_request(request: web.Request, slot, parsed: ParsedRequest) -> p.
     # A default the client did not ask for is clamped to the context, never refused.
     policy = entry.max_tokens_policy if parsed.max_tokens is not None else "clamp"
     key = request.get("key")
-    messages, images = parsed.messages, None
+    messages, images, videos = parsed.messages, None, None
     if messages is not None:
         messages = with_entry_preamble(entry, messages)
-        messages, images = await collect_images(messages, image_limits(request, slot))
+        limits = image_limits(request, slot)
+        messages, images = await collect_images(messages, limits)
+        messages, videos = await collect_videos(messages, limits, parsed.video_fps, parsed.video_max_frames)
     template_kwargs = parsed.chat_template_kwargs  # an entry's own template is the worker's (chat_text.py)
     return p.GenerateRequest(
         rid=request["rid"],
@@ -137,6 +142,7 @@ async def build_request(request: web.Request, slot, parsed: ParsedRequest) -> p.
         constraint=parsed.constraint,
         reasoning_budget=parsed.reasoning_budget,
         images=images,
+        videos=videos,
         logprobs=parsed.logprobs,
         prompt_logprobs=parsed.prompt_logprobs,
         n=parsed.n,

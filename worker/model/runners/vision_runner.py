@@ -30,6 +30,7 @@ from .chat_runner import ChatTextRunner
 
 # Larger images are refused before decoding (a small file can decode to gigapixels).
 MAX_IMAGE_PIXELS = 40_000_000
+MAX_VIDEO_FRAMES = 256  # per video; the gateway samples at most 64
 
 
 class MediaPrompt(list):
@@ -52,6 +53,29 @@ def decode_image(data: bytes, index: int):
         return img.convert("RGB")
     except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
         raise invalid(f"image {index} could not be decoded: {e}", "messages") from None
+
+
+def decode_video(frames: list[bytes], index: int):
+    """A video's sampled frames (JPEG, from the gateway's decoding job) as (T, C, H, W) uint8."""
+    import numpy as np
+
+    if not frames or len(frames) > MAX_VIDEO_FRAMES:
+        raise invalid(f"video {index} has {len(frames)} frames; 1 to {MAX_VIDEO_FRAMES} are taken", "messages")
+    pictures = [np.asarray(decode_image(data, index)) for data in frames]
+    if len({p.shape for p in pictures}) != 1:
+        raise invalid(f"video {index}: its frames differ in size", "messages")
+    return np.stack(pictures).transpose(0, 3, 1, 2)
+
+
+def media_slots(messages: list[dict], kind: str) -> int:
+    """How many {"type": kind} parts the messages hold."""
+    return sum(
+        1
+        for m in messages
+        if isinstance(m.get("content"), list)
+        for part in m["content"]
+        if isinstance(part, dict) and part.get("type") == kind
+    )
 
 
 class VisionRunner(ChatTextRunner):
@@ -107,43 +131,63 @@ class VisionRunner(ChatTextRunner):
             chat_template=chat_template,
         )
         self.images_seen = 0
+        self.videos_seen = 0
+        self.video_frames_seen = 0
+        video_token = getattr(self.processor, "video_token", None)
+        self.takes_video = (
+            getattr(self.processor, "video_processor", None) is not None
+            and video_token is not None
+            and getattr(config, "video_token_id", None) is not None
+        )
 
     # -- prompts ------------------------------------------------------------------------
     def encode(self, req: GenerateRequest) -> list[int]:
         """Token ids carrying the processor's outputs. The vision tower runs at admission
         (insert), so queued requests hold pixels, not embeddings."""
-        images = req.images or []
-        if req.messages is None or not images:
+        images, videos = req.images or [], req.videos or []
+        if req.messages is None or not (images or videos):
             return MediaPrompt(self.text.encode(req))
-        slots = sum(
-            1
-            for m in req.messages
-            if isinstance(m.get("content"), list)
-            for part in m["content"]
-            if isinstance(part, dict) and part.get("type") == "image"
-        )
-        if slots != len(images):
-            raise invalid(f"the messages reference {slots} images but {len(images)} were sent", "messages")
-        pictures = [decode_image(data, i) for i, data in enumerate(images)]
+        for kind, sent in (("image", images), ("video", videos)):
+            slots = media_slots(req.messages, kind)
+            if slots != len(sent):
+                raise invalid(f"the messages reference {slots} {kind}s but {len(sent)} were sent", "messages")
+        media = {"images": [decode_image(data, i) for i, data in enumerate(images)]}
+        if videos:
+            media.update(self._videos(videos, bool(images)))
         text = self.text.apply_template(req, tokenize=False)
+        if videos and text.count(self.processor.video_token) != len(videos):
+            raise invalid("this model's chat template does not place video parts; it cannot take video", "messages")
         from mlx_vlm.utils import prepare_inputs
 
         try:
             inputs = dict(
                 prepare_inputs(
                     self.processor,
-                    images=pictures,
+                    **{k: v for k, v in media.items() if v},
                     prompts=text,
                     image_token_index=self.image_token,
                     add_special_tokens=False,
                 )
             )
         except Exception as e:  # processors raise many types for odd images
-            raise invalid(f"the images could not be prepared for this model: {e}", "messages") from None
+            raise invalid(f"the images or videos could not be prepared for this model: {e}", "messages") from None
         prompt = MediaPrompt(inputs["input_ids"][0].tolist())
         prompt.media = inputs
-        self.images_seen += len(pictures)
+        self.images_seen += len(images)
+        self.videos_seen += len(videos)
+        self.video_frames_seen += sum(len(v.get("frames") or ()) for v in videos)
         return prompt
+
+    def _videos(self, videos: list[dict], with_images: bool) -> dict:
+        """prepare_inputs' video arguments: each video's frames as a (T, C, H, W) array, and
+        the rate they were sampled at (the processor's timestamps); refused, by name, where
+        this model's processor reads no video."""
+        if not self.takes_video:
+            raise invalid("this model does not accept video (its processor reads images only)", "messages")
+        if with_images:  # Qwen2-VL embeds one kind of media per prompt (one grid, one pixel tensor)
+            raise invalid("send images and video in separate requests to this model", "messages")
+        arrays = [decode_video(v.get("frames") or [], i) for i, v in enumerate(videos)]
+        return {"videos": arrays, "fps": [float(v.get("fps") or 2.0) for v in videos]}
 
     def _embed(self, ids, inputs: dict) -> dict:
         """The generator's prompt kwargs: input embeddings plus what the model needs with them
@@ -202,6 +246,8 @@ class VisionRunner(ChatTextRunner):
             "mlx_active_bytes": int(mx.get_active_memory()),
             "mlx_peak_bytes": int(mx.get_peak_memory()),
             "images_seen": self.images_seen,
+            "videos_seen": self.videos_seen,
+            "video_frames_seen": self.video_frames_seen,
         }
 
     def cache_stats(self) -> dict:

@@ -1,0 +1,166 @@
+"""Video inputs: a real gateway and mlx-vlm worker (the tests' tiny random Qwen2-VL, its video
+processor configured for tiny frames), clips made here with PyAV, through the openai SDK and
+plain HTTP in every chat API.
+
+What can be checked on random weights: the clip reaches the worker as video tokens (56x56
+frames are 2x2 merged patches, 2 tokens a frame, so the prompt grows by 2 tokens per sampled
+frame), `video_fps` and `video_max_frames` choose how many, streams and answers agree, and
+hostile files are 400s that leave the worker as it was."""
+
+from __future__ import annotations
+
+import base64
+
+import pytest
+from helpers import http, openai_client, start_gateway, wait_for
+
+pytest.importorskip("mlx_vlm", reason="video tests need the vision extra (pip install -e '.[test,vision]')")
+pytest.importorskip("av", reason="video tests make their clips with PyAV (the vision extra)")
+
+from helpers.media import declaring_frames, mp4, video_url  # noqa: E402  (PyAV: after the skip)
+
+CONFIG = {
+    "manager": {"auto_discover": False},
+    "models": [
+        {"name": "tiny-vision", "kind": "vision", "preload": True},
+        {"name": "tiny", "source": "tiny"},
+    ],
+}
+CLIP = mp4()  # 3 s, 30 frames at 10 a second: 6 frames sampled at the default 2 a second
+TOKENS_PER_FRAME = 2
+
+
+@pytest.fixture(scope="module")
+def gw(home, tiny_vision_dir, tiny_dir):
+    gw = start_gateway(home, CONFIG, "video-gateway")
+    yield gw
+    gw.stop()
+
+
+def chat_with_video(url: str, text: str = "What happens in this clip?") -> list[dict]:
+    return [
+        {"role": "user", "content": [{"type": "text", "text": text}, {"type": "video_url", "video_url": {"url": url}}]}
+    ]
+
+
+def _stats(gw) -> dict:
+    workers = [w for w in gw.model_status("tiny-vision")["workers"] if w["state"] == "ready"]
+    return workers[0].get("stats") or {}
+
+
+def test_video_frames_reach_the_worker_as_video_tokens(gw):
+    client = openai_client(gw)
+
+    def prompt_tokens(**fields) -> int:
+        r = client.chat.completions.create(
+            model="tiny-vision", messages=chat_with_video(video_url(CLIP)), max_tokens=2, extra_body=fields
+        )
+        assert r.choices[0].finish_reason == "length"
+        return r.usage.prompt_tokens
+
+    six = prompt_tokens()
+    four = prompt_tokens(video_max_frames=4)
+    twelve = prompt_tokens(video_fps=4, video_max_frames=12)
+    assert (six - four, twelve - six) == (2 * TOKENS_PER_FRAME, 6 * TOKENS_PER_FRAME)
+    stream = client.chat.completions.create(
+        model="tiny-vision",
+        messages=chat_with_video(video_url(CLIP)),
+        max_tokens=3,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[-1].usage.prompt_tokens == six and chunks[-1].usage.completion_tokens == 3
+    # the worker's counters (from its heartbeats): four videos, each frame sampled once
+    wait_for(lambda: _stats(gw).get("videos_seen", 0) >= 4)
+    assert _stats(gw)["video_frames_seen"] >= 6 + 4 + 12 + 6
+
+
+def test_video_in_responses_anthropic_and_ollama(gw):
+    client = openai_client(gw)
+    chat = client.chat.completions.create(model="tiny-vision", messages=chat_with_video(video_url(CLIP)), max_tokens=2)
+    text = "What happens in this clip?"
+    r = client.responses.create(
+        model="tiny-vision",
+        input=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "input_text", "text": text},
+                    {"type": "input_video", "video_url": video_url(CLIP)},
+                ],
+            }
+        ],
+        max_output_tokens=2,
+    )
+    assert r.usage.input_tokens == chat.usage.prompt_tokens
+    b64 = base64.b64encode(CLIP).decode()
+    block = {"type": "video", "source": {"type": "base64", "media_type": "video/mp4", "data": b64}}
+    status, _, body = http(
+        f"{gw.url}/v1/messages",
+        "POST",
+        {
+            "model": "tiny-vision",
+            "max_tokens": 2,
+            "messages": [{"role": "user", "content": [{"type": "text", "text": text}, block]}],
+        },
+    )
+    assert status == 200, body
+    assert body["usage"]["input_tokens"] + body["usage"]["cache_read_input_tokens"] == chat.usage.prompt_tokens
+    status, _, body = http(
+        f"{gw.url}/api/chat",
+        "POST",
+        {
+            "model": "tiny-vision",
+            "stream": False,
+            "options": {"num_predict": 2, "video_max_frames": 4},
+            "messages": [{"role": "user", "content": text, "images": [b64]}],
+        },
+    )
+    assert status == 200, body
+    assert body["prompt_eval_count"] == chat.usage.prompt_tokens - 2 * TOKENS_PER_FRAME
+
+
+HOSTILE = [
+    (video_url(CLIP[: len(CLIP) // 2]), "could not be read"),  # cut off before its index
+    (video_url(mp4(frames=30, faststart=True)[:1500]), "could not be read"),  # its index, then half the frames
+    (video_url(declaring_frames(CLIP, 1_000_000)), "declares 1,000,000 frames"),
+    (video_url(b"\0\0\0\x20ftypisom" + bytes(2000)), "could not be read"),  # a signature, then nothing
+    (video_url(b"\x89PNG\r\n\x1a\n" + bytes(100)), "not an MP4"),
+    ("data:video/mp4;base64,@@@", "not valid base64"),
+    ("https://example.com/clip.mp4", "not fetched by this server"),
+]
+
+
+@pytest.mark.parametrize("url,message", HOSTILE, ids=range(len(HOSTILE)))
+def test_hostile_videos_are_400s_and_the_worker_lives(gw, url, message):
+    pid = gw.worker_pid("tiny-vision")
+    status, _, body = http(
+        f"{gw.url}/v1/chat/completions",
+        "POST",
+        {"model": "tiny-vision", "messages": chat_with_video(url), "max_tokens": 2},
+    )
+    assert status == 400, body
+    assert body["error"]["type"] == "invalid_request_error" and message in body["error"]["message"], body
+    assert gw.worker_pid("tiny-vision") == pid
+
+
+def test_text_models_refuse_video_in_every_api(gw):
+    url = video_url(CLIP)
+    status, _, body = http(
+        f"{gw.url}/v1/chat/completions", "POST", {"model": "tiny", "messages": chat_with_video(url), "max_tokens": 2}
+    )
+    assert status == 400 and "does not accept video" in body["error"]["message"], body
+    status, _, body = http(
+        f"{gw.url}/v1/responses",
+        "POST",
+        {"model": "tiny", "input": [{"role": "user", "content": [{"type": "input_video", "video_url": url}]}]},
+    )
+    assert status == 400 and "does not accept video" in body["error"]["message"], body
+    block = {"type": "video", "source": {"type": "base64", "media_type": "video/mp4", "data": url.split(",", 1)[1]}}
+    status, _, body = http(
+        f"{gw.url}/v1/messages",
+        "POST",
+        {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": [block]}]},
+    )
+    assert status == 400 and "does not accept video" in body["error"]["message"], body
