@@ -20,6 +20,7 @@ from ...shared import protocol as p
 from ...shared.model_sections import ModelKind
 from ..access.cache_scope import cache_namespace
 from ..web.state import CACHE_SECRET, MANAGER, SETTINGS
+from .audio_parts import collect_audio
 from .fields import CommonFields, logit_bias
 from .fim_support import fim_max_tokens
 from .images import ImageLimits, collect_images
@@ -67,6 +68,7 @@ class ParsedRequest:
     cache_salt: str | None = None  # narrows the key's cache namespace (access/cache_scope.py)
     video_fps: float | None = None  # frames a second sampled from each video (video.py)
     video_max_frames: int | None = None
+    transcribed: list[str] = field(default_factory=list)  # media turned into text (x-mlxgw-transcribed-content)
 
 
 def first_set(*values):
@@ -115,12 +117,14 @@ async def build_request(request: web.Request, slot, parsed: ParsedRequest) -> p.
     # A default the client did not ask for is clamped to the context, never refused.
     policy = entry.max_tokens_policy if parsed.max_tokens is not None else "clamp"
     key = request.get("key")
-    messages, images, videos = parsed.messages, None, None
+    messages, images, videos, audio = parsed.messages, None, None, None
     if messages is not None:
         messages = with_entry_preamble(entry, messages)
         limits = image_limits(request, slot)
         messages, images = await collect_images(messages, limits)
         messages, videos = await collect_videos(messages, limits, parsed.video_fps, parsed.video_max_frames)
+        messages, audio, transcribed = await collect_audio(request, slot, messages)
+        parsed.transcribed += ["audio"] if transcribed else []
     template_kwargs = parsed.chat_template_kwargs  # an entry's own template is the worker's (chat_text.py)
     return p.GenerateRequest(
         rid=request["rid"],
@@ -143,6 +147,7 @@ async def build_request(request: web.Request, slot, parsed: ParsedRequest) -> p.
         reasoning_budget=parsed.reasoning_budget,
         images=images,
         videos=videos,
+        audio=audio,
         logprobs=parsed.logprobs,
         prompt_logprobs=parsed.prompt_logprobs,
         n=parsed.n,

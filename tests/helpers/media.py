@@ -4,7 +4,6 @@ hostile variants of them: a declared frame count patched to a million, cut-off f
 from __future__ import annotations
 
 import base64
-import io
 import os
 import struct
 import tempfile
@@ -48,18 +47,3 @@ def declaring_frames(data: bytes, count: int) -> bytes:
 
 def video_url(data: bytes, media_type: str = "video/mp4") -> str:
     return f"data:{media_type};base64,{base64.b64encode(data).decode()}"
-
-
-def wav(seconds: float = 0.5, rate: int = 16000) -> bytes:
-    """A quiet tone as 16-bit mono WAV."""
-    import math
-    import wave
-
-    buf = io.BytesIO()
-    with wave.open(buf, "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(rate)
-        n = int(seconds * rate)
-        w.writeframes(b"".join(struct.pack("<h", int(3000 * math.sin(i / 8))) for i in range(n)))
-    return buf.getvalue()

@@ -7,7 +7,7 @@ from aiohttp import web
 from ....shared.errors import invalid
 from ...mcp.drive import McpFamily, McpHooks
 from ...models.generation import Generation, Outcome
-from ...pipeline import video
+from ...pipeline import audio_parts, video
 from ...pipeline.cache_hints import openai_retention
 from ...pipeline.fields import ChatFields
 from ...pipeline.images import ImageLimits, from_openai_part, join_content
@@ -40,6 +40,8 @@ def _content(content, where: str, images: ImageLimits | None) -> str | list[dict
             pieces.append(from_openai_part(part, f"{where}.content[{i}]", images, where))
         elif part["type"] in ("video_url", "input_video"):
             pieces.append(video.from_openai_part(part, f"{where}.content[{i}]", images))
+        elif part["type"] in ("input_audio", "audio_url"):
+            pieces.append(audio_parts.from_openai_part(part, f"{where}.content[{i}]"))
         else:
             raise invalid(f"{where}.content[{i}] has unsupported type {part['type']!r}", where)
     return join_content(pieces)

@@ -144,16 +144,18 @@ class VisionRunner(ChatTextRunner):
     def encode(self, req: GenerateRequest) -> list[int]:
         """Token ids carrying the processor's outputs. The vision tower runs at admission
         (insert), so queued requests hold pixels, not embeddings."""
-        images, videos = req.images or [], req.videos or []
-        if req.messages is None or not (images or videos):
+        images, videos, audio = req.images or [], req.videos or [], req.audio or []
+        if req.messages is None or not (images or videos or audio):
             return MediaPrompt(self.text.encode(req))
-        for kind, sent in (("image", images), ("video", videos)):
+        for kind, sent in (("image", images), ("video", videos), ("audio", audio)):
             slots = media_slots(req.messages, kind)
             if slots != len(sent):
                 raise invalid(f"the messages reference {slots} {kind}s but {len(sent)} were sent", "messages")
         media = {"images": [decode_image(data, i) for i, data in enumerate(images)]}
         if videos:
             media.update(self._videos(videos, bool(images)))
+        if audio:
+            media["audio"] = self._audio(audio)
         text = self.text.apply_template(req, tokenize=False)
         if videos and text.count(self.processor.video_token) != len(videos):
             raise invalid("this model's chat template does not place video parts; it cannot take video", "messages")
@@ -177,6 +179,20 @@ class VisionRunner(ChatTextRunner):
         self.videos_seen += len(videos)
         self.video_frames_seen += sum(len(v.get("frames") or ()) for v in videos)
         return prompt
+
+    def _audio(self, parts: list[bytes]) -> list:
+        """Each audio part (16 kHz mono int16 PCM from the gateway) as float samples, for an
+        mlx-vlm processor that reads audio (its feature extractor's rate must be 16 kHz)."""
+        import numpy as np
+
+        extractor = getattr(self.processor, "feature_extractor", None)
+        if extractor is None or getattr(extractor, "sampling_rate", 16000) != 16000:
+            raise invalid(
+                "this model does not accept audio (its processor reads no 16 kHz audio); an operator can set "
+                "chat.audio_model to a speech-to-text model so audio parts are transcribed for it",
+                "messages",
+            )
+        return [np.frombuffer(pcm, dtype="<i2").astype(np.float32) / 32768.0 for pcm in parts]
 
     def _videos(self, videos: list[dict], with_images: bool) -> dict:
         """prepare_inputs' video arguments: each video's frames as a (T, C, H, W) array, and

@@ -1,18 +1,20 @@
-"""Video inputs: a real gateway and mlx-vlm worker (the tests' tiny random Qwen2-VL, its video
+"""Video and audio inputs: a real gateway and mlx-vlm worker (the tests' tiny random Qwen2-VL, its video
 processor configured for tiny frames), clips made here with PyAV, through the openai SDK and
 plain HTTP in every chat API.
 
 What can be checked on random weights: the clip reaches the worker as video tokens (56x56
 frames are 2x2 merged patches, 2 tokens a frame, so the prompt grows by 2 tokens per sampled
 frame), `video_fps` and `video_max_frames` choose how many, streams and answers agree, and
-hostile files are 400s that leave the worker as it was."""
+hostile files are 400s that leave the worker as it was. Audio parts: transcribed by Whisper
+for the text model whose entry names it (chat.audio_model), refused by name elsewhere."""
 
 from __future__ import annotations
 
 import base64
 
 import pytest
-from helpers import http, openai_client, start_gateway, wait_for
+from helpers import DATA, http, openai_client, start_gateway, wait_for
+from helpers.audio_bombs import wav
 
 pytest.importorskip("mlx_vlm", reason="video tests need the vision extra (pip install -e '.[test,vision]')")
 pytest.importorskip("av", reason="video tests make their clips with PyAV (the vision extra)")
@@ -23,7 +25,9 @@ CONFIG = {
     "manager": {"auto_discover": False},
     "models": [
         {"name": "tiny-vision", "kind": "vision", "preload": True},
-        {"name": "tiny", "source": "tiny"},
+        {"name": "tiny", "source": "tiny", "chat": {"audio_model": "whisper-tiny-en"}},
+        {"name": "tiny-deaf", "source": "tiny"},
+        {"name": "whisper-tiny-en", "kind": "audio"},
     ],
 }
 CLIP = mp4()  # 3 s, 30 frames at 10 a second: 6 frames sampled at the default 2 a second
@@ -31,8 +35,8 @@ TOKENS_PER_FRAME = 2
 
 
 @pytest.fixture(scope="module")
-def gw(home, tiny_vision_dir, tiny_dir):
-    gw = start_gateway(home, CONFIG, "video-gateway")
+def gw(home, tiny_vision_dir, tiny_dir, whisper_tiny_dir):
+    gw = start_gateway(home, CONFIG, "media-gateway")
     yield gw
     gw.stop()
 
@@ -148,19 +152,63 @@ def test_hostile_videos_are_400s_and_the_worker_lives(gw, url, message):
 def test_text_models_refuse_video_in_every_api(gw):
     url = video_url(CLIP)
     status, _, body = http(
-        f"{gw.url}/v1/chat/completions", "POST", {"model": "tiny", "messages": chat_with_video(url), "max_tokens": 2}
+        f"{gw.url}/v1/chat/completions",
+        "POST",
+        {"model": "tiny-deaf", "messages": chat_with_video(url), "max_tokens": 2},
     )
     assert status == 400 and "does not accept video" in body["error"]["message"], body
     status, _, body = http(
         f"{gw.url}/v1/responses",
         "POST",
-        {"model": "tiny", "input": [{"role": "user", "content": [{"type": "input_video", "video_url": url}]}]},
+        {"model": "tiny-deaf", "input": [{"role": "user", "content": [{"type": "input_video", "video_url": url}]}]},
     )
     assert status == 400 and "does not accept video" in body["error"]["message"], body
     block = {"type": "video", "source": {"type": "base64", "media_type": "video/mp4", "data": url.split(",", 1)[1]}}
     status, _, body = http(
         f"{gw.url}/v1/messages",
         "POST",
-        {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": [block]}]},
+        {"model": "tiny-deaf", "max_tokens": 2, "messages": [{"role": "user", "content": [block]}]},
     )
     assert status == 400 and "does not accept video" in body["error"]["message"], body
+
+
+# -- audio parts ----------------------------------------------------------------------------
+
+FOX = (DATA / "audio" / "fox.wav").read_bytes()  # "The quick brown fox jumps over the lazy dog."
+
+
+def chat_with_audio(data: bytes, text: str = "Answer the voice note.") -> list[dict]:
+    audio = {"type": "input_audio", "input_audio": {"data": base64.b64encode(data).decode(), "format": "wav"}}
+    return [{"role": "user", "content": [{"type": "text", "text": text}, audio]}]
+
+
+def test_audio_is_transcribed_for_a_text_model_that_names_a_transcriber(gw):
+    status, headers, body = http(
+        f"{gw.url}/v1/chat/completions", "POST", {"model": "tiny", "messages": chat_with_audio(FOX), "max_tokens": 2}
+    )
+    assert status == 200, body
+    assert headers["x-mlxgw-transcribed-content"] == "audio"
+    text_only = openai_client(gw).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Answer the voice note."}], max_tokens=2
+    )
+    # the transcript ("[audio transcript] The quick brown fox ...") is in the prompt
+    assert body["usage"]["prompt_tokens"] >= text_only.usage.prompt_tokens + 10
+
+
+BAD_AUDIO = [
+    (wav(rate=1, samples=100), "tiny", "rate"),  # a header rate that makes decoding a bomb
+    (b"this is no audio at all" * 10, "tiny", "audio"),
+    (FOX, "tiny-deaf", "an operator can set chat.audio_model"),
+    (FOX, "tiny-vision", "does not accept audio"),  # Qwen2-VL's processor reads no audio
+]
+
+
+@pytest.mark.parametrize("data,model,message", BAD_AUDIO, ids=range(len(BAD_AUDIO)))
+def test_audio_refusals_are_clear_400s(gw, data, model, message):
+    pid = gw.worker_pid("tiny-vision")
+    status, _, body = http(
+        f"{gw.url}/v1/chat/completions", "POST", {"model": model, "messages": chat_with_audio(data), "max_tokens": 2}
+    )
+    assert status == 400, body
+    assert body["error"]["type"] == "invalid_request_error" and message in body["error"]["message"], body
+    assert gw.worker_pid("tiny-vision") == pid
