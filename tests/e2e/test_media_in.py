@@ -125,6 +125,33 @@ def test_video_in_responses_anthropic_and_ollama(gw):
     assert body["prompt_eval_count"] == chat.usage.prompt_tokens - 2 * TOKENS_PER_FRAME
 
 
+def test_a_second_turn_about_the_same_video_reads_it_from_the_cache(gw):
+    """The first turn's blocks, video tokens included, are found by the second turn (mlx-vlm's
+    prefix cache keyed by the frames' content) and the vision tower does not run again; the
+    same words about another clip find nothing."""
+    client = openai_client(gw)
+    # The cache holds whole blocks of 16 tokens, and a block is reused only past the last video
+    # token: the question after the clip fills the block the clip ends in.
+    question = "What happens in this recording, step by step, and what should a new viewer notice first?"
+
+    def ask(clip: bytes) -> list[dict]:
+        video = {"type": "video_url", "video_url": {"url": video_url(clip)}}
+        return [{"role": "user", "content": [video, {"type": "text", "text": question}]}]
+
+    first = ask(CLIP)
+    one = client.chat.completions.create(model="tiny-vision", messages=first, max_tokens=2)
+    skipped = _stats(gw)["cache"].get("media_encodes_skipped", 0)
+    second = [*first, {"role": "assistant", "content": "A bar grows."}, {"role": "user", "content": "And then?"}]
+    two = client.chat.completions.create(model="tiny-vision", messages=second, max_tokens=2)
+    video_tokens = 6 * TOKENS_PER_FRAME
+    assert two.usage.prompt_tokens_details.cached_tokens >= one.usage.prompt_tokens - 16 > video_tokens, two.usage
+    wait_for(lambda: _stats(gw)["cache"].get("media_encodes_skipped", 0) > skipped)
+    other = ask(mp4(frames=20))
+    other_two = [*other, {"role": "assistant", "content": "A bar grows."}, {"role": "user", "content": "And then?"}]
+    three = client.chat.completions.create(model="tiny-vision", messages=other_two, max_tokens=2)
+    assert not (three.usage.prompt_tokens_details and three.usage.prompt_tokens_details.cached_tokens)
+
+
 HOSTILE = [
     (video_url(CLIP[: len(CLIP) // 2]), "could not be read"),  # cut off before its index
     (video_url(mp4(frames=30, faststart=True)[:1500]), "could not be read"),  # its index, then half the frames

@@ -8,7 +8,9 @@ is a ChatText, as in the MLX runner, on the same tokenizer files, loaded with ml
 mlx-vlm's generator draws every row with one sampler, so per-request temperature, top-p,
 top-k and min-p are applied as a logits processor and the shared sampler draws at
 temperature 1 (see sampling.sampling_processor), which also draws seeded requests itself.
-No prefix cache here: each prompt's image embeddings are computed at admission.
+Prompts enter mlx-vlm's prefix cache with their media's content hash in the block keys
+(vision_prefix.py): a later turn about the same video reads the earlier turns' KV and, where
+the cache covers all its media, does not run the vision tower again.
 
 Rows are admitted by KV memory as text models' are (worker/model/memory/kv_budget.py): the
 language model's cache is probed as mlx-lm's is, and a row's prompt is the processor's
@@ -18,7 +20,6 @@ paused for memory reads its prompt and generated tokens again when it resumes.""
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 
 from ....shared.errors import invalid
@@ -27,55 +28,8 @@ from ...text.chat_text import ChatText
 from ..interfaces import StepOutput, TokenOut
 from ..memory.kv_budget import runner_profile
 from .chat_runner import ChatTextRunner
-
-# Larger images are refused before decoding (a small file can decode to gigapixels).
-MAX_IMAGE_PIXELS = 40_000_000
-MAX_VIDEO_FRAMES = 256  # per video; the gateway samples at most 64
-
-
-class MediaPrompt(list):
-    """Token ids that also carry the processor's outputs (pixel values, grid sizes, ...)
-    from encode() to insert(), through a scheduler that only sees a list of ids."""
-
-    media: dict | None = None
-
-
-def decode_image(data: bytes, index: int):
-    from PIL import Image, UnidentifiedImageError
-
-    try:
-        img = Image.open(io.BytesIO(data))
-        if img.width * img.height > MAX_IMAGE_PIXELS:
-            raise invalid(
-                f"image {index} is {img.width}x{img.height} pixels; the limit is {MAX_IMAGE_PIXELS} pixels", "messages"
-            )
-        img.load()
-        return img.convert("RGB")
-    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
-        raise invalid(f"image {index} could not be decoded: {e}", "messages") from None
-
-
-def decode_video(frames: list[bytes], index: int):
-    """A video's sampled frames (JPEG, from the gateway's decoding job) as (T, C, H, W) uint8."""
-    import numpy as np
-
-    if not frames or len(frames) > MAX_VIDEO_FRAMES:
-        raise invalid(f"video {index} has {len(frames)} frames; 1 to {MAX_VIDEO_FRAMES} are taken", "messages")
-    pictures = [np.asarray(decode_image(data, index)) for data in frames]
-    if len({p.shape for p in pictures}) != 1:
-        raise invalid(f"video {index}: its frames differ in size", "messages")
-    return np.stack(pictures).transpose(0, 3, 1, 2)
-
-
-def media_slots(messages: list[dict], kind: str) -> int:
-    """How many {"type": kind} parts the messages hold."""
-    return sum(
-        1
-        for m in messages
-        if isinstance(m.get("content"), list)
-        for part in m["content"]
-        if isinstance(part, dict) and part.get("type") == kind
-    )
+from .vision_media import MediaPrompt, decode_image, decode_video, media_key, media_slots
+from .vision_prefix import MediaPrefixStore, make_manager
 
 
 class VisionRunner(ChatTextRunner):
@@ -92,6 +46,7 @@ class VisionRunner(ChatTextRunner):
         reasoning_parser: str | None = None,
         allow_request_chat_template: bool = False,
         chat_template: str | None = None,
+        prefix_memory_mb: int | None = None,
     ):
         try:
             import mlx.core as mx
@@ -120,7 +75,9 @@ class VisionRunner(ChatTextRunner):
             prefill_batch_size=max_num_seqs,
             prefill_step_size=prefill_step_size,
             compute_logprobs=False,
+            apc_manager=(manager := make_manager(prefix_memory_mb)),
         )
+        self.prefix = MediaPrefixStore(self.generator, manager)
         self.text = ChatText(
             self.tokenizer,
             self.vocab_size,
@@ -146,7 +103,9 @@ class VisionRunner(ChatTextRunner):
         (insert), so queued requests hold pixels, not embeddings."""
         images, videos, audio = req.images or [], req.videos or [], req.audio or []
         if req.messages is None or not (images or videos or audio):
-            return MediaPrompt(self.text.encode(req))
+            prompt = MediaPrompt(self.text.encode(req))
+            prompt.cache_key = media_key(req)
+            return prompt
         for kind, sent in (("image", images), ("video", videos), ("audio", audio)):
             slots = media_slots(req.messages, kind)
             if slots != len(sent):
@@ -175,6 +134,7 @@ class VisionRunner(ChatTextRunner):
             raise invalid(f"the images or videos could not be prepared for this model: {e}", "messages") from None
         prompt = MediaPrompt(inputs["input_ids"][0].tolist())
         prompt.media = inputs
+        prompt.cache_key = media_key(req)
         self.images_seen += len(images)
         self.videos_seen += len(videos)
         self.video_frames_seen += sum(len(v.get("frames") or ()) for v in videos)
@@ -224,10 +184,16 @@ class VisionRunner(ChatTextRunner):
 
         inputs = dict(getattr(prompt, "media", None) or {})
         ids = inputs.pop("input_ids", None)
+        salt = self.prefix.salt(prompt)
+        cached, held = self.prefix.lookup(list(prompt), salt)
         try:
+            inputs.update(self.prefix.skip_encoding(self.model, list(prompt), cached))
             prompt_kwargs = self._embed(ids if ids is not None else self._mx.array([list(prompt)]), inputs)
         except Exception as e:  # the vision tower refused these images: this request's error only
+            if held:
+                self.prefix.manager.release(held)
             raise invalid(f"the model could not encode the images: {e}", "messages") from None
+        prompt_kwargs["_apc_semantic_hash"] = salt  # the blocks' key: mlx-vlm strips it before the model
 
         processors = guarded_processors(sampling, constraint, guard)
         draw = sampling_processor(sampling)  # last: it turns logits into the draw distribution
@@ -235,17 +201,21 @@ class VisionRunner(ChatTextRunner):
         (uid,) = self.generator.insert(
             [list(prompt)], max_tokens=[max_tokens], prompt_kwargs=[prompt_kwargs], logits_processors=[processors]
         )
+        self.prefix.hold(uid, held)
         if isinstance(prompt, MediaPrompt):  # a resumed row's prompt is a plain list of ids
             prompt.media = None  # the pixels are in the embeddings now; do not hold them to the end
-        return uid, 0
+        return uid, cached
 
     def step(self) -> StepOutput:
         _, gen_responses = self.generator.next()
+        for r in gen_responses:  # prefilled: its own lookup holds the blocks now
+            self.prefix.release(r.uid)
         return StepOutput(tokens=[TokenOut(r.uid, int(r.token), r.finish_reason) for r in gen_responses])
 
     def remove(self, uids: list[int]) -> None:
         for uid in uids:
             self.generator.remove(uid)
+            self.prefix.release(uid)
 
     # -- introspection -------------------------------------------------------------------
     def kv_profile(self):
@@ -267,7 +237,11 @@ class VisionRunner(ChatTextRunner):
         }
 
     def cache_stats(self) -> dict:
-        return {}
+        return self.prefix.stats()
+
+    def limit_prefix_cache(self, max_bytes: int) -> None:
+        self.prefix.limit(max_bytes)
 
     def cache_clear(self) -> None:
+        self.prefix.clear()
         self._mx.clear_cache()
