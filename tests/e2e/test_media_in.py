@@ -223,8 +223,8 @@ def test_audio_is_transcribed_for_a_text_model_that_names_a_transcriber(gw):
 
 
 BAD_AUDIO = [
-    (wav(rate=1, samples=100), "tiny", "rate"),  # a header rate that makes decoding a bomb
-    (b"this is no audio at all" * 10, "tiny", "audio"),
+    (wav(rate=1, samples=100), "tiny", "sample rate of 1 Hz"),  # a header rate that makes decoding a bomb
+    (b"this is no audio at all" * 10, "tiny", "could not be decoded as audio"),
     (FOX, "tiny-deaf", "an operator can set chat.audio_model"),
     (FOX, "tiny-vision", "does not accept audio"),  # Qwen2-VL's processor reads no audio
 ]
