@@ -14,7 +14,9 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import hashlib
 import re
+from collections import OrderedDict
 from dataclasses import asdict, dataclass
 
 from ...shared.errors import invalid
@@ -130,10 +132,43 @@ def _video_parts(messages: list[dict]) -> list[dict]:
     ]
 
 
+class _Sampled:
+    """The frames of the last videos sampled, by the file's digest and the sampling: a
+    conversation resends its clip every turn, and the turns after the first neither decode
+    it again nor wait for a job slot. Bounded in entries and in bytes."""
+
+    MAX_ENTRIES = 8
+    MAX_BYTES = 64 << 20
+
+    def __init__(self) -> None:
+        self._entries: OrderedDict[tuple, dict] = OrderedDict()
+
+    def get(self, key: tuple) -> dict | None:
+        found = self._entries.get(key)
+        if found is not None:
+            self._entries.move_to_end(key)
+        return found
+
+    def put(self, key: tuple, sampled: dict) -> None:
+        self._entries[key] = sampled
+        while len(self._entries) > self.MAX_ENTRIES or self._bytes() > self.MAX_BYTES:
+            self._entries.popitem(last=False)
+
+    def _bytes(self) -> int:
+        return sum(len(f) for s in self._entries.values() for f in s["frames"])
+
+
+SAMPLED = _Sampled()
+
+
 async def sample_frames(data: bytes, fps: float | None, max_frames: int | None, where: str) -> dict:
     """{"frames": [JPEG bytes], "fps": the sampled rate} of one video, or a 400 saying why."""
     import json
 
+    key = (hashlib.sha256(data).digest(), fps, max_frames)
+    found = SAMPLED.get(key)
+    if found is not None:
+        return found
     header = {
         "fps": fps or DEFAULT_FPS,
         "min_frames": MIN_FRAMES,
@@ -148,7 +183,9 @@ async def sample_frames(data: bytes, fps: float | None, max_frames: int | None, 
         raise invalid(f"{where}: decoding the video took longer than {DECODE_TIMEOUT_S:.0f} s", "messages") from None
     except JobFailed as e:
         raise invalid(f"{where}: the video could not be read: {e}", "messages") from None
-    return {"frames": [base64.b64decode(f) for f in out["frames"]], "fps": float(out["fps"])}
+    sampled = {"frames": [base64.b64decode(f) for f in out["frames"]], "fps": float(out["fps"])}
+    SAMPLED.put(key, sampled)
+    return sampled
 
 
 async def collect_videos(
