@@ -43,3 +43,14 @@ def test_a_one_frame_clip_repeats_its_frame():
 def test_declared_bombs_are_refused_before_decoding(frames, duration, width, height, message):
     with pytest.raises(Refused, match=message):
         _check_declared(frames, duration, width, height, LIMITS_DICT)
+
+
+def test_the_sampled_frames_kept_are_bounded_in_entries_and_bytes():
+    from mlxgw.gateway.pipeline.video import _Sampled
+
+    kept = _Sampled()
+    for i in range(kept.MAX_ENTRIES + 3):
+        kept.put((i,), {"frames": [b"x" * 10], "fps": 2.0})
+    assert kept.get((0,)) is None and kept.get((kept.MAX_ENTRIES + 2,)) is not None
+    kept.put(("big",), {"frames": [b"x" * (kept.MAX_BYTES // 2)] * 2, "fps": 2.0})
+    assert kept._bytes() <= kept.MAX_BYTES
