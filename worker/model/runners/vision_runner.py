@@ -172,6 +172,7 @@ class VisionRunner(ChatTextRunner):
         embedded = self.model.get_input_embeddings(
             ids, inputs.get("pixel_values"), mask=inputs.get("attention_mask"), **extra
         )
+        extra.pop("cached_image_features", None)  # the tower's stand-in: for the embedding only
         kwargs = {**extra, **{k: v for k, v in embedded.to_dict().items() if v is not None}}
         self._mx.eval([v for v in kwargs.values() if isinstance(v, self._mx.array)])
         return kwargs
