@@ -197,6 +197,13 @@ def test_text_models_refuse_video_in_every_api(gw):
         {"model": "tiny-deaf", "max_tokens": 2, "messages": [{"role": "user", "content": [block]}]},
     )
     assert status == 400 and "does not accept video" in body["error"]["message"], body
+    ollama = {
+        "model": "tiny-deaf",
+        "stream": False,
+        "messages": [{"role": "user", "content": "?", "images": [url.split(",", 1)[1]]}],
+    }
+    status, _, body = http(f"{gw.url}/api/chat", "POST", ollama)
+    assert status == 400 and "does not accept images or video" in body["error"], body
 
 
 # -- audio parts ----------------------------------------------------------------------------
@@ -239,3 +246,11 @@ def test_audio_refusals_are_clear_400s(gw, data, model, message):
     assert status == 400, body
     assert body["error"]["type"] == "invalid_request_error" and message in body["error"]["message"], body
     assert gw.worker_pid("tiny-vision") == pid
+
+
+def test_responses_refuses_audio_for_a_model_without_a_transcriber(gw):
+    audio = {"type": "input_audio", "input_audio": {"data": base64.b64encode(FOX).decode(), "format": "wav"}}
+    status, _, body = http(
+        f"{gw.url}/v1/responses", "POST", {"model": "tiny-deaf", "input": [{"role": "user", "content": [audio]}]}
+    )
+    assert status == 400 and "an operator can set chat.audio_model" in body["error"]["message"], body
