@@ -21,12 +21,21 @@ pytest.importorskip("av", reason="video tests make their clips with PyAV (the vi
 
 from helpers.media import declaring_frames, mp4, video_url  # noqa: E402  (PyAV: after the skip)
 
+IMAGE_ONLY = (
+    "{% for message in messages %}<|im_start|>{{ message.role }}\n"
+    "{% if message.content is string %}{{ message.content }}{% else %}{% for part in message.content %}"
+    "{% if part.type == 'image' %}<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ part.text }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 CONFIG = {
     "manager": {"auto_discover": False},
     "models": [
         {"name": "tiny-vision", "kind": "vision", "preload": True},
         {"name": "tiny", "source": "tiny", "chat": {"audio_model": "whisper-tiny-en"}},
         {"name": "tiny-deaf", "source": "tiny"},
+        # The same vision model with a chat template that places images only (as LLaVA-style
+        # templates do): it cannot take video, and says so.
+        {"name": "tiny-stills", "kind": "vision", "source": "tiny-vision", "chat": {"chat_template": IMAGE_ONLY}},
         {"name": "whisper-tiny-en", "kind": "audio"},
     ],
 }
@@ -174,6 +183,15 @@ def test_hostile_videos_are_400s_and_the_worker_lives(gw, url, message):
     assert status == 400, body
     assert body["error"]["type"] == "invalid_request_error" and message in body["error"]["message"], body
     assert gw.worker_pid("tiny-vision") == pid
+
+
+def test_a_vision_model_whose_template_places_no_video_refuses_it(gw):
+    status, _, body = http(
+        f"{gw.url}/v1/chat/completions",
+        "POST",
+        {"model": "tiny-stills", "messages": chat_with_video(video_url(CLIP)), "max_tokens": 2},
+    )
+    assert status == 400 and "cannot take video" in body["error"]["message"], body
 
 
 def test_text_models_refuse_video_in_every_api(gw):
