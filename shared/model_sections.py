@@ -102,6 +102,10 @@ class ChatConfig:
     system: str | None = None
     messages: list[PresetMessage] = field(default_factory=list)
     chat_template: str | None = None
+    # A speech-to-text model (`kind: audio`) that transcribes audio parts sent to this model,
+    # their text put in their place (gateway/pipeline/audio_parts.py); unset: audio parts are
+    # refused, except by vision models whose mlx-vlm family reads audio.
+    audio_model: str | None = None
 
 
 @dataclass

@@ -177,6 +177,13 @@ class GenerateRequest:
     # Vision models: the encoded images (PNG, JPEG, ...), in the order of the {"type": "image"}
     # parts of the messages.
     images: list[bytes] | None = None
+    # Vision models: the videos' sampled frames, in the order of the {"type": "video"} parts:
+    # {"frames": [JPEG bytes, ...], "fps": the rate they were sampled at}. A worker of an
+    # older version ignores the field.
+    videos: list[dict] | None = None
+    # Vision models whose family reads audio: each audio part as 16 kHz mono int16 PCM, in the
+    # order of the {"type": "audio"} parts. A worker of an older version ignores the field.
+    audio: list[bytes] | None = None
     # Per-token log-probabilities: None (none), or how many top alternatives each token's
     # entry lists (0-20). Only the sequences that ask pay for them.
     logprobs: int | None = None

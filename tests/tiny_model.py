@@ -111,7 +111,8 @@ def build_tiny_encoder(
 VISION_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message.role }}\n"
     "{% if message.content is string %}{{ message.content }}{% else %}{% for part in message.content %}"
-    "{% if part.type == 'image' %}<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ part.text }}{% endif %}"
+    "{% if part.type == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part.type == 'video' %}<|vision_start|><|video_pad|><|vision_end|>{% else %}{{ part.text }}{% endif %}"
     "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
@@ -144,6 +145,10 @@ def build_tiny_vision_model(dest: Path, tokenizer_source: Path, seed: int = 0) -
         "image_std": [0.26862954, 0.26130258, 0.27577711],
     }
     (dest / "preprocessor_config.json").write_text(json.dumps(processor))
+    # Videos: a budget for all frames together large enough that a 56x56 clip keeps its size,
+    # so its token count grows with the frames sampled (2 frames of 56x56: 4 tokens).
+    video = {**processor, "min_pixels": 28 * 28 * 2, "max_pixels": 56 * 56 * 64}
+    (dest / "video_preprocessor_config.json").write_text(json.dumps(video))
     config = {
         "model_type": "qwen2_vl",
         "architectures": ["Qwen2VLForConditionalGeneration"],

@@ -16,6 +16,15 @@ import numpy as np
 SAMPLE_RATE = 16000
 MIN_RATE, MAX_RATE = 1000, 384_000  # Hz: a header outside this is a decoding bomb (1 Hz -> x16000)
 MAX_CHANNELS = 32
+MAX_AUDIO_SECONDS = 2 * 3600.0  # decoded int16 PCM: 230 MB at most
+# Audio seconds a request may bring per second of its request timeout: what a small machine
+# can transcribe before the timeout (a 2-hour file on a 300-s timeout was decoded, 1 GB, to
+# end in a 504). The default timeout of 300 s allows 20 minutes.
+AUDIO_SECONDS_PER_TIMEOUT_S = 4.0
+
+
+def audio_seconds_cap(request_timeout_s: float) -> float:
+    return min(MAX_AUDIO_SECONDS, request_timeout_s * AUDIO_SECONDS_PER_TIMEOUT_S)
 
 
 class AudioError(ValueError):

@@ -55,6 +55,10 @@ class CommonFields(msgspec.Struct):
     # vLLM's: the request's prompt is cached apart from every request without the same salt
     # (within its key's cache group: gateway/access/cache_scope.py).
     cache_salt: Annotated[str, M(min_length=1, max_length=256)] | None = None
+    # vllm-mlx's: frames a second sampled from each video part, and the most frames a video
+    # gives (capped by the server: gateway/pipeline/video.py).
+    video_fps: Annotated[float, M(gt=0, le=60)] | None = None
+    video_max_frames: Annotated[int, M(ge=2, le=INT32_MAX)] | None = None
 
     # The API's names for max_tokens (the first one set wins) and for stop sequences.
     MAX_TOKENS: ClassVar[tuple[str, ...]] = ()
@@ -85,6 +89,8 @@ class CommonFields(msgspec.Struct):
             stream_interval=self.stream_interval,
             reasoning_budget=self.reasoning_budget,
             cache_salt=self.cache_salt,
+            video_fps=self.video_fps,
+            video_max_frames=self.video_max_frames,
         )
 
 

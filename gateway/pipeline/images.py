@@ -78,11 +78,13 @@ def from_base64(media_type: str, data, where: str, limits: ImageLimits) -> dict:
     return {"type": "image", "source": _checked(_b64(data, where), where, limits)}
 
 
-def from_bare_base64(data, where: str, limits: ImageLimits) -> dict:
-    """An image as bare base64 without a media type (Ollama's `images`): the type is sniffed."""
+def from_bare_base64(data, where: str, limits: ImageLimits, sniff: bool = True) -> dict:
+    """An image as bare base64 without a media type (Ollama's `images`): the type is sniffed
+    (sniff False: only decoded, for a caller that tells images from videos itself)."""
     if not isinstance(data, str) or not data:
         raise invalid(f"{where}: an image must be a non-empty base64 string", where)
-    return {"type": "image", "source": _checked(_b64(data, where), where, limits)}
+    raw = _b64(data, where)
+    return {"type": "image", "source": _checked(raw, where, limits) if sniff else raw}
 
 
 def from_url(url, where: str, limits: ImageLimits) -> dict:
@@ -187,7 +189,10 @@ def _check_target(url: str) -> None:
         raise invalid(f"image URL {url!r}: non-public addresses are not fetched", "messages")
 
 
-async def _fetch(url: str, limits: ImageLimits) -> bytes:
+async def _fetch(url: str, limits: ImageLimits, check=None, max_bytes: int | None = None) -> bytes:
+    """The body at a public URL; `check` (default: the image checks) and `max_bytes` (default:
+    the image limit) let video parts (video.py) share the fetching and its guards."""
+    max_bytes = max_bytes or limits.max_bytes
     timeout = aiohttp.ClientTimeout(total=limits.fetch_timeout_s)
     connector = aiohttp.TCPConnector(resolver=PublicOnlyResolver(), limit=4)
     try:
@@ -203,8 +208,10 @@ async def _fetch(url: str, limits: ImageLimits) -> bytes:
                     data = bytearray()
                     async for chunk in r.content.iter_chunked(1 << 16):
                         data += chunk
-                        if len(data) > limits.max_bytes:
-                            raise invalid(f"image URL {url!r}: larger than {limits.max_bytes} bytes", "messages")
+                        if len(data) > max_bytes:
+                            raise invalid(f"media URL {url!r}: larger than {max_bytes} bytes", "messages")
+                    if check is not None:
+                        return check(bytes(data), f"media URL {url!r}")
                     return _checked(bytes(data), f"image URL {url!r}", limits)
             raise invalid(f"image URL: more than {MAX_REDIRECTS} redirects", "messages")
     except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:

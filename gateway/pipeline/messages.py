@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from ...shared.errors import invalid
+from . import audio_parts, video
 from .images import ImageLimits, from_openai_part, join_content
 from .tools import template_arguments
 
@@ -11,7 +12,7 @@ ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
 
 
 def _content(content, where: str, images: ImageLimits | None) -> str | list[dict]:
-    """Text, or text and image parts for a vision model (images: None for other models)."""
+    """Text, or text and media parts (images, video, audio; images: None for a text-only model)."""
     if content is None or isinstance(content, str):
         return content or ""
     if not isinstance(content, list):
@@ -26,6 +27,10 @@ def _content(content, where: str, images: ImageLimits | None) -> str | list[dict
             pieces.append(part["text"])
         elif part["type"] in ("image_url", "input_image"):
             pieces.append(from_openai_part(part, f"{where}.content[{i}]", images, where))
+        elif part["type"] in ("video_url", "input_video"):
+            pieces.append(video.from_openai_part(part, f"{where}.content[{i}]", images))
+        elif part["type"] in ("input_audio", "audio_url"):
+            pieces.append(audio_parts.from_openai_part(part, f"{where}.content[{i}]"))
         else:
             raise invalid(f"{where}.content[{i}] has unsupported type {part['type']!r}", where)
     return join_content(pieces)

@@ -105,8 +105,12 @@ A = TypeVar("A", bound=ApiFamily)
 
 
 def omitted_header(parsed: ParsedRequest) -> dict[str, str]:
-    """Names what a text-only model was sent a placeholder for (images in tool results)."""
-    return {"x-mlxgw-omitted-content": ",".join(sorted(set(parsed.omitted)))} if parsed.omitted else {}
+    """Names what a text-only model was sent a placeholder for (images in tool results), and
+    what it was sent as text instead (audio transcribed by the entry's chat.audio_model)."""
+    headers = {"x-mlxgw-omitted-content": ",".join(sorted(set(parsed.omitted)))} if parsed.omitted else {}
+    if parsed.transcribed:
+        headers["x-mlxgw-transcribed-content"] = ",".join(sorted(set(parsed.transcribed)))
+    return headers
 
 
 async def open_family(request: web.Request, family: type[A]) -> tuple[A, ParsedRequest]:

@@ -20,10 +20,12 @@ from ...shared import protocol as p
 from ...shared.model_sections import ModelKind
 from ..access.cache_scope import cache_namespace
 from ..web.state import CACHE_SECRET, MANAGER, SETTINGS
+from .audio_parts import collect_audio
 from .fields import CommonFields, logit_bias
 from .fim_support import fim_max_tokens
 from .images import ImageLimits, collect_images
 from .latency_class import classify, route_class, target_s
+from .video import collect_videos
 
 # max_tokens when neither the request, the model's entry (defaults.max_tokens), the server
 # (--max-tokens-default) nor the model's own generation_config.json (max_new_tokens) sets
@@ -66,6 +68,9 @@ class ParsedRequest:
     fim: dict | None = None  # fill in the middle (fim_support.fim_map); prompt is then unused
     cache_retention_s: float | None = None  # a client's caching hint (cache_hints.py); None: none
     cache_salt: str | None = None  # narrows the key's cache namespace (access/cache_scope.py)
+    video_fps: float | None = None  # frames a second sampled from each video (video.py)
+    video_max_frames: int | None = None
+    transcribed: list[str] = field(default_factory=list)  # media turned into text (x-mlxgw-transcribed-content)
 
 
 def first_set(*values):
@@ -116,10 +121,14 @@ async def build_request(request: web.Request, slot, parsed: ParsedRequest) -> p.
     key = request.get("key")
     priority = granted_priority(request, parsed.priority, parsed.service_tier)
     latency, priority = classify(request, parsed.latency_class, route_class(parsed.fim, parsed.tools), priority)
-    messages, images = parsed.messages, None
+    messages, images, videos, audio = parsed.messages, None, None, None
     if messages is not None:
         messages = with_entry_preamble(entry, messages)
-        messages, images = await collect_images(messages, image_limits(request, slot))
+        limits = image_limits(request, slot)
+        messages, images = await collect_images(messages, limits)
+        messages, videos = await collect_videos(messages, limits, parsed.video_fps, parsed.video_max_frames)
+        messages, audio, transcribed = await collect_audio(request, slot, messages)
+        parsed.transcribed += ["audio"] if transcribed else []
     template_kwargs = parsed.chat_template_kwargs  # an entry's own template is the worker's (chat_text.py)
     return p.GenerateRequest(
         rid=request["rid"],
@@ -143,6 +152,8 @@ async def build_request(request: web.Request, slot, parsed: ParsedRequest) -> p.
         constraint=parsed.constraint,
         reasoning_budget=parsed.reasoning_budget,
         images=images,
+        videos=videos,
+        audio=audio,
         logprobs=parsed.logprobs,
         prompt_logprobs=parsed.prompt_logprobs,
         n=parsed.n,

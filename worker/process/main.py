@@ -73,6 +73,7 @@ def build_runner(entry: ModelEntry, model_path: Path):
             reasoning_parser=entry.chat.reasoning_parser,
             allow_request_chat_template=entry.chat.allow_request_chat_template,
             chat_template=entry.chat.chat_template,
+            prefix_memory_mb=entry.cache.prefix_memory_mb,
         )
     if entry.engine == "null":
         from ..model.runners.null_runner import NullRunner

@@ -129,10 +129,14 @@ class Sequence:
 
     def resumable(self) -> bool:
         """Rows that can resume exactly from prompt + generated tokens: no grammar or
-        per-token state outside the tokens, no sibling choices, no images to re-encode."""
+        per-token state outside the tokens, no sibling choices, no media to re-encode."""
         req = self.req
         return (
-            self.constraint is None and req.logprobs is None and req.n == 1 and not req.images and self.scorer is None
+            self.constraint is None
+            and req.logprobs is None
+            and req.n == 1
+            and not (req.images or req.videos or req.audio)
+            and self.scorer is None
         )
 
     def preemptible(self) -> bool:

@@ -22,6 +22,7 @@ import re
 
 from ....shared.chat import merge_opening_system_turns
 from ....shared.errors import invalid
+from ...pipeline import video
 from ...pipeline.content import ContentPolicy, b64decode, blocks_of, read_pdfs, text_file, titled
 from ...pipeline.images import from_base64, from_url, join_content
 
@@ -72,6 +73,8 @@ def _piece(block, where: str, policy: ContentPolicy, in_tool_result: bool = Fals
         return block["text"]
     if kind == "image":
         return _image(block, where, policy, in_tool_result)
+    if kind == "video" and not in_tool_result:
+        return video.from_anthropic_block(block, where, policy.images)
     if kind == "document":
         return _document(block, where, policy)
     if kind == "tool_reference" and isinstance(block.get("tool_name"), str):

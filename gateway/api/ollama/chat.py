@@ -17,8 +17,10 @@ from ....shared.events import Finish
 from ...access import audit
 from ...models.generation import Generation, Outcome
 from ...models.lifecycle import SlotState
+from ...pipeline import video
 from ...pipeline.fim_support import fim_map
 from ...pipeline.images import ImageLimits, from_bare_base64, join_content
+from ...pipeline.images import _checked as checked_image
 from ...pipeline.serving import ApiFamily, handle
 from ...pipeline.stream import Emitter
 from ...pipeline.tools import function_tool
@@ -39,8 +41,16 @@ def _images(raw, where: str, limits: ImageLimits | None) -> list[dict]:
     if not isinstance(raw, list):
         raise invalid(f"{where}.images must be a list of base64 strings", "images")
     if limits is None:
-        raise invalid("this model does not accept images; use a vision model", "images")
-    return [from_bare_base64(x, f"{where}.images[{i}]", limits) for i, x in enumerate(raw)]
+        raise invalid("this model does not accept images or video; use a vision model", "images")
+    return [_image_or_video(x, f"{where}.images[{i}]", limits) for i, x in enumerate(raw)]
+
+
+def _image_or_video(data, where: str, limits: ImageLimits) -> dict:
+    """Ollama has one list for pictures; a video sent in it is told apart by its signature."""
+    raw = from_bare_base64(data, where, limits, sniff=False)["source"]
+    if video.is_video(raw):
+        return {"type": "video", "source": video.checked(raw, where)}
+    return {"type": "image", "source": checked_image(raw, where, limits)}
 
 
 def _tool_calls(raw, where: str) -> list[dict]:

@@ -17,7 +17,7 @@ from ....shared.errors import ErrorCode, ServiceError, invalid
 from ....shared.events import Finish
 from ....shared.model_sections import ModelKind
 from ...access.auth import charge_audio_seconds, resolve_model
-from ...pipeline.audio_decode import AudioError, decode_audio
+from ...pipeline.audio_decode import AudioError, audio_seconds_cap, decode_audio
 from ...pipeline.serving import generation
 from ...web.errors import openai_error_body
 from ...web.sse import SSEWriter
@@ -29,15 +29,6 @@ from .audio_format import render
 routes = web.RouteTableDef()
 
 MAX_UPLOAD_BYTES = 25 * 1024 * 1024  # OpenAI's limit
-MAX_AUDIO_SECONDS = 2 * 3600.0  # decoded int16 PCM: 230 MB at most
-# Audio seconds a request may bring per second of its request timeout: what a small machine
-# can transcribe before the timeout (a 2-hour file on a 300-s timeout was decoded, 1 GB, to
-# end in a 504). The default timeout of 300 s allows 20 minutes.
-AUDIO_SECONDS_PER_TIMEOUT_S = 4.0
-
-
-def audio_seconds_cap(request_timeout_s: float) -> float:
-    return min(MAX_AUDIO_SECONDS, request_timeout_s * AUDIO_SECONDS_PER_TIMEOUT_S)
 
 
 MAX_FIELD_BYTES = 64 * 1024  # a text field (prompt, ...)

@@ -18,6 +18,7 @@ from aiohttp import web
 from ....shared.errors import invalid
 from ...mcp.drive import McpFamily, McpHooks
 from ...models.generation import Generation, Outcome
+from ...pipeline import audio_parts, video
 from ...pipeline.cache_hints import openai_retention
 from ...pipeline.content import ContentPolicy, b64decode, data_url, read_pdfs, text_file, titled
 from ...pipeline.fields import ResponsesFields, decode_fields
@@ -56,6 +57,10 @@ def _part(part, where: str, policy: ContentPolicy, in_tool_output: bool):
         if policy.images is None and in_tool_output:
             return policy.image_placeholder()
         return from_openai_part(part, where, policy.images, "input")
+    if kind in ("input_video", "video_url"):
+        return video.from_openai_part(part, where, policy.images)
+    if kind in ("input_audio", "audio_url"):
+        return audio_parts.from_openai_part(part, where)
     if kind == "input_file":
         if id(part) in policy.documents:
             return titled(policy.documents[id(part)], part.get("filename"))

@@ -8,7 +8,9 @@ is a ChatText, as in the MLX runner, on the same tokenizer files, loaded with ml
 mlx-vlm's generator draws every row with one sampler, so per-request temperature, top-p,
 top-k and min-p are applied as a logits processor and the shared sampler draws at
 temperature 1 (see sampling.sampling_processor), which also draws seeded requests itself.
-No prefix cache here: each prompt's image embeddings are computed at admission.
+Prompts enter mlx-vlm's prefix cache with their media's content hash in the block keys
+(vision_prefix.py): a later turn about the same video reads the earlier turns' KV and, where
+the cache covers all its media, does not run the vision tower again.
 
 Rows are admitted by KV memory as text models' are (worker/model/memory/kv_budget.py): the
 language model's cache is probed as mlx-lm's is, and a row's prompt is the processor's
@@ -18,7 +20,6 @@ paused for memory reads its prompt and generated tokens again when it resumes.""
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 
 from ....shared.errors import invalid
@@ -27,31 +28,8 @@ from ...text.chat_text import ChatText
 from ..interfaces import StepOutput, TokenOut
 from ..memory.kv_budget import runner_profile
 from .chat_runner import ChatTextRunner
-
-# Larger images are refused before decoding (a small file can decode to gigapixels).
-MAX_IMAGE_PIXELS = 40_000_000
-
-
-class MediaPrompt(list):
-    """Token ids that also carry the processor's outputs (pixel values, grid sizes, ...)
-    from encode() to insert(), through a scheduler that only sees a list of ids."""
-
-    media: dict | None = None
-
-
-def decode_image(data: bytes, index: int):
-    from PIL import Image, UnidentifiedImageError
-
-    try:
-        img = Image.open(io.BytesIO(data))
-        if img.width * img.height > MAX_IMAGE_PIXELS:
-            raise invalid(
-                f"image {index} is {img.width}x{img.height} pixels; the limit is {MAX_IMAGE_PIXELS} pixels", "messages"
-            )
-        img.load()
-        return img.convert("RGB")
-    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
-        raise invalid(f"image {index} could not be decoded: {e}", "messages") from None
+from .vision_media import MediaPrompt, decode_image, decode_video, media_key, media_slots
+from .vision_prefix import MediaPrefixStore, make_manager
 
 
 class VisionRunner(ChatTextRunner):
@@ -68,6 +46,7 @@ class VisionRunner(ChatTextRunner):
         reasoning_parser: str | None = None,
         allow_request_chat_template: bool = False,
         chat_template: str | None = None,
+        prefix_memory_mb: int | None = None,
     ):
         try:
             import mlx.core as mx
@@ -96,7 +75,9 @@ class VisionRunner(ChatTextRunner):
             prefill_batch_size=max_num_seqs,
             prefill_step_size=prefill_step_size,
             compute_logprobs=False,
+            apc_manager=(manager := make_manager(prefix_memory_mb)),
         )
+        self.prefix = MediaPrefixStore(self.generator, manager)
         self.text = ChatText(
             self.tokenizer,
             self.vocab_size,
@@ -107,43 +88,82 @@ class VisionRunner(ChatTextRunner):
             chat_template=chat_template,
         )
         self.images_seen = 0
+        self.videos_seen = 0
+        self.video_frames_seen = 0
+        video_token = getattr(self.processor, "video_token", None)
+        self.takes_video = (
+            getattr(self.processor, "video_processor", None) is not None
+            and video_token is not None
+            and getattr(config, "video_token_id", None) is not None
+        )
 
     # -- prompts ------------------------------------------------------------------------
     def encode(self, req: GenerateRequest) -> list[int]:
         """Token ids carrying the processor's outputs. The vision tower runs at admission
         (insert), so queued requests hold pixels, not embeddings."""
-        images = req.images or []
-        if req.messages is None or not images:
-            return MediaPrompt(self.text.encode(req))
-        slots = sum(
-            1
-            for m in req.messages
-            if isinstance(m.get("content"), list)
-            for part in m["content"]
-            if isinstance(part, dict) and part.get("type") == "image"
-        )
-        if slots != len(images):
-            raise invalid(f"the messages reference {slots} images but {len(images)} were sent", "messages")
-        pictures = [decode_image(data, i) for i, data in enumerate(images)]
+        images, videos, audio = req.images or [], req.videos or [], req.audio or []
+        if req.messages is None or not (images or videos or audio):
+            prompt = MediaPrompt(self.text.encode(req))
+            prompt.cache_key = media_key(req)
+            return prompt
+        for kind, sent in (("image", images), ("video", videos), ("audio", audio)):
+            slots = media_slots(req.messages, kind)
+            if slots != len(sent):
+                raise invalid(f"the messages reference {slots} {kind}s but {len(sent)} were sent", "messages")
+        media = {"images": [decode_image(data, i) for i, data in enumerate(images)]}
+        if videos:
+            media.update(self._videos(videos, bool(images)))
+        if audio:
+            media["audio"] = self._audio(audio)
         text = self.text.apply_template(req, tokenize=False)
+        if videos and text.count(self.processor.video_token) != len(videos):
+            raise invalid("this model's chat template does not place video parts; it cannot take video", "messages")
         from mlx_vlm.utils import prepare_inputs
 
         try:
             inputs = dict(
                 prepare_inputs(
                     self.processor,
-                    images=pictures,
+                    **{k: v for k, v in media.items() if v},
                     prompts=text,
                     image_token_index=self.image_token,
                     add_special_tokens=False,
                 )
             )
         except Exception as e:  # processors raise many types for odd images
-            raise invalid(f"the images could not be prepared for this model: {e}", "messages") from None
+            raise invalid(f"the images or videos could not be prepared for this model: {e}", "messages") from None
         prompt = MediaPrompt(inputs["input_ids"][0].tolist())
         prompt.media = inputs
-        self.images_seen += len(pictures)
+        prompt.cache_key = media_key(req)
+        self.images_seen += len(images)
+        self.videos_seen += len(videos)
+        self.video_frames_seen += sum(len(v.get("frames") or ()) for v in videos)
         return prompt
+
+    def _audio(self, parts: list[bytes]) -> list:
+        """Each audio part (16 kHz mono int16 PCM from the gateway) as float samples, for an
+        mlx-vlm processor that reads audio (its feature extractor's rate must be 16 kHz)."""
+        import numpy as np
+
+        extractor = getattr(self.processor, "feature_extractor", None)
+        if extractor is None or getattr(extractor, "sampling_rate", 16000) != 16000:
+            raise invalid(
+                "this model does not accept audio (its processor reads no 16 kHz audio); an operator can set "
+                "chat.audio_model to a speech-to-text model so audio parts are transcribed for it",
+                "messages",
+            )
+        return [np.frombuffer(pcm, dtype="<i2").astype(np.float32) / 32768.0 for pcm in parts]
+
+    def _videos(self, videos: list[dict], with_images: bool) -> dict:
+        """prepare_inputs' video arguments: each video's frames as a (T, C, H, W) array, and
+        the rate they were sampled at (the processor's timestamps); refused, by name, where
+        this model's processor reads no video."""
+        if not self.takes_video:
+            raise invalid("this model does not accept video (its processor reads images only)", "messages")
+        if with_images:  # Qwen2-VL embeds one kind of media per prompt (one grid, one pixel tensor)
+            raise invalid("send images and video in separate requests to this model", "messages")
+        arrays = [decode_video(v.get("frames") or [], i) for i, v in enumerate(videos)]
+        return {"videos": arrays, "fps": [float(v.get("fps") or 2.0) for v in videos]}
 
     def _embed(self, ids, inputs: dict) -> dict:
         """The generator's prompt kwargs: input embeddings plus what the model needs with them
@@ -152,6 +172,7 @@ class VisionRunner(ChatTextRunner):
         embedded = self.model.get_input_embeddings(
             ids, inputs.get("pixel_values"), mask=inputs.get("attention_mask"), **extra
         )
+        extra.pop("cached_image_features", None)  # the tower's stand-in: for the embedding only
         kwargs = {**extra, **{k: v for k, v in embedded.to_dict().items() if v is not None}}
         self._mx.eval([v for v in kwargs.values() if isinstance(v, self._mx.array)])
         return kwargs
@@ -164,10 +185,16 @@ class VisionRunner(ChatTextRunner):
 
         inputs = dict(getattr(prompt, "media", None) or {})
         ids = inputs.pop("input_ids", None)
+        salt = self.prefix.salt(prompt)
+        cached, held = self.prefix.lookup(list(prompt), salt)
         try:
+            inputs.update(self.prefix.skip_encoding(self.model, list(prompt), cached))
             prompt_kwargs = self._embed(ids if ids is not None else self._mx.array([list(prompt)]), inputs)
         except Exception as e:  # the vision tower refused these images: this request's error only
+            if held:
+                self.prefix.manager.release(held)
             raise invalid(f"the model could not encode the images: {e}", "messages") from None
+        prompt_kwargs["_apc_semantic_hash"] = salt  # the blocks' key: mlx-vlm strips it before the model
 
         processors = guarded_processors(sampling, constraint, guard)
         draw = sampling_processor(sampling)  # last: it turns logits into the draw distribution
@@ -175,17 +202,21 @@ class VisionRunner(ChatTextRunner):
         (uid,) = self.generator.insert(
             [list(prompt)], max_tokens=[max_tokens], prompt_kwargs=[prompt_kwargs], logits_processors=[processors]
         )
+        self.prefix.hold(uid, held)
         if isinstance(prompt, MediaPrompt):  # a resumed row's prompt is a plain list of ids
             prompt.media = None  # the pixels are in the embeddings now; do not hold them to the end
-        return uid, 0
+        return uid, cached
 
     def step(self) -> StepOutput:
         _, gen_responses = self.generator.next()
+        for r in gen_responses:  # prefilled: its own lookup holds the blocks now
+            self.prefix.release(r.uid)
         return StepOutput(tokens=[TokenOut(r.uid, int(r.token), r.finish_reason) for r in gen_responses])
 
     def remove(self, uids: list[int]) -> None:
         for uid in uids:
             self.generator.remove(uid)
+            self.prefix.release(uid)
 
     # -- introspection -------------------------------------------------------------------
     def kv_profile(self):
@@ -202,10 +233,16 @@ class VisionRunner(ChatTextRunner):
             "mlx_active_bytes": int(mx.get_active_memory()),
             "mlx_peak_bytes": int(mx.get_peak_memory()),
             "images_seen": self.images_seen,
+            "videos_seen": self.videos_seen,
+            "video_frames_seen": self.video_frames_seen,
         }
 
     def cache_stats(self) -> dict:
-        return {}
+        return self.prefix.stats()
+
+    def limit_prefix_cache(self, max_bytes: int) -> None:
+        self.prefix.limit(max_bytes)
 
     def cache_clear(self) -> None:
+        self.prefix.clear()
         self._mx.clear_cache()
