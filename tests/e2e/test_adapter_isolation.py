@@ -30,6 +30,7 @@ from mlxgw.shared.config import ConfigError, parse_registry
 from mlxgw.shared.errors import ServiceError
 from mlxgw.shared.model_sections import SpeculativeConfig
 from mlxgw.shared.protocol import SamplingParams
+from mlxgw.worker.model.interfaces import Row
 from mlxgw.worker.model.runners.isolation import SequenceGuard
 
 TOKENS = 8
@@ -74,7 +75,7 @@ def run_together(runner, jobs: list[tuple[list[int], str | None]]) -> list[tuple
     rows = {}
     for i, (prompt, adapter) in enumerate(jobs):
         guard = SequenceGuard(f"r{i}")
-        uid, _ = runner.insert(prompt, TOKENS, GREEDY, guard=guard, adapter=adapter)
+        uid, _ = runner.insert(Row(prompt, TOKENS, GREEDY, guard=guard, adapter=adapter))
         rows[uid] = (i, [], guard)
     live = set(rows)
     while live:
@@ -122,7 +123,7 @@ def test_an_adapter_with_non_finite_weights_or_scale_is_refused_naming_what(home
     runner = make_runner(base, {"bad": bad})
     prompt = runner.tokenizer.encode("hello there")
     with pytest.raises(ServiceError) as refused:
-        runner.insert(prompt, TOKENS, GREEDY, adapter="bad")
+        runner.insert(Row(prompt, TOKENS, GREEDY, adapter="bad"))
     assert refused.value.status == 400 and why in str(refused.value)
     if value is not None:  # the tensor is named
         assert "tensor 'model.layers." in str(refused.value) and ".lora_a'" in str(refused.value)

@@ -13,6 +13,7 @@ from helpers.family_models import WIDE_HEADS, build_family_model
 from helpers.runner_jobs import GREEDY, generate_together
 
 from mlxgw.shared.model_sections import SpeculativeConfig
+from mlxgw.worker.model.interfaces import Row
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +48,7 @@ def test_quantized_kv_batches_caches_and_speculates_with_the_same_tokens(wide_di
     assert generate_together(runner, [(p, 12) for p in prompts]) == alone  # four at once
     cached = _runner(wide_dir, bits)
     cold = generate_together(cached, [(prompts[3], 12)])[0]
-    uid, hit = cached.insert(prompts[3], 12, GREEDY)
+    uid, hit = cached.insert(Row(prompts[3], 12, GREEDY))
     assert hit == len(prompts[3]) - 1
     out = []
     while len(out) < 12:
@@ -134,7 +135,7 @@ def test_quantized_entries_go_to_the_disk_tier_and_come_back(wide_dir, tmp_path)
     assert saved == len(first.prefix_cache.tree.blocks)
     again = runner()
     assert again.prefix_store.restore(again.prefix_cache)["indexed_blocks"] == saved
-    uid, hit = again.insert(prompt, 6, GREEDY)
+    uid, hit = again.insert(Row(prompt, 6, GREEDY))
     assert hit == len(prompt) - 1
     out = []
     while len(out) < 6:

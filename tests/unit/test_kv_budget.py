@@ -16,6 +16,7 @@ import pytest
 from helpers.family_models import WIDE_HEADS, build_family_model
 
 from mlxgw.shared.protocol import GenerateRequest, SamplingParams
+from mlxgw.worker.model.interfaces import Row
 from mlxgw.worker.model.memory.kv_budget import ALLOC_STEP, FIXED, GROWS, WINDOW, KVBudget, KVProfile, LayerKV, Measured
 
 GREEDY = SamplingParams(temperature=0, logit_bias={0: -100, 2: -100})  # no end-of-sequence
@@ -110,7 +111,7 @@ def _runner(path, kv_bits=None):
 def _peak_batch_bytes(runner, rows) -> int:
     """Run the rows together to their ends; the most bytes the batch's caches held."""
     for prompt_len, max_tokens in rows:
-        runner.insert([300 + i for i in range(prompt_len)], max_tokens, GREEDY)
+        runner.insert(Row([300 + i for i in range(prompt_len)], max_tokens, GREEDY))
     finished, peak = 0, 0
     while finished < len(rows):
         finished += sum(t.finish is not None for t in runner.step().tokens)

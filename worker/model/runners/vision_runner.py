@@ -22,9 +22,9 @@ import io
 from pathlib import Path
 
 from ....shared.errors import invalid
-from ....shared.protocol import GenerateRequest, SamplingParams
+from ....shared.protocol import GenerateRequest
 from ...text.chat_text import ChatText
-from ..interfaces import StepOutput, TokenOut
+from ..interfaces import Row, StepOutput, TokenOut
 from ..memory.kv_budget import runner_profile
 from .chat_runner import ChatTextRunner
 
@@ -157,11 +157,10 @@ class VisionRunner(ChatTextRunner):
         return kwargs
 
     # -- execution ----------------------------------------------------------------------
-    def insert(
-        self, prompt: list[int], max_tokens: int, sampling: SamplingParams, constraint=None, guard=None
-    ) -> tuple[int, int]:
+    def insert(self, row: Row) -> tuple[int, int]:
         from .sampling import guard_processor, guarded_processors, sampling_processor
 
+        prompt, sampling, guard = row.prompt, row.sampling, row.guard
         inputs = dict(getattr(prompt, "media", None) or {})
         ids = inputs.pop("input_ids", None)
         try:
@@ -169,11 +168,11 @@ class VisionRunner(ChatTextRunner):
         except Exception as e:  # the vision tower refused these images: this request's error only
             raise invalid(f"the model could not encode the images: {e}", "messages") from None
 
-        processors = guarded_processors(sampling, constraint, guard)
+        processors = guarded_processors(sampling, row.constraint, guard)
         draw = sampling_processor(sampling)  # last: it turns logits into the draw distribution
         processors.append(guard_processor(draw, guard) if guard is not None else draw)
         (uid,) = self.generator.insert(
-            [list(prompt)], max_tokens=[max_tokens], prompt_kwargs=[prompt_kwargs], logits_processors=[processors]
+            [list(prompt)], max_tokens=[row.max_tokens], prompt_kwargs=[prompt_kwargs], logits_processors=[processors]
         )
         if isinstance(prompt, MediaPrompt):  # a resumed row's prompt is a plain list of ids
             prompt.media = None  # the pixels are in the embeddings now; do not hold them to the end
