@@ -192,8 +192,8 @@ class MLXRunner(ChatTextRunner):
         gen = self.generator
         if self.blas is not None:
             self.blas.start(
-                len(gen._generation_batch),
-                bool(gen._unprocessed_sequences or len(gen._prompt_batch)),
+                len(gen.decode_batch),
+                bool(gen.queued or gen.reading),
                 # a seeded row keeps one thread count: another rounds the logits differently
                 pinned=any(r.sampling.seed is not None for r in self._rows.values()),
             )
@@ -201,16 +201,16 @@ class MLXRunner(ChatTextRunner):
             # a second stream is one more thread: not while the BLAS policy finds one faster
             self.cpu_attention.settings.parallel = self.blas.threads > 1
         counters = self.speculator.counters
-        started, verified, read = time.monotonic(), counters.speculative_steps, gen._counters.prompt_tokens
-        rows = len(gen._generation_batch)
+        started, verified, read = time.monotonic(), counters.speculative_steps, gen.prompt_tokens_read
+        rows = len(gen.decode_batch)
         prompt_responses, gen_responses = gen.next()
-        speculative, read = counters.speculative_steps > verified, gen._counters.prompt_tokens - read
+        speculative, read = counters.speculative_steps > verified, gen.prompt_tokens_read - read
         if self.blas is not None:
             self.blas.done(rows + read, sample=not speculative)
         if self.trace is not None:
             threads = None if self.blas is None else self.blas.threads
             self.trace.record(gen, started, rows, len(gen_responses), read, speculative, threads)
-        if self.blas is not None and not (len(gen._generation_batch) or gen._unprocessed_sequences):
+        if self.blas is not None and not (len(gen.decode_batch) or gen.queued):
             self.blas.idle()
         out = StepOutput()
         for r in prompt_responses:
