@@ -12,7 +12,7 @@ import pytest
 from helpers.family_models import WIDE_HEADS, build_family_model
 from helpers.runner_jobs import GREEDY, generate_together
 
-from mlxgw.shared.model_sections import SpeculativeConfig
+from mlxgw.shared.model_sections import CacheConfig, SpeculativeConfig
 from mlxgw.worker.model.interfaces import Row
 
 
@@ -31,8 +31,7 @@ def _runner(model_dir, bits, speculative="off", cache_bytes=64 << 20):
         prefill_step_size=32,
         cache_bytes=cache_bytes,
         speculative=SpeculativeConfig(mode=speculative),
-        kv_bits=bits,
-        kv_group_size=32,
+        cache=CacheConfig(kv_bits=bits, kv_group_size=32),
     )
 
 
@@ -123,8 +122,7 @@ def test_quantized_entries_go_to_the_disk_tier_and_come_back(wide_dir, tmp_path)
             prefill_step_size=32,
             cache_bytes=64 << 20,
             speculative=SpeculativeConfig(mode="off"),
-            kv_bits=8,
-            kv_group_size=32,
+            cache=CacheConfig(kv_bits=8, kv_group_size=32),
             prefix_store=store,
         )
 

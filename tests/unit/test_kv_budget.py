@@ -15,6 +15,7 @@ import json
 import pytest
 from helpers.family_models import WIDE_HEADS, build_family_model
 
+from mlxgw.shared.model_sections import CacheConfig
 from mlxgw.shared.protocol import GenerateRequest, SamplingParams
 from mlxgw.worker.model.interfaces import Row
 from mlxgw.worker.model.memory.kv_budget import ALLOC_STEP, FIXED, GROWS, WINDOW, KVBudget, KVProfile, LayerKV, Measured
@@ -104,7 +105,12 @@ def _runner(path, kv_bits=None):
     from mlxgw.worker.process.build_mlx import build_mlx_runner
 
     return build_mlx_runner(
-        path, context_length=None, max_num_seqs=8, prefill_step_size=CHUNK, cache_bytes=0, kv_bits=kv_bits
+        path,
+        context_length=None,
+        max_num_seqs=8,
+        prefill_step_size=CHUNK,
+        cache_bytes=0,
+        cache=CacheConfig(kv_bits=kv_bits),
     )
 
 

@@ -20,10 +20,8 @@ forwards), only when tokens come out.
 `after_prompt_chunk(prompt_batch, responses)`, when set, runs after the chunk is read and
 before any row leaves the prompt batch: the runner takes recurrent-state checkpoints there
 (worker/model/cache/state_checkpoints.py), at the end of a segment, which for a prompt's last segment is
-the only moment that row's prefill state exists on its own.
-
-This module alone reads BatchGenerator's private state (mlx-lm 0.32.2 has no public reading
-of it); the runner, the speculator and the step trace read it through the properties here."""
+the only moment that row's prefill state exists on its own. This module alone reads BatchGenerator's
+private state (mlx-lm 0.32.2 has no public reading of it): others read it through its properties."""
 
 from __future__ import annotations
 
@@ -53,8 +51,7 @@ class VectorBatchGenerator(BatchGenerator):
         super().__init__(model, **kwargs)
         self._generation_batch = VectorGenerationBatch.empty(self.model, self.sampler)
 
-    # mlx-lm 0.32.2 BatchGenerator._generation_batch: the decode batch, which the speculator
-    # wraps and the step trace reads (stats() counts tokens, not the batch's rows)
+    # mlx-lm 0.32.2 BatchGenerator._generation_batch: the decode batch the speculator wraps and the trace reads
     @property
     def decode_batch(self):
         return self._generation_batch
