@@ -17,6 +17,7 @@ from types import ModuleType
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
+from ....shared.model_sections import CacheConfig
 from ....shared.protocol import GenerateRequest
 from ...text.chat_text import ChatText
 from ...text.fim import FimPrompts
@@ -72,8 +73,7 @@ class MLXRunner(ChatTextRunner):
         adapters: AdapterBank,
         speculator: Speculator,
         token_bytes: TokenBytes,
-        kv_bits: int | None = None,
-        kv_group_size: int = 64,
+        cache: CacheConfig,
         kv_bytes_per_token: int | None = None,
         prefix_store: PrefixStore | None = None,
         blas: BlasThreadPolicy | None = None,
@@ -99,8 +99,8 @@ class MLXRunner(ChatTextRunner):
         self.context_length, self.vocab_size, self.token_bytes = context_length, vocab_size, token_bytes
         self.generator, self.speculator, self.adapters = generator, speculator, adapters
         self.prefix_cache, self.prefix_store, self.cache_bytes = prefix_cache, prefix_store, cache_bytes
-        self.kv_bits, self.kv_group_size, self.kv_bytes_per_token = kv_bits, kv_group_size, kv_bytes_per_token
-        self.blas, self.trace = blas, trace
+        self.kv_bits, self.kv_group_size = cache.kv_bits, cache.kv_group_size  # the entry's KV quantization
+        self.blas, self.trace, self.kv_bytes_per_token = blas, trace, kv_bytes_per_token
         self.cpu_attention, self.transposed_head = cpu_attention, transposed_head
         self.shift_reuse = shift_reuse
         self._checkpointing, self._turn_openers = checkpointing, turn_openers
