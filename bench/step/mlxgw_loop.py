@@ -46,7 +46,7 @@ def enter_path(runner, path: str) -> None:
     from ...worker.model.cpu.cpu_attention import settings
 
     vectorized, normalise_all, settings.enabled = PATHS[path]
-    runner.generator.vectorized, runner.generator._generation_batch.normalise_every_row = vectorized, normalise_all
+    runner.generator.vectorized, runner.generator.decode_batch.normalise_every_row = vectorized, normalise_all
 
 
 class MlxgwLoop:
@@ -105,7 +105,7 @@ class MlxgwLoop:
         return wall, pure
 
     def decode_batch(self):
-        return self.runner.generator._generation_batch
+        return self.runner.generator.decode_batch
 
     def split(self, acc: dict[str, float], wall: float) -> dict[str, float]:
         out = {k: acc.get(k, 0.0) for k in PIECES}

@@ -59,7 +59,7 @@ def install_timers(timers: Timers, runner, mx) -> TimedModel:
 
     timed_model = TimedModel(runner.generator.model, timers, mx)
     # The decode batch holds its own reference, taken when the generator was built.
-    runner.generator.model = runner.generator._generation_batch.model = timed_model
+    runner.generator.model = runner.generator.decode_batch.model = timed_model
 
     def normalized_first(sample):
         """sample, with the batch's logsumexp evaluated outside its timer (it is not sampling)."""

@@ -30,6 +30,7 @@ from mlxgw.shared.config import ConfigError, parse_registry
 from mlxgw.shared.errors import ServiceError
 from mlxgw.shared.model_sections import SpeculativeConfig
 from mlxgw.shared.protocol import SamplingParams
+from mlxgw.worker.model.interfaces import Row
 from mlxgw.worker.model.runners.isolation import SequenceGuard
 
 TOKENS = 8
@@ -61,11 +62,15 @@ def planted(source, dest, value: float | None = None, config: dict | None = None
 
 
 def make_runner(base, adapters: dict, **kwargs):
+    from mlxgw.worker.model.adapters.bank import AdapterSet
     from mlxgw.worker.process.build_mlx import build_mlx_runner
 
     options = dict(context_length=None, max_num_seqs=8, prefill_step_size=16, cache_bytes=64 << 20)
     options |= dict(speculative=SpeculativeConfig(mode="off"))
-    return build_mlx_runner(base, **{**options, **kwargs}, adapters={k: str(v) for k, v in adapters.items()})
+    bounds = {k: kwargs.pop(k) for k in ("max_resident", "max_bytes") if k in kwargs}
+    return build_mlx_runner(
+        base, **{**options, **kwargs}, adapters=AdapterSet({k: str(v) for k, v in adapters.items()}, **bounds)
+    )
 
 
 def run_together(runner, jobs: list[tuple[list[int], str | None]]) -> list[tuple[list[int], SequenceGuard]]:
@@ -74,7 +79,7 @@ def run_together(runner, jobs: list[tuple[list[int], str | None]]) -> list[tuple
     rows = {}
     for i, (prompt, adapter) in enumerate(jobs):
         guard = SequenceGuard(f"r{i}")
-        uid, _ = runner.insert(prompt, TOKENS, GREEDY, guard=guard, adapter=adapter)
+        uid, _ = runner.insert(Row(prompt, TOKENS, GREEDY, guard=guard, adapter=adapter))
         rows[uid] = (i, [], guard)
     live = set(rows)
     while live:
@@ -122,7 +127,7 @@ def test_an_adapter_with_non_finite_weights_or_scale_is_refused_naming_what(home
     runner = make_runner(base, {"bad": bad})
     prompt = runner.tokenizer.encode("hello there")
     with pytest.raises(ServiceError) as refused:
-        runner.insert(prompt, TOKENS, GREEDY, adapter="bad")
+        runner.insert(Row(prompt, TOKENS, GREEDY, adapter="bad"))
     assert refused.value.status == 400 and why in str(refused.value)
     if value is not None:  # the tensor is named
         assert "tensor 'model.layers." in str(refused.value) and ".lora_a'" in str(refused.value)
@@ -131,7 +136,7 @@ def test_an_adapter_with_non_finite_weights_or_scale_is_refused_naming_what(home
 def test_the_byte_bound_holds_again_once_a_bursts_rows_end(llama):
     base, a, c = llama  # the same rank: the same bytes
     one = sum(w.nbytes for w in mx.load(str(a / "adapters.safetensors")).values())
-    runner = make_runner(base, {"A": a, "C": c}, adapter_max_bytes=int(1.5 * one))
+    runner = make_runner(base, {"A": a, "C": c}, max_bytes=int(1.5 * one))
     prompt = runner.tokenizer.encode("one two three four five")
     run_together(runner, [(prompt, "A"), (prompt, "C")])  # both resident while both run: over the bound
     stats = runner.adapters.stats()

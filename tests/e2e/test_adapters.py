@@ -26,6 +26,7 @@ from mlxgw.shared.errors import ServiceError
 from mlxgw.shared.model_sections import SpeculativeConfig
 from mlxgw.shared.protocol import SamplingParams
 from mlxgw.worker.model.cpu.cpu_attention import bypassed
+from mlxgw.worker.model.interfaces import Row
 
 TOKENS = 8
 GREEDY = SamplingParams(temperature=0.0)
@@ -68,17 +69,21 @@ def reference(base, adapter, prompt: list[int], max_tokens: int = TOKENS) -> lis
 
 
 def make_runner(base, adapters: dict, **kwargs):
+    from mlxgw.worker.model.adapters.bank import AdapterSet
     from mlxgw.worker.process.build_mlx import build_mlx_runner
 
     options = dict(context_length=None, max_num_seqs=8, prefill_step_size=16, cache_bytes=64 << 20)
-    return build_mlx_runner(base, **{**options, **kwargs}, adapters={k: str(v) for k, v in adapters.items()})
+    bounds = {k: kwargs.pop(k) for k in ("max_resident", "max_bytes") if k in kwargs}
+    return build_mlx_runner(
+        base, **{**options, **kwargs}, adapters=AdapterSet({k: str(v) for k, v in adapters.items()}, **bounds)
+    )
 
 
 def run_together(runner, jobs: list[tuple[list[int], str | None]]) -> list[tuple[list[int], int]]:
     """Insert every (prompt, adapter) into one batch, step until all end: (tokens, cached) each."""
     slot, cached = {}, []
     for i, (prompt, adapter) in enumerate(jobs):
-        uid, hit = runner.insert(prompt, TOKENS, GREEDY, adapter=adapter)
+        uid, hit = runner.insert(Row(prompt, TOKENS, GREEDY, adapter=adapter))
         slot[uid] = i
         cached.append(hit)
     out: list[list[int]] = [[] for _ in jobs]
@@ -153,7 +158,7 @@ def test_a_corrupt_or_mismatched_adapter_is_refused_with_the_reason_and_the_base
     }
     for name, reason in reasons.items():
         with pytest.raises(ServiceError) as refused:
-            runner.insert(prompt, TOKENS, GREEDY, adapter=name)
+            runner.insert(Row(prompt, TOKENS, GREEDY, adapter=name))
         assert f"the adapter '{name}' cannot be served" in str(refused.value) and reason in str(refused.value)
         assert refused.value.status == 400
     got = run_together(runner, [(prompt, None), (prompt, "good")])
@@ -191,12 +196,12 @@ def test_a_peft_lora_folder_serves_as_the_same_adapter_and_a_dora_one_is_refused
     ((got, _),) = run_together(runner, [(prompt, "peft")])
     assert got == reference(base, a, prompt)
     with pytest.raises(ServiceError, match="DoRA adapters are not served"):
-        runner.insert(prompt, TOKENS, GREEDY, adapter="dora")
+        runner.insert(Row(prompt, TOKENS, GREEDY, adapter="dora"))
 
 
 def test_resident_adapters_are_bounded_but_rows_in_use_keep_theirs(models):
     base, a, b = models["llama"]
-    runner = make_runner(base, {"A": a, "B": b}, speculative=SpeculativeConfig(mode="off"), resident_adapters=1)
+    runner = make_runner(base, {"A": a, "B": b}, speculative=SpeculativeConfig(mode="off"), max_resident=1)
     prompt = runner.tokenizer.encode("one two three four five")
     got = run_together(runner, [(prompt, "A"), (prompt, "B")])  # both resident while both run
     assert got[0][0] == reference(base, a, prompt) and got[1][0] == reference(base, b, prompt)
@@ -208,11 +213,11 @@ def test_resident_adapters_are_bounded_but_rows_in_use_keep_theirs(models):
 def test_an_adapter_larger_than_the_byte_bound_is_refused_and_a_smaller_one_serves(models):
     base, a, b = models["llama"]  # B has twice A's rank: twice its bytes
     bound = sum(w.nbytes for w in mx.load(str(a / "adapters.safetensors")).values())
-    runner = make_runner(base, {"A": a, "B": b}, speculative=SpeculativeConfig(mode="off"), adapter_max_bytes=bound)
+    runner = make_runner(base, {"A": a, "B": b}, speculative=SpeculativeConfig(mode="off"), max_bytes=bound)
     bank = runner.adapters
     prompt = runner.tokenizer.encode("one two three four five")
     with pytest.raises(ServiceError, match="exceed adapter_memory_mb") as refused:
-        runner.insert(prompt, TOKENS, GREEDY, adapter="B")
+        runner.insert(Row(prompt, TOKENS, GREEDY, adapter="B"))
     assert refused.value.status == 400
     ((tokens, _),) = run_together(runner, [(prompt, "A")])
     assert tokens == reference(base, a, prompt) and bank.stats()["resident"] == ["A"]

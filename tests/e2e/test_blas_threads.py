@@ -242,6 +242,7 @@ def test_the_count_reaches_the_preloaded_openblas_and_changes_no_token(smollm2_d
 import pathlib
 from mlxgw.shared.platform import blas_threads
 from mlxgw.shared.protocol import SamplingParams
+from mlxgw.worker.model.interfaces import Row
 from mlxgw.worker.process.build_mlx import build_mlx_runner
 
 control = blas_threads()
@@ -256,7 +257,7 @@ def decode(rows, threads):
     r.blas = None  # this test sets the count itself
     control.set(threads)
     greedy = SamplingParams(temperature=0.0)
-    uids = [r.insert(list(range(100 + 7 * i, 160 + 7 * i)), 24, greedy)[0] for i in range(rows)]
+    uids = [r.insert(Row(list(range(100 + 7 * i, 160 + 7 * i)), 24, greedy))[0] for i in range(rows)]
     got = {{u: [] for u in uids}}
     while any(len(v) < 24 for v in got.values()):
         for t in r.step().tokens:

@@ -22,6 +22,7 @@ from helpers.runner_jobs import GREEDY, generate_together
 
 from mlxgw.shared.model_sections import SpeculativeConfig
 from mlxgw.worker.model.cpu.cpu_attention import bypassed
+from mlxgw.worker.model.interfaces import Row
 
 TOKENS = 8
 SYSTEM = "You are a careful assistant for a team of engineers. Answer briefly and cite the file. " * 2
@@ -40,7 +41,7 @@ def _reference(model, tokenizer, prompt: list[int], max_tokens: int) -> list[int
 
 
 def _run(runner, prompt: list[int], max_tokens: int = TOKENS) -> tuple[list[int], int]:
-    uid, cached = runner.insert(prompt, max_tokens, GREEDY)
+    uid, cached = runner.insert(Row(prompt, max_tokens, GREEDY))
     out = []
     while True:
         for t in runner.step().tokens:
@@ -243,7 +244,7 @@ def test_a_continuations_text_is_the_decoding_of_its_tokens(family, family_dirs)
     for text in CONTINUATIONS:
         first = tok.encode(text, add_special_tokens=False)[0]
         sampling = SamplingParams(temperature=0.0, logit_bias={first: 100.0})
-        uid, _ = runner.insert(prompt, 3, sampling)
+        uid, _ = runner.insert(Row(prompt, 3, sampling))
         ids, stream, out = [], TextStream(exact_text(runner.new_detokenizer()), []), []
         while len(ids) < 3:
             for t in runner.step().tokens:

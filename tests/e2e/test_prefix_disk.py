@@ -17,6 +17,7 @@ from helpers.gateway import GatewayProcess
 
 from mlxgw.shared.config import ConfigError, parse_registry
 from mlxgw.shared.protocol import SamplingParams
+from mlxgw.worker.model.interfaces import Row
 
 BOUND_MB = 1  # disk-bound's bound; each of its prompts makes ~0.4 MB of block files: two fit, three do not
 
@@ -232,8 +233,8 @@ def runner_with_store(tiny_dir, tmp_path):
         tiny_dir, context_length=None, max_num_seqs=2, prefill_step_size=256, cache_bytes=64 << 20, prefix_store=store
     )
     for salt in ("one", "two"):
-        uid, _ = runner.insert(runner.encode_text(_words(salt, 200)), 2, SamplingParams(temperature=0.0))
-        while runner._covered:
+        uid, _ = runner.insert(Row(runner.encode_text(_words(salt, 200)), 2, SamplingParams(temperature=0.0)))
+        while runner._rows:
             runner.step()
     return runner, store
 
@@ -296,8 +297,8 @@ def test_a_blocks_hits_since_it_was_written_survive_a_restart_without_writing_it
     runner, store = runner_with_store
     store.save(runner.prefix_cache)
     prompt = runner.encode_text(_words("one", 200))
-    runner.insert(prompt, 2, SamplingParams(temperature=0.0))  # a hit on "one"'s blocks
-    while runner._covered:
+    runner.insert(Row(prompt, 2, SamplingParams(temperature=0.0)))  # a hit on "one"'s blocks
+    while runner._rows:
         runner.step()
     report = store.save(runner.prefix_cache)
     assert report["written_blocks"] <= 1  # at most the new tail its answer added
@@ -317,8 +318,8 @@ def test_the_disk_bound_holds_for_a_stop_and_the_evictions_after_it(tiny_dir, tm
         tiny_dir, context_length=None, max_num_seqs=2, prefill_step_size=256, cache_bytes=64 << 20
     )
     for salt in ("bound", "other"):
-        runner.insert(runner.encode_text(_words(salt, 300)), 2, SamplingParams(temperature=0.0))
-        while runner._covered:
+        runner.insert(Row(runner.encode_text(_words(salt, 300)), 2, SamplingParams(temperature=0.0)))
+        while runner._rows:
             runner.step()
     probe = PrefixStore(tmp_path / "probe", model_fingerprint(tiny_dir), 64 << 20)
     probe.save(runner.prefix_cache)

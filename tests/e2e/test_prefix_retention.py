@@ -12,6 +12,7 @@ from helpers import NO_EOS, openai_client
 from helpers.gateway import GatewayProcess
 
 from mlxgw.shared.protocol import SamplingParams
+from mlxgw.worker.model.interfaces import Row
 
 STEP = 32  # prefill chunk: small, so a few steps leave a prefill half done
 
@@ -30,12 +31,12 @@ def _prompt(runner, words: int, salt: str) -> list[int]:
 def test_a_prefill_cut_after_some_chunks_is_resumed_from_those_chunks(runner):
     prompt = _prompt(runner, 300, "cut")
     assert len(prompt) > 6 * STEP
-    uid, cached = runner.insert(prompt, 8, SamplingParams(temperature=0.0))
+    uid, cached = runner.insert(Row(prompt, 8, SamplingParams(temperature=0.0)))
     assert cached == 0
     for _ in range(4):
         runner.step()
     runner.remove([uid])  # the client gave up mid-prefill
-    uid, cached = runner.insert(prompt, 8, SamplingParams(temperature=0.0))
+    uid, cached = runner.insert(Row(prompt, 8, SamplingParams(temperature=0.0)))
     runner.remove([uid])
     assert 3 * STEP <= cached < len(prompt)
 
@@ -43,7 +44,7 @@ def test_a_prefill_cut_after_some_chunks_is_resumed_from_those_chunks(runner):
 def test_a_sequence_removed_before_any_prefill_adds_nothing(runner):
     prompt = _prompt(runner, 200, "queued")
     before = len(runner.prefix_cache)
-    uid, _ = runner.insert(prompt, 8, SamplingParams(temperature=0.0))
+    uid, _ = runner.insert(Row(prompt, 8, SamplingParams(temperature=0.0)))
     runner.remove([uid])
     assert len(runner.prefix_cache) == before
 
@@ -115,8 +116,8 @@ def test_cached_kv_holds_only_the_memory_it_counts(runner):
     gc.collect()
     baseline = mx.get_active_memory()
     for i in range(8):
-        runner.insert(_prompt(runner, 60 + 30 * i, f"mem{i}-"), 4 + 5 * i, SamplingParams(temperature=0.0))
-    while runner.generator.prompt_cache_nbytes or runner._covered:
+        runner.insert(Row(_prompt(runner, 60 + 30 * i, f"mem{i}-"), 4 + 5 * i, SamplingParams(temperature=0.0)))
+    while runner.generator.prompt_cache_nbytes or runner._rows:
         runner.step()
     gc.collect()
     held = mx.get_active_memory() - baseline

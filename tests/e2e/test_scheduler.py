@@ -151,10 +151,10 @@ def test_a_sequence_the_runner_refuses_at_admission_ends_alone():
     from mlxgw.worker.schedule.scheduler import Scheduler
 
     class RefusingRunner(NullRunner):
-        def insert(self, prompt, max_tokens, sampling, constraint=None, guard=None):
-            if prompt == [6]:  # the prompt "refuse"
+        def insert(self, row):
+            if row.prompt == [6]:  # the prompt "refuse"
                 raise invalid("the model could not encode the images", "messages")
-            return super().insert(prompt, max_tokens, sampling, constraint, guard)
+            return super().insert(row)
 
     sched = Scheduler(RefusingRunner(), max_num_seqs=4, max_queue=8)
     for rid, text in (("a", "fine words"), ("b", "refuse"), ("c", "more fine words")):

@@ -15,6 +15,7 @@ from helpers.runner_jobs import GREEDY, generate_together
 
 from mlxgw.shared.events import EventKind
 from mlxgw.shared.protocol import GenerateRequest, SamplingParams
+from mlxgw.worker.model.interfaces import Row
 
 SYSTEM_WORDS = 600  # about 1,200 tokens of system prompt
 OWN_WORDS = 90
@@ -38,7 +39,7 @@ def _words(runner, salt: str, n: int) -> list[int]:
 
 
 def _run(runner, prompt: list[int], max_tokens: int = 4) -> tuple[list[int], int]:
-    uid, cached = runner.insert(prompt, max_tokens, GREEDY)
+    uid, cached = runner.insert(Row(prompt, max_tokens, GREEDY))
     out: list[int] = []
     while True:
         for t in runner.step().tokens:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from mlxgw.shared.protocol import SamplingParams
+from mlxgw.worker.model.interfaces import Row
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -12,7 +13,7 @@ def generate_together(runner, jobs: list[tuple]) -> list[list[int]]:
     batch and step until all end; each job's tokens, in job order."""
     slot = {}
     for i, (prompt, max_tokens, *sampling) in enumerate(jobs):
-        uid, _ = runner.insert(prompt, max_tokens, sampling[0] if sampling else GREEDY)
+        uid, _ = runner.insert(Row(prompt, max_tokens, sampling[0] if sampling else GREEDY))
         slot[uid] = i
     out: list[list[int]] = [[] for _ in jobs]
     finished = 0

@@ -10,6 +10,7 @@ import pytest
 
 from mlxgw.shared.model_sections import SpeculativeConfig
 from mlxgw.shared.protocol import SamplingParams
+from mlxgw.worker.model.interfaces import Row
 
 GREEDY = SamplingParams(temperature=0, logit_bias={0: -100, 2: -100})  # no end-of-sequence
 
@@ -47,7 +48,7 @@ def _prompt(seed: int, length: int) -> list[int]:
 
 
 def _steps_to_first_token(runner, prompt: list[int]) -> int:
-    uid, _ = runner.insert(prompt, 3, GREEDY)
+    uid, _ = runner.insert(Row(prompt, 3, GREEDY))
     for step in range(1, 20):
         if any(t.uid == uid for t in runner.step().tokens):
             return step
@@ -74,7 +75,7 @@ def test_a_prompt_served_from_the_cache_starts_in_its_first_step(runner, order):
     _steps_to_first_token(runner, prompt)
     while runner.generator._generation_batch.uids:  # ends: its KV goes to the prefix cache
         runner.step()
-    uid, cached = runner.insert(prompt, 3, GREEDY)
+    uid, cached = runner.insert(Row(prompt, 3, GREEDY))
     assert cached == len(prompt) - 1  # only the last token is left to read
     assert any(t.uid == uid for t in runner.step().tokens)
 
@@ -83,10 +84,10 @@ def test_a_first_token_does_not_wait_for_a_prompt_admitted_in_the_step_after(run
     """A group that finishes reading in step 1 has its first tokens at step 1, though the
     next group starts reading in step 2 (mlx-lm's order gave them out after that read)."""
     order(True)
-    first = [runner.insert(_prompt(10 + i, 30), 4, GREEDY)[0] for i in range(3)]
+    first = [runner.insert(Row(_prompt(10 + i, 30), 4, GREEDY))[0] for i in range(3)]
     out = runner.step()
     assert {t.uid for t in out.tokens} == set(first)
-    second = [runner.insert(_prompt(20 + i, 30), 4, GREEDY)[0] for i in range(3)]
+    second = [runner.insert(Row(_prompt(20 + i, 30), 4, GREEDY))[0] for i in range(3)]
     out = runner.step()
     assert {t.uid for t in out.tokens} == set(first) | set(second)
 
@@ -103,7 +104,7 @@ def test_the_order_changes_no_token_for_rows_arriving_while_others_decode(runner
         step = finished = 0
         while finished < 4:
             for prompt in arrivals.get(step, []):
-                uid, _ = runner.insert(prompt, 12, GREEDY)
+                uid, _ = runner.insert(Row(prompt, 12, GREEDY))
                 slots[uid] = len(slots)
             for t in runner.step().tokens:
                 out.setdefault(slots[t.uid], []).append(t.token)

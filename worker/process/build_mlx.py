@@ -14,9 +14,11 @@ import mlx.core as mx
 from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 
-from ...shared.model_sections import FimConfig, SpeculativeConfig
+from ...shared.config import ModelEntry
+from ...shared.model_sections import CacheConfig, ChatConfig, FimConfig, SpeculativeConfig
+from ...shared.platform import total_memory_bytes
 from ..model import model_info
-from ..model.adapters.bank import AdapterBank
+from ..model.adapters.bank import AdapterBank, AdapterSet
 from ..model.cache import state_checkpoints as sc
 from ..model.cache.kv_shift import ShiftReuse
 from ..model.cache.prefix_cache import PrefixCache
@@ -34,6 +36,33 @@ from ..model.speculation.speculative import Speculator
 from ..text.chat_text import ChatText
 from ..text.fim import FimPrompts
 
+# Default prefix-cache bound when the entry sets none: a share of RAM.
+DEFAULT_CACHE_SHARE = 0.10
+
+
+def entry_runner(entry: ModelEntry, model_path: Path, **how: Any) -> MLXRunner:
+    """A models.yaml entry's MLX runner, from its sizes and sections; how: the prefix store, or
+    a sharded rank's loader, runner class and group (worker/process/distributed.py)."""
+    folders = {a.name: str(a.folder()) for a in entry.adapters}
+    adapters = AdapterSet(folders, entry.resident_adapters, adapter_bytes(entry))
+    sizes = {"max_num_seqs": entry.max_num_seqs, "prefill_step_size": entry.prefill_step_size}
+    sections = {"cache": entry.cache, "chat": entry.chat, "speculative": entry.speculative, "fim": entry.fim}
+    options = {"adapters": adapters, "cache_bytes": prefix_cache_bytes(entry), **sizes, **sections, **how}
+    return build_mlx_runner(model_path, context_length=entry.context_length, **options)
+
+
+def prefix_cache_bytes(entry: ModelEntry) -> int:
+    if entry.cache.prefix_memory_mb is not None:
+        return entry.cache.prefix_memory_mb * (1 << 20)
+    return int(total_memory_bytes() * DEFAULT_CACHE_SHARE)
+
+
+def adapter_bytes(entry: ModelEntry) -> int | None:
+    """The resident adapters' byte bound (models.yaml adapter_memory_mb); None: bounded by count."""
+    if not entry.adapters or entry.adapter_memory_mb is None:
+        return None
+    return int(entry.adapter_memory_mb * (1 << 20))
+
 
 def build_mlx_runner(
     model_path: Path | str,
@@ -42,35 +71,27 @@ def build_mlx_runner(
     max_num_seqs: int,
     prefill_step_size: int,
     cache_bytes: int,
-    tool_parser: str | None = None,
-    reasoning_parser: str | None = None,
-    allow_request_chat_template: bool = False,
-    chat_template: str | None = None,  # the entry's own template, in place of the tokenizer's
-    loader=None,  # (path, return_config=True) -> (model, tokenizer, config); default mlx_lm.load
-    prefix_store: PrefixStore | None = None,
+    cache: CacheConfig | None = None,
+    chat: ChatConfig | None = None,
     speculative: SpeculativeConfig | None = None,
-    kv_bits: int | None = None,
-    kv_group_size: int = 64,
-    tool_name_guard: bool = False,
-    adapters: dict[str, str] | None = None,  # LoRA adapters: name -> mlx_lm.lora folder
-    resident_adapters: int = 8,
-    adapter_max_bytes: int | None = None,  # the resident adapters' byte bound; None: by count
     fim: FimConfig | None = None,  # the entry's FIM settings, or None: as the tokenizer says
+    adapters: AdapterSet | None = None,  # LoRA adapters (worker/model/adapters/bank.py)
+    prefix_store: PrefixStore | None = None,
+    loader=None,  # (path, return_config=True) -> (model, tokenizer, config); default mlx_lm.load
     runner_cls: type[MLXRunner] = MLXRunner,
     **runner_extra: Any,  # what a subclass takes besides the parts (ShardedRunner: its group)
 ) -> MLXRunner:
-    """Load the model at model_path and build an MLX runner over it."""
-    model_path = Path(model_path)  # the benches pass a folder as text
-    model, tokenizer, config = (loader or load)(str(model_path), return_config=True)
-    model_info.check_servable(model)
-    model_context = model_info.context_length(config)
-    context = min(context_length or model_context, model_context)
+    """Load the model at model_path and build an MLX runner over it, from the entry's sizes
+    and sections (models.yaml; shared/model_sections.py)."""
+    model_path, cache, chat = Path(model_path), cache or CacheConfig(), chat or ChatConfig()  # benches pass text
+    kv_bits, kv_group_size = cache.kv_bits, cache.kv_group_size
+    model, tokenizer, config, context = _load(model_path, loader, context_length)
     # A code model's FIM controls (file separator, pad, ...) end an answer like its EOS:
     # one of them in the output is the model starting another file or hole.
     fim_prompts = FimPrompts(tokenizer, fim)
     generator = _batch_generator(model, tokenizer.eos_token_ids, fim_prompts, max_num_seqs, prefill_step_size)
     # Per-row LoRA adapters over the one copy of the base weights (worker/model/adapters/bank.py).
-    bank = AdapterBank(model, adapters, resident_adapters, max_bytes=adapter_max_bytes)
+    bank = AdapterBank(model, *(adapters or AdapterSet()))
     generator.route_rows = bank.rows
     # The CPU BLAS's thread count per kind of step, measured (worker/model/cpu/blas_threads.py).
     blas = policy_for(mx, generator)
@@ -83,13 +104,7 @@ def build_mlx_runner(
     speculator = _speculator(speculative, model_path, tokenizer, vocab_size, generator)
     # FIM prompts reuse the suffix they moved (worker/model/cache/kv_shift.py); not on a group
     # of ranks, where a read at admission would have to run on every rank in lockstep.
-    shift = None
-    if runner_cls is MLXRunner and fim_prompts.ids is not None:
-        layers, min_tokens = fresh_cache(model, kv_bits, kv_group_size), (fim or FimConfig()).kv_shift_min_tokens
-        shift = ShiftReuse.for_model(model, layers, fim_prompts.ids.middle, min_tokens)
-    text_options = {"tool_parser": tool_parser, "reasoning_parser": reasoning_parser, "fim": fim_prompts}
-    text_options |= {"allow_request_chat_template": allow_request_chat_template, "tool_name_guard": tool_name_guard}
-    text_options |= {"chat_template": chat_template}
+    shift = _shift_reuse(model, cache, fim_prompts, fim) if runner_cls is MLXRunner else None
     return runner_cls(
         model=model,
         tokenizer=tokenizer,
@@ -98,13 +113,12 @@ def build_mlx_runner(
         generator=generator,
         prefix_cache=prefix_cache,
         cache_bytes=cache_bytes,
-        text=ChatText(tokenizer, vocab_size, context_length=context, **text_options),
+        text=_chat_text(tokenizer, vocab_size, context, chat, fim_prompts),
         fim=fim_prompts,
         adapters=bank,
         speculator=speculator,
         token_bytes=TokenBytes(tokenizer),
-        kv_bits=kv_bits,
-        kv_group_size=kv_group_size,
+        cache=cache,
         kv_bytes_per_token=per_token,
         prefix_store=prefix_store,
         blas=blas,
@@ -118,6 +132,29 @@ def build_mlx_runner(
         shift_reuse=shift,
         **runner_extra,
     )
+
+
+def _load(model_path: Path, loader, context_length: int | None) -> tuple[Any, Any, dict, int]:
+    """The model, its tokenizer and config, and the context served (the entry's, at most the model's)."""
+    model, tokenizer, config = (loader or load)(str(model_path), return_config=True)
+    model_info.check_servable(model)
+    model_context = model_info.context_length(config)
+    return model, tokenizer, config, min(context_length or model_context, model_context)
+
+
+def _chat_text(tokenizer, vocab_size: int, context: int, chat: ChatConfig, fim: FimPrompts) -> ChatText:
+    """The entry's chat section over this tokenizer: parsers, template and tool-name guard."""
+    options = {"tool_parser": chat.tool_parser, "reasoning_parser": chat.reasoning_parser, "fim": fim}
+    options |= {"allow_request_chat_template": chat.allow_request_chat_template}
+    options |= {"tool_name_guard": chat.tool_name_guard, "chat_template": chat.chat_template}
+    return ChatText(tokenizer, vocab_size, context_length=context, **options)
+
+
+def _shift_reuse(model, cache: CacheConfig, fim_prompts: FimPrompts, fim: FimConfig | None) -> ShiftReuse | None:
+    if fim_prompts.ids is None:
+        return None
+    layers = fresh_cache(model, cache.kv_bits, cache.kv_group_size)
+    return ShiftReuse.for_model(model, layers, fim_prompts.ids.middle, (fim or FimConfig()).kv_shift_min_tokens)
 
 
 def _batch_generator(

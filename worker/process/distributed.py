@@ -14,7 +14,7 @@ import os
 import signal
 import sys
 import tempfile
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,7 @@ from mlx.utils import tree_flatten
 from ...shared.model_sections import DistributedConfig, ModelEntry, SpeculativeConfig
 from ..model.cache.prefix_cache import PrefixCache
 from ..model.runners.mlx_runner import MLXRunner
-from .build_mlx import build_mlx_runner
+from .build_mlx import entry_runner
 
 log = logging.getLogger(__name__)
 
@@ -204,31 +204,17 @@ class _ExactPrefixCache(PrefixCache):
 
 
 # -- entry points ---------------------------------------------------------------------------------
-def runner_kwargs(entry: ModelEntry, cache_bytes: int) -> dict:
-    return {
-        "context_length": entry.context_length,
-        "max_num_seqs": entry.max_num_seqs,
-        "prefill_step_size": entry.prefill_step_size,
-        "cache_bytes": cache_bytes,
-        "tool_parser": entry.chat.tool_parser,
-        "reasoning_parser": entry.chat.reasoning_parser,
-        "allow_request_chat_template": entry.chat.allow_request_chat_template,
-        "chat_template": entry.chat.chat_template,
-        "tool_name_guard": entry.chat.tool_name_guard,
-        # Speculation pauses and resumes on measured step times, which differ between ranks:
-        # ranks would take different steps and leave lockstep. Sharded models never speculate.
-        "speculative": SpeculativeConfig(mode="off"),
-    }
+def load_sharded_runner(model_path: Path, group: Any, strategy: str, entry: ModelEntry):
+    """This rank's shard of the model, as a ShardedRunner, built as any entry's MLX runner."""
+    # Speculation pauses and resumes on measured step times, which differ between ranks:
+    # ranks would take different steps and leave lockstep. Sharded models never speculate;
+    # their KV stays unquantized and FIM as the tokenizer says, as they always have.
+    off = SpeculativeConfig(mode="off")
+    entry = replace(entry, speculative=off, cache=replace(entry.cache, kv_bits=None), fim=None)
+    return entry_runner(entry, model_path, loader=shard_loader(group, strategy), runner_cls=ShardedRunner, group=group)
 
 
-def load_sharded_runner(model_path: Path, group: Any, strategy: str, entry: ModelEntry, cache_bytes: int):
-    """This rank's shard of the model, as a ShardedRunner (its parts built as any MLX runner's)."""
-    loader = shard_loader(group, strategy)
-    options = runner_kwargs(entry, cache_bytes)
-    return build_mlx_runner(model_path, loader=loader, runner_cls=ShardedRunner, group=group, **options)
-
-
-def build_rank0_runner(entry: ModelEntry, model_path: Path, cache_bytes: int):
+def build_rank0_runner(entry: ModelEntry, model_path: Path):
     """Rank 0's runner (called by worker/main.build_runner): checks, group, shard, lockstep."""
     from .lockstep import Channel, LockstepRunner
 
@@ -238,13 +224,13 @@ def build_rank0_runner(entry: ModelEntry, model_path: Path, cache_bytes: int):
     arm_start_alarm(d)
     try:
         group = init_group(d)
-        inner = load_sharded_runner(model_path, group, d.strategy, entry, cache_bytes)
+        inner = load_sharded_runner(model_path, group, d.strategy, entry)
     finally:
         disarm_start_alarm()
     return LockstepRunner(inner, Channel(group), {**asdict(d), "rank": 0})
 
 
-def serve_follower(entry: ModelEntry, model_path: Path, cache_bytes: int) -> int:
+def serve_follower(entry: ModelEntry, model_path: Path) -> int:
     """A rank other than 0: no gateway link; load the shard and follow rank 0 until it exits."""
     from .lockstep import Channel, follow
 
@@ -255,7 +241,7 @@ def serve_follower(entry: ModelEntry, model_path: Path, cache_bytes: int) -> int
         check_support(model_path, d)  # rank 0 reports it; here it only ends this rank quietly
         arm_start_alarm(d)
         group = init_group(d)
-        runner = load_sharded_runner(model_path, group, d.strategy, entry, cache_bytes)
+        runner = load_sharded_runner(model_path, group, d.strategy, entry)
         disarm_start_alarm()
     except ShardingError as e:
         log.error("rank %d: %s", rank, e)

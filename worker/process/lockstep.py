@@ -26,6 +26,7 @@ import msgpack
 import numpy as np
 
 from ...shared.protocol import SamplingParams
+from ..model.interfaces import Row
 
 log = logging.getLogger(__name__)
 
@@ -97,22 +98,15 @@ class LockstepRunner:
         return getattr(self.inner, name)
 
     # -- batch changes, recorded for the other ranks ----------------------------------
-    def insert(
-        self, prompt, max_tokens, sampling, constraint=None, guard=None, logprobs=None, keep_prompt=False, **options
-    ):
-        """options: the inner runner's hold_s and namespace; the namespace goes to every rank,
-        whose caches must find what rank 0 found."""
+    def insert(self, row: Row):
+        """The row's namespace goes to every rank, whose caches must find what rank 0 found."""
         # A constraint (grammar, reasoning budget) changes logits on rank 0 only: the other
         # ranks then take rank 0's token instead of sampling their own.
-        sync = constraint is not None
+        sync = row.constraint is not None
         self.inner.sync_next = sync
-        uid, cached = self.inner.insert(
-            prompt, max_tokens, sampling, constraint, guard, logprobs=logprobs, keep_prompt=keep_prompt, **options
-        )
-        namespace = options.get("namespace")
-        self._pending.append(
-            ["insert", list(prompt), max_tokens, sampling_wire(sampling), cached, keep_prompt, sync, uid, namespace]
-        )
+        uid, cached = self.inner.insert(row)
+        wire = [list(row.prompt), row.max_tokens, sampling_wire(row.sampling), cached, row.keep_prompt, sync, uid]
+        self._pending.append(["insert", *wire, row.namespace])
         return uid, cached
 
     def remove(self, uids: list[int]) -> None:
@@ -199,9 +193,8 @@ def _apply(runner: Any, op: list) -> None:
         prompt, max_tokens, sampling, cached, keep_prompt, sync, uid, namespace = op[1:]
         runner.sync_next = sync
         runner.forced_cached = cached
-        got, _ = runner.insert(
-            prompt, max_tokens, SamplingParams(**sampling), keep_prompt=keep_prompt, namespace=namespace
-        )
+        row = Row(prompt, max_tokens, SamplingParams(**sampling), keep_prompt=keep_prompt, namespace=namespace)
+        got, _ = runner.insert(row)
         runner.forced_cached = None
         if got != uid:
             raise RuntimeError(f"rank diverged from rank 0: sequence uid {got}, rank 0 has {uid}")

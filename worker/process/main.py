@@ -27,90 +27,91 @@ from .load_progress import LoadProgress
 
 log = logging.getLogger(__name__)
 
-# Default prefix-cache bound when the entry sets none: a share of RAM.
-DEFAULT_CACHE_SHARE = 0.10
 # A KV budget that holds fewer tokens for one request than this (or the context) is logged.
 SHORT_KV_BUDGET_TOKENS = 4096
 # Layer progress marks turn on once a step takes this fraction of the hang bound (5 s of 120 s).
 LONG_STEP_DIVISOR = 24
 
 
-def build_runner(entry: ModelEntry, model_path: Path):
-    if entry.kind in ENCODER_KINDS:
-        from ..model.encoder.encoder import MlxEmbeddingsEncoder, TextEncoder
+def _encoder(entry: ModelEntry, model_path: Path):
+    from ..model.encoder.encoder import MlxEmbeddingsEncoder, TextEncoder
 
-        encoder_cls = MlxEmbeddingsEncoder if entry.engine == "mlx-embeddings" else TextEncoder
-        encoder = encoder_cls(model_path, max_length=entry.context_length, truncate=entry.encoder.truncate)
-        if encoder.cross_encoder != (entry.kind == ModelKind.RERANK):
-            found = (
-                "a cross-encoder (set kind: rerank)"
-                if encoder.cross_encoder
-                else "an embedding model (kind: embedding)"
-            )
-            raise ValueError(f"{model_path.name} is {found}")
-        return encoder
+    encoder_cls = MlxEmbeddingsEncoder if entry.engine == "mlx-embeddings" else TextEncoder
+    encoder = encoder_cls(model_path, max_length=entry.context_length, truncate=entry.encoder.truncate)
+    if encoder.cross_encoder != (entry.kind == ModelKind.RERANK):
+        rerank, embedding = "a cross-encoder (set kind: rerank)", "an embedding model (kind: embedding)"
+        raise ValueError(f"{model_path.name} is {rerank if encoder.cross_encoder else embedding}")
+    return encoder
+
+
+def _speech(entry: ModelEntry, model_path: Path):  # speech to text (Whisper) or text to speech (Piper)
     if entry.kind == ModelKind.AUDIO:
         from ..model.whisper.runner import WhisperRunner
 
         return WhisperRunner(model_path)
-    if entry.kind == ModelKind.SPEECH:
-        from ..schedule.speech import PiperRunner
+    from ..schedule.speech import PiperRunner
 
-        return PiperRunner(model_path)
-    if entry.kind == ModelKind.IMAGE:
-        from ..schedule.images import ImageRunner
+    return PiperRunner(model_path)
 
-        return ImageRunner(model_path)
-    if entry.kind == ModelKind.VISION and entry.engine == "mlx":
-        from ..model.runners.vision_runner import VisionRunner
 
-        return VisionRunner(
-            model_path,
-            context_length=entry.context_length,
-            max_num_seqs=entry.max_num_seqs,
-            prefill_step_size=entry.prefill_step_size,
-            tool_parser=entry.chat.tool_parser,
-            reasoning_parser=entry.chat.reasoning_parser,
-            allow_request_chat_template=entry.chat.allow_request_chat_template,
-            chat_template=entry.chat.chat_template,
-            prefix_memory_mb=entry.cache.prefix_memory_mb,
-        )
-    if entry.engine == "null":
-        from ..model.runners.null_runner import NullRunner
+def _vision(entry: ModelEntry, model_path: Path):
+    from ..model.runners.vision_runner import VisionRunner
 
-        return NullRunner(entry.context_length)
-    if entry.engine == "echo":
-        from ..model.runners.null_runner import EchoRunner
-
-        return EchoRunner(entry.context_length, entry.chat.tool_parser, entry.chat.reasoning_parser)
-    from ..model.cache.prefix_store import store_for
-    from .build_mlx import build_mlx_runner
-
-    cache_bytes = prefix_cache_bytes(entry)
-    if entry.distributed is not None:  # rank 0 of a sharded model (the others never get here)
-        from .distributed import build_rank0_runner
-
-        return build_rank0_runner(entry, model_path, cache_bytes)
-    return build_mlx_runner(
+    chat = entry.chat
+    return VisionRunner(
         model_path,
         context_length=entry.context_length,
         max_num_seqs=entry.max_num_seqs,
         prefill_step_size=entry.prefill_step_size,
-        cache_bytes=cache_bytes,
-        tool_parser=entry.chat.tool_parser,
-        reasoning_parser=entry.chat.reasoning_parser,
-        allow_request_chat_template=entry.chat.allow_request_chat_template,
-        chat_template=entry.chat.chat_template,
-        prefix_store=store_for(entry.name, model_path, entry.cache.prefix_disk_mb),
-        speculative=entry.speculative,
-        kv_bits=entry.cache.kv_bits,
-        kv_group_size=entry.cache.kv_group_size,
-        tool_name_guard=entry.chat.tool_name_guard,
-        adapters={a.name: str(a.folder()) for a in entry.adapters},
-        resident_adapters=entry.resident_adapters,
-        adapter_max_bytes=adapter_bytes(entry),
-        fim=entry.fim,
+        tool_parser=chat.tool_parser,
+        reasoning_parser=chat.reasoning_parser,
+        allow_request_chat_template=chat.allow_request_chat_template,
+        chat_template=chat.chat_template,
+        prefix_memory_mb=entry.cache.prefix_memory_mb,
     )
+
+
+def _image(entry: ModelEntry, model_path: Path):
+    from ..schedule.images import ImageRunner
+
+    return ImageRunner(model_path)
+
+
+def _null(entry: ModelEntry, model_path: Path):
+    from ..model.runners.null_runner import EchoRunner, NullRunner
+
+    if entry.engine == "echo":
+        return EchoRunner(entry.context_length, entry.chat.tool_parser, entry.chat.reasoning_parser)
+    return NullRunner(entry.context_length)
+
+
+def _chat(entry: ModelEntry, model_path: Path):
+    if entry.distributed is not None:  # rank 0 of a sharded model (the others never get here)
+        from .distributed import build_rank0_runner
+
+        return build_rank0_runner(entry, model_path)
+    from ..model.cache.prefix_store import store_for
+    from .build_mlx import entry_runner
+
+    return entry_runner(entry, model_path, prefix_store=store_for(entry.name, model_path, entry.cache.prefix_disk_mb))
+
+
+# The runner of each kind; the null and echo engines stand in for a generating model.
+STAND_INS = ("null", "echo")
+BUILDERS = {
+    **dict.fromkeys(ENCODER_KINDS, _encoder),
+    ModelKind.AUDIO: _speech,
+    ModelKind.SPEECH: _speech,
+    ModelKind.VISION: _vision,
+    ModelKind.IMAGE: _image,
+    ModelKind.CHAT: _chat,
+    **dict.fromkeys(STAND_INS, _null),
+}
+
+
+def build_runner(entry: ModelEntry, model_path: Path):
+    stand_in = entry.kind in CHAT_KINDS and entry.engine in STAND_INS
+    return BUILDERS[entry.engine if stand_in else entry.kind](entry, model_path)
 
 
 def unservable(error: Exception) -> bool:
@@ -120,12 +121,6 @@ def unservable(error: Exception) -> bool:
 
     deterministic = (UnservableModel, ValueError, KeyError, AttributeError, TypeError, NotImplementedError, ImportError)
     return isinstance(error, (*deterministic, FileNotFoundError))
-
-
-def prefix_cache_bytes(entry: ModelEntry) -> int:
-    if entry.cache.prefix_memory_mb is not None:
-        return entry.cache.prefix_memory_mb * (1 << 20)
-    return int(total_memory_bytes() * DEFAULT_CACHE_SHARE)
 
 
 def resolve_max_num_seqs(entry: ModelEntry, model_path: Path) -> tuple[ModelEntry, SeqsChoice]:
@@ -201,9 +196,11 @@ def kv_budget_for(entry: ModelEntry, runner):
         return None
     if profile is None:
         return None
-    budget = KVBudget(profile, less_adapters(measure_budget(entry.cache.kv_memory_mb, total_memory_bytes()), entry))
     bank = getattr(runner, "adapters", None)
-    if bank is not None and adapter_bytes(entry) is None and entry.cache.kv_memory_mb is None:
+    reserve = None if bank is None else bank.max_bytes  # models.yaml adapter_memory_mb; None: by count
+    measured = less_adapters(measure_budget(entry.cache.kv_memory_mb, total_memory_bytes()), entry, reserve)
+    budget = KVBudget(profile, measured)
+    if bank is not None and reserve is None and entry.cache.kv_memory_mb is None:
         # Bounded by count, adapters take what they weigh from the same memory, as they load.
         budget.taken = bank.resident_bytes
         if entry.adapters:
@@ -224,18 +221,10 @@ def kv_budget_for(entry: ModelEntry, runner):
     return budget
 
 
-def adapter_bytes(entry: ModelEntry) -> int | None:
-    """The resident adapters' byte bound (models.yaml adapter_memory_mb); None: bounded by count."""
-    if not entry.adapters or entry.adapter_memory_mb is None:
-        return None
-    return int(entry.adapter_memory_mb * (1 << 20))
-
-
-def less_adapters(measured, entry: ModelEntry):
-    """A measured KV budget less the adapters' byte bound: adapters load on first use, after
-    the budget is measured from what the weights left, and take from the same memory. A
+def less_adapters(measured, entry: ModelEntry, reserve: int | None):
+    """A measured KV budget less the adapters' byte bound (reserve): adapters load on first use,
+    after the budget is measured from what the weights left, and take from the same memory. A
     kv_memory_mb set outright is the KV's own and stays as set."""
-    reserve = adapter_bytes(entry)
     if reserve is None or entry.cache.kv_memory_mb is not None:
         return measured
     budget = max(0, measured.bytes - reserve)
@@ -364,7 +353,7 @@ def run_worker(
             # The same batch size as rank 0 (same formula, same machine; remote ranks need
             # max_num_seqs set in models.yaml: shared/config._check_distributed).
             entry, _ = resolve_max_num_seqs(entry, path)
-            sys.exit(serve_follower(entry, path, prefix_cache_bytes(entry)))
+            sys.exit(serve_follower(entry, path))
     sys.exit(
         serve(
             connect,

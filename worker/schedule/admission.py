@@ -33,6 +33,7 @@ import time
 
 from ...shared.errors import ServiceError
 from ...shared.events import Error
+from ..model import interfaces
 from ..model.interfaces import TextRunner
 from ..model.memory.kv_budget import KVBudget
 from ..model.runners.isolation import as_service_error
@@ -190,9 +191,10 @@ class Admission:
             extra["hold_s"] = seq.req.cache_retention_s
         if seq.req.cache_namespace and self.runner.supports_cache_scopes:
             extra["namespace"] = seq.req.cache_namespace
-        uid, cached = self.runner.insert(
-            prompt, seq.max_tokens - seq.generated, seq.req.sampling, seq.constraint, guard=seq.guard, **extra
+        row = interfaces.Row(
+            prompt, seq.max_tokens - seq.generated, seq.req.sampling, seq.constraint, seq.guard, **extra
         )
+        uid, cached = self.runner.insert(row)
         seq.uid = uid
         if not seq.paused:
             seq.cached_tokens = cached  # usage reports the first admission's cache hit

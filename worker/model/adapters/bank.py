@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -123,6 +124,15 @@ def cache_tag(name: str, weights: Path) -> int:
     st = weights.stat()
     digest = hashlib.blake2b(f"{name}\0{weights.resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode(), digest_size=8)
     return 1 + int.from_bytes(digest.digest(), "little") % (2**31 - 1)
+
+
+class AdapterSet(NamedTuple):
+    """An entry's adapters (models.yaml adapters, resident_adapters, adapter_memory_mb): name ->
+    mlx_lm.lora folder, how many stay loaded, and their weights' bound in bytes (None: by count)."""
+
+    sources: dict[str, str] = {}
+    max_resident: int = 8
+    max_bytes: int | None = None
 
 
 class AdapterBank:

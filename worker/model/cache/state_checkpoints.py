@@ -187,11 +187,12 @@ def row_snapshot(batch_cache: list, row: int) -> list:
     return snap
 
 
-def take_checkpoints(batch, prompt_responses, checkpoints: dict, boundaries: dict) -> None:
+def take_checkpoints(batch, prompt_responses, rows: dict) -> None:
     """After a prefill step of a PromptProcessingBatch: checkpoint each row that stopped at
-    the end of a segment (uid -> Checkpoints in `checkpoints`, message boundaries by uid)."""
+    the end of a segment (rows: uid -> the runner's Row, with its Checkpoints and boundaries)."""
     for r in prompt_responses:
-        if not r.end_of_segment or r.end_of_prompt or r.uid not in checkpoints or r.uid not in batch.uids:
+        marks = rows[r.uid].checkpoints if r.uid in rows else None
+        if not r.end_of_segment or r.end_of_prompt or marks is None or r.uid not in batch.uids:
             continue
         row = batch.uids.index(r.uid)
         position = len(batch.tokens[row])
@@ -200,7 +201,7 @@ def take_checkpoints(batch, prompt_responses, checkpoints: dict, boundaries: dic
         except Exception:  # a checkpoint only saves time later: never fail the step for one
             log.exception("state checkpoint at %d skipped", position)
             continue
-        checkpoints[r.uid].add(position, snap, position in boundaries.get(r.uid, ()))
+        marks.add(position, snap, position in rows[r.uid].boundaries)
 
 
 # Tokens that open a message in the chat templates of the families served: a checkpoint just

@@ -262,5 +262,5 @@ def policy_for(mx, generator) -> BlasThreadPolicy | None:
     control = blas_threads()
     if control is None:
         return None
-    policy = BlasThreadPolicy(control, lambda: mx.synchronize(generator._stream))
+    policy = BlasThreadPolicy(control, lambda: mx.synchronize(generator.stream))
     return policy if policy.active else None

@@ -20,7 +20,8 @@ forwards), only when tokens come out.
 `after_prompt_chunk(prompt_batch, responses)`, when set, runs after the chunk is read and
 before any row leaves the prompt batch: the runner takes recurrent-state checkpoints there
 (worker/model/cache/state_checkpoints.py), at the end of a segment, which for a prompt's last segment is
-the only moment that row's prefill state exists on its own."""
+the only moment that row's prefill state exists on its own. This module alone reads BatchGenerator's
+private state (mlx-lm 0.32.2 has no public reading of it): others read it through its properties."""
 
 from __future__ import annotations
 
@@ -49,6 +50,23 @@ class VectorBatchGenerator(BatchGenerator):
     def __init__(self, model, **kwargs):
         super().__init__(model, **kwargs)
         self._generation_batch = VectorGenerationBatch.empty(self.model, self.sampler)
+
+    # mlx-lm 0.32.2 BatchGenerator._generation_batch: the decode batch the speculator wraps and the trace reads
+    @property
+    def decode_batch(self):
+        return self._generation_batch
+
+    @property
+    def queued(self) -> int:  # _unprocessed_sequences: inserted rows not yet reading, for the BLAS policy
+        return len(self._unprocessed_sequences)
+
+    @property
+    def reading(self) -> int:  # _prompt_batch: rows reading their prompt, for the BLAS policy
+        return len(self._prompt_batch)
+
+    @property
+    def prompt_tokens_read(self) -> int:  # _counters.prompt_tokens: the running total (stats() gives a window)
+        return self._counters.prompt_tokens
 
     @property
     def vectorized(self) -> bool:

@@ -24,10 +24,11 @@ def non_finite_uids(responses) -> set[int]:
     return {r.uid for r, bad in zip(checked, flags.tolist()) if bad}
 
 
-def fault_non_finite(responses, guards: dict, adapter_of) -> None:
-    """Record the error on each such row's guard (rows without one, in-process callers, are left)."""
+def fault_non_finite(responses, rows: dict, adapter_of) -> None:
+    """Record the error on each such row's guard (rows: uid -> Row; rows without a guard,
+    in-process callers', are left)."""
     for uid in non_finite_uids(responses):
-        guard = guards.get(uid)
+        guard = rows[uid].guard if uid in rows else None
         if guard is None or guard.faulted:
             continue
         adapter = adapter_of(uid)

@@ -17,7 +17,8 @@ from types import ModuleType
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from ....shared.protocol import GenerateRequest, SamplingParams
+from ....shared.model_sections import CacheConfig
+from ....shared.protocol import GenerateRequest
 from ...text.chat_text import ChatText
 from ...text.fim import FimPrompts
 from ..adapters.bank import AdapterBank
@@ -28,7 +29,7 @@ from ..cache.prefix_cache import PrefixCache
 from ..cache.prefix_store import PrefixStore
 from ..cache.quantized_kv import quantize_layers
 from ..cpu.blas_threads import BlasThreadPolicy
-from ..interfaces import StepOutput, TokenOut
+from ..interfaces import Row, StepOutput, TokenOut
 from ..memory.kv_budget import runner_profile
 from ..speculation.speculative import Speculator
 from .batch_generator import VectorBatchGenerator
@@ -72,8 +73,7 @@ class MLXRunner(ChatTextRunner):
         adapters: AdapterBank,
         speculator: Speculator,
         token_bytes: TokenBytes,
-        kv_bits: int | None = None,
-        kv_group_size: int = 64,
+        cache: CacheConfig,
         kv_bytes_per_token: int | None = None,
         prefix_store: PrefixStore | None = None,
         blas: BlasThreadPolicy | None = None,
@@ -99,25 +99,15 @@ class MLXRunner(ChatTextRunner):
         self.context_length, self.vocab_size, self.token_bytes = context_length, vocab_size, token_bytes
         self.generator, self.speculator, self.adapters = generator, speculator, adapters
         self.prefix_cache, self.prefix_store, self.cache_bytes = prefix_cache, prefix_store, cache_bytes
-        self.kv_bits, self.kv_group_size, self.kv_bytes_per_token = kv_bits, kv_group_size, kv_bytes_per_token
-        self.blas, self.trace = blas, trace
+        self.kv_bits, self.kv_group_size = cache.kv_bits, cache.kv_group_size  # the entry's KV quantization
+        self.blas, self.trace, self.kv_bytes_per_token = blas, trace, kv_bytes_per_token
         self.cpu_attention, self.transposed_head = cpu_attention, transposed_head
-        self._covered: dict[int, int] = {}  # uid -> prompt tokens its cache lookup covered
         self.shift_reuse = shift_reuse
         self._checkpointing, self._turn_openers = checkpointing, turn_openers
-        self._checkpoints: dict[int, sc.Checkpoints] = {}  # uid -> the state checkpoints taken so far
         if checkpointing:  # at a segment's end, before a finished prompt leaves its batch
             self.generator.after_prompt_chunk = self._take_checkpoints
-        self._boundaries: dict[int, set[int]] = {}  # uid -> its prompt's message boundaries
-        self._logprobs: dict[int, int] = {}  # uid -> alternatives per token, for those that ask
-        self._keep_prompt: set[int] = set()  # uids whose prompt KV is stored once prefilled
-        # uids with a seed: while any is in the batch the BLAS keeps one thread count, since a
-        # different count rounds the logits differently and can move a seeded draw
-        self._seeded: set[int] = set()
-        self._hold_s: dict[int, float] = {}  # uid -> a client's caching hint, seconds
-        self._scope: dict[int, int] = {}  # uid -> its cache scope, where not the base's (cache/scopes.py)
+        self._rows: dict[int, Row] = {}  # uid -> the row in the batch
         scopes.check_vocabulary(vocab_size)
-        self._guards: dict = {}  # uid -> its request's SequenceGuard
 
     def encode(self, req: GenerateRequest) -> list[int]:
         # Every sequence (each choice too) is prepared here, off the engine thread: an unknown
@@ -126,61 +116,38 @@ class MLXRunner(ChatTextRunner):
         return super().encode(req)
 
     # -- execution ----------------------------------------------------------------------
-    def insert(
-        self,
-        prompt: list[int],
-        max_tokens: int,
-        sampling: SamplingParams,
-        constraint=None,
-        guard=None,
-        logprobs: int | None = None,
-        keep_prompt: bool = False,
-        adapter: str | None = None,
-        hold_s: float | None = None,
-        namespace: str | None = None,
-    ) -> tuple[int, int]:
-        """adapter: a LoRA adapter's name; None: the one its request named at preparation
-        (found by the guard's request id), if any. namespace: the request's cache namespace
-        (its key's cache group): its row reads and writes only that scope's blocks."""
-        processors = guarded_processors(sampling, constraint, guard)
-        sampler = build_sampler(sampling, wants_logprobs=logprobs is not None)
+    def insert(self, row: Row) -> tuple[int, int]:
+        """The row's adapter, where None: the one its request named at preparation (found by
+        the guard's request id), if any. Its namespace (its key's cache group): the row reads
+        and writes only that scope's blocks."""
+        prompt, sampling, guard = row.prompt, row.sampling, row.guard
+        processors = guarded_processors(sampling, row.constraint, guard)
+        sampler = build_sampler(sampling, wants_logprobs=row.logprobs is not None)
         if guard is not None:
             sampler = guard_sampler(sampler, guard)
-        lora = self.adapters.for_row(adapter, guard)
-        scope = scopes.scope_of(namespace, lora.tag if lora is not None else 0)
-        cache, cached = self.prefix_cache.longest_match(scopes.scoped(prompt, scope))
+        lora = self.adapters.for_row(row.adapter, guard)
+        row.scope = scopes.scope_of(row.namespace, lora.tag if lora is not None else 0)
+        cache, cached = self.prefix_cache.longest_match(scopes.scoped(prompt, row.scope))
         if self.shift_reuse is not None and cache is not None and lora is None:  # its edit runs on the base
-            cache, cached = self.shift_reuse.extend(self.model, self.prefix_cache.tree, prompt, cache, cached, scope)
+            tree = self.prefix_cache.tree
+            cache, cached = self.shift_reuse.extend(self.model, tree, prompt, cache, cached, row.scope)
         if cache is None and self.kv_bits is not None:
             cache = self._fresh_cache()
-        segments, boundaries = self._segments(prompt, cached)
+        segments, row.boundaries = self._segments(prompt, cached)
         (uid,) = self.generator.insert_segments(
             [segments],
-            max_tokens=[max_tokens],
+            max_tokens=[row.max_tokens],
             caches=[cache] if cache is not None else None,
             all_tokens=[prompt[:cached]],
             samplers=[sampler],
             logits_processors=[processors],
         )
-        self._covered[uid] = cached
-        if scope != scopes.BASE:
-            self._scope[uid] = scope
+        row.covered, self._rows[uid] = cached, row
         self.adapters.bind(uid, lora)
-        if guard is not None:
-            self._guards[uid] = guard  # its error if its logits stop being finite
         if self._checkpointing:
-            self._checkpoints[uid] = sc.Checkpoints(list(prompt))
-            self._boundaries[uid] = boundaries
+            row.checkpoints = sc.Checkpoints(list(prompt))
         # Drafts are verified against the argmax: only for greedy rows with nothing reshaping it.
-        self.speculator.admit(uid, sampling.temperature <= 0 and not processors and logprobs is None)
-        if logprobs is not None:
-            self._logprobs[uid] = logprobs
-        if keep_prompt:
-            self._keep_prompt.add(uid)
-        if sampling.seed is not None:
-            self._seeded.add(uid)
-        if hold_s:
-            self._hold_s[uid] = hold_s
+        self.speculator.admit(uid, sampling.temperature <= 0 and not processors and row.logprobs is None)
         return uid, cached
 
     def _fresh_cache(self) -> list:
@@ -225,59 +192,54 @@ class MLXRunner(ChatTextRunner):
         gen = self.generator
         if self.blas is not None:
             self.blas.start(
-                len(gen._generation_batch),
-                bool(gen._unprocessed_sequences or len(gen._prompt_batch)),
-                pinned=bool(self._seeded),
+                len(gen.decode_batch),
+                bool(gen.queued or gen.reading),
+                # a seeded row keeps one thread count: another rounds the logits differently
+                pinned=any(r.sampling.seed is not None for r in self._rows.values()),
             )
         if self.cpu_attention is not None and self.blas is not None:
             # a second stream is one more thread: not while the BLAS policy finds one faster
             self.cpu_attention.settings.parallel = self.blas.threads > 1
         counters = self.speculator.counters
-        started, verified, read = time.monotonic(), counters.speculative_steps, gen._counters.prompt_tokens
-        rows = len(gen._generation_batch)
+        started, verified, read = time.monotonic(), counters.speculative_steps, gen.prompt_tokens_read
+        rows = len(gen.decode_batch)
         prompt_responses, gen_responses = gen.next()
-        speculative, read = counters.speculative_steps > verified, gen._counters.prompt_tokens - read
+        speculative, read = counters.speculative_steps > verified, gen.prompt_tokens_read - read
         if self.blas is not None:
             self.blas.done(rows + read, sample=not speculative)
         if self.trace is not None:
             threads = None if self.blas is None else self.blas.threads
             self.trace.record(gen, started, rows, len(gen_responses), read, speculative, threads)
-        if self.blas is not None and not (len(gen._generation_batch) or gen._unprocessed_sequences):
+        if self.blas is not None and not (len(gen.decode_batch) or gen.queued):
             self.blas.idle()
         out = StepOutput()
         for r in prompt_responses:
             done, total = r.progress if isinstance(r.progress, tuple) else (0, 0)
             out.prefill.append((r.uid, done, total))
-        fault_non_finite(gen_responses, self._guards, self.adapters.name_of)
+        fault_non_finite(gen_responses, self._rows, self.adapters.name_of)
         self._keep_prompts(gen_responses)
         logprobs = self._logprob_entries(gen_responses)
         for r in gen_responses:
             if r.finish_reason is not None:
-                self._covered.pop(r.uid, None)
-                self._logprobs.pop(r.uid, None)
-                self._seeded.discard(r.uid)
-                self._boundaries.pop(r.uid, None)
-                marks = self._checkpoints.pop(r.uid, None)
+                row = self._rows.pop(r.uid, None)
                 if r.prompt_cache is not None:
                     # The finished sequence's KV (prompt + answer) seeds the next turn's prompt.
-                    self._keep_kv(r.all_tokens, r.prompt_cache, marks, uid=r.uid)
+                    self._keep_kv(r.all_tokens, r.prompt_cache, row)
                 self.adapters.release(r.uid)
-                self._guards.pop(r.uid, None)
-                self._hold_s.pop(r.uid, None)
-                self._scope.pop(r.uid, None)
             out.tokens.append(TokenOut(r.uid, int(r.token), r.finish_reason, logprobs.get(r.uid)))
         return out
 
     def _take_checkpoints(self, prompt_batch, responses) -> None:
-        if self._checkpoints:
-            sc.take_checkpoints(prompt_batch, responses, self._checkpoints, self._boundaries)
+        if self._rows:
+            sc.take_checkpoints(prompt_batch, responses, self._rows)
 
     def _logprob_entries(self, responses) -> dict[int, dict]:
         """Logprob entries for the sequences that asked; the others are not touched."""
-        asked = [r for r in responses if r.uid in self._logprobs]
+        top = {r.uid: row.logprobs for r in responses if (row := self._rows.get(r.uid)) and row.logprobs is not None}
+        asked = [r for r in responses if r.uid in top]
         if not asked:
             return {}
-        rows = [(int(r.token), r.logprobs, self._logprobs[r.uid]) for r in asked]
+        rows = [(int(r.token), r.logprobs, top[r.uid]) for r in asked]
         return {r.uid: e for r, e in zip(asked, entries(rows, self.token_bytes))}
 
     def prefix_ready(self, prompt, namespace: str | None = None) -> bool:  # its disk blocks read off the engine thread
@@ -285,17 +247,19 @@ class MLXRunner(ChatTextRunner):
         return type(prompt) is not list or self.prefix_cache.prefetch(scopes.scoped(prompt, scopes.scope_of(namespace)))
 
     def publish_prompt(self, uid: int) -> None:  # others wait on its prefix (worker/schedule/prefix_inflight.py)
-        self._keep_prompt.add(uid)
+        if uid in self._rows:
+            self._rows[uid].keep_prompt = True
 
     def _keep_prompts(self, responses) -> None:
         """Prompt KV others wait on (sibling choices, a shared prefix) is cached with its first token."""
         for r in responses:
-            if r.uid in self._keep_prompt:
-                self._keep_prompt.discard(r.uid)
+            row = self._rows.get(r.uid)
+            if row is not None and row.keep_prompt:
+                row.keep_prompt = False
                 if r.prompt_cache is None:  # still running: copy its row out of the batch
                     extracted = self.generator.extract_cache([r.uid]).get(r.uid)
                     if extracted:
-                        self._keep_kv(list(extracted[1]), extracted[0], self._checkpoints.get(r.uid), uid=r.uid)
+                        self._keep_kv(list(extracted[1]), extracted[0], row)
 
     def remove(self, uids: list[int]) -> None:
         """Drop sequences that end early (cancelled, timed out, client gone, stop string).
@@ -308,38 +272,25 @@ class MLXRunner(ChatTextRunner):
             return
         removed = self.generator.remove(uids, return_prompt_caches=True)
         for uid in uids:
-            self._logprobs.pop(uid, None)
-            self._seeded.discard(uid)
-            self._keep_prompt.discard(uid)
-            covered = self._covered.pop(uid, 0)
-            self._boundaries.pop(uid, None)
-            marks = self._checkpoints.pop(uid, None)
+            row = self._rows.pop(uid, None)
             cache, tokens = removed.get(uid, (None, None))
-            if cache and tokens and len(tokens) > covered:
-                self._keep_kv(tokens, cache, marks, uid=uid)
+            if cache and tokens and len(tokens) > (row.covered if row else 0):
+                self._keep_kv(tokens, cache, row)
             self.adapters.release(uid)
-            self._guards.pop(uid, None)
-            self._hold_s.pop(uid, None)
-            self._scope.pop(uid, None)
 
-    def _keep_kv(
-        self,
-        tokens: list[int],
-        cache: list,
-        checkpoints: sc.Checkpoints | None = None,
-        uid: int | None = None,
-        scope: int | None = None,
-    ) -> None:
+    def _keep_kv(self, tokens: list[int], cache: list, row: Row | None = None, scope: int = scopes.BASE) -> None:
+        """row: the row the KV is of (its scope, checkpoints and caching hint), or None."""
         # The KV extracted from the batch is a lazy slice whose graph still references the
         # whole batch's buffers (every row, the full allocation). Unevaluated, a cached entry
         # kept all of that alive while counting only its own slice: a worker reached 14 GB
         # with a cache that reported 2 GB. Evaluating makes it the compact copy it claims to be.
         mx.eval([c.state for c in cache])
         # Keyed in the row's scope: its namespace's and adapter's own (worker/model/cache/scopes.py).
-        tokens = scopes.scoped(tokens, scope if scope is not None else self._scope.get(uid, scopes.BASE))
+        tokens = scopes.scoped(tokens, row.scope if row is not None else scope)
+        checkpoints = row.checkpoints if row is not None else None
         if checkpoints is not None:  # those of a prompt the tokens begin with
             checkpoints = checkpoints.for_entry(tokens)
-        self.prefix_cache.insert(tokens, cache, checkpoints=checkpoints, hold_s=self._hold_s.get(uid))
+        self.prefix_cache.insert(tokens, cache, checkpoints=checkpoints, hold_s=(row.hold_s or None) if row else None)
         self._bound_cache()
 
     def _bound_cache(self, room: int | None = None) -> None:
@@ -350,7 +301,7 @@ class MLXRunner(ChatTextRunner):
         self.prefix_cache.trim_to(bound if room is None else min(bound, room - checkpoints))
 
     def _live_checkpoint_bytes(self) -> int:
-        return sum(c.nbytes for c in self._checkpoints.values())
+        return sum(r.checkpoints.nbytes for r in self._rows.values() if r.checkpoints is not None)
 
     # -- introspection -------------------------------------------------------------------
     def stats(self) -> dict:

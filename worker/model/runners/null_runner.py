@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 from ....shared.errors import invalid
 from ....shared.events import FinishReason
-from ....shared.protocol import GenerateRequest, SamplingParams
-from ..interfaces import StepOutput, TextRunner, TokenOut
+from ....shared.protocol import GenerateRequest
+from ..interfaces import Row, StepOutput, TextRunner, TokenOut
 
 _WORDS = ["lorem", "ipsum", "dolor", "sit", "amet", "consectetur", "adipiscing", "elit"]
 
@@ -57,11 +57,9 @@ class NullRunner(TextRunner):
     def new_detokenizer(self):
         return _NullDetokenizer()
 
-    def insert(
-        self, prompt: list[int], max_tokens: int, sampling: SamplingParams, constraint=None, guard=None
-    ) -> tuple[int, int]:
+    def insert(self, row: Row) -> tuple[int, int]:
         self._uid += 1
-        self._seqs[self._uid] = _Seq(self._uid, max_tokens, len(prompt))
+        self._seqs[self._uid] = _Seq(self._uid, row.max_tokens, len(row.prompt))
         return self._uid, 0
 
     def step(self) -> StepOutput:
@@ -130,11 +128,9 @@ class EchoRunner(NullRunner):
         tool = tool_syntax(self.tool_parser, None) if req.tools else None
         return OutputParser(think=think, tool=tool, tools=req.tools) if (think or tool) else None
 
-    def insert(
-        self, prompt: list[int], max_tokens: int, sampling: SamplingParams, constraint=None, guard=None
-    ) -> tuple[int, int]:
-        uid, cached = super().insert(prompt, max_tokens, sampling)
-        self._scripts[uid] = list(prompt)
+    def insert(self, row: Row) -> tuple[int, int]:
+        uid, cached = super().insert(row)
+        self._scripts[uid] = list(row.prompt)
         return uid, cached
 
     def step(self) -> StepOutput:

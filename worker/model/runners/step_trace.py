@@ -43,7 +43,7 @@ class StepTrace:
     def record(self, gen, started: float, rows: int, emitted: int, read: int, speculative: bool, threads) -> None:
         """After one step that decoded `rows` rows: `emitted` tokens generated, `read` prompt
         tokens prefilled."""
-        batch = gen._generation_batch
+        batch = gen.decode_batch
         caches = getattr(batch, "prompt_cache", None) or []
         width = getattr(caches[0], "_idx", None) if caches else None
         line = {

@@ -23,9 +23,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from ....shared.errors import invalid
-from ....shared.protocol import GenerateRequest, SamplingParams
+from ....shared.protocol import GenerateRequest
 from ...text.chat_text import ChatText
-from ..interfaces import StepOutput, TokenOut
+from ..interfaces import Row, StepOutput, TokenOut
 from ..memory.kv_budget import runner_profile
 from .chat_runner import ChatTextRunner
 from .vision_media import MediaPrompt, decode_image, decode_video, media_key, media_slots
@@ -178,11 +178,10 @@ class VisionRunner(ChatTextRunner):
         return kwargs
 
     # -- execution ----------------------------------------------------------------------
-    def insert(
-        self, prompt: list[int], max_tokens: int, sampling: SamplingParams, constraint=None, guard=None
-    ) -> tuple[int, int]:
+    def insert(self, row: Row) -> tuple[int, int]:
         from .sampling import guard_processor, guarded_processors, sampling_processor
 
+        prompt, sampling, guard = row.prompt, row.sampling, row.guard
         inputs = dict(getattr(prompt, "media", None) or {})
         ids = inputs.pop("input_ids", None)
         salt = self.prefix.salt(prompt)
@@ -196,11 +195,11 @@ class VisionRunner(ChatTextRunner):
             raise invalid(f"the model could not encode the images: {e}", "messages") from None
         prompt_kwargs["_apc_semantic_hash"] = salt  # the blocks' key: mlx-vlm strips it before the model
 
-        processors = guarded_processors(sampling, constraint, guard)
+        processors = guarded_processors(sampling, row.constraint, guard)
         draw = sampling_processor(sampling)  # last: it turns logits into the draw distribution
         processors.append(guard_processor(draw, guard) if guard is not None else draw)
         (uid,) = self.generator.insert(
-            [list(prompt)], max_tokens=[max_tokens], prompt_kwargs=[prompt_kwargs], logits_processors=[processors]
+            [list(prompt)], max_tokens=[row.max_tokens], prompt_kwargs=[prompt_kwargs], logits_processors=[processors]
         )
         self.prefix.hold(uid, held)
         if isinstance(prompt, MediaPrompt):  # a resumed row's prompt is a plain list of ids

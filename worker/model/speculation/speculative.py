@@ -206,7 +206,7 @@ class Speculator:
         """Route the generator's decode step through this speculator. BatchGenerator keeps
         one GenerationBatch for its whole life (new rows are merged into it), so wrapping
         that object's next() covers every decode step; prefill is untouched."""
-        batch = generator._generation_batch
+        batch = generator.decode_batch
         plain_next = batch.next
         batch.next = lambda: self.next(batch, plain_next)
 
