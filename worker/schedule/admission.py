@@ -192,6 +192,8 @@ class Admission:
             prompt, seq.max_tokens - seq.generated, seq.req.sampling, seq.constraint, guard=seq.guard, **extra
         )
         seq.uid = uid
+        if seq.marks is not None:
+            seq.marks.admit()
         if not seq.paused:
             seq.cached_tokens = cached  # usage reports the first admission's cache hit
         self.prefilled_tokens += len(prompt) - cached

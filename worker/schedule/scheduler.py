@@ -257,6 +257,8 @@ class Scheduler:
 
     def _end(self, seq: Sequence, event: AnyEvent, remove: bool = True) -> Event:
         seq.phase = Phase.DONE
+        if seq.marks is not None:  # traced: its times go back with its last event
+            event.trace = seq.marks.wire(seq.first_token_at)
         self._seqs.pop(seq.req.rid, None)
         if seq.uid is not None:
             self.admission.release(seq)
