@@ -21,6 +21,7 @@ from typing import Any
 from aiohttp import web
 
 from ...shared import protocol as p
+from .worker_spans import emit_worker_spans
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +31,7 @@ TRACED = "traced_generations"  # the request's generations whose worker spans to
 
 ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 SERVICE_NAME = "mlxgw"
+STOP_FLUSH_S = 5.0
 
 
 def wanted(environ: dict | os._Environ = os.environ) -> bool:
@@ -70,16 +72,20 @@ class Tracing:
 
         name = os.environ.get("OTEL_SERVICE_NAME") or SERVICE_NAME
         resource = Resource.create({"service.name": name, "service.version": __version__})
-        self.provider = TracerProvider(resource=resource)  # sampler from OTEL_TRACES_SAMPLER
-        self.provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+        # sampler from OTEL_TRACES_SAMPLER; no exit hook: the SDK's waits up to 30 s (see shutdown)
+        self.provider = TracerProvider(resource=resource, shutdown_on_exit=False)
+        self.processor = BatchSpanProcessor(OTLPSpanExporter())
+        self.provider.add_span_processor(self.processor)
         self.tracer = self.provider.get_tracer("mlxgw", __version__)
         self.propagator = TraceContextTextMapPropagator()
         self.trace = trace
         self.server, self.internal = trace.SpanKind.SERVER, trace.SpanKind.INTERNAL
 
     def shutdown(self) -> None:
-        """Export what is queued (a stopping gateway's last requests), then stop."""
-        self.provider.shutdown()
+        """Export what is queued (a stopping gateway's last requests), for at most
+        STOP_FLUSH_S: an unreachable collector must not hold a stopping gateway. The export
+        thread is a daemon: it ends with the process."""
+        self.processor.force_flush(int(STOP_FLUSH_S * 1000))
 
     def start(self, request: web.Request) -> Any:
         """The request's server span, a child of the client's `traceparent` when it sent one."""
@@ -108,8 +114,6 @@ class Tracing:
                 span.set_attributes(request_attributes(request, route, status, gen))
                 if status >= 500:
                     span.set_status(self.trace.Status(self.trace.StatusCode.ERROR))
-            from .worker_spans import emit_worker_spans
-
             for traced in request.get(TRACED, ()):
                 emit_worker_spans(self, span, traced)
         except Exception:  # a trace must never cost a request its answer

@@ -205,13 +205,11 @@ class PrefillBudget:
         return sum(min(n, self.chunk) for n in left)
 
     def count(self, rows: Iterable[Sequence]) -> None:
-        """The runner read min(left, chunk) prompt tokens of every prefilling row (and a
-        traced row's marks count the step: worker/schedule/trace_marks.py)."""
+        """The runner read min(left, chunk) prompt tokens of every prefilling row."""
+        if self.per_step is None:
+            return
         for seq in rows:
-            if seq.marks is not None:
-                seq.marks.step(seq.first_token_at)
-            if self.per_step is not None:
-                seq.to_prefill -= min(seq.to_prefill, self.chunk)
+            seq.to_prefill -= min(seq.to_prefill, self.chunk)
 
 
 def _left(rows: Iterable[Sequence]) -> list[int]:

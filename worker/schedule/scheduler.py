@@ -191,6 +191,7 @@ class Scheduler:
         out = self.runner.step()
         self.prefill.pace.observe(reading, time.monotonic() - started)
         self.prefill.count(self.admission.running.values())
+        self.admission.traced.step()  # the steps of traced rows (worker/schedule/trace_marks.py)
         events += self._end_faulted()
         return events + self._on_step_tokens(out)
 

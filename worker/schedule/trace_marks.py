@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from ...shared import protocol as p
 
@@ -56,6 +57,26 @@ class TraceMarks:
             "prefill_steps": self.prefill_steps,
             "decode_steps": self.decode_steps,
         }
+
+
+class TracedRows:
+    """The traced sequences in the runner's batch: each engine step counts for them alone, so
+    a batch without traced rows pays one empty loop per step and nothing per row."""
+
+    def __init__(self) -> None:
+        self.rows: dict[str, Any] = {}  # request id -> Sequence
+
+    def add(self, seq: Any) -> None:
+        seq.marks.admit()
+        self.rows[seq.req.rid] = seq
+
+    def remove(self, seq: Any) -> None:
+        self.rows.pop(seq.req.rid, None)
+
+    def step(self) -> None:
+        """One engine step ran with every row in the batch."""
+        for seq in self.rows.values():
+            seq.marks.step(seq.first_token_at)
 
 
 def marks_for(req: p.GenerateRequest, arrived: float) -> TraceMarks | None:
