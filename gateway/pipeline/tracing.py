@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 from typing import Any
 
 from aiohttp import web
@@ -59,7 +60,8 @@ def from_env(environ: dict | os._Environ = os.environ) -> Tracing | None:
 class Tracing:
     """The tracer provider (one OTLP/HTTP exporter, batched) and the spans of a request."""
 
-    def __init__(self) -> None:
+    def __init__(self, exporter: Any = None) -> None:
+        """exporter: where spans go (None: OTLP/HTTP, configured by the environment)."""
         # imported here only: a gateway without the variables never loads the SDK
         from opentelemetry import trace
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
@@ -74,7 +76,7 @@ class Tracing:
         resource = Resource.create({"service.name": name, "service.version": __version__})
         # sampler from OTEL_TRACES_SAMPLER; no exit hook: the SDK's waits up to 30 s (see shutdown)
         self.provider = TracerProvider(resource=resource, shutdown_on_exit=False)
-        self.processor = BatchSpanProcessor(OTLPSpanExporter())
+        self.processor = BatchSpanProcessor(exporter or OTLPSpanExporter())
         self.provider.add_span_processor(self.processor)
         self.tracer = self.provider.get_tracer("mlxgw", __version__)
         self.propagator = TraceContextTextMapPropagator()
@@ -82,10 +84,13 @@ class Tracing:
         self.server, self.internal = trace.SpanKind.SERVER, trace.SpanKind.INTERNAL
 
     def shutdown(self) -> None:
-        """Export what is queued (a stopping gateway's last requests), for at most
-        STOP_FLUSH_S: an unreachable collector must not hold a stopping gateway. The export
-        thread is a daemon: it ends with the process."""
-        self.processor.force_flush(int(STOP_FLUSH_S * 1000))
+        """Export what is queued (a stopping gateway's last requests), waiting at most
+        STOP_FLUSH_S: an unreachable collector must not hold a stopping gateway. The SDK's
+        flush exports in the calling thread, each try bounded only by the exporter's timeout,
+        so it runs in a daemon thread of its own, as the SDK's export thread is one."""
+        flush = threading.Thread(target=self.processor.force_flush, name="otlp-flush", daemon=True)
+        flush.start()
+        flush.join(STOP_FLUSH_S)
 
     def start(self, request: web.Request) -> Any:
         """The request's server span, a child of the client's `traceparent` when it sent one."""

@@ -8,13 +8,15 @@ import os
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 from helpers import REPO
 
-from mlxgw.gateway.pipeline.tracing import from_env, wanted
-from mlxgw.gateway.pipeline.worker_spans import marks_of
+from mlxgw.gateway.pipeline.tracing import Tracing, from_env, wanted
+from mlxgw.gateway.pipeline.worker_spans import emit_worker_spans, marks_of
 from mlxgw.shared import protocol as p
+from mlxgw.shared.events import Accepted, Usage
 from mlxgw.worker.schedule.trace_marks import marks_for
 
 ENDPOINT = "http://127.0.0.1:9"
@@ -107,3 +109,39 @@ def test_worker_marks_count_prefill_then_decode_steps_in_time_order():
     assert marks_of(wire) is not None  # what the worker sends, the gateway takes
     assert wire["arrived"] <= wire["queued"] <= wire["admitted"] <= wire["first_token"] <= wire["end"]
     assert abs(wire["end"] - time.time_ns()) < 1e9
+
+
+def _emitted(marks: dict, outcome: str, trace_of=None) -> dict:
+    """The spans emit_worker_spans makes of one generation, by name (an in-memory exporter)."""
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    tracing = Tracing(exporter)
+    root = tracing.tracer.start_span("POST /v1/chat/completions", kind=tracing.server)
+    parent = tracing.traceparent(trace_of(tracing) if trace_of else root)
+    req = p.GenerateRequest(rid="req_1", messages=[{"role": "user", "content": "hi"}], max_tokens=5, traceparent=parent)
+    gen = SimpleNamespace(
+        req=req, model_name="tiny", usage=Usage(12, 0, 4), outcome=outcome, accepted=Accepted(12, 5, 3)
+    )
+    gen.worker_trace = {**marks, "parent": parent}
+    emit_worker_spans(tracing, root, gen)
+    root.end()
+    tracing.shutdown()
+    return {s.name: s for s in exporter.get_finished_spans()}
+
+
+def test_a_request_that_timed_out_in_the_queue_has_no_prefill_or_decode_span():
+    marks = {**_good(), "admitted": None, "first_token": None}
+    spans = _emitted(marks, "error:timeout")
+    assert set(spans) == {"POST /v1/chat/completions", "chat tiny", "prepare", "queue"}
+    worker, queue = spans["chat tiny"], spans["queue"]
+    assert worker.parent.span_id == spans["POST /v1/chat/completions"].context.span_id
+    assert queue.parent.span_id == worker.context.span_id
+    assert worker.status.status_code.name == "ERROR" and worker.attributes["error.type"] == "timeout"
+    assert queue.end_time == marks["end"] and queue.attributes["mlxgw.queue.waiting"] == 3
+    assert worker.attributes["gen_ai.usage.cache_read.input_tokens"] == 4
+
+
+def test_times_returned_under_another_trace_make_no_spans():
+    other = lambda tracing: tracing.tracer.start_span("elsewhere")  # noqa: E731
+    assert set(_emitted(_good(), "stop", other)) == {"POST /v1/chat/completions"}
