@@ -46,6 +46,7 @@ from .models.throughput import THROUGHPUT, Throughput, throughput_lifecycle
 from .pipeline import observe
 from .pipeline.body import body_too_large
 from .pipeline.observe import ACTIVE, add_response_headers, capacity_middleware, cors_middleware, observe_middleware
+from .pipeline.tracing import TRACING, from_env, tracing_lifecycle
 from .web.edge import EDGE_STATS, EdgeStats, edge_middleware
 from .web.errors import error_response
 from .web.routes import lookup, route_of
@@ -141,6 +142,7 @@ def make_app(
     app[LEDGER] = Ledger(paths.home() / "usage.db" if m.usage_ledger else None, m.usage_retention_days)
     app[THROUGHPUT] = Throughput()
     app[MCP] = McpHub(registry.mcp)
+    app[TRACING] = from_env()  # None unless the OTEL_EXPORTER_OTLP_* variables ask for traces
     app[AUDIT] = AuditFile(audit_path(), settings.audit_retention_days, settings.audit_max_bytes)
     app.on_response_prepare.append(add_response_headers)
     app.on_response_prepare.append(on_prepare)  # an audited change's entry is written before its answer
@@ -155,6 +157,7 @@ def make_app(
         await broker.close()
 
     app.cleanup_ctx.append(audit_lifecycle)
+    app.cleanup_ctx.append(tracing_lifecycle)  # first in, last out: the last requests' spans are exported
     app.cleanup_ctx.append(ledger_lifecycle)  # before the workers' lifecycle: it closes after them
     app.cleanup_ctx.append(lifecycle)
     app.cleanup_ctx.append(throughput_lifecycle)

@@ -228,6 +228,10 @@ class Finish:
     # reason "length" because the answer's time bound ran out (not max_tokens): the text so
     # far is the answer, cut (gateway.request_timeout_s)
     time_limited: bool | None = None
+    # The worker's times of a traced request (its GenerateRequest had a traceparent):
+    # {parent, arrived, queued, admitted, first_token, end (wall-clock ns), steps}; the gateway
+    # makes the worker's spans of them (gateway/pipeline/worker_spans.py). None: not traced.
+    trace: dict | None = None
 
     def to_wire(self) -> dict:
         return _wire(EventKind.FINISH, self)
@@ -264,17 +268,21 @@ class Error:
     KIND: ClassVar[EventKind] = EventKind.ERROR
     error: ServiceError
     usage: Usage | None = None
+    trace: dict | None = None  # as Finish's: the worker's times of a traced request
 
     def to_wire(self) -> dict:
         wire = {"e": EventKind.ERROR, **self.error.to_wire()}
         if self.usage is not None:
             wire["usage"] = self.usage.to_wire()
+        if self.trace is not None:
+            wire["trace"] = self.trace
         return wire
 
     @classmethod
     def from_wire(cls, wire: dict) -> Error:
         usage = Usage.from_wire(wire["usage"]) if "usage" in wire else None
-        return cls(ServiceError.from_wire(wire), usage)
+        trace = wire.get("trace")
+        return cls(ServiceError.from_wire(wire), usage, trace if isinstance(trace, dict) else None)
 
 
 def error_event(error: ServiceError, usage: Usage | None = None) -> dict:

@@ -210,6 +210,11 @@ class GenerateRequest:
     # by a `cache_salt`): its prompt matches only blocks of the same namespace
     # (worker/model/cache/scopes.py). None: the base namespace (no keys). An opaque digest.
     cache_namespace: str | None = None
+    # W3C trace context (`traceparent`, 00-<trace id>-<span id>-<flags>) of the gateway span
+    # this request belongs to, when the gateway exports traces (gateway/pipeline/tracing.py);
+    # set, the worker notes its queue, prefill and decode times and returns them with the
+    # request's last event (shared/events.py TraceMarks' wire map). None: nothing is noted.
+    traceparent: str | None = None
 
     def to_wire(self) -> dict:
         return _plain(self)

@@ -131,6 +131,7 @@ class Generation:
         self.time_limited = False  # the answer was cut by its time bound (finish reason length)
         self._ended_by: ServiceError | None = None  # ended from outside (end_with)
         self._stopping: asyncio.Future | None = None
+        self.worker_trace: dict | None = None  # a traced request's worker times (pipeline/worker_spans.py)
 
     @property
     def model_name(self) -> str:
@@ -249,12 +250,16 @@ class Generation:
             # the first delta, or prefill progress: a stream cut before its finish still logs its cache hit
             self.usage.cached_tokens = event.cached
         elif kind is Finish:
+            if event.trace is not None:
+                self.worker_trace = event.trace
             self.outcome = event.reason.value
             self.time_limited = bool(event.time_limited)
             self.usage = event.usage or self.usage
             if self.first_token_at is None and event.text:
                 self.first_token_at = time.monotonic()
         elif kind is Error:
+            if event.trace is not None:
+                self.worker_trace = event.trace
             self.outcome = f"error:{event.error.code.value}"
             self.usage = event.usage or self.usage
         return kind

@@ -15,6 +15,7 @@ from ..access.ledger import record_request
 from ..web.edge import make_room
 from ..web.routes import route_of
 from ..web.state import METRICS, SETTINGS
+from .tracing import start_span
 
 access_log = logging.getLogger("mlxgw.access")  # by a stable name: operators route the access log by it
 routes = web.RouteTableDef()
@@ -30,6 +31,7 @@ def _route(request: web.Request) -> str:
 async def observe_middleware(request: web.Request, handler):
     """One access-log line and the request metrics for every request, errors included."""
     started = time.monotonic()
+    tracing, span = start_span(request)  # (None, None) unless OTLP traces are configured
     status = 500
     try:
         response = await handler(request)
@@ -51,6 +53,8 @@ async def observe_middleware(request: web.Request, handler):
         request.app[METRICS].observe(route, model, key, status, duration, gen)
         _log(request, route, (status, sent), key, model, duration, gen)
         record_request(request, status, duration)
+        if span is not None:
+            tracing.end(span, request, route, status, gen)
 
 
 def effective_status(sent: int, gen) -> int:

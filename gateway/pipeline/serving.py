@@ -30,6 +30,7 @@ from .body import read_object
 from .fields import ModelField, decode_fields
 from .fim_support import file_identity, superseding
 from .stream import Emitter, run_stream
+from .tracing import SPAN, trace_generation
 from .translate import ParsedRequest, build_request
 
 F = TypeVar("F", bound=msgspec.Struct)
@@ -151,6 +152,9 @@ def generation(request: web.Request, slot, req: p.WorkerRequest) -> Generation:
         request.app[MANAGER], slot, req, request.app[SETTINGS].keepalive_s, owner=key.name if key else None
     )
     request["generation"] = gen
+    span = request.get(SPAN)
+    if span is not None:  # traced: the worker returns its times (pipeline/tracing.py)
+        trace_generation(request, span, gen)
     superseded = request.get("superseded")
     if superseded is not None:  # superseded before its generation was made
         gen.end_with(superseded)

@@ -28,7 +28,7 @@ MAPPED = {
     "mlxgw": "mlxgw",
 }
 # Files that are not Python but must ship (read at run time through the package).
-DATA_SUFFIXES = {".yaml", ".template", ".sh", ".html", ".js", ".css", ".svg"}
+DATA_SUFFIXES = {".yaml", ".template", ".sh", ".json", ".html", ".js", ".css", ".svg"}
 
 
 def _tracked_files() -> list[str]:

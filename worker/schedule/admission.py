@@ -44,6 +44,7 @@ from .latency import target_of
 from .prefill_plan import PrefillBudget
 from .prefix_inflight import SharedPrefill
 from .sequence import Phase, Sequence
+from .trace_marks import TracedRows
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,7 @@ class Admission:
         self.waiting = fair
         self.choices = choices
         self.running: dict[int, Sequence] = {}  # the runner's rows, by uid
+        self.traced = TracedRows()  # those of them the gateway traces
         self.prefilled_tokens = 0  # prompt tokens computed (not served by the prefix cache)
         # One prefill per prefix in flight (worker/schedule/prefix_inflight.py), where the runner can
         # publish a running row's prompt KV at its first token (not a lockstep group's).
@@ -88,6 +90,8 @@ class Admission:
         """seq no longer runs (ended, or its row was taken from the runner)."""
         if seq.uid is not None and self.running.pop(seq.uid, None) is not None:
             self._bound_prefix_cache()
+        if seq.marks is not None:
+            self.traced.remove(seq)
         if self.shared_prefill is not None:
             self.shared_prefill.release(seq)
 
@@ -196,6 +200,8 @@ class Admission:
         )
         uid, cached = self.runner.insert(row)
         seq.uid = uid
+        if seq.marks is not None:  # traced: its steps are counted from now (worker/schedule/trace_marks.py)
+            self.traced.add(seq)
         if not seq.paused:
             seq.cached_tokens = cached  # usage reports the first admission's cache hit
         self.prefilled_tokens += len(prompt) - cached

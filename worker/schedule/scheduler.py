@@ -192,6 +192,7 @@ class Scheduler:
         out = self.runner.step()
         self.prefill.pace.observe(reading, time.monotonic() - started)
         self.prefill.count(self.admission.running.values())
+        self.admission.traced.step()  # the steps of traced rows (worker/schedule/trace_marks.py)
         events += self._end_faulted()
         return events + self._on_step_tokens(out)
 
@@ -260,6 +261,8 @@ class Scheduler:
 
     def _end(self, seq: Sequence, event: AnyEvent, remove: bool = True) -> Event:
         seq.phase = Phase.DONE
+        if seq.marks is not None:  # traced: its times go back with its last event
+            event.trace = seq.marks.wire(seq.first_token_at)
         self._seqs.pop(seq.req.rid, None)
         if seq.uid is not None:
             self.admission.release(seq)

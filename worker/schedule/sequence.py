@@ -23,6 +23,7 @@ from ...shared.events import Phase, Usage  # Phase re-exported: the worker's pha
 from ..model.runners.isolation import SequenceGuard
 from ..text.output_parser import OutputParser, Parsed
 from .budget import ThinkingBudget, check_budget
+from .trace_marks import TraceMarks, marks_for
 
 if TYPE_CHECKING:
     from ..model.interfaces import TextRunner
@@ -109,6 +110,7 @@ class Sequence:
     arrival: int = 0  # its place in the queue (kept when a preempted row re-queues)
     tokens: list[int] = field(default_factory=list)  # generated so far: a resumed row's prompt grows by them
     paused: int = 0  # times preempted
+    marks: TraceMarks | None = None  # its times, when the gateway traces it (worker/schedule/trace_marks.py)
 
     @classmethod
     def start(cls, intake: Intake, prepared: Prepared, text: TextStream) -> Sequence:
@@ -125,6 +127,7 @@ class Sequence:
             parser=prepared.parser,
             constraint=prepared.constraint,
             arrival=intake.arrival,
+            marks=marks_for(req, intake.arrived),
         )
 
     def resumable(self) -> bool:
