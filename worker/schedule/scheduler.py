@@ -6,12 +6,9 @@
 - a request that cannot fit the KV budget even alone is refused (or its max_tokens cut) when
   prepared; the rest are admitted within it by what they hold, and rows that outgrow it are
   paused to the prefix store (worker/model/memory/kv_budget.py, worker/schedule/kv_rows.py);
-- who runs next is worker/schedule/admission.py's: at most `max_num_seqs` rows, admitted at step
-  boundaries by priority, fair share between tenants and deadline (latency classes:
-  worker/schedule/latency.py), with preemption, and each step's prompt reading bounded by a
-  budget (worker/schedule/prefill_plan.py): decoding rows wait at most one decode step plus one
-  budget of prefill (a few decode steps' time); with no row decoding, a step may read
-  IDLE_BUDGET_FACTOR budgets, but admits new prompts one budget at a time;
+- admission.py admits at most `max_num_seqs` rows at step boundaries by priority, deadline
+  (latency.py's classes) and fair share, with preemption; prefill_plan.py bounds each step's
+  prompt reading to a few decode steps' time while rows decode (IDLE_BUDGET_FACTOR when none);
 - each step's tokens become Delta / Finish events (worker/schedule/sequence_output.py);
 - a request ends exactly once: finish (stop / length / cancelled) or error (timeout, ...);
   cancelled and timed-out sequences leave the runner, and so free their KV, at once;
