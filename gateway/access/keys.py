@@ -24,6 +24,8 @@ keys:
                                 # none below 0); a request asking for more is clamped to it
     cache_group: team-a         # keys of one group share prefix-cache hits (default: the
                                 # gateway's default_cache_group, else each key its own)
+    owner: alice@example.com    # a personal key: the signed-in person who made it (access/signin/)
+    owner_sub: 24400320         # ... and their subject at the identity provider, which revokes it
 """
 
 from __future__ import annotations
@@ -75,6 +77,8 @@ class ApiKey:
     weight: float = 1.0  # its share of a busy worker against other keys (worker/schedule/fair_share.py)
     min_priority: int = 0  # the most urgent priority it may ask; lower asks are clamped to it
     cache_group: str | None = None  # keys of one group share prefix-cache hits (access/cache_scope.py)
+    owner: str | None = None  # a personal key's (or a signed-in session's) person, by name
+    owner_sub: str | None = None  # ... and by their stable subject at the identity provider
 
     @property
     def tenant(self) -> str:
@@ -133,6 +137,8 @@ _FIELDS = {
     "weight",
     "min_priority",
     "cache_group",
+    "owner",
+    "owner_sub",
 }
 
 
@@ -207,6 +213,9 @@ def parse_keys(data, source: str) -> tuple[list[ApiKey], float]:
                 share["cache_group"] = check_cache_group(raw["cache_group"])
         except ValueError as e:
             raise KeysFileError(f"{where} ({name}): {e}") from None
+        owner = {f: raw[f] for f in ("owner", "owner_sub") if raw.get(f) is not None}
+        if not all(isinstance(v, str) for v in owner.values()):
+            raise KeysFileError(f"{where} ({name}): 'owner' and 'owner_sub' must be strings")
         keys.append(
             ApiKey(
                 name=name,
@@ -220,6 +229,7 @@ def parse_keys(data, source: str) -> tuple[list[ApiKey], float]:
                 mcp=tuple(mcp) if mcp is not None else None,
                 **limits,
                 **share,
+                **owner,
             )
         )
     return keys, float(window)
