@@ -23,6 +23,7 @@ from .keys import ApiKey, KeyStore
 from .ledger import LEDGER
 from .limits import RateLimiter
 from .signin import COOKIE, SIGNIN, ProviderError, SignIn, TokenRejected
+from .signin.people import is_person
 
 # A cookie rides along with any request a page on another site makes; this header cannot be
 # sent by a form or a plain link, and the console's own fetches send it.
@@ -113,6 +114,10 @@ async def auth_middleware(request: web.Request, handler):
     key = request["key"] = batch_key(store, owner) if from_batch else await identify(request, store)
     if route.access is Access.ADMIN and not key.admin:
         raise ServiceError(ErrorCode.PERMISSION, f"{request.method} {request.path} needs an admin key")
+    if route.access is Access.PERSON and not is_person(key):
+        raise ServiceError(
+            ErrorCode.PERMISSION, f"{request.path} is for a signed-in person (the console's sign-in or an access token)"
+        )
     if route.access is Access.MANAGE and not (key.admin or key.manage_models):
         raise ServiceError(
             ErrorCode.PERMISSION, f"{request.method} {request.path} needs an admin key or one with manage_models"

@@ -128,11 +128,10 @@ async def me(request: web.Request) -> web.Response:
 
 
 def _person(request: web.Request):
+    """The signed-in person (auth checked it, Access.PERSON); a keyless gateway has none."""
     key = request.get("key")
     if key is None or not is_person(key):
-        raise ServiceError(
-            ErrorCode.PERMISSION, "personal keys are made by a signed-in person (the console or an access token)"
-        )
+        raise ServiceError(ErrorCode.PERMISSION, "personal keys are for a signed-in person; this gateway has no keys")
     return key
 
 
