@@ -23,6 +23,9 @@ ALGORITHMS = ["RS256", "RS384", "RS512", "PS256", "PS384", "PS512", "ES256", "ES
 JWKS_REFRESH_S = 60.0
 HTTP_TIMEOUT_S = 10.0
 LEEWAY_S = 30  # clock skew between the provider and the gateway
+# After a failed discovery, calls fail at once for this long: a flood of JWT-shaped tokens
+# while the provider is down must not become a flood of requests to it.
+RETRY_AFTER_S = 10.0
 
 
 class ProviderError(Exception):
@@ -45,8 +48,9 @@ class Provider:
         self.issuer = issuer.rstrip("/")
         self.client_id, self._secret = client_id, client_secret
         self._meta: dict | None = None
+        self._failed_at = -RETRY_AFTER_S
         self._keys: dict[str, jwt.PyJWK] = {}
-        self._keys_at = 0.0
+        self._keys_at = -JWKS_REFRESH_S
         self._lock = asyncio.Lock()
         self._http: aiohttp.ClientSession | None = None
 
@@ -74,19 +78,31 @@ class Provider:
     async def metadata(self) -> dict:
         """The discovery document (fetched once; a failure is retried on the next call)."""
         if self._meta is None:
-            meta = await self._get_json(f"{self.issuer}/.well-known/openid-configuration")
-            if str(meta.get("issuer", "")).rstrip("/") != self.issuer:
-                raise ProviderError(f"the discovery document names issuer {meta.get('issuer')!r}, not {self.issuer!r}")
-            for field in ("authorization_endpoint", "token_endpoint", "jwks_uri"):
-                if not isinstance(meta.get(field), str):
-                    raise ProviderError(f"the discovery document has no {field}")
+            if time.monotonic() - self._failed_at < RETRY_AFTER_S:
+                raise ProviderError("its discovery failed moments ago; retrying shortly")
+            try:
+                meta = await self._discover()
+            except ProviderError:
+                self._failed_at = time.monotonic()
+                raise
             self._meta = meta
         return self._meta
 
+    async def _discover(self) -> dict:
+        meta = await self._get_json(f"{self.issuer}/.well-known/openid-configuration")
+        if str(meta.get("issuer", "")).rstrip("/") != self.issuer:
+            raise ProviderError(f"the discovery document names issuer {meta.get('issuer')!r}, not {self.issuer!r}")
+        for field in ("authorization_endpoint", "token_endpoint", "jwks_uri"):
+            if not isinstance(meta.get(field), str):
+                raise ProviderError(f"the discovery document has no {field}")
+        return meta
+
     async def _key(self, kid: str | None) -> jwt.PyJWK:
         async with self._lock:
-            stale = time.monotonic() - self._keys_at >= JWKS_REFRESH_S
-            if (kid not in self._keys or not self._keys) and (stale or not self._keys):
+            # A key id not seen yet (the provider rotated its keys) fetches the set again, at most
+            # once a minute whether or not that works: made-up key ids cannot make us hammer it.
+            if kid not in self._keys and time.monotonic() - self._keys_at >= JWKS_REFRESH_S:
+                self._keys_at = time.monotonic()
                 jwks = await self._get_json((await self.metadata())["jwks_uri"])
                 keys = {}
                 for raw in jwks.get("keys") or []:
@@ -95,7 +111,7 @@ class Provider:
                             keys[raw.get("kid")] = jwt.PyJWK(raw)
                         except (jwt.PyJWKError, jwt.InvalidKeyError):
                             continue  # a key type this PyJWT cannot use: not one we verify with
-                self._keys, self._keys_at = keys, time.monotonic()
+                self._keys = keys
         if kid in self._keys:
             return self._keys[kid]
         if kid is None and len(self._keys) == 1:
