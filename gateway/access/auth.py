@@ -68,6 +68,9 @@ async def identify(request: web.Request, store: KeyStore) -> ApiKey:
         key = signin.session_key(request.cookies.get(COOKIE))
         if key is None:
             raise ServiceError(ErrorCode.AUTHENTICATION, "the console session ended (signed out, revoked or expired)")
+        origin = request.headers.get("Origin")
+        if origin is not None and origin != signin.origin(request):  # another site's page, even a same-site one
+            raise ServiceError(ErrorCode.PERMISSION, "a console session is used from the console's own pages only")
         if request.method not in ("GET", "HEAD") and request.headers.get(CONSOLE_HEADER) != "1":
             raise ServiceError(ErrorCode.PERMISSION, f"a change made with a console session needs {CONSOLE_HEADER}: 1")
         return key

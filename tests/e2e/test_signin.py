@@ -77,8 +77,9 @@ def admin(setup, method, path, body=None):
     return http(f"{setup['gw'].url}{path}", method, body, {"Authorization": f"Bearer {ADMIN}"})
 
 
-def as_cookie(setup, cookie, method="GET", path="/v1/me", body=None, console=True):
+def as_cookie(setup, cookie, method="GET", path="/v1/me", body=None, console=True, origin=None):
     headers = {"Cookie": f"mlxgw_session={cookie}", **({"X-Mlxgw-Console": "1"} if console else {})}
+    headers |= {"Origin": origin} if origin else {}
     return http(f"{setup['gw'].url}{path}", method, body, headers)
 
 
@@ -137,6 +138,8 @@ def test_console_sign_in_maps_groups_makes_a_personal_key_and_ends_sessions(setu
     )
     assert as_cookie(setup, bob_cookie, "GET", "/v1/keys")[0] == 403  # not an admin
     assert as_cookie(setup, bob_cookie, "POST", "/v1/me/keys", {"label": "x"}, console=False)[0] == 403  # no header
+    assert as_cookie(setup, bob_cookie, origin="http://127.0.0.1:1")[0] == 403  # another port's page: same site
+    assert as_cookie(setup, bob_cookie, origin=gw.url)[0] == 200
 
     driver.find_element(By.ID, "mine-label").send_keys("laptop")
     driver.find_element(By.ID, "mine-create").click()

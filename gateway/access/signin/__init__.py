@@ -15,6 +15,7 @@ import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from aiohttp import web
 
@@ -53,9 +54,16 @@ class SignIn:
         self.sessions = Sessions(cookie_secret, config.oidc_session_hours * 3600, home / "sessions.json")
         self._pending: dict[str, _Pending] = {}
 
+    def base_url(self, request: web.Request) -> str:
+        """The gateway as browsers reach it (public_url, else the request's own host)."""
+        return (self.config.public_url or f"{request.scheme}://{request.host}").rstrip("/")
+
+    def origin(self, request: web.Request) -> str:
+        parts = urlsplit(self.base_url(request))
+        return f"{parts.scheme}://{parts.netloc}"
+
     def redirect_uri(self, request: web.Request) -> str:
-        base = self.config.public_url or f"{request.scheme}://{request.host}"
-        return base.rstrip("/") + "/auth/callback"
+        return self.base_url(request) + "/auth/callback"
 
     async def begin(self, request: web.Request) -> tuple[str, str]:
         """(the provider's authorization URL, the state to bind to the browser)."""

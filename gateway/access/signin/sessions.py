@@ -62,6 +62,8 @@ class Sessions:
         sid = secrets.token_urlsafe(32)
         session = Session(_session_id(sid), person, now, now + self.ttl_s)
         with self._lock:
+            for old in [s.id for s in self._by_id.values() if s.expires <= now]:
+                del self._by_id[old]
             self._by_id[session.id] = session
             while len(self._by_id) > MAX_SESSIONS:
                 self._by_id.pop(next(iter(self._by_id)))  # dicts keep insertion order: the oldest
