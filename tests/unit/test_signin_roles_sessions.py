@@ -28,9 +28,9 @@ def test_groups_give_roles_and_the_first_configured_cache_group():
     claims = {"sub": "u1", "email": "bob@example.com", "groups": ["other", "team-b", "team-a", "ml-managers"]}
     bob = person_from_claims(claims, CONFIG)
     assert (bob.handle, bob.admin, bob.manage_models, bob.cache_group) == ("bob@example.com", False, True, "team-a")
-    key = bob.as_key("https://idp", "session")
+    key = bob.as_key("https://idp")
     assert is_person(key) and key.name == "sso:bob@example.com" and key.owner_sub == "u1"
-    assert key.tenant == person_from_claims({**claims, "groups": []}, CONFIG).as_key("https://idp", "token").tenant
+    assert key.tenant == person_from_claims({**claims, "groups": []}, CONFIG).as_key("https://idp").tenant
     nobody = person_from_claims({"sub": "u2", "groups": "ml-admins"}, CONFIG)  # a space-separated string
     assert (nobody.handle, nobody.admin, nobody.cache_group) == ("u2", True, None)
     with pytest.raises(ValueError):

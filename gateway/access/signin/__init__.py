@@ -99,13 +99,13 @@ class SignIn:
 
     def session_key(self, cookie: str | None) -> ApiKey | None:
         session = self.sessions.lookup(cookie)
-        return session.person.as_key(self.provider.issuer, "session") if session is not None else None
+        return session.person.as_key(self.provider.issuer) if session is not None else None
 
     async def token_key(self, token: str) -> ApiKey:
         """The identity an access token carries, if the provider signed it for this gateway."""
         claims = await self.provider.verify(token, self.audience)
         try:
-            return person_from_claims(claims, self.config).as_key(self.provider.issuer, "token")
+            return person_from_claims(claims, self.config).as_key(self.provider.issuer)
         except ValueError as e:
             raise TokenRejected(str(e)) from None
 

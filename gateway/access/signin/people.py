@@ -24,9 +24,9 @@ class Person:
     manage_models: bool
     cache_group: str | None
 
-    def as_key(self, issuer: str, via: str) -> ApiKey:
-        """The identity of a session (via "session") or an access token (via "token"): its own
-        limits window and tenant, stable across sign-ins, never a stored key's."""
+    def as_key(self, issuer: str) -> ApiKey:
+        """The identity of a session or an access token: its own limits window and tenant,
+        the same for both and across sign-ins, never a stored key's."""
         digest = hashlib.sha256(f"mlxgw-person\0{issuer}\0{self.subject}".encode()).hexdigest()
         return ApiKey(
             name=f"sso:{self.handle}",

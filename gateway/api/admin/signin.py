@@ -33,7 +33,12 @@ def _signin(request: web.Request) -> SignIn:
 
 
 def _page(status: int, text: str) -> web.Response:
-    return web.Response(status=status, text=text + "\n\nBack to the console: /ui/\n", content_type="text/plain")
+    return web.Response(
+        status=status,
+        text=text + "\n\nBack to the console: /ui/\n",
+        content_type="text/plain",
+        headers={"X-Content-Type-Options": "nosniff", "Cache-Control": "no-store"},
+    )
 
 
 def _secure(request: web.Request, signin: SignIn) -> bool:
