@@ -216,6 +216,7 @@ def test_access_tokens_from_the_provider_are_keys_and_forged_or_expired_ones_are
         "another audience": signed(provider.key, provider.kid, iss=provider.issuer, aud="https://elsewhere"),
         "another issuer": signed(provider.key, provider.kid, iss="https://evil.example"),
         "HS256 with the public key": jwt.encode({"sub": "x", "iss": provider.issuer, "aud": AUDIENCE}, "k" * 32),
+        "not a JWT": "a.b.c",
     }
     for why, token in refusals.items():
         status, _, out = me(token)
@@ -223,3 +224,6 @@ def test_access_tokens_from_the_provider_are_keys_and_forged_or_expired_ones_are
         assert "access token refused" in out["error"]["message"], (why, out)
     assert "expired" in me(refusals["expired"])[2]["error"]["message"]
     assert good not in gw.log()  # tokens are never logged
+    # a made-up redirect back or cookie is refused in words, never a 500
+    assert http(f"{gw.url}/auth/callback?state=x&code=y")[0] == 400
+    assert as_cookie(setup, "made.up")[0] == 401
