@@ -21,7 +21,8 @@ from .access.cache_scope import load_secret
 from .access.keys import KeyStore
 from .access.ledger import LEDGER, Ledger, ledger_lifecycle, usage_middleware
 from .access.limits import RateLimiter
-from .api.admin import adapters, audit, system
+from .access.signin import SIGNIN, SignIn, signin_lifecycle
+from .api.admin import adapters, audit, signin, system
 from .api.admin import keys as admin
 from .api.anthropic import messages as anthropic
 from .api.llamacpp import infill, rerank, tokenize
@@ -143,6 +144,7 @@ def make_app(
     app[THROUGHPUT] = Throughput()
     app[MCP] = McpHub(registry.mcp)
     app[TRACING] = from_env()  # None unless the OTEL_EXPORTER_OTLP_* variables ask for traces
+    app[SIGNIN] = SignIn(settings, paths.home()) if settings.oidc_issuer else None
     app[AUDIT] = AuditFile(audit_path(), settings.audit_retention_days, settings.audit_max_bytes)
     app.on_response_prepare.append(add_response_headers)
     app.on_response_prepare.append(on_prepare)  # an audited change's entry is written before its answer
@@ -161,6 +163,7 @@ def make_app(
     app.cleanup_ctx.append(ledger_lifecycle)  # before the workers' lifecycle: it closes after them
     app.cleanup_ctx.append(lifecycle)
     app.cleanup_ctx.append(throughput_lifecycle)
+    app.cleanup_ctx.append(signin_lifecycle)
     app.cleanup_ctx.append(mcp_lifecycle)  # connects in the background: never delays start-up
     install_batches(app)  # the batch runner: after the workers' lifecycle, so it stops first
     app[responses_output.STORE] = OrderedDict()
@@ -192,6 +195,7 @@ def route_tables() -> list:
         tokenize,
         admin,
         audit,
+        signin,
         adapters,
         mcp_routes,
         files,

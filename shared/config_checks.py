@@ -32,7 +32,9 @@ def at_least(where: str, obj: Any, minimum: float, names: tuple[str, ...], stric
 def check_gateway(g: GatewayConfig, where: str) -> None:
     at_least(where, g, 1, ("port", "max_body_bytes", "max_connections", "max_tokens_cap", "max_tokens_default"))
     at_least(where, g, 1, ("max_images", "audit_max_bytes"))
-    at_least(where, g, 0, ("audit_retention_days",), strict=True)
+    at_least(where, g, 0, ("audit_retention_days", "oidc_session_hours"), strict=True)
+    if g.oidc_issuer and not g.oidc_client_id:
+        raise ConfigError(f"{where}: field 'oidc_issuer' needs 'oidc_client_id' (the gateway's client at the provider)")
     at_least(where, g, 0, ("request_timeout_s", "prefill_timeout_s", "max_image_mb"), strict=True)
     at_least(where, g, 0, ("header_timeout_s", "body_timeout_s", "idle_timeout_s"), strict=True)
     targets = ("ttft_target_editor_s", "ttft_target_chat_s", "ttft_target_agent_s", "ttft_target_background_s")

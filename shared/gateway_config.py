@@ -82,3 +82,25 @@ class GatewayConfig:
     # and an anchor keeps what is left verifiable.
     audit_retention_days: float | None = setting(365.0, "days the audit trail keeps an entry (null: forever)")
     audit_max_bytes: int | None = setting(64 * 1024 * 1024, "the audit trail's largest size in bytes (null: no bound)")
+    # Sign-in with the team's OpenID Connect provider (gateway/access/signin/): the console's
+    # authorization code flow with PKCE, the provider's groups as roles and cache groups, and
+    # optionally its access tokens (JWTs) as API keys. Unset issuer: keys only, as before.
+    oidc_issuer: str | None = setting(None, "the OpenID provider's issuer URL (unset: none)", flag="--oidc-issuer")
+    oidc_client_id: str | None = setting(None, "the gateway's client id at the provider", flag="--oidc-client-id")
+    # No flag: a flag shows in `ps`; MLXGW_OIDC_CLIENT_SECRET in the environment overrides it.
+    oidc_client_secret: str | None = setting(None, "the client secret (or MLXGW_OIDC_CLIENT_SECRET)")
+    public_url: str | None = setting(
+        None,
+        "the gateway's address as browsers reach it (the sign-in's redirect; unset: the request's host)",
+        flag="--public-url",
+    )
+    oidc_scopes: list[str] = setting(["openid", "profile", "email", "groups"], "scopes the sign-in asks for")
+    oidc_groups_claim: str = setting("groups", "the claim that lists a person's groups")
+    oidc_admin_groups: list[str] = setting([], "provider groups whose members are admins")
+    oidc_manage_models_groups: list[str] = setting([], "provider groups whose members may manage models")
+    oidc_cache_groups: list[str] = setting(
+        [], "provider groups that are cache groups: a person's first one is their keys' cache_group"
+    )
+    oidc_session_hours: float = setting(8.0, "how long a console sign-in lasts")
+    oidc_accept_access_tokens: bool = setting(False, "accept the provider's JWT access tokens as API keys")
+    oidc_audience: str | None = setting(None, "the audience an accepted access token must name (unset: the client id)")

@@ -1,12 +1,15 @@
 """Authentication and per-key limits, as an aiohttp middleware, plus the model check.
 
 Keys are accepted as `Authorization: Bearer KEY` (OpenAI) and `x-api-key: KEY`
-(Anthropic). Keys are never logged: only their names travel further. Who may call a route,
+(Anthropic); with sign-in configured (access/signin/), also the console's session cookie
+and, if the operator accepts them, the identity provider's access tokens in their place.
+Keys are never logged: only their names travel further. Who may call a route,
 and whether it counts against its key's limits, is the route's entry in gateway/web/routes.py."""
 
 from __future__ import annotations
 
 import hmac
+import logging
 
 from aiohttp import web
 
@@ -19,6 +22,13 @@ from .batch_caller import LINE_HEADER, batch_owner
 from .keys import ApiKey, KeyStore
 from .ledger import LEDGER
 from .limits import RateLimiter
+from .signin import COOKIE, SIGNIN, ProviderError, SignIn, TokenRejected
+from .signin.people import is_person
+
+# A cookie rides along with any request a page on another site makes; this header cannot be
+# sent by a form or a plain link, and the console's own fetches send it.
+CONSOLE_HEADER = "X-Mlxgw-Console"
+log = logging.getLogger(__name__)
 
 
 def presented_key(request: web.Request) -> str | None:
@@ -48,6 +58,35 @@ def authenticate(request: web.Request, store: KeyStore) -> ApiKey:
     return key
 
 
+async def identify(request: web.Request, store: KeyStore) -> ApiKey:
+    """The caller: a key, else a signed-in console session, else an accepted access token."""
+    signin: SignIn | None = request.app.get(SIGNIN)
+    given = presented_key(request)
+    if signin is None:
+        return authenticate(request, store)
+    if given is None and COOKIE in request.cookies:
+        key = signin.session_key(request.cookies.get(COOKIE))
+        if key is None:
+            raise ServiceError(ErrorCode.AUTHENTICATION, "the console session ended (signed out, revoked or expired)")
+        origin = request.headers.get("Origin")
+        if origin is not None and origin != signin.origin(request):  # another site's page, even a same-site one
+            raise ServiceError(ErrorCode.PERMISSION, "a console session is used from the console's own pages only")
+        if request.method not in ("GET", "HEAD") and request.headers.get(CONSOLE_HEADER) != "1":
+            raise ServiceError(ErrorCode.PERMISSION, f"a change made with a console session needs {CONSOLE_HEADER}: 1")
+        return key
+    if given and given.count(".") == 2 and signin.config.oidc_accept_access_tokens and store.lookup(given) is None:
+        try:
+            return await signin.token_key(given)
+        except TokenRejected as e:
+            raise ServiceError(ErrorCode.AUTHENTICATION, f"access token refused: {e}") from None
+        except ProviderError as e:
+            log.warning("access token not verified: the identity provider: %s", e)
+            raise ServiceError(
+                ErrorCode.AUTHENTICATION, "access token not verified: the identity provider is unreachable"
+            ) from None
+    return authenticate(request, store)
+
+
 async def _admin_route(request: web.Request, handler, store: KeyStore | None):
     if _metrics_token_ok(request):
         return await handler(request)
@@ -55,7 +94,7 @@ async def _admin_route(request: web.Request, handler, store: KeyStore | None):
         if request.path == "/metrics" and request.app[SETTINGS].metrics_token:
             raise ServiceError(ErrorCode.AUTHENTICATION, "/metrics needs 'Authorization: Bearer METRICS_TOKEN'")
         return await handler(request)
-    key = request["key"] = authenticate(request, store)
+    key = request["key"] = await identify(request, store)
     if not key.admin:
         raise ServiceError(ErrorCode.PERMISSION, f"{request.path} needs an admin key or the metrics token")
     return await handler(request)
@@ -75,9 +114,13 @@ async def auth_middleware(request: web.Request, handler):
         request["batch_line"] = request.headers.get(LINE_HEADER) == "1"  # body.read_json takes its body
     if store is None:
         return await handler(request)
-    key = request["key"] = batch_key(store, owner) if from_batch else authenticate(request, store)
+    key = request["key"] = batch_key(store, owner) if from_batch else await identify(request, store)
     if route.access is Access.ADMIN and not key.admin:
         raise ServiceError(ErrorCode.PERMISSION, f"{request.method} {request.path} needs an admin key")
+    if route.access is Access.PERSON and not is_person(key):
+        raise ServiceError(
+            ErrorCode.PERMISSION, f"{request.path} is for a signed-in person (the console's sign-in or an access token)"
+        )
     if route.access is Access.MANAGE and not (key.admin or key.manage_models):
         raise ServiceError(
             ErrorCode.PERMISSION, f"{request.method} {request.path} needs an admin key or one with manage_models"

@@ -90,15 +90,18 @@ def _apply(entry: dict, changes: dict) -> None:
 def public_entry(entry: dict) -> dict:
     """What may be shown about a key: everything but its hash."""
     out = {"name": entry["name"], **{grant: bool(entry.get(grant, False)) for grant in GRANT_FIELDS}}
-    for field in (*LIMIT_FIELDS, "models", "expires", "created", "cache_group", "latency_class"):
+    for field in (*LIMIT_FIELDS, "models", "expires", "created", "cache_group", "latency_class", "owner"):
         out[field] = entry.get(field)
     for field, default in (("weight", 1.0), ("min_priority", 0)):
         out[field] = entry.get(field, default)
     return out
 
 
-def create_key(path: Path, name: str, changes: dict) -> tuple[str, dict]:
-    """A new key (returned once) stored as its hash, with the given limits."""
+def create_key(
+    path: Path, name: str, changes: dict, owner: dict | None = None, max_owned: int | None = None
+) -> tuple[str, dict]:
+    """A new key (returned once) stored as its hash, with the given limits; `owner` (owner,
+    owner_sub) makes it a signed-in person's personal key, of which they hold at most max_owned."""
     if not isinstance(name, str) or not _NAME_RE.match(name):
         raise KeyEditError("invalid", "'name' must be 1-64 letters, digits or ._@- and start with a letter or digit")
     key = new_key()
@@ -108,10 +111,13 @@ def create_key(path: Path, name: str, changes: dict) -> tuple[str, dict]:
         "created": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
     _apply(entry, changes)
+    entry.update(owner or {})
     try:
         with locked_file(path) as data:
             if any(k.get("name") == name for k in data.get("keys") or []):
                 raise KeyEditError("exists", f"a key named {name!r} exists; revoke it first")
+            if owner and max_owned is not None and len(_owned(data, owner["owner_sub"])) >= max_owned:
+                raise KeyEditError("invalid", f"you hold {max_owned} personal keys already; revoke one first")
             data.setdefault("keys", []).append(entry)
     except KeysFileError as e:
         raise KeyEditError("invalid", str(e)) from None
@@ -131,15 +137,26 @@ def update_key(path: Path, name: str, changes: dict) -> dict:
     return public_entry(entry)
 
 
-def revoke_key(path: Path, name: str) -> None:
+def revoke_key(path: Path, name: str, owner_sub: str | None = None) -> None:
+    """Remove a key; with owner_sub, only a personal key of that person (another's is not found)."""
     with locked_file(path) as data:
         before = len(data.get("keys") or [])
-        data["keys"] = [k for k in data.get("keys") or [] if k.get("name") != name]
+        data["keys"] = [
+            k
+            for k in data.get("keys") or []
+            if k.get("name") != name or (owner_sub is not None and k.get("owner_sub") != owner_sub)
+        ]
         if len(data["keys"]) == before:
-            raise KeyEditError("not_found", f"no key named {name!r}")
+            raise KeyEditError("not_found", f"no key named {name!r}" + (" of yours" if owner_sub else ""))
 
 
-def list_entries(path: Path) -> list[dict]:
+def _owned(data: dict, owner_sub: str) -> list[dict]:
+    return [k for k in data.get("keys") or [] if k.get("owner_sub") == owner_sub]
+
+
+def list_entries(path: Path, owner_sub: str | None = None) -> list[dict]:
+    """Every key, or with owner_sub one person's personal keys."""
     from .keys import load_file
 
-    return [public_entry(k) for k in load_file(path).get("keys") or []]
+    data = load_file(path)
+    return [public_entry(k) for k in (data.get("keys") or [] if owner_sub is None else _owned(data, owner_sub))]

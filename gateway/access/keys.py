@@ -27,6 +27,8 @@ keys:
     latency_class: agent        # the most urgent latency class its requests run in (editor,
                                 # chat, agent, background; default: any): an agent harness's
                                 # key runs as agent, a batch key as background
+    owner: alice@example.com    # a personal key: the signed-in person who made it (access/signin/)
+    owner_sub: 24400320         # ... and their subject at the identity provider, which revokes it
 """
 
 from __future__ import annotations
@@ -80,6 +82,8 @@ class ApiKey:
     min_priority: int = 0  # the most urgent priority it may ask; lower asks are clamped to it
     cache_group: str | None = None  # keys of one group share prefix-cache hits (access/cache_scope.py)
     latency_class: str | None = None  # its most urgent latency class (pipeline/latency_class.py)
+    owner: str | None = None  # a personal key's (or a signed-in session's) person, by name
+    owner_sub: str | None = None  # ... and by their stable subject at the identity provider
 
     @property
     def tenant(self) -> str:
@@ -139,6 +143,8 @@ _FIELDS = {
     "min_priority",
     "cache_group",
     "latency_class",
+    "owner",
+    "owner_sub",
 }
 
 
@@ -224,6 +230,9 @@ def parse_keys(data, source: str) -> tuple[list[ApiKey], float]:
                 share["latency_class"] = check_latency_class(raw["latency_class"])
         except ValueError as e:
             raise KeysFileError(f"{where} ({name}): {e}") from None
+        owner = {f: raw[f] for f in ("owner", "owner_sub") if raw.get(f) is not None}
+        if not all(isinstance(v, str) for v in owner.values()):
+            raise KeysFileError(f"{where} ({name}): 'owner' and 'owner_sub' must be strings")
         keys.append(
             ApiKey(
                 name=name,
@@ -237,6 +246,7 @@ def parse_keys(data, source: str) -> tuple[list[ApiKey], float]:
                 mcp=tuple(mcp) if mcp is not None else None,
                 **limits,
                 **share,
+                **owner,
             )
         )
     return keys, float(window)

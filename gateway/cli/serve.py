@@ -79,6 +79,9 @@ def up(
     if echo_model:
         registry = with_echo_model(registry)
     gw = with_flags(registry.gateway, flags)
+    if gw.oidc_issuer and keys_path is None:  # people and their keys live beside the keys
+        click.echo("error: sign-in (oidc_issuer) needs API keys: start with --keys FILE", err=True)
+        sys.exit(2)
     if gw.host not in ("127.0.0.1", "localhost", "::1") and keys_path is None:
         click.echo(f"warning: listening on {gw.host} without API keys: anyone who can reach it can use it", err=True)
     settings = GatewaySettings.from_config(gw, keys_path=keys_path, metrics_token=metrics_token)

@@ -2,7 +2,8 @@
 
 The page itself is public (a browser cannot send a bearer key for a page load); everything
 it shows comes from the API with the admin key the operator types in, kept in the tab's
-sessionStorage. A Content-Security-Policy keeps the page to its own origin."""
+sessionStorage, or with the session cookie of a sign-in with the team's identity provider
+(signin.js; gateway/access/signin/). A Content-Security-Policy keeps the page to its own origin."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ FILES = {
     "batches.js": "text/javascript",
     "audit.js": "text/javascript",
     "playground.js": "text/javascript",
+    "signin.js": "text/javascript",
     "console.css": "text/css",
     "favicon.svg": "image/svg+xml",
 }

@@ -64,7 +64,8 @@ async function api(path, { method = "GET", body, signal, timeoutMs = 15000 } = {
   const ctrl = new AbortController();
   const timer = setTimeout(() => ctrl.abort(), timeoutMs);
   if (signal) signal.addEventListener("abort", () => ctrl.abort());
-  const headers = state.key ? { Authorization: `Bearer ${state.key}` } : {};
+  // The header marks the console's own requests: a signed-in session's cookie opens no change without it.
+  const headers = state.key ? { Authorization: `Bearer ${state.key}` } : { "X-Mlxgw-Console": "1" };
   if (body !== undefined) headers["Content-Type"] = "application/json";
   try {
     const resp = await fetch(path, {
@@ -73,7 +74,7 @@ async function api(path, { method = "GET", body, signal, timeoutMs = 15000 } = {
     const data = await resp.json().catch(() => ({}));
     if (!resp.ok) {
       const msg = (data.error && (data.error.message || data.error)) || `HTTP ${resp.status}`;
-      if (resp.status === 401 && state.key) signOut("That key is not valid (any more).");
+      if (resp.status === 401 && (state.key || state.person)) signOut("That key or sign-in is not valid (any more).");
       throw new ApiError(resp.status, String(msg));
     }
     return data;
@@ -114,6 +115,7 @@ async function signIn(key) {
 }
 
 function signOut(message) {
+  if (state.person) endSession(); // signin.js: the server forgets the session too
   sessionStorage.removeItem(KEY_STORAGE);
   state.key = null;
   state.timers.forEach(clearInterval);
@@ -417,8 +419,8 @@ document.addEventListener("DOMContentLoaded", () => {
   if (state.key) {
     signIn(state.key).then(startApp, (e) => signOut(e.message));
   } else {
-    // Keys off (the quick start): the admin API answers without a key on loopback, and the
-    // console opens at once; keys on: the sign-in, which says how to get an admin key.
-    signIn("").then(() => { state.open = true; startApp(); }, () => signOut());
+    // Keys off (the quick start): the console opens at once; a signed-in session (its cookie):
+    // the console for its roles; else the sign-in, which says how to get an admin key (signin.js).
+    startWithoutKey();
   }
 });

@@ -40,7 +40,9 @@ async function sendChat(ev) {
     const resp = await fetch("/v1/chat/completions", {
       method: "POST",
       signal: state.abort.signal,
-      headers: { Authorization: `Bearer ${state.key}`, "Content-Type": "application/json" },
+      headers: state.key
+        ? { Authorization: `Bearer ${state.key}`, "Content-Type": "application/json" }
+        : { "X-Mlxgw-Console": "1", "Content-Type": "application/json" }, // a signed-in session's cookie
       body: JSON.stringify({
         model, messages: state.chat, stream: true, max_tokens: Number($("play-max").value) || 256,
         stream_options: { include_usage: true },

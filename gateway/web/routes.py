@@ -40,6 +40,7 @@ class Access(str, Enum):
     ADMIN = "admin"  # an admin key
     MANAGE = "manage"  # an admin key or one granted `manage_models` (the registry's model management)
     OBSERVER = "observer"  # an admin key or the metrics token: these show every user's traffic
+    PERSON = "person"  # a signed-in person (a console session, an access token): their own keys
 
 
 @dataclass(frozen=True)
@@ -136,6 +137,18 @@ ROUTES: tuple[Route, ...] = (
     Route(("GET",), "/v1/mcp/servers"),
     Route(("GET",), "/v1/mcp/tools"),
     Route(("POST",), "/v1/mcp/execute", access=Access.ADMIN, usage="/v1/mcp/execute"),  # runs a tool, no model
+    # sign-in with the team's identity provider (gateway/api/admin/signin.py): the redirects are
+    # public; a person's own keys need a signed-in person, the sessions an admin
+    Route(("GET",), "/auth/info", access=Access.PUBLIC, **_CONTROL),
+    Route(("GET",), "/auth/login", access=Access.PUBLIC, **_CONTROL),
+    Route(("GET",), "/auth/callback", access=Access.PUBLIC, **_CONTROL),
+    Route(("POST",), "/auth/logout", access=Access.PUBLIC, **_CONTROL),
+    Route(("GET",), "/v1/me", **_CONTROL),
+    Route(("GET",), "/v1/me/keys", access=Access.PERSON, metered=False),
+    Route(("POST",), "/v1/me/keys", access=Access.PERSON, metered=False, audit="keys.create"),
+    Route(("DELETE",), "/v1/me/keys/{name}", access=Access.PERSON, metered=False, audit="keys.revoke"),
+    Route(("GET",), "/v1/sessions", access=Access.ADMIN, metered=False),
+    Route(("DELETE",), "/v1/sessions/{session_id}", access=Access.ADMIN, metered=False, audit="sessions.revoke"),
     # the console: the page is public, what it shows comes from admin routes
     Route(("GET",), "/ui", access=Access.PUBLIC),
     Route(("GET",), "/ui/{name}", access=Access.PUBLIC),

@@ -109,6 +109,9 @@ def test_the_middlewares_enforce_each_entry(keyed_gateway, method, route):
     if route.access in (Access.ADMIN, Access.OBSERVER, Access.MANAGE):
         assert status == 403, (status, out)
         assert "admin" in _error_message(route.family, out)
+    elif route.access is Access.PERSON:  # a key is not a signed-in person, not even an admin's
+        assert status == 403, (status, out)
+        assert "signed-in person" in _error_message(route.family, out)
     else:
         assert status not in (401, 403), (status, out)
 

@@ -115,7 +115,9 @@ def test_the_gateway_section_sets_the_http_settings_and_flags_override_it():
 def test_every_flagged_gateway_field_is_an_up_flag_with_help_that_names_its_key():
     options = {p.name: p for p in up.params}
     flagged = [f for f in dataclasses.fields(GatewayConfig) if f.metadata["flag"]]
-    assert len(flagged) == 16  # the 15 flags `mlxgw up` had before they were generated, and --default-cache-group
+    # the 15 flags `mlxgw up` had before they were generated, --default-cache-group, and sign-in's
+    # --oidc-issuer, --oidc-client-id, --public-url
+    assert len(flagged) == 19
     for f in flagged:
         option = options[f.name]
         assert f.metadata["flag"] in option.opts and f"[gateway.{f.name}" in option.help

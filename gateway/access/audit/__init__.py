@@ -71,11 +71,13 @@ def cli_actor(via: str | None = None) -> dict:
 
 
 def actor_of(request: web.Request) -> dict:
-    """The acting key by name and stable id (ApiKey.tenant: a re-created name is another id);
-    with keys off, the address the change came from."""
+    """The acting key by name and stable id (ApiKey.tenant: a re-created name is another id),
+    and the signed-in person a session, an access token or a personal key stands for; with
+    keys off, the address the change came from."""
     key = request.get("key")
     if key is not None:
-        return {"kind": "key", "name": key.name, "id": key.tenant}
+        person = {"person": key.owner, "subject": key.owner_sub} if key.owner_sub else {}  # access/signin/
+        return {"kind": "key", "name": key.name, "id": key.tenant, **person}
     return {"kind": "open", "address": request.remote or "?"}
 
 
