@@ -36,6 +36,7 @@ from .model_sections import (
     FimConfig,
     MaxTokensPolicy,
     ModelKind,
+    RoutingConfig,
     SamplingDefaults,
     SpeculativeConfig,
 )
@@ -71,6 +72,7 @@ class ModelEntry:
     encoder: EncoderConfig = field(default_factory=EncoderConfig)  # embedding / rerank workers
     mcp_servers: list[str] = field(default_factory=list)  # MCP servers offered by default (shared/mcp_config.py)
     distributed: DistributedConfig | None = None  # shard the model over several ranks
+    routing: RoutingConfig = field(default_factory=RoutingConfig)  # replicas and how requests pick one
     adapters: list[AdapterEntry] = field(default_factory=list)  # LoRA adapters on this model
     resident_adapters: int = 8  # adapters kept loaded on the worker at once (LRU; rows in use never leave)
     # The resident adapters' weights, bounded in MB (LRU by bytes, in place of resident_adapters'

@@ -65,6 +65,18 @@ class DistributedConfig:
 
 
 @dataclass
+class RoutingConfig:
+    """`routing:` how many workers serve the model here and how a request picks one of them
+    (gateway/link/pool.py). Remote workers of the same model join the same pool."""
+
+    replicas: int = 1  # local workers of this model, each with its own KV, prefix cache and health
+    # prefix: the replica holding the request's longest prefix (sticky per session), unless
+    # its load exceeds the least loaded's by load_margin; load: least loaded; round_robin.
+    policy: Literal["prefix", "load", "round_robin"] = "prefix"
+    load_margin: int = 4  # requests in flight
+
+
+@dataclass
 class CacheConfig:
     """`cache:` the KV a model keeps: the prefix cache's bounds in memory and on disk, the
     budget of admitted rows' KV, and its quantization."""

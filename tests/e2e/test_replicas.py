@@ -1,0 +1,116 @@
+"""Two local replicas of one model as one pool (`routing: {replicas: 2}`): a session's turns
+meet on the replica that holds its prefix (`cached_tokens` proves it), distinct sessions
+spread over both, a replica killed with `kill -9` loses no request it had not started, and
+no routing decision crosses cache namespaces. Real `mlxgw up`, real workers, the tiny model."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+from helpers import http, start_gateway
+
+CONFIG = {
+    "manager": {"auto_discover": False},
+    "models": [{"name": "tiny", "preload": True, "max_num_seqs": 4, "routing": {"replicas": 2}}],
+}
+SYSTEM = "You answer questions about the fleet's maintenance records briefly."
+
+
+@pytest.fixture(scope="module")
+def pool(home, tiny_dir):
+    gw = start_gateway(home, CONFIG, "replicas-gateway")
+    deadline = time.monotonic() + 120
+    while len(ready(gw)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert len(ready(gw)) == 2, gw.model_status("tiny")
+    yield gw
+    gw.stop()
+
+
+def ready(gw) -> list[dict]:
+    return [r for r in gw.model_status("tiny")["replicas"] if r.get("state") == "ready"]
+
+
+def opening(session: int) -> str:
+    """A first turn of its own per session, several cache blocks long."""
+    return f"Session {session}: " + " ".join(f"record {session}-{i} lists part {i * 7 + session}." for i in range(24))
+
+
+def turn(gw, messages: list[dict], **extra) -> dict:
+    body = {"model": "tiny", "max_tokens": 2, "temperature": 0, "messages": messages, **extra}
+    status, _, answer = http(gw.url + "/v1/chat/completions", "POST", body)
+    assert status == 200, answer
+    return answer
+
+
+def cached(answer: dict) -> int:
+    return answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def routed(gw) -> dict[str, dict]:
+    return {r["replica"]: r for r in ready(gw)}
+
+
+def test_a_sessions_turns_stay_on_one_replica_and_sessions_spread(pool):
+    before = routed(pool)
+    for session in range(8):
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": opening(session)}]
+        first = turn(pool, messages)
+        messages += [{"role": "assistant", "content": first["choices"][0]["message"]["content"]}]
+        messages += [{"role": "user", "content": "And the next record?"}]
+        second = turn(pool, messages)
+        # the second turn read the whole first prompt from cache (but its last partial block):
+        # it reached the replica that computed it
+        assert cached(second) >= first["usage"]["prompt_tokens"] - 32, (session, first["usage"], second["usage"])
+    after = routed(pool)
+    used = [name for name, r in after.items() if r["routed_by_prefix"] + r["routed_by_session"] > 0]
+    assert len(used) == 2, after  # the sessions' first turns spread over both replicas
+    assert sum(r["routed_by_prefix"] - before[n]["routed_by_prefix"] for n, r in after.items()) >= 8
+    assert all(r["cache_hit_rate"] is not None for r in after.values())
+
+
+def test_no_routing_decision_crosses_cache_namespaces(pool):
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": opening(100)}]
+    turn(pool, messages, cache_salt="team-a")
+    turn(pool, messages, cache_salt="team-a")  # the same namespace: routed by its prefix
+    mid = routed(pool)
+    other = turn(pool, messages, cache_salt="team-b")  # the same text in another namespace
+    after = routed(pool)
+    # chosen by its own session's anchor, not by the prefix the other namespace left behind
+    assert sum(r["routed_by_prefix"] for r in after.values()) == sum(r["routed_by_prefix"] for r in mid.values())
+    assert sum(r["routed_by_session"] for r in after.values()) == sum(r["routed_by_session"] for r in mid.values()) + 1
+    assert cached(other) < 32
+
+
+def test_kill_9_of_a_replica_loses_no_request_it_had_not_started(pool):
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": opening(200)}]
+    first = turn(pool, messages)
+    before = routed(pool)
+    messages += [{"role": "assistant", "content": first["choices"][0]["message"]["content"]}]
+    messages += [{"role": "user", "content": "And the next record?"}]
+    turn(pool, messages)
+    home = next(n for n, r in routed(pool).items() if r["routed_by_prefix"] > before[n]["routed_by_prefix"])
+    worker = routed(pool)[home]["worker_id"]
+    pid = next(w["pid"] for w in pool.model_status("tiny")["workers"] if w["worker_id"] == worker)
+    os.kill(pid, signal.SIGSTOP)  # it takes nothing in from here on
+    results: list[dict] = []
+    follow = [*messages, {"role": "user", "content": "Which part was replaced?"}]
+    threads = [threading.Thread(target=lambda: results.append(turn(pool, follow))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)  # both sent to the stopped replica (its session's prefix lives there)
+    os.kill(pid, signal.SIGKILL)
+    for t in threads:
+        t.join(60)
+    assert len(results) == 2  # answered by the other replica
+    # the session re-homed: its next turn lands on one replica and reads its own prefix there
+    again = turn(pool, follow)
+    assert cached(again) >= again["usage"]["prompt_tokens"] - 40, again["usage"]
+    deadline = time.monotonic() + 90
+    while len(ready(pool)) < 2 and time.monotonic() < deadline:  # the killed replica restarts
+        time.sleep(0.5)
+    assert len(ready(pool)) == 2
