@@ -72,12 +72,12 @@ class Pool:
             if choice.load > least.load + margin:
                 choice, how = least, "load"
         if route is not None:  # a generation (not a tokenize call or an adapter push)
+            self._forget_gone()
             setattr(choice.replica, f"by_{how}", getattr(choice.replica, f"by_{how}") + 1)
             self._record(choice, route)
         return choice
 
     def _by_prefix(self, ready: list[WorkerConn], route: RouteKey) -> tuple[WorkerConn, str]:
-        self._forget_gone()
         by_id = {c.worker_id: c for c in ready}
         for entry in reversed(route.chain[route.lead :]):  # the longest match first
             holders = [by_id[w] for w in self._holders.get(entry, ()) if w in by_id]
