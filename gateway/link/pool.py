@@ -16,8 +16,10 @@ from __future__ import annotations
 import itertools
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 
 from ...shared.errors import ErrorCode
+from ...shared.events import Usage
 from .route_key import RouteKey, rendezvous
 from .worker_conn import ConnState, WorkerConn
 
@@ -28,6 +30,8 @@ BREAKER_COOL_S = 10.0  # first cool-down; doubles each time it opens again witho
 BREAKER_COOL_MAX_S = 300.0
 # Errors that are the worker's fault, not the request's (a bad request fails on every replica).
 WORKER_FAULTS = frozenset({ErrorCode.INTERNAL, ErrorCode.TIMEOUT})
+COLD_MIN_TOKENS = 64  # a prompt shorter than two cache blocks says little about a cold turn
+Route = RouteKey | Callable[[], RouteKey | None] | None
 
 
 class Pool:
@@ -54,12 +58,15 @@ class Pool:
         ready = self.ready_workers(model)
         return min(ready, key=lambda c: c.load) if ready else None
 
-    def pick(self, model: str, route: RouteKey | None, policy: str = "prefix", margin: int = 4) -> WorkerConn | None:
+    def pick(self, model: str, route: Route, policy: str = "prefix", margin: int = 4) -> WorkerConn | None:
         """The worker for a request, recorded as holding its prefix from now on; None when
-        no worker of the model is ready."""
+        no worker of the model is ready. route: its key, or what makes it (called only for
+        a model with more than one worker: a lone worker needs no hashing)."""
         ready = self.ready_workers(model)
         if not ready:
             return None
+        if callable(route):
+            route = route() if len(self.workers(model)) > 1 else None
         now = time.monotonic()
         closed = [c for c in ready if c.replica.open_until <= now] or ready  # all open: the breaker yields
         least = min(closed, key=lambda c: c.load)
@@ -129,6 +136,16 @@ class Pool:
         stats.open_until = 0.0
         stats.opened = 0
 
+    def observed(self, conn: WorkerConn, route: RouteKey, usage: Usage) -> None:
+        """A later turn of a session (its chain goes past its first turn) that read less than
+        half its prompt from the cache (a shared system prompt at most): its prefix was not
+        where it went (evicted, a restarted replica or gateway, a session moved by load).
+        Counted per replica: a session pinned to a replica that lost its cache shows here,
+        not as a slow turn nobody explains."""
+        later = len(route.chain) > route.lead + 1
+        if later and usage.prompt_tokens >= COLD_MIN_TOKENS and usage.cached_tokens * 2 < usage.prompt_tokens:
+            conn.replica.cold_warm_turns += 1
+
     def failed(self, conn: WorkerConn, code: ErrorCode) -> None:
         """A worker-side failure; BREAKER_FAILURES in a row take the replica out for a while."""
         if code not in WORKER_FAULTS:
@@ -154,6 +171,7 @@ class Pool:
                 "routed_by_session": r.by_session, "routed_by_load": r.by_load,
                 "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens,
                 "cache_hit_rate": None if rate is None else round(rate, 4),
+                "cold_warm_turns": r.cold_warm_turns,
                 "breaker_open_s": round(max(0.0, r.open_until - now), 1),
                 "indexed_prefixes": len(self._index.get(c.worker_id, ())),
             })  # fmt: skip

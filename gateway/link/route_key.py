@@ -85,6 +85,22 @@ def route_key(req: p.WorkerRequest, session: str | None = None) -> RouteKey | No
     return RouteKey(tuple(chain), lead, anchor, scoped)
 
 
+class LazyRoute:
+    """A request's route key, made when the pool first needs it (a model with one worker
+    never hashes), and kept: what its answer says of the cache is read against it."""
+
+    __slots__ = ("key", "_req", "_session")
+
+    def __init__(self, req: p.WorkerRequest, session: str | None) -> None:
+        self.key: RouteKey | None = None
+        self._req, self._session = req, session
+
+    def __call__(self) -> RouteKey | None:
+        if self.key is None:
+            self.key = route_key(self._req, self._session)
+        return self.key
+
+
 def rendezvous(anchor: bytes, label: str) -> bytes:
     """Highest random weight: each replica's score for the anchor; the highest one wins, and
     a replica leaving moves only the sessions it held."""

@@ -103,6 +103,7 @@ class ReplicaStats:
     by_load: int = 0  # the least loaded (policy load, or the prefix's holder was too busy)
     prompt_tokens: int = 0  # of finished requests
     cached_tokens: int = 0  # of those, read from its prefix cache
+    cold_warm_turns: int = 0  # later turns of a session that read less than half their prompt from its cache
     failures: int = 0  # requests that failed in a row (worker-side errors)
     open_until: float = 0.0  # circuit breaker: routed nothing new until then (unless it is the only one)
     opened: int = 0  # times the breaker opened

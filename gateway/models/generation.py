@@ -16,7 +16,7 @@ from ...shared import protocol as p
 from ...shared.errors import ErrorCode, ServiceError
 from ...shared.events import Accepted, AnyEvent, Delta, Error, Finish, FinishReason, Progress, PromptLogprobs, Usage
 from ..link.broker import Broker, RequestStream
-from ..link.route_key import route_key
+from ..link.route_key import LazyRoute
 from .manager import ModelManager, ModelSlot
 from .metrics import GapHistogram
 
@@ -105,7 +105,7 @@ class Generation:
         self.manager = manager
         # Where its prompt's prefix may be cached (a model's replicas: gateway/link/pool.py);
         # session: the id the client gave its session, if any (gateway/pipeline/cache_hints.py).
-        self.route = route_key(req, session)
+        self.route = LazyRoute(req, session)
         self.owner = owner  # API key name
         self.keepalive_s = keepalive_s
         # Called every keepalive_s while the model loads (streams send SSE comments).
@@ -257,6 +257,8 @@ class Generation:
             self.outcome = event.reason.value
             self.time_limited = bool(event.time_limited)
             self.usage = event.usage or self.usage
+            if self.route.key is not None:  # one of several workers: did its cache serve it?
+                self.broker.pool.observed(self.stream.conn, self.route.key, self.usage)
             if self.first_token_at is None and event.text:
                 self.first_token_at = time.monotonic()
         elif kind is Error:

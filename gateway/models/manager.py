@@ -23,7 +23,7 @@ from ...shared.config import Registry
 from ...shared.errors import ErrorCode, ServiceError
 from ..link import liveness as live
 from ..link.broker import Broker
-from ..link.route_key import RouteKey
+from ..link.pool import Route
 from ..link.worker_conn import (
     ConnState,
     WorkerBack,
@@ -106,7 +106,7 @@ class ModelManager(SlotRunner):
         slot: ModelSlot,
         on_wait: Callable[[], Awaitable[None]] | None = None,
         wait_tick_s: float = 5.0,
-        route: RouteKey | None = None,
+        route: Route = None,
     ) -> WorkerConn:
         """A ready worker for the model, loading it first if needed (once, however many ask).
         A model that is draining is waited for, then loaded. on_wait runs every wait_tick_s
@@ -123,7 +123,7 @@ class ModelManager(SlotRunner):
             current = successor  # a reload replaced the slot while this request waited: wait for the new one
 
     async def _acquire(
-        self, slot: ModelSlot, on_wait: Callable[[], Awaitable[None]] | None, wait_tick_s: float, route: RouteKey | None
+        self, slot: ModelSlot, on_wait: Callable[[], Awaitable[None]] | None, wait_tick_s: float, route: Route
     ) -> WorkerConn:
         for replica in slot.replicas:
             replica.last_used = time.monotonic()

@@ -114,6 +114,7 @@ class _PoolCollector:
         rate = GaugeMetricFamily("mlxgw_replica_cache_hit_rate", "Prompt tokens read from cache", labels=labels)
         routed = CounterMetricFamily("mlxgw_replica_routed", "Requests routed", labels=[*labels, "by"])
         broken = GaugeMetricFamily("mlxgw_replica_breaker_open", "1 while its circuit breaker is open", labels=labels)
+        cold = CounterMetricFamily("mlxgw_replica_cold_warm_turns", "Later turns with no cache hit", labels=labels)
         for slot in list(self.manager.slots.values()):
             for row in self.manager.broker.pool.report(slot.name):
                 at = [slot.name, row["replica"]]
@@ -122,7 +123,8 @@ class _PoolCollector:
                 for how in ("prefix", "session", "load"):
                     routed.add_metric([*at, how], row[f"routed_by_{how}"])
                 broken.add_metric(at, 1 if row["breaker_open_s"] > 0 else 0)
-        yield from (load, rate, routed, broken)
+                cold.add_metric(at, row["cold_warm_turns"])
+        yield from (load, rate, routed, broken, cold)
 
 
 class _EdgeCollector:

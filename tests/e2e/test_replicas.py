@@ -70,7 +70,9 @@ def test_a_sessions_turns_stay_on_one_replica_and_sessions_spread(pool):
     used = [name for name, r in after.items() if r["routed_by_prefix"] + r["routed_by_session"] > 0]
     assert len(used) == 2, after  # the sessions' first turns spread over both replicas
     assert sum(r["routed_by_prefix"] - before[n]["routed_by_prefix"] for n, r in after.items()) >= 8
-    assert all(r["cache_hit_rate"] is not None for r in after.values())
+    assert all(r["cache_hit_rate"] is not None and r["cold_warm_turns"] == 0 for r in after.values())
+    status, _, metrics = http(pool.url + "/metrics")
+    assert status == 200 and 'mlxgw_replica_routed_total{by="prefix",model="tiny",replica="tiny#0"}' in metrics
 
 
 def test_no_routing_decision_crosses_cache_namespaces(pool):
@@ -107,6 +109,8 @@ def test_kill_9_of_a_replica_loses_no_request_it_had_not_started(pool):
     for t in threads:
         t.join(60)
     assert len(results) == 2  # answered by the other replica
+    survivor = next(r for n, r in routed(pool).items() if n != home)
+    assert survivor["cold_warm_turns"] >= 1  # the moved session's turn read its prompt again: shown
     # the session re-homed: its next turn lands on one replica and reads its own prefix there
     again = turn(pool, follow)
     assert cached(again) >= again["usage"]["prompt_tokens"] - 40, again["usage"]
