@@ -7,11 +7,16 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
 from helpers import http, start_gateway
+from helpers.http import free_port
+
+from mlxgw.shared.platform import worker_environment
 
 CONFIG = {
     "manager": {"auto_discover": False},
@@ -20,9 +25,18 @@ CONFIG = {
 SYSTEM = "You answer questions about the fleet's maintenance records briefly."
 
 
+SECRET = "replica-pool-secret-0123456789"
+
+
 @pytest.fixture(scope="module")
 def pool(home, tiny_dir):
-    gw = start_gateway(home, CONFIG, "replicas-gateway")
+    listen = f"tcp://127.0.0.1:{free_port()}"
+    os.environ["MLXGW_SECRET"] = SECRET  # read at start only
+    try:
+        gw = start_gateway(home, CONFIG, "replicas-gateway", extra_args=("--worker-listen", listen))
+    finally:
+        del os.environ["MLXGW_SECRET"]
+    gw.listen = listen
     deadline = time.monotonic() + 120
     while len(ready(gw)) < 2 and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -118,3 +132,32 @@ def test_kill_9_of_a_replica_loses_no_request_it_had_not_started(pool):
     while len(ready(pool)) < 2 and time.monotonic() < deadline:  # the killed replica restarts
         time.sleep(0.5)
     assert len(ready(pool)) == 2
+
+
+def test_a_remote_worker_joins_the_pool_and_keeps_its_sessions(pool, tiny_dir, tmp_path):
+    """`mlxgw worker --connect tcp://...` with the secret and a stable --worker-id: a third
+    replica, named by its id, that sessions are placed on and come back to."""
+    env = worker_environment() | {"MLXGW_SECRET": SECRET, "MLXGW_HOME": str(tmp_path)}
+    command = [sys.executable, "-m", "mlxgw.worker", "--connect", pool.listen, "--model", "tiny"]
+    command += ["--model-path", str(tiny_dir), "--worker-id", "mac2-tiny", "--orphan-after", "0"]
+    worker = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while "mac2-tiny" not in routed(pool) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert routed(pool)["mac2-tiny"]["remote"] is True
+        for session in range(300, 316):  # until a session's anchor places it on the remote worker
+            before = routed(pool)["mac2-tiny"]
+            messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": opening(session)}]
+            first = turn(pool, messages)
+            if routed(pool)["mac2-tiny"]["routed_by_session"] > before["routed_by_session"]:
+                break
+        else:
+            raise AssertionError(f"no session was placed on the remote worker: {routed(pool)}")
+        messages += [{"role": "assistant", "content": first["choices"][0]["message"]["content"]}]
+        second = turn(pool, [*messages, {"role": "user", "content": "And the next record?"}])
+        assert cached(second) >= first["usage"]["prompt_tokens"] - 32
+        assert routed(pool)["mac2-tiny"]["routed_by_prefix"] == before["routed_by_prefix"] + 1
+    finally:
+        worker.terminate()
+        worker.wait(30)
