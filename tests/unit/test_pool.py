@@ -95,3 +95,17 @@ def test_a_departed_workers_index_routes_nothing():
     del pool.conns[home.identity]
     stayed = pool.pick("m", route_key(chat("moving session", "ok", "more")))
     assert stayed is not home and home.worker_id not in pool._index
+
+
+def test_the_session_ids_clients_send_are_read_body_first_then_headers():
+    from multidict import CIMultiDict
+
+    from mlxgw.gateway.pipeline.cache_hints import session_id
+
+    headers = CIMultiDict({"X-Claude-Code-Session-Id": "cc-1", "x-session-affinity": "crush-1"})
+    assert session_id(headers, {"prompt_cache_key": "pk"}) == "pk"
+    assert session_id(headers, {"metadata": {"user_id": "user_abc_session_9"}}) == "user_abc_session_9"
+    assert session_id(headers, {}) == "cc-1"
+    assert session_id(CIMultiDict({"X-Qwen-Code-Session-Id": "q"}), None) == "q"
+    assert session_id(CIMultiDict(), {"prompt_cache_key": 7, "metadata": "x"}) is None
+    assert len(session_id(CIMultiDict(), {"prompt_cache_key": "k" * 1000})) == 256
