@@ -37,12 +37,16 @@ def pool(home, tiny_dir):
     finally:
         del os.environ["MLXGW_SECRET"]
     gw.listen = listen
-    deadline = time.monotonic() + 120
-    while len(ready(gw)) < 2 and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert len(ready(gw)) == 2, gw.model_status("tiny")
+    wait_ready(gw)
     yield gw
     gw.stop()
+
+
+def wait_ready(gw, replicas: int = 2) -> None:
+    deadline = time.monotonic() + 120
+    while len(ready(gw)) < replicas and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert len(ready(gw)) == replicas, gw.model_status("tiny")
 
 
 def ready(gw) -> list[dict]:
@@ -128,10 +132,7 @@ def test_kill_9_of_a_replica_loses_no_request_it_had_not_started(pool):
     # the session re-homed: its next turn lands on one replica and reads its own prefix there
     again = turn(pool, follow)
     assert cached(again) >= again["usage"]["prompt_tokens"] - 40, again["usage"]
-    deadline = time.monotonic() + 90
-    while len(ready(pool)) < 2 and time.monotonic() < deadline:  # the killed replica restarts
-        time.sleep(0.5)
-    assert len(ready(pool)) == 2
+    wait_ready(pool)  # the killed replica restarts
 
 
 def test_a_remote_worker_joins_the_pool_and_keeps_its_sessions(pool, tiny_dir, tmp_path):
@@ -161,3 +162,34 @@ def test_a_remote_worker_joins_the_pool_and_keeps_its_sessions(pool, tiny_dir, t
     finally:
         worker.terminate()
         worker.wait(30)
+
+
+def test_a_gateway_restart_sends_each_session_back_to_its_replica(tmp_path, tiny_dir):
+    """The index lives in the gateway and is gone after a restart; the session's anchor
+    places it by the replicas' stable names, and the replica's disk tier (written at its
+    graceful stop, read back at its start) still holds the session's prefix."""
+    config = {
+        "manager": {"auto_discover": False},
+        "models": [{"name": "tiny", "source": str(tiny_dir), "preload": True, "routing": {"replicas": 2}}],
+    }
+    gw = start_gateway(tmp_path, config, "restart-gateway")
+    try:
+        wait_ready(gw)
+        for session in range(400, 416):  # one placed on the second replica (the first is least loaded on ties)
+            messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": opening(session)}]
+            first = turn(gw, messages)
+            if routed(gw)["tiny#1"]["routed_by_session"]:
+                break
+        else:
+            raise AssertionError(routed(gw))
+    finally:
+        gw.stop()
+    gw = start_gateway(tmp_path, config, "restart-gateway")
+    try:
+        wait_ready(gw)
+        messages += [{"role": "assistant", "content": first["choices"][0]["message"]["content"]}]
+        second = turn(gw, [*messages, {"role": "user", "content": "And the next record?"}])
+        assert routed(gw)["tiny#1"]["routed_by_session"] == 1  # placed again, with no index
+        assert cached(second) >= first["usage"]["prompt_tokens"] - 32
+    finally:
+        gw.stop()
