@@ -170,6 +170,7 @@ class Pool:
                 "state": c.state.value, "load": c.load, "routed_by_prefix": r.by_prefix,
                 "routed_by_session": r.by_session, "routed_by_load": r.by_load,
                 "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens,
+                "cache_bytes": (c.stats.get("cache") or {}).get("bytes", 0),
                 "cache_hit_rate": None if rate is None else round(rate, 4),
                 "cold_warm_turns": r.cold_warm_turns,
                 "breaker_open_s": round(max(0.0, r.open_until - now), 1),
