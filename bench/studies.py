@@ -60,6 +60,7 @@ STUDIES = [
         {
             "teamday": ("team.teamday", "A team day against mlxgw up: flood vs one, Jain's index, nothing lost."),
             "sessions": ("team.sessions", "A team's agent sessions at once: the shared prefix, turn by turn."),
+            "replicas": ("team.replicas", "A team's sessions over N replicas: prefix routing, load, round robin."),
             "typing": ("team.typing_session", "Typists' FIM keystrokes (each superseding the last) beside agents."),
             "admission": ("team.admission", "Admission policies compared in-process on the real scheduler."),
             "day": ("team.day", "Typists, agents, chat and a batch at once: each latency class's TTFT."),

@@ -85,6 +85,10 @@ def check_entry(e: ModelEntry, where: str) -> None:
         raise bad("owns", f"must be an absolute folder, got {e.owns!r}")
     if e.distributed is not None:
         check_distributed(e, where)
+    if not 1 <= e.routing.replicas <= MAX_RANKS or e.routing.load_margin < 0:
+        raise bad("routing", f"replicas: 1 to {MAX_RANKS}, load_margin: 0 or more")
+    if e.routing.replicas > 1 and e.distributed is not None:
+        raise bad("routing.replicas", "a sharded model runs one group of ranks")
     if e.fim is not None and e.fim.max_tokens < 1:
         raise bad("fim.max_tokens", f"must be at least 1, got {e.fim.max_tokens}")
     if e.fim is not None and e.fim.kv_shift_min_tokens < 0:

@@ -67,6 +67,18 @@ class DistributedConfig:
 
 
 @dataclass
+class RoutingConfig:
+    """`routing:` how many workers serve the model here and how a request picks one of them
+    (gateway/link/pool.py). Remote workers of the same model join the same pool."""
+
+    replicas: int = 1  # local workers of this model, each with its own KV, prefix cache and health
+    # prefix: the replica holding the request's longest prefix (sticky per session), unless
+    # its load exceeds the least loaded's by load_margin; load: least loaded; round_robin.
+    policy: Literal["prefix", "load", "round_robin"] = "prefix"
+    load_margin: int = 4  # requests in flight
+
+
+@dataclass
 class CacheConfig:
     """`cache:` the KV a model keeps: the prefix cache's bounds in memory and on disk, the
     budget of admitted rows' KV, and its quantization."""
@@ -230,6 +242,7 @@ class ModelEntry:
     encoder: EncoderConfig = field(default_factory=EncoderConfig)  # embedding / rerank workers
     mcp_servers: list[str] = field(default_factory=list)  # MCP servers offered by default (shared/mcp_config.py)
     distributed: DistributedConfig | None = None  # shard the model over several ranks
+    routing: RoutingConfig = field(default_factory=RoutingConfig)  # replicas and how requests pick one
     adapters: list[AdapterEntry] = field(default_factory=list)  # LoRA adapters on this model
     resident_adapters: int = 8  # adapters kept loaded on the worker at once (LRU; rows in use never leave)
     # The resident adapters' weights, bounded in MB (LRU by bytes, in place of resident_adapters'

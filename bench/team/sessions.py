@@ -73,9 +73,16 @@ def keys_file(path: Path, sessions: int, group: str | None) -> Path:
 
 
 def stream_chat(
-    url: str, model: str, messages: list[dict], max_tokens: int, timeout: float, key: str | None = None
+    url: str,
+    model: str,
+    messages: list[dict],
+    max_tokens: int,
+    timeout: float,
+    key: str | None = None,
+    headers: dict | None = None,
 ) -> dict:
-    """One greedy streaming chat request: TTFT, decode chunks/s, the text and the usage."""
+    """One greedy streaming chat request: TTFT, decode chunks/s, the text and the usage.
+    headers: more request headers (a client's session id: bench/team/replicas.py)."""
     body = {
         "model": model,
         "messages": messages,
@@ -84,8 +91,8 @@ def stream_chat(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
-    req = urllib.request.Request(f"{url}/chat/completions", json.dumps(body).encode(), headers)
+    sent = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
+    req = urllib.request.Request(f"{url}/chat/completions", json.dumps(body).encode(), sent | (headers or {}))
     started = time.perf_counter()
     first = last = None
     pieces: list[str] = []

@@ -4,9 +4,10 @@ One ROUTER socket for local workers (ipc), and one for remote workers when the g
 listens for them (tcp, with a maximum message size so that nobody can send gigabytes
 before authenticating). Workers connect DEALERs and announce the model they serve. The
 broker heartbeats every worker, routes requests under ids it generates itself, and fans the
-batched events back out to per-request streams; its records of the workers (connections,
-local processes, liveness judgement, ending a lost worker's requests) are its base class,
-gateway/link/worker_registry.py. A worker lost with requests in flight ends each of them with
+batched events back out to per-request streams. It owns, besides the sockets, the records of
+its workers (`registry`: connections, local processes, liveness judgement, ending a lost
+worker's requests; gateway/link/worker_registry.py) and the choice of a worker for each
+request (`pool`: gateway/link/pool.py). A worker lost with requests in flight ends each of them with
 an explicit error event: streams end exactly once, never by hanging and never with a hole.
 
 What the model manager needs to hear (a worker ready, failed to load, lost, idle) is put
@@ -25,7 +26,7 @@ import zmq.asyncio
 
 from ...shared import protocol as p
 from ...shared.errors import ErrorCode, ServiceError
-from ...shared.events import event_from_wire
+from ...shared.events import Error, event_from_wire
 from . import liveness as live
 from . import wire_checks as wc
 from .broker_wire import (
@@ -35,38 +36,17 @@ from .broker_wire import (
     encoding_error,
     nested_deeper_than,
 )
+from .pool import Pool
 from .quarantine import fingerprint
-from .worker_conn import (
-    ConnState,
-    RequestStream,
-    WorkerBack,
-    WorkerConn,
-    WorkerEvent,
-    WorkerIdle,
-    WorkerLoadFailed,
-    WorkerLost,
-    WorkerReady,
-)
+from .worker_conn import ConnState, RequestStream, WorkerBack, WorkerConn, WorkerIdle, WorkerLoadFailed, WorkerReady
 from .worker_registry import WorkerRegistry
-
-__all__ = [
-    "Broker",
-    "ConnState",
-    "RequestStream",
-    "WorkerBack",
-    "WorkerConn",
-    "WorkerEvent",
-    "WorkerIdle",
-    "WorkerLoadFailed",
-    "WorkerLost",
-    "WorkerReady",
-]
 
 log = logging.getLogger(__name__)
 
 
-class Broker(WorkerRegistry):
-    """Routing and the sockets; what it knows about each worker is WorkerRegistry's."""
+class Broker:
+    """The sockets and the wire; what it knows about each worker is its registry's, which
+    worker a request goes to its pool's."""
 
     def __init__(
         self,
@@ -82,7 +62,9 @@ class Broker(WorkerRegistry):
         self.endpoint = endpoint
         self.extra_endpoints = extra_endpoints  # e.g. tcp:// for remote workers
         self.heartbeat_s = heartbeat_s
-        super().__init__(live.Limits(heartbeat_s * liveness, hang_timeout_s))
+        self.registry = WorkerRegistry(live.Limits(heartbeat_s * liveness, hang_timeout_s), self._fail_calls)
+        self.conns = self.registry.conns  # the same dict: identity -> WorkerConn
+        self.pool = Pool(self.conns)
         self.secret = secret
         self.remote_max_message_bytes = remote_max_message_bytes
         self.dropped_messages = 0
@@ -114,7 +96,7 @@ class Broker(WorkerRegistry):
         self._tasks.append(asyncio.create_task(self._heartbeat_loop(), name="broker-heartbeat"))
 
     async def close(self) -> None:
-        tasks = [*self._tasks, *self._lingering]
+        tasks = [*self._tasks, *self.registry.lingering]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -122,7 +104,7 @@ class Broker(WorkerRegistry):
         if left:
             log.error("%d requests were still in flight at shutdown; ending them with an error", left)
         for conn in list(self.conns.values()):
-            self.drop(conn, "gateway shutting down", notify=False, planned=True)
+            self.registry.drop(conn, "gateway shutting down", notify=False, planned=True)
         for sock in (self.sock, self.remote_sock):
             if sock is not None:
                 sock.close(linger=0)
@@ -143,9 +125,10 @@ class Broker(WorkerRegistry):
         except (ValueError, TypeError, OverflowError, RecursionError) as e:
             raise encoding_error(e) from None
         fp = None  # computed when a crash needs it (RequestStream.fingerprint), or now to check it
-        if self.quarantine.watching(conn.model):
+        quarantine = self.registry.quarantine
+        if quarantine.watching(conn.model):
             fp = fingerprint(wire)
-            self.quarantine.check(conn.model, fp)
+            quarantine.check(conn.model, fp)
         stream = RequestStream(rid, label, conn, owner, fp, frame)
         if not conn.streams:
             conn.progress_at = time.monotonic()  # no progress is owed before there is work
@@ -284,7 +267,7 @@ class Broker(WorkerRegistry):
         conn.last_heard = time.monotonic()
         if not conn.reachable:
             conn.reachable = True
-            self.events.put_nowait(WorkerBack(conn))
+            self.registry.events.put_nowait(WorkerBack(conn))
             await self._cancel_rids(conn, [rid for rid, s in conn.streams.items() if s.cancelled])
         if kind == p.HEARTBEAT:
             if "stats" in msg:
@@ -295,26 +278,27 @@ class Broker(WorkerRegistry):
                 conn.progress, conn.progress_at = progress, conn.last_heard
         elif kind == p.EVENTS:
             conn.progress_at = conn.last_heard
-            lost = self._check_seq(conn, msg.get("seq"))
+            lost = self.registry.check_seq(conn, msg.get("seq"))
             self._on_events(conn, msg.get("items"))
             await self._cancel_rids(conn, lost)
         elif kind == p.READY:
             if conn.state is ConnState.LOADING:
                 conn.state = ConnState.READY
             conn.info = wc.clean_info(msg.get("info"))
-            self.events.put_nowait(WorkerReady(conn))
+            self.registry.events.put_nowait(WorkerReady(conn))
         elif kind == p.REPLY:
             fut = self._replies.get(msg.get("cid")) if isinstance(msg.get("cid"), int) else None
             if fut and not fut.done():
                 fut.set_result(msg)
         elif kind == p.LOAD_FAILED:
             error = msg.get("error") if isinstance(msg.get("error"), dict) else {}
-            self.events.put_nowait(WorkerLoadFailed(conn, wc.short_text(error.get("message")) or "load failed"))
-            self._depart(conn.worker_id)
-            self.drop(conn, "model load failed", notify=False)
+            why = wc.short_text(error.get("message")) or "load failed"
+            self.registry.events.put_nowait(WorkerLoadFailed(conn, why))
+            self.registry.depart(conn.worker_id)
+            self.registry.drop(conn, "model load failed", notify=False)
         elif kind == p.BYE:
-            self._depart(conn.worker_id)
-            self.drop(conn, "worker exited", planned=conn.state is ConnState.DRAINING, graceful=True)
+            self.registry.depart(conn.worker_id)
+            self.registry.drop(conn, "worker exited", planned=conn.state is ConnState.DRAINING, graceful=True)
 
     def _on_events(self, conn: WorkerConn, raw_items) -> None:
         items, bad = wc.event_items(raw_items)
@@ -330,9 +314,10 @@ class Broker(WorkerRegistry):
                 continue
             stream.push(event)
             if stream.done:
+                self._ended(conn, event)
                 del conn.streams[rid]
                 if not conn.streams:
-                    self.events.put_nowait(WorkerIdle(conn))
+                    self.registry.events.put_nowait(WorkerIdle(conn))
         if bad or unknown:
             self._reject("events", "dropped %d malformed events from worker %s", bad + unknown, conn.worker_id)
 
@@ -342,31 +327,19 @@ class Broker(WorkerRegistry):
                 "secret", "refused worker %.64s for model %.64s: wrong secret", msg.get("worker_id"), msg.get("model")
             )
             return
-        model, worker_id = msg.get("model"), msg.get("worker_id")
-        if not isinstance(model, str) or not model or not isinstance(worker_id, str) or not worker_id:
+        worker_id = msg.get("worker_id")
+        local_pid, label = (None, "") if remote else self.registry.local_process(str(worker_id))
+        conn = wc.conn_from_hello(msg, identity, remote, sock, local_pid, label)
+        if conn is None:
             self._reject("hello", "dropped a hello without a model name or worker id")
             return
-        if worker_id in self._departed:
+        if self.registry.departed(conn.worker_id):
             return  # on its way out: it said goodbye, or its process has exited
-        pid = msg.get("pid")
-        state = ConnState.READY if msg.get("state") == "ready" else ConnState.LOADING
-        conn = WorkerConn(
-            identity=identity,
-            worker_id=worker_id[:64],
-            model=model[:128],
-            kind=msg.get("kind") if isinstance(msg.get("kind"), str) else "chat",
-            pid=pid if isinstance(pid, int) and not isinstance(pid, bool) else None,
-            state=state,
-            info=wc.clean_info(msg.get("info")),
-            remote=remote,
-            sock=sock,
-            local_pid=None if remote else self._local.get(worker_id),
-        )
-        lost = self._register(conn, msg.get("seq"))
+        lost = self.registry.register(conn, msg.get("seq"))
         await self._reply(sock, identity, p.encode(p.WELCOME))
         log.info("worker %s for %s connected (%s)", conn.worker_id, conn.model, conn.state)
         if conn.state is ConnState.READY:
-            self.events.put_nowait(WorkerReady(conn))
+            self.registry.events.put_nowait(WorkerReady(conn))
         await self._cancel_rids(conn, lost)  # cancels the old identity may have missed
 
     # -- liveness ------------------------------------------------------------------------------
@@ -377,16 +350,16 @@ class Broker(WorkerRegistry):
             await asyncio.sleep(self.heartbeat_s)
             now = time.monotonic()
             lag, last = now - last - self.heartbeat_s, now
-            if lag > self.limits.loop_lag_s:
-                self.host_stalls += 1
+            if lag > self.registry.limits.loop_lag_s:
+                self.registry.host_stalls += 1
                 log.warning(
                     "the gateway itself did not run for %.1f s (host stall or event-loop lag): "
                     "workers get a fresh liveness window instead of blame",
                     lag,
                 )
-                self._forgive_stall(now)
+                self.registry.forgive_stall(now)
             else:
-                self._judge(now)
+                self.registry.judge(now)
             for conn in list(self.conns.values()):
                 try:
                     await (conn.sock or self.sock).send_multipart([conn.identity, beat], zmq.NOBLOCK)
@@ -398,3 +371,10 @@ class Broker(WorkerRegistry):
             fut = self._replies.get(cid)
             if fut is not None and not fut.done():
                 fut.set_result({"ok": False, "error": err.to_wire()})
+
+    def _ended(self, conn: WorkerConn, event) -> None:
+        """A request's last event: its replica's hit rate, or a failure for its breaker."""
+        if type(event) is Error:
+            self.pool.failed(conn, event.error.code)
+        elif event.usage is not None:
+            self.pool.finished(conn, event.usage.prompt_tokens, event.usage.cached_tokens)

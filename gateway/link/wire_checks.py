@@ -8,6 +8,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from .worker_conn import ConnState, WorkerConn
+
 # Stats the gateway adds up or compares: numbers or nothing.
 NUMERIC_STATS = (
     "running",
@@ -126,3 +128,24 @@ def event_items(raw: Any) -> tuple[list[tuple[str, dict]], int]:
 
 def short_text(raw: Any, limit: int = 200) -> str | None:
     return raw[:limit] if isinstance(raw, str) and raw else None
+
+
+def conn_from_hello(msg: dict, identity: bytes, remote: bool, sock, local_pid: int | None, label: str):
+    """The connection a worker's HELLO announces; None without a model name or worker id."""
+    model, worker_id, pid = msg.get("model"), msg.get("worker_id"), msg.get("pid")
+    if not isinstance(model, str) or not model or not isinstance(worker_id, str) or not worker_id:
+        return None
+    conn = WorkerConn(
+        identity=identity,
+        worker_id=worker_id[:64],
+        model=model[:128],
+        kind=msg.get("kind") if isinstance(msg.get("kind"), str) else "chat",
+        pid=pid if isinstance(pid, int) and not isinstance(pid, bool) else None,
+        state=ConnState.READY if msg.get("state") == "ready" else ConnState.LOADING,
+        info=clean_info(msg.get("info")),
+        remote=remote,
+        sock=sock,
+        local_pid=local_pid,
+    )
+    conn.replica.label = label or conn.worker_id
+    return conn

@@ -92,6 +92,27 @@ class RequestStream:
         return self._events.popleft()
 
 
+@dataclass
+class ReplicaStats:
+    """One worker's part in its model's pool (gateway/link/pool.py): how requests came to it,
+    how its prefix cache served them, and its circuit breaker."""
+
+    label: str = ""  # its stable name in the pool: "<model>#<n>" for local replicas, else its worker id
+    by_prefix: int = 0  # routed here because it held the longest prefix of the request
+    by_session: int = 0  # by the client's session id or the session's first turn (rendezvous hash)
+    by_load: int = 0  # the least loaded (policy load, or the prefix's holder was too busy)
+    prompt_tokens: int = 0  # of finished requests
+    cached_tokens: int = 0  # of those, read from its prefix cache
+    cold_warm_turns: int = 0  # later turns of a session that read less than half their prompt from its cache
+    failures: int = 0  # requests that failed in a row (worker-side errors)
+    open_until: float = 0.0  # circuit breaker: routed nothing new until then (unless it is the only one)
+    opened: int = 0  # times the breaker opened
+
+    @property
+    def hit_rate(self) -> float | None:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else None
+
+
 @dataclass(eq=False)
 class WorkerConn:
     identity: bytes
@@ -116,6 +137,7 @@ class WorkerConn:
     # it), and when it last moved, an EVENTS frame came, or its first request went out.
     progress: int | None = None
     progress_at: float = field(default_factory=time.monotonic)
+    replica: ReplicaStats = field(default_factory=ReplicaStats)
 
     @property
     def load(self) -> int:

@@ -1,6 +1,8 @@
-"""The broker's records of its workers, apart from routing: one connection per worker, the
-local processes the manager spawned (their pids, the ones that have left), liveness
-judgement, and ending every request of a worker that is gone or whose frames were lost.
+"""The link's records of its workers: one connection per worker, the local processes the
+manager spawned (their pids, the ones that have left), liveness judgement, and ending every
+request of a worker that is gone or whose frames were lost. The Broker (gateway/link/broker.py)
+owns the sockets and one of these; which worker a request goes to is the Pool's
+(gateway/link/pool.py), over the same connections.
 
 Streams end exactly once and never with a hole: a worker lost with requests in flight ends
 each with an explicit error; a worker that comes back under a new identity keeps its
@@ -13,6 +15,7 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 
 from ...shared.errors import ErrorCode, ServiceError
 from ...shared.events import Error
@@ -28,48 +31,44 @@ EXITED_READ_S = 2.0
 
 
 class WorkerRegistry:
-    """Base of the Broker: what it knows about each worker, and when a worker is gone."""
+    """What the link knows about each worker, and when a worker is gone."""
 
-    def __init__(self, limits: live.Limits) -> None:
+    def __init__(self, limits: live.Limits, fail_calls: Callable[[WorkerConn, ServiceError], None]) -> None:
         self.limits = limits
+        self.fail_calls = fail_calls  # answers the calls waiting on a lost worker (the Broker owns them)
         self.conns: dict[bytes, WorkerConn] = {}
         self.events: asyncio.Queue[WorkerEvent] = asyncio.Queue()
         self.quarantine = Quarantine()
         self.host_stalls = 0
         self._local: dict[str, int] = {}  # worker_id -> pid, for processes the manager spawned
+        self._labels: dict[str, str] = {}  # worker_id -> its replica's label, for the same
         self._exited_fps: dict[str, list[str]] = {}  # worker_id -> in flight when seen gone
         # Workers that said goodbye (or whose process has exited): a later hello from one of
         # them is a worker on its way out answering our "who are you?", not a new worker.
         self._departed: OrderedDict[str, None] = OrderedDict()
         self._stalled = False
-        self._lingering: set[asyncio.Task] = set()  # exited workers whose last frames are being read
+        self.lingering: set[asyncio.Task] = set()  # exited workers whose last frames are being read
         # Local workers asked to stop: one that says HELLO only now (a reload came while it
         # started) is draining from its first frame, and never routed to.
         self._draining: set[str] = set()
 
-    def _fail_calls(self, conn: WorkerConn, err: ServiceError) -> None:
-        """Answer the calls waiting on a lost worker (the Broker owns them)."""
-
     # -- what the manager uses ---------------------------------------------------------------
-    def workers(self, model: str) -> list[WorkerConn]:
-        return [c for c in self.conns.values() if c.model == model]
-
-    def ready_workers(self, model: str) -> list[WorkerConn]:
-        return [c for c in self.workers(model) if c.state is ConnState.READY and c.reachable]
-
-    def least_loaded(self, model: str) -> WorkerConn | None:
-        ready = self.ready_workers(model)
-        return min(ready, key=lambda c: c.load) if ready else None
-
-    def in_flight(self, model: str) -> int:
-        return sum(c.load for c in self.workers(model))
-
-    def expect_local(self, worker_id: str, pid: int) -> None:
-        """A process the manager spawned: its liveness may be judged by its process state."""
+    def expect_local(self, worker_id: str, pid: int, label: str = "") -> None:
+        """A process the manager spawned: its liveness may be judged by its process state.
+        label: its name in its model's pool ("<model>#<replica>")."""
         self._local[worker_id] = pid
+        self._labels[worker_id] = label
         for conn in self.conns.values():
             if conn.worker_id == worker_id and not conn.remote:
                 conn.local_pid = pid
+                conn.replica.label = label
+
+    def local_process(self, worker_id: str) -> tuple[int | None, str]:
+        """The pid and pool label of a local worker this gateway spawned (None, "": not one)."""
+        return self._local.get(worker_id), self._labels.get(worker_id, "")
+
+    def departed(self, worker_id: str) -> bool:
+        return worker_id in self._departed
 
     def drain_local(self, worker_id: str) -> None:
         """Route nothing new to the worker (it was asked to stop)."""
@@ -82,8 +81,9 @@ class WorkerRegistry:
         """The process has exited: forget its connection. The fingerprints of the requests it
         still had in flight are returned (the manager decides whether that was a crash)."""
         self._local.pop(worker_id, None)
+        self._labels.pop(worker_id, None)
         self._draining.discard(worker_id)
-        self._depart(worker_id)
+        self.depart(worker_id)
         fps: list[str] = self._exited_fps.pop(worker_id, [])  # seen gone by the liveness check first
         for conn in [c for c in self.conns.values() if c.worker_id == worker_id and not c.remote]:
             if planned and conn.streams:
@@ -92,8 +92,8 @@ class WorkerRegistry:
                 # socket when its exit is seen: read them before ending what is left.
                 conn.state = ConnState.DRAINING
                 task = asyncio.get_running_loop().create_task(self._drop_once_read(conn, reason))
-                self._lingering.add(task)
-                task.add_done_callback(self._lingering.discard)
+                self.lingering.add(task)
+                task.add_done_callback(self.lingering.discard)
                 continue
             fps += self.drop(conn, reason, notify=False, planned=planned)
         return fps
@@ -104,13 +104,13 @@ class WorkerRegistry:
             await asyncio.sleep(0.02)
         self.drop(conn, reason, notify=False, planned=True)
 
-    def _depart(self, worker_id: str) -> None:
+    def depart(self, worker_id: str) -> None:
         self._departed[worker_id] = None
         while len(self._departed) > 4096:
             self._departed.popitem(last=False)
 
     # -- a worker (re)announcing itself ----------------------------------------------------------
-    def _register(self, conn: WorkerConn, hello_seq: object) -> list[str]:
+    def register(self, conn: WorkerConn, hello_seq: object) -> list[str]:
         """Record a worker that said HELLO. The same worker under a new identity (it replaced
         its socket) keeps its requests in flight only if no frame was lost on the way: its
         HELLO names the sequence number of its next EVENTS frame, which must be the one this
@@ -135,7 +135,7 @@ class WorkerRegistry:
         self.conns[conn.identity] = conn
         return lost
 
-    def _check_seq(self, conn: WorkerConn, seq: object) -> list[str]:
+    def check_seq(self, conn: WorkerConn, seq: object) -> list[str]:
         """An EVENTS frame's sequence number: a jump means frames were lost in transit, and
         every request in flight on the worker may have a hole: they end with an error.
         Returns their routing ids (to cancel in the worker)."""
@@ -160,14 +160,14 @@ class WorkerRegistry:
         return rids
 
     # -- liveness ------------------------------------------------------------------------------
-    def _forgive_stall(self, now: float) -> None:
+    def forgive_stall(self, now: float) -> None:
         """The gateway itself did not run: every worker gets a fresh window, for silence and
         for progress alike (their frames wait, unread, in the sockets)."""
         for conn in self.conns.values():
             conn.last_heard = max(conn.last_heard, now)
             conn.progress_at = max(conn.progress_at, now)
 
-    def _judge(self, now: float) -> None:
+    def judge(self, now: float) -> None:
         conns = list(self.conns.values())
         silent = [c for c in conns if now - c.last_heard > self.limits.window_s]
         all_silent = len(conns) >= 2 and len(silent) == len(conns)
@@ -210,11 +210,16 @@ class WorkerRegistry:
         only after answering every request it read) ends the requests it never took in (no
         event came for them: the frame reached a worker that had stopped reading) with a
         retryable model_unavailable instead: nothing ran, so the request waits for the
-        model's next worker like any other (gateway/models/generation.py retries it)."""
+        model's next worker like any other (gateway/models/generation.py retries it). So do
+        the requests a crashed worker never took in while another worker of its model is
+        ready: they go to that one."""
         graceful = planned if graceful is None else graceful
         if self.conns.get(conn.identity) is not conn:
             return []
         del self.conns[conn.identity]
+        graceful = graceful or any(
+            c.model == conn.model and c.state is ConnState.READY and c.reachable for c in self.conns.values()
+        )
         if planned:
             log.info("worker %s for %s left: %s", conn.worker_id, conn.model, reason)
         else:
@@ -233,7 +238,7 @@ class WorkerRegistry:
         for stream in conn.streams.values():
             stream.push(Error(not_taken if graceful and not stream.heard else err))
         conn.streams.clear()
-        self._fail_calls(conn, err)
+        self.fail_calls(conn, err)
         conn.state = ConnState.LOST
         if notify:
             self.events.put_nowait(WorkerLost(conn, reason, tuple(fps), kind))

@@ -16,6 +16,7 @@ from ...shared import protocol as p
 from ...shared.errors import ErrorCode, ServiceError
 from ...shared.events import Accepted, AnyEvent, Delta, Error, Finish, FinishReason, Progress, PromptLogprobs, Usage
 from ..link.broker import Broker, RequestStream
+from ..link.route_key import LazyRoute
 from .manager import ModelManager, ModelSlot
 from .metrics import GapHistogram
 
@@ -99,8 +100,12 @@ class Generation:
         req: p.WorkerRequest,
         keepalive_s: float = 5.0,
         owner: str | None = None,
+        session: str | None = None,
     ):
         self.manager = manager
+        # Where its prompt's prefix may be cached (a model's replicas: gateway/link/pool.py);
+        # session: the id the client gave its session, if any (gateway/pipeline/cache_hints.py).
+        self.route = LazyRoute(req, session)
         self.owner = owner  # API key name
         self.keepalive_s = keepalive_s
         # Called every keepalive_s while the model loads (streams send SSE comments).
@@ -144,7 +149,7 @@ class Generation:
 
     async def __aenter__(self) -> Generation:
         for tries_left in range(DRAINING_RETRIES, -1, -1):
-            conn = await self.manager.acquire(self.slot, self._load_tick, self.keepalive_s)
+            conn = await self.manager.acquire(self.slot, self._load_tick, self.keepalive_s, self.route)
             try:
                 # inside: a refusal here (the quarantine's 400) is logged with its real outcome
                 self.stream = await self.broker.submit(conn, self.req, self.owner)
@@ -255,6 +260,8 @@ class Generation:
             self.outcome = event.reason.value
             self.time_limited = bool(event.time_limited)
             self.usage = event.usage or self.usage
+            if self.route.key is not None:  # one of several workers: did its cache serve it?
+                self.broker.pool.observed(self.stream.conn, self.route.key, self.usage)
             if self.first_token_at is None and event.text:
                 self.first_token_at = time.monotonic()
         elif kind is Error:

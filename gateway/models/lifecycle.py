@@ -122,6 +122,10 @@ class ModelSlot:
     # waiting for is about to be used: evicting it before they start made loads thrash.
     waiters: int = 0
     wake: Pulse = field(default_factory=Pulse)  # interrupts the lifecycle task's waits
+    # `routing.replicas`: this slot runs replica 0 and holds the others (each a slot of its
+    # own: its own worker, lifecycle, health and memory budget; one pool for requests).
+    replica: int = 0
+    extra: list[ModelSlot] = field(default_factory=list)
 
     @property
     def name(self) -> str:
@@ -132,5 +136,25 @@ class ModelSlot:
         return getattr(self.process, "worker_id", None)
 
     @property
+    def label(self) -> str:
+        """Its worker's name in the model's pool (stable over restarts: gateway/link/pool.py)."""
+        return f"{self.name}#{self.replica}"
+
+    @property
+    def replicas(self) -> list[ModelSlot]:
+        return [self, *self.extra]
+
+    @property
     def stopping(self) -> bool:
         return self.stop_reason is not None
+
+
+def new_slot(entry: ModelEntry, predecessor: ModelSlot | None = None) -> ModelSlot:
+    """A model's slot with its other replicas (each waits for the same replica of a reload's
+    old slot to drain)."""
+    slot = ModelSlot(entry, predecessor=predecessor)
+    old = predecessor.replicas if predecessor is not None else []
+    for i in range(1, entry.routing.replicas):
+        before = old[i] if i < len(old) and old[i].task is not None else None
+        slot.extra.append(ModelSlot(entry, predecessor=before, replica=i))
+    return slot

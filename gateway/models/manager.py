@@ -23,6 +23,7 @@ from ...shared.config import Registry
 from ...shared.errors import ErrorCode, ServiceError
 from ..link import liveness as live
 from ..link.broker import Broker
+from ..link.pool import Route
 from ..link.worker_conn import (
     ConnState,
     WorkerBack,
@@ -34,7 +35,7 @@ from ..link.worker_conn import (
     WorkerReady,
 )
 from . import adapters
-from .lifecycle import ModelSlot, Pulse, SlotState
+from .lifecycle import ModelSlot, Pulse, SlotState, new_slot
 from .residency import TICK_S, Occupant, Residency
 from .slot_runner import SlotRunner, Spawner
 from .supervisor import spawn_worker
@@ -55,7 +56,7 @@ class ModelManager(SlotRunner):
         self.registry = registry
         self.broker = broker
         self.spawner = spawner
-        self.slots: dict[str, ModelSlot] = {e.name: ModelSlot(e) for e in registry.models}
+        self.slots: dict[str, ModelSlot] = {e.name: new_slot(e) for e in registry.models}
         self.retiring: set[ModelSlot] = set()  # replaced or removed by a reload, still draining
         self.residency = Residency(registry)
         self.leftovers = Leftovers()  # processes of exited workers, counted until gone
@@ -76,13 +77,15 @@ class ModelManager(SlotRunner):
         return self.slots[entry.name]
 
     def conns(self, slot: ModelSlot) -> list[WorkerConn]:
-        if slot.retired:
+        """The model's pool for its slot (replica 0), the replica's own worker for the others."""
+        if slot.retired or slot.replica:
             return self.local_conns(slot)
-        return self.broker.workers(slot.name)
+        return self.broker.pool.workers(slot.name)
 
     def local_conns(self, slot: ModelSlot) -> list[WorkerConn]:
         wid = slot.worker_id
-        return [c for c in self.broker.workers(slot.name) if wid is not None and c.worker_id == wid and not c.remote]
+        pool = self.broker.pool.workers(slot.name)
+        return [c for c in pool if wid is not None and c.worker_id == wid and not c.remote]
 
     def in_flight(self, slot: ModelSlot) -> int:
         return sum(c.load for c in self.conns(slot))
@@ -90,14 +93,19 @@ class ModelManager(SlotRunner):
     def keep_loaded(self, slot: ModelSlot, seconds: float) -> None:
         """Hold the model against idle unloading and eviction for `seconds` from now (Ollama's
         keep_alive; math.inf: until unloaded explicitly). The latest request's value wins."""
-        slot.keep_until = time.monotonic() + seconds
+        for replica in slot.replicas:
+            replica.keep_until = time.monotonic() + seconds
 
     def all_slots(self) -> list[ModelSlot]:
-        return [*self.slots.values(), *self.retiring]
+        return [*(r for s in self.slots.values() for r in s.replicas), *self.retiring]
 
     # -- requests ----------------------------------------------------------------------------
     async def acquire(
-        self, slot: ModelSlot, on_wait: Callable[[], Awaitable[None]] | None = None, wait_tick_s: float = 5.0
+        self,
+        slot: ModelSlot,
+        on_wait: Callable[[], Awaitable[None]] | None = None,
+        wait_tick_s: float = 5.0,
+        route: Route = None,
     ) -> WorkerConn:
         """A ready worker for the model, loading it first if needed (once, however many ask).
         A model that is draining is waited for, then loaded. on_wait runs every wait_tick_s
@@ -106,7 +114,7 @@ class ModelManager(SlotRunner):
         while True:
             current.waiters += 1  # a ready model with waiters is not evicted before they start
             try:
-                return await self._acquire(current, on_wait, wait_tick_s)
+                return await self._acquire(current, on_wait, wait_tick_s, route)
             except _Replaced as replaced:
                 successor = replaced.successor
             finally:
@@ -114,14 +122,16 @@ class ModelManager(SlotRunner):
             current = successor  # a reload replaced the slot while this request waited: wait for the new one
 
     async def _acquire(
-        self, slot: ModelSlot, on_wait: Callable[[], Awaitable[None]] | None, wait_tick_s: float
+        self, slot: ModelSlot, on_wait: Callable[[], Awaitable[None]] | None, wait_tick_s: float, route: Route
     ) -> WorkerConn:
-        slot.last_used = time.monotonic()
+        for replica in slot.replicas:
+            replica.last_used = time.monotonic()
         deadline = slot.last_used + self.registry.manager.load_timeout_s
         next_tick = slot.last_used + wait_tick_s
         attempt = 0  # the lifecycle run this request waits for
         while True:
-            conn = self.broker.least_loaded(slot.name)
+            routing = slot.entry.routing
+            conn = self.broker.pool.pick(slot.name, route, routing.policy, routing.load_margin)
             if conn is not None:
                 return conn
             successor = self.slots.get(slot.name)
@@ -211,14 +221,14 @@ class ModelManager(SlotRunner):
                 removed.append(name)
                 continue
             changed.append(name)
-            self.broker.quarantine.forget_model(name)
-            self.slots[name] = fresh = ModelSlot(entry, predecessor=slot if slot.task else None)
+            self.broker.registry.quarantine.forget_model(name)
+            self.slots[name] = fresh = new_slot(entry, predecessor=slot if slot.task else None)
             if was_resident or entry.preload:
                 self._ensure_started(fresh)
         for entry in registry.models:
             if entry.name not in self.slots:
                 added.append(entry.name)
-                self.slots[entry.name] = ModelSlot(entry)
+                self.slots[entry.name] = new_slot(entry)
                 if entry.preload:
                     self._ensure_started(self.slots[entry.name])
         log.info("reloaded registry: added %s, removed %s, changed %s", added, removed, changed)
@@ -227,12 +237,13 @@ class ModelManager(SlotRunner):
 
     def _retire(self, slot: ModelSlot) -> None:
         del self.slots[slot.name]
-        for conn in [c for c in self.broker.workers(slot.name) if c.remote]:  # remote workers leave too
+        for conn in [c for c in self.broker.pool.workers(slot.name) if c.remote]:  # remote workers leave too
             self._own(self.broker.shutdown_worker(conn))
-        slot.retired = True
-        if slot.task is not None:
-            self.retiring.add(slot)
-            self._own(self._drain_retired(slot))
+        for replica in slot.replicas:
+            replica.retired = True
+            if replica.task is not None:
+                self.retiring.add(replica)
+                self._own(self._drain_retired(replica))
 
     async def _drain_retired(self, slot: ModelSlot) -> None:
         try:
@@ -244,7 +255,7 @@ class ModelManager(SlotRunner):
     # -- what the workers say ------------------------------------------------------------------------
     async def _consume_worker_events(self) -> None:
         while True:
-            event = await self.broker.events.get()
+            event = await self.broker.registry.events.get()
             try:
                 self.on_worker_event(event)
             except Exception:  # one bad event must not stop the manager hearing the rest
@@ -301,13 +312,13 @@ class ModelManager(SlotRunner):
         slot.last_error = event.reason
         proc = slot.process
         ours = proc is not None and proc.worker_id == event.conn.worker_id
-        # An exit's requests in flight are judged by its exit code (broker.release_local
+        # An exit's requests in flight are judged by its exit code (broker.registry.release_local
         # returns them to the lifecycle); watchdog kills and silence never blame them.
         if ours and proc.running:
             if event.kind in (live.LossKind.NO_PROGRESS, live.LossKind.SILENT):
                 slot.kill_reason = event.reason  # the watchdog's kill, not a crash
             proc.signal(signal.SIGKILL)  # silent or hung: make sure it is gone; the lifecycle sees it exit
-        elif event.conn.remote and not self.broker.ready_workers(slot.name) and slot.process is None:
+        elif event.conn.remote and not self.broker.pool.ready_workers(slot.name) and slot.process is None:
             self._set(slot, SlotState.UNLOADED)  # its last remote worker left
 
     # -- residency ---------------------------------------------------------------------------------
@@ -339,8 +350,8 @@ class ModelManager(SlotRunner):
 
     def health(self) -> dict:
         return {
-            "host_stalls": self.broker.host_stalls,
-            "quarantined_requests": self.broker.quarantine.quarantined(),
+            "host_stalls": self.broker.registry.host_stalls,
+            "quarantined_requests": self.broker.registry.quarantine.quarantined(),
             "in_flight": sum(c.load for c in self.broker.conns.values()),
         }
 

@@ -101,6 +101,32 @@ class _ManagerCollector:
         yield from (running, waiting, hit_rate, cache_bytes, rss, mlx, loaded, loads, unloads, restarts, evictions)
 
 
+class _PoolCollector:
+    """Per replica of each model's pool (gateway/link/pool.py): load, prefix-cache hits of
+    the requests it finished, how requests were routed to it, its circuit breaker."""
+
+    def __init__(self, manager: ModelManager):
+        self.manager = manager
+
+    def collect(self):
+        labels = ["model", "replica"]
+        load = GaugeMetricFamily("mlxgw_replica_in_flight", "Requests in flight per replica", labels=labels)
+        rate = GaugeMetricFamily("mlxgw_replica_cache_hit_rate", "Prompt tokens read from cache", labels=labels)
+        routed = CounterMetricFamily("mlxgw_replica_routed", "Requests routed", labels=[*labels, "by"])
+        broken = GaugeMetricFamily("mlxgw_replica_breaker_open", "1 while its circuit breaker is open", labels=labels)
+        cold = CounterMetricFamily("mlxgw_replica_cold_warm_turns", "Later turns with no cache hit", labels=labels)
+        for slot in list(self.manager.slots.values()):
+            for row in self.manager.broker.pool.report(slot.name):
+                at = [slot.name, row["replica"]]
+                load.add_metric(at, row["load"])
+                rate.add_metric(at, row["cache_hit_rate"] or 0.0)
+                for how in ("prefix", "session", "load"):
+                    routed.add_metric([*at, how], row[f"routed_by_{how}"])
+                broken.add_metric(at, 1 if row["breaker_open_s"] > 0 else 0)
+                cold.add_metric(at, row["cold_warm_turns"])
+        yield from (load, rate, routed, broken, cold)
+
+
 class _EdgeCollector:
     def __init__(self, stats: EdgeStats):
         self.stats = stats
@@ -137,6 +163,7 @@ class Metrics:
         self.tokens = Counter("mlxgw_tokens", "Tokens processed", ["model", "key", "kind"], registry=r)
         self._children: dict[tuple, object] = {}
         r.register(_ManagerCollector(manager))
+        r.register(_PoolCollector(manager))
         if edge is not None:
             r.register(_EdgeCollector(edge))
 

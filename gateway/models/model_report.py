@@ -60,6 +60,7 @@ def describe_slot(manager: ModelManager, slot: ModelSlot) -> dict:
         "retry_in_s": round(max(0.0, slot.failed_until - time.monotonic()), 1)
         if slot.state is SlotState.FAILED
         else None,
+        "replicas": replicas(manager, slot) if not slot.replica else None,
         "workers": [
             {
                 "worker_id": c.worker_id,
@@ -73,3 +74,20 @@ def describe_slot(manager: ModelManager, slot: ModelSlot) -> dict:
             for c in workers
         ],
     }
+
+
+def replicas(manager: ModelManager, slot: ModelSlot) -> list[dict]:
+    """The model's pool, one row per replica: its worker's load, cache hit rate and how
+    requests came to it (gateway/link/pool.py), with its local slot's state and restarts.
+    A local replica with no worker connected (loading, restarting, failed) is listed too."""
+    rows = manager.broker.pool.report(slot.name)
+    by_worker = {r.worker_id: r for r in slot.replicas if r.worker_id is not None}
+    for row in rows:
+        local = by_worker.pop(row["worker_id"], None)
+        row["slot_state"] = local.state.value if local is not None else None
+        row["restarts"] = local.restarts if local is not None else None
+    listed = {row["replica"] for row in rows}
+    for r in slot.replicas:
+        if r.label not in listed and (len(slot.replicas) > 1 or r.state is not SlotState.UNLOADED):
+            rows.append({"replica": r.label, "slot_state": r.state.value, "restarts": r.restarts, "load": 0})
+    return rows

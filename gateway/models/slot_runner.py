@@ -94,7 +94,12 @@ class SlotRunner:
         self.changed.fire()
 
     def _ensure_started(self, slot: ModelSlot) -> None:
-        """UNLOADED -> LOADING: start the slot's lifecycle task unless one runs."""
+        """UNLOADED -> LOADING: start the lifecycle task of each of the slot's replicas that
+        runs none."""
+        for replica in slot.replicas:
+            self._start_one(replica)
+
+    def _start_one(self, slot: ModelSlot) -> None:
         if slot.task is not None or slot.retired or self.closing or slot.entry.remote_only:
             return
         if slot.state is not SlotState.UNLOADED:
@@ -158,10 +163,11 @@ class SlotRunner:
             heartbeat_s=m.heartbeat_s,
             liveness=m.liveness,
             hang_timeout_s=m.hang_timeout_s,
+            replica=slot.replica,
         )
         slot.process = proc
         slot.tree = ProcessTree(proc.pid)
-        self.broker.expect_local(proc.worker_id, proc.pid)
+        self.broker.registry.expect_local(proc.worker_id, proc.pid, slot.label)
         try:
             if slot.stopping or self.closing:  # a stop came while it was being spawned
                 code = await proc.stop(STOP_GRACE_S)
@@ -177,13 +183,13 @@ class SlotRunner:
                 self.leftovers.add(slot.tree.end_leftovers())
             slot.tree = None
         planned = slot.stopping or slot.retired or self.closing
-        fps = self.broker.release_local(proc.worker_id, f"process exited with code {code}", planned=planned)
+        fps = self.broker.registry.release_local(proc.worker_id, f"process exited with code {code}", planned=planned)
         slot.process = None
         slot.admitted = False
         if planned:
             slot.unloads += 1
         elif fps and slot.kill_reason is None and request_may_have_caused(code):
-            self.broker.quarantine.record_crash(slot.name, fps)
+            self.broker.registry.quarantine.record_crash(slot.name, fps)
         return code
 
     def _not_started(self, slot: ModelSlot, message: str, retry_after: float | None = 30) -> None:
@@ -286,7 +292,10 @@ class SlotRunner:
     # -- planned stops ----------------------------------------------------------------------------------
     async def unload(self, slot: ModelSlot, reason: str) -> None:
         """A planned stop: the worker finishes its requests in flight, then exits (SIGTERM,
-        then SIGKILL after STOP_GRACE_S). Returns once the slot's lifecycle has ended."""
+        then SIGKILL after STOP_GRACE_S). Returns once the slot's lifecycle has ended, and
+        its other replicas' too."""
+        if slot.extra:
+            await asyncio.gather(*(self.unload(r, reason) for r in slot.extra))
         task = slot.task
         if task is None:
             return
@@ -294,7 +303,7 @@ class SlotRunner:
             slot.stop_reason = reason
             log.info("unloading %s: %s", slot.name, reason)
             if slot.process is not None:
-                self.broker.drain_local(slot.process.worker_id)
+                self.broker.registry.drain_local(slot.process.worker_id)
                 self._set(slot, SlotState.DRAINING)
             slot.wake.fire()
             self.changed.fire()

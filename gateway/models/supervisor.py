@@ -59,14 +59,16 @@ async def spawn_worker(
     heartbeat_s: float,
     liveness: int,
     hang_timeout_s: float = 120.0,
+    replica: int = 0,
 ) -> WorkerProcess | RankGroup:
     flags = ["--heartbeat", str(heartbeat_s), "--liveness", str(liveness), "--hang-timeout", str(hang_timeout_s)]
     if entry.distributed is not None:  # a sharded model: its ranks, as one handle
         return await spawn_group(endpoint, entry, model_path, flags)
     worker_id = uuid.uuid4().hex
     cmd = worker_command(endpoint, entry, model_path, worker_id, flags)
-    proc = await asyncio.create_subprocess_exec(
-        *cmd, env=worker_environment(use_openblas=entry.use_openblas), stdin=asyncio.subprocess.DEVNULL
-    )
-    log.info("started worker pid %d for %s", proc.pid, entry.name)
+    env = worker_environment(use_openblas=entry.use_openblas)
+    if replica:  # replicas of one model keep their disk tiers apart (worker/model/cache/prefix_store.py)
+        env["MLXGW_REPLICA"] = str(replica)
+    proc = await asyncio.create_subprocess_exec(*cmd, env=env, stdin=asyncio.subprocess.DEVNULL)
+    log.info("started worker pid %d for %s (replica %d)", proc.pid, entry.name, replica)
     return WorkerProcess(entry.name, worker_id, proc)

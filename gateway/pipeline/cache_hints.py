@@ -2,14 +2,34 @@
 OpenAI's `prompt_cache_retention`. The prefix cache keeps every prompt it computes whether or
 not a client asks; a hint says that this request's prompt is worth keeping longer, so the
 worker holds its blocks against eviction for the asked time (bounded by a share of the
-cache: worker/model/cache/prefix_cache.py). `prompt_cache_key` is accepted and changes
-nothing on one worker: with replicas it is the key to route a session to the one holding
-its prefix."""
+cache: worker/model/cache/prefix_cache.py). A session id the client sends
+(`prompt_cache_key`, Anthropic's `metadata.user_id`, the session headers of Claude Code,
+Qwen Code and crush) changes nothing on one worker: with replicas it keeps the session's
+turns on one replica from its first turn on (gateway/link/pool.py)."""
 
 from __future__ import annotations
 
 from ...shared.errors import invalid
 from ...shared.events import Usage
+
+# Headers agents send with a stable id per session, read in this order after the body's fields.
+SESSION_HEADERS = ("x-claude-code-session-id", "x-qwen-code-session-id", "x-session-affinity")
+MAX_SESSION_ID = 256
+
+
+def session_id(headers, body: object) -> str | None:
+    """The id the client gives this request's session, if any (a hint for routing only:
+    it never widens a cache namespace, gateway/link/route_key.py)."""
+    found = None
+    if isinstance(body, dict):
+        found = body.get("prompt_cache_key")
+        metadata = body.get("metadata")
+        if not isinstance(found, str) and isinstance(metadata, dict):
+            found = metadata.get("user_id")
+    if not isinstance(found, str) or not found:
+        found = next((headers[h] for h in SESSION_HEADERS if headers.get(h)), None)
+    return found[:MAX_SESSION_ID] if isinstance(found, str) and found else None
+
 
 # Anthropic's two breakpoint lifetimes; a breakpoint without a ttl lives 5 minutes.
 ANTHROPIC_TTL_S = {"5m": 300.0, "1h": 3600.0}

@@ -27,6 +27,7 @@ from ..models.generation import Generation, Outcome
 from ..web.sse import SSEWriter
 from ..web.state import MANAGER, SETTINGS
 from .body import read_object
+from .cache_hints import session_id
 from .fields import ModelField, decode_fields
 from .fim_support import file_identity, superseding
 from .stream import Emitter, run_stream
@@ -117,6 +118,7 @@ def omitted_header(parsed: ParsedRequest) -> dict[str, str]:
 async def open_family(request: web.Request, family: type[A]) -> tuple[A, ParsedRequest]:
     """The request read and decoded once, its model resolved and its fields parsed."""
     body = await read_object(request)
+    request["session_id"] = session_id(request.headers, body)
     fields = decode_fields(body, family.Fields)
     api = family(request, body)
     name = api.model_name(fields)
@@ -148,9 +150,9 @@ def generation(request: web.Request, slot, req: p.WorkerRequest) -> Generation:
     key = request.get("key")
     if isinstance(req, p.GenerateRequest):  # embeddings are charged their input only
         reserve_tokens(request, slot, req.max_tokens * req.n if req.max_tokens is not None else None, req.n)
-    gen = Generation(
-        request.app[MANAGER], slot, req, request.app[SETTINGS].keepalive_s, owner=key.name if key else None
-    )
+    owner = key.name if key else None
+    session = request.get("session_id")
+    gen = Generation(request.app[MANAGER], slot, req, request.app[SETTINGS].keepalive_s, owner=owner, session=session)
     request["generation"] = gen
     span = request.get(SPAN)
     if span is not None:  # traced: the worker returns its times (pipeline/tracing.py)

@@ -12,7 +12,8 @@ import uuid
 
 import pytest
 
-from mlxgw.gateway.link.broker import Broker, ConnState, WorkerConn, WorkerLost, WorkerReady
+from mlxgw.gateway.link.broker import Broker
+from mlxgw.gateway.link.worker_conn import ConnState, WorkerConn, WorkerLost, WorkerReady
 from mlxgw.gateway.models.lifecycle import SlotState
 from mlxgw.gateway.models.manager import ModelManager
 from mlxgw.gateway.models.model_report import describe_slot
@@ -37,14 +38,14 @@ class FakeLinkBroker(Broker):
 
     def connect(self, worker_id: str, model: str) -> WorkerConn:
         conn = WorkerConn(identity=worker_id.encode(), worker_id=worker_id, model=model, kind="chat", pid=None)
-        conn.local_pid = self._local.get(worker_id)
+        conn.local_pid, conn.replica.label = self.registry.local_process(worker_id)
         self.conns[conn.identity] = conn
         return conn
 
     def ready(self, conn: WorkerConn) -> None:
         conn.state = ConnState.READY
         conn.info = {"context_length": 64, "load_seconds": 0.01}
-        self.events.put_nowait(WorkerReady(conn))
+        self.registry.events.put_nowait(WorkerReady(conn))
 
     def close_now(self) -> None:
         self.sock.close(linger=0)
@@ -307,7 +308,7 @@ async def test_a_worker_lost_by_liveness_is_killed_and_restarted(world):
     manager, broker, spawner = await world()
     slot = manager.slots["a"]
     conn = await manager.acquire(slot)
-    broker.drop(conn, "worker silent for 9 s")
+    broker.registry.drop(conn, "worker silent for 9 s")
     await until(lambda: len(spawner.of("a")) == 2)
     assert spawner.of("a")[0].signals == [signal.SIGKILL]
     assert slot.restarts == 1
@@ -339,7 +340,7 @@ async def test_requests_in_flight_at_a_planned_stop_are_not_quarantined(world):
         conn = await manager.acquire(slot)
         await broker.submit(conn, p.GenerateRequest(rid="r", prompt="long"))
         await manager.unload(slot, "test")
-    assert broker.quarantine.quarantined() == []
+    assert broker.registry.quarantine.quarantined() == []
 
 
 async def test_an_unencodable_request_is_refused_before_it_is_registered(world):

@@ -120,7 +120,7 @@ async def test_a_worker_back_under_a_new_socket_with_frames_lost_ends_its_stream
     assert type(event) is Error and event.error.code is ErrorCode.WORKER_LOST, event
     assert "lost part of this answer" in event.error.message
     assert (await new.recv(p.CANCEL))["rids"] == [rid]  # the worker stops generating for nobody
-    assert broker.in_flight("m") == 0
+    assert broker.pool.in_flight("m") == 0
     new.close()
 
 
@@ -133,7 +133,7 @@ async def test_a_worker_back_under_a_new_socket_with_nothing_lost_keeps_its_stre
     new = await _worker(broker, old.worker_id, seq=1)
     await new.events(1, [rid, _finish()])
     assert type(await stream.next(5)) is Finish
-    assert broker.in_flight("m") == 0
+    assert broker.pool.in_flight("m") == 0
     new.close()
 
 
@@ -146,7 +146,7 @@ async def test_a_gap_in_a_workers_event_frames_ends_the_streams_it_may_have_cut(
     event = await stream.next(5)
     assert type(event) is Error and event.error.code is ErrorCode.WORKER_LOST, event
     assert (await w.recv(p.CANCEL))["rids"] == [rid]
-    assert broker.in_flight("m") == 0
+    assert broker.pool.in_flight("m") == 0
     w.close()
 
 
@@ -155,7 +155,7 @@ async def test_a_request_a_draining_worker_left_unread_is_retryable_not_lost(bro
     after the engine's last poll was never read, and the BYE then ended it as worker_lost
     (502) in the middle of a reload."""
     w = await _worker(broker)
-    broker.drain_local(w.worker_id)  # the reload's unload marks it draining, then SIGTERMs it
+    broker.registry.drain_local(w.worker_id)  # the reload's unload marks it draining, then SIGTERMs it
     stream, _ = await _submit(broker, w)  # it was routed there in the instant before
     await w.sock.send(p.encode(p.BYE))
     event = await stream.next(5)
@@ -165,7 +165,7 @@ async def test_a_request_a_draining_worker_left_unread_is_retryable_not_lost(bro
 
 async def test_a_request_a_draining_worker_took_in_still_ends_as_lost(broker):
     w = await _worker(broker)
-    broker.drain_local(w.worker_id)
+    broker.registry.drain_local(w.worker_id)
     stream, rid = await _submit(broker, w)
     await w.events(0, [rid, ACCEPTED])
     await w.sock.send(p.encode(p.BYE))
@@ -180,7 +180,7 @@ async def test_a_worker_that_heartbeats_without_progress_loses_its_requests_past
     stream, _ = await _submit(broker, w)
     event = await stream.next(6)  # hang_timeout_s 1.5 s
     assert type(event) is Error and "made no progress" in event.error.message, event
-    assert broker.in_flight("m") == 0
+    assert broker.pool.in_flight("m") == 0
     w.close()
 
 
@@ -208,16 +208,16 @@ async def test_a_drained_workers_last_frames_are_read_though_its_exit_is_seen_fi
     exits; on a busy host the lifecycle saw the exit while those frames still waited unread,
     and the requests that had been answered ended as worker_lost (502)."""
     w = await _worker(broker)
-    broker.drain_local(w.worker_id)
+    broker.registry.drain_local(w.worker_id)
     stream, rid = await _submit(broker, w)
     # No await below yields to the broker's receive loop: the frames are sent but unread
     # when the exit is reported, which is the race, every time.
     await w.events(0, [rid, ACCEPTED], [rid, _finish()])
     await w.sock.send(p.encode(p.BYE))
-    broker.release_local(w.worker_id, "process exited with code 0", planned=True)
+    broker.registry.release_local(w.worker_id, "process exited with code 0", planned=True)
     assert type(await stream.next(5)) is Accepted
     assert type(await stream.next(5)) is Finish
-    assert broker.in_flight("m") == 0
+    assert broker.pool.in_flight("m") == 0
     w.close()
 
 
@@ -225,9 +225,9 @@ async def test_a_worker_asked_to_stop_before_its_hello_is_never_routed_to(broker
     """A reload that comes while a model's worker is starting drains it before it has said
     HELLO; its READY must not make it a worker that new requests go to."""
     worker_id = uuid.uuid4().hex
-    broker.drain_local(worker_id)
+    broker.registry.drain_local(worker_id)
     w = await _worker(broker, worker_id)
-    assert broker.ready_workers("m") == [] and broker.least_loaded("m") is None
+    assert broker.pool.ready_workers("m") == [] and broker.pool.least_loaded("m") is None
     w.close()
 
 

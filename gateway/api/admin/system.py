@@ -198,7 +198,7 @@ async def _cache_call(request: web.Request, op: str) -> web.Response:
     slots = [manager.resolve(wanted)] if wanted else list(manager.slots.values())
     calls, names = [], []
     for slot in slots:
-        for conn in broker.ready_workers(slot.name):
+        for conn in broker.pool.ready_workers(slot.name):
             calls.append(broker.call(conn, op))
             names.append((slot.name, conn.worker_id))
     results = await asyncio.gather(*calls, return_exceptions=True)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import re
 import shutil
 import time
@@ -213,7 +214,10 @@ def store_for(model_name: str, model_path: Path, max_mb: int | None) -> PrefixSt
     except OSError as e:
         log.warning("prefix cache on disk is off for %s: %s", model_name, e)
         return None
-    return PrefixStore(home() / "prefix-cache" / model_name, fingerprint, max_mb << 20)
+    # Replicas of one model on this host (the gateway's `routing.replicas`) each keep their own.
+    replica = os.environ.get("MLXGW_REPLICA")
+    folder = f"{model_name}@{replica}" if replica else model_name
+    return PrefixStore(home() / "prefix-cache" / folder, fingerprint, max_mb << 20)
 
 
 def restore_into(runner) -> None:
