@@ -243,7 +243,7 @@ def test_no_adapter_is_named_latest_and_model_colon_latest_stays_the_model(gatew
     _, a, _ = llama
     status, out = add(gateway, "latest", a)
     assert status == 400 and "reserved" in out["error"]["message"], out
-    body = {"model": "iso:latest", "prompt": "hi", "stream": False}
+    body = {"model": "iso:latest", "prompt": "hi", "stream": False, "options": {"num_predict": 2}}
     status, _, out = call(gateway, "POST", "/api/generate", body=body)
     assert status == 200 and out["model"] in ("iso", "iso:latest"), out
 

@@ -178,7 +178,7 @@ async def test_load_keepalives_start_only_once_a_load_ran_for_20_s():
     class LoadingManager:  # acquire ticks once, as the manager does while a load runs
         broker = None
 
-        async def acquire(self, slot, on_wait, tick_s):
+        async def acquire(self, slot, on_wait, tick_s, route=None):
             await on_wait()
             raise ServiceError(ErrorCode.MODEL_UNAVAILABLE, "the test stops here")
 
