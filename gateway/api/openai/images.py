@@ -1,5 +1,5 @@
 """OpenAI Images: POST /v1/images/generations and /v1/images/edits on `kind: image` workers
-(mlx-vlm's image models: worker/schedule/images.py).
+(mlx-vlm's image models: worker/model/image/runner.py).
 
 Images come back as `b64_json` only: the gateway hosts no files, so `response_format: url`
 is a 400 that says so. An edit takes one `image` and an optional `mask` (a PNG whose

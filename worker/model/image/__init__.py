@@ -1,0 +1,1 @@
+"""Text to image and image edits: mlx-vlm's image models on a thread of their own."""

@@ -1,0 +1,1 @@
+"""Text to speech: the Piper voice runner (ONNX, not MLX)."""
