@@ -52,6 +52,16 @@ def body_too_large(request: web.Request) -> ServiceError:
     )
 
 
+async def multipart_of(request: web.Request, what: str, field: str):
+    """The multipart reader of a form upload, or a 400 that says how to send `what`."""
+    if not request.content_type.startswith("multipart/form-data"):
+        raise invalid(f"send {what} as multipart/form-data with a '{field}' file field", field)
+    try:
+        return await request.multipart()
+    except (ValueError, AssertionError) as e:
+        raise invalid(f"malformed multipart body: {e}") from None
+
+
 def _checked_int(text: str) -> int:
     value = int(text)
     if not INT_MIN <= value <= INT_MAX:

@@ -18,6 +18,7 @@ from ....shared.events import Finish
 from ....shared.model_sections import ModelKind
 from ...access.auth import charge_audio_seconds, resolve_model
 from ...pipeline.audio_decode import AudioError, audio_seconds_cap, decode_audio
+from ...pipeline.body import multipart_of
 from ...pipeline.serving import generation
 from ...web.errors import openai_error_body
 from ...web.sse import SSEWriter
@@ -40,12 +41,7 @@ IGNORED_FIELDS = {"chunking_strategy", "include[]"}  # accepted as OpenAI does; 
 async def read_form(request: web.Request, fields: set[str]) -> tuple[bytes | None, dict[str, list[str]]]:
     """(file bytes, text fields) from a multipart form, refusing oversize parts and unknown
     fields with a 400 that names them."""
-    if not request.content_type.startswith("multipart/form-data"):
-        raise invalid("send the audio as multipart/form-data with a 'file' field", "file")
-    try:
-        reader = await request.multipart()
-    except (ValueError, AssertionError) as e:
-        raise invalid(f"malformed multipart body: {e}") from None
+    reader = await multipart_of(request, "the audio", "file")
     data: bytes | None = None
     text: dict[str, list[str]] = {}
     while True:

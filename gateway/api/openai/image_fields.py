@@ -12,6 +12,7 @@ from typing import Annotated, Any
 from aiohttp import web
 
 from ....shared.errors import ErrorCode, ServiceError, invalid
+from ...pipeline.body import multipart_of
 from ...pipeline.fields import INT32_MAX, M, ModelField
 
 MAX_PROMPT_CHARS = 32000  # OpenAI's limit for its image models
@@ -93,12 +94,7 @@ def parse_size(size: str | None) -> tuple[int, int] | None:
 
 async def read_edit_form(request: web.Request) -> tuple[dict[str, Any], list[bytes], bytes | None]:
     """(text fields as JSON would carry them, image uploads, mask upload) of an edit's form."""
-    if not request.content_type.startswith("multipart/form-data"):
-        raise invalid("send an edit as multipart/form-data with an 'image' file field", "image")
-    try:
-        reader = await request.multipart()
-    except (ValueError, AssertionError) as e:
-        raise invalid(f"malformed multipart body: {e}") from None
+    reader = await multipart_of(request, "an edit", "image")
     text: dict[str, Any] = {}
     images: list[bytes] = []
     mask = None
