@@ -52,14 +52,34 @@ def body_too_large(request: web.Request) -> ServiceError:
     )
 
 
-async def multipart_of(request: web.Request, what: str, field: str):
-    """The multipart reader of a form upload, or a 400 that says how to send `what`."""
+async def form_parts(request: web.Request, what: str, field: str):
+    """The parts of a form upload, one at a time; a 400 that says how to send `what` when the
+    body is no form, and one that says why when it is malformed."""
     if not request.content_type.startswith("multipart/form-data"):
         raise invalid(f"send {what} as multipart/form-data with a '{field}' file field", field)
     try:
-        return await request.multipart()
+        reader = await request.multipart()
     except (ValueError, AssertionError) as e:
         raise invalid(f"malformed multipart body: {e}") from None
+    while True:
+        try:
+            part = await reader.next()
+        except ValueError as e:
+            raise invalid(f"malformed multipart body: {e}") from None
+        if part is None:
+            return
+        yield part
+
+
+async def read_capped(part, cap: int) -> bytes | None:
+    """A form part's bytes, or None once they pass `cap` (the caller refuses in its API's words)."""
+    chunks, size = [], 0
+    while chunk := await part.read_chunk(1 << 16):
+        size += len(chunk)
+        if size > cap:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _checked_int(text: str) -> int:

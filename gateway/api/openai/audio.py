@@ -18,7 +18,7 @@ from ....shared.events import Finish
 from ....shared.model_sections import ModelKind
 from ...access.auth import charge_audio_seconds, resolve_model
 from ...pipeline.audio_decode import AudioError, audio_seconds_cap, decode_audio
-from ...pipeline.body import multipart_of
+from ...pipeline.body import form_parts, read_capped
 from ...pipeline.serving import generation
 from ...web.errors import openai_error_body
 from ...web.sse import SSEWriter
@@ -41,16 +41,9 @@ IGNORED_FIELDS = {"chunking_strategy", "include[]"}  # accepted as OpenAI does; 
 async def read_form(request: web.Request, fields: set[str]) -> tuple[bytes | None, dict[str, list[str]]]:
     """(file bytes, text fields) from a multipart form, refusing oversize parts and unknown
     fields with a 400 that names them."""
-    reader = await multipart_of(request, "the audio", "file")
     data: bytes | None = None
     text: dict[str, list[str]] = {}
-    while True:
-        try:
-            part = await reader.next()
-        except ValueError as e:
-            raise invalid(f"malformed multipart body: {e}") from None
-        if part is None:
-            return data, text
+    async for part in form_parts(request, "the audio", "file"):
         name = part.name or ""
         if name == "file":
             data = await _read_part(part, MAX_UPLOAD_BYTES, "file")
@@ -62,20 +55,18 @@ async def read_form(request: web.Request, fields: set[str]) -> tuple[bytes | Non
         else:
             known = ", ".join(sorted({"file", *fields}))
             raise invalid(f"unrecognized form field {name!r} (known: {known})", name or None)
+    return data, text
 
 
 async def _read_part(part, cap: int, name: str) -> bytes:
-    chunks, size = [], 0
-    while chunk := await part.read_chunk(1 << 16):
-        size += len(chunk)
-        if size > cap:
-            if name == "file":
-                raise ServiceError(
-                    ErrorCode.BODY_TOO_LARGE, f"the file is larger than the limit of {cap >> 20} MB", param="file"
-                )
-            raise invalid(f"'{name}' is longer than {cap} bytes", name)
-        chunks.append(chunk)
-    return b"".join(chunks)
+    data = await read_capped(part, cap)
+    if data is None and name == "file":
+        raise ServiceError(
+            ErrorCode.BODY_TOO_LARGE, f"the file is larger than the limit of {cap >> 20} MB", param="file"
+        )
+    if data is None:
+        raise invalid(f"'{name}' is longer than {cap} bytes", name)
+    return data
 
 
 def _one(text: dict[str, list[str]], name: str) -> str | None:

@@ -12,7 +12,7 @@ from typing import Annotated, Any
 from aiohttp import web
 
 from ....shared.errors import ErrorCode, ServiceError, invalid
-from ...pipeline.body import multipart_of
+from ...pipeline.body import form_parts, read_capped
 from ...pipeline.fields import INT32_MAX, M, ModelField
 
 MAX_PROMPT_CHARS = 32000  # OpenAI's limit for its image models
@@ -94,18 +94,11 @@ def parse_size(size: str | None) -> tuple[int, int] | None:
 
 async def read_edit_form(request: web.Request) -> tuple[dict[str, Any], list[bytes], bytes | None]:
     """(text fields as JSON would carry them, image uploads, mask upload) of an edit's form."""
-    reader = await multipart_of(request, "an edit", "image")
     text: dict[str, Any] = {}
     images: list[bytes] = []
     mask = None
     known = set(ImageFields.__struct_fields__) | set(IGNORED)
-    while True:
-        try:
-            part = await reader.next()
-        except ValueError as e:
-            raise invalid(f"malformed multipart body: {e}") from None
-        if part is None:
-            return text, images, mask
+    async for part in form_parts(request, "an edit", "image"):
         name = part.name or ""
         if name in ("image", "image[]"):
             images.append(await _read(part, MAX_UPLOAD_BYTES, "image"))
@@ -115,6 +108,7 @@ async def read_edit_form(request: web.Request) -> tuple[dict[str, Any], list[byt
             text[name] = _typed(name, (await _read(part, MAX_FIELD_BYTES, name)).decode("utf-8", "replace"))
         else:
             raise invalid(f"unrecognized form field {name!r} (known: image, mask, {', '.join(sorted(known))})", name)
+    return text, images, mask
 
 
 def _typed(name: str, raw: str) -> Any:
@@ -137,13 +131,10 @@ def _typed(name: str, raw: str) -> Any:
 
 
 async def _read(part, cap: int, name: str) -> bytes:
-    chunks, size = [], 0
-    while chunk := await part.read_chunk(1 << 16):
-        size += len(chunk)
-        if size > cap:
-            raise ServiceError(ErrorCode.BODY_TOO_LARGE, f"'{name}' is larger than {cap} bytes", param=name)
-        chunks.append(chunk)
-    return b"".join(chunks)
+    data = await read_capped(part, cap)
+    if data is None:
+        raise ServiceError(ErrorCode.BODY_TOO_LARGE, f"'{name}' is larger than {cap} bytes", param=name)
+    return data
 
 
 def decode_upload(data: bytes, name: str, need_alpha: bool = False):
