@@ -30,7 +30,7 @@ from ..models.generation import Generation
 from ..web.state import MANAGER, SETTINGS
 from ..web.work_pools import THREAD_POOLS
 from .audio_decode import AudioError, audio_seconds_cap, decode_audio
-from .images import _DATA_URL, _fetch
+from .images import _DATA_URL, _fetch, media_parts
 
 MAX_AUDIO_PARTS = 4  # per request
 MAX_AUDIO_BYTES = 25 << 20  # per part: OpenAI's upload limit
@@ -80,16 +80,6 @@ def from_openai_part(part: dict, where: str) -> dict:
     raise invalid(f"{where}: the audio must be a data: URL or input_audio data", "messages")
 
 
-def _audio_parts(messages: list[dict]) -> list[dict]:
-    return [
-        part
-        for m in messages
-        if isinstance(m.get("content"), list)
-        for part in m["content"]
-        if isinstance(part, dict) and part.get("type") == "audio"
-    ]
-
-
 async def _pcm(request: web.Request, source, where: str) -> bytes:
     """16 kHz mono int16 PCM of one part, or a 400 naming why not."""
     settings = request.app[SETTINGS]
@@ -124,7 +114,7 @@ async def collect_audio(
     request: web.Request, slot, messages: list[dict]
 ) -> tuple[list[dict], list[bytes] | None, bool]:
     """(messages, audio PCM for the worker or None, whether parts were transcribed)."""
-    parts = _audio_parts(messages)
+    parts = media_parts(messages, "audio")
     if not parts:
         return messages, None, False
     if len(parts) > MAX_AUDIO_PARTS:

@@ -121,17 +121,33 @@ def from_openai_part(part: dict, where: str, limits: ImageLimits | None, param: 
     return from_url(url, where, limits)
 
 
-def _image_parts(message: dict) -> list[dict]:
-    content = message.get("content")
-    if not isinstance(content, list):
-        return []
-    return [part for part in content if isinstance(part, dict) and part.get("type") == "image"]
+def media_parts(messages: list[dict], kind: str) -> list[dict]:
+    """Every part of `kind` ("image", "video", "audio") in the messages, in order."""
+    return [
+        part
+        for m in messages
+        if isinstance(m.get("content"), list)
+        for part in m["content"]
+        if isinstance(part, dict) and part.get("type") == kind
+    ]
+
+
+def with_placeholders(messages: list[dict], kind: str) -> list[dict]:
+    """The messages with each `kind` part reduced to its placeholder (the media travel beside
+    them); the input messages are not modified."""
+    stripped = []
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, list):
+            m = {**m, "content": [{"type": kind} if p.get("type") == kind else p for p in content]}
+        stripped.append(m)
+    return stripped
 
 
 async def collect_images(messages: list[dict], limits: ImageLimits | None) -> tuple[list[dict], list[bytes] | None]:
     """The messages as the worker takes them, and the images in order (None: no images).
     The input messages are not modified (the Responses store keeps them, images included)."""
-    sources = [part.get("source") for m in messages for part in _image_parts(m)]
+    sources = [part.get("source") for part in media_parts(messages, "image")]
     if not sources or limits is None:
         return messages, None
     if len(sources) > limits.max_images:
@@ -139,13 +155,7 @@ async def collect_images(messages: list[dict], limits: ImageLimits | None) -> tu
     fetched = await asyncio.gather(*(_fetch(s, limits) for s in sources if isinstance(s, str)))
     urls = iter(fetched)
     images = [next(urls) if isinstance(s, str) else s for s in sources]
-    stripped = []
-    for m in messages:
-        content = m.get("content")
-        if isinstance(content, list):
-            m = {**m, "content": [{"type": "image"} if p.get("type") == "image" else p for p in content]}
-        stripped.append(m)
-    return stripped, images
+    return with_placeholders(messages, "image"), images
 
 
 # -- fetching (only with --allow-image-urls) ---------------------------------------------------

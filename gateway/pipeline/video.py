@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 from ...shared.errors import invalid
 from ..web.state import ImageLimits
 from ..web.work_pools import JobFailed, JobTimeout, run_process_job
-from .images import _DATA_URL, _fetch
+from .images import _DATA_URL, _fetch, media_parts, with_placeholders
 
 MAX_VIDEOS = 4  # per request
 MAX_VIDEO_BYTES = 64 << 20  # per video (the request body limit usually bounds it first)
@@ -122,16 +122,6 @@ def is_video(data: bytes) -> bool:
     return _sniff(data)
 
 
-def _video_parts(messages: list[dict]) -> list[dict]:
-    return [
-        part
-        for m in messages
-        if isinstance(m.get("content"), list)
-        for part in m["content"]
-        if isinstance(part, dict) and part.get("type") == "video"
-    ]
-
-
 class _Sampled:
     """The frames of the last videos sampled, by the file's digest and the sampling: a
     conversation resends its clip every turn, and the turns after the first neither decode
@@ -193,7 +183,7 @@ async def collect_videos(
 ) -> tuple[list[dict], list[dict] | None]:
     """The messages with each video part reduced to {"type": "video"}, and the videos' frames
     in order (None: no videos). The input messages are not modified."""
-    sources = [part.get("source") for part in _video_parts(messages)]
+    sources = [part.get("source") for part in media_parts(messages, "video")]
     if not sources:
         return messages, None
     if limits is None:
@@ -207,10 +197,4 @@ async def collect_videos(
         return await sample_frames(source, fps, max_frames, f"video {i}")
 
     videos = await asyncio.gather(*(one(i, s) for i, s in enumerate(sources)))
-    stripped = []
-    for m in messages:
-        content = m.get("content")
-        if isinstance(content, list):
-            m = {**m, "content": [{"type": "video"} if p.get("type") == "video" else p for p in content]}
-        stripped.append(m)
-    return stripped, list(videos)
+    return with_placeholders(messages, "video"), list(videos)
