@@ -13,7 +13,7 @@ import time
 import pytest
 
 from mlxgw.shared.protocol import BACKGROUND_PRIORITY, GenerateRequest, SamplingParams
-from mlxgw.worker.schedule.prefill_plan import PrefillPace
+from mlxgw.worker.schedule.prefill_plan import PrefillBudget, PrefillPace
 
 BUDGET = 128
 GREEDY = SamplingParams(temperature=0, logit_bias={0: -100, 2: -100})  # no end-of-sequence
@@ -103,6 +103,7 @@ def test_an_editor_keystroke_overtakes_queued_agent_chat_and_background_work(hos
     _submit(sched, "agent-2", 8, 2, "agent")
     _submit(sched, "chat", 8, 2, "chat")
     _submit(sched, "keystroke", 8, 2, "editor")  # arrives last, owed first
+    assert sched.admission._keystrokes()  # its arrival keeps the steps short a while
     order = _first_tokens(sched)
     assert order == ["keystroke", "chat", "agent-1", "agent-2", "batch"], order
 
@@ -161,12 +162,30 @@ def test_a_step_beside_decoding_rows_reads_what_a_few_decode_steps_take():
     pace.observe(0, 0.25)  # a decode step of this host: 0.25 s
     pace.observe(256, 4.25)  # 256 prompt tokens in 4 s beside it: 64 tokens/s
     assert pace.tokens_per_s == 64
-    assert pace.cap(512, decoding=True) == 64  # 4 decode steps (1 s) of prompt reading
+    assert pace.cap(512, decoding=True, keystrokes=True) == 64  # 4 decode steps (1 s) of prompt reading
+    assert pace.cap(512, decoding=True) == 256  # no editor about: the 4 s bound beside decoding rows
     assert pace.cap(512) == 512  # nobody decodes: the step may take its 10 s
     fast = PrefillPace()
     fast.observe(0, 0.01)
     fast.observe(5000, 1.0)
-    assert fast.step_s(decoding=True) == MIN_STEP_WHILE_DECODING_S  # milliseconds steps: a floor
+    assert fast.step_s(decoding=True, keystrokes=True) == MIN_STEP_WHILE_DECODING_S  # milliseconds steps: a floor
+
+
+def test_a_keystroke_keeps_the_steps_beside_decoding_rows_short_for_a_while():
+    from mlxgw.worker.schedule.prefill_plan import EDITOR_RECENT_S
+
+    budget = PrefillBudget(512)
+    budget.pace.observe(0, 0.25)
+    budget.pace.observe(256, 4.25)  # 64 prompt tokens/s beside a 0.25 s decode step
+
+    class Row:
+        to_prefill = 0  # a decoding row
+
+    budget.start_step([Row()])
+    assert budget.step_budget == 256  # agents alone: a 4 s step reads their first turns
+    budget.start_step([Row()], keystrokes=True)
+    assert budget.step_budget == 64  # a typist about: a step is four decode steps
+    assert EDITOR_RECENT_S >= 5  # a burst's keystrokes are seconds apart
 
 
 def test_a_request_s_class_is_its_route_s_or_asked_and_never_above_its_key_s_grant():

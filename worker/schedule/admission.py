@@ -40,8 +40,8 @@ from ..model.runners.isolation import as_service_error
 from .choices import ChoiceGroups
 from .fair_share import FairQueue, Row, Waiting, clean_weight
 from .kv_rows import after_step, reserve, victim
-from .latency import target_of
-from .prefill_plan import PrefillBudget
+from .latency import class_of, target_of
+from .prefill_plan import EDITOR_RECENT_S, PrefillBudget
 from .prefix_inflight import SharedPrefill
 from .sequence import Phase, Sequence
 from .trace_marks import TracedRows
@@ -75,10 +75,13 @@ class Admission:
         # One prefill per prefix in flight (worker/schedule/prefix_inflight.py), where the runner can
         # publish a running row's prompt KV at its first token (not a lockstep group's).
         self.shared_prefill = SharedPrefill(runner) if runner.supports_shared_prefill else None
+        self.keystroke_at = float("-inf")  # when an editor-class request last arrived
 
     def queue(self, seq: Sequence) -> None:
         req = seq.req
         tenant = req.tenant if isinstance(req.tenant, str) else ""
+        if class_of(req) == "editor":
+            self.keystroke_at = time.monotonic()
         target = target_of(req)  # its first token is owed by arrival + its class's target
         entry = Waiting(req.priority, seq.arrival, req.rid, tenant, clean_weight(req.weight), time.monotonic())
         entry.due, entry.target_s = seq.arrived + target, target
@@ -125,11 +128,17 @@ class Admission:
         self.kv.waiting_for_memory = self.reserved(seq) > self.kv.budget_bytes
         return not self.kv.waiting_for_memory
 
+    def _keystrokes(self) -> bool:
+        """Whether an editor's keystrokes are about (prefill_plan.py: steps stay short)."""
+        if time.monotonic() - self.keystroke_at < EDITOR_RECENT_S:
+            return True
+        return any(class_of(s.req) == "editor" for s in self.running.values())
+
     def admit(self, seqs: dict[str, Sequence]) -> list[Refused]:
         """Start waiting sequences (seqs: every live one, by request id) while there is room."""
         refused: list[Refused] = []
         deferred: list[Waiting] = []
-        self.prefill.start_step(self.running.values())
+        self.prefill.start_step(self.running.values(), self._keystrokes())
         if self.shared_prefill is not None:
             self.shared_prefill.start_step()
         refused += self._preempt_for_memory()

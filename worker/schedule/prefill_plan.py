@@ -32,11 +32,16 @@ prompts arriving during a closed loop's decoding were read in more, smaller chun
 in-process, bench/team/admission.py: TTFT p50 2.0 s at 4 s against 3.2 s at 2 s, tok/s equal, the
 largest token gap 1.8-2.1 s at either).
 
-Within that bound, a step that reads prompts beside decoding rows takes what
-DECODE_STEPS_PER_PREFILL of their decode steps take (the decode step's time is measured too,
-an average of the steps that read no prompt, and the prompt rate is measured net of it): a
-decoding row's next token waits a few of its own steps for a prompt chunk, not seconds, on
-any host; the long read still progresses every step (never below MIN_PACED_BUDGET tokens).
+While an editor's keystrokes are about (an editor-class request waiting or running, or
+one arrived in the last EDITOR_RECENT_S), a step that reads prompts beside decoding rows
+takes only what DECODE_STEPS_PER_PREFILL of their decode steps take (the decode step's time
+is measured too, an average of the steps that read no prompt, and the prompt rate is
+measured net of it): the next keystroke waits a few decode steps for the step in progress,
+not seconds, on any host; the long read still progresses every step (never below
+MIN_PACED_BUDGET tokens). Without keystrokes the step keeps its 4 s bound: paced to decode
+steps always, 24 agent sessions on SmolLM2 (bench/team/sessions.py, 3 turns, no think time)
+had their warm turns' first token after 67 s at p50 instead of 7 s, since a slower read of
+the first turns held the rows the warm turns queued for.
 
 The first step of a fresh worker has no measured rate, and on that same host its 512-token
 step of a 0.5B model ran past 120 s: so it is bounded from the start (FIRST_STEP_BUDGET
@@ -62,7 +67,8 @@ MIN_PACED_BUDGET = 32  # below this a step's fixed cost dominates its prompt rea
 FIRST_STEP_BUDGET = 64  # prompt tokens of the first step, before any rate is measured
 HANG_TO_STEP = 12  # a paced step aims at this fraction of the watchdog's bound
 IDLE_BUDGET_FACTOR = 4  # prompt budget of a step when no row is decoding (nobody waits on it)
-DECODE_STEPS_PER_PREFILL = 4  # beside decoding rows a step reads what this many decode steps take
+DECODE_STEPS_PER_PREFILL = 4  # beside decoding rows and keystrokes a step reads this many decode steps' worth
+EDITOR_RECENT_S = 10.0  # a keystroke keeps steps short this long: a typist's burst is a few seconds apart
 MIN_STEP_WHILE_DECODING_S = 0.25  # but never less (a fast host's steps are milliseconds)
 
 
@@ -98,21 +104,23 @@ class PrefillPace:
         step = min(MAX_PREFILL_STEP_S, hang_timeout_s / HANG_TO_STEP)
         return cls(max_step_s=step, max_step_decoding_s=min(MAX_STEP_WHILE_DECODING_S, step))
 
-    def cap(self, budget: int, decoding: bool = False) -> int:
+    def cap(self, budget: int, decoding: bool = False, keystrokes: bool = False) -> int:
         """This step's budget: `budget` unless this host is too slow for it; before any rate
         is measured (a fresh worker's first prefill), FIRST_STEP_BUDGET at most.
-        decoding: other rows are generating and wait for this step."""
+        decoding: other rows are generating and wait for this step; keystrokes: an editor's
+        requests are about, and the next one must not wait for a long step."""
         if self.tokens_per_s is None:
             return min(budget, FIRST_STEP_BUDGET)
-        return min(budget, max(MIN_PACED_BUDGET, int(self.tokens_per_s * self.step_s(decoding))))
+        return min(budget, max(MIN_PACED_BUDGET, int(self.tokens_per_s * self.step_s(decoding, keystrokes))))
 
-    def step_s(self, decoding: bool) -> float:
-        """How long a step's prompt reading may take: beside decoding rows, the time of
-        DECODE_STEPS_PER_PREFILL decode steps (within MIN_STEP_WHILE_DECODING_S and
-        max_step_decoding_s), so their tokens keep coming at a few steps' pace; else max_step_s."""
+    def step_s(self, decoding: bool, keystrokes: bool = False) -> float:
+        """How long a step's prompt reading may take: beside decoding rows while keystrokes
+        are about, the time of DECODE_STEPS_PER_PREFILL decode steps (within
+        MIN_STEP_WHILE_DECODING_S and max_step_decoding_s); beside decoding rows otherwise,
+        max_step_decoding_s; else max_step_s."""
         if not decoding:
             return self.max_step_s
-        if self.decode_s is None:
+        if self.decode_s is None or not keystrokes:
             return self.max_step_decoding_s
         paced = max(MIN_STEP_WHILE_DECODING_S, DECODE_STEPS_PER_PREFILL * self.decode_s)
         return min(self.max_step_decoding_s, paced)
@@ -196,7 +204,7 @@ class PrefillBudget:
     def enabled(self) -> bool:
         return self.per_step is not None
 
-    def start_step(self, rows: Iterable[Sequence]) -> None:
+    def start_step(self, rows: Iterable[Sequence], keystrokes: bool = False) -> None:
         """This step's budgets. The budget protects rows that are decoding. With none, the
         prompts being read only wait for each other, so they read `idle_factor` budgets a
         step (fewer, larger chunks); but new prompts are still admitted one budget at a
@@ -206,9 +214,9 @@ class PrefillBudget:
         prompt in it the last one's wait."""
         budget = self.per_step or 0
         decoding = any(s.to_prefill == 0 for s in rows)
-        self.step_budget = self.pace.cap(budget if decoding else budget * self.idle_factor, decoding)
+        self.step_budget = self.pace.cap(budget if decoding else budget * self.idle_factor, decoding, keystrokes)
         admit = budget if decoding else budget * min(self.idle_admit_factor, self.idle_factor)
-        self.admit_budget = min(self.step_budget, self.pace.cap(admit, decoding))
+        self.admit_budget = min(self.step_budget, self.pace.cap(admit, decoding, keystrokes))
 
     def fits(self, rows: Iterable[Sequence], seq: Sequence) -> bool:
         """Whether seq may start this step. Its cached prefix is not known before the runner
