@@ -86,6 +86,8 @@ def test_audio_reaches_the_worker_as_audio_tokens(gw):
 
     one, two = prompt_tokens(input_audio(tone(0.98))), prompt_tokens(input_audio(tone(1.98)))
     assert two - one == TOKENS_PER_SECOND
+    # a header that declares 37 hours over 0.98 s of samples: heard as what it holds
+    assert prompt_tokens(input_audio(declaring(tone(0.98), 0xFFFFFF00))) == one
     # a second part of 1 s: its 25 tokens between its own two markers
     assert prompt_tokens(input_audio(tone(0.98)), input_audio(tone(0.98))) == one + TOKENS_PER_SECOND + 2
     url = f"data:audio/wav;base64,{base64.b64encode(tone(1.98)).decode()}"
@@ -135,8 +137,7 @@ def test_voice_notes_of_different_lengths_share_a_batch(gw):
 
 HOSTILE = [
     (tone(0.98)[:30], "could not be decoded as audio"),  # cut off inside its header
-    (declaring(tone(0.98), 0xFFFFFF00), "from its header"),  # 37 hours declared, 1 s sent
-    (flac_silence(40 * 60), "from its header"),  # 40 minutes of silence in a small FLAC
+    (flac_silence(40 * 60), "from its header"),  # 40 minutes of silence in a small FLAC: over the cap
     (b"this is no audio at all" * 10, "could not be decoded as audio"),
     (wav(rate=1, samples=100), "sample rate of 1 Hz"),
     (tone(31.0), "this model hears at most 30 seconds"),  # Gemma 4 hears 750 tokens of 40 ms
@@ -163,4 +164,5 @@ def test_a_checkpoint_without_its_audio_tower_refuses_audio_by_name(gw):
         {"model": "tiny-audio-deaf", "messages": voice_note(input_audio(tone(0.98))), "max_tokens": 2},
     )
     assert status == 400, body
-    assert "does not accept audio" in body["error"]["message"] and "chat.audio_model" in body["error"]["message"]
+    assert "does not accept audio (its checkpoint has no audio encoder)" in body["error"]["message"], body
+    assert "chat.audio_model" in body["error"]["message"]

@@ -157,11 +157,15 @@ class VisionRunner(ChatTextRunner):
         import numpy as np
 
         extractor = getattr(self.processor, "feature_extractor", None)
-        tower = getattr(self.model, "audio_tower", True)  # None: a checkpoint without its audio encoder
-        if extractor is None or getattr(extractor, "sampling_rate", 16000) != 16000 or tower is None:
+        why = None
+        if extractor is None or getattr(extractor, "sampling_rate", 16000) != 16000:
+            why = "its processor reads no 16 kHz audio"
+        elif getattr(self.model, "audio_tower", True) is None:
+            why = "its checkpoint has no audio encoder"
+        if why is not None:
             raise invalid(
-                "this model does not accept audio (its processor reads no 16 kHz audio); an operator can set "
-                "chat.audio_model to a speech-to-text model so audio parts are transcribed for it",
+                f"this model does not accept audio ({why}); an operator can set chat.audio_model to a "
+                "speech-to-text model so audio parts are transcribed for it",
                 "messages",
             )
         if len(parts) > 1 and not getattr(self.processor, "supports_multiple_audio", False):
