@@ -68,7 +68,7 @@ STUDIES = [
     ),
     Study(
         "serving",
-        "Throughput through the server: against peers, quantized KV, adapters, sharding, embeddings, audio.",
+        "Throughput through the server: against peers, quantized KV, adapters, sharding, embeddings, audio, video.",
         {
             "peers": ("serving.peers", "mlxgw against mlx_lm.server and vllm-mlx on one model, one BLAS."),
             "kv-bits": ("serving.kv_bits", "Quantized KV: memory per token, tok/s and greedy agreement."),
@@ -77,6 +77,8 @@ STUDIES = [
             "embeddings": ("serving.embeddings", "Embeddings throughput, and peers on the same texts."),
             "audio": ("serving.audio", "Speech to text through HTTP against faster-whisper, same model."),
             "audio-profile": ("serving.audio_profile", "Where a transcription's time goes inside a Whisper worker."),
+            "clip": ("serving.clip", "Four turns about one 30-s clip: later turns' TTFT against the first's, peers."),
+            "random-vlm": ("serving.random_vlm", "Build a random-weight Qwen2-VL of Qwen2-VL-2B's size (or tiny)."),
         },
     ),
     Study(

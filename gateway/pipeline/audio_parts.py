@@ -10,7 +10,7 @@ three things, by the model's entry:
   it and its text put in the part's place; the response says so in the
   `x-mlxgw-transcribed-content` header (the model never heard the audio).
 - a vision model: the audio goes to its worker, whose mlx-vlm processor takes it where the
-  family reads audio (Gemma 3n, ...), and refuses by name where it does not.
+  family reads audio (Gemma 4, Gemma 3n, ...), and refuses by name where it does not.
 - any other model: a 400 saying why, and how an operator turns transcription on."""
 
 from __future__ import annotations

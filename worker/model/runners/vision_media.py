@@ -51,6 +51,16 @@ def decode_video(frames: list[bytes], index: int):
     return np.stack(pictures).transpose(0, 3, 1, 2)
 
 
+def audio_seconds_heard(processor) -> float | None:
+    """The longest audio part the model hears, in seconds, where its processor says (Gemma 4:
+    750 tokens of 40 ms), else None. Longer parts would be cut short by the processor."""
+    tokens = getattr(processor, "audio_seq_length", None)
+    ms_per_token = getattr(processor, "audio_ms_per_token", None)
+    if not tokens or not ms_per_token:
+        return None
+    return tokens * ms_per_token / 1000
+
+
 def media_slots(messages: list[dict], kind: str) -> int:
     """How many {"type": kind} parts the messages hold."""
     return sum(

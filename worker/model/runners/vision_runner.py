@@ -5,6 +5,10 @@ each prompt enters as input embeddings (the vision tower runs once, at admission
 handling (chat template, detokenizing, tool and reasoning parsing, constrained decoding)
 is a ChatText, as in the MLX runner, on the same tokenizer files, loaded with mlx-lm.
 
+Audio parts reach families whose processor reads 16 kHz audio (Gemma 4, ...): the processor
+expands each part's marker into its audio tokens and computes its mel features, and the
+audio tower encodes them while the prompt is embedded, as the vision tower does images.
+
 mlx-vlm's generator draws every row with one sampler, so per-request temperature, top-p,
 top-k and min-p are applied as a logits processor and the shared sampler draws at
 temperature 1 (see sampling.sampling_processor), which also draws seeded requests itself.
@@ -28,8 +32,12 @@ from ...text.chat_text import ChatText
 from ..interfaces import Row, StepOutput, TokenOut
 from ..memory.kv_budget import runner_profile
 from .chat_runner import ChatTextRunner
-from .vision_media import MediaPrompt, decode_image, decode_video, media_key, media_slots
+from .vision_media import MediaPrompt, audio_seconds_heard, decode_image, decode_video, media_key, media_slots
 from .vision_prefix import MediaPrefixStore, make_manager
+
+# The processors' audio outputs (Gemma 3n / Gemma 4: mel features and their mask): read by the
+# audio tower while embedding, never by the language model.
+AUDIO_INPUTS = ("input_features", "input_features_mask", "audio_features", "audio_mask", "feature_attention_mask")
 
 
 class VisionRunner(ChatTextRunner):
@@ -131,7 +139,7 @@ class VisionRunner(ChatTextRunner):
                 )
             )
         except Exception as e:  # processors raise many types for odd images
-            raise invalid(f"the images or videos could not be prepared for this model: {e}", "messages") from None
+            raise invalid(f"the media could not be prepared for this model: {e}", "messages") from None
         prompt = MediaPrompt(inputs["input_ids"][0].tolist())
         prompt.media = inputs
         prompt.cache_key = media_key(req)
@@ -142,17 +150,35 @@ class VisionRunner(ChatTextRunner):
 
     def _audio(self, parts: list[bytes]) -> list:
         """Each audio part (16 kHz mono int16 PCM from the gateway) as float samples, for an
-        mlx-vlm processor that reads audio (its feature extractor's rate must be 16 kHz)."""
+        mlx-vlm family that reads audio; refused, by name, where this model hears none (its
+        processor has no 16 kHz feature extractor, or its checkpoint no audio tower), where it
+        hears one part only, or where a part is longer than the model hears (its processor
+        would cut it short without a word)."""
         import numpy as np
 
         extractor = getattr(self.processor, "feature_extractor", None)
+        why = None
         if extractor is None or getattr(extractor, "sampling_rate", 16000) != 16000:
+            why = "its processor reads no 16 kHz audio"
+        elif getattr(self.model, "audio_tower", True) is None:
+            why = "its checkpoint has no audio encoder"
+        if why is not None:
             raise invalid(
-                "this model does not accept audio (its processor reads no 16 kHz audio); an operator can set "
-                "chat.audio_model to a speech-to-text model so audio parts are transcribed for it",
+                f"this model does not accept audio ({why}); an operator can set chat.audio_model to a "
+                "speech-to-text model so audio parts are transcribed for it",
                 "messages",
             )
-        return [np.frombuffer(pcm, dtype="<i2").astype(np.float32) / 32768.0 for pcm in parts]
+        if len(parts) > 1 and not getattr(self.processor, "supports_multiple_audio", False):
+            raise invalid(f"this model takes one audio part per request; {len(parts)} were sent", "messages")
+        longest = audio_seconds_heard(self.processor)
+        samples = [np.frombuffer(pcm, dtype="<i2").astype(np.float32) / 32768.0 for pcm in parts]
+        for i, s in enumerate(samples):
+            if longest is not None and s.size / 16000 > longest + 1e-6:
+                raise invalid(
+                    f"audio {i} is {s.size / 16000:.1f} seconds long; this model hears at most {longest:g} seconds",
+                    "messages",
+                )
+        return samples
 
     def _videos(self, videos: list[dict], with_images: bool) -> dict:
         """prepare_inputs' video arguments: each video's frames as a (T, C, H, W) array, and
@@ -173,6 +199,10 @@ class VisionRunner(ChatTextRunner):
             ids, inputs.get("pixel_values"), mask=inputs.get("attention_mask"), **extra
         )
         extra.pop("cached_image_features", None)  # the tower's stand-in: for the embedding only
+        for key in AUDIO_INPUTS:  # consumed by the embedding; a batch must not concatenate them
+            extra.pop(key, None)
+        if "pixel_values" not in inputs and "pixel_values_videos" not in inputs:
+            extra.pop("mm_token_type_ids", None)  # marks vision spans only; a text row has none
         kwargs = {**extra, **{k: v for k, v in embedded.to_dict().items() if v is not None}}
         self._mx.eval([v for v in kwargs.values() if isinstance(v, self._mx.array)])
         return kwargs
