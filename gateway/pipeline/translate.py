@@ -110,8 +110,9 @@ async def build_request(request: web.Request, slot, parsed: ParsedRequest) -> p.
     max_tokens = first_set(
         parsed.max_tokens, fim_default, entry.defaults.max_tokens, settings.max_tokens_default, parsed.api_max_tokens
     )
-    models_dir = request.app[MANAGER].registry.models_dir
-    max_tokens = first_set(max_tokens, model_max_new_tokens(entry, models_dir), DEFAULT_MAX_TOKENS)
+    if max_tokens is None:  # only then: reading the model folder's default costs a stat per request
+        models_dir = request.app[MANAGER].registry.models_dir
+        max_tokens = first_set(model_max_new_tokens(entry, models_dir), DEFAULT_MAX_TOKENS)
     if settings.max_tokens_cap is not None:
         max_tokens = min(max_tokens, settings.max_tokens_cap)
     if parsed.max_tokens is None:
@@ -124,11 +125,8 @@ async def build_request(request: web.Request, slot, parsed: ParsedRequest) -> p.
     messages, images, videos, audio = parsed.messages, None, None, None
     if messages is not None:
         messages = with_entry_preamble(entry, messages)
-        limits = image_limits(request, slot)
-        messages, images = await collect_images(messages, limits)
-        messages, videos = await collect_videos(messages, limits, parsed.video_fps, parsed.video_max_frames)
-        messages, audio, transcribed = await collect_audio(request, slot, messages)
-        parsed.transcribed += ["audio"] if transcribed else []
+        if any(isinstance(m.get("content"), list) for m in messages):  # plain text has no media to look for
+            messages, images, videos, audio = await _media(request, slot, parsed, messages)
     template_kwargs = parsed.chat_template_kwargs  # an entry's own template is the worker's (chat_text.py)
     return p.GenerateRequest(
         rid=request["rid"],
@@ -164,6 +162,17 @@ async def build_request(request: web.Request, slot, parsed: ParsedRequest) -> p.
             request.app[CACHE_SECRET], key, settings.default_cache_group, parsed.cache_salt
         ),
     )
+
+
+async def _media(request: web.Request, slot, parsed: ParsedRequest, messages: list[dict]) -> tuple:
+    """(messages with placeholders, images, videos, audio): each kind moved out of the
+    messages, the transcribed audio noted on `parsed` (x-mlxgw-transcribed-content)."""
+    limits = image_limits(request, slot)
+    messages, images = await collect_images(messages, limits)
+    messages, videos = await collect_videos(messages, limits, parsed.video_fps, parsed.video_max_frames)
+    messages, audio, transcribed = await collect_audio(request, slot, messages)
+    parsed.transcribed += ["audio"] if transcribed else []
+    return messages, images, videos, audio
 
 
 def with_entry_preamble(entry, messages: list[dict]) -> list[dict]:
