@@ -40,7 +40,7 @@ from ..model.runners.isolation import as_service_error
 from .choices import ChoiceGroups
 from .fair_share import FairQueue, Row, Waiting, clean_weight
 from .kv_rows import after_step, reserve, victim
-from .latency import class_of, target_of
+from .latency import class_of
 from .prefill_plan import EDITOR_RECENT_S, PrefillBudget
 from .prefix_inflight import SharedPrefill
 from .sequence import Phase, Sequence
@@ -82,7 +82,7 @@ class Admission:
         tenant = req.tenant if isinstance(req.tenant, str) else ""
         if class_of(req) == "editor":
             self.keystroke_at = time.monotonic()
-        target = target_of(req)  # its first token is owed by arrival + its class's target
+        target = seq.target_s  # its first token is owed by arrival + its class's target
         entry = Waiting(req.priority, seq.arrival, req.rid, tenant, clean_weight(req.weight), time.monotonic())
         entry.due, entry.target_s = seq.arrived + target, target
         self.waiting.push(entry)
@@ -225,7 +225,7 @@ class Admission:
             pausable = self._pausable(s) and s.preemptible()
             weight = clean_weight(s.req.weight)
             row = Row(s.req.rid, s.req.tenant or "", weight, s.req.priority, s.generated, pausable, s.to_prefill > 0)
-            row.target_s = target_of(s.req)
+            row.target_s = s.target_s  # read once at its start: rows are rebuilt per admission
             return row
 
         return [row(s) for s in self.running.values()]

@@ -23,6 +23,7 @@ from ...shared.events import Phase, Usage  # Phase re-exported: the worker's pha
 from ..model.runners.isolation import SequenceGuard
 from ..text.output_parser import OutputParser, Parsed
 from .budget import ThinkingBudget, check_budget
+from .latency import target_of
 from .trace_marks import TraceMarks, marks_for
 
 if TYPE_CHECKING:
@@ -111,6 +112,7 @@ class Sequence:
     tokens: list[int] = field(default_factory=list)  # generated so far: a resumed row's prompt grows by them
     paused: int = 0  # times preempted
     marks: TraceMarks | None = None  # its times, when the gateway traces it (worker/schedule/trace_marks.py)
+    target_s: float = 0.0  # its latency class's target time to first token (worker/schedule/latency.py)
 
     @classmethod
     def start(cls, intake: Intake, prepared: Prepared, text: TextStream) -> Sequence:
@@ -128,6 +130,7 @@ class Sequence:
             constraint=prepared.constraint,
             arrival=intake.arrival,
             marks=marks_for(req, intake.arrived),
+            target_s=target_of(req),
         )
 
     def resumable(self) -> bool:
