@@ -114,7 +114,8 @@ def _running_and_waiting(gw) -> int:
 
 def test_a_long_prefill_reports_its_progress_in_status(answer_bound_gw):
     """Operators (and agent users waiting on a slow host) see how far a prefill has got."""
-    content = " ".join(f"word{i}" for i in range(6000))
+    # ~9,000 tokens in 16-token chunks: seconds of prefill, several heartbeats' stats during it
+    content = " ".join(f"word{i}" for i in range(2000))
     body = {"model": "chunky", "messages": [{"role": "user", "content": content}], "max_tokens": 1}
     reply: dict = {}
     thread = threading.Thread(
