@@ -199,7 +199,7 @@ def residency_gateway(home, tiny_dir):
     broken.mkdir(parents=True, exist_ok=True)
     (broken / "config.json").write_text(json.dumps({"model_type": "llama"}))
     config = {
-        "manager": {"auto_discover": False, "heartbeat_s": 0.5, "liveness": 6},
+        "manager": {"auto_discover": False, "heartbeat_s": 0.5, "liveness": 6, "restart_backoff_s": 0.1},
         "models": [
             {"name": "lazy", "source": "tiny"},
             {"name": "idle", "source": "tiny", "idle_unload_s": 2},
@@ -375,13 +375,13 @@ def test_a_hot_reload_under_traffic_starts_the_changed_model_once(home, tiny_dir
             for t in threads:
                 t.start()
             for seqs in (4, 6):
-                time.sleep(1.5)
+                time.sleep(1)  # traffic in flight when the reload comes
                 changed = yaml.safe_load(gw.config_path.read_text())
                 changed["models"][0]["max_num_seqs"] = seqs
                 gw.config_path.write_text(yaml.safe_dump(changed))
                 gw.proc.send_signal(signal.SIGHUP)
                 wait_for(lambda: len(gw.status()["processes"]) == 1 and gw.model_status("hot")["loaded"], 60)
-            time.sleep(1)
+            time.sleep(0.5)
             stop.set()
             for t in threads:
                 t.join(60)

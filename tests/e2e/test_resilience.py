@@ -210,7 +210,7 @@ def test_a_request_the_wire_cannot_carry_is_a_400_and_leaves_nothing_in_flight(t
 @pytest.fixture(scope="module")
 def crash_gateway(home, tiny_dir):
     config = {
-        "manager": {"auto_discover": False, "heartbeat_s": 0.5, "liveness": 4},
+        "manager": {"auto_discover": False, "heartbeat_s": 0.5, "liveness": 4, "restart_backoff_s": 0.1},
         "models": [{"name": "victim", "source": "tiny", "preload": True}, {"name": "bystander", "source": "tiny"}],
     }
     gw = start_gateway(home, config, "crash-gateway")

@@ -24,7 +24,7 @@ VOCAB = 49152  # SmolLM2's, which the tiny model shares
 LOOP_TEMPLATE = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
 # The workers' template deadline (worker/text/template_budget.py: 5 s by default): each endless
 # template waits it out, four times in this file.
-TEMPLATE_BUDGET_S = 1.5  # far above a real render here (the 2.6 MB prompt's too: milliseconds)
+TEMPLATE_BUDGET_S = 1.5  # well above what a render of these tests' prompts needs
 
 
 @pytest.fixture(scope="module")
