@@ -39,17 +39,15 @@ def greedy(gw, model: str, max_tokens: int = 8) -> str:
 
 
 @pytest.fixture(scope="module")
-def one_worker_rss(home, tiny_dir) -> int:
-    """Measured RSS of one tiny worker, to size a budget that fits exactly one."""
-    gw = start_gateway(
-        home, {"manager": {"auto_discover": False}, "models": [{"name": "tiny", "preload": True}]}, "rss-probe"
-    )
-    try:
-        pid = gw.worker_pid("tiny")
-        greedy(gw, "tiny")
-        return psutil.Process(pid).memory_info().rss
-    finally:
-        gw.stop()
+def one_worker_rss(residency_gateway) -> int:
+    """Measured RSS of one fresh tiny worker (the module gateway's `probe`, loaded for this
+    alone and unloaded after), to size a budget that fits exactly one."""
+    gw = residency_gateway
+    greedy(gw, "probe")
+    rss = psutil.Process(gw.worker_pid("probe")).memory_info().rss
+    status, _, body = http(f"{gw.url}/v1/models/probe/unload", "POST", {})
+    assert status == 200 and body["loaded"] is False, body
+    return rss
 
 
 def test_budget_that_fits_one_model_evicts_the_least_recently_used(home, tiny_dir, one_worker_rss):
@@ -207,6 +205,7 @@ def residency_gateway(home, tiny_dir):
             {"name": "hang", "source": "tiny"},
             {"name": "broken"},
             {"name": "retiring", "source": "tiny"},
+            {"name": "probe", "source": "tiny"},  # one_worker_rss
         ],
     }
     gw = start_gateway(home, config, "residency-gateway")
