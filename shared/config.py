@@ -40,6 +40,7 @@ class ManagerConfig:
     hang_timeout_s: float = 120
     load_timeout_s: float = 300
     failed_retry_s: float = 300  # a crash-looping model is tried again after this (doubling)
+    restart_backoff_s: float = 1.0  # a crashed worker restarts after this (doubling per crash in the window)
     usage_ledger: bool = True  # record every API request in $MLXGW_HOME/usage.db (gateway/access/ledger.py)
     usage_retention_days: float = 90  # ledger rows older than this are deleted; 0: keep forever
     # Folders Ollama's /api/create may take a `FROM` path from (the models directory always);
@@ -48,7 +49,8 @@ class ManagerConfig:
 
 
 def check_manager(m: ManagerConfig, where: str) -> None:
-    at_least(where, m, 0, ("heartbeat_s", "load_timeout_s", "failed_retry_s", "hang_timeout_s"), strict=True)
+    strictly_positive = ("heartbeat_s", "load_timeout_s", "failed_retry_s", "hang_timeout_s", "restart_backoff_s")
+    at_least(where, m, 0, strictly_positive, strict=True)
     at_least(where, m, 0, ("idle_unload_s", "wait_timeout_s", "usage_retention_days"))
     at_least(where, m, 1, ("liveness", "max_loaded_models"))
     try:

@@ -62,7 +62,6 @@ class CrashHistory:
 
     window_s: float = 120.0
     max_crashes: int = 4
-    base_backoff_s: float = 1.0  # doubles per crash in the window
     max_backoff_s: float = 30.0
     times: deque = field(default_factory=deque)
     loops: int = 0  # crash loops in a row (each one doubles the wait before the next try)
@@ -77,8 +76,9 @@ class CrashHistory:
     def looping(self) -> bool:
         return len(self.times) >= self.max_crashes
 
-    def backoff_s(self) -> float:
-        return min(self.base_backoff_s * 2 ** (len(self.times) - 1), self.max_backoff_s)
+    def backoff_s(self, base_s: float) -> float:
+        """base_s (the manager's restart_backoff_s), doubled per crash in the window."""
+        return min(base_s * 2 ** (len(self.times) - 1), self.max_backoff_s)
 
     def clear(self) -> None:
         self.times.clear()

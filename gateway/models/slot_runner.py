@@ -244,7 +244,7 @@ class SlotRunner:
             slot.last_error = f"worker exited with code {code}"
         if slot.crashes.looping:
             return None
-        delay = slot.crashes.backoff_s()
+        delay = slot.crashes.backoff_s(self.registry.manager.restart_backoff_s)
         if killed is not None:
             log.warning(
                 "worker for %s killed by the watchdog (%s; watchdog kill %d, not a crash); restarting in %g s",

@@ -251,10 +251,13 @@ most = control.get()
 control.set(1); assert control.get() == 1
 control.set(most)
 
+# One runner for every count (a load per decode cost seconds each): with no prefix
+# cache, nothing of one decode's rows is left for the next.
+r = build_mlx_runner(pathlib.Path({str(smollm2_dir)!r}), context_length=None, max_num_seqs=4, prefill_step_size=64,
+                     cache_bytes=0)
+r.blas = None  # this test sets the count itself
+
 def decode(rows, threads):
-    r = build_mlx_runner(pathlib.Path({str(smollm2_dir)!r}), context_length=None, max_num_seqs=4, prefill_step_size=64,
-                  cache_bytes=0)
-    r.blas = None  # this test sets the count itself
     control.set(threads)
     greedy = SamplingParams(temperature=0.0)
     uids = [r.insert(Row(list(range(100 + 7 * i, 160 + 7 * i)), 24, greedy))[0] for i in range(rows)]

@@ -21,7 +21,9 @@ from helpers import start_gateway, wait_for
 
 from mlxgw.worker.process.link import WorkerLink
 
-STALL_S = 10.0
+# Twice the liveness window (heartbeat_s x liveness = 0.5 s x 5 below), as 10 s was at the
+# default 1-s heartbeat: the old worker gave its gateway up within it.
+STALL_S = 5.0
 STREAMS = 4
 # A known text, long enough that the streams are still running when the gateway stops (the
 # echo engine says it back byte by byte), each stream's its own.
@@ -32,7 +34,7 @@ TEXTS = [" ".join(f"s{i}w{n:05d}" for n in range(1_600)) for i in range(STREAMS)
 LEAVER_CHARS = 1_500_000
 
 CONFIG = {
-    "manager": {"auto_discover": False},
+    "manager": {"auto_discover": False, "heartbeat_s": 0.5},
     "models": [{"name": "echo", "engine": "echo", "preload": True, "context_length": 4_000_000}],
 }
 

@@ -19,12 +19,13 @@ from helpers.http import http
 
 BOUND_MB = 8  # small, so 4x the bound is 32 requests (64 took a minute of the suite)
 MB = 1 << 20
+HEARTBEAT_S = 0.5  # stats travel with heartbeats: half the default, so idle samples come sooner
 
 
 @pytest.fixture(scope="module")
 def gateway(home, tiny_dir):
     config = {
-        "manager": {"auto_discover": False},
+        "manager": {"auto_discover": False, "heartbeat_s": HEARTBEAT_S},
         "models": [
             {"name": "tiny-bounded", "source": "tiny", "preload": True, "cache": {"prefix_memory_mb": BOUND_MB}}
         ],
@@ -41,7 +42,7 @@ def _idle_stats(gw, model: str = "tiny-bounded", timeout: float = 60) -> dict:
         (worker,) = gw.model_status(model)["workers"]
         stats = worker.get("stats") or {}
         if stats and not stats.get("running") and not stats.get("waiting"):
-            time.sleep(2.5)  # one more heartbeat, so the sample is from the idle worker
+            time.sleep(2.5 * HEARTBEAT_S)  # one more heartbeat, so the sample is from the idle worker
             (worker,) = gw.model_status(model)["workers"]
             return worker["stats"]
         time.sleep(0.2)

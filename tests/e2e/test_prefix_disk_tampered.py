@@ -46,12 +46,29 @@ def _files(home: Path, model: str) -> set[Path]:
     return set(folder.glob("*.safetensors")) if folder.is_dir() else set()
 
 
-def _head(files: set[Path]) -> Path:
-    """Of a prompt's new block files, the one whose parent is not among them."""
+def _heads(files: set[Path], cases, tokenizer) -> dict[str, Path]:
+    """Each case's first block file of its own: the first of its prompt's chain of blocks
+    (named by the text the chain decodes to) that no other prompt's chain holds (the
+    template's blocks are every prompt's). One stop writes every prompt's blocks at once."""
     metas = {f: mx.load(str(f), return_metadata=True)[1] for f in files}
-    keys = {m["key"] for m in metas.values()}
-    (head,) = [f for f, m in metas.items() if m["parent"] not in keys]
-    return head
+    by_key = {m["key"]: f for f, m in metas.items()}
+    parents = {m["parent"] for m in metas.values()}
+    chains: dict[str, list[Path]] = {}
+    for leaf in (f for f, m in metas.items() if m["key"] not in parents):
+        chain = [leaf]
+        while metas[chain[-1]]["parent"] in by_key:
+            chain.append(by_key[metas[chain[-1]]["parent"]])
+        chain.reverse()
+        text = tokenizer.decode([t for f in chain for t in json.loads(metas[f]["tokens"])])
+        (case,) = [c for c in cases if f"{c}0 {c}1 {c}2" in text]
+        assert case not in chains, case
+        chains[case] = chain
+    assert set(chains) == set(cases), (sorted(chains), cases)
+
+    def own(f: Path, case: str) -> bool:
+        return not any(f in chain for other, chain in chains.items() if other != case)
+
+    return {case: next(f for f in chain if own(f, case)) for case, chain in chains.items()}
 
 
 def _rewrite(path: Path, change) -> None:
@@ -104,19 +121,19 @@ def gateway(home, tiny_dir):
     gw.stop()
 
 
-def test_tampered_block_files_are_skipped_and_the_prompt_computed_again(gateway, home, tmp_path):
+def test_tampered_block_files_are_skipped_and_the_prompt_computed_again(gateway, home, tmp_path, smollm2_tokenizer):
     gw = gateway
     prompts = {case: " ".join(f"{case}{i % 83}" for i in range(260)) for case in ("decoy", *CASES)}
     _ask(gw, "tamper-other", "another model's block")  # its blocks stand for a foreign model's
     _unload(gw, "tamper-other")
     foreign = sorted(_files(home, "tamper-other"))[0]
-    answers, heads = {}, {}
+    answers = {}
+    before = _files(home, "tamper")
     for case, prompt in prompts.items():
-        before = _files(home, "tamper")
         answers[case], cached = _ask(gw, "tamper", prompt)
-        assert cached < 64  # nothing of it was cached before
-        _unload(gw, "tamper")  # the stop writes the prompt's blocks
-        heads[case] = _head(_files(home, "tamper") - before)
+        assert cached < 64  # nothing of it was cached before (the template's blocks at most)
+    _unload(gw, "tamper")  # the stop writes every prompt's blocks
+    heads = _heads(_files(home, "tamper") - before, tuple(prompts), smollm2_tokenizer)
     # The next worker indexes the store and reads the decoy's blocks back (a block sharing
     # only the template would be read for another prompt): memory holds this model's layout.
     assert _ask(gw, "tamper", prompts.pop("decoy"))[1] > 700

@@ -80,7 +80,8 @@ def test_a_loading_model_reports_the_bytes_read_so_far_in_status(home, smollm2_d
 
 def test_mlxgw_ps_shows_how_far_a_load_has_got(home, monkeypatch):
     # The null engine honours this test-only delay, so the load lasts long enough to look at.
-    monkeypatch.setenv("MLXGW_TEST_NULL_LOAD_S", "8")
+    # 5 s: a few times what `mlxgw ps` takes to start on a busy 2-core host.
+    monkeypatch.setenv("MLXGW_TEST_NULL_LOAD_S", "5")
     config = {
         "manager": {"auto_discover": False, "heartbeat_s": 0.2},
         "models": [{"name": "slow-null", "engine": "null"}],

@@ -39,17 +39,15 @@ def greedy(gw, model: str, max_tokens: int = 8) -> str:
 
 
 @pytest.fixture(scope="module")
-def one_worker_rss(home, tiny_dir) -> int:
-    """Measured RSS of one tiny worker, to size a budget that fits exactly one."""
-    gw = start_gateway(
-        home, {"manager": {"auto_discover": False}, "models": [{"name": "tiny", "preload": True}]}, "rss-probe"
-    )
-    try:
-        pid = gw.worker_pid("tiny")
-        greedy(gw, "tiny")
-        return psutil.Process(pid).memory_info().rss
-    finally:
-        gw.stop()
+def one_worker_rss(residency_gateway) -> int:
+    """Measured RSS of one fresh tiny worker (the module gateway's `probe`, loaded for this
+    alone and unloaded after), to size a budget that fits exactly one."""
+    gw = residency_gateway
+    greedy(gw, "probe")
+    rss = psutil.Process(gw.worker_pid("probe")).memory_info().rss
+    status, _, body = http(f"{gw.url}/v1/models/probe/unload", "POST", {})
+    assert status == 200 and body["loaded"] is False, body
+    return rss
 
 
 def test_budget_that_fits_one_model_evicts_the_least_recently_used(home, tiny_dir, one_worker_rss):
@@ -199,7 +197,7 @@ def residency_gateway(home, tiny_dir):
     broken.mkdir(parents=True, exist_ok=True)
     (broken / "config.json").write_text(json.dumps({"model_type": "llama"}))
     config = {
-        "manager": {"auto_discover": False, "heartbeat_s": 0.5, "liveness": 6},
+        "manager": {"auto_discover": False, "heartbeat_s": 0.5, "liveness": 6, "restart_backoff_s": 0.1},
         "models": [
             {"name": "lazy", "source": "tiny"},
             {"name": "idle", "source": "tiny", "idle_unload_s": 2},
@@ -207,6 +205,7 @@ def residency_gateway(home, tiny_dir):
             {"name": "hang", "source": "tiny"},
             {"name": "broken"},
             {"name": "retiring", "source": "tiny"},
+            {"name": "probe", "source": "tiny"},  # one_worker_rss
         ],
     }
     gw = start_gateway(home, config, "residency-gateway")
@@ -375,13 +374,13 @@ def test_a_hot_reload_under_traffic_starts_the_changed_model_once(home, tiny_dir
             for t in threads:
                 t.start()
             for seqs in (4, 6):
-                time.sleep(1.5)
+                time.sleep(1)  # traffic in flight when the reload comes
                 changed = yaml.safe_load(gw.config_path.read_text())
                 changed["models"][0]["max_num_seqs"] = seqs
                 gw.config_path.write_text(yaml.safe_dump(changed))
                 gw.proc.send_signal(signal.SIGHUP)
                 wait_for(lambda: len(gw.status()["processes"]) == 1 and gw.model_status("hot")["loaded"], 60)
-            time.sleep(1)
+            time.sleep(0.5)
             stop.set()
             for t in threads:
                 t.join(60)
@@ -412,7 +411,8 @@ def test_a_crash_looping_model_is_retried_after_a_backoff_and_at_once_on_reload(
     minutes later). Now it is refused for failed_retry_s, then loads again; `mlxgw reload`
     retries it at once."""
     config = {
-        "manager": {"auto_discover": False, "failed_retry_s": 4},
+        # Restarts 0.1, 0.2, 0.4 s apart (1, 2, 4 s by default): the same loop, 13 s sooner.
+        "manager": {"auto_discover": False, "failed_retry_s": 4, "restart_backoff_s": 0.1},
         "models": [{"name": "looping", "engine": "null", "preload": True}, {"name": "bystander", "engine": "null"}],
     }
     gw = start_gateway(home, config, "crash-loop-gateway")

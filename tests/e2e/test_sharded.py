@@ -43,7 +43,7 @@ def qwen_dir(home, smollm2_dir) -> Path:
 @pytest.fixture(scope="module")
 def gw(home, qwen_dir, tiny_dir):
     config = {
-        "manager": {"auto_discover": False, "max_loaded_models": 8},
+        "manager": {"auto_discover": False, "max_loaded_models": 8, "restart_backoff_s": 0.1},
         "models": [
             # preloaded: the gateway loads them side by side while it starts (where cores allow)
             {"name": "qwen-one", "source": "tiny-qwen2", "preload": True},

@@ -25,7 +25,13 @@ LONG_PROMPT = " ".join(f"line {i}: the quick brown fox jumps over the lazy dog."
 @pytest.fixture(scope="module")
 def slow_gateway(home, tiny_dir):
     config = {
-        "manager": {"auto_discover": False, "heartbeat_s": 0.25, "liveness": 4, "hang_timeout_s": HANG_TIMEOUT_S},
+        "manager": {
+            "auto_discover": False,
+            "heartbeat_s": 0.25,
+            "liveness": 4,
+            "hang_timeout_s": HANG_TIMEOUT_S,
+            "restart_backoff_s": 0.1,  # the watchdog test's restarts: not 1 s and 2 s
+        },
         "models": [{"name": "slow", "source": "tiny", "preload": True, "max_num_seqs": 2}],
     }
     os.environ["MLXGW_TEST_SLOW_PREFILL_MS"] = str(SLOW_MS_PER_TOKEN)

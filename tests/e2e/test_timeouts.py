@@ -54,7 +54,7 @@ def _endless(gw, outcome: dict, rid: str | None = None, model: str = "serial") -
 
 @pytest.fixture(scope="module")
 def answer_bound_gw(home, tiny_dir):
-    gw = start_gateway(home, _config(request_timeout_s=3, prefill_timeout_s=120), "timeouts-answer")
+    gw = start_gateway(home, _config(request_timeout_s=2, prefill_timeout_s=120), "timeouts-answer")
     yield gw
     gw.stop()
 
@@ -67,8 +67,8 @@ def prefill_bound_gw(home, tiny_dir):
 
 
 def test_waiting_for_a_turn_does_not_count_against_the_answer(answer_bound_gw):
-    """Two endless streams ahead on a one-row model each end 3 s after their first token; the
-    request behind them waits about 6 s, more than the 3 s an answer has, and still completes."""
+    """Two endless streams ahead on a one-row model each end 2 s after their first token; the
+    request behind them waits about 4 s, more than the 2 s an answer has, and still completes."""
     outcomes = [{}, {}]
     threads = [_endless(answer_bound_gw, outcome) for outcome in outcomes]
     wait_for(lambda: _running_and_waiting(answer_bound_gw) == 2, 30)
@@ -114,7 +114,8 @@ def _running_and_waiting(gw) -> int:
 
 def test_a_long_prefill_reports_its_progress_in_status(answer_bound_gw):
     """Operators (and agent users waiting on a slow host) see how far a prefill has got."""
-    content = " ".join(f"word{i}" for i in range(6000))
+    # ~9,000 tokens in 16-token chunks: seconds of prefill, several heartbeats' stats during it
+    content = " ".join(f"word{i}" for i in range(2000))
     body = {"model": "chunky", "messages": [{"role": "user", "content": content}], "max_tokens": 1}
     reply: dict = {}
     thread = threading.Thread(
@@ -137,7 +138,7 @@ def test_a_long_prefill_reports_its_progress_in_status(answer_bound_gw):
 
 
 def test_the_answer_time_limit_returns_the_answer_in_every_api_shape(answer_bound_gw):
-    """At the 3-s answer bound each API gets the text generated so far: Chat Completions
+    """At the 2-s answer bound each API gets the text generated so far: Chat Completions
     finish_reason length; the agents' APIs end the turn (Anthropic end_turn, Responses
     completed), since Claude Code takes max_tokens as a cue to ask for more and Codex takes
     incomplete for an error (gateway/api/anthropic/messages.py _stop, responses_output.py finish)."""

@@ -8,6 +8,7 @@ flight, and the innocent stream's tokens equal to those it gives with no attack.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import threading
 import time
@@ -15,11 +16,15 @@ import time
 import pytest
 from helpers import NO_EOS, TINY_CONFIG, http, openai_client, start_gateway, wait_for
 
+from mlxgw.worker.text.template_budget import TIME_BUDGET_ENV
+
 CHAT = "/v1/chat/completions"
 MSGS = [{"role": "user", "content": "hi"}]
 VOCAB = 49152  # SmolLM2's, which the tiny model shares
 LOOP_TEMPLATE = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
-TEMPLATE_BUDGET_S = 5.0  # worker/text/templates.py TIME_BUDGET_S
+# The workers' template deadline (worker/text/template_budget.py: 5 s by default): each endless
+# template waits it out, four times in this file.
+TEMPLATE_BUDGET_S = 1.5  # well above what a render of these tests' prompts needs
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +52,11 @@ def gw(home, tiny_dir):
             {"name": "gguf-evil", "preload": True},
         ],
     }
-    gateway = start_gateway(home, config, "isolation-gateway")
+    os.environ[TIME_BUDGET_ENV] = str(TEMPLATE_BUDGET_S)  # the gateway's workers inherit it
+    try:
+        gateway = start_gateway(home, config, "isolation-gateway")
+    finally:
+        del os.environ[TIME_BUDGET_ENV]
     yield gateway
     gateway.stop()
 

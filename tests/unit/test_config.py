@@ -32,6 +32,7 @@ def write(tmp_path, data: dict):
         ("manager", "max_loaded_models", 0),
         ("manager", "memory_budget", "-50%"),
         ("manager", "load_timeout_s", -1),
+        ("manager", "restart_backoff_s", 0),
         ("gateway", "max_body_bytes", -1),
         ("gateway", "port", 70000),
         ("gateway", "request_timeout_s", 0),

@@ -143,9 +143,7 @@ async def world():
     async def make(models=ECHO, script=None, **manager):
         broker = FakeLinkBroker()
         spawner = FakeSpawner(broker, script)
-        manager_ = ModelManager(registry(models, **manager), broker, spawner)
-        for slot in manager_.slots.values():
-            slot.crashes.base_backoff_s = 0.02
+        manager_ = ModelManager(registry(models, **{"restart_backoff_s": 0.02, **manager}), broker, spawner)
         await manager_.start()
         made.append((manager_, broker))
         return manager_, broker, spawner

@@ -8,6 +8,7 @@ in its body, in the template or in a filter such as `slice`, is stopped too."""
 
 from __future__ import annotations
 
+import os
 import pprint
 import sys
 import textwrap
@@ -22,6 +23,8 @@ from jinja2 import utils as jinja_utils
 from jinja2.exceptions import SecurityError
 
 TIME_BUDGET_S = 5.0
+# Tests only: a shorter deadline, so tests of endless templates wait less than 5 s per request.
+TIME_BUDGET_ENV = "MLXGW_TEST_TEMPLATE_BUDGET_S"
 OUTPUT_BUDGET_CHARS = 32 << 20  # a 10 MB body rendered with a template's own text around it
 _CHECK_EVERY = 256  # traced lines between clock reads
 
@@ -92,8 +95,11 @@ def _call_tracer(frame, event, arg):
 
 
 @contextmanager
-def budget(seconds: float = TIME_BUDGET_S, max_chars: int = OUTPUT_BUDGET_CHARS) -> Iterator[None]:
-    """Renders inside this block (on this thread) are bounded in time and output size."""
+def budget(seconds: float | None = None, max_chars: int = OUTPUT_BUDGET_CHARS) -> Iterator[None]:
+    """Renders inside this block (on this thread) are bounded in time (default TIME_BUDGET_S)
+    and output size."""
+    if seconds is None:
+        seconds = float(os.environ.get(TIME_BUDGET_ENV) or TIME_BUDGET_S)
     previous_trace = sys.gettrace()
     _state.budget = _Budget(seconds, max_chars)
     sys.settrace(_call_tracer)
