@@ -49,7 +49,9 @@ def _transient(model, prefix: int, chunk: int) -> int:
 @pytest.mark.parametrize("prefix,chunk", [(0, 128), (0, 512), (0, 2048), (4096, 512)])
 def test_the_estimate_covers_what_a_chunk_really_holds_and_not_many_times_more(tiny_model, prefix, chunk):
     estimate = activations_of(tiny_model).bytes(chunk, prefix + chunk, rows=0)  # a prompt chunk: no logits
-    measured = _transient(tiny_model, prefix, chunk)
+    # MLX's peak is process-wide: anything else allocating meanwhile (a thread an earlier test
+    # left winding down) only adds to it, so the least of three passes is the chunk's own.
+    measured = min(_transient(tiny_model, prefix, chunk) for _ in range(3))
     # The bound is set for the worker's CPU attention; mlx-lm's own holds about half of it, and
     # which one this process runs depends on the tests before (a runner installs the CPU one
     # process-wide): the estimate must cover either and over-reserve neither by much.
