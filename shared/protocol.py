@@ -35,6 +35,11 @@ EXIT_UNSERVABLE = 78
 EVENTS = "events"  # items = [[rid, event], ...], seq? (numbered per worker link, from 0)
 REPLY = "reply"  # cid, ok, result | error
 BYE = "bye"
+# What the worker's prefix cache holds, in the route chain entries its requests came with
+# (GenerateRequest.route): held = [entry, ...] newly stored, evicted = [entry, ...] whose
+# blocks left memory and disk; snapshot: true when held is all it holds (sent after each
+# WELCOME, so a restarted gateway rebuilds its index). Batched: at most one per stats tick.
+PREFIXES = "prefixes"
 # gateway -> worker
 WELCOME = "welcome"
 GENERATE = "generate"  # request = GenerateRequest
@@ -51,7 +56,7 @@ RECONNECT = "reconnect"  # "who are you?": the gateway lost track of this worker
 # get anywhere: gateway/link/liveness.py bounds a worker that heartbeats without progress)
 HEARTBEAT = "heartbeat"
 
-WORKER_TYPES = {HELLO, READY, LOAD_FAILED, EVENTS, REPLY, BYE, HEARTBEAT}
+WORKER_TYPES = {HELLO, READY, LOAD_FAILED, EVENTS, REPLY, BYE, HEARTBEAT, PREFIXES}
 GATEWAY_TYPES = {WELCOME, GENERATE, EMBED, TRANSCRIBE, SPEAK, DRAW, CANCEL, CALL, SHUTDOWN, RECONNECT, HEARTBEAT}
 
 # Event kinds inside EVENTS: EventKind (shared/events.py), each built by its dataclass.
@@ -215,6 +220,11 @@ class GenerateRequest:
     # set, the worker notes its queue, prefill and decode times and returns them with the
     # request's last event (shared/events.py TraceMarks' wire map). None: nothing is noted.
     traceparent: str | None = None
+    # Where the gateway routes by prefix (a model with several workers): the tail of the
+    # request's route chain (gateway/link/route_key.py), 16-byte entries, each covering the
+    # prompt up to one message. The worker names the blocks it stores for the prompt by them
+    # in its PREFIXES messages. None: one worker, nothing is reported.
+    route: list[bytes] | None = None
 
     def to_wire(self) -> dict:
         return _plain(self)

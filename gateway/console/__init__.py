@@ -17,6 +17,7 @@ STATIC = Path(__file__).parent
 FILES = {
     "index.html": "text/html",
     "console.js": "text/javascript",
+    "replicas.js": "text/javascript",
     "keys.js": "text/javascript",
     "batches.js": "text/javascript",
     "audit.js": "text/javascript",

@@ -202,6 +202,7 @@ function modelRow(name) {
   const cells = {
     name: el("div", { class: "model-name" }),
     sub: el("div", { class: "model-sub" }),
+    replicas: el("div", { class: "model-replicas", hidden: true }),
     state: el("span", { class: "pill" }),
     err: el("div", { class: "model-err" }),
     mem: el("td", { class: "num" }),
@@ -215,7 +216,7 @@ function modelRow(name) {
   const tr = el(
     "tr",
     { "data-model": name },
-    el("td", {}, cells.name, cells.sub),
+    el("td", {}, cells.name, cells.sub, cells.replicas),
     el("td", {}, cells.state, cells.err),
     cells.mem,
     cells.load,
@@ -244,6 +245,7 @@ function renderModels(models) {
     c.state.textContent = stateText(m) + (m.pinned ? " · pinned" : "");
     c.state.className = `pill ${STATE_CLASS[m.state] || "idle"}`;
     c.err.textContent = m.last_error || "";
+    renderReplicas(c.replicas, m.replicas);  // replicas.js
     c.mem.textContent = m.memory_bytes ? fmtBytes(m.memory_bytes) : "–";
     c.mem.title = m.expected_bytes ? `expected ${fmtBytes(m.expected_bytes)}` : "";
     c.load.textContent = m.workers.length ? `${w.running} · ${w.waiting}` : "–";

@@ -286,6 +286,9 @@ class Broker:
                 conn.state = ConnState.READY
             conn.info = wc.clean_info(msg.get("info"))
             self.registry.events.put_nowait(WorkerReady(conn))
+        elif kind == p.PREFIXES:  # what its prefix cache holds: the pool's index follows it
+            held, evicted = wc.prefix_entries(msg.get("held")), wc.prefix_entries(msg.get("evicted"))
+            self.pool.reported(conn, held, evicted, msg.get("snapshot") is True)
         elif kind == p.REPLY:
             fut = self._replies.get(msg.get("cid")) if isinstance(msg.get("cid"), int) else None
             if fut and not fut.done():

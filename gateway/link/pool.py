@@ -8,6 +8,14 @@ loaded one's by the model's load margin. Where no replica holds more than the sh
 first turn) picks the replica by rendezvous hashing: a session's turns meet on one replica
 without any state, so a gateway restart, which empties the index, keeps them where they were.
 
+The index starts as a guess (what was routed where, recorded at routing time, since the
+worker reports a prompt only once it stored it) and is corrected by the workers: each reports,
+in the chain entries its requests carried, which prompts it stored and which left its cache
+(memory and disk tier) for good (PREFIXES, worker/model/cache/prefix_events.py), and after
+each WELCOME all it holds, which replaces what the index had for it: a session whose prefix a
+replica evicted is placed by its anchor again, and a restarted gateway knows at once where
+each session lives.
+
 A replica that fails requests while it answers heartbeats is taken out for a while (circuit
 breaker): it gets nothing new until its cool-down ends, then one request probes it."""
 
@@ -39,7 +47,8 @@ class Pool:
 
     def __init__(self, conns: dict[bytes, WorkerConn]) -> None:
         self.conns = conns
-        self._index: dict[str, OrderedDict[bytes, None]] = {}  # worker id -> chain entries it holds
+        # worker id -> chain entries it holds, each with when it was last recorded (monotonic)
+        self._index: dict[str, OrderedDict[bytes, float]] = {}
         self._holders: dict[bytes, set[str]] = {}  # chain entry -> worker ids holding it
         self._sessions: OrderedDict[str, str] = OrderedDict()  # session id -> worker id
         self._turn = itertools.count()
@@ -96,21 +105,24 @@ class Pool:
         return max(ready, key=lambda c: rendezvous(route.anchor, c.replica.label or c.worker_id)), "session"
 
     def _record(self, conn: WorkerConn, route: RouteKey) -> None:
-        held = self._index.setdefault(conn.worker_id, OrderedDict())
-        for entry in route.chain:
-            if entry in held:
-                held.move_to_end(entry)
-            else:
-                held[entry] = None
-                self._holders.setdefault(entry, set()).add(conn.worker_id)
-        while len(held) > INDEX_ENTRIES:
-            old, _ = held.popitem(last=False)
-            self._unhold(old, conn.worker_id)
+        self._hold(conn.worker_id, route.chain)
         if route.session:
             self._sessions[route.session] = conn.worker_id
             self._sessions.move_to_end(route.session)
             while len(self._sessions) > SESSIONS:
                 self._sessions.popitem(last=False)
+
+    def _hold(self, worker_id: str, entries) -> None:
+        held = self._index.setdefault(worker_id, OrderedDict())
+        now = time.monotonic()
+        for entry in entries:
+            if entry not in held:
+                self._holders.setdefault(entry, set()).add(worker_id)
+            held[entry] = now
+            held.move_to_end(entry)
+        while len(held) > INDEX_ENTRIES:
+            old, _ = held.popitem(last=False)
+            self._unhold(old, worker_id)
 
     def _unhold(self, entry: bytes, worker_id: str) -> None:
         holders = self._holders.get(entry)
@@ -126,6 +138,23 @@ class Pool:
         for worker_id in [w for w in self._index if w not in live]:
             for entry in self._index.pop(worker_id):
                 self._unhold(entry, worker_id)
+
+    # -- what the workers report ----------------------------------------------------------------------
+    def reported(self, conn: WorkerConn, held: list[bytes], evicted: list[bytes], snapshot: bool) -> None:
+        """A worker's PREFIXES message. A snapshot replaces what the index had for it, except
+        what was routed to it since it connected (its answer, and its report, come later)."""
+        index = self._index.setdefault(conn.worker_id, OrderedDict())
+        if snapshot:
+            keep = set(held)
+            stale = [e for e, at in index.items() if at < conn.connected_at and e not in keep]
+            evicted = [*evicted, *stale]
+            conn.replica.snapshots += 1
+        for entry in evicted:
+            if index.pop(entry, None) is not None:
+                self._unhold(entry, conn.worker_id)
+        self._hold(conn.worker_id, held)
+        conn.replica.reported_held += len(held)
+        conn.replica.reported_evicted += len(evicted)
 
     # -- outcomes -----------------------------------------------------------------------------------
     def finished(self, conn: WorkerConn, prompt_tokens: int, cached_tokens: int) -> None:
@@ -175,5 +204,7 @@ class Pool:
                 "cold_warm_turns": r.cold_warm_turns,
                 "breaker_open_s": round(max(0.0, r.open_until - now), 1),
                 "indexed_prefixes": len(self._index.get(c.worker_id, ())),
+                "reported_held": r.reported_held, "reported_evicted": r.reported_evicted,
+                "index_snapshots": r.snapshots,
             })  # fmt: skip
         return out

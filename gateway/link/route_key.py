@@ -20,6 +20,10 @@ from ...shared import protocol as p
 
 TEXT_CHUNK = 1024  # characters of a text prompt per chain link
 TOKEN_CHUNK = 256  # tokens of a token prompt per chain link
+# Chain entries a request carries to its worker (the deepest ones past the shared head): what
+# the worker reports holding and evicting. A session's next turn matches its last turn's
+# last entry, so the tail is what routing needs; 64 bounds the request's size (1 KiB).
+REPORTED_ENTRIES = 64
 LEADING_ROLES = ("system", "developer")
 
 
@@ -97,7 +101,11 @@ class LazyRoute:
 
     def __call__(self) -> RouteKey | None:
         if self.key is None:
-            self.key = route_key(self._req, self._session)
+            self.key = key = route_key(self._req, self._session)
+            if key is not None and isinstance(self._req, p.GenerateRequest):
+                # Made only for a model with several workers: its worker reports what it stores
+                # under these entries (PREFIXES), so the pool's index follows evictions.
+                self._req.route = list(key.chain[max(key.lead, len(key.chain) - REPORTED_ENTRIES) :])
         return self.key
 
 

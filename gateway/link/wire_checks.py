@@ -149,3 +149,14 @@ def conn_from_hello(msg: dict, identity: bytes, remote: bool, sock, local_pid: i
     )
     conn.replica.label = label or conn.worker_id
     return conn
+
+
+MAX_PREFIX_ENTRIES = 1 << 17  # per PREFIXES list: twice what a worker keeps (prefix_events.ENTRIES)
+PREFIX_ENTRY_BYTES = 16  # a route chain entry (gateway/link/route_key.py)
+
+
+def prefix_entries(raw: Any) -> list[bytes]:
+    """A PREFIXES list: route chain entries, anything else left out; empty when malformed."""
+    if not isinstance(raw, list) or len(raw) > MAX_PREFIX_ENTRIES:
+        return []
+    return [e for e in raw if type(e) is bytes and len(e) == PREFIX_ENTRY_BYTES]

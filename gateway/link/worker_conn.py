@@ -107,6 +107,11 @@ class ReplicaStats:
     failures: int = 0  # requests that failed in a row (worker-side errors)
     open_until: float = 0.0  # circuit breaker: routed nothing new until then (unless it is the only one)
     opened: int = 0  # times the breaker opened
+    # What it reported of its prefix cache (PREFIXES): chain entries stored, entries evicted
+    # (memory and disk), and snapshots of all it holds (one after each connect).
+    reported_held: int = 0
+    reported_evicted: int = 0
+    snapshots: int = 0
 
     @property
     def hit_rate(self) -> float | None:
@@ -138,6 +143,7 @@ class WorkerConn:
     progress: int | None = None
     progress_at: float = field(default_factory=time.monotonic)
     replica: ReplicaStats = field(default_factory=ReplicaStats)
+    connected_at: float = field(default_factory=time.monotonic)  # its HELLO: a snapshot is of later
 
     @property
     def load(self) -> int:

@@ -115,6 +115,8 @@ class _PoolCollector:
         routed = CounterMetricFamily("mlxgw_replica_routed", "Requests routed", labels=[*labels, "by"])
         broken = GaugeMetricFamily("mlxgw_replica_breaker_open", "1 while its circuit breaker is open", labels=labels)
         cold = CounterMetricFamily("mlxgw_replica_cold_warm_turns", "Later turns with no cache hit", labels=labels)
+        indexed = GaugeMetricFamily("mlxgw_replica_indexed_prefixes", "Route entries it holds", labels=labels)
+        evicted = CounterMetricFamily("mlxgw_replica_evicted_prefixes", "Route entries it evicted", labels=labels)
         for slot in list(self.manager.slots.values()):
             for row in self.manager.broker.pool.report(slot.name):
                 at = [slot.name, row["replica"]]
@@ -124,7 +126,9 @@ class _PoolCollector:
                     routed.add_metric([*at, how], row[f"routed_by_{how}"])
                 broken.add_metric(at, 1 if row["breaker_open_s"] > 0 else 0)
                 cold.add_metric(at, row["cold_warm_turns"])
-        yield from (load, rate, routed, broken, cold)
+                indexed.add_metric(at, row["indexed_prefixes"])
+                evicted.add_metric(at, row["reported_evicted"])
+        yield from (load, rate, routed, broken, cold, indexed, evicted)
 
 
 class _EdgeCollector:

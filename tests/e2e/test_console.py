@@ -42,7 +42,7 @@ def console_gateway(home, tmp_path_factory):
     config = {
         "manager": {"auto_discover": False},
         "models": [
-            {"name": "echo", "engine": "echo", "preload": True},
+            {"name": "echo", "engine": "echo", "preload": True, "routing": {"replicas": 2}},
             {"name": "null", "engine": "null", "preload": True},
             *({"name": f"spare-{i:02d}", "engine": "null"} for i in range(N_SPARE)),
         ],
@@ -123,6 +123,11 @@ def test_console_shows_models_unloads_one_and_streams_a_playground_reply(console
     )
     assert rows
     wait_until(driver, lambda d: model_state(d, "null").startswith("ready"), what="null ready")
+    # a model with replicas: one line per replica under its name (load, cache, hits, routing)
+    replicas = "tr[data-model='echo'] .replica"
+    wait_until(driver, lambda d: len(d.find_elements(By.CSS_SELECTOR, replicas)) == 2, what="echo's replicas")
+    lines = [r.text for r in driver.find_elements(By.CSS_SELECTOR, replicas)]
+    assert all("routed" in line and "cold warm turns" in line for line in lines), lines
     wait_until(driver, lambda d: "erin" in d.find_element(By.ID, "recent-table").text, what="recent requests")
 
     status = http(f"{gw.url}/v1/status", headers={"Authorization": f"Bearer {ADMIN}"})[2]

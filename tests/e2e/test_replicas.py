@@ -165,9 +165,10 @@ def test_a_remote_worker_joins_the_pool_and_keeps_its_sessions(pool, tiny_dir, t
 
 
 def test_a_gateway_restart_sends_each_session_back_to_its_replica(tmp_path, tiny_dir):
-    """The index lives in the gateway and is gone after a restart; the session's anchor
-    places it by the replicas' stable names, and the replica's disk tier (written at its
-    graceful stop, read back at its start) still holds the session's prefix."""
+    """The index lives in the gateway and is gone after a restart; each replica's worker,
+    started again, reads its disk tier (written at its graceful stop) and the route entries
+    it held, and sends them as a snapshot: the index is rebuilt before any request, and the
+    session's next turn goes to its replica by its prefix."""
     config = {
         "manager": {"auto_discover": False},
         "models": [{"name": "tiny", "source": str(tiny_dir), "preload": True, "routing": {"replicas": 2}}],
@@ -187,9 +188,14 @@ def test_a_gateway_restart_sends_each_session_back_to_its_replica(tmp_path, tiny
     gw = start_gateway(tmp_path, config, "restart-gateway")
     try:
         wait_ready(gw)
+        deadline = time.monotonic() + 10
+        while not routed(gw)["tiny#1"]["indexed_prefixes"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        home = routed(gw)["tiny#1"]  # rebuilt from its worker's snapshot, before any request
+        assert home["indexed_prefixes"] > 0 and home["index_snapshots"] == 1, routed(gw)
         messages += [{"role": "assistant", "content": first["choices"][0]["message"]["content"]}]
         second = turn(gw, [*messages, {"role": "user", "content": "And the next record?"}])
-        assert routed(gw)["tiny#1"]["routed_by_session"] == 1  # placed again, with no index
+        assert routed(gw)["tiny#1"]["routed_by_prefix"] == 1  # by the prefix its worker said it holds
         assert cached(second) >= first["usage"]["prompt_tokens"] - 32
     finally:
         gw.stop()

@@ -48,6 +48,7 @@ class Row:
     adapter: str | None = None  # a LoRA adapter's name; None: the one its request named, if any
     hold_s: float | None = None  # a client's caching hint, seconds (supports_cache_hints)
     namespace: str | None = None  # its request's cache namespace (supports_cache_scopes)
+    route: list[bytes] | None = None  # its request's route entries (worker/model/cache/prefix_events.py)
     # The runner's, from insert on:
     covered: int = 0  # prompt tokens its cache lookup covered
     scope: int = 0  # its prefix-cache scope (worker/model/cache/scopes.py; 0: the base's)

@@ -55,6 +55,7 @@ class Engine:
         self.steps = 0
         self._calls: list[tuple[object, Future]] = []  # (cid, result) of calls on the preparation thread
         self.layer_progress = None  # step_progress.LayerProgress: told how long each step took
+        self._welcomes = 0  # the link's WELCOMEs answered with a snapshot of the prefix cache
 
     def run(self) -> None:
         while not self.link.gateway_gone.is_set():
@@ -256,3 +257,18 @@ class Engine:
             self._last_generated = stats["generated_tokens"]
         self._last_stats = now
         self.link.stats = stats
+        self._report_prefixes()
+
+    def _report_prefixes(self) -> None:
+        """What the prefix cache stored and evicted since the last tick, in the gateway's route
+        entries (worker/model/cache/prefix_events.py; kept only where requests carry a route,
+        a model with several workers), in one message; all it holds after each WELCOME."""
+        events = getattr(getattr(self.runner, "prefix_cache", None), "events", None)
+        welcomed, self._welcomes = self.link.welcomes != self._welcomes, self.link.welcomes
+        if events is None:
+            return
+        if welcomed:
+            self.link.send(p.PREFIXES, held=events.snapshot(), evicted=[], snapshot=True)
+        elif events.held or events.evicted:
+            held, evicted = events.drain()
+            self.link.send(p.PREFIXES, held=held, evicted=evicted)

@@ -101,6 +101,9 @@ class WorkerLink:
         # whose count stands still with requests in flight makes no progress on them
         # (gateway/link/liveness.py), however often it heartbeats.
         self.progress = 0
+        # WELCOMEs heard (the I/O thread counts them): after each the engine tells the gateway
+        # all its prefix cache holds (PREFIXES snapshot), so a restarted gateway has its index.
+        self.welcomes = 0
         self._parent = os.getppid()
         self._thread = threading.Thread(target=self._run, name="worker-link", daemon=True)
 
@@ -314,7 +317,10 @@ class WorkerLink:
         except p.ProtocolError as e:
             log.warning("dropped message from gateway: %s", e)
             return
-        if msg["t"] == p.HEARTBEAT or msg["t"] == p.WELCOME:
+        if msg["t"] == p.WELCOME:
+            self.welcomes += 1
+            return
+        if msg["t"] == p.HEARTBEAT:
             return
         if msg["t"] == p.RECONNECT:
             sock.send(self._hello())

@@ -204,6 +204,8 @@ class Admission:
             extra["hold_s"] = seq.req.cache_retention_s
         if seq.req.cache_namespace and self.runner.supports_cache_scopes:
             extra["namespace"] = seq.req.cache_namespace
+        if seq.req.route:  # the gateway routes by prefix: the runner reports what it stores
+            extra["route"] = seq.req.route
         row = interfaces.Row(
             prompt, seq.max_tokens - seq.generated, seq.req.sampling, seq.constraint, seq.guard, **extra
         )

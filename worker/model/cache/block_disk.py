@@ -36,6 +36,7 @@ import json
 import logging
 import stat
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,6 +91,7 @@ class BlockDisk:
         self._layout: list | None = None  # this model's layers' dtypes and shapes (block_file.layout_of)
         self.reader = BlockReader()  # reads files off the engine thread (prefetch)
         self.clock = Clock()
+        self.on_gone: Callable[[bytes], None] | None = None  # told each key that leaves (prefix_events)
         self._scan(scan_budget_s)
 
     # -- write -----------------------------------------------------------------------------------
@@ -356,6 +358,8 @@ class BlockDisk:
         self.children.get(held.parent, set()).discard(key)
         self.nbytes -= held.nbytes
         held.path.unlink(missing_ok=True)
+        if self.on_gone is not None:
+            self.on_gone(key)
 
     def bound(self, last: set[bytes] | frozenset[bytes] = frozenset()) -> None:
         """Blocks leave, lowest priority first (recency, hits and cost to recompute:

@@ -20,6 +20,7 @@ import copy
 import hashlib
 import time
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -175,6 +176,7 @@ class BlockTree:
         self._tick = 0
         self.clock = Clock()  # eviction's: recency, hits and cost to recompute, weighed
         self.templates: list | None = None  # the model's layers, empty (set by the first insert)
+        self.on_gone: Callable[[bytes], None] | None = None  # told each key that leaves (prefix_events)
 
     def touch(self, block: Block, hit: bool = False) -> None:
         self._tick += 1
@@ -212,6 +214,8 @@ class BlockTree:
         self.children_of(block.parent).pop(block.key, None)
         self.blocks.pop(block.key, None)
         self.nbytes -= block.nbytes
+        if self.on_gone is not None:
+            self.on_gone(block.key)
 
     def add_checkpoint(self, block: Block, position: int, snap: list, boundary: bool) -> None:
         if position in block.checkpoints or not block.start < position <= block.end:
@@ -230,9 +234,12 @@ class BlockTree:
         return [b for b in self.blocks.values() if not b.children and not b.pins]
 
     def clear(self) -> None:
+        keys = list(self.blocks) if self.on_gone is not None else []
         self.roots.clear()
         self.blocks.clear()
         self.nbytes = 0
+        for key in keys:
+            self.on_gone(key)
 
 
 def assemble(templates: list, chain: list[Block], length: int, snap: list | None) -> list:

@@ -26,6 +26,7 @@ import mlx.core as mx
 
 from . import kv_blocks as kb
 from . import state_checkpoints as sc
+from .prefix_events import PrefixEvents
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,10 @@ class PrefixCache:
         self.checkpoint_hits = 0  # lookups served from a checkpoint (not a plain KV cut)
         self._hybrid = False  # some layer cannot be cut back: reuse needs a checkpoint
         self._junction: int | None = None  # the last lookup's divergence past its checkpoint
+        # What it holds in the gateway's route entries (worker/model/cache/prefix_events.py),
+        # made by the first request that carries a route (a model with several workers).
+        self.events: PrefixEvents | None = None
+        self.tree.on_gone = self.left
 
     def describe(self, model_cache: list) -> None:
         """The model's cache layers (empty): what blocks read back from disk are assembled
@@ -170,14 +175,14 @@ class PrefixCache:
         use: EntryUse | None = None,
         checkpoints: sc.Checkpoints | None = None,
         hold_s: float | None = None,
-    ) -> None:
+    ) -> kb.Block | None:
         """Store a sequence's KV as blocks (those already stored are shared, not copied).
         use: its history when it comes back from disk. checkpoints: state checkpoints at
         positions of tokens (for non-trimmable layers). hold_s: a client's caching hint
         (cache_control, prompt_cache_retention): its blocks leave memory only after every
-        block nobody asked to keep, for this long."""
+        block nobody asked to keep, for this long. Returns its last block."""
         if not tokens or not cache:
-            return
+            return None
         tree = self.tree
         self.describe(cache)
         length = min(len(tokens), _offset(cache, len(tokens)))
@@ -193,7 +198,7 @@ class PrefixCache:
                 tree.add_checkpoint(node, p, marks[p], p in boundaries)
         mx.eval([a for b in fresh for p in b.pieces for a in kb.piece_arrays(p)])
         if node is None:
-            return
+            return None
         tree.touch(node)
         if use is not None:
             node.used_at, node.hits = use.last_used, max(node.hits, use.hits)
@@ -202,6 +207,33 @@ class PrefixCache:
             for block in node.chain():
                 block.held_until = max(block.held_until, until)
         self.trim_to(self.max_bytes)
+        return node
+
+    # -- what it holds, in the gateway's route entries (prefix_events.py) -------------------------
+    def routed(self, route: list[bytes], last: kb.Block | None, prompt_length: int) -> None:
+        """A prompt that came with route entries was stored (its chain ends at `last`): the
+        entries are noted against the deepest whole block inside the prompt."""
+        block = last
+        while block is not None and (block.end > prompt_length or not block.full):
+            block = block.parent
+        # Shorter than a block, stored short of its end (a row cut in its prefill) or trimmed
+        # at once: nothing to hold.
+        if block is None or block.end + kb.BLOCK_TOKENS <= prompt_length:
+            return
+        if not self._holds(block.key):
+            return
+        if self.events is None:
+            self.events = PrefixEvents()
+        self.events.note(route, block.key)
+
+    def left(self, key: bytes) -> None:
+        """A block left memory or the disk tier: gone for good once neither holds it."""
+        events = self.events
+        if events is not None and key in events.entries and not self._holds(key):
+            events.gone(key)
+
+    def _holds(self, key: bytes) -> bool:
+        return key in self.tree.blocks or (self.disk_tier is not None and key in self.disk_tier.index)
 
     def _block_for(self, parent, segment: tuple, start: int, cache: list, fresh: list) -> kb.Block:
         """The stored block for a segment below parent: the same one, a longer one holding

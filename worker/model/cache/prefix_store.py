@@ -37,6 +37,7 @@ from . import block_file as bf
 from . import kv_blocks as kb
 from .block_disk import TEMP_PREFIX, BlockDisk
 from .prefix_cache import EntryUse, PrefixCache, kb_use
+from .prefix_events import ROUTES, PrefixEvents
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +78,7 @@ class PrefixStore:
         """The cache's disk tier in this store's folder, indexed the first time (headers only)."""
         if cache.disk_tier is None or cache.disk_tier.dir != self.dir / BLOCKS:
             cache.disk_tier = BlockDisk(self.dir / BLOCKS, self.fingerprint, self.max_bytes, budget_s)
+        cache.disk_tier.on_gone = cache.left
         self.live = cache.disk_tier
         return self.live
 
@@ -86,6 +88,7 @@ class PrefixStore:
         started = time.monotonic()
         self._remove_old_format()
         disk = self.attach(cache, budget_s)
+        cache.events = PrefixEvents.load(self.dir, disk.index) or cache.events  # where replicas route by prefix
         report = {
             "indexed_blocks": len(disk.index),
             "indexed_tokens": sum(len(h.tokens) for h in disk.index.values()),
@@ -134,6 +137,8 @@ class PrefixStore:
         held = set(cache.tree.blocks)
         disk.bound(last=held)  # blocks of earlier stops or evictions leave before these
         disk.save_uses()
+        if cache.events is not None:  # the next worker tells a restarted gateway what it holds
+            cache.events.save(self.dir, disk.index)
         kept = sum(1 for key in held if key in disk.index)
         report = {"saved_blocks": kept, "written_blocks": written, "saved_bytes": disk.nbytes}
         self._report(cache, report, started, "save_s")
@@ -168,6 +173,7 @@ class PrefixStore:
         """Forget every stored block (DELETE /v1/cache clears the disk copy too)."""
         if self.live is not None:
             self.live.clear()
+        (self.dir / ROUTES).unlink(missing_ok=True)
         folder = self.dir / BLOCKS
         if folder.is_dir():
             for path in folder.iterdir():

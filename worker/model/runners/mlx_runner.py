@@ -290,7 +290,10 @@ class MLXRunner(ChatTextRunner):
         checkpoints = row.checkpoints if row is not None else None
         if checkpoints is not None:  # those of a prompt the tokens begin with
             checkpoints = checkpoints.for_entry(tokens)
-        self.prefix_cache.insert(tokens, cache, checkpoints=checkpoints, hold_s=(row.hold_s or None) if row else None)
+        hold_s = (row.hold_s or None) if row else None
+        last = self.prefix_cache.insert(tokens, cache, checkpoints=checkpoints, hold_s=hold_s)
+        if row is not None and row.route:  # the gateway routes by prefix: it hears what is held
+            self.prefix_cache.routed(row.route, last, len(row.prompt))
         self._bound_cache()
 
     def _bound_cache(self, room: int | None = None) -> None:
