@@ -279,22 +279,22 @@ def test_resident_adapters_are_taken_out_of_the_kv_budget(gateway, llama):
     _, _, c = llama
 
     def kv_and_adapters():
+        # The worker reports its stats each tick; until its first tick after loading they hold no "kv".
         stats = worker(gateway)["stats"]
-        return stats["kv"], stats.get("adapters") or {}
+        return stats.get("kv") or {}, stats.get("adapters") or {}
+
+    def resident(name):
+        now = kv_and_adapters()
+        return now if now[0] and name in now[1].get("resident", []) else None
 
     assert complete(gateway, "hr-bot", "hello")[0] == 200
-    wait_for(lambda: "hr-bot" in kv_and_adapters()[1].get("resident", []), timeout=30)
-    kv, adapters = kv_and_adapters()
+    kv, adapters = wait_for(lambda: resident("hr-bot"), timeout=30)
     assert kv["taken_bytes"] == adapters["resident_bytes"] > 0, (kv, adapters)
     assert "less resident adapters" in kv["source"]
     shutil.copytree(c, gateway.allowed / "second", dirs_exist_ok=True)
     assert add(gateway, "second", gateway.allowed / "second")[0] == 201  # loaded by the worker as it is added
     one = sum(w.nbytes for w in mx.load(str(c / "adapters.safetensors")).values())
 
-    def with_second():
-        now = kv_and_adapters()
-        return now if "second" in now[1].get("resident", []) else None
-
-    grown = wait_for(with_second, timeout=30)
+    grown = wait_for(lambda: resident("second"), timeout=30)
     assert grown[0]["taken_bytes"] == grown[1]["resident_bytes"] == adapters["resident_bytes"] + one, grown
     assert grown[0]["budget_bytes"] == kv["budget_bytes"] - one, (kv, grown[0])  # the KV budget gave up its bytes
