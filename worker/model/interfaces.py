@@ -151,6 +151,11 @@ class TextRunner(ModelRunner, Protocol):
         False starts reading it off the engine thread (the row waits, the others step)."""
         return True
 
+    def cached_tokens(self, prompt: list[int], namespace: str | None = None) -> int:
+        """How many of a prompt's tokens its prefix cache holds now (an estimate: the
+        waiting queue reads the shortest prompts first); 0 without one."""
+        return 0
+
     def limit_prefix_cache(self, max_bytes: int) -> None:
         """Evict prefix-cache entries until it holds at most max_bytes (what the admitted rows
         leave of the KV budget), and keep it there until told otherwise."""

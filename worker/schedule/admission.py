@@ -85,9 +85,11 @@ class Admission:
         target = seq.target_s  # its first token is owed by arrival + its class's target
         entry = Waiting(req.priority, seq.arrival, req.rid, tenant, clean_weight(req.weight), time.monotonic())
         entry.due, entry.target_s = seq.arrived + target, target
+        prompt, namespace = _prompt_of(seq), seq.req.cache_namespace
+        entry.left = len(prompt) - self.runner.cached_tokens(prompt, namespace)  # shortest reads first
         self.waiting.push(entry)
         # its disk blocks start loading while it queues
-        self.runner.prefix_ready(_prompt_of(seq), seq.req.cache_namespace)
+        self.runner.prefix_ready(prompt, namespace)
 
     def release(self, seq: Sequence) -> None:
         """seq no longer runs (ended, or its row was taken from the runner)."""
@@ -227,7 +229,7 @@ class Admission:
             pausable = self._pausable(s) and s.preemptible()
             weight = clean_weight(s.req.weight)
             row = Row(s.req.rid, s.req.tenant or "", weight, s.req.priority, s.generated, pausable, s.to_prefill > 0)
-            row.target_s = s.target_s  # read once at its start: rows are rebuilt per admission
+            row.target_s, row.reading = s.target_s, s.to_prefill  # target: read once at its start
             return row
 
         return [row(s) for s in self.running.values()]

@@ -9,6 +9,14 @@ holding as many), the earliest deadline first: arrival + its latency class's tar
 (worker/schedule/latency.py), so a keystroke overtakes queued agent turns and batch work.
 With one tenant waiting, it may take every row: an idle machine is never held back.
 
+Within one latency class of one tenant, the prompt with the fewest tokens left to read (its
+length less what the prefix cache holds of it when it was queued) goes first, so a warm turn
+whose conversation is cached does not queue behind new sessions' long reads (an agent's warm
+turn reads ~100 tokens where a new session reads ~400). Shortest-first alone starves long
+prompts while short ones keep coming, so the oldest goes next whenever no row of the class is
+reading a prompt longer than the shortest waiting one: a long read is always in progress
+beside the short ones (SGLang orders by the longest cached prefix, with no such bound).
+
 The prompt budget is shared the same way (`may_start_prefill`): while another key has a
 prompt to read, a key starts prompt-reading rows only within its weighted share of them, so
 a key holding fewer decode rows does not take the whole prompt budget from one holding more.
@@ -62,6 +70,7 @@ class Waiting:
     since: float = 0.0  # when it (re)joined the queue
     due: float = 0.0  # when its first token is owed (time.monotonic())
     target_s: float = 0.0  # its class's target time to first token
+    left: int = 0  # prompt tokens it has to read (less the cached prefix, when queued)
 
     def __lt__(self, other: Waiting) -> bool:
         return (self.priority, self.due, self.arrival) < (other.priority, other.due, other.arrival)
@@ -79,6 +88,7 @@ class Row:
     preemptible: bool
     prefilling: bool = False  # still reading its prompt (it takes a share of the prompt budget)
     target_s: float = 0.0  # its latency class's target time to first token
+    reading: int = 0  # prompt tokens it has left to read
 
 
 class FairQueue:
@@ -107,14 +117,19 @@ class FairQueue:
         if tenant is None:
             return None
         queue = self._tenants[tenant]
-        entry = heapq.heappop(queue)
+        entry = _pick(queue, rows)
+        if entry is queue[0]:
+            heapq.heappop(queue)
+        else:
+            queue.remove(entry)
+            heapq.heapify(queue)
         if not queue:
             del self._tenants[tenant]
         return entry
 
     def peek(self, rows: list[Row]) -> Waiting | None:
         tenant = self._next_tenant(rows)
-        return self._tenants[tenant][0] if tenant is not None else None
+        return _pick(self._tenants[tenant], rows) if tenant is not None else None
 
     def _next_tenant(self, rows: list[Row]) -> str | None:
         heads = {t: q[0] for t, q in self._tenants.items() if q}
@@ -186,6 +201,21 @@ class FairQueue:
         share = (len(reading) + 1) * entry.weight / sum(weights.values())
         mine = sum(1 for r in reading if r.tenant == entry.tenant)
         return mine + 1 <= math.ceil(share - 1e-9)
+
+
+def _pick(queue: list[Waiting], rows: list[Row]) -> Waiting:
+    """The entry of a tenant's queue to admit next: of its most urgent entry's class (same
+    priority and target), the one with the fewest tokens to read; the oldest (the most urgent)
+    instead while no row of that class reads a prompt longer than that one."""
+    head = queue[0]
+    same_class = [w for w in queue if w.priority == head.priority and w.target_s == head.target_s]
+    shortest = min(same_class, key=lambda w: (w.left, w.due, w.arrival))
+    if shortest is head:
+        return head
+    long_read = any(
+        r.reading > shortest.left for r in rows if r.priority == head.priority and r.target_s == head.target_s
+    )
+    return shortest if long_read else head
 
 
 def _running_per_tenant(rows: list[Row]) -> Counter[str]:

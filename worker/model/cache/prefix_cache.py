@@ -93,6 +93,24 @@ class PrefixCache:
             log.exception("prefix cache: prefetch failed")
             return True
 
+    def cached_tokens(self, prompt: list[int]) -> int:
+        """How many of the prompt's tokens a lookup now would find, in whole blocks, in
+        memory or on disk: an estimate for ordering the waiting queue (a lookup may find a
+        few more in a partial block, or fewer where a hybrid family has no checkpoint).
+        Reads nothing and changes nothing. Never raises."""
+        disk = self.disk_tier.index if self.disk_tier is not None else {}
+        parent, pos = kb.ROOT, 0
+        try:
+            while pos + kb.BLOCK_TOKENS <= len(prompt):
+                key = kb.chain_key(parent, prompt[pos : pos + kb.BLOCK_TOKENS])
+                if key not in self.tree.blocks and key not in disk:
+                    break
+                parent, pos = key, pos + kb.BLOCK_TOKENS
+        except Exception:  # an estimate only: the queue then orders this prompt as uncached
+            log.exception("prefix cache: estimate failed")
+            return 0
+        return min(pos, max(0, len(prompt) - 1))
+
     def longest_match(self, prompt: list[int]) -> tuple[list | None, int]:
         """Return (a private copy of the cached KV, number of prompt tokens it covers).
 

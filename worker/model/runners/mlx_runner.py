@@ -246,6 +246,11 @@ class MLXRunner(ChatTextRunner):
         # An adapter row's blocks are not prefetched: its scope is known once the adapter is loaded.
         return type(prompt) is not list or self.prefix_cache.prefetch(scopes.scoped(prompt, scopes.scope_of(namespace)))
 
+    def cached_tokens(self, prompt, namespace: str | None = None) -> int:  # orders the waiting queue
+        if type(prompt) is not list:
+            return 0  # a vision prompt: its media's blocks are keyed by the runner at insert
+        return self.prefix_cache.cached_tokens(scopes.scoped(prompt, scopes.scope_of(namespace)))
+
     def publish_prompt(self, uid: int) -> None:  # others wait on its prefix (worker/schedule/prefix_inflight.py)
         if uid in self._rows:
             self._rows[uid].keep_prompt = True
