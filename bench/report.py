@@ -134,13 +134,15 @@ LEVEL_COLUMNS = [
 WITH_ROUNDS = {"output_tok_s": 2, "ttft_p50_s": 3}
 
 
-def markdown_table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
-    """A Markdown table: the header, its separator, then a line per row (each cell as str())."""
+def markdown_table(header: str | Sequence[str], rows: Iterable[Sequence[object]]) -> str:
+    """A Markdown table: the header (its columns, or one string of them as the table shows
+    them, "a | b"), its separator, then a line per row (each cell as str())."""
+    columns = header.split(" | ") if isinstance(header, str) else header
 
     def line(cells: Sequence[object]) -> str:
         return "| " + " | ".join(map(str, cells)) + " |"
 
-    return "\n".join([line(header), "|" + "---|" * len(header), *map(line, rows)])
+    return "\n".join([line(columns), "|" + "---|" * len(columns), *map(line, rows)])
 
 
 def or_dash(x: float | None, fmt: str = "{:.2f}") -> str:
@@ -153,12 +155,10 @@ def levels_markdown(rows: list[dict]) -> str:
 
 
 def ratios_markdown(a: str, peer: str, rows: list[dict]) -> str:
-    header = [
-        "c",
-        f"{a} / {peer} tok/s, median of per-round ratios (rounds)",
-        "spread",
-        f"TTFT p50 ratio (higher = {a} answers sooner) (rounds)",
-    ]
+    header = (
+        f"c | {a} / {peer} tok/s, median of per-round ratios (rounds) | spread | "
+        f"TTFT p50 ratio (higher = {a} answers sooner) (rounds)"
+    )
     cells = (
         [
             r["concurrency"],

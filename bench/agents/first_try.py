@@ -181,16 +181,7 @@ def run_once(client: str, n: int, args) -> Run:
 
 
 def table(runs: list[Run]) -> str:
-    header = [
-        "client",
-        "run",
-        "finished",
-        "wall s",
-        "requests (outcomes)",
-        "prompt tokens",
-        "tool called",
-        "file written",
-    ]
+    header = "client | run | finished | wall s | requests (outcomes) | prompt tokens | tool called | file written"
     rows = []
     for r in runs:
         outcomes = ", ".join(r.outcomes) or "-"

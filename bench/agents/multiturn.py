@@ -131,17 +131,10 @@ def warm_of(run: dict) -> float | None:
 def markdown(runs: dict[str, list[dict]], method: Method, goal: float) -> str:
     """Per server: turn 1 (cold), turns 2, 3, 4 and their median (warm), cold/warm paired per
     conversation, whether the goal ratio is met; every round beside each median."""
-    header = [
-        "server",
-        "turn 1 TTFT s (cold)",
-        "turn 2 s",
-        "turn 3 s",
-        "turn 4 s",
-        "turns 2-4 median s (warm)",
-        "cold / warm, per round",
-        "spread",
-        f">= {goal:g}x",
-    ]
+    header = (
+        "server | turn 1 TTFT s (cold) | turn 2 s | turn 3 s | turn 4 s | turns 2-4 median s (warm) | "
+        f"cold / warm, per round | spread | >= {goal:g}x"
+    )
     rows = []
     for label, rs in runs.items():
         turns = [summarize([r["ttft_s"][t] for r in rs]) for t in range(len(QUESTIONS))]

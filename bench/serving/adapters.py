@@ -119,14 +119,7 @@ def worker_rss(url: str) -> int | None:
 
 
 def table(runs: list[dict], method: Method) -> str:
-    header = [
-        "c",
-        "base tok/s (rounds)",
-        "mixed tok/s (rounds)",
-        "mixed / base, paired",
-        "TTFT p50 base / mixed s",
-        "failed",
-    ]
+    header = "c | base tok/s (rounds) | mixed tok/s (rounds) | mixed / base, paired | TTFT p50 base / mixed s | failed"
     lines = []
     for c in sorted({r["concurrency"] for r in runs}):
         of = {v: [r for r in runs if r["concurrency"] == c and r["variant"] == v] for v in VARIANTS}
@@ -141,14 +134,10 @@ def table(runs: list[dict], method: Method) -> str:
 
 def peer_table(runs: list[dict], method: Method) -> str:
     """mlxgw-mixed against mlx_lm.server-mixed, the same prompts and adapters."""
-    header = [
-        "c",
-        "mlxgw-mixed tok/s (rounds)",
-        "mlx_lm.server-mixed tok/s (rounds)",
-        "mlxgw / mlx_lm.server, paired",
-        "TTFT p50 mlxgw-mixed / mlx_lm.server-mixed s",
-        "failed (mlx_lm.server)",
-    ]
+    header = (
+        "c | mlxgw-mixed tok/s (rounds) | mlx_lm.server-mixed tok/s (rounds) | mlxgw / mlx_lm.server, paired | "
+        "TTFT p50 mlxgw-mixed / mlx_lm.server-mixed s | failed (mlx_lm.server)"
+    )
     lines = []
     for c in sorted({r["concurrency"] for r in runs if r["variant"] == PEER}):
         of = {v: [r for r in runs if r["concurrency"] == c and r["variant"] == v] for v in ("mixed", PEER)}

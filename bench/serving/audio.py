@@ -185,7 +185,7 @@ def main() -> None:
                     rounds.setdefault((r["engine"], r["concurrency"]), []).append(r)
     audio = sum(j[3] for j in jobs)
     print(f"\n{len(jobs)} requests, {audio:.1f} s of audio ({len(clips)} clips cycled); {method.header()}\n")
-    header = ["engine", "concurrency", "requests/s median (rounds)", "spread", "real-time factor (median)", "WER"]
+    header = "engine | concurrency | requests/s median (rounds) | spread | real-time factor (median) | WER"
     rows = []
     for (engine, c), rs in sorted(rounds.items(), key=lambda kv: (kv[0][0] != "mlxgw (HTTP)", kv[0])):
         rate = summarize([r["requests_per_s"] for r in rs])

@@ -181,15 +181,10 @@ def run_server(label: str, model_dir: Path, work: Path, args) -> list[dict] | st
 
 
 def summary(results: dict[str, list[dict] | str]) -> str:
-    header = [
-        "server",
-        "round",
-        "turn 1 TTFT s",
-        "turns 2-4 TTFT s",
-        "turn 1 / mean(2-4)",
-        "prompt tokens (cached)",
-        "encodes skipped",
-    ]
+    header = (
+        "server | round | turn 1 TTFT s | turns 2-4 TTFT s | turn 1 / mean(2-4) | prompt tokens (cached) | "
+        "encodes skipped"
+    )
     rows = []
     for label, rounds in results.items():
         if isinstance(rounds, str):

@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> None:
     for r in results:
         print(json.dumps(r))
     rows = ([r["run"], r["inputs"], r["embeddings_per_s"], r.get("forward_passes", "")] for r in results)
-    print("\n" + markdown_table(["run", "inputs", "embeddings/s", "forward passes"], rows))
+    print("\n" + markdown_table("run | inputs | embeddings/s | forward passes", rows))
     sys.stdout.flush()
 
 

@@ -111,17 +111,10 @@ def sweep(url: str, args, method: Method) -> list[dict]:
 
 
 def table(runs: list[dict], memory: dict, method: Method) -> str:
-    header = [
-        "kv",
-        "KV bytes/token stated",
-        "measured",
-        "vs kv16",
-        "tok/s (rounds)",
-        "spread",
-        "/ kv16, paired (rounds)",
-        "greedy text = kv16",
-        "failed",
-    ]
+    header = (
+        "kv | KV bytes/token stated | measured | vs kv16 | tok/s (rounds) | spread | / kv16, paired (rounds) | "
+        "greedy text = kv16 | failed"
+    )
     rows = []
     base = sorted((r for r in runs if r["variant"] == "kv16"), key=lambda r: r["round"])
     for variant in VARIANTS:

@@ -109,16 +109,10 @@ def agent_markdown(runs: dict[str, list[dict]], method: Method) -> str:
     and whether every output equals the first server's first one."""
     first = next(iter(runs))
     reference = runs[first][0]["text"]
-    header = [
-        "server",
-        "decode chunks/s median (rounds)",
-        "mean +- stdev",
-        "spread",
-        f"{first} / server (per-round ratios)",
-        "TTFT s median (rounds)",
-        "e2e s median",
-        f"output = {first}'s",
-    ]
+    header = (
+        f"server | decode chunks/s median (rounds) | mean +- stdev | spread | {first} / server (per-round ratios) | "
+        f"TTFT s median (rounds) | e2e s median | output = {first}'s"
+    )
     rows = []
     for label, rs in runs.items():
         decode = summarize([r["decode_chunks_s"] for r in rs])

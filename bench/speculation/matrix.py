@@ -129,19 +129,10 @@ def sweep(url: str, args, method: Method, tokenizer) -> list[dict]:
     return runs
 
 
-HEADER = [
-    "workload",
-    "c",
-    "off tok/s (rounds)",
-    "on tok/s (rounds)",
-    "on / off, paired (rounds)",
-    "spread",
-    "TTFT p50 off / on s",
-    "ITL p50 off / on s",
-    "acceptance (rounds)",
-    "greedy text identical",
-    "failed",
-]
+HEADER = (
+    "workload | c | off tok/s (rounds) | on tok/s (rounds) | on / off, paired (rounds) | spread | "
+    "TTFT p50 off / on s | ITL p50 off / on s | acceptance (rounds) | greedy text identical | failed"
+)
 
 
 def table(runs: list[dict], method: Method) -> tuple[list[dict], str]:

@@ -147,22 +147,10 @@ def load_runner(model_dir: Path, max_batch: int):
     return runner
 
 
-SUMMARY = [
-    "batch",
-    "engine",
-    "step ms (median; per block)",
-    "floor ms (bound)",
-    "step / floor",
-    "forward ms",
-    "forward / floor",
-    "padding",
-    "sampling ms",
-    "host ms",
-    "rest ms",
-    "idle ms",
-    "instrumented ms",
-    "GEMM GFLOP/s",
-]
+SUMMARY = (
+    "batch | engine | step ms (median; per block) | floor ms (bound) | step / floor | forward ms | "
+    "forward / floor | padding | sampling ms | host ms | rest ms | idle ms | instrumented ms | GEMM GFLOP/s"
+)
 
 
 def _summary_cells(r: dict) -> list[str]:

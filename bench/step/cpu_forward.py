@@ -142,7 +142,7 @@ def _summary(times: dict[str, list[float]]) -> dict:
 
 
 def markdown(rows: list[dict]) -> str:
-    header = ["what", "shape", "mlx-lm median (rounds)", "mlxgw median (rounds)", "mlxgw / mlx-lm, paired"]
+    header = "what | shape | mlx-lm median (rounds) | mlxgw median (rounds) | mlxgw / mlx-lm, paired"
     lines = []
     for r in rows:
         if r["what"] == "attention":

@@ -105,16 +105,10 @@ def _workers(folder: Path) -> list[tuple[str, list[dict], list[list[dict]]]]:
 
 
 def report(folder: Path, workers: list | None = None) -> tuple[list[dict], str]:
-    header = [
-        "worker",
-        "level",
-        "tok/s",
-        "steps (verifications)",
-        "verifications' share of wall",
-        "their cost beyond plain s",
-        "padding",
-        "decode ms/token plain / verifying, by batch size",
-    ]
+    header = (
+        "worker | level | tok/s | steps (verifications) | verifications' share of wall | "
+        "their cost beyond plain s | padding | decode ms/token plain / verifying, by batch size"
+    )
     rows, lines = [], []
     for name, _, worker_levels in _workers(folder) if workers is None else workers:
         for i, level in enumerate(worker_levels, 1):
@@ -131,15 +125,10 @@ def report(folder: Path, workers: list | None = None) -> tuple[list[dict], str]:
 
 
 def verification_table(workers: list) -> str:
-    header = [
-        "rows",
-        "plain steps",
-        "plain ms/token",
-        "verifications",
-        "verifying ms/token",
-        "verifying / plain",
-        "tokens per row per verification",
-    ]
+    header = (
+        "rows | plain steps | plain ms/token | verifications | verifying ms/token | verifying / plain | "
+        "tokens per row per verification"
+    )
     lines = []
     steps = [s for name, w, _ in workers if "(off)" not in name for s in w if s["emitted"] and not s["read"]]
     for size in sorted({bucket(s["rows"]) for s in steps}):
@@ -154,14 +143,10 @@ def verification_table(workers: list) -> str:
 
 
 def threads_table(workers: list) -> str:
-    header = [
-        "worker",
-        "steps",
-        "at fewer threads",
-        "prompt-reading steps at fewer threads",
-        "busy s",
-        "beyond the other count's rate s",
-    ]
+    header = (
+        "worker | steps | at fewer threads | prompt-reading steps at fewer threads | busy s | "
+        "beyond the other count's rate s"
+    )
     lines = []
     for name, steps, _ in workers:
         active = [s for s in steps if (s["rows"] or s["read"]) and s.get("threads")]

@@ -235,7 +235,7 @@ def _level(runner, rnd: int, c: int, load: str, names: list[str], args) -> list[
 
 def summary(rows: list[dict], method) -> str:
     """TTFT p50 and p90 per level and variant: median over the rounds, every round shown."""
-    header = ["c", "load", "variant", "TTFT p50 s (rounds)", "spread", "TTFT p90 s (median)"]
+    header = "c | load | variant | TTFT p50 s (rounds) | spread | TTFT p90 s (median)"
     out = []
     for c, load, name in dict.fromkeys((r["c"], r["load"], r["variant"]) for r in rows):
         same = [r for r in rows if (r["c"], r["load"], r["variant"]) == (c, load, name)]

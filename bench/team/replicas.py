@@ -90,15 +90,7 @@ def study(api: str, model: str, args: argparse.Namespace, seed: int, header: boo
 
 
 def markdown(results: list[dict]) -> str:
-    header = [
-        "replicas",
-        "policy",
-        "round",
-        "warm TTFT p50 / p90 (s)",
-        "warm prompt from cache",
-        "busiest / mean",
-        "lost",
-    ]
+    header = "replicas | policy | round | warm TTFT p50 / p90 (s) | warm prompt from cache | busiest / mean | lost"
     rows = (
         [
             r["replicas"],

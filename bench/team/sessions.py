@@ -249,18 +249,10 @@ def per_turn(result: dict, turns: int) -> list[dict]:
 
 
 def markdown(results: dict[str, list[list[dict]]]) -> str:
-    header = [
-        "server",
-        "round",
-        "turn",
-        "requests",
-        "lost",
-        "TTFT p50 / p90 / p99 (s)",
-        "decode/s p50",
-        "cached",
-        "round: RAM / disk",
-        "peak RSS MB",
-    ]
+    header = (
+        "server | round | turn | requests | lost | TTFT p50 / p90 / p99 (s) | decode/s p50 | cached | "
+        "round: RAM / disk | peak RSS MB"
+    )
     rows = []
     for server, rounds in results.items():
         for i, table in enumerate(rounds, 1):
