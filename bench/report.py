@@ -1,15 +1,29 @@
-"""Summaries of a load level (percentiles, throughput), merged over rounds, and the tables.
+"""Summaries of a load level (percentiles, throughput), merged over rounds, and the tables
+(every bench's Markdown table is drawn by markdown_table).
 
 Every statistic comes from bench/stats.py; the spread test and the round order from
 bench/method.py."""
 
 from __future__ import annotations
 
-from .loadgen import RequestResult
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
 from .method import Method
 from .stats import paired_ratios, percentile, summarize
 
-__all__ = ["percentile", "summarize_level", "merge_rounds", "paired_ratio_rows", "levels_markdown"]
+if TYPE_CHECKING:  # the in-process benches draw tables too: they need not import aiohttp
+    from .loadgen import RequestResult
+
+__all__ = [
+    "percentile",
+    "summarize_level",
+    "merge_rounds",
+    "paired_ratio_rows",
+    "levels_markdown",
+    "markdown_table",
+    "or_dash",
+]
 
 # Figures of a level that are merged over rounds (median, every round kept beside it).
 ROUND_KEYS = (
@@ -120,24 +134,41 @@ LEVEL_COLUMNS = [
 WITH_ROUNDS = {"output_tok_s": 2, "ttft_p50_s": 3}
 
 
+def markdown_table(header: str | Sequence[str], rows: Iterable[Sequence[object]]) -> str:
+    """A Markdown table: the header (its columns, or one string of them as the table shows
+    them, "a | b"), its separator, then a line per row (each cell as str())."""
+    columns = header.split(" | ") if isinstance(header, str) else header
+
+    def line(cells: Sequence[object]) -> str:
+        return "| " + " | ".join(map(str, cells)) + " |"
+
+    return "\n".join([line(columns), "|" + "---|" * len(columns), *map(line, rows)])
+
+
+def or_dash(x: float | None, fmt: str = "{:.2f}") -> str:
+    """A table's figure, "-" where there is none."""
+    return "-" if x is None else fmt.format(x)
+
+
 def levels_markdown(rows: list[dict]) -> str:
-    head = "| " + " | ".join(c[1] for c in LEVEL_COLUMNS) + " |"
-    sep = "|" + "---|" * len(LEVEL_COLUMNS)
-    return "\n".join([head, sep, *("| " + " | ".join(_cell(r, k) for k, _ in LEVEL_COLUMNS) + " |" for r in rows)])
+    return markdown_table([c[1] for c in LEVEL_COLUMNS], ([_cell(r, k) for k, _ in LEVEL_COLUMNS] for r in rows))
 
 
 def ratios_markdown(a: str, peer: str, rows: list[dict]) -> str:
-    lines = [
-        f"| c | {a} / {peer} tok/s, median of per-round ratios (rounds) | spread | "
-        f"TTFT p50 ratio (higher = {a} answers sooner) (rounds) |",
-        "|---|---|---|---|",
-    ]
-    lines += [
-        f"| {r['concurrency']} | {_with_rounds(r['tok_s_ratio'], r['tok_s_ratio_rounds'], 3)} | {r['verdict']} | "
-        f"{_with_rounds(r['ttft_p50_ratio'], r['ttft_p50_ratio_rounds'], 3)} |"
+    header = (
+        f"c | {a} / {peer} tok/s, median of per-round ratios (rounds) | spread | "
+        f"TTFT p50 ratio (higher = {a} answers sooner) (rounds)"
+    )
+    cells = (
+        [
+            r["concurrency"],
+            _with_rounds(r["tok_s_ratio"], r["tok_s_ratio_rounds"], 3),
+            r["verdict"],
+            _with_rounds(r["ttft_p50_ratio"], r["ttft_p50_ratio_rounds"], 3),
+        ]
         for r in rows
-    ]
-    return "\n".join(lines)
+    )
+    return markdown_table(header, cells)
 
 
 def _cell(row: dict, key: str) -> str:

@@ -107,85 +107,22 @@ def build_tiny_encoder(
     return dest
 
 
-# A ChatML template that places the image markers where messages have image parts.
-VISION_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message.role }}\n"
-    "{% if message.content is string %}{{ message.content }}{% else %}{% for part in message.content %}"
-    "{% if part.type == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
-    "{% elif part.type == 'video' %}<|vision_start|><|video_pad|><|vision_end|>{% else %}{{ part.text }}{% endif %}"
-    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
 def build_tiny_vision_model(dest: Path, tokenizer_source: Path, seed: int = 0) -> Path:
     """A random-weight Qwen2-VL (mlx-vlm's qwen2_vl: vision tower, merger, mrope language
-    model) with SmolLM2's tokenizer plus the vision tokens, and mlx-vlm's own Qwen-VL image
-    processor configured for tiny images. No real small vision model installs offline."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-    from mlx_vlm.utils import get_model_and_args
-    from transformers import PreTrainedTokenizerFast
+    model) at bench/serving/random_vlm.py's tiny size, with SmolLM2's tokenizer plus the vision
+    tokens, and mlx-vlm's own Qwen-VL image processor configured for tiny images. No real small
+    vision model installs offline."""
+    from mlxgw.bench.serving.random_vlm import PROCESSOR, qwen2_vl_config, write_tokenizer, write_weights
 
     dest.mkdir(parents=True, exist_ok=True)
-    tok = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_source / "tokenizer.json"))
-    specials = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
-    tok.add_special_tokens({"additional_special_tokens": specials})
-    tok.eos_token, tok.pad_token = "<|im_end|>", "<|endoftext|>"
-    tok.chat_template = VISION_TEMPLATE
-    tok.save_pretrained(dest)
-    (dest / "chat_template.jinja").write_text(VISION_TEMPLATE)
-    ids = {t: tok.convert_tokens_to_ids(t) for t in [*specials, "<|im_end|>"]}
-    processor = {
-        "min_pixels": 28 * 28 * 4,
-        "max_pixels": 28 * 28 * 16,
-        "patch_size": 14,
-        "merge_size": 2,
-        "temporal_patch_size": 2,
-        "image_mean": [0.48145466, 0.4578275, 0.40821073],
-        "image_std": [0.26862954, 0.26130258, 0.27577711],
-    }
+    ids = write_tokenizer(dest, tokenizer_source)
+    processor = {**PROCESSOR, "min_pixels": 28 * 28 * 4, "max_pixels": 28 * 28 * 16}
     (dest / "preprocessor_config.json").write_text(json.dumps(processor))
     # Videos: a budget for all frames together large enough that a 56x56 clip keeps its size,
     # so its token count grows with the frames sampled (2 frames of 56x56: 4 tokens).
     video = {**processor, "min_pixels": 28 * 28 * 2, "max_pixels": 56 * 56 * 64}
     (dest / "video_preprocessor_config.json").write_text(json.dumps(video))
-    config = {
-        "model_type": "qwen2_vl",
-        "architectures": ["Qwen2VLForConditionalGeneration"],
-        "image_token_id": ids["<|image_pad|>"],
-        "video_token_id": ids["<|video_pad|>"],
-        "vision_start_token_id": ids["<|vision_start|>"],
-        "vision_end_token_id": ids["<|vision_end|>"],
-        "eos_token_id": [ids["<|im_end|>"], 0],
-        "vocab_size": len(tok),
-        "hidden_size": 64,
-        "num_hidden_layers": 2,
-        "intermediate_size": 128,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "rms_norm_eps": 1e-6,
-        "max_position_embeddings": 4096,
-        "rope_theta": 10000.0,
-        "tie_word_embeddings": True,
-        "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
-        "vision_config": {
-            "depth": 2,
-            "embed_dim": 32,
-            "hidden_size": 64,
-            "num_heads": 2,
-            "patch_size": 14,
-            "spatial_merge_size": 2,
-            "temporal_patch_size": 2,
-            "in_channels": 3,
-            "mlp_ratio": 2,
-        },
-    }
+    config = qwen2_vl_config("tiny", ids, eos=[ids["<|im_end|>"], 0])
     (dest / "config.json").write_text(json.dumps(config))
-    module, _ = get_model_and_args(config)
-    model_config = module.ModelConfig.from_dict(dict(config))
-    model_config.vision_config = module.VisionConfig.from_dict(config["vision_config"])
-    model_config.text_config = module.TextConfig.from_dict({k: v for k, v in config.items() if k != "vision_config"})
-    mx.random.seed(seed)
-    model = module.Model(model_config)
-    mx.save_safetensors(str(dest / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    write_weights(dest, config, seed)
     return dest

@@ -27,6 +27,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..report import markdown_table
+
 REPO = Path(__file__).resolve().parent.parent
 NPM_BINS = [
     REPO / ".cache" / "npm-agents" / "node_modules" / ".bin",
@@ -179,19 +181,24 @@ def run_once(client: str, n: int, args) -> Run:
 
 
 def table(runs: list[Run]) -> str:
-    lines = [
-        "| client | run | finished | wall s | requests (outcomes) | prompt tokens | tool called | file written |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+    header = "client | run | finished | wall s | requests (outcomes) | prompt tokens | tool called | file written"
+    rows = []
     for r in runs:
         outcomes = ", ".join(r.outcomes) or "-"
         file_cell = "" if r.file_ok is None else ("yes" if r.file_ok else "no")
-        lines.append(
-            f"| {r.client} | {r.run} | {'yes' if r.finished else f'no (rc {r.rc})'} | {r.wall_s:.0f} | "
-            f"{r.requests} ({outcomes}) | {', '.join(map(str, r.prompt_tokens)) or '-'} | "
-            f"{'yes' if r.tool_called else 'no'} | {file_cell} |"
+        rows.append(
+            [
+                r.client,
+                r.run,
+                "yes" if r.finished else f"no (rc {r.rc})",
+                f"{r.wall_s:.0f}",
+                f"{r.requests} ({outcomes})",
+                ", ".join(map(str, r.prompt_tokens)) or "-",
+                "yes" if r.tool_called else "no",
+                file_cell,
+            ]
         )
-    return "\n".join(lines)
+    return markdown_table(header, rows)
 
 
 def main() -> None:

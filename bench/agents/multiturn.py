@@ -33,6 +33,7 @@ from pathlib import Path
 
 from .. import method as bench_method
 from ..method import Method
+from ..report import markdown_table
 from ..servers import (
     ServerProcess,
     registry,
@@ -130,20 +131,19 @@ def warm_of(run: dict) -> float | None:
 def markdown(runs: dict[str, list[dict]], method: Method, goal: float) -> str:
     """Per server: turn 1 (cold), turns 2, 3, 4 and their median (warm), cold/warm paired per
     conversation, whether the goal ratio is met; every round beside each median."""
-    rows = [
-        "| server | turn 1 TTFT s (cold) | turn 2 s | turn 3 s | turn 4 s | turns 2-4 median s (warm) | "
-        f"cold / warm, per round | spread | >= {goal:g}x |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
+    header = (
+        "server | turn 1 TTFT s (cold) | turn 2 s | turn 3 s | turn 4 s | turns 2-4 median s (warm) | "
+        f"cold / warm, per round | spread | >= {goal:g}x"
+    )
+    rows = []
     for label, rs in runs.items():
         turns = [summarize([r["ttft_s"][t] for r in rs]) for t in range(len(QUESTIONS))]
         warm = summarize([warm_of(r) for r in rs])
         ratio = summarize(paired_ratios([r["ttft_s"][0] for r in rs], [warm_of(r) for r in rs]))
         method.check(f"{label} cold/warm", ratio)
         met = "yes" if ratio.low is not None and ratio.low >= goal else "no"
-        cells = " | ".join(t.cell(3) for t in turns)
-        rows.append(f"| {label} | {cells} | {warm.cell(3)} | {ratio.cell(1)} | {method.flag_cell(ratio)} | {met} |")
-    return "\n".join(rows)
+        rows.append([label, *(t.cell(3) for t in turns), warm.cell(3), ratio.cell(1), method.flag_cell(ratio), met])
+    return markdown_table(header, rows)
 
 
 def measure(servers: list[tuple], tokenizer, args, method: Method) -> dict[str, list[dict]]:

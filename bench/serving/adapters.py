@@ -38,6 +38,7 @@ import aiohttp
 from .. import method as bench_method
 from ..loadgen import one_request, varied_prompts
 from ..method import Method
+from ..report import markdown_table
 from ..servers import ServerProcess, show_log_tails, spawn_mlx_lm, spawn_mlxgw, stop_all, warm_up
 from ..stats import paired_ratios, percentile, summarize
 
@@ -118,10 +119,8 @@ def worker_rss(url: str) -> int | None:
 
 
 def table(runs: list[dict], method: Method) -> str:
-    lines = [
-        "| c | base tok/s (rounds) | mixed tok/s (rounds) | mixed / base, paired | TTFT p50 base / mixed s | failed |",
-        "|---|---|---|---|---|---|",
-    ]
+    header = "c | base tok/s (rounds) | mixed tok/s (rounds) | mixed / base, paired | TTFT p50 base / mixed s | failed"
+    lines = []
     for c in sorted({r["concurrency"] for r in runs}):
         of = {v: [r for r in runs if r["concurrency"] == c and r["variant"] == v] for v in VARIANTS}
         tok = {v: summarize([r["tok_s"] for r in of[v]]) for v in VARIANTS}
@@ -129,17 +128,17 @@ def table(runs: list[dict], method: Method) -> str:
         method.check(f"c={c} mixed/base", ratio)
         ttft = " / ".join(f"{percentile([r['ttft_p50_s'] for r in of[v]], 50) or 0:.2f}" for v in VARIANTS)
         failed = sum(r["failed"] for r in runs if r["concurrency"] == c and r["variant"] in VARIANTS)
-        lines.append(f"| {c} | {tok['base'].cell()} | {tok['mixed'].cell()} | {ratio.cell()} | {ttft} | {failed} |")
-    return "\n".join(lines)
+        lines.append([c, tok["base"].cell(), tok["mixed"].cell(), ratio.cell(), ttft, failed])
+    return markdown_table(header, lines)
 
 
 def peer_table(runs: list[dict], method: Method) -> str:
     """mlxgw-mixed against mlx_lm.server-mixed, the same prompts and adapters."""
-    lines = [
-        "| c | mlxgw-mixed tok/s (rounds) | mlx_lm.server-mixed tok/s (rounds) | mlxgw / mlx_lm.server, paired "
-        "| TTFT p50 mlxgw-mixed / mlx_lm.server-mixed s | failed (mlx_lm.server) |",
-        "|---|---|---|---|---|---|",
-    ]
+    header = (
+        "c | mlxgw-mixed tok/s (rounds) | mlx_lm.server-mixed tok/s (rounds) | mlxgw / mlx_lm.server, paired | "
+        "TTFT p50 mlxgw-mixed / mlx_lm.server-mixed s | failed (mlx_lm.server)"
+    )
+    lines = []
     for c in sorted({r["concurrency"] for r in runs if r["variant"] == PEER}):
         of = {v: [r for r in runs if r["concurrency"] == c and r["variant"] == v] for v in ("mixed", PEER)}
         tok = {v: summarize([r["tok_s"] for r in rows]) for v, rows in of.items()}
@@ -147,8 +146,8 @@ def peer_table(runs: list[dict], method: Method) -> str:
         method.check(f"c={c} mlxgw-mixed/mlx_lm.server-mixed", ratio)
         ttft = " / ".join(f"{percentile([r['ttft_p50_s'] for r in rows], 50) or 0:.2f}" for rows in of.values())
         failed = sum(r["failed"] for r in of[PEER])
-        lines.append(f"| {c} | {tok['mixed'].cell()} | {tok[PEER].cell()} | {ratio.cell()} | {ttft} | {failed} |")
-    return "\n".join(lines)
+        lines.append([c, tok["mixed"].cell(), tok[PEER].cell(), ratio.cell(), ttft, failed])
+    return markdown_table(header, lines)
 
 
 def weight_bytes(model_dir: Path) -> int:

@@ -167,7 +167,8 @@ def main() -> None:
     clips = load_clips(args.clips)
     jobs = [clips[i % len(clips)] for i in range(args.requests)]
     ct2 = args.ct2_dir or (default_ct2_dir() if args.peers else None)
-    from ..stats import summarize  # here: the peer's child runs this file as a script, without mlxgw
+    from ..report import markdown_table  # here: the peer's child runs this file as a script, without mlxgw
+    from ..stats import summarize
 
     method = bench_method.from_args(args)
     rounds: dict[tuple[str, int], list[dict]] = {}
@@ -184,13 +185,14 @@ def main() -> None:
                     rounds.setdefault((r["engine"], r["concurrency"]), []).append(r)
     audio = sum(j[3] for j in jobs)
     print(f"\n{len(jobs)} requests, {audio:.1f} s of audio ({len(clips)} clips cycled); {method.header()}\n")
-    print("| engine | concurrency | requests/s median (rounds) | spread | real-time factor (median) | WER |")
-    print("|---|---|---|---|---|---|")
+    header = "engine | concurrency | requests/s median (rounds) | spread | real-time factor (median) | WER"
+    rows = []
     for (engine, c), rs in sorted(rounds.items(), key=lambda kv: (kv[0][0] != "mlxgw (HTTP)", kv[0])):
         rate = summarize([r["requests_per_s"] for r in rs])
         method.check(f"{engine} c={c} requests/s", rate)
         rtf = summarize([r["rtf"] for r in rs]).median
-        print(f"| {engine} | {c} | {rate.cell(3)} | {method.flag_cell(rate)} | {rtf:.3f} | {rs[0]['wer']} |")
+        rows.append([engine, c, rate.cell(3), method.flag_cell(rate), f"{rtf:.3f}", rs[0]["wer"]])
+    print(markdown_table(header, rows))
     raise SystemExit(method.finish())
 
 

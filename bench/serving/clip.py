@@ -29,6 +29,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from ..report import markdown_table
 from ..servers import ServerProcess, registry, show_log_tails, spawn_mlxgw, spawn_vllm_mlx, stop_all, warm_up
 
 QUESTIONS = [
@@ -180,14 +181,14 @@ def run_server(label: str, model_dir: Path, work: Path, args) -> list[dict] | st
 
 
 def summary(results: dict[str, list[dict] | str]) -> str:
-    lines = [
-        "| server | round | turn 1 TTFT s | turns 2-4 TTFT s | turn 1 / mean(2-4) | prompt tokens (cached) "
-        "| encodes skipped |",
-        "|---|---|---|---|---|---|---|",
-    ]
+    header = (
+        "server | round | turn 1 TTFT s | turns 2-4 TTFT s | turn 1 / mean(2-4) | prompt tokens (cached) | "
+        "encodes skipped"
+    )
+    rows = []
     for label, rounds in results.items():
         if isinstance(rounds, str):
-            lines.append(f"| {label} | - | did not run: {rounds} | | | | |")
+            rows.append([label, "-", f"did not run: {rounds}", "", "", "", ""])
             continue
         for i, conv in enumerate(rounds):
             turns = conv["turns"]
@@ -196,9 +197,8 @@ def summary(results: dict[str, list[dict] | str]) -> str:
             tokens = ", ".join(f"{t['prompt_tokens']} ({t['cached_tokens']})" for t in turns)
             later_text = ", ".join(f"{t:.3f}" for t in later)
             skipped = "-" if conv["encodes_skipped"] is None else f"{conv['encodes_skipped']} of {len(later)}"
-            lines.append(
-                f"| {label} | {i + 1} | {turns[0]['ttft_s']:.3f} | {later_text} | {ratio:.1f}x | {tokens} | {skipped} |"
-            )
+            rows.append([label, i + 1, f"{turns[0]['ttft_s']:.3f}", later_text, f"{ratio:.1f}x", tokens, skipped])
+    lines = [markdown_table(header, rows)]
     if len(results) == 2 and all(not isinstance(v, str) for v in results.values()):
         mine, peer = results.values()
         for i, (a, b) in enumerate(zip(mine, peer)):

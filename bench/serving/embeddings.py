@@ -172,6 +172,7 @@ def peer_runs(python: str, script: str, model_dir: str, items: list[str]) -> lis
 
 def main(argv: list[str] | None = None) -> None:
     from ...shared.platform import reexec_as_worker
+    from ..report import markdown_table
 
     reexec_as_worker("mlxgw.bench.serving.embeddings")  # the in-process encoder runs as a worker would
     ap = argparse.ArgumentParser(prog="python -m mlxgw.bench.serving.embeddings")
@@ -196,9 +197,8 @@ def main(argv: list[str] | None = None) -> None:
         results += peer_runs(args.mlx_embeddings_python, MLX_EMBEDDINGS, peer_model, items)
     for r in results:
         print(json.dumps(r))
-    print("\n| run | inputs | embeddings/s | forward passes |\n|---|---|---|---|")
-    for r in results:
-        print(f"| {r['run']} | {r['inputs']} | {r['embeddings_per_s']} | {r.get('forward_passes', '')} |")
+    rows = ([r["run"], r["inputs"], r["embeddings_per_s"], r.get("forward_passes", "")] for r in results)
+    print("\n" + markdown_table("run | inputs | embeddings/s | forward passes", rows))
     sys.stdout.flush()
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 from .. import method as bench_method
 from ..loadgen import run_level, varied_prompts
 from ..method import Method
+from ..report import markdown_table
 from ..servers import ServerProcess, show_log_tails, spawn_mlxgw, stop_all, warm_up
 from ..speculation.matrix import clear_cache
 from ..stats import paired_ratios, summarize
@@ -110,11 +111,11 @@ def sweep(url: str, args, method: Method) -> list[dict]:
 
 
 def table(runs: list[dict], memory: dict, method: Method) -> str:
-    lines = [
-        "| kv | KV bytes/token stated | measured | vs kv16 | tok/s (rounds) | spread | / kv16, paired (rounds) | "
-        "greedy text = kv16 | failed |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
+    header = (
+        "kv | KV bytes/token stated | measured | vs kv16 | tok/s (rounds) | spread | / kv16, paired (rounds) | "
+        "greedy text = kv16 | failed"
+    )
+    rows = []
     base = sorted((r for r in runs if r["variant"] == "kv16"), key=lambda r: r["round"])
     for variant in VARIANTS:
         mine = sorted((r for r in runs if r["variant"] == variant), key=lambda r: r["round"])
@@ -125,11 +126,21 @@ def table(runs: list[dict], memory: dict, method: Method) -> str:
         total = sum(len(r["texts"]) for r in mine)
         stated, measured = memory[variant]
         share = f"{measured / memory['kv16'][1]:.2f}x" if measured and memory["kv16"][1] else ""
-        lines.append(
-            f"| {variant} | {stated} | {measured} | {share} | {rate.cell()} | {method.flag_cell(rate)} | "
-            f"{ratio.cell(3)} | {agree}/{total} | {sum(r['failed'] for r in mine)} |"
+        failed = sum(r["failed"] for r in mine)
+        rows.append(
+            [
+                variant,
+                stated,
+                measured,
+                share,
+                rate.cell(),
+                method.flag_cell(rate),
+                ratio.cell(3),
+                f"{agree}/{total}",
+                failed,
+            ]
         )
-    return "\n".join(lines)
+    return markdown_table(header, rows)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from .. import method as bench_method
 from ..method import Method
+from ..report import markdown_table
 from ..run import BenchConfig, Target, run
 from ..servers import (
     ServerProcess,
@@ -108,11 +109,11 @@ def agent_markdown(runs: dict[str, list[dict]], method: Method) -> str:
     and whether every output equals the first server's first one."""
     first = next(iter(runs))
     reference = runs[first][0]["text"]
-    rows = [
-        "| server | decode chunks/s median (rounds) | mean +- stdev | spread | "
-        f"{first} / server (per-round ratios) | TTFT s median (rounds) | e2e s median | output = {first}'s |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+    header = (
+        f"server | decode chunks/s median (rounds) | mean +- stdev | spread | {first} / server (per-round ratios) | "
+        f"TTFT s median (rounds) | e2e s median | output = {first}'s"
+    )
+    rows = []
     for label, rs in runs.items():
         decode = summarize([r["decode_chunks_s"] for r in rs])
         method.check(f"agent {label} decode chunks/s", decode)
@@ -122,10 +123,18 @@ def agent_markdown(runs: dict[str, list[dict]], method: Method) -> str:
         spread_sd = f"{decode.mean:.2f} +- {decode.stdev:.2f}" if decode.stdev is not None else ""
         same = all(r["text"] == reference for r in rs)
         rows.append(
-            f"| {label} | {decode.cell()} | {spread_sd} | {method.flag_cell(decode)} | {ratio} | "
-            f"{ttft.cell(3)} | {e2e.cell()} | {'yes' if same else 'no'} |"
+            [
+                label,
+                decode.cell(),
+                spread_sd,
+                method.flag_cell(decode),
+                ratio,
+                ttft.cell(3),
+                e2e.cell(),
+                "yes" if same else "no",
+            ]
         )
-    return "\n".join(rows)
+    return markdown_table(header, rows)
 
 
 def _ratio_cell(ours: list[dict], theirs: list[dict], method: Method, label: str) -> str:

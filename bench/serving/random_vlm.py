@@ -70,7 +70,9 @@ PROCESSOR = {
 }
 
 
-def _tokenizer(dest: Path, source: Path) -> dict[str, int]:
+def write_tokenizer(dest: Path, source: Path) -> dict[str, int]:
+    """source's tokenizer with the vision tokens and the template, saved into dest; the ids
+    the config names (and the vocabulary's size under "vocab")."""
     from transformers import PreTrainedTokenizerFast
 
     tok = PreTrainedTokenizerFast(tokenizer_file=str(source / "tokenizer.json"))
@@ -84,17 +86,19 @@ def _tokenizer(dest: Path, source: Path) -> dict[str, int]:
     return ids
 
 
-def qwen2_vl_config(size: str, ids: dict[str, int], dtype: str) -> dict:
+def qwen2_vl_config(size: str, ids: dict[str, int], dtype: str | None = None, eos: list[int] | None = None) -> dict:
+    """The config.json of a SIZES model (dtype: its torch_dtype, none named when None; eos: the
+    stop ids, <|im_end|> alone by default)."""
     spec = SIZES[size]
     return {
         "model_type": "qwen2_vl",
         "architectures": ["Qwen2VLForConditionalGeneration"],
-        "torch_dtype": dtype,
+        **({"torch_dtype": dtype} if dtype else {}),
         "image_token_id": ids["<|image_pad|>"],
         "video_token_id": ids["<|video_pad|>"],
         "vision_start_token_id": ids["<|vision_start|>"],
         "vision_end_token_id": ids["<|vision_end|>"],
-        "eos_token_id": [ids["<|im_end|>"]],
+        "eos_token_id": eos or [ids["<|im_end|>"]],
         "vocab_size": ids["vocab"],
         "rms_norm_eps": 1e-6,
         "tie_word_embeddings": True,
@@ -112,10 +116,6 @@ def qwen2_vl_config(size: str, ids: dict[str, int], dtype: str) -> dict:
 def build(dest: Path, size: str = "2b", dtype: str = "float32", tokenizer: Path = DEFAULT_TOKENIZER) -> Path:
     """Write the model into dest (kept when it was built before at the same size and dtype: a
     2B build is 2.2 billion parameters, 8.8 GB in float32, 4.4 GB in bfloat16)."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-    from mlx_vlm.utils import get_model_and_args
-
     marker = dest / "random_vlm.json"
     wanted = {"size": size, "dtype": dtype}
     if marker.exists() and json.loads(marker.read_text()) == wanted and (dest / "model.safetensors").exists():
@@ -123,24 +123,35 @@ def build(dest: Path, size: str = "2b", dtype: str = "float32", tokenizer: Path 
     if not (tokenizer / "tokenizer.json").exists():
         raise SystemExit(f"no tokenizer.json in {tokenizer}: `mlxgw pull smollm2-135m` or --tokenizer DIR")
     dest.mkdir(parents=True, exist_ok=True)
-    ids = _tokenizer(dest, tokenizer)
+    ids = write_tokenizer(dest, tokenizer)
     config = qwen2_vl_config(size, ids, dtype)
     (dest / "preprocessor_config.json").write_text(json.dumps(PROCESSOR))
     # Videos: a pixel budget for all frames together that keeps a 224x224 clip of 64 frames whole.
     (dest / "video_preprocessor_config.json").write_text(json.dumps({**PROCESSOR, "max_pixels": 224 * 224 * 64}))
     (dest / "config.json").write_text(json.dumps(config, indent=1))
+    write_weights(dest, config, dtype=dtype)
+    marker.write_text(json.dumps(wanted))
+    return dest
+
+
+def write_weights(dest: Path, config: dict, seed: int = 0, dtype: str | None = None) -> None:
+    """Random weights of mlx-vlm's model for config, into dest/model.safetensors (dtype: cast
+    to it; None keeps MLX's float32)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_vlm.utils import get_model_and_args
+
     module, _ = get_model_and_args(config)
     model_config = module.ModelConfig.from_dict(dict(config))
     model_config.vision_config = module.VisionConfig.from_dict(config["vision_config"])
     model_config.text_config = module.TextConfig.from_dict({k: v for k, v in config.items() if k != "vision_config"})
-    mx.random.seed(0)
+    mx.random.seed(seed)
     model = module.Model(model_config)
-    model.set_dtype(getattr(mx, dtype))
+    if dtype:
+        model.set_dtype(getattr(mx, dtype))
     weights = dict(tree_flatten(model.parameters()))
     mx.eval(weights)
     mx.save_safetensors(str(dest / "model.safetensors"), weights, metadata={"format": "mlx"})
-    marker.write_text(json.dumps(wanted))
-    return dest
 
 
 def main() -> None:

@@ -34,6 +34,7 @@ from pathlib import Path
 from .. import method as bench_method
 from ..loadgen import run_level, varied_prompts
 from ..method import Method
+from ..report import markdown_table
 from ..servers import ServerProcess, show_log_tails, spawn_mlxgw, stop_all, warm_up
 from ..stats import paired_ratios, percentile, summarize
 
@@ -129,14 +130,14 @@ def sweep(url: str, args, method: Method, tokenizer) -> list[dict]:
 
 
 HEADER = (
-    "| workload | c | off tok/s (rounds) | on tok/s (rounds) | on / off, paired (rounds) | spread | "
-    "TTFT p50 off / on s | ITL p50 off / on s | acceptance (rounds) | greedy text identical | failed |"
+    "workload | c | off tok/s (rounds) | on tok/s (rounds) | on / off, paired (rounds) | spread | "
+    "TTFT p50 off / on s | ITL p50 off / on s | acceptance (rounds) | greedy text identical | failed"
 )
 
 
 def table(runs: list[dict], method: Method) -> tuple[list[dict], str]:
     """One row per workload and concurrency; the on/off ratio is checked against the spread."""
-    rows, lines = [], [HEADER, "|" + "---|" * 11]
+    rows, lines = [], []
     for key in dict.fromkeys((r["workload"], r["concurrency"]) for r in runs):
         same_level = [r for r in runs if (r["workload"], r["concurrency"]) == key]
         off = sorted((r for r in same_level if r["variant"] == "spec-off"), key=lambda r: r["round"])
@@ -161,10 +162,21 @@ def table(runs: list[dict], method: Method) -> tuple[list[dict], str]:
         itl = " / ".join(_p50(x, "itl_p50_s") for x in (off, on))
         parity = f"{same}/{total}" + ("" if same == total else " NO")
         lines.append(
-            f"| {key[0]} | {key[1]} | {off_rate.cell()} | {on_rate.cell()} | {ratio.cell(3)} | "
-            f"{method.flag_cell(ratio)} | {ttft} | {itl} | {accepted.cell()} | {parity} | {row['failed']} |"
+            [
+                key[0],
+                key[1],
+                off_rate.cell(),
+                on_rate.cell(),
+                ratio.cell(3),
+                method.flag_cell(ratio),
+                ttft,
+                itl,
+                accepted.cell(),
+                parity,
+                row["failed"],
+            ]
         )
-    return rows, "\n".join(lines)
+    return rows, markdown_table(HEADER, lines)
 
 
 def identical(runs: list[dict]) -> tuple[int, int]:

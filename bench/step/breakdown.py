@@ -37,6 +37,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 
+from ..report import markdown_table
 from ..stats import median, summarize
 from .mlxgw_loop import PATHS, PIECES, MlxgwLoop, SamplerView, make_request
 from .timers import Timers, install_timers
@@ -147,27 +148,39 @@ def load_runner(model_dir: Path, max_batch: int):
 
 
 SUMMARY = (
-    "| batch | engine | step ms (median; per block) | floor ms (bound) | step / floor | forward ms | "
-    "forward / floor | padding | sampling ms | host ms | rest ms | idle ms | instrumented ms | GEMM GFLOP/s |"
+    "batch | engine | step ms (median; per block) | floor ms (bound) | step / floor | forward ms | "
+    "forward / floor | padding | sampling ms | host ms | rest ms | idle ms | instrumented ms | GEMM GFLOP/s"
 )
 
 
+def _summary_cells(r: dict) -> list[str]:
+    pad = "" if r["padding_share"] is None else f"{r['padding_share']:.1%}"
+    blocks = ", ".join(f"{v:.0f}" for v in r["step_ms_by_block"])
+    forward = r["pieces_ms"]["forward"]
+    return [
+        r["batch"],
+        r["engine"],
+        f"{r['step_ms']:.1f} ({blocks})",
+        f"{r['floor_ms']:.1f} ({r['bound']})",
+        f"{r['step_ms'] / r['floor_ms']:.2f}x",
+        f"{forward:.1f}",
+        f"{forward / r['floor_ms']:.2f}x",
+        pad,
+        f"{r['sampling_ms']:.2f}",
+        f"{r['host_ms']:.2f}",
+        f"{r['pieces_ms']['rest']:.2f}",
+        f"{r['idle_ms']:.2f}",
+        f"{r['instrumented_step_ms']:.1f}",
+        f"{r['gemm_gflops']:.0f}",
+    ]
+
+
 def markdown(rows: list[dict], meta: dict) -> str:
-    lines = [SUMMARY, "|" + "---|" * 14]
-    for r in rows:
-        pad = "" if r["padding_share"] is None else f"{r['padding_share']:.1%}"
-        blocks = ", ".join(f"{v:.0f}" for v in r["step_ms_by_block"])
-        lines.append(
-            f"| {r['batch']} | {r['engine']} | {r['step_ms']:.1f} ({blocks}) | {r['floor_ms']:.1f} ({r['bound']}) | "
-            f"{r['step_ms'] / r['floor_ms']:.2f}x | {r['pieces_ms']['forward']:.1f} | "
-            f"{r['pieces_ms']['forward'] / r['floor_ms']:.2f}x | {pad} | {r['sampling_ms']:.2f} | {r['host_ms']:.2f} | "
-            f"{r['pieces_ms']['rest']:.2f} | {r['idle_ms']:.2f} | {r['instrumented_step_ms']:.1f} | "
-            f"{r['gemm_gflops']:.0f} |"
-        )
-    lines += ["", "| batch | engine | " + " | ".join(PIECES) + " |", "|" + "---|" * (len(PIECES) + 2)]
-    lines += [
-        f"| {r['batch']} | {r['engine']} | " + " | ".join(f"{r['pieces_ms'][k]:.2f}" for k in PIECES) + " |"
-        for r in rows
+    pieces = ([r["batch"], r["engine"], *(f"{r['pieces_ms'][k]:.2f}" for k in PIECES)] for r in rows)
+    lines = [
+        markdown_table(SUMMARY, map(_summary_cells, rows)),
+        "",
+        markdown_table(["batch", "engine", *PIECES], pieces),
     ]
     f = meta["floors"]
     lines += [

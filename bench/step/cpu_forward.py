@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from ..method import rotated
+from ..report import markdown_table
 from ..stats import median, paired_ratios, summarize
 
 DECODE = [(1, 80), (1, 4000), (8, 1000), (16, 100), (16, 500)]
@@ -141,10 +142,8 @@ def _summary(times: dict[str, list[float]]) -> dict:
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = [
-        "| what | shape | mlx-lm median (rounds) | mlxgw median (rounds) | mlxgw / mlx-lm, paired |",
-        "|---|---|---|---|---|",
-    ]
+    header = "what | shape | mlx-lm median (rounds) | mlxgw median (rounds) | mlxgw / mlx-lm, paired"
+    lines = []
     for r in rows:
         if r["what"] == "attention":
             shape = f"batch {r['batch']}, {r['rows']} row(s), {r['keys']} keys"
@@ -157,8 +156,8 @@ def markdown(rows: list[dict]) -> str:
             return f"{s['median']:.2f} ({', '.join(f'{v:.2f}' for v in s['rounds'])})"
 
         ratio = r["mlxgw_over_mlx_lm"]["median"]
-        lines.append(f"| {r['what']} | {shape} | {cell(r['mlx_lm'])} | {cell(r['mlxgw'])} | {ratio:.2f}x |")
-    return "\n".join(lines)
+        lines.append([r["what"], shape, cell(r["mlx_lm"]), cell(r["mlxgw"]), f"{ratio:.2f}x"])
+    return markdown_table(header, lines)
 
 
 def main(argv: list[str] | None = None) -> None:

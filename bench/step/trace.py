@@ -25,6 +25,7 @@ import argparse
 import json
 from pathlib import Path
 
+from ..report import markdown_table
 from ..stats import median
 
 
@@ -104,12 +105,11 @@ def _workers(folder: Path) -> list[tuple[str, list[dict], list[list[dict]]]]:
 
 
 def report(folder: Path, workers: list | None = None) -> tuple[list[dict], str]:
-    rows, lines = [], []
-    lines.append(
-        "| worker | level | tok/s | steps (verifications) | verifications' share of wall | their cost beyond plain s | "
-        "padding | decode ms/token plain / verifying, by batch size |"
+    header = (
+        "worker | level | tok/s | steps (verifications) | verifications' share of wall | "
+        "their cost beyond plain s | padding | decode ms/token plain / verifying, by batch size"
     )
-    lines.append("|" + "---|" * 8)
+    rows, lines = [], []
     for name, _, worker_levels in _workers(folder) if workers is None else workers:
         for i, level in enumerate(worker_levels, 1):
             s = summarize_level(level)
@@ -119,19 +119,17 @@ def report(folder: Path, workers: list | None = None) -> tuple[list[dict], str]:
                 for size, v in s["by_size"].items()
             )
             rate = round(s["tokens"] / s["wall_s"], 1) if s["wall_s"] else None
-            lines.append(
-                f"| {name} | {i} | {rate} | {s['steps']} ({s['spec_steps']}) | {s['spec_share_of_wall']} | "
-                f"{s['spec_extra_s']} | {s['padding_share']} | {sizes} |"
-            )
-    return rows, "\n".join(lines)
+            steps = f"{s['steps']} ({s['spec_steps']})"
+            lines.append([name, i, rate, steps, s["spec_share_of_wall"], s["spec_extra_s"], s["padding_share"], sizes])
+    return rows, markdown_table(header, lines)
 
 
 def verification_table(workers: list) -> str:
-    lines = [
-        "| rows | plain steps | plain ms/token | verifications | verifying ms/token | verifying / plain | "
-        "tokens per row per verification |",
-        "|" + "---|" * 7,
-    ]
+    header = (
+        "rows | plain steps | plain ms/token | verifications | verifying ms/token | verifying / plain | "
+        "tokens per row per verification"
+    )
+    lines = []
     steps = [s for name, w, _ in workers if "(off)" not in name for s in w if s["emitted"] and not s["read"]]
     for size in sorted({bucket(s["rows"]) for s in steps}):
         plain = [s for s in steps if not s["spec"] and bucket(s["rows"]) == size]
@@ -139,19 +137,17 @@ def verification_table(workers: list) -> str:
         p, v = per_token(plain), per_token(spec)
         gained = sum(s["emitted"] for s in spec) / sum(s["rows"] for s in spec) if spec else None
         ratio = f"{v / p:.2f}" if p and v else ""
-        lines.append(
-            f"| {size} | {len(plain)} | {_ms(p) or ''} | {len(spec)} | {_ms(v) or ''} | {ratio} | "
-            f"{'' if gained is None else f'{gained:.2f}'} |"
-        )
-    return "\n".join(lines)
+        gained_cell = "" if gained is None else f"{gained:.2f}"
+        lines.append([size, len(plain), _ms(p) or "", len(spec), _ms(v) or "", ratio, gained_cell])
+    return markdown_table(header, lines)
 
 
 def threads_table(workers: list) -> str:
-    lines = [
-        "| worker | steps | at fewer threads | prompt-reading steps at fewer threads | busy s | "
-        "beyond the other count's rate s |",
-        "|" + "---|" * 6,
-    ]
+    header = (
+        "worker | steps | at fewer threads | prompt-reading steps at fewer threads | busy s | "
+        "beyond the other count's rate s"
+    )
+    lines = []
     for name, steps, _ in workers:
         active = [s for s in steps if (s["rows"] or s["read"]) and s.get("threads")]
         if not active:
@@ -172,11 +168,16 @@ def threads_table(workers: list) -> str:
         fewer_steps = sum(s["threads"] != most for s in active)
         prompts = [s for s in active if s["read"]]
         lines.append(
-            f"| {name} | {len(active)} | {fewer_steps} ({fewer_steps / len(active):.1%}) | "
-            f"{sum(s['threads'] != most for s in prompts)} of {len(prompts)} | {busy:.1f} | "
-            f"{beyond:.1f} ({beyond / busy:.1%}) |"
+            [
+                name,
+                len(active),
+                f"{fewer_steps} ({fewer_steps / len(active):.1%})",
+                f"{sum(s['threads'] != most for s in prompts)} of {len(prompts)}",
+                f"{busy:.1f}",
+                f"{beyond:.1f} ({beyond / busy:.1%})",
+            ]
         )
-    return "\n".join(lines)
+    return markdown_table(header, lines)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -31,6 +31,7 @@ import time
 
 from .. import method as bench_method
 from ..loadgen import varied_prompts
+from ..report import markdown_table
 from ..stats import percentile, summarize
 
 VARIANTS = {
@@ -234,14 +235,15 @@ def _level(runner, rnd: int, c: int, load: str, names: list[str], args) -> list[
 
 def summary(rows: list[dict], method) -> str:
     """TTFT p50 and p90 per level and variant: median over the rounds, every round shown."""
-    lines = ["| c | load | variant | TTFT p50 s (rounds) | spread | TTFT p90 s (median) |", "|---|---|---|---|---|---|"]
+    header = "c | load | variant | TTFT p50 s (rounds) | spread | TTFT p90 s (median)"
+    out = []
     for c, load, name in dict.fromkeys((r["c"], r["load"], r["variant"]) for r in rows):
         same = [r for r in rows if (r["c"], r["load"], r["variant"]) == (c, load, name)]
         p50 = summarize([r["ttft_p50_s"] for r in same])
         method.check(f"c={c} {load} {name} TTFT p50", p50)
         p90 = summarize([r["ttft_p90_s"] for r in same]).median
-        lines.append(f"| {c} | {load} | {name} | {p50.cell(3)} | {method.flag_cell(p50)} | {p90:.3f} |")
-    return "\n".join(lines)
+        out.append([c, load, name, p50.cell(3), method.flag_cell(p50), f"{p90:.3f}"])
+    return markdown_table(header, out)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from ..report import markdown_table, or_dash
 from ..servers import registry, spawn_mlxgw, stop_all, warm_up
 from .sessions import pct, stream_chat, text
 
@@ -89,20 +90,20 @@ def study(api: str, model: str, args: argparse.Namespace, seed: int, header: boo
 
 
 def markdown(results: list[dict]) -> str:
-    def num(x, fmt="{:.2f}"):
-        return "-" if x is None else fmt.format(x)
-
-    out = [
-        "| replicas | policy | round | warm TTFT p50 / p90 (s) | warm prompt from cache | busiest / mean | lost |",
-        "|---" * 7 + "|",
-    ]
-    for r in results:
-        ttft = f"{num(r['warm_ttft_p50_s'])} / {num(r['warm_ttft_p90_s'])}"
-        out.append(
-            f"| {r['replicas']} | {r['policy']} | {r['round']} | {ttft} | {num(r['warm_cached'], '{:.0%}')} "
-            f"| {num(r['busiest_over_mean'])} | {r['lost']} |"
-        )
-    return "\n".join(out)
+    header = "replicas | policy | round | warm TTFT p50 / p90 (s) | warm prompt from cache | busiest / mean | lost"
+    rows = (
+        [
+            r["replicas"],
+            r["policy"],
+            r["round"],
+            f"{or_dash(r['warm_ttft_p50_s'])} / {or_dash(r['warm_ttft_p90_s'])}",
+            or_dash(r["warm_cached"], "{:.0%}"),
+            or_dash(r["busiest_over_mean"]),
+            r["lost"],
+        ]
+        for r in results
+    )
+    return markdown_table(header, rows)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -33,6 +33,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from ..report import markdown_table, or_dash
 from ..servers import (
     ServerProcess,
     registry,
@@ -248,27 +249,31 @@ def per_turn(result: dict, turns: int) -> list[dict]:
 
 
 def markdown(results: dict[str, list[list[dict]]]) -> str:
-    out = [
-        "| server | round | turn | requests | lost | TTFT p50 / p90 / p99 (s) | decode/s p50 | cached "
-        "| round: RAM / disk | peak RSS MB |",
-        "|---" * 10 + "|",
-    ]
-
-    def num(x, fmt="{:.2f}"):
-        return "-" if x is None else fmt.format(x)
-
+    header = (
+        "server | round | turn | requests | lost | TTFT p50 / p90 / p99 (s) | decode/s p50 | cached | "
+        "round: RAM / disk | peak RSS MB"
+    )
+    rows = []
     for server, rounds in results.items():
         for i, table in enumerate(rounds, 1):
             for t in table:
-                ttft = " / ".join(num(t[k]) for k in ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s"))
-                cached = num(t["cached_share"], "{:.0%}")
-                tiers = f"{num(t.get('from_ram'), '{:.0%}')} / {num(t.get('from_disk'), '{:.0%}')}"
-                out.append(
-                    f"| {server} | {i} | {t['turn']} | {t['requests']} | {t['lost']} | {ttft} "
-                    f"| {num(t['decode_per_s_p50'], '{:.1f}')} | {cached} | {tiers} "
-                    f"| {num(t.get('peak_rss_mb'), '{:.0f}')} |"
+                ttft = " / ".join(or_dash(t[k]) for k in ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s"))
+                tiers = f"{or_dash(t.get('from_ram'), '{:.0%}')} / {or_dash(t.get('from_disk'), '{:.0%}')}"
+                rows.append(
+                    [
+                        server,
+                        i,
+                        t["turn"],
+                        t["requests"],
+                        t["lost"],
+                        ttft,
+                        or_dash(t["decode_per_s_p50"], "{:.1f}"),
+                        or_dash(t["cached_share"], "{:.0%}"),
+                        tiers,
+                        or_dash(t.get("peak_rss_mb"), "{:.0f}"),
+                    ]
                 )
-    return "\n".join(out)
+    return markdown_table(header, rows)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

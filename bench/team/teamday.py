@@ -29,6 +29,7 @@ from pathlib import Path
 
 import yaml
 
+from ..report import markdown_table
 from ..servers import ServerProcess, spawn_mlx_lm, spawn_vllm_mlx, start_mlxgw, warm_up
 from .teamday_users import (
     SERVED,
@@ -157,9 +158,7 @@ async def team_day(url: str, seconds: float, args) -> dict:
 
 def table(rows: list[dict]) -> str:
     cols = list(rows[0])
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join("–" if r[c] is None else str(r[c]) for c in cols) + " |" for r in rows]
-    return "\n".join(lines)
+    return markdown_table(cols, (["–" if r[c] is None else r[c] for c in cols] for r in rows))
 
 
 def start_gateway(

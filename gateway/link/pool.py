@@ -58,7 +58,7 @@ class Pool:
         return [c for c in self.conns.values() if c.model == model]
 
     def ready_workers(self, model: str) -> list[WorkerConn]:
-        return [c for c in self.workers(model) if c.state is ConnState.READY and c.reachable]
+        return _ready(self.workers(model))
 
     def in_flight(self, model: str) -> int:
         return sum(c.load for c in self.workers(model))
@@ -71,11 +71,12 @@ class Pool:
         """The worker for a request, recorded as holding its prefix from now on; None when
         no worker of the model is ready. route: its key, or what makes it (called only for
         a model with more than one worker: a lone worker needs no hashing)."""
-        ready = self.ready_workers(model)
+        workers = self.workers(model)  # listed once: pick runs on every request
+        ready = _ready(workers)
         if not ready:
             return None
         if callable(route):
-            route = route() if len(self.workers(model)) > 1 else None
+            route = route() if len(workers) > 1 else None
         now = time.monotonic()
         closed = [c for c in ready if c.replica.open_until <= now] or ready  # all open: the breaker yields
         least = min(closed, key=lambda c: c.load)
@@ -208,3 +209,7 @@ class Pool:
                 "index_snapshots": r.snapshots,
             })  # fmt: skip
         return out
+
+
+def _ready(workers: list[WorkerConn]) -> list[WorkerConn]:
+    return [c for c in workers if c.state is ConnState.READY and c.reachable]

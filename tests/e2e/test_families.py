@@ -18,7 +18,7 @@ import mlx.core as mx
 import pytest
 from helpers.family_models import FAMILIES, NON_TRIMMABLE, WIDE_HEADS, build_family_model
 from helpers.greedy_parity import assert_greedy_equal
-from helpers.runner_jobs import GREEDY, generate_together
+from helpers.runner_jobs import generate_together, run_alone
 
 from mlxgw.shared.model_sections import SpeculativeConfig
 from mlxgw.worker.model.cpu.cpu_attention import bypassed
@@ -41,14 +41,7 @@ def _reference(model, tokenizer, prompt: list[int], max_tokens: int) -> list[int
 
 
 def _run(runner, prompt: list[int], max_tokens: int = TOKENS) -> tuple[list[int], int]:
-    uid, cached = runner.insert(Row(prompt, max_tokens, GREEDY))
-    out = []
-    while True:
-        for t in runner.step().tokens:
-            if t.uid == uid:
-                out.append(t.token)
-                if t.finish is not None:
-                    return out, cached
+    return run_alone(runner, prompt, max_tokens)
 
 
 def _chat(tokenizer, messages: list[dict]) -> list[int]:

@@ -11,11 +11,10 @@ import time
 
 import pytest
 from helpers import openai_client, start_gateway
-from helpers.runner_jobs import GREEDY, generate_together
+from helpers.runner_jobs import generate_together, run_alone
 
 from mlxgw.shared.events import EventKind
 from mlxgw.shared.protocol import GenerateRequest, SamplingParams
-from mlxgw.worker.model.interfaces import Row
 
 SYSTEM_WORDS = 600  # about 1,200 tokens of system prompt
 OWN_WORDS = 90
@@ -39,14 +38,7 @@ def _words(runner, salt: str, n: int) -> list[int]:
 
 
 def _run(runner, prompt: list[int], max_tokens: int = 4) -> tuple[list[int], int]:
-    uid, cached = runner.insert(Row(prompt, max_tokens, GREEDY))
-    out: list[int] = []
-    while True:
-        for t in runner.step().tokens:
-            if t.uid == uid:
-                out.append(t.token)
-                if t.finish is not None:
-                    return out, cached
+    return run_alone(runner, prompt, max_tokens)
 
 
 def _distinct_tokens(sequences: list[list[int]]) -> int:

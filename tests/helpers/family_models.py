@@ -337,28 +337,16 @@ def build_family_model(
 ) -> Path:
     """Write a tiny random `family` model into dest (SmolLM2's tokenizer files); overrides:
     config keys to change (e.g. a head size quantized KV can group)."""
-    import mlx.core as mx
-    from mlx_lm.utils import _get_classes, save_config, save_model
-
-    if (dest / "config.json").exists():
+    if (dest / "config.json").exists():  # before reading the source: a built model needs none
         return dest
-    tmp = dest.with_name(dest.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        shutil.copy(tokenizer_source / name, tmp / name)
+    config = {**_sourced_config(family, tokenizer_source), **(overrides or {})}
+    return _write(dest, tokenizer_source, config, seed)
+
+
+def _sourced_config(family: str, tokenizer_source: Path) -> dict:
+    """The family's tiny config with the tokenizer's vocabulary and special ids."""
     source = json.loads((tokenizer_source / "config.json").read_text())
-    config = family_config(family, source["vocab_size"], source.get("eos_token_id"), source.get("bos_token_id"))
-    config.update(overrides or {})
-    mx.random.seed(seed)
-    model_cls, args_cls = _get_classes(config)
-    model = model_cls(args_cls.from_dict(config))
-    mx.eval(model.parameters())
-    _spread_logits(model, config)
-    save_model(tmp, model)
-    save_config(config, tmp / "config.json")
-    tmp.rename(dest)
-    return dest
+    return family_config(family, source["vocab_size"], source.get("eos_token_id"), source.get("bos_token_id"))
 
 
 def build_gemma3_multimodal_folder(dest: Path, tokenizer_source: Path, seed: int = 0) -> Path:
@@ -379,9 +367,7 @@ def build_gemma3_multimodal_folder(dest: Path, tokenizer_source: Path, seed: int
 
 def build_quantized_family_model(family: str, dest: Path, tokenizer_source: Path, bits: int = 4) -> Path:
     """A family model quantized as mlx-lm's convert does (a `quantization` config)."""
-    source = json.loads((tokenizer_source / "config.json").read_text())
-    config = family_config(family, source["vocab_size"], source.get("eos_token_id"), source.get("bos_token_id"))
-    config["quantization"] = {"group_size": 32, "bits": bits}
+    config = {**_sourced_config(family, tokenizer_source), "quantization": {"group_size": 32, "bits": bits}}
     return _write(dest, tokenizer_source, config, 0)
 
 

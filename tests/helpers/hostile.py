@@ -65,3 +65,14 @@ def wait_in_flight_zero(gw: GatewayProcess, headers: dict | None = None, timeout
         if not busy or time.monotonic() > deadline:
             return busy
         time.sleep(0.2)
+
+
+def assert_chat_refused(gw: GatewayProcess, body: dict, message: str, watched: str) -> None:
+    """A Chat Completions request that must be a 400 in OpenAI's error shape naming `message`,
+    with the worker of `watched` the same process after it: a bad input fails its request,
+    never the worker."""
+    pid = gw.worker_pid(watched)
+    status, _, reply = http(f"{gw.url}/v1/chat/completions", "POST", body)
+    assert status == 400, reply
+    assert reply["error"]["type"] == "invalid_request_error" and message in reply["error"]["message"], reply
+    assert gw.worker_pid(watched) == pid

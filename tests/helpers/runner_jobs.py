@@ -24,6 +24,19 @@ def generate_together(runner, jobs: list[tuple]) -> list[list[int]]:
     return out
 
 
+def run_alone(runner, prompt: list[int], max_tokens: int) -> tuple[list[int], int]:
+    """One greedy request stepped to its end (other rows in the batch step along): its tokens
+    and how many prompt tokens it found in the prefix cache."""
+    uid, cached = runner.insert(Row(prompt, max_tokens, GREEDY))
+    out: list[int] = []
+    while True:
+        for t in runner.step().tokens:
+            if t.uid == uid:
+                out.append(t.token)
+                if t.finish is not None:
+                    return out, cached
+
+
 def speculative_runner(model_dir, speculative):
     """An in-process MLXRunner without a prefix cache, speculating as configured."""
     from mlxgw.worker.process.build_mlx import build_mlx_runner
