@@ -177,7 +177,9 @@ async def drive(args, url: str, model: str, wire, seed: int) -> tuple[Loads, dic
         _, pending = await asyncio.wait(tasks, timeout=args.seconds + args.drain_s)
         for task in pending:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        for outcome in await asyncio.gather(*tasks, return_exceptions=True):
+            if isinstance(outcome, Exception):  # a client that died early: said, not hidden
+                print(f"a client of {url} stopped: {type(outcome).__name__}: {outcome}", file=sys.stderr)
         loads.wall = time.monotonic() - started
         classes = await server_classes(session, url)
     return loads, classes

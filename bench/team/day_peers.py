@@ -86,13 +86,22 @@ class CompletionsWire:
                 key.error = f"HTTP {resp.status}"
                 return
             async for raw in resp.content:
-                if not raw.startswith(b"data: {"):
-                    continue
-                choices = json.loads(raw[6:]).get("choices") or [{}]
-                if choices[0].get("text"):
+                choice = _choice(raw)
+                if choice.get("text"):
                     key.delivered += 1  # a chunk: a token, or a few where a peer joins them
-                if key.first_token is None and (choices[0].get("text") or choices[0].get("finish_reason")):
+                if key.first_token is None and (choice.get("text") or choice.get("finish_reason")):
                     key.first_token = time.monotonic()
+
+
+def _choice(raw: bytes) -> dict:
+    """A completion stream's line's first choice ({} for any other line, or a broken one)."""
+    if not raw.startswith(b"data: {"):
+        return {}
+    try:
+        choices = json.loads(raw[6:]).get("choices")
+    except ValueError:
+        return {}
+    return choices[0] if choices and isinstance(choices[0], dict) else {}
 
 
 SERVERS = ("mlxgw", "mlx_lm.server", "vllm-mlx")
