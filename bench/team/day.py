@@ -201,7 +201,8 @@ def one_server(label: str, args, rnd: int, home: Path, fmt) -> tuple[list[dict],
         warm_up(f"{url}/v1", model)
         sampler = threading.Thread(target=sample_rss, args=(server, done, peak), daemon=True)
         sampler.start()
-        loads, classes = asyncio.run(drive(args, url, model, wire_for(label, args, url, model, fmt), rnd))
+        wire = wire_for(label, args, url, model, fmt) if args.typists else None
+        loads, classes = asyncio.run(drive(args, url, model, wire, rnd))
         done.set()
         sampler.join()
     finally:
