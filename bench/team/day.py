@@ -67,6 +67,7 @@ class Loads:
     results: dict[str, list[RequestResult]] = field(default_factory=lambda: {"agent": [], "chat": [], "background": []})
     typing: RoundResult = field(default_factory=RoundResult)
     wall: float = 0.0
+    typists: int = 0  # each opens a file first: one not open by the end is an editor failure
 
 
 def _words(rng: random.Random, n: int) -> str:
@@ -160,7 +161,7 @@ async def server_classes(session, url: str) -> dict | None:
 async def drive(args, url: str, model: str, wire, seed: int) -> tuple[Loads, dict | None]:
     """Every client of the day against one server (its root URL) for --seconds, then --drain-s
     for what is in flight; what is still running then is cut (and recorded)."""
-    loads = Loads()
+    loads = Loads(typists=args.typists if args.open_file else 0)
     timeout = aiohttp.ClientTimeout(total=None, sock_read=args.timeout_s)
     started = time.monotonic()
     until = started + args.seconds

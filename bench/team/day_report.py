@@ -11,6 +11,7 @@ from ..stats import percentile, summarize
 
 CLASSES = ("editor", "chat", "agent", "background")
 UNANSWERED = "no first token within the pause"
+NOT_OPEN = "the file open did not finish by the end of the round"
 # Figures of a server's round that are not summarize_level's, merged over rounds here.
 EXTRA_KEYS = ("within_pause", "file_open_p50_s", "peak_rss_mb")
 COLUMNS = [  # (key, header, digits: None for a plain value, else the median with its rounds)
@@ -28,11 +29,12 @@ COLUMNS = [  # (key, header, digits: None for a plain value, else the median wit
 ]
 
 
-def editor_results(typing) -> list[RequestResult]:
+def editor_results(typing, typists: int = 0) -> list[RequestResult]:
     """Each burst's last keystroke (the one nothing supersedes) as a request: refused by the
     server, unanswered within the pause (the typist goes on: it is never answered), or
-    answered with its TTFT and the tokens the editor received."""
-    out = []
+    answered with its TTFT and the tokens the editor received; and a failure for each of the
+    `typists` whose file open never finished (it typed nothing)."""
+    out = [RequestResult(False, 200, NOT_OPEN) for _ in range(typists - len(typing.open_s))]
     for k in typing.keystrokes:
         if not k.last_of_burst:
             continue
@@ -47,7 +49,7 @@ def editor_results(typing) -> list[RequestResult]:
 
 def class_rows(server: str, rnd: int, loads, pause_s: float, peak_rss: int | None) -> list[dict]:
     """One server's round (day.Loads) as a row per class, in CLASSES order."""
-    by_class = {"editor": editor_results(loads.typing), **loads.results}
+    by_class = {"editor": editor_results(loads.typing, loads.typists), **loads.results}
     rows = []
     for name in CLASSES:
         # merge_rounds groups a server's rows by `concurrency`: here, the class
@@ -56,7 +58,7 @@ def class_rows(server: str, rnd: int, loads, pause_s: float, peak_rss: int | Non
         row["peak_rss_mb"] = round(peak_rss / 2**20) if peak_rss else None
         if name == "editor":
             answered = [r.ttft for r in by_class["editor"] if r.ttft is not None]
-            last = len(by_class["editor"])
+            last = sum(1 for k in loads.typing.keystrokes if k.last_of_burst)  # not the unopened files
             row["within_pause"] = round(sum(t <= pause_s for t in answered) / last, 3) if last else None
             open_p50 = percentile(loads.typing.open_s, 50)
             row["file_open_p50_s"] = None if open_p50 is None else round(open_p50, 3)

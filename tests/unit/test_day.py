@@ -13,7 +13,7 @@ from helpers.fim_models import QWEN_FIM_TOKENS
 from mlxgw.bench.loadgen import RequestResult
 from mlxgw.bench.team.day import Loads
 from mlxgw.bench.team.day_peers import CompletionsWire, fim_format, fim_prompt
-from mlxgw.bench.team.day_report import UNANSWERED, class_rows, markdown, merge
+from mlxgw.bench.team.day_report import NOT_OPEN, UNANSWERED, class_rows, markdown, merge
 from mlxgw.bench.team.typing_session import Keystroke, source_file
 from mlxgw.shared.fim import CODESTRAL
 
@@ -95,6 +95,9 @@ def test_rows_per_server_and_class_merged_over_rounds_and_tabled():
     rows = class_rows("mlxgw", 1, _round(10.0, [1.0, 2.0, 3.0], _keys([0.5, 4.0, None]), [8.0, 10.0]), 3.0, 2**30)
     rows += class_rows("mlxgw", 2, _round(20.0, [2.0, 4.0], _keys([1.0], "HTTP 400"), [12.0]), 3.0, 2**29)
     rows += class_rows("vllm-mlx", 1, _round(10.0, [5.0], _keys([2.0]), [30.0]), 3.0, None)
+    unopened = _round(10.0, [], [], [])
+    unopened.typists = 2  # two typists whose files never opened: two editor failures, nothing typed
+    rows += class_rows("mlx_lm.server", 1, unopened, 3.0, None)
     assert [r["class"] for r in rows[:4]] == ["editor", "chat", "agent", "background"]
     editor, chat, agent, background = rows[:4]
     # the editor: last keystrokes only; one unanswered within the pause fails, so does one refused
@@ -104,6 +107,8 @@ def test_rows_per_server_and_class_merged_over_rounds_and_tabled():
     assert (agent["completed"], agent["failed"], agent["ttft_p50_s"], agent["output_tok_s"]) == (3, 1, 2.0, 3.0)
     assert chat["completed"] == 0 and chat["ttft_p50_s"] is None  # no chat user: an empty row, not a crash
     assert background["output_tok_s"] == 5.0 and agent["peak_rss_mb"] == 1024
+
+    assert (rows[-4]["failed"], rows[-4]["errors"], rows[-4]["within_pause"]) == (2, [NOT_OPEN], None)
 
     merged = merge(rows)
     assert [(r["server"], r["class"]) for r in merged][:5] == [
