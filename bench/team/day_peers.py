@@ -83,7 +83,7 @@ class CompletionsWire:
         body = {**self.body(prefix, suffix, filename, self.n_predict), "stream": True}
         async with session.post(f"{self.url}/v1/completions", json=body) as resp:
             if resp.status != 200:
-                key.error = f"HTTP {resp.status}"
+                key.error = f"HTTP {resp.status}: {(await resp.text())[:120]}"
                 return
             async for raw in resp.content:
                 choice = _choice(raw)
