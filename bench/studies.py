@@ -63,7 +63,7 @@ STUDIES = [
             "replicas": ("team.replicas", "A team's sessions over N replicas: prefix routing, load, round robin."),
             "typing": ("team.typing_session", "Typists' FIM keystrokes (each superseding the last) beside agents."),
             "admission": ("team.admission", "Admission policies compared in-process on the real scheduler."),
-            "day": ("team.day", "Typists, agents, chat and a batch at once: each latency class's TTFT."),
+            "day": ("team.day", "Typists, agents, chat and a batch at once against peers: TTFT per class."),
         },
     ),
     Study(

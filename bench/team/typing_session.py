@@ -42,6 +42,7 @@ class Keystroke:
     evaluated: int = 0
     cached: int = 0
     last_of_burst: bool = False
+    error: str | None = None  # the server refused it (its HTTP status): not an answer
 
 
 @dataclass
@@ -84,6 +85,9 @@ def source_file(lines: int, seed: int) -> str:
 async def _keystroke(session: aiohttp.ClientSession, url: str, body: dict, key: Keystroke) -> None:
     """One streaming /infill, read until its last event or until it is cancelled."""
     async with session.post(f"{url}/infill", json=body) as resp:
+        if resp.status != 200:
+            key.error = f"HTTP {resp.status}"
+            return
         async for raw in resp.content:
             line = raw.decode(errors="replace").strip()
             if not line.startswith("data: "):
@@ -91,8 +95,9 @@ async def _keystroke(session: aiohttp.ClientSession, url: str, body: dict, key: 
             event = json.loads(line[6:])
             if key.first_token is None and (event.get("content") or event.get("stop")):
                 key.first_token = time.monotonic()
+            key.delivered += 1 if event.get("content") else 0  # also of a stream cut before its end
             if event.get("stop"):
-                key.delivered = event.get("tokens_predicted", 0)
+                key.delivered = event.get("tokens_predicted", key.delivered)
                 key.evaluated = event.get("tokens_evaluated", 0)
                 key.cached = event.get("tokens_cached", 0)
 
@@ -114,7 +119,28 @@ def infill_fields(before: str, after: str, shape: str) -> dict:
     return {"input_prefix": "".join(above), "prompt": before[start:], "input_suffix": "".join(below)}
 
 
-async def typist(session, args, seed: int, result: RoundResult) -> None:
+class InfillWire:
+    """Keystrokes as llama.cpp's /infill (mlxgw, llama-server); a server without it gets its
+    keystrokes another way (bench/team/day_peers.py's CompletionsWire, same two methods)."""
+
+    def __init__(self, url: str, model: str, shape: str, n_predict: int):
+        self.url, self.model, self.shape, self.n_predict = url, model, shape, n_predict
+
+    async def open(self, session, prefix: str, suffix: str, filename: str) -> None:
+        """As llama.vscode does on opening a file: read the prompt, answer nothing."""
+        body = {"model": self.model, **infill_fields(prefix, suffix, self.shape), "n_predict": 0, "filename": filename}
+        async with session.post(f"{self.url}/infill", json=body) as resp:
+            await resp.read()
+
+    async def keystroke(self, session, prefix: str, suffix: str, filename: str, key: Keystroke) -> None:
+        body = {"model": self.model, **infill_fields(prefix, suffix, self.shape), "n_predict": self.n_predict,
+                "stream": True, "t_max_predict_ms": 500, "filename": filename}  # fmt: skip
+        await _keystroke(session, self.url, body, key)
+
+
+async def typist(session, args, seed: int, result: RoundResult, wire=None) -> None:
+    wire = wire or InfillWire(args.url, args.model, args.shape, args.n_predict)
+    filename = f"typist_{seed}.py"
     text = source_file(args.file_lines, seed)
     rng = random.Random(seed)
     cursor = rng.randrange(len(text) // 3, 2 * len(text) // 3)
@@ -122,12 +148,9 @@ async def typist(session, args, seed: int, result: RoundResult) -> None:
     prefix, suffix = text[:cursor], text[cursor:]
     typed = "    values = sorted(values, key=lambda v: -v)\n" * args.bursts
     position = 0
-    if args.open_file:  # as llama.vscode does on opening a file: read the prompt, answer nothing
-        body = {"model": args.model, **infill_fields(prefix, suffix, args.shape), "n_predict": 0,
-                "filename": f"typist_{seed}.py"}  # fmt: skip
+    if args.open_file:
         opened = time.monotonic()
-        async with session.post(f"{args.url}/infill", json=body) as resp:
-            await resp.read()
+        await wire.open(session, prefix, suffix, filename)
         result.open_s.append(time.monotonic() - opened)
     for _ in range(args.bursts):
         pending: asyncio.Task | None = None
@@ -138,9 +161,7 @@ async def typist(session, args, seed: int, result: RoundResult) -> None:
                 pending.cancel()  # the editor drops the older request; the server cancels it too
             key = Keystroke(time.monotonic(), last_of_burst=i == args.burst_chars - 1)
             result.keystrokes.append(key)
-            body = {"model": args.model, **infill_fields(prefix, suffix, args.shape), "n_predict": args.n_predict,
-                    "stream": True, "t_max_predict_ms": 500, "filename": f"typist_{seed}.py"}  # fmt: skip
-            pending = asyncio.ensure_future(_keystroke(session, args.url, body, key))
+            pending = asyncio.ensure_future(wire.keystroke(session, prefix, suffix, filename, key))
             await asyncio.sleep(1 / args.keys_per_s)
         try:
             await asyncio.wait_for(pending, args.pause_s)
