@@ -98,23 +98,25 @@ def _first_token_steps(sched, rids: set[str]) -> dict[str, int]:
     return first
 
 
-def test_the_cache_estimate_counts_the_whole_blocks_a_finished_prompt_left(runner):
+def _after_a_first_turn(runner):
+    """A scheduler whose prefix cache holds one 200-token session, and that session."""
     sched = _scheduler(runner)
     session = _tokens(1, 200)
     _submit(sched, "turn1", session, 2)
     while sched.has_work():
         sched.step()
+    return sched, session
+
+
+def test_the_cache_estimate_counts_the_whole_blocks_a_finished_prompt_left(runner):
+    sched, session = _after_a_first_turn(runner)
     assert 160 <= runner.cached_tokens(session + _tokens(2, 30)) <= 200  # whole 32-token blocks
     assert runner.cached_tokens(_tokens(3, 200)) == 0
     assert runner.cached_tokens(session, "another-key") == 0  # another scope holds nothing
 
 
 def test_a_warm_turn_overtakes_new_sessions_queued_before_it(runner):
-    sched = _scheduler(runner)
-    session = _tokens(1, 200)
-    _submit(sched, "turn1", session, 2)
-    while sched.has_work():
-        sched.step()
+    sched, session = _after_a_first_turn(runner)
     firsts = [f"first{i}" for i in range(6)]
     for i, rid in enumerate(firsts):
         _submit(sched, rid, _tokens(10 + i, 3 * BUDGET), 2)
