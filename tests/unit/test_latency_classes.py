@@ -121,6 +121,27 @@ def test_an_urgent_request_takes_the_row_of_a_less_urgent_class(host):
     assert order == ["keystroke", "agent"], order  # the paused agent resumes and ends
 
 
+def test_an_editor_request_starts_beside_four_agent_reads_that_keep_a_fifth_agent_out(tiny_dir):
+    """Four rows reading long prompts hold the step's prompt budget in four shares: a fifth
+    agent waits for one to finish, but a less urgent read never keeps an editor's out (three
+    file opens and every keystroke after them waited minutes for agents' first turns)."""
+    from mlxgw.worker.process.build_mlx import build_mlx_runner
+
+    runner = build_mlx_runner(
+        str(tiny_dir), context_length=None, max_num_seqs=8, prefill_step_size=BUDGET, cache_bytes=0
+    )
+    sched = _scheduler(runner, max_num_seqs=8)
+    for i in range(5):
+        _submit(sched, f"agent-{i}", 3000, 2, "agent")
+    sched.step()
+    assert _running(sched) == {f"agent-{i}" for i in range(4)}
+    _submit(sched, "file-open", 3000, 2, "editor")
+    sched.step()
+    assert "file-open" in _running(sched) and "agent-4" not in _running(sched)
+    for rid in ["file-open"] + [f"agent-{i}" for i in range(5)]:
+        sched.cancel(rid)
+
+
 def test_a_superseded_row_leaves_the_batch_before_the_next_step_under_load(host):
     sched = _scheduler(host, max_num_seqs=4)
     _submit(sched, "file-open", 3000, 2, "agent")  # a long read, a budget a step

@@ -35,6 +35,8 @@ class SlowHost:
         out = self.runner.step()
         read = self.runner.generator._counters.prompt_tokens - before
         time.sleep(read * SECONDS_PER_TOKEN)
+        if out.prompt_s is not None:  # the runner times its prompt reading: the slow host's is slower
+            out.prompt_s += read * SECONDS_PER_TOKEN
         self.reads.append(read)
         return out
 
@@ -125,3 +127,24 @@ def test_rows_that_decode_get_the_shorter_step():
     pace = PrefillPace(max_step_s=10, max_step_decoding_s=2)
     pace.observe(100, 1.0)
     assert pace.cap(8192) == 1000 and pace.cap(8192, decoding=True) == 200
+
+
+def test_the_decode_time_is_measured_in_every_step_not_only_in_steps_that_read_no_prompt():
+    """Under load every step reads a prompt: a decode time inferred only from the steps that
+    read none stayed at the first one-row step's, and held the budget at its floor."""
+    timed, untimed = PrefillPace(), PrefillPace()
+    for pace in (timed, untimed):
+        pace.observe(0, 0.05)  # the first decode step, of one row
+    for _ in range(40):  # 24 agents later: 0.25 s of decoding and 64 prompt tokens in 1 s, every step
+        timed.observe(64, 1.25, prompt_s=1.0, decoding=True)
+        untimed.observe(64, 1.25)
+    assert timed.decode_s == pytest.approx(0.25, rel=0.05) and timed.tokens_per_s == 64
+    assert timed.cap(512, decoding=True, keystrokes=True) in (63, 64)  # four decode steps: 1 s of reading
+    assert untimed.cap(512, decoding=True, keystrokes=True) == MIN_PACED_BUDGET  # what it was
+
+
+def test_a_step_that_decodes_nothing_says_nothing_of_the_decode_time():
+    pace = PrefillPace()
+    pace.observe(0, 0.2)
+    pace.observe(512, 2.0, prompt_s=1.99, decoding=False)  # an idle burst: its 10 ms are first forwards
+    assert pace.decode_s == 0.2 and round(pace.tokens_per_s) == 257

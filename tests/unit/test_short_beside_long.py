@@ -148,3 +148,21 @@ def test_a_short_prompt_beside_a_long_read_gets_its_first_token_in_a_short_next_
     assert sum(steps) <= long_step // 4, (steps, long_step)
     assert _left_to_read(sched, "long") < left  # the long read kept progressing meanwhile
     assert _run(sched)["long"] == expected  # and ends with the tokens it gets alone
+
+
+def test_only_a_row_of_the_most_urgent_class_finishing_sizes_the_step():
+    from mlxgw.worker.schedule.prefill_plan import step_chunk
+
+    assert step_chunk([3000, 3000, 9], 512, sizing=[9]) == 42  # a keystroke beside two reads: its step
+    assert step_chunk([3000, 3000, 9], 512, sizing=[3000, 3000]) == 170  # an agent's 9 beside file opens
+
+
+def test_a_short_step_nudges_the_prompt_rate_and_a_slow_one_still_cuts_it():
+    from mlxgw.worker.schedule.prefill_plan import PrefillPace
+
+    pace = PrefillPace()
+    pace.observe(256, 2.5, prompt_s=2.0, decoding=True)  # 128 tokens/s
+    pace.observe(9, 0.6, prompt_s=0.1, decoding=True)  # 9 tokens in 0.1 s: the forward's fixed cost
+    assert pace.tokens_per_s > 120  # it was 109 (the slower of the two readings led)
+    pace.observe(9, 9.0, prompt_s=8.5, decoding=True)  # 9 tokens in 8.5 s: the host got slow
+    assert pace.tokens_per_s < 60

@@ -60,6 +60,9 @@ class Row:
 class StepOutput:
     tokens: list[TokenOut] = field(default_factory=list)
     prefill: list[tuple[int, int, int]] = field(default_factory=list)  # uid, done, total
+    # seconds of the step spent reading prompt chunks (None: the runner does not time them);
+    # the rest of the step is decoding, which paces the prompt budget (worker/schedule/prefill_plan.py)
+    prompt_s: float | None = None
 
 
 class ModelRunner(Protocol):

@@ -171,7 +171,9 @@ class Admission:
             if self.prefill.enabled and not seq.tokens and not self.waiting.may_start_prefill(entry, rows):
                 deferred.append(entry)  # its key has its share of the prompt budget: another key's first
                 continue
-            if not self.prefill.fits(self.running.values(), seq):
+            prompt = _prompt_of(seq)
+            left = len(prompt) - self.runner.cached_tokens(prompt, seq.req.cache_namespace)
+            if not self.prefill.fits(self.running.values(), seq, left):
                 deferred.append(entry)  # this step's prompt budget is taken: next step
                 break
             if not self._fits(seq):

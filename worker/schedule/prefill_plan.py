@@ -12,7 +12,9 @@ step, whatever arrives; the same budget decides how many new prompts start:
   budget: short prompts arriving together start together (a 512 budget takes six 80-token
   prompts in one step), a long prompt reading its thousands of tokens still lets up to three
   short ones in beside it at the next step (it slows down, they do not wait for it), and no
-  row is ever sliced so thin that nobody finishes;
+  row is ever sliced so thin that nobody finishes; only rows of the prompt's own or a more
+  urgent latency class count here (a less urgent read takes a thinner share instead), and
+  a prompt counts what it has left to read after the prefix cache;
 - when nothing is prefilling, the first waiting prompt is always admitted (progress);
 - while no row is decoding, the rows being read share IDLE_BUDGET_FACTOR budgets a step
   (nobody waits on them but each other), but new prompts are still admitted by one budget:
@@ -35,8 +37,9 @@ largest token gap 1.8-2.1 s at either).
 While an editor's keystrokes are about (an editor-class request waiting or running, or
 one arrived in the last EDITOR_RECENT_S), a step that reads prompts beside decoding rows
 takes only what DECODE_STEPS_PER_PREFILL of their decode steps take (the decode step's time
-is measured too, an average of the steps that read no prompt, and the prompt rate is
-measured net of it): the next keystroke waits a few decode steps for the step in progress,
+is measured too: the runner times each step's prompt reading, and the rest of the step is
+its decoding; a runner that does not time it leaves an average of the steps that read no
+prompt, and the prompt rate net of that): the next keystroke waits a few decode steps for the step in progress,
 not seconds, on any host; the long read still progresses every step (never below
 MIN_PACED_BUDGET tokens). Without keystrokes the step keeps its 4 s bound: paced to decode
 steps always, 24 agent sessions on SmolLM2 (bench/team/sessions.py, 3 turns, no think time)
@@ -82,19 +85,48 @@ class PrefillPace:
     tokens_per_s: float | None = None  # None until a step has read a prompt
     decode_s: float | None = None  # a step without prompt reading (EMA); None until one ran
 
-    def observe(self, tokens: int, seconds: float) -> None:
-        """One step read `tokens` prompt tokens in `seconds`. Its decoding rows' share of the
-        step (a decode step's measured time) is not prompt reading: the rate is of the rest
-        (at least half the step, which errs towards smaller steps)."""
+    def observe(self, tokens: int, seconds: float, prompt_s: float | None = None, decoding: bool = True) -> None:
+        """One step read `tokens` prompt tokens in `seconds`; prompt_s: the part of it spent
+        reading them, where the runner times it (worker/model/runners/batch_generator.py), the
+        rest being the decode step of the rows that generate (decoding: there were any)."""
         if seconds <= 0:
             return
-        if tokens <= 0:  # a decode step: what a prompt chunk beside decoding rows is measured by
-            self.decode_s = seconds if self.decode_s is None else 0.8 * self.decode_s + 0.2 * seconds
+        if prompt_s is not None and 0 <= prompt_s <= seconds:
+            self._observe_parts(tokens, prompt_s, seconds - prompt_s, decoding)
             return
-        rate = tokens / max(seconds / 2, seconds - (self.decode_s or 0.0))
-        # the slower of the last two readings leads: a step that got slow (a longer context,
-        # a busier host) shrinks the next one at once; recovery takes a step or two
-        self.tokens_per_s = rate if self.tokens_per_s is None else min(rate, (rate + self.tokens_per_s) / 2)
+        if tokens <= 0:  # a decode step: what a prompt chunk beside decoding rows is measured by
+            self._decoded(seconds)
+            return
+        # Untimed parts: the rate is of the step less a decode step's measured time (at least
+        # half the step, which errs towards smaller steps).
+        self._read(tokens / max(seconds / 2, seconds - (self.decode_s or 0.0)), tokens)
+
+    def _observe_parts(self, tokens: int, prompt_s: float, decode_s: float, decoding: bool) -> None:
+        """Both parts measured: every step under load tells the decode step's time, not only
+        the rare step that reads no prompt. (Inferred from those alone, it went stale: 24
+        agents kept a prompt in every step, a one-row decode time from the start paced the
+        steps beside three typists, and the budget sat at MIN_PACED_BUDGET with the host
+        reading prompts at 60% of its rate.)"""
+        if decoding:
+            self._decoded(decode_s)
+        if tokens > 0 and prompt_s > 0:
+            self._read(tokens / prompt_s, tokens)
+
+    def _decoded(self, seconds: float) -> None:
+        self.decode_s = seconds if self.decode_s is None else 0.8 * self.decode_s + 0.2 * seconds
+
+    def _read(self, rate: float, tokens: int) -> None:
+        if self.tokens_per_s is None:
+            self.tokens_per_s = rate
+        elif tokens < MIN_PACED_BUDGET and tokens / rate <= MIN_PACED_BUDGET / self.tokens_per_s:
+            # a few tokens' forward, no longer than the smallest step: mostly its fixed cost.
+            # It nudges the rate, or one short step (a keystroke's last tokens) halved the
+            # next step's budget; a few tokens that took longer are a slowdown, as below
+            self.tokens_per_s = 0.9 * self.tokens_per_s + 0.1 * rate
+        else:
+            # the slower of the last two readings leads: a step that got slow (a longer
+            # context, a busier host) shrinks the next one at once; recovery takes a step or two
+            self.tokens_per_s = min(rate, (rate + self.tokens_per_s) / 2)
 
     @classmethod
     def for_hang_timeout(cls, hang_timeout_s: float | None) -> PrefillPace:
@@ -130,16 +162,19 @@ def chunk_for(rows: int, budget: int) -> int:
     return max(1, budget // max(1, rows))
 
 
-def step_chunk(remaining: list[int], budget: int) -> int:
+def step_chunk(remaining: list[int], budget: int, sizing: list[int] | None = None) -> int:
     """The chunk every prefilling row reads this step (tokens each has left to read). The
     rows are one right-padded batch, so a row that finishes its prompt here (a short one)
     still costs the longest chunk: beside a long read it yields the step instead. The step
     is sized to the short rows' need, but never below a MIN_SHARE_DIVISOR-th of the budget
     across the rows, so the long reads keep progressing: per second they read what an even
     split gives them, in shorter steps, and the short rows' first tokens come at the end of
-    a step a quarter as long at most (worker/model/runners/batch_generator.py)."""
+    a step a quarter as long at most (worker/model/runners/batch_generator.py).
+    sizing: the rows of the most urgent class reading (default: all): only one of them
+    finishing sizes the step (an agent's last 9 tokens beside three file opens cut their
+    reads to 9 tokens a step)."""
     chunk = chunk_for(len(remaining), budget)
-    finishing = [r for r in remaining if r <= chunk]
+    finishing = [r for r in (remaining if sizing is None else sizing) if r <= chunk]
     if not finishing or len(finishing) == len(remaining):
         return chunk
     floor = budget // (MIN_SHARE_DIVISOR * len(remaining))
@@ -199,6 +234,7 @@ class PrefillBudget:
     chunk: int = 0  # prompt tokens per prefilling row in this step
     idle_admit_factor: int = 1  # budgets new prompts are admitted by while no row decodes
     admit_budget: int = 0  # prompt tokens this step admits new prompts by (start_step)
+    decoding: bool = False  # a row generates in this step (start_step)
 
     @property
     def enabled(self) -> bool:
@@ -213,27 +249,39 @@ class PrefillBudget:
         first tokens group by group, where one step reading the whole burst gave every
         prompt in it the last one's wait."""
         budget = self.per_step or 0
-        decoding = any(s.to_prefill == 0 for s in rows)
+        self.decoding = decoding = any(s.to_prefill == 0 for s in rows)
         self.step_budget = self.pace.cap(budget if decoding else budget * self.idle_factor, decoding, keystrokes)
         admit = budget if decoding else budget * min(self.idle_admit_factor, self.idle_factor)
         self.admit_budget = min(self.step_budget, self.pace.cap(admit, decoding, keystrokes))
 
-    def fits(self, rows: Iterable[Sequence], seq: Sequence) -> bool:
-        """Whether seq may start this step. Its cached prefix is not known before the runner
-        looks it up, so the whole prompt counts (a cache hit then leaves room for more)."""
+    def fits(self, rows: Iterable[Sequence], seq: Sequence, left: int) -> bool:
+        """Whether seq may start this step, with `left` prompt tokens to read (less what the
+        prefix cache holds of it now: a keystroke whose file is cached reads its last line,
+        not the file). Only the rows reading prompts of its own or a more urgent class count:
+        a less urgent long read never keeps it out, it reads a thinner share of the steps
+        while the urgent one reads (three file opens and then every keystroke waited minutes
+        for four agents' first turns to finish reading, bench/team/day.py)."""
         if self.per_step is None:
             return True
-        return admit_count(_left(rows), [len(seq.prompt) - 1], self.admit_budget) == 1
+        rivals = [s for s in rows if _urgency(s) <= _urgency(seq)]
+        return admit_count(_left(rivals), [left - 1], self.admit_budget) == 1
 
     def share(self, rows: Iterable[Sequence], runner: TextRunner) -> int:
         """Share this step's budget among the rows still reading their prompts; returns the
         prompt tokens this step reads (what the pace is measured on)."""
         if self.per_step is None:
             return 0
-        left = _left(rows)
-        self.chunk = step_chunk(left, self.step_budget)
+        reading = [s for s in rows if s.to_prefill > 0]
+        left = [s.to_prefill for s in reading]
+        top = min((_urgency(s) for s in reading), default=None)
+        urgent = [s.to_prefill for s in reading if _urgency(s) == top]
+        self.chunk = step_chunk(left, self.step_budget, urgent)
         runner.set_prefill_chunk(self.chunk)
         return sum(min(n, self.chunk) for n in left)
+
+    def observe(self, tokens: int, seconds: float, prompt_s: float | None) -> None:
+        """The step ran: it read `tokens` prompt tokens in `seconds` (prompt_s of them reading)."""
+        self.pace.observe(tokens, seconds, prompt_s, self.decoding)
 
     def count(self, rows: Iterable[Sequence]) -> None:
         """The runner read min(left, chunk) prompt tokens of every prefilling row."""
@@ -241,6 +289,11 @@ class PrefillBudget:
             return
         for seq in rows:
             seq.to_prefill -= min(seq.to_prefill, self.chunk)
+
+
+def _urgency(seq: Sequence) -> tuple[int, float]:
+    """Lower is more urgent: its priority, then its latency class's target."""
+    return seq.req.priority, seq.target_s
 
 
 def _left(rows: Iterable[Sequence]) -> list[int]:

@@ -187,7 +187,7 @@ class Scheduler:
         reading = self.prefill.share(self.admission.running.values(), self.runner)
         started = time.monotonic()
         out = self.runner.step()
-        self.prefill.pace.observe(reading, time.monotonic() - started)
+        self.prefill.observe(reading, time.monotonic() - started, out.prompt_s)
         self.prefill.count(self.admission.running.values())
         self.admission.traced.step()  # the steps of traced rows (worker/schedule/trace_marks.py)
         events += self._end_faulted()

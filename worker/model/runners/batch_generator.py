@@ -69,6 +69,10 @@ class VectorBatchGenerator(BatchGenerator):
         return self._counters.prompt_tokens
 
     @property
+    def prompt_seconds(self) -> float:  # _counters.prompt_time: seconds spent reading prompt chunks, in all
+        return self._counters.prompt_time
+
+    @property
     def vectorized(self) -> bool:
         return self._generation_batch.vectorized
 

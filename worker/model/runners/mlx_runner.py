@@ -202,6 +202,7 @@ class MLXRunner(ChatTextRunner):
             self.cpu_attention.settings.parallel = self.blas.threads > 1
         counters = self.speculator.counters
         started, verified, read = time.monotonic(), counters.speculative_steps, gen.prompt_tokens_read
+        reading_s = gen.prompt_seconds
         rows = len(gen.decode_batch)
         prompt_responses, gen_responses = gen.next()
         speculative, read = counters.speculative_steps > verified, gen.prompt_tokens_read - read
@@ -212,7 +213,7 @@ class MLXRunner(ChatTextRunner):
             self.trace.record(gen, started, rows, len(gen_responses), read, speculative, threads)
         if self.blas is not None and not (len(gen.decode_batch) or gen.queued):
             self.blas.idle()
-        out = StepOutput()
+        out = StepOutput(prompt_s=gen.prompt_seconds - reading_s)
         for r in prompt_responses:
             done, total = r.progress if isinstance(r.progress, tuple) else (0, 0)
             out.prefill.append((r.uid, done, total))
