@@ -103,7 +103,7 @@ def test_an_editor_keystroke_overtakes_queued_agent_chat_and_background_work(hos
     _submit(sched, "agent-2", 8, 2, "agent")
     _submit(sched, "chat", 8, 2, "chat")
     _submit(sched, "keystroke", 8, 2, "editor")  # arrives last, owed first
-    assert sched.admission._keystrokes()  # its arrival keeps the steps short a while
+    assert sched.admission._pace_steps() == 1  # a typist types: a step reads what one decode step takes
     order = _first_tokens(sched)
     assert order == ["keystroke", "chat", "agent-1", "agent-2", "batch"], order
 
@@ -183,13 +183,13 @@ def test_a_step_beside_decoding_rows_reads_what_a_few_decode_steps_take():
     pace.observe(0, 0.25)  # a decode step of this host: 0.25 s
     pace.observe(256, 4.25)  # 256 prompt tokens in 4 s beside it: 64 tokens/s
     assert pace.tokens_per_s == 64
-    assert pace.cap(512, decoding=True, keystrokes=True) == 64  # 4 decode steps (1 s) of prompt reading
+    assert pace.cap(512, decoding=True, decode_steps=4) == 64  # 4 decode steps (1 s) of prompt reading
     assert pace.cap(512, decoding=True) == 256  # no editor about: the 4 s bound beside decoding rows
     assert pace.cap(512) == 512  # nobody decodes: the step may take its 10 s
     fast = PrefillPace()
     fast.observe(0, 0.01)
     fast.observe(5000, 1.0)
-    assert fast.step_s(decoding=True, keystrokes=True) == MIN_STEP_WHILE_DECODING_S  # milliseconds steps: a floor
+    assert fast.step_s(decoding=True, decode_steps=4) == MIN_STEP_WHILE_DECODING_S  # milliseconds steps: a floor
 
 
 def test_a_keystroke_keeps_the_steps_beside_decoding_rows_short_for_a_while():
@@ -204,9 +204,46 @@ def test_a_keystroke_keeps_the_steps_beside_decoding_rows_short_for_a_while():
 
     budget.start_step([Row()])
     assert budget.step_budget == 256  # agents alone: a 4 s step reads their first turns
-    budget.start_step([Row()], keystrokes=True)
+    budget.start_step([Row()], decode_steps=4)
     assert budget.step_budget == 64  # a typist about: a step is four decode steps
     assert EDITOR_RECENT_S >= 5  # a burst's keystrokes are seconds apart
+
+
+def test_steps_read_one_decode_step_while_a_typist_types_and_four_while_an_editor_is_about(host):
+    from mlxgw.worker.schedule.prefill_plan import DECODE_STEPS_PER_PREFILL, EDITOR_RECENT_S, TYPING_S
+
+    admission = _scheduler(host, max_num_seqs=2).admission
+    assert admission._pace_steps() == 0  # no editor: steps beside decoding rows may take 4 s
+    admission.keystroke_at = time.monotonic()
+    assert admission._pace_steps() == 1  # a keystroke now: the next waits one step, then its own
+    admission.keystroke_at -= TYPING_S
+    assert admission._pace_steps() == DECODE_STEPS_PER_PREFILL  # between bursts
+    admission.keystroke_at -= EDITOR_RECENT_S
+    assert admission._pace_steps() == 0
+
+
+@pytest.mark.parametrize("latency", ["editor", "agent"])
+def test_an_editor_s_file_outlasts_other_rows_in_the_prefix_cache(tiny_dir, latency):
+    """An editor's prompt is held (its blocks leave the cache after every unheld one): the
+    agents' turns after it evict the control's file, not the editor's."""
+    from mlxgw.worker.process.build_mlx import build_mlx_runner
+
+    probe = build_mlx_runner(
+        str(tiny_dir), context_length=None, max_num_seqs=4, prefill_step_size=BUDGET, cache_bytes=0
+    )
+    per_token = probe.stats()["kv_bytes_per_token"]
+    runner = build_mlx_runner(
+        str(tiny_dir), context_length=None, max_num_seqs=4, prefill_step_size=BUDGET, cache_bytes=per_token * 700
+    )
+    sched = _scheduler(runner, max_num_seqs=4)
+    _submit(sched, "file", 300, 1, latency)
+    _first_tokens(sched)
+    for i in range(3):  # 900 more tokens through a 700-token cache
+        _submit(sched, f"agent-{i}", 300, 1, "agent")
+        _first_tokens(sched)
+    tokens = [100 + (sum(map(ord, "file")) * 7 + i) % 5000 for i in range(300)]
+    cached = runner.cached_tokens(tokens)
+    assert (cached >= 256) if latency == "editor" else (cached == 0), (latency, cached)
 
 
 def test_a_request_s_class_is_its_route_s_or_asked_and_never_above_its_key_s_grant():

@@ -139,8 +139,8 @@ def test_the_decode_time_is_measured_in_every_step_not_only_in_steps_that_read_n
         timed.observe(64, 1.25, prompt_s=1.0, decoding=True)
         untimed.observe(64, 1.25)
     assert timed.decode_s == pytest.approx(0.25, rel=0.05) and timed.tokens_per_s == 64
-    assert timed.cap(512, decoding=True, keystrokes=True) in (63, 64)  # four decode steps: 1 s of reading
-    assert untimed.cap(512, decoding=True, keystrokes=True) == MIN_PACED_BUDGET  # what it was
+    assert timed.cap(512, decoding=True, decode_steps=4) in (63, 64)  # four decode steps: 1 s of reading
+    assert untimed.cap(512, decoding=True, decode_steps=4) == MIN_PACED_BUDGET  # what it was
 
 
 def test_a_step_that_decodes_nothing_says_nothing_of_the_decode_time():

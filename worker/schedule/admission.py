@@ -40,8 +40,8 @@ from ..model.runners.isolation import as_service_error
 from .choices import ChoiceGroups
 from .fair_share import FairQueue, Row, Waiting, clean_weight
 from .kv_rows import after_step, reserve, victim
-from .latency import class_of
-from .prefill_plan import EDITOR_RECENT_S, PrefillBudget
+from .latency import EDITOR_HOLD_S, class_of
+from .prefill_plan import DECODE_STEPS_PER_PREFILL, EDITOR_RECENT_S, TYPING_DECODE_STEPS, TYPING_S, PrefillBudget
 from .prefix_inflight import SharedPrefill
 from .sequence import Phase, Sequence
 from .trace_marks import TracedRows
@@ -130,17 +130,24 @@ class Admission:
         self.kv.waiting_for_memory = self.reserved(seq) > self.kv.budget_bytes
         return not self.kv.waiting_for_memory
 
-    def _keystrokes(self) -> bool:
-        """Whether an editor's keystrokes are about (prefill_plan.py: steps stay short)."""
-        if time.monotonic() - self.keystroke_at < EDITOR_RECENT_S:
-            return True
-        return any(class_of(s.req) == "editor" for s in self.running.values())
+    def _pace_steps(self) -> float:
+        """How many decode steps a step's prompt reading may take (prefill_plan.py): one while
+        a typist types (a keystroke in the last TYPING_S: the last of a burst is owed its first
+        token within the pause, and waits for the step in progress, then its own); a few while
+        an editor is about (an editor request running, or one in the last EDITOR_RECENT_S);
+        else 0, not paced."""
+        since = time.monotonic() - self.keystroke_at
+        if since < TYPING_S:
+            return TYPING_DECODE_STEPS
+        if since < EDITOR_RECENT_S or any(class_of(s.req) == "editor" for s in self.running.values()):
+            return DECODE_STEPS_PER_PREFILL
+        return 0
 
     def admit(self, seqs: dict[str, Sequence]) -> list[Refused]:
         """Start waiting sequences (seqs: every live one, by request id) while there is room."""
         refused: list[Refused] = []
         deferred: list[Waiting] = []
-        self.prefill.start_step(self.running.values(), self._keystrokes())
+        self.prefill.start_step(self.running.values(), self._pace_steps())
         if self.shared_prefill is not None:
             self.shared_prefill.start_step()
         refused += self._preempt_for_memory()
@@ -204,8 +211,9 @@ class Admission:
         extra: dict = {} if seq.req.logprobs is None else {"logprobs": seq.req.logprobs}
         if self.choices.is_leader(seq.req.rid):
             extra["keep_prompt"] = True
-        if seq.req.cache_retention_s and self.runner.supports_cache_hints:
-            extra["hold_s"] = seq.req.cache_retention_s
+        hold_s = seq.req.cache_retention_s or (EDITOR_HOLD_S if class_of(seq.req) == "editor" else None)
+        if hold_s and self.runner.supports_cache_hints:
+            extra["hold_s"] = hold_s
         if seq.req.cache_namespace and self.runner.supports_cache_scopes:
             extra["namespace"] = seq.req.cache_namespace
         if seq.req.route:  # the gateway routes by prefix: the runner reports what it stores

@@ -70,7 +70,9 @@ MIN_PACED_BUDGET = 32  # below this a step's fixed cost dominates its prompt rea
 FIRST_STEP_BUDGET = 64  # prompt tokens of the first step, before any rate is measured
 HANG_TO_STEP = 12  # a paced step aims at this fraction of the watchdog's bound
 IDLE_BUDGET_FACTOR = 4  # prompt budget of a step when no row is decoding (nobody waits on it)
-DECODE_STEPS_PER_PREFILL = 4  # beside decoding rows and keystrokes a step reads this many decode steps' worth
+DECODE_STEPS_PER_PREFILL = 4  # beside decoding rows and an editor a step reads this many decode steps' worth
+TYPING_DECODE_STEPS = 1  # and while a typist types: a keystroke waits a step in progress, then its own
+TYPING_S = 3.0  # a keystroke in the last TYPING_S: a burst's keys are 0.2 s apart, its pause 3 s
 EDITOR_RECENT_S = 10.0  # a keystroke keeps steps short this long: a typist's burst is a few seconds apart
 MIN_STEP_WHILE_DECODING_S = 0.25  # but never less (a fast host's steps are milliseconds)
 
@@ -136,25 +138,26 @@ class PrefillPace:
         step = min(MAX_PREFILL_STEP_S, hang_timeout_s / HANG_TO_STEP)
         return cls(max_step_s=step, max_step_decoding_s=min(MAX_STEP_WHILE_DECODING_S, step))
 
-    def cap(self, budget: int, decoding: bool = False, keystrokes: bool = False) -> int:
+    def cap(self, budget: int, decoding: bool = False, decode_steps: float = 0) -> int:
         """This step's budget: `budget` unless this host is too slow for it; before any rate
         is measured (a fresh worker's first prefill), FIRST_STEP_BUDGET at most.
-        decoding: other rows are generating and wait for this step; keystrokes: an editor's
-        requests are about, and the next one must not wait for a long step."""
+        decoding: other rows are generating and wait for this step; decode_steps: an
+        editor's requests are about, and a step reads what this many of their decode steps
+        take (0: not paced), so the next keystroke does not wait for a long step."""
         if self.tokens_per_s is None:
             return min(budget, FIRST_STEP_BUDGET)
-        return min(budget, max(MIN_PACED_BUDGET, int(self.tokens_per_s * self.step_s(decoding, keystrokes))))
+        return min(budget, max(MIN_PACED_BUDGET, int(self.tokens_per_s * self.step_s(decoding, decode_steps))))
 
-    def step_s(self, decoding: bool, keystrokes: bool = False) -> float:
-        """How long a step's prompt reading may take: beside decoding rows while keystrokes
-        are about, the time of DECODE_STEPS_PER_PREFILL decode steps (within
-        MIN_STEP_WHILE_DECODING_S and max_step_decoding_s); beside decoding rows otherwise,
-        max_step_decoding_s; else max_step_s."""
+    def step_s(self, decoding: bool, decode_steps: float = 0) -> float:
+        """How long a step's prompt reading may take: beside decoding rows while an editor
+        is about, the time of `decode_steps` decode steps (within MIN_STEP_WHILE_DECODING_S
+        and max_step_decoding_s); beside decoding rows otherwise, max_step_decoding_s; else
+        max_step_s."""
         if not decoding:
             return self.max_step_s
-        if self.decode_s is None or not keystrokes:
+        if self.decode_s is None or not decode_steps:
             return self.max_step_decoding_s
-        paced = max(MIN_STEP_WHILE_DECODING_S, DECODE_STEPS_PER_PREFILL * self.decode_s)
+        paced = max(MIN_STEP_WHILE_DECODING_S, decode_steps * self.decode_s)
         return min(self.max_step_decoding_s, paced)
 
 
@@ -240,7 +243,7 @@ class PrefillBudget:
     def enabled(self) -> bool:
         return self.per_step is not None
 
-    def start_step(self, rows: Iterable[Sequence], keystrokes: bool = False) -> None:
+    def start_step(self, rows: Iterable[Sequence], decode_steps: float = 0) -> None:
         """This step's budgets. The budget protects rows that are decoding. With none, the
         prompts being read only wait for each other, so they read `idle_factor` budgets a
         step (fewer, larger chunks); but new prompts are still admitted one budget at a
@@ -250,9 +253,9 @@ class PrefillBudget:
         prompt in it the last one's wait."""
         budget = self.per_step or 0
         self.decoding = decoding = any(s.to_prefill == 0 for s in rows)
-        self.step_budget = self.pace.cap(budget if decoding else budget * self.idle_factor, decoding, keystrokes)
+        self.step_budget = self.pace.cap(budget if decoding else budget * self.idle_factor, decoding, decode_steps)
         admit = budget if decoding else budget * min(self.idle_admit_factor, self.idle_factor)
-        self.admit_budget = min(self.step_budget, self.pace.cap(admit, decoding, keystrokes))
+        self.admit_budget = min(self.step_budget, self.pace.cap(admit, decoding, decode_steps))
 
     def fits(self, rows: Iterable[Sequence], seq: Sequence, left: int) -> bool:
         """Whether seq may start this step, with `left` prompt tokens to read (less what the
