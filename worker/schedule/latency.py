@@ -30,9 +30,9 @@ CLASSES = ("editor", "chat", "agent", "background")  # most urgent first
 DEFAULT_TARGETS_S = {"editor": 0.5, "chat": 1.0, "agent": 3.0, "background": 60.0}
 RECENT = 512  # first-token times kept per class for its percentiles
 # An editor's file stays in the prefix cache this long after each of its requests (as a
-# client's caching hint: its blocks leave after every block nobody holds). Left to LRU
-# beside 24 agent sessions, a 4,400-token file kept only its first 3,100 tokens, and each
-# keystroke read the other 1,300 again: tens of seconds at that load, past every pause.
+# client's caching hint: its blocks leave after every block nobody holds). Every keystroke
+# reads it again; beside 24 agent sessions' turns, LRU alone lets their blocks push it out,
+# and a 4,000-token file read again costs a minute on a loaded 2-core host, past every pause.
 EDITOR_HOLD_S = 300.0
 
 
