@@ -31,7 +31,10 @@ class SlowHost:
     def step(self):
         before = self.runner.generator._counters.prompt_tokens
         out = self.runner.step()
-        time.sleep((self.runner.generator._counters.prompt_tokens - before) * SECONDS_PER_TOKEN)
+        slow_s = (self.runner.generator._counters.prompt_tokens - before) * SECONDS_PER_TOKEN
+        time.sleep(slow_s)
+        if out.prompt_s is not None:  # the runner times its prompt reading: the slow host's is slower
+            out.prompt_s += slow_s
         return out
 
 

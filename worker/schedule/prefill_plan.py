@@ -34,17 +34,20 @@ prompts arriving during a closed loop's decoding were read in more, smaller chun
 in-process, bench/team/admission.py: TTFT p50 2.0 s at 4 s against 3.2 s at 2 s, tok/s equal, the
 largest token gap 1.8-2.1 s at either).
 
-While an editor's keystrokes are about (an editor-class request waiting or running, or
-one arrived in the last EDITOR_RECENT_S), a step that reads prompts beside decoding rows
-takes only what DECODE_STEPS_PER_PREFILL of their decode steps take (the decode step's time
-is measured too: the runner times each step's prompt reading, and the rest of the step is
-its decoding; a runner that does not time it leaves an average of the steps that read no
-prompt, and the prompt rate net of that): the next keystroke waits a few decode steps for the step in progress,
-not seconds, on any host; the long read still progresses every step (never below
-MIN_PACED_BUDGET tokens). Without keystrokes the step keeps its 4 s bound: paced to decode
-steps always, 24 agent sessions on SmolLM2 (bench/team/sessions.py, 3 turns, no think time)
-had their warm turns' first token after 67 s at p50 instead of 7 s, since a slower read of
-the first turns held the rows the warm turns queued for.
+While an editor's keystrokes are about (an editor-class request waiting or running, or one
+arrived in the last EDITOR_RECENT_S), a step that reads prompts beside decoding rows takes
+only what DECODE_STEPS_PER_PREFILL of their decode steps take (the decode step's time is
+measured too: the runner times each step's prompt reading, and the rest of the step is its
+decoding; a runner that does not time it leaves an average of the steps that read no prompt,
+and the prompt rate net of that): the next keystroke waits a few decode steps for the step
+in progress, not seconds, on any host; the long read still progresses every step (never
+below MIN_PACED_BUDGET tokens). Within TYPING_S of a keystroke the step reads
+TYPING_DECODE_STEPS decode steps' worth instead: the last key of a burst is owed its first
+token within the pause, and waits for the step in progress and then its own. Without
+keystrokes the step keeps its 4 s bound: paced to decode steps always, 24 agent sessions on
+SmolLM2 (bench/team/sessions.py, 3 turns, no think time) had their warm turns' first token
+after 67 s at p50 instead of 7 s, since a slower read of the first turns held the rows the
+warm turns queued for.
 
 The first step of a fresh worker has no measured rate, and on that same host its 512-token
 step of a 0.5B model ran past 120 s: so it is bounded from the start (FIRST_STEP_BUDGET
