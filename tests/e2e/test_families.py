@@ -116,6 +116,13 @@ def test_family_has_parity_alone_batched_speculating_and_from_its_prefix_cache(f
     refs = [ref1[:TOKENS]] + [_reference(model, tok, p, TOKENS) for p in prompts[1:]]
     for p, r, o in zip(prompts, refs, generate_together(runner, [(p, TOKENS) for p in prompts])):
         assert_greedy_equal(model, p, r, o, "four at once")
+    # The same four in two decode batches: with a forward costing one token of attention,
+    # a row shorter than the rows decoding starts beside them (worker/model/runners/batch_generator.py).
+    runner.cache_clear()
+    runner.generator.forward_tokens = 1
+    for p, r, o in zip(prompts, refs, generate_together(runner, [(p, TOKENS) for p in prompts])):
+        assert_greedy_equal(model, p, r, o, "four at once, two decode batches")
+    assert runner.stats()["side_batch"]["started"] > 0
     stats = runner.cache_stats()
     assert stats["bytes"] <= stats["max_bytes"]
     if family in NON_TRIMMABLE:

@@ -11,8 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 from mlx_lm import load
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
 from ...shared.config import ModelEntry
 from ...shared.model_sections import CacheConfig, ChatConfig, FimConfig, SpeculativeConfig
@@ -99,6 +100,8 @@ def build_mlx_runner(
     prefix_cache.describe(fresh_cache(model, kv_bits, kv_group_size))  # what its blocks assemble into
     # Memory per token of a plain-attention layer stack, as /v1/status reports it.
     per_token = kv_bytes_per_token(config, activation_dtype_bytes(model_path, config), kv_bits, kv_group_size)
+    if runner_cls is MLXRunner:  # not on a group of ranks, whose batches must stay the same on each
+        generator.forward_tokens = _forward_tokens(model, per_token)
     speculative = speculative or SpeculativeConfig()
     vocab_size = model_info.vocab_size(model, tokenizer)
     speculator = _speculator(speculative, model_path, tokenizer, vocab_size, generator)
@@ -169,6 +172,16 @@ def _batch_generator(
         prefill_batch_size=max_num_seqs,
         prefill_step_size=prefill_step_size,
     )
+
+
+def _forward_tokens(model, kv_bytes_per_token: int | None) -> int | None:
+    """A decode forward's fixed cost in tokens of attention, for placing rows in a second decode
+    batch (worker/model/runners/batch_generator.py): a decode step reads every weight once and
+    each row's KV once, so the weights' bytes over a token's KV bytes. None (one batch): the
+    model has no attention layer whose KV a long row would pad."""
+    if not kv_bytes_per_token or not any(isinstance(c, (KVCache, QuantizedKVCache)) for c in make_prompt_cache(model)):
+        return None
+    return sum(p.nbytes for _, p in tree_flatten(model.parameters())) // kv_bytes_per_token
 
 
 def _speculator(

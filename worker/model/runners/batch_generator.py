@@ -21,7 +21,17 @@ forwards), only when tokens come out.
 before any row leaves the prompt batch: the runner takes recurrent-state checkpoints there
 (worker/model/cache/state_checkpoints.py), at the end of a segment, which for a prompt's last segment is
 the only moment that row's prefill state exists on its own. This module alone reads BatchGenerator's
-private state (mlx-lm 0.32.2 has no public reading of it): others read it through its properties."""
+private state (mlx-lm 0.32.2 has no public reading of it): others read it through its properties.
+
+Two decode batches. mlx-lm keeps one decode batch, its KV left-padded to its longest row, so
+every row attends over that length, and a row joining or leaving copies the whole batch's KV
+to the new width. An editor's keystroke carries its file (~4,000 tokens): beside 24 agent rows
+of ~600 tokens, their decode step went from 0.37-0.41 s to 0.81 s, and with keystrokes joining
+and leaving five times a second, to 1.9-3.4 s (measured in-process on Qwen2.5-Coder-0.5B;
+docs/benchmarks.md, "Why no keystroke was answered"). So a starting row may decode in a second
+batch beside mlx-lm's: one more forward a step (`forward_tokens`, its fixed cost in tokens of
+attention) where that costs less than padding the other rows to it (`side_is_cheaper`). The
+side batch decodes without drafts (the speculator wraps mlx-lm's batch only)."""
 
 from __future__ import annotations
 
@@ -33,6 +43,26 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, PromptProcessingBatch
 
 from .batch_sampler import VectorGenerationBatch
+
+SIDE = 3  # _find_uids' stage of a row in the side batch (mlx-lm's: 0 queued, 1 reading, 2 decoding)
+
+
+def side_is_cheaper(length: int, main: tuple[int, int], side: tuple[int, int], forward_tokens: int) -> bool:
+    """Whether a row of `length` tokens adds less to a decode step in the side batch than in
+    mlx-lm's. A batch is (rows, width): a step attends over rows x width (the KV is padded to
+    the widest row); an empty batch costs a forward of its own, `forward_tokens`."""
+
+    def added(rows: int, width: int) -> int:
+        if rows == 0:
+            return forward_tokens + length
+        return (rows + 1) * max(width, length) - rows * width
+
+    return added(*side) < added(*main)
+
+
+def _shape(batch) -> tuple[int, int]:
+    # tokens: each row's tokens in the KV (mlx-lm keeps them so), so the widest is the padded width
+    return len(batch), max((len(t) for t in batch.tokens), default=0)
 
 
 class VectorBatchGenerator(BatchGenerator):
@@ -46,15 +76,28 @@ class VectorBatchGenerator(BatchGenerator):
     route_rows: Callable[[list[int]], AbstractContextManager] | None = None
     # False: mlx-lm's own order (the control, for bench/team/admission.py), where LoRA rows are not routed
     reads_first = True
+    # A decode forward's fixed cost in tokens of attention (one row attending over one token),
+    # or None: one decode batch, as mlx-lm's (worker/process/build_mlx.py sets it).
+    forward_tokens: int | None = None
 
     def __init__(self, model, **kwargs):
         super().__init__(model, **kwargs)
         self._generation_batch = VectorGenerationBatch.empty(self.model, self.sampler)
+        self._side_batch = VectorGenerationBatch.empty(self.model, self.sampler)
+        self.side_started = 0  # rows that started in the side batch, in all (the runner's stats)
 
     # mlx-lm 0.32.2 BatchGenerator._generation_batch: the decode batch the speculator wraps and the trace reads
     @property
     def decode_batch(self):
         return self._generation_batch
+
+    @property
+    def decoding(self) -> int:  # rows decoding, in both batches
+        return len(self._generation_batch) + len(self._side_batch)
+
+    @property
+    def side_rows(self) -> int:
+        return len(self._side_batch)
 
     @property
     def queued(self) -> int:  # _unprocessed_sequences: inserted rows not yet reading, for the BLAS policy
@@ -78,7 +121,30 @@ class VectorBatchGenerator(BatchGenerator):
 
     @vectorized.setter
     def vectorized(self, on: bool) -> None:
-        self._generation_batch.vectorized = on
+        self._generation_batch.vectorized = self._side_batch.vectorized = on
+
+    @property
+    def prompt_cache_nbytes(self) -> int:
+        return super().prompt_cache_nbytes + sum(c.nbytes for c in self._side_batch.prompt_cache)
+
+    def _find_uids(self, uids):
+        found, wanted = super()._find_uids(uids), set(uids)
+        found.update({uid: (SIDE, i) for i, uid in enumerate(self._side_batch.uids) if uid in wanted})
+        return found
+
+    def extract_cache(self, uids):
+        side = {uid: i for uid, (stage, i) in self._find_uids(uids).items() if stage == SIDE}
+        found = super().extract_cache([uid for uid in uids if uid not in side])
+        batch = self._side_batch
+        return found | {uid: (batch.extract_cache(i), batch.tokens[i]) for uid, i in side.items()}
+
+    def remove(self, uids, return_prompt_caches=False):
+        caches = self.extract_cache(uids) if return_prompt_caches else {}
+        side = {uid: i for uid, (stage, i) in self._find_uids(uids).items() if stage == SIDE}
+        super().remove([uid for uid in uids if uid not in side])
+        if side:
+            self._side_batch.filter(sorted(set(range(len(self._side_batch))) - set(side.values())))
+        return caches
 
     def _next(self):
         if not self.reads_first:
@@ -87,10 +153,10 @@ class VectorBatchGenerator(BatchGenerator):
                 self.after_prompt_chunk(self._prompt_batch, prompt_responses)
             return prompt_responses, generation_responses
         prompt_responses = []
-        if len(self._generation_batch) < self.completion_batch_size:  # else mlx-lm only decodes
+        if self.decoding < self.completion_batch_size:  # else mlx-lm only decodes
             n = min(
                 self.prefill_batch_size - len(self._prompt_batch),
-                self.completion_batch_size - len(self._generation_batch),
+                self.completion_batch_size - self.decoding,
                 len(self._unprocessed_sequences),
             )
             if n > 0:
@@ -105,10 +171,12 @@ class VectorBatchGenerator(BatchGenerator):
             done = {r.uid for r in started}
             prompt_responses += [r for r in chunk if r.uid not in done] + started
         generation_responses = []
-        if len(self._generation_batch) > 0:
+        if self.decoding > 0:
             tic = time.perf_counter()
-            with self._rows(self._generation_batch.uids):
-                generation_responses = self._generation_batch.next()
+            for batch in (self._generation_batch, self._side_batch):
+                if len(batch) > 0:
+                    with self._rows(batch.uids):
+                        generation_responses += batch.next()
             self._counters.decode_time += time.perf_counter() - tic
             self._counters.generation_tokens += len(generation_responses)
             self._counters.generation_steps += 1
@@ -126,10 +194,39 @@ class VectorBatchGenerator(BatchGenerator):
         totals = [self._currently_processing[i][2] for i in ready]
         keep = set(range(len(self._currently_processing))) - set(ready)
         self._currently_processing = [s for i, s in enumerate(self._currently_processing) if i in keep]
-        with self._rows([self._prompt_batch.uids[i] for i in ready]):
-            started = self._prompt_batch.split(ready).generate(last_inputs)
-        self._generation_batch.extend(started)
-        return [PromptProcessingBatch.Response(uid, (t, t), True, True) for uid, t in zip(started.uids, totals)]
+        to_side = self._place([len(self._prompt_batch.tokens[i]) + 1 for i in ready])
+        taken = self._prompt_batch.split(ready)  # the ready rows, in their order
+        side = [k for k, s in enumerate(to_side) if s]
+        parts = [(self._generation_batch, taken, [k for k, s in enumerate(to_side) if not s])]
+        if side:  # taken keeps the others
+            parts.append((self._side_batch, taken.split(side), side))
+            self.side_started += len(side)
+        responses = []
+        for batch, part, rows in parts:
+            if not rows:
+                continue
+            with self._rows(part.uids):
+                started = part.generate([last_inputs[k] for k in rows])
+            batch.extend(started)
+            done = [(totals[k], totals[k]) for k in rows]
+            responses += [PromptProcessingBatch.Response(u, d, True, True) for u, d in zip(started.uids, done)]
+        return responses
+
+    def _place(self, lengths: list[int]) -> list[bool]:
+        """Which starting rows decode in the side batch (True), in order, each decided with
+        the rows placed before it."""
+        if self.forward_tokens is None:
+            return [False] * len(lengths)
+        main, side, placed = _shape(self._generation_batch), _shape(self._side_batch), []
+        for n in lengths:
+            to_side = side_is_cheaper(n, main, side, self.forward_tokens)
+            rows, width = side if to_side else main
+            if to_side:
+                side = (rows + 1, max(width, n))
+            else:
+                main = (rows + 1, max(width, n))
+            placed.append(to_side)
+        return placed
 
     def _read_prompt_chunk(self) -> list:
         """One chunk (at most prefill_step_size tokens, within one segment) of every row

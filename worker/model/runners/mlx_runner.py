@@ -192,7 +192,7 @@ class MLXRunner(ChatTextRunner):
         gen = self.generator
         if self.blas is not None:
             self.blas.start(
-                len(gen.decode_batch),
+                gen.decoding,
                 bool(gen.queued or gen.reading),
                 # a seeded row keeps one thread count: another rounds the logits differently
                 pinned=any(r.sampling.seed is not None for r in self._rows.values()),
@@ -203,7 +203,7 @@ class MLXRunner(ChatTextRunner):
         counters = self.speculator.counters
         started, verified, read = time.monotonic(), counters.speculative_steps, gen.prompt_tokens_read
         reading_s = gen.prompt_seconds
-        rows = len(gen.decode_batch)
+        rows = gen.decoding
         prompt_responses, gen_responses = gen.next()
         speculative, read = counters.speculative_steps > verified, gen.prompt_tokens_read - read
         if self.blas is not None:
@@ -211,7 +211,7 @@ class MLXRunner(ChatTextRunner):
         if self.trace is not None:
             threads = None if self.blas is None else self.blas.threads
             self.trace.record(gen, started, rows, len(gen_responses), read, speculative, threads)
-        if self.blas is not None and not (len(gen.decode_batch) or gen.queued):
+        if self.blas is not None and not (gen.decoding or gen.queued):
             self.blas.idle()
         out = StepOutput(prompt_s=gen.prompt_seconds - reading_s)
         for r in prompt_responses:
@@ -326,6 +326,8 @@ class MLXRunner(ChatTextRunner):
             "blas_threads": None if self.blas is None else self.blas.summary(),
             "adapters": self.adapters.stats(),
             "kv_shift": None if self.shift_reuse is None else asdict(self.shift_reuse.stats),
+            # rows decoding beside the batch rather than widening it (worker/model/runners/batch_generator.py)
+            "side_batch": {"rows": self.generator.side_rows, "started": self.generator.side_started},
         }
 
     def cache_stats(self) -> dict:
