@@ -17,7 +17,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
 from ...shared.config import ModelEntry
 from ...shared.model_sections import CacheConfig, ChatConfig, FimConfig, SpeculativeConfig
-from ...shared.platform import total_memory_bytes
+from ...shared.platform import on_cpu_device, total_memory_bytes
 from ..model import model_info
 from ..model.adapters.bank import AdapterBank, AdapterSet
 from ..model.cache import state_checkpoints as sc
@@ -177,11 +177,13 @@ def _batch_generator(
 def _forward_tokens(model, kv_bytes_per_token: int | None) -> int | None:
     """A decode forward's fixed cost in tokens of attention, for placing rows in a second decode
     batch (worker/model/runners/batch_generator.py): a decode step reads every weight once and
-    each row's KV once, so the weights' bytes over a token's KV bytes. None (one batch): the
+    each row's KV once, so the weights' bytes over a token's KV bytes (on the CPU device, its
+    attention's measured cost per byte: worker/model/cpu/cpu_attention.py). None (one batch): the
     model has no attention layer whose KV a long row would pad."""
     if not kv_bytes_per_token or not any(isinstance(c, (KVCache, QuantizedKVCache)) for c in make_prompt_cache(model)):
         return None
-    return sum(p.nbytes for _, p in tree_flatten(model.parameters())) // kv_bytes_per_token
+    kv_byte_cost = cpu_attention.KV_BYTE_COST if on_cpu_device() else 1
+    return sum(p.nbytes for _, p in tree_flatten(model.parameters())) // (kv_bytes_per_token * kv_byte_cost)
 
 
 def _speculator(
