@@ -8,37 +8,14 @@ real MLXRunner (tiny model), slowed down as a slow host is: each prompt token re
 
 from __future__ import annotations
 
-import time
-
 import pytest
+from helpers.slow_host import SECONDS_PER_TOKEN, SlowHost
 
 from mlxgw.shared.protocol import GenerateRequest, SamplingParams
 from mlxgw.worker.schedule.prefill_plan import FIRST_STEP_BUDGET, MIN_PACED_BUDGET, PrefillPace
 
 BUDGET = 128
-SECONDS_PER_TOKEN = 0.002  # a host that reads at most 500 prompt tokens a second
 GREEDY = SamplingParams(temperature=0, logit_bias={0: -100, 2: -100})
-
-
-class SlowHost:
-    """The real runner, on a host where reading a prompt token takes SECONDS_PER_TOKEN."""
-
-    def __init__(self, runner):
-        self.runner = runner
-        self.reads: list[int] = []  # prompt tokens read by each step
-
-    def __getattr__(self, name):
-        return getattr(self.runner, name)
-
-    def step(self):
-        before = self.runner.generator._counters.prompt_tokens
-        out = self.runner.step()
-        read = self.runner.generator._counters.prompt_tokens - before
-        time.sleep(read * SECONDS_PER_TOKEN)
-        if out.prompt_s is not None:  # the runner times its prompt reading: the slow host's is slower
-            out.prompt_s += read * SECONDS_PER_TOKEN
-        self.reads.append(read)
-        return out
 
 
 @pytest.fixture(scope="module")

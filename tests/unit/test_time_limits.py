@@ -11,31 +11,12 @@ from __future__ import annotations
 import time
 
 import pytest
+from helpers.slow_host import SECONDS_PER_TOKEN, SlowHost
 
 from mlxgw.gateway.pipeline.translate import RATE_CAP_FLOOR, rate_cap
 from mlxgw.shared.protocol import GenerateRequest, SamplingParams
 
 NO_EOS = SamplingParams(temperature=0, logit_bias={0: -100, 2: -100})
-SECONDS_PER_TOKEN = 0.002  # a host that reads at most 500 prompt tokens a second
-
-
-class SlowHost:
-    """The real runner, on a host where reading a prompt token takes SECONDS_PER_TOKEN."""
-
-    def __init__(self, runner):
-        self.runner = runner
-
-    def __getattr__(self, name):
-        return getattr(self.runner, name)
-
-    def step(self):
-        before = self.runner.generator._counters.prompt_tokens
-        out = self.runner.step()
-        slow_s = (self.runner.generator._counters.prompt_tokens - before) * SECONDS_PER_TOKEN
-        time.sleep(slow_s)
-        if out.prompt_s is not None:  # the runner times its prompt reading: the slow host's is slower
-            out.prompt_s += slow_s
-        return out
 
 
 @pytest.fixture(scope="module")

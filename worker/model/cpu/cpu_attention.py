@@ -40,8 +40,8 @@ LOG2E = 1.0 / math.log(2.0)
 SPLIT_MIN_SCORES = 65_536
 SPLIT_MIN_KEYS = 256
 # A decode step's attention costs ~3x more per KV byte read than its matmuls per weight byte
-# here: Qwen2.5-Coder-0.5B in float32 stepped one row in 0.25-0.29 s and paid 7.5 us per row
-# and token attended, a forward's fixed cost of ~36,000 tokens, where the bytes alone (2.5 GB
+# here: Qwen2.5-Coder-0.5B in float32 stepped one row in 0.21-0.25 s and paid 7.6 us per row
+# and token attended, a forward's fixed cost of ~30,000 tokens, where the bytes alone (2.5 GB
 # of weights, 24 KiB of KV a token) say 102,566. For the second decode batch's rule
 # (worker/process/build_mlx.py); a GPU reads both at its memory's speed.
 KV_BYTE_COST = 3
