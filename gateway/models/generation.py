@@ -18,7 +18,7 @@ from ...shared.events import Accepted, AnyEvent, Delta, Error, Finish, FinishRea
 from ..link.broker import Broker, RequestStream
 from ..link.route_key import LazyRoute
 from .manager import ModelManager, ModelSlot
-from .metrics import GapHistogram
+from .token_gaps import GapHistogram
 
 # Keep-alives during a model load commit the HTTP status (200) with the first byte, after
 # which a refusal (prompt too long, bad tool schema) can only be an error event. So they start

@@ -18,7 +18,7 @@ from helpers import http, start_gateway
 from mlxgw.gateway.api.openai.chat import ChatChunks
 from mlxgw.gateway.link.quarantine import fingerprint
 from mlxgw.gateway.link.worker_conn import RequestStream
-from mlxgw.gateway.models.metrics import ITL_BUCKETS, GapHistogram
+from mlxgw.gateway.models.token_gaps import ITL_BUCKETS, GapHistogram
 from mlxgw.shared import protocol as p
 
 CONFIG = {
