@@ -62,6 +62,7 @@ STUDIES = [
             "sessions": ("team.sessions", "A team's agent sessions at once: the shared prefix, turn by turn."),
             "replicas": ("team.replicas", "A team's sessions over N replicas: prefix routing, load, round robin."),
             "typing": ("team.typing_session", "Typists' FIM keystrokes (each superseding the last) beside agents."),
+            "short": ("team.short_beside_long", "A short chat beside a long read: its TTFT against alone."),
             "admission": ("team.admission", "Admission policies compared in-process on the real scheduler."),
             "day": ("team.day", "Typists, agents, chat and a batch at once against peers: TTFT per class."),
         },

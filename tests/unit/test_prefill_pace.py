@@ -12,7 +12,7 @@ import pytest
 from helpers.slow_host import SECONDS_PER_TOKEN, SlowHost
 
 from mlxgw.shared.protocol import GenerateRequest, SamplingParams
-from mlxgw.worker.schedule.prefill_plan import FIRST_STEP_BUDGET, MIN_PACED_BUDGET, PrefillPace
+from mlxgw.worker.schedule.prefill_plan import FIRST_STEP_BUDGET, MAX_PREFILL_STEP_S, MIN_PACED_BUDGET, PrefillPace
 
 BUDGET = 128
 GREEDY = SamplingParams(temperature=0, logit_bias={0: -100, 2: -100})
@@ -56,6 +56,24 @@ def test_a_fast_enough_host_keeps_the_idle_burst(runner):
     """The control: a step time the host meets leaves the budget as it was."""
     reads = _read_a_long_prompt(runner, PrefillPace(max_step_s=60))
     assert max(reads[1:]) > max(MIN_PACED_BUDGET, int(0.1 / SECONDS_PER_TOKEN))
+
+
+def test_with_nothing_decoding_a_long_read_still_steps_within_a_second_by_default(runner):
+    """A request that arrives during a long read waits for the step in progress: the default
+    bound keeps it to a second of this host's reading though the budget allows far more (at
+    10 s, a 20-token chat sent 0.5 s after a 6,000-token prompt waited 16 s for its first token)."""
+    from mlxgw.worker.schedule.scheduler import Scheduler
+
+    runner.cache_clear()
+    host = SlowHost(runner)
+    sched = Scheduler(host, max_num_seqs=8, max_queue=16, prefill_budget=2048, pace=PrefillPace())
+    _submit(sched, "long", 3000, 2)
+    while sched.has_work():
+        sched.step()
+    reads = [r for r in host.reads if r > 0]
+    second = int(MAX_PREFILL_STEP_S / SECONDS_PER_TOKEN)  # 500 tokens on this host
+    assert max(reads[1:]) <= 1.25 * second < 2048, reads  # the budget alone: 4 x 2,048 a step
+    assert sum(reads) == 2999
 
 
 def test_while_a_row_decodes_a_prefill_step_keeps_to_the_shorter_bound(runner):

@@ -22,16 +22,18 @@ step, whatever arrives; the same budget decides how many new prompts start:
   burst started a budget at a time has its first group decoding while the next is read.
 
 On a slow or loaded host the same token budget can take minutes: a 2,048-token step of an
-idle model's burst took over 120 s on a shared 2-core CPU, and the gateway's watchdog
-(one engine step past 120 s is a hang) killed the worker mid-prefill. `PrefillPace` measures
-how fast this host reads prompt tokens and caps each step's budget at what it reads in
-MAX_PREFILL_STEP_S, or in MAX_STEP_WHILE_DECODING_S while other rows decode (each of their
-tokens waits for the step: a 512-token budget was 40 s per token for them on that host), so
-a step stays short wherever it runs; on a fast host the cap is far above the budget and
-changes nothing. The bound beside decoding rows is 4 s, not 2: the measured rate counts the
-decode in the step's time, so at 2 s the cap bit below the budget on a 2-core host and the
-prompts arriving during a closed loop's decoding were read in more, smaller chunks (c = 16
-in-process, bench/team/admission.py: TTFT p50 2.0 s at 4 s against 3.2 s at 2 s, tok/s equal, the
+idle model's burst took over 120 s on a shared 2-core CPU, and the gateway's watchdog (one
+engine step past 120 s is a hang) killed the worker mid-prefill. `PrefillPace` measures how
+fast this host reads prompt tokens and caps each step's budget at what it reads in
+MAX_PREFILL_STEP_S (1 s: a short request arriving during a long read waits for the step in
+progress, and 1-s steps read a long prompt no slower than 10-s ones), or in
+MAX_STEP_WHILE_DECODING_S while other rows decode (each of their tokens waits for the step:
+a 512-token budget was 40 s per token for them on that host), so a step stays short wherever
+it runs; on a fast host the cap is far above the budget and changes nothing. The bound
+beside decoding rows is 4 s, not 2: the measured rate counted the decode in the step's time,
+so at 2 s the cap bit below the budget on a 2-core host and the prompts arriving during a
+closed loop's decoding were read in more, smaller chunks (c = 16 in-process,
+bench/team/admission.py: TTFT p50 2.0 s at 4 s against 3.2 s at 2 s, tok/s equal, the
 largest token gap 1.8-2.1 s at either).
 
 While an editor's keystrokes are about (an editor-class request waiting or running, or one
@@ -67,7 +69,11 @@ if TYPE_CHECKING:
     from .sequence import Sequence
 
 MIN_SHARE_DIVISOR = 4  # a long prompt keeps at least budget / 4 tokens per step
-MAX_PREFILL_STEP_S = 10.0  # a twelfth of the gateway's hang bound (120 s)
+# A step with no row decoding: a request arriving meanwhile waits for it. At 10 s (a twelfth
+# of the hang bound, until 2026-12-06) a 20-token chat sent 0.5 s after a 6,000-token prompt
+# got its first token after 16.4 s (alone: 0.48 s); and the 4,000-token read itself took
+# 63-78 s in 10-s steps, 55-56 s in 1-s steps (Qwen2.5-Coder-0.5B, this 2-core host).
+MAX_PREFILL_STEP_S = 1.0
 MAX_STEP_WHILE_DECODING_S = 4.0  # a decoding row's token waits at most this for a prefill chunk
 MIN_PACED_BUDGET = 32  # below this a step's fixed cost dominates its prompt reading
 FIRST_STEP_BUDGET = 64  # prompt tokens of the first step, before any rate is measured
@@ -135,11 +141,11 @@ class PrefillPace:
 
     @classmethod
     def for_hang_timeout(cls, hang_timeout_s: float | None) -> PrefillPace:
-        """Step bounds a twelfth of the watchdog's (the defaults for its default 120 s)."""
+        """Step bounds at most a twelfth of the watchdog's (the defaults are below that for its default 120 s)."""
         if not hang_timeout_s or hang_timeout_s <= 0:
             return cls()
-        step = min(MAX_PREFILL_STEP_S, hang_timeout_s / HANG_TO_STEP)
-        return cls(max_step_s=step, max_step_decoding_s=min(MAX_STEP_WHILE_DECODING_S, step))
+        step = hang_timeout_s / HANG_TO_STEP
+        return cls(max_step_s=min(MAX_PREFILL_STEP_S, step), max_step_decoding_s=min(MAX_STEP_WHILE_DECODING_S, step))
 
     def cap(self, budget: int, decoding: bool = False, decode_steps: float = 0) -> int:
         """This step's budget: `budget` unless this host is too slow for it; before any rate
