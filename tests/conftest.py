@@ -41,6 +41,20 @@ def smollm2_dir(home) -> Path:
 
 
 @pytest.fixture(scope="session")
+def qwen_coder_import(tmp_path_factory):
+    """The real Qwen2.5-Coder-0.5B (Q4_K_M) joined from its six PyPI packages with the `+`
+    syntax, imported once a session (float32, the Linux default): the GGUF and FIM tests
+    share it (each importing it took 14 s of the suite)."""
+    from helpers.qwen_coder import QWEN_SOURCE, require_qwen_packages
+
+    from mlxgw.worker.importers.gguf import import_gguf
+
+    require_qwen_packages()
+    models = tmp_path_factory.mktemp("qwen-coder") / "models"
+    return import_gguf(QWEN_SOURCE, "qwen-coder", dtype="float32", models_dir=models)
+
+
+@pytest.fixture(scope="session")
 def tiny_dir(home, smollm2_dir) -> Path:
     from tiny_model import build_tiny_model
 

@@ -14,7 +14,6 @@ import urllib.request
 
 import pytest
 from helpers import FIXTURES, http, start_gateway, wait_for
-from helpers.qwen_coder import QWEN_SOURCE, require_qwen_packages
 
 QWEN_FIM_TOKENS = ["<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"]
 
@@ -423,15 +422,11 @@ def _open_stream(gw, body: dict) -> _Stream:
 
 
 @pytest.fixture(scope="module")
-def qwen_gateway(tmp_path_factory):
+def qwen_gateway(tmp_path_factory, qwen_coder_import):
     """`mlxgw up` serving the real Qwen2.5-Coder-0.5B, imported from its six PyPI packages."""
-    require_qwen_packages()
-    from mlxgw.worker.importers.gguf import import_gguf
-
     home = tmp_path_factory.mktemp("qwen-fim")
-    import_gguf(QWEN_SOURCE, "qwen-coder", models_dir=home / "models")
     config = {
-        "manager": {"auto_discover": False, "models_dir": str(home / "models")},
+        "manager": {"auto_discover": False, "models_dir": str(qwen_coder_import.path.parent)},
         "models": [{"name": "qwen-coder", "preload": True, "context_length": 4096}],
     }
     gateway = start_gateway(home, config, "qwen-fim-gateway")

@@ -15,7 +15,6 @@ import pytest
 pytest.importorskip("gguf", reason="the GGUF writer for these tests: pip install -e '.[test]'")
 
 from helpers.gguf_models import write_twice  # noqa: E402
-from helpers.qwen_coder import QWEN_SOURCE, require_qwen_packages  # noqa: E402
 
 ARCHS = ["llama", "mistral", "mistral3", "qwen3", "gemma2", "gemma3", "phi3"]
 TOKENS = [[1, 5, 17, 42, 299, 3, 7, 100, 250, 11]]  # longer than Gemma 3's test sliding window
@@ -153,11 +152,9 @@ WEATHER_TOOLS = [
 
 
 @pytest.fixture(scope="module")
-def qwen_coder(tmp_path_factory):
+def qwen_coder(qwen_coder_import):
     """The real Qwen2.5-Coder-0.5B (Q4_K_M) joined from six packages with the `+` syntax."""
-    require_qwen_packages()
-    models = tmp_path_factory.mktemp("qwen-coder") / "models"
-    result = _import(QWEN_SOURCE, "qwen-coder", models)
+    result = qwen_coder_import
     print(f"Qwen2.5-Coder-0.5B import: {result.seconds:.1f} s")
     assert result.architecture == "qwen2"
     return result.path

@@ -18,11 +18,11 @@ MSGS = [{"role": "user", "content": "Write a very long story."}]
 CHUNKY = {"name": "chunky", "source": "tiny", "prefill_step_size": 16, "preload": True}
 
 
-def _config(request_timeout_s: float, prefill_timeout_s: float) -> dict:
+def _config(request_timeout_s: float, prefill_timeout_s: float, models: tuple = (SERIAL, CHUNKY)) -> dict:
     return {
         "manager": {"auto_discover": False},
         "gateway": {"request_timeout_s": request_timeout_s, "prefill_timeout_s": prefill_timeout_s},
-        "models": [SERIAL, CHUNKY],
+        "models": list(models),
     }
 
 
@@ -61,7 +61,8 @@ def answer_bound_gw(home, tiny_dir):
 
 @pytest.fixture(scope="module")
 def prefill_bound_gw(home, tiny_dir):
-    gw = start_gateway(home, _config(request_timeout_s=120, prefill_timeout_s=2), "timeouts-prefill")
+    # its one test uses the one-row model only: no second worker to load beside it
+    gw = start_gateway(home, _config(request_timeout_s=120, prefill_timeout_s=2, models=(SERIAL,)), "timeouts-prefill")
     yield gw
     gw.stop()
 

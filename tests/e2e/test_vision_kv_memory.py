@@ -4,10 +4,11 @@ A real `mlxgw up` serves the tests' tiny random Qwen2-VL (2 layers x 2 KV heads 
 16, float32: 512 bytes of KV per token) with kv_memory_mb 1: 2,048 tokens. A row with an
 image cannot be paused (its embeddings are not kept), so it reserves its whole reach, its
 prompt (the image's tokens included) + max_tokens, rounded up to mlx-vlm's 256-token KV
-slots: a ~50-token prompt with max_tokens 600 takes 768 tokens' slots, so two such rows fit
-the budget and a third does not. Before, vision models had no KV budget (no stats.kv) and
-every row was admitted at once, up to max_num_seqs; now the rows beyond the budget wait
-for room and every request is answered."""
+slots (and 16 tokens a draft may add): a ~450-token prompt with max_tokens 120 takes 768
+tokens' slots, so two such rows fit the budget and a third does not (long prompts, short
+answers: reading a prompt costs a fraction of generating as many tokens). Before, vision
+models had no KV budget (no stats.kv) and every row was admitted at once, up to
+max_num_seqs; now the rows beyond the budget wait for room and every request is answered."""
 
 from __future__ import annotations
 
@@ -24,8 +25,10 @@ pytest.importorskip("mlx_vlm", reason="vision tests need the vision extra (pip i
 from test_vision import chat_with_image, data_url, png  # noqa: E402  (after the skip: Pillow comes with it)
 
 BYTES_PER_TOKEN = 2 * 2 * 16 * 2 * 4  # layers x KV heads x head_dim x (keys, values) x float32
-ANSWER = 600  # tokens each concurrent request generates: 768 tokens' slots with its prompt
+ANSWER = 120  # tokens each concurrent request generates: 768 tokens' slots with its prompt
 AT_ONCE = 4  # requests sent together; two fit the budget
+SLOT, SLACK = 256, 16  # mlx-vlm's KV grows in slots of 256 tokens; a draft may hold 16 more
+FILLER = " Describe every detail." * 100  # 400 tokens of prompt: a row reaches 2 slots + a bit
 
 
 @pytest.fixture(scope="module")
@@ -69,24 +72,24 @@ def test_a_vision_worker_shows_its_kv_budget_measured_from_the_language_model(gw
     assert kv["bytes_per_token"] == BYTES_PER_TOKEN and kv["layers"] == {"grows": 2}, kv
 
 
-def _stream(client, bias: dict, i: int) -> tuple[float, float, int]:
-    """(first content at, end at, completion tokens) of one streamed image request."""
+def _stream(client, bias: dict, i: int) -> tuple[float, float, int, int]:
+    """(first content at, end at, completion tokens, prompt tokens) of one streamed image request."""
     stream = client.chat.completions.create(
         model="tiny-vision",
-        messages=chat_with_image(data_url(png(color=(40 * i, 90, 200))), f"Picture {i}: what is in it?"),
+        messages=chat_with_image(data_url(png(color=(40 * i, 90, 200))), f"Picture {i}: what is in it?{FILLER}"),
         max_tokens=ANSWER,
         logit_bias=bias,
         stream=True,
         stream_options={"include_usage": True},
     )
-    first, tokens = None, 0
+    first, tokens, prompt = None, 0, 0
     for chunk in stream:
         if first is None and chunk.choices and chunk.choices[0].delta.content:
             first = time.monotonic()
         if chunk.usage is not None:
-            tokens = chunk.usage.completion_tokens
+            tokens, prompt = chunk.usage.completion_tokens, chunk.usage.prompt_tokens
     end = time.monotonic()
-    return first or end, end, tokens
+    return first or end, end, tokens, prompt
 
 
 def test_image_requests_beyond_the_kv_budget_wait_for_room_and_are_all_answered(gw, tiny_vision_dir):
@@ -95,10 +98,12 @@ def test_image_requests_beyond_the_kv_budget_wait_for_room_and_are_all_answered(
     bias = _no_eos(tiny_vision_dir)
     with ThreadPoolExecutor(AT_ONCE) as pool:
         results = list(pool.map(lambda i: _stream(client, bias, i), range(AT_ONCE)))
-    assert [tokens for _, _, tokens in results] == [ANSWER] * AT_ONCE, results  # every one answered in full
+    assert [tokens for _, _, tokens, _ in results] == [ANSWER] * AT_ONCE, results  # every one answered in full
+    reach = max(prompt for *_, prompt in results) + ANSWER + SLACK
+    assert 2 * SLOT < reach <= 3 * SLOT, f"each row must take 3 slots for 2 to fit, not 3: {reach} tokens"
     # Two rows fit at once: the others started only after one of the first had ended.
-    first_end = min(end for _, end, _ in results)
-    waited = [first for first, _, _ in results if first >= first_end]
+    first_end = min(end for _, end, _, _ in results)
+    waited = [first for first, *_ in results if first >= first_end]
     assert len(waited) >= AT_ONCE - 2, results
     model = gw.model_status("tiny-vision")
     assert gw.worker_pid("tiny-vision") == pid and model["crashes"] == 0, model
@@ -118,17 +123,20 @@ def test_an_image_request_that_cannot_fit_alone_is_refused_counting_its_image_to
     wait_for(lambda: _kv(gw)["refused"] >= 1, timeout=10)  # counted (stats travel with heartbeats)
 
 
-def _text(client, bias: dict, i: int) -> int:
+def _text(client, bias: dict, i: int) -> tuple[int, int]:
     r = client.chat.completions.create(
         model="tiny-vision",
-        messages=[{"role": "user", "content": f"Tell story {i}."}],
+        messages=[{"role": "user", "content": f"Tell story {i}." + " Describe every detail." * 25}],
         max_tokens=TEXT_ANSWER,
         logit_bias=bias,
     )
-    return r.usage.completion_tokens
+    return r.usage.completion_tokens, r.usage.prompt_tokens
 
 
-TEXT_ANSWER = 400  # six text rows fit at their start (prompt + a 64-token allowance), not at 400 tokens
+# Six text rows of ~140 prompt tokens fit at their start (prompt + a 64-token allowance + the
+# 16-token slack: one slot each), not once they grow past it (two slots each: 1.5 MiB).
+TEXT_ANSWER = 160
+ALLOWANCE = 64  # worker/model/memory/kv_budget.py DECODE_ALLOWANCE
 
 
 def test_text_rows_of_a_vision_model_paused_for_memory_resume_and_finish(gw, tiny_vision_dir):
@@ -139,5 +147,7 @@ def test_text_rows_of_a_vision_model_paused_for_memory_resume_and_finish(gw, tin
     bias = _no_eos(tiny_vision_dir)
     with ThreadPoolExecutor(6) as pool:
         answers = list(pool.map(lambda i: _text(client, bias, i), range(6)))
-    assert answers == [TEXT_ANSWER] * 6, answers
+    assert [tokens for tokens, _ in answers] == [TEXT_ANSWER] * 6, answers
+    prompt = max(p for _, p in answers)
+    assert prompt + ALLOWANCE + SLACK <= SLOT < prompt + TEXT_ANSWER + SLACK, f"six fit at first, not grown: {prompt}"
     wait_for(lambda: _kv(gw)["preempted"] > before, timeout=10)
