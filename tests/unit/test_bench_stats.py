@@ -184,3 +184,18 @@ def test_padding_share_counts_left_padding_of_the_decode_batch():
 
     assert padding_share(Batch()) == pytest.approx(4 / 12)
     assert padding_share(object()) is None
+
+
+def test_the_short_beside_long_table_gives_each_server_its_medians_ratio_and_rounds_within_the_goal():
+    from mlxgw.bench.team.short_beside_long import goal_s, summary
+
+    assert goal_s(0.5) == 2.0  # 3x alone + 0.5 s
+    rows = [
+        {"server": "mlxgw", "alone_s": 0.5, "beside_s": 1.5, "met": True},
+        {"server": "mlxgw", "alone_s": 0.6, "beside_s": 2.5, "met": False},
+        {"server": "mlxgw", "alone_s": 0.4, "beside_s": 1.2, "met": True},
+        {"server": "peer", "alone_s": 0.5, "beside_s": None, "met": None},
+    ]
+    table = summary(rows).splitlines()
+    assert table[2] == "| mlxgw | 0.50 (0.50, 0.60, 0.40) | 1.50 (1.50, 2.50, 1.20) | 3.0x | 2/3 |"
+    assert table[3] == "| peer | 0.50 (0.50) | - (-) | - | 0/1 |"  # no first token beside: no ratio
