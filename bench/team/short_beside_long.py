@@ -10,7 +10,7 @@ warmed up, then: --alone short chats one at a time (their median is "alone"), th
 prompt (~--long-words words, streamed) and, --after-s later, one short chat ("beside"); the
 server is stopped after it, so a peer that reads on after its client left costs nothing to the
 next. Every prompt has words of its own, so no server finds any of them in a cache. The goal
-(issue 52): beside within 3x alone + 0.5 s. Loopback only; every request has a timeout."""
+(a short request beside a long read): beside within 3x alone + 0.5 s. Loopback only; every request has a timeout."""
 
 from __future__ import annotations
 

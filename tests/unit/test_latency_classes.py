@@ -185,7 +185,7 @@ def test_a_step_beside_decoding_rows_reads_what_a_few_decode_steps_take():
     assert pace.tokens_per_s == 64
     assert pace.cap(512, decoding=True, decode_steps=4) == 64  # 4 decode steps (1 s) of prompt reading
     assert pace.cap(512, decoding=True) == 256  # no editor about: the 4 s bound beside decoding rows
-    assert pace.cap(512) == 64  # nobody decodes: a step of 1 s (a request arriving waits for it)
+    assert pace.cap(512) == 32  # nobody decodes: a step of 0.5 s (a request arriving waits for it)
     fast = PrefillPace()
     fast.observe(0, 0.01)
     fast.observe(5000, 1.0)

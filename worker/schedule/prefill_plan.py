@@ -25,8 +25,8 @@ On a slow or loaded host the same token budget can take minutes: a 2,048-token s
 idle model's burst took over 120 s on a shared 2-core CPU, and the gateway's watchdog (one
 engine step past 120 s is a hang) killed the worker mid-prefill. `PrefillPace` measures how
 fast this host reads prompt tokens and caps each step's budget at what it reads in
-MAX_PREFILL_STEP_S (1 s: a short request arriving during a long read waits for the step in
-progress, and 1-s steps read a long prompt no slower than 10-s ones), or in
+MAX_PREFILL_STEP_S (0.5 s: a short request arriving during a long read waits for the step
+in progress, and short steps read a long prompt about as fast as 10-s ones), or in
 MAX_STEP_WHILE_DECODING_S while other rows decode (each of their tokens waits for the step:
 a 512-token budget was 40 s per token for them on that host), so a step stays short wherever
 it runs; on a fast host the cap is far above the budget and changes nothing. The bound
@@ -69,11 +69,12 @@ if TYPE_CHECKING:
     from .sequence import Sequence
 
 MIN_SHARE_DIVISOR = 4  # a long prompt keeps at least budget / 4 tokens per step
-# A step with no row decoding: a request arriving meanwhile waits for it. At 10 s (a twelfth
-# of the hang bound, until 2026-12-06) a 20-token chat sent 0.5 s after a 6,000-token prompt
-# got its first token after 16.4 s (alone: 0.48 s); and the 4,000-token read itself took
-# 63-78 s in 10-s steps, 55-56 s in 1-s steps (Qwen2.5-Coder-0.5B, this 2-core host).
-MAX_PREFILL_STEP_S = 1.0
+# A step with no row decoding: a request arriving meanwhile waits for it. A 20-token chat
+# sent 0.5 s after a 6,000-token prompt got its first token after 16.4 s with 10-s steps (a
+# twelfth of the hang bound, until 2026-12-06), 2.2-2.3 s with 1-s steps and 1.4 s with 0.5-s
+# steps (alone: 0.45-0.54 s; mlxgw bench team short); a 4,000-token prompt alone read in
+# 63-78 s, 54-58 s and 57-62 s (Qwen2.5-Coder-0.5B, this 2-core host).
+MAX_PREFILL_STEP_S = 0.5
 MAX_STEP_WHILE_DECODING_S = 4.0  # a decoding row's token waits at most this for a prefill chunk
 MIN_PACED_BUDGET = 32  # below this a step's fixed cost dominates its prompt reading
 FIRST_STEP_BUDGET = 64  # prompt tokens of the first step, before any rate is measured
