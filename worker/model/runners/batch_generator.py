@@ -44,8 +44,6 @@ from mlx_lm.generate import BatchGenerator, PromptProcessingBatch
 
 from .batch_sampler import VectorGenerationBatch
 
-SIDE = 3  # _find_uids' stage of a row in the side batch (mlx-lm's: 0 queued, 1 reading, 2 decoding)
-
 
 def side_is_cheaper(length: int, main: tuple[int, int], side: tuple[int, int], forward_tokens: int) -> bool:
     """Whether a row of `length` tokens adds less to a decode step in the side batch than in
@@ -127,20 +125,19 @@ class VectorBatchGenerator(BatchGenerator):
     def prompt_cache_nbytes(self) -> int:
         return super().prompt_cache_nbytes + sum(c.nbytes for c in self._side_batch.prompt_cache)
 
-    def _find_uids(self, uids):
-        found, wanted = super()._find_uids(uids), set(uids)
-        found.update({uid: (SIDE, i) for i, uid in enumerate(self._side_batch.uids) if uid in wanted})
-        return found
+    def _in_side(self, uids) -> dict[int, int]:  # uid -> its index in the side batch
+        wanted = set(uids)
+        return {uid: i for i, uid in enumerate(self._side_batch.uids) if uid in wanted}
 
     def extract_cache(self, uids):
-        side = {uid: i for uid, (stage, i) in self._find_uids(uids).items() if stage == SIDE}
+        side = self._in_side(uids)
         found = super().extract_cache([uid for uid in uids if uid not in side])
         batch = self._side_batch
         return found | {uid: (batch.extract_cache(i), batch.tokens[i]) for uid, i in side.items()}
 
     def remove(self, uids, return_prompt_caches=False):
         caches = self.extract_cache(uids) if return_prompt_caches else {}
-        side = {uid: i for uid, (stage, i) in self._find_uids(uids).items() if stage == SIDE}
+        side = self._in_side(uids)
         super().remove([uid for uid in uids if uid not in side])
         if side:
             self._side_batch.filter(sorted(set(range(len(self._side_batch))) - set(side.values())))
@@ -221,10 +218,8 @@ class VectorBatchGenerator(BatchGenerator):
         for n in lengths:
             to_side = side_is_cheaper(n, main, side, self.forward_tokens)
             rows, width = side if to_side else main
-            if to_side:
-                side = (rows + 1, max(width, n))
-            else:
-                main = (rows + 1, max(width, n))
+            grown = (rows + 1, max(width, n))
+            main, side = (main, grown) if to_side else (grown, side)
             placed.append(to_side)
         return placed
 
