@@ -44,6 +44,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ....shared.atomic_file import write_atomically
+from . import block_bytes
 from . import block_file as bf
 from . import kv_blocks as kb
 from . import state_checkpoints as sc
@@ -89,7 +90,7 @@ class BlockDisk:
         self.counts = {"written": 0, "read": 0, "skipped": 0, "refused": 0, "deleted": 0, "write_failed": 0}
         self._full_until = 0.0  # monotonic time before which no write is tried (the disk was full)
         self._layout: list | None = None  # this model's layers' dtypes and shapes (block_file.layout_of)
-        self.reader = BlockReader()  # reads files off the engine thread (prefetch)
+        self.reader = BlockReader(block_bytes.checked)  # reads and checks files off the engine thread (prefetch)
         self.clock = Clock()
         self.on_gone: Callable[[bytes], None] | None = None  # told each key that leaves (prefix_events)
         self._scan(scan_budget_s)
@@ -247,15 +248,15 @@ class BlockDisk:
 
         from . import quantized_kv  # noqa: F401  (registers the quantized row class for loading)
 
-        read = self.reader.take(held.key)  # bytes read off the engine thread, when prefetched
-        data = read if read is not None else bf.read_regular(held.path, held.nbytes)
-        arrays, meta = mx.load(io.BytesIO(data), format="safetensors", return_metadata=True)
+        # read, parsed and its digest checked off the engine thread, when prefetched
+        read = self.reader.take(held.key)
+        parsed = read if read is not None else block_bytes.checked(bf.read_regular(held.path, held.nbytes))
+        meta = parsed.meta
         if meta.get("format") != FORMAT or meta.get("fingerprint") != self.fingerprint:
             raise ValueError("written for another format or model")
         if meta.get("key") != held.key.hex() or json.loads(meta["tokens"]) != list(held.tokens):
             raise ValueError("its key or tokens disagree with its name")
-        if meta.get("digest") != bf.digest(arrays):
-            raise ValueError("its arrays do not match the digest written with them")
+        arrays = block_bytes.arrays(parsed)
         pieces = [bf.decode_piece(p, f"p{i}", arrays) for i, p in enumerate(json.loads(meta["pieces"]))]
         for p in pieces:
             for a in kb.piece_arrays(p):

@@ -6,8 +6,9 @@ for the disk (a second per 50k tokens at SSD speed, much longer on a busy or slo
 Instead, once the prompt is known (queued, and again at each admission try), its blocks'
 files are read here into memory by one reader thread, the row waits in the queue while the
 other rows keep stepping, and it is admitted when every read has ended. The engine thread
-then only parses bytes already in memory (mx.load of a buffer). Only file bytes cross the
-thread: no MLX call is made here.
+then only makes arrays of bytes already read, parsed and checked here (`check`: the block
+file's header parsed and its digest verified, worker/model/cache/block_bytes.py). No MLX call
+is made here.
 
 A read that fails, or is still pending after READ_TIMEOUT_S (a hung disk or a file that
 never ends), counts as failed: the block is skipped and the row computes what it missed."""
@@ -17,9 +18,11 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from .block_file import read_regular
 
@@ -38,7 +41,10 @@ class _Read:
 
 
 class BlockReader:
-    def __init__(self, timeout_s: float = READ_TIMEOUT_S):
+    def __init__(self, check: Callable[[bytes], Any] = bytes, timeout_s: float = READ_TIMEOUT_S):
+        """check: what this thread makes of a file's bytes (what take returns); an exception
+        it raises is a failed read."""
+        self.check = check
         self.timeout_s = timeout_s
         self._queue: queue.SimpleQueue[tuple[Future, Path, int | None]] = queue.SimpleQueue()
         # A daemon thread, not an executor's: a read stuck on a hung disk must not hold up
@@ -62,8 +68,8 @@ class BlockReader:
         read = self._reads.get(key)
         return read is None or read.future.done() or time.monotonic() - read.started > self.timeout_s
 
-    def take(self, key: bytes) -> bytes | None:
-        """The block file's bytes when its read ended well; None when no read of it began
+    def take(self, key: bytes) -> Any:
+        """check(the block file's bytes) when its read ended well; None when no read of it began
         (the caller reads the file itself). Raises ReadFailed for a failed or hung read."""
         read = self._reads.get(key)
         if read is None:
@@ -88,7 +94,7 @@ class BlockReader:
             if not future.set_running_or_notify_cancel():
                 continue
             try:
-                future.set_result(read_regular(path, size))
+                future.set_result(self.check(read_regular(path, size)))
             except Exception as e:  # the engine thread reads it as a failed read
                 future.set_exception(e)
 
