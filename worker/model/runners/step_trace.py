@@ -5,8 +5,9 @@ With MLXGW_STEP_TRACE=/a/folder in the worker's environment each MLX worker writ
 step: when it started and how long `BatchGenerator.next()` took (monotonic seconds), the
 rows it decoded and those decoding after it, the tokens it generated and the prompt tokens
 it read, whether it ran a speculative verification, the decode batch's attention width (its
-KV write index) against the tokens its rows hold (the rest is padding), and the BLAS threads
-it ran on. It reads only Python-side state (no MLX array is evaluated), so tracing does not
+KV write index) against the tokens its rows hold (the rest is padding), the BLAS threads it
+ran on, and after it the rows of the second decode batch, those reading prompts and those
+queued. It reads only Python-side state (no MLX array is evaluated), so tracing does not
 change the pipelining it measures. Off (the default), nothing is recorded.
 bench/step/trace.py summarises a folder of traces."""
 
@@ -56,6 +57,9 @@ class StepTrace:
             "spec": speculative,
             "width": width if isinstance(width, int) else None,
             "held": sum(len(t) for t in batch.tokens) if len(batch) else 0,
+            "side": gen.side_rows,  # rows decoding in the second decode batch (rows_after is mlx-lm's)
+            "reading": gen.reading,  # rows reading their prompts after the step
+            "queued": gen.queued,  # rows inserted, not yet reading
             "threads": threads,
         }
         self._file.write(json.dumps(line) + "\n")
