@@ -58,10 +58,12 @@ class Preparing:
         self.preprocessor.submit(req.rid, lambda: prepare(req, self.runner, self.policy))
         return []
 
-    def ready(self) -> list[Ready]:
-        """The requests whose preparation has finished, taken off this list."""
+    def ready(self, wait_s: float = 0.0) -> list[Ready]:
+        """The requests whose preparation has finished, taken off this list; those that
+        arrived since the last call are waited for up to wait_s."""
         if self.preprocessor is None:
             return []
+        self.preprocessor.settle(wait_s)
         done = []
         for rid, prepared, error in self.preprocessor.ready():
             intake = self._intake.pop(rid, None)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +29,7 @@ class Preprocessor:
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="worker-prepare")
         self._jobs: dict[str, _Job] = {}
         self._calls: list[_Job] = []  # worker calls (tokenize) queued or running
+        self._fresh: list[Future] = []  # preparations submitted since the last settle
 
     def submit(self, rid: str, fn: Callable[[], Any]) -> None:
         job = _Job(Future())
@@ -39,6 +40,14 @@ class Preprocessor:
 
         job.future = self._pool.submit(run)
         self._jobs[rid] = job
+        self._fresh.append(job.future)
+
+    def settle(self, timeout_s: float) -> None:
+        """Wait up to timeout_s for the preparations submitted since the last settle (each
+        is waited for once: a long one does not hold every step)."""
+        fresh, self._fresh = self._fresh, []
+        if fresh and timeout_s > 0:
+            wait(fresh, timeout=timeout_s)
 
     def call(self, fn: Callable[[], Any]) -> Future:
         """Run a worker call (tokenize) on the preparation thread: the engine thread never
