@@ -85,6 +85,13 @@ TYPING_DECODE_STEPS = 1  # and while a typist types: a keystroke waits a step in
 TYPING_S = 3.0  # a keystroke in the last TYPING_S: a burst's keys are 0.2 s apart, its pause 3 s
 EDITOR_RECENT_S = 10.0  # a keystroke keeps steps short this long: a typist's burst is a few seconds apart
 MIN_STEP_WHILE_DECODING_S = 0.25  # but never less (a fast host's steps are milliseconds)
+# What a step may wait for requests that arrived before it to be prepared (templated and
+# tokenized on their own thread), in decode steps and at most MAX_PREPARE_WAIT_S: a warm agent
+# turn (a ~1,700-token chat) is prepared in tens of milliseconds, and not waiting for it cost it
+# a whole step of the rows decoding (0.4 s beside 24 SmolLM2 rows on the 2-core host) before it
+# was even queued; the rows decoding wait at most a tenth of their step for it.
+PREPARE_WAIT_SHARE = 0.1
+MAX_PREPARE_WAIT_S = 0.05
 
 
 @dataclass
@@ -112,6 +119,11 @@ class PrefillPace:
         # Untimed parts: the rate is of the step less a decode step's measured time (at least
         # half the step, which errs towards smaller steps).
         self._read(tokens / max(seconds / 2, seconds - (self.decode_s or 0.0)), tokens)
+
+    def prepare_wait_s(self) -> float:
+        """How long a step waits for new requests' preparation (0 until a decode step was
+        measured; a step with no row decoding keeps no one waiting)."""
+        return min(MAX_PREPARE_WAIT_S, PREPARE_WAIT_SHARE * self.decode_s) if self.decode_s else 0.0
 
     def _observe_parts(self, tokens: int, prompt_s: float, decode_s: float, decoding: bool) -> None:
         """Both parts measured: every step under load tells the decode step's time, not only

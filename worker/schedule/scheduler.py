@@ -1,9 +1,7 @@
 """A generating worker's requests through their lifecycle (the runner executes).
 
 - a request is checked against the model (worker/schedule/request_checks.py), then prepared (chat
-  template, tokenizing, constraint) off the engine thread (worker/schedule/intake.py); a step
-  waits for the requests that arrived before it up to a tenth of a decode step
-  (PREPARE_WAIT_SHARE): prepared in that time, they are queued in this step, not the next;
+  template, tokenizing, constraint) off the engine thread (intake.py; PrefillPace.prepare_wait_s);
 - bounded waiting queue (`max_queue`): past it a request is refused as overloaded;
 - a request that cannot fit the KV budget even alone is refused (or its max_tokens cut) when
   prepared; the rest are admitted within it by what they hold, and rows that outgrow it are
@@ -44,12 +42,6 @@ from .sequence_output import PromptScoring, on_deadline, on_progress, on_token
 log = logging.getLogger(__name__)
 
 Event = p.Event
-# What a step may wait for requests that arrived before it to be prepared, in decode steps and
-# at most MAX_PREPARE_WAIT_S: a warm agent turn (a ~1,700-token chat) is prepared in tens of
-# milliseconds, and waiting cost it a whole step of the rows decoding (0.4 s of 24 SmolLM2 rows
-# on the 2-core host) before it was even queued.
-PREPARE_WAIT_SHARE = 0.1
-MAX_PREPARE_WAIT_S = 0.05
 
 
 class Scheduler:
@@ -186,7 +178,7 @@ class Scheduler:
         return self._merged(self._step())
 
     def _step(self) -> list[Event]:
-        events = self._queue_prepared(self._preparing.ready(self._prepare_wait_s()))
+        events = self._queue_prepared(self._preparing.ready(self.prefill.pace.prepare_wait_s()))
         events += self._expire(time.monotonic())
         events += self._score()
         events += self._admit()
@@ -200,14 +192,6 @@ class Scheduler:
         self.admission.traced.step()  # the steps of traced rows (worker/schedule/trace_marks.py)
         events += self._end_faulted()
         return events + self._on_step_tokens(out)
-
-    def _prepare_wait_s(self) -> float:
-        """How long this step waits for the requests being prepared: rows decoding wait for
-        it, so a tenth of their step at most (nothing before a decode step was measured)."""
-        decode_s = self.prefill.pace.decode_s
-        if not decode_s or not self.admission.running:
-            return 0.0
-        return min(MAX_PREPARE_WAIT_S, PREPARE_WAIT_SHARE * decode_s)
 
     def _on_step_tokens(self, out: StepOutput) -> list[Event]:
         events: list[Event] = []
